@@ -1,0 +1,101 @@
+"""``python -m qops``: the command-line entry point.
+
+    python -m qops info     the support matrix on this machine: formats x lowerings, usable or why not
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _devices() -> list[torch.device]:
+    devs = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devs.append(torch.device("cuda", torch.cuda.current_device()))
+    return devs
+
+
+def _versions() -> str:
+    parts = [f"qops {__import__('qops').__version__}", f"torch {torch.__version__}"]
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except Exception:  # noqa: BLE001
+        parts.append("triton: not importable")
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        parts.append(f"GPU {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]})")
+    else:
+        parts.append("no CUDA device")
+    return " | ".join(parts)
+
+
+def support_matrix() -> list[tuple[str, str, str]]:
+    """(format, lowering, verdict) for every format and every lowering of its op family."""
+    from .formats import FORMATS
+    from .lowerings import LOWERINGS, disabled_lowerings
+
+    disabled = disabled_lowerings()
+    rows = []
+    for fmt in FORMATS.values():
+        for low in sorted(LOWERINGS, key=lambda l: -l.priority):
+            if low.family != fmt.family:
+                continue
+            if fmt.name not in low.formats:
+                verdict = "no: format not served"
+            elif low.name in disabled:
+                verdict = "no: disabled by QOPS_DISABLE_LOWERINGS"
+            else:
+                bits = sorted(set(fmt.bits) & low.bits)
+                if not bits:
+                    verdict = f"no: bits {list(fmt.bits)} not served"
+                else:
+                    where = [str(d) for d in _devices() if low.device_refusal(d) is None]
+                    if where:
+                        verdict = f"yes on {', '.join(where)} (bits {','.join(map(str, bits))})"
+                    else:
+                        if "cuda" in low.device_types and not torch.cuda.is_available():
+                            verdict = "no: needs a CUDA device; this machine has none"
+                        else:
+                            reasons = {low.device_refusal(d) for d in _devices()}
+                            verdict = "no: " + "; ".join(sorted(r for r in reasons if r))
+            rows.append((fmt.name, low.name, verdict))
+    return rows
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import qops
+    from .lowerings import LOWERINGS
+
+    print(_versions())
+    print("\nLowerings (highest priority first):")
+    for low in sorted(LOWERINGS, key=lambda l: -l.priority):
+        cap = f" sm>={low.min_capability[0]}{low.min_capability[1]}" if low.min_capability else ""
+        acts = ",".join(str(d).replace("torch.", "") for d in sorted(low.act_dtypes, key=str))
+        print(f"  {low.name:<24} kernel={int(low.kernel)} on {'/'.join(sorted(low.device_types))}{cap}; "
+              f"bits {','.join(map(str, sorted(low.bits)))}; activations {acts}. {low.note}")
+    print("\nSupport matrix on this machine (format x lowering):")
+    rows = support_matrix()
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    for f, l, v in rows:
+        print(f"  {f:<{w0}}  {l:<{w1}}  {v}")
+    ops = sorted(n for n in dir(torch.ops.qops) if not n.startswith("_") and isinstance(getattr(torch.ops.qops, n), torch._ops.OpOverloadPacket))
+    print(f"\nOps: {', '.join('qops::' + o for o in ops)}  (reference: docs/OPS.md)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qops", description="qops: quantized matmul operators for torch.compile")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="print the support matrix for this machine")
+    p.set_defaults(func=cmd_info)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The kernel capability table and the chooser.
+
+Each lowering declares, as data, what it can serve: op family, device type, minimum compute
+capability, checkpoint formats, bits, group sizes, activation dtypes, alignment, priority. When
+weights are prepared, :func:`choose` walks the table by priority, skips lowerings disabled through
+``QOPS_DISABLE_LOWERINGS`` (comma-separated names), and returns the first that fits together with
+every refusal reason. The choice is recorded in the prepared weight and passed to the op as its
+``kernel`` argument, so nothing is decided from tensor values per call.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+DISABLE_ENV = "QOPS_DISABLE_LOWERINGS"
+
+
+class Kernel(enum.IntEnum):
+    """Lowering ids as they cross op schemas (``kernel: int``). Values are stable public API."""
+
+    REFERENCE = 0
+    TRITON = 1
+    NATIVE = 2
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Static facts about one prepared weight: all the chooser may look at."""
+
+    family: str
+    format: str
+    bits: int
+    group_size: int
+    n: int
+    k: int
+    act_order: bool
+    symmetric: bool
+    device: torch.device
+    act_dtype: torch.dtype
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _triton_missing() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means the lowering cannot run
+        return f"triton is not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def _nothing_missing() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Lowering:
+    name: str
+    kernel: Kernel
+    family: str
+    device_types: frozenset[str]
+    formats: frozenset[str]
+    bits: frozenset[int]
+    act_dtypes: frozenset[torch.dtype]
+    priority: int
+    entry: str  # "module:function" implementing the op family for this lowering, imported lazily
+    min_capability: tuple[int, int] | None = None  # CUDA only
+    group_sizes: frozenset[int] | None = None  # None: -1 and any positive size
+    n_multiple: int = 1
+    k_multiple: int = 1
+    act_order: bool = True
+    note: str = ""
+    software: Callable[[], str | None] = field(default=_nothing_missing, compare=False)
+
+    def static_refusal(self, spec: WeightSpec) -> str | None:
+        """Why this lowering cannot serve ``spec`` regardless of the machine, or None."""
+        if spec.family != self.family:
+            return f"serves op family {self.family}, not {spec.family}"
+        if spec.format not in self.formats:
+            return f"format {spec.format} not in {sorted(self.formats)}"
+        if spec.bits not in self.bits:
+            return f"bits={spec.bits} not in {sorted(self.bits)}"
+        if self.group_sizes is not None and spec.group_size not in self.group_sizes:
+            return f"group_size={spec.group_size} not in {sorted(self.group_sizes)}"
+        if spec.act_dtype not in self.act_dtypes:
+            return f"activation dtype {spec.act_dtype} not in {sorted(str(d) for d in self.act_dtypes)}"
+        if spec.n % self.n_multiple:
+            return f"N={spec.n} is not a multiple of {self.n_multiple}"
+        if spec.k % self.k_multiple:
+            return f"K={spec.k} is not a multiple of {self.k_multiple}"
+        if spec.act_order and not self.act_order:
+            return "act-order weights are not served"
+        return None
+
+    def device_refusal(self, device: torch.device) -> str | None:
+        """Why this lowering cannot run on ``device`` on this machine, or None."""
+        if device.type not in self.device_types:
+            return f"runs on {sorted(self.device_types)}, not {device.type}"
+        if device.type == "cuda":
+            cap = _cuda_capability(device)
+            if cap is None:
+                return "no CUDA device is available"
+            if self.min_capability is not None and cap < self.min_capability:
+                return f"needs compute capability >= {self.min_capability}, device has {cap}"
+        return self.software()
+
+    def refusal(self, spec: WeightSpec) -> str | None:
+        if self.name in disabled_lowerings():
+            return f"disabled by {DISABLE_ENV}"
+        return self.static_refusal(spec) or self.device_refusal(spec.device)
+
+
+INT_WEIGHT_FORMATS = frozenset({"gptq", "awq", "compressed-tensors"})
+FLOAT_ACTS = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+# The table. The CPU reference comes first; GPU lowerings are added beside it.
+LOWERINGS: tuple[Lowering, ...] = (
+    Lowering(
+        name="reference_int_weight",
+        kernel=Kernel.REFERENCE,
+        family="int_weight",
+        device_types=frozenset({"cpu", "cuda"}),
+        formats=INT_WEIGHT_FORMATS,
+        bits=frozenset({2, 3, 4, 8}),
+        act_dtypes=FLOAT_ACTS,
+        priority=0,
+        entry="qops.ops.int_weight:reference_mm",
+        note="pure torch: dequantize in fp32, then matmul (fp32 accumulation)",
+    ),
+    Lowering(
+        name="triton_int_weight",
+        kernel=Kernel.TRITON,
+        family="int_weight",
+        device_types=frozenset({"cuda"}),
+        min_capability=(8, 0),
+        formats=INT_WEIGHT_FORMATS,
+        bits=frozenset({2, 3, 4, 8}),
+        act_dtypes=frozenset({torch.float16, torch.bfloat16}),
+        priority=10,
+        entry="qops.ops.triton.int_weight:triton_mm",
+        note="Triton: split-K GEMV for small M, tiled GEMM above the measured threshold",
+        software=_triton_missing,
+    ),
+)
+
+LOWERINGS_BY_NAME = {l.name: l for l in LOWERINGS}
+LOWERINGS_BY_KERNEL: dict[tuple[str, Kernel], Lowering] = {(l.family, l.kernel): l for l in LOWERINGS}
+
+
+def disabled_lowerings() -> frozenset[str]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    unknown = names - LOWERINGS_BY_NAME.keys()
+    if unknown:
+        raise ValueError(f"{DISABLE_ENV} names unknown lowerings {sorted(unknown)}; known: {sorted(LOWERINGS_BY_NAME)}")
+    return names
+
+
+class NoLoweringError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Choice:
+    lowering: Lowering
+    refusals: tuple[tuple[str, str], ...]  # (lowering name, reason) for each one skipped
+
+    def explain(self) -> str:
+        lines = [f"chose {self.lowering.name}"]
+        lines += [f"  refused {name}: {why}" for name, why in self.refusals]
+        return "\n".join(lines)
+
+
+def choose(spec: WeightSpec) -> Choice:
+    """The highest-priority lowering that serves ``spec`` on this machine, with every refusal."""
+    refusals = []
+    for low in sorted(LOWERINGS, key=lambda l: -l.priority):
+        why = low.refusal(spec)
+        if why is None:
+            return Choice(low, tuple(refusals))
+        refusals.append((low.name, why))
+    reasons = "; ".join(f"{n}: {w}" for n, w in refusals)
+    raise NoLoweringError(f"no lowering serves {spec}: {reasons}")
+
+
+@functools.cache
+def _entry(path: str):
+    module, fn = path.split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def implementation(family: str, kernel: int, device: torch.device, who: str):
+    """The function implementing ``family`` for lowering id ``kernel`` on ``device``."""
+    try:
+        low = LOWERINGS_BY_KERNEL[(family, Kernel(kernel))]
+    except (KeyError, ValueError):
+        known = sorted(int(k) for f, k in LOWERINGS_BY_KERNEL if f == family)
+        raise ValueError(f"{who}: kernel must be one of {known} for {family}, got {kernel}") from None
+    if device.type not in low.device_types:
+        raise ValueError(f"{who}: kernel={int(kernel)} ({low.name}) runs on {sorted(low.device_types)}, but the inputs are on {device}")
+    return _entry(low.entry)

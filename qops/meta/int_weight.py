@@ -1,0 +1,18 @@
+"""Fake (meta) kernels of ``qops/ops/int_weight.py``: the same argument checks, no data access."""
+from __future__ import annotations
+
+import torch
+
+from ..ops.int_weight import check_int_weight, check_mm_int_weight
+
+
+@torch.library.register_fake("qops::mm_int_weight")
+def _mm_int_weight_fake(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, kernel):
+    shape = check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+    return x.new_empty(shape)
+
+
+@torch.library.register_fake("qops::dequantize_int_weight")
+def _dequantize_int_weight_fake(qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset, dtype):
+    n = check_int_weight("dequantize_int_weight", in_features, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, qweight.device)
+    return qweight.new_empty((n, in_features), dtype=dtype)

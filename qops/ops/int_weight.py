@@ -1,0 +1,289 @@
+"""Integer weight-only matmul (GPTQ, AWQ, compressed-tensors once prepared): ops, runtime layout,
+argument checks shared with the fakes, and the pure-torch reference kernel.
+
+Runtime layout (what ``prepare_int_weight`` builds and every lowering reads), K = in_features,
+N = out_features, b = bits, G = group_size (K when -1), n_groups = ceil(K / G):
+
+- ``qweight`` int32 ``(ceil(K*b/32), N)``: column n is a little-endian bit stream along the runtime
+  K order, row j at stream bits ``[j*b, (j+1)*b)`` (GPTQ's packing; 3-bit values may straddle words).
+- ``scales`` float ``(n_groups, N)``: runtime rows ``[g*G, (g+1)*G)`` form group g (the last group
+  may be partial), so groups are contiguous in K.
+- ``qzeros`` int32 ``(n_groups, ceil(N*b/32))``, a bit stream along N, the zero being the stored
+  value plus ``zero_offset`` (1 keeps GPTQ v1 zeros of 2**b representable); or None for symmetric
+  weights, whose zero is 2**(b-1).
+- ``act_perm`` int32 ``(K,)`` or None: runtime row j is checkpoint row ``act_perm[j]`` (act-order
+  resolved once, here); the op gathers ``x[..., act_perm]``.
+
+``y = x[..., act_perm] @ W_rt.T + bias``, ``W_rt[n, j] = scales[j // G, n] * (q[j, n] - zero[j // G, n])``.
+A GPTQ checkpoint without act-order is already in this layout and is used without a copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..formats._packing import pack_bits, packed_length, unpack_bits
+from ..formats.integer import IntQuantized, default_g_idx, n_groups_for
+from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation
+
+FAMILY = "int_weight"
+SUPPORTED_BITS = (2, 3, 4, 8)
+ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fail(who: str, msg: str) -> str:
+    return f"qops.{who}: {msg}"
+
+
+def check_int_weight(
+    who: str,
+    k,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: Optional[torch.Tensor],
+    act_perm: Optional[torch.Tensor],
+    bits: int,
+    group_size: int,
+    zero_offset: int,
+    device: torch.device,
+):
+    """Validate the runtime weight for ``k`` input features; returns N. Works on fake tensors."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(_fail(who, f"bits must be one of {list(SUPPORTED_BITS)}, got {bits}"))
+    if group_size != -1 and group_size <= 0:
+        raise ValueError(_fail(who, f"group_size must be -1 or positive, got {group_size}"))
+    if zero_offset not in (0, 1):
+        raise ValueError(_fail(who, f"zero_offset must be 0 or 1, got {zero_offset}"))
+    for name, t in (("qweight", qweight), ("scales", scales), ("qzeros", qzeros), ("act_perm", act_perm)):
+        if t is not None and t.device != device:
+            raise ValueError(_fail(who, f"{name} must be on {device} (the device of x), got {t.device}"))
+    torch._check_type(qweight.dtype == torch.int32, lambda: _fail(who, f"qweight must be torch.int32, got {qweight.dtype}"))
+    torch._check_value(qweight.dim() == 2, lambda: _fail(who, f"qweight must be 2-D (ceil(K*bits/32), N), got {qweight.dim()}-D"))
+    n = qweight.shape[1]
+    rows = (k * bits + 31) // 32
+    torch._check_value(qweight.shape[0] == rows, lambda: _fail(who, f"qweight must have {rows} rows (ceil(K*bits/32) with K={k}, bits={bits}), got {qweight.shape[0]}"))
+    n_groups = 1 if group_size == -1 else (k + group_size - 1) // group_size
+    torch._check_type(scales.dtype in ACT_DTYPES, lambda: _fail(who, f"scales must be float32, float16 or bfloat16, got {scales.dtype}"))
+    torch._check_value(
+        scales.dim() == 2 and scales.shape[0] == n_groups and scales.shape[1] == n,
+        lambda: _fail(who, f"scales must have shape ({n_groups}, {n}) (n_groups=ceil(K/group_size) with K={k}, group_size={group_size}; N from qweight), got {tuple(scales.shape)}"),
+    )
+    if qzeros is not None:
+        zcols = (n * bits + 31) // 32
+        torch._check_type(qzeros.dtype == torch.int32, lambda: _fail(who, f"qzeros must be torch.int32, got {qzeros.dtype}"))
+        torch._check_value(
+            qzeros.dim() == 2 and qzeros.shape[0] == n_groups and qzeros.shape[1] == zcols,
+            lambda: _fail(who, f"qzeros must have shape ({n_groups}, {zcols}) (ceil(N*bits/32) with N={n}), got {tuple(qzeros.shape)}"),
+        )
+    if act_perm is not None:
+        torch._check_type(act_perm.dtype in (torch.int32, torch.int64), lambda: _fail(who, f"act_perm must be int32 or int64, got {act_perm.dtype}"))
+        torch._check_value(act_perm.dim() == 1 and act_perm.shape[0] == k, lambda: _fail(who, f"act_perm must have shape ({k},) (K), got {tuple(act_perm.shape)}"))
+    return n
+
+
+def check_mm_int_weight(who, x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset) -> list:
+    """Validate every argument of ``mm_int_weight``; returns the output shape."""
+    torch._check_type(x.dtype in ACT_DTYPES, lambda: _fail(who, f"x must be float32, float16 or bfloat16, got {x.dtype}"))
+    torch._check_value(x.dim() >= 1, lambda: _fail(who, "x must have at least one dimension (..., K)"))
+    n = check_int_weight(who, x.shape[-1], qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, x.device)
+    if bias is not None:
+        if bias.device != x.device:
+            raise ValueError(_fail(who, f"bias must be on {x.device} (the device of x), got {bias.device}"))
+        torch._check_type(bias.dtype in ACT_DTYPES, lambda: _fail(who, f"bias must be floating point, got {bias.dtype}"))
+        torch._check_value(bias.dim() == 1 and bias.shape[0] == n, lambda: _fail(who, f"bias must have shape ({n},) (N), got {tuple(bias.shape)}"))
+    return [*x.shape[:-1], n]
+
+
+@torch.library.custom_op("qops::mm_int_weight", mutates_args=())
+def mm_int_weight(
+    x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
+    qweight: torch.Tensor,  # (ceil(K*bits/32), N) int32, bit stream along K
+    scales: torch.Tensor,  # (n_groups, N) float
+    qzeros: Optional[torch.Tensor],  # (n_groups, ceil(N*bits/32)) int32 or None (symmetric)
+    act_perm: Optional[torch.Tensor],  # (K,) int32 or None
+    bias: Optional[torch.Tensor],  # (N,) or None
+    bits: int,
+    group_size: int,
+    zero_offset: int,
+    kernel: int,  # qops.lowerings.Kernel
+) -> torch.Tensor:  # (..., N), dtype of x
+    check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+    impl = implementation(FAMILY, kernel, x.device, "mm_int_weight")
+    return impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+
+
+@torch.library.custom_op("qops::dequantize_int_weight", mutates_args=())
+def dequantize_int_weight(
+    qweight: torch.Tensor,  # (ceil(K*bits/32), N) int32
+    scales: torch.Tensor,  # (n_groups, N) float
+    qzeros: Optional[torch.Tensor],  # (n_groups, ceil(N*bits/32)) int32 or None
+    act_perm: Optional[torch.Tensor],  # (K,) int32 or None
+    in_features: int,  # K
+    bits: int,
+    group_size: int,
+    zero_offset: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # (N, K) in checkpoint K order
+    check_int_weight("dequantize_int_weight", in_features, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, qweight.device)
+    w = reference_dequantize(qweight, scales, qzeros, in_features, bits, group_size, zero_offset)
+    if act_perm is not None:
+        w = torch.empty_like(w).index_copy_(1, act_perm.long(), w)
+    return w.to(dtype)
+
+
+def reference_dequantize(qweight, scales, qzeros, k, bits, group_size, zero_offset) -> torch.Tensor:
+    """fp32 ``(N, K)`` weight in runtime K order, straight from the layout's definition."""
+    n = qweight.shape[1]
+    g = k if group_size == -1 else group_size
+    q = unpack_bits(qweight, bits, k, dim=0).float()  # (K, N)
+    if qzeros is None:
+        z = torch.full((scales.shape[0], n), float(2 ** (bits - 1)), device=qweight.device)
+    else:
+        z = unpack_bits(qzeros, bits, n, dim=1).float() + zero_offset
+    rows = torch.arange(k, device=qweight.device) // max(g, 1)
+    w = scales.float().index_select(0, rows) * (q - z.index_select(0, rows))
+    return w.t()
+
+
+def reference_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset) -> torch.Tensor:
+    """The CPU kernel (and the GPU fallback): dequantize in fp32, matmul with fp32 accumulation."""
+    k = x.shape[-1]
+    w = reference_dequantize(qweight, scales, qzeros, k, bits, group_size, zero_offset)
+    xs = x if act_perm is None else x.index_select(-1, act_perm.long())
+    y = xs.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, kernel = inputs
+    ctx.save_for_backward(qweight, scales, qzeros, act_perm)
+    ctx.meta = (x.shape[-1], bits, group_size, zero_offset, x.dtype, bias is not None)
+
+
+def _backward(ctx, grad):
+    # Weights are frozen: the gradient flows to the activations (and the bias) only.
+    qweight, scales, qzeros, act_perm = ctx.saved_tensors
+    k, bits, group_size, zero_offset, x_dtype, has_bias = ctx.meta
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        w = torch.ops.qops.dequantize_int_weight(qweight, scales, qzeros, act_perm, k, bits, group_size, zero_offset, torch.float32)
+        grad_x = (grad.float() @ w).to(x_dtype)
+    if has_bias and ctx.needs_input_grad[5]:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+    return grad_x, None, None, None, None, grad_bias, None, None, None, None
+
+
+mm_int_weight.register_autograd(_backward, setup_context=_setup_context)
+
+
+@dataclass
+class IntWeight:
+    """A prepared integer weight: runtime tensors plus the static facts the op takes."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    qzeros: torch.Tensor | None
+    act_perm: torch.Tensor | None
+    in_features: int
+    out_features: int
+    bits: int
+    group_size: int
+    zero_offset: int
+    kernel: Kernel
+    choice: Choice | None = None
+
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.qops.mm_int_weight(
+            x, self.qweight, self.scales, self.qzeros, self.act_perm, bias,
+            self.bits, self.group_size, self.zero_offset, int(self.kernel),
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.ops.qops.dequantize_int_weight(
+            self.qweight, self.scales, self.qzeros, self.act_perm, self.in_features,
+            self.bits, self.group_size, self.zero_offset, dtype,
+        )
+
+    def nbytes(self) -> int:
+        ts = (self.qweight, self.scales, self.qzeros, self.act_perm)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _resolve_act_order(iq: IntQuantized) -> torch.Tensor | None:
+    """The permutation making groups contiguous in K, or None when they already are."""
+    k = iq.q.shape[1]
+    g = iq.group_size if iq.group_size != -1 else max(k, 1)
+    expected = default_g_idx(k, iq.group_size, iq.g_idx.device)
+    if torch.equal(iq.g_idx, expected):
+        return None
+    n_groups = n_groups_for(k, iq.group_size)
+    if bool(((iq.g_idx < 0) | (iq.g_idx >= n_groups)).any()):
+        raise ValueError(f"g_idx: values must lie in [0, {n_groups}) (n_groups = ceil(K/group_size), K={k}, group_size={iq.group_size})")
+    perm = torch.argsort(iq.g_idx, stable=True)
+    if not torch.equal(iq.g_idx.index_select(0, perm), expected):
+        counts = torch.bincount(iq.g_idx, minlength=n_groups).tolist()
+        raise ValueError(f"g_idx: each group must hold group_size={g} rows (the last one K - (n_groups-1)*group_size); got group sizes {counts[:8]}{'...' if len(counts) > 8 else ''}")
+    return perm
+
+
+def prepare_int_weight(
+    iq: IntQuantized,
+    *,
+    dtype: torch.dtype | None = None,
+    format_name: str = "gptq",
+    checkpoint_qweight: torch.Tensor | None = None,
+) -> IntWeight:
+    """Build the runtime layout from the shared meaning and choose the lowering for its device.
+
+    ``dtype`` is the activation dtype the weight will see (default: the scales' dtype).
+    ``checkpoint_qweight``, when given, is a qweight already in the runtime packing (GPTQ without
+    act-order), used as is instead of repacking.
+    """
+    n, k = iq.q.shape
+    bits = iq.bits
+    perm = _resolve_act_order(iq)
+    if perm is not None or checkpoint_qweight is None:
+        q_rt = iq.q if perm is None else iq.q.index_select(1, perm)
+        qweight = pack_bits(q_rt.t(), bits, dim=0)
+    else:
+        qweight = checkpoint_qweight
+    mid = 2 ** (bits - 1)
+    zeros = iq.zeros
+    if bool((zeros == mid).all()):
+        qzeros, zero_offset = None, 0
+    else:
+        zero_offset = 1 if bool((zeros >= 2**bits).any()) else 0
+        stored = zeros - zero_offset
+        if bool(((stored < 0) | (stored >= 2**bits)).any()):
+            raise ValueError(f"zeros: values span more than {bits} bits ({int(zeros.min())}..{int(zeros.max())}); cannot be stored")
+        qzeros = pack_bits(stored.t(), bits, dim=1)
+    scales = iq.scales.t().contiguous()
+    act_dtype = dtype if dtype is not None else scales.dtype
+    spec = WeightSpec(
+        family=FAMILY, format=format_name, bits=bits, group_size=iq.group_size, n=n, k=k,
+        act_order=perm is not None, symmetric=qzeros is None, device=qweight.device, act_dtype=act_dtype,
+    )
+    choice = choose(spec)
+    return IntWeight(
+        qweight=qweight,
+        scales=scales,
+        qzeros=qzeros,
+        act_perm=None if perm is None else perm.to(torch.int32),
+        in_features=k,
+        out_features=n,
+        bits=bits,
+        group_size=iq.group_size,
+        zero_offset=zero_offset,
+        kernel=choice.lowering.kernel,
+        choice=choice,
+    )
+
+
+def runtime_nbytes_bound(n: int, k: int, bits: int, group_size: int) -> int:
+    """Bytes of the runtime layout with zeros and a permutation (the largest case)."""
+    g = n_groups_for(k, group_size)
+    return 4 * (packed_length(k, bits) * n + g * packed_length(n, bits) + k) + 2 * g * n
