@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.int_weight import check_int_weight, check_mm_int_weight
+from ..ops.int_weight import check_int_weight, check_mm_int_weight, check_out
 
 
 @torch.library.register_fake("qops::mm_int_weight")
@@ -16,3 +16,9 @@ def _mm_int_weight_fake(x, qweight, scales, qzeros, act_perm, bias, bits, group_
 def _dequantize_int_weight_fake(qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset, dtype):
     n = check_int_weight("dequantize_int_weight", in_features, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, qweight.device)
     return qweight.new_empty((n, in_features), dtype=dtype)
+
+
+@torch.library.register_fake("qops::mm_int_weight_out")
+def _mm_int_weight_out_fake(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, kernel, out, workspace):
+    shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+    check_out("mm_int_weight_out", out, shape, x)

@@ -96,6 +96,16 @@ def check_mm_int_weight(who, x, qweight, scales, qzeros, act_perm, bias, bits, g
     return [*x.shape[:-1], n]
 
 
+def check_out(who, out, shape, x) -> None:
+    if out.device != x.device:
+        raise ValueError(_fail(who, f"out must be on {x.device} (the device of x), got {out.device}"))
+    torch._check_type(out.dtype == x.dtype, lambda: _fail(who, f"out must have the dtype of x ({x.dtype}), got {out.dtype}"))
+    torch._check_value(
+        out.dim() == len(shape) and all(a == b for a, b in zip(out.shape, shape)),
+        lambda: _fail(who, f"out must have shape {tuple(shape)}, got {tuple(out.shape)}"),
+    )
+
+
 @torch.library.custom_op("qops::mm_int_weight", mutates_args=())
 def mm_int_weight(
     x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
@@ -112,6 +122,27 @@ def mm_int_weight(
     check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
     impl = implementation(FAMILY, kernel, x.device, "mm_int_weight")
     return impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+
+
+@torch.library.custom_op("qops::mm_int_weight_out", mutates_args=("out", "workspace"))
+def mm_int_weight_out(
+    x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
+    qweight: torch.Tensor,  # (ceil(K*bits/32), N) int32
+    scales: torch.Tensor,  # (n_groups, N) float
+    qzeros: Optional[torch.Tensor],  # (n_groups, ceil(N*bits/32)) int32 or None
+    act_perm: Optional[torch.Tensor],  # (K,) int32 or None
+    bias: Optional[torch.Tensor],  # (N,) or None
+    bits: int,
+    group_size: int,
+    zero_offset: int,
+    kernel: int,
+    out: torch.Tensor,  # (..., N), dtype of x, caller-owned; written
+    workspace: Optional[torch.Tensor],  # caller-owned scratch (uint8, >= the lowering's need); clobbered
+) -> None:
+    shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+    check_out("mm_int_weight_out", out, shape, x)
+    impl = implementation(FAMILY, kernel, x.device, "mm_int_weight_out")
+    impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=out, workspace=workspace)
 
 
 @torch.library.custom_op("qops::dequantize_int_weight", mutates_args=())
@@ -147,15 +178,22 @@ def reference_dequantize(qweight, scales, qzeros, k, bits, group_size, zero_offs
     return w.t()
 
 
-def reference_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset) -> torch.Tensor:
-    """The CPU kernel (and the GPU fallback): dequantize in fp32, matmul with fp32 accumulation."""
+def reference_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=None, workspace=None) -> torch.Tensor:
+    """The CPU kernel (and the GPU fallback): dequantize in fp32, matmul with fp32 accumulation.
+
+    Lowering entry contract (every lowering's entry has it): arguments already validated; x any
+    strides; returns a fresh ``(..., N)`` tensor of x's dtype, or writes ``out`` and returns it.
+    No host synchronisation.
+    """
     k = x.shape[-1]
     w = reference_dequantize(qweight, scales, qzeros, k, bits, group_size, zero_offset)
     xs = x if act_perm is None else x.index_select(-1, act_perm.long())
     y = xs.float() @ w.t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    if out is None:
+        return y.to(x.dtype)
+    return out.copy_(y)
 
 
 def _setup_context(ctx, inputs, output):
