@@ -106,7 +106,23 @@ def check_out(who, out, shape, x) -> None:
     )
 
 
-@torch.library.custom_op("qops::mm_int_weight", mutates_args=())
+# Schemas are written out so that bits, group sizes and kernel ids are plain `int` (not SymInt):
+# they are static facts of the weight and Dynamo must specialize on them.
+MM_SCHEMA = (
+    "(Tensor x, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, Tensor? bias, "
+    "int bits, int group_size, int zero_offset, int kernel) -> Tensor"
+)
+MM_OUT_SCHEMA = (
+    "(Tensor x, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, Tensor? bias, "
+    "int bits, int group_size, int zero_offset, int kernel, Tensor(a!) out, Tensor(b!)? workspace) -> ()"
+)
+DEQUANT_SCHEMA = (
+    "(Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, int in_features, "
+    "int bits, int group_size, int zero_offset, ScalarType dtype) -> Tensor"
+)
+
+
+@torch.library.custom_op("qops::mm_int_weight", mutates_args=(), schema=MM_SCHEMA)
 def mm_int_weight(
     x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
     qweight: torch.Tensor,  # (ceil(K*bits/32), N) int32, bit stream along K
@@ -124,7 +140,7 @@ def mm_int_weight(
     return impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
 
 
-@torch.library.custom_op("qops::mm_int_weight_out", mutates_args=("out", "workspace"))
+@torch.library.custom_op("qops::mm_int_weight_out", mutates_args=("out", "workspace"), schema=MM_OUT_SCHEMA)
 def mm_int_weight_out(
     x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
     qweight: torch.Tensor,  # (ceil(K*bits/32), N) int32
@@ -145,7 +161,7 @@ def mm_int_weight_out(
     impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=out, workspace=workspace)
 
 
-@torch.library.custom_op("qops::dequantize_int_weight", mutates_args=())
+@torch.library.custom_op("qops::dequantize_int_weight", mutates_args=(), schema=DEQUANT_SCHEMA)
 def dequantize_int_weight(
     qweight: torch.Tensor,  # (ceil(K*bits/32), N) int32
     scales: torch.Tensor,  # (n_groups, N) float
