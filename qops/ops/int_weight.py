@@ -177,7 +177,8 @@ def dequantize_int_weight(
     w = reference_dequantize(qweight, scales, qzeros, in_features, bits, group_size, zero_offset)
     if act_perm is not None:
         w = torch.empty_like(w).index_copy_(1, act_perm.long(), w)
-    return w.to(dtype)
+    # Row-major like the fake's output (w is a transposed view here).
+    return w.to(dtype).contiguous()
 
 
 def reference_dequantize(qweight, scales, qzeros, k, bits, group_size, zero_offset) -> torch.Tensor:
