@@ -1,0 +1,133 @@
+"""Every int_weight op against the float64 oracle, over every registered format and what it can hold.
+
+The oracle reads the checkpoint tensors; the ops read the runtime layout ``prepare`` built from
+them; agreement therefore covers the format's unpack, ``prepare`` (act-order permutation, zero
+offset, symmetric zeros dropped) and the kernel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import oracle
+from tests.int_weight_cases import ACT_DTYPES, TOL, all_cases, build, rel_err, seed_of
+
+SUPPORTED = [c for c in all_cases() if c.supported]
+M_VALUES = (0, 1, 2, 3, 17, 128, 257)
+
+
+def _one_per_format(pred) -> list:
+    """The first supported case of each format satisfying ``pred``."""
+    picked = {}
+    for c in SUPPORTED:
+        if pred(c) and c.fmt not in picked:
+            picked[c.fmt] = c
+    return list(picked.values())
+
+
+# For the slower checks: per format, one plain weight and one with every feature it supports.
+FEATURED = _one_per_format(lambda c: c.group_size == 32 and not c.act_order and c.sym) + _one_per_format(
+    lambda c: c.group_size == 64 and not c.sym and (c.act_order or c.fmt == "awq") and c.bits in (3, 4) and c.version != "v2"
+)
+
+
+def _check(y, x, w64, bias, what):
+    want = oracle.matmul(x, w64, bias)
+    assert y.dtype == x.dtype, what
+    assert y.shape == want.shape, what
+    if y.numel():
+        assert bool(torch.isfinite(y).all()), what
+        err = rel_err(y, want)
+        assert err < TOL[x.dtype], f"{what}: relative error {err:.2e} >= {TOL[x.dtype]:.0e}"
+
+
+def _out_call(w, x, bias, workspace):
+    out = torch.full((*x.shape[:-1], w.out_features), float("nan"), dtype=x.dtype)
+    r = torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.bits,
+                                         w.group_size, w.zero_offset, int(w.kernel), out, workspace)
+    assert r is None
+    return out
+
+
+@pytest.mark.parametrize("case", SUPPORTED, ids=lambda c: c.id)
+def test_ops_match_oracle(case):
+    b = build(case)
+    w = b.weight
+    gen = torch.Generator().manual_seed(seed_of(case))
+    workspace = torch.empty(4096, dtype=torch.uint8)
+    for dtype in ACT_DTYPES:
+        deq = torch.ops.qops.dequantize_int_weight(w.qweight, w.scales, w.qzeros, w.act_perm, w.in_features,
+                                                   w.bits, w.group_size, w.zero_offset, dtype)
+        assert deq.dtype == dtype and deq.shape == (case.n, case.k)
+        if dtype == torch.float32:
+            assert torch.equal(deq.double(), b.w64)
+        else:
+            assert rel_err(deq, b.w64) < TOL[dtype], dtype
+        bias = torch.randn(case.n, generator=gen).to(dtype)
+        for i, m in enumerate(M_VALUES):
+            x = torch.randn(m, case.k, generator=gen).to(dtype)
+            x0 = x.clone()
+            for bb in (None, bias):
+                what = f"{case.id} M={m} {dtype} bias={bb is not None}"
+                _check(w.mm(x, bb), x, b.w64, bb, "mm_int_weight " + what)
+                _check(_out_call(w, x, bb, workspace if i % 2 else None), x, b.w64, bb, "mm_int_weight_out " + what)
+            assert torch.equal(x, x0), "the op must not write its input"
+
+
+@pytest.mark.parametrize("case", FEATURED, ids=lambda c: c.id)
+def test_non_contiguous_activations(case):
+    b = build(case)
+    w = b.weight
+    gen = torch.Generator().manual_seed(1)
+    k = case.k
+    layouts = {
+        "transposed": torch.randn(k, 17, generator=gen).t(),
+        "strided": torch.randn(9, 2 * k, generator=gen)[:, ::2],
+        "offset": torch.randn(5, k + 3, generator=gen)[:, 3:],
+        "3d-permuted": torch.randn(7, 3, k, generator=gen).transpose(0, 1),
+        "3d-k-strided": torch.randn(2, 5, k, 2, generator=gen)[..., 1],
+        "broadcast": torch.randn(1, k, generator=gen).expand(6, k),
+        "1d": torch.randn(2 * k, generator=gen)[::2],
+    }
+    bias = torch.randn(2 * case.n, generator=gen)[::2]  # a strided bias too
+    for name, x in layouts.items():
+        assert name == "1d" or not x.is_contiguous()
+        for dtype in ACT_DTYPES:
+            xd = x.to(dtype) if dtype != torch.float32 else x
+            bd = bias.to(dtype)
+            _check(w.mm(xd, bd), xd, b.w64, bd, f"{case.id} {name} {dtype}")
+            _check(_out_call(w, xd, None, None), xd, b.w64, None, f"{case.id} {name} {dtype} out")
+
+
+@pytest.mark.parametrize("case", FEATURED, ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", ACT_DTYPES, ids=str)
+def test_gradient(case, dtype):
+    b = build(case)
+    gen = torch.Generator().manual_seed(2)
+    for shape in ((0, case.k), (3, case.k), (2, 17, case.k)):
+        x = torch.randn(*shape, generator=gen).to(dtype).requires_grad_()
+        bias = torch.randn(case.n, generator=gen).to(dtype).requires_grad_()
+        y = b.weight.mm(x, bias)
+        grad_out = torch.randn(y.shape, generator=gen).to(dtype)
+        y.backward(grad_out)
+        assert x.grad.dtype == dtype and x.grad.shape == x.shape
+        assert bias.grad.dtype == dtype and bias.grad.shape == bias.shape
+        want_x = grad_out.double() @ b.w64
+        want_b = grad_out.double().reshape(-1, case.n).sum(0)
+        if x.numel():
+            assert rel_err(x.grad, want_x) < TOL[dtype], shape
+            assert rel_err(bias.grad, want_b) < TOL[dtype], shape
+        else:
+            assert bool((bias.grad == 0).all())
+
+
+@pytest.mark.parametrize("case", FEATURED[:3], ids=lambda c: c.id)
+def test_gradient_without_bias_and_with_frozen_x(case):
+    b = build(case)
+    x = torch.randn(4, case.k, requires_grad=True)
+    b.weight.mm(x).sum().backward()
+    assert torch.allclose(x.grad.double(), b.w64.sum(0).expand(4, -1), rtol=1e-5, atol=1e-6)
+    bias = torch.randn(case.n, requires_grad=True)
+    y = b.weight.mm(torch.randn(4, case.k), bias)
+    y.sum().backward()
+    assert torch.equal(bias.grad, torch.full((case.n,), 4.0))
