@@ -199,13 +199,22 @@ def _entry(path: str):
     return getattr(importlib.import_module(module), fn)
 
 
-def implementation(family: str, kernel: int, device: torch.device, who: str):
-    """The function implementing ``family`` for lowering id ``kernel`` on ``device``."""
+def lowering_for(family: str, kernel: int, device: torch.device, who: str) -> Lowering:
+    """The lowering that id ``kernel`` names in ``family``, checked to run on ``device``.
+
+    Imports nothing, so fake kernels call it too and a bad ``kernel`` fails while tracing, as it
+    does eagerly. Tensors on the "meta" device (shape inference, not a run) pass the device check.
+    """
     try:
         low = LOWERINGS_BY_KERNEL[(family, Kernel(kernel))]
     except (KeyError, ValueError):
         known = sorted(int(k) for f, k in LOWERINGS_BY_KERNEL if f == family)
         raise ValueError(f"{who}: kernel must be one of {known} for {family}, got {kernel}") from None
-    if device.type not in low.device_types:
+    if device.type != "meta" and device.type not in low.device_types:
         raise ValueError(f"{who}: kernel={int(kernel)} ({low.name}) runs on {sorted(low.device_types)}, but the inputs are on {device}")
-    return _entry(low.entry)
+    return low
+
+
+def implementation(family: str, kernel: int, device: torch.device, who: str):
+    """The function implementing ``family`` for lowering id ``kernel`` on ``device``."""
+    return _entry(lowering_for(family, kernel, device, who).entry)

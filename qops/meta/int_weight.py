@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.int_weight import check_int_weight, check_mm_int_weight, check_out
+from ..lowerings import lowering_for
+from ..ops.int_weight import FAMILY, check_int_weight, check_mm_int_weight, check_out
 
 
 @torch.library.register_fake("qops::mm_int_weight")
 def _mm_int_weight_fake(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, kernel):
     shape = check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+    lowering_for(FAMILY, kernel, x.device, "mm_int_weight")
     return x.new_empty(shape)
 
 
@@ -22,3 +24,4 @@ def _dequantize_int_weight_fake(qweight, scales, qzeros, act_perm, in_features, 
 def _mm_int_weight_out_fake(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, kernel, out, workspace):
     shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
     check_out("mm_int_weight_out", out, shape, x)
+    lowering_for(FAMILY, kernel, x.device, "mm_int_weight_out")

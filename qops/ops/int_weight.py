@@ -91,7 +91,7 @@ def check_mm_int_weight(who, x, qweight, scales, qzeros, act_perm, bias, bits, g
     if bias is not None:
         if bias.device != x.device:
             raise ValueError(_fail(who, f"bias must be on {x.device} (the device of x), got {bias.device}"))
-        torch._check_type(bias.dtype in ACT_DTYPES, lambda: _fail(who, f"bias must be floating point, got {bias.dtype}"))
+        torch._check_type(bias.dtype in ACT_DTYPES, lambda: _fail(who, f"bias must be float32, float16 or bfloat16, got {bias.dtype}"))
         torch._check_value(bias.dim() == 1 and bias.shape[0] == n, lambda: _fail(who, f"bias must have shape ({n},) (N), got {tuple(bias.shape)}"))
     return [*x.shape[:-1], n]
 
@@ -252,6 +252,9 @@ class IntWeight:
     choice: Choice | None = None
 
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # The op infers K from x; a K within one packed word of in_features would pass its checks.
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"qops.IntWeight.mm: x must have in_features={self.in_features} in its last dimension, got shape {tuple(x.shape)}")
         return torch.ops.qops.mm_int_weight(
             x, self.qweight, self.scales, self.qzeros, self.act_perm, bias,
             self.bits, self.group_size, self.zero_offset, int(self.kernel),

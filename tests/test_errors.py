@@ -1,0 +1,279 @@
+"""Bad inputs fail with a message naming the argument and what it must be: eagerly, under fake
+tensors and under torch.compile(fullgraph=True). Then the chooser's refusals and its switch."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import qops
+from qops.formats import FORMATS
+from qops.lowerings import DISABLE_ENV, LOWERINGS, NoLoweringError, WeightSpec, choose, disabled_lowerings
+
+from tests.int_weight_cases import Case, build, random_int_quantized
+
+MODES = ("eager", "fake", "compile")
+# asym act-order 4-bit, K=72 (9 qweight rows), N=24, 3 groups of 32 (the last partial)
+CASE = Case("gptq", 4, 32, False, True, "v2", 24, 72)
+META = torch.device("meta")
+
+
+@pytest.fixture(scope="module")
+def weight():
+    return build(CASE).weight
+
+
+def mm_args(w, **changes) -> dict:
+    args = dict(x=torch.randn(3, w.in_features), qweight=w.qweight, scales=w.scales, qzeros=w.qzeros,
+                act_perm=w.act_perm, bias=torch.randn(w.out_features), bits=w.bits, group_size=w.group_size,
+                zero_offset=w.zero_offset, kernel=int(w.kernel))
+    args.update(changes)
+    return args
+
+
+def run(op, args: dict, mode: str):
+    values = list(args.values())
+    if mode == "eager":
+        return op(*values)
+    if mode == "fake":
+        with FakeTensorMode() as m:
+            fakes = [m.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values]
+            return op(*fakes)
+    torch._dynamo.reset()
+    return torch.compile(lambda *a: op(*a), fullgraph=True, backend="eager")(*values)
+
+
+def expect_error(op, args: dict, mode: str, pattern: str, exc=(TypeError, ValueError)):
+    """The op fails with ``pattern`` in its message; under compile Dynamo wraps it, keeping the text."""
+    with pytest.raises(Exception) as info:
+        run(op, args, mode)
+    assert re.search(pattern, str(info.value)), f"{mode}: {pattern!r} not in {str(info.value)[:2000]!r}"
+    if mode != "compile":
+        assert isinstance(info.value, exc), type(info.value)
+
+
+def _bad_mm_inputs(w):
+    k, n = w.in_features, w.out_features
+    return {
+        # dtypes
+        "x-float64": (dict(x=torch.randn(3, k, dtype=torch.float64)), r"x must be float32, float16 or bfloat16, got torch.float64"),
+        "x-int32": (dict(x=torch.ones(3, k, dtype=torch.int32)), r"x must be float32, float16 or bfloat16, got torch.int32"),
+        "qweight-int64": (dict(qweight=w.qweight.long()), r"qweight must be torch.int32, got torch.int64"),
+        "qweight-uint8": (dict(qweight=w.qweight.to(torch.uint8)), r"qweight must be torch.int32, got torch.uint8"),
+        "scales-float64": (dict(scales=w.scales.double()), r"scales must be float32, float16 or bfloat16, got torch.float64"),
+        "scales-int32": (dict(scales=w.scales.int()), r"scales must be float32, float16 or bfloat16, got torch.int32"),
+        "qzeros-int64": (dict(qzeros=w.qzeros.long()), r"qzeros must be torch.int32, got torch.int64"),
+        "act_perm-float": (dict(act_perm=w.act_perm.float()), r"act_perm must be int32 or int64, got torch.float32"),
+        "bias-float64": (dict(bias=torch.randn(n, dtype=torch.float64)), r"bias must be float32, float16 or bfloat16, got torch.float64"),
+        "bias-int64": (dict(bias=torch.ones(n, dtype=torch.int64)), r"bias must be float32, float16 or bfloat16, got torch.int64"),
+        # devices: "meta" stands in for a second device on a CPU-only machine
+        "qweight-meta": (dict(qweight=w.qweight.to(META)), r"qweight must be on cpu \(the device of x\), got meta"),
+        "scales-meta": (dict(scales=w.scales.to(META)), r"scales must be on cpu \(the device of x\), got meta"),
+        "qzeros-meta": (dict(qzeros=w.qzeros.to(META)), r"qzeros must be on cpu \(the device of x\), got meta"),
+        "act_perm-meta": (dict(act_perm=w.act_perm.to(META)), r"act_perm must be on cpu \(the device of x\), got meta"),
+        "bias-meta": (dict(bias=torch.randn(n, device=META)), r"bias must be on cpu \(the device of x\), got meta"),
+        "x-meta": (dict(x=torch.randn(3, k, device=META)), r"qweight must be on meta \(the device of x\), got cpu"),
+        # shapes
+        "K-misaligned": (dict(x=torch.randn(3, k - 8)), r"qweight must have 8 rows \(ceil\(K\*bits/32\) with K=64, bits=4\), got 9"),
+        "K-too-large": (dict(x=torch.randn(3, k + 8)), r"qweight must have 10 rows \(ceil\(K\*bits/32\) with K=80, bits=4\), got 9"),
+        "qweight-1d": (dict(qweight=w.qweight.flatten()), r"qweight must be 2-D \(ceil\(K\*bits/32\), N\), got 1-D"),
+        "scales-groups": (dict(scales=w.scales[:2]), r"scales must have shape \(3, 24\) .*got \(2, 24\)"),
+        "scales-N": (dict(scales=torch.cat([w.scales, w.scales[:, :1]], 1)), r"scales must have shape \(3, 24\) .*got \(3, 25\)"),
+        "qzeros-shape": (dict(qzeros=w.qzeros[:, :2]), r"qzeros must have shape \(3, 3\) .*got \(3, 2\)"),
+        "act_perm-length": (dict(act_perm=w.act_perm[:-1]), r"act_perm must have shape \(72,\) \(K\), got \(71,\)"),
+        "bias-shape": (dict(bias=torch.randn(n + 1)), r"bias must have shape \(24,\) \(N\), got \(25,\)"),
+        "x-0d": (dict(x=torch.tensor(1.0)), r"x must have at least one dimension"),
+        # static arguments
+        "bits-5": (dict(bits=5), r"bits must be one of \[2, 3, 4, 8\], got 5"),
+        "group_size-0": (dict(group_size=0), r"group_size must be -1 or positive, got 0"),
+        "group_size-neg": (dict(group_size=-2), r"group_size must be -1 or positive, got -2"),
+        "zero_offset-2": (dict(zero_offset=2), r"zero_offset must be 0 or 1, got 2"),
+        "kernel-unknown": (dict(kernel=97), r"kernel must be one of \[[0-9, ]+\] for int_weight, got 97"),
+        "kernel-negative": (dict(kernel=-1), r"kernel must be one of \[[0-9, ]+\] for int_weight, got -1"),
+        "kernel-cuda-only": (dict(kernel=int(qops.Kernel.TRITON)),
+                             r"kernel=1 \(triton_int_weight\) runs on \['cuda'\], but the inputs are on cpu"),
+    }
+
+
+BAD_MM = sorted(_bad_mm_inputs(build(CASE).weight))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", BAD_MM)
+def test_mm_int_weight_bad_input(weight, bad, mode):
+    changes, pattern = _bad_mm_inputs(weight)[bad]
+    expect_error(torch.ops.qops.mm_int_weight, mm_args(weight, **changes), mode, pattern)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", ["qweight-int64", "K-misaligned", "bits-5", "kernel-unknown", "kernel-cuda-only", "bias-meta"])
+def test_mm_int_weight_out_bad_input(weight, bad, mode):
+    changes, pattern = _bad_mm_inputs(weight)[bad]
+    args = mm_args(weight, **changes)
+    m = args["x"].shape[0]
+    args.update(out=torch.empty(m, weight.out_features), workspace=None)
+    expect_error(torch.ops.qops.mm_int_weight_out, args, mode, pattern)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "out,pattern",
+    [
+        (torch.empty(3, 24, dtype=torch.float16), r"out must have the dtype of x \(torch.float32\), got torch.float16"),
+        (torch.empty(3, 25), r"out must have shape \(3, 24\), got \(3, 25\)"),
+        (torch.empty(3, 1, 24), r"out must have shape \(3, 24\), got \(3, 1, 24\)"),
+        (torch.empty(3, 24, device=META), r"out must be on cpu \(the device of x\), got meta"),
+    ],
+    ids=["dtype", "shape", "rank", "device"],
+)
+def test_mm_int_weight_out_bad_out(weight, out, pattern, mode):
+    args = mm_args(weight)
+    args.update(out=out, workspace=None)
+    expect_error(torch.ops.qops.mm_int_weight_out, args, mode, pattern)
+
+
+def _deq_args(w, **changes):
+    args = dict(qweight=w.qweight, scales=w.scales, qzeros=w.qzeros, act_perm=w.act_perm, in_features=w.in_features,
+                bits=w.bits, group_size=w.group_size, zero_offset=w.zero_offset, dtype=torch.float32)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "changes,pattern",
+    [
+        (dict(in_features=80), r"qweight must have 10 rows \(ceil\(K\*bits/32\) with K=80, bits=4\), got 9"),
+        (dict(bits=5), r"bits must be one of \[2, 3, 4, 8\], got 5"),
+        (dict(group_size=0), r"group_size must be -1 or positive, got 0"),
+        (dict(zero_offset=2), r"zero_offset must be 0 or 1, got 2"),
+        (dict(scales=torch.ones(3, 24, dtype=torch.float64)), r"scales must be float32, float16 or bfloat16, got torch.float64"),
+        (dict(act_perm=torch.arange(72.0)), r"act_perm must be int32 or int64, got torch.float32"),
+        (dict(qzeros=torch.zeros(3, 3, dtype=torch.int32, device=META)), r"qzeros must be on cpu \(the device of x\), got meta"),
+    ],
+    ids=["K", "bits", "group_size", "zero_offset", "scales-dtype", "act_perm-dtype", "qzeros-device"],
+)
+def test_dequantize_int_weight_bad_input(weight, changes, pattern, mode):
+    expect_error(torch.ops.qops.dequantize_int_weight, _deq_args(weight, **changes), mode, pattern)
+
+
+def test_meta_tensors_still_infer_shapes(weight):
+    # Real "meta" tensors (a model built on the meta device) run the fake kernel: shapes, no device refusal.
+    args = mm_args(weight)
+    meta = {k: v.to(META) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    y = torch.ops.qops.mm_int_weight(*meta.values())
+    assert y.device == META and y.shape == (3, 24)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_intweight_mm_checks_in_features(weight, mode):
+    # 71 features pack into the same 9 qweight rows as 72: only the prepared weight knows K.
+    x = torch.randn(3, weight.in_features - 1)
+    fn = weight.mm if mode == "eager" else torch.compile(weight.mm, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"x must have in_features=72 in its last dimension, got shape \(3, 71\)"):
+        fn(x)
+
+
+def test_inconsistent_g_idx_at_prepare():
+    gen = torch.Generator().manual_seed(0)
+    gptq = FORMATS["gptq"]
+    iq = random_int_quantized(CASE, gen)
+    g = iq.g_idx.clone()
+    g[g == 0] = 1  # group 0 empty, group 1 twice as large
+    iq.g_idx = g
+    ckpt = gptq.pack(iq, version="v2")
+    with pytest.raises(ValueError, match=r"g_idx: each group must hold group_size=32 rows .*got group sizes \[0, 64, 8\]"):
+        gptq.prepare(ckpt)
+    iq.g_idx = torch.where(g == 2, torch.full_like(g, 3), g)
+    with pytest.raises(ValueError, match=r"g_idx: values must lie in \[0, 3\)"):
+        gptq.prepare(gptq.pack(iq, version="v2"))
+    iq.g_idx = torch.where(g == 2, torch.full_like(g, -1), g)
+    with pytest.raises(ValueError, match=r"g_idx: values must lie in \[0, 3\)"):
+        gptq.prepare(gptq.pack(iq, version="v2"))
+
+
+def test_zeros_wider_than_bits_at_prepare():
+    gen = torch.Generator().manual_seed(1)
+    iq = random_int_quantized(Case("gptq", 4, 32, False, False, "v2", 24, 72), gen)
+    iq.zeros[0, 0], iq.zeros[0, 1] = 0, 16  # needs 5 bits whatever the offset
+    with pytest.raises(ValueError, match=r"zeros: values span more than 4 bits \(0\.\.16\)"):
+        qops.prepare_int_weight(iq)
+
+
+# The chooser
+
+
+def _spec(**changes) -> WeightSpec:
+    base = dict(family="int_weight", format="gptq", bits=4, group_size=128, n=4096, k=4096, act_order=False,
+                symmetric=True, device=torch.device("cpu"), act_dtype=torch.float16)
+    base.update(changes)
+    return WeightSpec(**base)
+
+
+def _family_lowerings(family="int_weight"):
+    return [low for low in LOWERINGS if low.family == family]
+
+
+def test_choose_on_cpu_reports_every_refusal(monkeypatch):
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    choice = choose(_spec())
+    assert choice.lowering.name == "reference_int_weight"
+    refused = dict(choice.refusals)
+    higher = [low.name for low in LOWERINGS if low.priority > choice.lowering.priority]
+    assert set(higher) <= set(refused), "every higher-priority lowering must say why it was refused"
+    assert "cuda" in refused["triton_int_weight"]
+    text = choice.explain()
+    assert text.startswith("chose reference_int_weight")
+    for name, why in refused.items():
+        assert f"refused {name}: {why}" in text
+
+
+@pytest.mark.parametrize(
+    "changes,pattern",
+    [
+        (dict(bits=5), r"reference_int_weight: bits=5 not in \[2, 3, 4, 8\]"),
+        (dict(format="marlin"), r"reference_int_weight: format marlin not in \['awq', 'compressed-tensors', 'gptq'\]"),
+        (dict(act_dtype=torch.float64), r"reference_int_weight: activation dtype torch.float64 not in"),
+        (dict(family="no_such_family"), r"reference_int_weight: serves op family int_weight, not no_such_family"),
+        (dict(device=META), r"reference_int_weight: runs on \['cpu', 'cuda'\], not meta"),
+    ],
+    ids=["bits", "format", "act_dtype", "family", "device"],
+)
+def test_choose_fails_listing_every_reason(monkeypatch, changes, pattern):
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    with pytest.raises(NoLoweringError, match=pattern) as info:
+        choose(_spec(**changes))
+    for low in LOWERINGS:
+        assert f"{low.name}: " in str(info.value), f"{low.name} missing from {info.value}"
+
+
+def test_disable_env_removes_named_lowerings(monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, " triton_int_weight , reference_int_weight,")
+    assert disabled_lowerings() == {"triton_int_weight", "reference_int_weight"}
+    with pytest.raises(NoLoweringError, match=r"reference_int_weight: disabled by QOPS_DISABLE_LOWERINGS"):
+        choose(_spec())
+    with pytest.raises(NoLoweringError, match=r"triton_int_weight: disabled by QOPS_DISABLE_LOWERINGS"):
+        build(CASE)
+    monkeypatch.setenv(DISABLE_ENV, "triton_int_weight")
+    choice = choose(_spec())
+    assert choice.lowering.name == "reference_int_weight"
+    assert dict(choice.refusals)["triton_int_weight"] == "disabled by QOPS_DISABLE_LOWERINGS"
+
+
+def test_disable_env_unknown_name_lists_known(monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "triton_int_weight,no_such_lowering")
+    known = sorted(low.name for low in LOWERINGS)
+    with pytest.raises(ValueError, match=re.escape(f"{DISABLE_ENV} names unknown lowerings ['no_such_lowering']; known: {known}")):
+        choose(_spec())
+    with pytest.raises(ValueError, match="no_such_lowering"):
+        build(CASE)
+
+
+def test_prepared_weight_records_its_choice(monkeypatch):
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    w = build(CASE).weight
+    assert w.kernel == qops.Kernel.REFERENCE and w.choice.lowering.kernel == w.kernel
+    assert w.choice.lowering.name == "reference_int_weight"
