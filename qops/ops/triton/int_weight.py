@@ -1,0 +1,753 @@
+"""Triton lowering of ``qops::mm_int_weight``: integer weight-only matmul on CUDA.
+
+Reads the runtime layout of :mod:`qops.ops.int_weight` (qweight ``(ceil(K*b/32), N)`` int32, a bit
+stream along K with consecutive N contiguous; scales ``(n_groups, N)``; qzeros ``(n_groups,
+ceil(N*b/32))`` a bit stream along N, or None for the symmetric zero ``2**(b-1)``; act_perm
+``(K,)``). Three ways to compute ``y = x[:, act_perm] @ W.T + bias``, chosen per call from the
+number of rows M and the shipped config table (never from tensor values, never with a host sync):
+
+- **decode** (M <= ``decode_max_m``): a split-K GEMV on CUDA cores. Each thread owns ``VEC``
+  adjacent columns (16-byte loads along N, coalesced across the warp) and all K rows of its step, so
+  the per-step reduction over K stays in registers. Values are turned into floats without an int ->
+  float conversion instruction: a value masked *in place* and OR-ed into the mantissa of 2**23 is the
+  float ``2**23 + q * 2**sh``; one FMA ``f * 2**-sh - (2**(23-sh) + z)`` then gives ``q - z``
+  exactly, so a 4-bit value costs one LOP3, one FFMA to dequantize and one FFMA to accumulate (the
+  upper half of each word needs one shift per word). Scales multiply the per-step partial sums once
+  per column, never per element.
+- **gemm** (larger M): a tiled split-K GEMM on tensor cores. The packed ``(BLOCK_K/vpw, BLOCK_N)``
+  word tile is dequantized in registers to ``q - z`` (exact in fp16 and bf16) with the same mantissa
+  trick, interleaved back into K order with ``tl.join`` (no redundant loads of a word per value),
+  and fed to ``tl.dot`` with fp32 accumulation. When a K tile lies inside one quantization group the
+  scale multiplies the tile's fp32 product (once per output element per tile); otherwise scales are
+  applied per element before the dot.
+- **dense** (the largest M, when the config says so): the weight is dequantized by a Triton kernel
+  into a transient dense ``(K, N)`` buffer in N-slabs of bounded size and multiplied by cuBLAS; the
+  dense weight never outlives the call. act_perm is applied by scattering rows, so x is not gathered.
+
+Split-K partial sums either go to an fp32 ``(S, M, N)`` buffer summed by a small reduce kernel
+(no zeroing pass), or are added atomically into a zeroed fp32 ``(M, N)`` buffer; which one is a
+config choice decided by the tuner. Configs come from ``configs/<gpu>.json`` (``default.json`` for
+an unknown GPU), loaded once and keyed by bits and bucketed M; the split count follows from the
+device's SM count and the shape.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+DEFAULT_CONFIG = "default"
+# fp32 bit pattern of 2**23: an integer q < 2**23 OR-ed into its mantissa reads as 2**23 + q.
+MAGIC_ARG = 0x4B000000
+TWO23 = tl.constexpr(8388608.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """Zero points of the columns ``offs_n`` in group ``g`` as fp32 (qzeros is a bit stream along N)."""
+    if HAS_ZEROS:
+        bit = offs_n * BITS
+        word = bit // 32
+        off = bit % 32
+        row = qz_ptr + g * stride_qz
+        lo = tl.load(row + word, mask=nmask, other=0).to(tl.uint32, bitcast=True)
+        z = (lo >> off.to(tl.uint32)) & ((1 << BITS) - 1)
+        if (32 % BITS) != 0:
+            # 3-bit zeros may straddle two words; the second word is read only for those columns.
+            spill = off > 32 - BITS
+            hi = tl.load(row + word + 1, mask=nmask & spill, other=0).to(tl.uint32, bitcast=True)
+            z = z | ((hi << ((32 - off) % 32).to(tl.uint32)) & ((1 << BITS) - 1))
+        return z.to(tl.int32).to(tl.float32) + zero_offset
+    else:
+        return tl.full(offs_n.shape, 1 << (BITS - 1), tl.float32)
+
+
+@triton.jit
+def _value(w, w_hi, w_prev, zf, magic, I: tl.constexpr, BITS: tl.constexpr):
+    """Value I (0..31) of a 32-value chunk as ``q - z`` in fp32, given the chunk's word J.
+
+    ``w`` is the word holding the value's last bit, ``w_hi`` is ``w >> 16`` (for values in the
+    upper half), ``w_prev`` the word before (for a 3-bit value straddling two words). ``magic`` is
+    ``MAGIC_ARG`` passed at run time: held in a register, the mask and the OR fuse into one LOP3 (with
+    two immediates ptxas emits two). Exact: every intermediate is an integer < 2**24.
+    """
+    OFF: tl.constexpr = (I * BITS) % 32
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if OFF + BITS > 32:
+        # Straddling 3-bit value: low bits at the top of the previous word, the rest at the bottom of w.
+        LOW: tl.constexpr = 32 - OFF
+        lo = (w_prev >> OFF) & ((1 << LOW) - 1)
+        hi = (w << LOW) & MASK
+        f = (lo | hi | magic).to(tl.float32, bitcast=True)
+        return f - (TWO23 + zf)
+    elif 32 % BITS != 0:
+        f = (((w >> OFF) & MASK) | magic).to(tl.float32, bitcast=True)
+        return f - (TWO23 + zf)
+    elif OFF + BITS <= 16:
+        # Masked in place: the float is 2**23 + q * 2**OFF; scaling by 2**-OFF is exact.
+        f = ((w & (MASK << OFF)) | magic).to(tl.float32, bitcast=True)
+        return f * (1.0 / (1 << OFF)) - (TWO23 / (1 << OFF) + zf)
+    else:
+        SH: tl.constexpr = OFF - 16
+        f = ((w_hi & (MASK << SH)) | magic).to(tl.float32, bitcast=True)
+        return f * (1.0 / (1 << SH)) - (TWO23 / (1 << SH) + zf)
+
+
+@triton.jit
+def _store_rows(y_ptr, bias_ptr, acc, row, pid_k, M, N, offs_n, nmask, stride_ys, stride_ym, stride_yn,
+                HAS_BIAS: tl.constexpr, OUT_MODE: tl.constexpr):
+    """Write one output row: OUT_MODE 0 final dtype (+bias), 1 fp32 partial of split pid_k, 2 atomic fp32."""
+    # The row test is made a tensor: Triton's interpreter rejects a scalar comparison folded into a mask.
+    rmask = nmask & (tl.full(offs_n.shape, row, tl.int32) < M)
+    if OUT_MODE == 0:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + offs_n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=rmask)
+    elif OUT_MODE == 1:
+        tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n * stride_yn, acc, mask=rmask)
+    else:
+        tl.atomic_add(y_ptr + row * stride_ym + offs_n * stride_yn, acc, mask=rmask, sem="relaxed")
+
+
+@triton.jit
+def _x_value(xrow_ptr, pk_ptr, I: tl.constexpr, stride_xk, kmask, HAS_PERM: tl.constexpr, MASKED: tl.constexpr):
+    """fp32 x[row, k] for k = chunk start + I. ``pk_ptr`` points at the chunk starts (in x when
+    there is no act_perm, in act_perm otherwise): the constant I folds into the load's offset."""
+    if HAS_PERM:
+        if MASKED:
+            # Past K the padded weight rows hold -z, so x must read as 0 there, not as x[perm=0].
+            kidx = tl.load(pk_ptr + I, mask=kmask, other=0)
+            return tl.load(xrow_ptr + kidx * stride_xk, mask=kmask, other=0.0).to(tl.float32)
+        else:
+            kidx = tl.load(pk_ptr + I)
+        return tl.load(xrow_ptr + kidx * stride_xk).to(tl.float32)
+    elif MASKED:
+        return tl.load(pk_ptr + I * stride_xk, mask=kmask, other=0.0).to(tl.float32)
+    else:
+        return tl.load(pk_ptr + I * stride_xk).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, qz_ptr, perm_ptr, bias_ptr, y_ptr,
+    M, N, K, n_wrows,
+    stride_xm, stride_xk, stride_qw, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
+    split_len, group_size, zero_offset, magic,
+    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+    OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """Split-K GEMV for up to 4 rows. Program (n tile, K split, m tile); a step covers CHUNKS runs
+    of 32 K values (BITS words each), all inside one quantization group."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
+    nmask = offs_n < N
+    chunk = tl.arange(0, CHUNKS)
+    STEP: tl.constexpr = 32 * CHUNKS
+    k_lo = pid_k * split_len
+    k_hi = tl.minimum(K, k_lo + split_len)
+    # Rows past M read row M-1 rather than being masked: their results are never stored.
+    x0_ptr = x_ptr + tl.minimum(m0, M - 1) * stride_xm
+    x1_ptr = x_ptr + tl.minimum(m0 + 1, M - 1) * stride_xm
+    x2_ptr = x_ptr + tl.minimum(m0 + 2, M - 1) * stride_xm
+    x3_ptr = x_ptr + tl.minimum(m0 + 3, M - 1) * stride_xm
+    acc0 = tl.zeros([BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, STEP):
+        if GROUPED:
+            g = k0 // group_size
+        else:
+            g = 0
+        zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
+        kbase = k0 + chunk * 32
+        if HAS_PERM:
+            pk0 = perm_ptr + kbase
+            pk1 = pk0
+            pk2 = pk0
+            pk3 = pk0
+        else:
+            pk0 = x0_ptr + kbase * stride_xk
+            pk1 = x1_ptr + kbase * stride_xk
+            pk2 = x2_ptr + kbase * stride_xk
+            pk3 = x3_ptr + kbase * stride_xk
+        w_ptrs = qw_ptr + ((k0 // 32 + chunk) * BITS)[:, None] * stride_qw + offs_n[None, :]
+        wrow = (k0 // 32 + chunk) * BITS
+        p0 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
+        p1 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
+        p2 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
+        p3 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
+        w_prev = tl.zeros([CHUNKS, BLOCK_N], tl.int32)
+        for j in tl.static_range(BITS):
+            if EVEN_K and EVEN_N:
+                w = tl.load(w_ptrs + j * stride_qw)
+            elif EVEN_K:
+                w = tl.load(w_ptrs + j * stride_qw, mask=nmask[None, :], other=0)
+            else:
+                w = tl.load(w_ptrs + j * stride_qw, mask=((wrow + j) < n_wrows)[:, None] & nmask[None, :], other=0)
+            w_hi = w >> 16
+            for i in tl.static_range(32):
+                # Value i starts in word (i*BITS)//32; one that straddles is finished with word j.
+                first_word = (i * BITS) // 32
+                straddles = (i * BITS) % 32 + BITS > 32
+                if (first_word == j and not straddles) or (first_word + 1 == j and straddles):
+                    v = _value(w, w_hi, w_prev, zf, magic, i, BITS)
+                    kmask = (kbase + i) < k_hi
+                    xv = _x_value(x0_ptr, pk0, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
+                    p0 += xv[:, None] * v
+                    if BLOCK_M > 1:
+                        xv = _x_value(x1_ptr, pk1, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
+                        p1 += xv[:, None] * v
+                    if BLOCK_M > 2:
+                        xv = _x_value(x2_ptr, pk2, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
+                        p2 += xv[:, None] * v
+                    if BLOCK_M > 3:
+                        xv = _x_value(x3_ptr, pk3, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
+                        p3 += xv[:, None] * v
+            w_prev = w
+        s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        acc0 += s * tl.sum(p0, axis=0)
+        if BLOCK_M > 1:
+            acc1 += s * tl.sum(p1, axis=0)
+        if BLOCK_M > 2:
+            acc2 += s * tl.sum(p2, axis=0)
+        if BLOCK_M > 3:
+            acc3 += s * tl.sum(p3, axis=0)
+    _store_rows(y_ptr, bias_ptr, acc0, m0, pid_k, M, N, offs_n, nmask, stride_ys, stride_ym, stride_yn, HAS_BIAS, OUT_MODE)
+    if BLOCK_M > 1:
+        _store_rows(y_ptr, bias_ptr, acc1, m0 + 1, pid_k, M, N, offs_n, nmask, stride_ys, stride_ym, stride_yn, HAS_BIAS, OUT_MODE)
+    if BLOCK_M > 2:
+        _store_rows(y_ptr, bias_ptr, acc2, m0 + 2, pid_k, M, N, offs_n, nmask, stride_ys, stride_ym, stride_yn, HAS_BIAS, OUT_MODE)
+    if BLOCK_M > 3:
+        _store_rows(y_ptr, bias_ptr, acc3, m0 + 3, pid_k, M, N, offs_n, nmask, stride_ys, stride_ym, stride_yn, HAS_BIAS, OUT_MODE)
+
+
+@triton.jit
+def _interleave(v0, v1, v2, v3, v4, v5, v6, v7, VPW: tl.constexpr):
+    """Stack per-value tiles ``(R, BN)`` (value t of each word) into K order ``(R * VPW, BN)``."""
+    # Each join adds a trailing axis; the innermost join picks the lowest bit of t.
+    if VPW == 2:
+        t = tl.permute(tl.join(v0, v1), (0, 2, 1))
+    elif VPW == 4:
+        t = tl.permute(tl.join(tl.join(v0, v1), tl.join(v2, v3)), (0, 3, 2, 1))
+    else:
+        t = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+        t = tl.permute(t, (0, 4, 3, 2, 1))  # (R, BN, c, b, a) with t = c + 2b + 4a -> (R, a, b, c, BN)
+    return tl.reshape(t, (v0.shape[0] * VPW, v0.shape[1]))
+
+
+@triton.jit
+def _tc_weight_tile(
+    qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+    group_size, zero_offset, zf_tile, magic,
+    BITS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUPED: tl.constexpr,
+    TILE_GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
+):
+    """The ``(BLOCK_K, BN)`` weight tile in K order: ``q - z`` when TILE_GROUP (the caller scales the
+    product), else ``s * (q - z)`` with each row's own group."""
+    if 32 % BITS == 0 and TILE_GROUP:
+        VPW: tl.constexpr = 32 // BITS
+        R: tl.constexpr = BLOCK_K // VPW
+        wrow = (k0 * BITS) // 32 + tl.arange(0, R)
+        ptrs = qw_ptr + wrow[:, None] * stride_qw + offs_n[None, :]
+        if EVEN_K:
+            w = tl.load(ptrs, mask=nmask[None, :], other=0)
+        else:
+            w = tl.load(ptrs, mask=(wrow < n_wrows)[:, None] & nmask[None, :], other=0)
+        w_hi = w >> 16
+        v0 = _value(w, w_hi, w, zf_tile, magic, 0, BITS).to(DTYPE)
+        v1 = _value(w, w_hi, w, zf_tile, magic, 1, BITS).to(DTYPE)
+        if VPW > 2:
+            v2 = _value(w, w_hi, w, zf_tile, magic, 2, BITS).to(DTYPE)
+            v3 = _value(w, w_hi, w, zf_tile, magic, 3, BITS).to(DTYPE)
+        else:
+            v2 = v0
+            v3 = v0
+        if VPW > 4:
+            v4 = _value(w, w_hi, w, zf_tile, magic, 4, BITS).to(DTYPE)
+            v5 = _value(w, w_hi, w, zf_tile, magic, 5, BITS).to(DTYPE)
+            v6 = _value(w, w_hi, w, zf_tile, magic, 6, BITS).to(DTYPE)
+            v7 = _value(w, w_hi, w, zf_tile, magic, 7, BITS).to(DTYPE)
+        else:
+            v4 = v0
+            v5 = v0
+            v6 = v0
+            v7 = v0
+        if VPW <= 8:
+            return _interleave(v0, v1, v2, v3, v4, v5, v6, v7, VPW)
+        else:
+            # 2-bit: 16 values per word, interleaved as two halves of 8 (values t and t + 8).
+            u0 = _value(w, w_hi, w, zf_tile, magic, 8, BITS).to(DTYPE)
+            u1 = _value(w, w_hi, w, zf_tile, magic, 9, BITS).to(DTYPE)
+            u2 = _value(w, w_hi, w, zf_tile, magic, 10, BITS).to(DTYPE)
+            u3 = _value(w, w_hi, w, zf_tile, magic, 11, BITS).to(DTYPE)
+            u4 = _value(w, w_hi, w, zf_tile, magic, 12, BITS).to(DTYPE)
+            u5 = _value(w, w_hi, w, zf_tile, magic, 13, BITS).to(DTYPE)
+            u6 = _value(w, w_hi, w, zf_tile, magic, 14, BITS).to(DTYPE)
+            u7 = _value(w, w_hi, w, zf_tile, magic, 15, BITS).to(DTYPE)
+            lo = tl.reshape(_interleave(v0, v1, v2, v3, v4, v5, v6, v7, 8), (R, 8, v0.shape[1]))
+            hi = tl.reshape(_interleave(u0, u1, u2, u3, u4, u5, u6, u7, 8), (R, 8, v0.shape[1]))
+            t = tl.permute(tl.join(lo, hi), (0, 3, 1, 2))  # (R, 2, 8, BN): value t = 8 * half + e
+            return tl.reshape(t, (BLOCK_K, v0.shape[1]))
+    else:
+        # Generic gather unpack (3-bit streams, groups that split a word): each row reads the one
+        # or two words holding its value. Slower, and correct for any bits and group size.
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < k_hi
+        bit = offs_k * BITS
+        word = bit // 32
+        off = (bit % 32).to(tl.uint32)
+        lo = tl.load(qw_ptr + word[:, None] * stride_qw + offs_n[None, :], mask=kmask[:, None] & nmask[None, :], other=0)
+        q = (lo.to(tl.uint32, bitcast=True) >> off[:, None]) & ((1 << BITS) - 1)
+        if 32 % BITS != 0:
+            spill = (kmask & (off > 32 - BITS)) & ((word + 1) < n_wrows)
+            hi = tl.load(qw_ptr + (word + 1)[:, None] * stride_qw + offs_n[None, :], mask=spill[:, None] & nmask[None, :], other=0)
+            q = q | ((hi.to(tl.uint32, bitcast=True) << ((32 - off) % 32)[:, None]) & ((1 << BITS) - 1))
+        f = (q.to(tl.int32, bitcast=True) | magic).to(tl.float32, bitcast=True) - TWO23
+        if TILE_GROUP:
+            return (f - zf_tile).to(DTYPE)
+        else:
+            if GROUPED:
+                g = offs_k // group_size
+            else:
+                g = offs_k * 0
+            rmask = kmask[:, None] & nmask[None, :]
+            s = tl.load(s_ptr + g[:, None] * stride_s + offs_n[None, :], mask=rmask, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zbit = offs_n * BITS
+                zword = zbit // 32
+                zoff = (zbit % 32).to(tl.uint32)
+                zlo = tl.load(qz_ptr + g[:, None] * stride_qz + zword[None, :], mask=rmask, other=0).to(tl.uint32, bitcast=True)
+                z = (zlo >> zoff[None, :]) & ((1 << BITS) - 1)
+                if 32 % BITS != 0:
+                    zspill = rmask & (zoff > 32 - BITS)[None, :]
+                    zhi = tl.load(qz_ptr + g[:, None] * stride_qz + zword[None, :] + 1, mask=zspill, other=0).to(tl.uint32, bitcast=True)
+                    z = z | ((zhi << ((32 - zoff) % 32)[None, :]) & ((1 << BITS) - 1))
+                zf = z.to(tl.int32).to(tl.float32) + zero_offset
+            else:
+                zf = (1 << (BITS - 1)) * 1.0
+            return (s * (f - zf)).to(DTYPE)
+
+
+@triton.jit
+def _tc_kernel(
+    x_ptr, qw_ptr, s_ptr, qz_ptr, perm_ptr, bias_ptr, y_ptr,
+    M, N, K, n_wrows,
+    stride_xm, stride_xk, stride_qw, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
+    split_len, group_size, zero_offset, magic,
+    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+    TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """Split-K tiled GEMM on tensor cores: program (m/n tile, K split)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped tile order: GROUP_M row tiles share each weight column tile while it sits in L2.
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
+    nmask = offs_n < N
+    mmask = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * split_len
+    k_hi = tl.minimum(K, k_lo + split_len)
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < k_hi
+        if HAS_PERM:
+            kidx = tl.load(perm_ptr + kk, mask=kmask, other=0)
+        else:
+            kidx = kk
+        a_ptrs = x_ptr + offs_m[:, None] * stride_xm + kidx[None, :] * stride_xk
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if TILE_GROUP:
+            if GROUPED:
+                g = k0 // group_size
+            else:
+                g = 0
+            zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
+            b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+                                group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, GROUPED, TILE_GROUP, EVEN_K, DTYPE)
+            s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            # "ieee": fp32 activations (interpreter tests) are not rounded to tf32; fp16/bf16 are unaffected.
+            acc += tl.dot(a, b, input_precision="ieee") * s[None, :]
+        else:
+            b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+                                group_size, zero_offset, 0.0, magic, BITS, BLOCK_K, HAS_ZEROS, GROUPED, TILE_GROUP, EVEN_K, DTYPE)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+    rmask = mmask[:, None] & nmask[None, :]
+    if OUT_MODE == 0:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask)
+    elif OUT_MODE == 1:
+        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, acc, mask=rmask)
+    else:
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        tl.atomic_add(y_ptrs, acc, mask=rmask, sem="relaxed")
+
+
+@triton.jit
+def _reduce_kernel(p_ptr, bias_ptr, y_ptr, M, N, S, stride_ps, stride_pm, stride_ym, stride_yn,
+                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m, :] = sum over S fp32 partials (+ bias), cast to y's dtype."""
+    m = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    nmask = offs_n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(S):
+        acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + offs_n, mask=nmask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _dequant_kernel(
+    qw_ptr, s_ptr, qz_ptr, perm_ptr, w_ptr,
+    K, N, n0, slab, n_wrows, stride_qw, stride_s, stride_qz,
+    group_size, zero_offset, magic,
+    BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, GROUPED: tl.constexpr, TILE_GROUP: tl.constexpr,
+):
+    """Dense slab of ``W.T``: ``w[perm[k], n - n0] = s * (q - z)`` for columns ``[n0, n0 + slab)``.
+
+    ``w`` is ``(K, slab)`` contiguous. Rows go to their checkpoint position (act_perm is scattered
+    here, so x needs no gather).
+    """
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_n = n0 + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
+    nmask = offs_n < tl.minimum(N, n0 + slab)
+    if TILE_GROUP:
+        if GROUPED:
+            g = k0 // group_size
+        else:
+            g = 0
+        zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
+        s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        w_tile = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, K, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+                                 group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, GROUPED, True, False,
+                                 tl.float32) * s[None, :]
+    else:
+        w_tile = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, K, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+                                 group_size, zero_offset, 0.0, magic, BITS, BLOCK_K, HAS_ZEROS, GROUPED, False, False,
+                                 tl.float32)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    if HAS_PERM:
+        rows = tl.load(perm_ptr + offs_k, mask=kmask, other=0)
+    else:
+        rows = offs_k
+    tl.store(w_ptr + rows[:, None] * slab + (offs_n - n0)[None, :], w_tile.to(w_ptr.dtype.element_ty),
+             mask=kmask[:, None] & nmask[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Configs: shipped JSON tables keyed by GPU, bits and bucketed M
+# --------------------------------------------------------------------------------------------
+
+_OVERRIDE: dict | None = None
+
+
+def gpu_key(name: str) -> str:
+    """Config file stem for a device name: 'NVIDIA H200' -> 'h200', 'NVIDIA A100-SXM4-80GB' -> 'a100'."""
+    words = name.lower().replace("nvidia", " ").split()
+    return words[0].split("-")[0] if words else DEFAULT_CONFIG
+
+
+@functools.cache
+def load_config(stem: str) -> dict:
+    """The table in ``configs/<stem>.json``, or ``default.json`` when there is none for this GPU."""
+    path = CONFIG_DIR / f"{stem}.json"
+    if not path.exists():
+        path = CONFIG_DIR / f"{DEFAULT_CONFIG}.json"
+    with open(path) as f:
+        table = json.load(f)
+    for key in ("decode_max_m", "decode", "gemm"):
+        if key not in table:
+            raise ValueError(f"qops triton config {path}: missing key {key!r}")
+    return table
+
+
+@functools.cache
+def _device_facts(device: torch.device) -> tuple[str, int]:
+    """(config stem, SM count) of a device; looked up once per device."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return gpu_key(props.name), props.multi_processor_count
+    # Triton's interpreter (CPU tensors in tests): the generic table and a small pretend SM count.
+    return DEFAULT_CONFIG, 4
+
+
+def config_for(device: torch.device) -> dict:
+    if _OVERRIDE is not None:
+        return _OVERRIDE
+    return load_config(_device_facts(device)[0])
+
+
+@contextlib.contextmanager
+def config_override(table: dict):
+    """Use ``table`` (same schema as the JSON files) instead of the shipped configs, e.g. to force a
+    path in tests or to time candidate configs in the tuner."""
+    global _OVERRIDE
+    previous = _OVERRIDE
+    _OVERRIDE = table
+    _plan.cache_clear()
+    try:
+        yield
+    finally:
+        _OVERRIDE = previous
+        _plan.cache_clear()
+
+
+def _bucket(section: dict, bits: int, m: int) -> dict:
+    """The entry for ``bits`` (or "default") whose M bucket is the smallest >= m (else the largest)."""
+    by_m = section.get(str(bits), section.get("default"))
+    if by_m is None:
+        raise KeyError(f"qops triton config: no entry for bits={bits} and no 'default' in {sorted(section)}")
+    keys = sorted(int(b) for b in by_m)
+    for b in keys:
+        if m <= b:
+            return by_m[str(b)]
+    return by_m[str(keys[-1])]
+
+
+# --------------------------------------------------------------------------------------------
+# Launch plans: everything decided from shapes and the config, cached per shape
+# --------------------------------------------------------------------------------------------
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _split(k: int, unit: int, tiles: int, cfg: dict, sms: int) -> tuple[int, int]:
+    """(split count, K length per split): enough programs to fill ``ctas_per_sm`` waves of SMs,
+    each split a whole number of ``unit`` K rows (a step, a tile or a quantization group)."""
+    n_units = max(1, -(-k // unit))
+    want = max(1, -(-int(cfg.get("ctas_per_sm", 2)) * sms // tiles))
+    split = max(1, min(want, n_units, int(cfg.get("max_split", 64))))
+    split_len = -(-n_units // split) * unit
+    return -(-k // split_len), split_len
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device, force: str | None = None) -> dict:
+    table = config_for(device)
+    sms = table.get("num_sms") or _device_facts(device)[1]
+    grouped = group_size != -1
+    path = force
+    if path is None:
+        decode_ok = not grouped or group_size % 32 == 0
+        path = "decode" if (m <= int(table["decode_max_m"]) and decode_ok) else "gemm"
+    if path == "decode":
+        cfg = _bucket(table["decode"], bits, m)
+        block_n = int(cfg["BLOCK_N"])
+        chunks = int(cfg["CHUNKS"])
+        if grouped:
+            if group_size % 32:
+                raise ValueError(f"decode path needs group_size % 32 == 0, got {group_size}")
+            chunks = _pow2_divisor(group_size // 32, chunks)
+        step = 32 * chunks
+        block_m = min(m, 4)
+        tiles = -(-n // block_n) * -(-m // block_m)
+        split, split_len = _split(k, group_size if grouped else step, tiles, cfg, sms)
+        return dict(
+            path="decode", cfg=cfg, split=split, split_len=split_len, block_m=block_m, block_n=block_n,
+            chunks=chunks, even_k=(k % step == 0), even_n=(n % block_n == 0),
+            grid=(-(-n // block_n), split, -(-m // block_m)), reduce=cfg.get("reduce", "partials"),
+        )
+    cfg = _bucket(table["gemm"], bits, m)
+    if path == "dense" or (path == "gemm" and cfg.get("impl", "triton") == "dense"):
+        cfg = cfg if "DQ_BLOCK_K" in cfg else {**table.get("dense", {}), **cfg}
+        bk = int(cfg.get("DQ_BLOCK_K", 64))
+        tile_group = not grouped or group_size % bk == 0
+        elt = 2
+        # Slabs of whole 64-column blocks bound the transient dense weight to about slab_bytes.
+        slab = max(64, min(n, int(cfg.get("slab_bytes", 128 << 20)) // max(1, k * elt)))
+        slab = min(n, -(-slab // 64) * 64)
+        return dict(path="dense", cfg=cfg, dq_block_k=bk, dq_block_n=int(cfg.get("DQ_BLOCK_N", 128)),
+                    tile_group=tile_group, slab=slab)
+    bm, bn, bk = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"]), int(cfg["BLOCK_K"])
+    vpw = 32 // bits if 32 % bits == 0 else 1
+    bk = max(bk, 16 * vpw if 32 % bits == 0 else 16)
+    tile_group = True
+    if grouped and group_size % bk:
+        # Shrink the K tile to a power of two dividing the group (the dot needs K >= 16, and the
+        # fast unpack needs whole words of 16 rows); otherwise scale each element before the dot.
+        fit = _pow2_divisor(group_size, bk)
+        if fit >= max(16, 16 * vpw if 32 % bits == 0 else 16):
+            bk = fit
+        else:
+            tile_group = False
+    tiles = -(-m // bm) * -(-n // bn)
+    split, split_len = _split(k, bk, tiles, cfg, sms)
+    return dict(
+        path="gemm", cfg=cfg, split=split, split_len=split_len, block_m=bm, block_n=bn, block_k=bk,
+        tile_group=tile_group, even_k=(k % bk == 0), grid=(tiles, split),
+        reduce=cfg.get("reduce", "partials"),
+    )
+
+
+def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device) -> int:
+    """Scratch bytes ``triton_mm`` uses for these sizes (fp32 split-K partials); 0 when none."""
+    plan = _plan(m, n, k, bits, group_size, device)
+    if plan["path"] == "dense" or plan["split"] == 1:
+        return 0
+    rows = plan["split"] if plan["reduce"] == "partials" else 1
+    return 4 * rows * m * n
+
+
+def _scratch(workspace: torch.Tensor | None, shape: tuple[int, ...], zero: bool, device) -> torch.Tensor:
+    """fp32 scratch of ``shape``: a view of the caller's workspace when it is large enough."""
+    numel = math.prod(shape)
+    if workspace is not None and workspace.device == device and workspace.numel() * workspace.element_size() >= 4 * numel:
+        buf = workspace.view(-1).view(torch.uint8)[: 4 * numel].view(torch.float32).view(shape)
+        return buf.zero_() if zero else buf
+    return torch.zeros(shape, dtype=torch.float32, device=device) if zero else torch.empty(shape, dtype=torch.float32, device=device)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+
+def triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=None, workspace=None, *, force_path=None):
+    """``y = x[..., act_perm] @ W.T + bias`` for the runtime integer layout (the lowering entry).
+
+    Arguments are already validated (``qops.ops.int_weight.check_mm_int_weight``). Returns a fresh
+    ``(..., N)`` tensor of x's dtype, or writes ``out`` and returns it. No host synchronisation;
+    no autotuning: the launch plan comes from the shipped config table. ``force_path`` ("decode",
+    "gemm", "dense") overrides the table's choice (tests, tuner).
+    """
+    k = x.shape[-1]
+    n = qweight.shape[1]
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    if out is None:
+        out = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
+    if qweight.stride(1) != 1:
+        qweight = qweight.contiguous()
+    if scales.stride(1) != 1:
+        scales = scales.contiguous()
+    x2 = x.reshape(m, k)
+    direct = out.is_contiguous()
+    o2 = out.view(m, n) if direct else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    plan = _plan(m, n, k, bits, group_size, x.device, force_path)
+    if plan["path"] == "dense":
+        _run_dense(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
+    else:
+        _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace)
+    if not direct:
+        out.copy_(o2.view(out.shape))
+    return out
+
+
+def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace):
+    m, k = x2.shape
+    n = o2.shape[1]
+    split = plan["split"]
+    if split == 1:
+        mode, y = 0, o2
+        sy = (0, o2.stride(0), o2.stride(1))
+    elif plan["reduce"] == "atomic":
+        mode, y = 2, _scratch(workspace, (m, n), True, x2.device)
+        sy = (0, n, 1)
+    else:
+        mode, y = 1, _scratch(workspace, (split, m, n), False, x2.device)
+        sy = (m * n, n, 1)
+    common = (
+        x2, qweight, scales, qzeros if qzeros is not None else qweight, act_perm if act_perm is not None else qweight,
+        bias if bias is not None else scales, y,
+        m, n, k, qweight.shape[0],
+        x2.stride(0), x2.stride(1), qweight.stride(0), scales.stride(0),
+        qzeros.stride(0) if qzeros is not None else 0, *sy,
+        plan["split_len"], group_size if group_size != -1 else k, zero_offset, MAGIC_ARG,
+    )
+    flags = dict(
+        BITS=bits, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None, HAS_BIAS=bias is not None,
+        GROUPED=group_size != -1, OUT_MODE=mode, EVEN_K=plan["even_k"],
+    )
+    cfg = plan["cfg"]
+    launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)))
+    if plan["path"] == "decode":
+        _gemv_kernel[plan["grid"]](
+            *common, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"],
+            EVEN_N=plan["even_n"], **flags, **launch,
+        )
+    else:
+        _tc_kernel[plan["grid"]](
+            *common, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
+            GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"], **flags, **launch,
+        )
+    if mode != 0:
+        block = 256
+        _reduce_kernel[(-(-n // block), m)](
+            y, bias if bias is not None else y, o2, m, n, split if mode == 1 else 1, sy[0], sy[1],
+            o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, num_warps=2,
+        )
+
+
+def _run_dense(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2):
+    """Dequantize N-slabs of W.T into a transient buffer and multiply with cuBLAS (largest M)."""
+    m, k = x2.shape
+    n = o2.shape[1]
+    slab = plan["slab"]
+    bk, bn = plan["dq_block_k"], plan["dq_block_n"]
+    w = torch.empty((k, slab), dtype=x2.dtype, device=x2.device)
+    b = bias.to(x2.dtype) if bias is not None and bias.dtype != x2.dtype else bias
+    for n0 in range(0, n, slab):
+        width = min(slab, n - n0)
+        _dequant_kernel[(-(-k // bk), -(-width // bn))](
+            qweight, scales, qzeros if qzeros is not None else qweight, act_perm if act_perm is not None else qweight, w,
+            k, n, n0, slab, qweight.shape[0], qweight.stride(0), scales.stride(0),
+            qzeros.stride(0) if qzeros is not None else 0, group_size if group_size != -1 else k, zero_offset,
+            MAGIC_ARG, BITS=bits, BLOCK_K=bk, BLOCK_N=bn, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None,
+            GROUPED=group_size != -1, TILE_GROUP=plan["tile_group"], num_warps=4,
+        )
+        wv = w[:, :width]
+        dst = o2[:, n0:n0 + width]
+        if b is not None:
+            torch.addmm(b[n0:n0 + width], x2, wv, out=dst)
+        else:
+            torch.mm(x2, wv, out=dst)

@@ -1,0 +1,238 @@
+"""The Triton lowering of mm_int_weight, called directly (``triton_mm``), on small shapes.
+
+Without a GPU the root conftest sets TRITON_INTERPRET=1 and the kernels run on CPU tensors (fp16 and
+fp32 only: the interpreter computes bf16 wrongly). Every path is forced through a config table
+(``config_override``) or ``force_path``, with tiles small enough for the interpreter. The oracle is a
+float64 matmul against ``reference_dequantize`` of the same runtime tensors.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qops.formats import FORMATS
+from qops.formats._packing import pack_bits
+from qops.formats.integer import act_order_g_idx
+from qops.ops.int_weight import reference_dequantize
+from qops.ops.triton import int_weight as T
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3}
+
+# Small tiles so the interpreter stays fast; num_sms makes the split-K rule produce several splits.
+_DECODE = {"BLOCK_N": 64, "CHUNKS": 2, "num_warps": 1, "num_stages": 1, "ctas_per_sm": 4, "max_split": 8}
+_GEMM = {"impl": "triton", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "num_warps": 1,
+         "num_stages": 1, "ctas_per_sm": 4, "max_split": 8}
+_DENSE = {"impl": "dense", "DQ_BLOCK_K": 32, "DQ_BLOCK_N": 32, "slab_bytes": 200 * 2 * 32}
+
+
+def table(reduce="partials", decode_max_m=4, dense_from=None, max_split=8):
+    gemm = {"64": {**_GEMM, "reduce": reduce, "max_split": max_split}}
+    if dense_from is not None:
+        gemm = {str(dense_from - 1): gemm["64"], "1000000": _DENSE}
+    return {
+        "gpu": "test", "tuned": False, "source": "tests", "num_sms": 4, "decode_max_m": decode_max_m,
+        "decode": {"default": {"16": {**_DECODE, "reduce": reduce, "max_split": max_split}}},
+        "gemm": {"default": gemm},
+    }
+
+
+def runtime_weight(n, k, bits, group_size, sym, act_order, zero_offset=1, scale_dtype=torch.float16, seed=0):
+    """Random runtime tensors (the layout of qops.ops.int_weight), built without qops' prepare."""
+    g = torch.Generator().manual_seed(seed)
+    n_groups = 1 if group_size == -1 else -(-k // group_size)
+    q = torch.randint(0, 2**bits, (k, n), generator=g)
+    qweight = pack_bits(q, bits, dim=0)
+    scales = (torch.rand(n_groups, n, generator=g) * 0.02 + 0.005).to(scale_dtype)
+    if sym:
+        qzeros, zero_offset = None, 0
+    else:
+        stored = torch.randint(0, 2**bits, (n_groups, n), generator=g)
+        qzeros = pack_bits(stored, bits, dim=1)
+    act_perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return to(qweight), to(scales), to(qzeros), to(act_perm), zero_offset
+
+
+def oracle(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset):
+    k = x.shape[-1]
+    w = reference_dequantize(qweight.cpu(), scales.cpu(), None if qzeros is None else qzeros.cpu(), k, bits, group_size, zero_offset).double()
+    xs = x.cpu().double()
+    if act_perm is not None:
+        xs = xs.index_select(-1, act_perm.cpu().long())
+    y = xs @ w.t()
+    return y if bias is None else y + bias.cpu().double()
+
+
+def rel_err(y, ref):
+    return ((y.cpu().double() - ref).norm() / ref.norm()).item()
+
+
+def check(m, n, k, bits, group_size, sym, act_order, has_bias, dtype, path, zero_offset=1, seed=0, x_shape=None):
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(n, k, bits, group_size, sym, act_order, zero_offset, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*(x_shape or (m,)), k, generator=g).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=g).to(dtype).to(DEVICE) if has_bias else None
+    y = T.triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zo, force_path=path)
+    assert y.shape == (*x.shape[:-1], n) and y.dtype == dtype
+    err = rel_err(y, oracle(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zo))
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+    return y
+
+
+# (M, N, K, group_size, sym, act_order, bias, dtype): partial last groups in all but the first.
+CASES = [
+    (1, 40, 64, -1, True, False, False, torch.float32),
+    (3, 72, 200, 32, False, True, True, torch.float16),
+    (17, 56, 136, 64, False, False, True, torch.float16),
+    (2, 48, 200, 128, True, True, False, torch.float32),
+]
+
+
+@pytest.fixture(autouse=True)
+def small_tiles():
+    with T.config_override(table()):
+        yield
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("path", ["decode", "gemm", "dense"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"m{c[0]}-n{c[1]}-k{c[2]}-g{c[3]}-{'sym' if c[4] else 'asym'}{'-act' if c[5] else ''}{'-bias' if c[6] else ''}-{str(c[7])[6:]}")
+def test_paths_match_float64_oracle(case, path, bits):
+    m, n, k, group_size, sym, act_order, has_bias, dtype = case
+    check(m, n, k, bits, group_size, sym, act_order, has_bias, dtype, path)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("path", ["gemm", "dense"])
+def test_group_size_that_splits_words(path, bits):
+    # group 48: not a power of two and, for 3 bits, group boundaries fall inside words: the
+    # per-element (gather) unpack with per-row scales.
+    check(5, 40, 152, bits, 48, False, True, True, torch.float16, path)
+
+
+@pytest.mark.parametrize("reduce", ["partials", "atomic"])
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+def test_split_k_reductions(reduce, path):
+    with T.config_override(table(reduce=reduce)):
+        plan = T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)
+        assert plan["split"] > 1 and plan["reduce"] == reduce
+        check(3, 72, 256, 4, 32, False, False, True, torch.float16, path)
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+def test_single_split_writes_output_directly(path):
+    with T.config_override(table(max_split=1)):
+        assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] == 1
+        check(3, 72, 256, 4, 32, False, True, True, torch.float16, path)
+
+
+def test_zero_offset_zero_and_fp32_scales():
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(40, 96, 4, 32, False, False, zero_offset=0, scale_dtype=torch.float32)
+    x = torch.randn(2, 96).half().to(DEVICE)
+    for path in ("decode", "gemm", "dense"):
+        y = T.triton_mm(x, qweight, scales, qzeros, None, None, 4, 32, zo, force_path=path)
+        assert rel_err(y, oracle(x, qweight, scales, qzeros, None, None, 4, 32, zo)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm", "dense"])
+def test_strided_and_batched_activations(path):
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(40, 64, 4, 32, False, True)
+    base = torch.randn(2, 3, 2 * 64).half().to(DEVICE)
+    x = base[..., ::2]  # (2, 3, 64), stride 2 along K
+    y = T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
+    assert y.shape == (2, 3, 40)
+    assert rel_err(y, oracle(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+def test_out_and_workspace(path):
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, False)
+    x = torch.randn(3, 256).half().to(DEVICE)
+    need = T.workspace_bytes(3, 72, 256, 4, 32, torch.device(DEVICE))
+    assert need > 0
+    workspace = torch.full((need,), 255, dtype=torch.uint8, device=DEVICE)  # garbage: must not matter
+    out = torch.full((3, 72), float("nan"), dtype=torch.float16, device=DEVICE)
+    ret = T.triton_mm(x, qweight, scales, qzeros, None, None, 4, 32, zo, out=out, workspace=workspace, force_path=path)
+    assert ret is out
+    assert rel_err(out, oracle(x, qweight, scales, qzeros, None, None, 4, 32, zo)) < TOL[torch.float16]
+    # A non-contiguous out is written too.
+    big = torch.full((72, 3), float("nan"), dtype=torch.float16, device=DEVICE)
+    ret = T.triton_mm(x, qweight, scales, qzeros, None, None, 4, 32, zo, out=big.t(), force_path=path)
+    assert rel_err(big.t(), oracle(x, qweight, scales, qzeros, None, None, 4, 32, zo)) < TOL[torch.float16]
+
+
+def test_empty_and_zero_k():
+    qweight, scales, qzeros, _, zo = runtime_weight(40, 64, 4, 32, False, False)
+    x = torch.randn(0, 64).half().to(DEVICE)
+    assert T.triton_mm(x, qweight, scales, qzeros, None, None, 4, 32, zo).shape == (0, 40)
+    x3 = torch.randn(2, 0, 64).half().to(DEVICE)
+    assert T.triton_mm(x3, qweight, scales, qzeros, None, None, 4, 32, zo).shape == (2, 0, 40)
+
+
+def test_gptq_act_order_checkpoint_end_to_end():
+    # A real format's prepare (act-order GPTQ v1, partial last group) feeding the Triton entry.
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(56, 200, generator=gen)
+    ckpt = FORMATS["gptq"].quantize(w, bits=4, group_size=64, sym=False, g_idx=act_order_g_idx(200, 64, gen), version="v1")
+    iw = FORMATS["gptq"].prepare(ckpt)
+    assert iw.act_perm is not None
+    x = torch.randn(3, 200, generator=gen).half()
+    ref = x.double() @ FORMATS["gptq"].dequantize(ckpt).double().t()
+    for path in ("decode", "gemm", "dense"):
+        qzeros = None if iw.qzeros is None else iw.qzeros.to(DEVICE)
+        y = T.triton_mm(x.to(DEVICE), iw.qweight.to(DEVICE), iw.scales.to(DEVICE), qzeros, iw.act_perm.to(DEVICE),
+                        None, iw.bits, iw.group_size, iw.zero_offset, force_path=path)
+        assert rel_err(y, ref) < TOL[torch.float16]
+
+
+def test_one_hot_rows_return_the_dequantized_weight():
+    # x = I picks out columns of W exactly (fp32): a bit-exact probe of the unpacking.
+    for bits in (2, 3, 4, 8):
+        qweight, scales, qzeros, act_perm, zo = runtime_weight(40, 64, bits, 32, False, False, scale_dtype=torch.float32)
+        w = reference_dequantize(qweight.cpu(), scales.cpu(), qzeros.cpu(), 64, bits, 32, zo)
+        eye = torch.eye(64, device=DEVICE)
+        for path in ("gemm", "dense"):
+            y = T.triton_mm(eye, qweight, scales, qzeros, None, None, bits, 32, zo, force_path=path)
+            assert torch.equal(y.cpu(), w.t()), (bits, path)
+
+
+def test_plan_follows_the_table():
+    dev = torch.device(DEVICE)
+    with T.config_override(table(decode_max_m=2, dense_from=33)):
+        assert T._plan(1, 4096, 4096, 4, 128, dev)["path"] == "decode"
+        assert T._plan(2, 4096, 4096, 4, 128, dev)["path"] == "decode"
+        assert T._plan(3, 4096, 4096, 4, 128, dev)["path"] == "gemm"
+        assert T._plan(32, 4096, 4096, 4, 128, dev)["path"] == "gemm"
+        assert T._plan(33, 4096, 4096, 4, 128, dev)["path"] == "dense"
+        # A group size that is not a multiple of 32 has no decode path: the GEMM serves M = 1.
+        assert T._plan(1, 4096, 4096, 4, 48, dev)["path"] == "gemm"
+        # The decode step stays inside a group: 32 rows per step for group 32.
+        assert T._plan(1, 4096, 4096, 4, 32, dev)["chunks"] == 1
+        # The GEMM K tile shrinks to divide the group (8-bit words allow 64-row tiles).
+        assert T._plan(32, 4096, 4096, 8, 64, dev)["block_k"] <= 64
+
+
+@pytest.mark.parametrize("stem", ["default", "h200"])
+def test_shipped_configs(stem):
+    path = T.CONFIG_DIR / f"{stem}.json"
+    data = json.loads(path.read_text())
+    assert {"gpu", "tuned", "source", "decode_max_m", "decode", "gemm"} <= data.keys()
+    if not data["tuned"]:
+        assert "untuned" in data["source"].lower(), "an untuned table must say so in its source"
+    for section in ("decode", "gemm"):
+        assert "default" in data[section]
+        for by_m in data[section].values():
+            assert all(int(b) > 0 for b in by_m)
+    for m in (1, 2, 3, 16, 64, 257, 2048, 100000):
+        T._bucket(data["gemm"], 4, m)
+        T._bucket(data["decode"], 4, m)
+
+
+def test_gpu_key():
+    assert T.gpu_key("NVIDIA H200") == "h200"
+    assert T.gpu_key("NVIDIA H100 80GB HBM3") == "h100"
+    assert T.gpu_key("NVIDIA A100-SXM4-80GB") == "a100"
+    assert T.load_config("no-such-gpu")["gpu"] == "any"
