@@ -1,0 +1,235 @@
+"""The Triton lowering of mm_int_weight on a CUDA device, through ``torch.ops.qops.mm_int_weight``.
+
+Weights are random checkpoints of every int_weight format, moved to the GPU and prepared there by
+``FORMATS[name].prepare(checkpoint, dtype=...)`` with every higher-priority int_weight lowering
+disabled, so the chooser itself must pick ``Kernel.TRITON``. The oracle is float64 ``x @ W.T + bias``
+with W from ``tests.oracle`` (an independent reading of each checkpoint layout). Checked eagerly,
+under ``torch.compile(fullgraph=True)`` and replayed from a captured CUDA graph (output poisoned
+before the replay). The shipped config table decides the path per M: decode for the smallest M,
+the tensor-core GEMM above it and, where the table says so, dequantize + cuBLAS for the largest.
+
+Triton compiles one kernel per flag combination; the matrix below is sized so the file runs in a
+few minutes on a cold cache.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from qops.formats import FORMATS
+from qops.lowerings import LOWERINGS, Kernel
+from qops.ops.triton import int_weight as T
+from tests import oracle
+from tests.int_weight_cases import Case, pack, random_int_quantized, rel_err
+
+pytestmark = pytest.mark.gpu
+
+# fp32 accumulation; the output rounding (2^-11 fp16, 2^-8 bf16) dominates. The dense path's
+# weight is rounded to the activation dtype once more before cuBLAS.
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+ALL_M = (1, 2, 7, 16, 64, 257, 2048)
+TRITON = "triton_int_weight"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def only_triton():
+    """Disable every int_weight lowering ranked above Triton so the chooser picks it."""
+    triton_low = next(l for l in LOWERINGS if l.name == TRITON)
+    above = [l.name for l in LOWERINGS if l.family == "int_weight" and l.priority > triton_low.priority]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QOPS_DISABLE_LOWERINGS", ",".join(above))
+        if not above:
+            mp.delenv("QOPS_DISABLE_LOWERINGS", raising=False)
+        yield
+
+
+@dataclasses.dataclass
+class Built:
+    weight: object  # IntWeight on cuda, chosen kernel
+    w64: torch.Tensor  # (N, K) float64 on cuda, checkpoint K order
+
+
+_CACHE: dict = {}
+
+
+def _to_cuda(ckpt):
+    fields = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)}
+    return dataclasses.replace(ckpt, **{k: v.cuda() for k, v in fields.items() if isinstance(v, torch.Tensor)})
+
+
+def built(case: Case, dtype: torch.dtype, seed: int = 0) -> Built:
+    key = (case, dtype, seed)
+    if key not in _CACHE:
+        iq = random_int_quantized(case, torch.Generator().manual_seed(seed))
+        ckpt = pack(case, iq)
+        w = FORMATS[case.fmt].prepare(_to_cuda(ckpt), dtype=dtype)
+        assert w.kernel == Kernel.TRITON, w.choice.explain()
+        _CACHE[key] = Built(w, oracle.dequantize(case.fmt, ckpt).cuda())
+    return _CACHE[key]
+
+
+def rand(*shape, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+
+
+def check(y, x, w64, bias, what):
+    want = x.double() @ w64.t()
+    if bias is not None:
+        want = want + bias.double()
+    assert y.dtype == x.dtype and y.shape == want.shape, what
+    assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
+    err = rel_err(y, want)
+    assert err < TOL[x.dtype], f"{what}: relative error {err:.2e} >= {TOL[x.dtype]:.0e}"
+
+
+def matrix() -> list[tuple[Case, torch.dtype]]:
+    """Every format x bits x group size, each once; dtype, sym, act-order and version rotate so
+    that each appears across the matrix. N and K are odd or off multiples of the group."""
+    support = {"gptq": (2, 3, 4, 8), "awq": (4,), "compressed-tensors": (4, 8)}
+    shapes = [(264, 520), (200, 333), (136, 1000), (328, 200)]  # AWQ needs N % 8 == 0
+    out, i = [], 0
+    for fmt, bits_list in support.items():
+        for bits in bits_list:
+            for gs in (-1, 32, 64, 128):
+                sym = i % 2 == 0 and fmt != "awq"
+                act = fmt != "awq" and gs != -1 and i % 3 != 2
+                ver = ("v1", "v2")[i % 2] if fmt == "gptq" else None
+                n, k = shapes[i % len(shapes)]
+                if fmt == "awq":
+                    n = n - n % 8
+                out.append((Case(fmt, bits, gs, sym, act, ver, n, k), (torch.float16, torch.bfloat16)[(i // 2) % 2]))
+                i += 1
+    return out
+
+
+MATRIX = matrix()
+
+
+def _id(c):
+    case, dtype = c
+    return f"{case.id}-{str(dtype)[6:]}"
+
+
+def test_matrix_covers_the_registry():
+    formats = {c.fmt for c, _ in MATRIX}
+    assert formats == {n for n, f in FORMATS.items() if f.family == "int_weight"}
+
+
+@pytest.mark.parametrize("item", MATRIX, ids=_id)
+def test_every_format_bits_group(item):
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=1)
+    for i, m in enumerate((1, 16, 257)):
+        x = rand(m, case.k, dtype=dtype, seed=10 + m)
+        use = bias if i % 2 == 0 else None
+        y = torch.ops.qops.mm_int_weight(x, b.weight.qweight, b.weight.scales, b.weight.qzeros, b.weight.act_perm, use,
+                                         b.weight.bits, b.weight.group_size, b.weight.zero_offset, int(b.weight.kernel))
+        check(y, x, b.w64, use, f"{_id(item)} M={m}")
+
+
+SWEEP = [
+    (Case("gptq", 4, 128, False, True, "v1", 4104, 1000), torch.float16),
+    (Case("awq", 4, 128, False, False, None, 1024, 4096), torch.bfloat16),
+    (Case("compressed-tensors", 8, -1, True, False, None, 520, 777), torch.bfloat16),
+    (Case("gptq", 3, 64, True, False, "v2", 300, 640), torch.float16),
+]
+
+
+@pytest.mark.parametrize("item", SWEEP, ids=_id)
+def test_every_m_bucket(item):
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=2)
+    for m in ALL_M:
+        x = rand(m, case.k, dtype=dtype, seed=m)
+        check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} path={T._plan(m, case.n, case.k, case.bits, case.group_size, x.device)['path']}")
+
+
+@pytest.mark.parametrize("item", SWEEP[:2], ids=_id)
+def test_torch_compile_fullgraph(item):
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=3)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: b.weight.mm(x, bias), fullgraph=True, dynamic=False)
+    for m in (1, 16, 64):
+        x = rand(m, case.k, dtype=dtype, seed=20 + m)
+        check(f(x), x, b.w64, bias, f"compiled {_id(item)} M={m}")
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("item", SWEEP[:2], ids=_id)
+def test_cuda_graph_replay(item):
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=4)
+    for m in (1, 2, 16, 64, 2048):
+        x = rand(m, case.k, dtype=dtype, seed=30 + m)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile and load every kernel before capture
+                b.weight.mm(x, bias)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = b.weight.mm(x, bias)
+        y.fill_(float("nan"))
+        x.copy_(rand(m, case.k, dtype=dtype, seed=40 + m))  # new inputs, same buffer
+        graph.replay()
+        torch.cuda.synchronize()
+        check(y, x, b.w64, bias, f"graph {_id(item)} M={m}")
+
+
+def test_out_variant_workspace_and_reductions():
+    case, dtype = SWEEP[0]
+    b = built(case, dtype)
+    w = b.weight
+    for reduce in ("partials", "atomic"):
+        table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
+        for section in ("decode", "gemm"):
+            for by_m in table[section].values():
+                for cfg in by_m.values():
+                    cfg["reduce"] = reduce
+        with T.config_override(table):
+            for m in (1, 7, 64):
+                x = rand(m, case.k, dtype=dtype, seed=m)
+                need = T.workspace_bytes(m, case.n, case.k, case.bits, case.group_size, x.device)
+                ws = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
+                big = torch.full((m, case.n + 9), float("nan"), dtype=dtype, device="cuda")
+                out = big[:, 4:4 + case.n]
+                torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.bits, w.group_size,
+                                                 w.zero_offset, int(w.kernel), out, ws)
+                check(out, x, b.w64, None, f"out {reduce} M={m}")
+                assert bool(big[:, :4].isnan().all()) and bool(big[:, 4 + case.n:].isnan().all()), "wrote outside out"
+
+
+def test_activation_layouts():
+    case, dtype = SWEEP[0]
+    b = built(case, dtype)
+    k = case.k
+    layouts = {
+        "3d": rand(2, 3, k, dtype=dtype),
+        "transposed": rand(k, 5, dtype=dtype).t(),
+        "strided": rand(4, 2 * k, dtype=dtype)[:, ::2],
+        "1d": rand(k, dtype=dtype),
+        "empty": torch.empty(0, k, dtype=dtype, device="cuda"),
+    }
+    for name, x in layouts.items():
+        y = b.weight.mm(x)
+        assert y.shape == (*x.shape[:-1], case.n), name
+        if x.numel():
+            check(y, x, b.w64, None, name)
+
+
+def test_shipped_config_for_this_gpu_loads():
+    stem, sms = T._device_facts(torch.device("cuda"))
+    table = T.load_config(stem)
+    assert sms > 0 and table["decode_max_m"] >= 1
+    print(f"GPU config {stem}: tuned={table['tuned']} source={table['source']!r} ({os.cpu_count()} CPUs)")
