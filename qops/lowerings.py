@@ -27,6 +27,7 @@ class Kernel(enum.IntEnum):
     REFERENCE = 0
     TRITON = 1
     NATIVE = 2
+    SCALED_MM = 3  # torch._scaled_mm (cuBLASLt FP8 GEMM)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ class Lowering:
 
 INT_WEIGHT_FORMATS = frozenset({"gptq", "awq", "compressed-tensors"})
 FLOAT_ACTS = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# fp8 family: WeightSpec.group_size is block_k (-1: scales constant along K); act_dtype float8_e4m3fn
+# means W8A8 (activations quantized to fp8 before the GEMM), a float dtype W8A16.
+FP8_FORMATS = frozenset({"fp8", "compressed-tensors-fp8", "fp8-block"})
 
 # The table. The CPU reference comes first; GPU lowerings are added beside it.
 LOWERINGS: tuple[Lowering, ...] = (
@@ -150,6 +154,49 @@ LOWERINGS: tuple[Lowering, ...] = (
         entry="qops.ops.triton.int_weight:triton_mm",
         note="Triton: split-K GEMV for small M, tiled GEMM above the measured threshold",
         software=_triton_missing,
+    ),
+    Lowering(
+        name="reference_fp8",
+        kernel=Kernel.REFERENCE,
+        family="fp8",
+        device_types=frozenset({"cpu", "cuda"}),
+        formats=FP8_FORMATS,
+        bits=frozenset({8}),
+        act_dtypes=FLOAT_ACTS | {torch.float8_e4m3fn},
+        priority=0,
+        entry="qops.ops.fp8:reference_mm",
+        note="pure torch: fp8 weight times its scales in fp32, then matmul (fp32 accumulation)",
+    ),
+    Lowering(
+        name="triton_fp8",
+        kernel=Kernel.TRITON,
+        family="fp8",
+        device_types=frozenset({"cuda"}),
+        min_capability=(8, 0),
+        formats=FP8_FORMATS,
+        bits=frozenset({8}),
+        act_dtypes=FLOAT_ACTS | {torch.float8_e4m3fn},
+        group_sizes=frozenset({-1, 32, 64, 128, 256, 512, 1024}),
+        priority=10,
+        entry="qops.ops.triton.fp8:triton_mm",
+        note="Triton: GEMV (split-K when N is small) for M <= 4, tl.dot GEMM above; fp8 -> fp16/bf16 in registers",
+        software=_triton_missing,
+    ),
+    Lowering(
+        name="scaled_mm_fp8",
+        kernel=Kernel.SCALED_MM,
+        family="fp8",
+        device_types=frozenset({"cuda"}),
+        min_capability=(8, 9),
+        formats=FP8_FORMATS,
+        bits=frozenset({8}),
+        act_dtypes=frozenset({torch.float8_e4m3fn}),
+        group_sizes=frozenset({-1}),
+        n_multiple=16,
+        k_multiple=16,
+        priority=20,
+        entry="qops.ops.fp8:scaled_mm_lowering",
+        note="torch._scaled_mm (cuBLASLt) W8A8: tensor-wise or row-wise scales; M padded to 16",
     ),
 )
 

@@ -82,11 +82,85 @@ def dequantize_int_weight_samples():
     return out
 
 
+def _fp8_weights():
+    from qops.formats.fp8 import quantize_rtn
+    from qops.ops.fp8 import prepare_fp8_weight
+
+    g = torch.Generator().manual_seed(2)
+    specs = {"tensor": ("tensor", None), "channel": ("channel", None), "block": ("block", (16, 32))}
+    return {name: prepare_fp8_weight(quantize_rtn(torch.randn(40, 72, generator=g), gran, block or (128, 128)), activations="none")
+            for name, (gran, block) in specs.items()}
+
+
+def _fp8_static(w):
+    return (w.weight, w.weight_scale)
+
+
+def mm_fp8_weight_samples():
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for name, w in _fp8_weights().items():
+        k, n = w.in_features, w.out_features
+        variants = {
+            "fp32-grad-bias-grad": (torch.randn(5, k, generator=g).requires_grad_(), torch.randn(n, generator=g).requires_grad_()),
+            "fp16-3d-grad": (torch.randn(2, 3, k, generator=g).half().requires_grad_(), None),
+            "bf16-m1-bias": (torch.randn(1, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()),
+        }
+        if name == "block":
+            variants["fp32-m0-grad"] = (torch.randn(0, k, generator=g).requires_grad_(), None)
+            variants["fp32-transposed-grad"] = (torch.randn(k, 4, generator=g).t().requires_grad_(), torch.randn(n, generator=g))
+        for vname, (x, bias) in variants.items():
+            out[f"{name}-{vname}"] = (x, *_fp8_static(w), bias, w.block_n, w.block_k, int(w.kernel))
+    return out
+
+
+def scaled_mm_fp8_samples():
+    from qops.ops.fp8 import quantize_fp8_activations
+
+    g = torch.Generator().manual_seed(4)
+    out = {}
+    for name, w in _fp8_weights().items():
+        k, n = w.in_features, w.out_features
+        x = torch.randn(2, 3, k, generator=g)
+        per_token = quantize_fp8_activations(x)
+        per_tensor = quantize_fp8_activations(x, torch.tensor([0.02]))
+        variants = {
+            "per-token-fp16-bias-grad": (*per_token, torch.randn(n, generator=g).half().requires_grad_(), torch.float16),
+            "per-tensor-fp32": (*per_tensor, None, torch.float32),
+            "per-token-m0-bf16-bias": (*quantize_fp8_activations(torch.randn(0, k)), torch.randn(n, generator=g), torch.bfloat16),
+        }
+        for vname, (x_fp8, x_scale, bias, out_dtype) in variants.items():
+            out[f"{name}-{vname}"] = (x_fp8, x_scale, *_fp8_static(w), bias, w.block_n, w.block_k, out_dtype, int(w.kernel))
+    return out
+
+
+def dequantize_fp8_samples():
+    return {f"{name}-{str(dtype)[6:]}": (*_fp8_static(w), w.block_n, w.block_k, dtype)
+            for (name, w), dtype in zip(_fp8_weights().items(), (torch.float32, torch.float16, torch.bfloat16))}
+
+
 SAMPLES = {
     "mm_int_weight": mm_int_weight_samples,
     "mm_int_weight_out": mm_int_weight_out_samples,
     "dequantize_int_weight": dequantize_int_weight_samples,
+    "mm_fp8_weight": mm_fp8_weight_samples,
+    "scaled_mm_fp8": scaled_mm_fp8_samples,
+    "dequantize_fp8": dequantize_fp8_samples,
 }
+
+
+@pytest.fixture(autouse=True)
+def _float8_comparable(monkeypatch):
+    """opcheck's test_schema compares every tensor an op (and its kernel) touches before and after
+    with ``torch.allclose``, which has no float8 kernel on CPU: compare float8 tensors bit for bit."""
+    allclose = torch.allclose
+
+    def fp8_aware(a, b, *args, **kwargs):
+        if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return allclose(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "allclose", fp8_aware)
 
 
 def registered_ops() -> dict[str, torch._ops.OpOverload]:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from . import awq, compressed_tensors, gptq
+from . import fp8
 from .base import CheckpointFormat
 from .integer import IntQuantized, quantize_rtn
 
-FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (gptq.FORMAT, awq.FORMAT, compressed_tensors.FORMAT)}
+FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (gptq.FORMAT, awq.FORMAT, compressed_tensors.FORMAT, *fp8.FORMATS)}
 
 
 def get_format(name: str) -> CheckpointFormat:

@@ -6,8 +6,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from .integer import IntQuantized
-
 
 class CheckpointFormat(abc.ABC):
     """One checkpoint layout: its tensors, their exact packing, and conversions to the shared meaning.
@@ -22,15 +20,19 @@ class CheckpointFormat(abc.ABC):
     group_sizes: ClassVar[str] = "-1 or any positive divisor-free size (partial last group allowed)"
 
     @abc.abstractmethod
-    def quantize(self, w: torch.Tensor, *, bits: int, group_size: int, sym: bool, **options: Any):
-        """Reference round-to-nearest quantization of a dense ``(N, K)`` weight into a checkpoint."""
+    def quantize(self, w: torch.Tensor, **options: Any):
+        """Reference round-to-nearest quantization of a dense ``(N, K)`` weight into a checkpoint.
+
+        Options are the family's: ``bits``, ``group_size``, ``sym`` for integer formats; a scale
+        ``granularity`` for fp8.
+        """
 
     @abc.abstractmethod
-    def pack(self, iq: IntQuantized, **options: Any):
-        """Shared meaning -> checkpoint tensors."""
+    def pack(self, meaning, **options: Any):
+        """Shared meaning (the family's dataclass: ``IntQuantized``, ``Fp8Quantized``) -> checkpoint tensors."""
 
     @abc.abstractmethod
-    def unpack(self, checkpoint) -> IntQuantized:
+    def unpack(self, checkpoint):
         """Checkpoint tensors -> shared meaning (exact)."""
 
     def dequantize(self, checkpoint) -> torch.Tensor:

@@ -1,2 +1,3 @@
 """Fake kernels, one module per module of ``qops/ops``."""
 from . import int_weight  # noqa: F401
+from . import fp8  # noqa: F401

@@ -1,0 +1,314 @@
+"""FP8 benchmark: qops W8A8 against ``torch._scaled_mm`` called directly, qops W8A16 against cuBLAS
+fp16/bf16, with the copy-bandwidth roofline measured in the same run.
+
+Method (PERF.md "How to time", as ``/work/shared/anchors/bench_anchors.py``): correctness against a
+float64 reference first; then CUDA-graph replays of calls over rotated weight copies (> 256 MB in all,
+so the 60 MB L2 cannot hold the weight), CUDA events, median of trials. Per shape (N x K) one random
+fp16 weight quantized per channel (``FORMATS["fp8"]``):
+
+- ``mm_fp8_weight`` rows (W8A16, fp16 activations): ``qops_us`` is ``Fp8Weight.mm`` with the lowering
+  the chooser picked (Triton on CUDA); ``cublas_fp16_us`` / ``cublas_bf16_us`` are ``F.linear`` on the
+  dense weight.
+- ``scaled_mm_fp8`` rows (W8A8, bf16 output), two scalings: ``rowwise`` (per-token activations x
+  per-channel weight, what dynamic quantization produces) and ``tensorwise`` (static input scale,
+  per-tensor weight). ``qops_us`` is ``torch.ops.qops.scaled_mm_fp8`` on already-quantized activations;
+  ``scaled_mm_us`` is ``torch._scaled_mm`` on the same tensors, called directly (no M padding; None
+  where it raises); ``qops_e2e_us`` adds the activation quantization run eagerly (under
+  torch.compile it fuses into the producer of x).
+- ``roofline_us`` = ``(N*K + 2*M*(N+K))`` bytes / measured copy bandwidth.
+
+Writes ``$OUT/bench_fp8.json`` (and ``--out``); prints rows as they come, then a table and the
+targets last (W8A8 >= 0.95x ``_scaled_mm`` at M >= 16; W8A16 M = 1 >= 70% of the roofline on the four
+large shapes). About 2 minutes on an H200.
+
+    PYTHONPATH=. python benchmarks/bench_fp8.py [--quick] [--shapes 4096x4096] [--ms 1,16]
+    PYTHONPATH=. python benchmarks/bench_fp8.py --sweep          # M=1 gemv launch configs (tuning aid)
+    PYTHONPATH=. python benchmarks/bench_fp8.py --dry-run        # CPU: plumbing only, numbers mean nothing
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import qops  # noqa: E402,F401
+from qops.formats import FORMATS  # noqa: E402
+from qops.ops.fp8 import quantize_fp8_activations  # noqa: E402
+
+SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # (N, K)
+LARGE = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]
+MS = [1, 16, 64, 256, 2048]
+ROT_BYTES = 288 * 2**20
+W8A8_MIN_RATIO, W8A16_M1_MIN_ROOF = 0.95, 0.70
+PERF_COPY_TBPS = 4.25  # PERF.md, used by --dry-run only
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", help="comma-separated NxK; default the five of PERF.md")
+    p.add_argument("--ms", help="comma-separated M; default 1,16,64,256,2048")
+    p.add_argument("--quick", action="store_true", help="3 trials of ~5 ms instead of 5 of ~10 ms")
+    p.add_argument("--trials", type=int)
+    p.add_argument("--sweep", action="store_true", help="time gemv launch configs at M=1 on the large shapes and print the best")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, wall clock: checks the plumbing only")
+    p.add_argument("--out", help="also write the JSON here")
+    a = p.parse_args(argv)
+    a.shape_list = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")] if a.shapes else (
+        [(256, 512), (72, 200)] if a.dry_run else SHAPES)
+    a.m_list = [int(m) for m in a.ms.split(",")] if a.ms else ([1, 16] if a.dry_run else MS)
+    a.trials = a.trials or (3 if a.quick or a.dry_run else 5)
+    a.target_ms = 5.0 if a.quick or a.dry_run else 10.0
+    return a
+
+
+def graph_time(fns, trials: int, target_ms: float) -> float:
+    """Median microseconds per call of ``fns`` (one zero-arg callable per rotated weight copy)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    iters = max(1, min(1000, round(target_ms / max(a.elapsed_time(b), 1e-3))))
+    ts = []
+    for _ in range(trials):
+        a.record()
+        for _ in range(iters):
+            g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / iters / len(fns))
+    return statistics.median(ts)
+
+
+def wall_time(fns, trials: int, target_ms: float) -> float:
+    for f in fns:
+        f()
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for f in fns:
+            f()
+        ts.append((time.perf_counter() - t0) * 1e6 / len(fns))
+    return statistics.median(ts)
+
+
+def copy_bandwidth_TBps() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    bws = []
+    for _ in range(5):
+        a.record()
+        for _ in range(10):
+            dst.copy_(src)
+        b.record()
+        b.synchronize()
+        bws.append(2 * src.numel() * 10 / (a.elapsed_time(b) / 1e3) / 1e12)
+    del src, dst
+    torch.cuda.empty_cache()
+    return statistics.median(bws)
+
+
+def copies(nbytes: int) -> int:
+    return max(1, min(64, math.ceil(ROT_BYTES / nbytes)))
+
+
+def rel_err(got, want) -> float | None:
+    g = got.double()
+    if not bool(torch.isfinite(g).all()):
+        return None
+    return ((g - want).norm() / want.norm()).item()
+
+
+def safe(fn):
+    """``fn()``, or None with the error printed (a peer that refuses a shape leaves its column empty)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        print(f"    ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})", flush=True)
+        return None
+
+
+def bench_shape(n, k, args, timer, dev, bw, rows):
+    g = torch.Generator(device=dev).manual_seed(0)
+    w16 = torch.randn(n, k, device=dev, generator=g, dtype=torch.float16) * 0.02
+    fmt = FORMATS["fp8"]
+    ckpt = fmt.quantize(w16, granularity="channel")
+    ckpt_t = fmt.quantize(w16, granularity="tensor", input_scale=4.0 / 448)
+    w_deq = fmt.dequantize(ckpt).double()
+    w_deq_t = fmt.dequantize(ckpt_t).double()
+    a16 = fmt.prepare(ckpt, dtype=torch.float16, activations="none")
+    w8 = {"rowwise": fmt.prepare(ckpt, dtype=torch.bfloat16, activations="dynamic"),
+          "tensorwise": fmt.prepare(ckpt_t, dtype=torch.bfloat16, activations="static")}
+    print(f"== {n}x{k}: W8A16 {a16.choice.lowering.name}; W8A8 rowwise {w8['rowwise'].choice.lowering.name}, "
+          f"tensorwise {w8['tensorwise'].choice.lowering.name}", flush=True)
+    r8, r16 = copies(n * k), copies(2 * n * k)
+    a16s = [dataclasses.replace(a16, weight=a16.weight.clone()) for _ in range(r8)]
+    w8s = {s: [dataclasses.replace(w, weight=w.weight.clone()) for _ in range(r8)] for s, w in w8.items()}
+    dense16 = [w16.clone() for _ in range(r16)]
+    dense_bf = [w16.bfloat16() for _ in range(r16)]
+    for m in args.m_list:
+        roof = (n * k + 2 * m * (n + k)) / (bw * 1e12) * 1e6
+        x = torch.randn(m, k, device=dev, generator=g, dtype=torch.float16)
+        xb = x.bfloat16()
+        # W8A16
+        err = rel_err(a16.mm(x), x.double() @ w_deq.t())
+        row = dict(op="mm_fp8_weight", format="fp8", scaling="channel", N=n, K=k, M=m, dtype="float16",
+                   lowering=a16.choice.lowering.name, rel_err=err, roofline_us=round(roof, 2),
+                   qops_us=safe(lambda: timer([lambda w=w: w.mm(x) for w in a16s])),
+                   cublas_fp16_us=safe(lambda: timer([lambda d=d: torch.nn.functional.linear(x, d) for d in dense16])),
+                   cublas_bf16_us=safe(lambda: timer([lambda d=d: torch.nn.functional.linear(xb, d) for d in dense_bf])),
+                   scaled_mm_us=None)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        cublas16 = row["cublas_fp16_us"]
+        # W8A8
+        for scaling, ws in w8s.items():
+            w = w8[scaling]
+            x_fp8, x_scale = quantize_fp8_activations(xb, w.input_scale if w.activations == "static" else None)
+            want = (x_fp8.double() * x_scale.double()) @ (w_deq if scaling == "rowwise" else w_deq_t).t()
+
+            def op(w):
+                return torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, w.weight, w.weight_scale, None, w.block_n, w.block_k,
+                                                    torch.bfloat16, int(w.kernel))
+
+            if scaling == "rowwise":
+                sa, sb = x_scale.reshape(m, 1), w.weight_scale.reshape(1, n)
+            else:
+                sa, sb = x_scale.reshape(()), w.weight_scale.reshape(())
+            row = dict(op="scaled_mm_fp8", format="fp8", scaling=scaling, N=n, K=k, M=m, dtype="bfloat16",
+                       lowering=w.choice.lowering.name, rel_err=rel_err(op(w), want), roofline_us=round(roof, 2),
+                       qops_us=safe(lambda: timer([lambda w=w: op(w) for w in ws])),
+                       qops_e2e_us=safe(lambda: timer([lambda w=w: w.mm(xb) for w in ws])),
+                       scaled_mm_us=safe(lambda: timer([lambda w=w: torch._scaled_mm(x_fp8, w.weight.t(), scale_a=sa, scale_b=sb,
+                                                                                     out_dtype=torch.bfloat16) for w in ws])),
+                       cublas_fp16_us=cublas16)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    del a16s, w8s, dense16, dense_bf
+    torch.cuda.empty_cache()
+
+
+def sweep(args, dev):
+    """Time gemv launch configurations at M=1 (tuning aid for qops/ops/triton/fp8.py)."""
+    from qops.ops.triton.fp8 import triton_mm
+
+    bw = copy_bandwidth_TBps()
+    for n, k in LARGE:
+        w16 = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02
+        pw = FORMATS["fp8"].prepare(FORMATS["fp8"].quantize(w16, granularity="channel"), dtype=torch.float16, activations="none")
+        ws = [pw.weight.clone() for _ in range(copies(n * k))]
+        x = torch.randn(1, k, device=dev, dtype=torch.float16)
+        roof = (n * k + 2 * (n + k)) / (bw * 1e12) * 1e6
+        results = []
+        for bn in (2, 4, 8, 16, 32):
+            for tile in (4096, 8192, 16384):
+                for warps in (4, 8):
+                    cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=tile // bn, SPLIT_K=1, num_warps=warps)
+                    t = safe(lambda: graph_time([lambda w=w: triton_mm(x, None, w, pw.weight_scale, None, 1, -1, torch.float16, config=cfg)
+                                                 for w in ws], 3, 5.0))
+                    if t:
+                        results.append((t, cfg))
+        results.sort(key=lambda r: r[0])
+        for t, cfg in results[:5]:
+            print(f"{n}x{k} M=1 {t:7.2f} us = {100 * roof / t:5.1f}% of roofline  {cfg}", flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dev = "cpu" if args.dry_run else "cuda"
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device (use --dry-run to check the plumbing on a CPU)")
+        return 2
+    if args.sweep:
+        sweep(args, dev)
+        return 0
+    torch.manual_seed(0)
+    meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)", "torch": torch.__version__}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001
+        meta["triton"] = repr(e)
+    try:
+        meta["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        meta["commit"] = os.environ.get("QOPS_COMMIT")
+    bw = PERF_COPY_TBPS if args.dry_run else copy_bandwidth_TBps()
+    meta["copy_TBps"] = round(bw, 3)
+    print(meta, flush=True)
+
+    def timer(fns):
+        return round((wall_time if args.dry_run else graph_time)(fns, args.trials, args.target_ms), 2)
+
+    rows: list[dict] = []
+    t0 = time.time()
+    for n, k in args.shape_list:
+        bench_shape(n, k, args, timer, dev, bw, rows)
+    meta["seconds"] = round(time.time() - t0, 1)
+    result = dict(meta, rows=rows)
+    for path in filter(None, (os.path.join(os.environ["OUT"], "bench_fp8.json") if os.environ.get("OUT") else None, args.out)):
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    report(rows, args)
+    return 0
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def report(rows, args):
+    print("\nop             scaling     N      K      M     qops_us  scaled_mm  cublas16  cublas_bf16  roof_us  err")
+    for r in rows:
+        f = lambda v: f"{v:9.2f}" if isinstance(v, (int, float)) else f"{'-':>9}"  # noqa: E731
+        err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "NaN"
+        print(f"{r['op']:<14} {r['scaling']:<10} {r['N']:>6} {r['K']:>6} {r['M']:>5} {f(r['qops_us'])}  {f(r['scaled_mm_us'])} "
+              f"{f(r['cublas_fp16_us'])}  {f(r.get('cublas_bf16_us'))}   {f(r['roofline_us'])}  {err}")
+    print("\nTARGETS (PERF.md)")
+    w8a8 = [r for r in rows if r["op"] == "scaled_mm_fp8" and r["M"] >= 16]
+    for r in w8a8:
+        ratio = _ratio(r["scaled_mm_us"], r["qops_us"])
+        verdict = "n/a" if ratio is None else ("met" if ratio >= W8A8_MIN_RATIO else "NOT met")
+        print(f"  W8A8 {r['scaling']:<10} {r['N']}x{r['K']} M={r['M']}: {ratio and round(ratio, 3)}x of _scaled_mm "
+              f"(target >= {W8A8_MIN_RATIO}) {verdict}")
+    for r in rows:
+        if r["op"] == "mm_fp8_weight" and r["M"] == 1 and (r["N"], r["K"]) in LARGE:
+            frac = _ratio(r["roofline_us"], r["qops_us"])
+            verdict = "n/a" if frac is None else ("met" if frac >= W8A16_M1_MIN_ROOF else "NOT met")
+            speed = _ratio(r["cublas_fp16_us"], r["qops_us"])
+            print(f"  W8A16 M=1 {r['N']}x{r['K']}: {frac and round(100 * frac, 1)}% of roofline (target >= "
+                  f"{100 * W8A16_M1_MIN_ROOF:.0f}%) {verdict}; {speed and round(speed, 2)}x cuBLAS fp16")
+    bad = [r for r in rows if r["rel_err"] is None or r["rel_err"] > 2e-2]
+    print(f"  correctness: {len(rows) - len(bad)}/{len(rows)} rows within 2e-2 of the float64 reference"
+          + ("" if not bad else f"; FAILED: {[(r['op'], r['scaling'], r['N'], r['K'], r['M']) for r in bad]}"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

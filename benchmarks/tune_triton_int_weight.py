@@ -1,0 +1,439 @@
+"""Tune the Triton int-weight lowering on this GPU and write its config table.
+
+    PYTHONPATH=. python benchmarks/tune_triton_int_weight.py            # writes $OUT/<gpu>.json
+    PYTHONPATH=. python benchmarks/tune_triton_int_weight.py --dry-run  # CPU interpreter smoke test
+
+Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md benchmark shapes:
+
+- decode (GEMV) configs for M in {1, 2, 4}: BLOCK_N x num_warps (4 or 8 columns per thread),
+  CHUNKS (32-value runs per step), programs per SM (the split-K count follows), then the atomic
+  reduction for the best partials config;
+- tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM;
+  and dequantize + cuBLAS from M = 256 on.
+
+``decode_max_m`` is the largest M (from 1) where the best decode config beats the best GEMM one.
+Each candidate is first checked against a float64-free fp32 reference on a 4096x4096 weight (a
+failing candidate is dropped and reported). Timing follows PERF.md: CUDA-graph replay over rotated
+weight copies totalling more than 256 MB, CUDA events, median of trials; cuBLAS fp16 is timed the
+same way in the same process. Kernels are compiled first by worker processes in parallel (they
+fill Triton's disk cache), so the whole run fits in a few minutes.
+
+Writes ``$OUT/<gpu>.json`` (copy to ``qops/ops/triton/configs/``) and ``$OUT/tune_rows.json`` (the
+measured rows: op, format, N, K, M, dtype, qops_us, cublas_fp16_us, roofline_us), and prints a short
+table last.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from qops.ops.int_weight import reference_dequantize  # noqa: E402
+from qops.ops.triton import int_weight as T  # noqa: E402
+
+SHAPES = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # (N, K), PERF.md
+CHECK_SHAPE = (4096, 4096)
+BITS = (4, 8)
+GROUP = 128
+DECODE_MS = (1, 2, 4)
+GEMM_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # 1, 2: to decide decode_max_m
+DENSE_FROM = 256
+ROT_BYTES = 320 << 20  # rotated copies exceed the 60 MB L2 several times over (PERF.md: > 256 MB)
+COPY_TBPS = 4.25  # PERF.md measured device-to-device copy bandwidth, for the roofline column
+DEADLINE_S = 270
+
+
+def decode_candidates(m: int) -> list[dict]:
+    chunks = {1: (2, 4), 2: (1, 2), 4: (1, 2)}[m]
+    out = []
+    for block_n, warps in ((256, 2), (512, 4), (1024, 4), (1024, 8)):
+        for ch in chunks:
+            out.append({"BLOCK_N": block_n, "CHUNKS": ch, "num_warps": warps, "num_stages": 1, "max_split": 64,
+                        "reduce": "partials"})
+    return out
+
+
+def gemm_candidates(m: int) -> list[dict]:
+    if m <= 16:
+        tiles = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 256, 128, 8, 3), (16, 128, 256, 4, 2)]
+    elif m <= 32:
+        tiles = [(32, 64, 128, 4, 3), (32, 128, 128, 4, 3), (32, 256, 128, 8, 3)]
+    elif m <= 64:
+        tiles = [(64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3)]
+    elif m <= 128:
+        tiles = [(64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3)]
+    else:
+        tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 3)]
+    out = [{"impl": "triton", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w, "num_stages": s,
+            "max_split": 32, "reduce": "partials"} for bm, bn, bk, w, s in tiles]
+    if m >= DENSE_FROM:
+        out.append({"impl": "dense", "DQ_BLOCK_K": 64, "DQ_BLOCK_N": 128, "slab_bytes": 64 << 20})
+    return out
+
+
+def ctas_choices(path: str, m: int) -> tuple[int, ...]:
+    if path == "decode":
+        return (2, 4, 8)
+    if path == "dense":
+        return (1,)
+    return (1, 2, 4) if m <= 64 else (1, 2)
+
+
+def single_table(path: str, cfg: dict) -> dict:
+    """A table serving every M with ``cfg`` (the path itself is forced per call)."""
+    return {"gpu": "tuning", "tuned": False, "source": "tuner candidate", "decode_max_m": 4,
+            "decode": {"default": {"1": cfg}}, "gemm": {"default": {"1": cfg}}}
+
+
+def random_weight(n, k, bits, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rows = (k * bits + 31) // 32
+    qweight = torch.randint(-(2**31), 2**31 - 1, (rows, n), generator=g, dtype=torch.int32).to(device)
+    groups = -(-k // GROUP)
+    scales = (torch.rand(groups, n, generator=g) * 0.01 + 0.001).half().to(device)
+    qzeros = torch.randint(-(2**31), 2**31 - 1, (groups, (n * bits + 31) // 32), generator=g, dtype=torch.int32).to(device)
+    return qweight, scales, qzeros
+
+
+def weight_bytes(n, k, bits):
+    return n * k * bits // 8 + 2 * n * -(-k // GROUP) + n * bits // 8 * -(-k // GROUP)
+
+
+def roofline_us(n, k, m, bits):
+    return (weight_bytes(n, k, bits) + 2 * m * (n + k)) / (COPY_TBPS * 1e12) * 1e6
+
+
+def graph_time(fns, dry_run, iters=None, trials=3):
+    """Median microseconds per call of ``fns`` (one per rotated copy), from CUDA-graph replays."""
+    if dry_run:
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t) * 1e6 / len(fns)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    if iters is None:  # aim at about 5 ms of replays per trial
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        iters = max(2, min(50, int(5.0 / max(a.elapsed_time(b), 1e-3))))
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / iters / len(fns))
+    del graph
+    return statistics.median(times)
+
+
+def run_mm(path, cfg, x, w, bits):
+    qweight, scales, qzeros = w
+    with T.config_override(single_table(path, cfg)):
+        return T.triton_mm(x, qweight, scales, qzeros, None, None, bits, GROUP, 0, force_path=path)
+
+
+def jobs(args) -> list[tuple]:
+    """Every (bits, path, M, config) the sweep times."""
+    out = []
+    for bits in BITS:
+        for m in DECODE_MS:
+            for cfg in decode_candidates(m):
+                for c in ctas_choices("decode", m):
+                    out.append((bits, "decode", m, {**cfg, "ctas_per_sm": c}))
+        for m in GEMM_MS:
+            for cfg in gemm_candidates(m):
+                path = "dense" if cfg.get("impl") == "dense" else "gemm"
+                for c in ctas_choices(path, m):
+                    out.append((bits, path, m, {**cfg, "ctas_per_sm": c}))
+    if args.dry_run:
+        picked, seen = [], set()
+        for j in out:
+            if j[2] in (1, 16, 256) and (j[0], j[1], j[2]) not in seen:
+                seen.add((j[0], j[1], j[2]))
+                picked.append(j)
+        out = picked
+    return out
+
+
+def compile_key(job, shape, device):
+    bits, path, m, cfg = job
+    n, k = shape
+    with T.config_override(single_table(path, cfg)):
+        plan = T._plan(m, n, k, bits, GROUP, device, path)
+    keep = {key: v for key, v in plan.items() if key not in ("grid", "split_len", "cfg")}
+    keep["split"] = plan.get("split", 1) > 1
+    return json.dumps([bits, path, min(m, 4) if path == "decode" else 0, keep,
+                       cfg.get("num_warps"), cfg.get("num_stages")], sort_keys=True, default=str)
+
+
+def precompile(job_list, args):
+    """Compile every distinct kernel in parallel worker processes (they fill Triton's disk cache)."""
+    device = torch.device("cuda")
+    seen, todo = set(), []
+    for job in job_list:
+        for shape in SHAPES + [CHECK_SHAPE]:
+            key = compile_key(job, shape, device)
+            if key not in seen:
+                seen.add(key)
+                todo.append((job, shape))
+    workers = max(1, min(args.jobs, len(todo)))
+    print(f"precompiling {len(todo)} kernel variants with {workers} processes", flush=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(todo, f)
+        path = f.name
+    t = time.time()
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", f"{i}/{workers}", "--todo", path]) for i in range(workers)]
+    codes = [p.wait() for p in procs]
+    print(f"precompiled in {time.time() - t:.0f}s (worker exit codes {sorted(set(codes))})", flush=True)
+
+
+def worker(spec, todo_path):
+    index, count = (int(v) for v in spec.split("/"))
+    todo = json.load(open(todo_path))[index::count]
+    weights = {}
+    for (bits, path, m, cfg), (n, k) in todo:
+        key = (bits, n, k)
+        if key not in weights:
+            weights[key] = random_weight(n, k, bits, "cuda", 0)
+        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+        try:
+            run_mm(path, cfg, x, weights[key], bits)
+        except Exception as e:  # noqa: BLE001 - reported again, and dropped, by the main process
+            print(f"worker {index}: {bits}-bit {path} M={m} {cfg} failed to build: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    torch.cuda.synchronize()
+
+
+def check_candidate(job, device, cache) -> str | None:
+    """None when the candidate matches an fp32 reference on the check shape, else why not."""
+    bits, path, m, cfg = job
+    n, k = CHECK_SHAPE
+    if (bits, m) not in cache:
+        w = random_weight(n, k, bits, device, 1)
+        dense = reference_dequantize(w[0], w[1], w[2], k, bits, GROUP, 0)
+        x = torch.randn(m, k, dtype=torch.float16, device=device)
+        cache[(bits, m)] = (w, x, x.float() @ dense.t())
+    w, x, ref = cache[(bits, m)]
+    try:
+        y = run_mm(path, cfg, x, w, bits)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    err = float((y.float() - ref).norm() / ref.norm())
+    return None if err < 5e-3 else f"relative error {err:.2e}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU interpreter (checks the script only)")
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile worker processes")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--todo", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, args.todo)
+
+    global SHAPES, CHECK_SHAPE, DECODE_MS, GEMM_MS, BITS
+    out_dir = os.environ.get("OUT", ".")
+    dry = args.dry_run
+    device = torch.device("cpu" if dry else "cuda")
+    if dry:
+        SHAPES, CHECK_SHAPE = [(256, 256)], (128, 256)
+    start = time.time()
+    gpu = "dry-run" if dry else torch.cuda.get_device_name()
+    stem = "dry-run" if dry else T.gpu_key(gpu)
+    job_list = jobs(args)
+    if not dry:
+        precompile(job_list, args)
+
+    cache, failed, ok_jobs = {}, [], []
+    for job in job_list:
+        why = check_candidate(job, device, cache)
+        (failed.append((job, why)) if why else ok_jobs.append(job))
+    for job, why in failed:
+        print(f"DROPPED {job[0]}-bit {job[1]} M={job[2]} {job[3]}: {why}", flush=True)
+    print(f"{len(ok_jobs)} candidates pass the check ({time.time() - start:.0f}s)", flush=True)
+
+    # times[(bits, M, path, cfg json)][shape] = us
+    times: dict = {}
+    cublas: dict = {}
+    timed_out = False
+    for bits in BITS:
+        for n, k in SHAPES:
+            copies = max(1, min(16, -(-ROT_BYTES // weight_bytes(n, k, bits))))
+            ws = [random_weight(n, k, bits, device, s) for s in range(1 if dry else copies)]
+            for m in sorted({j[2] for j in ok_jobs}):
+                x = torch.randn(m, k, dtype=torch.float16, device=device)
+                if bits == BITS[0] and not dry:
+                    dense = [torch.randn(n, k, dtype=torch.float16, device=device) * 0.02
+                             for _ in range(max(1, min(8, -(-ROT_BYTES // (2 * n * k)))))]
+                    cublas[(n, k, m)] = graph_time([lambda d=d: torch.nn.functional.linear(x, d) for d in dense], dry)
+                    del dense
+                for job in ok_jobs:
+                    if job[0] != bits or job[2] != m:
+                        continue
+                    if time.time() - start > DEADLINE_S:
+                        timed_out = True
+                        break
+                    _, path, _, cfg = job
+                    fns = [lambda w=w: run_mm(path, cfg, x, w, bits) for w in ws]
+                    try:
+                        t = graph_time(fns, dry)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"timing failed {bits}-bit {path} M={m} {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                        continue
+                    times.setdefault((bits, m, path, json.dumps(cfg, sort_keys=True)), {})[(n, k)] = t
+            del ws
+            if not dry:
+                torch.cuda.empty_cache()
+            print(f"timed {bits}-bit {n}x{k} ({time.time() - start:.0f}s)", flush=True)
+
+    def best(bits, m, paths):
+        """(config, path, per-shape us) minimising the geometric mean over the shapes."""
+        scored = []
+        for (b, mm, path, cfg), per in times.items():
+            if b == bits and mm == m and path in paths and len(per) == len(SHAPES):
+                scored.append((math.exp(statistics.fmean(math.log(v) for v in per.values())), json.loads(cfg), path, per))
+        if not scored:
+            return None
+        scored.sort(key=lambda s: s[0])
+        return scored[0][1:]
+
+    # The atomic reduction, tried on the best partials config of each decode/GEMM bucket.
+    for bits in BITS:
+        for m in sorted({j[2] for j in ok_jobs}):
+            for paths in (("decode",), ("gemm",)):
+                top = best(bits, m, paths)
+                if top is None or time.time() - start > DEADLINE_S + 20:
+                    continue
+                cfg, path, _ = top
+                alt = {**cfg, "reduce": "atomic"}
+                if check_candidate((bits, path, m, alt), device, cache):
+                    continue
+                for n, k in SHAPES:
+                    copies = 1 if dry else max(1, min(16, -(-ROT_BYTES // weight_bytes(n, k, bits))))
+                    ws = [random_weight(n, k, bits, device, s) for s in range(copies)]
+                    x = torch.randn(m, k, dtype=torch.float16, device=device)
+                    t = graph_time([lambda w=w: run_mm(path, alt, x, w, bits) for w in ws], dry)
+                    times.setdefault((bits, m, path, json.dumps(alt, sort_keys=True)), {})[(n, k)] = t
+                    del ws
+
+    table = {
+        "gpu": gpu,
+        "tuned": not dry,
+        "source": (f"benchmarks/tune_triton_int_weight.py on {gpu}, torch {torch.__version__}, "
+                   f"triton {__import__('triton').__version__}, commit {_commit()}, "
+                   f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}"
+                   + (" (stopped at the time limit: some buckets keep untuned defaults)" if timed_out else "")),
+        "decode_max_m": 1,
+        "decode": {},
+        "gemm": {},
+    }
+    fallback = T.load_config("default")
+    decode_wins = []
+    for bits in BITS:
+        dec, gem = {}, {}
+        for m in DECODE_MS:
+            top = best(bits, m, ("decode",))
+            dec[str(m)] = top[0] if top else T._bucket(fallback["decode"], bits, m)
+            gtop = best(bits, m, ("gemm",))
+            if bits == BITS[0] and top and gtop:
+                dt = statistics.fmean(top[2].values())
+                gt = statistics.fmean(gtop[2].values())
+                decode_wins.append((m, dt < gt))
+        for m in GEMM_MS:
+            top = best(bits, m, ("gemm", "dense"))
+            gem[str(m)] = top[0] if top else T._bucket(fallback["gemm"], bits, m)
+        table["decode"][str(bits)] = dec
+        table["gemm"][str(bits)] = gem
+    table["decode"]["default"] = copy.deepcopy(table["decode"][str(BITS[0])])
+    table["gemm"]["default"] = copy.deepcopy(table["gemm"][str(BITS[0])])
+    dmax = 1
+    for m, wins in sorted(decode_wins):
+        if not wins:
+            break
+        dmax = m
+    table["decode_max_m"] = dmax
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(table, f, indent=1)
+    rows = _rows(table, times, cublas, dry)
+    with open(os.path.join(out_dir, "tune_rows.json"), "w") as f:
+        json.dump({"gpu": gpu, "torch": torch.__version__, "triton": __import__("triton").__version__, "commit": _commit(),
+                   "dropped": [[*j[:3], j[3], why] for j, why in failed], "rows": rows}, f, indent=1)
+    print(f"wrote {os.path.join(out_dir, stem + '.json')} and tune_rows.json in {time.time() - start:.0f}s; "
+          f"decode_max_m={dmax}; {len(failed)} candidates dropped")
+    _print_table(rows)
+
+
+def _rows(table, times, cublas, dry):
+    """Per bits, shape and M: the time of the configuration the table picks."""
+    rows = []
+    for bits in BITS:
+        for n, k in SHAPES:
+            for m in sorted(set(DECODE_MS) | set(GEMM_MS)):
+                path = "decode" if m <= table["decode_max_m"] else "gemm"
+                cfg = T._bucket(table[path], bits, m)
+                if path == "gemm" and cfg.get("impl") == "dense":
+                    path = "dense"
+                per = times.get((bits, m, path, json.dumps(cfg, sort_keys=True)), {})
+                if (n, k) not in per:
+                    continue
+                rows.append({"op": "mm_int_weight", "format": f"W{bits} g{GROUP} asym", "N": n, "K": k, "M": m,
+                             "dtype": "float16", "path": path, "config": cfg, "qops_us": round(per[(n, k)], 2),
+                             "cublas_fp16_us": None if (n, k, m) not in cublas else round(cublas[(n, k, m)], 2),
+                             "roofline_us": round(roofline_us(n, k, m, bits), 2)})
+    return rows
+
+
+def _print_table(rows):
+    print("bits N x K M path | qops_us cublas_us | x cuBLAS | % roofline")
+    for r in rows:
+        if r["M"] not in (1, 2, 4, 16, 64, 256, 2048):
+            continue
+        cb = r["cublas_fp16_us"]
+        speed = f"{cb / r['qops_us']:.2f}x" if cb else "-"
+        roof = f"{100 * r['roofline_us'] / r['qops_us']:.0f}%" if r["M"] <= 16 else "-"
+        print(f"{r['format'][:2]} {r['N']}x{r['K']} {r['M']} {r['path']} | {r['qops_us']} {cb} | {speed} | {roof}")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

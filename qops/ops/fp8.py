@@ -1,0 +1,430 @@
+"""FP8 e4m3fn weight matmul (``fp8``, ``compressed-tensors-fp8``, ``fp8-block`` once prepared): ops,
+runtime layout, argument checks shared with the fakes, activation quantization, and the pure-torch
+reference kernel.
+
+Runtime layout (what ``prepare_fp8_weight`` builds and every lowering reads; the checkpoint's own
+tensors, not copied), K = in_features, N = out_features:
+
+- ``weight`` float8_e4m3fn ``(N, K)``, row-major.
+- ``weight_scale`` float32 ``(S_n, S_k)`` with ``S_n = 1 if block_n == -1 else ceil(N / block_n)``
+  and ``S_k = 1 if block_k == -1 else ceil(K / block_k)``: per-tensor ``(-1, -1)``, per-channel
+  ``(1, -1)``, blocks ``(bn, bk)``. ``W[n, k] = weight[n, k] * weight_scale[n // block_n, k // block_k]``
+  (index 0 along a dimension whose block is -1).
+- ``input_scale`` float32 ``(1,)`` or None: static per-tensor activation scale (W8A8 only).
+
+Two mathematical contracts, two ops:
+
+- ``qops::mm_fp8_weight`` (W8A16): ``y = x @ W.T + bias`` for float activations.
+- ``qops::scaled_mm_fp8`` (W8A8 GEMM): ``y = (x_fp8 * x_scale) @ W.T + bias`` for activations already
+  quantized, ``x_scale`` per tensor ``(1,)`` or per token ``(..., 1)``.
+
+W8A8 with run-time activation quantization is :func:`mm_fp8`: :func:`quantize_fp8_activations` (plain
+torch ops, so Inductor fuses them into whatever produces ``x``) followed by the opaque
+``qops::scaled_mm_fp8``. Hiding the quantization inside the GEMM op would cost an extra read and write
+of the activations that compilation could not remove.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..formats.fp8 import FP8_DTYPE, FP8_MAX, Fp8Quantized, dequantize_reference, scale_shape
+from ..lowerings import LOWERINGS_BY_KERNEL, LOWERINGS_BY_NAME, Choice, Kernel, WeightSpec, choose, implementation
+
+FAMILY = "fp8"
+ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ACTIVATIONS = ("auto", "none", "dynamic", "static")
+# Smallest per-token scale: keeps an all-zero row finite (its values quantize to 0).
+MIN_X_SCALE = torch.finfo(torch.float32).tiny
+
+
+def _fail(who: str, msg: str) -> str:
+    return f"qops.{who}: {msg}"
+
+
+def check_fp8_weight(who: str, k, weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int, block_k: int, device: torch.device):
+    """Validate the runtime weight for ``k`` input features (None: the weight's own); returns N.
+
+    Works on fake tensors.
+    """
+    for name, block in (("block_n", block_n), ("block_k", block_k)):
+        if block != -1 and block <= 0:
+            raise ValueError(_fail(who, f"{name} must be -1 (one block spanning the dimension) or positive, got {block}"))
+    for name, t in (("weight", weight), ("weight_scale", weight_scale)):
+        if t.device != device:
+            raise ValueError(_fail(who, f"{name} must be on {device} (the device of x), got {t.device}"))
+    torch._check_type(weight.dtype == FP8_DTYPE, lambda: _fail(who, f"weight must be {FP8_DTYPE}, got {weight.dtype}"))
+    torch._check_value(weight.dim() == 2, lambda: _fail(who, f"weight must be 2-D (N, K), got {weight.dim()}-D"))
+    n = weight.shape[0]
+    if k is None:
+        k = weight.shape[1]
+    torch._check_value(weight.shape[1] == k, lambda: _fail(who, f"weight must have K={k} columns (the last dimension of x), got shape {tuple(weight.shape)}"))
+    sn, sk = scale_shape(n, k, block_n, block_k)
+    torch._check_type(weight_scale.dtype == torch.float32, lambda: _fail(who, f"weight_scale must be torch.float32, got {weight_scale.dtype}"))
+    torch._check_value(
+        weight_scale.dim() == 2 and weight_scale.shape[0] == sn and weight_scale.shape[1] == sk,
+        lambda: _fail(who, f"weight_scale must have shape ({sn}, {sk}) (N={n}, K={k}, block_n={block_n}, block_k={block_k}; -1 = one block over the dimension), got {tuple(weight_scale.shape)}"),
+    )
+    return n
+
+
+def check_bias(who: str, bias: Optional[torch.Tensor], n, device: torch.device) -> None:
+    if bias is None:
+        return
+    if bias.device != device:
+        raise ValueError(_fail(who, f"bias must be on {device} (the device of x), got {bias.device}"))
+    torch._check_type(bias.dtype in ACT_DTYPES, lambda: _fail(who, f"bias must be float32, float16 or bfloat16, got {bias.dtype}"))
+    torch._check_value(bias.dim() == 1 and bias.shape[0] == n, lambda: _fail(who, f"bias must have shape ({n},) (N), got {tuple(bias.shape)}"))
+
+
+def check_kernel(who: str, kernel: int, device: torch.device, act_dtype: torch.dtype) -> None:
+    """``kernel`` names an fp8 lowering that runs on ``device`` and reads ``act_dtype`` activations."""
+    low = LOWERINGS_BY_KERNEL.get((FAMILY, kernel))
+    if low is None:
+        known = sorted(int(kid) for fam, kid in LOWERINGS_BY_KERNEL if fam == FAMILY)
+        raise ValueError(_fail(who, f"kernel must be one of {known} for {FAMILY}, got {kernel}"))
+    if device.type not in low.device_types:
+        raise ValueError(_fail(who, f"kernel={kernel} ({low.name}) runs on {sorted(low.device_types)}, but the inputs are on {device}"))
+    if act_dtype not in low.act_dtypes:
+        raise ValueError(_fail(who, f"kernel={kernel} ({low.name}) reads {sorted(str(d) for d in low.act_dtypes)} activations, not {act_dtype}"))
+
+
+def check_mm_fp8_weight(who, x, weight, weight_scale, bias, block_n, block_k, kernel) -> list:
+    """Validate every argument of ``mm_fp8_weight``; returns the output shape."""
+    torch._check_type(x.dtype in ACT_DTYPES, lambda: _fail(who, f"x must be float32, float16 or bfloat16, got {x.dtype}"))
+    torch._check_value(x.dim() >= 1, lambda: _fail(who, "x must have at least one dimension (..., K)"))
+    n = check_fp8_weight(who, x.shape[-1], weight, weight_scale, block_n, block_k, x.device)
+    check_bias(who, bias, n, x.device)
+    check_kernel(who, kernel, x.device, x.dtype)
+    return [*x.shape[:-1], n]
+
+
+def check_x_scale(who: str, x_scale: torch.Tensor, x: torch.Tensor) -> None:
+    """``x_scale`` is ``(1,)`` (per tensor) or ``(*x.shape[:-1], 1)`` (per token), float32."""
+    if x_scale.device != x.device:
+        raise ValueError(_fail(who, f"x_scale must be on {x.device} (the device of x_fp8), got {x_scale.device}"))
+    torch._check_type(x_scale.dtype == torch.float32, lambda: _fail(who, f"x_scale must be torch.float32, got {x_scale.dtype}"))
+    want = f"(1,) (per tensor) or {(*x.shape[:-1], 1)} (per token)"
+    if x_scale.dim() == x.dim():
+        for i in range(x.dim() - 1):
+            torch._check_value(x_scale.shape[i] == x.shape[i], lambda: _fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
+        torch._check_value(x_scale.shape[-1] == 1, lambda: _fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
+    else:
+        torch._check_value(x_scale.dim() == 1 and x_scale.shape[0] == 1, lambda: _fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
+
+
+def check_scaled_mm_fp8(who, x_fp8, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype, kernel) -> list:
+    """Validate every argument of ``scaled_mm_fp8``; returns the output shape."""
+    torch._check_type(x_fp8.dtype == FP8_DTYPE, lambda: _fail(who, f"x_fp8 must be {FP8_DTYPE}, got {x_fp8.dtype}"))
+    torch._check_value(x_fp8.dim() >= 1, lambda: _fail(who, "x_fp8 must have at least one dimension (..., K)"))
+    if out_dtype not in ACT_DTYPES:
+        raise TypeError(_fail(who, f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}"))
+    check_x_scale(who, x_scale, x_fp8)
+    n = check_fp8_weight(who, x_fp8.shape[-1], weight, weight_scale, block_n, block_k, x_fp8.device)
+    check_bias(who, bias, n, x_fp8.device)
+    check_kernel(who, kernel, x_fp8.device, x_fp8.dtype)
+    return [*x_fp8.shape[:-1], n]
+
+
+# Block sizes and kernel ids are plain `int` (not SymInt): static facts of the weight that Dynamo
+# must specialize on.
+MM_WEIGHT_SCHEMA = "(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int block_n, int block_k, int kernel) -> Tensor"
+SCALED_MM_SCHEMA = (
+    "(Tensor x_fp8, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor? bias, "
+    "int block_n, int block_k, ScalarType out_dtype, int kernel) -> Tensor"
+)
+DEQUANT_SCHEMA = "(Tensor weight, Tensor weight_scale, int block_n, int block_k, ScalarType dtype) -> Tensor"
+
+
+@torch.library.custom_op("qops::mm_fp8_weight", mutates_args=(), schema=MM_WEIGHT_SCHEMA)
+def mm_fp8_weight(
+    x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
+    weight: torch.Tensor,  # (N, K) float8_e4m3fn
+    weight_scale: torch.Tensor,  # (S_n, S_k) float32
+    bias: Optional[torch.Tensor],  # (N,) or None
+    block_n: int,  # -1 (per tensor), 1 (per channel) or the block height
+    block_k: int,  # -1 or the block width
+    kernel: int,  # qops.lowerings.Kernel
+) -> torch.Tensor:  # (..., N), dtype of x
+    check_mm_fp8_weight("mm_fp8_weight", x, weight, weight_scale, bias, block_n, block_k, kernel)
+    impl = implementation(FAMILY, kernel, x.device, "mm_fp8_weight")
+    return impl(x, None, weight, weight_scale, bias, block_n, block_k, x.dtype)
+
+
+@torch.library.custom_op("qops::scaled_mm_fp8", mutates_args=(), schema=SCALED_MM_SCHEMA)
+def scaled_mm_fp8(
+    x_fp8: torch.Tensor,  # (..., K) float8_e4m3fn
+    x_scale: torch.Tensor,  # (1,) or (..., 1) float32
+    weight: torch.Tensor,  # (N, K) float8_e4m3fn
+    weight_scale: torch.Tensor,  # (S_n, S_k) float32
+    bias: Optional[torch.Tensor],  # (N,) or None
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,  # float32 / float16 / bfloat16
+    kernel: int,
+) -> torch.Tensor:  # (..., N), out_dtype
+    check_scaled_mm_fp8("scaled_mm_fp8", x_fp8, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype, kernel)
+    impl = implementation(FAMILY, kernel, x_fp8.device, "scaled_mm_fp8")
+    return impl(x_fp8, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype)
+
+
+@torch.library.custom_op("qops::dequantize_fp8", mutates_args=(), schema=DEQUANT_SCHEMA)
+def dequantize_fp8(
+    weight: torch.Tensor,  # (N, K) float8_e4m3fn
+    weight_scale: torch.Tensor,  # (S_n, S_k) float32
+    block_n: int,
+    block_k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # (N, K)
+    check_fp8_weight("dequantize_fp8", None, weight, weight_scale, block_n, block_k, weight.device)
+    return dequantize_reference(weight, weight_scale, block_n, block_k).to(dtype)
+
+
+def reference_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype) -> torch.Tensor:
+    """The CPU kernel (and the GPU fallback): dequantize in fp32, matmul with fp32 accumulation.
+
+    Lowering entry contract (every fp8 lowering's entry has it): arguments already validated; ``x``
+    is float with ``x_scale`` None (W8A16) or float8_e4m3fn with its ``x_scale`` (W8A8); any strides;
+    returns a fresh ``(..., N)`` tensor of ``out_dtype``. No host synchronisation.
+    """
+    w = dequantize_reference(weight, weight_scale, block_n, block_k)
+    y = x.float() @ w.t()
+    if x_scale is not None:
+        y = y * x_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+# M is padded up to a multiple of this before torch._scaled_mm: cuBLASLt's FP8 heuristics have refused
+# other M in some versions; the padding costs a copy of the (small) quantized activations only.
+SCALED_MM_M_MULTIPLE = 16
+
+
+def scaled_mm_lowering(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype) -> torch.Tensor:
+    """W8A8 through ``torch._scaled_mm`` (cuBLASLt): tensor-wise scales, or row-wise (per token x
+    per channel). The chooser only picks it for K and N multiples of 16 and scales constant along K.
+    """
+    if block_k != -1 or block_n not in (-1, 1):
+        raise ValueError(_fail("scaled_mm_fp8", f"kernel={int(Kernel.SCALED_MM)} (torch._scaled_mm) needs per-tensor or per-channel weight scales, got block_n={block_n}, block_k={block_k}"))
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    a = x.reshape(-1, k).contiguous()
+    m = a.shape[0]
+    if m == 0:
+        return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
+    rowwise = x_scale.numel() != 1 or block_n != -1
+    if rowwise:
+        scale_a = x_scale.reshape(-1, 1).expand(m, 1).contiguous()
+        scale_b = weight_scale.expand(n, 1).reshape(1, n).contiguous()
+    else:
+        scale_a, scale_b = x_scale.reshape(1, 1), weight_scale.reshape(1, 1)
+    pad = -m % SCALED_MM_M_MULTIPLE
+    if pad:
+        a = torch.nn.functional.pad(a.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
+        if rowwise:
+            scale_a = torch.nn.functional.pad(scale_a, (0, 0, 0, pad))
+    fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
+    y = torch._scaled_mm(a, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused_bias else None, out_dtype=out_dtype)
+    if pad:
+        y = y[:m]
+    if bias is not None and not fused_bias:
+        y = (y.float() + bias.float()).to(out_dtype)
+    return y.reshape(*lead, n)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, weight_scale, bias, block_n, block_k, kernel = inputs
+    ctx.save_for_backward(weight, weight_scale)
+    ctx.meta = (block_n, block_k, x.dtype, None if bias is None else bias.dtype)
+
+
+def _grad_x_and_bias(ctx, grad, x_index: int, bias_index: int):
+    """Gradients for the activations (through the dequantized weight) and the bias."""
+    weight, weight_scale = ctx.saved_tensors
+    block_n, block_k, x_dtype, bias_dtype = ctx.meta
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[x_index]:
+        w = torch.ops.qops.dequantize_fp8(weight, weight_scale, block_n, block_k, torch.float32)
+        grad_x = (grad.float() @ w).to(x_dtype)
+    if bias_dtype is not None and ctx.needs_input_grad[bias_index]:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).float().sum(0).to(bias_dtype)
+    return grad_x, grad_bias
+
+
+def _backward(ctx, grad):
+    # Weights are frozen: the gradient flows to the activations (and the bias) only.
+    grad_x, grad_bias = _grad_x_and_bias(ctx, grad, 0, 3)
+    return grad_x, None, None, grad_bias, None, None, None
+
+
+mm_fp8_weight.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _scaled_setup_context(ctx, inputs, output):
+    bias = inputs[4]
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _scaled_backward(ctx, grad):
+    # Only the bias gets a gradient: a gradient for x_fp8 would itself be quantized to fp8. The
+    # activation gradient comes from `mm_fp8`, which sees the unquantized x.
+    grad_bias = None
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).float().sum(0).to(ctx.bias_dtype)
+    return None, None, None, None, grad_bias, None, None, None, None
+
+
+scaled_mm_fp8.register_autograd(_scaled_backward, setup_context=_scaled_setup_context)
+
+
+def quantize_fp8_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x (..., K)`` -> ``(x_fp8, x_scale)`` with ``x ~= x_fp8 * x_scale``, in plain torch ops.
+
+    Dynamic (``input_scale`` None): one scale per token, ``amax(|x[..., :]|) / 448``, shape ``(..., 1)``.
+    Static: ``x_scale = input_scale`` ``(1,)``; values beyond ``448 * input_scale`` saturate.
+    Rounding is to nearest even, in fp32.
+    """
+    xf = x.float()
+    if input_scale is None:
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_X_SCALE)
+    else:
+        scale = input_scale.float()
+    x_fp8 = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_fp8, scale
+
+
+def _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel):
+    x_fp8, x_scale = quantize_fp8_activations(x, input_scale)
+    return torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, weight, weight_scale, bias, block_n, block_k, x.dtype, kernel)
+
+
+class _Fp8ActivationMM(torch.autograd.Function):
+    """W8A8 forward; backward treats the activation rounding as the identity (straight-through) and
+    multiplies by the dequantized weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel):
+        ctx.save_for_backward(weight, weight_scale)
+        ctx.meta = (block_n, block_k, x.dtype, None if bias is None else bias.dtype)
+        return _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x, grad_bias = _grad_x_and_bias(ctx, grad, 0, 3)
+        return grad_x, None, None, grad_bias, None, None, None, None
+
+
+def mm_fp8(
+    x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
+    weight: torch.Tensor,  # (N, K) float8_e4m3fn
+    weight_scale: torch.Tensor,  # (S_n, S_k) float32
+    bias: Optional[torch.Tensor],  # (N,) or None
+    block_n: int,
+    block_k: int,
+    input_scale: Optional[torch.Tensor],  # (1,) float32 (static) or None (dynamic, per token)
+    kernel: int,
+) -> torch.Tensor:  # (..., N), dtype of x
+    """W8A8: quantize ``x`` to fp8 (per token, or with the static ``input_scale``), then
+    ``qops::scaled_mm_fp8``. Differentiable in ``x`` and ``bias``."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Fp8ActivationMM.apply(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel)
+    return _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel)
+
+
+@dataclass
+class Fp8Weight:
+    """A prepared FP8 weight: runtime tensors plus the static facts the ops take."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor | None
+    in_features: int
+    out_features: int
+    block_n: int
+    block_k: int
+    activations: str  # "none" (W8A16), "dynamic" or "static" (W8A8)
+    kernel: Kernel
+    choice: Choice | None = None
+
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.activations == "none":
+            return torch.ops.qops.mm_fp8_weight(x, self.weight, self.weight_scale, bias, self.block_n, self.block_k, int(self.kernel))
+        input_scale = self.input_scale if self.activations == "static" else None
+        return mm_fp8(x, self.weight, self.weight_scale, bias, self.block_n, self.block_k, input_scale, int(self.kernel))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.ops.qops.dequantize_fp8(self.weight, self.weight_scale, self.block_n, self.block_k, dtype)
+
+    def nbytes(self) -> int:
+        ts = (self.weight, self.weight_scale, self.input_scale)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def prepare_fp8_weight(
+    fq: Fp8Quantized,
+    *,
+    dtype: torch.dtype | None = None,
+    format_name: str = "fp8",
+    activations: str = "auto",
+) -> Fp8Weight:
+    """Build the runtime layout and choose the lowering for its device.
+
+    ``dtype`` is the activation dtype the weight will see (default float32). ``activations``:
+    ``"none"`` weight-only (W8A16); ``"dynamic"`` per-token fp8 activations; ``"static"`` fp8
+    activations with the checkpoint's ``input_scale``; ``"auto"`` W8A8 (static when the checkpoint
+    has an input scale) where a native FP8 GEMM serves the weight, W8A16 otherwise -- GPUs without FP8
+    units (compute capability < 8.9), CPU, block scales, N or K not multiples of 16.
+    """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"prepare_fp8_weight: activations must be one of {list(ACTIVATIONS)}, got {activations!r}")
+    if activations == "static" and fq.input_scale is None:
+        raise ValueError("prepare_fp8_weight: activations='static' needs a checkpoint input_scale; use 'dynamic'")
+    n, k = fq.shape
+    weight = fq.q.contiguous()
+    scale = fq.scale.float().contiguous()
+    block_n, block_k = fq.block_n, fq.block_k
+    if block_k == -1 and block_n not in (-1, 1):
+        # Row blocks spanning all of K mean one scale per row: store it per channel.
+        scale = scale.repeat_interleave(block_n, dim=0)[:n].contiguous()
+        block_n = 1
+    act_dtype = dtype if dtype is not None else torch.float32
+
+    def spec(a_dtype: torch.dtype) -> WeightSpec:
+        return WeightSpec(
+            family=FAMILY, format=format_name, bits=8, group_size=block_k, n=n, k=k,
+            act_order=False, symmetric=True, device=weight.device, act_dtype=a_dtype,
+        )
+
+    if activations == "none":
+        choice = choose(spec(act_dtype))
+    elif activations in ("dynamic", "static"):
+        choice = choose(spec(FP8_DTYPE))
+    else:
+        w8a8 = choose(spec(FP8_DTYPE))
+        if w8a8.lowering.kernel == Kernel.SCALED_MM:
+            choice, activations = w8a8, ("static" if fq.input_scale is not None else "dynamic")
+        else:
+            w8a16 = choose(spec(act_dtype))
+            native = [f"{name}: {why}" for name, why in w8a8.refusals if LOWERINGS_BY_NAME[name].kernel == Kernel.SCALED_MM]
+            why = f"no native FP8 GEMM serves it ({'; '.join(native)})"
+            choice = Choice(w8a16.lowering, w8a16.refusals + (("W8A8 (fp8 activations)", why),))
+            activations = "none"
+    if choice.lowering.kernel == Kernel.SCALED_MM and activations == "dynamic" and block_n == -1:
+        # Per-token activation scales need row-wise weight scales in _scaled_mm: expand once, here.
+        scale, block_n = scale.expand(n, 1).contiguous(), 1
+    input_scale = None if fq.input_scale is None else fq.input_scale.float().reshape(1).to(weight.device)
+    return Fp8Weight(
+        weight=weight,
+        weight_scale=scale,
+        input_scale=input_scale,
+        in_features=k,
+        out_features=n,
+        block_n=block_n,
+        block_k=block_k,
+        activations=activations,
+        kernel=choice.lowering.kernel,
+        choice=choice,
+    )

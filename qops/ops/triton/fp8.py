@@ -1,0 +1,281 @@
+"""Triton lowering of the fp8 op family on CUDA: ``qops::mm_fp8_weight`` (W8A16) and
+``qops::scaled_mm_fp8`` (W8A8 where ``torch._scaled_mm`` cannot serve: odd N or K, block scales,
+GPUs without FP8 GEMM support).
+
+Reads the runtime layout of :mod:`qops.ops.fp8`: ``weight`` float8_e4m3fn ``(N, K)`` row-major (read
+as bytes), ``weight_scale`` fp32 ``(S_n, S_k)`` with blocks ``block_n x block_k`` (-1: whole dim).
+Two kernels, chosen per call from the number of rows M (a shape, never a tensor value):
+
+- **gemv** (M <= ``GEMV_MAX_M``): each program multiplies ``BLOCK_N`` weight rows by the (at most 4)
+  activation rows on CUDA cores -- at this M tensor cores would idle -- with 16-byte loads along K.
+  ``BLOCK_N`` shrinks until the rows alone give every SM several programs; when N is too small for
+  that, K is split and partial sums are added atomically into a zeroed fp32 buffer.
+- **gemm**: ``tl.dot`` tiles with fp32 accumulation, grouped tile order for L2 reuse; fp8 activations
+  on FP8-capable GPUs go to the tensor cores as fp8.
+
+fp8 -> fp16/bf16/fp32 happens in registers. On compute capability >= 8.9 Triton's ``float8e4nv``
+cast (hardware ``cvt``). Below that an exact bit move: e4m3's sign, exponent and mantissa bits placed
+into an fp16 (``sign << 15 | (bits & 0x7F) << 7``) give the value / 256 -- fp16's exponent bias is 15
+against e4m3's 7, and fp16 subnormals cover e4m3's -- and the 256 is folded into the scale. Scales
+constant along K multiply the fp32 accumulator once; block scales multiply each K tile's fp32
+partial product (the K tile lies inside one block: ``BLOCK_K`` divides ``block_k``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+GEMV_MAX_M = 4
+# gemv: bytes of weight one program loads per K step (BLOCK_N * BLOCK_K); the row count per program is
+# the largest of GEMV_BLOCK_NS that still gives every SM GEMV_PROGRAMS_PER_SM programs.
+GEMV_TILE_BYTES = 8192
+GEMV_BLOCK_NS = (4, 8, 16, 32)
+GEMV_PROGRAMS_PER_SM = 4
+# gemm: (largest M of the bucket, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages);
+# the last bucket takes every larger M. BLOCK_N of the small-M buckets shrinks (not below 16) until
+# the tiles fill the GPU.
+GEMM_CONFIGS = (
+    (16, 16, 64, 256, 1, 4, 4),
+    (32, 32, 64, 128, 1, 4, 4),
+    (64, 64, 64, 128, 8, 4, 4),
+    (256, 64, 128, 128, 8, 4, 4),
+    (None, 128, 128, 64, 8, 8, 4),
+)
+
+
+@triton.jit
+def _e4m3_to(bits, DTYPE: tl.constexpr, NATIVE: tl.constexpr):
+    """uint8 e4m3fn bit patterns -> DTYPE, exactly: the value (NATIVE) or the value / 256."""
+    if NATIVE:
+        return bits.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    else:
+        b = bits.to(tl.uint16)
+        h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        return h.to(tl.float16, bitcast=True).to(DTYPE)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_k, xs_ptr, ws_ptr, b_ptr, out_ptr,
+              stride_xsm, stride_sn, stride_om, scale_bn,
+              POST: tl.constexpr, K_BLOCKED: tl.constexpr, HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+              ATOMIC: tl.constexpr):
+    acc = acc * POST
+    if not K_BLOCKED:
+        s = tl.load(ws_ptr + (offs_n // scale_bn) * stride_sn, mask=n_mask, other=0.0)
+        acc = acc * s[None, :]
+    if HAS_X_SCALE:
+        xs = tl.load(xs_ptr + offs_m * stride_xsm, mask=m_mask, other=0.0)
+        acc = acc * xs[:, None]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc = acc + tl.where(pid_k == 0, bias, 0.0)[None, :]
+    ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(ptrs, acc, mask=mask)
+    else:
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_xk, stride_xsm, stride_wn, stride_wk, stride_sn, stride_sk, stride_om,
+    scale_bn, scale_bk,
+    X_FP8: tl.constexpr, HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, K_BLOCKED: tl.constexpr,
+    NATIVE: tl.constexpr, POST: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rk = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    s_rows = offs_n // scale_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Masks compare with K itself (specialized as a multiple of 16 when it is one), so the loads stay
+    # 16 bytes wide; the last split's tiles past K are fully masked.
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        offs_k = k0 + rk
+        k_mask = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                    mask=n_mask[:, None] & k_mask[None, :], other=0)
+        wf = _e4m3_to(w, tl.float32, NATIVE)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0)
+        if X_FP8:
+            xf = _e4m3_to(x, tl.float32, NATIVE)
+        else:
+            xf = x.to(tl.float32)
+        if BLOCK_M == 1:
+            part = tl.sum(wf * xf, axis=1)[None, :]
+        else:
+            part = tl.sum(xf[:, None, :] * wf[None, :, :], axis=2)
+        if K_BLOCKED:
+            # Tiles past K contribute 0; their scale index is clamped to stay in bounds.
+            s = tl.load(ws_ptr + s_rows * stride_sn + (tl.minimum(k0, K - 1) // scale_bk) * stride_sk, mask=n_mask, other=0.0)
+            acc += part * s[None, :]
+        else:
+            acc += part
+    _epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_k, xs_ptr, ws_ptr, b_ptr, out_ptr,
+              stride_xsm, stride_sn, stride_om, scale_bn, POST, K_BLOCKED, HAS_X_SCALE, HAS_BIAS, ATOMIC)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_xsm, stride_wn, stride_wk, stride_sn, stride_sk, stride_om,
+    scale_bn, scale_bk,
+    X_FP8: tl.constexpr, HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, K_BLOCKED: tl.constexpr,
+    NATIVE: tl.constexpr, POST: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rk = tl.arange(0, BLOCK_K)
+    s_rows = offs_n // scale_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + rk
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                    mask=n_mask[:, None] & k_mask[None, :], other=0)
+        if X_FP8 and NATIVE:
+            a = x.to(tl.float8e4nv, bitcast=True)
+            b = w.to(tl.float8e4nv, bitcast=True)
+        else:
+            if X_FP8:
+                a = _e4m3_to(x, COMPUTE, NATIVE)
+            else:
+                a = x.to(COMPUTE)
+            b = _e4m3_to(w, COMPUTE, NATIVE)
+        # max_num_imprecise_acc=0: fp8 dots on sm_90 otherwise accumulate in reduced precision.
+        if K_BLOCKED:
+            part = tl.dot(a, tl.trans(b), input_precision=PRECISION, max_num_imprecise_acc=0)
+            s = tl.load(ws_ptr + s_rows * stride_sn + (k0 // scale_bk) * stride_sk, mask=n_mask, other=0.0)
+            acc += part * s[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION, max_num_imprecise_acc=0)
+    _epilogue(acc, offs_m, offs_n, m_mask, n_mask, 0, xs_ptr, ws_ptr, b_ptr, out_ptr,
+              stride_xsm, stride_sn, stride_om, scale_bn, POST, K_BLOCKED, HAS_X_SCALE, HAS_BIAS, False)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's CPU interpreter: a few programs per launch keep tests fast
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _native_fp8(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def gemv_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
+    """Launch configuration of the gemv kernel (M <= GEMV_MAX_M)."""
+    block_m = triton.next_power_of_2(m)
+    block_n = GEMV_BLOCK_NS[0]
+    for bn in GEMV_BLOCK_NS:
+        if triton.cdiv(n, bn) >= GEMV_PROGRAMS_PER_SM * sms:
+            block_n = bn
+    # The (BLOCK_M, BLOCK_N, BLOCK_K) product tile stays at GEMV_TILE_BYTES elements.
+    block_k = max(64, GEMV_TILE_BYTES // (block_n * block_m))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    if block_k_scale > 0:
+        block_k = min(block_k, block_k_scale)
+    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    steps = triton.cdiv(k, block_k)
+    split_k = max(1, min(GEMV_PROGRAMS_PER_SM * sms // programs, steps // 2))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4)
+
+
+def gemm_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
+    """Launch configuration of the gemm kernel."""
+    for max_m, bm, bn, bk, group_m, warps, stages in GEMM_CONFIGS:
+        if max_m is None or m <= max_m:
+            break
+    if max_m is not None and max_m <= 64:
+        while bn > 16 and triton.cdiv(n, bn) * triton.cdiv(m, bm) < GEMV_PROGRAMS_PER_SM * sms:
+            bn //= 2
+    bk = min(bk, max(32, triton.next_power_of_2(k)))
+    if block_k_scale > 0:
+        bk = min(bk, block_k_scale)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+
+
+def triton_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype, *, native_fp8=None, config=None):
+    """Lowering entry (contract in :func:`qops.ops.fp8.reference_mm`).
+
+    ``native_fp8`` (default: compute capability >= 8.9) and ``config`` (a gemv or gemm config dict)
+    override the choices made from the device and M, for tests and tuning.
+    """
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    a = x.reshape(-1, k)
+    m = a.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.reshape(*lead, n)
+    native = _native_fp8(x.device) if native_fp8 is None else native_fp8
+    x_fp8 = x.dtype == FP8
+    if x_fp8:
+        a = a.view(torch.uint8)
+    w = weight.view(torch.uint8)
+    k_blocked = block_k != -1
+    if k_blocked and (block_k & (block_k - 1) or block_k < 32):
+        raise ValueError(f"qops.triton_fp8: block_k must be -1 or a power of two >= 32, got {block_k}")
+    xs = x_scale.reshape(-1) if x_scale is not None else weight_scale
+    stride_xsm = xs.stride(0) if xs.numel() > 1 else 0
+    post = (1.0 if native else 256.0) * (1.0 if native or not x_fp8 else 256.0)
+    sms = _sm_count(x.device)
+    args = dict(
+        stride_xm=a.stride(0), stride_xk=a.stride(1), stride_xsm=stride_xsm,
+        stride_wn=w.stride(0), stride_wk=w.stride(1),
+        stride_sn=weight_scale.stride(0), stride_sk=weight_scale.stride(1),
+        scale_bn=n if block_n == -1 else block_n, scale_bk=block_k if k_blocked else max(k, 1),
+        X_FP8=x_fp8, HAS_X_SCALE=x_scale is not None, HAS_BIAS=bias is not None, K_BLOCKED=k_blocked,
+        NATIVE=native, POST=post,
+    )
+    b = bias if bias is not None else weight_scale
+    use_gemv = m <= GEMV_MAX_M if config is None else "SPLIT_K" in config
+    if use_gemv:
+        cfg = dict(config or gemv_config(m, n, k, block_k, sms))
+        split_k = cfg.pop("SPLIT_K")
+        k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+        split_k = triton.cdiv(k, k_per_split) if k else 1
+        target = out if split_k == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), split_k, triton.cdiv(m, cfg["BLOCK_M"]))
+        _fp8_gemv_kernel[grid](a, xs, w, weight_scale, b, target, m, n, k, k_per_split,
+                               stride_om=target.stride(0), ATOMIC=split_k > 1, **args, **cfg)
+        if split_k > 1:
+            out.copy_(target)
+    else:
+        cfg = dict(config or gemm_config(m, n, k, block_k, sms))
+        compute = tl.float16 if x_fp8 else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        _fp8_gemm_kernel[grid](a, xs, w, weight_scale, b, out, m, n, k, stride_om=out.stride(0),
+                               COMPUTE=compute, PRECISION="ieee" if compute == tl.float32 else "tf32", **args, **cfg)
+    return out.reshape(*lead, n)

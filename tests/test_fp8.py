@@ -1,0 +1,616 @@
+"""FP8 formats (fp8, compressed-tensors-fp8, fp8-block) and the fp8 ops against a float64 oracle.
+
+The oracle below imports nothing from qops: it decodes e4m3fn from the bit pattern (sign, 4-bit
+exponent with bias 7, 3-bit mantissa, subnormals, 0x7F/0xFF NaN) in numpy, expands scales over their
+blocks with ``np.repeat``, and reads each checkpoint only through its stored tensors (FORMATS.md).
+Its round-to-nearest-even quantizer searches the code table, so it also checks qops' quantizers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import qops  # noqa: F401  (registers the ops)
+from qops.formats import FORMATS, get_format
+from qops.formats.fp8 import Fp8BlockCheckpoint, Fp8Checkpoint, quantize_rtn
+from qops.lowerings import DISABLE_ENV, LOWERINGS_BY_NAME, Kernel, WeightSpec
+from qops.ops.fp8 import check_kernel, prepare_fp8_weight, quantize_fp8_activations
+
+FP8 = torch.float8_e4m3fn
+FP8_FORMATS = ("fp8", "compressed-tensors-fp8", "fp8-block")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MS = (0, 1, 2, 3, 17, 128, 257)
+# Relative Frobenius error allowed against the float64 oracle: fp32 accumulation plus the rounding of
+# the output to its dtype.
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+
+
+# ---- oracle -----------------------------------------------------------------------------------
+
+
+def e4m3_decode(bits) -> np.ndarray:
+    """float64 values of e4m3fn bit patterns (uint8)."""
+    b = np.asarray(bits, dtype=np.int64)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e = (b >> 3) & 0xF
+    m = (b & 0x7).astype(np.float64)
+    mag = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * np.exp2(e - 7.0))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return sign * mag
+
+
+CODES = np.arange(127)  # the non-negative finite codes, in increasing value
+GRID = e4m3_decode(CODES)
+
+
+def e4m3_round(v) -> np.ndarray:
+    """Round-to-nearest-even e4m3fn codes (uint8) of float64 values already within [-448, 448]."""
+    v = np.asarray(v, dtype=np.float64)
+    a = np.abs(v)
+    hi = np.clip(np.searchsorted(GRID, a), 1, len(GRID) - 1)
+    lo = hi - 1
+    d_lo, d_hi = a - GRID[lo], GRID[hi] - a
+    code = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(lo % 2 == 0, lo, hi)))
+    return (code | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
+
+
+def fp32_quotient(v: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """``v / s`` divided in fp32, as quantizers (and checkpoint writers) do before rounding to fp8.
+
+    The fp32 quotient can land exactly on a midpoint of the e4m3 grid where the exact one does not;
+    the quantizer's contract is this two-step rounding, so the oracle models it.
+    """
+    return np.clip(v.astype(np.float32) / s.astype(np.float32), -448, 448).astype(np.float64)
+
+
+def _u8(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy()
+
+
+def _f64(t) -> np.ndarray:
+    return t.detach().cpu().double().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, dtype=np.float64)
+
+
+def expand_blocks(scale: np.ndarray, n: int, k: int, bn: int, bk: int) -> np.ndarray:
+    s = np.repeat(scale, bn, axis=0)[:n] if bn > 0 else scale
+    s = np.repeat(s, bk, axis=1)[:, :k] if bk > 0 else s
+    return np.broadcast_to(s, (n, k))
+
+
+def oracle_weight(format_name: str, c) -> torch.Tensor:
+    """The float64 ``(N, K)`` weight of a checkpoint, from its stored tensors only."""
+    q = e4m3_decode(_u8(c.weight))
+    n, k = q.shape
+    if format_name == "fp8-block":
+        bn, bk = c.block_size
+        s = expand_blocks(_f64(c.weight_scale_inv), n, k, bn, bk)
+    elif c.block_size is not None:
+        bn, bk = c.block_size
+        s = expand_blocks(_f64(c.weight_scale), n, k, bn, bk)
+    else:
+        s = _f64(c.weight_scale).reshape(-1, 1)  # (1, 1) per tensor or (N, 1) per channel
+    return torch.from_numpy(q * s)
+
+
+def oracle_mm(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
+    y = x.detach().double() @ w.t()
+    return y if bias is None else y + bias.detach().double()
+
+
+def oracle_x(x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(e4m3_decode(_u8(x_fp8)) * _f64(x_scale))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    if want.numel() == 0:
+        return 0.0
+    return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
+# ---- cases ------------------------------------------------------------------------------------
+
+# (format, granularity, N, K, block): N and K odd-sized; block scales over partial edge blocks.
+WEIGHTS = {
+    "fp8-tensor": ("fp8", "tensor", 72, 200, None),
+    "fp8-channel": ("fp8", "channel", 72, 200, None),
+    "ct-tensor": ("compressed-tensors-fp8", "tensor", 72, 200, None),
+    "ct-channel": ("compressed-tensors-fp8", "channel", 40, 24, None),
+    "ct-block": ("compressed-tensors-fp8", "block", 72, 200, (32, 64)),
+    "block128": ("fp8-block", "block", 200, 328, (128, 128)),
+}
+
+
+def make_checkpoint(case: str, seed: int = 0, input_scale=None):
+    fmt, gran, n, k, block = WEIGHTS[case]
+    g = torch.Generator().manual_seed(seed)
+    # Rows of different magnitudes so per-channel and block scales differ.
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n).unsqueeze(1)
+    f = FORMATS[fmt]
+    if fmt == "fp8-block":
+        return f.quantize(w, block_size=block), w
+    return f.quantize(w, granularity=gran, block_size=block or (128, 128), input_scale=input_scale), w
+
+
+def weight_of(case: str, activations: str = "none", dtype=torch.float32, **kw):
+    fmt = WEIGHTS[case][0]
+    c, _ = make_checkpoint(case, **kw)
+    return FORMATS[fmt].prepare(c, dtype=dtype, activations=activations), c
+
+
+# ---- the oracle itself ------------------------------------------------------------------------
+
+
+def test_oracle_decodes_every_code_as_torch_does():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    ours = e4m3_decode(codes.numpy())
+    theirs = codes.view(FP8).double().numpy()
+    assert np.array_equal(np.isnan(ours), np.isnan(theirs)) and np.isnan(ours).sum() == 2
+    finite = ~np.isnan(ours)
+    assert np.array_equal(ours[finite], theirs[finite])
+    assert GRID[-1] == 448.0 and GRID[1] == 2.0**-9
+
+
+def test_oracle_rounds_to_nearest_even_as_torch_does():
+    g = torch.Generator().manual_seed(3)
+    v = torch.cat([torch.randn(5000, generator=g) * 30, torch.from_numpy(GRID[:-1] + np.diff(GRID) / 2).float()])
+    assert np.array_equal(e4m3_round(v.double().numpy()), _u8(v.to(FP8)))
+
+
+# ---- formats ----------------------------------------------------------------------------------
+
+
+def test_registry_entries():
+    for name in FP8_FORMATS:
+        f = get_format(name)
+        assert f.name == name and f.family == "fp8" and f.bits == (8,)
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHTS))
+def test_checkpoint_tensors_as_documented(case):
+    fmt, gran, n, k, block = WEIGHTS[case]
+    c, _ = make_checkpoint(case, input_scale=0.05 if fmt != "fp8-block" else None)
+    assert c.weight.dtype == FP8 and tuple(c.weight.shape) == (n, k)
+    if fmt == "fp8-block":
+        bn, bk = block
+        assert c.weight_scale_inv.dtype == torch.float32
+        assert tuple(c.weight_scale_inv.shape) == (-(-n // bn), -(-k // bk))
+        return
+    want = {"tensor": (1,), "channel": (n, 1)}.get(gran) or (-(-n // block[0]), -(-k // block[1]))
+    assert c.weight_scale.dtype == torch.float32 and tuple(c.weight_scale.shape) == want
+    assert c.block_size == (block if gran == "block" else None)
+    assert c.input_scale.dtype == torch.float32 and tuple(c.input_scale.shape) == (1,)
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHTS))
+def test_quantize_pack_unpack_is_exact(case):
+    fmt, gran, n, k, block = WEIGHTS[case]
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=g)
+    fq = quantize_rtn(w, gran, block or (128, 128), 0.25 if fmt != "fp8-block" else None)
+    back = FORMATS[fmt].unpack(FORMATS[fmt].pack(fq))
+    assert torch.equal(back.q.view(torch.uint8), fq.q.view(torch.uint8))
+    assert torch.equal(back.scale, fq.scale) and back.scale.shape == fq.scale.shape
+    assert (back.block_n, back.block_k) == (fq.block_n, fq.block_k)
+    assert (back.input_scale is None) == (fq.input_scale is None)
+    if fq.input_scale is not None:
+        assert torch.equal(back.input_scale, fq.input_scale)
+
+
+@pytest.mark.parametrize("gran,block", [("tensor", None), ("channel", None), ("block", (128, 128)), ("block", (32, 64))])
+def test_rtn_quantizer_matches_oracle(gran, block):
+    n, k = 200, 328
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 2, n).unsqueeze(1)
+    w[3, :] = 0  # an all-zero row: its scale is 1 (per channel), its codes 0
+    fq = quantize_rtn(w, gran, block or (128, 128))
+    w64 = w.double().numpy()
+    bn, bk = {"tensor": (n, k), "channel": (1, k)}.get(gran) or block
+    sn, sk = -(-n // bn), -(-k // bk)
+    padded = np.zeros((sn * bn, sk * bk))
+    padded[:n, :k] = np.abs(w64)
+    amax = padded.reshape(sn, bn, sk, bk).max(axis=(1, 3))
+    want = np.where(amax > 0, amax / 448.0, 1.0)
+    got = _f64(fq.scale)
+    assert got.shape == want.shape
+    assert np.all(np.abs(got - want) <= want * 2.0**-23)  # the fp32 rounding of amax / 448
+    s = expand_blocks(got, n, k, bn if gran != "tensor" else 0, bk if gran == "block" else 0)
+    assert np.array_equal(e4m3_round(fp32_quotient(w64, s)), _u8(fq.q))
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHTS))
+def test_dequantize_matches_oracle(case):
+    fmt = WEIGHTS[case][0]
+    c, _ = make_checkpoint(case)
+    want = oracle_weight(fmt, c)
+    # fp32 rounds the exact product once, as the oracle rounded to fp32 does.
+    assert torch.equal(FORMATS[fmt].dequantize(c), want.float())
+    w, _ = weight_of(case)
+    assert torch.equal(w.dequantize(torch.float32), want.float())
+    assert torch.equal(w.dequantize(torch.bfloat16), want.float().bfloat16())
+
+
+def test_checkpoints_as_written_in_the_wild():
+    """Hand-built tensors: 0-d scalars (older fp8 writers), bf16 scales, DeepSeek 128x128 blocks."""
+    g = torch.Generator().manual_seed(4)
+    bits = torch.randint(0, 126, (40, 24), generator=g, dtype=torch.uint8)
+    bits[::3] |= 0x80
+    weight = bits.view(FP8)
+    c = Fp8Checkpoint(weight=weight, weight_scale=torch.tensor(0.5), input_scale=torch.tensor(2.0))
+    fq = FORMATS["fp8"].unpack(c)
+    assert (fq.block_n, fq.block_k) == (-1, -1) and tuple(fq.input_scale.shape) == (1,)
+    assert torch.equal(FORMATS["fp8"].dequantize(c).double(), oracle_weight("fp8", c))
+    c = Fp8Checkpoint(weight=weight, weight_scale=torch.rand(40, 1, generator=g).bfloat16())
+    assert torch.equal(FORMATS["compressed-tensors-fp8"].dequantize(c).double(), oracle_weight("compressed-tensors-fp8", c))
+    big = torch.randint(0, 126, (300, 260), generator=g, dtype=torch.uint8).view(FP8)
+    c = Fp8BlockCheckpoint(weight=big, weight_scale_inv=torch.rand(3, 3, generator=g) * 1e-3)
+    assert torch.equal(FORMATS["fp8-block"].dequantize(c).double(), oracle_weight("fp8-block", c).float().double())
+
+
+@pytest.mark.parametrize("fmt,make,pattern", [
+    ("fp8", lambda: Fp8Checkpoint(torch.zeros(4, 8, dtype=torch.float16), torch.ones(1)), r"weight must be torch\.float8_e4m3fn"),
+    ("fp8", lambda: Fp8Checkpoint(torch.zeros(4, 8).to(FP8), torch.ones(4)), r"weight_scale must have shape \(4, 1\)"),
+    ("fp8", lambda: Fp8Checkpoint(torch.zeros(4, 8).to(FP8), torch.ones(1, 1), block_size=(128, 128)), r"block_size is set"),
+    ("fp8", lambda: Fp8Checkpoint(torch.zeros(4, 8).to(FP8), torch.ones(1), input_scale=torch.ones(2)), r"input_scale must be"),
+    ("compressed-tensors-fp8", lambda: Fp8Checkpoint(torch.zeros(200, 8).to(FP8), torch.ones(1, 1), block_size=(128, 128)), r"weight_scale must have shape \(2, 1\)"),
+    ("fp8-block", lambda: Fp8BlockCheckpoint(torch.zeros(200, 300).to(FP8), torch.ones(2, 2)), r"weight_scale_inv must have shape \(2, 3\)"),
+    ("fp8-block", lambda: Fp8BlockCheckpoint(torch.zeros(4, 8).to(FP8), torch.ones(1, 1), block_size=(0, 128)), r"block_size\[0\]"),
+])
+def test_unpack_errors_name_the_tensor(fmt, make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        FORMATS[fmt].unpack(make())
+
+
+def test_pack_refuses_granularities_the_format_cannot_hold():
+    fq = quantize_rtn(torch.randn(8, 16), "block", (4, 8))
+    with pytest.raises(ValueError, match="block scales cannot be stored"):
+        FORMATS["fp8"].pack(fq)
+    with pytest.raises(ValueError, match="only block scales"):
+        FORMATS["fp8-block"].pack(quantize_rtn(torch.randn(8, 16), "channel"))
+
+
+# ---- ops against the oracle (reference kernel on this machine) --------------------------------
+
+
+def _x(m: int, k: int, dtype, seed: int, *, transposed: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if transposed:  # non-contiguous: a transposed view
+        return torch.randn(k, m, generator=g).to(dtype).t()
+    return torch.randn(m, k, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mm_fp8_weight_matches_oracle(case, dtype):
+    w, c = weight_of(case, dtype=dtype)
+    want_w = oracle_weight(WEIGHTS[case][0], c)
+    n, k = want_w.shape
+    bias = torch.randn(n).to(dtype)
+    for m in MS:
+        for transposed in (False, True):
+            x = _x(m, k, dtype, m, transposed=transposed)
+            b = bias if m % 2 else None
+            y = w.mm(x, b)
+            assert y.dtype == dtype and tuple(y.shape) == (m, n) and y.is_contiguous()
+            assert rel_err(y, oracle_mm(x, want_w, b)) <= TOL[dtype], (m, transposed)
+    x3 = _x(6, k, dtype, 9).reshape(2, 3, k)
+    assert rel_err(w.mm(x3), oracle_mm(x3, want_w)) <= TOL[dtype]
+    assert tuple(w.mm(x3[0, 0]).shape) == (n,)
+
+
+@pytest.mark.parametrize("case", ["fp8-tensor", "ct-channel", "ct-block", "block128"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-tensor", "per-token"])
+def test_scaled_mm_fp8_matches_oracle(case, per_token):
+    w, c = weight_of(case, activations="dynamic")
+    assert w.activations == "dynamic" and w.kernel == Kernel.REFERENCE
+    want_w = oracle_weight(WEIGHTS[case][0], c)
+    n, k = want_w.shape
+    g = torch.Generator().manual_seed(5)
+    for m in MS:
+        codes = torch.randint(0, 126, (m, k), generator=g, dtype=torch.uint8) | (torch.randint(0, 2, (m, k), generator=g, dtype=torch.uint8) << 7)
+        x_fp8 = codes.view(FP8)
+        x_scale = torch.rand(m, 1, generator=g) + 0.01 if per_token else torch.tensor([0.03])
+        for out_dtype in DTYPES:
+            bias = torch.randn(n).to(out_dtype) if m % 2 else None
+            y = torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, w.weight, w.weight_scale, bias, w.block_n, w.block_k, out_dtype, int(w.kernel))
+            assert y.dtype == out_dtype and tuple(y.shape) == (m, n)
+            assert rel_err(y, oracle_mm(oracle_x(x_fp8, x_scale), want_w, bias)) <= TOL[out_dtype], (m, out_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dynamic_activation_quantization_matches_oracle(dtype):
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(2, 9, 200, generator=g) * torch.logspace(-4, 3, 9).unsqueeze(1)).to(dtype)
+    x[0, 2] = 0  # an all-zero token stays finite and zero
+    x_fp8, x_scale = quantize_fp8_activations(x)
+    assert x_fp8.dtype == FP8 and x_scale.dtype == torch.float32 and tuple(x_scale.shape) == (2, 9, 1)
+    x64 = _f64(x)
+    amax = np.abs(x64).max(axis=-1, keepdims=True)
+    s = _f64(x_scale)
+    assert np.all(np.abs(s - amax / 448) <= amax / 448 * 2.0**-23 + (amax == 0))
+    assert np.array_equal(e4m3_round(fp32_quotient(x64, s)), _u8(x_fp8))
+    assert not torch.isnan(x_fp8.float()).any()
+
+
+def test_static_activation_quantization_saturates():
+    x = torch.tensor([[1.0, -1.0, 0.5, 1000.0, -1000.0]])
+    x_fp8, x_scale = quantize_fp8_activations(x, torch.tensor([1 / 64]))
+    assert torch.equal(x_scale, torch.tensor([1 / 64]))
+    assert torch.equal(x_fp8.float(), torch.tensor([[64.0, -64.0, 32.0, 448.0, -448.0]]))
+
+
+# fp8-block checkpoints carry no static input_scale (FORMATS.md): dynamic only.
+@pytest.mark.parametrize("case,activations", [("fp8-channel", "dynamic"), ("fp8-channel", "static"), ("ct-block", "dynamic"),
+                                              ("ct-block", "static"), ("block128", "dynamic")])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mm_fp8_end_to_end(case, activations, dtype):
+    w, c = weight_of(case, activations=activations, dtype=dtype, input_scale=4.0 / 448)
+    want_w = oracle_weight(WEIGHTS[case][0], c)
+    n, k = want_w.shape
+    for m in MS:
+        x = _x(m, k, dtype, m, transposed=m == 3)
+        bias = torch.randn(n).to(dtype)
+        y = w.mm(x, bias)
+        x_fp8, x_scale = quantize_fp8_activations(x, w.input_scale if activations == "static" else None)
+        # The composition exactly, and the math within the activations' fp8 rounding (<= 2**-4 each).
+        assert torch.equal(y, torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, w.weight, w.weight_scale, bias, w.block_n, w.block_k, dtype, int(w.kernel)))
+        assert rel_err(y, oracle_mm(oracle_x(x_fp8, x_scale), want_w, bias)) <= TOL[dtype]
+        assert rel_err(y, oracle_mm(x, want_w, bias)) <= 0.05
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_hot_activations_return_the_dequantized_weight(case, dtype):
+    w, c = weight_of(case, dtype=dtype)
+    want = oracle_weight(WEIGHTS[case][0], c).float().to(dtype)
+    eye = torch.eye(w.in_features, dtype=dtype)
+    assert torch.equal(w.mm(eye), want.t())
+    if WEIGHTS[case][0] != "fp8-block":
+        # W8A8 with a static scale of 1: one-hot rows quantize to exactly 1.
+        w8, _ = weight_of(case, activations="static", dtype=dtype, input_scale=1.0)
+        assert torch.equal(w8.mm(eye), want.t())
+
+
+@pytest.mark.parametrize("activations", ["none", "dynamic", "static"])
+def test_gradients_use_the_dequantized_weight(activations):
+    w, c = weight_of("ct-block", activations=activations, input_scale=4.0 / 448)
+    want_w = oracle_weight("compressed-tensors-fp8", c)
+    n, k = want_w.shape
+    for x in (torch.randn(5, k), torch.randn(k, 3).t(), torch.randn(0, k), torch.randn(2, 2, k)):
+        x.requires_grad_()
+        bias = torch.randn(n, requires_grad=True)
+        y = w.mm(x, bias)
+        grad = torch.randn_like(y)
+        y.backward(grad)
+        # Straight through the activation rounding: dy/dx is the dequantized weight, never fp8.
+        assert x.grad.dtype == x.dtype
+        assert rel_err(x.grad, grad.double() @ want_w) <= 1e-5
+        assert torch.allclose(bias.grad, grad.reshape(-1, n).sum(0), atol=1e-5)
+
+
+def test_half_precision_gradients_keep_their_dtype():
+    w, c = weight_of("fp8-channel", dtype=torch.bfloat16)
+    x = torch.randn(3, 200, dtype=torch.bfloat16, requires_grad=True)
+    w.mm(x).sum().backward()
+    assert x.grad.dtype == torch.bfloat16
+    want = oracle_weight("fp8", c).sum(0)
+    assert rel_err(x.grad[0], want) <= TOL[torch.bfloat16]
+
+
+# ---- the chooser ------------------------------------------------------------------------------
+
+
+def _spec(**kw) -> WeightSpec:
+    base = dict(family="fp8", format="fp8", bits=8, group_size=-1, n=4096, k=4096, act_order=False,
+                symmetric=True, device=torch.device("cuda"), act_dtype=FP8)
+    base.update(kw)
+    return WeightSpec(**base)
+
+
+def test_lowerings_state_why_they_refuse():
+    smm, tri, ref = (LOWERINGS_BY_NAME[n] for n in ("scaled_mm_fp8", "triton_fp8", "reference_fp8"))
+    assert smm.static_refusal(_spec()) is None
+    assert "N=72 is not a multiple of 16" in smm.static_refusal(_spec(n=72))
+    assert "K=200 is not a multiple of 16" in smm.static_refusal(_spec(k=200))
+    assert "group_size=128" in smm.static_refusal(_spec(group_size=128))
+    assert "activation dtype torch.float16" in smm.static_refusal(_spec(act_dtype=torch.float16))
+    assert smm.min_capability == (8, 9) and tri.min_capability == (8, 0)
+    assert tri.static_refusal(_spec(group_size=128, n=72, k=200)) is None
+    assert tri.static_refusal(_spec(act_dtype=torch.bfloat16)) is None
+    assert "group_size=48" in tri.static_refusal(_spec(group_size=48))
+    assert ref.static_refusal(_spec(group_size=48, act_dtype=torch.float16)) is None
+    assert "runs on ['cuda'], not cpu" in smm.device_refusal(torch.device("cpu"))
+    if not torch.cuda.is_available():
+        assert smm.device_refusal(torch.device("cuda")) == "no CUDA device is available"
+
+
+def test_prepare_on_cpu_explains_the_choice():
+    w, c = weight_of("fp8-channel", activations="auto")
+    assert w.activations == "none" and w.kernel == Kernel.REFERENCE
+    text = w.choice.explain()
+    assert text.startswith("chose reference_fp8")
+    assert "refused triton_fp8: runs on ['cuda'], not cpu" in text
+    assert "refused W8A8 (fp8 activations): no native FP8 GEMM serves it (scaled_mm_fp8: " in text
+    # The checkpoint's weight is used as is: no copy, nothing beyond the checkpoint's bytes.
+    assert w.weight.data_ptr() == c.weight.data_ptr()
+    assert w.nbytes() <= 1.02 * (c.weight.numel() + 4 * c.weight_scale.numel())
+
+
+def test_prepare_activation_modes(monkeypatch):
+    fq = quantize_rtn(torch.randn(64, 32), "tensor", input_scale=0.01)
+    assert prepare_fp8_weight(fq, activations="static").activations == "static"
+    w = prepare_fp8_weight(fq, activations="dynamic")
+    assert w.activations == "dynamic" and w.input_scale is not None
+    with pytest.raises(ValueError, match="activations must be one of"):
+        prepare_fp8_weight(fq, activations="fp8")
+    with pytest.raises(ValueError, match="needs a checkpoint input_scale"):
+        prepare_fp8_weight(quantize_rtn(torch.randn(64, 32)), activations="static")
+    monkeypatch.setenv(DISABLE_ENV, "reference_fp8")
+    with pytest.raises(RuntimeError, match="reference_fp8: disabled by QOPS_DISABLE_LOWERINGS"):
+        prepare_fp8_weight(fq, activations="none")
+
+
+# ---- errors name the argument, eagerly and under fake tensors ----------------------------------
+
+
+def _mm_args(w, **changes) -> dict:
+    args = dict(x=torch.randn(3, w.in_features), weight=w.weight, weight_scale=w.weight_scale,
+                bias=torch.randn(w.out_features), block_n=w.block_n, block_k=w.block_k, kernel=int(w.kernel))
+    args.update(changes)
+    return args
+
+
+def _smm_args(w, **changes) -> dict:
+    x_fp8, x_scale = quantize_fp8_activations(torch.randn(3, w.in_features))
+    args = dict(x_fp8=x_fp8, x_scale=x_scale, weight=w.weight, weight_scale=w.weight_scale,
+                bias=torch.randn(w.out_features), block_n=w.block_n, block_k=w.block_k,
+                out_dtype=torch.float16, kernel=int(w.kernel))
+    args.update(changes)
+    return args
+
+
+def _bad_inputs():
+    w, _ = weight_of("ct-block")  # N=72, K=200, blocks 32 x 64: weight_scale (3, 4)
+    k = w.in_features
+    mm, smm, dq = torch.ops.qops.mm_fp8_weight, torch.ops.qops.scaled_mm_fp8, torch.ops.qops.dequantize_fp8
+    return {
+        "x-dtype": (mm, _mm_args(w, x=torch.ones(3, k, dtype=torch.int32)), r"x must be float32, float16 or bfloat16"),
+        "x-fp8": (mm, _mm_args(w, x=torch.ones(3, k).to(FP8)), r"x must be float32"),
+        "weight-dtype": (mm, _mm_args(w, weight=w.weight.float()), r"weight must be torch\.float8_e4m3fn"),
+        "weight-1d": (mm, _mm_args(w, weight=w.weight.reshape(-1)), r"weight must be 2-D"),
+        "weight-k": (mm, _mm_args(w, x=torch.randn(3, k + 1)), r"weight must have K=201 columns"),
+        "scale-dtype": (mm, _mm_args(w, weight_scale=w.weight_scale.half()), r"weight_scale must be torch\.float32"),
+        "scale-shape": (mm, _mm_args(w, weight_scale=w.weight_scale[:, :3]), r"weight_scale must have shape \(3, 4\)"),
+        "block-n": (mm, _mm_args(w, block_n=0), r"block_n must be -1 .* or positive, got 0"),
+        "block-k": (mm, _mm_args(w, block_k=-2), r"block_k must be -1 .* or positive, got -2"),
+        "block-mismatch": (mm, _mm_args(w, block_k=128), r"weight_scale must have shape \(3, 2\)"),
+        "bias-shape": (mm, _mm_args(w, bias=torch.randn(71)), r"bias must have shape \(72,\)"),
+        "bias-dtype": (mm, _mm_args(w, bias=torch.ones(72, dtype=torch.int64)), r"bias must be float32"),
+        "bias-device": (mm, _mm_args(w, bias=torch.randn(72, device="meta")), r"bias must be on cpu"),
+        "kernel-unknown": (mm, _mm_args(w, kernel=7), r"kernel must be one of \[0, 1, 3\] for fp8, got 7"),
+        "kernel-device": (mm, _mm_args(w, kernel=1), r"kernel=1 \(triton_fp8\) runs on \['cuda'\]"),
+        "x_fp8-dtype": (smm, _smm_args(w, x_fp8=torch.randn(3, k)), r"x_fp8 must be torch\.float8_e4m3fn"),
+        "x_scale-shape": (smm, _smm_args(w, x_scale=torch.ones(3, 2)), r"x_scale must have shape \(1,\) \(per tensor\) or \(3, 1\)"),
+        "x_scale-tensor": (smm, _smm_args(w, x_scale=torch.ones(2)), r"x_scale must have shape"),
+        "x_scale-dtype": (smm, _smm_args(w, x_scale=torch.ones(3, 1, dtype=torch.float16)), r"x_scale must be torch\.float32"),
+        "out_dtype": (smm, _smm_args(w, out_dtype=torch.int32), r"out_dtype must be float32"),
+        "smm-weight-k": (smm, _smm_args(w, weight=w.weight[:, :100].contiguous()), r"weight must have K=200"),
+        "smm-kernel-device": (smm, _smm_args(w, kernel=3), r"kernel=3 \(scaled_mm_fp8\) runs on \['cuda'\]"),
+        "dq-scale": (dq, dict(weight=w.weight, weight_scale=w.weight_scale.t(), block_n=32, block_k=64, dtype=torch.float32), r"weight_scale must have shape \(3, 4\)"),
+    }
+
+
+BAD = _bad_inputs()
+
+
+@pytest.mark.parametrize("mode", ["eager", "fake"])
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_errors_name_the_argument(name, mode):
+    op, args, pattern = BAD[name]
+    values = list(args.values())
+    with pytest.raises((TypeError, ValueError)) as info:
+        if mode == "eager":
+            op(*values)
+        else:
+            with FakeTensorMode() as m:
+                op(*[m.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values])
+    assert re.search(pattern, str(info.value)), str(info.value)
+    assert str(info.value).startswith(f"qops.{op._qualified_op_name.split('::')[1]}:"), str(info.value)
+
+
+def test_kernel_ids_check_the_activation_dtype():
+    # Kernel 3 (torch._scaled_mm) reads fp8 activations only: qops::mm_fp8_weight cannot take it.
+    with pytest.raises(ValueError, match=r"kernel=3 \(scaled_mm_fp8\) reads \['torch.float8_e4m3fn'\] activations, not torch.float16"):
+        check_kernel("mm_fp8_weight", 3, torch.device("cuda"), torch.float16)
+    check_kernel("scaled_mm_fp8", 3, torch.device("cuda"), FP8)
+    check_kernel("mm_fp8_weight", 1, torch.device("cuda"), torch.bfloat16)
+
+
+# ---- Triton kernels under the interpreter -----------------------------------------------------
+
+
+TRITON_WEIGHTS = {"tensor": "fp8-tensor", "channel": "fp8-channel", "block": "ct-block", "block128": "block128"}
+# (path, M, config override): gemv, gemv with split-K forced, gemm.
+TRITON_PATHS = {
+    "gemv-m1": (1, None),
+    "gemv-m3-splitk": (3, dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, num_warps=4)),
+    "gemm-m17": (17, None),
+}
+# (activations, x dtype, native fp8 conversion)
+TRITON_VARIANTS = {
+    "w8a16-fp16-bits": ("none", torch.float16, False),
+    "w8a16-fp32-native": ("none", torch.float32, True),
+    "w8a8-fp16-native": ("dynamic", torch.float16, True),
+    "w8a8-fp32-bits": ("dynamic", torch.float32, False),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(TRITON_VARIANTS))
+@pytest.mark.parametrize("path", sorted(TRITON_PATHS))
+@pytest.mark.parametrize("gran", ["tensor", "channel", "block"])
+def test_triton_kernels_match_oracle(gran, path, variant):
+    from qops.ops.triton.fp8 import triton_mm
+
+    case = TRITON_WEIGHTS[gran]
+    activations, dtype, native = TRITON_VARIANTS[variant]
+    m, config = TRITON_PATHS[path]
+    w, c = weight_of(case, activations=activations, dtype=dtype)
+    want_w = oracle_weight(WEIGHTS[case][0], c)
+    n, k = want_w.shape
+    x = _x(m, k, dtype, 11, transposed=path == "gemm-m17")
+    bias = torch.randn(n).to(dtype) if path != "gemv-m1" else None
+    if activations == "none":
+        y = triton_mm(x, None, w.weight, w.weight_scale, bias, w.block_n, w.block_k, dtype, native_fp8=native, config=config)
+        want = oracle_mm(x, want_w, bias)
+    else:
+        x_fp8, x_scale = quantize_fp8_activations(x)
+        y = triton_mm(x_fp8, x_scale, w.weight, w.weight_scale, bias, w.block_n, w.block_k, dtype, native_fp8=native, config=config)
+        want = oracle_mm(oracle_x(x_fp8, x_scale), want_w, bias)
+    assert y.dtype == dtype and tuple(y.shape) == (m, n)
+    assert rel_err(y, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["bits", "native"])
+@pytest.mark.parametrize("gran", ["channel", "block128"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_triton_one_hot_is_exact(gran, dtype, native):
+    from qops.ops.triton.fp8 import triton_mm
+
+    case = TRITON_WEIGHTS[gran]
+    w, c = weight_of(case, dtype=dtype)
+    want = oracle_weight(WEIGHTS[case][0], c).float().to(dtype)
+    k = w.in_features
+    for rows in (torch.eye(k, dtype=dtype)[:3], torch.eye(k, dtype=dtype)[:64]):  # gemv, gemm
+        y = triton_mm(rows, None, w.weight, w.weight_scale, None, w.block_n, w.block_k, dtype, native_fp8=native)
+        assert torch.equal(y, want.t()[: rows.shape[0]])
+
+
+def test_triton_edge_shapes():
+    from qops.ops.triton.fp8 import triton_mm
+
+    w, c = weight_of("ct-channel")  # N=40, K=24
+    want_w = oracle_weight("compressed-tensors-fp8", c)
+    assert tuple(triton_mm(torch.randn(0, 24), None, w.weight, w.weight_scale, None, w.block_n, w.block_k, torch.float16).shape) == (0, 40)
+    x = torch.randn(2, 3, 24)
+    y = triton_mm(x, None, w.weight, w.weight_scale, None, w.block_n, w.block_k, torch.float32)
+    assert tuple(y.shape) == (2, 3, 40) and rel_err(y, oracle_mm(x, want_w)) <= TOL[torch.float32]
+    with pytest.raises(ValueError, match="block_k must be -1 or a power of two >= 32"):
+        triton_mm(x, None, w.weight, torch.ones(40, 2), None, 1, 16, torch.float32)
+
+
+def test_triton_configs_fit_the_shapes():
+    from qops.ops.triton.fp8 import GEMV_MAX_M, gemm_config, gemv_config
+
+    # M=1 on the large shapes: enough programs without split-K; small N is split along K.
+    for n, k in ((28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)):
+        cfg = gemv_config(1, n, k, -1, 132)
+        assert cfg["SPLIT_K"] == 1 and -(-n // cfg["BLOCK_N"]) >= 4 * 132
+        assert cfg["BLOCK_N"] * cfg["BLOCK_K"] == 8192
+    assert gemv_config(1, 72, 8192, -1, 132)["SPLIT_K"] > 1
+    assert gemv_config(GEMV_MAX_M, 4096, 4096, 128, 132)["BLOCK_K"] <= 128
+    assert gemm_config(2048, 4096, 4096, -1, 132)["BLOCK_M"] == 128
+    assert gemm_config(16, 4096, 4096, 128, 132)["BLOCK_K"] == 128
