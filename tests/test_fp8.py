@@ -454,6 +454,13 @@ def test_prepare_activation_modes(monkeypatch):
         prepare_fp8_weight(fq, activations="none")
 
 
+def test_prepare_stores_row_blocks_spanning_k_per_channel():
+    fq = quantize_rtn(torch.randn(10, 8), "block", (4, 8))  # blocks 4 x 8 over K = 8: one column
+    w = prepare_fp8_weight(dataclasses.replace(fq, block_k=-1))
+    assert (w.block_n, w.block_k) == (1, -1) and tuple(w.weight_scale.shape) == (10, 1)
+    assert torch.equal(w.dequantize(), fq.dequantize())
+
+
 # ---- errors name the argument, eagerly and under fake tensors ----------------------------------
 
 

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from ..formats.fp8 import FP8_DTYPE, FP8_MAX, Fp8Quantized, dequantize_reference, scale_shape
+from ..formats.fp8 import FP8_DTYPE, FP8_MAX, Fp8Quantized, dequantize_reference, expand_scale, scale_shape
 from ..lowerings import LOWERINGS_BY_KERNEL, LOWERINGS_BY_NAME, Choice, Kernel, WeightSpec, choose, implementation
 
 FAMILY = "fp8"
@@ -388,8 +388,7 @@ def prepare_fp8_weight(
     block_n, block_k = fq.block_n, fq.block_k
     if block_k == -1 and block_n not in (-1, 1):
         # Row blocks spanning all of K mean one scale per row: store it per channel.
-        scale = scale.repeat_interleave(block_n, dim=0)[:n].contiguous()
-        block_n = 1
+        scale, block_n = expand_scale(scale, n, 1, block_n, -1).contiguous(), 1
     act_dtype = dtype if dtype is not None else torch.float32
 
     def spec(a_dtype: torch.dtype) -> WeightSpec:
