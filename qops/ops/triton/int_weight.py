@@ -147,7 +147,7 @@ def _gemv_kernel(
     stride_xm, stride_xk, stride_qw, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
     split_len, group_size, zero_offset, magic,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """Split-K GEMV for up to 4 rows. Program (n tile, K split, m tile); a step covers CHUNKS runs
@@ -172,10 +172,7 @@ def _gemv_kernel(
     acc2 = tl.zeros([BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, STEP):
-        if GROUPED:
-            g = k0 // group_size
-        else:
-            g = 0
+        g = k0 // group_size
         zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
         kbase = k0 + chunk * 32
         if HAS_PERM:
@@ -257,7 +254,7 @@ def _interleave(v0, v1, v2, v3, v4, v5, v6, v7, VPW: tl.constexpr):
 def _tc_weight_tile(
     qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
     group_size, zero_offset, zf_tile, magic,
-    BITS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUPED: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
     TILE_GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
 ):
     """The ``(BLOCK_K, BN)`` weight tile in K order: ``q - z`` when TILE_GROUP (the caller scales the
@@ -324,10 +321,7 @@ def _tc_weight_tile(
         if TILE_GROUP:
             return (f - zf_tile).to(DTYPE)
         else:
-            if GROUPED:
-                g = offs_k // group_size
-            else:
-                g = offs_k * 0
+            g = offs_k // group_size
             rmask = kmask[:, None] & nmask[None, :]
             s = tl.load(s_ptr + g[:, None] * stride_s + offs_n[None, :], mask=rmask, other=0.0).to(tl.float32)
             if HAS_ZEROS:
@@ -353,7 +347,7 @@ def _tc_kernel(
     stride_xm, stride_xk, stride_qw, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
     split_len, group_size, zero_offset, magic,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Split-K tiled GEMM on tensor cores: program (m/n tile, K split)."""
@@ -390,19 +384,16 @@ def _tc_kernel(
         else:
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
         if TILE_GROUP:
-            if GROUPED:
-                g = k0 // group_size
-            else:
-                g = 0
+            g = k0 // group_size
             zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
             b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
-                                group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, GROUPED, TILE_GROUP, EVEN_K, DTYPE)
+                                group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE)
             s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
             # "ieee": fp32 activations (interpreter tests) are not rounded to tf32; fp16/bf16 are unaffected.
             acc += tl.dot(a, b, input_precision="ieee") * s[None, :]
         else:
             b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
-                                group_size, zero_offset, 0.0, magic, BITS, BLOCK_K, HAS_ZEROS, GROUPED, TILE_GROUP, EVEN_K, DTYPE)
+                                group_size, zero_offset, 0.0, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE)
             acc = tl.dot(a, b, acc, input_precision="ieee")
     rmask = mmask[:, None] & nmask[None, :]
     if OUT_MODE == 0:
@@ -439,7 +430,7 @@ def _dequant_kernel(
     K, N, n0, slab, n_wrows, stride_qw, stride_s, stride_qz,
     group_size, zero_offset, magic,
     BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, GROUPED: tl.constexpr, TILE_GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, TILE_GROUP: tl.constexpr,
 ):
     """Dense slab of ``W.T``: ``w[perm[k], n - n0] = s * (q - z)`` for columns ``[n0, n0 + slab)``.
 
@@ -451,18 +442,15 @@ def _dequant_kernel(
     offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     nmask = offs_n < tl.minimum(N, n0 + slab)
     if TILE_GROUP:
-        if GROUPED:
-            g = k0 // group_size
-        else:
-            g = 0
+        g = k0 // group_size
         zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
         s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
         w_tile = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, K, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
-                                 group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, GROUPED, True, False,
+                                 group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, True, False,
                                  tl.float32) * s[None, :]
     else:
         w_tile = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, K, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
-                                 group_size, zero_offset, 0.0, magic, BITS, BLOCK_K, HAS_ZEROS, GROUPED, False, False,
+                                 group_size, zero_offset, 0.0, magic, BITS, BLOCK_K, HAS_ZEROS, False, False,
                                  tl.float32)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     kmask = offs_k < K
@@ -702,11 +690,12 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
         m, n, k, qweight.shape[0],
         x2.stride(0), x2.stride(1), qweight.stride(0), scales.stride(0),
         qzeros.stride(0) if qzeros is not None else 0, *sy,
+        # group_size -1 is passed as K: k // K == 0 for every row, so one division serves both.
         plan["split_len"], group_size if group_size != -1 else k, zero_offset, MAGIC_ARG,
     )
     flags = dict(
         BITS=bits, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None, HAS_BIAS=bias is not None,
-        GROUPED=group_size != -1, OUT_MODE=mode, EVEN_K=plan["even_k"],
+        OUT_MODE=mode, EVEN_K=plan["even_k"],
     )
     cfg = plan["cfg"]
     launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)))
@@ -743,7 +732,7 @@ def _run_dense(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_si
             k, n, n0, slab, qweight.shape[0], qweight.stride(0), scales.stride(0),
             qzeros.stride(0) if qzeros is not None else 0, group_size if group_size != -1 else k, zero_offset,
             MAGIC_ARG, BITS=bits, BLOCK_K=bk, BLOCK_N=bn, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None,
-            GROUPED=group_size != -1, TILE_GROUP=plan["tile_group"], num_warps=4,
+            TILE_GROUP=plan["tile_group"], num_warps=4,
         )
         wv = w[:, :width]
         dst = o2[:, n0:n0 + width]
