@@ -12,7 +12,7 @@ from torch._dynamo.backends.common import aot_autograd
 import qops  # noqa: F401
 
 from tests import oracle
-from tests.int_weight_cases import Case, build, int_weight_formats
+from tests.int_weight_cases import Case, build, int_weight_formats, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 BATCHES = (1, 2, 7, 64)
 K1, N1, N2 = 64, 40, 24  # x (B, 64) -> linear1 -> (B, 40) -> relu -> linear2 -> (B, 24)

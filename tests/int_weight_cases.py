@@ -11,6 +11,7 @@ import itertools
 import zlib
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from qops.formats import FORMATS
@@ -160,3 +161,17 @@ def rel_err(got: torch.Tensor, want64: torch.Tensor) -> float:
     diff = torch.linalg.vector_norm(got.double() - want64)
     ref = torch.linalg.vector_norm(want64)
     return float(diff / ref) if ref > 0 else float(diff)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Run a module's tiny matmuls on one thread, restoring the count after.
+
+    On a 2-core CI machine shared with other jobs, OpenMP's second thread spin-waits for a core
+    and makes these small products about ten times slower (measured: 150 s vs 12 s for
+    test_int_weight_ops.py); one thread loses nothing at these sizes.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,7 +11,7 @@ from qops.formats.awq import AWQCheckpoint
 from qops.formats.integer import IntQuantized, act_order_g_idx
 
 from tests import oracle
-from tests.int_weight_cases import TOL, rel_err
+from tests.int_weight_cases import TOL, one_thread, rel_err  # noqa: F401  (one_thread: autouse fixture)
 
 AWQ = FORMATS["awq"]
 

@@ -12,7 +12,7 @@ from qops.formats.compressed_tensors import CompressedTensorsCheckpoint
 from qops.formats.integer import act_order_g_idx
 
 from tests import oracle
-from tests.int_weight_cases import TOL, rel_err
+from tests.int_weight_cases import TOL, one_thread, rel_err  # noqa: F401  (one_thread: autouse fixture)
 
 CT = FORMATS["compressed-tensors"]
 

@@ -12,7 +12,7 @@ import qops
 from qops.formats import FORMATS
 from qops.lowerings import DISABLE_ENV, LOWERINGS, NoLoweringError, WeightSpec, choose, disabled_lowerings
 
-from tests.int_weight_cases import Case, build, random_int_quantized
+from tests.int_weight_cases import Case, build, one_thread, random_int_quantized  # noqa: F401  (one_thread: autouse fixture)
 
 MODES = ("eager", "fake", "compile")
 # asym act-order 4-bit, K=72 (9 qweight rows), N=24, 3 groups of 32 (the last partial)

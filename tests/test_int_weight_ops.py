@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests import oracle
-from tests.int_weight_cases import ACT_DTYPES, TOL, all_cases, build, rel_err, seed_of
+from tests.int_weight_cases import ACT_DTYPES, TOL, all_cases, build, one_thread, rel_err, seed_of  # noqa: F401  (one_thread: autouse fixture)
 
 SUPPORTED = [c for c in all_cases() if c.supported]
 M_VALUES = (0, 1, 2, 3, 17, 128, 257)

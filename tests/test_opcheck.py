@@ -10,7 +10,7 @@ import torch
 
 import qops  # noqa: F401  (registers the ops)
 
-from tests.int_weight_cases import Case, build
+from tests.int_weight_cases import Case, build, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 

@@ -8,7 +8,7 @@ import torch
 from qops.formats import FORMATS
 
 from tests import oracle
-from tests.int_weight_cases import SUPPORT, all_cases, build, int_weight_formats, pack, random_int_quantized
+from tests.int_weight_cases import SUPPORT, all_cases, build, int_weight_formats, one_thread, pack, random_int_quantized  # noqa: F401  (one_thread: autouse fixture)
 
 CASES = all_cases()
 SUPPORTED = [c for c in CASES if c.supported]
