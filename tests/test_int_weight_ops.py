@@ -58,7 +58,7 @@ def test_ops_match_oracle(case):
     for dtype in ACT_DTYPES:
         deq = torch.ops.qops.dequantize_int_weight(w.qweight, w.scales, w.qzeros, w.act_perm, w.in_features,
                                                    w.bits, w.group_size, w.zero_offset, dtype)
-        assert deq.dtype == dtype and deq.shape == (case.n, case.k)
+        assert deq.dtype == dtype and deq.shape == (case.n, case.k) and deq.is_contiguous()
         if dtype == torch.float32:
             assert torch.equal(deq.double(), b.w64)
         else:
@@ -97,6 +97,30 @@ def test_non_contiguous_activations(case):
             bd = bias.to(dtype)
             _check(w.mm(xd, bd), xd, b.w64, bd, f"{case.id} {name} {dtype}")
             _check(_out_call(w, xd, None, None), xd, b.w64, None, f"{case.id} {name} {dtype} out")
+
+
+@pytest.mark.parametrize("case", FEATURED, ids=lambda c: c.id)
+def test_out_is_written_through_its_strides(case):
+    # A caller's buffer may be a view (a slice of a larger activation buffer): only it is written.
+    b = build(case)
+    w = b.weight
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, case.k, generator=gen)
+    bias = torch.randn(case.n, generator=gen)
+    for name, make in {
+        "transposed": lambda: torch.full((case.n, 6), 7.0).t(),
+        "column-slice": lambda: torch.full((6, case.n + 5), 7.0)[:, 2:2 + case.n],
+        "row-strided": lambda: torch.full((12, case.n), 7.0)[::2],
+    }.items():
+        out = make()
+        base = out._base
+        before = base.clone()
+        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.bits,
+                                         w.group_size, w.zero_offset, int(w.kernel), out, None)
+        _check(out, x, b.w64, bias, f"{case.id} out {name}")
+        untouched = torch.ones_like(base, dtype=torch.bool)
+        untouched.as_strided(out.shape, out.stride(), out.storage_offset()).fill_(False)
+        assert torch.equal(base[untouched], before[untouched]), f"{name}: wrote outside out"
 
 
 @pytest.mark.parametrize("case", FEATURED, ids=lambda c: c.id)
