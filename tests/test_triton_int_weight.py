@@ -213,6 +213,10 @@ def test_plan_follows_the_table():
         assert T._plan(1, 4096, 4096, 4, 32, dev)["chunks"] == 1
         # The GEMM K tile shrinks to divide the group (8-bit words allow 64-row tiles).
         assert T._plan(32, 4096, 4096, 8, 64, dev)["block_k"] <= 64
+        # 2 bits, group 32: per-element scaling with a narrow K tile. A 256-row tile here needed
+        # 598 KB of shared memory on the H200 (the GPU suite's first failure).
+        plan = T._plan(16, 200, 333, 2, 32, dev, "gemm")
+        assert not plan["tile_group"] and plan["block_k"] == 32
 
 
 @pytest.mark.parametrize("stem", ["default", "h200"])

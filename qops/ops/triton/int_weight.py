@@ -603,7 +603,11 @@ def _plan(m: int, n: int, k: int, bits: int, group_size: int, device: torch.devi
         if fit >= max(16, 16 * vpw if 32 % bits == 0 else 16):
             bk = fit
         else:
+            # Per-element scaling: the K tile only needs the dot's minimum of 16 rows. Keeping the
+            # wide tile of the word unpack here asked for 598 KB of shared memory at 2 bits, g32
+            # (seen on the H200).
             tile_group = False
+            bk = max(16, fit)
     tiles = -(-m // bm) * -(-n // bn)
     split, split_len = _split(k, bk, tiles, cfg, sms)
     return dict(
