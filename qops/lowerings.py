@@ -64,6 +64,14 @@ def _nothing_missing() -> str | None:
     return None
 
 
+def _native_missing() -> str | None:
+    try:
+        from .native.compiler import runtime_missing
+    except Exception as e:  # noqa: BLE001 - numpy or the module itself failing to import
+        return f"qops.native is not importable ({type(e).__name__}: {e})"
+    return runtime_missing()
+
+
 @dataclass(frozen=True)
 class Lowering:
     name: str
@@ -154,6 +162,22 @@ LOWERINGS: tuple[Lowering, ...] = (
         entry="qops.ops.triton.int_weight:triton_mm",
         note="Triton: split-K GEMV for small M, tiled GEMM above the measured threshold",
         software=_triton_missing,
+    ),
+    Lowering(
+        name="native_w4a16",
+        kernel=Kernel.NATIVE,
+        family="int_weight",
+        device_types=frozenset({"cuda"}),
+        min_capability=(8, 0),
+        formats=INT_WEIGHT_FORMATS,
+        bits=frozenset({4}),
+        group_sizes=frozenset({-1, 128, 256, 512, 1024}),
+        n_multiple=4,
+        act_dtypes=frozenset({torch.float16, torch.bfloat16}),
+        priority=20,
+        entry="qops.native.int_weight:native_mm",
+        note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=16, deterministic split-K; larger M delegated to triton",
+        software=_native_missing,
     ),
     Lowering(
         name="reference_fp8",

@@ -1,0 +1,366 @@
+"""NVRTC compilation of qops' CUDA C++ sources, a disk cache, and kernel loading and launch.
+
+The sources under ``qops/native`` include no torch or CUDA headers beyond what NVRTC declares
+itself; local headers (``#include "x.cuh"``) are found beside them. Three layers:
+
+- :func:`compile` ``(source, arch, options) -> bytes`` is pure: NVRTC through ``cuda.core``, cubin
+  for ``arch`` (``"sm_90"``), no device or driver needed. A failure raises :class:`NativeCompileError`
+  carrying NVRTC's log.
+- :func:`compile_cached` wraps it with a disk cache under ``$QOPS_CACHE_DIR`` (default
+  ``~/.cache/qops``)/``nvrtc``, keyed by the sha256 of the source (with the local headers it
+  includes), the options, the arch and the NVRTC version; entries are written to a temporary file
+  and renamed into place, so concurrent processes never read half a file.
+- :func:`get_kernel` compiles (or reads the cache) and loads a module once per device and kernel
+  variant. Loading happens at warm-up; during CUDA-graph capture a kernel that is not loaded yet
+  raises :class:`NativeNotReadyError` instead of compiling. :func:`launch` launches on a torch stream.
+
+``cuda.core`` moved out of ``cuda.core.experimental`` in 1.0; both locations are accepted.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+NATIVE_DIR = Path(__file__).resolve().parent
+CACHE_ENV = "QOPS_CACHE_DIR"
+DEFAULT_STD = "c++17"
+
+
+class NativeCompileError(RuntimeError):
+    """NVRTC rejected a source; the message holds its log."""
+
+
+class NativeUnavailableError(RuntimeError):
+    """cuda.core or NVRTC cannot be used on this machine."""
+
+
+class NativeNotReadyError(RuntimeError):
+    """A kernel was needed during CUDA-graph capture before it was compiled and loaded."""
+
+
+# --- cuda.core / NVRTC access -------------------------------------------------------------------
+
+
+@functools.cache
+def core():
+    """The ``cuda.core`` module (``cuda.core.experimental`` before cuda-core 1.0)."""
+    errors = []
+    for name in ("cuda.core", "cuda.core.experimental"):
+        try:
+            mod = __import__(name, fromlist=["Program"])
+        except Exception as e:  # noqa: BLE001 - any import failure: try the next location
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        missing = [a for a in ("Program", "ProgramOptions", "ObjectCode", "LaunchConfig", "launch", "Device") if not hasattr(mod, a)]
+        if not missing:
+            return mod
+        errors.append(f"{name}: lacks {', '.join(missing)}")
+    raise NativeUnavailableError(
+        "qops.native needs cuda-core (pip install 'cuda-core>=1.0' cuda-bindings nvidia-cuda-nvrtc): " + "; ".join(errors)
+    )
+
+
+@functools.cache
+def nvrtc_version() -> tuple[int, int]:
+    """NVRTC's (major, minor); loads the NVRTC library."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        try:
+            from cuda import nvrtc  # cuda-python < 12.6 layout
+        except ImportError as e:
+            raise NativeUnavailableError(f"qops.native needs cuda-bindings for NVRTC: {e}") from e
+    try:
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as e:  # noqa: BLE001 - library not found / not loadable
+        raise NativeUnavailableError(f"NVRTC could not be loaded ({type(e).__name__}: {e}); install nvidia-cuda-nvrtc") from e
+    if int(err) != 0:
+        raise NativeUnavailableError(f"nvrtcVersion failed: {err}")
+    return int(major), int(minor)
+
+
+@functools.cache
+def runtime_missing() -> str | None:
+    """Why native kernels cannot be compiled here (cuda.core or NVRTC unusable), or None."""
+    try:
+        core()
+        nvrtc_version()
+    except NativeUnavailableError as e:
+        return str(e)
+    return None
+
+
+@functools.cache
+def cuda_include_dirs() -> tuple[str, ...]:
+    """Directories holding the CUDA runtime headers (``cuda_fp16.h``, ...), for sources that want them."""
+    dirs: list[str] = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        d = find_nvidia_header_directory("cudart")
+        if d:
+            dirs.append(str(d))
+    except Exception:  # noqa: BLE001 - older cuda-pathfinder, or no wheel: fall back to a toolkit
+        pass
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
+            dirs.append(str(Path(root) / "include"))
+    return tuple(dict.fromkeys(dirs))
+
+
+# --- compilation ----------------------------------------------------------------------------------
+
+
+def _program_options(arch: str, options: Mapping[str, Any]):
+    po = core().ProgramOptions
+    kwargs = {"std": DEFAULT_STD, **options, "arch": arch}
+    try:
+        return po(**kwargs)
+    except TypeError as e:
+        raise NativeUnavailableError(f"this cuda-core's ProgramOptions does not take {sorted(kwargs)}: {e}") from e
+
+
+def compile(source: str, arch: str, options: Mapping[str, Any] | None = None, *, log: list | None = None) -> bytes:  # noqa: A001
+    """Compile CUDA C++ ``source`` to a cubin for ``arch`` (``"sm_80"``, ``"sm_90"``, ...).
+
+    ``options`` are ``cuda.core.ProgramOptions`` fields (``define_macro``, ``include_path``,
+    ``ptxas_options``, ...; ``std`` defaults to c++17). NVRTC's log (warnings, or ptxas' report with
+    ``ptxas_options=["-v"]``) is appended to ``log`` when given. Needs no GPU.
+    """
+    cc = core()
+    opts = _program_options(arch, dict(options or {}))
+    buf = _Log()
+    try:
+        prog = cc.Program(source, code_type="c++", options=opts)
+        try:
+            obj = prog.compile("cubin", logs=buf)
+        except TypeError:  # cuda-core without the logs argument
+            obj = prog.compile("cubin")
+    except Exception as e:  # noqa: BLE001 - NVRTCError and friends; the log is in the message or in buf
+        text = buf.text() or str(e)
+        raise NativeCompileError(f"NVRTC failed to compile for {arch}:\n{text}\n({type(e).__name__}: {e})") from e
+    if log is not None:
+        log.append(buf.text())
+    code = obj.code
+    return bytes(code) if not isinstance(code, bytes) else code
+
+
+class _Log:
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def write(self, s):
+        self.parts.append(s if isinstance(s, str) else s.decode(errors="replace"))
+
+    def text(self) -> str:
+        return "".join(self.parts).rstrip("\x00").strip()
+
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def local_headers(source: str, dirs: Sequence[str | Path] = (NATIVE_DIR,)) -> dict[str, str]:
+    """The text of every ``#include "..."`` the source reaches inside ``dirs``, by name, recursively."""
+    found: dict[str, str] = {}
+    todo = [source]
+    while todo:
+        for name in _INCLUDE_RE.findall(todo.pop()):
+            if name in found:
+                continue
+            for d in dirs:
+                p = Path(d) / name
+                if p.is_file():
+                    found[name] = p.read_text()
+                    todo.append(found[name])
+                    break
+    return found
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qops") / "nvrtc"
+
+
+def cache_key(source: str, arch: str, options: Mapping[str, Any] | None = None) -> str:
+    """sha256 over the source and the local headers it includes, the options, the arch and NVRTC's version."""
+    opts = dict(options or {})
+    dirs = [NATIVE_DIR, *(_as_list(opts.get("include_path")))]
+    payload = {
+        "source": source,
+        "headers": sorted(local_headers(source, dirs).items()),
+        "options": {"std": DEFAULT_STD, **opts},
+        "arch": arch,
+        "nvrtc": list(nvrtc_version()),
+    }
+    blob = json.dumps(payload, sort_keys=True, default=_json_default).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _as_list(v) -> list:
+    if v is None:
+        return []
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _json_default(o):
+    if isinstance(o, (Path, os.PathLike)):
+        return os.fspath(o)
+    if isinstance(o, (set, frozenset)):
+        return sorted(o, key=repr)
+    return repr(o)
+
+
+def compile_cached(source: str, arch: str, options: Mapping[str, Any] | None = None) -> bytes:
+    """:func:`compile`, through the disk cache. Returns the cubin."""
+    key = cache_key(source, arch, options)
+    path = cache_dir() / f"{key}.cubin"
+    try:
+        data = path.read_bytes()
+        if data:
+            return data
+    except OSError:
+        pass
+    data = compile(source, arch, options)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:16]}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass  # a read-only or full cache directory costs a recompile next time, nothing else
+    return data
+
+
+def native_source(name: str) -> str:
+    return (NATIVE_DIR / name).read_text()
+
+
+def native_options(defines: Mapping[str, int | str] | None = None, **extra) -> dict[str, Any]:
+    """ProgramOptions fields for a source under qops/native with the given macro definitions."""
+    opts: dict[str, Any] = {"include_path": [str(NATIVE_DIR), *cuda_include_dirs()]}
+    if defines:
+        opts["define_macro"] = [(str(k), str(v)) for k, v in sorted(defines.items())]
+    opts.update(extra)
+    return opts
+
+
+# --- devices, loading, launching --------------------------------------------------------------------
+
+
+def device_arch(device: torch.device | int) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+_lock = threading.Lock()
+_modules: dict[tuple, Any] = {}  # (device, source, defines) -> ObjectCode; alive for the process
+_kernels: dict[tuple, Any] = {}  # (device, source, defines, kernel name) -> Kernel
+
+
+def _device_index(device: torch.device | int) -> int:
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _defines_key(defines: Mapping[str, int | str]) -> tuple:
+    return tuple(sorted((str(k), str(v)) for k, v in defines.items()))
+
+
+def is_loaded(device, source_name: str, defines: Mapping[str, int | str], kernel_name: str) -> bool:
+    return (_device_index(device), source_name, _defines_key(defines), kernel_name) in _kernels
+
+
+def get_kernel(device: torch.device | int, source_name: str, defines: Mapping[str, int | str], kernel_name: str):
+    """The loaded kernel ``kernel_name`` of ``qops/native/<source_name>`` built with ``defines``, for ``device``.
+
+    Compiles (or reads the disk cache) and loads the module on first use per device. Raises
+    :class:`NativeNotReadyError` instead when the current stream is capturing a CUDA graph. The
+    driver may still defer making the code resident until the first launch, so a warm-up should
+    launch each kernel once (an empty launch is enough) before capture.
+    """
+    idx = _device_index(device)
+    dkey = _defines_key(defines)
+    key = (idx, source_name, dkey, kernel_name)
+    k = _kernels.get(key)
+    if k is not None:
+        return k
+    if torch.cuda.is_current_stream_capturing():
+        raise NativeNotReadyError(
+            f"qops.native: kernel {kernel_name} of {source_name} with {dict(dkey)} is not loaded on cuda:{idx}, "
+            "and compiling or loading during CUDA-graph capture is not allowed. Warm up first "
+            "(qops.native.int_weight.warmup(...), or one eager call of the same shape) before capturing."
+        )
+    with _lock:
+        k = _kernels.get(key)
+        if k is not None:
+            return k
+        mkey = (idx, source_name, dkey)
+        obj = _modules.get(mkey)
+        cc = core()
+        if obj is None:
+            cubin = compile_cached(native_source(source_name), device_arch(idx), native_options(defines))
+            with torch.cuda.device(idx):
+                cc.Device(idx).set_current()
+                obj = cc.ObjectCode.from_cubin(cubin)
+            _modules[mkey] = obj
+        with torch.cuda.device(idx):
+            cc.Device(idx).set_current()
+            k = obj.get_kernel(kernel_name)
+        _kernels[key] = k
+        return k
+
+
+
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def _core_stream(stream: torch.cuda.Stream):
+    """A cuda.core view of a torch stream, cached by handle (it does not own the stream)."""
+    handle = int(stream.cuda_stream)
+    key = (stream.device_index, handle)
+    s = _streams.get(key)
+    if s is None:
+        s = _wrap_stream(stream, handle)
+        _streams[key] = s
+    return s
+
+
+def _wrap_stream(stream: torch.cuda.Stream, handle: int):
+    cc = core()
+    if handle == 0:  # torch's default stream is the legacy default stream
+        legacy = getattr(cc, "LEGACY_DEFAULT_STREAM", None)
+        if legacy is not None:
+            return legacy
+    from_handle = getattr(getattr(cc, "Stream", None), "from_handle", None)
+    if from_handle is not None:
+        try:
+            return from_handle(handle)
+        except Exception:  # noqa: BLE001 - other signatures: fall through
+            pass
+    return stream  # cuda.core versions that take objects with __cuda_stream__ directly
+
+
+def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], shmem: int, stream: torch.cuda.Stream, *args) -> None:
+    """Launch ``kernel`` on ``stream``; ``args``: ints for pointers, numpy scalars for the rest."""
+    cc = core()
+    cfg = cc.LaunchConfig(grid=grid, block=block, shmem_size=shmem)
+    cc.launch(_core_stream(stream), cfg, kernel, *args)
+
+
+def i32(v: int) -> np.int32:
+    return np.int32(v)

@@ -1,0 +1,341 @@
+"""Native lowering of ``qops::mm_int_weight`` (lowering ``native_w4a16``): 4-bit weights at decode sizes.
+
+Serves the runtime layout of ``qops/ops/int_weight.py`` with bits = 4, group_size -1 or a multiple
+of 128, float16/bfloat16 activations and scales, N % 4 == 0, a 16-byte aligned contiguous qweight,
+and M = prod(x.shape[:-1]) <= 16. Anything else goes to the Triton lowering
+(``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where M > 16 runs this
+kernel over 16-row slices (bit-identical run to run; slower than Triton at prefill sizes).
+
+Kernel: ``w4a16_gemv.cu`` (design notes at its top). act_perm is applied by gathering x once
+(``index_select``) before the launch.
+
+Plans. For (M, N, K) on a device, :func:`plan` fixes the tile shape (by M), the number S of blocks
+splitting K for one column tile (only when the column tiles leave SMs idle), and how the S partial
+sums meet: for S = 2 on sm_90 a thread-block cluster adds them through distributed shared memory
+(one kernel, no workspace); otherwise each block writes fp32 partials to a workspace of
+:func:`workspace_bytes` and a second kernel adds them. Both add in a fixed order, so results do
+not change from run to run; the choice of S depends only on the shape and the device.
+
+Compilation and module loading happen in :func:`warmup` (which compiles every variant M = 1..16
+needs for a weight) or, failing that, at the first eager call of a shape; never during CUDA-graph
+capture, where a missing kernel raises :class:`~qops.native.compiler.NativeNotReadyError`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import compiler
+
+SOURCE = "w4a16_gemv.cu"
+GEMV = "qops_w4a16_gemv"
+REDUCE = "qops_w4a16_reduce"
+MAX_M = 16
+THREADS = 256
+CHUNK_K = 128
+DETERMINISTIC_ENV = "QOPS_DETERMINISTIC"
+
+# `flags` bits, as in w4a16_gemv.cu
+_X_VEC, _BIAS_T, _BIAS_F32, _SCALE_BF16 = 1, 2, 4, 8
+_DT = {torch.float16: 0, torch.bfloat16: 1}
+
+_deterministic: bool | None = None
+
+
+def read_deterministic() -> bool:
+    """Read the deterministic switch now (QOPS_DETERMINISTIC=1 or torch's deterministic algorithms)."""
+    global _deterministic
+    env = os.environ.get(DETERMINISTIC_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    _deterministic = env or torch.are_deterministic_algorithms_enabled()
+    return _deterministic
+
+
+def deterministic() -> bool:
+    """The switch as read at the last warm-up (read once, lazily, if no warm-up ran)."""
+    return read_deterministic() if _deterministic is None else _deterministic
+
+
+@dataclass(frozen=True)
+class Plan:
+    m: int
+    mt: int  # 8-row MMA tiles of x: 1 (M <= 8) or 2
+    nwn: int  # warps along N; a block covers 32 * nwn columns with 8 / nwn warps along K
+    splits: int  # S: blocks sharing one column tile's K range
+    cluster: bool  # S == 2 summed inside a thread-block cluster (sm_90) instead of through the workspace
+    tiles: int
+    shmem: int
+    workspace: int  # bytes of fp32 partials (0 unless S > 1 without a cluster)
+
+    def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
+        return {
+            "QOPS_DT": _DT[dtype],
+            "QOPS_MT": self.mt,
+            "QOPS_NWN": self.nwn,
+            "QOPS_HAS_Z": int(has_zeros),
+            "QOPS_CLUSTER": self.splits if self.cluster else 1,
+        }
+
+
+def _tile(m: int) -> tuple[int, int]:
+    # Wider column tiles for larger M keep the x reads (4*M/columns of the weight bytes) small.
+    if m <= 4:
+        return 1, 1
+    if m <= 8:
+        return 1, 2
+    return 2, 4
+
+
+def _ring(mt: int) -> int:
+    return 3 if mt == 1 else 2  # as ring_depth<MT>() in w4a16_gemv.cu
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
+    mt, nwn = _tile(m)
+    nblk, nwk = 32 * nwn, 8 // nwn
+    tiles = -(-n // nblk)
+    chunks = max(-(-k // CHUNK_K), 1)
+    # Measured on an H200: a block's pipeline needs a long run of K to pay for its fill, so K is split
+    # only when the column tiles alone leave SMs idle, and then to about one wave of two blocks per
+    # SM, never below one chunk per warp. Clusters beat the workspace for two blocks and lose for
+    # more (co-scheduling), so S > 2 goes through the workspace.
+    s = 1
+    if tiles < sms:
+        s = max(1, min(round(2 * sms / tiles), 16, chunks // nwk))
+    cluster = cluster_ok and s == 2
+    rs = nwk * 16 + 4
+    xs_bytes = _ring(mt) * m * rs * 16
+    red_bytes = nwk * m * nblk * 4 + (m * nblk * 4 if cluster else 0)
+    ws = s * m * n * 4 if (s > 1 and not cluster) else 0
+    return Plan(m, mt, nwn, s, cluster, tiles, max(xs_bytes, red_bytes), ws)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[int, bool]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major >= 9
+
+
+def plan(m: int, n: int, k: int, device: torch.device | int) -> Plan:
+    """The launch plan for ``m`` rows (<= 16) of x against an (N, K) weight on ``device``."""
+    idx = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
+    sms, cluster_ok = _device_facts(idx)
+    return _plan(m, n, k, sms, cluster_ok)
+
+
+def workspace_bytes(m: int, n: int, k: int, device: torch.device | int | None = None) -> int:
+    """Scratch bytes ``native_mm`` needs for an (m, K) x (K, N) product on ``device``.
+
+    0 unless the plan splits K in more than two (or in two, before sm_90). For m > 16 outside
+    deterministic mode, the Triton lowering's need (``workspace_bytes`` of its module, if defined).
+    """
+    if m <= 0 or n <= 0:
+        return 0
+    if device is None:
+        if not torch.cuda.is_available():
+            return 16 * min(m, MAX_M) * n * 4  # the most any plan asks for
+        device = torch.cuda.current_device()
+    if m > MAX_M:
+        if deterministic():
+            return plan(MAX_M, n, k, device).workspace
+        tri = _triton_module()
+        fn = getattr(tri, "workspace_bytes", None)
+        return int(fn(m, n, k)) if fn is not None else 0
+    return plan(m, n, k, device).workspace
+
+
+def _triton_module():
+    try:
+        from ..ops.triton import int_weight as tri
+    except ImportError as e:
+        raise ImportError(f"native_w4a16 delegates shapes it does not serve to qops.ops.triton.int_weight, which is not importable: {e}") from e
+    return tri
+
+
+def _refusal(x, qweight, scales, qzeros, bits, group_size, n) -> str | None:
+    """Why this kernel does not serve the call (static facts only), or None."""
+    if x.device.type != "cuda":
+        return "x is not on a CUDA device"
+    if x.dtype not in _DT:
+        return f"activation dtype {x.dtype}"
+    if scales.dtype not in _DT:
+        return f"scales dtype {scales.dtype}"
+    if bits != 4:
+        return f"bits={bits}"
+    if group_size != -1 and group_size % CHUNK_K:
+        return f"group_size={group_size} is not -1 or a multiple of {CHUNK_K}"
+    if n % 4:
+        return f"N={n} is not a multiple of 4"
+    if not qweight.is_contiguous() or qweight.data_ptr() % 16:
+        return "qweight is not contiguous and 16-byte aligned"
+    if not scales.is_contiguous() or scales.data_ptr() % 8:
+        return "scales are not contiguous and 8-byte aligned"
+    if qzeros is not None and not qzeros.is_contiguous():
+        return "qzeros are not contiguous"
+    return None
+
+
+def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=None, workspace=None) -> torch.Tensor:
+    """Lowering entry (contract of ``qops.ops.int_weight.reference_mm``): ``x (..., K) -> (..., N)``.
+
+    Arguments are already validated. Returns a fresh tensor of x's dtype, or writes ``out`` and
+    returns it. ``workspace`` (uint8, >= :func:`workspace_bytes`) is used for split partials when
+    given, else they are allocated from torch's caching allocator. No host synchronisation.
+    """
+    k = x.shape[-1]
+    n = qweight.shape[1]
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    if _refusal(x, qweight, scales, qzeros, bits, group_size, n) is not None:
+        return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
+    if m > MAX_M and not deterministic():
+        return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
+
+    if out is None:
+        result = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+        o2 = result.view(m, n)
+    else:
+        result = out
+        o2 = _out_view(out, m, n)
+    if m == 0 or n == 0:
+        return result
+
+    x2 = x.reshape(m, k)
+    if act_perm is not None:
+        x2 = x2.index_select(1, act_perm)
+    elif k > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    target = o2 if o2 is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+
+    if bias is not None and bias.dtype not in (x.dtype, torch.float32):
+        bias = bias.float()
+    flags = _SCALE_BF16 if scales.dtype == torch.bfloat16 else 0
+    if bias is not None:
+        flags |= _BIAS_T if bias.dtype == x.dtype else _BIAS_F32
+        if not bias.is_contiguous():
+            bias = bias.contiguous()
+    chunks_per_group = 0 if group_size == -1 else group_size // CHUNK_K
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    guard = dev != torch.cuda.current_device()
+    if guard:
+        prev = torch.cuda.current_device()
+        torch.cuda.set_device(dev)
+    try:
+        stream = torch.cuda.current_stream()
+        for r0 in range(0, m, MAX_M):
+            rows = min(MAX_M, m - r0)
+            _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,
+                    rows, n, k, chunks_per_group, zero_offset, flags, dev, stream)
+    finally:
+        if guard:
+            torch.cuda.set_device(prev)
+    if o2 is None:
+        out.copy_(target.view(out.shape))
+    return result
+
+
+def _out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
+    """``out`` as an (m, n) view with unit column stride, or None when it has no such view."""
+    try:
+        o2 = out.view(m, n)
+    except RuntimeError:
+        return None
+    return o2 if (n <= 1 or o2.stride(1) == 1) else None
+
+
+def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_per_group, zero_offset, flags, dev, stream) -> None:
+    p = plan(m, n, k, dev)
+    has_z = qzeros is not None
+    defines = p.defines(x2.dtype, has_z)
+    gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
+    ldx = x2.stride(0) if m > 1 else k
+    ldo = o2.stride(0) if m > 1 else n
+    if x2.data_ptr() % 16 == 0 and ldx % 8 == 0 and k % 8 == 0:
+        flags |= _X_VEC
+    ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
+    ws_ptr = ws.data_ptr() if ws is not None else 0
+    i32 = compiler.i32
+    compiler.launch(
+        gemv, (p.tiles, p.splits, 1), (THREADS, 1, 1), p.shmem, stream,
+        qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr() if has_z else 0, x2.data_ptr(),
+        bias.data_ptr() if bias is not None else 0, o2.data_ptr(), ws_ptr,
+        i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(flags),
+    )
+    if p.workspace:
+        reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
+        compiler.launch(
+            reduce, (-(-m * n // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
+            ws_ptr, bias.data_ptr() if bias is not None else 0, o2.data_ptr(),
+            i32(m), i32(n), i32(ldo), i32(p.splits), i32(flags),
+        )
+
+
+def _workspace(workspace: Optional[torch.Tensor], need: int, device: torch.device) -> torch.Tensor:
+    if workspace is not None:
+        have = workspace.numel() * workspace.element_size()
+        if have < need:
+            raise ValueError(f"native_w4a16: workspace holds {have} bytes, this call needs {need} (qops.native.int_weight.workspace_bytes)")
+        if workspace.is_contiguous() and workspace.data_ptr() % 16 == 0:
+            return workspace
+    # From torch's caching allocator; freed after the launches, reused only in stream order.
+    return torch.empty(need // 4, dtype=torch.float32, device=device)
+
+
+def _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace):
+    if x.dtype not in _DT:
+        from ..ops.int_weight import reference_mm
+
+        return reference_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=out, workspace=workspace)
+    tri = _triton_module()
+    return tri.triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=out, workspace=workspace)
+
+
+def serves(n: int, k: int, bits: int, group_size: int, act_dtype: torch.dtype, scales_dtype: torch.dtype) -> bool:
+    return bits == 4 and (group_size == -1 or group_size % CHUNK_K == 0) and n % 4 == 0 and act_dtype in _DT and scales_dtype in _DT
+
+
+def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: int, has_zeros: bool, max_m: int = MAX_M, *, deterministic: bool | None = None) -> int:
+    """Compile and load every kernel M = 1..max_m needs for an (N, K) weight; returns how many.
+
+    Each kernel is launched once with no work, so the driver makes its code resident now and
+    not during a later CUDA-graph capture. Reads the deterministic switch (or takes ``deterministic``).
+    """
+    global _deterministic
+    _deterministic = read_deterministic() if deterministic is None else bool(deterministic)
+    dev = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
+    if torch.cuda.is_current_stream_capturing():
+        raise compiler.NativeNotReadyError("qops.native.int_weight.warmup must run before CUDA-graph capture, not during it")
+    seen = set()
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream()
+        for m in range(1, min(max_m, MAX_M) + 1):
+            p = plan(m, n, k, dev)
+            key = (p.splits, p.cluster, tuple(sorted(p.defines(act_dtype, has_zeros).items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            defines = p.defines(act_dtype, has_zeros)
+            gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
+            i0 = compiler.i32(0)
+            compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8))
+            if p.workspace:
+                reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
+                compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5))
+    return len(seen)
+
+
+def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = MAX_M, *, deterministic: bool | None = None) -> int:
+    """:func:`warmup_shape` for a prepared weight (``qops.IntWeight``); no-op when this kernel does not serve it.
+
+    ``act_dtype`` defaults to the scales' dtype. Call after preparing weights and before capturing
+    CUDA graphs.
+    """
+    act_dtype = act_dtype or weight.scales.dtype
+    if weight.qweight.device.type != "cuda" or not serves(weight.out_features, weight.in_features, weight.bits, weight.group_size, act_dtype, weight.scales.dtype):
+        return 0
+    return warmup_shape(weight.qweight.device, act_dtype, weight.out_features, weight.in_features, weight.qzeros is not None, max_m, deterministic=deterministic)

@@ -1,0 +1,158 @@
+// Small device helpers over inline PTX, shared by the native kernels. No CUDA or torch headers:
+// NVRTC's built-in declarations (uint4, __syncthreads, __cvta_generic_to_shared, ...) suffice,
+// so the sources compile anywhere NVRTC runs, with or without a GPU.
+#pragma once
+
+namespace qops {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+// Predicated global loads: when `pred` is false nothing is loaded and the destination keeps its old
+// value (callers never use it then), so there is no branch and no zeroing. They are volatile so
+// that the compiler keeps them where they are issued (early, ahead of their use). The 16-byte
+// streaming load of data read exactly once (weights) takes the read-only path without allocating in
+// L1, so x and the scales keep L1.
+__device__ __forceinline__ void ld_stream_v4_if(uint4& v, const void* p, bool pred) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
+      "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
+}
+
+__device__ __forceinline__ void ld_nc_v2_if(uint2& v, const void* p, bool pred) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\t@p ld.global.nc.v2.u32 {%0, %1}, [%2];\n\t}"
+      : "+r"(v.x), "+r"(v.y)
+      : "l"(p), "r"(static_cast<int>(pred)));
+}
+
+__device__ __forceinline__ void ld_nc_u32_if(u32& v, const void* p, bool pred) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p ld.global.nc.u32 %0, [%1];\n\t}"
+               : "+r"(v)
+               : "l"(p), "r"(static_cast<int>(pred)));
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// cp.async of 16 bytes; src_bytes < 16 zero-fills the rest (0: the whole slot is zeroed).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+template <int LUT>
+__device__ __forceinline__ u32 lop3(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(r) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return r;
+}
+
+// (a & b) | c
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) { return lop3<(0xF0 & 0xCC) | 0xAA>(a, b, c); }
+
+template <int SEL>
+__device__ __forceinline__ u32 prmt(u32 a, u32 b) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "n"(SEL));
+  return r;
+}
+
+__device__ __forceinline__ u32 sub_f16x2(u32 a, u32 b) {
+  u32 r;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+__device__ __forceinline__ u32 fma_f16x2(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+// sm_80 has fma.rn.bf16x2 but not sub.bf16x2, so subtraction is written as a*1 + c.
+__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+__device__ __forceinline__ u16 f32_to_f16_bits(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+__device__ __forceinline__ u16 f32_to_bf16_bits(float f) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ float bf16_bits_to_f32(u16 h) { return __uint_as_float(static_cast<u32>(h) << 16); }
+
+template <int DT>  // 0: float16, 1: bfloat16
+__device__ __forceinline__ float bits_to_f32(u16 h) {
+  if constexpr (DT == 0) return f16_bits_to_f32(h);
+  else return bf16_bits_to_f32(h);
+}
+
+template <int DT>
+__device__ __forceinline__ u16 f32_to_bits(float f) {
+  if constexpr (DT == 0) return f32_to_f16_bits(f);
+  else return f32_to_bf16_bits(f);
+}
+
+// D += A(16x16, row) * B(16x8, col), fp32 accumulation.
+template <int DT>
+__device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  if constexpr (DT == 0) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+#if __CUDA_ARCH__ >= 900
+// Thread-block clusters (sm_90): barrier and distributed shared memory.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ float ld_dsmem_f32(u32 local_addr, u32 rank) {
+  u32 remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+#endif
+
+}  // namespace qops

@@ -1,0 +1,385 @@
+// W4A16 matmul for decode (M <= 16 rows of x), reading qops' runtime int-weight layout
+// (qops/ops/int_weight.py), 4-bit case:
+//   qweight u32 (ceil(K/8), N): word (kw, n) holds rows 8*kw .. 8*kw+7 of column n, nibble i = row 8*kw+i;
+//   scales  f16/bf16 (n_groups, N); group g covers rows [g*G, (g+1)*G), G a multiple of 128 or K
+//           (passed as chunks_per_group = G / 128, or 0 for a single group);
+//   qzeros  u32 (n_groups, ceil(N/8)) nibble stream along N, zero = nibble + zero_offset; or none (zero 8).
+//   y[m, n] = sum_k x[m, k] * scale[k/G, n] * (q[k, n] - zero[k/G, n]) (+ bias[n]), fp32 accumulation.
+// act_perm is applied by the caller (x gathered before the launch).
+//
+// Work split. A block is 8 warps, NWN along N (32 columns each) by NWK = 8/NWN along K; grid is
+// (ceil(N / (32*NWN)), S), the S blocks of a column tile splitting the K chunks (128 rows each)
+// evenly. Per 128-row chunk a lane loads 4 x 16 bytes: row kw = 16*chunk + 4*step + (lane % 4),
+// columns n0 .. n0+3 with n0 = 4*(lane / 4) (+ the warp's column offset); a quarter warp reads 128
+// contiguous bytes of one row. Chunks are kept in a register ring three deep (the one being used and
+// two in flight; two deep for M > 8). x for the block's current K range is staged in shared memory with
+// cp.async, as many stages as the ring, one barrier per iteration.
+//
+// Math. The tensor cores compute W^T x^T with W as the 16x16 A operand (rows = 16 of the warp's 32
+// columns, the K order inside a 16-row step permuted to match the int4 unpacking, the same permutation
+// applied to x when it is read from shared memory), x^T as the 16x8 B operand (columns = rows of x; a
+// second B tile for M > 8). Nibbles become f16/bf16 through the magic-number trick (OR into the
+// mantissa of 1024.0 / 128.0, one lop3 per two values) and the zero point is subtracted in the same
+// instruction that removes the bias, so A holds the exact small integers q - zero. Products and sums
+// are fp32 in the MMA; each chunk's sum is multiplied by its group scale in fp32.
+//
+// Reduction, in a fixed order (no atomics: bit-identical from run to run):
+//   - over the NWK warps of a block through shared memory;
+//   - over the S blocks of a tile: S == 1 writes the output directly; with QOPS_CLUSTER == S (sm_90)
+//     the S blocks form a thread-block cluster and sum through distributed shared memory; otherwise
+//     each block writes fp32 partials to a workspace (S, M, N) and qops_w4a16_reduce finishes.
+//
+// Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
+// QOPS_NWN (1, 2, 4), QOPS_HAS_Z (0/1), QOPS_CLUSTER (1: no cluster; 2..8 needs sm_90).
+#include "ptx.cuh"
+
+#ifndef QOPS_DT
+#define QOPS_DT 0
+#endif
+#ifndef QOPS_MT
+#define QOPS_MT 1
+#endif
+#ifndef QOPS_NWN
+#define QOPS_NWN 1
+#endif
+#ifndef QOPS_HAS_Z
+#define QOPS_HAS_Z 0
+#endif
+#ifndef QOPS_CLUSTER
+#define QOPS_CLUSTER 1
+#endif
+
+#if QOPS_CLUSTER > 1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "QOPS_CLUSTER > 1 needs thread-block clusters (sm_90 or newer)"
+#endif
+#define QOPS_CLUSTER_ATTR __cluster_dims__(1, QOPS_CLUSTER, 1)
+#else
+#define QOPS_CLUSTER_ATTR
+#endif
+
+namespace qops {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = 8;
+constexpr int kChunkK = 128;  // K rows a warp takes per iteration: 4 steps of 32
+// Chunks per warp held in registers (one in use, the rest in flight) and x stages in shared memory:
+// three, or two for M > 8 where the second x tile and its accumulators need the registers.
+template <int MT>
+__host__ __device__ constexpr int ring_depth() { return MT == 1 ? 3 : 2; }
+
+// Bits of the `flags` argument.
+constexpr int kXVec = 1;       // x rows 16-byte aligned and K % 8 == 0: x staged with cp.async
+constexpr int kBiasT = 2;      // bias in the activation dtype
+constexpr int kBiasF32 = 4;    // bias in float32
+constexpr int kScaleBf16 = 8;  // scales are bfloat16 (else float16)
+
+struct Chunk {
+  uint4 w[4];  // step j: qweight row 16*chunk + 4*j + lane%4, columns n0 .. n0+3
+  uint2 s;     // scales of columns n0 .. n0+3
+  u32 z;       // qzeros word holding the zeros of columns n0 .. n0+3
+};
+
+__device__ __forceinline__ u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+__device__ __forceinline__ u32 word2(const uint2& v, int i) { return i == 0 ? v.x : v.y; }
+
+__device__ __forceinline__ u32 pack2(u16 h) { return static_cast<u32>(h) | (static_cast<u32>(h) << 16); }
+
+template <int DT>
+__device__ __forceinline__ void store_out(u16* out, const void* bias, int flags, int m, int n, int ldo, float v) {
+  if (flags & kBiasT) v += bits_to_f32<DT>(static_cast<const u16*>(bias)[n]);
+  else if (flags & kBiasF32) v += static_cast<const float*>(bias)[n];
+  out[static_cast<size_t>(m) * ldo + n] = f32_to_bits<DT>(v);
+}
+
+template <int DT, int MT, int NWN, bool HAS_Z, int CL>
+__device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, const u16* __restrict__ scales,
+                                           const u32* __restrict__ qzeros, const u16* __restrict__ x,
+                                           const void* __restrict__ bias, u16* __restrict__ out,
+                                           float* __restrict__ ws, int M, int N, int K, int ldx, int ldo,
+                                           int chunks_per_group, int zero_offset, int flags) {
+  constexpr int NWK = kWarps / NWN;
+  constexpr int NBLK = 32 * NWN;
+  constexpr int ROW = NWK * 16;  // 16-byte x slots (8 values) per row of one stage
+  constexpr int RS = ROW + 4;    // padded stride: rows g, g+1 of a quarter warp fall in disjoint banks
+  constexpr int kRing = ring_depth<MT>();
+  constexpr int D = kRing - 1;  // prefetch distance in iterations
+  if (M <= 0 || N <= 0) return;  // also the warm-up launch that only makes the module resident
+  extern __shared__ uint4 smem[];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wn = warp % NWN, wk = warp / NWN;
+  const int g = lane >> 2, c = lane & 3;
+  const int n0 = blockIdx.x * NBLK + wn * 32 + 4 * g;
+  const bool n_ok = n0 < N;
+  const int KW = (K + 7) >> 3;
+  const int C = (K + kChunkK - 1) / kChunkK;
+  const int S = gridDim.y, split = blockIdx.y;
+  const int cb = static_cast<int>(static_cast<long long>(split) * C / S);
+  const int ce = static_cast<int>(static_cast<long long>(split + 1) * C / S);
+  const int n_it = (ce - cb + NWK - 1) / NWK;
+  const int zw = (N + 7) >> 3;
+  const int xstage = M * RS;
+
+  // This lane's qweight words for iteration `it`, step j: wbase + it * wstride + j * 4 * N.
+  const u32* wbase = qweight + static_cast<size_t>((cb + wk) * 16 + c) * N + n0;
+  const u32 wstride = static_cast<u32>(NWK * 16) * N;  // word offsets below 2^32: qweight < 16 GiB
+  const u32 wstep = 4u * N;
+
+  Chunk ring[kRing];
+#pragma unroll
+  for (int r = 0; r < kRing; ++r) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ring[r].w[j] = make_uint4(0, 0, 0, 0);
+    ring[r].s = make_uint2(0, 0);
+    ring[r].z = 0u;
+  }
+  float acc[MT][2][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
+
+  // Loads that fall outside the weight are skipped, leaving stale registers: rows past K meet zeros
+  // in x, columns past N are never stored, and a warp without a chunk skips the math.
+  auto load_chunk = [&](int it, Chunk& ck) {
+    const int ch = cb + it * NWK + wk;
+    const bool ok = n_ok && ch < ce;
+    const int rows_left = KW - (ch * 16 + c);
+    const u32* p = wbase + static_cast<u32>(it) * wstride;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ld_stream_v4_if(ck.w[j], p + j * wstep, ok && 4 * j < rows_left);
+    const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
+    ld_nc_v2_if(ck.s, scales + static_cast<size_t>(grp) * N + n0, ok);
+    if constexpr (HAS_Z) ld_nc_u32_if(ck.z, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
+  };
+
+  // x slots this thread stages each iteration (at most two): row m, 8 values from column k0 + 8*kk.
+  const int nslots = M * ROW;
+  int xsrc[2], xdst[2], xk[2];  // offsets into x (elements) and the stage (16-byte slots)
+  bool xhas[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int s = tid + r * kThreads;
+    xhas[r] = s < nslots;
+    const int m = xhas[r] ? s / ROW : 0, kk = s - m * ROW;
+    xk[r] = cb * kChunkK + kk * 8;
+    xsrc[r] = m * ldx + xk[r];
+    xdst[r] = m * RS + kk;
+  }
+  const bool xvec = (flags & kXVec) != 0;
+
+  auto load_x = [&](int it, int stage) {
+    const int koff = it * NWK * kChunkK;
+    uint4* base = smem + stage * xstage;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (!xhas[r]) continue;
+      const int k = xk[r] + koff;
+      const u16* src = x + (xsrc[r] + koff);
+      uint4* dst = base + xdst[r];
+      if (xvec) {
+        const bool in = k < K;
+        cp_async_16(smem_addr(dst), in ? src : x, in ? 16 : 0);
+      } else {
+        u32 v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const u32 lo = (k + 2 * e < K) ? src[2 * e] : 0u;
+          const u32 hi = (k + 2 * e + 1 < K) ? src[2 * e + 1] : 0u;
+          v[e] = lo | (hi << 16);
+        }
+        *dst = make_uint4(v[0], v[1], v[2], v[3]);
+      }
+    }
+  };
+
+  // Half2 constants removing the magic bias and the zero point: zero z sits in the mantissa.
+  //   f16:  (1024 + q) - (1024 + z) and (1024 + 16 q) / 16 - (64 + z); 1024 + z = 0x6400 + z,
+  //         -(64 + z) = 0xD400 + 16 z (z <= 16)
+  //   bf16: (128 + q) - (128 + z); -(128 + z) = 0xC300 + z
+  const u32 za0 = (DT == 0 ? 0x6400u : 0xC300u) + static_cast<u32>(HAS_Z ? zero_offset : 8);
+  const u32 zb0 = 0xD400u + 16u * static_cast<u32>(HAS_Z ? zero_offset : 8);
+
+  auto compute = [&](int it, const Chunk& ck, int stage) {
+    const int ch = cb + it * NWK + wk;
+    if (ch >= ce) return;  // warp-uniform: this warp has no chunk in the block's last iteration
+    const uint4* xs = smem + stage * xstage;
+
+    u32 za[4], zb[4];
+    const u32 zbits = HAS_Z ? ck.z >> ((n0 & 7) * 4) : 0u;  // 4 nibbles: zeros of columns n0 .. n0+3
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const u32 nib = (zbits >> (4 * jj)) & 15u;
+      za[jj] = (za0 + nib) * 0x10001u;
+      zb[jj] = (zb0 + 16u * nib) * 0x10001u;
+    }
+
+    float gacc[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) gacc[mt][t][i] = 0.f;
+
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // B fragments: x[m, 8*kw .. 8*kw+7] as pairs (0,4) (1,5) (2,6) (3,7), the pairs the unpacking yields.
+      const int kk = wk * 16 + 4 * j + c;
+      u32 xb[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int m = 8 * mt + g;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (m < M) v = xs[m * RS + kk];
+        xb[mt][0] = prmt<0x5410>(v.x, v.z);
+        xb[mt][1] = prmt<0x7632>(v.x, v.z);
+        xb[mt][2] = prmt<0x5410>(v.y, v.w);
+        xb[mt][3] = prmt<0x7632>(v.y, v.w);
+      }
+      // A fragments: p[jj][r] = (q[i] - z, q[i+4] - z) of column n0+jj, i = r, for r = 0..3.
+      u32 p[4][4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const u32 w = word(ck.w[j], jj);
+        if constexpr (DT == 0) {
+          const u32 w8 = w >> 8;
+          p[jj][0] = sub_f16x2(and_or(w, 0x000f000fu, 0x64006400u), za[jj]);
+          p[jj][1] = fma_f16x2(and_or(w, 0x00f000f0u, 0x64006400u), 0x2c002c00u, zb[jj]);
+          p[jj][2] = sub_f16x2(and_or(w8, 0x000f000fu, 0x64006400u), za[jj]);
+          p[jj][3] = fma_f16x2(and_or(w8, 0x00f000f0u, 0x64006400u), 0x2c002c00u, zb[jj]);
+        } else {
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            p[jj][r] = fma_bf16x2(and_or(w >> (4 * r), 0x000f000fu, 0x43004300u), 0x3f803f80u, za[jj]);
+        }
+      }
+      // Two 16-row k steps (nibbles 0,1,4,5 then 2,3,6,7) x two 16-column tiles: rows g and g+8 of
+      // tile t are columns n0+2t and n0+2t+1.
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            mma_16816<DT>(gacc[mt][t], p[2 * t][2 * s], p[2 * t + 1][2 * s], p[2 * t][2 * s + 1],
+                          p[2 * t + 1][2 * s + 1], xb[mt][2 * s], xb[mt][2 * s + 1]);
+    }
+
+    float sc[4];
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const u16 h = static_cast<u16>((jj & 1) ? (word2(ck.s, jj >> 1) >> 16) : (word2(ck.s, jj >> 1) & 0xffffu));
+      sc[jj] = (flags & kScaleBf16) ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][t][i] = fmaf(gacc[mt][t][i], sc[2 * t + (i >> 1)], acc[mt][t][i]);
+  };
+
+  // Prologue: iterations 0 .. D-1 in flight. Every iteration commits one cp.async group (maybe
+  // empty) so that wait_group<D-1> always means "the group of the current iteration has landed".
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    if (d < n_it) {
+      load_chunk(d, ring[d]);
+      load_x(d, d);
+    }
+    cp_async_commit();
+  }
+
+  for (int it0 = 0; it0 < n_it; it0 += kRing) {
+#pragma unroll
+    for (int b = 0; b < kRing; ++b) {
+      const int it = it0 + b;
+      if (it < n_it) {
+        cp_async_wait<D - 1>();
+        __syncthreads();  // x of `it` visible to all; every warp is done with iteration it-1
+        if (it + D < n_it) {
+          load_chunk(it + D, ring[(b + D) % kRing]);
+          load_x(it + D, (b + D) % kRing);
+        }
+        cp_async_commit();
+        compute(it, ring[b], b);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Reduction over the NWK warps sharing a column tile (shared memory reused), fixed order.
+  float* red = reinterpret_cast<float*>(smem);  // [NWK][M][NBLK]
+  const int total = M * NBLK;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = 8 * mt + 2 * c + (i & 1);
+        const int col = wn * 32 + 4 * g + 2 * t + (i >> 1);
+        if (m < M) red[wk * total + m * NBLK + col] = acc[mt][t][i];
+      }
+  __syncthreads();
+  float* part = red + NWK * total;  // [M][NBLK], read by the other blocks of the cluster
+  for (int idx = tid; idx < total; idx += kThreads) {
+    float v = red[idx];
+#pragma unroll
+    for (int w = 1; w < NWK; ++w) v += red[w * total + idx];
+    const int m = idx / NBLK;
+    const int n = blockIdx.x * NBLK + (idx - m * NBLK);
+    if constexpr (CL > 1) {
+      part[idx] = v;
+    } else {
+      if (n < N) {
+        if (S == 1) store_out<DT>(out, bias, flags, m, n, ldo, v);
+        else ws[(static_cast<size_t>(split) * M + m) * N + n] = v;
+      }
+    }
+  }
+#if __CUDA_ARCH__ >= 900
+  if constexpr (CL > 1) {
+    cluster_sync();  // partials of every block of the cluster visible
+    const int rank = static_cast<int>(cluster_rank());
+    for (int idx = rank * kThreads + tid; idx < total; idx += CL * kThreads) {
+      const u32 a = smem_addr(part + idx);
+      float v = ld_dsmem_f32(a, 0);
+#pragma unroll
+      for (int r = 1; r < CL; ++r) v += ld_dsmem_f32(a, r);
+      const int m = idx / NBLK;
+      const int n = blockIdx.x * NBLK + (idx - m * NBLK);
+      if (n < N) store_out<DT>(out, bias, flags, m, n, ldo, v);
+    }
+    cluster_sync();  // no block leaves while another still reads its shared memory
+  }
+#endif
+}
+
+}  // namespace qops
+
+extern "C" __global__ void __launch_bounds__(qops::kThreads, 2) QOPS_CLUSTER_ATTR
+qops_w4a16_gemv(const unsigned* qweight, const unsigned short* scales, const unsigned* qzeros,
+                const unsigned short* x, const void* bias, unsigned short* out, float* ws, int M, int N, int K,
+                int ldx, int ldo, int chunks_per_group, int zero_offset, int flags) {
+  qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER>(
+      qweight, scales, qzeros, x, bias, out, ws, M, N, K, ldx, ldo, chunks_per_group, zero_offset, flags);
+}
+
+// Split-K finish for the workspace path: out[m, n] = sum_s ws[s, m, n] (+ bias), s in order.
+extern "C" __global__ void __launch_bounds__(qops::kThreads)
+qops_w4a16_reduce(const float* ws, const void* bias, unsigned short* out, int M, int N, int ldo, int S, int flags) {
+  const int idx = blockIdx.x * qops::kThreads + threadIdx.x;
+  if (idx >= M * N) return;
+  const size_t mn = static_cast<size_t>(M) * N;
+  float v = ws[idx];
+  for (int s = 1; s < S; ++s) v += ws[s * mn + idx];
+  const int m = idx / N;
+  qops::store_out<QOPS_DT>(out, bias, flags, m, idx - m * N, ldo, v);
+}

@@ -1,0 +1,201 @@
+"""The native CUDA sources compile with NVRTC on a machine without a GPU, the compiler's disk cache
+is keyed as documented, failures carry NVRTC's log, and the launch plans stay inside the limits the
+kernel assumes (no GPU needed for any of it)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from qops.lowerings import LOWERINGS_BY_NAME, WeightSpec
+from qops.native import compiler
+from qops.native import int_weight as native
+
+NATIVE_SOURCES = sorted(p.name for p in compiler.NATIVE_DIR.glob("*.cu"))
+ARCHS = ("sm_80", "sm_90")
+ELF_MAGIC = b"\x7fELF"
+
+pytestmark = pytest.mark.skipif(compiler.runtime_missing() is not None, reason=f"NVRTC unusable: {compiler.runtime_missing()}")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(compiler.CACHE_ENV, str(tmp_path))
+    return tmp_path / "nvrtc"
+
+
+def test_there_are_sources():
+    assert "w4a16_gemv.cu" in NATIVE_SOURCES
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", NATIVE_SOURCES)
+def test_every_source_compiles(name, arch):
+    cubin = compiler.compile(compiler.native_source(name), arch, compiler.native_options())
+    assert cubin[:4] == ELF_MAGIC
+
+
+def _gemv_variants():
+    """Every (dtype, tile, zeros) variant the plans can ask for, without clusters."""
+    for dt in (torch.float16, torch.bfloat16):
+        for m in (1, 8, 16):
+            for has_z in (False, True):
+                p = native._plan(m, 4096, 4096, 132, False)
+                yield p.defines(dt, has_z)
+
+
+def _ptxas_report(log: str) -> dict[str, tuple[int, int]]:
+    """kernel name -> (registers, spill store bytes) from ptxas -v output."""
+    out, name = {}, None
+    spills = 0
+    for line in log.splitlines():
+        m = re.search(r"Function properties for (\w+)", line)
+        if m:
+            name = m.group(1)
+        m = re.search(r"(\d+) bytes spill stores", line)
+        if m:
+            spills = int(m.group(1))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name:
+            out[name] = (int(m.group(1)), spills)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemv_variants_compile_within_register_budget(arch):
+    seen = set()
+    for defines in _gemv_variants():
+        key = tuple(sorted(defines.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        log: list[str] = []
+        cubin = compiler.compile(compiler.native_source(native.SOURCE), arch,
+                                 compiler.native_options(defines, ptxas_options=["-v"]), log=log)
+        assert cubin[:4] == ELF_MAGIC
+        report = _ptxas_report(log[0])
+        assert native.GEMV in report and native.REDUCE in report, log[0]
+        regs, spills = report[native.GEMV]
+        # __launch_bounds__(256, 2): 128 registers at most, so two blocks fit on an SM.
+        assert regs <= 128, (defines, log[0])
+        if arch == "sm_90":
+            assert spills == 0, (defines, log[0])
+
+
+@pytest.mark.parametrize("cluster", range(2, 9))
+def test_cluster_variants_compile_for_sm90_only(cluster):
+    defines = {**native._plan(16, 4096, 4096, 132, True).defines(torch.float16, True), "QOPS_CLUSTER": cluster}
+    src = compiler.native_source(native.SOURCE)
+    assert compiler.compile(src, "sm_90", compiler.native_options(defines))[:4] == ELF_MAGIC
+    with pytest.raises(compiler.NativeCompileError, match="clusters"):
+        compiler.compile(src, "sm_80", compiler.native_options(defines))
+
+
+def test_broken_source_raises_with_the_nvrtc_log():
+    src = 'extern "C" __global__ void broken(int* p) { p[0] = undeclared_name + ; }\n'
+    with pytest.raises(compiler.NativeCompileError) as e:
+        compiler.compile(src, "sm_90")
+    msg = str(e.value)
+    assert "undeclared_name" in msg and "error" in msg and "sm_90" in msg
+
+
+def test_disk_cache_hits_and_is_keyed(cache, monkeypatch):
+    calls = []
+    real = compiler.compile
+
+    def counting(source, arch, options=None, **kw):
+        calls.append(arch)
+        return real(source, arch, options, **kw)
+
+    monkeypatch.setattr(compiler, "compile", counting)
+    src = 'extern "C" __global__ void k(float* p) { p[threadIdx.x] *= 2.f; }\n'
+    a = compiler.compile_cached(src, "sm_90")
+    assert calls == ["sm_90"]
+    assert list(cache.glob("*.cubin")) == [cache / f"{compiler.cache_key(src, 'sm_90')}.cubin"]
+    assert compiler.compile_cached(src, "sm_90") == a and calls == ["sm_90"], "second compile must hit the cache"
+    compiler.compile_cached(src, "sm_80")
+    compiler.compile_cached(src, "sm_90", {"define_macro": [("QOPS_X", "1")]})
+    compiler.compile_cached(src + "\n// changed\n", "sm_90")
+    assert len(calls) == 4 and len(list(cache.glob("*.cubin"))) == 4
+    assert not list(cache.glob("*.tmp")), "temporary files are renamed into place"
+
+
+def test_cache_key_covers_everything_it_should(tmp_path):
+    src = '#include "h.cuh"\nextern "C" __global__ void k(float* p) { p[0] = V; }\n'
+    (tmp_path / "h.cuh").write_text("#define V 1.f\n")
+    opts = {"include_path": [str(tmp_path)]}
+    base = compiler.cache_key(src, "sm_90", opts)
+    assert base == compiler.cache_key(src, "sm_90", dict(opts))
+    assert base != compiler.cache_key(src, "sm_80", opts)
+    assert base != compiler.cache_key(src, "sm_90", {**opts, "define_macro": [("A", "1")]})
+    assert base != compiler.cache_key(src + " ", "sm_90", opts)
+    (tmp_path / "h.cuh").write_text("#define V 2.f\n")
+    assert base != compiler.cache_key(src, "sm_90", opts), "a local header's text is part of the key"
+    assert compiler.compile(src, "sm_90", opts)[:4] == ELF_MAGIC
+
+
+def test_native_kernel_cache_dir_default(monkeypatch):
+    monkeypatch.delenv(compiler.CACHE_ENV, raising=False)
+    assert compiler.cache_dir() == Path.home() / ".cache" / "qops" / "nvrtc"
+
+
+def test_local_headers_of_the_kernel_are_found():
+    heads = compiler.local_headers(compiler.native_source(native.SOURCE))
+    assert "ptx.cuh" in heads
+
+
+@pytest.mark.parametrize("sms,cluster_ok", [(132, True), (108, False), (78, True)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672), (1024, 8192), (100, 777), (4, 8)])
+def test_plans_stay_within_kernel_limits(n, k, sms, cluster_ok):
+    chunks = -(-k // native.CHUNK_K)
+    for m in range(1, native.MAX_M + 1):
+        p = native._plan(m, n, k, sms, cluster_ok)
+        assert p.shmem <= 48 * 1024, "no dynamic shared memory opt-in is made"
+        assert p.tiles * 32 * p.nwn >= n
+        assert 1 <= p.splits <= min(chunks, 16)
+        assert p.m <= 8 * p.mt
+        if cluster_ok:
+            assert p.cluster == (p.splits == 2)
+            assert p.workspace == (p.splits * m * n * 4 if p.splits > 2 else 0)
+        else:
+            assert not p.cluster and p.workspace == (p.splits * m * n * 4 if p.splits > 1 else 0)
+
+
+def test_plans_fill_the_machine_for_the_perf_shapes():
+    for n, k in [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]:
+        for m in (1, 16):
+            p = native._plan(m, n, k, 132, True)
+            assert p.tiles * p.splits >= 120, (n, k, m, p)
+
+
+def test_workspace_bytes_without_a_gpu_is_an_upper_bound():
+    if torch.cuda.is_available():
+        pytest.skip("meaningful only without a GPU")
+    assert native.workspace_bytes(1, 4096, 4096) == 16 * 4096 * 4
+    assert native.workspace_bytes(0, 4096, 4096) == 0
+
+
+def test_lowering_entry():
+    low = LOWERINGS_BY_NAME["native_w4a16"]
+    assert int(low.kernel) == 2 and low.priority == 20 and low.min_capability == (8, 0)
+    assert low.entry == "qops.native.int_weight:native_mm"
+    assert low.software() is None
+    spec = dict(family="int_weight", format="gptq", bits=4, group_size=128, n=4096, k=4096, act_order=True,
+                symmetric=False, device=torch.device("cuda"), act_dtype=torch.float16)
+    assert low.static_refusal(WeightSpec(**spec)) is None
+    assert "bits" in low.static_refusal(WeightSpec(**{**spec, "bits": 3}))
+    assert "N=" in low.static_refusal(WeightSpec(**{**spec, "n": 4094}))
+    assert "dtype" in low.static_refusal(WeightSpec(**{**spec, "act_dtype": torch.float32}))
+    if not torch.cuda.is_available():
+        assert low.device_refusal(torch.device("cuda")) == "no CUDA device is available"
+
+
+def test_deterministic_switch(monkeypatch):
+    monkeypatch.setattr(native, "_deterministic", None)
+    monkeypatch.setenv(native.DETERMINISTIC_ENV, "1")
+    assert native.read_deterministic() is True and native.deterministic() is True
+    monkeypatch.setenv(native.DETERMINISTIC_ENV, "0")
+    assert native.deterministic() is True, "read at warm-up, not per call"
+    assert native.read_deterministic() is torch.are_deterministic_algorithms_enabled()
