@@ -338,7 +338,7 @@ def check_out_variant(iw, x, ref, workspace):
     out = torch.full((x.shape[0], iw.out_features), float("nan"), dtype=x.dtype, device=x.device)
     torch.ops.qops.mm_int_weight_out(
         x, iw.qweight, iw.scales, iw.qzeros, iw.act_perm, None,
-        iw.bits, iw.group_size, iw.zero_offset, int(iw.kernel), out, workspace)
+        iw.in_features, iw.bits, iw.group_size, iw.zero_offset, int(iw.kernel), out, workspace)
     return rel_err(out, ref)
 
 

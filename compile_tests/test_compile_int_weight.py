@@ -161,18 +161,18 @@ class TestForwardGraph(expecttest.TestCase):
 
     def test_graph_gptq(self):
         self.assertExpectedInline(self.check("gptq"), """\
-qops.mm_int_weight(f32[u0, 64], i32[8, 40], f16[2, 40], i32[2, 5], i32[64], f32[40], 4, 32, 1, 0) -> f32[u0, 40]
+qops.mm_int_weight(f32[u0, 64], i32[8, 40], f16[2, 40], i32[2, 5], i32[64], f32[40], 64, 4, 32, 1, 0) -> f32[u0, 40]
 aten.relu(f32[u0, 40]) -> f32[u0, 40]
-qops.mm_int_weight(f32[u0, 40], i32[4, 24], f16[2, 24], None, None, None, 3, 32, 0, 0) -> f32[u0, 24]""")
+qops.mm_int_weight(f32[u0, 40], i32[4, 24], f16[2, 24], None, None, None, 40, 3, 32, 0, 0) -> f32[u0, 24]""")
 
     def test_graph_awq(self):
         self.assertExpectedInline(self.check("awq"), """\
-qops.mm_int_weight(f32[u0, 64], i32[8, 40], f16[2, 40], i32[2, 5], None, f32[40], 4, 32, 0, 0) -> f32[u0, 40]
+qops.mm_int_weight(f32[u0, 64], i32[8, 40], f16[2, 40], i32[2, 5], None, f32[40], 64, 4, 32, 0, 0) -> f32[u0, 40]
 aten.relu(f32[u0, 40]) -> f32[u0, 40]
-qops.mm_int_weight(f32[u0, 40], i32[5, 24], f16[1, 24], i32[1, 3], None, None, 4, -1, 0, 0) -> f32[u0, 24]""")
+qops.mm_int_weight(f32[u0, 40], i32[5, 24], f16[1, 24], i32[1, 3], None, None, 40, 4, -1, 0, 0) -> f32[u0, 24]""")
 
     def test_graph_compressed_tensors(self):
         self.assertExpectedInline(self.check("compressed-tensors"), """\
-qops.mm_int_weight(f32[u0, 64], i32[8, 40], f16[2, 40], None, i32[64], f32[40], 4, 32, 0, 0) -> f32[u0, 40]
+qops.mm_int_weight(f32[u0, 64], i32[8, 40], f16[2, 40], None, i32[64], f32[40], 64, 4, 32, 0, 0) -> f32[u0, 40]
 aten.relu(f32[u0, 40]) -> f32[u0, 40]
-qops.mm_int_weight(f32[u0, 40], i32[10, 24], f16[2, 24], i32[2, 6], None, None, 8, 32, 0, 0) -> f32[u0, 24]""")
+qops.mm_int_weight(f32[u0, 40], i32[10, 24], f16[2, 24], i32[2, 6], None, None, 40, 8, 32, 0, 0) -> f32[u0, 24]""")

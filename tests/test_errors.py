@@ -27,7 +27,7 @@ def weight():
 
 def mm_args(w, **changes) -> dict:
     args = dict(x=torch.randn(3, w.in_features), qweight=w.qweight, scales=w.scales, qzeros=w.qzeros,
-                act_perm=w.act_perm, bias=torch.randn(w.out_features), bits=w.bits, group_size=w.group_size,
+                act_perm=w.act_perm, bias=torch.randn(w.out_features), in_features=w.in_features, bits=w.bits, group_size=w.group_size,
                 zero_offset=w.zero_offset, kernel=int(w.kernel))
     args.update(changes)
     return args
@@ -76,8 +76,11 @@ def _bad_mm_inputs(w):
         "bias-meta": (dict(bias=torch.randn(n, device=META)), r"bias must be on cpu \(the device of x\), got meta"),
         "x-meta": (dict(x=torch.randn(3, k, device=META)), r"qweight must be on meta \(the device of x\), got cpu"),
         # shapes
-        "K-misaligned": (dict(x=torch.randn(3, k - 8)), r"qweight must have 8 rows \(ceil\(K\*bits/32\) with K=64, bits=4\), got 9"),
-        "K-too-large": (dict(x=torch.randn(3, k + 8)), r"qweight must have 10 rows \(ceil\(K\*bits/32\) with K=80, bits=4\), got 9"),
+        "K-misaligned": (dict(x=torch.randn(3, k - 8), in_features=k - 8), r"qweight must have 8 rows \(ceil\(K\*bits/32\) with K=64, bits=4\), got 9"),
+        "K-too-large": (dict(x=torch.randn(3, k + 8), in_features=k + 8), r"qweight must have 10 rows \(ceil\(K\*bits/32\) with K=80, bits=4\), got 9"),
+        # 71 features pack into the same 9 rows as 72: only in_features tells them apart.
+        "x-K-within-a-word": (dict(x=torch.randn(3, k - 1)), r"x must have in_features=72 in its last dimension, got shape \(3, 71\)"),
+        "x-K-vs-in_features": (dict(x=torch.randn(3, k + 8)), r"x must have in_features=72 in its last dimension, got shape \(3, 80\)"),
         "qweight-1d": (dict(qweight=w.qweight.flatten()), r"qweight must be 2-D \(ceil\(K\*bits/32\), N\), got 1-D"),
         "scales-groups": (dict(scales=w.scales[:2]), r"scales must have shape \(3, 24\) .*got \(2, 24\)"),
         "scales-N": (dict(scales=torch.cat([w.scales, w.scales[:, :1]], 1)), r"scales must have shape \(3, 24\) .*got \(3, 25\)"),

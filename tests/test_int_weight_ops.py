@@ -43,7 +43,7 @@ def _check(y, x, w64, bias, what):
 
 def _out_call(w, x, bias, workspace):
     out = torch.full((*x.shape[:-1], w.out_features), float("nan"), dtype=x.dtype)
-    r = torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.bits,
+    r = torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.in_features, w.bits,
                                          w.group_size, w.zero_offset, int(w.kernel), out, workspace)
     assert r is None
     return out
@@ -115,7 +115,7 @@ def test_out_is_written_through_its_strides(case):
         out = make()
         base = out._base
         before = base.clone()
-        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.bits,
+        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.in_features, w.bits,
                                          w.group_size, w.zero_offset, int(w.kernel), out, None)
         _check(out, x, b.w64, bias, f"{case.id} out {name}")
         untouched = torch.ones_like(base, dtype=torch.bool)

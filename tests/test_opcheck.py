@@ -52,7 +52,7 @@ def mm_int_weight_samples():
             variants["fp32-m0-grad"] = (torch.randn(0, k, generator=g).requires_grad_(), None)
             variants["fp32-transposed-grad-frozen-bias"] = (torch.randn(k, 4, generator=g).t().requires_grad_(), torch.randn(n, generator=g))
         for vname, (x, bias) in variants.items():
-            out[f"{name}-{vname}"] = (x, *_weight_args(w), bias, *_static(w), int(w.kernel))
+            out[f"{name}-{vname}"] = (x, *_weight_args(w), bias, w.in_features, *_static(w), int(w.kernel))
     return out
 
 
@@ -69,7 +69,7 @@ def mm_int_weight_out_samples():
         }
         for vname, (x, bias, workspace) in variants.items():
             o = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-            out[f"{name}-{vname}"] = (x, *_weight_args(w), bias, *_static(w), int(w.kernel), o, workspace)
+            out[f"{name}-{vname}"] = (x, *_weight_args(w), bias, w.in_features, *_static(w), int(w.kernel), o, workspace)
     return out
 
 

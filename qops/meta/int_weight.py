@@ -8,8 +8,8 @@ from ..ops.int_weight import FAMILY, check_int_weight, check_mm_int_weight, chec
 
 
 @torch.library.register_fake("qops::mm_int_weight")
-def _mm_int_weight_fake(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, kernel):
-    shape = check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+def _mm_int_weight_fake(x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset, kernel):
+    shape = check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
     lowering_for(FAMILY, kernel, x.device, "mm_int_weight")
     return x.new_empty(shape)
 
@@ -21,7 +21,7 @@ def _dequantize_int_weight_fake(qweight, scales, qzeros, act_perm, in_features, 
 
 
 @torch.library.register_fake("qops::mm_int_weight_out")
-def _mm_int_weight_out_fake(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, kernel, out, workspace):
-    shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+def _mm_int_weight_out_fake(x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset, kernel, out, workspace):
+    shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
     check_out("mm_int_weight_out", out, shape, x)
     lowering_for(FAMILY, kernel, x.device, "mm_int_weight_out")

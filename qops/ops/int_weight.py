@@ -83,11 +83,14 @@ def check_int_weight(
     return n
 
 
-def check_mm_int_weight(who, x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset) -> list:
+def check_mm_int_weight(who, x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset) -> list:
     """Validate every argument of ``mm_int_weight``; returns the output shape."""
     torch._check_type(x.dtype in ACT_DTYPES, lambda: _fail(who, f"x must be float32, float16 or bfloat16, got {x.dtype}"))
     torch._check_value(x.dim() >= 1, lambda: _fail(who, "x must have at least one dimension (..., K)"))
-    n = check_int_weight(who, x.shape[-1], qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, x.device)
+    # K is an argument, not read off x: 71 and 72 features pack into the same 9 rows at 4 bits, so
+    # the packed shapes alone would let a wrong x through.
+    torch._check_value(x.shape[-1] == in_features, lambda: _fail(who, f"x must have in_features={in_features} in its last dimension, got shape {tuple(x.shape)}"))
+    n = check_int_weight(who, in_features, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, x.device)
     if bias is not None:
         if bias.device != x.device:
             raise ValueError(_fail(who, f"bias must be on {x.device} (the device of x), got {bias.device}"))
@@ -110,11 +113,11 @@ def check_out(who, out, shape, x) -> None:
 # they are static facts of the weight and Dynamo must specialize on them.
 MM_SCHEMA = (
     "(Tensor x, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, Tensor? bias, "
-    "int bits, int group_size, int zero_offset, int kernel) -> Tensor"
+    "int in_features, int bits, int group_size, int zero_offset, int kernel) -> Tensor"
 )
 MM_OUT_SCHEMA = (
     "(Tensor x, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, Tensor? bias, "
-    "int bits, int group_size, int zero_offset, int kernel, Tensor(a!) out, Tensor(b!)? workspace) -> ()"
+    "int in_features, int bits, int group_size, int zero_offset, int kernel, Tensor(a!) out, Tensor(b!)? workspace) -> ()"
 )
 DEQUANT_SCHEMA = (
     "(Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, int in_features, "
@@ -130,12 +133,13 @@ def mm_int_weight(
     qzeros: Optional[torch.Tensor],  # (n_groups, ceil(N*bits/32)) int32 or None (symmetric)
     act_perm: Optional[torch.Tensor],  # (K,) int32 or None
     bias: Optional[torch.Tensor],  # (N,) or None
+    in_features: int,  # K
     bits: int,
     group_size: int,
     zero_offset: int,
     kernel: int,  # qops.lowerings.Kernel
 ) -> torch.Tensor:  # (..., N), dtype of x
-    check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+    check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
     impl = implementation(FAMILY, kernel, x.device, "mm_int_weight")
     return impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
 
@@ -148,6 +152,7 @@ def mm_int_weight_out(
     qzeros: Optional[torch.Tensor],  # (n_groups, ceil(N*bits/32)) int32 or None
     act_perm: Optional[torch.Tensor],  # (K,) int32 or None
     bias: Optional[torch.Tensor],  # (N,) or None
+    in_features: int,  # K
     bits: int,
     group_size: int,
     zero_offset: int,
@@ -155,7 +160,7 @@ def mm_int_weight_out(
     out: torch.Tensor,  # (..., N), dtype of x, caller-owned; written
     workspace: Optional[torch.Tensor],  # caller-owned scratch (uint8, >= the lowering's need); clobbered
 ) -> None:
-    shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
+    shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
     check_out("mm_int_weight_out", out, shape, x)
     impl = implementation(FAMILY, kernel, x.device, "mm_int_weight_out")
     impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=out, workspace=workspace)
@@ -214,7 +219,7 @@ def reference_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, z
 
 
 def _setup_context(ctx, inputs, output):
-    x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, kernel = inputs
+    x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset, kernel = inputs
     ctx.save_for_backward(qweight, scales, qzeros, act_perm)
     ctx.meta = (x.shape[-1], bits, group_size, zero_offset, x.dtype, bias is not None)
 
@@ -229,7 +234,7 @@ def _backward(ctx, grad):
         grad_x = (grad.float() @ w).to(x_dtype)
     if has_bias and ctx.needs_input_grad[5]:
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-    return grad_x, None, None, None, None, grad_bias, None, None, None, None
+    return grad_x, None, None, None, None, grad_bias, None, None, None, None, None
 
 
 mm_int_weight.register_autograd(_backward, setup_context=_setup_context)
@@ -252,11 +257,8 @@ class IntWeight:
     choice: Choice | None = None
 
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # The op infers K from x; a K within one packed word of in_features would pass its checks.
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"qops.IntWeight.mm: x must have in_features={self.in_features} in its last dimension, got shape {tuple(x.shape)}")
         return torch.ops.qops.mm_int_weight(
-            x, self.qweight, self.scales, self.qzeros, self.act_perm, bias,
+            x, self.qweight, self.scales, self.qzeros, self.act_perm, bias, self.in_features,
             self.bits, self.group_size, self.zero_offset, int(self.kernel),
         )
 

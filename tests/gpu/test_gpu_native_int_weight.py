@@ -141,12 +141,12 @@ def test_out_variant_with_workspace_and_strided_out():
         out = big[:, 7:1031]
         need = native.workspace_bytes(m, 1024, 2048)
         ws = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
-        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.bits, w.group_size,
+        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits, w.group_size,
                                          w.zero_offset, int(w.kernel), out, ws)
         check(out, x, nw.w64, None, f"out M={m}")
         assert bool(big[:, :7].isnan().all()) and bool(big[:, 1031:].isnan().all()), "wrote outside out"
         out2 = torch.full((m, 1024), float("nan"), dtype=torch.bfloat16, device="cuda").t().contiguous().t()
-        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.bits, w.group_size,
+        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits, w.group_size,
                                          w.zero_offset, int(w.kernel), out2, None)
         check(out2, x, nw.w64, None, f"column-major out M={m}")
 

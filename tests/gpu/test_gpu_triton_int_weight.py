@@ -129,7 +129,7 @@ def test_every_format_bits_group(item):
     for m in (1, 16):
         x = rand(m, case.k, dtype=dtype, seed=10 + m)
         y = torch.ops.qops.mm_int_weight(x, b.weight.qweight, b.weight.scales, b.weight.qzeros, b.weight.act_perm, use,
-                                         b.weight.bits, b.weight.group_size, b.weight.zero_offset, int(b.weight.kernel))
+                                         b.weight.in_features, b.weight.bits, b.weight.group_size, b.weight.zero_offset, int(b.weight.kernel))
         check(y, x, b.w64, use, f"{_id(item)} M={m}")
 
 
@@ -204,7 +204,7 @@ def test_out_variant_workspace_and_reductions():
                 ws = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
                 big = torch.full((m, case.n + 9), float("nan"), dtype=dtype, device="cuda")
                 out = big[:, 4:4 + case.n]
-                torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.bits, w.group_size,
+                torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits, w.group_size,
                                                  w.zero_offset, int(w.kernel), out, ws)
                 check(out, x, b.w64, None, f"out {reduce} M={m}")
                 assert bool(big[:, :4].isnan().all()) and bool(big[:, 4 + case.n:].isnan().all()), "wrote outside out"
