@@ -87,6 +87,7 @@ class Lowering:
     group_sizes: frozenset[int] | None = None  # None: -1 and any positive size
     n_multiple: int = 1
     k_multiple: int = 1
+    k_multiple_of_group: bool = False  # K must be a whole number of groups (blocks never straddle rows)
     act_order: bool = True
     note: str = ""
     software: Callable[[], str | None] = field(default=_nothing_missing, compare=False)
@@ -107,6 +108,8 @@ class Lowering:
             return f"N={spec.n} is not a multiple of {self.n_multiple}"
         if spec.k % self.k_multiple:
             return f"K={spec.k} is not a multiple of {self.k_multiple}"
+        if self.k_multiple_of_group and spec.group_size > 0 and spec.k % spec.group_size:
+            return f"K={spec.k} is not a multiple of the block size {spec.group_size}"
         if spec.act_order and not self.act_order:
             return "act-order weights are not served"
         return None
@@ -130,6 +133,9 @@ class Lowering:
 
 
 INT_WEIGHT_FORMATS = frozenset({"gptq", "awq", "compressed-tensors"})
+INT8_WEIGHT_FORMATS = frozenset({"eetq", "bitsandbytes-int8"})
+BLOCKWISE4_FORMATS = frozenset({"bitsandbytes-nf4", "bitsandbytes-fp4"})
+BNB_BLOCKSIZES = frozenset({32, 64, 128, 256, 512, 1024, 2048, 4096})
 FLOAT_ACTS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 # fp8 family: WeightSpec.group_size is block_k (-1: scales constant along K); act_dtype float8_e4m3fn
 # means W8A8 (activations quantized to fp8 before the GEMM), a float dtype W8A16.
@@ -221,6 +227,60 @@ LOWERINGS: tuple[Lowering, ...] = (
         priority=20,
         entry="qops.ops.fp8:scaled_mm_lowering",
         note="torch._scaled_mm (cuBLASLt) W8A8: tensor-wise or row-wise scales; M padded to 16",
+    ),
+    Lowering(
+        name="reference_int8_weight",
+        kernel=Kernel.REFERENCE,
+        family="int8_weight",
+        device_types=frozenset({"cpu", "cuda"}),
+        formats=INT8_WEIGHT_FORMATS,
+        bits=frozenset({8}),
+        act_dtypes=FLOAT_ACTS,
+        priority=0,
+        entry="qops.ops.int8_weight:reference_mm",
+        note="pure torch: int8 -> fp32 times per-channel scales, then matmul (fp32 accumulation)",
+    ),
+    Lowering(
+        name="triton_int8_weight",
+        kernel=Kernel.TRITON,
+        family="int8_weight",
+        device_types=frozenset({"cuda"}),
+        min_capability=(8, 0),
+        formats=INT8_WEIGHT_FORMATS,
+        bits=frozenset({8}),
+        act_dtypes=FLOAT_ACTS,
+        priority=10,
+        entry="qops.ops.triton.int8_weight:triton_mm",
+        note="Triton: 16-byte-load GEMV (optional split-K) for M <= 2, tl.dot GEMM above",
+        software=_triton_missing,
+    ),
+    Lowering(
+        name="reference_blockwise4",
+        kernel=Kernel.REFERENCE,
+        family="blockwise4",
+        device_types=frozenset({"cpu", "cuda"}),
+        formats=BLOCKWISE4_FORMATS,
+        bits=frozenset({4}),
+        act_dtypes=FLOAT_ACTS,
+        priority=0,
+        entry="qops.ops.blockwise4:reference_mm",
+        note="pure torch: 4-bit codebook lookup times de-nested block absmax, then matmul (fp32 accumulation)",
+    ),
+    Lowering(
+        name="triton_blockwise4",
+        kernel=Kernel.TRITON,
+        family="blockwise4",
+        device_types=frozenset({"cuda"}),
+        min_capability=(8, 0),
+        formats=BLOCKWISE4_FORMATS,
+        bits=frozenset({4}),
+        act_dtypes=FLOAT_ACTS,
+        group_sizes=BNB_BLOCKSIZES,
+        k_multiple_of_group=True,
+        priority=10,
+        entry="qops.ops.triton.blockwise4:triton_mm",
+        note="Triton: codebook GEMV with in-kernel absmax de-nesting for M <= 2, tl.dot GEMM above",
+        software=_triton_missing,
     ),
 )
 

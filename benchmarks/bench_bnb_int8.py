@@ -1,0 +1,365 @@
+"""int8 W8A16 (``qops::mm_int8_weight``: EETQ / bitsandbytes LLM.int8) and NF4 (``qops::mm_blockwise4``:
+bitsandbytes, blocksize 64, nested absmax) against cuBLAS fp16 / bf16, timed as PERF.md says.
+
+One run measures everything side by side with one method (``/work/shared/anchors/bench_anchors.py``):
+
+- the ceilings: device-to-device copy bandwidth (1 GiB + 1 GiB) and bf16 dense matmul 8192^3;
+- per shape (N x K) one random int8 weight with per-channel scales and one random NF4 weight
+  (every byte value, nested absmax with bitsandbytes' dynamic map), prepared on the GPU (the chooser
+  picks the Triton lowerings), fp16 activations;
+- correctness first, per (shape, M): rows ``[0, 512)`` of the output against float64 ``x @ W.T``
+  with W decoded here from the runtime tensors (bytes read with // and %, not qops' code), and the
+  ``_out`` op with its ``out`` poisoned with NaN;
+- time: CUDA-graph replays over rotated weight copies (> 256 MB in all), CUDA events, median;
+- roofline per row: max(bytes moved / copy bandwidth, 2*M*N*K / bf16 peak), bytes = weight +
+  scales/absmax + x read + y written.
+
+Writes ``$OUT/bench_bnb_int8.json`` (and ``--out``); prints rows as they come, then a table and the
+targets (PERF.md: int8 W8A16 M=1 >= 70% of the roofline on the four large shapes, NF4 M=1 >= 60%,
+NF4 faster than cuBLAS fp16 up to M=16) last.
+
+    PYTHONPATH=. python benchmarks/bench_bnb_int8.py                    # ~2 min on an H200
+    PYTHONPATH=. python benchmarks/bench_bnb_int8.py --shapes 57344x8192 --ms 1 --sweep
+    PYTHONPATH=. python benchmarks/bench_bnb_int8.py --dry-run --out /tmp/b.json   # CPU: plumbing only
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import qops  # noqa: E402,F401
+from qops.formats.bitsandbytes import codebook  # noqa: E402
+from qops.formats.blockwise4 import dynamic_map  # noqa: E402
+from qops.ops.blockwise4 import prepare_blockwise4  # noqa: E402
+from qops.ops.int8_weight import prepare_int8_weight  # noqa: E402
+
+SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # (N, K)
+LARGE = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]
+MS = [1, 16, 64, 256]
+DRY_SHAPES, DRY_MS = [(256, 512), (320, 1024)], [1, 16]
+BLOCKSIZE = 64
+ROT_BYTES = 288 * 2**20
+MAX_COPIES = 64
+CHECK_ROWS = 512
+TARGETS = {"int8_m1_roof_pct": 70.0, "nf4_m1_roof_pct": 60.0, "nf4_vs_fp16_max_m": 16}
+PERF_COPY_TBPS, PERF_BF16_TFLOPS = 4.25, 810.0  # PERF.md, for --dry-run only
+# --sweep: GEMV configs tried at M = 1 (the lowering's defaults are in qops/ops/triton/*.py CONFIGS).
+SWEEP = {
+    "int8": [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8))],
+    "nf4": [dict(BLOCK_N=bn, STEP_BYTES=sb, num_warps=w) for bn, sb, w in itertools.product((4, 8, 16), (128, 256, 512), (4, 8))],
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="bench_bnb_int8.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", help="comma-separated NxK; default the five of PERF.md")
+    p.add_argument("--ms", help="comma-separated M; default 1,16,64,256")
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--target-ms", type=float, default=10.0, help="GPU time per timed trial")
+    p.add_argument("--sweep", action="store_true", help="also time the GEMV configs of SWEEP at M=1 and print the best")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, reference lowering: checks the plumbing only")
+    p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--tol", type=float, default=2e-3, help="largest relative error counted correct (fp16 activations)")
+    a = p.parse_args(argv)
+    a.shape_list = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")] if a.shapes else (DRY_SHAPES if a.dry_run else SHAPES)
+    a.m_list = [int(m) for m in a.ms.split(",")] if a.ms else (DRY_MS if a.dry_run else MS)
+    return a
+
+
+# ------------------------------------------------------------------------------------ timing
+
+
+def graph_time(fns, trials: int, target_ms: float) -> float:
+    """Median microseconds per call of ``fns`` (one zero-arg callable per weight copy), from CUDA-graph replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    iters = max(1, min(2000, round(target_ms / max(a.elapsed_time(b), 1e-3))))
+    ts = []
+    for _ in range(trials):
+        a.record()
+        for _ in range(iters):
+            g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / iters / len(fns))
+    del g
+    return statistics.median(ts)
+
+
+def wall_time(fns, trials: int, target_ms: float) -> float:
+    for f in fns:
+        f()
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for f in fns:
+            f()
+        ts.append((time.perf_counter() - t0) * 1e6 / len(fns))
+    return statistics.median(ts)
+
+
+def copy_TBps() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(10):
+        dst.copy_(src)
+    b.record()
+    b.synchronize()
+    return 2 * src.numel() * 10 / (a.elapsed_time(b) / 1e3) / 1e12
+
+
+def bf16_TFLOPs(trials: int) -> float:
+    A = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    B = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    t = graph_time([lambda: A @ B], trials, 20.0)
+    return 2 * 8192**3 / (t * 1e-6) / 1e12
+
+
+# ------------------------------------------------------------------------------------ weights
+
+
+def int8_weight(n, k, dev, gen):
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=dev, generator=gen)
+    s = (torch.rand(n, device=dev, generator=gen) + 0.5) * 0.01
+    return prepare_int8_weight(q, s, dtype=torch.float16, format_name="eetq")
+
+
+def nf4_weight(n, k, dev, gen):
+    nb = n * k // BLOCKSIZE
+    return prepare_blockwise4(
+        qweight=torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, device=dev, generator=gen),
+        code=codebook("nf4").to(dev),
+        absmax=torch.randint(0, 256, (nb,), dtype=torch.uint8, device=dev, generator=gen),
+        nested_code=dynamic_map().to(dev),
+        nested_absmax=(torch.rand(-(-nb // 256), device=dev, generator=gen) + 0.5) * 0.02,
+        nested_offset=torch.tensor([0.03], device=dev),
+        out_features=n, in_features=k, blocksize=BLOCKSIZE, nested_blocksize=256,
+        dtype=torch.float16, format_name="bitsandbytes-nf4",
+    )
+
+
+def clone_weight(w):
+    import dataclasses
+
+    fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
+    return dataclasses.replace(w, **{k: v.clone() for k, v in fields.items() if isinstance(v, torch.Tensor)})
+
+
+def decode_rows(w, rows: int) -> torch.Tensor:
+    """float64 W[:rows] from the runtime tensors, decoded here (not with qops' unpacking)."""
+    if hasattr(w, "scales"):
+        return w.qweight[:rows].double() * w.scales[:rows].double()[:, None]
+    k = w.in_features
+    b = w.qweight[: rows * k // 2].long()
+    codes = torch.stack([b // 16, b % 16], dim=1).reshape(rows, k)
+    u = w.absmax[: rows * k // BLOCKSIZE].long()
+    blk = torch.arange(u.numel(), device=u.device)
+    absmax = (w.nested_code.double()[u].float() * w.nested_absmax[blk // 256].float() + w.nested_offset.float()).double()
+    return w.code.double()[codes] * absmax.repeat_interleave(BLOCKSIZE).reshape(rows, k)
+
+
+def call(w, x, out=None):
+    if hasattr(w, "scales"):
+        if out is None:
+            return torch.ops.qops.mm_int8_weight(x, w.qweight, w.scales, None, int(w.kernel))
+        return torch.ops.qops.mm_int8_weight_out(x, w.qweight, w.scales, None, int(w.kernel), out, None)
+    args = (x, *w._weight_args(), None, *w._static_args(), int(w.kernel))
+    if out is None:
+        return torch.ops.qops.mm_blockwise4(*args)
+    return torch.ops.qops.mm_blockwise4_out(*args, out, None)
+
+
+def n_copies(nbytes: float, gpu: bool) -> int:
+    """Weight copies rotated per timed graph: > 256 MB in all, so L2 cannot hold them."""
+    return max(1, min(MAX_COPIES if gpu else 2, math.ceil(ROT_BYTES / nbytes)))
+
+
+def weight_bytes(kind: str, n: int, k: int) -> float:
+    if kind == "int8":
+        return n * k + 4 * n
+    if kind == "nf4":
+        nb = n * k / BLOCKSIZE
+        return n * k / 2 + nb + 4 * nb / 256 + 1024 + 64
+    return 2 * n * k
+
+
+def path_of(kind, m, n, k, dev) -> str:
+    from qops.ops.triton import blockwise4 as tbw4
+    from qops.ops.triton import int8_weight as ti8
+
+    p = ti8.plan(m, n, k, dev) if kind == "int8" else tbw4.plan(m, n, k, BLOCKSIZE, dev)
+    return f"{p['path']}/split{p['split']}"
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def git_commit() -> str:
+    if os.environ.get("QOPS_COMMIT"):
+        return os.environ["QOPS_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    gpu = not a.dry_run
+    if gpu and not torch.cuda.is_available():
+        print("no CUDA device: use --dry-run", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda" if gpu else "cpu")
+    timer = graph_time if gpu else wall_time
+    res = {"bench": "bnb_int8", "device": torch.cuda.get_device_name() if gpu else "cpu (dry run)",
+           "torch": torch.__version__, "commit": git_commit(), "dry_run": a.dry_run, "rows": []}
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001
+        res["triton"] = repr(e)
+    bw = copy_TBps() if gpu else PERF_COPY_TBPS
+    peak = bf16_TFLOPs(a.trials) if gpu else PERF_BF16_TFLOPS
+    res.update(copy_TBps=round(bw, 3), bf16_TFLOPs=round(peak, 1))
+    print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
+    out_path = os.path.join(os.environ["OUT"], "bench_bnb_int8.json") if os.environ.get("OUT") else None
+    gen = torch.Generator(device=dev).manual_seed(0)
+    t_start = time.time()
+    for n, k in a.shape_list:
+        weights = {"int8": int8_weight(n, k, dev, gen), "nf4": nf4_weight(n, k, dev, gen)}
+        for kind, w in weights.items():
+            print(f"{n}x{k} {kind}: {w.choice.lowering.name}", flush=True)
+        copies = {kind: [w] + [clone_weight(w) for _ in range(n_copies(weight_bytes(kind, n, k), gpu) - 1)]
+                  for kind, w in weights.items()}
+        dense = {dt: torch.randn(n, k, device=dev, generator=gen).to(dt) * 0.02 for dt in (torch.float16, torch.bfloat16)}
+        dense_copies = {dt: [w] + [w.clone() for _ in range(n_copies(2 * n * k, gpu) - 1)] for dt, w in dense.items()}
+        refs = {kind: decode_rows(w, min(CHECK_ROWS, n)) for kind, w in weights.items()}
+        for m in a.m_list:
+            x = torch.randn(m, k, device=dev, generator=gen).half()
+            io = 2 * m * (k + n)
+            row = {"N": n, "K": k, "M": m, "dtype": "float16"}
+            for dt, name in ((torch.float16, "cublas_fp16_us"), (torch.bfloat16, "cublas_bf16_us")):
+                xd = x.to(dt)
+                row[name] = round(timer([lambda w=w, xd=xd: torch.nn.functional.linear(xd, w) for w in dense_copies[dt]], a.trials, a.target_ms), 2)
+            for kind, ws in copies.items():
+                w = ws[0]
+                rows = refs[kind].shape[0]
+                want = x.double() @ refs[kind].t()
+                got = call(w, x)
+                out = torch.full((m, n), float("nan"), device=dev, dtype=torch.float16)
+                call(w, x, out)
+                err = max(((got[:, :rows].double() - want).norm() / want.norm()).item(),
+                          ((out[:, :rows].double() - want).norm() / want.norm()).item())
+                if not bool(torch.isfinite(out).all()):
+                    err = float("inf")
+                us = timer([lambda w=w: call(w, x) for w in ws], a.trials, a.target_ms)
+                roof = max((weight_bytes(kind, n, k) + io) / (bw * 1e12), 2 * m * n * k / (peak * 1e12)) * 1e6
+                row[kind] = {"op": "mm_int8_weight" if kind == "int8" else "mm_blockwise4",
+                             "format": "eetq / bitsandbytes-int8" if kind == "int8" else "bitsandbytes-nf4 b64 nested",
+                             "lowering": w.choice.lowering.name, "path": path_of(kind, m, n, k, dev) if gpu else "reference",
+                             "qops_us": round(us, 2), "roofline_us": round(roof, 2), "roofline_pct": round(100 * roof / us, 1),
+                             "vs_fp16": round(row["cublas_fp16_us"] / us, 2), "rel_err": err, "correct": err <= a.tol}
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        if a.sweep and gpu and 1 in a.m_list:
+            res.setdefault("sweep", []).extend(sweep(n, k, copies, dev, a))
+        del weights, copies, dense, dense_copies, refs
+        if gpu:
+            torch.cuda.empty_cache()
+        for path in filter(None, (out_path, a.out)):
+            with open(path, "w") as f:
+                json.dump(res, f, indent=1)
+    res["seconds"] = round(time.time() - t_start, 1)
+    for path in filter(None, (out_path, a.out)):
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+    report(res, a)
+    return 0
+
+
+def sweep(n, k, copies, dev, a) -> list[dict]:
+    from qops.ops.triton import blockwise4 as tbw4
+    from qops.ops.triton import int8_weight as ti8
+
+    x = torch.randn(1, k, device=dev).half()
+    found = []
+    for kind, mod in (("int8", ti8), ("nf4", tbw4)):
+        best = None
+        for cfg in SWEEP[kind]:
+            with mod.config_override(gemv=cfg):
+                try:
+                    us = graph_time([lambda w=w: call(w, x) for w in copies[kind]], 3, a.target_ms)
+                except Exception as e:  # noqa: BLE001 - a config the compiler refuses
+                    print(f"sweep {kind} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+            found.append({"kind": kind, "N": n, "K": k, "cfg": cfg, "us": round(us, 2)})
+            if best is None or us < best[1]:
+                best = (cfg, us)
+        if best:
+            print(f"SWEEP best {kind} {n}x{k} M=1: {best[0]} {best[1]:.2f} us", flush=True)
+    return found
+
+
+def report(res, a) -> None:
+    print("\nN x K, M | cuBLAS fp16 us | int8 us (roof %, x fp16) | NF4 us (roof %, x fp16) | paths")
+    for r in res["rows"]:
+        i8, nf = r["int8"], r["nf4"]
+        print(f"{r['N']}x{r['K']}, {r['M']} | {r['cublas_fp16_us']} | {i8['qops_us']} ({i8['roofline_pct']}%, {i8['vs_fp16']}x)"
+              f" | {nf['qops_us']} ({nf['roofline_pct']}%, {nf['vs_fp16']}x) | {i8['path']}, {nf['path']}")
+    print(f"\nTARGETS ({res['device']}, copy {res['copy_TBps']} TB/s, bf16 {res['bf16_TFLOPs']} TFLOP/s, commit {res['commit'][:12]})")
+    bad = [r for r in res["rows"] for kind in ("int8", "nf4") if not r[kind]["correct"]]
+    print(f"correct (rel err <= {a.tol}): {'all rows' if not bad else f'FAILED in {len(bad)} rows'}")
+    for kind, key in (("int8", "int8_m1_roof_pct"), ("nf4", "nf4_m1_roof_pct")):
+        rows = [r for r in res["rows"] if r["M"] == 1 and (r["N"], r["K"]) in LARGE]
+        if not rows:
+            print(f"{kind} M=1 >= {TARGETS[key]}% of roofline: not measured")
+            continue
+        pcts = [r[kind]["roofline_pct"] for r in rows]
+        ok = all(p >= TARGETS[key] for p in pcts)
+        print(f"{kind} M=1 >= {TARGETS[key]}% of roofline on the large shapes: {'MET' if ok else 'NOT MET'} ({', '.join(f'{p}%' for p in pcts)})")
+    rows = [r for r in res["rows"] if r["M"] <= TARGETS["nf4_vs_fp16_max_m"]]
+    if rows:
+        slow = [f"{r['N']}x{r['K']} M={r['M']}: {r['nf4']['vs_fp16']}x" for r in rows if r["nf4"]["vs_fp16"] <= 1.0]
+        print(f"NF4 faster than cuBLAS fp16 up to M={TARGETS['nf4_vs_fp16_max_m']}: {'MET' if not slow else 'NOT MET'}"
+              f" ({'; '.join(slow) if slow else ', '.join(str(r['nf4']['vs_fp16']) + 'x' for r in rows)})")
+    if a.dry_run:
+        print("(dry run: CPU wall-clock times and PERF.md ceilings; the numbers mean nothing)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Fake (meta) kernels of ``qops/ops/int8_weight.py``: the same argument checks, no data access."""
+from __future__ import annotations
+
+import torch
+
+from ..lowerings import lowering_for
+from ..ops.int8_weight import FAMILY, check_int8_weight, check_mm_int8_weight
+from ..ops.int_weight import check_out
+
+
+@torch.library.register_fake("qops::mm_int8_weight")
+def _mm_int8_weight_fake(x, qweight, scales, bias, kernel):
+    shape = check_mm_int8_weight("mm_int8_weight", x, qweight, scales, bias)
+    lowering_for(FAMILY, kernel, x.device, "mm_int8_weight")
+    return x.new_empty(shape)
+
+
+@torch.library.register_fake("qops::mm_int8_weight_out")
+def _mm_int8_weight_out_fake(x, qweight, scales, bias, kernel, out, workspace):
+    shape = check_mm_int8_weight("mm_int8_weight_out", x, qweight, scales, bias)
+    check_out("mm_int8_weight_out", out, shape, x)
+    lowering_for(FAMILY, kernel, x.device, "mm_int8_weight_out")
+
+
+@torch.library.register_fake("qops::dequantize_int8_weight")
+def _dequantize_int8_weight_fake(qweight, scales, dtype):
+    n = check_int8_weight("dequantize_int8_weight", qweight.shape[-1], qweight, scales, qweight.device)
+    return qweight.new_empty((n, qweight.shape[-1]), dtype=dtype)

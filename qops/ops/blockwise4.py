@@ -1,0 +1,314 @@
+"""4-bit codebook weights with one absmax per flat block (bitsandbytes NF4 / FP4): ops, runtime
+layout, argument checks shared with the fakes, and the pure-torch reference kernel.
+
+Runtime layout (what ``prepare_blockwise4`` builds and every lowering reads) = the checkpoint's own
+tensors, as views: K = in_features, N = out_features (``out_features``), B = ``blocksize``,
+n_blocks = ceil(N*K / B), e = n*K + k the flat index of ``W[n, k]``:
+
+- ``qweight`` uint8 ``(ceil(N*K/2),)``: code of element e in the high nibble of byte e // 2 when e
+  is even, in the low nibble when odd.
+- ``code`` float32 ``(16,)``: the codebook.
+- ``absmax`` float32 ``(n_blocks,)``, or uint8 ``(n_blocks,)`` when nested, with ``nested_code``
+  float32 ``(256,)``, ``nested_absmax`` float32 ``(ceil(n_blocks / nested_blocksize),)`` and
+  ``nested_offset`` float32 ``(1,)``:
+  ``absmax[b] = nested_code[absmax_u8[b]] * nested_absmax[b // nested_blocksize] + nested_offset``.
+
+``W.flat[e] = code[nibble(e)] * absmax[e // B]``; ``y = x @ W.T + bias``.
+
+Nested absmax stays nested at run time and is de-nested inside the kernels: de-nesting to float32
+would add 3 bytes per block (+9.4% over the checkpoint at B = 64), to float16 1 byte (+3.1%), both
+over the 2% budget; the nested tables cost 1 KiB plus 4 bytes per 256 blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..formats.blockwise4 import denest, dequantize_flat, unpack_nibbles
+from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation
+from .int8_weight import check_bias
+from .int_weight import ACT_DTYPES, _fail, check_out
+
+FAMILY = "blockwise4"
+
+
+def check_blockwise4(who, k, qweight, code, absmax, nested_code, nested_absmax, nested_offset,
+                     out_features: int, blocksize: int, nested_blocksize: int, device: torch.device):
+    """Validate the runtime weight for ``k`` input features; returns N. Works on fake tensors."""
+    if out_features < 0:
+        raise ValueError(_fail(who, f"out_features must be >= 0, got {out_features}"))
+    if blocksize <= 0:
+        raise ValueError(_fail(who, f"blocksize must be positive, got {blocksize}"))
+    tensors = (("qweight", qweight), ("code", code), ("absmax", absmax), ("nested_code", nested_code),
+               ("nested_absmax", nested_absmax), ("nested_offset", nested_offset))
+    for name, t in tensors:
+        if t is not None and t.device != device:
+            raise ValueError(_fail(who, f"{name} must be on {device} (the device of x), got {t.device}"))
+    n = out_features
+    numel = n * k
+    torch._check_type(qweight.dtype == torch.uint8, lambda: _fail(who, f"qweight must be torch.uint8, got {qweight.dtype}"))
+    torch._check_value(
+        qweight.dim() == 1 and qweight.shape[0] == (numel + 1) // 2,
+        lambda: _fail(who, f"qweight must have shape ({(numel + 1) // 2},) (ceil(N*K/2) with N={n}, K={k}), got {tuple(qweight.shape)}"),
+    )
+    torch._check_type(code.dtype == torch.float32, lambda: _fail(who, f"code must be torch.float32, got {code.dtype}"))
+    torch._check_value(code.dim() == 1 and code.shape[0] == 16, lambda: _fail(who, f"code must have shape (16,), got {tuple(code.shape)}"))
+    n_blocks = (numel + blocksize - 1) // blocksize
+    nested = absmax.dtype == torch.uint8
+    torch._check_type(
+        absmax.dtype in (torch.float32, torch.uint8),
+        lambda: _fail(who, f"absmax must be torch.float32 (plain) or torch.uint8 (nested), got {absmax.dtype}"),
+    )
+    torch._check_value(
+        absmax.dim() == 1 and absmax.shape[0] == n_blocks,
+        lambda: _fail(who, f"absmax must have shape ({n_blocks},) (ceil(N*K/blocksize) with N={n}, K={k}, blocksize={blocksize}), got {tuple(absmax.shape)}"),
+    )
+    parts = (("nested_code", nested_code), ("nested_absmax", nested_absmax), ("nested_offset", nested_offset))
+    if not nested:
+        for name, t in parts:
+            if t is not None:
+                raise ValueError(_fail(who, f"{name} must be None when absmax is float32 (not nested)"))
+        return n
+    for name, t in parts:
+        if t is None:
+            raise ValueError(_fail(who, f"{name} is required when absmax is uint8 (nested)"))
+        torch._check_type(t.dtype == torch.float32, lambda: _fail(who, f"{name} must be torch.float32, got {t.dtype}"))
+    if nested_blocksize <= 0:
+        raise ValueError(_fail(who, f"nested_blocksize must be positive when absmax is nested, got {nested_blocksize}"))
+    torch._check_value(
+        nested_code.dim() == 1 and nested_code.shape[0] == 256,
+        lambda: _fail(who, f"nested_code must have shape (256,), got {tuple(nested_code.shape)}"),
+    )
+    n_nested = (n_blocks + nested_blocksize - 1) // nested_blocksize
+    torch._check_value(
+        nested_absmax.dim() == 1 and nested_absmax.shape[0] == n_nested,
+        lambda: _fail(who, f"nested_absmax must have shape ({n_nested},) (ceil(n_blocks/nested_blocksize) with n_blocks={n_blocks}, nested_blocksize={nested_blocksize}), got {tuple(nested_absmax.shape)}"),
+    )
+    torch._check_value(
+        nested_offset.dim() == 1 and nested_offset.shape[0] == 1,
+        lambda: _fail(who, f"nested_offset must have shape (1,), got {tuple(nested_offset.shape)}"),
+    )
+    return n
+
+
+def check_mm_blockwise4(who, x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias,
+                        out_features, in_features, blocksize, nested_blocksize) -> list:
+    """Validate every argument of ``mm_blockwise4``; returns the output shape."""
+    torch._check_type(x.dtype in ACT_DTYPES, lambda: _fail(who, f"x must be float32, float16 or bfloat16, got {x.dtype}"))
+    torch._check_value(x.dim() >= 1, lambda: _fail(who, "x must have at least one dimension (..., K)"))
+    # Explicit because the flat packing cannot tell K from K + 1 when N is 1 and K odd.
+    torch._check_value(
+        x.shape[-1] == in_features,
+        lambda: _fail(who, f"x must have in_features={in_features} in its last dimension, got shape {tuple(x.shape)}"),
+    )
+    n = check_blockwise4(who, in_features, qweight, code, absmax, nested_code, nested_absmax, nested_offset,
+                         out_features, blocksize, nested_blocksize, x.device)
+    check_bias(who, bias, n, x)
+    return [*x.shape[:-1], n]
+
+
+_WEIGHT_ARGS = (
+    "Tensor qweight, Tensor code, Tensor absmax, Tensor? nested_code, Tensor? nested_absmax, Tensor? nested_offset"
+)
+_STATIC_ARGS = "int out_features, int in_features, int blocksize, int nested_blocksize"
+MM_SCHEMA = f"(Tensor x, {_WEIGHT_ARGS}, Tensor? bias, {_STATIC_ARGS}, int kernel) -> Tensor"
+MM_OUT_SCHEMA = (
+    f"(Tensor x, {_WEIGHT_ARGS}, Tensor? bias, {_STATIC_ARGS}, int kernel, "
+    "Tensor(a!) out, Tensor(b!)? workspace) -> ()"
+)
+DEQUANT_SCHEMA = (
+    f"({_WEIGHT_ARGS}, {_STATIC_ARGS}, ScalarType dtype) -> Tensor"
+)
+
+
+@torch.library.custom_op("qops::mm_blockwise4", mutates_args=(), schema=MM_SCHEMA)
+def mm_blockwise4(
+    x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
+    qweight: torch.Tensor,  # (ceil(N*K/2),) uint8, flat, first element in the high nibble
+    code: torch.Tensor,  # (16,) float32 codebook
+    absmax: torch.Tensor,  # (n_blocks,) float32, or uint8 when nested
+    nested_code: Optional[torch.Tensor],  # (256,) float32 or None
+    nested_absmax: Optional[torch.Tensor],  # (ceil(n_blocks/nested_blocksize),) float32 or None
+    nested_offset: Optional[torch.Tensor],  # (1,) float32 or None
+    bias: Optional[torch.Tensor],  # (N,) or None
+    out_features: int,  # N
+    in_features: int,  # K, the last dimension of x
+    blocksize: int,
+    nested_blocksize: int,  # ignored unless nested
+    kernel: int,  # qops.lowerings.Kernel
+) -> torch.Tensor:  # (..., N), dtype of x
+    check_mm_blockwise4("mm_blockwise4", x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias,
+                        out_features, in_features, blocksize, nested_blocksize)
+    impl = implementation(FAMILY, kernel, x.device, "mm_blockwise4")
+    return impl(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize, nested_blocksize)
+
+
+@torch.library.custom_op("qops::mm_blockwise4_out", mutates_args=("out", "workspace"), schema=MM_OUT_SCHEMA)
+def mm_blockwise4_out(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    code: torch.Tensor,
+    absmax: torch.Tensor,
+    nested_code: Optional[torch.Tensor],
+    nested_absmax: Optional[torch.Tensor],
+    nested_offset: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    out_features: int,
+    in_features: int,
+    blocksize: int,
+    nested_blocksize: int,
+    kernel: int,
+    out: torch.Tensor,  # (..., N), dtype of x, caller-owned; written
+    workspace: Optional[torch.Tensor],  # caller-owned scratch (uint8); clobbered
+) -> None:
+    shape = check_mm_blockwise4("mm_blockwise4_out", x, qweight, code, absmax, nested_code, nested_absmax,
+                                nested_offset, bias, out_features, in_features, blocksize, nested_blocksize)
+    check_out("mm_blockwise4_out", out, shape, x)
+    impl = implementation(FAMILY, kernel, x.device, "mm_blockwise4_out")
+    impl(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
+         nested_blocksize, out=out, workspace=workspace)
+
+
+@torch.library.custom_op("qops::dequantize_blockwise4", mutates_args=(), schema=DEQUANT_SCHEMA)
+def dequantize_blockwise4(
+    qweight: torch.Tensor,
+    code: torch.Tensor,
+    absmax: torch.Tensor,
+    nested_code: Optional[torch.Tensor],
+    nested_absmax: Optional[torch.Tensor],
+    nested_offset: Optional[torch.Tensor],
+    out_features: int,  # N
+    in_features: int,  # K
+    blocksize: int,
+    nested_blocksize: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # (N, K)
+    check_blockwise4("dequantize_blockwise4", in_features, qweight, code, absmax, nested_code, nested_absmax,
+                     nested_offset, out_features, blocksize, nested_blocksize, qweight.device)
+    w = reference_dequantize(qweight, code, absmax, nested_code, nested_absmax, nested_offset, out_features,
+                             in_features, blocksize, nested_blocksize)
+    return w.to(dtype)
+
+
+def block_absmax(absmax, nested_code, nested_absmax, nested_offset, nested_blocksize) -> torch.Tensor:
+    """float32 ``(n_blocks,)``, de-nested when ``absmax`` is uint8."""
+    if absmax.dtype != torch.uint8:
+        return absmax.float()
+    return denest(absmax, nested_code, nested_absmax, nested_offset, nested_blocksize)
+
+
+def reference_dequantize(qweight, code, absmax, nested_code, nested_absmax, nested_offset, n, k, blocksize,
+                         nested_blocksize) -> torch.Tensor:
+    """fp32 ``(N, K)`` weight, straight from the layout's definition."""
+    s = block_absmax(absmax, nested_code, nested_absmax, nested_offset, nested_blocksize)
+    return dequantize_flat(unpack_nibbles(qweight, n * k), code, s, blocksize, n, k)
+
+
+def reference_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
+                 nested_blocksize, out=None, workspace=None) -> torch.Tensor:
+    """The CPU kernel (and the GPU fallback); the lowering entry contract of ``ops/int_weight.py``."""
+    w = reference_dequantize(qweight, code, absmax, nested_code, nested_absmax, nested_offset, out_features,
+                             x.shape[-1], blocksize, nested_blocksize)
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    if out is None:
+        return y.to(x.dtype)
+    return out.copy_(y)
+
+
+def _setup_context(ctx, inputs, output):
+    x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, n, k, blocksize, nested_blocksize, kernel = inputs
+    ctx.save_for_backward(qweight, code, absmax, nested_code, nested_absmax, nested_offset)
+    ctx.meta = (n, k, blocksize, nested_blocksize, x.dtype, bias is not None)
+
+
+def _backward(ctx, grad):
+    # Weights are frozen: the gradient flows to the activations (and the bias) only.
+    qweight, code, absmax, nested_code, nested_absmax, nested_offset = ctx.saved_tensors
+    n, k, blocksize, nested_blocksize, x_dtype, has_bias = ctx.meta
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        w = torch.ops.qops.dequantize_blockwise4(qweight, code, absmax, nested_code, nested_absmax, nested_offset,
+                                                 n, k, blocksize, nested_blocksize, torch.float32)
+        grad_x = (grad.float() @ w).to(x_dtype)
+    if has_bias and ctx.needs_input_grad[7]:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+    return grad_x, None, None, None, None, None, None, grad_bias, None, None, None, None, None
+
+
+mm_blockwise4.register_autograd(_backward, setup_context=_setup_context)
+
+
+@dataclass
+class Blockwise4Weight:
+    """A prepared 4-bit blockwise weight: runtime tensors (checkpoint views) plus static facts."""
+
+    qweight: torch.Tensor
+    code: torch.Tensor
+    absmax: torch.Tensor
+    nested_code: torch.Tensor | None
+    nested_absmax: torch.Tensor | None
+    nested_offset: torch.Tensor | None
+    in_features: int
+    out_features: int
+    blocksize: int
+    nested_blocksize: int
+    kernel: Kernel
+    choice: Choice | None = None
+
+    def _weight_args(self):
+        return (self.qweight, self.code, self.absmax, self.nested_code, self.nested_absmax, self.nested_offset)
+
+    def _static_args(self):
+        return (self.out_features, self.in_features, self.blocksize, self.nested_blocksize)
+
+    def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.qops.mm_blockwise4(x, *self._weight_args(), bias, *self._static_args(), int(self.kernel))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.ops.qops.dequantize_blockwise4(*self._weight_args(), *self._static_args(), dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._weight_args() if t is not None)
+
+
+def prepare_blockwise4(
+    *,
+    qweight: torch.Tensor,
+    code: torch.Tensor,
+    absmax: torch.Tensor,
+    nested_code: torch.Tensor | None,
+    nested_absmax: torch.Tensor | None,
+    nested_offset: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+    blocksize: int,
+    nested_blocksize: int,
+    dtype: torch.dtype | None = None,
+    format_name: str = "bitsandbytes-nf4",
+) -> Blockwise4Weight:
+    """Wrap the runtime tensors (views, no copies) and choose the lowering for their device.
+
+    ``dtype`` is the activation dtype the weight will see (default float16).
+    """
+    dev = qweight.device
+    args = dict(
+        qweight=qweight.reshape(-1),
+        code=code.to(dev),
+        absmax=absmax.reshape(-1),
+        nested_code=None if nested_code is None else nested_code.to(dev).reshape(-1),
+        nested_absmax=None if nested_absmax is None else nested_absmax.to(dev).reshape(-1),
+        nested_offset=None if nested_offset is None else nested_offset.to(dev).reshape(1),
+    )
+    check_blockwise4("prepare_blockwise4", in_features, *args.values(), out_features, blocksize, nested_blocksize, dev)
+    spec = WeightSpec(
+        family=FAMILY, format=format_name, bits=4, group_size=blocksize, n=out_features, k=in_features,
+        act_order=False, symmetric=True, device=dev, act_dtype=dtype if dtype is not None else torch.float16,
+    )
+    choice = choose(spec)
+    return Blockwise4Weight(**args, in_features=in_features, out_features=out_features, blocksize=blocksize,
+                            nested_blocksize=nested_blocksize if absmax.dtype == torch.uint8 else 0,
+                            kernel=choice.lowering.kernel, choice=choice)

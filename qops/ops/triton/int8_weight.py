@@ -1,0 +1,299 @@
+"""Triton lowering of ``qops::mm_int8_weight``: int8 weight-only, per-channel scales, on CUDA.
+
+Reads the runtime layout of :mod:`qops.ops.int8_weight` (qweight ``(N, K)`` int8, scales ``(N,)``).
+Two ways to compute ``y = x @ (q * s).T + bias``, chosen per call from the number of rows M and the
+config table below (never from tensor values, never with a host sync):
+
+- **gemv** (M <= ``gemv_max_m``): one program per (row of x, ``BLOCK_N`` weight rows, K split).
+  Each thread streams 16 contiguous weight bytes per step (a warp reads 512 contiguous bytes of
+  one row), turns int8 into fp32 without a conversion instruction (``q + 0x4B000080`` read as a
+  float is ``2**23 + 128 + q``; one FADD removes the bias exactly) and accumulates ``q * x``
+  element-wise in fp32; the per-channel scale multiplies the row sum once at the end.
+- **gemm** (larger M): a tiled ``tl.dot`` GEMM. int8 tiles become fp16 with the same trick at
+  half precision (``q + 0x6480`` read as fp16 is ``1152 + q``), exact; bf16 goes through fp32.
+  fp32 activations use an IEEE (not TF32) dot. The scale multiplies the fp32 accumulator.
+
+When the (M, N) tiles alone cannot fill the GPU, K is split: partial sums are added atomically into
+a zeroed fp32 ``(M, N)`` buffer (the caller's ``workspace`` when it is large enough), then cast and
+biased. Configs are data (``CONFIGS``), keyed by path and bucketed M; :func:`config_override`
+swaps them for tests and tuning sweeps.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+CONFIGS: dict = {
+    "gemv_max_m": 2,
+    # Programs wanted per SM before K is split (memory-bound: enough bytes in flight per SM).
+    # Untuned defaults: 4 rows x 1024 bytes per step (one row per warp, 2 x 16 B per thread).
+    "gemv": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "programs_per_sm": 4, "max_split": 16},
+    # (largest M of the bucket, tile config); the last bucket takes every larger M.
+    "gemm": [
+        (16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}),
+        (32, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}),
+        (64, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}),
+        (128, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}),
+        (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+    ],
+    "gemm_max_split": 8,
+    "GROUP_M": 8,
+}
+_active = CONFIGS
+
+
+@contextlib.contextmanager
+def config_override(**changes):
+    """Use ``CONFIGS`` updated with ``changes`` (top-level keys; dict values are merged) in this block."""
+    global _active
+    table = copy.deepcopy(_active)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(table.get(key), dict):
+            table[key] = {**table[key], **value}
+        else:
+            table[key] = value
+    saved, _active = _active, table
+    try:
+        yield table
+    finally:
+        _active = saved
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (looked up once); a nominal 8 for the CPU interpreter."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pow2_at_most(v: int, cap: int, floor: int = 16) -> int:
+    """The power of two >= ``v`` (and >= ``floor``), but at most ``cap``: a tile for a small dimension."""
+    return max(floor, min(cap, triton.next_power_of_2(max(v, 1))))
+
+
+def split_plan(k: int, unit: int, tiles: int, want: int, max_split: int) -> tuple[int, int]:
+    """(split count, K length per split, a multiple of ``unit``) so that tiles * split >= want."""
+    steps = triton.cdiv(k, unit)
+    split = 1
+    if tiles < want:
+        split = max(1, min(triton.cdiv(want, tiles), max_split, steps))
+    per = triton.cdiv(steps, split) * unit
+    return triton.cdiv(k, per), per
+
+
+def gemm_config(m: int) -> dict:
+    for m_max, cfg in _active["gemm"]:
+        if m <= m_max:
+            return cfg
+    raise AssertionError("the last gemm bucket takes every M")
+
+
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``(M, K)``, a view when its strides allow (any strides are fine for the kernels)."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def output_2d(x2: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Where the kernels write: ``out`` viewed as ``(M, N)`` when possible, else a fresh tensor."""
+    if out is not None:
+        try:
+            return out.view(x2.shape[0], n)
+        except RuntimeError:
+            pass
+    return torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+
+
+def fp32_accumulator(m: int, n: int, device, workspace: torch.Tensor | None) -> torch.Tensor:
+    """A zeroed fp32 ``(M, N)`` buffer for split-K atomics: the caller's workspace when large enough."""
+    need = m * n * 4
+    if workspace is not None and workspace.dtype == torch.uint8 and workspace.is_contiguous() and workspace.numel() >= need:
+        return workspace[:need].view(torch.float32).view(m, n).zero_()
+    return torch.zeros(m, n, dtype=torch.float32, device=device)
+
+
+def finish(y2: torch.Tensor, acc: torch.Tensor | None, bias, x: torch.Tensor, n: int, out: torch.Tensor | None):
+    """Epilogue on the host side: cast/bias a split-K accumulator, copy into ``out`` if it was not viewable."""
+    if acc is not None:
+        if bias is not None:
+            acc += bias.float()
+        y2.copy_(acc)
+    y = y2.view(*x.shape[:-1], n)
+    if out is None:
+        return y
+    if y.data_ptr() != out.data_ptr():
+        out.copy_(y)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _i8_to_f32(w):
+    """int8 -> fp32 exactly, with an integer add and a float subtract (no I2F)."""
+    return (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _i8_to(w, DT: tl.constexpr):
+    """int8 -> ``DT`` exactly; fp16 with the half-precision magic number 1152."""
+    if DT == tl.float16:
+        return (w.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+    else:
+        return _i8_to_f32(w).to(DT)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, split_len,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_row = x_ptr + m * stride_xm
+    k_lo = pid_k * split_len
+    k_hi = tl.minimum(K, k_lo + split_len)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :] * stride_wk, mask=nmask[:, None], other=0, eviction_policy="evict_first")
+            xv = tl.load(x_row + kk * stride_xk)
+        else:
+            kmask = kk < k_hi
+            w = tl.load(w_rows + kk[None, :] * stride_wk, mask=nmask[:, None] & kmask[None, :], other=0,
+                        eviction_policy="evict_first")
+            xv = tl.load(x_row + kk * stride_xk, mask=kmask, other=0.0)
+        acc += _i8_to_f32(w) * xv.to(tl.float32)[None, :]
+    r = tl.sum(acc, axis=1) * tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    y_ptrs = y_ptr + m * stride_ym + offs_n * stride_yn
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, r, mask=nmask, sem="relaxed")
+    else:
+        if HAS_BIAS:
+            r += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, r.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, split_len,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles share each weight column tile while it is in L2.
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    k_lo = pid_k * split_len
+    k_hi = tl.minimum(K, k_lo + split_len)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        if EVEN_K:
+            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=mmask[:, None], other=0.0)
+            b = tl.load(w_rows + kk[None, :] * stride_wk, mask=nmask[:, None], other=0)
+        else:
+            kmask = kk < k_hi
+            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_rows + kk[None, :] * stride_wk, mask=nmask[:, None] & kmask[None, :], other=0)
+        bt = tl.trans(_i8_to(b, DT))
+        if IEEE:
+            acc = tl.dot(a, bt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, bt, acc)
+    acc = acc * tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    ymask = mmask[:, None] & nmask[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=ymask, sem="relaxed")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+
+def plan(m: int, n: int, k: int, device: torch.device) -> dict:
+    """Which path and launch parameters serve an (M, N, K) problem: static facts only."""
+    sms = sm_count(device)
+    if m <= _active["gemv_max_m"]:
+        cfg = _active["gemv"]
+        bk = pow2_at_most(k, cfg["BLOCK_K"])
+        bn = cfg["BLOCK_N"]
+        tiles = m * triton.cdiv(n, bn)
+        split, per = split_plan(k, bk, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
+        return dict(path="gemv", BLOCK_N=bn, BLOCK_K=bk, split=split, split_len=per, num_warps=cfg["num_warps"],
+                    grid=(m, triton.cdiv(n, bn), split), EVEN_K=k % bk == 0)
+    cfg = gemm_config(m)
+    bm = pow2_at_most(m, cfg["BLOCK_M"])
+    bn = pow2_at_most(n, cfg["BLOCK_N"])
+    bk = pow2_at_most(k, cfg["BLOCK_K"])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split, per = split_plan(k, bk, tiles, sms, _active["gemm_max_split"])
+    return dict(path="gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, split=split, split_len=per,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], grid=(tiles, split), EVEN_K=k % bk == 0)
+
+
+def triton_mm(x, qweight, scales, bias, out=None, workspace=None):
+    """Lowering entry (contract of ``qops.ops.int_weight.reference_mm``)."""
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    x2 = rows_2d(x)
+    m = x2.shape[0]
+    y2 = output_2d(x2, n, out)
+    if m == 0 or n == 0:
+        return finish(y2, None, bias, x, n, out)
+    if k == 0:
+        y2.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(y2))
+        return finish(y2, None, None, x, n, out)
+    p = plan(m, n, k, x.device)
+    atomic = p["split"] > 1
+    acc = fp32_accumulator(m, n, x.device, workspace) if atomic else None
+    dst = acc if atomic else y2
+    b = bias if bias is not None else scales
+    common = (x2, qweight, scales, b, dst, m, n, k, x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1),
+              dst.stride(0), dst.stride(1), p["split_len"])
+    if p["path"] == "gemv":
+        _gemv_kernel[p["grid"]](*common, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], HAS_BIAS=bias is not None,
+                                ATOMIC=atomic, EVEN_K=p["EVEN_K"], num_warps=p["num_warps"])
+    else:
+        _gemm_kernel[p["grid"]](*common, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
+                                GROUP_M=_active["GROUP_M"], HAS_BIAS=bias is not None, ATOMIC=atomic,
+                                EVEN_K=p["EVEN_K"], IEEE=x.dtype == torch.float32,
+                                num_warps=p["num_warps"], num_stages=p["num_stages"])
+    return finish(y2, acc, bias, x, n, out)

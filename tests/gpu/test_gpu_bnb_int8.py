@@ -1,0 +1,148 @@
+"""The Triton lowerings of the int8 (EETQ, bitsandbytes LLM.int8) and 4-bit blockwise (bitsandbytes
+NF4 / FP4) families on a CUDA device, through the public ops: eagerly (every path: GEMV, GEMM,
+split-K), with a caller-owned ``out`` poisoned with NaN and a workspace, under
+``torch.compile(fullgraph=True)`` with CUDA graphs (a skipped capture fails), and in a hand-captured
+CUDA graph replayed on new inputs. The reference is float64 ``x @ W.T (+ bias)`` with W from the
+oracles of ``tests/bnb_cases.py`` (checkpoints built on the CPU, moved to the GPU, prepared there).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qops.formats import FORMATS
+from qops.lowerings import Kernel
+from qops.ops.triton import blockwise4 as tbw4
+from qops.ops.triton import int8_weight as ti8
+
+from tests import bnb_cases as C
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+MS = (1, 2, 3, 16, 64, 257)
+CASES = (
+    C.Case("bitsandbytes-int8", 1000, 2048),
+    C.Case("eetq", 1024, 4096, layout="ampere"),
+    C.Case("bitsandbytes-nf4", 1000, 2048, blocksize=64, nested=True),
+    C.Case("bitsandbytes-fp4", 1024, 4096, blocksize=128, nested=False),
+    C.Case("bitsandbytes-nf4", 520, 1024, blocksize=32, nested=False),
+)
+_BUILT: dict = {}
+
+
+def gpu_weight(case: C.Case, dtype: torch.dtype):
+    """(prepared weight on cuda, float64 W on cuda), built once per (case, dtype)."""
+    key = (case, dtype)
+    if key not in _BUILT:
+        fmt = FORMATS[case.fmt]
+        state = C.random_state(case, torch.Generator().manual_seed(C.seed_of(case)))
+        w64 = C.oracle_of(case, state).cuda()
+        kwargs = {"layout": case.layout} if case.fmt == "eetq" else {}
+        ckpt = fmt.from_state_dict({k: v.cuda() for k, v in state.items()}, **kwargs)
+        _BUILT[key] = (fmt.prepare(ckpt, dtype=dtype), w64)
+    return _BUILT[key]
+
+
+def mm_out(w, x, bias, out, workspace=None):
+    if hasattr(w, "scales"):
+        torch.ops.qops.mm_int8_weight_out(x, w.qweight, w.scales, bias, int(w.kernel), out, workspace)
+    else:
+        torch.ops.qops.mm_blockwise4_out(x, *w._weight_args(), bias, *w._static_args(), int(w.kernel), out, workspace)
+
+
+def check(y, x, w64, bias, dtype, what):
+    want = C.matmul(x, w64, bias)
+    assert y.dtype == dtype and y.shape == want.shape, what
+    assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
+    err = C.rel_err(y, want)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e}"
+
+
+def test_chooser_picks_triton_where_it_serves():
+    for case in CASES:
+        w, _ = gpu_weight(case, torch.float16)
+        assert w.kernel == Kernel.TRITON, (case.id, w.choice.explain())
+    odd = C.Case("bitsandbytes-nf4", 33, 96, blocksize=64, nested=True)  # K % blocksize != 0
+    w, w64 = gpu_weight(odd, torch.float16)
+    assert w.kernel == Kernel.REFERENCE and "not a multiple of the block size" in w.choice.explain()
+    x = torch.randn(3, 96, device="cuda", dtype=torch.float16)
+    check(w.mm(x), x, w64, None, torch.float16, "reference on cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_eager_every_m(case, dtype):
+    w, w64 = gpu_weight(case, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bias = torch.randn(case.n, device="cuda", generator=gen).to(dtype)
+    for m in MS:
+        x = torch.randn(case.k, m, device="cuda", generator=gen).to(dtype).t()  # non-contiguous
+        check(w.mm(x, bias if m % 2 else None), x, w64, bias if m % 2 else None, dtype, f"M={m}")
+        out = torch.full((m, case.n), float("nan"), device="cuda", dtype=dtype)
+        mm_out(w, x, bias, out, torch.empty(4 * m * case.n, dtype=torch.uint8, device="cuda"))
+        check(out, x, w64, bias, dtype, f"M={m} out+workspace")
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.id)
+def test_forced_split_k_agrees(case):
+    w, w64 = gpu_weight(case, torch.float16)
+    mod = ti8 if hasattr(w, "scales") else tbw4
+    x = torch.randn(16, case.k, device="cuda", dtype=torch.float16)
+    base = w.mm(x)
+    with mod.config_override(gemm_max_split=8, gemm=[(1 << 62, {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3})],
+                             gemv={"programs_per_sm": 64}):
+        split = w.mm(x)
+        split1 = w.mm(x[:1])
+    check(split, x, w64, None, torch.float16, "split gemm")
+    check(split1, x[:1], w64, None, torch.float16, "split gemv")
+    assert C.rel_err(split, base.double()) < 2e-3
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=lambda c: c.id)
+def test_torch_compile_with_cuda_graphs(case):
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    w, w64 = gpu_weight(case, torch.bfloat16)
+    bias = torch.randn(case.n, device="cuda", dtype=torch.bfloat16)
+
+    def f(x):
+        return torch.relu(w.mm(x, bias))
+
+    torch._dynamo.reset()
+    counters.clear()
+    with inductor_config.patch({"triton.cudagraph_or_error": True}):
+        compiled = torch.compile(f, fullgraph=True, mode="reduce-overhead")
+        for m in (1, 2, 7, 64, 7, 1):
+            x = torch.randn(m, case.k, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3):  # warm-up runs, then recorded and replayed
+                torch.compiler.cudagraph_mark_step_begin()
+                y = compiled(x).clone()
+            want = torch.relu(C.matmul(x, w64, bias))
+            assert C.rel_err(y, want) <= TOL[torch.bfloat16], f"M={m}"
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: c.id)
+def test_cuda_graph_replay(case, m):
+    w, w64 = gpu_weight(case, torch.float16)
+    x = torch.randn(m, case.k, device="cuda", dtype=torch.float16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            w.mm(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = w.mm(x)
+    for seed in (1, 2):
+        x.copy_(torch.randn(m, case.k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).half())
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(y, x, w64, None, torch.float16, f"replay {seed}")

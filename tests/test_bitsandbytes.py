@@ -1,0 +1,462 @@
+"""bitsandbytes checkpoints (LLM.int8 storage, NF4, FP4) and the two op families they map to.
+
+Layout facts on hand-built tensors; the ops of both families (``int8_weight``: EETQ and bitsandbytes
+int8; ``blockwise4``: NF4/FP4) against the float64 oracles of ``tests/bnb_cases.py`` over every
+registered format of those families; error inputs eagerly and under FakeTensorMode; the Triton
+kernels under the interpreter; and, when the ``bitsandbytes`` package is installed (it is not a qops
+dependency), bitsandbytes itself as a second oracle.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import qops  # noqa: F401
+from qops.formats import FORMATS
+from qops.formats import bitsandbytes as bnbfmt
+from qops.formats.blockwise4 import NESTED_BLOCKSIZE, dynamic_map
+from qops.lowerings import LOWERINGS_BY_NAME, Kernel, WeightSpec
+
+from tests import bnb_cases as C
+from tests.int_weight_cases import one_thread  # noqa: F401  (autouse: small CPU matmuls on one thread)
+
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed (optional second oracle; CI installs qops[test] only)")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed on this platform")
+
+CASES = C.INT8_CASES + C.BLOCKWISE4_CASES
+
+
+def test_cases_cover_the_families_registry():
+    covered = {c.fmt for c in CASES}
+    want = {name for name, f in FORMATS.items() if f.family in ("int8_weight", "blockwise4")}
+    assert covered == want, f"add cases for {want - covered} to tests/bnb_cases.py"
+
+
+# --------------------------------------------------------------------------------- layout facts
+
+
+def _state4(quant_type, weight_bytes, absmax, n, k, blocksize):
+    qs = {"quant_type": quant_type, "blocksize": blocksize, "dtype": "float32", "shape": [n, k]}
+    return {
+        "weight": torch.tensor(weight_bytes, dtype=torch.uint8).reshape(-1, 1),
+        "weight.absmax": torch.tensor(absmax, dtype=torch.float32),
+        "weight.quant_map": bnbfmt.codebook(quant_type),
+        f"weight.quant_state.bitsandbytes__{quant_type}": torch.tensor(list(json.dumps(qs).encode()), dtype=torch.uint8),
+    }
+
+
+def test_first_element_in_the_high_nibble_and_odd_count_pads():
+    # N*K = 3 (odd): bytes 0x1F, 0x80 hold codes 1, 15, 8 and a zero pad nibble.
+    state = _state4("nf4", [0x1F, 0x80], [2.0], 1, 3, 32)
+    w = FORMATS["bitsandbytes-nf4"].dequantize(FORMATS["bitsandbytes-nf4"].from_state_dict(state))
+    nf4 = bnbfmt.NF4_CODE
+    assert w.tolist() == [[2 * nf4[1], 2 * nf4[15], 2 * nf4[8]]]
+    assert torch.equal(w.double(), C.bnb4(state, "nf4"))
+
+
+def test_blocks_are_flat_and_span_rows():
+    # N=2, K=48, blocksize 32: block 1 covers row 0, k 32..47 and row 1, k 0..15.
+    codes = torch.full((96,), 15)
+    state = _state4("nf4", C.pack_codes(codes).flatten().tolist(), [1.0, 10.0, 100.0], 2, 48, 32)
+    w = FORMATS["bitsandbytes-nf4"].dequantize(FORMATS["bitsandbytes-nf4"].from_state_dict(state))
+    assert w[0, :32].eq(1).all() and w[0, 32:].eq(10).all() and w[1, :16].eq(10).all() and w[1, 16:].eq(100).all()
+
+
+def test_codebooks_are_bitsandbytes_tables():
+    assert bnbfmt.codebook("nf4").tolist() == list(C.NF4)
+    fp4 = bnbfmt.codebook("fp4")
+    assert torch.equal(fp4, torch.from_numpy(C.fp4_table()))
+    assert fp4[3] == 1.0 and fp4[11] == -1.0 and fp4[1] == pytest.approx(0.0625 / 12) and fp4[6] == pytest.approx(2 / 12)
+    assert (fp4[8:] <= 0).all() and (fp4[:8] >= 0).all()  # bit 3 is the sign
+
+
+def test_dynamic_map_facts():
+    d = dynamic_map()
+    assert d.shape == (256,) and d.dtype == torch.float32
+    assert torch.equal(d, torch.sort(d).values) and d.unique().numel() == 256
+    assert d[-1] == 1.0 and (d == 0).sum() == 1
+    pos, neg = d[d > 0], d[d < 0]
+    assert torch.equal(torch.sort(-neg).values, pos[:-1]), "signed: every value but 1 has its negative"
+
+
+@pytest.mark.parametrize("case", C.BLOCKWISE4_CASES, ids=lambda c: c.id)
+def test_state_dict_round_trip_is_exact(case):
+    state = C.random_state(case, torch.Generator().manual_seed(3))
+    fmt = FORMATS[case.fmt]
+    back = fmt.to_state_dict(fmt.from_state_dict(state))
+    assert set(back) == set(state)
+    for key in state:
+        assert back[key].dtype == state[key].dtype and torch.equal(back[key], state[key]), key
+
+
+def test_prefixed_keys_and_bias():
+    case = C.BLOCKWISE4_CASES[0]
+    state = {f"model.l.{k}": v for k, v in C.random_state(case, torch.Generator().manual_seed(0)).items()}
+    state["model.l.bias"] = torch.randn(case.n)
+    fmt = FORMATS[case.fmt]
+    c = fmt.from_state_dict(state, prefix="model.l.")
+    assert torch.equal(c.bias, state["model.l.bias"])
+    assert set(fmt.to_state_dict(c, prefix="model.l.")) == set(state)
+
+
+def test_quant_storage_other_than_uint8_is_read_through_its_bytes():
+    case = C.BLOCKWISE4_CASES[4]  # 24x256: an even byte count
+    state = C.random_state(case, torch.Generator().manual_seed(1))
+    fmt = FORMATS[case.fmt]
+    as_bf16 = dict(state, weight=state["weight"].reshape(-1).view(torch.bfloat16).reshape(-1, 1))
+    assert torch.equal(fmt.dequantize(fmt.from_state_dict(as_bf16)), fmt.dequantize(fmt.from_state_dict(state)))
+
+
+def test_from_state_dict_errors_name_what_is_wrong():
+    case = C.BLOCKWISE4_CASES[0]
+    state = C.random_state(case, torch.Generator().manual_seed(0))
+    other = "bitsandbytes-fp4" if case.fmt.endswith("nf4") else "bitsandbytes-nf4"
+    with pytest.raises(KeyError, match="quant_state.bitsandbytes__"):
+        FORMATS[other].from_state_dict(state)
+    with pytest.raises(ValueError, match="absmax must be torch.uint8 with"):
+        FORMATS[case.fmt].from_state_dict(dict(state, **{"weight.absmax": state["weight.absmax"][:-1]}))
+    with pytest.raises(ValueError, match="weight must hold ceil"):
+        FORMATS[case.fmt].from_state_dict(dict(state, weight=state["weight"][:-1]))
+    s8 = C.random_state(C.INT8_CASES[0], torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="weight_format 1 .col32. is not supported"):
+        FORMATS["bitsandbytes-int8"].from_state_dict(dict(s8, weight_format=torch.tensor(1, dtype=torch.uint8)))
+    with pytest.raises(KeyError, match="SCB"):
+        FORMATS["bitsandbytes-int8"].from_state_dict({"weight": s8["weight"]})
+    legacy = {"weight": s8["weight"], "weight.SCB": s8["SCB"]}
+    assert torch.equal(FORMATS["bitsandbytes-int8"].from_state_dict(legacy).SCB, s8["SCB"])
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [True, False])
+def test_reference_quantizer(quant_type, nested):
+    fmt = FORMATS[f"bitsandbytes-{quant_type}"]
+    w = torch.randn(40, 100, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    c = fmt.quantize(w, group_size=64, nested=nested)
+    qs = c.quant_state
+    assert list(qs)[:4] == ["quant_type", "blocksize", "dtype", "shape"] and qs["shape"] == [40, 100]
+    if nested:
+        assert qs["nested_blocksize"] == NESTED_BLOCKSIZE and c.absmax.dtype == torch.uint8
+    codes = C.codes_of(c.weight, 4000)
+    absmax = w.reshape(-1).abs().reshape(-1)
+    blocks = torch.nn.functional.pad(absmax, (0, 64 * 63 - 4000)).reshape(63, 64).amax(1)
+    scaled = (w.reshape(-1) / blocks.repeat_interleave(64)[:4000]).double()
+    table = torch.from_numpy(C.codebook(quant_type)).double()
+    dist = (scaled[:, None] - table[None, :]).abs()
+    picked = dist[torch.arange(4000), torch.from_numpy(codes)]
+    assert torch.all(picked <= dist.min(1).values + 1e-6), "every value maps to its nearest code"
+    w_hat = fmt.dequantize(c)
+    assert C.rel_err(w_hat, w.double()) < (0.12 if quant_type == "nf4" else 0.2)
+
+
+def test_int8_reference_quantizer():
+    w = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
+    c = FORMATS["bitsandbytes-int8"].quantize(w)
+    assert torch.equal(c.SCB, w.abs().amax(1))
+    assert torch.equal(c.weight, torch.round(w * (127 / c.SCB[:, None])).to(torch.int8))
+    assert c.weight.abs().amax(1).eq(127).all()
+
+
+# ------------------------------------------------------------------------------ ops vs oracle
+
+
+def _x(m, k, dtype, gen, layout):
+    if layout == "transposed":
+        return torch.randn(k, m, generator=gen).t().to(dtype)
+    if layout == "strided":
+        return torch.randn(m, 2 * k, generator=gen)[:, ::2].to(dtype)
+    return torch.randn(m, k, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", C.ACT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_ops_match_oracle(case, dtype):
+    b = C.build(case, dtype)
+    w = b.weight
+    assert w.kernel == Kernel.REFERENCE  # CPU
+    gen = torch.Generator().manual_seed(C.seed_of(case))
+    n, k = case.n, case.k
+    for i, m in enumerate(C.MS):
+        x = _x(m, k, dtype, gen, ("contiguous", "transposed", "strided")[i % 3])
+        bias = torch.randn(n, generator=gen).to(dtype) if i % 2 else None
+        want = C.matmul(x, b.w64, bias)
+        y = w.mm(x, bias)
+        assert y.shape == (m, n) and y.dtype == dtype
+        if m:
+            assert C.rel_err(y, want) <= C.TOL[dtype], (m, C.rel_err(y, want))
+        out = torch.full((m, n), float("nan"), dtype=dtype)
+        _mm_out(w, x, bias, out)
+        assert torch.equal(out, y)
+    x3 = torch.randn(2, 3, k, generator=gen).to(dtype)
+    assert C.rel_err(w.mm(x3), C.matmul(x3, b.w64)) <= C.TOL[dtype]
+
+
+def _mm_out(w, x, bias, out, workspace=None):
+    if hasattr(w, "scales"):
+        torch.ops.qops.mm_int8_weight_out(x, w.qweight, w.scales, bias, int(w.kernel), out, workspace)
+    else:
+        torch.ops.qops.mm_blockwise4_out(x, *w._weight_args(), bias, *w._static_args(), int(w.kernel), out, workspace)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_one_hot_activations_return_the_weight(case):
+    b = C.build(case, torch.float32)
+    y = b.weight.mm(torch.eye(case.k))
+    if case.fmt == "bitsandbytes-int8":  # the runtime scale is SCB / 127 rounded once
+        torch.testing.assert_close(y.double(), b.w64.t(), rtol=2e-7, atol=0)
+    else:
+        assert torch.equal(y, b.w64.t().float()), "one-hot x must return W exactly"
+    assert torch.equal(b.weight.dequantize(), y.t())
+
+
+@pytest.mark.parametrize("dtype", C.ACT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", [C.INT8_CASES[0], C.INT8_CASES[2], C.BLOCKWISE4_CASES[0], C.BLOCKWISE4_CASES[3]], ids=lambda c: c.id)
+def test_gradient(case, dtype):
+    b = C.build(case, dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, case.k, generator=gen).to(dtype).requires_grad_()
+    bias = torch.randn(case.n, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(5, case.n, generator=gen).to(dtype)
+    b.weight.mm(x, bias).backward(g)
+    assert x.grad.dtype == dtype
+    assert C.rel_err(x.grad, g.double() @ b.w64) <= C.TOL[dtype]
+    assert C.rel_err(bias.grad, g.double().sum(0)) <= C.TOL[dtype]
+
+
+def test_runtime_weight_is_the_checkpoint():
+    # bitsandbytes int8 and 4-bit: the runtime tensors are the checkpoint's own storage.
+    b = C.build(C.INT8_CASES[0])
+    assert b.weight.qweight.data_ptr() == b.checkpoint.weight.data_ptr()
+    for case in C.BLOCKWISE4_CASES[:2]:
+        b = C.build(case)
+        c = b.checkpoint
+        assert b.weight.qweight.data_ptr() == c.weight.data_ptr() and b.weight.absmax.data_ptr() == c.absmax.data_ptr()
+        ckpt_bytes = sum(t.numel() * t.element_size() for t in (c.weight, c.absmax, c.quant_map, c.nested_absmax, c.nested_quant_map) if t is not None)
+        assert b.weight.nbytes() <= ckpt_bytes + 4  # + the nested offset, a float in the JSON blob
+
+
+def test_triton_lowering_refusals():
+    low = LOWERINGS_BY_NAME["triton_blockwise4"]
+    spec = WeightSpec(family="blockwise4", format="bitsandbytes-nf4", bits=4, group_size=64, n=33, k=96,
+                      act_order=False, symmetric=True, device=torch.device("cuda"), act_dtype=torch.float16)
+    assert low.static_refusal(spec) == "K=96 is not a multiple of the block size 64"
+    assert low.static_refusal(WeightSpec(**{**spec.__dict__, "k": 128})) is None
+    assert "group_size=48" in low.static_refusal(WeightSpec(**{**spec.__dict__, "group_size": 48, "k": 96}))
+    assert LOWERINGS_BY_NAME["triton_int8_weight"].static_refusal(WeightSpec(**{**spec.__dict__, "family": "int8_weight", "format": "eetq", "bits": 8, "group_size": -1})) is None
+
+
+# ----------------------------------------------------------------------------------- errors
+
+
+def _int8_args(w, x):
+    return [x, w.qweight, w.scales, None, int(w.kernel)]
+
+
+def _bw4_args(w, x):
+    return [x, *w._weight_args(), None, *w._static_args(), int(w.kernel)]
+
+
+INT8_BAD = [
+    ("x", lambda a: a.__setitem__(0, a[0].to(torch.int32)), "x must be float32"),
+    ("qweight dtype", lambda a: a.__setitem__(1, a[1].to(torch.int16)), "qweight must be torch.int8"),
+    ("qweight K", lambda a: a.__setitem__(1, a[1][:, :-1]), "qweight must have K="),
+    ("scales shape", lambda a: a.__setitem__(2, a[2][:-1]), r"scales must have shape \("),
+    ("scales dtype", lambda a: a.__setitem__(2, a[2].to(torch.int32)), "scales must be float32"),
+    ("bias", lambda a: a.__setitem__(3, torch.zeros(3)), r"bias must have shape \("),
+    ("kernel", lambda a: a.__setitem__(4, 7), "kernel must be one of"),
+]
+BW4_BAD = [
+    ("qweight", lambda a: a.__setitem__(1, a[1][:-1]), r"qweight must have shape \("),
+    ("code", lambda a: a.__setitem__(2, a[2][:8]), r"code must have shape \(16,\)"),
+    ("absmax count", lambda a: a.__setitem__(3, a[3][:-1]), r"absmax must have shape \("),
+    ("absmax dtype", lambda a: a.__setitem__(3, a[3].to(torch.float16)), "absmax must be torch.float32 .plain. or torch.uint8"),
+    ("nested missing", lambda a: a.__setitem__(6, None), "nested_offset is required when absmax is uint8"),
+    ("nested_absmax", lambda a: a.__setitem__(5, a[5][:0]), r"nested_absmax must have shape \("),
+    ("blocksize", lambda a: a.__setitem__(10, 0), "blocksize must be positive"),
+    ("out_features", lambda a: a.__setitem__(8, a[8] + 1), r"qweight must have shape \("),
+    ("in_features", lambda a: a.__setitem__(9, a[9] + 1), r"x must have in_features=97 in its last dimension, got shape \(3, 96\)"),
+    ("kernel", lambda a: a.__setitem__(12, 9), "kernel must be one of"),
+]
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize("bad", INT8_BAD + BW4_BAD, ids=lambda b: b[0])
+def test_errors_name_the_argument(bad, fake):
+    name, mutate, message = bad
+    is_int8 = bad in INT8_BAD
+    case = C.INT8_CASES[0] if is_int8 else C.BLOCKWISE4_CASES[0]
+    w = C.build(case).weight
+    args = (_int8_args if is_int8 else _bw4_args)(w, torch.randn(3, case.k))
+    mutate(args)
+    op = torch.ops.qops.mm_int8_weight if is_int8 else torch.ops.qops.mm_blockwise4
+    if fake:
+        mode = FakeTensorMode()
+        args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with mode, pytest.raises((ValueError, TypeError, RuntimeError), match=message):
+            op(*args)
+    else:
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
+            op(*args)
+
+
+def test_plain_absmax_refuses_nested_tables():
+    w = C.build(C.BLOCKWISE4_CASES[1]).weight  # not nested
+    args = _bw4_args(w, torch.randn(2, w.in_features))
+    args[4] = torch.zeros(256)
+    with pytest.raises(ValueError, match="nested_code must be None when absmax is float32"):
+        torch.ops.qops.mm_blockwise4(*args)
+
+
+# --------------------------------------------------------------- Triton kernels (interpreter)
+
+
+def _triton_case(case, dtype, m, override, mod, gen):
+    b = C.build(case)
+    w = b.weight
+    x = _x(m, case.k, dtype, gen, "transposed" if m % 2 else "contiguous")
+    bias = torch.randn(case.n, generator=gen).to(dtype)
+    with mod.config_override(**override):
+        if hasattr(w, "scales"):
+            y = mod.triton_mm(x, w.qweight, w.scales, bias)
+        else:
+            y = mod.triton_mm(x, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize)
+        p = mod.plan(m, case.n, case.k, x.device) if hasattr(w, "scales") else mod.plan(m, case.n, case.k, w.blocksize, x.device)
+    return y, C.matmul(x, b.w64, bias), p
+
+
+TINY_GEMM = [(1 << 62, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2})]
+TRITON_RUNS = [
+    # (case, M, override, expected path, split > 1)
+    (C.INT8_CASES[0], 1, {}, "gemv", None),
+    (C.INT8_CASES[0], 2, {"gemv": {"BLOCK_K": 32, "programs_per_sm": 64}}, "gemv", True),
+    (C.INT8_CASES[2], 3, {"gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
+    (C.INT8_CASES[3], 17, {"gemm": TINY_GEMM, "gemm_max_split": 4}, "gemm", True),
+    (C.BLOCKWISE4_CASES[4], 1, {"gemv": {"programs_per_sm": 1}}, "gemv", False),  # 24x256 b128 nested
+    (C.BLOCKWISE4_CASES[5], 2, {"gemv": {"STEP_BYTES": 64, "programs_per_sm": 64}}, "gemv", True),
+    (C.BLOCKWISE4_CASES[10], 1, {"gemv": {"SUB_BYTES": 16}}, "gemv", None),  # fp4
+    (C.BLOCKWISE4_CASES[4], 5, {"gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
+    (C.BLOCKWISE4_CASES[11], 17, {"gemm": TINY_GEMM, "gemm_max_split": 4}, "gemm", True),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("run", TRITON_RUNS, ids=lambda r: f"{r[0].id}-m{r[1]}-{r[3]}{'-split' if r[4] else ''}")
+def test_triton_kernels_in_the_interpreter(run, dtype):
+    from qops.ops.triton import blockwise4 as tbw4
+    from qops.ops.triton import int8_weight as ti8
+
+    case, m, override, path, split = run
+    mod = ti8 if case in C.INT8_CASES else tbw4
+    y, want, p = _triton_case(case, dtype, m, override, mod, torch.Generator().manual_seed(m))
+    assert p["path"] == path and (split is None or (p["split"] > 1) == split), p
+    assert y.dtype == dtype and y.shape == (m, case.n)
+    assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), C.rel_err(y, want)
+
+
+@needs_triton
+def test_triton_k_not_a_multiple_of_the_step():
+    # 8x256 int8 with BLOCK_K 96 -> 128: K steps end inside a tile (masked loads); 4-bit with K/2 not a
+    # multiple of the step bytes (row_bytes 48, step 32: the second step is half live).
+    from qops.ops.triton import blockwise4 as tbw4
+    from qops.ops.triton import int8_weight as ti8
+
+    gen = torch.Generator().manual_seed(0)
+    case = C.Case("bitsandbytes-int8", 8, 200)
+    y, want, p = _triton_case(case, torch.float32, 1, {"gemv": {"BLOCK_K": 128}}, ti8, gen)
+    assert not p["EVEN_K"] and C.rel_err(y, want) <= 2e-6
+    case4 = C.Case("bitsandbytes-nf4", 8, 96, blocksize=32, nested=True)
+    y, want, p = _triton_case(case4, torch.float32, 1, {"gemv": {"STEP_BYTES": 32, "SUB_BYTES": 16}}, tbw4, gen)
+    assert not p["EVEN_K"] and C.rel_err(y, want) <= 2e-6
+
+
+@needs_triton
+def test_triton_writes_out_and_uses_the_workspace():
+    from qops.ops.triton import int8_weight as ti8
+
+    b = C.build(C.INT8_CASES[1])
+    w = b.weight
+    x = torch.randn(2, w.in_features, dtype=torch.float16)
+    out = torch.full((2, w.out_features), float("nan"), dtype=torch.float16)
+    ws = torch.full((4 * 2 * w.out_features + 7,), 255, dtype=torch.uint8)
+    with ti8.config_override(gemv={"BLOCK_K": 32, "programs_per_sm": 64}):
+        r = ti8.triton_mm(x, w.qweight, w.scales, None, out=out, workspace=ws)
+    assert r is out and C.rel_err(out, C.matmul(x, b.w64)) <= 2e-3
+
+
+# ---------------------------------------------------------------- bitsandbytes as a second oracle
+
+
+@needs_bnb
+def test_codebooks_and_dynamic_map_equal_bitsandbytes():
+    import bitsandbytes.functional as F
+
+    assert torch.equal(bnbfmt.codebook("nf4"), F.get_4bit_type("nf4", device="cpu"))
+    assert torch.equal(bnbfmt.codebook("fp4"), F.get_4bit_type("fp4", device="cpu"))
+    assert torch.equal(dynamic_map(), F.create_dynamic_map())
+
+
+@needs_bnb
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("blocksize", [32, 64, 256, 4096])
+@pytest.mark.parametrize("nested", [True, False])
+def test_bitsandbytes_checkpoints_load_unchanged(quant_type, blocksize, nested):
+    import bitsandbytes.functional as F
+
+    gen = torch.Generator().manual_seed(blocksize)
+    w = torch.randn(40, 200, generator=gen).to(torch.bfloat16)
+    q, st = F.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type=quant_type)
+    state = {"weight": q, **{f"weight.{k}": v for k, v in st.as_dict(packed=True).items()}}
+    fmt = FORMATS[f"bitsandbytes-{quant_type}"]
+    c = fmt.from_state_dict(state)
+    want = F.dequantize_4bit(q, st).double()  # bf16, rounded from the fp32 product
+    mine = fmt.dequantize(c)
+    assert torch.equal(mine.to(torch.bfloat16).double(), want)
+    assert C.rel_err(C.bnb4(state, quant_type), mine.double()) < 1e-7
+    back = fmt.to_state_dict(c)
+    assert all(torch.equal(back[key], state[key]) for key in state)
+    # qops' quantizer writes what bitsandbytes writes (nested absmax: nearest-code ties may differ by one).
+    mine_state = fmt.to_state_dict(fmt.quantize(w, group_size=blocksize, nested=nested))
+    assert set(mine_state) == set(state)
+    for key in state:
+        if key == "weight.absmax" and nested:
+            assert (mine_state[key].int() - state[key].int()).abs().max() <= 1
+        else:
+            assert torch.equal(mine_state[key], state[key]), key
+    # and bitsandbytes reads qops' state dict back.
+    stats = {k[len("weight."):]: v for k, v in mine_state.items() if k != "weight"}
+    st2 = F.QuantState.from_dict(stats, device=torch.device("cpu"))
+    assert C.rel_err(F.dequantize_4bit(mine_state["weight"], st2).double(), fmt.dequantize(fmt.from_state_dict(mine_state)).double()) < 1e-2
+
+
+@needs_bnb
+def test_bitsandbytes_modules_state_dicts():
+    import bitsandbytes as bnb
+
+    # K a multiple of the blocksize: bitsandbytes 0.50.2's CPU dequantizer (not its quantizer, not
+    # the format) misplaces blocks for some other shapes, e.g. 64x96 at blocksize 64.
+    w = torch.randn(64, 128, dtype=torch.float16, generator=torch.Generator().manual_seed(0))
+    lin4 = bnb.nn.Linear4bit(128, 64, bias=True, compress_statistics=True, quant_type="nf4")
+    lin4.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True)
+    lin4 = lin4.to("cpu")
+    sd = lin4.state_dict()
+    c = FORMATS["bitsandbytes-nf4"].from_state_dict(sd)
+    assert torch.equal(c.bias, sd["bias"])
+    import bitsandbytes.functional as F
+
+    want = F.dequantize_4bit(lin4.weight.data, lin4.weight.quant_state).double()
+    assert torch.equal(FORMATS["bitsandbytes-nf4"].dequantize(c).half().double(), want)
+
+    lin8 = bnb.nn.Linear8bitLt(128, 64, bias=True, has_fp16_weights=False)
+    lin8.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+    sd8 = lin8.to("cpu").state_dict()
+    c8 = FORMATS["bitsandbytes-int8"].from_state_dict(sd8)
+    assert C.rel_err(FORMATS["bitsandbytes-int8"].dequantize(c8), C.bnb_int8(sd8["weight"], sd8["SCB"])) < 1e-7
+    assert C.rel_err(C.bnb_int8(sd8["weight"], sd8["SCB"]), w.double()) < 1e-2
+    mine = FORMATS["bitsandbytes-int8"].quantize(w.float())
+    assert torch.equal(mine.weight, sd8["weight"]) and torch.allclose(mine.SCB, sd8["SCB"])
