@@ -10,6 +10,7 @@ import torch
 
 import qops  # noqa: F401  (registers the ops)
 
+from tests.bnb_cases import OPCHECK_SAMPLES as BNB_OPCHECK_SAMPLES
 from tests.int_weight_cases import Case, build, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -147,6 +148,7 @@ SAMPLES = {
     "scaled_mm_fp8": scaled_mm_fp8_samples,
     "dequantize_fp8": dequantize_fp8_samples,
 }
+SAMPLES.update(BNB_OPCHECK_SAMPLES)
 
 
 @pytest.fixture(autouse=True)
