@@ -1,0 +1,110 @@
+"""torch.compile of the layer modules: one module holding a layer of every registered checkpoint
+type (an act-order row shard with padded input among them), FastLinear, and the tensor-parallel
+layers at world size 1. One compilation (fullgraph=True, Inductor) serves every batch size; the
+numbers are the eager ones; each quantized linear is exactly one opaque qops call reading the
+module's buffers; world size 1 emits no collective."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import qops  # noqa: F401
+from qops.formats import FORMATS
+from qops.formats.integer import act_order_g_idx
+from qops.layers import CHECKPOINT_LINEARS, FastLinear, IntWeightLinear, QuantLinear, Weights, get_linear
+from qops.layers import act_order
+from qops.layers import int_weight as lw
+from qops.layers.base import InputPadded
+from qops.layers.fp8 import Fp8Linear
+from qops.layers.testing import VARIANTS, TinyBlock, sample_ids, write_block
+
+K, N = 64, 96
+BATCHES = (1, 3, 16)
+
+
+def _w(n, k, seed):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+
+
+def _layers() -> dict[str, torch.nn.Module]:
+    """Every K -> N layer kind; each checkpoint type registered for the layer API is here."""
+    g_idx = act_order_g_idx(K, 16, torch.Generator().manual_seed(0))
+    checkpoints = {
+        "gptq": FORMATS["gptq"].quantize(_w(N, K, 1), bits=4, group_size=16, sym=False, g_idx=g_idx, version="v1"),
+        "awq": FORMATS["awq"].quantize(_w(N, K, 2), bits=4, group_size=16),
+        "ct": FORMATS["compressed-tensors"].quantize(_w(N, K, 3), bits=8, group_size=-1, sym=True),
+        "fp8": FORMATS["fp8"].quantize(_w(N, K, 4), granularity="tensor", input_scale=0.01),
+        "fp8_block": FORMATS["fp8-block"].quantize(_w(N, K, 5), block_size=(32, 32)),
+    }
+    assert {type(c) for c in checkpoints.values()} == set(CHECKPOINT_LINEARS)
+    layers = {k: QuantLinear.from_checkpoint(c, torch.randn(N), dtype=torch.float32) for k, c in checkpoints.items()}
+    # An act-order row shard: rows 32..95 of a K=128 layer, padded locally.
+    big = FORMATS["gptq"].quantize(_w(N, 2 * K, 6), bits=4, group_size=32, sym=True, g_idx=act_order_g_idx(2 * K, 32, torch.Generator().manual_seed(1)))
+    rows = {"qweight": big.qweight[4:12], "qzeros": big.qzeros, "scales": big.scales, "g_idx": big.g_idx[32:96]}
+    scheme = lw.GPTQScheme(4, 32, "v2")
+    t, k_rt, g_new, pad = act_order.localize(rows, scheme.layout, k_local=K, n_groups=4, group_size=32, bits=4)
+    assert pad > 0
+    layers["act_order_shard"] = QuantLinear.from_checkpoint(InputPadded(scheme.make(t, k_rt, N, g_new), pad), dtype=torch.float32)
+    layers["dense"] = get_linear(_w(N, K, 7), torch.randn(N), None)
+    return layers
+
+
+class AllLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict(_layers())
+
+    def forward(self, x):
+        return {k: layer(x) for k, layer in self.layers.items()}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _x(batch: int) -> torch.Tensor:
+    x = torch.randn(batch, K, generator=torch.Generator().manual_seed(batch))
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    return x
+
+
+def test_every_layer_kind_compiles_once_for_every_batch_size():
+    model = AllLayers()
+    n_int = sum(isinstance(m, IntWeightLinear) for m in model.layers.values())
+    n_fp8 = sum(isinstance(m, Fp8Linear) for m in model.layers.values())
+    assert n_int == 4 and n_fp8 == 2 and isinstance(model.layers["dense"], FastLinear)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        for i, batch in enumerate(BATCHES):
+            x = _x(batch)
+            want = model(x)
+            if i == 0:
+                got, (code, *_) = run_and_get_code(compiled, x)
+                # One opaque call per quantized linear (on CPU every fp8 layer is W8A16).
+                assert len(re.findall(r"torch\.ops\.qops\.mm_int_weight\.default\(", code)) == n_int, code
+                assert len(re.findall(r"torch\.ops\.qops\.mm_fp8_weight\.default\(", code)) == n_fp8, code
+                assert "dequantize" not in code
+            else:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    got = compiled(x)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_tensor_parallel_layers_at_world_size_one_compile_without_collectives(tmp_path):
+    name = "gptq-v2-4bit-actorder"
+    write_block(str(tmp_path), VARIANTS[name])
+    block = TinyBlock(Weights.from_pretrained(str(tmp_path), dtype=torch.float32))
+    ids = sample_ids(0, "cpu")
+    with torch.no_grad():
+        want = block(ids)
+        got, (code, *_) = run_and_get_code(torch.compile(block, fullgraph=True), ids)
+    assert "all_reduce" not in code and "all_gather" not in code
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)

@@ -1,0 +1,92 @@
+"""What every family of linear layers provides, so registries can treat them alike.
+
+- :class:`QuantLinear`: an ``nn.Module`` holding a prepared (runtime-layout) weight as registered
+  buffers -- static addresses for CUDA graphs, moved by ``.to()``, never a dense copy -- and calling
+  its family's ``torch.ops.qops`` op in ``forward``.
+- :class:`LinearMethod`: one LoRAX/TGI ``quantize`` string: which weights ``get_linear`` accepts for
+  it and how it turns them into a module.
+- :class:`QuantConfig`: one parsed ``quantization_config`` of a checkpoint: which scheme
+  (``qops.layers.layout.LinearScheme``) stores the layer under a given prefix.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .layout import LinearScheme
+
+
+@dataclass
+class InputPadded:
+    """A checkpoint for ``pad`` more input features than the activations have; the layer appends
+    ``pad`` zero columns to ``x`` (act-order row-parallel shards, ``qops/layers/act_order.py``)."""
+
+    checkpoint: Any
+    pad: int
+
+
+class QuantLinear(nn.Module):
+    """Base of the quantized linear modules (``in_features``, ``out_features``, ``forward(x)``)."""
+
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint, bias: torch.Tensor | None = None, *, dtype: torch.dtype | None = None) -> "QuantLinear":
+        """The module serving ``checkpoint`` (a format's checkpoint dataclass, e.g.
+        ``qops.formats.gptq.GPTQCheckpoint``, or an :class:`InputPadded` one), prepared once for
+        activations of ``dtype`` (default: the dtype of its scales) on the checkpoint's device."""
+        from .registry import CHECKPOINT_LINEARS
+
+        inner = checkpoint.checkpoint if isinstance(checkpoint, InputPadded) else checkpoint
+        try:
+            build = CHECKPOINT_LINEARS[type(inner)]
+        except KeyError:
+            known = sorted(t.__name__ for t in CHECKPOINT_LINEARS)
+            raise TypeError(f"QuantLinear.from_checkpoint: no quantized linear serves {type(inner).__name__}; known checkpoint types: {known}") from None
+        module = build(checkpoint, bias, dtype=dtype)
+        if not isinstance(module, cls):
+            raise TypeError(f"{cls.__name__}.from_checkpoint: a {type(inner).__name__} is served by {type(module).__name__}")
+        return module
+
+
+class LinearMethod(abc.ABC):
+    """One ``quantize`` string of ``get_linear``."""
+
+    quantize: ClassVar[str | None]
+    accepts: ClassVar[str]  # the weights it takes, for error messages
+
+    @abc.abstractmethod
+    def linear(self, weight, bias, *, fan_in_fan_out: bool, weight_scale, input_scale, dtype) -> nn.Module: ...
+
+    def refuse(self, weight) -> TypeError:
+        return TypeError(f"get_linear(quantize={self.quantize!r}) takes {self.accepts}; got {_describe(weight)}")
+
+    def check_no_extras(self, fan_in_fan_out: bool, weight_scale, input_scale) -> None:
+        if fan_in_fan_out:
+            raise ValueError(f"get_linear(quantize={self.quantize!r}): fan_in_fan_out=True transposes a dense Conv1D weight; it does not apply to {self.accepts}")
+        if weight_scale is not None or input_scale is not None:
+            raise ValueError(f"get_linear(quantize={self.quantize!r}): weight_scale and input_scale belong to fp8 weights; this method carries its scales in the weight")
+
+
+class QuantConfig(abc.ABC):
+    """A checkpoint's parsed ``quantization_config``."""
+
+    quantize: str | None  # the LoRAX/TGI string its layers go with
+
+    @abc.abstractmethod
+    def scheme(self, prefix: str) -> LinearScheme | None:
+        """The quantized scheme the layer under ``prefix`` is stored in, or None when the config
+        leaves it unquantized."""
+
+
+def _describe(weight) -> str:
+    if isinstance(weight, torch.Tensor):
+        return f"a {weight.dtype} tensor of shape {tuple(weight.shape)}"
+    if isinstance(weight, tuple):
+        return f"a tuple of {len(weight)}"
+    return f"a {type(weight).__name__}"

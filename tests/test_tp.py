@@ -1,0 +1,37 @@
+"""Tensor-parallel layers across processes over gloo: world sizes 2 and 3, every layer kind of the
+TinyBlock (column, fused qkv, fused q/k/v, gate_up, row, head with and without a dividing vocabulary,
+embedding with out-of-range ids) for every checkpoint variant, equal to the single-process layers
+eagerly and compiled with fullgraph=True (one compilation per process for all variants, then a
+second call that must not recompile)."""
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from qops.layers.testing import VARIANTS, tp_worker, write_block
+
+pytestmark = pytest.mark.multiprocess
+
+# fp32 on CPU: the ranks' partial sums differ from the whole matmul only in summation order.
+TOLERANCES = {"default": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    for name, v in VARIANTS.items():
+        write_block(str(root / name), v)
+    return str(root)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_parallel_layers_equal_the_single_process_layers(checkpoints, world):
+    mp.spawn(tp_worker, args=(world, checkpoints, _free_port(), "gloo", torch.float32, ("eager", "compiled"), tuple(VARIANTS), TOLERANCES),
+             nprocs=world, join=True)
