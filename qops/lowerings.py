@@ -89,6 +89,9 @@ class Lowering:
     k_multiple: int = 1
     k_multiple_of_group: bool = False  # K must be a whole number of groups (blocks never straddle rows)
     act_order: bool = True
+    # "module:function(weight)" run once when a weight is prepared for this lowering: compiles and
+    # loads its kernels then, never later during CUDA-graph capture.
+    warmup: str | None = None
     note: str = ""
     software: Callable[[], str | None] = field(default=_nothing_missing, compare=False)
 
@@ -182,6 +185,7 @@ LOWERINGS: tuple[Lowering, ...] = (
         act_dtypes=frozenset({torch.float16, torch.bfloat16}),
         priority=20,
         entry="qops.native.int_weight:native_mm",
+        warmup="qops.native.int_weight:warmup",
         note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=16, deterministic split-K; larger M delegated to triton",
         software=_native_missing,
     ),
@@ -349,3 +353,9 @@ def lowering_for(family: str, kernel: int, device: torch.device, who: str) -> Lo
 def implementation(family: str, kernel: int, device: torch.device, who: str):
     """The function implementing ``family`` for lowering id ``kernel`` on ``device``."""
     return _entry(lowering_for(family, kernel, device, who).entry)
+
+
+def warm_up(lowering: Lowering, weight) -> None:
+    """Run the lowering's warm-up (kernel compile and load) for a freshly prepared weight."""
+    if lowering.warmup is not None:
+        _entry(lowering.warmup)(weight)

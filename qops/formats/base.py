@@ -39,8 +39,8 @@ class CheckpointFormat(abc.ABC):
         """Reference dequantizer: the fp32 ``(N, K)`` weight."""
         return self.unpack(checkpoint).dequantize()
 
-    def prepare(self, checkpoint, *, dtype: torch.dtype | None = None):
+    def prepare(self, checkpoint, *, dtype: torch.dtype | None = None, choose_lowering: bool = True):
         """Checkpoint -> runtime layout with a kernel chosen for its device (``IntWeight``)."""
         from ..ops.int_weight import prepare_int_weight
 
-        return prepare_int_weight(self.unpack(checkpoint), dtype=dtype, format_name=self.name)
+        return prepare_int_weight(self.unpack(checkpoint), dtype=dtype, format_name=self.name, choose_lowering=choose_lowering)

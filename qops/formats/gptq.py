@@ -125,11 +125,11 @@ class GPTQFormat(CheckpointFormat):
             group_size=c.group_size,
         )
 
-    def prepare(self, c: GPTQCheckpoint, *, dtype: torch.dtype | None = None):
+    def prepare(self, c: GPTQCheckpoint, *, dtype: torch.dtype | None = None, choose_lowering: bool = True):
         # Without act-order the checkpoint's qweight is already the runtime packing: no copy.
         from ..ops.int_weight import prepare_int_weight
 
-        return prepare_int_weight(self.unpack(c), dtype=dtype, format_name=self.name, checkpoint_qweight=c.qweight)
+        return prepare_int_weight(self.unpack(c), dtype=dtype, format_name=self.name, checkpoint_qweight=c.qweight, choose_lowering=choose_lowering)
 
 
 def convert_version(c: GPTQCheckpoint, version: str) -> GPTQCheckpoint:

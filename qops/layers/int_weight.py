@@ -46,8 +46,7 @@ from ..formats.awq import AWQCheckpoint
 from ..formats.compressed_tensors import CompressedTensorsCheckpoint
 from ..formats.gptq import GPTQCheckpoint, version_from_config
 from ..formats.integer import n_groups_for
-from ..lowerings import WeightSpec, choose
-from ..ops.int_weight import FAMILY, IntWeight
+from ..ops.int_weight import IntWeight, with_lowering
 from . import act_order
 from .base import InputPadded, LinearMethod, QuantConfig, QuantLinear
 from .layout import FLOAT, INT, Dim, DictSource, LinearLayout, LinearScheme, Piece, TensorLayout, WeightsError, join, read_pieces
@@ -201,7 +200,7 @@ def prepare(checkpoint, *, dtype: torch.dtype | None = None) -> IntWeight:
     for n0 in range(0, n, cols):
         n1 = min(n, n0 + cols)
         t = read_pieces(source, scheme.layout, [Piece("", n0, n1, n)], (0, k), k)
-        w = fmt.prepare(scheme.make(t, k, n1 - n0, scheme.group_size), dtype=dtype)
+        w = fmt.prepare(scheme.make(t, k, n1 - n0, scheme.group_size), dtype=dtype, choose_lowering=False)
         if first is None:
             first = w
             shared = next((v for v in fields.values() if v.shape == (w.qweight.shape[0], n) and w.qweight.data_ptr() == v[:, n0:n1].data_ptr()), None)
@@ -218,17 +217,8 @@ def prepare(checkpoint, *, dtype: torch.dtype | None = None) -> IntWeight:
         scales[:, n0:n1] = w.scales
         zeros.append(w.qzeros)
     qzeros = None if first.qzeros is None else torch.cat(zeros, dim=1)
-    spec = WeightSpec(
-        family=FAMILY, format=scheme.format, bits=first.bits, group_size=first.group_size, n=n, k=k,
-        act_order=first.act_perm is not None, symmetric=qzeros is None, device=scales.device,
-        act_dtype=dtype if dtype is not None else scales.dtype,
-    )
-    choice = choose(spec)
-    return IntWeight(
-        qweight=shared if shared is not None else qweight, scales=scales, qzeros=qzeros, act_perm=first.act_perm,
-        in_features=k, out_features=n, bits=first.bits, group_size=first.group_size,
-        zero_offset=first.zero_offset, kernel=choice.lowering.kernel, choice=choice,
-    )
+    whole = dataclasses.replace(first, qweight=shared if shared is not None else qweight, scales=scales, qzeros=qzeros, out_features=n)
+    return with_lowering(whole, scheme.format, dtype)
 
 
 def _same_encoding(a: IntWeight, b: IntWeight) -> bool:

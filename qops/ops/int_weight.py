@@ -19,14 +19,14 @@ A GPTQ checkpoint without act-order is already in this layout and is used withou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from ..formats._packing import pack_bits, packed_length, unpack_bits
 from ..formats.integer import IntQuantized, default_g_idx, n_groups_for
-from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation
+from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation, warm_up
 
 FAMILY = "int_weight"
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -296,12 +296,15 @@ def prepare_int_weight(
     dtype: torch.dtype | None = None,
     format_name: str = "gptq",
     checkpoint_qweight: torch.Tensor | None = None,
+    choose_lowering: bool = True,
 ) -> IntWeight:
     """Build the runtime layout from the shared meaning and choose the lowering for its device.
 
     ``dtype`` is the activation dtype the weight will see (default: the scales' dtype).
     ``checkpoint_qweight``, when given, is a qweight already in the runtime packing (GPTQ without
-    act-order), used as is instead of repacking.
+    act-order), used as is instead of repacking. ``choose_lowering=False`` leaves the reference
+    kernel in place, for callers that assemble a weight from pieces and choose once at the end
+    (:func:`with_lowering`).
     """
     n, k = iq.q.shape
     bits = iq.bits
@@ -321,16 +324,9 @@ def prepare_int_weight(
         if bool(((stored < 0) | (stored >= 2**bits)).any()):
             raise ValueError(f"zeros: values span more than {bits} bits ({int(zeros.min())}..{int(zeros.max())}); cannot be stored")
         qzeros = pack_bits(stored.t(), bits, dim=1)
-    scales = iq.scales.t().contiguous()
-    act_dtype = dtype if dtype is not None else scales.dtype
-    spec = WeightSpec(
-        family=FAMILY, format=format_name, bits=bits, group_size=iq.group_size, n=n, k=k,
-        act_order=perm is not None, symmetric=qzeros is None, device=qweight.device, act_dtype=act_dtype,
-    )
-    choice = choose(spec)
-    return IntWeight(
+    weight = IntWeight(
         qweight=qweight,
-        scales=scales,
+        scales=iq.scales.t().contiguous(),
         qzeros=qzeros,
         act_perm=None if perm is None else perm.to(torch.int32),
         in_features=k,
@@ -338,9 +334,23 @@ def prepare_int_weight(
         bits=bits,
         group_size=iq.group_size,
         zero_offset=zero_offset,
-        kernel=choice.lowering.kernel,
-        choice=choice,
+        kernel=Kernel.REFERENCE,
     )
+    return with_lowering(weight, format_name, dtype) if choose_lowering else weight
+
+
+def with_lowering(weight: IntWeight, format_name: str, dtype: torch.dtype | None = None) -> IntWeight:
+    """``weight`` with the lowering the chooser picks for its device, warmed up (kernels loaded)."""
+    spec = WeightSpec(
+        family=FAMILY, format=format_name, bits=weight.bits, group_size=weight.group_size,
+        n=weight.out_features, k=weight.in_features, act_order=weight.act_perm is not None,
+        symmetric=weight.qzeros is None, device=weight.qweight.device,
+        act_dtype=dtype if dtype is not None else weight.scales.dtype,
+    )
+    choice = choose(spec)
+    weight = replace(weight, kernel=choice.lowering.kernel, choice=choice)
+    warm_up(choice.lowering, weight)
+    return weight
 
 
 def runtime_nbytes_bound(n: int, k: int, bits: int, group_size: int) -> int:
