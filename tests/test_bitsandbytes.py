@@ -341,6 +341,9 @@ TRITON_RUNS = [
     (C.BLOCKWISE4_CASES[10], 1, {"gemv": {"SUB_BYTES": 16}}, "gemv", None),  # fp4
     (C.BLOCKWISE4_CASES[4], 5, {"gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
     (C.BLOCKWISE4_CASES[11], 17, {"gemm": TINY_GEMM, "gemm_max_split": 4}, "gemm", True),
+    # The weight tile scaled before the dots (what large BLOCK_M uses), nested and plain.
+    (C.BLOCKWISE4_CASES[10], 17, {"gemm": TINY_GEMM, "gemm_max_split": 1, "scale_after_max_block_m": 0}, "gemm", False),
+    (C.BLOCKWISE4_CASES[5], 3, {"gemm": TINY_GEMM, "gemm_max_split": 2, "scale_after_max_block_m": 0}, "gemm", True),
 ]
 
 

@@ -14,7 +14,9 @@ never spans two rows: byte j of row n holds K indices 2j and 2j+1 and belongs to
   the kernel, once per (row, sub-block): ``nested_code[u8] * nested_absmax[b // 256] + offset``.
 - **gemm** (larger M): ``tl.dot`` on tensor cores. A K step of ``BLOCK_K`` values (at most one
   block) is two dots, even and odd K against the high and low nibbles, so no interleaving is
-  needed; the block absmax scales the step's fp32 product once per output element.
+  needed; the block absmax scales the step's fp32 product once per output element (small
+  ``BLOCK_M``), or the weight tile before the dots (large ``BLOCK_M``, where a second fp32
+  accumulator would spill).
 
 Split-K, workspace and configs as in :mod:`qops.ops.triton.int8_weight`.
 """
@@ -34,15 +36,20 @@ CONFIGS: dict = {
     # Bytes per row per step = SUB_BLOCKS * SUB_BYTES (SUB_BYTES is capped at blocksize/2).
     # Untuned defaults: 4 rows x 512 bytes per step (one row per warp, 16 B per thread).
     "gemv": {"BLOCK_N": 4, "STEP_BYTES": 512, "SUB_BYTES": 32, "num_warps": 4, "programs_per_sm": 4, "max_split": 16},
+    # Register counts from ptxas (triton 3.6, sm_90, nested, blocksize 64): 168, 114, 164, 164,
+    # 210; no spills (BLOCK_N 128 with BLOCK_M >= 32 reaches 255).
     "gemm": [
         (16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}),
-        (32, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}),
-        (64, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}),
-        (128, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}),
-        (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+        (32, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+        (64, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+        (128, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+        (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
     ],
     "gemm_max_split": 8,
     "GROUP_M": 8,
+    # Up to this BLOCK_M the block absmax scales the fp32 product of each K step (a second
+    # accumulator); above it, the weight tile before the dot (registers: 255 and spills otherwise).
+    "scale_after_max_block_m": 32,
 }
 _active = CONFIGS
 
@@ -141,7 +148,7 @@ def _gemm_kernel(
     M, N, K, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
     BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ATOMIC: tl.constexpr, IEEE: tl.constexpr,
+    ATOMIC: tl.constexpr, IEEE: tl.constexpr, SCALE_AFTER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -176,20 +183,34 @@ def _gemm_kernel(
     for kb0 in range(kb_lo, kb_hi, HALF):
         bo = kb0 + offs_b
         b = tl.load(w_rows + bo[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-        w_hi = tl.trans(tl.load(code_ptr + (b >> 4)).to(DT))
-        w_lo = tl.trans(tl.load(code_ptr + (b & 15)).to(DT))
+        blk = row_blk + (2 * kb0) // BLOCKSIZE
+        s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blk, nmask, NESTED, NESTED_BS)
+        c_hi = tl.load(code_ptr + (b >> 4))
+        c_lo = tl.load(code_ptr + (b & 15))
         xk = (2 * bo)[None, :, None] + pair[None, None, :]
         xx = tl.load(x_rows + xk * stride_xk, mask=mmask[:, None, None], other=0.0)
         x_even, x_odd = tl.split(xx)
-        if IEEE:
-            t = tl.dot(x_even, w_hi, input_precision="ieee")
-            t = tl.dot(x_odd, w_lo, t, input_precision="ieee")
+        if SCALE_AFTER:
+            # Few rows of x: scaling the (BLOCK_M, BLOCK_N) product is cheaper than the weight tile.
+            w_hi = tl.trans(c_hi.to(DT))
+            w_lo = tl.trans(c_lo.to(DT))
+            if IEEE:
+                t = tl.dot(x_even, w_hi, input_precision="ieee")
+                t = tl.dot(x_odd, w_lo, t, input_precision="ieee")
+            else:
+                t = tl.dot(x_even, w_hi)
+                t = tl.dot(x_odd, w_lo, t)
+            acc += t * s[None, :]
         else:
-            t = tl.dot(x_even, w_hi)
-            t = tl.dot(x_odd, w_lo, t)
-        blk = row_blk + (2 * kb0) // BLOCKSIZE
-        s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blk, nmask, NESTED, NESTED_BS)
-        acc += t * s[None, :]
+            # Many rows: a second (BLOCK_M, BLOCK_N) accumulator would spill; scale the weights.
+            w_hi = tl.trans((c_hi * s[:, None]).to(DT))
+            w_lo = tl.trans((c_lo * s[:, None]).to(DT))
+            if IEEE:
+                acc = tl.dot(x_even, w_hi, acc, input_precision="ieee")
+                acc = tl.dot(x_odd, w_lo, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x_even, w_hi, acc)
+                acc = tl.dot(x_odd, w_lo, acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     ymask = mmask[:, None] & nmask[None, :]
     if ATOMIC:
@@ -266,5 +287,6 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     else:
         _gemm_kernel[p["grid"]](*common, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
                                 GROUP_M=_active["GROUP_M"], IEEE=x.dtype == torch.float32,
+                                SCALE_AFTER=p["BLOCK_M"] <= _active["scale_after_max_block_m"],
                                 num_stages=p["num_stages"], **flags)
     return finish(y2, acc, bias, x, n, out)
