@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..formats.blockwise4 import denest, dequantize_flat, unpack_nibbles
-from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation
+from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation, warm_up
 from .int8_weight import check_bias
 from .int_weight import ACT_DTYPES, _fail, check_out
 
@@ -309,6 +309,8 @@ def prepare_blockwise4(
         act_order=False, symmetric=True, device=dev, act_dtype=dtype if dtype is not None else torch.float16,
     )
     choice = choose(spec)
-    return Blockwise4Weight(**args, in_features=in_features, out_features=out_features, blocksize=blocksize,
-                            nested_blocksize=nested_blocksize if absmax.dtype == torch.uint8 else 0,
-                            kernel=choice.lowering.kernel, choice=choice)
+    weight = Blockwise4Weight(**args, in_features=in_features, out_features=out_features, blocksize=blocksize,
+                              nested_blocksize=nested_blocksize if absmax.dtype == torch.uint8 else 0,
+                              kernel=choice.lowering.kernel, choice=choice)
+    warm_up(choice.lowering, weight)
+    return weight

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation
+from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation, warm_up
 from .int_weight import ACT_DTYPES, _fail, check_out
 
 FAMILY = "int8_weight"
@@ -188,4 +188,6 @@ def prepare_int8_weight(
         act_order=False, symmetric=True, device=qweight.device, act_dtype=act_dtype,
     )
     choice = choose(spec)
-    return Int8Weight(qweight=qweight, scales=scales, in_features=k, out_features=n, kernel=choice.lowering.kernel, choice=choice)
+    weight = Int8Weight(qweight=qweight, scales=scales, in_features=k, out_features=n, kernel=choice.lowering.kernel, choice=choice)
+    warm_up(choice.lowering, weight)
+    return weight
