@@ -119,13 +119,10 @@ class EETQFormat(CheckpointFormat):
         return self._from_q(q.t().contiguous(), scale.to(torch.float16), layout, bias)
 
     def _from_q(self, q_kn: torch.Tensor, scales: torch.Tensor, layout: str, bias) -> EETQCheckpoint:
-        c = EETQCheckpoint(weight=q_kn, weight_scales=scales, bias=bias, layout="row_major")
-        _check(c)
-        if layout == "row_major":
-            return c
         c = EETQCheckpoint(weight=q_kn, weight_scales=scales, bias=bias, layout=layout)
         _check(c)
-        c.weight = ampere_preprocess(q_kn)
+        if layout == "ampere":
+            c.weight = ampere_preprocess(q_kn)
         return c
 
     def pack(self, iq: IntQuantized, *, layout: str = "ampere", bias=None) -> EETQCheckpoint:

@@ -22,14 +22,11 @@ Split-K, workspace and configs as in :mod:`qops.ops.triton.int8_weight`.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-
 import torch
 import triton
 import triton.language as tl
 
-from .int8_weight import finish, fp32_accumulator, output_2d, pow2_at_most, rows_2d, sm_count, split_plan
+from .int8_weight import ConfigTable, finish, fp32_accumulator, output_2d, pow2_at_most, rows_2d, sm_count, split_plan
 
 CONFIGS: dict = {
     "gemv_max_m": 2,
@@ -51,24 +48,8 @@ CONFIGS: dict = {
     # accumulator); above it, the weight tile before the dot (registers: 255 and spills otherwise).
     "scale_after_max_block_m": 32,
 }
-_active = CONFIGS
-
-
-@contextlib.contextmanager
-def config_override(**changes):
-    """Use ``CONFIGS`` updated with ``changes`` (top-level keys; dict values are merged) in this block."""
-    global _active
-    table = copy.deepcopy(_active)
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(table.get(key), dict):
-            table[key] = {**table[key], **value}
-        else:
-            table[key] = value
-    saved, _active = _active, table
-    try:
-        yield table
-    finally:
-        _active = saved
+TABLE = ConfigTable(CONFIGS)
+config_override = TABLE.override
 
 
 @triton.jit
@@ -221,20 +202,13 @@ def _gemm_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
-def gemm_config(m: int) -> dict:
-    for m_max, cfg in _active["gemm"]:
-        if m <= m_max:
-            return cfg
-    raise AssertionError("the last gemm bucket takes every M")
-
-
 def plan(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
     """Which path and launch parameters serve an (M, N, K, blocksize) problem: static facts only."""
     sms = sm_count(device)
     row_bytes = k // 2
     half_block = blocksize // 2
-    if m <= _active["gemv_max_m"]:
-        cfg = _active["gemv"]
+    if m <= TABLE["gemv_max_m"]:
+        cfg = TABLE["gemv"]
         sub_bytes = min(cfg["SUB_BYTES"], half_block)
         step = max(sub_bytes, min(cfg["STEP_BYTES"], triton.next_power_of_2(row_bytes)))
         bn = cfg["BLOCK_N"]
@@ -243,12 +217,12 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
         return dict(path="gemv", BLOCK_N=bn, SUB_BLOCKS=step // sub_bytes, SUB_BYTES=sub_bytes, split=split,
                     split_bytes=per, num_warps=cfg["num_warps"], grid=(m, triton.cdiv(n, bn), split),
                     EVEN_K=row_bytes % step == 0)
-    cfg = gemm_config(m)
+    cfg = TABLE.gemm(m)
     bm = pow2_at_most(m, cfg["BLOCK_M"])
     bn = pow2_at_most(n, cfg["BLOCK_N"])
     bk = min(cfg["BLOCK_K"], blocksize)  # 32 <= bk, divides the block: one absmax per step
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split, per = split_plan(row_bytes, bk // 2, tiles, sms, _active["gemm_max_split"])
+    split, per = split_plan(row_bytes, bk // 2, tiles, sms, TABLE["gemm_max_split"])
     return dict(path="gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, split=split, split_bytes=per,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], grid=(tiles, split))
 
@@ -286,7 +260,7 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
                                 EVEN_K=p["EVEN_K"], **flags)
     else:
         _gemm_kernel[p["grid"]](*common, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
-                                GROUP_M=_active["GROUP_M"], IEEE=x.dtype == torch.float32,
-                                SCALE_AFTER=p["BLOCK_M"] <= _active["scale_after_max_block_m"],
+                                GROUP_M=TABLE["GROUP_M"], IEEE=x.dtype == torch.float32,
+                                SCALE_AFTER=p["BLOCK_M"] <= TABLE["scale_after_max_block_m"],
                                 num_stages=p["num_stages"], **flags)
     return finish(y2, acc, bias, x, n, out)

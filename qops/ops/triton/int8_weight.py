@@ -45,24 +45,42 @@ CONFIGS: dict = {
     "gemm_max_split": 8,
     "GROUP_M": 8,
 }
-_active = CONFIGS
 
 
-@contextlib.contextmanager
-def config_override(**changes):
-    """Use ``CONFIGS`` updated with ``changes`` (top-level keys; dict values are merged) in this block."""
-    global _active
-    table = copy.deepcopy(_active)
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(table.get(key), dict):
-            table[key] = {**table[key], **value}
-        else:
-            table[key] = value
-    saved, _active = _active, table
-    try:
-        yield table
-    finally:
-        _active = saved
+class ConfigTable:
+    """A module's launch configs (data), with a context manager that swaps in a modified copy."""
+
+    def __init__(self, configs: dict):
+        self.active = configs
+
+    @contextlib.contextmanager
+    def override(self, **changes):
+        """Use the table updated with ``changes`` (top-level keys; dict values are merged) in this block."""
+        table = copy.deepcopy(self.active)
+        for key, value in changes.items():
+            if isinstance(value, dict) and isinstance(table.get(key), dict):
+                table[key] = {**table[key], **value}
+            else:
+                table[key] = value
+        saved, self.active = self.active, table
+        try:
+            yield table
+        finally:
+            self.active = saved
+
+    def __getitem__(self, key):
+        return self.active[key]
+
+    def gemm(self, m: int) -> dict:
+        """The tile config of the M bucket holding ``m``."""
+        for m_max, cfg in self.active["gemm"]:
+            if m <= m_max:
+                return cfg
+        raise AssertionError("the last gemm bucket takes every M")
+
+
+TABLE = ConfigTable(CONFIGS)
+config_override = TABLE.override
 
 
 @functools.cache
@@ -86,13 +104,6 @@ def split_plan(k: int, unit: int, tiles: int, want: int, max_split: int) -> tupl
         split = max(1, min(triton.cdiv(want, tiles), max_split, steps))
     per = triton.cdiv(steps, split) * unit
     return triton.cdiv(k, per), per
-
-
-def gemm_config(m: int) -> dict:
-    for m_max, cfg in _active["gemm"]:
-        if m <= m_max:
-            return cfg
-    raise AssertionError("the last gemm bucket takes every M")
 
 
 def rows_2d(x: torch.Tensor) -> torch.Tensor:
@@ -252,20 +263,20 @@ def _gemm_kernel(
 def plan(m: int, n: int, k: int, device: torch.device) -> dict:
     """Which path and launch parameters serve an (M, N, K) problem: static facts only."""
     sms = sm_count(device)
-    if m <= _active["gemv_max_m"]:
-        cfg = _active["gemv"]
+    if m <= TABLE["gemv_max_m"]:
+        cfg = TABLE["gemv"]
         bk = pow2_at_most(k, cfg["BLOCK_K"])
         bn = cfg["BLOCK_N"]
         tiles = m * triton.cdiv(n, bn)
         split, per = split_plan(k, bk, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
         return dict(path="gemv", BLOCK_N=bn, BLOCK_K=bk, split=split, split_len=per, num_warps=cfg["num_warps"],
                     grid=(m, triton.cdiv(n, bn), split), EVEN_K=k % bk == 0)
-    cfg = gemm_config(m)
+    cfg = TABLE.gemm(m)
     bm = pow2_at_most(m, cfg["BLOCK_M"])
     bn = pow2_at_most(n, cfg["BLOCK_N"])
     bk = pow2_at_most(k, cfg["BLOCK_K"])
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split, per = split_plan(k, bk, tiles, sms, _active["gemm_max_split"])
+    split, per = split_plan(k, bk, tiles, sms, TABLE["gemm_max_split"])
     return dict(path="gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, split=split, split_len=per,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], grid=(tiles, split), EVEN_K=k % bk == 0)
 
@@ -294,7 +305,7 @@ def triton_mm(x, qweight, scales, bias, out=None, workspace=None):
                                 ATOMIC=atomic, EVEN_K=p["EVEN_K"], num_warps=p["num_warps"])
     else:
         _gemm_kernel[p["grid"]](*common, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
-                                GROUP_M=_active["GROUP_M"], HAS_BIAS=bias is not None, ATOMIC=atomic,
+                                GROUP_M=TABLE["GROUP_M"], HAS_BIAS=bias is not None, ATOMIC=atomic,
                                 EVEN_K=p["EVEN_K"], IEEE=x.dtype == torch.float32,
                                 num_warps=p["num_warps"], num_stages=p["num_stages"])
     return finish(y2, acc, bias, x, n, out)
