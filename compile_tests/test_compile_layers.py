@@ -14,14 +14,14 @@ from torch._inductor.utils import run_and_get_code
 import qops  # noqa: F401
 from qops.formats import FORMATS
 from qops.formats.integer import act_order_g_idx
-from qops.layers import CHECKPOINT_LINEARS, FastLinear, IntWeightLinear, QuantLinear, Weights, get_linear
+from qops.layers import CHECKPOINT_LINEARS, Blockwise4Linear, FastLinear, Int8Linear, IntWeightLinear, QuantLinear, Weights, get_linear
 from qops.layers import act_order
 from qops.layers import int_weight as lw
 from qops.layers.base import InputPadded
 from qops.layers.fp8 import Fp8Linear
 from qops.layers.testing import VARIANTS, TinyBlock, sample_ids, write_block
 
-K, N = 64, 96
+K, N = 128, 128  # EETQ's ampere byte order needs multiples of 64
 BATCHES = (1, 3, 16)
 
 
@@ -38,14 +38,17 @@ def _layers() -> dict[str, torch.nn.Module]:
         "ct": FORMATS["compressed-tensors"].quantize(_w(N, K, 3), bits=8, group_size=-1, sym=True),
         "fp8": FORMATS["fp8"].quantize(_w(N, K, 4), granularity="tensor", input_scale=0.01),
         "fp8_block": FORMATS["fp8-block"].quantize(_w(N, K, 5), block_size=(32, 32)),
+        "eetq": FORMATS["eetq"].quantize(_w(N, K, 8)),
+        "bnb_int8": FORMATS["bitsandbytes-int8"].quantize(_w(N, K, 9)),
+        "bnb_nf4": FORMATS["bitsandbytes-nf4"].quantize(_w(N, K, 10), group_size=64, nested=True),
     }
     assert {type(c) for c in checkpoints.values()} == set(CHECKPOINT_LINEARS)
     layers = {k: QuantLinear.from_checkpoint(c, torch.randn(N), dtype=torch.float32) for k, c in checkpoints.items()}
-    # An act-order row shard: rows 32..95 of a K=128 layer, padded locally.
+    # An act-order row shard: rows 64..191 of a K=256 layer, padded locally.
     big = FORMATS["gptq"].quantize(_w(N, 2 * K, 6), bits=4, group_size=32, sym=True, g_idx=act_order_g_idx(2 * K, 32, torch.Generator().manual_seed(1)))
-    rows = {"qweight": big.qweight[4:12], "qzeros": big.qzeros, "scales": big.scales, "g_idx": big.g_idx[32:96]}
+    rows = {"qweight": big.qweight[8:24], "qzeros": big.qzeros, "scales": big.scales, "g_idx": big.g_idx[64:192]}
     scheme = lw.GPTQScheme(4, 32, "v2")
-    t, k_rt, g_new, pad = act_order.localize(rows, scheme.layout, k_local=K, n_groups=4, group_size=32, bits=4)
+    t, k_rt, g_new, pad = act_order.localize(rows, scheme.layout, k_local=K, n_groups=8, group_size=32, bits=4)
     assert pad > 0
     layers["act_order_shard"] = QuantLinear.from_checkpoint(InputPadded(scheme.make(t, k_rt, N, g_new), pad), dtype=torch.float32)
     layers["dense"] = get_linear(_w(N, K, 7), torch.randn(N), None)
@@ -76,9 +79,11 @@ def _x(batch: int) -> torch.Tensor:
 
 def test_every_layer_kind_compiles_once_for_every_batch_size():
     model = AllLayers()
-    n_int = sum(isinstance(m, IntWeightLinear) for m in model.layers.values())
-    n_fp8 = sum(isinstance(m, Fp8Linear) for m in model.layers.values())
-    assert n_int == 4 and n_fp8 == 2 and isinstance(model.layers["dense"], FastLinear)
+    counts = {cls: sum(isinstance(m, cls) for m in model.layers.values()) for cls in (IntWeightLinear, Fp8Linear, Int8Linear, Blockwise4Linear)}
+    assert list(counts.values()) == [4, 2, 2, 1] and isinstance(model.layers["dense"], FastLinear)
+    # On CPU every fp8 layer is W8A16.
+    ops = {"mm_int_weight": counts[IntWeightLinear], "mm_fp8_weight": counts[Fp8Linear], "mm_int8_weight": counts[Int8Linear],
+           "mm_blockwise4": counts[Blockwise4Linear]}
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         for i, batch in enumerate(BATCHES):
@@ -86,9 +91,9 @@ def test_every_layer_kind_compiles_once_for_every_batch_size():
             want = model(x)
             if i == 0:
                 got, (code, *_) = run_and_get_code(compiled, x)
-                # One opaque call per quantized linear (on CPU every fp8 layer is W8A16).
-                assert len(re.findall(r"torch\.ops\.qops\.mm_int_weight\.default\(", code)) == n_int, code
-                assert len(re.findall(r"torch\.ops\.qops\.mm_fp8_weight\.default\(", code)) == n_fp8, code
+                # One opaque call per quantized linear, and no dequantized weight.
+                for op, count in ops.items():
+                    assert len(re.findall(rf"torch\.ops\.qops\.{op}\.default\(", code)) == count, (op, code)
                 assert "dequantize" not in code
             else:
                 with torch.compiler.set_stance("fail_on_recompile"):

@@ -9,7 +9,9 @@ import torch
 import qops  # noqa: F401
 from qops.formats import FORMATS
 from qops.formats.awq import AWQCheckpoint
+from qops.formats.bitsandbytes import Bnb4bitCheckpoint, BnbInt8Checkpoint
 from qops.formats.compressed_tensors import CompressedTensorsCheckpoint
+from qops.formats.eetq import EETQCheckpoint
 from qops.formats.fp8 import FP8_DTYPE, Fp8BlockCheckpoint, Fp8Checkpoint
 from qops.formats.gptq import GPTQCheckpoint
 from qops.formats.integer import act_order_g_idx
@@ -47,9 +49,13 @@ CHECKPOINTS = {
     CompressedTensorsCheckpoint: lambda: FORMATS["compressed-tensors"].quantize(_w(), bits=8, group_size=-1, sym=False),
     Fp8Checkpoint: lambda: FORMATS["fp8"].quantize(_w(), granularity="channel"),
     Fp8BlockCheckpoint: lambda: FORMATS["fp8-block"].quantize(_w(), block_size=(32, 32)),
+    EETQCheckpoint: lambda: FORMATS["eetq"].quantize(_w(64, 128)),  # the ampere order needs multiples of 64
+    BnbInt8Checkpoint: lambda: FORMATS["bitsandbytes-int8"].quantize(_w()),
+    Bnb4bitCheckpoint: lambda: FORMATS["bitsandbytes-nf4"].quantize(_w(), group_size=64, nested=True),
 }
 FORMAT_OF = {GPTQCheckpoint: "gptq", AWQCheckpoint: "awq", CompressedTensorsCheckpoint: "compressed-tensors",
-             Fp8Checkpoint: "fp8", Fp8BlockCheckpoint: "fp8-block"}
+             Fp8Checkpoint: "fp8", Fp8BlockCheckpoint: "fp8-block", EETQCheckpoint: "eetq", BnbInt8Checkpoint: "bitsandbytes-int8",
+             Bnb4bitCheckpoint: "bitsandbytes-nf4"}
 
 
 def test_every_checkpoint_type_has_a_case():
@@ -86,11 +92,12 @@ def test_fast_linear_and_fan_in_fan_out():
 def test_from_checkpoint_is_the_reference_dequantization(ctype):
     c = CHECKPOINTS[ctype]()
     ref = FORMATS[FORMAT_OF[ctype]].dequantize(c)
+    n, k = ref.shape
     lin = QuantLinear.from_checkpoint(c, dtype=torch.float32)
     # One-hot activations make the matmul return the dequantized weight exactly.
-    assert torch.equal(lin(torch.eye(K)), ref.t())
-    bias = torch.randn(N)
-    x = torch.randn(5, K)
+    assert torch.equal(lin(torch.eye(k)), ref.t())
+    bias = torch.randn(n)
+    x = torch.randn(5, k)
     with_bias = QuantLinear.from_checkpoint(c, bias, dtype=torch.float32)
     torch.testing.assert_close(with_bias(x), x @ ref.t() + bias, rtol=1e-5, atol=1e-5)
 
@@ -98,16 +105,18 @@ def test_from_checkpoint_is_the_reference_dequantization(ctype):
 @pytest.mark.parametrize("ctype", list(CHECKPOINTS), ids=lambda t: t.__name__)
 def test_modules_hold_the_runtime_layout_as_buffers(ctype):
     c = CHECKPOINTS[ctype]()
-    bias = torch.randn(N)
+    lin = QuantLinear.from_checkpoint(c, dtype=torch.float32)
+    n, k = lin.out_features, lin.in_features
+    bias = torch.randn(n)
     lin = QuantLinear.from_checkpoint(c, bias, dtype=torch.float32)
     buffers = dict(lin.named_buffers())
     assert "bias" in buffers and not list(lin.parameters())
     # No dense copy of the weight: no floating buffer as large as N*K.
-    assert all(not (t.is_floating_point() and t.dtype != FP8_DTYPE and t.numel() >= N * K) for t in buffers.values())
+    assert all(not (t.is_floating_point() and t.dtype != FP8_DTYPE and t.numel() >= n * k) for t in buffers.values())
     # forward reads the buffers themselves (what .to() replaces): doubled scales double the output.
-    x = torch.randn(2, K)
+    x = torch.randn(2, k)
     before = lin(x) - bias
-    for name in ("scales", "weight_scale", "weight_scale_inv"):
+    for name in ("scales", "weight_scale", "weight_scale_inv", "code"):
         if name in buffers:
             setattr(lin, name, buffers[name] * 2)
     torch.testing.assert_close(lin(x) - bias, 2 * before, rtol=1e-5, atol=1e-5)
@@ -144,6 +153,18 @@ def test_gptq_tuple_row_shard_with_every_group_resolves_act_order_locally():
     assert lin.act_perm is not None and lin.in_features == k1 - k0
     x = torch.randn(3, k1 - k0)
     torch.testing.assert_close(lin(x), x @ ref[:, k0:k1].t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantize", ["eetq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"])
+def test_methods_that_quantize_at_load_take_a_floating_weight(quantize):
+    w = _w(64, 128)
+    fmt = {"eetq": "eetq", "bitsandbytes": "bitsandbytes-int8"}.get(quantize, quantize)
+    options = {"eetq": {"layout": "row_major"}, "bitsandbytes": {}}.get(quantize, {"group_size": 64, "nested": True})
+    ref = FORMATS[fmt].dequantize(FORMATS[fmt].quantize(w, **options))
+    lin = get_linear(w, None, quantize, dtype=torch.float32)
+    assert torch.equal(lin(torch.eye(128)), ref.t())
+    conv1d = get_linear(w.t().contiguous(), None, quantize, fan_in_fan_out=True, dtype=torch.float32)
+    assert torch.equal(conv1d(torch.eye(128)), ref.t())
 
 
 def test_fp8_get_linear_takes_tgi_weights():
@@ -206,6 +227,18 @@ def test_chunked_preparation_is_the_whole_preparation(case, monkeypatch):
         assert getattr(whole, name) == getattr(chunked, name), name
     if case == "gptq-4bit":
         assert chunked.qweight is c.qweight  # already the runtime packing: not copied
+
+
+def test_chunked_eetq_preparation_is_the_whole_preparation(monkeypatch):
+    from qops.layers import int8
+
+    c = FORMATS["eetq"].quantize(_w(320, 128))  # ampere order: 64-column chunks, 5 of them
+    whole = FORMATS["eetq"].prepare(c, dtype=torch.float16)
+    monkeypatch.setattr(lw, "CHUNK_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(lw, "CHUNK_FRACTION", 10**9)
+    chunked = int8.prepare_eetq(c, dtype=torch.float16)
+    assert torch.equal(chunked.qweight, whole.qweight) and torch.equal(chunked.scales, whole.scales)
+    assert (chunked.kernel, chunked.in_features, chunked.out_features) == (whole.kernel, whole.in_features, whole.out_features)
 
 
 def test_chunked_preparation_falls_back_when_chunks_encode_zeros_differently(monkeypatch):

@@ -4,6 +4,7 @@ shards + index json + config.json): whole layers, every sharded layer kind for w
 parsing, and the errors for bad inputs."""
 import json
 import os
+import pathlib
 
 import pytest
 import torch
@@ -33,23 +34,23 @@ from qops.layers.testing import (
     DOWN,
     GATE_UP,
     HEADS,
+    HIDDEN,
+    INTERMEDIATE,
     O_PROJ,
     Q_K_V,
     QKV,
     VARIANTS,
+    VOCAB_ODD,
+    block_checkpoints,
     block_tensors,
     rank_slice,
-    write_block,
     write_checkpoint,
 )
 
 
 @pytest.fixture(scope="module")
-def blocks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("blocks")
-    for name, v in VARIANTS.items():
-        write_block(str(root / name), v)
-    return root
+def blocks():
+    return pathlib.Path(block_checkpoints())
 
 
 def test_every_registered_method_has_a_variant():
@@ -98,25 +99,25 @@ def test_shards_compose_to_the_whole_layer(blocks, name, world):
     path = str(blocks / name)
     full = _load_all(Weights.from_pretrained(path, dtype=torch.float32), reduce=True)
     gen = torch.Generator().manual_seed(0)
-    x192, x384 = torch.randn(5, 192, generator=gen), torch.randn(5, 384, generator=gen)
-    ids = torch.tensor([[0, 5, 199, 250, -3, 67, 134, 66]])  # 250 and -3 lie outside the vocabulary
-    inputs = {"col": x384, "qkv": x192, "q_k_v": x192, "gate_up": x192, "o_proj": x192, "down": x384, "head": x192, "head_odd": x192}
+    xh, xi = torch.randn(5, HIDDEN, generator=gen), torch.randn(5, INTERMEDIATE, generator=gen)
+    ids = torch.tensor([[0, 5, VOCAB_ODD - 1, VOCAB_ODD + 50, -3, 133, 134, 267]])  # two ids outside the vocabulary
+    inputs = {"col": xi, "qkv": xh, "q_k_v": xh, "gate_up": xh, "o_proj": xh, "down": xi, "head": xh, "head_odd": xh}
     expect = {k: full[k](x) for k, x in inputs.items()}
     expect["embed"] = full["embed"](ids)
-    assert torch.equal(expect["embed"][0, 3], torch.zeros(192)) and torch.equal(expect["embed"][0, 4], torch.zeros(192))
+    assert torch.equal(expect["embed"][0, 3], torch.zeros(HIDDEN)) and torch.equal(expect["embed"][0, 4], torch.zeros(HIDDEN))
     got = {k: [] for k in expect}
     for rank in range(world):
         shard = _load_all(Weights.from_pretrained(path, dtype=torch.float32, process_group=FakeGroup(rank, world)), reduce=False)
         for k in ("col", "qkv", "q_k_v", "gate_up"):
             got[k].append(shard[k](inputs[k]))
-            blocks_ = COLUMN_BLOCKS.get(k, [192])
+            blocks_ = COLUMN_BLOCKS.get(k, [HIDDEN])
             torch.testing.assert_close(got[k][-1], rank_slice(expect[k], blocks_, rank, world), rtol=1e-5, atol=1e-5, msg=k)
         for k in ("o_proj", "down"):
             kk = inputs[k].shape[-1]
             got[k].append(shard[k](inputs[k][:, rank * kk // world:(rank + 1) * kk // world], reduce=False))
         for k in ("head", "head_odd"):
             got[k].append(shard[k].linear(inputs[k]))
-            assert shard[k].should_gather == (k == "head" or 200 % world == 0)
+            assert shard[k].should_gather == (k == "head" or VOCAB_ODD % world == 0)
         got["embed"].append(shard["embed"](ids))
     for k in ("o_proj", "down", "embed"):
         torch.testing.assert_close(sum(got[k]), expect[k], rtol=1e-5, atol=1e-5, msg=k)
@@ -132,14 +133,14 @@ def test_a_rank_reads_its_shard_not_the_tensor(blocks):
     full = whole.bytes_read
     col = Weights.from_pretrained(path, process_group=FakeGroup(1, 2))
     col.get_weights_col_packed_gate_up(GATE_UP)
-    assert col.bytes_read <= full / 2 + 192 * 4  # half of everything split along N, plus g_idx
+    assert col.bytes_read <= full / 2 + HIDDEN * 4  # half of everything split along N, plus g_idx
     whole.bytes_read = 0
     whole.get_weights(DOWN)
     row = Weights.from_pretrained(path, process_group=FakeGroup(0, 2))
     row.get_weights_row(DOWN)
-    qweight = 384 // 8 * 192 * 4
+    qweight = INTERMEDIATE // 8 * HIDDEN * 4
     # Half the packed rows; scales and zeros of every group (act-order); g_idx read twice.
-    assert row.bytes_read <= whole.bytes_read - qweight // 2 + 384 * 4
+    assert row.bytes_read <= whole.bytes_read - qweight // 2 + INTERMEDIATE * 4
 
 
 def _peak_over_final(fn):
@@ -154,7 +155,8 @@ def _peak_over_final(fn):
     return out, peak - live
 
 
-@pytest.mark.parametrize("name", ["dense", "gptq-v1-3bit-actorder", "gptq-v2-8bit-channel", "awq-gemm", "ct-4bit-actorder", "fp8-channel"])
+@pytest.mark.parametrize("name", ["dense", "gptq-v1-3bit-actorder", "gptq-v2-8bit-channel", "awq-gemm", "ct-4bit-actorder", "fp8-channel",
+                                  "eetq-ampere", "bnb-nf4-nested"])
 def test_loading_peaks_below_one_dense_layer_above_the_final_footprint(tmp_path, name, monkeypatch):
     # The floor on chunk size only matters for layers smaller than production ones; without it the
     # bound holds at any size where a chunk of N/64 columns is at least 32 columns wide.
@@ -270,16 +272,25 @@ def test_fused_layers_must_share_g_idx(tmp_path):
      r"cannot split 'l' \(a block of 10 of N=10\) evenly for world size 4"),
     (lambda: {"l.weight": torch.randn(6 * 16, 8)}, None, lambda w: w.get_weights_col_packed_qkv("l", 4, 1),
      r"cannot split 'l': num_key_value_heads=1 is not a multiple of world size"),
-], ids=["gptq-qzeros-N", "gptq-groups-K", "gptq-3bit-words-K", "awq-N", "fp8-blocks-N", "uneven", "kv-heads"])
+    (lambda: {"l.weight": (w := FORMATS["eetq"].quantize(torch.randn(128, 64))).weight, "l.weight_scales": w.weight_scales},
+     {"quant_method": "eetq", "weights": "int8"}, lambda w: w.get_weights_col("l"),
+     r"cannot split 'l.weight' along dim 0 \(N=128 in tiles of 64\) for world size 4 .* the shard ends at 32, inside a tile of 64"),
+    (lambda: {f"l.{k}": v for k, v in FORMATS["bitsandbytes-nf4"].to_state_dict(FORMATS["bitsandbytes-nf4"].quantize(torch.randn(64, 96), group_size=64)).items()},
+     {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, lambda w: w.get_weights_col("l"),
+     r"cannot split 'l': its blocks of 64 straddle rows \(K=96\), so it is only read whole"),
+], ids=["gptq-qzeros-N", "gptq-groups-K", "gptq-3bit-words-K", "awq-N", "fp8-blocks-N", "uneven", "kv-heads", "eetq-tiles-N", "bnb4-blocks"])
 def test_illegal_splits_name_tensor_dim_and_world_size(tmp_path, tensors, config, call, match):
     _write(str(tmp_path), tensors(), config)
-    world = 4 if "evenly" in match else 2
+    world = 4 if "world size 4" in match else 2
     with pytest.raises(ShardingError, match=match):
         call(Weights.from_pretrained(str(tmp_path), process_group=FakeGroup(0, world)))
 
 
 @pytest.mark.parametrize("qc, match", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method 'bitsandbytes' is not supported by qops.layers; supported: \['awq', 'compressed-tensors', 'fp8', 'gptq'\]"),
+    ({"quant_method": "hqq", "nbits": 4}, r"quant_method 'hqq' is not supported by qops.layers; supported: \['awq', 'bitsandbytes', 'compressed-tensors', 'eetq', 'fp8', 'gptq'\]"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, r"bnb_4bit_quant_type must be one of \['nf4', 'fp4'\]"),
+    ({"quant_method": "bitsandbytes"}, "sets neither load_in_8bit nor load_in_4bit"),
+    ({"quant_method": "eetq", "weights": "int4"}, "only int8 weights"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format must be 'gptq' or 'gptq_v2'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"version 'gemv' is not supported; supported: \['gemm'\]"),
     ({"quant_method": "compressed-tensors", "format": "naive-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4}}}},
@@ -288,7 +299,7 @@ def test_illegal_splits_name_tensor_dim_and_world_size(tmp_path, tensors, config
       "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}},
      r"weight strategy 'tensor' is not supported; supported: \['group', 'channel'\]"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3 weights"),
-], ids=["bitsandbytes", "gptq-marlin", "awq-gemv", "ct-naive", "ct-int-tensor", "fp8-e5m2"])
+], ids=["hqq", "bnb-int4", "bnb-nothing", "eetq-int4", "gptq-marlin", "awq-gemv", "ct-naive", "ct-int-tensor", "fp8-e5m2"])
 def test_unsupported_configs_say_what_is_supported(qc, match):
     with pytest.raises(WeightsError, match=match):
         parse_quantization_config(qc)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from qops.layers.testing import VARIANTS, tp_worker, write_block
+from qops.layers.testing import VARIANTS, block_checkpoints, tp_worker
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,11 +18,8 @@ TOLERANCES = {"default": 1e-4}
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
-    for name, v in VARIANTS.items():
-        write_block(str(root / name), v)
-    return str(root)
+def checkpoints():
+    return block_checkpoints()
 
 
 def _free_port() -> int:

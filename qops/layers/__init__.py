@@ -5,7 +5,10 @@ tensor or a format's checkpoint dataclass -> ``get_linear`` / ``QuantLinear.from
 (prepared once, runtime layout in buffers) -> tensor-parallel layers (functional collectives).
 """
 from .base import InputPadded, LinearMethod, QuantConfig, QuantLinear
+from .blockwise4 import Blockwise4Linear
 from .dense import FastLinear
+from .fp8 import Fp8Linear
+from .int8 import Int8Linear
 from .int_weight import IntWeightLinear
 from .layout import ShardingError, WeightsError
 from .loader import Weights, parse_quantization_config
@@ -18,7 +21,8 @@ from .tensor_parallel import (
 )
 
 __all__ = [
-    "CHECKPOINT_LINEARS", "CONFIG_METHODS", "LINEAR_METHODS", "FastLinear", "InputPadded", "IntWeightLinear",
+    "Blockwise4Linear", "CHECKPOINT_LINEARS", "CONFIG_METHODS", "LINEAR_METHODS", "FastLinear", "Fp8Linear", "InputPadded",
+    "Int8Linear", "IntWeightLinear",
     "LinearMethod", "QuantConfig", "QuantLinear", "ShardingError", "TensorParallelColumnLinear",
     "TensorParallelEmbedding", "TensorParallelHead", "TensorParallelRowLinear", "Weights", "WeightsError",
     "get_linear", "linear_from_weight", "parse_quantization_config",

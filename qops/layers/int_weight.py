@@ -49,7 +49,7 @@ from ..formats.integer import n_groups_for
 from ..ops.int_weight import IntWeight, with_lowering
 from . import act_order
 from .base import InputPadded, LinearMethod, QuantConfig, QuantLinear
-from .layout import FLOAT, INT, Dim, DictSource, LinearLayout, LinearScheme, Piece, TensorLayout, WeightsError, join, read_pieces
+from .layout import FLOAT, INT, Dim, DictSource, LinearLayout, LinearScheme, Piece, TensorLayout, WeightsError, join, read_pieces, require
 
 
 @dataclass(frozen=True)
@@ -140,10 +140,7 @@ class CompressedTensorsScheme(LinearScheme):
 
     def dims(self, source, prefix):
         name = join(prefix, "weight_shape")
-        if not source.has(name):
-            from .layout import require
-
-            require(source, name)
+        require(source, name)
         if source.shape(name) != (2,) or source.dtype_of(name).is_floating_point:
             raise WeightsError(f"tensor {name!r} in {source.where(name)} must be an integer tensor of shape (2,) = [N, K], got {source.dtype_of(name)} {source.shape(name)}")
         n, k = (int(v) for v in source.read(name, (slice(None),)).tolist())

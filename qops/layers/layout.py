@@ -24,8 +24,9 @@ This module knows nothing about any particular format: each one describes its te
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -43,6 +44,8 @@ class Dim:
     axis: str | None = None  # "n", "k", or None (never split)
     bits: int = 0  # > 0: values of this many bits packed into int32 words
     block: int = 0  # > 0: one entry per `block` values; -1: one entry for the whole axis
+    scale: int = 0  # > 0: `scale` entries per value (interleaved byte layouts)
+    align: int = 0  # > 0: splits must also fall on multiples of `align` values (layout tiles)
 
     def length(self, total: int) -> int | None:
         """The tensor's size along this dimension for an axis of ``total`` values (None: any)."""
@@ -54,10 +57,14 @@ class Dim:
             return -(-total // self.block)
         if self.bits:
             return -(-total * self.bits // 32)
+        if self.scale:
+            return total * self.scale
         return total
 
     def describe(self, total: int) -> str:
         ax = {"n": "N", "k": "K"}[self.axis]
+        if self.align:
+            return f"{ax}={total} in tiles of {self.align}"
         if self.block == -1:
             return f"one entry for all {ax}={total}"
         if self.block:
@@ -73,6 +80,11 @@ class Dim:
         if self.axis is None or self.block == -1:
             return slice(None)
         end_ok = b == total and partial_end_ok
+        if self.align:
+            if a % self.align:
+                raise ValueError(f"the shard starts at {a}, inside a tile of {self.align}")
+            if b % self.align and not end_ok:
+                raise ValueError(f"the shard ends at {b}, inside a tile of {self.align}")
         if self.block:
             if a % self.block:
                 raise ValueError(f"the shard starts at {a}, inside a group of {self.block}")
@@ -85,6 +97,8 @@ class Dim:
             if b * self.bits % 32 and not end_ok:
                 raise ValueError(f"the shard ends at value {b}, inside an int32 word ({b} * {self.bits} bits is not a multiple of 32)")
             return slice(a * self.bits // 32, -(-b * self.bits // 32))
+        if self.scale:
+            return slice(a * self.scale, b * self.scale)
         return slice(a, b)
 
 
@@ -104,6 +118,10 @@ class TensorLayout:
     # g_idx), "max" (elementwise maximum, e.g. static activation scales) or "per_channel" (a scalar
     # per layer becomes one row per output feature, (N, 1), unless all layers agree).
     across: str = "equal"
+    # Read the stored bytes as another shape (and dtype): view(K, N) -> shape. For layouts whose
+    # stored shape hides the axes (bitsandbytes' flat nibbles, EETQ's interleaved bytes).
+    view: Callable[[int, int], tuple[int, ...]] | None = None
+    view_dtype: torch.dtype | None = None
 
     def dtype_ok(self, dtype: torch.dtype) -> bool:
         if self.dtype == FLOAT:
@@ -152,6 +170,11 @@ class LinearScheme(abc.ABC):
         """This scheme with whatever the config leaves open read from the stored tensors."""
         return self
 
+    def read(self, source: "Source", pieces: list["Piece"], k_range: tuple[int, int], k: int, **kw) -> dict:
+        """The tensors of a shard (see :func:`read_pieces`, which schemes whose tensors all slice
+        plainly use as is)."""
+        return read_pieces(source, self.layout, pieces, k_range, k, **kw)
+
 
 class Source(Protocol):
     """Where tensors come from: checkpoint files (``Weights``) or tensors in memory (``DictSource``)."""
@@ -159,9 +182,11 @@ class Source(Protocol):
     def has(self, name: str) -> bool: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def dtype_of(self, name: str) -> torch.dtype: ...
-    def read(self, name: str, index: tuple[slice, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``tensor[index]`` (as ``dtype`` when given); files return a copy holding only the slice,
-        memory may return a view."""
+    def read(self, name: str, index: tuple[slice, ...], dtype: torch.dtype | None = None,
+             view: tuple[tuple[int, ...], torch.dtype] | None = None) -> torch.Tensor:
+        """``tensor[index]`` (converted to ``dtype`` when given; its bytes first read as ``view`` =
+        (shape, dtype) when given); files return a copy holding only the slice, memory may return a
+        view."""
     def where(self, name: str) -> str: ...
     def names_under(self, prefix: str) -> list[str]: ...
 
@@ -182,8 +207,11 @@ class DictSource:
     def dtype_of(self, name):
         return self.tensors[name].dtype
 
-    def read(self, name, index, dtype=None):
-        t = self.tensors[name][index]
+    def read(self, name, index, dtype=None, view=None):
+        t = self.tensors[name]
+        if view is not None:
+            t = t.contiguous().view(view[1]).reshape(view[0])
+        t = t[index]
         return t if dtype is None else t.to(dtype)
 
     def where(self, name):
@@ -216,13 +244,27 @@ def require(source: Source, name: str, t: TensorLayout | None = None) -> None:
         raise WeightsError(f"tensor {name!r}{what} not found in {source.where(name)}{hint}")
 
 
+def view_of(t: TensorLayout, source: Source, name: str, k: int, n: int) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """The (shape, dtype) ``name``'s bytes are read as, or None to read them as stored."""
+    if t.view is None:
+        return None
+    return t.view(k, n), t.view_dtype or source.dtype_of(name)
+
+
 def check_tensor(source: Source, name: str, t: TensorLayout, k: int, n: int) -> None:
     """Raise WeightsError unless ``name`` has the dtype and the full shape the layout gives it."""
     dtype = source.dtype_of(name)
+    shape = source.shape(name)
+    view = view_of(t, source, name, k, n)
+    if view is not None:
+        stored = math.prod(shape) * dtype.itemsize
+        if stored != math.prod(view[0]) * view[1].itemsize:
+            raise WeightsError(f"tensor {name!r} in {source.where(name)} holds {stored} bytes ({dtype} {shape}); "
+                               f"expected {math.prod(view[0]) * view[1].itemsize} ({view[1]} {view[0]}) for K={k}, N={n}")
+        shape, dtype = view
     if not t.dtype_ok(dtype):
         want = {FLOAT: "a floating dtype", INT: "an integer dtype"}.get(t.dtype, t.dtype)
         raise WeightsError(f"tensor {name!r} in {source.where(name)} has dtype {dtype}; this layout stores it as {want}")
-    shape = source.shape(name)
     expect = tuple(d.length(k if d.axis == "k" else n) for d in t.dims)
     if len(shape) != len(expect) or any(e is not None and e != s for e, s in zip(expect, shape)):
         want = tuple("*" if e is None else e for e in expect)
@@ -315,7 +357,7 @@ def read_pieces(
             parts = []
             for p in _unique(pieces):
                 nm = join(p.prefix, t.name)
-                parts.append((nm, source.read(nm, _index(nm, t, ranges, world, rank), conv)))
+                parts.append((nm, source.read(nm, _index(nm, t, ranges, world, rank), conv, view_of(t, source, nm, k, p.n))))
             out[t.name] = _fuse(t, parts, pieces)
             continue
         chunks = []
@@ -323,7 +365,7 @@ def read_pieces(
             ranges = {"n": (p.n0, p.n1, p.n, i == len(pieces) - 1)}
             if not (full_k_blocks and any(d.axis == "k" and d.block for d in t.dims)):
                 ranges["k"] = (k0, k1, k, True)
-            chunks.append(source.read(nm, _index(nm, t, ranges, world, rank), conv))
+            chunks.append(source.read(nm, _index(nm, t, ranges, world, rank), conv, view_of(t, source, nm, k, p.n)))
         out[t.name] = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=n_dim)
     if device is not None:
         out = {name: None if v is None else v.to(device) for name, v in out.items()}

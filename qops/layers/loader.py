@@ -1,12 +1,15 @@
 """Safetensors checkpoints served to the layers, shard by shard (LoRAX/TGI ``Weights``).
 
-``Weights.from_pretrained(path)`` reads ``config.json``'s ``quantization_config`` (or AutoGPTQ's
-``quantize_config.json`` / AutoAWQ's ``quant_config.json``) and the safetensors files, through
-``model.safetensors.index.json`` when there is one. Every file's header is read (and validated by
-the safetensors library) up front, so a truncated or foreign file fails at once with its name.
-Tensors are read lazily, one slice at a time, with positioned reads of exactly the slice's bytes
-(dtype conversion goes through a bounded staging buffer): a rank never reads what it does not keep,
-loading holds one layer's shard at a time, and no file is mapped into memory.
+``Weights.from_pretrained(path)`` reads the safetensors files, through
+``model.safetensors.index.json`` when there is one, and ``config.json``'s ``quantization_config``
+(or AutoGPTQ's ``quantize_config.json`` / AutoAWQ's ``quant_config.json``): ``quant_method`` gptq
+(v1/v2, act-order), awq (gemm), compressed-tensors (pack-quantized, float-quantized), fp8 (per
+tensor/channel, blocks), eetq and bitsandbytes (int8, nf4, fp4), as ``registry.CONFIG_METHODS``
+lists them. Every file's header is read (and validated by the safetensors library) up front, so a
+truncated or foreign file fails at once with its name. Tensors are read lazily, one slice at a
+time, with positioned reads of exactly the slice's bytes (dtype conversion goes through a bounded
+staging buffer): a rank never reads what it does not keep, loading holds one layer's shard at a
+time, and no file is mapped into memory.
 
 Layer methods return what ``get_linear`` / ``linear_from_weight`` take: a dense tensor, a format's
 checkpoint dataclass, or an ``InputPadded`` checkpoint (act-order row shards):
@@ -19,8 +22,9 @@ checkpoint dataclass, or an ``InputPadded`` checkpoint (act-order row shards):
 - ``get_weights_row(prefix)``: this rank's slice of K.
 
 Which scheme stores a layer comes from the config and the data: a layer the config quantizes is
-read in its quantized layout when its key tensor (``qweight``, ``weight_packed``) is there, and as a
-dense ``weight`` otherwise (GPTQ ``lm_head``, compressed-tensors ``ignore``).
+read in its quantized layout when its tensors are there (``qweight``, ``weight_packed``, an fp8
+``weight``, ...), and as a dense ``weight`` otherwise (GPTQ ``lm_head``, compressed-tensors
+``ignore``, bitsandbytes' skipped modules).
 """
 from __future__ import annotations
 
@@ -260,8 +264,13 @@ class Weights:
         require(self, name)
         return self.entries[self._resolve(name)]
 
-    def read(self, name: str, index: tuple[slice, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read(self, name: str, index: tuple[slice, ...], dtype: torch.dtype | None = None,
+             view: tuple[tuple[int, ...], torch.dtype] | None = None) -> torch.Tensor:
         entry = self._entry(name)
+        if view is not None:
+            if math.prod(view[0]) * view[1].itemsize != math.prod(entry.shape) * entry.dtype.itemsize:
+                raise WeightsError(f"tensor {name!r} in {entry.file}: {entry.dtype} {entry.shape} cannot be read as {view[1]} {view[0]}")
+            entry = _Entry(entry.file, tuple(view[0]), view[1], entry.offset)
         t = _read_slice(entry, index, dtype)
         self.bytes_read += t.numel() * entry.dtype.itemsize
         return t
@@ -323,8 +332,7 @@ class Weights:
         raise WeightsError(f"no linear layer under {prefix!r}: expected {' or '.join(map(repr, keys))} in {self.where(keys[0])}; tensors under it: {near}")
 
     def _read(self, scheme, pieces, k_range, k, **kw):
-        return read_pieces(self, scheme.layout, pieces, k_range, k, world=self.world_size, rank=self.rank,
-                           dtype=self.dtype, device=self.device, **kw)
+        return scheme.read(self, pieces, k_range, k, world=self.world_size, rank=self.rank, dtype=self.dtype, device=self.device, **kw)
 
     def get_weights(self, prefix: str):
         scheme = self.scheme_for(prefix)

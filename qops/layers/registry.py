@@ -16,15 +16,18 @@ import torch
 from torch import nn
 
 from ..formats.awq import AWQCheckpoint
+from ..formats.bitsandbytes import Bnb4bitCheckpoint, BnbInt8Checkpoint
 from ..formats.compressed_tensors import CompressedTensorsCheckpoint
+from ..formats.eetq import EETQCheckpoint
 from ..formats.fp8 import Fp8BlockCheckpoint, Fp8Checkpoint
 from ..formats.gptq import GPTQCheckpoint
-from . import compressed_tensors, dense, fp8, int_weight
+from . import blockwise4, compressed_tensors, dense, fp8, int8, int_weight
 from .base import InputPadded, LinearMethod
 
 LINEAR_METHODS: dict[str | None, LinearMethod] = {
     m.quantize: m for m in (dense.METHOD, int_weight.GPTQ_METHOD, int_weight.AWQ_METHOD, compressed_tensors.METHOD,
-                            fp8.FP8_METHOD, fp8.FP8_KV_METHOD)
+                            fp8.FP8_METHOD, fp8.FP8_KV_METHOD, int8.EETQ_METHOD, int8.BNB_INT8_METHOD,
+                            blockwise4.NF4_METHOD, blockwise4.FP4_METHOD)
 }
 
 CHECKPOINT_LINEARS = {
@@ -33,6 +36,9 @@ CHECKPOINT_LINEARS = {
     CompressedTensorsCheckpoint: int_weight.IntWeightLinear.from_checkpoint,
     Fp8Checkpoint: fp8.Fp8Linear.from_checkpoint,
     Fp8BlockCheckpoint: fp8.Fp8Linear.from_checkpoint,
+    EETQCheckpoint: int8.Int8Linear.from_checkpoint,
+    BnbInt8Checkpoint: int8.Int8Linear.from_checkpoint,
+    Bnb4bitCheckpoint: blockwise4.Blockwise4Linear.from_checkpoint,
 }
 
 CONFIG_METHODS = {
@@ -40,10 +46,12 @@ CONFIG_METHODS = {
     "awq": int_weight.AWQConfig.from_dict,
     "compressed-tensors": compressed_tensors.CompressedTensorsConfig.from_dict,
     "fp8": fp8.Fp8Config.from_dict,
+    "eetq": int8.EETQConfig.from_dict,
+    "bitsandbytes": blockwise4.BitsAndBytesConfig.from_dict,
 }
 
 # LoRAX/TGI quantize strings without a qops implementation yet; they get a clearer error.
-NOT_YET = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "hqq-*", "exl2", "marlin")
+NOT_YET = ("hqq-*", "exl2", "marlin")
 
 
 def supported_quantize() -> list[str | None]:

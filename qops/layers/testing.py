@@ -7,8 +7,11 @@ of safetensors shards plus index json and config.json, as a hub checkpoint looks
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -92,6 +95,27 @@ def _fp8(granularity, block=None, input_scale=None, scale_name="weight_scale"):
     return write
 
 
+def _eetq(w, seed):
+    c = FORMATS["eetq"].quantize(w)  # the ampere byte order transformers saves
+    return {"weight": c.weight, "weight_scales": c.weight_scales}, FORMATS["eetq"].dequantize(c)
+
+
+def _bnb_int8(w, seed):
+    c = FORMATS["bitsandbytes-int8"].quantize(w)
+    return {"weight": c.weight, "SCB": c.SCB, "weight_format": torch.tensor(0, dtype=torch.uint8)}, FORMATS["bitsandbytes-int8"].dequantize(c)
+
+
+def _bnb_4bit(quant_type, nested):
+    def write(w, seed):
+        fmt = FORMATS[f"bitsandbytes-{quant_type}"]
+        c = fmt.quantize(w, group_size=64, nested=nested, dtype=torch.bfloat16)
+        # bitsandbytes' own keys (weight, weight.absmax, weight.quant_map, weight.nested_*, and the
+        # JSON blob weight.quant_state.bitsandbytes__<type>), byte for byte.
+        return fmt.to_state_dict(c), fmt.dequantize(c)
+
+    return write
+
+
 def _ct_fp8_config(block, ignore=("lm_head_odd",)):
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "block", "block_structure": list(block)}
     acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
@@ -124,6 +148,12 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("fp8-block", "fp8", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
             _fp8("block", (32, 32), scale_name="weight_scale_inv"), 32),
     Variant("ct-fp8-block", "compressed-tensors", _ct_fp8_config((32, 32)), _fp8("block", (32, 32), scale_name="weight_scale"), 32),
+    Variant("eetq-ampere", "eetq", {"quant_method": "eetq", "weights": "int8"}, _eetq, 64),
+    Variant("bnb-int8", "bitsandbytes", {"quant_method": "bitsandbytes", "load_in_8bit": True}, _bnb_int8),
+    Variant("bnb-nf4-nested", "bitsandbytes", {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                               "bnb_4bit_use_double_quant": True}, _bnb_4bit("nf4", True), 64),
+    Variant("bnb-fp4", "bitsandbytes", {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"},
+            _bnb_4bit("fp4", False), 64),
 )}
 
 
@@ -164,9 +194,9 @@ def write_checkpoint(
 
 
 # A tiny transformer block using every tensor-parallel layer kind. Sizes split on every legal
-# boundary of every variant for world sizes 1, 2 and 3 (3-bit N and K shards of 32 values); the
-# odd vocabulary (200) does not divide by 3, so that head stays whole there.
-HIDDEN, INTERMEDIATE, HEADS, VOCAB, VOCAB_ODD = 192, 384, 6, 192, 200
+# boundary of every variant for world sizes 1, 2 and 3 (EETQ's ampere order needs N and K shards
+# of 64, 3-bit GPTQ of 32); the odd vocabulary (400) does not divide by 3, so that head stays whole.
+HIDDEN, INTERMEDIATE, HEADS, VOCAB, VOCAB_ODD = 384, 768, 6, 384, 400
 QKV = "layers.0.attn.qkv_proj"
 Q_K_V = ["layers.0.attn.q_proj", "layers.0.attn.k_proj", "layers.0.attn.v_proj"]
 O_PROJ, GATE_UP, DOWN = "layers.0.attn.o_proj", "layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj"
@@ -230,6 +260,21 @@ def rank_slice(full: torch.Tensor, blocks: list[int], rank: int, world: int) -> 
 def write_block(path: str, variant: Variant, seed: int = 0) -> None:
     layers, dense = block_tensors(seed)
     write_checkpoint(path, variant, layers, dense, seed=seed)
+
+
+_BLOCKS: dict[int, str] = {}
+
+
+def block_checkpoints(seed: int = 0) -> str:
+    """A directory holding every variant's TinyBlock checkpoint (``<dir>/<variant name>``), written
+    once per process (quantizing them takes seconds) and removed at exit."""
+    if seed not in _BLOCKS:
+        root = tempfile.mkdtemp(prefix="qops-blocks-")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        for name, v in VARIANTS.items():
+            write_block(os.path.join(root, name), v, seed)
+        _BLOCKS[seed] = root
+    return _BLOCKS[seed]
 
 
 class Blocks(torch.nn.Module):

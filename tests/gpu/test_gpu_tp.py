@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from qops.distributed import FakeGroup
 from qops.layers import Weights
-from qops.layers.testing import NVLS_OFF, VARIANTS, tp_worker, write_block, write_checkpoint
+from qops.layers.testing import NVLS_OFF, VARIANTS, block_checkpoints, tp_worker, write_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -39,11 +39,8 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp_gpu")
-    for name, v in VARIANTS.items():
-        write_block(str(root / name), v)
-    return str(root)
+def checkpoints():
+    return block_checkpoints()
 
 
 def _free_port() -> int:
@@ -60,7 +57,8 @@ def test_tensor_parallel_layers_on_two_gpus_equal_one_gpu(checkpoints, mode):
              nprocs=2, join=True)
 
 
-@pytest.mark.parametrize("name", ["dense", "gptq-v2-4bit-actorder", "gptq-v1-3bit-actorder", "awq-gemm", "ct-8bit-asym-channel", "fp8-channel"])
+@pytest.mark.parametrize("name", ["dense", "gptq-v2-4bit-actorder", "gptq-v1-3bit-actorder", "awq-gemm", "ct-8bit-asym-channel", "fp8-channel",
+                                  "eetq-ampere", "bnb-nf4-nested"])
 def test_loading_to_the_gpu_peaks_below_one_dense_layer_above_the_final_footprint(tmp_path, name):
     n, k = 4096, 4096
     write_checkpoint(str(tmp_path), VARIANTS[name], {"layer": torch.randn(n, k) * 0.05}, shards=1)
