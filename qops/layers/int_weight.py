@@ -169,8 +169,10 @@ CHUNK_MIN_ELEMENTS = 1 << 16
 CHUNK_FRACTION = 64
 
 
-def _chunk_columns(k: int, n: int) -> int:
-    target = max(CHUNK_MIN_ELEMENTS, n * k // CHUNK_FRACTION)
+def _chunk_columns(k: int, n: int, k_budget: int) -> int:
+    """Columns per chunk: N * k_budget / CHUNK_FRACTION elements (k_budget: the K the memory
+    budget is counted in -- the activations' K for an act-order shard padded to more rows)."""
+    target = max(CHUNK_MIN_ELEMENTS, n * k_budget // CHUNK_FRACTION)
     return max(32, target // max(k, 1) // 32 * 32)
 
 
@@ -178,7 +180,7 @@ def _tensor_fields(c) -> dict[str, torch.Tensor]:
     return {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if isinstance(getattr(c, f.name), torch.Tensor)}
 
 
-def prepare(checkpoint, *, dtype: torch.dtype | None = None) -> IntWeight:
+def prepare(checkpoint, *, dtype: torch.dtype | None = None, input_pad: int = 0) -> IntWeight:
     """``FORMATS[format].prepare(checkpoint)``, run over column chunks of large layers.
 
     The result is the same runtime weight (bit for bit) as one whole preparation; a layer whose
@@ -186,7 +188,7 @@ def prepare(checkpoint, *, dtype: torch.dtype | None = None) -> IntWeight:
     """
     scheme, k, n = CHECKPOINT_SCHEMES[type(checkpoint)](checkpoint)
     fmt = FORMATS[scheme.format]
-    cols = _chunk_columns(k, n)
+    cols = _chunk_columns(k, n, k - input_pad)
     if cols >= n:
         return fmt.prepare(checkpoint, dtype=dtype)
     fields = _tensor_fields(checkpoint)
@@ -261,7 +263,7 @@ class IntWeightLinear(QuantLinear):
             raise TypeError(f"IntWeightLinear.from_checkpoint: expected one of {sorted(t.__name__ for t in CHECKPOINT_SCHEMES)}, got {type(checkpoint).__name__}")
         if bias is not None and dtype is not None:
             bias = bias.to(dtype)
-        return cls(prepare(checkpoint, dtype=dtype), bias, input_pad=pad)
+        return cls(prepare(checkpoint, dtype=dtype, input_pad=pad), bias, input_pad=pad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_pad:
