@@ -29,7 +29,7 @@ needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"need
 # fp16 activations: the ranks' partial sums are rounded to fp16 before the all-reduce. W8A8 with
 # dynamic per-token activation scales quantizes each rank's slice of a row-parallel input with the
 # slice's own amax, so those differ by the fp8 rounding of the activations.
-TOLERANCES = {"default": 1e-2, "fp8-channel": 8e-2}
+TOLERANCES = {"default": 1e-2, "fp8-channel": 1e-1}
 MODES = {
     "eager+compiled": ("eager", "compiled"),
     "cuda_graph": ("cuda_graph",),
