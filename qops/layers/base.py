@@ -39,7 +39,7 @@ class QuantLinear(nn.Module):
     def from_checkpoint(cls, checkpoint, bias: torch.Tensor | None = None, *, dtype: torch.dtype | None = None) -> "QuantLinear":
         """The module serving ``checkpoint`` (a format's checkpoint dataclass, e.g.
         ``qops.formats.gptq.GPTQCheckpoint``, or an :class:`InputPadded` one), prepared once for
-        activations of ``dtype`` (default: the dtype of its scales) on the checkpoint's device."""
+        activations of ``dtype`` (default: its format's) on the checkpoint's device."""
         from .registry import CHECKPOINT_LINEARS
 
         inner = checkpoint.checkpoint if isinstance(checkpoint, InputPadded) else checkpoint
