@@ -1,7 +1,7 @@
 """int8 W8A16 (``qops::mm_int8_weight``: EETQ / bitsandbytes LLM.int8) and NF4 (``qops::mm_blockwise4``:
 bitsandbytes, blocksize 64, nested absmax) against cuBLAS fp16 / bf16, timed as PERF.md says.
 
-One run measures everything side by side with one method (``/work/shared/anchors/bench_anchors.py``):
+One run measures everything side by side with one method (``../shared/anchors/bench_anchors.py``):
 
 - the ceilings: device-to-device copy bandwidth (1 GiB + 1 GiB) and bf16 dense matmul 8192^3;
 - per shape (N x K) one random int8 weight with per-channel scales and one random NF4 weight

@@ -1,7 +1,7 @@
 """FP8 benchmark: qops W8A8 against ``torch._scaled_mm`` called directly, qops W8A16 against cuBLAS
 fp16/bf16, with the copy-bandwidth roofline measured in the same run.
 
-Method (PERF.md "How to time", as ``/work/shared/anchors/bench_anchors.py``): correctness against a
+Method (PERF.md "How to time", as ``../shared/anchors/bench_anchors.py``): correctness against a
 float64 reference first; then CUDA-graph replays of calls over rotated weight copies (> 256 MB in all,
 so the 60 MB L2 cannot hold the weight), CUDA events, median of trials. Per shape (N x K) one random
 fp16 weight quantized per channel (``FORMATS["fp8"]``):
