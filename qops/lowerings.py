@@ -186,8 +186,9 @@ LOWERINGS: tuple[Lowering, ...] = (
         priority=20,
         entry="qops.native.int_weight:native_mm",
         warmup="qops.native.int_weight:warmup",
-        # Ranked above triton from measurement: faster at every M <= 16 on all five benchmark shapes
-        # (H200, benchmarks/results/h200-2026-11-30-int-weight.json); identical above (delegated).
+        # Ranked above triton from measurement: faster at every M <= 16 on the four shapes measured
+        # side by side (H200, benchmarks/results/h200-2026-11-30-int-weight.json); above 16 it
+        # delegates to triton, so the times match.
         note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=16, deterministic split-K; larger M delegated to triton",
         software=_native_missing,
     ),
