@@ -28,16 +28,15 @@ import argparse
 import itertools
 import json
 import math
-import os
-import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import common
+from common import LARGE_SHAPES, clone_tensors, n_copies
+
+common.add_repo_to_path()
 
 import qops  # noqa: E402,F401
 from qops.formats.bitsandbytes import codebook  # noqa: E402
@@ -45,16 +44,11 @@ from qops.formats.blockwise4 import dynamic_map  # noqa: E402
 from qops.ops.blockwise4 import prepare_blockwise4  # noqa: E402
 from qops.ops.int8_weight import prepare_int8_weight  # noqa: E402
 
-SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # (N, K)
-LARGE = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]
 MS = [1, 16, 64, 256]
 DRY_SHAPES, DRY_MS = [(256, 512), (320, 1024)], [1, 16]
 BLOCKSIZE = 64
-ROT_BYTES = 288 * 2**20
-MAX_COPIES = 64
 CHECK_ROWS = 512
 TARGETS = {"int8_m1_roof_pct": 70.0, "nf4_m1_roof_pct": 60.0, "nf4_vs_fp16_max_m": 16}
-PERF_COPY_TBPS, PERF_BF16_TFLOPS = 4.25, 810.0  # PERF.md, for --dry-run only
 # --sweep: GEMV configs tried at M = 1 (the lowering's defaults are in qops/ops/triton/*.py CONFIGS).
 SWEEP = {
     "int8": [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8))],
@@ -64,8 +58,8 @@ SWEEP = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="bench_bnb_int8.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", help="comma-separated NxK; default the five of PERF.md")
-    p.add_argument("--ms", help="comma-separated M; default 1,16,64,256")
+    p.add_argument("--shapes", type=common.parse_shapes, help="comma-separated NxK; default the five of PERF.md")
+    p.add_argument("--ms", type=common.parse_ms, help="comma-separated M; default 1,16,64,256")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=5.0, help="GPU time per timed trial")
     p.add_argument("--sweep", action="store_true", help="also time the GEMV configs of SWEEP at M=1 and print the best")
@@ -73,83 +67,10 @@ def parse_args(argv=None):
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--tol", type=float, default=2e-3, help="largest relative error counted correct (fp16 activations)")
     a = p.parse_args(argv)
-    a.shape_list = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")] if a.shapes else (DRY_SHAPES if a.dry_run else SHAPES)
-    a.m_list = [int(m) for m in a.ms.split(",")] if a.ms else (DRY_MS if a.dry_run else MS)
+    a.shape_list = a.shapes or (DRY_SHAPES if a.dry_run else common.PERF_SHAPES)
+    a.m_list = a.ms or (DRY_MS if a.dry_run else MS)
     return a
 
-
-# ------------------------------------------------------------------------------------ timing
-
-
-def graph_time(fns, trials: int, target_ms: float) -> float:
-    """Median microseconds per call of ``fns`` (one zero-arg callable per weight copy), from CUDA-graph replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            for f in fns:
-                f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    g.replay()
-    b.record()
-    b.synchronize()
-    iters = max(1, min(2000, round(target_ms / max(a.elapsed_time(b), 1e-3))))
-    ts = []
-    for _ in range(trials):
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / iters / len(fns))
-    del g
-    return statistics.median(ts)
-
-
-def wall_time(fns, trials: int, target_ms: float) -> float:
-    for f in fns:
-        f()
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for f in fns:
-            f()
-        ts.append((time.perf_counter() - t0) * 1e6 / len(fns))
-    return statistics.median(ts)
-
-
-def copy_TBps() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    for _ in range(10):
-        dst.copy_(src)
-    b.record()
-    b.synchronize()
-    return 2 * src.numel() * 10 / (a.elapsed_time(b) / 1e3) / 1e12
-
-
-def bf16_TFLOPs(trials: int) -> float:
-    A = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    B = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    t = graph_time([lambda: A @ B], trials, 20.0)
-    return 2 * 8192**3 / (t * 1e-6) / 1e12
-
-
-# ------------------------------------------------------------------------------------ weights
 
 
 def int8_weight(n, k, dev, gen):
@@ -170,13 +91,6 @@ def nf4_weight(n, k, dev, gen):
         out_features=n, in_features=k, blocksize=BLOCKSIZE, nested_blocksize=256,
         dtype=torch.float16, format_name="bitsandbytes-nf4",
     )
-
-
-def clone_weight(w):
-    import dataclasses
-
-    fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
-    return dataclasses.replace(w, **{k: v.clone() for k, v in fields.items() if isinstance(v, torch.Tensor)})
 
 
 def decode_rows(w, rows: int) -> torch.Tensor:
@@ -203,11 +117,6 @@ def call(w, x, out=None):
     return torch.ops.qops.mm_blockwise4_out(*args, out, None)
 
 
-def n_copies(nbytes: float, gpu: bool) -> int:
-    """Weight copies rotated per timed graph: > 256 MB in all, so L2 cannot hold them."""
-    return max(1, min(MAX_COPIES if gpu else 2, math.ceil(ROT_BYTES / nbytes)))
-
-
 def weight_bytes(kind: str, n: int, k: int) -> float:
     if kind == "int8":
         return n * k + 4 * n
@@ -225,17 +134,6 @@ def path_of(kind, m, n, k, dev) -> str:
     return f"{p['path']}/split{p['split']}"
 
 
-# ------------------------------------------------------------------------------------ main
-
-
-def git_commit() -> str:
-    if os.environ.get("QOPS_COMMIT"):
-        return os.environ["QOPS_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
 
 def main(argv=None) -> int:
     a = parse_args(argv)
@@ -244,27 +142,24 @@ def main(argv=None) -> int:
         print("no CUDA device: use --dry-run", file=sys.stderr)
         return 2
     dev = torch.device("cuda" if gpu else "cpu")
-    timer = graph_time if gpu else wall_time
-    res = {"bench": "bnb_int8", "device": torch.cuda.get_device_name() if gpu else "cpu (dry run)",
-           "torch": torch.__version__, "commit": git_commit(), "dry_run": a.dry_run, "rows": []}
-    try:
-        import triton
 
-        res["triton"] = triton.__version__
-    except Exception as e:  # noqa: BLE001
-        res["triton"] = repr(e)
-    bw = copy_TBps() if gpu else PERF_COPY_TBPS
-    peak = bf16_TFLOPs(a.trials) if gpu else PERF_BF16_TFLOPS
+    def timer(fns, trials, target_ms):
+        return common.graph_time(fns, trials, target_ms).us if gpu else common.wall_time(fns, trials).us
+
+    res = {"bench": "bnb_int8", "device": common.device_name(gpu), "torch": torch.__version__,
+           "commit": common.git_commit(), "dry_run": a.dry_run, "rows": [], "triton": common.triton_version()}
+    bw = common.copy_TBps(a.trials) if gpu else common.PERF_COPY_TBPS
+    peak = common.bf16_TFLOPs(a.trials) if gpu else common.PERF_BF16_TFLOPS
     res.update(copy_TBps=round(bw, 3), bf16_TFLOPs=round(peak, 1))
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
-    out_path = os.path.join(os.environ["OUT"], "bench_bnb_int8.json") if os.environ.get("OUT") else None
+    out_paths = common.output_paths("bench_bnb_int8.json", a.out)
     gen = torch.Generator(device=dev).manual_seed(0)
     t_start = time.time()
     for n, k in a.shape_list:
         weights = {"int8": int8_weight(n, k, dev, gen), "nf4": nf4_weight(n, k, dev, gen)}
         for kind, w in weights.items():
             print(f"{n}x{k} {kind}: {w.choice.lowering.name}", flush=True)
-        copies = {kind: [w] + [clone_weight(w) for _ in range(n_copies(weight_bytes(kind, n, k), gpu) - 1)]
+        copies = {kind: [w] + [clone_tensors(w) for _ in range(n_copies(weight_bytes(kind, n, k), gpu) - 1)]
                   for kind, w in weights.items()}
         dense = {dt: torch.randn(n, k, device=dev, generator=gen).to(dt) * 0.02 for dt in (torch.float16, torch.bfloat16)}
         dense_copies = {dt: [w] + [w.clone() for _ in range(n_copies(2 * n * k, gpu) - 1)] for dt, w in dense.items()}
@@ -280,7 +175,7 @@ def main(argv=None) -> int:
                 try:
                     row[kind] = measure(kind, ws, x, refs[kind], row, io, bw, peak, timer, a, gpu)
                 except Exception as e:  # noqa: BLE001 - recorded and reported; the other rows still run
-                    row[kind] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+                    row[kind] = {"error": common.short_err(e)}
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         if a.sweep and gpu and 1 in a.m_list:
@@ -288,13 +183,9 @@ def main(argv=None) -> int:
         del weights, copies, dense, dense_copies, refs
         if gpu:
             torch.cuda.empty_cache()
-        for path in filter(None, (out_path, a.out)):
-            with open(path, "w") as f:
-                json.dump(res, f, indent=1)
+        common.write_json(res, out_paths)
     res["seconds"] = round(time.time() - t_start, 1)
-    for path in filter(None, (out_path, a.out)):
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+    common.write_json(res, out_paths)
     report(res, a)
     return 0
 
@@ -308,12 +199,11 @@ def measure(kind, ws, x, ref, row, io, bw, peak, timer, a, gpu) -> dict:
     got = call(w, x)
     out = torch.full((m, n), float("nan"), device=x.device, dtype=torch.float16)
     call(w, x, out)
-    err = max(((got[:, :rows].double() - want).norm() / want.norm()).item(),
-              ((out[:, :rows].double() - want).norm() / want.norm()).item())
-    if not bool(torch.isfinite(out).all()):
-        err = float("inf")
+    errs = [common.rel_err(got[:, :rows], want), common.rel_err(out[:, :rows], want)]
+    # out starts as NaN: an element the op left unwritten anywhere, not only in the checked rows, fails.
+    err = math.inf if None in errs or not bool(torch.isfinite(out).all()) else max(errs)
     us = timer([lambda w=w: call(w, x) for w in ws], a.trials, a.target_ms)
-    roof = max((weight_bytes(kind, n, k) + io) / (bw * 1e12), 2 * m * n * k / (peak * 1e12)) * 1e6
+    roof = common.roofline_us(weight_bytes(kind, n, k) + io, bw, 2 * m * n * k, peak)
     return {"op": "mm_int8_weight" if kind == "int8" else "mm_blockwise4",
             "format": "eetq / bitsandbytes-int8" if kind == "int8" else "bitsandbytes-nf4 b64 nested",
             "lowering": w.choice.lowering.name, "path": path_of(kind, m, n, k, x.device) if gpu else "reference",
@@ -332,7 +222,7 @@ def sweep(n, k, copies, dev, a) -> list[dict]:
         for cfg in SWEEP[kind]:
             with mod.config_override(gemv=cfg):
                 try:
-                    us = graph_time([lambda w=w: call(w, x) for w in copies[kind]], 3, a.target_ms)
+                    us = common.graph_time([lambda w=w: call(w, x) for w in copies[kind]], 3, a.target_ms).us
                 except Exception as e:  # noqa: BLE001 - a config the compiler refuses
                     print(f"sweep {kind} {cfg}: {type(e).__name__}", flush=True)
                     continue
@@ -353,16 +243,16 @@ def report(res, a) -> None:
     for r in res["rows"]:
         paths = ", ".join(r[kind].get("path", "-") for kind in ("int8", "nf4"))
         print(f"{r['N']}x{r['K']}, {r['M']} | {r['cublas_fp16_us']} | {cell(r, 'int8')} | {cell(r, 'nf4')} | {paths}")
-    print(f"\nTARGETS ({res['device']}, copy {res['copy_TBps']} TB/s, bf16 {res['bf16_TFLOPs']} TFLOP/s, commit {res['commit'][:12]})")
+    print(f"\nTARGETS ({res['device']}, copy {res['copy_TBps']} TB/s, bf16 {res['bf16_TFLOPs']} TFLOP/s, commit {(res['commit'] or 'unknown')[:12]})")
     bad = [r for r in res["rows"] for kind in ("int8", "nf4") if not r[kind].get("correct", False)]
     print(f"correct (rel err <= {a.tol}, no error): {'all rows' if not bad else f'FAILED in {len(bad)} rows'}")
     for kind, key in (("int8", "int8_m1_roof_pct"), ("nf4", "nf4_m1_roof_pct")):
-        rows = [r for r in res["rows"] if r["M"] == 1 and (r["N"], r["K"]) in LARGE]
+        rows = [r for r in res["rows"] if r["M"] == 1 and (r["N"], r["K"]) in LARGE_SHAPES]
         if not rows:
             print(f"{kind} M=1 >= {TARGETS[key]}% of roofline: not measured")
             continue
         pcts = [r[kind].get("roofline_pct", 0.0) for r in rows]
-        ok = len(rows) == len(LARGE) and all(p >= TARGETS[key] for p in pcts)
+        ok = len(rows) == len(LARGE_SHAPES) and all(p >= TARGETS[key] for p in pcts)
         print(f"{kind} M=1 >= {TARGETS[key]}% of roofline on the large shapes: {'MET' if ok else 'NOT MET'} ({', '.join(f'{p}%' for p in pcts)})")
     rows = [r for r in res["rows"] if r["M"] <= TARGETS["nf4_vs_fp16_max_m"]]
     if rows:

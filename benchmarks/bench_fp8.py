@@ -28,121 +28,40 @@ large shapes). About 2 minutes on an H200.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
-import os
-import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common
+from common import LARGE_SHAPES, clone_tensors, n_copies, rel_err
+
+common.add_repo_to_path()
 
 import qops  # noqa: E402,F401
 from qops.formats import FORMATS  # noqa: E402
 from qops.ops.fp8 import quantize_fp8_activations  # noqa: E402
 
-SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # (N, K)
-LARGE = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]
 MS = [1, 16, 64, 256, 2048]
-ROT_BYTES = 288 * 2**20
 W8A8_MIN_RATIO, W8A16_M1_MIN_ROOF = 0.95, 0.70
-PERF_COPY_TBPS = 4.25  # PERF.md, used by --dry-run only
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", help="comma-separated NxK; default the five of PERF.md")
-    p.add_argument("--ms", help="comma-separated M; default 1,16,64,256,2048")
+    p.add_argument("--shapes", type=common.parse_shapes, help="comma-separated NxK; default the five of PERF.md")
+    p.add_argument("--ms", type=common.parse_ms, help="comma-separated M; default 1,16,64,256,2048")
     p.add_argument("--quick", action="store_true", help="3 trials of ~5 ms instead of 5 of ~10 ms")
     p.add_argument("--trials", type=int)
     p.add_argument("--sweep", action="store_true", help="time gemv launch configs at M=1 on the large shapes and print the best")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, wall clock: checks the plumbing only")
     p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args(argv)
-    a.shape_list = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",")] if a.shapes else (
-        [(256, 512), (72, 200)] if a.dry_run else SHAPES)
-    a.m_list = [int(m) for m in a.ms.split(",")] if a.ms else ([1, 16] if a.dry_run else MS)
+    a.shape_list = a.shapes or ([(256, 512), (72, 200)] if a.dry_run else common.PERF_SHAPES)
+    a.m_list = a.ms or ([1, 16] if a.dry_run else MS)
     a.trials = a.trials or (3 if a.quick or a.dry_run else 5)
     a.target_ms = 5.0 if a.quick or a.dry_run else 10.0
     return a
-
-
-def graph_time(fns, trials: int, target_ms: float) -> float:
-    """Median microseconds per call of ``fns`` (one zero-arg callable per rotated weight copy)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            for f in fns:
-                f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    a.record()
-    g.replay()
-    b.record()
-    b.synchronize()
-    iters = max(1, min(1000, round(target_ms / max(a.elapsed_time(b), 1e-3))))
-    ts = []
-    for _ in range(trials):
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / iters / len(fns))
-    return statistics.median(ts)
-
-
-def wall_time(fns, trials: int, target_ms: float) -> float:
-    for f in fns:
-        f()
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for f in fns:
-            f()
-        ts.append((time.perf_counter() - t0) * 1e6 / len(fns))
-    return statistics.median(ts)
-
-
-def copy_bandwidth_TBps() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    bws = []
-    for _ in range(5):
-        a.record()
-        for _ in range(10):
-            dst.copy_(src)
-        b.record()
-        b.synchronize()
-        bws.append(2 * src.numel() * 10 / (a.elapsed_time(b) / 1e3) / 1e12)
-    del src, dst
-    torch.cuda.empty_cache()
-    return statistics.median(bws)
-
-
-def copies(nbytes: int) -> int:
-    return max(1, min(64, math.ceil(ROT_BYTES / nbytes)))
-
-
-def rel_err(got, want) -> float | None:
-    g = got.double()
-    if not bool(torch.isfinite(g).all()):
-        return None
-    return ((g - want).norm() / want.norm()).item()
 
 
 def safe(fn):
@@ -150,7 +69,7 @@ def safe(fn):
     try:
         return fn()
     except Exception as e:  # noqa: BLE001
-        print(f"    ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})", flush=True)
+        print(f"    ({common.short_err(e)[:200]})", flush=True)
         return None
 
 
@@ -167,13 +86,14 @@ def bench_shape(n, k, args, timer, dev, bw, rows):
           "tensorwise": fmt.prepare(ckpt_t, dtype=torch.bfloat16, activations="static")}
     print(f"== {n}x{k}: W8A16 {a16.choice.lowering.name}; W8A8 rowwise {w8['rowwise'].choice.lowering.name}, "
           f"tensorwise {w8['tensorwise'].choice.lowering.name}", flush=True)
-    r8, r16 = copies(n * k), copies(2 * n * k)
-    a16s = [dataclasses.replace(a16, weight=a16.weight.clone()) for _ in range(r8)]
-    w8s = {s: [dataclasses.replace(w, weight=w.weight.clone()) for _ in range(r8)] for s, w in w8.items()}
+    gpu = torch.device(dev).type == "cuda"
+    r8, r16 = n_copies(n * k, gpu), n_copies(2 * n * k, gpu)
+    a16s = [clone_tensors(a16) for _ in range(r8)]
+    w8s = {s: [clone_tensors(w) for _ in range(r8)] for s, w in w8.items()}
     dense16 = [w16.clone() for _ in range(r16)]
     dense_bf = [w16.bfloat16() for _ in range(r16)]
     for m in args.m_list:
-        roof = (n * k + 2 * m * (n + k)) / (bw * 1e12) * 1e6
+        roof = common.roofline_us(n * k + 2 * m * (n + k), bw)
         x = torch.randn(m, k, device=dev, generator=g, dtype=torch.float16)
         xb = x.bfloat16()
         # W8A16
@@ -218,20 +138,20 @@ def sweep(args, dev):
     """Time gemv launch configurations at M=1 (tuning aid for qops/ops/triton/fp8.py)."""
     from qops.ops.triton.fp8 import triton_mm
 
-    bw = copy_bandwidth_TBps()
-    for n, k in LARGE:
+    bw = common.copy_TBps()
+    for n, k in LARGE_SHAPES:
         w16 = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02
         pw = FORMATS["fp8"].prepare(FORMATS["fp8"].quantize(w16, granularity="channel"), dtype=torch.float16, activations="none")
-        ws = [pw.weight.clone() for _ in range(copies(n * k))]
+        ws = [pw.weight.clone() for _ in range(n_copies(n * k))]
         x = torch.randn(1, k, device=dev, dtype=torch.float16)
-        roof = (n * k + 2 * (n + k)) / (bw * 1e12) * 1e6
+        roof = common.roofline_us(n * k + 2 * (n + k), bw)
         results = []
         for bn in (2, 4, 8, 16, 32):
             for tile in (4096, 8192, 16384):
                 for warps in (4, 8):
                     cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=tile // bn, SPLIT_K=1, num_warps=warps)
-                    t = safe(lambda: graph_time([lambda w=w: triton_mm(x, None, w, pw.weight_scale, None, 1, -1, torch.float16, config=cfg)
-                                                 for w in ws], 3, 5.0))
+                    t = safe(lambda: common.graph_time([lambda w=w: triton_mm(x, None, w, pw.weight_scale, None, 1, -1, torch.float16, config=cfg)
+                                                 for w in ws], 3, 5.0).us)
                     if t:
                         results.append((t, cfg))
         results.sort(key=lambda r: r[0])
@@ -249,23 +169,16 @@ def main(argv=None) -> int:
         sweep(args, dev)
         return 0
     torch.manual_seed(0)
-    meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)", "torch": torch.__version__}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except Exception as e:  # noqa: BLE001
-        meta["triton"] = repr(e)
-    try:
-        meta["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        meta["commit"] = os.environ.get("QOPS_COMMIT")
-    bw = PERF_COPY_TBPS if args.dry_run else copy_bandwidth_TBps()
+    meta = {"device": common.device_name(dev == "cuda"), "torch": torch.__version__,
+            "triton": common.triton_version(), "commit": common.git_commit()}
+    bw = common.PERF_COPY_TBPS if args.dry_run else common.copy_TBps()
     meta["copy_TBps"] = round(bw, 3)
     print(meta, flush=True)
 
     def timer(fns):
-        return round((wall_time if args.dry_run else graph_time)(fns, args.trials, args.target_ms), 2)
+        if args.dry_run:
+            return round(common.wall_time(fns, args.trials).us, 2)
+        return round(common.graph_time(fns, args.trials, args.target_ms).us, 2)
 
     rows: list[dict] = []
     t0 = time.time()
@@ -273,9 +186,7 @@ def main(argv=None) -> int:
         bench_shape(n, k, args, timer, dev, bw, rows)
     meta["seconds"] = round(time.time() - t0, 1)
     result = dict(meta, rows=rows)
-    for path in filter(None, (os.path.join(os.environ["OUT"], "bench_fp8.json") if os.environ.get("OUT") else None, args.out)):
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+    common.write_json(result, common.output_paths("bench_fp8.json", args.out))
     report(rows, args)
     return 0
 
@@ -299,7 +210,7 @@ def report(rows, args):
         print(f"  W8A8 {r['scaling']:<10} {r['N']}x{r['K']} M={r['M']}: {ratio and round(ratio, 3)}x of _scaled_mm "
               f"(target >= {W8A8_MIN_RATIO}) {verdict}")
     for r in rows:
-        if r["op"] == "mm_fp8_weight" and r["M"] == 1 and (r["N"], r["K"]) in LARGE:
+        if r["op"] == "mm_fp8_weight" and r["M"] == 1 and (r["N"], r["K"]) in LARGE_SHAPES:
             frac = _ratio(r["roofline_us"], r["qops_us"])
             verdict = "n/a" if frac is None else ("met" if frac >= W8A16_M1_MIN_ROOF else "NOT met")
             speed = _ratio(r["cublas_fp16_us"], r["qops_us"])

@@ -31,18 +31,16 @@ import datetime
 import gc
 import hashlib
 import json
-import math
 import os
-import statistics
-import subprocess
 import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # (N, K)
-LARGE_SHAPES = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # PERF.md's "four large shapes"
+import common
+from common import LARGE_SHAPES, ROOT, clone_tensors, n_copies, rel_err, short_err
+
 MS = [1, 4, 16, 64, 256, 2048]
 QUICK_SHAPES = [(4096, 4096), (57344, 8192)]
 QUICK_MS = [1, 16, 64, 2048]
@@ -51,11 +49,6 @@ DRY_MS = [1, 4, 16]
 
 BITS, GROUP = 4, 128
 LOWERINGS = ("triton_int_weight", "native_w4a16")
-ROT_BYTES = 288 * 2**20  # weight copies rotated per timed graph: > 256 MB in all
-MAX_COPIES = 64
-COPY_BYTES = 2**30  # copy-bandwidth buffer: 1 GiB source + 1 GiB destination
-# PERF.md's measured ceilings, used only by --dry-run (no GPU to measure them on).
-PERF_COPY_TBPS, PERF_BF16_TFLOPS = 4.25, 810.0
 
 # PERF.md "Targets for qops on the H200", W4A16 rows.
 M1_ROOF_PCT = {"native_w4a16": 85.0, "triton_int_weight": 70.0}
@@ -72,8 +65,8 @@ def parse_args(argv=None):
         "against cuBLAS fp16/bf16, torch int4 (_weight_int4pack_mm) and gemlite A16W4, with rooflines "
         "measured in the same run. Writes JSON to $OUT/bench_int_weight.json and --out.",
     )
-    p.add_argument("--shapes", help="comma-separated NxK (N = out_features, K = in_features); default: the five of PERF.md")
-    p.add_argument("--ms", help="comma-separated batch sizes M; default: 1,4,16,64,256,2048")
+    p.add_argument("--shapes", type=common.parse_shapes, help="comma-separated NxK (N = out_features, K = in_features); default: the five of PERF.md")
+    p.add_argument("--ms", type=common.parse_ms, help="comma-separated batch sizes M; default: 1,4,16,64,256,2048")
     p.add_argument("--quick", action="store_true",
                    help=f"fewer trials, shorter trials, and (unless --shapes/--ms are given) shapes "
                         f"{fmt_shapes(QUICK_SHAPES)} and M {','.join(map(str, QUICK_MS))}")
@@ -94,19 +87,11 @@ def parse_args(argv=None):
     p.add_argument("--no-torch-int4", action="store_true", help="skip torch's _weight_int4pack_mm")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    if a.shapes:
-        a.shape_list = parse_shapes(a.shapes, p)
-    else:
-        a.shape_list = DRY_SHAPES if a.dry_run else QUICK_SHAPES if a.quick else SHAPES
-    if a.ms:
-        try:
-            a.m_list = [int(m) for m in a.ms.split(",") if m.strip()]
-        except ValueError:
-            p.error(f"--ms: expected comma-separated integers, got {a.ms!r}")
-        if not a.m_list or min(a.m_list) < 1:
-            p.error("--ms: batch sizes must be >= 1")
-    else:
-        a.m_list = DRY_MS if a.dry_run else QUICK_MS if a.quick else MS
+    a.shape_list = a.shapes or (DRY_SHAPES if a.dry_run else QUICK_SHAPES if a.quick else common.PERF_SHAPES)
+    for n, k in a.shape_list:
+        if n % 8 or k % GROUP:  # the GPTQ packing: 8 nibbles per int32 along N, whole groups along K
+            p.error(f"--shapes: {n}x{k}: N must be a multiple of 8 and K of {GROUP}")
+    a.m_list = a.ms or (DRY_MS if a.dry_run else QUICK_MS if a.quick else MS)
     a.lowering_list = [s.strip() for s in a.lowerings.split(",") if s.strip()] if a.lowerings else (
         ["reference_int_weight"] if a.dry_run else list(LOWERINGS))
     a.trials = a.trials or (3 if a.quick or a.dry_run else 5)
@@ -114,131 +99,8 @@ def parse_args(argv=None):
     return a
 
 
-def parse_shapes(text, parser):
-    shapes = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        try:
-            n, k = (int(v) for v in item.split("x"))
-        except ValueError:
-            parser.error(f"--shapes: expected NxK items like 4096x14336, got {item!r}")
-        if n % 8 or k % GROUP:
-            parser.error(f"--shapes: {item}: N must be a multiple of 8 and K of {GROUP}")
-        shapes.append((n, k))
-    if not shapes:
-        parser.error("--shapes: no shape given")
-    return shapes
-
-
 def fmt_shapes(shapes):
     return ",".join(f"{n}x{k}" for n, k in shapes)
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing
-
-
-def n_copies(nbytes: int) -> int:
-    """How many copies of a weight of ``nbytes`` make the rotation exceed 256 MB."""
-    return max(1, min(MAX_COPIES, math.ceil(ROT_BYTES / max(nbytes, 1))))
-
-
-def cuda_graph_time(fns, trials: int, target_ms: float) -> tuple[float, dict]:
-    """Median microseconds per call of ``fns`` (one zero-arg callable per weight copy).
-
-    Eager warm-up on a side stream (compiles, autotunes), one CUDA graph holding one call per copy,
-    replays per trial chosen from a first timed replay so a trial lasts about ``target_ms``.
-    """
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-        fns[0]()
-        fns[0]()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    a = torch.cuda.Event(enable_timing=True)
-    b = torch.cuda.Event(enable_timing=True)
-    a.record()
-    g.replay()
-    b.record()
-    b.synchronize()
-    est_ms = max(a.elapsed_time(b), 1e-3)
-    iters = max(1, min(2000, round(target_ms / est_ms)))
-    ts = []
-    for _ in range(trials):
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / iters / len(fns))
-    del g
-    med = statistics.median(ts)
-    return med, {"copies": len(fns), "replays": iters, "trials": trials,
-                 "spread_pct": round(100 * (max(ts) - min(ts)) / med, 1) if med > 0 else None}
-
-
-def cpu_wall_time(fns, trials: int, target_ms: float) -> tuple[float, dict]:
-    """--dry-run stand-in: wall-clock microseconds on the CPU (meaningless as a benchmark)."""
-    for f in fns[:2]:
-        f()
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for f in fns:
-            f()
-        ts.append((time.perf_counter() - t0) * 1e6 / len(fns))
-    return statistics.median(ts), {"copies": len(fns), "replays": 1, "trials": trials, "cpu_wall_clock": True}
-
-
-def measure_copy_TBps(trials: int) -> float:
-    import torch
-
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    a = torch.cuda.Event(enable_timing=True)
-    b = torch.cuda.Event(enable_timing=True)
-    iters, bws = 10, []
-    for _ in range(trials):
-        a.record()
-        for _ in range(iters):
-            dst.copy_(src)
-        b.record()
-        b.synchronize()
-        bws.append(2 * COPY_BYTES * iters / (a.elapsed_time(b) / 1e3) / 1e12)  # read + write
-    del src, dst
-    torch.cuda.empty_cache()
-    return statistics.median(bws)
-
-
-def measure_bf16_TFLOPs(trials: int, target_ms: float) -> float:
-    import torch
-
-    A = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    B = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    t_us, _ = cuda_graph_time([lambda: A @ B], trials, max(target_ms, 20.0))
-    A = B = None  # noqa: F841  (frees them; not `del`: the lambda holds the cells)
-    torch.cuda.empty_cache()
-    return 2 * 8192**3 / (t_us * 1e-6) / 1e12
-
-
-# ---------------------------------------------------------------------------------------------
-# Weights, references and the competitors
 
 
 def decode_gptq4_f64(ckpt):
@@ -247,8 +109,6 @@ def decode_gptq4_f64(ckpt):
     qweight ``(K/8, N)``: nibble i of word r is row 8r+i; qzeros ``(n_groups, N/8)``: nibble i of word
     c is column 8c+i, v2 stores the zero itself (v1: zero - 1); ``W[k, n] = s[g, n] * (q[k, n] - z[g, n])``.
     """
-    import torch
-
     assert ckpt.bits == 4 and ckpt.group_size > 0, "decoder handles 4-bit grouped checkpoints only"
     K, N, G = ckpt.in_features, ckpt.out_features, ckpt.group_size
     ng = K // G
@@ -264,25 +124,20 @@ def decode_gptq4_f64(ckpt):
     return w.view(K, N)
 
 
-def rel_err(got, ref) -> float | None:
-    """Relative Frobenius error in float64; None when the output holds NaN or Inf."""
-    import torch
-
-    g = got.double()
-    if not bool(torch.isfinite(g).all()):
-        return None
-    den = ref.norm().item()
-    return (g - ref).norm().item() / den if den else (g - ref).norm().item()
-
-
-def short_err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-
-
 def is_fatal_cuda(e: BaseException) -> bool:
     s = str(e)
     return any(t in s for t in ("illegal memory access", "device-side assert", "unspecified launch failure",
                                 "CUDA error: an illegal", "misaligned address"))
+
+
+def skip_reason(fatal: str | None, t_start: float, budget_s: float) -> str | None:
+    """Why no new measurement may start: a fatal CUDA error poisons the context, and past the time
+    budget the run must still leave time to write its JSON and table."""
+    if fatal:
+        return f"after fatal CUDA error: {fatal}"
+    if time.time() - t_start > budget_s:
+        return f"time budget {budget_s:.0f}s spent"
+    return None
 
 
 def weight_spec(cls, *, N, K, act_order, symmetric, device, act_dtype):
@@ -314,8 +169,6 @@ def lowering_status(name, spec, device):
 
 def workspace_for(iw, x):
     """A caller-owned workspace when qops declares a size for it, else None (the op allocates its own)."""
-    import torch
-
     for mod_name in ("qops.ops.int_weight", "qops.workspace", "qops.scratch"):
         try:
             mod = __import__(mod_name, fromlist=["_"])
@@ -333,23 +186,11 @@ def workspace_for(iw, x):
 
 
 def check_out_variant(iw, x, ref, workspace):
-    import torch
-
     out = torch.full((x.shape[0], iw.out_features), float("nan"), dtype=x.dtype, device=x.device)
     torch.ops.qops.mm_int_weight_out(
         x, iw.qweight, iw.scales, iw.qzeros, iw.act_perm, None,
         iw.in_features, iw.bits, iw.group_size, iw.zero_offset, int(iw.kernel), out, workspace)
     return rel_err(out, ref)
-
-
-def copy_int_weight(iw):
-    return dataclasses.replace(
-        iw,
-        qweight=iw.qweight.clone(),
-        scales=iw.scales.clone(),
-        qzeros=None if iw.qzeros is None else iw.qzeros.clone(),
-        act_perm=None if iw.act_perm is None else iw.act_perm.clone(),
-    )
 
 
 def load_gemlite(device_type: str):
@@ -373,21 +214,6 @@ def load_gemlite(device_type: str):
     return gemlite, f"gemlite {ver} from {os.path.dirname(gemlite.__file__)}; h100.json config loaded: {loaded}"
 
 
-# ---------------------------------------------------------------------------------------------
-# Metadata
-
-
-def qops_commit() -> tuple[str | None, bool | None]:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        if head.returncode == 0 and head.stdout.strip():
-            st = subprocess.run(["git", "status", "--porcelain", "--", "qops"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-            return head.stdout.strip(), bool(st.stdout.strip()) if st.returncode == 0 else None
-    except Exception:  # noqa: BLE001 - no git on the GPU machine
-        pass
-    return os.environ.get("QOPS_COMMIT") or None, None
-
-
 def qops_source_sha256() -> str:
     """Hash of qops/**/*.py and tuned-config JSON: identifies the code even without git."""
     h = hashlib.sha256()
@@ -403,37 +229,11 @@ def qops_source_sha256() -> str:
     return h.hexdigest()[:16]
 
 
-def clean(o):
-    """JSON-safe: non-finite floats become None."""
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [clean(v) for v in o]
-    return o
-
-
-def write_json(res, paths):
-    for path in paths:
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(clean(res), fh, indent=1)
-        os.replace(tmp, path)
-
-
 def r2(v, nd=2):
     return None if v is None else round(v, nd)
 
 
-# ---------------------------------------------------------------------------------------------
-# The run
-
-
 def run(args) -> int:
-    import torch
     import torch.nn.functional as F
 
     t_start = time.time()
@@ -442,30 +242,24 @@ def run(args) -> int:
         print("bench_int_weight: no CUDA device; use --dry-run to check the plumbing on CPU", file=sys.stderr)
         return 2
     dev = torch.device("cpu") if dry else torch.device("cuda")
-    timer = cpu_wall_time if dry else cuda_graph_time
-    global MAX_COPIES
-    if dry:
-        MAX_COPIES = 2  # no cache to defeat on the CPU; keeps the dry run short
+    gpu = not dry
+
+    def timer(fns, trials, target_ms):
+        return common.wall_time(fns, trials) if dry else common.graph_time(fns, trials, target_ms)
 
     import qops  # noqa: F401  (registers torch.ops.qops.*)
     from qops.formats import FORMATS
     from qops.lowerings import WeightSpec
 
     torch.manual_seed(args.seed)
-    try:
-        import triton
-        triton_ver = triton.__version__
-    except Exception as e:  # noqa: BLE001
-        triton_ver = f"not importable ({short_err(e)})"
-    commit, dirty = qops_commit()
     res = {
-        "gpu": "cpu (dry run)" if dry else torch.cuda.get_device_name(),
+        "gpu": common.device_name(gpu),
         "torch": torch.__version__,
-        "triton": triton_ver,
+        "triton": common.triton_version(),
         "cuda": torch.version.cuda,
         "python": sys.version.split()[0],
-        "qops_commit": commit,
-        "qops_dirty": dirty,
+        "qops_commit": common.git_commit(),
+        "qops_dirty": common.git_dirty("qops"),
         "qops_source_sha256": qops_source_sha256(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dry_run": dry,
@@ -474,31 +268,25 @@ def run(args) -> int:
         "method": {
             "timing": "cpu wall clock (dry run; meaningless)" if dry else
             "CUDA-graph replays (one call per rotated weight copy), CUDA events, median of trials",
-            "rotation_bytes_min": ROT_BYTES, "max_copies": 2 if dry else MAX_COPIES,
+            "rotation_bytes_min": common.ROT_BYTES, "max_copies": common.MAX_COPIES if gpu else common.DRY_MAX_COPIES,
             "roofline": f"max((N*K/2 + 4*N*K/{GROUP} + 2*M*(N+K)) B / copy_TBps, 2*M*N*K / bf16_TFLOPs)",
             "reference": "float64, decoded from the GPTQ checkpoint tensors independently of qops",
             "x": "torch.randn(M, K) fp16 (bf16 copy for cuBLAS bf16 and torch int4)",
             "tol": args.tol,
         },
     }
-    out_paths = []
-    if os.environ.get("OUT"):
-        out_paths.append(os.path.join(os.environ["OUT"], "bench_int_weight.json"))
-    if args.out:
-        out_paths.append(args.out)
-    if not out_paths:
-        out_paths.append(os.path.join(os.getcwd(), "bench_int_weight.json"))
+    out_paths = common.output_paths("bench_int_weight.json", args.out) or [os.path.join(os.getcwd(), "bench_int_weight.json")]
     table_path = args.table_out or (os.path.join(os.environ["OUT"], "bench_int_weight.txt") if os.environ.get("OUT") else None)
     print(json.dumps({k: res[k] for k in ("gpu", "torch", "triton", "cuda", "qops_commit", "qops_source_sha256", "date")}), flush=True)
 
     # Ceilings
     if dry:
-        copy_bw, bf16_tf = PERF_COPY_TBPS, PERF_BF16_TFLOPS
+        copy_bw, bf16_tf = common.PERF_COPY_TBPS, common.PERF_BF16_TFLOPS
         res["ceilings_note"] = "dry run: PERF.md's H200 values, not measured"
     else:
-        copy_bw = measure_copy_TBps(args.trials)
+        copy_bw = common.copy_TBps(args.trials)
         print(f"copy bandwidth (read+write, 2 GiB) {copy_bw:.3f} TB/s", flush=True)
-        bf16_tf = measure_bf16_TFLOPs(args.trials, args.target_ms)
+        bf16_tf = common.bf16_TFLOPs(args.trials, max(args.target_ms, 20.0))
         print(f"bf16 8192^3 {bf16_tf:.0f} TFLOP/s", flush=True)
     res["copy_TBps"] = round(copy_bw, 4)
     res["bf16_TFLOPs"] = round(bf16_tf, 1)
@@ -513,12 +301,10 @@ def run(args) -> int:
     fmt = FORMATS["gptq"]
 
     for si, (N, K) in enumerate(args.shape_list):
-        if fatal:
-            skipped.append({"N": N, "K": K, "M": None, "why": f"after fatal CUDA error: {fatal}"})
-            continue
-        if time.time() - t_start > args.budget_s:
-            skipped.append({"N": N, "K": K, "M": None, "why": f"time budget {args.budget_s:.0f}s spent"})
-            print(f"[budget] skipping {N}x{K}", flush=True)
+        why = skip_reason(fatal, t_start, args.budget_s)
+        if why:
+            skipped.append({"N": N, "K": K, "M": None, "why": why})
+            print(f"skipping {N}x{K}: {why}", flush=True)
             continue
         t_shape = time.time()
         info = {"N": N, "K": K}
@@ -544,7 +330,7 @@ def run(args) -> int:
                 lowering_notes[name] = f"skipped: {why}"
                 continue
             base = dataclasses.replace(iw, kernel=low.kernel)
-            variants[name] = [base] + [copy_int_weight(base) for _ in range(n_copies(base.nbytes()) - 1)]
+            variants[name] = [base] + [clone_tensors(base) for _ in range(n_copies(base.nbytes(), gpu) - 1)]
             lowering_notes[name] = f"forced kernel={int(low.kernel)}, {len(variants[name])} copies"
         info["lowerings"] = lowering_notes
         broken = {}  # lowering -> error that stops it for this shape
@@ -552,9 +338,9 @@ def run(args) -> int:
         # peers
         peers = {}
         nb16 = N * K * 2
-        w16s = [w] + [w.clone() for _ in range(n_copies(nb16) - 1)]
+        w16s = [w] + [w.clone() for _ in range(n_copies(nb16, gpu) - 1)]
         wb = w.to(torch.bfloat16)
-        wbs = [wb] + [wb.clone() for _ in range(n_copies(nb16) - 1)]
+        wbs = [wb] + [wb.clone() for _ in range(n_copies(nb16, gpu) - 1)]
         peers["cublas_fp16"] = lambda x, xb: [lambda wi=wi: F.linear(x, wi) for wi in w16s]
         peers["cublas_bf16"] = lambda x, xb: [lambda wi=wi: F.linear(xb, wi) for wi in wbs]
         peer_notes = {}
@@ -612,18 +398,16 @@ def run(args) -> int:
         print(f"== {N}x{K}: default lowering {info['default_lowering']}; {lowering_notes}; {peer_notes}", flush=True)
 
         for M in args.m_list:
-            if fatal:
-                skipped.append({"N": N, "K": K, "M": M, "why": f"after fatal CUDA error: {fatal}"})
-                continue
-            if time.time() - t_start > args.budget_s:
-                skipped.append({"N": N, "K": K, "M": M, "why": f"time budget {args.budget_s:.0f}s spent"})
-                print(f"[budget] skipping {N}x{K} M={M}", flush=True)
+            why = skip_reason(fatal, t_start, args.budget_s)
+            if why:
+                skipped.append({"N": N, "K": K, "M": M, "why": why})
+                print(f"skipping {N}x{K} M={M}: {why}", flush=True)
                 continue
             x = torch.randn(M, K, dtype=torch.float16, device=dev)
             xb = x.to(torch.bfloat16)
             ref = x.double() @ W64
             wbytes = N * K / 2 + 4 * N * K / GROUP + 2 * M * (N + K)
-            roof_us = max(wbytes / (copy_bw * 1e12) * 1e6, 2 * M * N * K / (bf16_tf * 1e12) * 1e6)
+            roof_us = common.roofline_us(wbytes, copy_bw, 2 * M * N * K, bf16_tf)
 
             peer_us, timing = {}, {}
             for pname in ("cublas_fp16", "cublas_bf16", "torch_int4", "gemlite"):
@@ -683,7 +467,7 @@ def run(args) -> int:
                                 fatal = short_err(e)
                 row["timing"] = dict(timing)
                 rows.append(row)
-                print(json.dumps(clean({k: v for k, v in row.items() if k != "timing"})), flush=True)
+                print(json.dumps(common.clean({k: v for k, v in row.items() if k != "timing"})), flush=True)
             x = xb = ref = None
         info["seconds"] = round(time.time() - t_shape, 1)
         if dev.type == "cuda":
@@ -696,24 +480,20 @@ def run(args) -> int:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         res["elapsed_s"] = round(time.time() - t_start, 1)
-        write_json(res, out_paths)
+        common.write_json(res, out_paths)
 
     res["elapsed_s"] = round(time.time() - t_start, 1)
     res["fatal"] = fatal
     targets = render_targets(rows, args, skipped)
     text = render_table(rows, args) + "\n" + targets
     res["targets"] = [t.strip() for t in targets.splitlines()[1:]]
-    write_json(res, out_paths)
+    common.write_json(res, out_paths)
     print(f"\nJSON: {', '.join(out_paths)}  ({len(rows)} rows, {res['elapsed_s']}s)", flush=True)
     if table_path:
         with open(table_path, "w") as fh:
             fh.write(text + "\n")
     print(text, flush=True)
     return 3 if fatal else 0
-
-
-# ---------------------------------------------------------------------------------------------
-# Reporting
 
 
 def _short(name):

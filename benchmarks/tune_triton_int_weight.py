@@ -36,24 +36,26 @@ import sys
 import tempfile
 import time
 
+# Before torch (imported by common too) loads triton, which reads it once.
 if "--dry-run" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import torch
+import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import common  # noqa: E402
+from common import n_copies  # noqa: E402
+
+common.add_repo_to_path()
 from qops.ops.int_weight import reference_dequantize  # noqa: E402
 from qops.ops.triton import int_weight as T  # noqa: E402
 
-SHAPES = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # (N, K), PERF.md
+SHAPES = common.LARGE_SHAPES  # (N, K)
 CHECK_SHAPE = (4096, 4096)
 BITS = (4, 8)
 GROUP = 128
 DECODE_MS = (1, 2, 4)
 GEMM_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # 1, 2: to decide decode_max_m
 DENSE_FROM = 256
-ROT_BYTES = 320 << 20  # rotated copies exceed the 60 MB L2 several times over (PERF.md: > 256 MB)
-COPY_TBPS = 4.25  # PERF.md measured device-to-device copy bandwidth, for the roofline column
 DEADLINE_S = 270
 
 
@@ -114,47 +116,16 @@ def weight_bytes(n, k, bits):
 
 
 def roofline_us(n, k, m, bits):
-    return (weight_bytes(n, k, bits) + 2 * m * (n + k)) / (COPY_TBPS * 1e12) * 1e6
+    # PERF.md's copy bandwidth, not one measured here: the tuner compares configs, the ratio is a guide
+    return common.roofline_us(weight_bytes(n, k, bits) + 2 * m * (n + k), common.PERF_COPY_TBPS)
 
 
-def graph_time(fns, dry_run, iters=None, trials=3):
-    """Median microseconds per call of ``fns`` (one per rotated copy), from CUDA-graph replays."""
+def time_us(fns, dry_run):
+    """Median microseconds per call of ``fns`` (one per rotated copy): 3 trials of about 5 ms each, at
+    most 50 replays, which keeps the several thousand candidates within the deadline."""
     if dry_run:
-        t = time.perf_counter()
-        for f in fns:
-            f()
-        return (time.perf_counter() - t) * 1e6 / len(fns)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    if iters is None:  # aim at about 5 ms of replays per trial
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        iters = max(2, min(50, int(5.0 / max(a.elapsed_time(b), 1e-3))))
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / iters / len(fns))
-    del graph
-    return statistics.median(times)
+        return common.wall_time(fns, 1).us
+    return common.graph_time(fns, 3, 5.0, max_replays=50).us
 
 
 def run_mm(path, cfg, x, w, bits):
@@ -248,7 +219,9 @@ def check_candidate(job, device, cache) -> str | None:
         y = run_mm(path, cfg, x, w, bits)
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {str(e)[:200]}"
-    err = float((y.float() - ref).norm() / ref.norm())
+    err = common.rel_err(y, ref)
+    if err is None:
+        return "non-finite output"
     return None if err < 5e-3 else f"relative error {err:.2e}"
 
 
@@ -289,14 +262,12 @@ def main():
     timed_out = False
     for bits in BITS:
         for n, k in SHAPES:
-            copies = max(1, min(16, -(-ROT_BYTES // weight_bytes(n, k, bits))))
-            ws = [random_weight(n, k, bits, device, s) for s in range(1 if dry else copies)]
+            ws = [random_weight(n, k, bits, device, s) for s in range(n_copies(weight_bytes(n, k, bits), not dry))]
             for m in sorted({j[2] for j in ok_jobs}):
                 x = torch.randn(m, k, dtype=torch.float16, device=device)
                 if bits == BITS[0] and not dry:
-                    dense = [torch.randn(n, k, dtype=torch.float16, device=device) * 0.02
-                             for _ in range(max(1, min(8, -(-ROT_BYTES // (2 * n * k)))))]
-                    cublas[(n, k, m)] = graph_time([lambda d=d: torch.nn.functional.linear(x, d) for d in dense], dry)
+                    dense = [torch.randn(n, k, dtype=torch.float16, device=device) * 0.02 for _ in range(n_copies(2 * n * k))]
+                    cublas[(n, k, m)] = time_us([lambda d=d: torch.nn.functional.linear(x, d) for d in dense], dry)
                     del dense
                 for job in ok_jobs:
                     if job[0] != bits or job[2] != m:
@@ -307,7 +278,7 @@ def main():
                     _, path, _, cfg = job
                     fns = [lambda w=w: run_mm(path, cfg, x, w, bits) for w in ws]
                     try:
-                        t = graph_time(fns, dry)
+                        t = time_us(fns, dry)
                     except Exception as e:  # noqa: BLE001
                         print(f"timing failed {bits}-bit {path} M={m} {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                         continue
@@ -340,10 +311,9 @@ def main():
                 if check_candidate((bits, path, m, alt), device, cache):
                     continue
                 for n, k in SHAPES:
-                    copies = 1 if dry else max(1, min(16, -(-ROT_BYTES // weight_bytes(n, k, bits))))
-                    ws = [random_weight(n, k, bits, device, s) for s in range(copies)]
+                    ws = [random_weight(n, k, bits, device, s) for s in range(n_copies(weight_bytes(n, k, bits), not dry))]
                     x = torch.randn(m, k, dtype=torch.float16, device=device)
-                    t = graph_time([lambda w=w: run_mm(path, alt, x, w, bits) for w in ws], dry)
+                    t = time_us([lambda w=w: run_mm(path, alt, x, w, bits) for w in ws], dry)
                     times.setdefault((bits, m, path, json.dumps(alt, sort_keys=True)), {})[(n, k)] = t
                     del ws
 
@@ -351,7 +321,7 @@ def main():
         "gpu": gpu,
         "tuned": not dry,
         "source": (f"benchmarks/tune_triton_int_weight.py on {gpu}, torch {torch.__version__}, "
-                   f"triton {__import__('triton').__version__}, commit {_commit()}, "
+                   f"triton {common.triton_version()}, commit {(common.git_commit() or 'unknown')[:12]}, "
                    f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}"
                    + (" (stopped at the time limit: some buckets keep untuned defaults)" if timed_out else "")),
         "decode_max_m": 1,
@@ -384,13 +354,11 @@ def main():
         dmax = m
     table["decode_max_m"] = dmax
 
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-        json.dump(table, f, indent=1)
+    common.write_json(table, [os.path.join(out_dir, f"{stem}.json")])
     rows = _rows(table, times, cublas, dry)
-    with open(os.path.join(out_dir, "tune_rows.json"), "w") as f:
-        json.dump({"gpu": gpu, "torch": torch.__version__, "triton": __import__("triton").__version__, "commit": _commit(),
-                   "dropped": [[*j[:3], j[3], why] for j, why in failed], "rows": rows}, f, indent=1)
+    common.write_json({"gpu": gpu, "torch": torch.__version__, "triton": common.triton_version(), "commit": common.git_commit(),
+                       "dropped": [[*j[:3], j[3], why] for j, why in failed], "rows": rows},
+                      [os.path.join(out_dir, "tune_rows.json")])
     print(f"wrote {os.path.join(out_dir, stem + '.json')} and tune_rows.json in {time.time() - start:.0f}s; "
           f"decode_max_m={dmax}; {len(failed)} candidates dropped")
     _print_table(rows)
@@ -425,14 +393,6 @@ def _print_table(rows):
         speed = f"{cb / r['qops_us']:.2f}x" if cb else "-"
         roof = f"{100 * r['roofline_us'] / r['qops_us']:.0f}%" if r["M"] <= 16 else "-"
         print(f"{r['format'][:2]} {r['N']}x{r['K']} {r['M']} {r['path']} | {r['qops_us']} {cb} | {speed} | {roof}")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,255 @@
+"""The measuring method shared by the GPU benchmarks (``../shared/PERF.md``, "How to time").
+
+Every script here times the same way so that numbers from different scripts and runs compare:
+
+- correctness first: relative Frobenius error against a float64 reference (``rel_err``);
+- one zero-argument call per rotated weight copy, enough copies to exceed 256 MB (``n_copies``),
+  because the H200's 60 MB L2 otherwise holds a 4-bit weight and the timing measures the cache;
+- CUDA-graph replays of those calls, CUDA events, median of trials (``graph_time``);
+- the two ceilings measured in the same process (``copy_TBps``, ``bf16_TFLOPs``), and the roofline
+  from them (``roofline_us``);
+- the run's metadata (GPU, torch and triton versions, commit) and strict JSON (``write_json``).
+
+``--dry-run`` on a CPU swaps in ``wall_time`` and PERF.md's ceilings: it checks the plumbing, its
+numbers mean nothing.
+
+The scripts import this module as ``common`` (Python puts a script's own folder on ``sys.path``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import NamedTuple
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PERF_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]  # (N, K)
+LARGE_SHAPES = PERF_SHAPES[1:]  # PERF.md's "four large shapes"
+# PERF.md's measured H200 ceilings; a dry run has no GPU to measure them on.
+PERF_COPY_TBPS, PERF_BF16_TFLOPS = 4.25, 810.0
+
+ROT_BYTES = 288 * 2**20  # > 256 MB with margin: several times the 60 MB L2
+MAX_COPIES = 64  # bounds memory for small weights, whose 64 copies already defeat the L2
+DRY_MAX_COPIES = 2  # no cache to defeat on a CPU; keeps the dry run short
+COPY_BYTES = 2**30  # copy-bandwidth source buffer (plus as much destination)
+
+
+class Timing(NamedTuple):
+    us: float  # median microseconds per call
+    info: dict  # how it was measured: copies, replays per trial, trials, spread
+
+
+def graph_time(fns, trials: int, target_ms: float, max_replays: int = 2000) -> Timing:
+    """Median microseconds per call of ``fns`` (one zero-arg callable per rotated weight copy).
+
+    Eager warm-up on a side stream first (compiles, autotunes: CUDA graphs cannot capture either),
+    then one graph holding one call per copy. A first timed replay sizes the trials so that each
+    lasts about ``target_ms`` (at most ``max_replays`` replays), long enough for events to resolve.
+    """
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    replays = max(1, min(max_replays, round(target_ms / max(a.elapsed_time(b), 1e-3))))
+    ts = []
+    for _ in range(trials):
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / replays / len(fns))
+    del g
+    med = statistics.median(ts)
+    return Timing(med, {"copies": len(fns), "replays": replays, "trials": trials,
+                        "spread_pct": round(100 * (max(ts) - min(ts)) / med, 1) if med > 0 else None})
+
+
+def wall_time(fns, trials: int) -> Timing:
+    """--dry-run stand-in for ``graph_time``: CPU wall-clock microseconds per call (meaningless)."""
+    for f in fns:
+        f()
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for f in fns:
+            f()
+        ts.append((time.perf_counter() - t0) * 1e6 / len(fns))
+    return Timing(statistics.median(ts), {"copies": len(fns), "replays": 1, "trials": trials, "cpu_wall_clock": True})
+
+
+def n_copies(nbytes: float, gpu: bool = True) -> int:
+    """How many copies of a weight of ``nbytes`` to rotate so that together they exceed 256 MB."""
+    return max(1, min(MAX_COPIES if gpu else DRY_MAX_COPIES, math.ceil(ROT_BYTES / max(nbytes, 1))))
+
+
+def clone_tensors(obj):
+    """A copy of the dataclass ``obj`` (a prepared weight) with every tensor field cloned."""
+    return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).clone() for f in dataclasses.fields(obj)
+                                       if isinstance(getattr(obj, f.name), torch.Tensor)})
+
+
+def copy_TBps(trials: int = 5) -> float:
+    """Device-to-device copy bandwidth, bytes read + written, median of trials of 10 copies."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    iters, bws = 10, []
+    for _ in range(trials):
+        a.record()
+        for _ in range(iters):
+            dst.copy_(src)
+        b.record()
+        b.synchronize()
+        bws.append(2 * COPY_BYTES * iters / (a.elapsed_time(b) / 1e3) / 1e12)
+    del src, dst
+    torch.cuda.empty_cache()
+    return statistics.median(bws)
+
+
+def bf16_TFLOPs(trials: int, target_ms: float = 20.0) -> float:
+    """Dense bf16 matmul peak at 8192^3, timed by ``graph_time``."""
+    A = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    B = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    t_us = graph_time([lambda: A @ B], trials, target_ms).us
+    A = B = None  # noqa: F841  (frees them; not `del`: the lambda holds the cells)
+    torch.cuda.empty_cache()
+    return 2 * 8192**3 / (t_us * 1e-6) / 1e12
+
+
+def roofline_us(nbytes: float, copy_TBps: float, flops: float = 0.0, bf16_TFLOPs: float = math.inf) -> float:
+    """The slower of moving ``nbytes`` at the copy bandwidth and doing ``flops`` at the bf16 peak."""
+    return max(nbytes / (copy_TBps * 1e12), flops / (bf16_TFLOPs * 1e12)) * 1e6
+
+
+def rel_err(got, want) -> float | None:
+    """Relative Frobenius error in float64; None when ``got`` holds NaN or Inf."""
+    g = got.double()
+    if not bool(torch.isfinite(g).all()):
+        return None
+    den = want.norm().item()
+    num = (g - want).norm().item()
+    return num / den if den else num
+
+
+def short_err(e: BaseException) -> str:
+    """One line for a JSON field or a log: the exception type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """argparse type for ``--shapes``: comma-separated ``NxK`` (N = out_features, K = in_features)."""
+    shapes = []
+    for item in filter(None, (s.strip().lower() for s in text.split(","))):
+        try:
+            n, k = (int(v) for v in item.split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected NxK items like 4096x14336, got {item!r}") from None
+        shapes.append((n, k))
+    if not shapes:
+        raise argparse.ArgumentTypeError("no shape given")
+    return shapes
+
+
+def parse_ms(text: str) -> list[int]:
+    """argparse type for ``--ms``: comma-separated batch sizes, each >= 1."""
+    try:
+        ms = [int(m) for m in text.split(",") if m.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ms or min(ms) < 1:
+        raise argparse.ArgumentTypeError("batch sizes must be >= 1")
+    return ms
+
+
+def device_name(gpu: bool) -> str:
+    return torch.cuda.get_device_name() if gpu else "cpu (dry run)"
+
+
+def triton_version() -> str:
+    try:
+        import triton
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal: the torch-only peers still run
+        return f"not importable ({short_err(e)})"
+    return triton.__version__
+
+
+def git_commit() -> str | None:
+    """``git rev-parse HEAD`` of the repo, else ``$QOPS_COMMIT`` (the GPU machine has no git), else None."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if head.returncode == 0 and head.stdout.strip():
+            return head.stdout.strip()
+    except Exception:  # noqa: BLE001 - no git binary
+        pass
+    return os.environ.get("QOPS_COMMIT") or None
+
+
+def git_dirty(path: str) -> bool | None:
+    """Whether ``path`` (relative to the repo) has uncommitted changes; None without git."""
+    try:
+        st = subprocess.run(["git", "status", "--porcelain", "--", path], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except Exception:  # noqa: BLE001 - no git binary
+        return None
+    return bool(st.stdout.strip()) if st.returncode == 0 else None
+
+
+def output_paths(filename: str, *extra: str | None) -> list[str]:
+    """``$OUT/filename`` when ``$OUT`` is set (the device tool fetches that folder), then each given path."""
+    paths = [os.path.join(os.environ["OUT"], filename)] if os.environ.get("OUT") else []
+    return paths + [p for p in extra if p]
+
+
+def clean(o):
+    """JSON-safe: non-finite floats become None (``json`` would write the invalid ``NaN``/``Infinity``)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [clean(v) for v in o]
+    return o
+
+
+def write_json(obj, paths) -> None:
+    """Write ``obj`` to each path through a temporary file, so a run killed mid-write leaves the last
+    complete file (the scripts rewrite their JSON as they go)."""
+    for path in paths:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(clean(obj), fh, indent=1)
+        os.replace(tmp, path)
+
+
+def add_repo_to_path() -> None:
+    """Let ``import qops`` find the repo when a script runs without ``PYTHONPATH=.``."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
