@@ -1,6 +1,7 @@
 """``python -m qops``: the command-line entry point.
 
     python -m qops info     the support matrix on this machine: formats x lowerings, usable or why not
+    python -m qops demo     quantize, compile and run a small Llama-style model; tokens/s and logit error
 """
 from __future__ import annotations
 
@@ -93,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="print the support matrix for this machine")
     p.set_defaults(func=cmd_info)
+    from . import demo
+
+    p = sub.add_parser("demo", help="quantize, compile and run a small Llama-style model: tokens/s and logit error",
+                       description=demo.__doc__.strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.run)
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,305 @@
+"""End-to-end decode benchmark: a Llama-3-8B-shaped model, W4 g128 (GPTQ) against bf16, both
+compiled with CUDA graphs, in one run (PERF.md target: >= 700 tok/s at batch 1 and >= 2.8x bf16).
+
+Models (``qops.models.llama``, random weights, one GPU, no tensor parallelism):
+
+- shape: hidden 4096, MLP 14336, 32 layers, 32 query heads / 8 KV heads of 128, vocab 128256,
+  Llama 3 rotary scaling; embeddings, norms and ``lm_head`` in bf16 for both models;
+- W4: every decoder linear a GPTQ v2 checkpoint (4 bits, group 128, asymmetric) built directly on
+  the GPU from random integers (qweight and qzeros uniform, fp16 scales sized so that weights have
+  std ~ 1/sqrt(K)) -- no 8B-float quantization on the CPU -- then loaded through ``qops.layers``
+  (sharding, preparation, lowering choice and warm-up as for a real checkpoint);
+- bf16: random ``N(0, 1/K)`` weights, ``FastLinear`` (cuBLAS).
+
+Method: ``qops.models.compile_decode`` (``torch.compile(fullgraph=True, mode="reduce-overhead")``,
+batch dimension unbacked: one compilation per model, one CUDA graph per batch size). Per (model,
+batch): a random prompt of ``--prompt-len`` tokens prefilled eagerly, then ``--steps`` greedy
+decode steps through the graphs (``torch.compiler.cudagraph_mark_step_begin()`` each step; argmax
+and position update eager, as a serving loop does), timed with the wall clock around the loop
+between two device synchronizations, median of ``--trials``. tokens/s = batch x steps / time.
+Every step attends over all ``--max-seq`` cache positions (static shapes), masked past its own.
+Memory per model: weight bytes, the workspace (scratch) it preallocated, its KV cache; peak
+allocated bytes per (model, batch) run (``torch.cuda.max_memory_allocated`` after a reset; both
+models are resident). The 8B weights (~16 GB bf16, ~4.6 GB W4) are far larger than the 60 MB L2.
+
+Writes ``$OUT/bench_decode.json`` (and ``--out``) after every measurement; prints one line per row,
+then a TARGETS block last. ``--budget-s``: no new row starts after that many seconds (skipped rows
+are listed).
+
+    PYTHONPATH=. python benchmarks/bench_decode.py                     # H200: < 4 min
+    PYTHONPATH=. python benchmarks/bench_decode.py --batches 1 --steps 32
+    PYTHONPATH=. python benchmarks/bench_decode.py --dry-run --out /tmp/d.json   # CPU, tiny model
+
+``--dry-run`` runs a tiny model on the CPU (float32, compiled without CUDA graphs, wall clock):
+its numbers mean nothing; it checks the building, compiling, timing, JSON and TARGETS code.
+Exit status: 0 (targets are reported, not enforced), 2 without a CUDA device (and no --dry-run).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+
+import common  # the benchmarks' shared metadata and JSON writer (this script's folder is on sys.path)
+
+GROUP = 128
+# PERF.md "Targets for qops on the H200": Llama-3-8B-shaped model, W4 g128, compiled + CUDA graphs.
+TARGET_TOK_S_B1 = 700.0
+TARGET_SPEEDUP_B1 = 2.8
+TARGET_SCRATCH = 64 << 20
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="tiny model on the CPU: checks the plumbing, numbers mean nothing")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32; dry run 1,2,4)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps per trial (default 64; dry run 4)")
+    p.add_argument("--trials", type=int, default=None, help="trials per (model, batch), median reported (default 3; dry run 2)")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens prefilled before decoding (default 16)")
+    p.add_argument("--max-seq", type=int, default=None, help="KV cache positions per row (default prompt + steps + 8)")
+    p.add_argument("--models", default="w4,bf16", help="which models: w4, bf16 or both (default w4,bf16)")
+    p.add_argument("--budget-s", type=float, default=210.0, help="no new row starts after this many seconds (default 210)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    dry = args.dry_run
+    args.batch_list = [int(b) for b in (args.batches or ("1,2,4" if dry else "1,8,32")).split(",")]
+    args.steps = args.steps or (4 if dry else 64)
+    args.trials = args.trials or (2 if dry else 3)
+    args.max_seq = args.max_seq or args.prompt_len + args.steps + 8
+    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not set(args.model_list) <= {"w4", "bf16"}:
+        p.error(f"--models takes w4 and/or bf16, got {args.models!r}")
+    return args
+
+
+def model_config(dry: bool):
+    from qops.models import LlamaConfig
+
+    if dry:
+        return LlamaConfig.tiny(num_hidden_layers=2, vocab_size=512)
+    return LlamaConfig.llama3_8b()
+
+
+def shared_tensors(config, device, dtype, seed):
+    """Embeddings, norms and lm_head (dense in both models)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = config.hidden_size
+
+    def rnd(*shape, std):
+        return (torch.randn(*shape, generator=g, device=device) * std).to(dtype)
+
+    t = {"model.embed_tokens.weight": rnd(config.vocab_size, h, std=1.0), "lm_head.weight": rnd(config.vocab_size, h, std=h ** -0.5),
+         "model.norm.weight": torch.ones(h, device=device, dtype=dtype)}
+    for i in range(config.num_hidden_layers):
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            t[f"model.layers.{i}.{n}.weight"] = torch.ones(h, device=device, dtype=dtype)
+    return t
+
+
+def linear_shapes(config) -> dict[str, tuple[int, int]]:
+    """Checkpoint linear prefix -> (N, K)."""
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per = {"self_attn.q_proj": (q, c.hidden_size), "self_attn.k_proj": (kv, c.hidden_size), "self_attn.v_proj": (kv, c.hidden_size),
+           "self_attn.o_proj": (c.hidden_size, q), "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
+           "mlp.up_proj": (c.intermediate_size, c.hidden_size), "mlp.down_proj": (c.hidden_size, c.intermediate_size)}
+    return {f"model.layers.{i}.{name}": shape for i in range(c.num_hidden_layers) for name, shape in per.items()}
+
+
+def random_gptq_checkpoint(config, device, seed):
+    """GPTQ v2 tensors (4 bits, group 128, asymmetric) of every decoder linear, from random integers."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    t = {}
+    for prefix, (n, k) in linear_shapes(config).items():
+        groups = -(-k // GROUP)
+        t[f"{prefix}.qweight"] = torch.randint(-2**31, 2**31, (k // 8, n), dtype=torch.int32, device=device, generator=g)
+        t[f"{prefix}.qzeros"] = torch.randint(-2**31, 2**31, (groups, n // 8), dtype=torch.int32, device=device, generator=g)
+        # q - z, both uniform on 0..15, has std sqrt(2 * (16**2 - 1) / 12) ~ 6.5.
+        scale = 1.0 / (6.5 * math.sqrt(k))
+        t[f"{prefix}.scales"] = (scale * (1 + 0.1 * torch.randn(groups, n, generator=g, device=device))).to(torch.float16)
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False, "checkpoint_format": "gptq_v2"}
+    return t, qc
+
+
+def random_dense_linears(config, device, dtype, seed):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed + 2)
+    return {f"{prefix}.weight": (torch.randn(n, k, generator=g, device=device) * k ** -0.5).to(dtype)
+            for prefix, (n, k) in linear_shapes(config).items()}
+
+
+def build(kind, config, device, dtype, args):
+    from qops.models import LlamaForCausalLM
+
+    shared = shared_tensors(config, device, dtype, args.seed)
+    if kind == "w4":
+        linears, qc = random_gptq_checkpoint(config, device, args.seed)
+    else:
+        linears, qc = random_dense_linears(config, device, dtype, args.seed), None
+    model = LlamaForCausalLM.from_tensors(config, {**shared, **linears}, qc, device=device, dtype=dtype, max_batch=max(args.batch_list),
+                                          max_seq=args.max_seq, process_group=None)
+    del shared, linears
+    gc.collect()
+    return model
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(args) -> int:
+    import torch
+
+    t_start = time.time()
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        print("bench_decode: no CUDA device; use --dry-run to check the plumbing on CPU", file=sys.stderr)
+        return 2
+    common.add_repo_to_path()
+    import qops  # noqa: F401
+    from qops.models import compile_decode, generate
+
+    device = torch.device("cpu" if dry else "cuda")
+    dtype = torch.float32 if dry else torch.bfloat16
+    cuda_graphs = not dry
+    config = model_config(dry)
+    triton_ver = common.triton_version()
+    commit = common.git_commit()
+    res = {
+        "bench": "decode",
+        "gpu": common.device_name(not dry),
+        "torch": torch.__version__, "triton": triton_ver, "cuda": torch.version.cuda, "python": sys.version.split()[0],
+        "qops_commit": commit, "qops_dirty": common.git_dirty("qops"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "dry_run": dry,
+        "config": config.to_dict(),
+        "args": {k: v for k, v in vars(args).items() if k not in ("batch_list", "model_list")} | {"batches": args.batch_list, "models": args.model_list},
+        "method": {
+            "compile": "qops.models.compile_decode: torch.compile(model.decode, fullgraph=True" + (", mode='reduce-overhead')" if cuda_graphs else ")")
+                       + ", batch dimension unbacked",
+            "timing": "wall clock around the decode loop between device synchronizations, median of trials; "
+                      "argmax and position update eager each step",
+            "tokens_per_s": "batch * steps / median time",
+            "attention": f"every step attends over max_seq={args.max_seq} cache positions (masked)",
+            "w4": "GPTQ v2 4-bit g128 asymmetric from random integers, loaded through qops.layers",
+            "bf16": "random N(0, 1/K) weights, FastLinear",
+        },
+        "models": {}, "rows": [], "skipped": [],
+    }
+    out_paths = common.output_paths("bench_decode.json", args.out) or [os.path.join(os.getcwd(), "bench_decode.json")]
+    print(f"bench_decode: {res['gpu']} | torch {res['torch']} | triton {triton_ver} | commit {commit} | "
+          f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}", flush=True)
+
+    models, steps_fn = {}, {}
+    for kind in args.model_list:
+        label = "w4" if kind == "w4" else ("bf16" if not dry else "dense")
+        t = time.time()
+        model = build(kind, config, device, dtype, args)
+        sync(device)
+        info = {"kind": kind, "dtype": str(dtype).replace("torch.", ""), "build_s": round(time.time() - t, 2),
+                "weights_bytes": model.weight_bytes(), "scratch_bytes": model.workspace.nbytes,
+                "scratch_needs_max": max(model.workspace.needs.values(), default=0),
+                "scratch_used_by_layers": False,  # qops.layers calls the functional ops; see qops/workspace.py
+                "kv_cache_bytes": model.cache_bytes(), "lowerings": model.lowerings()}
+        if device.type == "cuda":
+            info["allocated_after_build_bytes"] = torch.cuda.memory_allocated()
+        res["models"][label] = info
+        models[label] = model
+        steps_fn[label] = compile_decode(model, cuda_graphs=cuda_graphs)
+        print(f"built {label}: {info['build_s']} s, weights {info['weights_bytes'] / 2**30:.2f} GiB, scratch "
+              f"{info['scratch_bytes'] / 2**20:.2f} MiB, lowerings {info['lowerings']}", flush=True)
+        common.write_json(res, out_paths)
+
+    gen = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        for label, model in models.items():
+            step = steps_fn[label]
+            for b in args.batch_list:
+                if time.time() - t_start > args.budget_s:
+                    res["skipped"].append({"model": label, "batch": b, "why": f"budget of {args.budget_s} s spent"})
+                    print(f"skipped {label} batch {b}: budget spent", flush=True)
+                    continue
+                prompts = torch.randint(0, config.vocab_size, (b, args.prompt_len), generator=gen).to(device)
+                t = time.time()
+                generate(model, prompts, 4, step=step, cuda_graphs=cuda_graphs)  # compile (first batch) + record this batch's graph
+                sync(device)
+                warm_s = time.time() - t
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                times = []
+                for _ in range(args.trials):
+                    g = generate(model, prompts, args.steps + 1, step=step, cuda_graphs=cuda_graphs)
+                    times.append(g.decode_s)
+                med = statistics.median(times)
+                row = {"model": label, "batch": b, "steps": args.steps, "tokens_per_s": b * args.steps / med,
+                       "step_ms": 1e3 * med / args.steps, "trials_s": times, "warmup_s": round(warm_s, 2),
+                       "finite": bool(torch.isfinite(model.decode(g.tokens[:, -1], torch.full((b,), args.prompt_len, device=device))).all())}
+                if device.type == "cuda":
+                    row["peak_bytes"] = torch.cuda.max_memory_allocated()
+                res["rows"].append(row)
+                print(f"{label:5s} batch {b:3d}: {row['tokens_per_s']:10.1f} tok/s  {row['step_ms']:7.3f} ms/step  "
+                      f"(warm-up {warm_s:.1f} s)", flush=True)
+                common.write_json(res, out_paths)
+    res["targets"] = targets(res, dry)
+    res["elapsed_s"] = round(time.time() - t_start, 1)
+    common.write_json(res, out_paths)
+    print(render_targets(res, dry), flush=True)
+    return 0
+
+
+def _row(res, label, b):
+    return next((r for r in res["rows"] if r["model"] == label and r["batch"] == b), None)
+
+
+def targets(res, dry) -> dict:
+    base = "dense" if dry else "bf16"
+    out = {}
+    w1, d1 = _row(res, "w4", 1), _row(res, base, 1)
+    out["w4_batch1_tok_s"] = {"value": w1 and w1["tokens_per_s"], "target": f">= {TARGET_TOK_S_B1}",
+                              "ok": None if w1 is None else w1["tokens_per_s"] >= TARGET_TOK_S_B1}
+    sp = w1["tokens_per_s"] / d1["tokens_per_s"] if w1 and d1 else None
+    out["w4_over_bf16_batch1"] = {"value": sp, "target": f">= {TARGET_SPEEDUP_B1}", "ok": None if sp is None else sp >= TARGET_SPEEDUP_B1}
+    bmax = max(res["args"]["batches"])
+    wm, dm = _row(res, "w4", bmax), _row(res, base, bmax)
+    spm = wm["tokens_per_s"] / dm["tokens_per_s"] if wm and dm else None
+    out[f"w4_over_bf16_batch{bmax}"] = {"value": spm, "target": "> 1", "ok": None if spm is None else spm > 1}
+    scratch = res["models"].get("w4", {}).get("scratch_bytes")
+    out["w4_scratch_bytes"] = {"value": scratch, "target": f"<= {TARGET_SCRATCH}", "ok": None if scratch is None else scratch <= TARGET_SCRATCH}
+    return out
+
+
+def render_targets(res, dry) -> str:
+    lines = ["", "TARGETS (PERF.md, Llama-3-8B-shaped model, compiled + CUDA graphs)" + (" -- DRY RUN: tiny model on CPU, meaningless" if dry else "")]
+    for name, t in res["targets"].items():
+        v = t["value"]
+        shown = "n/a" if v is None else (f"{v / 2**20:.2f} MiB" if "bytes" in name else f"{v:.2f}")
+        verdict = "NOT MEASURED" if t["ok"] is None else ("PASS" if t["ok"] else "FAIL")
+        lines.append(f"  {name:24s} {shown:>14s}  target {t['target']:>14s}  {verdict}")
+    if res["skipped"]:
+        skipped = ", ".join(f"{s['model']} batch {s['batch']}" for s in res["skipped"])
+        lines.append(f"  skipped: {skipped}")
+    if res["models"].get("w4"):
+        lines.append("  note: the scratch is the workspace the model preallocates; qops.layers does not pass it to the ops yet")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,483 @@
+"""A Llama-style decoder built only from qops layers, for whole-model compilation and CUDA graphs.
+
+Architecture (Hugging Face ``LlamaForCausalLM`` tensor names and numerics): token embedding
+(``TensorParallelEmbedding``), ``num_hidden_layers`` blocks of RMSNorm -> grouped-query attention
+with rotary embeddings (fused ``[q; k; v]`` column-parallel projection, row-parallel ``o_proj``)
+-> RMSNorm -> SwiGLU MLP (fused ``[gate; up]`` column-parallel, row-parallel ``down_proj``), a final
+RMSNorm and a vocabulary-parallel ``lm_head`` (``TensorParallelHead``; the embedding when
+``tie_word_embeddings``). Linear layers come from the loader, so any checkpoint format the layer
+registry serves loads (quantized or dense), sharded over ``process_group``.
+
+Static shapes for CUDA graphs. Every tensor a step touches lives at a fixed address:
+
+- KV cache: per layer, registered buffers ``k_cache`` / ``v_cache`` of shape
+  ``(max_batch, kv_heads_local, max_seq, head_dim)``. A step writes its keys and values in place
+  (``index_put_`` at ``(row, kv head, position)``) and attends over all
+  ``max_seq`` positions of its rows, masking positions after the query's own; batch row b of a call
+  uses cache row b.
+- Rotary tables: buffers ``(max_seq, head_dim)``, gathered at the step's positions.
+- Scratch: ``model.workspace`` (:class:`qops.workspace.Workspace`), sized once from the layers'
+  lowerings for ``max_batch`` rows.
+
+A decode step is :meth:`LlamaForCausalLM.decode` ``(tokens (B,), positions (B,)) -> logits (B, V)``:
+no host synchronization, no data-dependent Python control flow, no allocation outside torch's
+allocator, so ``torch.compile(model.decode, fullgraph=True, mode="reduce-overhead")`` and a manual
+``torch.cuda.graph`` capture both take it whole. Positions must lie in ``[0, max_seq)`` and B in
+``[1, max_batch]`` (checked by :func:`generate`, never inside the step).
+
+Tensor parallelism: with world size w, each rank holds ``num_attention_heads / w`` query heads and
+``num_key_value_heads / w`` KV heads (both must divide), ``intermediate_size / w`` MLP columns and
+``vocab_size / w`` logits (all-gathered). Without ``torch.distributed`` initialized the model runs
+in one process (world size 1, no collectives in the graph).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers import (
+    QuantLinear,
+    TensorParallelColumnLinear,
+    TensorParallelEmbedding,
+    TensorParallelHead,
+    TensorParallelRowLinear,
+    Weights,
+)
+from ..layers.loader import read_quantization_config
+from ..workspace import Workspace
+from .checkpoint import QuantScheme, TensorWeights, get_scheme, quantize_tensors, save_pretrained
+
+ARCHITECTURES = ("LlamaForCausalLM",)  # (Mistral adds sliding-window attention, not implemented here)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The model's shape, with Hugging Face ``config.json`` names."""
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None  # default hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"LlamaConfig: hidden_size={self.hidden_size} is not a multiple of num_attention_heads={self.num_attention_heads}; give head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"LlamaConfig: num_attention_heads={self.num_attention_heads} is not a multiple of num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LlamaConfig":
+        """From a Hugging Face ``config.json`` (unknown keys ignored; missing ones take Llama defaults)."""
+        archs = d.get("architectures") or []
+        if archs and not any(a in ARCHITECTURES for a in archs):
+            raise ValueError(f"LlamaConfig: architectures {archs} are not Llama-style; supported: {list(ARCHITECTURES)}")
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if kw.get("num_key_value_heads") is None:
+            kw["num_key_value_heads"] = d.get("num_attention_heads", cls.num_attention_heads)
+        return cls(**kw)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "LlamaConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(architectures=["LlamaForCausalLM"], model_type="llama")
+        return d
+
+    @classmethod
+    def tiny(cls, **kw) -> "LlamaConfig":
+        """The test model: every N and K of its linears is a multiple of 128 (GPTQ/AWQ groups,
+        fp8 128x128 blocks, EETQ tiles), grouped-query attention with two query heads per KV head."""
+        base = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64)
+        return cls(**{**base, **kw})
+
+    @classmethod
+    def llama3_8b(cls) -> "LlamaConfig":
+        return cls(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192})
+
+    def linear_prefixes(self) -> list[str]:
+        """Every linear layer of the decoder blocks (what a quantized checkpoint quantizes)."""
+        out = []
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}"
+            out += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            out += [f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+        return out
+
+
+def default_process_group():
+    """torch.distributed's world group when it is initialized, else None (one process)."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (float64), with Llama 3 ``rope_scaling`` applied."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = config.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        inv = torch.where(medium, smoothed, scaled)
+    elif kind != "default":
+        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported; supported: default, llama3")
+    return inv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x (B, T, H, D)`` rotated by the angles whose cos/sin are ``(B, T, 1, D)`` (fp32 math)."""
+    xf = x.float()
+    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, prefix: str, weights: Weights, *, max_batch: int, max_seq: int) -> None:
+        super().__init__()
+        world = weights.world_size
+        for what, h in (("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", config.num_key_value_heads)):
+            if h % world:
+                raise ValueError(f"{prefix}: {what}={h} does not split over world size {world}")
+        self.num_heads = config.num_attention_heads // world
+        self.num_kv_heads = config.num_key_value_heads // world
+        self.head_dim = d = config.head_dim
+        self.scale = d ** -0.5
+        self.qkv_proj = TensorParallelColumnLinear.load_multi(
+            config, [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")], weights, bias=config.attention_bias)
+        self.o_proj = TensorParallelRowLinear.load(config, f"{prefix}.o_proj", weights, bias=False)
+        shape = (max_batch, self.num_kv_heads, max_seq, d)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=weights.dtype, device=weights.device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=weights.dtype, device=weights.device), persistent=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split([h * d, hk * d, hk * d], dim=-1)
+        q = apply_rotary(q.view(b, t, h, d), cos, sin)
+        k = apply_rotary(k.view(b, t, hk, d), cos, sin)
+        # In place at (row, kv head, position): the cache keeps its address across steps. The
+        # values keep their (B, T, Hkv, D) shape: merging B into another dimension with a reshape of
+        # the non-contiguous split is miscompiled by Inductor when B is unbacked (torch 2.13).
+        self.k_cache.index_put_(index, k)
+        self.v_cache.index_put_(index, v.view(b, t, hk, d))
+        kc, vc = self.k_cache[:b], self.v_cache[:b]  # (B, Hkv, S, D)
+        g = h // hk
+        # Query rows grouped under their KV head: (B, Hkv, G*T, D), no copy of the cache per head.
+        qg = q.view(b, t, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
+        scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale  # (B, Hkv, G*T, S)
+        scores = scores.masked_fill(mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(vc.dtype)
+        o = torch.matmul(p, vc)  # (B, Hkv, G*T, D)
+        o = o.view(b, hk, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig, prefix: str, weights: Weights) -> None:
+        super().__init__()
+        self.gate_up_proj = TensorParallelColumnLinear.load_multi(config, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], weights, bias=False)
+        self.down_proj = TensorParallelRowLinear.load(config, f"{prefix}.down_proj", weights, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, prefix: str, weights: Weights, *, max_batch: int, max_seq: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.input_layernorm.weight"), config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", weights, max_batch=max_batch, max_seq=max_seq)
+        self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, f"{prefix}.mlp", weights)
+
+    def forward(self, x, cos, sin, index, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, index, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder (see the module docstring). Build with :meth:`from_pretrained`,
+    :meth:`from_tensors` or :meth:`random`; run with :meth:`decode`, :meth:`forward` or
+    :func:`generate`."""
+
+    def __init__(self, config: LlamaConfig, weights: Weights, *, max_batch: int = 8, max_seq: int = 256,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        super().__init__()
+        if max_batch < 1 or max_seq < 1:
+            raise ValueError(f"LlamaForCausalLM: max_batch and max_seq must be positive, got {max_batch}, {max_seq}")
+        self.config = config
+        self.max_batch, self.max_seq = max_batch, max_seq
+        self.dtype, self.device = weights.dtype, weights.device
+        self.world_size = weights.world_size
+        self.embed_tokens = TensorParallelEmbedding("model.embed_tokens", weights)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            layers.append(LlamaDecoderLayer(config, f"model.layers.{i}", weights, max_batch=max_batch, max_seq=max_seq))
+            if progress is not None:
+                progress(i + 1, config.num_hidden_layers)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(weights.get_tensor("model.norm.weight"), config.rms_norm_eps)
+        self.lm_head = TensorParallelHead.load(config, "lm_head", weights)
+        freqs = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq(config))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos().float().to(self.device), persistent=False)
+        self.register_buffer("rope_sin", emb.sin().float().to(self.device), persistent=False)
+        self.register_buffer("key_positions", torch.arange(max_seq, device=self.device), persistent=False)
+        self.workspace = Workspace.for_model(self, max_m=max_batch, device=self.device)
+
+    # Construction.
+
+    @classmethod
+    def from_weights(cls, config: LlamaConfig, weights: Weights, **kw) -> "LlamaForCausalLM":
+        """From any ``qops.layers.Weights`` (files, or :class:`~qops.models.checkpoint.TensorWeights`)."""
+        if config.tie_word_embeddings and not weights.has("lm_head.weight"):
+            weights.aliases = {**weights.aliases, "lm_head.weight": ["model.embed_tokens.weight"]}
+        return cls(config, weights, **kw)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, device="cpu", dtype: torch.dtype = torch.bfloat16, process_group="default",
+                        **kw) -> "LlamaForCausalLM":
+        """A Hugging Face checkpoint directory (config.json + safetensors), quantized or not, through
+        ``qops.layers.Weights``. ``process_group="default"``: :func:`default_process_group`."""
+        config = LlamaConfig.from_pretrained(path)
+        pg = default_process_group() if process_group == "default" else process_group
+        weights = Weights.from_pretrained(path, device=device, dtype=dtype, process_group=pg)
+        return cls.from_weights(config, weights, **kw)
+
+    @classmethod
+    def from_tensors(cls, config: LlamaConfig, tensors: dict[str, torch.Tensor], quantization_config: dict | None = None, *,
+                     device="cpu", dtype: torch.dtype = torch.bfloat16, process_group="default", **kw) -> "LlamaForCausalLM":
+        """Checkpoint tensors in memory (HF names; see ``qops.models.checkpoint``), through the loader."""
+        pg = default_process_group() if process_group == "default" else process_group
+        weights = TensorWeights(tensors, device=device, dtype=dtype, process_group=pg, quantization_config=quantization_config)
+        return cls.from_weights(config, weights, **kw)
+
+    @classmethod
+    def random(cls, config: LlamaConfig, scheme: str | QuantScheme | None = None, *, seed: int = 0, device="cpu",
+               dtype: torch.dtype = torch.bfloat16, **kw) -> "LlamaForCausalLM":
+        """Random weights (:func:`random_tensors`), quantized with ``scheme``'s reference quantizer."""
+        sch = get_scheme(scheme) if not isinstance(scheme, QuantScheme) else scheme
+        tensors = quantize_tensors(random_tensors(config, seed=seed), config.linear_prefixes(), sch)
+        return cls.from_tensors(config, tensors, None if sch is None else sch.config, device=device, dtype=dtype, **kw)
+
+    # Running.
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``tokens``, ``positions`` ``(B, T)`` -> logits ``(B, T, vocab)``; writes the KV cache of
+        rows ``[0, B)`` at ``positions`` (each row's positions distinct)."""
+        b, t = tokens.shape
+        cos = self.rope_cos[positions].unsqueeze(2)  # (B, T, 1, D)
+        sin = self.rope_sin[positions].unsqueeze(2)
+        # Masked: keys after the query's position (not written yet, or stale from an earlier sequence).
+        mask = (self.key_positions > positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+        hk = self.config.num_key_value_heads // self.world_size
+        g = self.config.num_attention_heads // self.config.num_key_value_heads
+        # Cache index (row, kv head, position) of each key of the step, broadcast to (B, T, Hkv).
+        index = (torch.arange(b, device=tokens.device).view(b, 1, 1), torch.arange(hk, device=tokens.device).view(1, 1, hk),
+                 positions.unsqueeze(-1))
+        # Query rows are grouped (g, t) under their KV head.
+        mask = mask.unsqueeze(2).expand(b, 1, g, t, self.max_seq).reshape(b, 1, g * t, self.max_seq)
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, index, mask)
+        return self.lm_head(self.norm(x))
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step: ``tokens``, ``positions`` ``(B,)`` -> logits ``(B, vocab)``."""
+        return self.forward(tokens.unsqueeze(1), positions.unsqueeze(1)).squeeze(1)
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Prompts ``(B, T)`` at positions ``0..T-1`` -> logits of the last position ``(B, vocab)``."""
+        b, t = tokens.shape
+        positions = torch.arange(t, device=tokens.device).expand(b, t)
+        return self.forward(tokens, positions)[:, -1]
+
+    # Facts.
+
+    def quantized_linears(self) -> list[nn.Module]:
+        return [m for m in self.modules() if isinstance(m, QuantLinear)]
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this rank holds (parameters and weight buffers; no caches, no scratch)."""
+        skip = {id(t) for m in self.modules() for t in (getattr(m, "k_cache", None), getattr(m, "v_cache", None)) if t is not None}
+        skip |= {id(self.rope_cos), id(self.rope_sin), id(self.key_positions), id(self.workspace.buffer)}
+        seen, total = set(), 0
+        for t in list(self.parameters()) + list(self.buffers()):
+            if id(t) in skip or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+        return total
+
+    def cache_bytes(self) -> int:
+        return sum(layer.self_attn.k_cache.nbytes + layer.self_attn.v_cache.nbytes for layer in self.layers)
+
+    def lowerings(self) -> dict[str, int]:
+        """How many quantized linears each lowering serves."""
+        out: dict[str, int] = {}
+        for m in self.quantized_linears():
+            name = m.choice.lowering.name if getattr(m, "choice", None) is not None else "unknown"
+            out[name] = out.get(name, 0) + 1
+        return out
+
+
+def random_tensors(config: LlamaConfig, *, seed: int = 0, device="cpu", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A dense checkpoint with random weights (HF names): linears ~ N(0, 1/fan_in) so activations
+    keep their scale through the blocks, embeddings ~ N(0, 1), norms ~ 1 + N(0, 0.1^2)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    c = config
+
+    def rnd(*shape, std):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+
+    h, d = c.hidden_size, c.head_dim
+    t = {"model.embed_tokens.weight": rnd(c.vocab_size, h, std=1.0), "model.norm.weight": 1 + rnd(h, std=0.1)}
+    if not c.tie_word_embeddings:
+        t["lm_head.weight"] = rnd(c.vocab_size, h, std=h ** -0.5)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = 1 + rnd(h, std=0.1)
+        t[f"{p}.post_attention_layernorm.weight"] = 1 + rnd(h, std=0.1)
+        for name, n in (("q_proj", c.num_attention_heads * d), ("k_proj", c.num_key_value_heads * d), ("v_proj", c.num_key_value_heads * d)):
+            t[f"{p}.self_attn.{name}.weight"] = rnd(n, h, std=h ** -0.5)
+            if c.attention_bias:
+                t[f"{p}.self_attn.{name}.bias"] = rnd(n, std=0.02)
+        t[f"{p}.self_attn.o_proj.weight"] = rnd(h, c.num_attention_heads * d, std=(c.num_attention_heads * d) ** -0.5)
+        t[f"{p}.mlp.gate_proj.weight"] = rnd(c.intermediate_size, h, std=h ** -0.5)
+        t[f"{p}.mlp.up_proj.weight"] = rnd(c.intermediate_size, h, std=h ** -0.5)
+        t[f"{p}.mlp.down_proj.weight"] = rnd(h, c.intermediate_size, std=c.intermediate_size ** -0.5)
+    return t
+
+
+def save_random_checkpoint(path: str, config: LlamaConfig, scheme: str | None = None, *, seed: int = 0) -> None:
+    """Write a random-weight checkpoint (quantized with ``scheme``) as a Hugging Face directory."""
+    sch = get_scheme(scheme)
+    tensors = quantize_tensors(random_tensors(config, seed=seed), config.linear_prefixes(), sch)
+    save_pretrained(path, tensors, config.to_dict(), None if sch is None else sch.config)
+
+
+def is_quantized_checkpoint(path: str) -> bool:
+    return read_quantization_config(path) is not None
+
+
+def compile_decode(model: LlamaForCausalLM, *, cuda_graphs: bool | None = None, **compile_kw) -> Callable:
+    """``model.decode`` under ``torch.compile(fullgraph=True)``, compiled once for every batch size:
+    the batch dimension of each call's inputs is marked unbacked (``mark_dynamic`` would still
+    specialize batch 1). ``cuda_graphs`` (default: on a CUDA device) adds ``mode="reduce-overhead"``;
+    a decode loop then calls ``torch.compiler.cudagraph_mark_step_begin()`` before each step
+    (:func:`generate` with ``cuda_graphs=True``)."""
+    if cuda_graphs is None:
+        cuda_graphs = model.device.type == "cuda"
+    if cuda_graphs:
+        compile_kw.setdefault("mode", "reduce-overhead")
+    compiled = torch.compile(model.decode, fullgraph=True, **compile_kw)
+
+    def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.decorators.mark_unbacked(tokens, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        return compiled(tokens, positions)
+
+    return step
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor  # (B, new_tokens) generated ids
+    logits: torch.Tensor | None  # (B, new_tokens, vocab) float32, when kept
+    prefill_s: float
+    decode_s: float  # wall time of the decode steps (after the first token)
+    decode_steps: int
+
+
+def generate(model: LlamaForCausalLM, prompts: torch.Tensor, new_tokens: int, *, step: Callable | None = None,
+             keep_logits: bool = False, cuda_graphs: bool = False, prefill: Callable | None = None) -> Generation:
+    """Greedy decoding of ``new_tokens`` tokens after ``prompts`` ``(B, T0)``.
+
+    The prompt goes through ``prefill`` (default ``model.prefill``), each later token through
+    ``step`` (default ``model.decode``; pass a compiled one). ``cuda_graphs``: call
+    ``torch.compiler.cudagraph_mark_step_begin()`` before each step (``mode="reduce-overhead"``), and
+    copy what a step returns before the next replay overwrites it.
+    """
+    b, t0 = prompts.shape
+    if not 1 <= b <= model.max_batch:
+        raise ValueError(f"generate: batch {b} is outside [1, max_batch={model.max_batch}]")
+    if t0 < 1 or t0 + new_tokens - 1 > model.max_seq:
+        raise ValueError(f"generate: {t0} prompt + {new_tokens} new tokens need {t0 + new_tokens - 1} cache positions; max_seq={model.max_seq}")
+    step = step or model.decode
+    sync = torch.cuda.synchronize if prompts.device.type == "cuda" else (lambda: None)
+    kept = []
+    t = time.perf_counter()
+    logits = (prefill or model.prefill)(prompts)
+    tok = logits.argmax(-1)
+    if keep_logits:
+        kept.append(logits.float())
+    out = [tok]
+    sync()
+    prefill_s = time.perf_counter() - t
+    positions = torch.full((b,), t0, dtype=torch.long, device=prompts.device)
+    t = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = step(tok, positions)
+        tok = logits.argmax(-1)
+        if keep_logits:
+            kept.append(logits.float().clone())
+        out.append(tok)
+        positions = positions + 1
+    sync()
+    decode_s = time.perf_counter() - t
+    return Generation(torch.stack(out, 1), torch.stack(kept, 1) if keep_logits else None, prefill_s, decode_s, new_tokens - 1)

@@ -1,0 +1,184 @@
+"""Test support for the models: an independent float64 reference, which lowerings serve each
+scheme, and the tensor-parallel worker (``torch.multiprocessing.spawn`` target) shared by the CPU
+(gloo) and GPU (NCCL) tests.
+
+Test ids name the scheme and the lowering its quantized layers run on (``gptq-reference_int_weight``),
+so ``scripts/guarantee_matrix.py`` can read a (format, lowering) cell off them.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import FORMATS
+from ..lowerings import LOWERINGS
+from .checkpoint import QUANT_SCHEMES, get_scheme, quantize_tensors
+from .llama import LlamaConfig, LlamaForCausalLM, inv_freq, random_tensors
+
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def family_lowerings(scheme: str) -> list:
+    """The lowerings of the scheme's op family that list its format, highest priority first."""
+    fmt = FORMATS[scheme]
+    return sorted((low for low in LOWERINGS if low.family == fmt.family and scheme in low.formats), key=lambda l: -l.priority)
+
+
+def scheme_lowerings(device_type: str) -> list[tuple[str, str]]:
+    """(scheme, lowering) pairs whose lowering runs on ``device_type`` ("cpu" or "cuda")."""
+    return [(s, low.name) for s in QUANT_SCHEMES for low in family_lowerings(s) if device_type in low.device_types]
+
+
+@contextlib.contextmanager
+def forced_lowering(scheme: str, lowering: str):
+    """Within the block, preparing ``scheme``'s weights picks ``lowering`` where it serves them:
+    every lowering of the family with a higher priority is disabled (``QOPS_DISABLE_LOWERINGS``)."""
+    from ..lowerings import DISABLE_ENV, LOWERINGS_BY_NAME
+
+    target = LOWERINGS_BY_NAME[lowering]
+    above = [low.name for low in family_lowerings(scheme) if low.priority > target.priority]
+    old = os.environ.get(DISABLE_ENV)
+    names = [n for n in (old or "").split(",") if n.strip()] + above
+    os.environ[DISABLE_ENV] = ",".join(names)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(DISABLE_ENV, None)
+        else:
+            os.environ[DISABLE_ENV] = old
+
+
+def reference_logits(tensors: dict[str, torch.Tensor], config: LlamaConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits ``(B, T, V)`` of a dense checkpoint on ``tokens`` ``(B, T)`` at positions 0..T-1, in
+    float64, written out from the Llama definition (repeated KV heads, full causal attention)."""
+    c = config
+    t = {k: v.double() for k, v in tensors.items()}
+    b, n = tokens.shape
+    h, d, hk = c.num_attention_heads, c.head_dim, c.num_key_value_heads
+
+    def rms(x, w):
+        return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + c.rms_norm_eps)
+
+    def rot(x, cos, sin):
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return x * cos + torch.cat((-x2, x1), -1) * sin
+
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq(c)[None]
+    cos, sin = torch.cat((ang, ang), -1).cos()[None, :, None], torch.cat((ang, ang), -1).sin()[None, :, None]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    x = t["model.embed_tokens.weight"][tokens]
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        y = rms(x, t[f"{p}.input_layernorm.weight"])
+
+        def proj(name, heads):
+            out = y @ t[f"{p}.self_attn.{name}.weight"].T
+            if f"{p}.self_attn.{name}.bias" in t:
+                out = out + t[f"{p}.self_attn.{name}.bias"]
+            return out.view(b, n, heads, d)
+
+        q, k, v = rot(proj("q_proj", h), cos, sin), rot(proj("k_proj", hk), cos, sin), proj("v_proj", hk)
+        k, v = k.repeat_interleave(h // hk, dim=2), v.repeat_interleave(h // hk, dim=2)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+        a = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+        o = torch.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, n, h * d)
+        x = x + o @ t[f"{p}.self_attn.o_proj.weight"].T
+        y = rms(x, t[f"{p}.post_attention_layernorm.weight"])
+        gate, up = y @ t[f"{p}.mlp.gate_proj.weight"].T, y @ t[f"{p}.mlp.up_proj.weight"].T
+        x = x + (F.silu(gate) * up) @ t[f"{p}.mlp.down_proj.weight"].T
+    head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
+    return rms(x, t["model.norm.weight"]) @ head.T
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative Frobenius error ``||got - want|| / ||want||`` in float64."""
+    want = want.double()
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch.dtype, schemes: tuple[str, ...], modes: tuple[str, ...],
+                    tolerance: float, lowerings: dict[str, str] | None = None) -> None:
+    """One rank: the tiny model of each scheme sharded over ``world`` ranks against the whole
+    model (world size 1, same process), on decode steps at batch sizes 1, 3 and 4.
+
+    Modes: "eager"; "compiled" (``fullgraph=True``, one compilation for all batch sizes, then
+    ``fail_on_recompile``); "reduce_overhead" (CUDA graphs through cudagraph trees, a skipped
+    capture is an error). Mismatches are collected and raised together at the end so that every
+    rank runs the same collectives.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        os.environ.update(NVLS_OFF)
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    failures: list[str] = []
+    try:
+        torch._inductor.config.compile_threads = 1
+        config = LlamaConfig.tiny()
+        for scheme in schemes:
+            ctx = forced_lowering(scheme, lowerings[scheme]) if lowerings and scheme in lowerings else contextlib.nullcontext()
+            tensors = quantize_tensors(random_tensors(config, seed=3), config.linear_prefixes(), get_scheme(scheme))
+            qc = None if scheme == "none" else QUANT_SCHEMES[scheme].config
+            with ctx:
+                sharded = LlamaForCausalLM.from_tensors(config, tensors, qc, device=device, dtype=dtype, max_batch=4, max_seq=16,
+                                                        process_group=dist.group.WORLD)
+                whole = LlamaForCausalLM.from_tensors(config, tensors, qc, device=device, dtype=dtype, max_batch=4, max_seq=16,
+                                                      process_group=None)
+            if lowerings and scheme in lowerings:
+                chosen = {m.choice.lowering.name for m in sharded.quantized_linears()}
+                if chosen != {lowerings[scheme]}:
+                    failures.append(f"{scheme}: layers prepared for {sorted(chosen)}, not {lowerings[scheme]}")
+            for mode in modes:
+                _tp_compare(rank, scheme, mode, sharded, whole, device, tolerance, failures)
+        if failures:
+            raise AssertionError(f"rank {rank}: {len(failures)} mismatches:\n" + "\n".join(failures[:40]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_compare(rank, scheme, mode, sharded, whole, device, tolerance, failures) -> None:
+    torch._dynamo.reset()
+    step = sharded.decode
+    if mode == "compiled":
+        step = torch.compile(sharded.decode, fullgraph=True)
+    elif mode == "reduce_overhead":
+        torch._inductor.config.triton.cudagraph_or_error = True
+        step = torch.compile(sharded.decode, fullgraph=True, mode="reduce-overhead")
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for i, b in enumerate((1, 3, 4)):
+            prompts = torch.randint(0, sharded.config.vocab_size, (b, 3), generator=gen).to(device)
+            want_first, got_first = whole.prefill(prompts), sharded.prefill(prompts)
+            tok = want_first.argmax(-1)
+            pos = torch.full((b,), 3, dtype=torch.long, device=device)
+            want = whole.decode(tok, pos)
+            tok_c, pos_c = tok.clone(), pos.clone()
+            if mode != "eager":
+                torch._dynamo.decorators.mark_unbacked(tok_c, 0)
+                torch._dynamo.decorators.mark_unbacked(pos_c, 0)
+            if mode == "reduce_overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            stance = torch.compiler.set_stance("fail_on_recompile") if (mode != "eager" and i > 0) else contextlib.nullcontext()
+            try:
+                with stance:
+                    got = step(tok_c, pos_c).clone()
+            except Exception as e:  # noqa: BLE001 - reported with the others
+                failures.append(f"{scheme} {mode} batch {b}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            for what, g, w in (("prefill", got_first, want_first), ("decode", got, want)):
+                err = relative_error(g, w)
+                if not err <= tolerance:
+                    failures.append(f"{scheme} {mode} batch {b} {what}: relative error {err:.3g} > {tolerance}")

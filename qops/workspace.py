@@ -1,0 +1,169 @@
+"""Preallocated scratch for the quantized matmuls: one buffer per device, owned by the model.
+
+Some lowerings need scratch memory per call -- fp32 split-K partial sums -- and take it from the
+caller's ``workspace`` argument (``qops::mm_int_weight_out``, ``qops::mm_int8_weight_out``,
+``qops::mm_blockwise4_out``) when it is large enough. Each such lowering states its need as a
+function of the call's shape; :data:`SCRATCH_BYTES` maps lowering names to those functions:
+
+=====================  ==========================================================================
+lowering               size function
+=====================  ==========================================================================
+triton_int_weight      ``qops.ops.triton.int_weight.workspace_bytes(m, n, k, bits, group_size, device)``
+native_w4a16           ``qops.native.int_weight.workspace_bytes(m, n, k, device)`` for M <= 16 (and
+                       deterministic mode); larger M is delegated to Triton, sized by Triton's function
+triton_int8_weight     ``4*M*N`` when ``qops.ops.triton.int8_weight.plan`` splits K, else 0
+triton_blockwise4      ``4*M*N`` when ``qops.ops.triton.blockwise4.plan`` splits K, else 0
+=====================  ==========================================================================
+
+Lowerings not listed need none (the reference kernels, ``scaled_mm_fp8``; ``triton_fp8`` has no
+workspace argument and allocates its split-K accumulator from torch's caching allocator).
+
+A :class:`Workspace` is sized once, when the model is built, as the largest need of any of its
+layers for any row count ``M <= max_m`` (layers run one after another, so they share it), and
+never grows: :meth:`Workspace.take` raises when asked for more. Its memory is the registered
+buffer ``buffer`` (uint8, not saved in state dicts), so it moves with ``.to()``, and
+``torch.compile``'s cudagraph trees treat it as a static input that steps may mutate.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+ALIGN = 256  # bytes; buffers start 512-byte aligned (caching allocator), sizes are rounded up to this
+
+
+def _k(layer) -> int:
+    return layer.in_features + getattr(layer, "input_pad", 0)
+
+
+def _triton_int_weight(layer, m: int, device: torch.device) -> int:
+    from .ops.triton.int_weight import workspace_bytes
+
+    return workspace_bytes(m, layer.out_features, _k(layer), layer.bits, layer.group_size, device)
+
+
+def _native_w4a16(layer, m: int, device: torch.device) -> int:
+    from .native import int_weight as native
+
+    if m > native.MAX_M and not native.deterministic():
+        # native_mm hands these to the Triton lowering (and native.workspace_bytes would call
+        # Triton's size function with the wrong arguments for them).
+        return _triton_int_weight(layer, m, device)
+    return native.workspace_bytes(m, layer.out_features, _k(layer), device)
+
+
+def _split_k_accumulator(plan: Callable[..., dict]):
+    def need(layer, m: int, device: torch.device, *extra) -> int:
+        return 4 * m * layer.out_features if plan(m, layer.out_features, layer.in_features, *extra, device)["split"] > 1 else 0
+
+    return need
+
+
+def _triton_int8_weight(layer, m, device):
+    from .ops.triton import int8_weight
+
+    return _split_k_accumulator(int8_weight.plan)(layer, m, device)
+
+
+def _triton_blockwise4(layer, m, device):
+    from .ops.triton import blockwise4
+
+    return _split_k_accumulator(blockwise4.plan)(layer, m, device, layer.blocksize)
+
+
+# Lowering name -> bytes of scratch one call of (m rows) x (a layer's weight) needs on a device.
+SCRATCH_BYTES: dict[str, Callable[[nn.Module, int, torch.device], int]] = {
+    "triton_int_weight": _triton_int_weight,
+    "native_w4a16": _native_w4a16,
+    "triton_int8_weight": _triton_int8_weight,
+    "triton_blockwise4": _triton_blockwise4,
+}
+
+
+def lowering_name(layer: nn.Module) -> str | None:
+    choice = getattr(layer, "choice", None)
+    return None if choice is None else choice.lowering.name
+
+
+def layer_scratch_bytes(layer: nn.Module, max_m: int, device: torch.device) -> int:
+    """The most scratch ``layer`` (a prepared ``QuantLinear``) needs for any M in ``[1, max_m]``."""
+    name = lowering_name(layer)
+    fn = SCRATCH_BYTES.get(name)
+    if fn is None:
+        return 0
+    # Layers of one shape share their need: computed once per (lowering, shape, device, max_m).
+    key = (name, layer.out_features, _k(layer), getattr(layer, "bits", 0), getattr(layer, "group_size", 0),
+           getattr(layer, "blocksize", 0), str(device), max_m)
+    if key not in _NEEDS:
+        _NEEDS[key] = max((int(fn(layer, m, device)) for m in range(1, max_m + 1)), default=0)
+    return _NEEDS[key]
+
+
+_NEEDS: dict[tuple, int] = {}
+
+
+class WorkspaceTooSmall(RuntimeError):
+    pass
+
+
+class Workspace(nn.Module):
+    """A fixed scratch buffer (see the module docstring). ``needs`` records each layer's need."""
+
+    def __init__(self, nbytes: int, device: torch.device | str = "cpu", *, max_m: int = 1, needs: dict[str, int] | None = None) -> None:
+        super().__init__()
+        if nbytes < 0:
+            raise ValueError(f"Workspace: nbytes must be >= 0, got {nbytes}")
+        self.max_m = max_m
+        self.needs = dict(needs or {})
+        size = -(-nbytes // ALIGN) * ALIGN
+        self.register_buffer("buffer", torch.empty(size, dtype=torch.uint8, device=device), persistent=False)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, *, max_m: int, device: torch.device | str | None = None) -> "Workspace":
+        """Sized for every prepared quantized linear of ``model`` and every M in ``[1, max_m]``."""
+        from .layers import QuantLinear
+
+        needs = {}
+        for name, m in model.named_modules():
+            if isinstance(m, QuantLinear):
+                dev = torch.device(device) if device is not None else _device_of(m)
+                needs[name] = layer_scratch_bytes(m, max_m, dev)
+        if device is None:
+            device = next((_device_of(m) for m in model.modules() if isinstance(m, QuantLinear)), torch.device("cpu"))
+        return cls(max(needs.values(), default=0), device, max_m=max_m, needs=needs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the buffer (uint8); the workspace never grows, so asking for more
+        than it holds is an error, not an allocation."""
+        if nbytes > self.nbytes:
+            raise WorkspaceTooSmall(f"Workspace: {nbytes} bytes asked, {self.nbytes} held (sized for M <= {self.max_m}); "
+                                    "build the model with a larger max_batch")
+        return self.buffer[:nbytes]
+
+    def check(self, model: nn.Module) -> None:
+        """Raise unless every quantized linear of ``model`` fits (e.g. after its layers changed)."""
+        from .layers import QuantLinear
+
+        for name, m in model.named_modules():
+            if isinstance(m, QuantLinear):
+                need = layer_scratch_bytes(m, self.max_m, self.buffer.device)
+                if need > self.nbytes:
+                    raise WorkspaceTooSmall(f"Workspace: layer {name} ({lowering_name(m)}) needs {need} bytes for M <= {self.max_m}, {self.nbytes} held")
+
+    def extra_repr(self) -> str:
+        users = sum(1 for v in self.needs.values() if v)
+        return f"nbytes={self.nbytes}, max_m={self.max_m}, layers_needing_scratch={users}/{len(self.needs)}"
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for t in module.buffers():
+        return t.device
+    for t in module.parameters():
+        return t.device
+    return torch.device("cpu")

@@ -1,0 +1,212 @@
+"""The reference decoder on the GPU, for every (scheme, lowering) pair that runs on CUDA (the
+lowering forced by disabling the higher-priority ones of its family; a pair the chooser still
+refuses is skipped with the chooser's reasons):
+
+- ``torch.compile(model.decode, fullgraph=True, mode="reduce-overhead")`` with
+  ``torch._inductor.config.triton.cudagraph_or_error = True``: no skipped capture
+  (``counters["inductor"]["cudagraph_skips"] == 0``), one compilation for batch sizes 1, 3 and the
+  maximum (unbacked batch) and every step, logits equal to eager;
+- a manual ``torch.cuda.graph`` capture of the eager step, replayed on new tokens and positions,
+  then replayed again after zeroing its output: equal to eager;
+- fp16 and bf16 decode close to the fp32 model;
+- the workspace sized from the real lowerings' size functions (<= 64 MiB for Llama-3-8B shapes
+  at batch 32);
+- with two GPUs, the model sharded over NCCL (spawned ranks, NVLink multicast off) equal to one
+  GPU, eagerly and through reduce-overhead CUDA graphs.
+
+Run with ``pytest -m gpu tests/gpu/test_gpu_model.py``.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from qops.models import LlamaConfig, LlamaForCausalLM, quantize_tensors, random_tensors
+from qops.models.checkpoint import get_scheme
+from qops.models.testing import NVLS_OFF, forced_lowering, relative_error, scheme_lowerings, tp_model_worker
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = LlamaConfig.tiny()
+PAIRS = [("none", "dense")] + scheme_lowerings("cuda")
+IDS = [f"{s}-{low}" for s, low in PAIRS]
+MAX_BATCH = 8
+# bf16 activations; the compiled graph fuses and orders differently from eager.
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return random_tensors(CONFIG, seed=5)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model(dense, scheme, lowering, dtype=torch.bfloat16, max_batch=MAX_BATCH):
+    sch = get_scheme(scheme)
+    tensors = quantize_tensors(dense, CONFIG.linear_prefixes(), sch)
+    ctx = forced_lowering(scheme, lowering) if sch is not None else _nothing()
+    with ctx:
+        model = LlamaForCausalLM.from_tensors(CONFIG, tensors, None if sch is None else sch.config, device="cuda", dtype=dtype,
+                                              max_batch=max_batch, max_seq=16, process_group=None)
+    if sch is not None:
+        chosen = {m.choice.lowering.name for m in model.quantized_linears()}
+        if chosen != {lowering}:
+            why = next(m.choice.explain() for m in model.quantized_linears() if m.choice.lowering.name != lowering)
+            pytest.skip(f"{lowering} does not serve the {scheme} model's layers ({sorted(chosen)} chosen):\n{why}")
+    return model
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _unbacked(*ts):
+    for t in ts:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    return ts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scheme,lowering", PAIRS, ids=IDS)
+def test_reduce_overhead_cuda_graphs(dense, scheme, lowering, dtype, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
+    model = _model(dense, scheme, lowering, dtype)
+    counters["inductor"].clear()
+    step = torch.compile(model.decode, fullgraph=True, mode="reduce-overhead")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for i, b in enumerate((3, 1, MAX_BATCH, 3)):
+            prompts = torch.randint(0, CONFIG.vocab_size, (b, 3), generator=gen).cuda()
+            tok = model.prefill(prompts).argmax(-1)
+            for s in range(3):
+                pos = torch.full((b,), 3 + s, dtype=torch.long, device="cuda")
+                want = model.decode(tok, pos)
+                torch.compiler.cudagraph_mark_step_begin()
+                with torch.compiler.set_stance("fail_on_recompile" if i or s else "default"):
+                    got = step(*_unbacked(tok.clone(), pos.clone())).clone()
+                err = relative_error(got, want)
+                assert err < TOLERANCE[dtype], f"batch {b} step {s}: relative error {err:.3g}"
+                tok = want.argmax(-1)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.parametrize("scheme,lowering", PAIRS, ids=IDS)
+def test_manual_cuda_graph_capture_replays_eager(dense, scheme, lowering):
+    model = _model(dense, scheme, lowering)
+    b = 4
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        prompts = torch.randint(0, CONFIG.vocab_size, (b, 4), generator=gen).cuda()
+        model.prefill(prompts)
+        static_tok = torch.randint(0, CONFIG.vocab_size, (b,), generator=gen).cuda()
+        static_pos = torch.full((b,), 4, dtype=torch.long, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernels compiled and loaded before capture
+                model.decode(static_tok, static_pos)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model.decode(static_tok, static_pos)
+        for pos in (5, 6):
+            tok = torch.randint(0, CONFIG.vocab_size, (b,), generator=gen).cuda()
+            static_tok.copy_(tok)
+            static_pos.fill_(pos)
+            graph.replay()
+            got = out.clone()
+            out.zero_()
+            graph.replay()  # every output element is rewritten by a replay
+            again = out.clone()
+            want = model.decode(tok, static_pos.clone())
+            assert torch.equal(got, again)
+            assert relative_error(got, want) < 1e-3, pos  # the same kernels, captured
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scheme,lowering", PAIRS, ids=IDS)
+def test_half_precision_decode(dense, scheme, lowering, dtype):
+    model = _model(dense, scheme, lowering, dtype, max_batch=2)
+    # The fp32 model of the same scheme on its reference lowering (every lowering's meaning).
+    reference = _model(dense, scheme, "dense" if scheme == "none" else _reference_lowering(scheme), torch.float32, max_batch=2)
+    prompts = torch.randint(0, CONFIG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2)).cuda()
+    positions = torch.arange(5, device="cuda").expand(2, 5)
+    with torch.no_grad():
+        got = model(prompts, positions).float()
+        want = reference(prompts, positions)
+    assert got.isfinite().all()
+    assert relative_error(got, want) < (2e-2 if dtype == torch.float16 else 6e-2)
+
+
+def _reference_lowering(scheme: str) -> str:
+    from qops.models.testing import family_lowerings
+
+    return next(low.name for low in family_lowerings(scheme) if low.name.startswith("reference"))
+
+
+def test_workspace_is_sized_from_the_lowerings(dense):
+    from qops.workspace import layer_scratch_bytes
+
+    model = _model(dense, "gptq", "triton_int_weight")
+    needs = [layer_scratch_bytes(m, MAX_BATCH, torch.device("cuda")) for m in model.quantized_linears()]
+    assert model.workspace.nbytes >= max(needs) and model.workspace.nbytes - max(needs) < 256
+    assert model.workspace.buffer.device.type == "cuda"
+
+
+@pytest.mark.parametrize("lowering", ["native_w4a16", "triton_int_weight"])
+def test_workspace_for_llama3_8b_shapes_fits_64_mib(lowering):
+    from qops.lowerings import LOWERINGS_BY_NAME
+    from qops.workspace import layer_scratch_bytes
+
+    c = LlamaConfig.llama3_8b()
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q), "gate_up": (2 * c.intermediate_size, c.hidden_size),
+              "down": (c.hidden_size, c.intermediate_size)}
+    choice = SimpleNamespace(lowering=LOWERINGS_BY_NAME[lowering])
+    for name, (n, k) in shapes.items():
+        layer = SimpleNamespace(choice=choice, out_features=n, in_features=k, input_pad=0, bits=4, group_size=128)
+        need = layer_scratch_bytes(layer, 32, torch.device("cuda"))
+        assert need <= 64 << 20, f"{name} ({n}x{k}): {need} bytes at M <= 32"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# One pair per fast lowering family (each spawn compiles per rank; the GPU suite has a time limit).
+TP_PAIRS = [("none", "dense"), ("gptq", "native_w4a16"), ("awq", "triton_int_weight"), ("fp8", "scaled_mm_fp8"),
+            ("eetq", "triton_int8_weight"), ("bitsandbytes-nf4", "triton_blockwise4")]
+
+
+def test_tp_pairs_name_real_pairs():
+    assert set(TP_PAIRS) <= set(PAIRS)
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("scheme,lowering", TP_PAIRS, ids=[f"{s}-{low}" for s, low in TP_PAIRS])
+def test_tensor_parallel_two_gpus_reduce_overhead(scheme, lowering):
+    os.environ.update(NVLS_OFF)  # inherited by the spawned ranks (which set it again)
+    lowerings = None if scheme == "none" else {scheme: lowering}
+    mp.spawn(tp_model_worker, args=(2, _free_port(), "nccl", torch.bfloat16, (scheme,), ("eager", "reduce_overhead"), 3e-2, lowerings),
+             nprocs=2, join=True)
+

@@ -1,0 +1,52 @@
+"""``benchmarks/bench_decode.py --dry-run``: the end-to-end decode benchmark's building (the W4
+model from random GPTQ integers through the loader, the dense one), compiling, timing, JSON and
+TARGETS code, on a tiny model on the CPU (its numbers mean nothing)."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_dry_run_writes_every_row_and_the_targets(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.delenv("OUT", raising=False)
+    import bench_decode
+
+    torch._dynamo.reset()
+    out = tmp_path / "d.json"
+    assert bench_decode.main(["--dry-run", "--batches", "1,3", "--steps", "2", "--trials", "1", "--out", str(out)]) == 0
+    torch._dynamo.reset()
+    res = json.loads(out.read_text())
+    assert res["dry_run"] and set(res["models"]) == {"w4", "dense"}
+    assert res["models"]["w4"]["lowerings"] == {"reference_int_weight": 4 * res["config"]["num_hidden_layers"]}
+    assert res["models"]["w4"]["weights_bytes"] < res["models"]["dense"]["weights_bytes"] / 2
+    assert [(r["model"], r["batch"]) for r in res["rows"]] == [("w4", 1), ("w4", 3), ("dense", 1), ("dense", 3)]
+    assert all(r["tokens_per_s"] > 0 and r["finite"] for r in res["rows"])
+    assert set(res["targets"]) == {"w4_batch1_tok_s", "w4_over_bf16_batch1", "w4_over_bf16_batch3", "w4_scratch_bytes"}
+    printed = capsys.readouterr().out
+    assert printed.rstrip().splitlines()[-1].startswith("  note: the scratch")
+    assert "TARGETS" in printed and "DRY RUN" in printed
+
+
+def test_random_gptq_checkpoint_is_a_valid_checkpoint(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_decode
+
+    from qops.formats import FORMATS
+    from qops.formats.gptq import GPTQCheckpoint
+    from qops.models import LlamaConfig
+
+    cfg = LlamaConfig.tiny(num_hidden_layers=1)
+    t, qc = bench_decode.random_gptq_checkpoint(cfg, torch.device("cpu"), 0)
+    p = "model.layers.0.mlp.down_proj"
+    c = GPTQCheckpoint(qweight=t[f"{p}.qweight"], qzeros=t[f"{p}.qzeros"], scales=t[f"{p}.scales"], g_idx=None, bits=4,
+                       group_size=128, in_features=cfg.intermediate_size, version="v2")
+    w = FORMATS["gptq"].dequantize(c)
+    assert w.shape == (cfg.hidden_size, cfg.intermediate_size)
+    # Weights of std ~ 1/sqrt(K), mean ~ 0: activations keep their scale through the layers.
+    assert abs(w.std().item() * cfg.intermediate_size ** 0.5 - 1) < 0.2 and abs(w.mean().item()) < 0.1 * w.std().item()
+    assert qc["checkpoint_format"] == "gptq_v2"

@@ -1,0 +1,75 @@
+"""``python -m qops demo`` end to end with tiny settings, in a subprocess as a user runs it: compiled
+(the default), eagerly, and from checkpoint directories (unquantized: quantized on the way;
+quantized: loaded as stored); ``--help`` documents every option."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from qops.models import LlamaConfig, save_random_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--layers", "1", "--hidden", "128", "--vocab", "256", "--batch", "2", "--prompt-len", "3", "--tokens", "4"]
+
+
+def _demo(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    r = subprocess.run([sys.executable, "-m", "qops", "demo", *args], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, f"demo failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def _tokens_per_s(out: str) -> float:
+    m = re.search(r"^decode: ([\d,.]+) tokens/s", out, re.M)
+    assert m, out
+    return float(m.group(1).replace(",", ""))
+
+
+def _logit_error(out: str) -> float:
+    m = re.search(r"^logit error vs unquantized: ([\d.]+) \(relative Frobenius", out, re.M)
+    assert m, out
+    return float(m.group(1))
+
+
+def test_help_documents_every_option():
+    import argparse
+
+    from qops.demo import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = subprocess.run([sys.executable, "-m", "qops", "demo", "--help"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout
+    for action in p._actions:
+        for flag in action.option_strings:
+            assert flag in out
+        assert action.help and action.help.strip()
+    assert re.search(r"\(default:\s+gptq\)", out)
+
+
+def test_compiled_default_format():
+    out = _demo(*TINY)
+    assert "format: gptq (GPTQ int4, group 128" in out and "(compiled;" in out
+    assert _tokens_per_s(out) > 0
+    assert 0 < _logit_error(out) < 0.5
+
+
+def test_eager_other_format():
+    out = _demo(*TINY, "--no-compile", "--format", "bitsandbytes-nf4", "--dtype", "bfloat16")
+    assert "(eager;" in out and "bfloat16" in out
+    assert 0 < _logit_error(out) < 0.5
+
+
+@pytest.mark.parametrize("scheme", [None, "compressed-tensors"], ids=["unquantized", "quantized"])
+def test_checkpoint_directory(tmp_path, scheme):
+    save_random_checkpoint(str(tmp_path), LlamaConfig.tiny(num_hidden_layers=1), scheme)
+    out = _demo("--checkpoint", str(tmp_path), "--no-compile", "--format", "awq", "--batch", "1", "--tokens", "3")
+    if scheme is None:
+        assert "format: awq" in out and 0 < _logit_error(out) < 0.5
+    else:
+        assert "--format ignored" in out and "n/a (the checkpoint is already quantized)" in out
+    assert "lowerings: reference_int_weight x4" in out
