@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .int8_weight import ConfigTable, finish, fp32_accumulator, output_2d, pow2_at_most, rows_2d, sm_count, split_plan
+from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k, store_row, store_tile
 
 CONFIGS: dict = {
     "gemv_max_m": 2,
@@ -50,6 +50,7 @@ CONFIGS: dict = {
 }
 TABLE = ConfigTable(CONFIGS)
 config_override = TABLE.override
+INTERPRETER_SMS = 8  # SM count assumed under Triton's CPU interpreter (tests)
 
 
 @triton.jit
@@ -114,13 +115,7 @@ def _gemv_kernel(
         s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blk, smask, NESTED, NESTED_BS)
         acc += (c_hi * x_even[None, :, :] + c_lo * x_odd[None, :, :]) * s[:, :, None]
     r = tl.sum(tl.sum(acc, axis=2), axis=1)
-    y_ptrs = y_ptr + m * stride_ym + offs_n * stride_yn
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, r, mask=nmask, sem="relaxed")
-    else:
-        if HAS_BIAS:
-            r += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, r.to(y_ptr.dtype.element_ty), mask=nmask)
+    store_row(y_ptr, bias_ptr, r, m, offs_n, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -133,13 +128,7 @@ def _gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    group_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_m
-    pid_n = (pid % width) // group_m
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     HALF: tl.constexpr = BLOCK_K // 2
     row_bytes = K // 2
     blocks_per_row = K // BLOCKSIZE
@@ -192,19 +181,12 @@ def _gemm_kernel(
             else:
                 acc = tl.dot(x_even, w_hi, acc)
                 acc = tl.dot(x_odd, w_lo, acc)
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    ymask = mmask[:, None] & nmask[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=ymask, sem="relaxed")
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+    store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 def plan(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
     """Which path and launch parameters serve an (M, N, K, blocksize) problem: static facts only."""
-    sms = sm_count(device)
+    sms = sm_count(device, INTERPRETER_SMS)
     row_bytes = k // 2
     half_block = blocksize // 2
     if m <= TABLE["gemv_max_m"]:
@@ -213,7 +195,7 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
         step = max(sub_bytes, min(cfg["STEP_BYTES"], triton.next_power_of_2(row_bytes)))
         bn = cfg["BLOCK_N"]
         tiles = m * triton.cdiv(n, bn)
-        split, per = split_plan(row_bytes, step, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
+        split, per = split_k(row_bytes, step, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
         return dict(path="gemv", BLOCK_N=bn, SUB_BLOCKS=step // sub_bytes, SUB_BYTES=sub_bytes, split=split,
                     split_bytes=per, num_warps=cfg["num_warps"], grid=(m, triton.cdiv(n, bn), split),
                     EVEN_K=row_bytes % step == 0)
@@ -222,7 +204,7 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
     bn = pow2_at_most(n, cfg["BLOCK_N"])
     bk = min(cfg["BLOCK_K"], blocksize)  # 32 <= bk, divides the block: one absmax per step
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split, per = split_plan(row_bytes, bk // 2, tiles, sms, TABLE["gemm_max_split"])
+    split, per = split_k(row_bytes, bk // 2, tiles, sms, TABLE["gemm_max_split"])
     return dict(path="gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, split=split, split_bytes=per,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], grid=(tiles, split))
 
@@ -243,7 +225,7 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     nested = absmax.dtype == torch.uint8
     p = plan(m, n, k, blocksize, x.device)
     atomic = p["split"] > 1
-    acc = fp32_accumulator(m, n, x.device, workspace) if atomic else None
+    acc = fp32_scratch(workspace, (m, n), True, x.device) if atomic else None
     dst = acc if atomic else y2
     qweight = qweight.contiguous()
     absmax = absmax.contiguous()

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import grouped_tile, pick_bucket, sm_count
+
 FP8 = torch.float8_e4m3fn
 GEMV_MAX_M = 4
 # gemv: bytes of weight one program loads per K step (BLOCK_N * BLOCK_K); the row count per program is
@@ -141,13 +143,7 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -183,13 +179,6 @@ def _fp8_gemm_kernel(
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton's CPU interpreter: a few programs per launch keep tests fast
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
 def _native_fp8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -214,9 +203,7 @@ def gemv_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
 
 def gemm_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
     """Launch configuration of the gemm kernel."""
-    for max_m, bm, bn, bk, group_m, warps, stages in GEMM_CONFIGS:
-        if max_m is None or m <= max_m:
-            break
+    max_m, bm, bn, bk, group_m, warps, stages = pick_bucket(GEMM_CONFIGS, m)
     if max_m is not None and max_m <= 64:
         while bn > 16 and triton.cdiv(n, bn) * triton.cdiv(m, bm) < GEMV_PROGRAMS_PER_SM * sms:
             bn //= 2
@@ -250,7 +237,7 @@ def triton_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtyp
     xs = x_scale.reshape(-1) if x_scale is not None else weight_scale
     stride_xsm = xs.stride(0) if xs.numel() > 1 else 0
     post = (1.0 if native else 256.0) * (1.0 if native or not x_fp8 else 256.0)
-    sms = _sm_count(x.device)
+    sms = sm_count(x.device, 4)  # 4 under Triton's CPU interpreter: a few programs per launch keep tests fast
     args = dict(
         stride_xm=a.stride(0), stride_xk=a.stride(1), stride_xsm=stride_xsm,
         stride_wn=w.stride(0), stride_wk=w.stride(1),

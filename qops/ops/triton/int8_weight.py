@@ -20,13 +20,11 @@ swaps them for tests and tuning sweeps.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k, store_row, store_tile
 
 CONFIGS: dict = {
     "gemv_max_m": 2,
@@ -47,100 +45,9 @@ CONFIGS: dict = {
 }
 
 
-class ConfigTable:
-    """A module's launch configs (data), with a context manager that swaps in a modified copy."""
-
-    def __init__(self, configs: dict):
-        self.active = configs
-
-    @contextlib.contextmanager
-    def override(self, **changes):
-        """Use the table updated with ``changes`` (top-level keys; dict values are merged) in this block."""
-        table = copy.deepcopy(self.active)
-        for key, value in changes.items():
-            if isinstance(value, dict) and isinstance(table.get(key), dict):
-                table[key] = {**table[key], **value}
-            else:
-                table[key] = value
-        saved, self.active = self.active, table
-        try:
-            yield table
-        finally:
-            self.active = saved
-
-    def __getitem__(self, key):
-        return self.active[key]
-
-    def gemm(self, m: int) -> dict:
-        """The tile config of the M bucket holding ``m``."""
-        for m_max, cfg in self.active["gemm"]:
-            if m <= m_max:
-                return cfg
-        raise AssertionError("the last gemm bucket takes every M")
-
-
 TABLE = ConfigTable(CONFIGS)
 config_override = TABLE.override
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device (looked up once); a nominal 8 for the CPU interpreter."""
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def pow2_at_most(v: int, cap: int, floor: int = 16) -> int:
-    """The power of two >= ``v`` (and >= ``floor``), but at most ``cap``: a tile for a small dimension."""
-    return max(floor, min(cap, triton.next_power_of_2(max(v, 1))))
-
-
-def split_plan(k: int, unit: int, tiles: int, want: int, max_split: int) -> tuple[int, int]:
-    """(split count, K length per split, a multiple of ``unit``) so that tiles * split >= want."""
-    steps = triton.cdiv(k, unit)
-    split = 1
-    if tiles < want:
-        split = max(1, min(triton.cdiv(want, tiles), max_split, steps))
-    per = triton.cdiv(steps, split) * unit
-    return triton.cdiv(k, per), per
-
-
-def rows_2d(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``(M, K)``, a view when its strides allow (any strides are fine for the kernels)."""
-    return x.reshape(-1, x.shape[-1])
-
-
-def output_2d(x2: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
-    """Where the kernels write: ``out`` viewed as ``(M, N)`` when possible, else a fresh tensor."""
-    if out is not None:
-        try:
-            return out.view(x2.shape[0], n)
-        except RuntimeError:
-            pass
-    return torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
-
-
-def fp32_accumulator(m: int, n: int, device, workspace: torch.Tensor | None) -> torch.Tensor:
-    """A zeroed fp32 ``(M, N)`` buffer for split-K atomics: the caller's workspace when large enough."""
-    need = m * n * 4
-    if workspace is not None and workspace.dtype == torch.uint8 and workspace.is_contiguous() and workspace.numel() >= need:
-        return workspace[:need].view(torch.float32).view(m, n).zero_()
-    return torch.zeros(m, n, dtype=torch.float32, device=device)
-
-
-def finish(y2: torch.Tensor, acc: torch.Tensor | None, bias, x: torch.Tensor, n: int, out: torch.Tensor | None):
-    """Epilogue on the host side: cast/bias a split-K accumulator, copy into ``out`` if it was not viewable."""
-    if acc is not None:
-        if bias is not None:
-            acc += bias.float()
-        y2.copy_(acc)
-    y = y2.view(*x.shape[:-1], n)
-    if out is None:
-        return y
-    if y.data_ptr() != out.data_ptr():
-        out.copy_(y)
-    return out
+INTERPRETER_SMS = 8  # SM count assumed under Triton's CPU interpreter (tests)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,13 +100,7 @@ def _gemv_kernel(
             xv = tl.load(x_row + kk * stride_xk, mask=kmask, other=0.0)
         acc += _i8_to_f32(w) * xv.to(tl.float32)[None, :]
     r = tl.sum(acc, axis=1) * tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    y_ptrs = y_ptr + m * stride_ym + offs_n * stride_yn
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, r, mask=nmask, sem="relaxed")
-    else:
-        if HAS_BIAS:
-            r += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, r.to(y_ptr.dtype.element_ty), mask=nmask)
+    store_row(y_ptr, bias_ptr, r, m, offs_n, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -211,14 +112,7 @@ def _gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row tiles share each weight column tile while it is in L2.
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    group_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_m
-    pid_n = (pid % width) // group_m
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -245,14 +139,7 @@ def _gemm_kernel(
         else:
             acc = tl.dot(a, bt, acc)
     acc = acc * tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    ymask = mmask[:, None] & nmask[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=ymask, sem="relaxed")
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+    store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,13 +149,13 @@ def _gemm_kernel(
 
 def plan(m: int, n: int, k: int, device: torch.device) -> dict:
     """Which path and launch parameters serve an (M, N, K) problem: static facts only."""
-    sms = sm_count(device)
+    sms = sm_count(device, INTERPRETER_SMS)
     if m <= TABLE["gemv_max_m"]:
         cfg = TABLE["gemv"]
         bk = pow2_at_most(k, cfg["BLOCK_K"])
         bn = cfg["BLOCK_N"]
         tiles = m * triton.cdiv(n, bn)
-        split, per = split_plan(k, bk, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
+        split, per = split_k(k, bk, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
         return dict(path="gemv", BLOCK_N=bn, BLOCK_K=bk, split=split, split_len=per, num_warps=cfg["num_warps"],
                     grid=(m, triton.cdiv(n, bn), split), EVEN_K=k % bk == 0)
     cfg = TABLE.gemm(m)
@@ -276,7 +163,7 @@ def plan(m: int, n: int, k: int, device: torch.device) -> dict:
     bn = pow2_at_most(n, cfg["BLOCK_N"])
     bk = pow2_at_most(k, cfg["BLOCK_K"])
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split, per = split_plan(k, bk, tiles, sms, TABLE["gemm_max_split"])
+    split, per = split_k(k, bk, tiles, sms, TABLE["gemm_max_split"])
     return dict(path="gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, split=split, split_len=per,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], grid=(tiles, split), EVEN_K=k % bk == 0)
 
@@ -295,7 +182,7 @@ def triton_mm(x, qweight, scales, bias, out=None, workspace=None):
         return finish(y2, None, None, x, n, out)
     p = plan(m, n, k, x.device)
     atomic = p["split"] > 1
-    acc = fp32_accumulator(m, n, x.device, workspace) if atomic else None
+    acc = fp32_scratch(workspace, (m, n), True, x.device) if atomic else None
     dst = acc if atomic else y2
     b = bias if bias is not None else scales
     common = (x2, qweight, scales, b, dst, m, n, k, x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1),

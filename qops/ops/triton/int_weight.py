@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import fp32_scratch, grouped_tile, pick_bucket, sm_count, split_k
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
 # fp32 bit pattern of 2**23: an integer q < 2**23 OR-ed into its mantissa reads as 2**23 + q.
@@ -353,14 +355,7 @@ def _tc_kernel(
     """Split-K tiled GEMM on tensor cores: program (m/n tile, K split)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped tile order: GROUP_M row tiles share each weight column tile while it sits in L2.
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
@@ -491,12 +486,10 @@ def load_config(stem: str) -> dict:
 
 @functools.cache
 def _device_facts(device: torch.device) -> tuple[str, int]:
-    """(config stem, SM count) of a device; looked up once per device."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return gpu_key(props.name), props.multi_processor_count
-    # Triton's interpreter (CPU tensors in tests): the generic table and a small pretend SM count.
-    return DEFAULT_CONFIG, 4
+    """(config stem, SM count) of a device; looked up once per device. Under Triton's interpreter (CPU
+    tensors in tests): the generic table and a small pretend SM count."""
+    stem = gpu_key(torch.cuda.get_device_properties(device).name) if device.type == "cuda" else DEFAULT_CONFIG
+    return stem, sm_count(device, 4)
 
 
 def config_for(device: torch.device) -> dict:
@@ -525,11 +518,7 @@ def _bucket(section: dict, bits: int, m: int) -> dict:
     by_m = section.get(str(bits), section.get("default"))
     if by_m is None:
         raise KeyError(f"qops triton config: no entry for bits={bits} and no 'default' in {sorted(section)}")
-    keys = sorted(int(b) for b in by_m)
-    for b in keys:
-        if m <= b:
-            return by_m[str(b)]
-    return by_m[str(keys[-1])]
+    return pick_bucket([(b, by_m[str(b)]) for b in sorted(int(b) for b in by_m)], m)[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -548,11 +537,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
 def _split(k: int, unit: int, tiles: int, cfg: dict, sms: int) -> tuple[int, int]:
     """(split count, K length per split): enough programs to fill ``ctas_per_sm`` waves of SMs,
     each split a whole number of ``unit`` K rows (a step, a tile or a quantization group)."""
-    n_units = max(1, -(-k // unit))
-    want = max(1, -(-int(cfg.get("ctas_per_sm", 2)) * sms // tiles))
-    split = max(1, min(want, n_units, int(cfg.get("max_split", 64))))
-    split_len = -(-n_units // split) * unit
-    return -(-k // split_len), split_len
+    return split_k(k, unit, tiles, int(cfg.get("ctas_per_sm", 2)) * sms, int(cfg.get("max_split", 64)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -626,15 +611,6 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
     return 4 * rows * m * n
 
 
-def _scratch(workspace: torch.Tensor | None, shape: tuple[int, ...], zero: bool, device) -> torch.Tensor:
-    """fp32 scratch of ``shape``: a view of the caller's workspace when it is large enough."""
-    numel = math.prod(shape)
-    if workspace is not None and workspace.device == device and workspace.numel() * workspace.element_size() >= 4 * numel:
-        buf = workspace.view(-1).view(torch.uint8)[: 4 * numel].view(torch.float32).view(shape)
-        return buf.zero_() if zero else buf
-    return torch.zeros(shape, dtype=torch.float32, device=device) if zero else torch.empty(shape, dtype=torch.float32, device=device)
-
-
 # --------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------
@@ -683,10 +659,10 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
         mode, y = 0, o2
         sy = (0, o2.stride(0), o2.stride(1))
     elif plan["reduce"] == "atomic":
-        mode, y = 2, _scratch(workspace, (m, n), True, x2.device)
+        mode, y = 2, fp32_scratch(workspace, (m, n), True, x2.device)
         sy = (0, n, 1)
     else:
-        mode, y = 1, _scratch(workspace, (split, m, n), False, x2.device)
+        mode, y = 1, fp32_scratch(workspace, (split, m, n), False, x2.device)
         sy = (m * n, n, 1)
     common = (
         x2, qweight, scales, qzeros if qzeros is not None else qweight, act_perm if act_perm is not None else qweight,

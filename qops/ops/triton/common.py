@@ -1,0 +1,176 @@
+"""Pieces the Triton lowerings of this package share, each written once.
+
+In-kernel helpers (``@triton.jit``, inlined into the calling kernel, so they cost nothing at run time):
+
+- :func:`grouped_tile`: the grouped ("GROUP_M swizzle") order of 2-D output tiles behind a 1-D program
+  id, so that ``GROUP_M`` row tiles share each weight column tile while it sits in L2.
+- :func:`store_row` / :func:`store_tile`: the split-K epilogue of one output row / one output tile:
+  with ``ATOMIC`` the fp32 partial sum is added into a zeroed fp32 ``(M, N)`` buffer with relaxed
+  atomics (the bias is left to whoever casts the buffer), else the bias is added and the output dtype
+  written. The W4A16 kernels of ``int_weight`` keep their own epilogue: it has a third mode (fp32
+  partials per split) and loads the bias before forming the output pointers, an order that ptxas
+  schedules differently, so sharing one helper would change the SASS of one family or the other.
+
+Host helpers: SM count, M buckets of a config table, split-K sizing, fp32 scratch carved from the
+caller's workspace, and the int8/blockwise4 config table and 2-D views.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program ``pid`` in grouped order: ``GROUP_M`` row tiles per column sweep."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def store_row(y_ptr, bias_ptr, acc, row, offs_n, nmask, stride_ym, stride_yn, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+    """Write ``acc`` (``(BLOCK_N,)`` fp32) as output row ``row``."""
+    y_ptrs = y_ptr + row * stride_ym + offs_n * stride_yn
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=nmask, sem="relaxed")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, stride_yn,
+               HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+    """Write ``acc`` (``(BLOCK_M, BLOCK_N)`` fp32) as the output tile at rows ``offs_m``, columns ``offs_n``."""
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    ymask = mmask[:, None] & nmask[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=ymask, sem="relaxed")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+@functools.cache
+def sm_count(device: torch.device, interpreter: int) -> int:
+    """SMs of a CUDA device (looked up once); ``interpreter`` for Triton's CPU interpreter in tests,
+    where it only shapes the grid."""
+    if device.type != "cuda":
+        return interpreter
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_bucket(buckets: Sequence[tuple], m: int) -> tuple:
+    """The first ``(m_max, ...)`` entry with ``m <= m_max`` (``m_max`` None: unbounded), else the last.
+
+    ``buckets`` is ordered by ``m_max``: configs are keyed by bucketed M, so CUDA graphs and
+    torch.compile see a bounded set of launch configurations.
+    """
+    for entry in buckets:
+        if entry[0] is None or m <= entry[0]:
+            return entry
+    return buckets[-1]
+
+
+def pow2_at_most(v: int, cap: int, floor: int = 16) -> int:
+    """The power of two >= ``v`` (and >= ``floor``), but at most ``cap``: a tile for a small dimension."""
+    return max(floor, min(cap, triton.next_power_of_2(max(v, 1))))
+
+
+def split_k(k: int, unit: int, tiles: int, want: int, max_split: int) -> tuple[int, int]:
+    """(split count, K length per split, a multiple of ``unit``) so that ``tiles * split >= want``
+    programs when K allows, with at most ``max_split`` splits. K = 0 gives one empty split."""
+    steps = max(1, triton.cdiv(k, unit))
+    split = 1
+    if tiles < want:
+        split = max(1, min(triton.cdiv(want, tiles), max_split, steps))
+    per = triton.cdiv(steps, split) * unit
+    return triton.cdiv(k, per), per
+
+
+def fp32_scratch(workspace: torch.Tensor | None, shape: tuple[int, ...], zero: bool, device) -> torch.Tensor:
+    """fp32 scratch of ``shape`` (zeroed when ``zero``): a view of the caller's workspace (a contiguous
+    buffer on ``device``, bytes of any dtype) when it is large enough, else a fresh tensor."""
+    nbytes = 4 * math.prod(shape)
+    if (workspace is not None and workspace.device == device and workspace.is_contiguous()
+            and workspace.numel() * workspace.element_size() >= nbytes):
+        buf = workspace.view(-1).view(torch.uint8)[:nbytes].view(torch.float32).view(shape)
+        return buf.zero_() if zero else buf
+    if zero:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+class ConfigTable:
+    """A module's launch configs (data), with a context manager that swaps in a modified copy.
+
+    ``gemm`` holds ``(largest M of the bucket, tile config)`` pairs; the last bucket takes every larger M.
+    """
+
+    def __init__(self, configs: dict):
+        self.active = configs
+
+    @contextlib.contextmanager
+    def override(self, **changes):
+        """Use the table updated with ``changes`` (top-level keys; dict values are merged) in this block."""
+        table = copy.deepcopy(self.active)
+        for key, value in changes.items():
+            if isinstance(value, dict) and isinstance(table.get(key), dict):
+                table[key] = {**table[key], **value}
+            else:
+                table[key] = value
+        saved, self.active = self.active, table
+        try:
+            yield table
+        finally:
+            self.active = saved
+
+    def __getitem__(self, key):
+        return self.active[key]
+
+    def gemm(self, m: int) -> dict:
+        """The tile config of the M bucket holding ``m``."""
+        return pick_bucket(self.active["gemm"], m)[1]
+
+
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``(M, K)``, a view when its strides allow (any strides are fine for the kernels)."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def output_2d(x2: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Where the kernels write: ``out`` viewed as ``(M, N)`` when possible, else a fresh tensor."""
+    if out is not None:
+        try:
+            return out.view(x2.shape[0], n)
+        except RuntimeError:
+            pass
+    return torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+
+
+def finish(y2: torch.Tensor, acc: torch.Tensor | None, bias, x: torch.Tensor, n: int, out: torch.Tensor | None):
+    """Epilogue on the host side: cast/bias a split-K accumulator, copy into ``out`` if it was not viewable."""
+    if acc is not None:
+        if bias is not None:
+            acc += bias.float()
+        y2.copy_(acc)
+    y = y2.view(*x.shape[:-1], n)
+    if out is None:
+        return y
+    if y.data_ptr() != out.data_ptr():
+        out.copy_(y)
+    return out
