@@ -9,8 +9,8 @@ function of the call's shape; :data:`SCRATCH_BYTES` maps lowering names to those
 lowering               size function
 =====================  ==========================================================================
 triton_int_weight      ``qops.ops.triton.int_weight.workspace_bytes(m, n, k, bits, group_size, device)``
-native_w4a16           ``qops.native.int_weight.workspace_bytes(m, n, k, device)`` for M <= 16 (and
-                       deterministic mode); larger M is delegated to Triton, sized by Triton's function
+native_w4a16           ``qops.native.int_weight.workspace_bytes(m, n, k, bits, group_size, device)`` (its own
+                       plan for M <= 16 and in deterministic mode; Triton's need above, which it delegates)
 triton_int8_weight     ``4*M*N`` when ``qops.ops.triton.int8_weight.plan`` splits K, else 0
 triton_blockwise4      ``4*M*N`` when ``qops.ops.triton.blockwise4.plan`` splits K, else 0
 =====================  ==========================================================================
@@ -47,11 +47,7 @@ def _triton_int_weight(layer, m: int, device: torch.device) -> int:
 def _native_w4a16(layer, m: int, device: torch.device) -> int:
     from .native import int_weight as native
 
-    if m > native.MAX_M and not native.deterministic():
-        # native_mm hands these to the Triton lowering (and native.workspace_bytes would call
-        # Triton's size function with the wrong arguments for them).
-        return _triton_int_weight(layer, m, device)
-    return native.workspace_bytes(m, layer.out_features, _k(layer), device)
+    return native.workspace_bytes(m, layer.out_features, _k(layer), layer.bits, layer.group_size, device)
 
 
 def _split_k_accumulator(plan: Callable[..., dict]):

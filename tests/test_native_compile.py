@@ -173,8 +173,8 @@ def test_plans_fill_the_machine_for_the_perf_shapes():
 def test_workspace_bytes_without_a_gpu_is_an_upper_bound():
     if torch.cuda.is_available():
         pytest.skip("meaningful only without a GPU")
-    assert native.workspace_bytes(1, 4096, 4096) == 16 * 4096 * 4
-    assert native.workspace_bytes(0, 4096, 4096) == 0
+    assert native.workspace_bytes(1, 4096, 4096, 4, 128) == 16 * 4096 * 4
+    assert native.workspace_bytes(0, 4096, 4096, 4, 128) == 0
 
 
 def test_lowering_entry():

@@ -128,11 +128,12 @@ def plan(m: int, n: int, k: int, device: torch.device | int) -> Plan:
     return _plan(m, n, k, sms, cluster_ok)
 
 
-def workspace_bytes(m: int, n: int, k: int, device: torch.device | int | None = None) -> int:
+def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device | int | None = None) -> int:
     """Scratch bytes ``native_mm`` needs for an (m, K) x (K, N) product on ``device``.
 
-    0 unless the plan splits K in more than two (or in two, before sm_90). For m > 16 outside
-    deterministic mode, the Triton lowering's need (``workspace_bytes`` of its module, if defined).
+    The signature is the Triton lowering's, so callers size either the same way. 0 unless the plan
+    splits K in more than two (or in two, before sm_90). For m > 16 outside deterministic mode, the
+    Triton lowering's need, since those calls are handed to it.
     """
     if m <= 0 or n <= 0:
         return 0
@@ -143,9 +144,8 @@ def workspace_bytes(m: int, n: int, k: int, device: torch.device | int | None = 
     if m > MAX_M:
         if deterministic():
             return plan(MAX_M, n, k, device).workspace
-        tri = _triton_module()
-        fn = getattr(tri, "workspace_bytes", None)
-        return int(fn(m, n, k)) if fn is not None else 0
+        dev = device if isinstance(device, torch.device) else torch.device("cuda", device)
+        return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, dev))
     return plan(m, n, k, device).workspace
 
 

@@ -139,7 +139,7 @@ def test_out_variant_with_workspace_and_strided_out():
         x = rand(m, 2048, dtype=torch.bfloat16, seed=m)
         big = torch.full((m, 1100), float("nan"), dtype=torch.bfloat16, device="cuda")
         out = big[:, 7:1031]
-        need = native.workspace_bytes(m, 1024, 2048)
+        need = native.workspace_bytes(m, 1024, 2048, 4, 128)
         ws = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
         torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits, w.group_size,
                                          w.zero_offset, int(w.kernel), out, ws)
