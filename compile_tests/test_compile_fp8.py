@@ -13,66 +13,42 @@ from torch._inductor.utils import run_and_get_code
 import qops  # noqa: F401
 from qops.formats import FORMATS
 
-BATCHES = (1, 2, 7, 64)
+from compile_tests import harness as H
+from compile_tests.harness import fresh_dynamo  # noqa: F401  (autouse fixture)
+
 K1, N1, N2 = 64, 40, 24  # x (B, 64) -> linear1 -> (B, 40) -> relu -> linear2 -> (B, 24)
 ACTIVATIONS = ("none", "dynamic", "static")
 OP = {"none": torch.ops.qops.mm_fp8_weight.default, "dynamic": torch.ops.qops.scaled_mm_fp8.default,
       "static": torch.ops.qops.scaled_mm_fp8.default}
 
 
-class TwoLinear(torch.nn.Module):
+def two_linear(activations: str) -> H.TwoLinear:
     """Per-channel scales on the first linear, 16 x 32 blocks (partial along K) on the second."""
-
-    def __init__(self, activations: str):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        fmt = FORMATS["compressed-tensors-fp8"]
-        first = fmt.quantize(torch.randn(N1, K1, generator=g), granularity="channel", input_scale=4.0 / 448)
-        second = fmt.quantize(torch.randn(N2, N1, generator=g), granularity="block", block_size=(16, 32), input_scale=8.0 / 448)
-        self.w1 = fmt.prepare(first, activations=activations)
-        self.w2 = fmt.prepare(second, activations=activations)
-        self.register_buffer("b1", torch.randn(N1, generator=g))
-
-    def forward(self, x):
-        return self.w2.mm(torch.relu(self.w1.mm(x, self.b1)))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _x(batch: int, requires_grad: bool = False) -> torch.Tensor:
-    x = torch.randn(batch, K1, generator=torch.Generator().manual_seed(batch))
-    torch._dynamo.decorators.mark_unbacked(x, 0)
-    return x.requires_grad_(requires_grad)
+    g = torch.Generator().manual_seed(0)
+    fmt = FORMATS["compressed-tensors-fp8"]
+    first = fmt.quantize(torch.randn(N1, K1, generator=g), granularity="channel", input_scale=4.0 / 448)
+    second = fmt.quantize(torch.randn(N2, N1, generator=g), granularity="block", block_size=(16, 32), input_scale=8.0 / 448)
+    w1 = fmt.prepare(first, activations=activations)
+    w2 = fmt.prepare(second, activations=activations)
+    return H.TwoLinear(w1, w2, torch.randn(N1, generator=g))
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_one_graph_for_every_batch_size_and_eager_numbers(activations):
-    model = TwoLinear(activations)
-    assert explain_graph_breaks(model) == 0
+    model = two_linear(activations)
+    H.assert_one_graph(model, K1)
     compiled = torch.compile(model, fullgraph=True)  # Inductor
-    for i, batch in enumerate(BATCHES):
-        x = _x(batch)
-        if i == 0:
-            y, code = run_and_get_code(compiled, x)
-            check_code("\n".join(code), activations)
-        else:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                y = compiled(x)
+
+    def first(fn, x):
+        y, code = run_and_get_code(fn, x)
+        check_code("\n".join(code), activations)
+        return y
+
+    for batch, x, y in H.over_batches(compiled, K1, first=first):
         eager = model(x)
         assert y.shape == eager.shape
         # Inductor's fused quantization may round x / scale differently from eager in a rare element.
         assert torch.allclose(y, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item()), f"batch {batch}"
-
-
-def explain_graph_breaks(model) -> int:
-    explained = torch._dynamo.explain(model)(torch.randn(7, K1))
-    assert explained.graph_count == 1, explained.break_reasons
-    return explained.graph_break_count
 
 
 def check_code(code: str, activations: str) -> None:
@@ -95,17 +71,6 @@ def check_code(code: str, activations: str) -> None:
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_backward_compiles(activations):
-    model = TwoLinear(activations)
+    model = two_linear(activations)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    for i, batch in enumerate((2, 7)):
-        x = _x(batch, requires_grad=True)
-        x_ref = x.detach().clone().requires_grad_()
-        if i == 0:
-            y = compiled(x)
-        else:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                y = compiled(x)
-        grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(batch))
-        y.backward(grad_out)
-        model(x_ref).backward(grad_out)
-        assert torch.allclose(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6), f"batch {batch}"
+    H.check_backward(model, compiled, K1, same=lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
@@ -20,6 +19,9 @@ from qops.layers import int_weight as lw
 from qops.layers.base import InputPadded
 from qops.layers.fp8 import Fp8Linear
 from qops.layers.testing import VARIANTS, TinyBlock, sample_ids, write_block
+
+from compile_tests import harness as H
+from compile_tests.harness import fresh_dynamo  # noqa: F401  (autouse fixture)
 
 K, N = 128, 128  # EETQ's ampere byte order needs multiples of 64
 BATCHES = (1, 3, 16)
@@ -64,19 +66,6 @@ class AllLayers(torch.nn.Module):
         return {k: layer(x) for k, layer in self.layers.items()}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _x(batch: int) -> torch.Tensor:
-    x = torch.randn(batch, K, generator=torch.Generator().manual_seed(batch))
-    torch._dynamo.decorators.mark_unbacked(x, 0)
-    return x
-
-
 def test_every_layer_kind_compiles_once_for_every_batch_size():
     model = AllLayers()
     counts = {cls: sum(isinstance(m, cls) for m in model.layers.values()) for cls in (IntWeightLinear, Fp8Linear, Int8Linear, Blockwise4Linear)}
@@ -85,19 +74,18 @@ def test_every_layer_kind_compiles_once_for_every_batch_size():
     ops = {"mm_int_weight": counts[IntWeightLinear], "mm_fp8_weight": counts[Fp8Linear], "mm_int8_weight": counts[Int8Linear],
            "mm_blockwise4": counts[Blockwise4Linear]}
     compiled = torch.compile(model, fullgraph=True)
+
+    def first(fn, x):
+        got, (code, *_) = run_and_get_code(fn, x)
+        # One opaque call per quantized linear, and no dequantized weight.
+        for op, count in ops.items():
+            assert len(re.findall(rf"torch\.ops\.qops\.{op}\.default\(", code)) == count, (op, code)
+        assert "dequantize" not in code
+        return got
+
     with torch.no_grad():
-        for i, batch in enumerate(BATCHES):
-            x = _x(batch)
+        for batch, x, got in H.over_batches(compiled, K, BATCHES, first=first):
             want = model(x)
-            if i == 0:
-                got, (code, *_) = run_and_get_code(compiled, x)
-                # One opaque call per quantized linear, and no dequantized weight.
-                for op, count in ops.items():
-                    assert len(re.findall(rf"torch\.ops\.qops\.{op}\.default\(", code)) == count, (op, code)
-                assert "dequantize" not in code
-            else:
-                with torch.compiler.set_stance("fail_on_recompile"):
-                    got = compiled(x)
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
 

@@ -5,7 +5,7 @@ import torch
 
 from ..lowerings import lowering_for
 from ..ops.blockwise4 import FAMILY, check_blockwise4, check_mm_blockwise4
-from ..ops.int_weight import check_out
+from ..ops._common import check_out
 
 
 @torch.library.register_fake("qops::mm_blockwise4")

@@ -5,7 +5,7 @@ import torch
 
 from ..lowerings import lowering_for
 from ..ops.int8_weight import FAMILY, check_int8_weight, check_mm_int8_weight
-from ..ops.int_weight import check_out
+from ..ops._common import check_out
 
 
 @torch.library.register_fake("qops::mm_int8_weight")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..lowerings import lowering_for
-from ..ops.int_weight import FAMILY, check_int_weight, check_mm_int_weight, check_out
+from ..ops._common import check_out
+from ..ops.int_weight import FAMILY, check_int_weight, check_mm_int_weight
 
 
 @torch.library.register_fake("qops::mm_int_weight")

@@ -28,8 +28,7 @@ import torch
 
 from ..formats.blockwise4 import denest, dequantize_flat, unpack_nibbles
 from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation, warm_up
-from .int8_weight import check_bias
-from .int_weight import ACT_DTYPES, _fail, check_out
+from ._common import check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "blockwise4"
 
@@ -38,57 +37,55 @@ def check_blockwise4(who, k, qweight, code, absmax, nested_code, nested_absmax, 
                      out_features: int, blocksize: int, nested_blocksize: int, device: torch.device):
     """Validate the runtime weight for ``k`` input features; returns N. Works on fake tensors."""
     if out_features < 0:
-        raise ValueError(_fail(who, f"out_features must be >= 0, got {out_features}"))
+        raise ValueError(fail(who, f"out_features must be >= 0, got {out_features}"))
     if blocksize <= 0:
-        raise ValueError(_fail(who, f"blocksize must be positive, got {blocksize}"))
+        raise ValueError(fail(who, f"blocksize must be positive, got {blocksize}"))
     tensors = (("qweight", qweight), ("code", code), ("absmax", absmax), ("nested_code", nested_code),
                ("nested_absmax", nested_absmax), ("nested_offset", nested_offset))
-    for name, t in tensors:
-        if t is not None and t.device != device:
-            raise ValueError(_fail(who, f"{name} must be on {device} (the device of x), got {t.device}"))
+    check_devices(who, tensors, device)
     n = out_features
     numel = n * k
-    torch._check_type(qweight.dtype == torch.uint8, lambda: _fail(who, f"qweight must be torch.uint8, got {qweight.dtype}"))
+    torch._check_type(qweight.dtype == torch.uint8, lambda: fail(who, f"qweight must be torch.uint8, got {qweight.dtype}"))
     torch._check_value(
         qweight.dim() == 1 and qweight.shape[0] == (numel + 1) // 2,
-        lambda: _fail(who, f"qweight must have shape ({(numel + 1) // 2},) (ceil(N*K/2) with N={n}, K={k}), got {tuple(qweight.shape)}"),
+        lambda: fail(who, f"qweight must have shape ({(numel + 1) // 2},) (ceil(N*K/2) with N={n}, K={k}), got {tuple(qweight.shape)}"),
     )
-    torch._check_type(code.dtype == torch.float32, lambda: _fail(who, f"code must be torch.float32, got {code.dtype}"))
-    torch._check_value(code.dim() == 1 and code.shape[0] == 16, lambda: _fail(who, f"code must have shape (16,), got {tuple(code.shape)}"))
+    torch._check_type(code.dtype == torch.float32, lambda: fail(who, f"code must be torch.float32, got {code.dtype}"))
+    torch._check_value(code.dim() == 1 and code.shape[0] == 16, lambda: fail(who, f"code must have shape (16,), got {tuple(code.shape)}"))
     n_blocks = (numel + blocksize - 1) // blocksize
     nested = absmax.dtype == torch.uint8
     torch._check_type(
         absmax.dtype in (torch.float32, torch.uint8),
-        lambda: _fail(who, f"absmax must be torch.float32 (plain) or torch.uint8 (nested), got {absmax.dtype}"),
+        lambda: fail(who, f"absmax must be torch.float32 (plain) or torch.uint8 (nested), got {absmax.dtype}"),
     )
     torch._check_value(
         absmax.dim() == 1 and absmax.shape[0] == n_blocks,
-        lambda: _fail(who, f"absmax must have shape ({n_blocks},) (ceil(N*K/blocksize) with N={n}, K={k}, blocksize={blocksize}), got {tuple(absmax.shape)}"),
+        lambda: fail(who, f"absmax must have shape ({n_blocks},) (ceil(N*K/blocksize) with N={n}, K={k}, blocksize={blocksize}), got {tuple(absmax.shape)}"),
     )
     parts = (("nested_code", nested_code), ("nested_absmax", nested_absmax), ("nested_offset", nested_offset))
     if not nested:
         for name, t in parts:
             if t is not None:
-                raise ValueError(_fail(who, f"{name} must be None when absmax is float32 (not nested)"))
+                raise ValueError(fail(who, f"{name} must be None when absmax is float32 (not nested)"))
         return n
     for name, t in parts:
         if t is None:
-            raise ValueError(_fail(who, f"{name} is required when absmax is uint8 (nested)"))
-        torch._check_type(t.dtype == torch.float32, lambda: _fail(who, f"{name} must be torch.float32, got {t.dtype}"))
+            raise ValueError(fail(who, f"{name} is required when absmax is uint8 (nested)"))
+        torch._check_type(t.dtype == torch.float32, lambda: fail(who, f"{name} must be torch.float32, got {t.dtype}"))
     if nested_blocksize <= 0:
-        raise ValueError(_fail(who, f"nested_blocksize must be positive when absmax is nested, got {nested_blocksize}"))
+        raise ValueError(fail(who, f"nested_blocksize must be positive when absmax is nested, got {nested_blocksize}"))
     torch._check_value(
         nested_code.dim() == 1 and nested_code.shape[0] == 256,
-        lambda: _fail(who, f"nested_code must have shape (256,), got {tuple(nested_code.shape)}"),
+        lambda: fail(who, f"nested_code must have shape (256,), got {tuple(nested_code.shape)}"),
     )
     n_nested = (n_blocks + nested_blocksize - 1) // nested_blocksize
     torch._check_value(
         nested_absmax.dim() == 1 and nested_absmax.shape[0] == n_nested,
-        lambda: _fail(who, f"nested_absmax must have shape ({n_nested},) (ceil(n_blocks/nested_blocksize) with n_blocks={n_blocks}, nested_blocksize={nested_blocksize}), got {tuple(nested_absmax.shape)}"),
+        lambda: fail(who, f"nested_absmax must have shape ({n_nested},) (ceil(n_blocks/nested_blocksize) with n_blocks={n_blocks}, nested_blocksize={nested_blocksize}), got {tuple(nested_absmax.shape)}"),
     )
     torch._check_value(
         nested_offset.dim() == 1 and nested_offset.shape[0] == 1,
-        lambda: _fail(who, f"nested_offset must have shape (1,), got {tuple(nested_offset.shape)}"),
+        lambda: fail(who, f"nested_offset must have shape (1,), got {tuple(nested_offset.shape)}"),
     )
     return n
 
@@ -96,16 +93,11 @@ def check_blockwise4(who, k, qweight, code, absmax, nested_code, nested_absmax, 
 def check_mm_blockwise4(who, x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias,
                         out_features, in_features, blocksize, nested_blocksize) -> list:
     """Validate every argument of ``mm_blockwise4``; returns the output shape."""
-    torch._check_type(x.dtype in ACT_DTYPES, lambda: _fail(who, f"x must be float32, float16 or bfloat16, got {x.dtype}"))
-    torch._check_value(x.dim() >= 1, lambda: _fail(who, "x must have at least one dimension (..., K)"))
-    # Explicit because the flat packing cannot tell K from K + 1 when N is 1 and K odd.
-    torch._check_value(
-        x.shape[-1] == in_features,
-        lambda: _fail(who, f"x must have in_features={in_features} in its last dimension, got shape {tuple(x.shape)}"),
-    )
+    # in_features is explicit because the flat packing cannot tell K from K + 1 when N is 1 and K odd.
+    check_x(who, x, in_features)
     n = check_blockwise4(who, in_features, qweight, code, absmax, nested_code, nested_absmax, nested_offset,
                          out_features, blocksize, nested_blocksize, x.device)
-    check_bias(who, bias, n, x)
+    check_bias(who, bias, n, x.device)
     return [*x.shape[:-1], n]
 
 
@@ -211,35 +203,14 @@ def reference_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_of
     """The CPU kernel (and the GPU fallback); the lowering entry contract of ``ops/int_weight.py``."""
     w = reference_dequantize(qweight, code, absmax, nested_code, nested_absmax, nested_offset, out_features,
                              x.shape[-1], blocksize, nested_blocksize)
-    y = x.float() @ w.t()
-    if bias is not None:
-        y = y + bias.float()
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y)
+    return reference_matmul(x, w, bias, out)
 
 
-def _setup_context(ctx, inputs, output):
-    x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, n, k, blocksize, nested_blocksize, kernel = inputs
-    ctx.save_for_backward(qweight, code, absmax, nested_code, nested_absmax, nested_offset)
-    ctx.meta = (n, k, blocksize, nested_blocksize, x.dtype, bias is not None)
-
-
-def _backward(ctx, grad):
-    # Weights are frozen: the gradient flows to the activations (and the bias) only.
-    qweight, code, absmax, nested_code, nested_absmax, nested_offset = ctx.saved_tensors
-    n, k, blocksize, nested_blocksize, x_dtype, has_bias = ctx.meta
-    grad_x = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        w = torch.ops.qops.dequantize_blockwise4(qweight, code, absmax, nested_code, nested_absmax, nested_offset,
-                                                 n, k, blocksize, nested_blocksize, torch.float32)
-        grad_x = (grad.float() @ w).to(x_dtype)
-    if has_bias and ctx.needs_input_grad[7]:
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-    return grad_x, None, None, None, None, None, None, grad_bias, None, None, None, None, None
-
-
-mm_blockwise4.register_autograd(_backward, setup_context=_setup_context)
+# Inputs (x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features,
+# in_features, blocksize, nested_blocksize, kernel).
+register_frozen_weight_autograd(
+    mm_blockwise4, torch.ops.qops.dequantize_blockwise4, tensors=(1, 2, 3, 4, 5, 6), statics=(8, 9, 10, 11), bias=7,
+)
 
 
 @dataclass

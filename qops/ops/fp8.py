@@ -32,16 +32,13 @@ import torch
 
 from ..formats.fp8 import FP8_DTYPE, FP8_MAX, Fp8Quantized, dequantize_reference, expand_scale, scale_shape
 from ..lowerings import LOWERINGS_BY_KERNEL, LOWERINGS_BY_NAME, Choice, Kernel, WeightSpec, choose, implementation
+from ._common import (ACT_DTYPES, bias_grad, check_bias, check_devices, check_x, fail, frozen_weight_grads,
+                      register_frozen_weight_autograd, save_frozen_weight)
 
 FAMILY = "fp8"
-ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACTIVATIONS = ("auto", "none", "dynamic", "static")
 # Smallest per-token scale: keeps an all-zero row finite (its values quantize to 0).
 MIN_X_SCALE = torch.finfo(torch.float32).tiny
-
-
-def _fail(who: str, msg: str) -> str:
-    return f"qops.{who}: {msg}"
 
 
 def check_fp8_weight(who: str, k, weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int, block_k: int, device: torch.device):
@@ -51,32 +48,21 @@ def check_fp8_weight(who: str, k, weight: torch.Tensor, weight_scale: torch.Tens
     """
     for name, block in (("block_n", block_n), ("block_k", block_k)):
         if block != -1 and block <= 0:
-            raise ValueError(_fail(who, f"{name} must be -1 (one block spanning the dimension) or positive, got {block}"))
-    for name, t in (("weight", weight), ("weight_scale", weight_scale)):
-        if t.device != device:
-            raise ValueError(_fail(who, f"{name} must be on {device} (the device of x), got {t.device}"))
-    torch._check_type(weight.dtype == FP8_DTYPE, lambda: _fail(who, f"weight must be {FP8_DTYPE}, got {weight.dtype}"))
-    torch._check_value(weight.dim() == 2, lambda: _fail(who, f"weight must be 2-D (N, K), got {weight.dim()}-D"))
+            raise ValueError(fail(who, f"{name} must be -1 (one block spanning the dimension) or positive, got {block}"))
+    check_devices(who, (("weight", weight), ("weight_scale", weight_scale)), device)
+    torch._check_type(weight.dtype == FP8_DTYPE, lambda: fail(who, f"weight must be {FP8_DTYPE}, got {weight.dtype}"))
+    torch._check_value(weight.dim() == 2, lambda: fail(who, f"weight must be 2-D (N, K), got {weight.dim()}-D"))
     n = weight.shape[0]
     if k is None:
         k = weight.shape[1]
-    torch._check_value(weight.shape[1] == k, lambda: _fail(who, f"weight must have K={k} columns (the last dimension of x), got shape {tuple(weight.shape)}"))
+    torch._check_value(weight.shape[1] == k, lambda: fail(who, f"weight must have K={k} columns (the last dimension of x), got shape {tuple(weight.shape)}"))
     sn, sk = scale_shape(n, k, block_n, block_k)
-    torch._check_type(weight_scale.dtype == torch.float32, lambda: _fail(who, f"weight_scale must be torch.float32, got {weight_scale.dtype}"))
+    torch._check_type(weight_scale.dtype == torch.float32, lambda: fail(who, f"weight_scale must be torch.float32, got {weight_scale.dtype}"))
     torch._check_value(
         weight_scale.dim() == 2 and weight_scale.shape[0] == sn and weight_scale.shape[1] == sk,
-        lambda: _fail(who, f"weight_scale must have shape ({sn}, {sk}) (N={n}, K={k}, block_n={block_n}, block_k={block_k}; -1 = one block over the dimension), got {tuple(weight_scale.shape)}"),
+        lambda: fail(who, f"weight_scale must have shape ({sn}, {sk}) (N={n}, K={k}, block_n={block_n}, block_k={block_k}; -1 = one block over the dimension), got {tuple(weight_scale.shape)}"),
     )
     return n
-
-
-def check_bias(who: str, bias: Optional[torch.Tensor], n, device: torch.device) -> None:
-    if bias is None:
-        return
-    if bias.device != device:
-        raise ValueError(_fail(who, f"bias must be on {device} (the device of x), got {bias.device}"))
-    torch._check_type(bias.dtype in ACT_DTYPES, lambda: _fail(who, f"bias must be float32, float16 or bfloat16, got {bias.dtype}"))
-    torch._check_value(bias.dim() == 1 and bias.shape[0] == n, lambda: _fail(who, f"bias must have shape ({n},) (N), got {tuple(bias.shape)}"))
 
 
 def check_kernel(who: str, kernel: int, device: torch.device, act_dtype: torch.dtype) -> None:
@@ -84,17 +70,16 @@ def check_kernel(who: str, kernel: int, device: torch.device, act_dtype: torch.d
     low = LOWERINGS_BY_KERNEL.get((FAMILY, kernel))
     if low is None:
         known = sorted(int(kid) for fam, kid in LOWERINGS_BY_KERNEL if fam == FAMILY)
-        raise ValueError(_fail(who, f"kernel must be one of {known} for {FAMILY}, got {kernel}"))
+        raise ValueError(fail(who, f"kernel must be one of {known} for {FAMILY}, got {kernel}"))
     if device.type not in low.device_types:
-        raise ValueError(_fail(who, f"kernel={kernel} ({low.name}) runs on {sorted(low.device_types)}, but the inputs are on {device}"))
+        raise ValueError(fail(who, f"kernel={kernel} ({low.name}) runs on {sorted(low.device_types)}, but the inputs are on {device}"))
     if act_dtype not in low.act_dtypes:
-        raise ValueError(_fail(who, f"kernel={kernel} ({low.name}) reads {sorted(str(d) for d in low.act_dtypes)} activations, not {act_dtype}"))
+        raise ValueError(fail(who, f"kernel={kernel} ({low.name}) reads {sorted(str(d) for d in low.act_dtypes)} activations, not {act_dtype}"))
 
 
 def check_mm_fp8_weight(who, x, weight, weight_scale, bias, block_n, block_k, kernel) -> list:
     """Validate every argument of ``mm_fp8_weight``; returns the output shape."""
-    torch._check_type(x.dtype in ACT_DTYPES, lambda: _fail(who, f"x must be float32, float16 or bfloat16, got {x.dtype}"))
-    torch._check_value(x.dim() >= 1, lambda: _fail(who, "x must have at least one dimension (..., K)"))
+    check_x(who, x)
     n = check_fp8_weight(who, x.shape[-1], weight, weight_scale, block_n, block_k, x.device)
     check_bias(who, bias, n, x.device)
     check_kernel(who, kernel, x.device, x.dtype)
@@ -104,23 +89,23 @@ def check_mm_fp8_weight(who, x, weight, weight_scale, bias, block_n, block_k, ke
 def check_x_scale(who: str, x_scale: torch.Tensor, x: torch.Tensor) -> None:
     """``x_scale`` is ``(1,)`` (per tensor) or ``(*x.shape[:-1], 1)`` (per token), float32."""
     if x_scale.device != x.device:
-        raise ValueError(_fail(who, f"x_scale must be on {x.device} (the device of x_fp8), got {x_scale.device}"))
-    torch._check_type(x_scale.dtype == torch.float32, lambda: _fail(who, f"x_scale must be torch.float32, got {x_scale.dtype}"))
+        raise ValueError(fail(who, f"x_scale must be on {x.device} (the device of x_fp8), got {x_scale.device}"))
+    torch._check_type(x_scale.dtype == torch.float32, lambda: fail(who, f"x_scale must be torch.float32, got {x_scale.dtype}"))
     want = f"(1,) (per tensor) or {(*x.shape[:-1], 1)} (per token)"
     if x_scale.dim() == x.dim():
         for i in range(x.dim() - 1):
-            torch._check_value(x_scale.shape[i] == x.shape[i], lambda: _fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
-        torch._check_value(x_scale.shape[-1] == 1, lambda: _fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
+            torch._check_value(x_scale.shape[i] == x.shape[i], lambda: fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
+        torch._check_value(x_scale.shape[-1] == 1, lambda: fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
     else:
-        torch._check_value(x_scale.dim() == 1 and x_scale.shape[0] == 1, lambda: _fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
+        torch._check_value(x_scale.dim() == 1 and x_scale.shape[0] == 1, lambda: fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
 
 
 def check_scaled_mm_fp8(who, x_fp8, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype, kernel) -> list:
     """Validate every argument of ``scaled_mm_fp8``; returns the output shape."""
-    torch._check_type(x_fp8.dtype == FP8_DTYPE, lambda: _fail(who, f"x_fp8 must be {FP8_DTYPE}, got {x_fp8.dtype}"))
-    torch._check_value(x_fp8.dim() >= 1, lambda: _fail(who, "x_fp8 must have at least one dimension (..., K)"))
+    torch._check_type(x_fp8.dtype == FP8_DTYPE, lambda: fail(who, f"x_fp8 must be {FP8_DTYPE}, got {x_fp8.dtype}"))
+    torch._check_value(x_fp8.dim() >= 1, lambda: fail(who, "x_fp8 must have at least one dimension (..., K)"))
     if out_dtype not in ACT_DTYPES:
-        raise TypeError(_fail(who, f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}"))
+        raise TypeError(fail(who, f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}"))
     check_x_scale(who, x_scale, x_fp8)
     n = check_fp8_weight(who, x_fp8.shape[-1], weight, weight_scale, block_n, block_k, x_fp8.device)
     check_bias(who, bias, n, x_fp8.device)
@@ -208,7 +193,7 @@ def scaled_mm_lowering(x, x_scale, weight, weight_scale, bias, block_n, block_k,
     per channel). The chooser only picks it for K and N multiples of 16 and scales constant along K.
     """
     if block_k != -1 or block_n not in (-1, 1):
-        raise ValueError(_fail("scaled_mm_fp8", f"kernel={int(Kernel.SCALED_MM)} (torch._scaled_mm) needs per-tensor or per-channel weight scales, got block_n={block_n}, block_k={block_k}"))
+        raise ValueError(fail("scaled_mm_fp8", f"kernel={int(Kernel.SCALED_MM)} (torch._scaled_mm) needs per-tensor or per-channel weight scales, got block_n={block_n}, block_k={block_k}"))
     n, k = weight.shape
     lead = x.shape[:-1]
     a = x.reshape(-1, k).contiguous()
@@ -235,32 +220,10 @@ def scaled_mm_lowering(x, x_scale, weight, weight_scale, bias, block_n, block_k,
     return y.reshape(*lead, n)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, weight_scale, bias, block_n, block_k, kernel = inputs
-    ctx.save_for_backward(weight, weight_scale)
-    ctx.meta = (block_n, block_k, x.dtype, None if bias is None else bias.dtype)
-
-
-def _grad_x_and_bias(ctx, grad, x_index: int, bias_index: int):
-    """Gradients for the activations (through the dequantized weight) and the bias."""
-    weight, weight_scale = ctx.saved_tensors
-    block_n, block_k, x_dtype, bias_dtype = ctx.meta
-    grad_x = grad_bias = None
-    if ctx.needs_input_grad[x_index]:
-        w = torch.ops.qops.dequantize_fp8(weight, weight_scale, block_n, block_k, torch.float32)
-        grad_x = (grad.float() @ w).to(x_dtype)
-    if bias_dtype is not None and ctx.needs_input_grad[bias_index]:
-        grad_bias = grad.reshape(-1, grad.shape[-1]).float().sum(0).to(bias_dtype)
-    return grad_x, grad_bias
-
-
-def _backward(ctx, grad):
-    # Weights are frozen: the gradient flows to the activations (and the bias) only.
-    grad_x, grad_bias = _grad_x_and_bias(ctx, grad, 0, 3)
-    return grad_x, None, None, grad_bias, None, None, None
-
-
-mm_fp8_weight.register_autograd(_backward, setup_context=_setup_context)
+# Inputs (x, weight, weight_scale, bias, block_n, block_k, kernel).
+register_frozen_weight_autograd(
+    mm_fp8_weight, torch.ops.qops.dequantize_fp8, tensors=(1, 2), statics=(4, 5), bias=3, fp32_bias_grad=True,
+)
 
 
 def _scaled_setup_context(ctx, inputs, output):
@@ -273,7 +236,7 @@ def _scaled_backward(ctx, grad):
     # activation gradient comes from `mm_fp8`, which sees the unquantized x.
     grad_bias = None
     if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
-        grad_bias = grad.reshape(-1, grad.shape[-1]).float().sum(0).to(ctx.bias_dtype)
+        grad_bias = bias_grad(grad, ctx.bias_dtype)
     return None, None, None, None, grad_bias, None, None, None, None
 
 
@@ -307,13 +270,12 @@ class _Fp8ActivationMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel):
-        ctx.save_for_backward(weight, weight_scale)
-        ctx.meta = (block_n, block_k, x.dtype, None if bias is None else bias.dtype)
+        save_frozen_weight(ctx, x, bias, (weight, weight_scale), (block_n, block_k))
         return _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel)
 
     @staticmethod
     def backward(ctx, grad):
-        grad_x, grad_bias = _grad_x_and_bias(ctx, grad, 0, 3)
+        grad_x, grad_bias = frozen_weight_grads(ctx, grad, torch.ops.qops.dequantize_fp8, 3, fp32_bias_grad=True)
         return grad_x, None, None, grad_bias, None, None, None, None
 
 

@@ -21,44 +21,32 @@ from typing import Optional
 import torch
 
 from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation, warm_up
-from .int_weight import ACT_DTYPES, _fail, check_out
+from ._common import ACT_DTYPES, check_act_dtype, check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "int8_weight"
 
 
 def check_int8_weight(who: str, k, qweight: torch.Tensor, scales: torch.Tensor, device: torch.device):
     """Validate the runtime weight for ``k`` input features; returns N. Works on fake tensors."""
-    for name, t in (("qweight", qweight), ("scales", scales)):
-        if t.device != device:
-            raise ValueError(_fail(who, f"{name} must be on {device} (the device of x), got {t.device}"))
-    torch._check_type(qweight.dtype == torch.int8, lambda: _fail(who, f"qweight must be torch.int8, got {qweight.dtype}"))
-    torch._check_value(qweight.dim() == 2, lambda: _fail(who, f"qweight must be 2-D (N, K), got {qweight.dim()}-D"))
+    check_devices(who, (("qweight", qweight), ("scales", scales)), device)
+    torch._check_type(qweight.dtype == torch.int8, lambda: fail(who, f"qweight must be torch.int8, got {qweight.dtype}"))
+    torch._check_value(qweight.dim() == 2, lambda: fail(who, f"qweight must be 2-D (N, K), got {qweight.dim()}-D"))
     n = qweight.shape[0]
-    torch._check_value(qweight.shape[1] == k, lambda: _fail(who, f"qweight must have K={k} columns (the last dimension of x), got {qweight.shape[1]}"))
-    torch._check_type(scales.dtype in ACT_DTYPES, lambda: _fail(who, f"scales must be float32, float16 or bfloat16, got {scales.dtype}"))
+    torch._check_value(qweight.shape[1] == k, lambda: fail(who, f"qweight must have K={k} columns (the last dimension of x), got {qweight.shape[1]}"))
+    check_act_dtype(who, "scales", scales)
     torch._check_value(
         scales.dim() == 1 and scales.shape[0] == n,
-        lambda: _fail(who, f"scales must have shape ({n},) (N from qweight), got {tuple(scales.shape)}"),
+        lambda: fail(who, f"scales must have shape ({n},) (N from qweight), got {tuple(scales.shape)}"),
     )
     return n
 
 
 def check_mm_int8_weight(who, x, qweight, scales, bias) -> list:
     """Validate every argument of ``mm_int8_weight``; returns the output shape."""
-    torch._check_type(x.dtype in ACT_DTYPES, lambda: _fail(who, f"x must be float32, float16 or bfloat16, got {x.dtype}"))
-    torch._check_value(x.dim() >= 1, lambda: _fail(who, "x must have at least one dimension (..., K)"))
+    check_x(who, x)
     n = check_int8_weight(who, x.shape[-1], qweight, scales, x.device)
-    check_bias(who, bias, n, x)
+    check_bias(who, bias, n, x.device)
     return [*x.shape[:-1], n]
-
-
-def check_bias(who, bias, n, x) -> None:
-    if bias is None:
-        return
-    if bias.device != x.device:
-        raise ValueError(_fail(who, f"bias must be on {x.device} (the device of x), got {bias.device}"))
-    torch._check_type(bias.dtype in ACT_DTYPES, lambda: _fail(who, f"bias must be float32, float16 or bfloat16, got {bias.dtype}"))
-    torch._check_value(bias.dim() == 1 and bias.shape[0] == n, lambda: _fail(who, f"bias must have shape ({n},) (N), got {tuple(bias.shape)}"))
 
 
 MM_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int kernel) -> Tensor"
@@ -114,34 +102,11 @@ def reference_dequantize(qweight, scales) -> torch.Tensor:
 
 def reference_mm(x, qweight, scales, bias, out=None, workspace=None) -> torch.Tensor:
     """The CPU kernel (and the GPU fallback); the lowering entry contract of ``ops/int_weight.py``."""
-    y = x.float() @ reference_dequantize(qweight, scales).t()
-    if bias is not None:
-        y = y + bias.float()
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y)
+    return reference_matmul(x, reference_dequantize(qweight, scales), bias, out)
 
 
-def _setup_context(ctx, inputs, output):
-    x, qweight, scales, bias, kernel = inputs
-    ctx.save_for_backward(qweight, scales)
-    ctx.meta = (x.dtype, bias is not None)
-
-
-def _backward(ctx, grad):
-    # Weights are frozen: the gradient flows to the activations (and the bias) only.
-    qweight, scales = ctx.saved_tensors
-    x_dtype, has_bias = ctx.meta
-    grad_x = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        w = torch.ops.qops.dequantize_int8_weight(qweight, scales, torch.float32)
-        grad_x = (grad.float() @ w).to(x_dtype)
-    if has_bias and ctx.needs_input_grad[3]:
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-    return grad_x, None, None, grad_bias, None
-
-
-mm_int8_weight.register_autograd(_backward, setup_context=_setup_context)
+# Inputs (x, qweight, scales, bias, kernel).
+register_frozen_weight_autograd(mm_int8_weight, torch.ops.qops.dequantize_int8_weight, tensors=(1, 2), statics=(), bias=3)
 
 
 @dataclass

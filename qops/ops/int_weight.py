@@ -27,15 +27,10 @@ import torch
 from ..formats._packing import pack_bits, packed_length, unpack_bits
 from ..formats.integer import IntQuantized, default_g_idx, n_groups_for
 from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation, warm_up
+from ._common import check_act_dtype, check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "int_weight"
 SUPPORTED_BITS = (2, 3, 4, 8)
-ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _fail(who: str, msg: str) -> str:
-    return f"qops.{who}: {msg}"
-
 
 def check_int_weight(
     who: str,
@@ -51,62 +46,44 @@ def check_int_weight(
 ):
     """Validate the runtime weight for ``k`` input features; returns N. Works on fake tensors."""
     if bits not in SUPPORTED_BITS:
-        raise ValueError(_fail(who, f"bits must be one of {list(SUPPORTED_BITS)}, got {bits}"))
+        raise ValueError(fail(who, f"bits must be one of {list(SUPPORTED_BITS)}, got {bits}"))
     if group_size != -1 and group_size <= 0:
-        raise ValueError(_fail(who, f"group_size must be -1 or positive, got {group_size}"))
+        raise ValueError(fail(who, f"group_size must be -1 or positive, got {group_size}"))
     if zero_offset not in (0, 1):
-        raise ValueError(_fail(who, f"zero_offset must be 0 or 1, got {zero_offset}"))
-    for name, t in (("qweight", qweight), ("scales", scales), ("qzeros", qzeros), ("act_perm", act_perm)):
-        if t is not None and t.device != device:
-            raise ValueError(_fail(who, f"{name} must be on {device} (the device of x), got {t.device}"))
-    torch._check_type(qweight.dtype == torch.int32, lambda: _fail(who, f"qweight must be torch.int32, got {qweight.dtype}"))
-    torch._check_value(qweight.dim() == 2, lambda: _fail(who, f"qweight must be 2-D (ceil(K*bits/32), N), got {qweight.dim()}-D"))
+        raise ValueError(fail(who, f"zero_offset must be 0 or 1, got {zero_offset}"))
+    check_devices(who, (("qweight", qweight), ("scales", scales), ("qzeros", qzeros), ("act_perm", act_perm)), device)
+    torch._check_type(qweight.dtype == torch.int32, lambda: fail(who, f"qweight must be torch.int32, got {qweight.dtype}"))
+    torch._check_value(qweight.dim() == 2, lambda: fail(who, f"qweight must be 2-D (ceil(K*bits/32), N), got {qweight.dim()}-D"))
     n = qweight.shape[1]
     rows = (k * bits + 31) // 32
-    torch._check_value(qweight.shape[0] == rows, lambda: _fail(who, f"qweight must have {rows} rows (ceil(K*bits/32) with K={k}, bits={bits}), got {qweight.shape[0]}"))
+    torch._check_value(qweight.shape[0] == rows, lambda: fail(who, f"qweight must have {rows} rows (ceil(K*bits/32) with K={k}, bits={bits}), got {qweight.shape[0]}"))
     n_groups = 1 if group_size == -1 else (k + group_size - 1) // group_size
-    torch._check_type(scales.dtype in ACT_DTYPES, lambda: _fail(who, f"scales must be float32, float16 or bfloat16, got {scales.dtype}"))
+    check_act_dtype(who, "scales", scales)
     torch._check_value(
         scales.dim() == 2 and scales.shape[0] == n_groups and scales.shape[1] == n,
-        lambda: _fail(who, f"scales must have shape ({n_groups}, {n}) (n_groups=ceil(K/group_size) with K={k}, group_size={group_size}; N from qweight), got {tuple(scales.shape)}"),
+        lambda: fail(who, f"scales must have shape ({n_groups}, {n}) (n_groups=ceil(K/group_size) with K={k}, group_size={group_size}; N from qweight), got {tuple(scales.shape)}"),
     )
     if qzeros is not None:
         zcols = (n * bits + 31) // 32
-        torch._check_type(qzeros.dtype == torch.int32, lambda: _fail(who, f"qzeros must be torch.int32, got {qzeros.dtype}"))
+        torch._check_type(qzeros.dtype == torch.int32, lambda: fail(who, f"qzeros must be torch.int32, got {qzeros.dtype}"))
         torch._check_value(
             qzeros.dim() == 2 and qzeros.shape[0] == n_groups and qzeros.shape[1] == zcols,
-            lambda: _fail(who, f"qzeros must have shape ({n_groups}, {zcols}) (ceil(N*bits/32) with N={n}), got {tuple(qzeros.shape)}"),
+            lambda: fail(who, f"qzeros must have shape ({n_groups}, {zcols}) (ceil(N*bits/32) with N={n}), got {tuple(qzeros.shape)}"),
         )
     if act_perm is not None:
-        torch._check_type(act_perm.dtype in (torch.int32, torch.int64), lambda: _fail(who, f"act_perm must be int32 or int64, got {act_perm.dtype}"))
-        torch._check_value(act_perm.dim() == 1 and act_perm.shape[0] == k, lambda: _fail(who, f"act_perm must have shape ({k},) (K), got {tuple(act_perm.shape)}"))
+        torch._check_type(act_perm.dtype in (torch.int32, torch.int64), lambda: fail(who, f"act_perm must be int32 or int64, got {act_perm.dtype}"))
+        torch._check_value(act_perm.dim() == 1 and act_perm.shape[0] == k, lambda: fail(who, f"act_perm must have shape ({k},) (K), got {tuple(act_perm.shape)}"))
     return n
 
 
 def check_mm_int_weight(who, x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset) -> list:
     """Validate every argument of ``mm_int_weight``; returns the output shape."""
-    torch._check_type(x.dtype in ACT_DTYPES, lambda: _fail(who, f"x must be float32, float16 or bfloat16, got {x.dtype}"))
-    torch._check_value(x.dim() >= 1, lambda: _fail(who, "x must have at least one dimension (..., K)"))
     # K is an argument, not read off x: 71 and 72 features pack into the same 9 rows at 4 bits, so
     # the packed shapes alone would let a wrong x through.
-    torch._check_value(x.shape[-1] == in_features, lambda: _fail(who, f"x must have in_features={in_features} in its last dimension, got shape {tuple(x.shape)}"))
+    check_x(who, x, in_features)
     n = check_int_weight(who, in_features, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, x.device)
-    if bias is not None:
-        if bias.device != x.device:
-            raise ValueError(_fail(who, f"bias must be on {x.device} (the device of x), got {bias.device}"))
-        torch._check_type(bias.dtype in ACT_DTYPES, lambda: _fail(who, f"bias must be float32, float16 or bfloat16, got {bias.dtype}"))
-        torch._check_value(bias.dim() == 1 and bias.shape[0] == n, lambda: _fail(who, f"bias must have shape ({n},) (N), got {tuple(bias.shape)}"))
+    check_bias(who, bias, n, x.device)
     return [*x.shape[:-1], n]
-
-
-def check_out(who, out, shape, x) -> None:
-    if out.device != x.device:
-        raise ValueError(_fail(who, f"out must be on {x.device} (the device of x), got {out.device}"))
-    torch._check_type(out.dtype == x.dtype, lambda: _fail(who, f"out must have the dtype of x ({x.dtype}), got {out.dtype}"))
-    torch._check_value(
-        out.dim() == len(shape) and all(a == b for a, b in zip(out.shape, shape)),
-        lambda: _fail(who, f"out must have shape {tuple(shape)}, got {tuple(out.shape)}"),
-    )
 
 
 # Schemas are written out so that bits, group sizes and kernel ids are plain `int` (not SymInt):
@@ -210,34 +187,13 @@ def reference_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, z
     k = x.shape[-1]
     w = reference_dequantize(qweight, scales, qzeros, k, bits, group_size, zero_offset)
     xs = x if act_perm is None else x.index_select(-1, act_perm.long())
-    y = xs.float() @ w.t()
-    if bias is not None:
-        y = y + bias.float()
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y)
+    return reference_matmul(xs, w, bias, out)
 
 
-def _setup_context(ctx, inputs, output):
-    x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset, kernel = inputs
-    ctx.save_for_backward(qweight, scales, qzeros, act_perm)
-    ctx.meta = (x.shape[-1], bits, group_size, zero_offset, x.dtype, bias is not None)
-
-
-def _backward(ctx, grad):
-    # Weights are frozen: the gradient flows to the activations (and the bias) only.
-    qweight, scales, qzeros, act_perm = ctx.saved_tensors
-    k, bits, group_size, zero_offset, x_dtype, has_bias = ctx.meta
-    grad_x = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        w = torch.ops.qops.dequantize_int_weight(qweight, scales, qzeros, act_perm, k, bits, group_size, zero_offset, torch.float32)
-        grad_x = (grad.float() @ w).to(x_dtype)
-    if has_bias and ctx.needs_input_grad[5]:
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-    return grad_x, None, None, None, None, grad_bias, None, None, None, None, None
-
-
-mm_int_weight.register_autograd(_backward, setup_context=_setup_context)
+# Inputs (x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset, kernel).
+register_frozen_weight_autograd(
+    mm_int_weight, torch.ops.qops.dequantize_int_weight, tensors=(1, 2, 3, 4), statics=(6, 7, 8, 9), bias=5,
+)
 
 
 @dataclass

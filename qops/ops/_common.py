@@ -1,0 +1,119 @@
+"""Argument checks and autograd shared by the op families of ``qops/ops``.
+
+The checks run in the real kernels and in the fakes alike (``torch._check*`` where a symbolic size
+may be involved, a plain raise for static facts), and every message begins ``qops.<op>: ``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fail(who: str, msg: str) -> str:
+    return f"qops.{who}: {msg}"
+
+
+def check_devices(who: str, tensors, device: torch.device) -> None:
+    """Each ``(name, tensor)`` whose tensor is not None lies on ``device``, the device of x."""
+    for name, t in tensors:
+        if t is not None and t.device != device:
+            raise ValueError(fail(who, f"{name} must be on {device} (the device of x), got {t.device}"))
+
+
+def check_act_dtype(who: str, name: str, t: torch.Tensor) -> None:
+    torch._check_type(t.dtype in ACT_DTYPES, lambda: fail(who, f"{name} must be float32, float16 or bfloat16, got {t.dtype}"))
+
+
+def check_x(who: str, x: torch.Tensor, in_features: Optional[int] = None) -> None:
+    """Float activations ``(..., K)``; with ``in_features``, K must equal it."""
+    check_act_dtype(who, "x", x)
+    torch._check_value(x.dim() >= 1, lambda: fail(who, "x must have at least one dimension (..., K)"))
+    if in_features is not None:
+        torch._check_value(
+            x.shape[-1] == in_features,
+            lambda: fail(who, f"x must have in_features={in_features} in its last dimension, got shape {tuple(x.shape)}"),
+        )
+
+
+def check_bias(who: str, bias: Optional[torch.Tensor], n, device: torch.device) -> None:
+    if bias is None:
+        return
+    if bias.device != device:
+        raise ValueError(fail(who, f"bias must be on {device} (the device of x), got {bias.device}"))
+    check_act_dtype(who, "bias", bias)
+    torch._check_value(bias.dim() == 1 and bias.shape[0] == n, lambda: fail(who, f"bias must have shape ({n},) (N), got {tuple(bias.shape)}"))
+
+
+def check_out(who: str, out: torch.Tensor, shape, x: torch.Tensor) -> None:
+    """A caller-owned output buffer: on x's device, of x's dtype, of the op's output ``shape``."""
+    if out.device != x.device:
+        raise ValueError(fail(who, f"out must be on {x.device} (the device of x), got {out.device}"))
+    torch._check_type(out.dtype == x.dtype, lambda: fail(who, f"out must have the dtype of x ({x.dtype}), got {out.dtype}"))
+    torch._check_value(
+        out.dim() == len(shape) and all(a == b for a, b in zip(out.shape, shape)),
+        lambda: fail(who, f"out must have shape {tuple(shape)}, got {tuple(out.shape)}"),
+    )
+
+
+def reference_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ w.T + bias`` for an fp32 ``(N, K)`` weight, accumulated in fp32; a fresh tensor of x's
+    dtype, or written into ``out`` and returned (the reference kernels' epilogue)."""
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    if out is None:
+        return y.to(x.dtype)
+    return out.copy_(y)
+
+
+def bias_grad(grad: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``grad`` summed over its leading dimensions; with ``dtype``, summed in fp32 and cast to it."""
+    g = grad.reshape(-1, grad.shape[-1])
+    if dtype is None:
+        return g.sum(0)
+    return g.float().sum(0).to(dtype)
+
+
+# Weights are frozen: the gradient flows to the activations (input 0, through the dequantized
+# weight) and the bias only.
+def save_frozen_weight(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], tensors: Sequence, statics: Sequence) -> None:
+    """Keep what :func:`frozen_weight_grads` needs: the weight ``tensors`` and the ``statics`` that
+    follow them in the family's dequantize op."""
+    ctx.save_for_backward(*tensors)
+    ctx.frozen = (tuple(statics), x.dtype, None if bias is None else bias.dtype)
+
+
+def frozen_weight_grads(ctx, grad: torch.Tensor, dequantize: Callable, bias_index: int, *, fp32_bias_grad: bool = False):
+    """``(grad_x, grad_bias)``: ``grad @ dequantize(*tensors, *statics, float32)`` in x's dtype, and
+    the bias gradient (summed in fp32 and cast to the bias dtype when ``fp32_bias_grad``)."""
+    statics, x_dtype, bias_dtype = ctx.frozen
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        w = dequantize(*ctx.saved_tensors, *statics, torch.float32)
+        grad_x = (grad.float() @ w).to(x_dtype)
+    if bias_dtype is not None and ctx.needs_input_grad[bias_index]:
+        grad_bias = bias_grad(grad, bias_dtype if fp32_bias_grad else None)
+    return grad_x, grad_bias
+
+
+def register_frozen_weight_autograd(op, dequantize: Callable, *, tensors: Sequence[int], statics: Sequence[int], bias: int,
+                                    fp32_bias_grad: bool = False) -> None:
+    """Give ``op(x, ...)`` a backward through its family's ``dequantize`` op.
+
+    ``tensors`` and ``statics`` are the indices of ``op``'s inputs that ``dequantize`` takes, in its
+    order (the output dtype is appended); ``bias`` is the index of the bias input.
+    """
+
+    def setup_context(ctx, inputs, output):
+        save_frozen_weight(ctx, inputs[0], inputs[bias], [inputs[i] for i in tensors], [inputs[i] for i in statics])
+        ctx.n_inputs = len(inputs)
+
+    def backward(ctx, grad):
+        grads = [None] * ctx.n_inputs
+        grads[0], grads[bias] = frozen_weight_grads(ctx, grad, dequantize, bias, fp32_bias_grad=fp32_bias_grad)
+        return tuple(grads)
+
+    op.register_autograd(backward, setup_context=setup_context)
