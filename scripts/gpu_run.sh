@@ -7,15 +7,16 @@
 # benchmarks, and prints the W4A16 table and TARGETS block last. Everything is teed into $OUT as it
 # happens, so a run cut off by a time limit still returns what it did. Files in $OUT (<= 8):
 #   gpu_run.log (everything, in order), pytest_gpu.xml, bench_int_weight.json, bench_int_weight.txt,
-#   bench_fp8.json, bench_bnb_int8.json
+#   bench_fp8.json, bench_bnb_int8.json, bench_decode.json
 #
 # Environment:
-#   QOPS_GPU_TESTS=0        skip the tests
-#   QOPS_BENCH=0            skip the benchmark
+#   QOPS_STEPS=a,b,...      the steps to run, in this order: bench_int_weight, pytest_gpu, bench_fp8,
+#                           bench_bnb_int8, bench_decode (default: all)
 #   QOPS_BENCH_ARGS="..."   extra arguments for benchmarks/bench_int_weight.py (e.g. "--quick")
-#   QOPS_TEST_TIMEOUT=240   seconds before the tests are killed (coreutils timeout; no pytest-timeout needed)
+#   QOPS_TEST_TIMEOUT=600   seconds before the tests are killed (coreutils timeout; no pytest-timeout needed)
 #   QOPS_BENCH_TIMEOUT=240  seconds before the W4A16 benchmark is killed (its JSON is rewritten after every shape)
 #   QOPS_FAMILY_BENCH_TIMEOUT=90  the same for each of the fp8 and int8/NF4 benchmarks
+#   QOPS_DECODE_TIMEOUT=300 the same for the end-to-end decode benchmark
 #   QOPS_COMMIT=<sha>       recorded in the JSON when git is not available here
 #   PYTHON=python3          the interpreter
 #   OUT=<dir>               where files go (default: ./gpu_out)
@@ -31,9 +32,10 @@ if [ -d "$ROOT/.whl/site" ]; then
 fi
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-TEST_TIMEOUT=${QOPS_TEST_TIMEOUT:-240}
+TEST_TIMEOUT=${QOPS_TEST_TIMEOUT:-600}
 BENCH_TIMEOUT=${QOPS_BENCH_TIMEOUT:-240}
 FAMILY_TIMEOUT=${QOPS_FAMILY_BENCH_TIMEOUT:-90}
+DECODE_TIMEOUT=${QOPS_DECODE_TIMEOUT:-300}
 LOG=$OUT/gpu_run.log
 : > "$LOG"
 
@@ -65,18 +67,25 @@ main() {
     "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "| torch", torch.__version__, "| triton", triton.__version__, "| gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)' 2>&1
     with_timeout 60 "$PY" -m qops info 2>&1 || echo "python -m qops info failed (rc=$?)"
 
-    # Most important first: the W4A16 results file, then correctness, then the other families.
-    if [ "${QOPS_BENCH:-1}" != "0" ]; then
+    # Most important first: the W4A16 results file, then correctness, then the other families and
+    # the end-to-end decode. QOPS_STEPS picks a subset (a whole run needs ~15 min of GPU time).
+    local steps=${QOPS_STEPS:-bench_int_weight,pytest_gpu,bench_fp8,bench_bnb_int8,bench_decode}
+    case ",$steps," in *,bench_int_weight,*)
         # shellcheck disable=SC2086  # QOPS_BENCH_ARGS is split on purpose
-        step bench_int_weight "$BENCH_TIMEOUT" "$PY" benchmarks/bench_int_weight.py ${QOPS_BENCH_ARGS:-}
-    fi
-    if [ "${QOPS_GPU_TESTS:-1}" != "0" ]; then
-        step pytest_gpu "$TEST_TIMEOUT" "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml"
-    fi
-    if [ "${QOPS_BENCH:-1}" != "0" ]; then
-        step bench_fp8 "$FAMILY_TIMEOUT" "$PY" benchmarks/bench_fp8.py --quick --out "$OUT/bench_fp8.json"
-        step bench_bnb_int8 "$FAMILY_TIMEOUT" "$PY" benchmarks/bench_bnb_int8.py --out "$OUT/bench_bnb_int8.json"
-    fi
+        step bench_int_weight "$BENCH_TIMEOUT" "$PY" benchmarks/bench_int_weight.py ${QOPS_BENCH_ARGS:-} ;;
+    esac
+    case ",$steps," in *,pytest_gpu,*)
+        step pytest_gpu "$TEST_TIMEOUT" "$PY" -m pytest -m gpu tests/gpu -q -rfE -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" ;;
+    esac
+    case ",$steps," in *,bench_fp8,*)
+        step bench_fp8 "$FAMILY_TIMEOUT" "$PY" benchmarks/bench_fp8.py --quick --out "$OUT/bench_fp8.json" ;;
+    esac
+    case ",$steps," in *,bench_bnb_int8,*)
+        step bench_bnb_int8 "$FAMILY_TIMEOUT" "$PY" benchmarks/bench_bnb_int8.py --out "$OUT/bench_bnb_int8.json" ;;
+    esac
+    case ",$steps," in *,bench_decode,*)
+        step bench_decode "$DECODE_TIMEOUT" "$PY" benchmarks/bench_decode.py ;;
+    esac
 
     echo
     echo "== summary:$RCS; $((SECONDS - t0))s; files in \$OUT:"
