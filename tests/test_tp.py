@@ -3,13 +3,12 @@ TinyBlock (column, fused qkv, fused q/k/v, gate_up, row, head with and without a
 embedding with out-of-range ids) for every checkpoint variant, equal to the single-process layers
 eagerly and compiled with fullgraph=True (one compilation per process for all variants, then a
 second call that must not recompile)."""
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from qops.layers.testing import VARIANTS, block_checkpoints, tp_worker
+from qops.layers.testing import VARIANTS, block_checkpoints, free_port, tp_worker
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,13 +21,8 @@ def checkpoints():
     return block_checkpoints()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_tensor_parallel_layers_equal_the_single_process_layers(checkpoints, world):
-    mp.spawn(tp_worker, args=(world, checkpoints, _free_port(), "gloo", torch.float32, ("eager", "compiled"), tuple(VARIANTS), TOLERANCES),
+    mp.spawn(tp_worker, args=(world, checkpoints, free_port(), "gloo", torch.float32, ("eager", "compiled"), tuple(VARIANTS), TOLERANCES),
              nprocs=world, join=True)

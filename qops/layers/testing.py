@@ -301,6 +301,33 @@ TP_MODES = ("eager", "compiled", "cuda_graph", "compiled_cuda_graph", "reduce_ov
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def free_port() -> int:
+    """A loopback TCP port free now, for a test's process-group rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_rank(backend: str, rank: int, world: int, port: int, timeout_s: int) -> torch.device:
+    """Join a test's process group on loopback; the rank's device (one GPU per rank with NCCL)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        os.environ.update(NVLS_OFF)  # multicast can take the host's GPUs down (device docs)
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)  # CI: every core already runs a rank
+        device = torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
 def tp_worker(rank: int, world: int, root: str, port: int, backend: str, dtype: torch.dtype, modes: tuple[str, ...], names: tuple[str, ...], tolerances: dict[str, float]) -> None:
     """One rank of the tensor-parallel equivalence check (``torch.multiprocessing.spawn`` target).
 
@@ -309,21 +336,11 @@ def tp_worker(rank: int, world: int, root: str, port: int, backend: str, dtype: 
     output with the whole model's (column outputs with this rank's slice). Mismatches of all modes
     are collected and raised together at the end, so every rank runs the same collectives.
     """
-    import datetime
-
     import torch.distributed as dist
 
     from .loader import Weights
 
-    if backend == "nccl":
-        os.environ.update(NVLS_OFF)
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=180))
+    device = start_rank(backend, rank, world, port, 180)
     try:
         if backend == "gloo":
             torch._inductor.config.compile_threads = 1  # CI: every core already runs a rank

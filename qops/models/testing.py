@@ -19,7 +19,7 @@ from ..lowerings import LOWERINGS
 from .checkpoint import QUANT_SCHEMES, get_scheme, quantize_tensors
 from .llama import LlamaConfig, LlamaForCausalLM, inv_freq, random_tensors
 
-NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from ..layers.testing import NVLS_OFF, free_port, start_rank  # noqa: F401  (re-exported for the tests)
 
 
 def family_lowerings(scheme: str) -> list:
@@ -111,19 +111,9 @@ def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch
     capture is an error). Mismatches are collected and raised together at the end so that every
     rank runs the same collectives.
     """
-    import datetime
-
     import torch.distributed as dist
 
-    if backend == "nccl":
-        os.environ.update(NVLS_OFF)
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    device = start_rank(backend, rank, world, port, 300)
     failures: list[str] = []
     try:
         torch._inductor.config.compile_threads = 1

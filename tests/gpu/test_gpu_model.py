@@ -19,7 +19,6 @@ Run with ``pytest -m gpu tests/gpu/test_gpu_model.py``.
 from __future__ import annotations
 
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +27,7 @@ import torch.multiprocessing as mp
 
 from qops.models import LlamaConfig, LlamaForCausalLM, quantize_tensors, random_tensors
 from qops.models.checkpoint import get_scheme
-from qops.models.testing import NVLS_OFF, forced_lowering, relative_error, scheme_lowerings, tp_model_worker
+from qops.models.testing import NVLS_OFF, forced_lowering, free_port, relative_error, scheme_lowerings, tp_model_worker
 
 pytestmark = pytest.mark.gpu
 
@@ -187,11 +186,6 @@ def test_workspace_for_llama3_8b_shapes_fits_64_mib(lowering):
         assert need <= 64 << 20, f"{name} ({n}x{k}): {need} bytes at M <= 32"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # One pair per fast lowering family (each spawn compiles per rank; the GPU suite has a time limit).
 TP_PAIRS = [("none", "dense"), ("gptq", "native_w4a16"), ("awq", "triton_int_weight"), ("fp8", "scaled_mm_fp8"),
@@ -207,6 +201,6 @@ def test_tp_pairs_name_real_pairs():
 def test_tensor_parallel_two_gpus_reduce_overhead(scheme, lowering):
     os.environ.update(NVLS_OFF)  # inherited by the spawned ranks (which set it again)
     lowerings = None if scheme == "none" else {scheme: lowering}
-    mp.spawn(tp_model_worker, args=(2, _free_port(), "nccl", torch.bfloat16, (scheme,), ("eager", "reduce_overhead"), 3e-2, lowerings),
+    mp.spawn(tp_model_worker, args=(2, free_port(), "nccl", torch.bfloat16, (scheme,), ("eager", "reduce_overhead"), 3e-2, lowerings),
              nprocs=2, join=True)
 

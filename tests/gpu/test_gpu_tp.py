@@ -12,7 +12,6 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1). Run with ``pytest -
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch.multiprocessing as mp
 
 from qops.distributed import FakeGroup
 from qops.layers import Weights
-from qops.layers.testing import NVLS_OFF, VARIANTS, block_checkpoints, tp_worker, write_checkpoint
+from qops.layers.testing import NVLS_OFF, VARIANTS, block_checkpoints, free_port, tp_worker, write_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -43,17 +42,12 @@ def checkpoints():
     return block_checkpoints()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @needs_two_gpus
 @pytest.mark.parametrize("mode", list(MODES))
 def test_tensor_parallel_layers_on_two_gpus_equal_one_gpu(checkpoints, mode):
     os.environ.update(NVLS_OFF)  # inherited by the spawned ranks (which set it again)
-    mp.spawn(tp_worker, args=(2, checkpoints, _free_port(), "nccl", torch.float16, MODES[mode], tuple(VARIANTS), TOLERANCES),
+    mp.spawn(tp_worker, args=(2, checkpoints, free_port(), "nccl", torch.float16, MODES[mode], tuple(VARIANTS), TOLERANCES),
              nprocs=2, join=True)
 
 
