@@ -182,8 +182,11 @@ def _write(path, tensors, config=None, name="model.safetensors"):
 GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False}
 
 
-def _gptq_tensors(n=64, k=96, bits=4, group_size=32, prefix="l", g_idx=None):
-    c = FORMATS["gptq"].quantize(torch.randn(n, k), bits=bits, group_size=group_size, sym=False, g_idx=g_idx, version="v1")
+def _gptq_tensors(n=64, k=96, bits=4, group_size=32, prefix="l", g_idx=None, seed=0):
+    # Seeded: a v1 checkpoint cannot hold a zero point of 0, which unseeded data hit now and then
+    # (a group whose values are all >= -scale/2 rounds its zero to 0).
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    c = FORMATS["gptq"].quantize(w, bits=bits, group_size=group_size, sym=False, g_idx=g_idx, version="v1")
     return {f"{prefix}.qweight": c.qweight, f"{prefix}.qzeros": c.qzeros, f"{prefix}.scales": c.scales, f"{prefix}.g_idx": c.g_idx}
 
 
