@@ -7,16 +7,17 @@
 # benchmarks, and prints the W4A16 table and TARGETS block last. Everything is teed into $OUT as it
 # happens, so a run cut off by a time limit still returns what it did. Files in $OUT (<= 8):
 #   gpu_run.log (everything, in order), pytest_gpu.xml, bench_int_weight.json, bench_int_weight.txt,
-#   bench_fp8.json, bench_bnb_int8.json, bench_decode.json
+#   bench_fp8.json, bench_bnb_int8.json, bench_decode.json, sweep_native.json
 #
 # Environment:
-#   QOPS_STEPS=a,b,...      the steps to run, in this order: bench_int_weight, pytest_gpu, bench_fp8,
-#                           bench_bnb_int8, bench_decode (default: all)
+#   QOPS_STEPS=a,b,...      the steps to run, in this order: sweep_native, bench_int_weight, pytest_gpu,
+#                           bench_fp8, bench_bnb_int8, bench_decode (default: all but sweep_native)
 #   QOPS_BENCH_ARGS="..."   extra arguments for benchmarks/bench_int_weight.py (e.g. "--quick")
 #   QOPS_TEST_TIMEOUT=600   seconds before the tests are killed (coreutils timeout; no pytest-timeout needed)
 #   QOPS_BENCH_TIMEOUT=240  seconds before the W4A16 benchmark is killed (its JSON is rewritten after every shape)
 #   QOPS_FAMILY_BENCH_TIMEOUT=90  the same for each of the fp8 and int8/NF4 benchmarks
 #   QOPS_DECODE_TIMEOUT=300 the same for the end-to-end decode benchmark
+#   QOPS_SWEEP_TIMEOUT=300  the same for the native launch-plan sweep (benchmarks/sweep_native.py)
 #   QOPS_COMMIT=<sha>       recorded in the JSON when git is not available here
 #   PYTHON=python3          the interpreter
 #   OUT=<dir>               where files go (default: ./gpu_out)
@@ -36,6 +37,7 @@ TEST_TIMEOUT=${QOPS_TEST_TIMEOUT:-600}
 BENCH_TIMEOUT=${QOPS_BENCH_TIMEOUT:-240}
 FAMILY_TIMEOUT=${QOPS_FAMILY_BENCH_TIMEOUT:-90}
 DECODE_TIMEOUT=${QOPS_DECODE_TIMEOUT:-300}
+SWEEP_TIMEOUT=${QOPS_SWEEP_TIMEOUT:-300}
 LOG=$OUT/gpu_run.log
 : > "$LOG"
 
@@ -70,6 +72,9 @@ main() {
     # Most important first: the W4A16 results file, then correctness, then the other families and
     # the end-to-end decode. QOPS_STEPS picks a subset (a whole run needs ~15 min of GPU time).
     local steps=${QOPS_STEPS:-bench_int_weight,pytest_gpu,bench_fp8,bench_bnb_int8,bench_decode}
+    case ",$steps," in *,sweep_native,*)
+        step sweep_native "$SWEEP_TIMEOUT" "$PY" benchmarks/sweep_native.py --budget-s $((SWEEP_TIMEOUT - 60)) ;;
+    esac
     case ",$steps," in *,bench_int_weight,*)
         # shellcheck disable=SC2086  # QOPS_BENCH_ARGS is split on purpose
         step bench_int_weight "$BENCH_TIMEOUT" "$PY" benchmarks/bench_int_weight.py ${QOPS_BENCH_ARGS:-} ;;

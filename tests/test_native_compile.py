@@ -38,12 +38,13 @@ def test_every_source_compiles(name, arch):
 
 
 def _gemv_variants():
-    """Every (dtype, tile, zeros) variant the plans can ask for, without clusters."""
+    """Every (dtype, tile, zeros, x staging) variant the plans can ask for, without clusters."""
     for dt in (torch.float16, torch.bfloat16):
         for m in (1, 8, 16):
             for has_z in (False, True):
-                p = native._plan(m, 4096, 4096, 132, False)
-                yield p.defines(dt, has_z)
+                for xfull in (False, True):
+                    p = native._plan(m, 4096, 4096, 132, False)
+                    yield {**p.defines(dt, has_z), "QOPS_XFULL": int(xfull)}
 
 
 def _ptxas_report(log: str) -> dict[str, tuple[int, int]]:
@@ -156,6 +157,8 @@ def test_plans_stay_within_kernel_limits(n, k, sms, cluster_ok):
         assert p.tiles * 32 * p.nwn >= n
         assert 1 <= p.splits <= min(chunks, 16)
         assert p.m <= 8 * p.mt
+        if p.xfull:
+            assert native.xfull_bytes(m, k, p.splits) <= p.shmem
         if cluster_ok:
             assert p.cluster == (p.splits == 2)
             assert p.workspace == (p.splits * m * n * 4 if p.splits > 2 else 0)

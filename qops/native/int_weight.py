@@ -22,6 +22,7 @@ capture, where a missing kernel raises :class:`~qops.native.compiler.NativeNotRe
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -66,10 +67,13 @@ class Plan:
     mt: int  # 8-row MMA tiles of x: 1 (M <= 8) or 2
     nwn: int  # warps along N; a block covers 32 * nwn columns with 8 / nwn warps along K
     splits: int  # S: blocks sharing one column tile's K range
-    cluster: bool  # S == 2 summed inside a thread-block cluster (sm_90) instead of through the workspace
+    cluster: bool  # the S blocks sum inside a thread-block cluster (sm_90) instead of through the workspace
     tiles: int
     shmem: int
     workspace: int  # bytes of fp32 partials (0 unless S > 1 without a cluster)
+    xfull: bool = False  # x of the block's K range staged once (no barrier in the main loop)
+    ring: int = 0  # register ring depth (0: the kernel's default for mt)
+    minb: int = 2  # resident blocks per SM promised to the register allocator
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         return {
@@ -78,6 +82,9 @@ class Plan:
             "QOPS_NWN": self.nwn,
             "QOPS_HAS_Z": int(has_zeros),
             "QOPS_CLUSTER": self.splits if self.cluster else 1,
+            "QOPS_XFULL": int(self.xfull),
+            "QOPS_RING": self.ring,
+            "QOPS_MINB": self.minb,
         }
 
 
@@ -90,15 +97,37 @@ def _tile(m: int) -> tuple[int, int]:
     return 2, 4
 
 
-def _ring(mt: int) -> int:
-    return 3 if mt == 1 else 2  # as ring_depth<MT>() in w4a16_gemv.cu
+def _ring(mt: int, ring: int = 0) -> int:
+    return ring if ring > 0 else (3 if mt == 1 else 2)  # as ring_depth<MT>() in w4a16_gemv.cu
+
+
+XFULL_MAX_BYTES = 48 * 1024  # x staged whole must fit the default dynamic shared memory limit
+
+
+def xfull_bytes(m: int, k: int, splits: int) -> int:
+    """Shared memory the x-staged-once mode needs: M rows of the block's K range, padded rows."""
+    chunks = max(-(-k // CHUNK_K), 1)
+    return m * (-(-chunks // splits) * 16 + 4) * 16
+
+
+def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2) -> Plan:
+    """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them."""
+    mt = 1 if m <= 8 else 2
+    nblk, nwk = 32 * nwn, 8 // nwn
+    tiles = -(-n // nblk)
+    if xfull and xfull_bytes(m, k, splits) > XFULL_MAX_BYTES:
+        raise ValueError(f"native_w4a16: x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits)} bytes of shared memory (> {XFULL_MAX_BYTES})")
+    xs_bytes = xfull_bytes(m, k, splits) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
+    red_bytes = nwk * m * nblk * 4 + (m * nblk * 4 if cluster else 0)
+    ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
+    return Plan(m, mt, nwn, splits, cluster, tiles, max(xs_bytes, red_bytes), ws, xfull, ring, minb)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     mt, nwn = _tile(m)
-    nblk, nwk = 32 * nwn, 8 // nwn
-    tiles = -(-n // nblk)
+    nwk = 8 // nwn
+    tiles = -(-n // (32 * nwn))
     chunks = max(-(-k // CHUNK_K), 1)
     # Measured on an H200: a block's pipeline needs a long run of K to pay for its fill, so K is split
     # only when the column tiles alone leave SMs idle, and then to about one wave of two blocks per
@@ -108,11 +137,10 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     if tiles < sms:
         s = max(1, min(round(2 * sms / tiles), 16, chunks // nwk))
     cluster = cluster_ok and s == 2
-    rs = nwk * 16 + 4
-    xs_bytes = _ring(mt) * m * rs * 16
-    red_bytes = nwk * m * nblk * 4 + (m * nblk * 4 if cluster else 0)
-    ws = s * m * n * 4 if (s > 1 and not cluster) else 0
-    return Plan(m, mt, nwn, s, cluster, tiles, max(xs_bytes, red_bytes), ws)
+    # x staged once removes the per-iteration barrier and x traffic from the main loop; used
+    # whenever the block's x fits the default shared-memory limit.
+    xfull = xfull_bytes(m, k, s) <= XFULL_MAX_BYTES
+    return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull)
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,10 +149,31 @@ def _device_facts(index: int) -> tuple[int, bool]:
     return props.multi_processor_count, props.major >= 9
 
 
+_plan_override = None  # benchmarks only: a function (m, n, k, sms, cluster_ok) -> Plan | None
+
+
+@contextlib.contextmanager
+def plan_override(fn):
+    """Within the block, :func:`plan` asks ``fn(m, n, k, sms, cluster_ok)`` first (None: the usual plan).
+
+    For benchmarks that compare plans (benchmarks/sweep_native.py); not thread-safe.
+    """
+    global _plan_override
+    prev, _plan_override = _plan_override, fn
+    try:
+        yield
+    finally:
+        _plan_override = prev
+
+
 def plan(m: int, n: int, k: int, device: torch.device | int) -> Plan:
     """The launch plan for ``m`` rows (<= 16) of x against an (N, K) weight on ``device``."""
     idx = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
     sms, cluster_ok = _device_facts(idx)
+    if _plan_override is not None:
+        p = _plan_override(m, n, k, sms, cluster_ok)
+        if p is not None:
+            return p
     return _plan(m, n, k, sms, cluster_ok)
 
 

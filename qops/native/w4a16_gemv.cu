@@ -29,8 +29,18 @@
 //     the S blocks form a thread-block cluster and sum through distributed shared memory; otherwise
 //     each block writes fp32 partials to a workspace (S, M, N) and qops_w4a16_reduce finishes.
 //
+// x staging, two modes (QOPS_XFULL):
+//   0: per iteration, as above: cp.async stages of the K range the block works on next, one barrier
+//      per iteration (all warps of a block advance together).
+//   1: once: the block's whole K range of x (M x K/S values, at most 48 KiB) is read at the start,
+//      already in the order the B fragments want (x0 x4 x1 x5 x2 x6 x3 x7 per 8 values), so the main
+//      loop has no barrier, no x traffic and no permutes: each warp streams its chunks on its own.
+//      The weight loads of the first iterations are issued before x is staged, hiding its latency.
+//
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
-// QOPS_NWN (1, 2, 4), QOPS_HAS_Z (0/1), QOPS_CLUSTER (1: no cluster; 2..8 needs sm_90).
+// QOPS_NWN (1, 2, 4), QOPS_HAS_Z (0/1), QOPS_CLUSTER (1: no cluster; 2..8 needs sm_90),
+// QOPS_XFULL (0/1), QOPS_RING (register ring depth; 0: 3 for MT = 1, 2 for MT = 2),
+// QOPS_MINB (minimum resident blocks per SM promised to the register allocator; default 2).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -47,6 +57,15 @@
 #endif
 #ifndef QOPS_CLUSTER
 #define QOPS_CLUSTER 1
+#endif
+#ifndef QOPS_XFULL
+#define QOPS_XFULL 0
+#endif
+#ifndef QOPS_RING
+#define QOPS_RING 0
+#endif
+#ifndef QOPS_MINB
+#define QOPS_MINB 2
 #endif
 
 #if QOPS_CLUSTER > 1
@@ -66,7 +85,7 @@ constexpr int kChunkK = 128;  // K rows a warp takes per iteration: 4 steps of 3
 // Chunks per warp held in registers (one in use, the rest in flight) and x stages in shared memory:
 // three, or two for M > 8 where the second x tile and its accumulators need the registers.
 template <int MT>
-__host__ __device__ constexpr int ring_depth() { return MT == 1 ? 3 : 2; }
+__host__ __device__ constexpr int ring_depth() { return QOPS_RING > 0 ? QOPS_RING : (MT == 1 ? 3 : 2); }
 
 // Bits of the `flags` argument.
 constexpr int kXVec = 1;       // x rows 16-byte aligned and K % 8 == 0: x staged with cp.async
@@ -93,7 +112,7 @@ __device__ __forceinline__ void store_out(u16* out, const void* bias, int flags,
   out[static_cast<size_t>(m) * ldo + n] = f32_to_bits<DT>(v);
 }
 
-template <int DT, int MT, int NWN, bool HAS_Z, int CL>
+template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF>
 __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, const u16* __restrict__ scales,
                                            const u32* __restrict__ qzeros, const u16* __restrict__ x,
                                            const void* __restrict__ bias, u16* __restrict__ out,
@@ -121,10 +140,13 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int n_it = (ce - cb + NWK - 1) / NWK;
   const int zw = (N + 7) >> 3;
   const int xstage = M * RS;
+  // XF: x row m of the block's K range at xs[m * RSF + local 8-value row]; RSF = 4 (mod 8) keeps the
+  // rows a quarter warp reads in disjoint banks.
+  const int RSF = ((C + S - 1) / S) * 16 + 4;
 
   // This lane's qweight words for iteration `it`, step j: wbase + it * wstride + j * 4 * N.
   const u32* wbase = qweight + static_cast<size_t>((cb + wk) * 16 + c) * N + n0;
-  const u32 wstride = static_cast<u32>(NWK * 16) * N;  // word offsets below 2^32: qweight < 16 GiB
+  const size_t wstride = static_cast<size_t>(NWK * 16) * N;
   const u32 wstep = 4u * N;
 
   Chunk ring[kRing];
@@ -145,11 +167,17 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 
   // Loads that fall outside the weight are skipped, leaving stale registers: rows past K meet zeros
   // in x, columns past N are never stored, and a warp without a chunk skips the math.
-  auto load_chunk = [&](int it, Chunk& ck) {
-    const int ch = cb + it * NWK + wk;
+  // Called for it = 0, 1, 2, ... in order, so the addresses advance by a constant stride instead of
+  // being recomputed (integer work in the main loop costs issue slots the dequantization needs).
+  const u32* wnext = wbase;
+  int ch_next = cb + wk;
+  auto load_chunk = [&](Chunk& ck) {
+    const int ch = ch_next;
+    ch_next += NWK;
     const bool ok = n_ok && ch < ce;
     const int rows_left = KW - (ch * 16 + c);
-    const u32* p = wbase + static_cast<u32>(it) * wstride;
+    const u32* p = wnext;
+    wnext += wstride;
 #pragma unroll
     for (int j = 0; j < 4; ++j) ld_stream_v4_if(ck.w[j], p + j * wstep, ok && 4 * j < rows_left);
     const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
@@ -197,6 +225,32 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
   };
 
+  // XF: the block's x, read once and stored in B-fragment order (x0 x4 x1 x5 x2 x6 x3 x7).
+  auto stage_x_full = [&]() {
+    const int nkw = (ce - cb) * 16;
+    for (int m = 0; m < M; ++m) {
+      for (int kwl = tid; kwl < nkw; kwl += kThreads) {
+        const int k = (cb * 16 + kwl) * 8;
+        const u16* src = x + (static_cast<size_t>(m) * ldx + k);
+        uint4 v;
+        if (xvec && k + 8 <= K) {
+          v = *reinterpret_cast<const uint4*>(src);
+        } else {
+          u32 h[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const u32 lo = (k + 2 * e < K) ? src[2 * e] : 0u;
+            const u32 hi = (k + 2 * e + 1 < K) ? src[2 * e + 1] : 0u;
+            h[e] = lo | (hi << 16);
+          }
+          v = make_uint4(h[0], h[1], h[2], h[3]);
+        }
+        smem[m * RSF + kwl] = make_uint4(prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z), prmt<0x5410>(v.y, v.w),
+                                         prmt<0x7632>(v.y, v.w));
+      }
+    }
+  };
+
   // Half2 constants removing the magic bias and the zero point: zero z sits in the mantissa.
   //   f16:  (1024 + q) - (1024 + z) and (1024 + 16 q) / 16 - (64 + z); 1024 + z = 0x6400 + z,
   //         -(64 + z) = 0xD400 + 16 z (z <= 16)
@@ -207,7 +261,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   auto compute = [&](int it, const Chunk& ck, int stage) {
     const int ch = cb + it * NWK + wk;
     if (ch >= ce) return;  // warp-uniform: this warp has no chunk in the block's last iteration
-    const uint4* xs = smem + stage * xstage;
+    const uint4* xs = XF ? smem : smem + stage * xstage;
 
     u32 za[4], zb[4];
     const u32 zbits = HAS_Z ? ck.z >> ((n0 & 7) * 4) : 0u;  // 4 nibbles: zeros of columns n0 .. n0+3
@@ -229,17 +283,24 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       // B fragments: x[m, 8*kw .. 8*kw+7] as pairs (0,4) (1,5) (2,6) (3,7), the pairs the unpacking yields.
-      const int kk = wk * 16 + 4 * j + c;
       u32 xb[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int m = 8 * mt + g;
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (m < M) v = xs[m * RS + kk];
-        xb[mt][0] = prmt<0x5410>(v.x, v.z);
-        xb[mt][1] = prmt<0x7632>(v.x, v.z);
-        xb[mt][2] = prmt<0x5410>(v.y, v.w);
-        xb[mt][3] = prmt<0x7632>(v.y, v.w);
+        if constexpr (XF) {
+          if (m < M) v = xs[m * RSF + (ch - cb) * 16 + 4 * j + c];
+          xb[mt][0] = v.x;
+          xb[mt][1] = v.y;
+          xb[mt][2] = v.z;
+          xb[mt][3] = v.w;
+        } else {
+          if (m < M) v = xs[m * RS + wk * 16 + 4 * j + c];
+          xb[mt][0] = prmt<0x5410>(v.x, v.z);
+          xb[mt][1] = prmt<0x7632>(v.x, v.z);
+          xb[mt][2] = prmt<0x5410>(v.y, v.w);
+          xb[mt][3] = prmt<0x7632>(v.y, v.w);
+        }
       }
       // A fragments: p[jj][r] = (q[i] - z, q[i+4] - z) of column n0+jj, i = r, for r = 0..3.
       u32 p[4][4];
@@ -284,35 +345,56 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         for (int i = 0; i < 4; ++i) acc[mt][t][i] = fmaf(gacc[mt][t][i], sc[2 * t + (i >> 1)], acc[mt][t][i]);
   };
 
-  // Prologue: iterations 0 .. D-1 in flight. Every iteration commits one cp.async group (maybe
-  // empty) so that wait_group<D-1> always means "the group of the current iteration has landed".
+  if constexpr (XF) {
+    // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then
+    // every warp streams its chunks with no further barrier.
 #pragma unroll
-  for (int d = 0; d < D; ++d) {
-    if (d < n_it) {
-      load_chunk(d, ring[d]);
-      load_x(d, d);
-    }
-    cp_async_commit();
-  }
-
-  for (int it0 = 0; it0 < n_it; it0 += kRing) {
+    for (int d = 0; d < D; ++d)
+      if (d < n_it) load_chunk(ring[d]);
+    stage_x_full();
+    __syncthreads();
+    for (int it0 = 0; it0 < n_it; it0 += kRing) {
 #pragma unroll
-    for (int b = 0; b < kRing; ++b) {
-      const int it = it0 + b;
-      if (it < n_it) {
-        cp_async_wait<D - 1>();
-        __syncthreads();  // x of `it` visible to all; every warp is done with iteration it-1
-        if (it + D < n_it) {
-          load_chunk(it + D, ring[(b + D) % kRing]);
-          load_x(it + D, (b + D) % kRing);
+      for (int b = 0; b < kRing; ++b) {
+        const int it = it0 + b;
+        if (it < n_it) {
+          if (it + D < n_it) load_chunk(ring[(b + D) % kRing]);
+          compute(it, ring[b], b);
         }
-        cp_async_commit();
-        compute(it, ring[b], b);
       }
     }
+    __syncthreads();  // every warp is done with x before shared memory is reused below
+  } else {
+    // Prologue: iterations 0 .. D-1 in flight. Every iteration commits one cp.async group (maybe
+    // empty) so that wait_group<D-1> always means "the group of the current iteration has landed".
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      if (d < n_it) {
+        load_chunk(ring[d]);
+        load_x(d, d);
+      }
+      cp_async_commit();
+    }
+
+    for (int it0 = 0; it0 < n_it; it0 += kRing) {
+#pragma unroll
+      for (int b = 0; b < kRing; ++b) {
+        const int it = it0 + b;
+        if (it < n_it) {
+          cp_async_wait<D - 1>();
+          __syncthreads();  // x of `it` visible to all; every warp is done with iteration it-1
+          if (it + D < n_it) {
+            load_chunk(ring[(b + D) % kRing]);
+            load_x(it + D, (b + D) % kRing);
+          }
+          cp_async_commit();
+          compute(it, ring[b], b);
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
   }
-  cp_async_wait<0>();
-  __syncthreads();
 
   // Reduction over the NWK warps sharing a column tile (shared memory reused), fixed order.
   float* red = reinterpret_cast<float*>(smem);  // [NWK][M][NBLK]
@@ -364,11 +446,11 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 
 }  // namespace qops
 
-extern "C" __global__ void __launch_bounds__(qops::kThreads, 2) QOPS_CLUSTER_ATTR
+extern "C" __global__ void __launch_bounds__(qops::kThreads, QOPS_MINB) QOPS_CLUSTER_ATTR
 qops_w4a16_gemv(const unsigned* qweight, const unsigned short* scales, const unsigned* qzeros,
                 const unsigned short* x, const void* bias, unsigned short* out, float* ws, int M, int N, int K,
                 int ldx, int ldo, int chunks_per_group, int zero_offset, int flags) {
-  qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER>(
+  qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER, QOPS_XFULL != 0>(
       qweight, scales, qzeros, x, bias, out, ws, M, N, K, ldx, ldo, chunks_per_group, zero_offset, flags);
 }
 

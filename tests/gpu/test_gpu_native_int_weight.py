@@ -132,6 +132,32 @@ def test_cluster_and_workspace_reductions_agree_bitwise(shape, monkeypatch):
             assert torch.equal(y, first[m]), f"{shape} M={m}: cluster and workspace sums differ"
 
 
+PLAN_VARIANTS = [  # (nwn, splits, cluster, xfull, ring, minb): every kernel knob the plans or the sweep use
+    (1, 1, False, True, 0, 2), (1, 1, False, False, 0, 2), (2, 2, True, True, 0, 2), (2, 2, False, True, 3, 2),
+    (4, 3, False, True, 2, 2), (1, 3, True, False, 4, 1), (2, 4, False, False, 0, 1), (1, 2, True, True, 4, 1),
+]
+
+
+@pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=lambda v: "nwn{}-s{}-{}-{}-ring{}-minb{}".format(
+    v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged", v[4], v[5]))
+def test_every_plan_variant_matches_reference(variant):
+    nwn, splits, cluster, xfull, ring, minb = variant
+    if cluster and not native._device_facts(0)[1]:
+        pytest.skip("thread-block clusters need sm_90")
+    for fmt, n, k, g, sym, ver in [("gptq", 1000, 777, 128, False, "v1"), ("gptq", 512, 2048, 128, True, "v2"), ("awq", 640, 1280, -1, False, None)]:
+        nw = native_weight(fmt, n, k, g, sym, False, ver)
+        for m in (1, 7, 16):
+            if xfull and native.xfull_bytes(m, k, splits) > native.XFULL_MAX_BYTES:
+                continue
+            p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring, minb=minb)
+            for dtype in DTYPES:
+                x = rand(m, k, dtype=dtype, seed=m)
+                bias = rand(n, dtype=dtype, seed=5) if m == 7 else None
+                with native.plan_override(lambda *a, p=p: p):
+                    y = nw.weight.mm(x, bias)
+                check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {p}")
+
+
 def test_out_variant_with_workspace_and_strided_out():
     nw = native_weight("gptq", 1024, 2048, 128, False, version="v2")
     w = nw.weight

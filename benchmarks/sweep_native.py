@@ -1,0 +1,180 @@
+"""Launch-plan sweep of the native W4A16 decode kernel (``qops/native/w4a16_gemv.cu``) on one GPU.
+
+The kernel has knobs that only a measurement can set: warps along N (``nwn``), blocks splitting K
+(``splits``) and how they meet (thread-block cluster or workspace), x staged once or per iteration
+(``xfull``), the register ring depth (``ring``) and the blocks per SM promised to the register
+allocator (``minb``). For each (shape, M) this script times the plan ``qops.native.int_weight.plan``
+picks today, then walks the knobs one at a time from it (coordinate descent: keep a value when it
+is faster, twice over all knobs), every variant checked against a float64 reference first.
+
+Method as ``common.py`` (CUDA-graph replays over rotated weight copies > 256 MB, median of
+trials). GPTQ v2, 4 bits, group 128, asymmetric, fp16 activations, as bench_int_weight.py.
+
+Writes ``$OUT/sweep_native.json`` (and ``--out``) after every case; prints per case the default
+plan, the best plan found and their times, then a table last.
+
+    PYTHONPATH=. python benchmarks/sweep_native.py                    # ~2-3 min on an H200
+    PYTHONPATH=. python benchmarks/sweep_native.py --shapes 28672x4096 --ms 1
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import time
+
+import torch
+
+import common
+from bench_int_weight import decode_gptq4_f64
+from common import PERF_SHAPES, clone_tensors, n_copies, rel_err
+
+KNOBS = ("xfull", "nwn", "splits", "ring", "minb")
+VALUES = {"nwn": (1, 2, 4), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2), "xfull": (True, False)}
+TOL = 2e-3
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in PERF_SHAPES), help="N x K list")
+    ap.add_argument("--ms", default="1,4,16", help="M values (<= 16)")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--target-ms", type=float, default=4.0, help="length of one timed trial")
+    ap.add_argument("--passes", type=int, default=2, help="rounds of coordinate descent over the knobs")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this many seconds")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    return ap.parse_args(argv)
+
+
+def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, **change):
+    """``base`` with ``change`` applied, or None when the kernel cannot run it."""
+    f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb} | change
+    chunks = max(-(-k // native.CHUNK_K), 1)
+    if f["splits"] > min(chunks, 16):
+        return None
+    if f["xfull"] and native.xfull_bytes(m, k, f["splits"]) > native.XFULL_MAX_BYTES:
+        return None
+    if f["ring"] == 4 and m > 8:  # the M > 8 tile's accumulators leave no registers for a 4-deep ring
+        return None
+    cluster = cluster_ok and base.cluster and 2 <= f["splits"] <= 8  # a new split count is tried both ways by the caller
+    try:
+        return native.make_plan(m, n, k, cluster=cluster, **f)
+    except ValueError:
+        return None
+
+
+def key(p) -> tuple:
+    return (p.nwn, p.splits, p.cluster, p.xfull, p.ring, p.minb)
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        print("sweep_native: needs a CUDA device", file=sys.stderr)
+        return 2
+    import qops  # noqa: F401
+    from qops.formats import FORMATS
+    from qops.native import int_weight as native
+
+    dev = torch.device("cuda")
+    sms, cluster_ok = native._device_facts(0)
+    copy_bw = common.copy_TBps(args.trials)
+    res = {"gpu": common.device_name(True), "torch": torch.__version__, "qops_commit": common.git_commit(),
+           "qops_dirty": common.git_dirty("qops"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "copy_TBps": round(copy_bw, 4), "sms": sms, "method": "CUDA-graph replays over rotated weight copies, median of trials",
+           "cases": []}
+    paths = common.output_paths("sweep_native.json", args.out)
+    t0 = time.time()
+    shapes = common.parse_shapes(args.shapes)
+    ms = common.parse_ms(args.ms)
+    fmt = FORMATS["gptq"]
+    for n, k in shapes:
+        if time.time() - t0 > args.budget_s:
+            print(f"budget spent; skipping {n}x{k}", flush=True)
+            continue
+        w = torch.randn(n, k, dtype=torch.float16, device=dev) * 0.02
+        ckpt = fmt.quantize(w, bits=4, group_size=128, sym=False)
+        del w
+        iw = fmt.prepare(ckpt, dtype=torch.float16, choose_lowering=False)
+        w64 = decode_gptq4_f64(ckpt)
+        nbytes = n * k / 2 + 4 * n * k / 128
+        copies = [iw] + [clone_tensors(iw) for _ in range(n_copies(nbytes) - 1)]
+        for m in ms:
+            if time.time() - t0 > args.budget_s:
+                break
+            x = torch.randn(m, k, dtype=torch.float16, device=dev)
+            ref = x.double() @ w64
+            out = torch.empty(m, n, dtype=torch.float16, device=dev)
+            ws = torch.empty(16 * m * n * 4, dtype=torch.uint8, device=dev)
+            roof_us = (nbytes + 2 * m * (n + k)) / (copy_bw * 1e12) * 1e6
+            seen: dict[tuple, float | None] = {}
+
+            def measure(p):
+                kp = key(p)
+                if kp in seen:
+                    return seen[kp]
+                try:
+                    with native.plan_override(lambda *a: p):
+                        y = native.native_mm(x, iw.qweight, iw.scales, iw.qzeros, None, None, 4, 128, iw.zero_offset, out=out, workspace=ws)
+                        err = rel_err(y, ref)
+                        if err is None or err > TOL:
+                            print(f"  WRONG {kp}: rel err {err}", flush=True)
+                            seen[kp] = None
+                            return None
+                        fns = [lambda c=c: native.native_mm(x, c.qweight, c.scales, c.qzeros, None, None, 4, 128, c.zero_offset, out=out, workspace=ws)
+                               for c in copies]
+                        t = common.graph_time(fns, args.trials, args.target_ms).us
+                except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
+                    print(f"  FAILED {kp}: {common.short_err(e)}", flush=True)
+                    seen[kp] = None
+                    return None
+                seen[kp] = t
+                return t
+
+            default = native.plan(m, n, k, 0)
+            t_def = measure(default)
+            best, t_best = default, t_def if t_def is not None else float("inf")
+            for _ in range(args.passes):
+                for knob in KNOBS:
+                    for v in VALUES[knob]:
+                        c = candidate(native, best, m, n, k, cluster_ok, **{knob: v})
+                        if c is None:
+                            continue
+                        if knob == "splits" and cluster_ok and 2 <= v <= 8:
+                            for cl in (True, False):  # both reductions for a split count
+                                cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb)
+                                t = measure(cc)
+                                if t is not None and t < t_best:
+                                    best, t_best = cc, t
+                            continue
+                        t = measure(c)
+                        if t is not None and t < t_best:
+                            best, t_best = c, t
+            case = {"N": n, "K": k, "M": m, "roofline_us": round(roof_us, 2),
+                    "default": {"plan": dataclasses.asdict(default), "us": t_def,
+                                "roof_pct": round(100 * roof_us / t_def, 1) if t_def else None},
+                    "best": {"plan": dataclasses.asdict(best), "us": t_best,
+                             "roof_pct": round(100 * roof_us / t_best, 1) if t_best < float("inf") else None},
+                    "measured": [{"plan": dict(zip(("nwn", "splits", "cluster", "xfull", "ring", "minb"), kp)), "us": t} for kp, t in seen.items()]}
+            res["cases"].append(case)
+            common.write_json(res, paths)
+            print(f"{n}x{k} M={m}: default {t_def} us ({case['default']['roof_pct']}%), best {t_best:.2f} us "
+                  f"({case['best']['roof_pct']}%) {key(best)} of {len(seen)} plans", flush=True)
+        del copies, iw, w64
+        torch.cuda.empty_cache()
+
+    print("\nN x K        M  roof_us  default_us (%)    best_us (%)  best plan (nwn, splits, cluster, xfull, ring, minb)")
+    for c in res["cases"]:
+        print(f"{c['N']:>5}x{c['K']:<6} {c['M']:>2} {c['roofline_us']:>8.2f}  {c['default']['us'] or float('nan'):>8.2f} ({c['default']['roof_pct']})"
+              f"  {c['best']['us']:>8.2f} ({c['best']['roof_pct']})  {key(native.Plan(**c['best']['plan']))}")
+    return 0
+
+
+def main(argv=None) -> int:
+    common.add_repo_to_path()
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
