@@ -302,6 +302,19 @@ def test_mm_fp8_weight_matches_oracle(case, dtype):
     assert tuple(w.mm(x3[0, 0]).shape) == (n,)
 
 
+@pytest.mark.parametrize("case", ["fp8-tensor", "ct-block"])
+def test_mm_fp8_weight_out_writes_what_mm_fp8_weight_returns(case):
+    w, _ = weight_of(case)
+    n, k = w.out_features, w.in_features
+    bias = torch.randn(n)
+    for shape, b, workspace in (((3, k), bias, torch.empty(512, dtype=torch.uint8)), ((2, 3, k), None, None), ((0, k), bias, None)):
+        x = torch.randn(*shape)
+        out = torch.full((*shape[:-1], n), float("nan"))
+        ret = torch.ops.qops.mm_fp8_weight_out(x, w.weight, w.weight_scale, b, w.block_n, w.block_k, int(w.kernel), out, workspace)
+        assert ret is None
+        assert torch.equal(out, torch.ops.qops.mm_fp8_weight(x, w.weight, w.weight_scale, b, w.block_n, w.block_k, int(w.kernel)))
+
+
 @pytest.mark.parametrize("case", ["fp8-tensor", "ct-channel", "ct-block", "block128"])
 @pytest.mark.parametrize("per_token", [False, True], ids=["per-tensor", "per-token"])
 def test_scaled_mm_fp8_matches_oracle(case, per_token):
@@ -471,6 +484,13 @@ def _mm_args(w, **changes) -> dict:
     return args
 
 
+def _mm_out_args(w, **changes) -> dict:
+    args = _mm_args(w)
+    args.update(out=torch.empty(3, w.out_features), workspace=torch.empty(64, dtype=torch.uint8))
+    args.update(changes)
+    return args
+
+
 def _smm_args(w, **changes) -> dict:
     x_fp8, x_scale = quantize_fp8_activations(torch.randn(3, w.in_features))
     args = dict(x_fp8=x_fp8, x_scale=x_scale, weight=w.weight, weight_scale=w.weight_scale,
@@ -484,6 +504,7 @@ def _bad_inputs():
     w, _ = weight_of("ct-block")  # N=72, K=200, blocks 32 x 64: weight_scale (3, 4)
     k = w.in_features
     mm, smm, dq = torch.ops.qops.mm_fp8_weight, torch.ops.qops.scaled_mm_fp8, torch.ops.qops.dequantize_fp8
+    mmo = torch.ops.qops.mm_fp8_weight_out
     return {
         "x-dtype": (mm, _mm_args(w, x=torch.ones(3, k, dtype=torch.int32)), r"x must be float32, float16 or bfloat16"),
         "x-fp8": (mm, _mm_args(w, x=torch.ones(3, k).to(FP8)), r"x must be float32"),
@@ -500,6 +521,12 @@ def _bad_inputs():
         "bias-device": (mm, _mm_args(w, bias=torch.randn(72, device="meta")), r"bias must be on cpu"),
         "kernel-unknown": (mm, _mm_args(w, kernel=7), r"kernel must be one of \[0, 1, 3\] for fp8, got 7"),
         "kernel-device": (mm, _mm_args(w, kernel=1), r"kernel=1 \(triton_fp8\) runs on \['cuda'\]"),
+        "out-weight-dtype": (mmo, _mm_out_args(w, weight=w.weight.float()), r"weight must be torch\.float8_e4m3fn"),
+        "out-scale-shape": (mmo, _mm_out_args(w, weight_scale=w.weight_scale[:, :3]), r"weight_scale must have shape \(3, 4\)"),
+        "out-kernel-device": (mmo, _mm_out_args(w, kernel=1), r"kernel=1 \(triton_fp8\) runs on \['cuda'\]"),
+        "out-out-dtype": (mmo, _mm_out_args(w, out=torch.empty(3, 72, dtype=torch.float16)), r"out must have the dtype of x \(torch.float32\), got torch.float16"),
+        "out-out-shape": (mmo, _mm_out_args(w, out=torch.empty(3, 71)), r"out must have shape \(3, 72\), got \(3, 71\)"),
+        "out-out-device": (mmo, _mm_out_args(w, out=torch.empty(3, 72, device="meta")), r"out must be on cpu \(the device of x\), got meta"),
         "x_fp8-dtype": (smm, _smm_args(w, x_fp8=torch.randn(3, k)), r"x_fp8 must be torch\.float8_e4m3fn"),
         "x_scale-shape": (smm, _smm_args(w, x_scale=torch.ones(3, 2)), r"x_scale must have shape \(1,\) \(per tensor\) or \(3, 1\)"),
         "x_scale-tensor": (smm, _smm_args(w, x_scale=torch.ones(2)), r"x_scale must have shape"),
@@ -594,6 +621,37 @@ def test_triton_one_hot_is_exact(gran, dtype, native):
     for rows in (torch.eye(k, dtype=dtype)[:3], torch.eye(k, dtype=dtype)[:64]):  # gemv, gemm
         y = triton_mm(rows, None, w.weight, w.weight_scale, None, w.block_n, w.block_k, dtype, native_fp8=native)
         assert torch.equal(y, want.t()[: rows.shape[0]])
+
+
+@pytest.mark.parametrize("view", ["2d", "3d", "strided"])
+def test_triton_takes_the_split_k_accumulator_from_the_workspace(view):
+    from qops.ops.triton.fp8 import triton_mm, workspace_bytes
+
+    w, c = weight_of("ct-block")  # N=72, K=200
+    want_w = oracle_weight("compressed-tensors-fp8", c)
+    n, k = want_w.shape
+    m = 3
+    config = dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, num_warps=4)
+    x = _x(m, k, torch.float16, 12)
+    bias = torch.randn(n).half()
+    workspace = torch.full((4 * m * n + 5,), 255, dtype=torch.uint8)  # garbage: must not matter
+    out = {"2d": torch.full((m, n), float("nan")), "3d": torch.full((1, m, n), float("nan")),
+           "strided": torch.full((m, 2 * n), float("nan"))[:, ::2]}[view].half()
+    xv = x.reshape(1, m, k) if view == "3d" else x
+    ret = triton_mm(xv, None, w.weight, w.weight_scale, bias, w.block_n, w.block_k, torch.float16, out, workspace, config=config)
+    assert ret is out and rel_err(out.reshape(m, n), oracle_mm(x, want_w, bias)) <= TOL[torch.float16]
+    # The accumulator lived in the workspace: its first 4*M*N bytes hold the fp32 result.
+    acc = workspace[: 4 * m * n].view(torch.float32).view(m, n)
+    assert rel_err(acc, oracle_mm(x, want_w, bias)) <= TOL[torch.float16]
+    # Too small: the lowering allocates its own and leaves the workspace alone.
+    small = torch.full((4 * m * n - 1,), 7, dtype=torch.uint8)
+    triton_mm(x, None, w.weight, w.weight_scale, None, w.block_n, w.block_k, torch.float16, None, small, config=config)
+    assert bool((small == 7).all())
+    # The size function: 4*M*N exactly when the GEMV splits K (N=16 leaves the interpreter's pretend 4 SMs idle).
+    assert workspace_bytes(2, 16, 8192, -1, torch.device("cpu")) == 4 * 2 * 16
+    assert workspace_bytes(1, 4096, 64, -1, torch.device("cpu")) == 0
+    assert workspace_bytes(5, 16, 8192, -1, torch.device("cpu")) == 0  # the GEMM never splits K
+    assert workspace_bytes(0, 16, 8192, -1, torch.device("cpu")) == 0
 
 
 def test_triton_edge_shapes():

@@ -115,6 +115,23 @@ def mm_fp8_weight_samples():
     return out
 
 
+def mm_fp8_weight_out_samples():
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for name, w in _fp8_weights().items():
+        k, n = w.in_features, w.out_features
+        variants = {
+            "fp32-workspace-bias": (torch.randn(5, k, generator=g), torch.randn(n, generator=g), torch.empty(256, dtype=torch.uint8)),
+            "fp16-3d-grad": (torch.randn(2, 3, k, generator=g).half().requires_grad_(), None, None),
+        }
+        if name == "block":
+            variants["bf16-m0-workspace"] = (torch.randn(0, k, generator=g).bfloat16(), None, torch.empty(0, dtype=torch.uint8))
+        for vname, (x, bias, workspace) in variants.items():
+            o = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+            out[f"{name}-{vname}"] = (x, *_fp8_static(w), bias, w.block_n, w.block_k, int(w.kernel), o, workspace)
+    return out
+
+
 def scaled_mm_fp8_samples():
     from qops.ops.fp8 import quantize_fp8_activations
 
@@ -145,6 +162,7 @@ SAMPLES = {
     "mm_int_weight_out": mm_int_weight_out_samples,
     "dequantize_int_weight": dequantize_int_weight_samples,
     "mm_fp8_weight": mm_fp8_weight_samples,
+    "mm_fp8_weight_out": mm_fp8_weight_out_samples,
     "scaled_mm_fp8": scaled_mm_fp8_samples,
     "dequantize_fp8": dequantize_fp8_samples,
 }
@@ -207,4 +225,4 @@ def test_opcheck(name, args):
 def test_samples_include_requires_grad_inputs():
     grads = [name for name, make in SAMPLES.items()
              if any(isinstance(a, torch.Tensor) and a.requires_grad for args in make().values() for a in args)]
-    assert {"mm_int_weight", "mm_int_weight_out"} <= set(grads)
+    assert {"mm_int_weight", "mm_int_weight_out", "mm_fp8_weight_out"} <= set(grads)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops._common import check_out
 from ..ops.fp8 import check_fp8_weight, check_mm_fp8_weight, check_scaled_mm_fp8
 
 
@@ -10,6 +11,12 @@ from ..ops.fp8 import check_fp8_weight, check_mm_fp8_weight, check_scaled_mm_fp8
 def _mm_fp8_weight_fake(x, weight, weight_scale, bias, block_n, block_k, kernel):
     shape = check_mm_fp8_weight("mm_fp8_weight", x, weight, weight_scale, bias, block_n, block_k, kernel)
     return x.new_empty(shape)
+
+
+@torch.library.register_fake("qops::mm_fp8_weight_out")
+def _mm_fp8_weight_out_fake(x, weight, weight_scale, bias, block_n, block_k, kernel, out, workspace):
+    shape = check_mm_fp8_weight("mm_fp8_weight_out", x, weight, weight_scale, bias, block_n, block_k, kernel)
+    check_out("mm_fp8_weight_out", out, shape, x)
 
 
 @torch.library.register_fake("qops::scaled_mm_fp8")

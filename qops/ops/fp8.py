@@ -14,7 +14,9 @@ tensors, not copied), K = in_features, N = out_features:
 
 Two mathematical contracts, two ops:
 
-- ``qops::mm_fp8_weight`` (W8A16): ``y = x @ W.T + bias`` for float activations.
+- ``qops::mm_fp8_weight`` (W8A16): ``y = x @ W.T + bias`` for float activations;
+  ``qops::mm_fp8_weight_out`` writes the same into a caller-owned ``out`` and takes the caller's
+  scratch (``workspace``) for the Triton GEMV's split-K accumulator.
 - ``qops::scaled_mm_fp8`` (W8A8 GEMM): ``y = (x_fp8 * x_scale) @ W.T + bias`` for activations already
   quantized, ``x_scale`` per tensor ``(1,)`` or per token ``(..., 1)``.
 
@@ -32,7 +34,7 @@ import torch
 
 from ..formats.fp8 import FP8_DTYPE, FP8_MAX, Fp8Quantized, dequantize_reference, expand_scale, scale_shape
 from ..lowerings import LOWERINGS_BY_KERNEL, LOWERINGS_BY_NAME, Choice, Kernel, WeightSpec, choose, implementation
-from ._common import (ACT_DTYPES, bias_grad, check_bias, check_devices, check_x, fail, frozen_weight_grads,
+from ._common import (ACT_DTYPES, bias_grad, check_bias, check_devices, check_out, check_x, fail, frozen_weight_grads,
                       register_frozen_weight_autograd, save_frozen_weight)
 
 FAMILY = "fp8"
@@ -116,6 +118,10 @@ def check_scaled_mm_fp8(who, x_fp8, x_scale, weight, weight_scale, bias, block_n
 # Block sizes and kernel ids are plain `int` (not SymInt): static facts of the weight that Dynamo
 # must specialize on.
 MM_WEIGHT_SCHEMA = "(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int block_n, int block_k, int kernel) -> Tensor"
+MM_WEIGHT_OUT_SCHEMA = (
+    "(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int block_n, int block_k, int kernel, "
+    "Tensor(a!) out, Tensor(b!)? workspace) -> ()"
+)
 SCALED_MM_SCHEMA = (
     "(Tensor x_fp8, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor? bias, "
     "int block_n, int block_k, ScalarType out_dtype, int kernel) -> Tensor"
@@ -136,6 +142,24 @@ def mm_fp8_weight(
     check_mm_fp8_weight("mm_fp8_weight", x, weight, weight_scale, bias, block_n, block_k, kernel)
     impl = implementation(FAMILY, kernel, x.device, "mm_fp8_weight")
     return impl(x, None, weight, weight_scale, bias, block_n, block_k, x.dtype)
+
+
+@torch.library.custom_op("qops::mm_fp8_weight_out", mutates_args=("out", "workspace"), schema=MM_WEIGHT_OUT_SCHEMA)
+def mm_fp8_weight_out(
+    x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
+    weight: torch.Tensor,  # (N, K) float8_e4m3fn
+    weight_scale: torch.Tensor,  # (S_n, S_k) float32
+    bias: Optional[torch.Tensor],  # (N,) or None
+    block_n: int,
+    block_k: int,
+    kernel: int,
+    out: torch.Tensor,  # (..., N), dtype of x, caller-owned; written
+    workspace: Optional[torch.Tensor],  # caller-owned scratch (uint8); clobbered
+) -> None:
+    shape = check_mm_fp8_weight("mm_fp8_weight_out", x, weight, weight_scale, bias, block_n, block_k, kernel)
+    check_out("mm_fp8_weight_out", out, shape, x)
+    impl = implementation(FAMILY, kernel, x.device, "mm_fp8_weight_out")
+    impl(x, None, weight, weight_scale, bias, block_n, block_k, x.dtype, out=out, workspace=workspace)
 
 
 @torch.library.custom_op("qops::scaled_mm_fp8", mutates_args=(), schema=SCALED_MM_SCHEMA)
@@ -167,12 +191,15 @@ def dequantize_fp8(
     return dequantize_reference(weight, weight_scale, block_n, block_k).to(dtype)
 
 
-def reference_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype) -> torch.Tensor:
+def reference_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype, out=None, workspace=None) -> torch.Tensor:
     """The CPU kernel (and the GPU fallback): dequantize in fp32, matmul with fp32 accumulation.
 
     Lowering entry contract (every fp8 lowering's entry has it): arguments already validated; ``x``
     is float with ``x_scale`` None (W8A16) or float8_e4m3fn with its ``x_scale`` (W8A8); any strides;
-    returns a fresh ``(..., N)`` tensor of ``out_dtype``. No host synchronisation.
+    returns a fresh ``(..., N)`` tensor of ``out_dtype``. No host synchronisation. Entries of
+    lowerings that serve W8A16 (``mm_fp8_weight_out``) also take ``out`` (``(..., N)`` of
+    ``out_dtype``, written and returned) and ``workspace`` (caller-owned uint8 scratch, clobbered,
+    used instead of allocating when large enough; None: allocate).
     """
     w = dequantize_reference(weight, weight_scale, block_n, block_k)
     y = x.float() @ w.t()
@@ -180,6 +207,8 @@ def reference_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_d
         y = y * x_scale
     if bias is not None:
         y = y + bias.float()
+    if out is not None:
+        return out.copy_(y)
     return y.to(out_dtype)
 
 

@@ -9,7 +9,8 @@ Two kernels, chosen per call from the number of rows M (a shape, never a tensor 
 - **gemv** (M <= ``GEMV_MAX_M``): each program multiplies ``BLOCK_N`` weight rows by the (at most 4)
   activation rows on CUDA cores -- at this M tensor cores would idle -- with 16-byte loads along K.
   ``BLOCK_N`` shrinks until the rows alone give every SM several programs; when N is too small for
-  that, K is split and partial sums are added atomically into a zeroed fp32 buffer.
+  that, K is split and partial sums are added atomically into a zeroed fp32 ``(M, N)`` buffer: the
+  caller's ``workspace`` when it holds :func:`workspace_bytes`, else one from torch's allocator.
 - **gemm**: ``tl.dot`` tiles with fp32 accumulation, grouped tile order for L2 reuse; fp8 activations
   on FP8-capable GPUs go to the tensor cores as fp8.
 
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import grouped_tile, pick_bucket, sm_count
+from .common import fp32_scratch, grouped_tile, pick_bucket, sm_count
 
 FP8 = torch.float8_e4m3fn
 GEMV_MAX_M = 4
@@ -201,6 +202,24 @@ def gemv_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4)
 
 
+def _gemv_launch(m: int, n: int, k: int, block_k_scale: int, sms: int, config: dict | None) -> tuple[dict, int, int]:
+    """(kernel config, split count, K per split) of a gemv call: what :func:`triton_mm` launches
+    and :func:`workspace_bytes` sizes, from one computation."""
+    cfg = dict(config or gemv_config(m, n, k, block_k_scale, sms))
+    split_k = cfg.pop("SPLIT_K")
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    return cfg, (triton.cdiv(k, k_per_split) if k else 1), k_per_split
+
+
+def workspace_bytes(m: int, n: int, k: int, block_k: int, device: torch.device) -> int:
+    """Scratch bytes :func:`triton_mm` uses for an (m, K) x (K, N) product on ``device``: the fp32
+    split-K accumulator ``4*M*N`` of the gemv kernel when it splits K, else 0."""
+    if m <= 0 or n <= 0 or m > GEMV_MAX_M:
+        return 0
+    split_k = _gemv_launch(m, n, k, block_k, sm_count(device, 4), None)[1]
+    return 4 * m * n if split_k > 1 else 0
+
+
 def gemm_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
     """Launch configuration of the gemm kernel."""
     max_m, bm, bn, bk, group_m, warps, stages = pick_bucket(GEMM_CONFIGS, m)
@@ -213,8 +232,9 @@ def gemm_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
 
 
-def triton_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype, *, native_fp8=None, config=None):
-    """Lowering entry (contract in :func:`qops.ops.fp8.reference_mm`).
+def triton_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype, out=None, workspace=None, *, native_fp8=None,
+              config=None):
+    """Lowering entry (contract in :func:`qops.ops.fp8.reference_mm`, ``out`` and ``workspace`` included).
 
     ``native_fp8`` (default: compute capability >= 8.9) and ``config`` (a gemv or gemm config dict)
     override the choices made from the device and M, for tests and tuning.
@@ -223,9 +243,12 @@ def triton_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtyp
     lead = x.shape[:-1]
     a = x.reshape(-1, k)
     m = a.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    y = _rows_of(out, m, n)
+    in_place = y is not None
+    if not in_place:
+        y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
-        return out.reshape(*lead, n)
+        return _result(y, out, in_place, lead, n)
     native = _native_fp8(x.device) if native_fp8 is None else native_fp8
     x_fp8 = x.dtype == FP8
     if x_fp8:
@@ -249,20 +272,36 @@ def triton_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtyp
     b = bias if bias is not None else weight_scale
     use_gemv = m <= GEMV_MAX_M if config is None else "SPLIT_K" in config
     if use_gemv:
-        cfg = dict(config or gemv_config(m, n, k, block_k, sms))
-        split_k = cfg.pop("SPLIT_K")
-        k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-        split_k = triton.cdiv(k, k_per_split) if k else 1
-        target = out if split_k == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+        cfg, split_k, k_per_split = _gemv_launch(m, n, k, block_k, sms, config)
+        target = y if split_k == 1 else fp32_scratch(workspace, (m, n), True, x.device)
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split_k, triton.cdiv(m, cfg["BLOCK_M"]))
         _fp8_gemv_kernel[grid](a, xs, w, weight_scale, b, target, m, n, k, k_per_split,
                                stride_om=target.stride(0), ATOMIC=split_k > 1, **args, **cfg)
         if split_k > 1:
-            out.copy_(target)
+            y.copy_(target)
     else:
         cfg = dict(config or gemm_config(m, n, k, block_k, sms))
         compute = tl.float16 if x_fp8 else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _fp8_gemm_kernel[grid](a, xs, w, weight_scale, b, out, m, n, k, stride_om=out.stride(0),
+        _fp8_gemm_kernel[grid](a, xs, w, weight_scale, b, y, m, n, k, stride_om=y.stride(0),
                                COMPUTE=compute, PRECISION="ieee" if compute == tl.float32 else "tf32", **args, **cfg)
-    return out.reshape(*lead, n)
+    return _result(y, out, in_place, lead, n)
+
+
+def _rows_of(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor | None:
+    """The caller's ``out`` as the ``(M, N)`` rows the kernels write (unit column stride), if it can be."""
+    if out is None:
+        return None
+    try:
+        y = out.view(m, n)
+    except RuntimeError:
+        return None
+    return y if n <= 1 or y.stride(1) == 1 else None
+
+
+def _result(y: torch.Tensor, out: torch.Tensor | None, in_place: bool, lead, n: int) -> torch.Tensor:
+    if out is None:
+        return y.reshape(*lead, n)
+    if not in_place:
+        out.copy_(y.view(out.shape))
+    return out
