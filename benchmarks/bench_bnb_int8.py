@@ -52,7 +52,7 @@ TARGETS = {"int8_m1_roof_pct": 70.0, "nf4_m1_roof_pct": 60.0, "nf4_vs_fp16_max_m
 # --sweep: GEMV configs tried at M = 1 (the lowering's defaults are in qops/ops/triton/*.py CONFIGS).
 SWEEP = {
     "int8": [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8))],
-    "nf4": [dict(BLOCK_N=bn, STEP_BYTES=sb, num_warps=w) for bn, sb, w in itertools.product((4, 8, 16), (128, 256, 512), (4, 8))],
+    "nf4": [dict(BLOCK_N=bn, num_warps=w, programs_per_sm=p) for bn, w, p in itertools.product((64, 128, 256), (4, 8), (1, 2, 4))],
 }
 
 

@@ -336,14 +336,16 @@ TRITON_RUNS = [
     (C.INT8_CASES[0], 2, {"gemv": {"BLOCK_K": 32, "programs_per_sm": 64}}, "gemv", True),
     (C.INT8_CASES[2], 3, {"gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
     (C.INT8_CASES[3], 17, {"gemm": TINY_GEMM, "gemm_max_split": 4}, "gemm", True),
-    (C.BLOCKWISE4_CASES[4], 1, {"gemv": {"programs_per_sm": 1}}, "gemv", False),  # 24x256 b128 nested
+    (C.BLOCKWISE4_CASES[4], 1, {"gemv": {"max_split": 1}}, "gemv", False),  # 24x256 b128 nested
     (C.BLOCKWISE4_CASES[5], 2, {"gemv": {"STEP_BYTES": 64, "programs_per_sm": 64}}, "gemv", True),
-    (C.BLOCKWISE4_CASES[10], 1, {"gemv": {"SUB_BYTES": 16}}, "gemv", None),  # fp4
-    (C.BLOCKWISE4_CASES[4], 5, {"gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
+    (C.BLOCKWISE4_CASES[10], 1, {"gemv": {"STEP_BYTES": 16}}, "gemv", None),  # fp4
+    (C.BLOCKWISE4_CASES[11], 16, {"gemv": {"BLOCK_N": 16}}, "gemv", None),  # the largest default GEMV M
+    (C.BLOCKWISE4_CASES[4], 17, {"gemv_max_m": 32}, "gemv", None),  # a 32-wide dot, 15 rows masked
+    (C.BLOCKWISE4_CASES[4], 5, {"gemv_max_m": 2, "gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
     (C.BLOCKWISE4_CASES[11], 17, {"gemm": TINY_GEMM, "gemm_max_split": 4}, "gemm", True),
     # The weight tile scaled before the dots (what large BLOCK_M uses), nested and plain.
     (C.BLOCKWISE4_CASES[10], 17, {"gemm": TINY_GEMM, "gemm_max_split": 1, "scale_after_max_block_m": 0}, "gemm", False),
-    (C.BLOCKWISE4_CASES[5], 3, {"gemm": TINY_GEMM, "gemm_max_split": 2, "scale_after_max_block_m": 0}, "gemm", True),
+    (C.BLOCKWISE4_CASES[5], 3, {"gemv_max_m": 2, "gemm": TINY_GEMM, "gemm_max_split": 2, "scale_after_max_block_m": 0}, "gemm", True),
 ]
 
 
@@ -364,8 +366,8 @@ def test_triton_kernels_in_the_interpreter(run, dtype):
 
 @needs_triton
 def test_triton_k_not_a_multiple_of_the_step():
-    # 8x256 int8 with BLOCK_K 96 -> 128: K steps end inside a tile (masked loads); 4-bit with K/2 not a
-    # multiple of the step bytes (row_bytes 48, step 32: the second step is half live).
+    # 8x256 int8 with BLOCK_K 96 -> 128: K steps end inside a tile (masked loads). 4-bit: 8x96 b32
+    # (3 steps of 16 bytes per row) in 2 splits: the second split is one step long.
     from qops.ops.triton import blockwise4 as tbw4
     from qops.ops.triton import int8_weight as ti8
 
@@ -374,8 +376,92 @@ def test_triton_k_not_a_multiple_of_the_step():
     y, want, p = _triton_case(case, torch.float32, 1, {"gemv": {"BLOCK_K": 128}}, ti8, gen)
     assert not p["EVEN_K"] and C.rel_err(y, want) <= 2e-6
     case4 = C.Case("bitsandbytes-nf4", 8, 96, blocksize=32, nested=True)
-    y, want, p = _triton_case(case4, torch.float32, 1, {"gemv": {"STEP_BYTES": 32, "SUB_BYTES": 16}}, tbw4, gen)
-    assert not p["EVEN_K"] and C.rel_err(y, want) <= 2e-6
+    y, want, p = _triton_case(case4, torch.float32, 1, {"gemv": {"max_split": 2, "programs_per_sm": 64}}, tbw4, gen)
+    assert (p["split"], p["split_bytes"], p["STEP"]) == (2, 32, 16) and C.rel_err(y, want) <= 2e-6
+
+
+# The GEMV (M <= 16) over what bitsandbytes writes: NF4 and FP4, nested and plain absmax, the
+# blocksizes 64 (default), 32, 256 and 4096, N off the row tile, M = 1, 2 and 17 (a 32-wide dot).
+GEMV_CASES = tuple(
+    C.Case(f"bitsandbytes-{qt}", n, k, blocksize=b, nested=nested)
+    for qt, (n, k, b), nested in (
+        ("nf4", (40, 192, 64), True), ("nf4", (40, 192, 64), False), ("fp4", (21, 128, 64), True),
+        ("fp4", (19, 64, 32), False), ("nf4", (5, 512, 256), True), ("fp4", (3, 4096, 4096), True),
+    )
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: c.id)
+def test_triton_gemv_over_bitsandbytes_layouts(case, dtype):
+    from qops.ops.triton import blockwise4 as tbw4
+
+    for m in (1, 2, 17):
+        y, want, p = _triton_case(case, dtype, m, {"gemv_max_m": 32, "gemv": {"BLOCK_N": 16}}, tbw4,
+                                  torch.Generator().manual_seed(m))
+        assert p["path"] == "gemv" and p["BLOCK_M"] == {1: 16, 2: 16, 17: 32}[m], p
+        assert y.dtype == dtype and y.shape == (m, case.n)
+        assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), (m, C.rel_err(y, want))
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` (default mode): byte i of the result is byte ``sel`` nibble i (low 3 bits) of
+    {b, a}, or that byte's sign bit replicated when the nibble's bit 3 is set."""
+    src = (b << 32 | a).to_bytes(8, "little")
+    out = 0
+    for i in range(4):
+        n = (sel >> (4 * i)) & 0xF
+        byte = src[n & 7]
+        if n & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _run_decode_asm(word: int, tables: list[int]) -> list[int]:
+    """Execute ``_DECODE_ASM`` (and, shr, or, prmt on .b32) on one byte word with the 8 table words."""
+    from qops.ops.triton import blockwise4 as tbw4
+
+    # Operands as the kernel binds them: $0-$3 outputs, $4 the byte word, table word i at $(5 + 4i).
+    regs = {"$4": word, **{f"${5 + 4 * i}": t for i, t in enumerate(tables)}}
+    for line in str(tbw4._DECODE_ASM.value).splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}.":
+            continue
+        op, rest = line.split(None, 1)
+        dst, *srcs = [t.strip() for t in rest.split(",")]
+        v = [regs[t] if t in regs else int(t, 0) for t in srcs]
+        if op == "and.b32":
+            regs[dst] = v[0] & v[1]
+        elif op == "or.b32":
+            regs[dst] = v[0] | v[1]
+        elif op == "shr.u32":
+            regs[dst] = v[0] >> v[1]
+        elif op == "prmt.b32":
+            regs[dst] = _prmt(v[0], v[1], v[2])
+        else:
+            raise AssertionError(f"unknown instruction {op}")
+    return [regs[f"${i}"] for i in range(4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_prmt_decode_returns_the_codes(quant_type, dtype):
+    # The GPU decodes codes with inline PTX, which Triton's interpreter cannot run: the instruction
+    # sequence is executed here, on every byte value in every byte position of the word.
+    code = torch.from_numpy(C.codebook(quant_type))
+    bits = [int(v) & 0xFFFF for v in code.to(dtype).view(torch.int16)]
+    planes = [sum(((bits[4 * w + i] >> (8 * high)) & 0xFF) << (8 * i) for i in range(4)) for high in (0, 1) for w in range(4)]
+    for v in range(256):
+        for pos in range(4):
+            word = (v << (8 * pos)) | (((v * 37 + 11) & 0xFF) << (8 * ((pos + 1) % 4)))
+            outs = _run_decode_asm(word, planes)
+            got_even = [outs[0] & 0xFFFF, outs[0] >> 16, outs[1] & 0xFFFF, outs[1] >> 16]
+            got_odd = [outs[2] & 0xFFFF, outs[2] >> 16, outs[3] & 0xFFFF, outs[3] >> 16]
+            for j in range(4):
+                byte = (word >> (8 * j)) & 0xFF
+                assert got_even[j] == bits[byte // 16] and got_odd[j] == bits[byte % 16], (v, pos, j)
 
 
 @needs_triton

@@ -71,9 +71,10 @@ def test_chooser_picks_triton_where_it_serves():
 
 
 # Every case in fp16 over every M; bf16 and fp32 on one case per family (each (dtype, M bucket,
-# bias) is a Triton compile: the GPU suite stays under two minutes).
+# bias) is a Triton compile: the GPU suite stays under two minutes). For NF4 / FP4, M <= 16 is the
+# GEMV with the in-register (prmt) code decode, in fp16 and bf16; fp32 x looks codes up in memory.
 EAGER = [(case, torch.float16, MS) for case in CASES] + [
-    (case, dtype, (1, 17)) for case in (CASES[0], CASES[2]) for dtype in (torch.bfloat16, torch.float32)]
+    (case, dtype, (1, 16, 17)) for case in (CASES[0], CASES[2]) for dtype in (torch.bfloat16, torch.float32)]
 
 
 @pytest.mark.parametrize("case,dtype,ms", EAGER, ids=lambda v: v.id if isinstance(v, C.Case) else str(v).replace("torch.", "").replace(", ", "-"))
@@ -91,17 +92,22 @@ def test_eager(case, dtype, ms):
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.id)
 def test_forced_split_k_agrees(case):
+    # M = 32 takes the GEMM of both families; M = 1 the GEMV of both, and M = 16 the 4-bit GEMV
+    # (the int8 GEMM): forced to many K splits, each must match the float64 reference and the default.
     w, w64 = gpu_weight(case, torch.float16)
     mod = ti8 if hasattr(w, "scales") else tbw4
-    x = torch.randn(16, case.k, device="cuda", dtype=torch.float16)
+    x = torch.randn(32, case.k, device="cuda", dtype=torch.float16)
     base = w.mm(x)
     with mod.config_override(gemm_max_split=8, gemm=[(1 << 62, {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3})],
                              gemv={"programs_per_sm": 64}):
         split = w.mm(x)
         split1 = w.mm(x[:1])
+        split16 = w.mm(x[:16])
     check(split, x, w64, None, torch.float16, "split gemm")
     check(split1, x[:1], w64, None, torch.float16, "split gemv")
+    check(split16, x[:16], w64, None, torch.float16, "split M=16")
     assert C.rel_err(split, base.double()) < 2e-3
+    assert C.rel_err(split16, base[:16].double()) < 2e-3
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=lambda c: c.id)

@@ -6,21 +6,37 @@ table only sends weights with ``K % blocksize == 0`` here, so every row starts o
 never spans two rows: byte j of row n holds K indices 2j and 2j+1 and belongs to block
 ``n * K/B + 2j // B``.
 
-- **gemv** (M <= ``gemv_max_m``): a program owns ``BLOCK_N`` rows and walks its K split in steps
-  of ``SUB_BLOCKS`` x ``SUB_BYTES`` bytes per row (a 3-D tile; a sub-block never straddles a
-  quantization block, so one absmax serves it). Threads load 16 contiguous bytes; each byte's two
-  codes are looked up in the codebook (an L1-resident 64-byte table) and multiplied by the matching
-  even/odd activations (loaded contiguously and split in registers). Nested absmax is de-nested in
-  the kernel, once per (row, sub-block): ``nested_code[u8] * nested_absmax[b // 256] + offset``.
+- **gemv** (M <= ``gemv_max_m``, 16 by default): ``tl.dot`` with the weight as the wide operand:
+  a program owns ``BLOCK_N`` rows and walks its K split in steps of ``STEP`` bytes per row (at most
+  one block, so one absmax per (row, step)); the rows of x are the dot's N, padded to 16, so M = 1
+  and M = 16 cost the same weight traffic and decode. Each step is two dots, even K against the
+  high nibbles and odd K against the low ones (no interleaving), accumulated by the tensor cores in
+  fp32; the block absmax (nested: de-nested once per (row, step) as
+  ``nested_code[u8] * nested_absmax[b // 256] + offset``) scales the step's fp32 product once per
+  output element. Codes are decoded in registers by inline PTX: the 16 codes rounded to x's dtype
+  are split into eight 32-bit words (low bytes of codes 0-3, 4-7, 8-11, 12-15, then the high
+  bytes), and per four weight bytes ``prmt`` picks every nibble's byte from the two half tables,
+  keeps the half its bit 3 names and interleaves low and high bytes into half2 words: 22
+  instructions per 4 bytes and no memory access, where the previous kernel gathered each nibble's
+  code from a 64-byte table in L1 (two loads per byte) and de-nested the absmax per element. SASS
+  of the loop (triton 3.9, sm_90, fp16, NF4, blocksize 64, nested, the default config): 0.31
+  warp-instructions per weight byte, against 0.63 for the previous GEMV (1.30 when the launcher
+  cannot prove 8-byte rows); the H200 issues ~4 per cycle per SM and needs ~16 bytes per cycle per
+  SM at the copy roofline. Triton's interpreter runs no inline PTX, and fp32 activations have no
+  16-bit codes: both look the codes up in memory (``PRMT=False``); the PTX sequence itself is
+  executed instruction by instruction in ``tests/test_bitsandbytes.py``.
 - **gemm** (larger M): ``tl.dot`` on tensor cores. A K step of ``BLOCK_K`` values (at most one
   block) is two dots, even and odd K against the high and low nibbles, so no interleaving is
   needed; the block absmax scales the step's fp32 product once per output element (small
   ``BLOCK_M``), or the weight tile before the dots (large ``BLOCK_M``, where a second fp32
   accumulator would spill).
 
-Split-K, workspace and configs as in :mod:`qops.ops.triton.int8_weight`.
+Split-K (atomic adds into a zeroed fp32 buffer), workspace and configs as in
+:mod:`qops.ops.triton.int8_weight`.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -29,10 +45,14 @@ import triton.language as tl
 from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k, store_row, store_tile
 
 CONFIGS: dict = {
-    "gemv_max_m": 2,
-    # Bytes per row per step = SUB_BLOCKS * SUB_BYTES (SUB_BYTES is capped at blocksize/2).
-    # Untuned defaults: 4 rows x 512 bytes per step (one row per warp, 16 B per thread).
-    "gemv": {"BLOCK_N": 4, "STEP_BYTES": 512, "SUB_BYTES": 32, "num_warps": 4, "programs_per_sm": 4, "max_split": 16},
+    # Untuned estimates (no H200 run yet), chosen from the SASS of the loop (triton 3.9, sm_90, fp16,
+    # nested, blocksize 64): BLOCK_N 256 rows x 32 bytes per step on 8 warps spends 0.31
+    # warp-instructions per weight byte (BLOCK_N 128 on 4 warps: 0.40, 64: 0.54), wgmma with the
+    # x columns as its N. STEP_BYTES is capped at blocksize / 2 (one absmax per step); 64 at
+    # BLOCK_N 128 spilled. M <= 16 rows of x ride in one 16-wide dot at the cost of M = 1.
+    "gemv_max_m": 16,
+    "gemv": {"BLOCK_N": 256, "STEP_BYTES": 32, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2,
+             "max_split": 16},
     # Register counts from ptxas (triton 3.6, sm_90, nested, blocksize 64): 168, 114, 164, 164,
     # 210; no spills (BLOCK_N 128 with BLOCK_M >= 32 reaches 255).
     "gemm": [
@@ -53,6 +73,11 @@ config_override = TABLE.override
 INTERPRETER_SMS = 8  # SM count assumed under Triton's CPU interpreter (tests)
 
 
+def interpreted() -> bool:
+    """Triton's CPU interpreter runs no inline PTX: there the GEMV looks codes up in memory instead."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 @triton.jit
 def _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blk, mask, NESTED: tl.constexpr, NESTED_BS: tl.constexpr):
     """fp32 absmax of blocks ``blk``: plain, or de-nested from uint8 through the 256-entry code."""
@@ -63,59 +88,126 @@ def _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blk, mask, NESTED: tl.conste
         return tl.load(am_ptr + blk, mask=mask, other=0.0)
 
 
+# $4: four weight bytes; $5 + 4i: plane word i of _code_planes; $0, $1: even codes, $2, $3: odd codes.
+_DECODE_ASM = tl.constexpr("""
+{
+.reg .b32 a, m, a2, m2, x, y, lo, hi;
+and.b32 a, $4, 0x77777777;
+shr.u32 m, $4, 1;
+and.b32 m, m, 0x44444444;
+or.b32 m, m, 0x32103210;
+shr.u32 a2, a, 16;
+shr.u32 m2, m, 16;
+prmt.b32 x, $5, $9, a;
+prmt.b32 y, $13, $17, a;
+prmt.b32 lo, x, y, m;
+prmt.b32 x, $21, $25, a;
+prmt.b32 y, $29, $33, a;
+prmt.b32 hi, x, y, m;
+prmt.b32 $0, lo, hi, 0x7351;
+prmt.b32 $2, lo, hi, 0x6240;
+prmt.b32 x, $5, $9, a2;
+prmt.b32 y, $13, $17, a2;
+prmt.b32 lo, x, y, m2;
+prmt.b32 x, $21, $25, a2;
+prmt.b32 y, $29, $33, a2;
+prmt.b32 hi, x, y, m2;
+prmt.b32 $1, lo, hi, 0x7351;
+prmt.b32 $3, lo, hi, 0x6240;
+}
+""")
+# Four outputs (two int16 pairs each), then the byte word and 8 table words, each packed four times.
+_DECODE_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
+
+
+@triton.jit
+def _plane_word(code_ptr, FIRST: tl.constexpr, HIGH: tl.constexpr, DT: tl.constexpr):
+    """Bytes ``HIGH`` (0 low, 1 high) of the 16-bit codes FIRST..FIRST+3 (rounded to DT), packed in an int32."""
+    word = 0
+    for i in tl.static_range(4):
+        bits = tl.load(code_ptr + FIRST + i).to(DT).to(tl.int16, bitcast=True).to(tl.int32)
+        word = word | (((bits >> (8 * HIGH)) & 0xFF) << (8 * i))
+    return word
+
+
+@triton.jit
+def _code_planes(code_ptr, DT: tl.constexpr):
+    """The register codebook: the 16 codes rounded to DT, as eight int32 words of four bytes each
+    (low bytes of codes 0-3, 4-7, 8-11, 12-15, then their high bytes)."""
+    return (_plane_word(code_ptr, 0, 0, DT), _plane_word(code_ptr, 4, 0, DT), _plane_word(code_ptr, 8, 0, DT),
+            _plane_word(code_ptr, 12, 0, DT), _plane_word(code_ptr, 0, 1, DT), _plane_word(code_ptr, 4, 1, DT),
+            _plane_word(code_ptr, 8, 1, DT), _plane_word(code_ptr, 12, 1, DT))
+
+
+@triton.jit
+def _decode_prmt(b, planes, DT: tl.constexpr):
+    """(even, odd) 16-bit codes of the bytes ``b`` (high nibble: even K, low nibble: odd K), in DT.
+
+    Four bytes (eight nibbles) per call: ``prmt`` looks each nibble's low three bits up in both
+    8-entry halves of a byte plane, a third ``prmt`` keeps the half the nibble's bit 3 names, and two
+    more interleave low and high bytes into half2 words: 22 instructions, no memory access.
+    """
+    l0, l1, l2, l3, h0, h1, h2, h3 = planes
+    even, odd = tl.inline_asm_elementwise(
+        asm=_DECODE_ASM, constraints=_DECODE_CONSTRAINTS,
+        args=[b, l0, l1, l2, l3, h0, h1, h2, h3], dtype=(tl.int16, tl.int16), is_pure=True, pack=4)
+    return even.to(DT, bitcast=True), odd.to(DT, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff_ptr, bias_ptr, y_ptr,
-    M, N, K, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
-    BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, BLOCK_N: tl.constexpr, SUB_BLOCKS: tl.constexpr,
-    SUB_BYTES: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    M, N, row_bytes, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
+    BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STEP: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+    PRMT: tl.constexpr,
 ):
-    m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    row_bytes = K // 2
-    blocks_per_row = K // BLOCKSIZE
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    blocks_per_row = (2 * row_bytes) // BLOCKSIZE
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
     nmask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64) * row_bytes
+    mmask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * row_bytes
     row_blk = offs_n.to(tl.int64) * blocks_per_row
-    sub = tl.arange(0, SUB_BLOCKS)
-    sub_bytes = sub[:, None] * SUB_BYTES + tl.arange(0, SUB_BYTES)[None, :]  # [SUB_BLOCKS, SUB_BYTES]
-    pair = tl.arange(0, 2)
-    x_row = x_ptr + m * stride_xm
+    offs_b = tl.arange(0, STEP)
+    offs_x = tl.arange(0, 2 * STEP)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    DT: tl.constexpr = x_ptr.dtype.element_ty
     if NESTED:
         noff = tl.load(noff_ptr)
     else:
         noff = 0.0
+    if PRMT:
+        planes = _code_planes(code_ptr, DT)
+    else:
+        planes = (0, 0, 0, 0, 0, 0, 0, 0)
     kb_lo = pid_k * split_bytes
     kb_hi = tl.minimum(row_bytes, kb_lo + split_bytes)
-    STEP: tl.constexpr = SUB_BLOCKS * SUB_BYTES
-    acc = tl.zeros([BLOCK_N, SUB_BLOCKS, SUB_BYTES], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    # K % BLOCKSIZE == 0 and STEP divides BLOCKSIZE / 2: every step is whole and inside one block.
     for kb0 in range(kb_lo, kb_hi, STEP):
-        bo = kb0 + sub_bytes
-        sub_start = kb0 + sub * SUB_BYTES
-        xk = (2 * bo)[:, :, None] + pair[None, None, :]
-        if EVEN_K:
-            smask = nmask[:, None]
-            b = tl.load(w_rows[:, None, None] + bo[None, :, :], mask=nmask[:, None, None], other=0,
-                        eviction_policy="evict_first")
-            xx = tl.load(x_row + xk * stride_xk)
+        b = tl.load(w_rows + (kb0 + offs_b)[None, :], mask=nmask[:, None], other=0,
+                    eviction_policy="evict_first")
+        if PRMT:
+            w_even, w_odd = _decode_prmt(b, planes, DT)
         else:
-            live = sub_start < kb_hi
-            smask = nmask[:, None] & live[None, :]
-            b = tl.load(w_rows[:, None, None] + bo[None, :, :], mask=smask[:, :, None], other=0,
-                        eviction_policy="evict_first")
-            xx = tl.load(x_row + xk * stride_xk, mask=live[:, None, None], other=0.0)
-        x_even, x_odd = tl.split(xx.to(tl.float32))
-        bi = b.to(tl.int32)
-        c_hi = tl.load(code_ptr + (bi >> 4), eviction_policy="evict_last")
-        c_lo = tl.load(code_ptr + (bi & 15), eviction_policy="evict_last")
-        blk = row_blk[:, None] + (2 * sub_start // BLOCKSIZE)[None, :]
-        s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blk, smask, NESTED, NESTED_BS)
-        acc += (c_hi * x_even[None, :, :] + c_lo * x_odd[None, :, :]) * s[:, :, None]
-    r = tl.sum(tl.sum(acc, axis=2), axis=1)
-    store_row(y_ptr, bias_ptr, r, m, offs_n, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
+            bi = b.to(tl.int32)
+            w_even = tl.load(code_ptr + (bi >> 4)).to(DT)
+            w_odd = tl.load(code_ptr + (bi & 15)).to(DT)
+        xx = tl.load(x_rows + (2 * kb0 + offs_x)[None, :] * stride_xk, mask=mmask[:, None], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(xx, (BLOCK_M, STEP, 2)))
+        if DT == tl.float32:
+            t = tl.dot(w_even, tl.trans(x_even), input_precision="ieee")
+            t = tl.dot(w_odd, tl.trans(x_odd), t, input_precision="ieee")
+        else:
+            t = tl.dot(w_even, tl.trans(x_even))
+            t = tl.dot(w_odd, tl.trans(x_odd), t)
+        s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, row_blk + (2 * kb0) // BLOCKSIZE, nmask, NESTED,
+                          NESTED_BS)
+        acc += t * s[:, None]
+    store_tile(y_ptr, bias_ptr, tl.trans(acc), offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -191,14 +283,13 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
     half_block = blocksize // 2
     if m <= TABLE["gemv_max_m"]:
         cfg = TABLE["gemv"]
-        sub_bytes = min(cfg["SUB_BYTES"], half_block)
-        step = max(sub_bytes, min(cfg["STEP_BYTES"], triton.next_power_of_2(row_bytes)))
-        bn = cfg["BLOCK_N"]
-        tiles = m * triton.cdiv(n, bn)
+        step = min(cfg["STEP_BYTES"], half_block)
+        bn = pow2_at_most(n, cfg["BLOCK_N"])
+        tiles = triton.cdiv(n, bn)
         split, per = split_k(row_bytes, step, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
-        return dict(path="gemv", BLOCK_N=bn, SUB_BLOCKS=step // sub_bytes, SUB_BYTES=sub_bytes, split=split,
-                    split_bytes=per, num_warps=cfg["num_warps"], grid=(m, triton.cdiv(n, bn), split),
-                    EVEN_K=row_bytes % step == 0)
+        return dict(path="gemv", BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, STEP=step, split=split,
+                    split_bytes=per, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                    grid=(tiles, split))
     cfg = TABLE.gemm(m)
     bm = pow2_at_most(m, cfg["BLOCK_M"])
     bn = pow2_at_most(n, cfg["BLOCK_N"])
@@ -238,8 +329,11 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     flags = dict(BLOCKSIZE=blocksize, NESTED_BS=nested_blocksize if nested else 1, NESTED=nested,
                  HAS_BIAS=bias is not None, ATOMIC=atomic, num_warps=p["num_warps"])
     if p["path"] == "gemv":
-        _gemv_kernel[p["grid"]](*common, BLOCK_N=p["BLOCK_N"], SUB_BLOCKS=p["SUB_BLOCKS"], SUB_BYTES=p["SUB_BYTES"],
-                                EVEN_K=p["EVEN_K"], **flags)
+        prmt = x.dtype != torch.float32 and not interpreted()
+        _gemv_kernel[p["grid"]](x2, qweight, code.contiguous(), absmax, *tables, bias if bias is not None else code,
+                                dst, m, n, k // 2, x2.stride(0), x2.stride(1), dst.stride(0), dst.stride(1),
+                                p["split_bytes"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], STEP=p["STEP"],
+                                PRMT=prmt, num_stages=p["num_stages"], **flags)
     else:
         _gemm_kernel[p["grid"]](*common, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
                                 GROUP_M=TABLE["GROUP_M"], IEEE=x.dtype == torch.float32,
