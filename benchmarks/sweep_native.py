@@ -51,11 +51,6 @@ def parse_args(argv=None):
 def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, **change):
     """``base`` with ``change`` applied, or None when the kernel cannot run it."""
     f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb} | change
-    chunks = max(-(-k // native.CHUNK_K), 1)
-    if f["splits"] > min(chunks, 16):
-        return None
-    if f["xfull"] and native.xfull_bytes(m, k, f["splits"]) > native.XFULL_MAX_BYTES:
-        return None
     if f["ring"] == 4 and m > 8:  # the M > 8 tile's accumulators leave no registers for a 4-deep ring
         return None
     cluster = cluster_ok and base.cluster and 2 <= f["splits"] <= 8  # a new split count is tried both ways by the caller
@@ -143,7 +138,10 @@ def run(args) -> int:
                             continue
                         if knob == "splits" and cluster_ok and 2 <= v <= 8:
                             for cl in (True, False):  # both reductions for a split count
-                                cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb)
+                                try:
+                                    cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb)
+                                except ValueError:
+                                    continue
                                 t = measure(cc)
                                 if t is not None and t < t_best:
                                     best, t_best = cc, t

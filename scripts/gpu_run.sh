@@ -7,11 +7,11 @@
 # benchmarks, and prints the W4A16 table and TARGETS block last. Everything is teed into $OUT as it
 # happens, so a run cut off by a time limit still returns what it did. Files in $OUT (<= 8):
 #   gpu_run.log (everything, in order), pytest_gpu.xml, bench_int_weight.json, bench_int_weight.txt,
-#   bench_fp8.json, bench_bnb_int8.json, bench_decode.json, sweep_native.json
+#   bench_fp8.json, bench_bnb_int8.json, bench_decode.json, sweep_native.json, probe_layout_bw.json
 #
 # Environment:
-#   QOPS_STEPS=a,b,...      the steps to run, in this order: sweep_native, bench_int_weight, pytest_gpu,
-#                           bench_fp8, bench_bnb_int8, bench_decode (default: all but sweep_native)
+#   QOPS_STEPS=a,b,...      the steps to run, in this order: sweep_native, probe_layout_bw, bench_int_weight,
+#                           pytest_gpu, bench_fp8, bench_bnb_int8, bench_decode (default: the last five)
 #   QOPS_BENCH_ARGS="..."   extra arguments for benchmarks/bench_int_weight.py (e.g. "--quick")
 #   QOPS_TEST_TIMEOUT=600   seconds before the tests are killed (coreutils timeout; no pytest-timeout needed)
 #   QOPS_BENCH_TIMEOUT=240  seconds before the W4A16 benchmark is killed (its JSON is rewritten after every shape)
@@ -74,6 +74,9 @@ main() {
     local steps=${QOPS_STEPS:-bench_int_weight,pytest_gpu,bench_fp8,bench_bnb_int8,bench_decode}
     case ",$steps," in *,sweep_native,*)
         step sweep_native "$SWEEP_TIMEOUT" "$PY" benchmarks/sweep_native.py --budget-s $((SWEEP_TIMEOUT - 60)) ;;
+    esac
+    case ",$steps," in *,probe_layout_bw,*)
+        step probe_layout_bw 120 "$PY" benchmarks/probe_layout_bw.py ;;
     esac
     case ",$steps," in *,bench_int_weight,*)
         # shellcheck disable=SC2086  # QOPS_BENCH_ARGS is split on purpose

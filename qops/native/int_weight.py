@@ -88,20 +88,12 @@ class Plan:
         }
 
 
-def _tile(m: int) -> tuple[int, int]:
-    # Wider column tiles for larger M keep the x reads (4*M/columns of the weight bytes) small.
-    if m <= 4:
-        return 1, 1
-    if m <= 8:
-        return 1, 2
-    return 2, 4
-
-
 def _ring(mt: int, ring: int = 0) -> int:
     return ring if ring > 0 else (3 if mt == 1 else 2)  # as ring_depth<MT>() in w4a16_gemv.cu
 
 
 XFULL_MAX_BYTES = 48 * 1024  # x staged whole must fit the default dynamic shared memory limit
+STAGED_X_SLOTS = 2 * THREADS  # per-iteration staging: each thread copies at most two 16-byte slots
 
 
 def xfull_bytes(m: int, k: int, splits: int) -> int:
@@ -110,13 +102,35 @@ def xfull_bytes(m: int, k: int, splits: int) -> int:
     return m * (-(-chunks // splits) * 16 + 4) * 16
 
 
+def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int) -> str | None:
+    """Why the kernel cannot run this combination (its compile-time and launch limits), or None."""
+    nwk = 8 // nwn
+    if nwn not in (1, 2, 4, 8):
+        return f"nwn={nwn} is not 1, 2, 4 or 8"
+    if not 1 <= splits <= min(max(-(-k // CHUNK_K), 1), 16):
+        return f"splits={splits} outside 1..min(chunks, 16)"
+    if cluster and not 2 <= splits <= 8:
+        return f"a cluster of {splits} blocks (2..8 supported)"
+    if xfull and xfull_bytes(m, k, splits) > XFULL_MAX_BYTES:
+        return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits)} bytes of shared memory (> {XFULL_MAX_BYTES})"
+    if not xfull and m * nwk * 16 > STAGED_X_SLOTS:
+        return f"per-iteration x staging of M={m} rows with {nwk} warps along K exceeds {STAGED_X_SLOTS} slots"
+    if not xfull and _ring(1 if m <= 8 else 2, ring) * m * (nwk * 16 + 4) * 16 > XFULL_MAX_BYTES:
+        return "per-iteration x stages exceed the default shared memory limit"
+    return None
+
+
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2) -> Plan:
-    """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them."""
+    """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
+
+    Raises ValueError for a combination the kernel cannot run.
+    """
+    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring)
+    if why is not None:
+        raise ValueError(f"native_w4a16: {why}")
     mt = 1 if m <= 8 else 2
     nblk, nwk = 32 * nwn, 8 // nwn
     tiles = -(-n // nblk)
-    if xfull and xfull_bytes(m, k, splits) > XFULL_MAX_BYTES:
-        raise ValueError(f"native_w4a16: x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits)} bytes of shared memory (> {XFULL_MAX_BYTES})")
     xs_bytes = xfull_bytes(m, k, splits) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
     red_bytes = nwk * m * nblk * 4 + (m * nblk * 4 if cluster else 0)
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
@@ -125,22 +139,32 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
-    mt, nwn = _tile(m)
-    nwk = 8 // nwn
-    tiles = -(-n // (32 * nwn))
+    # From the H200 launch-plan sweep (benchmarks/results/h200-2026-11-30-sweep-native-1.json):
+    # - the plan that wins has about 1.5-2 blocks per SM, and wider column tiles (nwn = 4, 512
+    #   contiguous bytes of a qweight row per block) win over splitting K whenever the column
+    #   tiles alone give that many blocks; so take the widest tile, then the fewest splits
+    #   (1 or 2), that reach 1.5 blocks per SM;
+    # - x staged once (no barrier in the main loop) is 2-7% faster at M <= 8 wherever it fits; at
+    #   M = 16 its serial prologue costs more than it saves on short blocks;
+    # - two K splits sum faster inside a cluster than through the workspace, more do not;
+    # - one block per SM promised to the register allocator (minb = 1) gains 1-2% at M <= 8.
+    # Otherwise (small N, or no candidate fits) the earlier rule: the tile by M, K split to about
+    # two blocks per SM.
     chunks = max(-(-k // CHUNK_K), 1)
-    # Measured on an H200: a block's pipeline needs a long run of K to pay for its fill, so K is split
-    # only when the column tiles alone leave SMs idle, and then to about one wave of two blocks per
-    # SM, never below one chunk per warp. Clusters beat the workspace for two blocks and lose for
-    # more (co-scheduling), so S > 2 goes through the workspace.
+    for xfull in ((True, False) if m <= 8 else (False,)):
+        for nwn in (4, 2, 1):
+            for s in (1, 2):
+                if (-(-n // (32 * nwn))) * s < 1.5 * sms or (s > 1 and s > chunks // (8 // nwn)):
+                    continue
+                cluster = cluster_ok and s == 2
+                if _plan_error(m, k, nwn, s, cluster, xfull, 0) is None:
+                    return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull, minb=1 if m <= 8 else 2)
+    nwn = 1 if m <= 4 else (2 if m <= 8 else 4)
+    tiles = -(-n // (32 * nwn))
     s = 1
     if tiles < sms:
-        s = max(1, min(round(2 * sms / tiles), 16, chunks // nwk))
-    cluster = cluster_ok and s == 2
-    # x staged once removes the per-iteration barrier and x traffic from the main loop; used
-    # whenever the block's x fits the default shared-memory limit.
-    xfull = xfull_bytes(m, k, s) <= XFULL_MAX_BYTES
-    return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull)
+        s = max(1, min(round(2 * sms / tiles), 16, chunks // (8 // nwn)))
+    return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster_ok and s == 2, xfull=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -147,9 +147,10 @@ def test_every_plan_variant_matches_reference(variant):
     for fmt, n, k, g, sym, ver in [("gptq", 1000, 777, 128, False, "v1"), ("gptq", 512, 2048, 128, True, "v2"), ("awq", 640, 1280, -1, False, None)]:
         nw = native_weight(fmt, n, k, g, sym, False, ver)
         for m in (1, 7, 16):
-            if xfull and native.xfull_bytes(m, k, splits) > native.XFULL_MAX_BYTES:
+            try:
+                p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring, minb=minb)
+            except ValueError:  # outside the kernel's limits for this M (make_plan says which)
                 continue
-            p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring, minb=minb)
             for dtype in DTYPES:
                 x = rand(m, k, dtype=dtype, seed=m)
                 bias = rand(n, dtype=dtype, seed=5) if m == 7 else None
