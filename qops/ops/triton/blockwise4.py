@@ -23,7 +23,8 @@ never spans two rows: byte j of row n holds K indices 2j and 2j+1 and belongs to
   warp-instructions per weight byte, against 0.63 for the previous GEMV (1.30 when the launcher
   cannot prove 8-byte rows); the H200 issues ~4 per cycle per SM and needs ~16 bytes per cycle per
   SM at the copy roofline. Triton's interpreter runs no inline PTX, and fp32 activations have no
-  16-bit codes: both look the codes up in memory (``PRMT=False``); the PTX sequence itself is
+  16-bit codes: both look the codes up in memory (``PRMT=False``; fp32 x then takes an exact FMA
+  dot only as wide as M, 0.51 warp-instructions per byte at M = 1); the PTX sequence itself is
   executed instruction by instruction in ``tests/test_bitsandbytes.py``.
 - **gemm** (larger M): ``tl.dot`` on tensor cores. A K step of ``BLOCK_K`` values (at most one
   block) is two dots, even and odd K against the high and low nibbles, so no interleaving is
@@ -276,8 +277,9 @@ def _gemm_kernel(
     store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
-def plan(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
-    """Which path and launch parameters serve an (M, N, K, blocksize) problem: static facts only."""
+def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: torch.dtype | None = None) -> dict:
+    """Which path and launch parameters serve an (M, N, K, blocksize) problem with activations of
+    ``dtype`` (default float16): static facts only."""
     sms = sm_count(device, INTERPRETER_SMS)
     row_bytes = k // 2
     half_block = blocksize // 2
@@ -287,7 +289,10 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device) -> dict:
         bn = pow2_at_most(n, cfg["BLOCK_N"])
         tiles = triton.cdiv(n, bn)
         split, per = split_k(row_bytes, step, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
-        return dict(path="gemv", BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, STEP=step, split=split,
+        # x's rows are the dot's N: 16 at least for the 16-bit tensor-core dot; fp32 x takes the FMA
+        # dot (input_precision "ieee"), whose cost grows with the padded width, so no padding there.
+        bm = triton.next_power_of_2(m) if dtype == torch.float32 else max(16, triton.next_power_of_2(m))
+        return dict(path="gemv", BLOCK_M=bm, BLOCK_N=bn, STEP=step, split=split,
                     split_bytes=per, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                     grid=(tiles, split))
     cfg = TABLE.gemm(m)
@@ -314,7 +319,7 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         y2.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(y2))
         return finish(y2, None, None, x, n, out)
     nested = absmax.dtype == torch.uint8
-    p = plan(m, n, k, blocksize, x.device)
+    p = plan(m, n, k, blocksize, x.device, x.dtype)
     atomic = p["split"] > 1
     acc = fp32_scratch(workspace, (m, n), True, x.device) if atomic else None
     dst = acc if atomic else y2
