@@ -8,6 +8,7 @@ float64 matmul against ``reference_dequantize`` of the same runtime tensors.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from qops.formats import FORMATS
 from qops.formats._packing import pack_bits
 from qops.formats.integer import act_order_g_idx
 from qops.ops.int_weight import reference_dequantize
+from qops.ops.triton import common as C
 from qops.ops.triton import int_weight as T
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,3 +242,144 @@ def test_gpu_key():
     assert T.gpu_key("NVIDIA H100 80GB HBM3") == "h100"
     assert T.gpu_key("NVIDIA A100-SXM4-80GB") == "a100"
     assert T.load_config("no-such-gpu")["gpu"] == "any"
+
+
+# The fp16/bf16 weight tile (Dequant.HALF_*): on a GPU inline PTX, under the interpreter the same
+# lanes in plain Triton. The GEMM cases above mostly scale per element (group < K tile) or run in
+# fp32, so these force the whole-word, one-group tile in fp16.
+HALF_CASES = [(4, 128), (4, -1), (8, 128), (8, 64), (2, -1), (2, 256)]
+
+
+@pytest.mark.parametrize("bits,group_size", HALF_CASES)
+@pytest.mark.parametrize("sym", [True, False])
+def test_half_weight_tile_matches_oracle(bits, group_size, sym):
+    dev = torch.device(DEVICE)
+    plan = T._plan(17, 40, 520, bits, group_size, dev, "gemm")
+    assert plan["tile_group"]
+    want = T.Dequant.HALF_TRITON if C.interpreting() else T.Dequant.HALF_ASM
+    assert T.dequant_form(torch.float16, bits, True) == want
+    check(17, 40, 520, bits, group_size, sym, True, True, torch.float16, "gemm")
+    with T.dequant_override("fp32"):
+        check(17, 40, 520, bits, group_size, sym, False, False, torch.float16, "gemm", seed=1)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("zero_offset", [0, 1])
+def test_half_weight_tile_one_hot_is_exact(bits, zero_offset):
+    # x = I in fp16: each output is fp16(s * (q - z)), the reference's weight rounded once, so the
+    # half tile must give q - z exactly (zero_offset 1: GPTQ v1's z + 1, up to 2**bits).
+    group_size = -1 if bits == 2 else 128
+    qweight, scales, qzeros, _, zo = runtime_weight(40, 128, bits, group_size, False, False, zero_offset, torch.float32)
+    w = reference_dequantize(qweight.cpu(), scales.cpu(), qzeros.cpu(), 128, bits, group_size, zo)
+    eye = torch.eye(128, dtype=torch.float16, device=DEVICE)
+    assert T.dequant_form(torch.float16, bits, True) != T.Dequant.FP32
+    y = T.triton_mm(eye, qweight, scales, qzeros, None, None, bits, group_size, zo, force_path="gemm")
+    assert torch.equal(y.cpu(), w.t().half())
+
+
+def test_dequant_form_selection(monkeypatch):
+    D = T.Dequant
+    fp16, bf16 = torch.float16, torch.bfloat16
+    monkeypatch.setattr(T, "interpreting", lambda: False)  # as on a GPU
+    assert [T.dequant_form(fp16, b, True) for b in (2, 4, 8)] == [D.HALF_ASM] * 3
+    assert [T.dequant_form(bf16, b, True) for b in (2, 4)] == [D.HALF_ASM] * 2
+    # 8-bit in bf16 (128 + q needs 9 significant bits), 3 bits (values straddle words), fp32
+    # activations and per-element scales keep the fp32 form.
+    assert T.dequant_form(bf16, 8, True) == D.FP32
+    assert T.dequant_form(fp16, 3, True) == D.FP32
+    assert T.dequant_form(torch.float32, 4, True) == D.FP32
+    assert T.dequant_form(fp16, 4, False) == D.FP32
+    with T.dequant_override("triton"):
+        assert T.dequant_form(fp16, 4, True) == D.HALF_TRITON
+    with T.dequant_override("fp32"):
+        assert T.dequant_form(bf16, 4, True) == D.FP32
+        assert T.dequant_form(fp16, 3, True) == D.FP32
+    monkeypatch.setattr(T, "interpreting", lambda: True)  # the interpreter cannot run inline PTX
+    assert T.dequant_form(fp16, 4, True) == D.HALF_TRITON
+    with T.dequant_override("asm"):
+        assert T.dequant_form(fp16, 4, True) == D.HALF_TRITON
+    with pytest.raises(ValueError, match="known"):
+        with T.dequant_override("lop3"):
+            pass
+
+
+def _run_ptx(code: str, operands: dict[int, int], half: str) -> dict[int, int]:
+    """Execute the small PTX subset of ``common.half_unpack_asm`` on 32-bit integers (numbers as
+    Python ints, halves through torch's fp16/bf16). Returns the 16-bit outputs by operand number."""
+    hdt = torch.float16 if half == "f16" else torch.bfloat16
+    regs: dict[str, int] = {}
+
+    def val(tok):
+        tok = tok.strip()
+        if tok.startswith("$"):
+            return operands[int(tok[1:])]
+        if tok.startswith("0x"):
+            return int(tok, 16)
+        return regs[tok] if tok in regs else int(tok)
+
+    def halves(v):
+        return torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16).view(hdt).float()
+
+    out: dict[int, int] = {}
+    for line in code.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):
+            lo, hi, src = re.match(r"\{\$(\d+), \$(\d+)\}, (\w+)", args).groups()
+            out[int(lo)], out[int(hi)] = regs[src] & 0xFFFF, regs[src] >> 16
+            continue
+        d, *a = [t.strip() for t in args.split(",")]
+        if op == "mov.b32":
+            r = val(a[0])
+        elif op == "shr.b32":
+            r = val(a[0]) >> val(a[1])
+        elif op == "prmt.b32":
+            src = val(a[0]) | (val(a[1]) << 32)
+            sel = val(a[2])
+            r = sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "lop3.b32":
+            assert val(a[3]) == 0xEA
+            r = (val(a[0]) & val(a[1])) | val(a[2])
+        elif op.startswith("fma.rn."):
+            f = halves(val(a[0])) * halves(val(a[1])) + halves(val(a[2]))
+            h = f.to(hdt).view(torch.int16).to(torch.int32) & 0xFFFF
+            r = int(h[0]) | (int(h[1]) << 16)
+        else:
+            raise AssertionError(f"unexpected PTX {op}")
+        regs[d] = r & 0xFFFFFFFF
+    return out
+
+
+@pytest.mark.parametrize("bits,half", [(2, "f16"), (4, "f16"), (8, "f16"), (2, "bf16"), (4, "bf16")])
+def test_half_unpack_ptx_gives_q_minus_z(bits, half):
+    # The inline PTX cannot run here; its text is executed instruction by instruction instead, on
+    # words holding every value and zero points over the whole range (z + zero_offset <= 2**bits).
+    code, constraints = C.half_unpack_asm(bits, half)
+    vpw = 32 // bits
+    offsets = C.half_offsets(bits, half)
+    assert constraints.split(",") == ["=h"] * vpw + ["r"] * (1 + len(offsets))
+    hdt = torch.float16 if half == "f16" else torch.bfloat16
+    magic = C.HALF_FORMATS[half][2]
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(24):
+        q = torch.randint(0, 2**bits, (vpw,), generator=gen).tolist()
+        if trial == 0:
+            q = [(2**bits - 1) if i % 2 else 0 for i in range(vpw)]
+        word = sum(v << (bits * i) for i, v in enumerate(q))
+        z = int(torch.randint(0, 2**bits + 1, (), generator=gen))
+        ops = {vpw: word}
+        for j, (slo, shi) in enumerate(offsets):
+            pair = torch.tensor([-(magic / 2**slo + z), -(magic / 2**shi + z)]).to(hdt).view(torch.int16).to(torch.int32) & 0xFFFF
+            ops[vpw + 1 + j] = int(pair[0]) | (int(pair[1]) << 16)
+        out = _run_ptx(code, ops, half)
+        got = torch.tensor([out[i] for i in range(vpw)], dtype=torch.int32).to(torch.int16).view(hdt).float()
+        assert got.tolist() == [float(v - z) for v in q], (trial, q, z)
+
+
+def test_half_pair_lanes_refuses_what_does_not_fit():
+    with pytest.raises(ValueError):
+        C.half_pair_lanes(8, "bf16")
+    with pytest.raises(ValueError):
+        C.half_pair_lanes(3, "f16")

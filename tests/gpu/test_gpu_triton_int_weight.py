@@ -228,6 +228,34 @@ def test_activation_layouts():
             check(y, x, b.w64, None, name)
 
 
+# Whole-word, one-group weight tiles (the shipped table's K tile divides the group), so the GEMM
+# builds its tile in fp16/bf16; every form it can take is checked against the oracle.
+HALF = [
+    (Case("gptq", 4, 128, False, True, "v1", 264, 1000), torch.float16),
+    (Case("awq", 4, 128, False, False, None, 1024, 520), torch.bfloat16),
+    (Case("compressed-tensors", 8, 128, True, False, None, 200, 1000), torch.float16),
+    (Case("gptq", 2, -1, False, False, "v2", 136, 333), torch.bfloat16),
+    (Case("gptq", 2, -1, True, False, "v1", 328, 520), torch.float16),
+]
+
+
+@pytest.mark.parametrize("form", ["asm", "triton", "fp32"])
+@pytest.mark.parametrize("item", HALF, ids=_id)
+def test_weight_tile_forms(item, form):
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=5)
+    assert T.dequant_form(dtype, case.bits, True) == T.Dequant.HALF_ASM, "a GPU runs the inline-PTX tile by default"
+    with T.dequant_override(form):
+        for m in (16, 64):
+            plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
+            if plan["path"] != "gemm" or not plan["tile_group"]:
+                pytest.fail(f"M={m}: the shipped table no longer gives a one-group GEMM tile here: {plan}")
+            assert T.dequant_form(dtype, case.bits, True) == T.Dequant.NAMES[form]
+            x = rand(m, case.k, dtype=dtype, seed=50 + m)
+            check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} form={form} M={m}")
+
+
 def test_shipped_config_for_this_gpu_loads():
     stem, sms = T._device_facts(torch.device("cuda"))
     table = T.load_config(stem)

@@ -11,6 +11,19 @@ In-kernel helpers (``@triton.jit``, inlined into the calling kernel, so they cos
   partials per split) and loads the bias before forming the output pointers, an order that ptxas
   schedules differently, so sharing one helper would change the SASS of one family or the other.
 
+Integer -> half conversion without a conversion instruction (:func:`half_pair_lanes`,
+:func:`half_unpack_asm`): a 2-, 4- or 8-bit value OR-ed into the mantissa of the fp16 1024.0 (bf16
+128.0), whose unit in the last place is 1, reads as ``1024 + q`` (``128 + q``). A word of packed
+values is converted two K-adjacent values at a time, straight into the f16x2 / bf16x2 register the
+tensor-core operand is built from: a byte permute puts the two values' bytes into the two halves,
+one LOP3 (mask, OR magic) makes the pair, one packed FMA removes the magic and the zero point. A
+value left at offset ``s`` inside its byte reads as ``magic + q * 2**s`` and the FMA multiplies by
+``2**-s``; one too high for the mantissa is read from the word shifted down by ``bits``. Every
+intermediate is an integer (or that times a power of two) well inside the format's range, so the
+result ``q - z`` is exact (``|q - z| <= 256``: 8 significant bits, which bf16 has). The PTX form
+needs a GPU; under Triton's CPU interpreter the same lanes are computed with plain Triton operations
+(:func:`interpreting` tells which).
+
 Host helpers: SM count, M buckets of a config table, split-K sizing, fp32 scratch carved from the
 caller's workspace, and the int8/blockwise4 config table and 2-D views.
 """
@@ -20,6 +33,7 @@ import contextlib
 import copy
 import functools
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -63,6 +77,101 @@ def store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, st
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+# Mantissa bits, the bit pattern of the magic (a power of two with ulp 1) and its value, per half type.
+HALF_FORMATS = {"f16": (10, 0x6400, 1024.0), "bf16": (7, 0x4300, 128.0)}
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), which cannot run
+    inline PTX."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def half_pair_lanes(bits: int, half: str) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
+    """How pair ``i`` (values ``2i`` and ``2i + 1`` of a 32-bit word of ``bits``-bit values, in the
+    low and high half of one f16x2 / bf16x2 register) is found: for each half ``(shift, byte, s)``,
+    the value sits at bit ``s`` of byte ``byte`` of ``word >> shift``. A value whose in-place offset
+    leaves no room under the mantissa is read from the word shifted down by ``bits``. Raises when the
+    half type cannot hold a value at all (8-bit in bf16: ``128 + q`` needs 9 significant bits)."""
+    mant = HALF_FORMATS[half][0]
+    if 32 % bits or 8 % bits or bits > mant:
+        raise ValueError(f"no {half} pair unpack for {bits}-bit values")
+
+    def where(pos):
+        shift, s = 0, pos % 8
+        if s + bits > mant:
+            shift, s = bits, s - bits
+        return shift, (pos - shift) // 8, s
+
+    return [(where(2 * i * bits), where((2 * i + 1) * bits)) for i in range(16 // bits)]
+
+
+def half_offsets(bits: int, half: str) -> list[tuple[int, int]]:
+    """The distinct ``(s_lo, s_hi)`` of :func:`half_pair_lanes`: one packed bias operand each."""
+    return sorted({(lo[2], hi[2]) for lo, hi in half_pair_lanes(bits, half)})
+
+
+def half_unpack_asm(bits: int, half: str) -> tuple[str, str]:
+    """(PTX, constraints) turning one word into its ``32 // bits`` values ``q - z`` as ``half``.
+
+    Operands: outputs ``$0 .. $(vpw - 1)`` (16-bit, value order: outputs ``2i, 2i + 1`` are the
+    halves of one register, K-adjacent as the tensor-core operand wants them), the word, then one
+    packed bias ``(-(magic * 2**-s_lo + z), -(magic * 2**-s_hi + z))`` per entry of
+    :func:`half_offsets`. Per pair: a PRMT moves the two values' bytes into the two halves, a LOP3
+    keeps their bits and ORs the magic, a packed FMA scales by ``2**-s`` and adds the bias; 8-bit
+    values need no LOP3 (the PRMT fills the magic's byte).
+    """
+    mant, magic, _ = HALF_FORMATS[half]
+    lanes = half_pair_lanes(bits, half)
+    offsets = half_offsets(bits, half)
+    vpw = 32 // bits
+    word = f"${vpw}"
+    fma = "fma.rn.f16x2" if half == "f16" else "fma.rn.bf16x2"
+    one = 0x3C00 if half == "f16" else 0x3F80
+
+    def pow2(s):  # 2**-s in the half format (exponent field moved down by s)
+        return one - (s << mant)
+
+    body = ["{", f".reg .b32 q<{len(lanes)}>, b<{len(lanes)}>, w1, m, c<{len(offsets)}>;"]
+    for j, (slo, shi) in enumerate(offsets):
+        body.append(f"mov.b32 c{j}, 0x{(pow2(shi) << 16) | pow2(slo):08x};")
+    if any(lo[0] or hi[0] for lo, hi in lanes):
+        body.append(f"shr.b32 w1, {word}, {bits};")
+    else:
+        body.append(f"mov.b32 w1, {word};")
+    if bits == 8:
+        body.append(f"mov.b32 m, 0x{magic >> 8:02x}{magic >> 8:02x}{magic >> 8:02x}{magic >> 8:02x};")
+    done = {}
+    for i, (lo, hi) in enumerate(lanes):
+        # PRMT selector: result bytes 0, 1 from the low value's byte, 2, 3 from the high one's
+        # (index 4..7: the second source, w1 or the magic bytes).
+        if bits == 8:
+            sel = lo[1] | (4 << 4) | (hi[1] << 8) | (4 << 12)
+            src2 = "m"
+        else:
+            blo = lo[1] + (4 if lo[0] else 0)
+            bhi = hi[1] + (4 if hi[0] else 0)
+            sel = blo | (blo << 4) | (bhi << 8) | (bhi << 12)
+            src2 = "w1"
+        if sel not in done:
+            done[sel] = f"b{len(done)}"
+            body.append(f"prmt.b32 {done[sel]}, {word}, {src2}, 0x{sel:04x};")
+        src = done[sel]
+        j = offsets.index((lo[2], hi[2]))
+        if bits == 8:
+            body.append(f"{fma} q{i}, {src}, c{j}, ${vpw + 1 + j};")
+        else:
+            val = (1 << bits) - 1
+            mask = (val << lo[2]) | (val << (16 + hi[2]))
+            # lop3 0xea: (a & b) | c.
+            body.append(f"lop3.b32 q{i}, {src}, 0x{mask:08x}, 0x{magic | (magic << 16):08x}, 0xea;")
+            body.append(f"{fma} q{i}, q{i}, c{j}, ${vpw + 1 + j};")
+        body.append(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, q{i};")
+    body.append("}")
+    constraints = ",".join(["=h"] * vpw + ["r"] * (1 + len(offsets)))
+    return "\n".join(body), constraints
 
 
 @functools.cache

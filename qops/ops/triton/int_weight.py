@@ -43,13 +43,42 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import fp32_scratch, grouped_tile, pick_bucket, sm_count, split_k
+from .common import HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket, sm_count, split_k
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
 # fp32 bit pattern of 2**23: an integer q < 2**23 OR-ed into its mantissa reads as 2**23 + q.
 MAGIC_ARG = 0x4B000000
 TWO23 = tl.constexpr(8388608.0)
+
+
+class Dequant:
+    """How the tensor-core GEMM turns packed words into its weight tile (the ``DEQUANT`` constexpr).
+
+    FP32: each value through the fp32 2**23 mantissa trick, then rounded to the activation dtype
+    (any bits, any dtype). HALF_TRITON / HALF_ASM: pairs of values straight into f16x2 / bf16x2
+    (``common.half_unpack_asm``), as plain Triton operations (the interpreter's form, also valid on
+    a GPU) or as one inline-PTX block per word (about one instruction per value).
+    """
+    FP32 = 0
+    HALF_TRITON = 1
+    HALF_ASM = 2
+    NAMES = {"fp32": FP32, "triton": HALF_TRITON, "asm": HALF_ASM}
+
+
+def _asm(bits: int, half: str) -> tuple[tl.constexpr, tl.constexpr]:
+    try:
+        code, constraints = half_unpack_asm(bits, half)
+    except ValueError:
+        code, constraints = "", ""
+    return tl.constexpr(code), tl.constexpr(constraints)
+
+
+_F16_2, _F16_2C = _asm(2, "f16")
+_F16_4, _F16_4C = _asm(4, "f16")
+_F16_8, _F16_8C = _asm(8, "f16")
+_BF16_2, _BF16_2C = _asm(2, "bf16")
+_BF16_4, _BF16_4C = _asm(4, "bf16")
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,14 +282,107 @@ def _interleave(v0, v1, v2, v3, v4, v5, v6, v7, VPW: tl.constexpr):
 
 
 @triton.jit
+def _half_bias(zf, LO: tl.constexpr, HI: tl.constexpr, DTYPE: tl.constexpr):
+    """The packed pair ``(-(LO + z), -(HI + z))`` (low half first) per column, as int32, for the
+    PTX unpack; every value is an exact small integer in DTYPE."""
+    if DTYPE == tl.float16:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,r,r", [-(zf + HI), -(zf + LO)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,r,r", [-(zf + HI), -(zf + LO)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _half_value(w, zf, POS: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """The value at bit POS of each word as ``q - z`` in DTYPE, computed as one half of the PTX pair
+    of ``common.half_unpack_asm`` (same byte, in-place offset, magic and FMA)."""
+    if DTYPE == tl.float16:
+        MANT: tl.constexpr = 10
+        MAGIC: tl.constexpr = 0x6400
+        MAGIC_F: tl.constexpr = 1024.0
+    else:
+        MANT: tl.constexpr = 7
+        MAGIC: tl.constexpr = 0x4300
+        MAGIC_F: tl.constexpr = 128.0
+    SHIFT: tl.constexpr = BITS * ((POS % 8 + BITS) > MANT)
+    S: tl.constexpr = POS % 8 - SHIFT
+    BYTE: tl.constexpr = (POS - SHIFT) // 8
+    byte = ((w >> SHIFT) >> (8 * BYTE)) & 0xFF
+    h = ((byte & (((1 << BITS) - 1) << S)) | MAGIC).to(tl.int16).to(DTYPE, bitcast=True)
+    return h * (1.0 / (1 << S)) + (-(zf + MAGIC_F / (1 << S))).to(DTYPE)
+
+
+@triton.jit
+def _half_pair(w, zf, I: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """Values ``2I`` and ``2I + 1`` of each word (plain Triton: the interpreter's form)."""
+    return _half_value(w, zf, 2 * I * BITS, BITS, DTYPE), _half_value(w, zf, (2 * I + 1) * BITS, BITS, DTYPE)
+
+
+@triton.jit
+def _half_tile(w, zf, BITS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """The ``(BLOCK_K, BN)`` tile ``q - z`` in DTYPE (fp16 or bf16) of the word tile ``w`` ``(R, BN)``
+    (BITS 2, 4 or 8; not 8 with bf16). ``zf`` ``(1, BN)`` fp32 zero points."""
+    if BITS == 4:
+        if ASM:
+            if DTYPE == tl.float16:
+                v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                    _F16_4, _F16_4C, [w, _half_bias(zf, 1024.0, 64.0, DTYPE)], dtype=(tl.float16,) * 8,
+                    is_pure=True, pack=1)
+            else:
+                v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                    _BF16_4, _BF16_4C, [w, _half_bias(zf, 128.0, 128.0, DTYPE)], dtype=(tl.bfloat16,) * 8,
+                    is_pure=True, pack=1)
+        else:
+            v0, v1 = _half_pair(w, zf, 0, BITS, DTYPE)
+            v2, v3 = _half_pair(w, zf, 1, BITS, DTYPE)
+            v4, v5 = _half_pair(w, zf, 2, BITS, DTYPE)
+            v6, v7 = _half_pair(w, zf, 3, BITS, DTYPE)
+        return _interleave(v0, v1, v2, v3, v4, v5, v6, v7, 8)
+    elif BITS == 8:
+        if ASM:
+            v0, v1, v2, v3 = tl.inline_asm_elementwise(
+                _F16_8, _F16_8C, [w, _half_bias(zf, 1024.0, 1024.0, DTYPE)], dtype=(tl.float16,) * 4,
+                is_pure=True, pack=1)
+        else:
+            v0, v1 = _half_pair(w, zf, 0, BITS, DTYPE)
+            v2, v3 = _half_pair(w, zf, 1, BITS, DTYPE)
+        return _interleave(v0, v1, v2, v3, v0, v0, v0, v0, 4)
+    else:
+        if ASM:
+            if DTYPE == tl.float16:
+                v0, v1, v2, v3, v4, v5, v6, v7, u0, u1, u2, u3, u4, u5, u6, u7 = tl.inline_asm_elementwise(
+                    _F16_2, _F16_2C, [w, _half_bias(zf, 1024.0, 256.0, DTYPE), _half_bias(zf, 64.0, 16.0, DTYPE)],
+                    dtype=(tl.float16,) * 16, is_pure=True, pack=1)
+            else:
+                v0, v1, v2, v3, v4, v5, v6, v7, u0, u1, u2, u3, u4, u5, u6, u7 = tl.inline_asm_elementwise(
+                    _BF16_2, _BF16_2C, [w, _half_bias(zf, 128.0, 32.0, DTYPE), _half_bias(zf, 8.0, 8.0, DTYPE)],
+                    dtype=(tl.bfloat16,) * 16, is_pure=True, pack=1)
+        else:
+            v0, v1 = _half_pair(w, zf, 0, BITS, DTYPE)
+            v2, v3 = _half_pair(w, zf, 1, BITS, DTYPE)
+            v4, v5 = _half_pair(w, zf, 2, BITS, DTYPE)
+            v6, v7 = _half_pair(w, zf, 3, BITS, DTYPE)
+            u0, u1 = _half_pair(w, zf, 4, BITS, DTYPE)
+            u2, u3 = _half_pair(w, zf, 5, BITS, DTYPE)
+            u4, u5 = _half_pair(w, zf, 6, BITS, DTYPE)
+            u6, u7 = _half_pair(w, zf, 7, BITS, DTYPE)
+        R: tl.constexpr = BLOCK_K // 16
+        lo = tl.reshape(_interleave(v0, v1, v2, v3, v4, v5, v6, v7, 8), (R, 8, w.shape[1]))
+        hi = tl.reshape(_interleave(u0, u1, u2, u3, u4, u5, u6, u7, 8), (R, 8, w.shape[1]))
+        return tl.reshape(tl.permute(tl.join(lo, hi), (0, 3, 1, 2)), (BLOCK_K, w.shape[1]))
+
+
+@triton.jit
 def _tc_weight_tile(
     qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
     group_size, zero_offset, zf_tile, magic,
     BITS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    TILE_GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
+    TILE_GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, DEQUANT: tl.constexpr = 0,
 ):
     """The ``(BLOCK_K, BN)`` weight tile in K order: ``q - z`` when TILE_GROUP (the caller scales the
-    product), else ``s * (q - z)`` with each row's own group."""
+    product), else ``s * (q - z)`` with each row's own group. ``DEQUANT`` (a :class:`Dequant`) only
+    matters for whole words in one group (the host picks FP32 where the half forms do not apply)."""
     if 32 % BITS == 0 and TILE_GROUP:
         VPW: tl.constexpr = 32 // BITS
         R: tl.constexpr = BLOCK_K // VPW
@@ -270,41 +392,44 @@ def _tc_weight_tile(
             w = tl.load(ptrs, mask=nmask[None, :], other=0)
         else:
             w = tl.load(ptrs, mask=(wrow < n_wrows)[:, None] & nmask[None, :], other=0)
-        w_hi = w >> 16
-        v0 = _value(w, w_hi, w, zf_tile, magic, 0, BITS).to(DTYPE)
-        v1 = _value(w, w_hi, w, zf_tile, magic, 1, BITS).to(DTYPE)
-        if VPW > 2:
-            v2 = _value(w, w_hi, w, zf_tile, magic, 2, BITS).to(DTYPE)
-            v3 = _value(w, w_hi, w, zf_tile, magic, 3, BITS).to(DTYPE)
+        if DEQUANT != 0:
+            return _half_tile(w, zf_tile, BITS, BLOCK_K, DTYPE, DEQUANT == 2)
         else:
-            v2 = v0
-            v3 = v0
-        if VPW > 4:
-            v4 = _value(w, w_hi, w, zf_tile, magic, 4, BITS).to(DTYPE)
-            v5 = _value(w, w_hi, w, zf_tile, magic, 5, BITS).to(DTYPE)
-            v6 = _value(w, w_hi, w, zf_tile, magic, 6, BITS).to(DTYPE)
-            v7 = _value(w, w_hi, w, zf_tile, magic, 7, BITS).to(DTYPE)
-        else:
-            v4 = v0
-            v5 = v0
-            v6 = v0
-            v7 = v0
-        if VPW <= 8:
-            return _interleave(v0, v1, v2, v3, v4, v5, v6, v7, VPW)
-        else:
-            # 2-bit: 16 values per word, interleaved as two halves of 8 (values t and t + 8).
-            u0 = _value(w, w_hi, w, zf_tile, magic, 8, BITS).to(DTYPE)
-            u1 = _value(w, w_hi, w, zf_tile, magic, 9, BITS).to(DTYPE)
-            u2 = _value(w, w_hi, w, zf_tile, magic, 10, BITS).to(DTYPE)
-            u3 = _value(w, w_hi, w, zf_tile, magic, 11, BITS).to(DTYPE)
-            u4 = _value(w, w_hi, w, zf_tile, magic, 12, BITS).to(DTYPE)
-            u5 = _value(w, w_hi, w, zf_tile, magic, 13, BITS).to(DTYPE)
-            u6 = _value(w, w_hi, w, zf_tile, magic, 14, BITS).to(DTYPE)
-            u7 = _value(w, w_hi, w, zf_tile, magic, 15, BITS).to(DTYPE)
-            lo = tl.reshape(_interleave(v0, v1, v2, v3, v4, v5, v6, v7, 8), (R, 8, v0.shape[1]))
-            hi = tl.reshape(_interleave(u0, u1, u2, u3, u4, u5, u6, u7, 8), (R, 8, v0.shape[1]))
-            t = tl.permute(tl.join(lo, hi), (0, 3, 1, 2))  # (R, 2, 8, BN): value t = 8 * half + e
-            return tl.reshape(t, (BLOCK_K, v0.shape[1]))
+            w_hi = w >> 16
+            v0 = _value(w, w_hi, w, zf_tile, magic, 0, BITS).to(DTYPE)
+            v1 = _value(w, w_hi, w, zf_tile, magic, 1, BITS).to(DTYPE)
+            if VPW > 2:
+                v2 = _value(w, w_hi, w, zf_tile, magic, 2, BITS).to(DTYPE)
+                v3 = _value(w, w_hi, w, zf_tile, magic, 3, BITS).to(DTYPE)
+            else:
+                v2 = v0
+                v3 = v0
+            if VPW > 4:
+                v4 = _value(w, w_hi, w, zf_tile, magic, 4, BITS).to(DTYPE)
+                v5 = _value(w, w_hi, w, zf_tile, magic, 5, BITS).to(DTYPE)
+                v6 = _value(w, w_hi, w, zf_tile, magic, 6, BITS).to(DTYPE)
+                v7 = _value(w, w_hi, w, zf_tile, magic, 7, BITS).to(DTYPE)
+            else:
+                v4 = v0
+                v5 = v0
+                v6 = v0
+                v7 = v0
+            if VPW <= 8:
+                return _interleave(v0, v1, v2, v3, v4, v5, v6, v7, VPW)
+            else:
+                # 2-bit: 16 values per word, interleaved as two halves of 8 (values t and t + 8).
+                u0 = _value(w, w_hi, w, zf_tile, magic, 8, BITS).to(DTYPE)
+                u1 = _value(w, w_hi, w, zf_tile, magic, 9, BITS).to(DTYPE)
+                u2 = _value(w, w_hi, w, zf_tile, magic, 10, BITS).to(DTYPE)
+                u3 = _value(w, w_hi, w, zf_tile, magic, 11, BITS).to(DTYPE)
+                u4 = _value(w, w_hi, w, zf_tile, magic, 12, BITS).to(DTYPE)
+                u5 = _value(w, w_hi, w, zf_tile, magic, 13, BITS).to(DTYPE)
+                u6 = _value(w, w_hi, w, zf_tile, magic, 14, BITS).to(DTYPE)
+                u7 = _value(w, w_hi, w, zf_tile, magic, 15, BITS).to(DTYPE)
+                lo = tl.reshape(_interleave(v0, v1, v2, v3, v4, v5, v6, v7, 8), (R, 8, v0.shape[1]))
+                hi = tl.reshape(_interleave(u0, u1, u2, u3, u4, u5, u6, u7, 8), (R, 8, v0.shape[1]))
+                t = tl.permute(tl.join(lo, hi), (0, 3, 1, 2))  # (R, 2, 8, BN): value t = 8 * half + e
+                return tl.reshape(t, (BLOCK_K, v0.shape[1]))
     else:
         # Generic gather unpack (3-bit streams, groups that split a word): each row reads the one
         # or two words holding its value. Slower, and correct for any bits and group size.
@@ -350,7 +475,7 @@ def _tc_kernel(
     split_len, group_size, zero_offset, magic,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr,
+    TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr = 0,
 ):
     """Split-K tiled GEMM on tensor cores: program (m/n tile, K split)."""
     pid = tl.program_id(0)
@@ -382,7 +507,8 @@ def _tc_kernel(
             g = k0 // group_size
             zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
             b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
-                                group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE)
+                                group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE,
+                                DEQUANT)
             s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
             # "ieee": fp32 activations (interpreter tests) are not rounded to tf32; fp16/bf16 are unaffected.
             acc += tl.dot(a, b, input_precision="ieee") * s[None, :]
@@ -511,6 +637,40 @@ def config_override(table: dict):
     finally:
         _OVERRIDE = previous
         _plan.cache_clear()
+
+
+# A forced weight-tile form for every GEMM call ("fp32", "triton" or "asm"), for A/B timing and
+# tests; QOPS_TRITON_DEQUANT sets it for a whole process.
+_DEQUANT_FORCE: str | None = os.environ.get("QOPS_TRITON_DEQUANT") or None
+
+
+@contextlib.contextmanager
+def dequant_override(name: str | None):
+    """Use the weight-tile form ``name`` (a key of ``Dequant.NAMES``, or None for the automatic
+    choice) wherever it applies in this block; where it does not, FP32 is used as always."""
+    global _DEQUANT_FORCE
+    if name is not None and name not in Dequant.NAMES:
+        raise ValueError(f"unknown dequant form {name!r}; known: {sorted(Dequant.NAMES)}")
+    previous, _DEQUANT_FORCE = _DEQUANT_FORCE, name
+    try:
+        yield
+    finally:
+        _DEQUANT_FORCE = previous
+
+
+def dequant_form(dtype: torch.dtype, bits: int, tile_group: bool) -> int:
+    """The ``Dequant`` form of the GEMM's weight tile: pairs straight into fp16/bf16 wherever the
+    format holds the values in place (2, 4, 8 bits in fp16; 2, 4 bits in bf16) and the K tile lies
+    in one group, as inline PTX on a GPU and as plain Triton under the interpreter (no inline asm
+    there); FP32 otherwise (fp32 activations, 3 bits, 8 bits in bf16, per-element scales)."""
+    half = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(dtype)
+    if half is None or not tile_group or 16 % bits or bits > HALF_FORMATS[half][0]:
+        return Dequant.FP32
+    if _DEQUANT_FORCE is not None:
+        forced = Dequant.NAMES[_DEQUANT_FORCE]
+        if forced != Dequant.HALF_ASM or not interpreting():
+            return forced
+    return Dequant.HALF_TRITON if interpreting() else Dequant.HALF_ASM
 
 
 def _bucket(section: dict, bits: int, m: int) -> dict:
@@ -687,7 +847,8 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     else:
         _tc_kernel[plan["grid"]](
             *common, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
-            GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"], **flags, **launch,
+            GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"],
+            DEQUANT=dequant_form(x2.dtype, bits, plan["tile_group"]), **flags, **launch,
         )
     if mode != 0:
         block = 256
