@@ -63,10 +63,16 @@ def _opcheck(fmt, low):
     return [rf"^tests/test_opcheck\.py::test_opcheck\[({ops})-({tags})-"]
 
 
+def _gpu_opcheck(fmt, low):
+    return [] if low.name.startswith("reference") else [rf"^tests/gpu/test_gpu_opcheck\.py::test_gpu_opcheck\[{_pair(fmt, low.name)}\]"]
+
+
 COLUMNS = (
-    Column("opcheck passes", cpu=_opcheck,
+    Column("opcheck passes", cpu=_opcheck, gpu=_gpu_opcheck,
            how="CPU: `tests/test_opcheck.py::test_opcheck[<op of the family>-<the format's samples>-...]` (schema, fake, "
-               "autograd registration, AOT dispatch; run with the reference kernel, so it fills the reference rows)"),
+               "autograd registration, AOT dispatch; run with the reference kernel, so it fills the reference rows); GPU: "
+               "`tests/gpu/test_gpu_opcheck.py::test_gpu_opcheck[<format>-<lowering>]` (the same samples on CUDA through each "
+               "CUDA lowering)"),
     Column("model compiles fullgraph",
            cpu=lambda f, l: [rf"^compile_tests/test_compile_model\.py::test_decode_compiles_once_for_every_batch_size_and_step\[{_pair(f, l.name)}-"],
            gpu=lambda f, l: [rf"^tests/gpu/test_gpu_model\.py::test_reduce_overhead_cuda_graphs\[{_pair(f, l.name)}-"],

@@ -49,7 +49,7 @@ def test_cells_follow_the_outcomes(gm, tmp_path):
     ref, tri = LOWERINGS_BY_NAME["reference_int_weight"], LOWERINGS_BY_NAME["triton_int_weight"]
     assert gm.cell(cols["opcheck passes"], "gptq", ref, cpu, none) == "CPU pass (2)"
     assert gm.cell(cols["opcheck passes"], "awq", ref, cpu, none) == "CPU FAIL (1 of 1)"
-    assert gm.cell(cols["opcheck passes"], "gptq", tri, cpu, none) == "no test"
+    assert gm.cell(cols["opcheck passes"], "gptq", tri, cpu, none) == "GPU not run"
     assert gm.cell(cols["model compiles fullgraph"], "gptq", ref, cpu, none) == "CPU pass (1); GPU not run"
     assert gm.cell(cols["model compiles fullgraph"], "awq", ref, cpu, none) == "CPU skipped (1); GPU not run"
     assert gm.cell(cols["model compiles fullgraph"], "compressed-tensors", ref, cpu, none) == "GPU not run"
@@ -62,6 +62,13 @@ def test_cells_follow_the_outcomes(gm, tmp_path):
     ]))
     assert gm.cell(cols["CUDA graphs captured"], "gptq", tri, cpu, gpu) == "GPU incomplete (1 of 2 required tests missing)"
     assert gm.cell(cols["TP=2 compiles into graphs"], "gptq", tri, cpu, gpu) == "no test"
+    assert gm.cell(cols["opcheck passes"], "gptq", tri, cpu, gpu) == "no test"
+    gpu = gm.read_junit("GPU", _junit(tmp_path / "gpu2.xml", [
+        ("tests.gpu.test_gpu_opcheck", "test_gpu_opcheck[gptq-triton_int_weight]", "passed"),
+        ("tests.gpu.test_gpu_opcheck", "test_gpu_opcheck[gptq-native_w4a16]", "failed"),
+    ]))
+    assert gm.cell(cols["opcheck passes"], "gptq", tri, cpu, gpu) == "GPU pass (1)"
+    assert gm.cell(cols["opcheck passes"], "gptq", LOWERINGS_BY_NAME["native_w4a16"], cpu, gpu) == "GPU FAIL (1 of 1)"
 
 
 def test_every_registered_pair_has_a_row(gm):
