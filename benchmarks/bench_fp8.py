@@ -135,28 +135,43 @@ def bench_shape(n, k, args, timer, dev, bw, rows):
 
 
 def sweep(args, dev):
-    """Time gemv launch configurations at M=1 (tuning aid for qops/ops/triton/fp8.py)."""
+    """Time gemv launch configurations at M=1 (tuning aid for qops/ops/triton/fp8.py).
+
+    Prints the five fastest per shape and writes every timing to ``$OUT/bench_fp8_sweep.json``
+    (and ``--out`` with ``-sweep`` before the suffix)."""
     from qops.ops.triton.fp8 import triton_mm
 
     bw = common.copy_TBps()
+    res = {"gpu": common.device_name(True), "torch": torch.__version__, "triton": common.triton_version(),
+           "qops_commit": common.git_commit(), "copy_TBps": round(bw, 4), "shapes": []}
+    extra = args.out.replace(".json", "-sweep.json") if args.out else None
+    paths = common.output_paths("bench_fp8_sweep.json", extra)
     for n, k in LARGE_SHAPES:
         w16 = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02
         pw = FORMATS["fp8"].prepare(FORMATS["fp8"].quantize(w16, granularity="channel"), dtype=torch.float16, activations="none")
         ws = [pw.weight.clone() for _ in range(n_copies(n * k))]
         x = torch.randn(1, k, device=dev, dtype=torch.float16)
         roof = common.roofline_us(n * k + 2 * (n + k), bw)
+        default = common.graph_time([lambda w=w: triton_mm(x, None, w, pw.weight_scale, None, 1, -1, torch.float16) for w in ws], 3, 5.0).us
         results = []
         for bn in (2, 4, 8, 16, 32):
             for tile in (4096, 8192, 16384):
                 for warps in (4, 8):
-                    cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=tile // bn, SPLIT_K=1, num_warps=warps)
-                    t = safe(lambda: common.graph_time([lambda w=w: triton_mm(x, None, w, pw.weight_scale, None, 1, -1, torch.float16, config=cfg)
-                                                 for w in ws], 3, 5.0).us)
-                    if t:
-                        results.append((t, cfg))
+                    for split in ((1, 2, 4) if n <= 8192 else (1,)):
+                        cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=tile // bn, SPLIT_K=split, num_warps=warps)
+                        t = safe(lambda: common.graph_time([lambda w=w: triton_mm(x, None, w, pw.weight_scale, None, 1, -1, torch.float16, config=cfg)
+                                                     for w in ws], 3, 5.0).us)
+                        if t:
+                            results.append((t, cfg))
         results.sort(key=lambda r: r[0])
+        print(f"{n}x{k} M=1 default config {default:7.2f} us = {100 * roof / default:5.1f}% of roofline", flush=True)
         for t, cfg in results[:5]:
             print(f"{n}x{k} M=1 {t:7.2f} us = {100 * roof / t:5.1f}% of roofline  {cfg}", flush=True)
+        res["shapes"].append({"N": n, "K": k, "roofline_us": round(roof, 2), "default_us": round(default, 2),
+                              "configs": [{"us": round(t, 2), "roof_pct": round(100 * roof / t, 1), **cfg} for t, cfg in results]})
+        common.write_json(res, paths)
+        del ws, pw, w16
+        torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:
