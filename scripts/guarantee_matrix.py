@@ -125,14 +125,18 @@ def test_id(case: ET.Element) -> str:
 
 
 def read_junit(name: str, path: str | None) -> Suite:
+    """The outcomes in one junit XML file, or in several (comma-separated paths, one suite)."""
     suite = Suite(name, path)
     if path is None:
         return suite
-    root = ET.parse(path).getroot()
-    for ts in root.iter("testsuite"):
-        suite.timestamp = suite.timestamp or ts.get("timestamp")
-        suite.hostname = suite.hostname or ts.get("hostname")
-    for case in root.iter("testcase"):
+    cases = []
+    for one in path.split(","):
+        root = ET.parse(one).getroot()
+        for ts in root.iter("testsuite"):
+            suite.timestamp = suite.timestamp or ts.get("timestamp")
+            suite.hostname = suite.hostname or ts.get("hostname")
+        cases += list(root.iter("testcase"))
+    for case in cases:
         if case.find("failure") is not None or case.find("error") is not None:
             outcome = "failed"
         elif case.find("skipped") is not None:
@@ -238,7 +242,7 @@ def render(cpu: Suite, gpu: Suite, torch_version: str, commit: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", required=True, help="junit XML of the CPU test run")
-    p.add_argument("--gpu", default=None, help="junit XML of the GPU test run (pytest -m gpu tests/gpu); omitted: GPU cells say 'not run'")
+    p.add_argument("--gpu", default=None, help="junit XML of the GPU test run (pytest -m gpu tests/gpu), or several, comma-separated; omitted: GPU cells say 'not run'")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "GUARANTEES.md"), help="where to write (default docs/GUARANTEES.md)")
     p.add_argument("--torch", default=None, help="torch version of the run (default: this interpreter's)")
     p.add_argument("--commit", default=None, help="commit of the run (default: git HEAD here)")
