@@ -19,7 +19,7 @@ never spans two rows: byte j of row n holds K indices 2j and 2j+1 and belongs to
   keeps the half its bit 3 names and interleaves low and high bytes into half2 words: 22
   instructions per 4 bytes and no memory access, where the previous kernel gathered each nibble's
   code from a 64-byte table in L1 (two loads per byte) and de-nested the absmax per element. SASS
-  of the loop (triton 3.9, sm_90, fp16, NF4, blocksize 64, nested, the default config): 0.31
+  of the loop (triton 3.9, sm_90, fp16, NF4, blocksize 64, nested, the default config): 0.315
   warp-instructions per weight byte, against 0.63 for the previous GEMV (1.30 when the launcher
   cannot prove 8-byte rows); the H200 issues ~4 per cycle per SM and needs ~16 bytes per cycle per
   SM at the copy roofline. Triton's interpreter runs no inline PTX, and fp32 activations have no
@@ -47,12 +47,13 @@ from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, 
 
 CONFIGS: dict = {
     # Untuned estimates (no H200 run yet), chosen from the SASS of the loop (triton 3.9, sm_90, fp16,
-    # nested, blocksize 64): BLOCK_N 256 rows x 32 bytes per step on 8 warps spends 0.31
-    # warp-instructions per weight byte (BLOCK_N 128 on 4 warps: 0.40, 64: 0.54), wgmma with the
-    # x columns as its N. STEP_BYTES is capped at blocksize / 2 (one absmax per step); 64 at
-    # BLOCK_N 128 spilled. M <= 16 rows of x ride in one 16-wide dot at the cost of M = 1.
+    # NF4, nested, blocksize 64): BLOCK_N 128 rows x 32 bytes per step on 4 warps spends 0.315
+    # warp-instructions per weight byte (256 on 8 warps: 0.305; 64 on 4: 0.43), no spills, 36 KiB
+    # of shared memory at 4 stages. programs_per_sm 1 leaves the two widest PERF shapes (N = 28672,
+    # 57344) unsplit: a split costs a zeroing and a cast kernel. STEP_BYTES is capped at
+    # blocksize / 2 (one absmax per step). M <= 16 rows of x ride in one 16-wide dot.
     "gemv_max_m": 16,
-    "gemv": {"BLOCK_N": 256, "STEP_BYTES": 32, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2,
+    "gemv": {"BLOCK_N": 128, "STEP_BYTES": 32, "num_warps": 4, "num_stages": 4, "programs_per_sm": 1,
              "max_split": 16},
     # Register counts from ptxas (triton 3.6, sm_90, nested, blocksize 64): 168, 114, 164, 164,
     # 210; no spills (BLOCK_N 128 with BLOCK_M >= 32 reaches 255).
