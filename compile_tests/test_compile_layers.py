@@ -2,7 +2,8 @@
 type (an act-order row shard with padded input among them), FastLinear, and the tensor-parallel
 layers at world size 1. One compilation (fullgraph=True, Inductor) serves every batch size; the
 numbers are the eager ones; each quantized linear is exactly one opaque qops call reading the
-module's buffers; world size 1 emits no collective."""
+module's buffers -- with a workspace attached, the ``_out`` op, every one given the workspace's
+buffer as the same graph input, never copied; world size 1 emits no collective."""
 from __future__ import annotations
 
 import re
@@ -19,9 +20,11 @@ from qops.layers import int_weight as lw
 from qops.layers.base import InputPadded
 from qops.layers.fp8 import Fp8Linear
 from qops.layers.testing import VARIANTS, TinyBlock, sample_ids, write_block
+from qops.workspace import Workspace, attach_workspace
 
 from compile_tests import harness as H
 from compile_tests.harness import fresh_dynamo  # noqa: F401  (autouse fixture)
+from compile_tests.test_compile_model import check_workspace_in_place
 
 K, N = 128, 128  # EETQ's ampere byte order needs multiples of 64
 BATCHES = (1, 3, 16)
@@ -88,6 +91,33 @@ def test_every_layer_kind_compiles_once_for_every_batch_size():
             want = model(x)
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_every_layer_kind_with_a_workspace_takes_it_in_place_and_compiles_once():
+    model = AllLayers()
+    want = {}
+    with torch.no_grad():
+        for batch in BATCHES:
+            x = H.unbacked_x(batch, K)
+            want[batch] = model(x)  # the allocating ops
+    model.workspace = Workspace(4096, max_m=max(BATCHES))
+    attach_workspace(model, model.workspace)
+    counts = {cls: sum(isinstance(m, cls) for m in model.layers.values()) for cls in (IntWeightLinear, Fp8Linear, Int8Linear, Blockwise4Linear)}
+    ops = {"mm_int_weight_out": counts[IntWeightLinear], "mm_fp8_weight_out": counts[Fp8Linear],
+           "mm_int8_weight_out": counts[Int8Linear], "mm_blockwise4_out": counts[Blockwise4Linear]}
+    compiled = torch.compile(model, fullgraph=True)
+
+    def first(fn, x):
+        got, (code, *_) = run_and_get_code(fn, x)
+        check_workspace_in_place(code, ops)
+        return got
+
+    ptr = model.workspace.buffer.data_ptr()
+    with torch.no_grad():
+        for batch, x, got in H.over_batches(compiled, K, BATCHES, first=first):
+            for k in got:
+                torch.testing.assert_close(got[k], want[batch][k], rtol=1e-5, atol=1e-5, msg=k)
+    assert model.workspace.buffer.data_ptr() == ptr
 
 
 def test_tensor_parallel_layers_at_world_size_one_compile_without_collectives(tmp_path):

@@ -2,8 +2,9 @@
 quantization scheme (one per registered format) with the lowering it gets on this machine:
 ``fullgraph=True`` (no graph break), one compilation serving every batch size (1, 2, 7 and the
 maximum, the batch dimension unbacked) and every decode step (then ``fail_on_recompile``), the
-eager logits, a graph holding exactly one opaque qops call per quantized linear and no dequantized
-weight, and a compiled greedy generation equal to the eager one."""
+eager logits, a graph holding exactly one opaque qops call per quantized linear -- the ``_out`` op,
+all of them given the model's workspace buffer as the one graph input it is, never cloned or copied
+-- and no dequantized weight, and a compiled greedy generation equal to the eager one."""
 from __future__ import annotations
 
 import re
@@ -23,7 +24,23 @@ MAX_BATCH = 8
 BATCHES = (2, 1, 7, MAX_BATCH)  # the first compiles; the others must not recompile
 STEPS = 3
 PAIRS = [("none", "dense")] + scheme_lowerings("cpu")
-OPS = {"int_weight": "mm_int_weight", "fp8": "mm_fp8_weight", "int8_weight": "mm_int8_weight", "blockwise4": "mm_blockwise4"}
+# The layers hold the model's workspace, so they call the _out ops (on CPU every fp8 layer is W8A16).
+OPS = {"int_weight": "mm_int_weight_out", "fp8": "mm_fp8_weight_out", "int8_weight": "mm_int8_weight_out",
+       "blockwise4": "mm_blockwise4_out"}
+
+
+def check_workspace_in_place(code: str, counts: dict[str, int]) -> None:
+    """``counts[op]`` calls of each ``qops::op`` in the generated ``code``, all of them given the same
+    graph input as their workspace (the last argument), which no line clones or copies."""
+    workspaces = set()
+    for op, count in counts.items():
+        calls = re.findall(rf"torch\.ops\.qops\.{op}\.default\((.*)\)", code)
+        assert len(calls) == count, f"{len(calls)} calls of qops::{op}, expected {count}"
+        workspaces |= {call.rsplit(",", 1)[1].strip() for call in calls}
+    assert len(workspaces) == 1, workspaces
+    (ws,) = workspaces
+    assert re.fullmatch(r"arg\d+_1", ws), f"the workspace is {ws!r}, not a graph input"
+    assert not [line for line in code.splitlines() if re.search(rf"\b{ws}\b", line) and ("copy_" in line or "clone" in line)]
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +70,7 @@ def test_decode_compiles_once_for_every_batch_size_and_step(scheme, lowering, dt
     counter = CompileCounterWithBackend("inductor")
     step = torch.compile(model.decode, fullgraph=True, backend=counter)
     gen = torch.Generator().manual_seed(0)
+    workspace, ptr = model.workspace.buffer, model.workspace.buffer.data_ptr()
     worst = 0.0
     with torch.no_grad():
         for i, b in enumerate(BATCHES):
@@ -65,9 +83,7 @@ def test_decode_compiles_once_for_every_batch_size_and_step(scheme, lowering, dt
                 if i == 0 and s == 0:
                     got, (code, *_) = run_and_get_code(step, tok_c, pos_c)
                     if scheme != "none":
-                        op = OPS[FORMATS[scheme].family]
-                        calls = len(re.findall(rf"torch\.ops\.qops\.{op}\.default\(", code))
-                        assert calls == 4 * CONFIG.num_hidden_layers, f"{calls} calls of qops::{op}"
+                        check_workspace_in_place(code, {OPS[FORMATS[scheme].family]: 4 * CONFIG.num_hidden_layers})
                     assert "dequantize" not in code
                 else:
                     with torch.compiler.set_stance("fail_on_recompile"):
@@ -80,6 +96,7 @@ def test_decode_compiles_once_for_every_batch_size_and_step(scheme, lowering, dt
         with torch.compiler.set_stance("fail_on_recompile"):
             compiled = generate(model, prompts, 6, step=lambda t, p: step(*_unbacked(t, p)), keep_logits=True)
     assert counter.frame_count == 1, f"{counter.frame_count} compilations"
+    assert model.workspace.buffer is workspace and workspace.data_ptr() == ptr, "the workspace was reallocated"
     assert worst < 1e-5, worst
     assert torch.equal(compiled.tokens, eager.tokens)
     assert relative_error(compiled.logits, eager.logits) < 1e-5

@@ -2,8 +2,9 @@
 
 Some lowerings need scratch memory per call -- fp32 split-K partial sums -- and take it from the
 caller's ``workspace`` argument (``qops::mm_int_weight_out``, ``qops::mm_int8_weight_out``,
-``qops::mm_blockwise4_out``) when it is large enough. Each such lowering states its need as a
-function of the call's shape; :data:`SCRATCH_BYTES` maps lowering names to those functions:
+``qops::mm_blockwise4_out``, ``qops::mm_fp8_weight_out``) when it is large enough. Each such
+lowering states its need as a function of the call's shape; :data:`SCRATCH_BYTES` maps lowering
+names to those functions:
 
 =====================  ==========================================================================
 lowering               size function
@@ -13,16 +14,26 @@ native_w4a16           ``qops.native.int_weight.workspace_bytes(m, n, k, bits, g
                        plan for M <= 16 and in deterministic mode; Triton's need above, which it delegates)
 triton_int8_weight     ``4*M*N`` when ``qops.ops.triton.int8_weight.plan`` splits K, else 0
 triton_blockwise4      ``4*M*N`` when ``qops.ops.triton.blockwise4.plan`` splits K, else 0
+triton_fp8             ``qops.ops.triton.fp8.workspace_bytes(m, n, k, block_k, device)`` for W8A16 layers
+                       (``4*M*N`` when its GEMV splits K); W8A8 layers call ``qops::scaled_mm_fp8``,
+                       which takes no workspace
 =====================  ==========================================================================
 
-Lowerings not listed need none (the reference kernels, ``scaled_mm_fp8``; ``triton_fp8`` has no
-workspace argument and allocates its split-K accumulator from torch's caching allocator).
+Lowerings not listed need none (the reference kernels, ``scaled_mm_fp8``).
 
 A :class:`Workspace` is sized once, when the model is built, as the largest need of any of its
 layers for any row count ``M <= max_m`` (layers run one after another, so they share it), and
 never grows: :meth:`Workspace.take` raises when asked for more. Its memory is the registered
 buffer ``buffer`` (uint8, not saved in state dicts), so it moves with ``.to()``, and
 ``torch.compile``'s cudagraph trees treat it as a static input that steps may mutate.
+
+:func:`attach_workspace` hands it to every quantized linear of the model (after checking that each
+fits): a layer keeps a plain reference to the model's :class:`Workspace` -- not a submodule, so
+the buffer has one owner and one name in ``named_buffers`` -- and then calls its op's ``_out``
+variant with an output from ``torch.empty`` and the whole buffer as ``workspace`` for calls of
+``M <= max_m`` rows (:meth:`Workspace.scratch`); longer calls (prefill) pass None, and the lowering
+allocates as a standalone layer's does. Under ``torch.compile`` the buffer is one graph input that
+every op mutates in place: no copy of it, no allocation.
 """
 from __future__ import annotations
 
@@ -30,6 +41,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 ALIGN = 256  # bytes; buffers start 512-byte aligned (caching allocator), sizes are rounded up to this
 
@@ -69,12 +81,21 @@ def _triton_blockwise4(layer, m, device):
     return _split_k_accumulator(blockwise4.plan)(layer, m, device, layer.blocksize)
 
 
+def _triton_fp8(layer, m, device):
+    if getattr(layer, "activations", "none") != "none":
+        return 0  # W8A8: qops::scaled_mm_fp8 has no workspace argument
+    from .ops.triton.fp8 import workspace_bytes
+
+    return workspace_bytes(m, layer.out_features, layer.in_features, layer.block_k, device)
+
+
 # Lowering name -> bytes of scratch one call of (m rows) x (a layer's weight) needs on a device.
 SCRATCH_BYTES: dict[str, Callable[[nn.Module, int, torch.device], int]] = {
     "triton_int_weight": _triton_int_weight,
     "native_w4a16": _native_w4a16,
     "triton_int8_weight": _triton_int8_weight,
     "triton_blockwise4": _triton_blockwise4,
+    "triton_fp8": _triton_fp8,
 }
 
 
@@ -91,7 +112,7 @@ def layer_scratch_bytes(layer: nn.Module, max_m: int, device: torch.device) -> i
         return 0
     # Layers of one shape share their need: computed once per (lowering, shape, device, max_m).
     key = (name, layer.out_features, _k(layer), getattr(layer, "bits", 0), getattr(layer, "group_size", 0),
-           getattr(layer, "blocksize", 0), str(device), max_m)
+           getattr(layer, "blocksize", 0), getattr(layer, "block_k", 0), getattr(layer, "activations", None), str(device), max_m)
     if key not in _NEEDS:
         _NEEDS[key] = max((int(fn(layer, m, device)) for m in range(1, max_m + 1)), default=0)
     return _NEEDS[key]
@@ -142,19 +163,47 @@ class Workspace(nn.Module):
                                     "build the model with a larger max_batch")
         return self.buffer[:nbytes]
 
+    def scratch(self, rows) -> torch.Tensor | None:
+        """What a layer passes as ``workspace`` for a call of ``rows`` rows (an int or SymInt): the
+        whole buffer when ``rows <= max_m`` (what it was sized for), else None (the lowering
+        allocates, as without a workspace). Under torch.compile an unbacked ``rows`` takes the
+        buffer without a guard (a decode step's batch never exceeds the model's ``max_m``)."""
+        if guard_or_true(rows <= self.max_m):
+            return self.buffer
+        return None
+
     def check(self, model: nn.Module) -> None:
         """Raise unless every quantized linear of ``model`` fits (e.g. after its layers changed)."""
         from .layers import QuantLinear
 
         for name, m in model.named_modules():
             if isinstance(m, QuantLinear):
-                need = layer_scratch_bytes(m, self.max_m, self.buffer.device)
-                if need > self.nbytes:
-                    raise WorkspaceTooSmall(f"Workspace: layer {name} ({lowering_name(m)}) needs {need} bytes for M <= {self.max_m}, {self.nbytes} held")
+                self.check_layer(m, name)
+
+    def check_layer(self, layer: nn.Module, name: str | None = None) -> None:
+        """Raise :class:`WorkspaceTooSmall` unless ``layer`` fits for every M <= ``max_m``."""
+        need = layer_scratch_bytes(layer, self.max_m, self.buffer.device)
+        if need > self.nbytes:
+            who = name if name is not None else f"{type(layer).__name__}(N={layer.out_features}, K={_k(layer)})"
+            raise WorkspaceTooSmall(f"Workspace: layer {who} ({lowering_name(layer)}) needs {need} bytes for M <= {self.max_m}, {self.nbytes} held")
 
     def extra_repr(self) -> str:
         users = sum(1 for v in self.needs.values() if v)
         return f"nbytes={self.nbytes}, max_m={self.max_m}, layers_needing_scratch={users}/{len(self.needs)}"
+
+
+def attach_workspace(model: nn.Module, workspace: Workspace | None) -> None:
+    """Give every quantized linear of ``model`` ``workspace`` (None: take it away), after checking
+    that each fits (:class:`WorkspaceTooSmall` names the first that does not). The model owns the
+    workspace (register it as a submodule, as ``LlamaForCausalLM.workspace`` is); the layers only
+    refer to it."""
+    from .layers import QuantLinear
+
+    if workspace is not None:
+        workspace.check(model)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.use_workspace(workspace, check=False)
 
 
 def _device_of(module: nn.Module) -> torch.device:

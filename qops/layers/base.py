@@ -2,7 +2,9 @@
 
 - :class:`QuantLinear`: an ``nn.Module`` holding a prepared (runtime-layout) weight as registered
   buffers -- static addresses for CUDA graphs, moved by ``.to()``, never a dense copy -- and calling
-  its family's ``torch.ops.qops`` op in ``forward``.
+  its family's ``torch.ops.qops`` op in ``forward``: the allocating op standalone, the ``_out`` op
+  with the model's scratch once given a workspace (:meth:`QuantLinear.use_workspace`,
+  ``qops.workspace.attach_workspace``).
 - :class:`LinearMethod`: one LoRAX/TGI ``quantize`` string: which weights ``get_linear`` accepts for
   it and how it turns them into a module.
 - :class:`QuantConfig`: one parsed ``quantization_config`` of a checkpoint: which scheme
@@ -11,12 +13,14 @@
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from ..workspace import Workspace
 from .layout import LinearScheme
 
 
@@ -34,6 +38,33 @@ class QuantLinear(nn.Module):
 
     in_features: int
     out_features: int
+    # The model's scratch, a plain reference (set with use_workspace): the model owns and registers it.
+    _workspace: Workspace | None = None
+
+    @property
+    def workspace(self) -> Workspace | None:
+        return self._workspace
+
+    def use_workspace(self, workspace: Workspace | None, *, check: bool = True) -> None:
+        """Run ``forward`` through the op's ``_out`` variant with ``workspace``'s buffer as scratch
+        (None: the allocating op again). Raises ``qops.workspace.WorkspaceTooSmall`` when the
+        workspace holds less than this layer's lowering needs for ``M <= workspace.max_m``."""
+        if workspace is not None and check:
+            workspace.check_layer(self)
+        # Not nn.Module.__setattr__: a submodule per layer would give the one buffer many owners.
+        object.__setattr__(self, "_workspace", workspace)
+
+    def _out_args(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(out, workspace)`` for the ``_out`` op, or None for the allocating op: no workspace, or
+        a call that needs gradients (the ``_out`` ops have no autograd)."""
+        ws = self._workspace
+        if ws is None:
+            return None
+        bias = getattr(self, "bias", None)
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            return None
+        out = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype, device=x.device)
+        return out, ws.scratch(math.prod(x.shape[:-1]))
 
     @classmethod
     def from_checkpoint(cls, checkpoint, bias: torch.Tensor | None = None, *, dtype: torch.dtype | None = None) -> "QuantLinear":

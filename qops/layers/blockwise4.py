@@ -148,7 +148,8 @@ def _denest(source, prefix: str, state: dict, absmax_u8: torch.Tensor, n0: int, 
 
 
 class Blockwise4Linear(QuantLinear):
-    """``y = x @ W.T + bias`` through ``torch.ops.qops.mm_blockwise4`` (bitsandbytes NF4 / FP4).
+    """``y = x @ W.T + bias`` through ``torch.ops.qops.mm_blockwise4`` (bitsandbytes NF4 / FP4;
+    ``mm_blockwise4_out`` with a workspace, :meth:`QuantLinear.use_workspace`).
 
     Buffers: ``qweight`` (flat nibbles), ``code``, ``absmax``, ``nested_code``, ``nested_absmax``,
     ``nested_offset`` (the last three None unless nested), ``bias``.
@@ -175,10 +176,13 @@ class Blockwise4Linear(QuantLinear):
         return cls(FORMATS[f"bitsandbytes-{checkpoint.quant_type}"].prepare(checkpoint, dtype=dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.qops.mm_blockwise4(
-            x, self.qweight, self.code, self.absmax, self.nested_code, self.nested_absmax, self.nested_offset, self.bias,
-            self.out_features, self.in_features, self.blocksize, self.nested_blocksize, self.kernel,
-        )
+        args = (x, self.qweight, self.code, self.absmax, self.nested_code, self.nested_absmax, self.nested_offset, self.bias,
+                self.out_features, self.in_features, self.blocksize, self.nested_blocksize, self.kernel)
+        out_args = self._out_args(x)
+        if out_args is None:
+            return torch.ops.qops.mm_blockwise4(*args)
+        torch.ops.qops.mm_blockwise4_out(*args, *out_args)
+        return out_args[0]
 
     def extra_repr(self) -> str:
         low = self.choice.lowering.name if self.choice is not None else f"kernel={self.kernel}"

@@ -119,8 +119,9 @@ class Fp8BlockScheme(LinearScheme):
 
 
 class Fp8Linear(QuantLinear):
-    """``y = x @ W.T + bias`` on a prepared FP8 weight: ``qops::mm_fp8_weight`` (W8A16) or fp8
-    activations and ``qops::scaled_mm_fp8`` (W8A8), as chosen when the weight was prepared.
+    """``y = x @ W.T + bias`` on a prepared FP8 weight: ``qops::mm_fp8_weight`` (W8A16;
+    ``mm_fp8_weight_out`` with a workspace, :meth:`QuantLinear.use_workspace`) or fp8 activations
+    and ``qops::scaled_mm_fp8`` (W8A8, which needs no scratch), as chosen when the weight was prepared.
 
     Buffers: ``weight``, ``weight_scale``, ``input_scale`` (None without a static one), ``bias``.
     """
@@ -153,7 +154,12 @@ class Fp8Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "none":
-            return torch.ops.qops.mm_fp8_weight(x, self.weight, self.weight_scale, self.bias, self.block_n, self.block_k, self.kernel)
+            args = (x, self.weight, self.weight_scale, self.bias, self.block_n, self.block_k, self.kernel)
+            out_args = self._out_args(x)
+            if out_args is None:
+                return torch.ops.qops.mm_fp8_weight(*args)
+            torch.ops.qops.mm_fp8_weight_out(*args, *out_args)
+            return out_args[0]
         return mm_fp8(x, self.weight, self.weight_scale, self.bias, self.block_n, self.block_k, self.input_scale, self.kernel)
 
     def extra_repr(self) -> str:

@@ -123,7 +123,8 @@ def prepare_eetq(c: EETQCheckpoint, *, dtype: torch.dtype | None = None) -> Int8
 
 
 class Int8Linear(QuantLinear):
-    """``y = x @ W.T + bias`` through ``torch.ops.qops.mm_int8_weight`` on a prepared int8 weight.
+    """``y = x @ W.T + bias`` through ``torch.ops.qops.mm_int8_weight`` on a prepared int8 weight
+    (``mm_int8_weight_out`` with a workspace, :meth:`QuantLinear.use_workspace`).
 
     Buffers: ``qweight`` int8 ``(N, K)``, ``scales`` ``(N,)``, ``bias``.
     """
@@ -152,7 +153,12 @@ class Int8Linear(QuantLinear):
         return cls(weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.qops.mm_int8_weight(x, self.qweight, self.scales, self.bias, self.kernel)
+        args = (x, self.qweight, self.scales, self.bias, self.kernel)
+        out_args = self._out_args(x)
+        if out_args is None:
+            return torch.ops.qops.mm_int8_weight(*args)
+        torch.ops.qops.mm_int8_weight_out(*args, *out_args)
+        return out_args[0]
 
     def extra_repr(self) -> str:
         low = self.choice.lowering.name if self.choice is not None else f"kernel={self.kernel}"

@@ -229,7 +229,8 @@ def _same_encoding(a: IntWeight, b: IntWeight) -> bool:
 
 
 class IntWeightLinear(QuantLinear):
-    """``y = x @ W.T + bias`` through ``torch.ops.qops.mm_int_weight`` on a prepared integer weight.
+    """``y = x @ W.T + bias`` through ``torch.ops.qops.mm_int_weight`` on a prepared integer weight
+    (``mm_int_weight_out`` with a workspace, :meth:`QuantLinear.use_workspace`).
 
     Buffers: ``qweight``, ``scales``, ``qzeros`` (None when symmetric), ``act_perm`` (None without
     act-order), ``bias``; the static facts (bits, group size, zero offset, lowering) are ints.
@@ -268,10 +269,13 @@ class IntWeightLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_pad:
             x = F.pad(x, (0, self.input_pad))
-        return torch.ops.qops.mm_int_weight(
-            x, self.qweight, self.scales, self.qzeros, self.act_perm, self.bias,
-            self.in_features + self.input_pad, self.bits, self.group_size, self.zero_offset, self.kernel,
-        )
+        args = (x, self.qweight, self.scales, self.qzeros, self.act_perm, self.bias,
+                self.in_features + self.input_pad, self.bits, self.group_size, self.zero_offset, self.kernel)
+        out_args = self._out_args(x)
+        if out_args is None:
+            return torch.ops.qops.mm_int_weight(*args)
+        torch.ops.qops.mm_int_weight_out(*args, *out_args)
+        return out_args[0]
 
     def extra_repr(self) -> str:
         low = self.choice.lowering.name if self.choice is not None else f"kernel={self.kernel}"

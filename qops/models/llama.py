@@ -17,7 +17,8 @@ Static shapes for CUDA graphs. Every tensor a step touches lives at a fixed addr
   uses cache row b.
 - Rotary tables: buffers ``(max_seq, head_dim)``, gathered at the step's positions.
 - Scratch: ``model.workspace`` (:class:`qops.workspace.Workspace`), sized once from the layers'
-  lowerings for ``max_batch`` rows.
+  lowerings for ``max_batch`` rows and attached to every quantized linear, which then calls its
+  op's ``_out`` variant with that buffer as scratch (``qops.workspace.attach_workspace``).
 
 A decode step is :meth:`LlamaForCausalLM.decode` ``(tokens (B,), positions (B,)) -> logits (B, V)``:
 no host synchronization, no data-dependent Python control flow, no allocation outside torch's
@@ -52,7 +53,7 @@ from ..layers import (
     Weights,
 )
 from ..layers.loader import read_quantization_config
-from ..workspace import Workspace
+from ..workspace import Workspace, attach_workspace
 from .checkpoint import QuantScheme, TensorWeights, get_scheme, quantize_tensors, save_pretrained
 
 ARCHITECTURES = ("LlamaForCausalLM",)  # (Mistral adds sliding-window attention, not implemented here)
@@ -277,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", emb.sin().float().to(self.device), persistent=False)
         self.register_buffer("key_positions", torch.arange(max_seq, device=self.device), persistent=False)
         self.workspace = Workspace.for_model(self, max_m=max_batch, device=self.device)
+        attach_workspace(self, self.workspace)
 
     # Construction.
 

@@ -11,6 +11,9 @@ refuses is skipped with the chooser's reasons):
 - fp16 and bf16 decode close to the fp32 model;
 - the workspace sized from the real lowerings' size functions (<= 64 MiB for Llama-3-8B shapes
   at batch 32);
+- for one pair per lowering that uses scratch, the compiled decode (reduce-overhead) calling the
+  ``_out`` ops with the model's workspace buffer in place, on garbage scratch, equal to eager, the
+  buffer never reallocated;
 - with two GPUs, the model sharded over NCCL (spawned ranks, NVLink multicast off) equal to one
   GPU, eagerly and through reduce-overhead CUDA graphs.
 
@@ -185,6 +188,61 @@ def test_workspace_for_llama3_8b_shapes_fits_64_mib(lowering):
         need = layer_scratch_bytes(layer, 32, torch.device("cuda"))
         assert need <= 64 << 20, f"{name} ({n}x{k}): {need} bytes at M <= 32"
 
+
+
+def _first_pair_per_lowering(names) -> list[tuple[str, str]]:
+    out = {}
+    for scheme, lowering in PAIRS:
+        if lowering in names:
+            out.setdefault(lowering, (scheme, lowering))
+    return list(out.values())
+
+
+def _scratch_pairs() -> list[tuple[str, str]]:
+    from qops.workspace import SCRATCH_BYTES
+
+    return _first_pair_per_lowering(SCRATCH_BYTES)
+
+
+@pytest.mark.parametrize("scheme,lowering", _scratch_pairs(), ids=[f"{s}-{low}" for s, low in _scratch_pairs()])
+def test_compiled_decode_runs_on_the_model_workspace(dense, scheme, lowering, monkeypatch):
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    from compile_tests.test_compile_model import OPS, check_workspace_in_place
+    from qops.formats import FORMATS
+
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
+    model = _model(dense, scheme, lowering)
+    ws = model.workspace
+    layers = model.quantized_linears()
+    assert all(m.workspace is ws for m in layers)
+    buffer, ptr = ws.buffer, ws.buffer.data_ptr()
+    # W8A8 layers call qops::scaled_mm_fp8, which needs no scratch.
+    with_out = sum(getattr(m, "activations", "none") == "none" for m in layers)
+    counters["inductor"].clear()
+    step = torch.compile(model.decode, fullgraph=True, mode="reduce-overhead")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for i, b in enumerate((1, MAX_BATCH, 2, 1)):
+            prompts = torch.randint(0, CONFIG.vocab_size, (b, 3), generator=gen).cuda()
+            tok = model.prefill(prompts).argmax(-1)
+            pos = torch.full((b,), 3, dtype=torch.long, device="cuda")
+            want = model.decode(tok, pos)
+            buffer.fill_(255)  # garbage scratch must not matter: split-K accumulators are zeroed in place
+            torch.compiler.cudagraph_mark_step_begin()
+            args = _unbacked(tok.clone(), pos.clone())
+            if i == 0:
+                got, (code, *_) = run_and_get_code(step, *args)
+                if with_out:
+                    check_workspace_in_place(code, {OPS[FORMATS[scheme].family]: with_out})
+            else:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    got = step(*args)
+            err = relative_error(got.clone(), want)
+            assert err < TOLERANCE[torch.bfloat16], f"batch {b}: relative error {err:.3g}"
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert model.workspace.buffer is buffer and buffer.data_ptr() == ptr
 
 
 # One pair per fast lowering family (each spawn compiles per rank; the GPU suite has a time limit).
