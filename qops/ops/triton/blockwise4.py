@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k, store_row, store_tile
+from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k, store_tile
 
 CONFIGS: dict = {
     # Untuned estimates (no H200 run yet), chosen from the SASS of the loop (triton 3.9, sm_90, fp16,
