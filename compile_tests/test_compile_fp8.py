@@ -1,7 +1,8 @@
 """torch.compile of a two-layer module on prepared FP8 weights, W8A16 and W8A8 (dynamic and static
 activation scales): no graph breaks, one graph for every batch size (unbacked batch), the eager
 numbers, exactly one opaque qops call per linear, and -- for W8A8 -- the activation quantization
-visible to Inductor and fused into the kernel that produces the activations."""
+visible to Inductor and fused into the kernel that produces the activations. ``mm_fp8_weight_out``
+takes a module's workspace buffer in place (one graph input, no copy)."""
 from __future__ import annotations
 
 import re
@@ -74,3 +75,39 @@ def test_backward_compiles(activations):
     model = two_linear(activations)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     H.check_backward(model, compiled, K1, same=lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+
+
+class _OutTwoLinear(torch.nn.Module):
+    """The W8A16 pair through ``qops::mm_fp8_weight_out``, both on one module-owned workspace."""
+
+    def __init__(self, model: H.TwoLinear, nbytes: int):
+        super().__init__()
+        self.inner = model
+        self.register_buffer("workspace", torch.empty(nbytes, dtype=torch.uint8), persistent=False)
+
+    def _mm(self, w, x, bias=None):
+        out = torch.empty(*x.shape[:-1], w.out_features, dtype=x.dtype, device=x.device)
+        torch.ops.qops.mm_fp8_weight_out(x, w.weight, w.weight_scale, bias, w.block_n, w.block_k, int(w.kernel), out, self.workspace)
+        return out
+
+    def forward(self, x):
+        return self._mm(self.inner.w2, torch.relu(self._mm(self.inner.w1, x, self.inner.b1)))
+
+
+def test_out_op_takes_the_workspace_in_place():
+    model = _OutTwoLinear(two_linear("none"), 1024)
+    compiled = torch.compile(model, fullgraph=True)
+
+    def first(fn, x):
+        y, (code, *_) = run_and_get_code(fn, x)
+        calls = re.findall(r"torch\.ops\.qops\.mm_fp8_weight_out\.default\((.*)\)", code)
+        assert len(calls) == 2, code
+        # Both calls get the buffer as the graph input it is; it is never cloned or copied back.
+        (ws,) = {c.rsplit(",", 1)[1].strip() for c in calls}
+        assert re.fullmatch(r"arg\d+_1", ws), ws
+        assert "clone" not in code and "copy_" not in code
+        return y
+
+    with torch.no_grad():
+        for batch, x, y in H.over_batches(compiled, K1, first=first):
+            torch.testing.assert_close(y, model.inner(x), rtol=1e-5, atol=1e-5, msg=f"batch {batch}")

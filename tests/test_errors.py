@@ -280,3 +280,30 @@ def test_prepared_weight_records_its_choice(monkeypatch):
     w = build(CASE).weight
     assert w.kernel == qops.Kernel.REFERENCE and w.choice.lowering.kernel == w.kernel
     assert w.choice.lowering.name == "reference_int_weight"
+
+
+def _fp8_out_args(**changes) -> dict:
+    from qops.formats.fp8 import quantize_rtn
+    from qops.ops.fp8 import prepare_fp8_weight
+
+    w = prepare_fp8_weight(quantize_rtn(torch.randn(24, 64, generator=torch.Generator().manual_seed(0)), "channel", (128, 128)),
+                           activations="none")
+    args = dict(x=torch.randn(3, 64), weight=w.weight, weight_scale=w.weight_scale, bias=None, block_n=w.block_n, block_k=w.block_k,
+                kernel=int(w.kernel), out=torch.empty(3, 24), workspace=torch.empty(128, dtype=torch.uint8))
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "changes,pattern",
+    [
+        (dict(out=torch.empty(3, 24, dtype=torch.bfloat16)), r"qops\.mm_fp8_weight_out: out must have the dtype of x \(torch.float32\), got torch.bfloat16"),
+        (dict(out=torch.empty(3, 1, 24)), r"qops\.mm_fp8_weight_out: out must have shape \(3, 24\), got \(3, 1, 24\)"),
+        (dict(x=torch.randn(3, 65)), r"qops\.mm_fp8_weight_out: weight must have K=65 columns"),
+        (dict(kernel=1), r"qops\.mm_fp8_weight_out: kernel=1 \(triton_fp8\) runs on \['cuda'\]"),
+    ],
+    ids=["out-dtype", "out-rank", "K", "kernel-cuda-only"],
+)
+def test_mm_fp8_weight_out_bad_input(changes, pattern, mode):
+    expect_error(torch.ops.qops.mm_fp8_weight_out, _fp8_out_args(**changes), mode, pattern)
