@@ -286,7 +286,7 @@ LOWERINGS: tuple[Lowering, ...] = (
         k_multiple_of_group=True,
         priority=10,
         entry="qops.ops.triton.blockwise4:triton_mm",
-        note="Triton: codebook GEMV with in-kernel absmax de-nesting for M <= 2, tl.dot GEMM above",
+        note="Triton: register-codebook (prmt) decode into a narrow tensor-core dot for M <= 16, tl.dot GEMM above; absmax de-nested in the kernel",
         software=_triton_missing,
     ),
 )
