@@ -15,11 +15,16 @@ number of rows M and the shipped config table (never from tensor values, never w
   upper half of each word needs one shift per word). Scales multiply the per-step partial sums once
   per column, never per element.
 - **gemm** (larger M): a tiled split-K GEMM on tensor cores. The packed ``(BLOCK_K/vpw, BLOCK_N)``
-  word tile is dequantized in registers to ``q - z`` (exact in fp16 and bf16) with the same mantissa
-  trick, interleaved back into K order with ``tl.join`` (no redundant loads of a word per value),
-  and fed to ``tl.dot`` with fp32 accumulation. When a K tile lies inside one quantization group the
-  scale multiplies the tile's fp32 product (once per output element per tile); otherwise scales are
-  applied per element before the dot.
+  word tile is dequantized in registers to ``q - z`` (exact in fp16 and bf16) and fed to ``tl.dot``
+  with fp32 accumulation. For fp16/bf16 activations, whole words and a K tile inside one group (2
+  and 4 bits; 8 bits in fp16) the values go straight into f16x2/bf16x2 pairs, K-adjacent as the
+  operand wants them (``common.half_unpack_asm``: PRMT, LOP3 with the 1024.0 / 128.0 magic, packed
+  FMA; 1.5 instructions per value at 4 bits, 1 at 8), as inline PTX on a GPU and as the same lanes
+  in plain Triton under the interpreter (:func:`dequant_form`). Otherwise each value goes through
+  the fp32 mantissa trick and is interleaved back into K order with ``tl.join``. When a K tile
+  lies inside one quantization group the scale multiplies the tile's fp32 product (once per output
+  element per tile) or, for tiles taller than half their depth, the half weight tile (once per
+  weight pair); otherwise scales are applied per element before the dot.
 - **dense** (the largest M, when the config says so): the weight is dequantized by a Triton kernel
   into a transient dense ``(K, N)`` buffer in N-slabs of bounded size and multiplied by cuBLAS; the
   dense weight never outlives the call. act_perm is applied by scattering rows, so x is not gathered.
@@ -58,7 +63,7 @@ class Dequant:
     FP32: each value through the fp32 2**23 mantissa trick, then rounded to the activation dtype
     (any bits, any dtype). HALF_TRITON / HALF_ASM: pairs of values straight into f16x2 / bf16x2
     (``common.half_unpack_asm``), as plain Triton operations (the interpreter's form, also valid on
-    a GPU) or as one inline-PTX block per word (about one instruction per value).
+    a GPU) or as one inline-PTX block per word (1 to 1.5 instructions per value).
     """
     FP32 = 0
     HALF_TRITON = 1
