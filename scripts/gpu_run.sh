@@ -7,11 +7,15 @@
 # benchmarks, and prints the W4A16 table and TARGETS block last. Everything is teed into $OUT as it
 # happens, so a run cut off by a time limit still returns what it did. Files in $OUT (<= 8):
 #   gpu_run.log (everything, in order), pytest_gpu.xml, bench_int_weight.json, bench_int_weight.txt,
-#   bench_fp8.json, bench_bnb_int8.json, bench_decode.json, sweep_native.json, probe_layout_bw.json
+#   bench_fp8.json, bench_bnb_int8.json, bench_decode.json, sweep_native.json, probe_layout_bw.json,
+#   bench_fp8_sweep.json (only 8 come back from one device call: choose the steps per call)
 #
 # Environment:
 #   QOPS_STEPS=a,b,...      the steps to run, in this order: sweep_native, probe_layout_bw, bench_int_weight,
-#                           pytest_gpu, bench_fp8, bench_bnb_int8, bench_decode (default: the last five)
+#                           pytest_gpu, bench_fp8, bench_bnb_int8, bench_decode, bench_fp8_sweep
+#                           (default: bench_int_weight, pytest_gpu, bench_fp8, bench_bnb_int8, bench_decode)
+#   QOPS_TESTS="..."        what pytest_gpu runs (default: tests/gpu); QOPS_JUNIT names its XML (pytest_gpu.xml).
+#                           The tests get SIGINT at the timeout, so pytest still writes the XML of what ran.
 #   QOPS_BENCH_ARGS="..."   extra arguments for benchmarks/bench_int_weight.py (e.g. "--quick")
 #   QOPS_TEST_TIMEOUT=600   seconds before the tests are killed (coreutils timeout; no pytest-timeout needed)
 #   QOPS_BENCH_TIMEOUT=240  seconds before the W4A16 benchmark is killed (its JSON is rewritten after every shape)
@@ -45,7 +49,7 @@ LOG=$OUT/gpu_run.log
 with_timeout() {
     local s=$1; shift
     if command -v timeout >/dev/null 2>&1; then
-        timeout -k 10 "$s" "$@"
+        timeout -s "${TIMEOUT_SIGNAL:-TERM}" -k 20 "$s" "$@"
     else
         "$@"
     fi
@@ -83,7 +87,9 @@ main() {
         step bench_int_weight "$BENCH_TIMEOUT" "$PY" benchmarks/bench_int_weight.py ${QOPS_BENCH_ARGS:-} ;;
     esac
     case ",$steps," in *,pytest_gpu,*)
-        step pytest_gpu "$TEST_TIMEOUT" "$PY" -m pytest -m gpu tests/gpu -q -rfE -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" ;;
+        # shellcheck disable=SC2086  # QOPS_TESTS is split on purpose
+        TIMEOUT_SIGNAL=INT step pytest_gpu "$TEST_TIMEOUT" "$PY" -m pytest -m gpu ${QOPS_TESTS:-tests/gpu} -q -rfE -p no:cacheprovider \
+            --junitxml="$OUT/${QOPS_JUNIT:-pytest_gpu.xml}" ;;
     esac
     case ",$steps," in *,bench_fp8,*)
         step bench_fp8 "$FAMILY_TIMEOUT" "$PY" benchmarks/bench_fp8.py --quick --out "$OUT/bench_fp8.json" ;;
@@ -93,6 +99,9 @@ main() {
     esac
     case ",$steps," in *,bench_decode,*)
         step bench_decode "$DECODE_TIMEOUT" "$PY" benchmarks/bench_decode.py ;;
+    esac
+    case ",$steps," in *,bench_fp8_sweep,*)
+        step bench_fp8_sweep 150 "$PY" benchmarks/bench_fp8.py --sweep ;;
     esac
 
     echo
