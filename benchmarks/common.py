@@ -202,7 +202,10 @@ def triton_version() -> str:
 
 
 def git_commit() -> str | None:
-    """``git rev-parse HEAD`` of the repo, else ``$QOPS_COMMIT`` (the GPU machine has no git), else None."""
+    """``$QOPS_COMMIT`` when set (a run from an exported snapshot of that commit: git there would name
+    whatever repository encloses the snapshot), else ``git rev-parse HEAD`` of the repo, else None."""
+    if os.environ.get("QOPS_COMMIT"):
+        return os.environ["QOPS_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if head.returncode == 0 and head.stdout.strip():
@@ -213,7 +216,10 @@ def git_commit() -> str | None:
 
 
 def git_dirty(path: str) -> bool | None:
-    """Whether ``path`` (relative to the repo) has uncommitted changes; None without git."""
+    """Whether ``path`` (relative to the repo) has uncommitted changes; None without git (or for a
+    snapshot run, ``$QOPS_COMMIT`` set)."""
+    if os.environ.get("QOPS_COMMIT"):
+        return None
     try:
         st = subprocess.run(["git", "status", "--porcelain", "--", path], cwd=ROOT, capture_output=True, text=True, timeout=10)
     except Exception:  # noqa: BLE001 - no git binary

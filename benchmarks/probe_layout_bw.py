@@ -99,7 +99,6 @@ def run(args) -> int:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": []}
     paths = common.output_paths("probe_layout_bw.json", args.out)
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
-    stream = torch.cuda.current_stream()
     i32 = compiler.i32
     for n, k in common.parse_shapes(args.shapes):
         rows, cols = k // 8, n
@@ -113,8 +112,10 @@ def run(args) -> int:
         for blocks in (sms, 2 * sms, 4 * sms):
             patterns.append((f"tiles blocks={blocks}", (blocks, 1, 1), 1, 1))
         for name, grid, nwn, mode in patterns:
+            # The stream is read at each call: graph_time warms up on a side stream and captures on
+            # the graph's stream (a stream fixed here made the capture record nothing).
             fns = [lambda b=b, grid=grid, nwn=nwn, mode=mode: compiler.launch(
-                kernel, grid, (256, 1, 1), 0, stream, b.data_ptr(), sink.data_ptr(), i32(rows), i32(cols), i32(nwn), i32(mode))
+                kernel, grid, (256, 1, 1), 0, torch.cuda.current_stream(), b.data_ptr(), sink.data_ptr(), i32(rows), i32(cols), i32(nwn), i32(mode))
                 for b in bufs]
             t = common.graph_time(fns, args.trials, 4.0).us
             tbps = nbytes / (t * 1e-6) / 1e12

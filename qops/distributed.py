@@ -69,4 +69,9 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     """The ranks' ``x`` concatenated along the last dimension, in rank order."""
     _check_real(group, "all_gather_last_dim")
-    return _waited(_all_gather(x.contiguous(), x.dim() - 1, group))
+    # Gathered along dim 0 with the last dimension moved in front: rank r's block then lands where
+    # the concatenation along the last dimension puts it. Gathering along another dimension directly
+    # goes through torch._utils._maybe_view_chunk_cat in torch 2.11, which Dynamo refuses to trace
+    # (a graph break under fullgraph=True, seen on the two-GPU H200 machine).
+    xt = x.movedim(-1, 0).contiguous()
+    return _waited(_all_gather(xt, 0, group)).movedim(0, -1).contiguous()

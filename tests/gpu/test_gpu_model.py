@@ -155,7 +155,13 @@ def test_half_precision_decode(dense, scheme, lowering, dtype):
         got = model(prompts, positions).float()
         want = reference(prompts, positions)
     assert got.isfinite().all()
-    assert relative_error(got, want) < (2e-2 if dtype == torch.float16 else 6e-2)
+    tol = 2e-2 if dtype == torch.float16 else 6e-2
+    if lowering == "scaled_mm_fp8":
+        # W8A8: the activations' e4m3 rounding (half an ulp is 2^-4 relative) dominates, whatever the
+        # half dtype; an fp16 difference that moves a value across an fp8 rounding boundary changes it
+        # by a whole fp8 ulp (4.5% logit error measured on the H200 in fp16, within bf16's bound).
+        tol = 6e-2
+    assert relative_error(got, want) < tol
 
 
 def _reference_lowering(scheme: str) -> str:

@@ -857,22 +857,45 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     cfg = plan["cfg"]
     launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)))
     if plan["path"] == "decode":
-        _gemv_kernel[plan["grid"]](
-            *common, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"],
-            EVEN_N=plan["even_n"], **flags, **launch,
-        )
+        _launch_within_shared_memory(_gemv_kernel, plan["grid"], common, dict(
+            BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"], EVEN_N=plan["even_n"], **flags), launch, x2.dtype)
     else:
-        _tc_kernel[plan["grid"]](
-            *common, BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
+        _launch_within_shared_memory(_tc_kernel, plan["grid"], common, dict(
+            BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
             GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"],
-            DEQUANT=dequant_form(x2.dtype, bits, plan["tile_group"]), **flags, **launch,
-        )
+            DEQUANT=dequant_form(x2.dtype, bits, plan["tile_group"]), **flags), launch, x2.dtype)
     if mode != 0:
         block = 256
         _reduce_kernel[(-(-n // block), m)](
             y, bias if bias is not None else y, o2, m, n, split if mode == 1 else 1, sy[0], sy[1],
             o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, num_warps=2,
         )
+
+
+# (kernel, constexprs, dtype) -> num_stages that fits the device's shared memory, where the
+# configured one did not.
+_FITTING_STAGES: dict[tuple, int] = {}
+
+
+def _launch_within_shared_memory(kernel, grid, args, constexprs: dict, launch: dict, dtype) -> None:
+    """Launch ``kernel``; if Triton reports that its pipeline needs more shared memory than the device
+    has (OutOfResources, raised before anything runs), retry with fewer ``num_stages`` and remember it.
+
+    A config table tuned for one tile shape can meet a (bits, group) combination whose unpacked tile
+    is larger (2/3-bit tiles at M = 16 asked for 299 KB on the H200 with 3 stages); one stage fewer
+    fits and runs the same arithmetic. The retry happens at the first (eager) call of that shape.
+    """
+    key = (kernel.__name__ if hasattr(kernel, "__name__") else id(kernel), tuple(sorted(constexprs.items())), dtype)
+    stages = _FITTING_STAGES.get(key, launch["num_stages"])
+    while True:
+        try:
+            kernel[grid](*args, **constexprs, num_warps=launch["num_warps"], num_stages=stages)
+            break
+        except triton.runtime.errors.OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            _FITTING_STAGES[key] = stages
 
 
 def _run_dense(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2):
