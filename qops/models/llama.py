@@ -213,6 +213,9 @@ class LlamaAttention(nn.Module):
         # the non-contiguous split is miscompiled by Inductor when B is unbacked (torch 2.13).
         self.k_cache.index_put_(index, k)
         self.v_cache.index_put_(index, v.view(b, t, hk, d))
+        # B <= max_batch, said to the compiler: with an unbacked B the slice's size is then B itself,
+        # not a new unbacked min(B, max_batch), which torch 2.11's Inductor fails to lower.
+        torch._check(b <= self.k_cache.shape[0])
         kc, vc = self.k_cache[:b], self.v_cache[:b]  # (B, Hkv, S, D)
         g = h // hk
         # Query rows grouped under their KV head: (B, Hkv, G*T, D), no copy of the cache per head.

@@ -33,10 +33,13 @@ from .common import fp32_scratch, grouped_tile, pick_bucket, sm_count
 
 FP8 = torch.float8_e4m3fn
 GEMV_MAX_M = 4
-# gemv: bytes of weight one program loads per K step (BLOCK_N * BLOCK_K); the row count per program is
-# the largest of GEMV_BLOCK_NS that still gives every SM GEMV_PROGRAMS_PER_SM programs.
-GEMV_TILE_BYTES = 8192
-GEMV_BLOCK_NS = (4, 8, 16, 32)
+# gemv launch, from the H200 sweep of (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) at M = 1
+# (benchmarks/results/h200-2026-11-30-85c0cb8-fp8-sweep.json): 2048 weight bytes per row per K step
+# and few rows per program win everywhere (8 rows from N = 8192 up, 2 below), 4 warps, no split-K
+# once the row blocks give every SM GEMV_PROGRAMS_PER_SM programs: 82-96% of the roofline on the large shapes where
+# the earlier rule (8192-element tiles, up to 32 rows) reached 32-73%.
+GEMV_ROW_BYTES = 2048
+GEMV_WIDE_N = 8192
 GEMV_PROGRAMS_PER_SM = 4
 # gemm: (largest M of the bucket, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages);
 # the last bucket takes every larger M. BLOCK_N of the small-M buckets shrinks (not below 16) until
@@ -187,18 +190,14 @@ def _native_fp8(device: torch.device) -> bool:
 def gemv_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
     """Launch configuration of the gemv kernel (M <= GEMV_MAX_M)."""
     block_m = triton.next_power_of_2(m)
-    block_n = GEMV_BLOCK_NS[0]
-    for bn in GEMV_BLOCK_NS:
-        if triton.cdiv(n, bn) >= GEMV_PROGRAMS_PER_SM * sms:
-            block_n = bn
-    # The (BLOCK_M, BLOCK_N, BLOCK_K) product tile stays at GEMV_TILE_BYTES elements.
-    block_k = max(64, GEMV_TILE_BYTES // (block_n * block_m))
+    block_n = 8 if n >= GEMV_WIDE_N else 2
+    block_k = max(64, GEMV_ROW_BYTES // block_m)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     if block_k_scale > 0:
         block_k = min(block_k, block_k_scale)
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     steps = triton.cdiv(k, block_k)
-    split_k = max(1, min(GEMV_PROGRAMS_PER_SM * sms // programs, steps // 2))
+    split_k = max(1, min(GEMV_PROGRAMS_PER_SM * sms // programs, steps // 2))  # 1 for the large shapes
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4)
 
 
