@@ -293,7 +293,7 @@ def render_targets(res, dry) -> str:
         skipped = ", ".join(f"{s['model']} batch {s['batch']}" for s in res["skipped"])
         lines.append(f"  skipped: {skipped}")
     if res["models"].get("w4"):
-        lines.append("  note: the scratch is the workspace the model preallocates; qops.layers does not pass it to the ops yet")
+        lines.append("  note: the scratch is the workspace the model preallocates and its quantized layers pass to the _out ops")
     return "\n".join(lines)
 
 
