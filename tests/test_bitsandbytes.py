@@ -341,11 +341,14 @@ TRITON_RUNS = [
     (C.BLOCKWISE4_CASES[10], 1, {"gemv": {"STEP_BYTES": 16}}, "gemv", None),  # fp4
     (C.BLOCKWISE4_CASES[11], 16, {"gemv": {"BLOCK_N": 16}}, "gemv", None),  # the largest default GEMV M
     (C.BLOCKWISE4_CASES[4], 17, {"gemv_max_m": 32}, "gemv", None),  # a 32-wide dot, 15 rows masked
-    (C.BLOCKWISE4_CASES[4], 5, {"gemv_max_m": 2, "gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
-    (C.BLOCKWISE4_CASES[11], 17, {"gemm": TINY_GEMM, "gemm_max_split": 4}, "gemm", True),
+    (C.BLOCKWISE4_CASES[4], 5, {"gemv_max_m": 2, "gemv_slices_max_m": 0, "gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
+    (C.BLOCKWISE4_CASES[11], 17, {"gemv_slices_max_m": 0, "gemm": TINY_GEMM, "gemm_max_split": 4}, "gemm", True),
     # The weight tile scaled before the dots (what large BLOCK_M uses), nested and plain.
-    (C.BLOCKWISE4_CASES[10], 17, {"gemm": TINY_GEMM, "gemm_max_split": 1, "scale_after_max_block_m": 0}, "gemm", False),
-    (C.BLOCKWISE4_CASES[5], 3, {"gemv_max_m": 2, "gemm": TINY_GEMM, "gemm_max_split": 2, "scale_after_max_block_m": 0}, "gemm", True),
+    (C.BLOCKWISE4_CASES[10], 17, {"gemv_slices_max_m": 0, "gemm": TINY_GEMM, "gemm_max_split": 1, "scale_after_max_block_m": 0}, "gemm", False),
+    (C.BLOCKWISE4_CASES[5], 3, {"gemv_max_m": 2, "gemv_slices_max_m": 0, "gemm": TINY_GEMM, "gemm_max_split": 2, "scale_after_max_block_m": 0}, "gemm", True),
+    # Above gemv_max_m: the small-M kernel over row slices (the last one partial), with and without split-K.
+    (C.BLOCKWISE4_CASES[4], 37, {}, "gemv_slices", None),
+    (C.BLOCKWISE4_CASES[5], 7, {"gemv_max_m": 2, "gemv": {"STEP_BYTES": 64, "programs_per_sm": 64}}, "gemv_slices", True),
 ]
 
 

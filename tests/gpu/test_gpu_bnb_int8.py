@@ -92,13 +92,15 @@ def test_eager(case, dtype, ms):
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.id)
 def test_forced_split_k_agrees(case):
-    # M = 32 takes the GEMM of both families; M = 1 the GEMV of both, and M = 16 the 4-bit GEMV
-    # (the int8 GEMM): forced to many K splits, each must match the float64 reference and the default.
+    # M = 32 takes the GEMM of both families (4-bit: its row slicing turned off); M = 1 the GEMV of
+    # both, and M = 16 the 4-bit GEMV (the int8 GEMM): forced to many K splits, each must match the
+    # float64 reference and the default.
     w, w64 = gpu_weight(case, torch.float16)
     mod = ti8 if hasattr(w, "scales") else tbw4
     x = torch.randn(32, case.k, device="cuda", dtype=torch.float16)
     base = w.mm(x)
-    with mod.config_override(gemm_max_split=8, gemm=[(1 << 62, {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3})],
+    slicing = {} if mod is ti8 else {"gemv_slices_max_m": 0}
+    with mod.config_override(**slicing, gemm_max_split=8, gemm=[(1 << 62, {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3})],
                              gemv={"programs_per_sm": 64}):
         split = w.mm(x)
         split1 = w.mm(x[:1])

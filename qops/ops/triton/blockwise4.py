@@ -53,6 +53,8 @@ CONFIGS: dict = {
     # 57344) unsplit: a split costs a zeroing and a cast kernel. STEP_BYTES is capped at
     # blocksize / 2 (one absmax per step). M <= 16 rows of x ride in one 16-wide dot.
     "gemv_max_m": 16,
+    # Up to this M, calls run the small-M kernel over gemv_max_m-row slices (see triton_mm); above, the GEMM.
+    "gemv_slices_max_m": 256,
     "gemv": {"BLOCK_N": 128, "STEP_BYTES": 32, "num_warps": 4, "num_stages": 4, "programs_per_sm": 1,
              "max_split": 16},
     # Register counts from ptxas (triton 3.6, sm_90, nested, blocksize 64): 168, 114, 164, 164,
@@ -296,6 +298,11 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
         return dict(path="gemv", BLOCK_M=bm, BLOCK_N=bn, STEP=step, split=split,
                     split_bytes=per, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                     grid=(tiles, split))
+    if m <= TABLE["gemv_slices_max_m"]:
+        # gemv_max_m-row slices through the small-M kernel: measured on the H200 (85c0cb8), four
+        # slices at M = 64 take 1/5-1/7 of the tl.dot GEMM's time and sixteen at M = 256 1/4-1/2 of
+        # it (benchmarks/results/h200-2026-11-30-85c0cb8-bnb-int8.json); until the GEMM is rebuilt.
+        return {**plan(TABLE["gemv_max_m"], n, k, blocksize, device, dtype), "path": "gemv_slices"}
     cfg = TABLE.gemm(m)
     bm = pow2_at_most(m, cfg["BLOCK_M"])
     bn = pow2_at_most(n, cfg["BLOCK_N"])
@@ -318,6 +325,12 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         return finish(y2, None, bias, x, n, out)
     if k == 0:
         y2.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(y2))
+        return finish(y2, None, None, x, n, out)
+    if plan(m, n, k, blocksize, x.device, x.dtype)["path"] == "gemv_slices":
+        rows = TABLE["gemv_max_m"]
+        for r0 in range(0, m, rows):
+            triton_mm(x2[r0:r0 + rows], qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features,
+                      blocksize, nested_blocksize, out=y2[r0:r0 + rows], workspace=workspace)
         return finish(y2, None, None, x, n, out)
     nested = absmax.dtype == torch.uint8
     p = plan(m, n, k, blocksize, x.device, x.dtype)
