@@ -396,3 +396,40 @@ def test_half_pair_lanes_refuses_what_does_not_fit():
         C.half_pair_lanes(8, "bf16")
     with pytest.raises(ValueError):
         C.half_pair_lanes(3, "f16")
+
+
+def test_launch_retries_with_fewer_stages_when_shared_memory_runs_out(monkeypatch):
+    import triton
+
+    from qops.ops.triton import int_weight as tiw
+
+    monkeypatch.setattr(tiw, "_FITTING_STAGES", {})
+    calls = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, num_stages, **constexprs):
+                calls.append(num_stages)
+                if num_stages > 2:
+                    raise triton.runtime.errors.OutOfResources(299008, 232448, "shared memory")
+            return launch
+
+    k = FakeKernel()
+    tiw._launch_within_shared_memory(k, (1,), (), {"BLOCK_M": 16}, {"num_warps": 4, "num_stages": 4}, torch.float16)
+    assert calls == [4, 3, 2]
+    tiw._launch_within_shared_memory(k, (1,), (), {"BLOCK_M": 16}, {"num_warps": 4, "num_stages": 4}, torch.float16)
+    assert calls[3:] == [2], "the stage count that fits is remembered"
+    tiw._launch_within_shared_memory(k, (1,), (), {"BLOCK_M": 32}, {"num_warps": 4, "num_stages": 2}, torch.float16)
+    assert calls[4:] == [2]
+
+    class NeverFits:
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, num_stages, **constexprs):
+                calls.append(num_stages)
+                raise triton.runtime.errors.OutOfResources(299008, 232448, "shared memory")
+            return launch
+
+    del calls[:]
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        tiw._launch_within_shared_memory(NeverFits(), (1,), (), {"BLOCK_M": 64}, {"num_warps": 4, "num_stages": 3}, torch.float16)
+    assert calls == [3, 2, 1], "one stage is the last try"

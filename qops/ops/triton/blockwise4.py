@@ -326,14 +326,14 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     if k == 0:
         y2.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(y2))
         return finish(y2, None, None, x, n, out)
-    if plan(m, n, k, blocksize, x.device, x.dtype)["path"] == "gemv_slices":
+    p = plan(m, n, k, blocksize, x.device, x.dtype)
+    if p["path"] == "gemv_slices":
         rows = TABLE["gemv_max_m"]
         for r0 in range(0, m, rows):
             triton_mm(x2[r0:r0 + rows], qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features,
                       blocksize, nested_blocksize, out=y2[r0:r0 + rows], workspace=workspace)
         return finish(y2, None, None, x, n, out)
     nested = absmax.dtype == torch.uint8
-    p = plan(m, n, k, blocksize, x.device, x.dtype)
     atomic = p["split"] > 1
     acc = fp32_scratch(workspace, (m, n), True, x.device) if atomic else None
     dst = acc if atomic else y2

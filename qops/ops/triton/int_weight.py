@@ -885,8 +885,9 @@ def _launch_within_shared_memory(kernel, grid, args, constexprs: dict, launch: d
     is larger (2/3-bit tiles at M = 16 asked for 299 KB on the H200 with 3 stages); one stage fewer
     fits and runs the same arithmetic. The retry happens at the first (eager) call of that shape.
     """
-    key = (kernel.__name__ if hasattr(kernel, "__name__") else id(kernel), tuple(sorted(constexprs.items())), dtype)
-    stages = _FITTING_STAGES.get(key, launch["num_stages"])
+    # The key is built only once some launch has needed fewer stages (the common path pays nothing).
+    key = (id(kernel), tuple(sorted(constexprs.items())), dtype) if _FITTING_STAGES else None
+    stages = _FITTING_STAGES.get(key, launch["num_stages"]) if key is not None else launch["num_stages"]
     while True:
         try:
             kernel[grid](*args, **constexprs, num_warps=launch["num_warps"], num_stages=stages)
@@ -895,7 +896,7 @@ def _launch_within_shared_memory(kernel, grid, args, constexprs: dict, launch: d
             if stages <= 1:
                 raise
             stages -= 1
-            _FITTING_STAGES[key] = stages
+            _FITTING_STAGES[(id(kernel), tuple(sorted(constexprs.items())), dtype)] = stages
 
 
 def _run_dense(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2):
