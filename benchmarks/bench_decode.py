@@ -11,12 +11,15 @@ Models (``qops.models.llama``, random weights, one GPU, no tensor parallelism):
   (sharding, preparation, lowering choice and warm-up as for a real checkpoint);
 - bf16: random ``N(0, 1/K)`` weights, ``FastLinear`` (cuBLAS).
 
-Method: ``qops.models.compile_decode`` (``torch.compile(fullgraph=True, mode="reduce-overhead")``,
-batch dimension unbacked: one compilation per model, one CUDA graph per batch size). Per (model,
-batch): a random prompt of ``--prompt-len`` tokens prefilled eagerly, then ``--steps`` greedy
-decode steps through the graphs (``torch.compiler.cudagraph_mark_step_begin()`` each step; argmax
-and position update eager, as a serving loop does), timed with the wall clock around the loop
-between two device synchronizations, median of ``--trials``. tokens/s = batch x steps / time.
+Method: ``qops.models.compile_decode`` (``torch.compile(fullgraph=True)``, batch dimension
+unbacked: one compilation per model). Per (model, batch): a random prompt of ``--prompt-len`` tokens
+prefilled eagerly, then ``--steps`` greedy decode steps. ``--loop captured`` (default): the compiled
+step, its argmax and the position update captured into one ``torch.cuda.graph`` per batch
+(``qops.models.CapturedDecode``, what a serving loop replays), the replays timed with CUDA events.
+``--loop reduce-overhead``: ``mode="reduce-overhead"`` (``torch.compiler.cudagraph_mark_step_begin()``
+each step; argmax and position update eager), wall clock around the loop between two device
+synchronizations; it adds the per-step host cost of guards and input copies. Median of
+``--trials``; tokens/s = batch x steps / time.
 Every step attends over all ``--max-seq`` cache positions (static shapes), masked past its own.
 Memory per model: weight bytes, the workspace (scratch) it preallocated, its KV cache; peak
 allocated bytes per (model, batch) run (``torch.cuda.max_memory_allocated`` after a reset; both
@@ -63,6 +66,12 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens prefilled before decoding (default 16)")
     p.add_argument("--max-seq", type=int, default=None, help="KV cache positions per row (default prompt + steps + 8)")
     p.add_argument("--models", default="w4,bf16", help="which models: w4, bf16 or both (default w4,bf16)")
+    p.add_argument("--loop", choices=("captured", "reduce-overhead"), default="captured",
+                   help="captured (default): the step compiled fullgraph, captured with argmax and position update into one "
+                        "torch.cuda.graph per batch (qops.models.CapturedDecode), replays timed with CUDA events; "
+                        "reduce-overhead: torch.compile's mode='reduce-overhead' loop with eager argmax, wall clock "
+                        "(the dry run always uses this one, without graphs)")
+    p.add_argument("--attention", choices=("sdpa", "matmul"), default="sdpa", help="the model's attention (default sdpa)")
     p.add_argument("--budget-s", type=float, default=210.0, help="no new row starts after this many seconds (default 210)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -139,7 +148,7 @@ def random_dense_linears(config, device, dtype, seed):
             for prefix, (n, k) in linear_shapes(config).items()}
 
 
-def build(kind, config, device, dtype, args):
+def build(kind, config, device, dtype, args, attention="sdpa"):
     from qops.models import LlamaForCausalLM
 
     shared = shared_tensors(config, device, dtype, args.seed)
@@ -148,10 +157,28 @@ def build(kind, config, device, dtype, args):
     else:
         linears, qc = random_dense_linears(config, device, dtype, args.seed), None
     model = LlamaForCausalLM.from_tensors(config, {**shared, **linears}, qc, device=device, dtype=dtype, max_batch=max(args.batch_list),
-                                          max_seq=args.max_seq, process_group=None)
+                                          max_seq=args.max_seq, process_group=None, attention=attention)
     del shared, linears
     gc.collect()
     return model
+
+
+def time_captured(cap, tokens, positions, steps: int, trials: int) -> list[float]:
+    """Milliseconds per step of ``steps`` chained replays of a ``CapturedDecode``, one per trial
+    (CUDA events around the replays; each trial restarts from ``tokens`` / ``positions``)."""
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(trials):
+        cap.start(tokens, positions)
+        a.record()
+        for _ in range(steps):
+            cap.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / steps)
+    return out
 
 
 def sync(device):
@@ -171,11 +198,12 @@ def run(args) -> int:
         return 2
     common.add_repo_to_path()
     import qops  # noqa: F401
-    from qops.models import compile_decode, generate
+    from qops.models import CapturedDecode, compile_decode, generate
 
     device = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16
     cuda_graphs = not dry
+    captured = args.loop == "captured" and not dry
     config = model_config(dry)
     triton_ver = common.triton_version()
     commit = common.git_commit()
@@ -189,10 +217,12 @@ def run(args) -> int:
         "config": config.to_dict(),
         "args": {k: v for k, v in vars(args).items() if k not in ("batch_list", "model_list")} | {"batches": args.batch_list, "models": args.model_list},
         "method": {
-            "compile": "qops.models.compile_decode: torch.compile(model.decode, fullgraph=True" + (", mode='reduce-overhead')" if cuda_graphs else ")")
-                       + ", batch dimension unbacked",
-            "timing": "wall clock around the decode loop between device synchronizations, median of trials; "
-                      "argmax and position update eager each step",
+            "compile": "qops.models.compile_decode: torch.compile(model.decode, fullgraph=True"
+                       + (", mode='reduce-overhead')" if cuda_graphs and not captured else ")") + ", batch dimension unbacked",
+            "timing": ("qops.models.CapturedDecode: step + argmax + position update in one CUDA graph per batch, replays "
+                       "between CUDA events, median of trials") if captured else
+                      ("wall clock around the decode loop between device synchronizations, median of trials; "
+                       "argmax and position update eager each step"),
             "tokens_per_s": "batch * steps / median time",
             "attention": f"every step attends over max_seq={args.max_seq} cache positions (masked)",
             "w4": "GPTQ v2 4-bit g128 asymmetric from random integers, loaded through qops.layers",
@@ -208,7 +238,7 @@ def run(args) -> int:
     for kind in args.model_list:
         label = "w4" if kind == "w4" else ("bf16" if not dry else "dense")
         t = time.time()
-        model = build(kind, config, device, dtype, args)
+        model = build(kind, config, device, dtype, args, attention=args.attention)
         sync(device)
         info = {"kind": kind, "dtype": str(dtype).replace("torch.", ""), "build_s": round(time.time() - t, 2),
                 "weights_bytes": model.weight_bytes(), "scratch_bytes": model.workspace.nbytes,
@@ -219,7 +249,7 @@ def run(args) -> int:
             info["allocated_after_build_bytes"] = torch.cuda.memory_allocated()
         res["models"][label] = info
         models[label] = model
-        steps_fn[label] = compile_decode(model, cuda_graphs=cuda_graphs)
+        steps_fn[label] = compile_decode(model, cuda_graphs=cuda_graphs and not captured)
         print(f"built {label}: {info['build_s']} s, weights {info['weights_bytes'] / 2**30:.2f} GiB, scratch "
               f"{info['scratch_bytes'] / 2**20:.2f} MiB, lowerings {info['lowerings']}", flush=True)
         common.write_json(res, out_paths)
@@ -235,19 +265,30 @@ def run(args) -> int:
                     continue
                 prompts = torch.randint(0, config.vocab_size, (b, args.prompt_len), generator=gen).to(device)
                 t = time.time()
-                generate(model, prompts, 4, step=step, cuda_graphs=cuda_graphs)  # compile (first batch) + record this batch's graph
+                if captured:
+                    first = model.prefill(prompts).argmax(-1)
+                    cap = CapturedDecode(model, step, b, start_position=args.prompt_len)  # compiles on the first batch
+                    start = (first, torch.full((b,), args.prompt_len, dtype=torch.long, device=device))
+                else:
+                    generate(model, prompts, 4, step=step, cuda_graphs=cuda_graphs)  # compile (first batch) + record this batch's graph
                 sync(device)
                 warm_s = time.time() - t
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                times = []
-                for _ in range(args.trials):
-                    g = generate(model, prompts, args.steps + 1, step=step, cuda_graphs=cuda_graphs)
-                    times.append(g.decode_s)
+                if captured:
+                    times = [ms * args.steps / 1e3 for ms in time_captured(cap, *start, args.steps, args.trials)]
+                    last = cap.tokens.clone()
+                    del cap
+                else:
+                    times = []
+                    for _ in range(args.trials):
+                        g = generate(model, prompts, args.steps + 1, step=step, cuda_graphs=cuda_graphs)
+                        times.append(g.decode_s)
+                    last = g.tokens[:, -1]
                 med = statistics.median(times)
-                row = {"model": label, "batch": b, "steps": args.steps, "tokens_per_s": b * args.steps / med,
+                row = {"model": label, "batch": b, "loop": args.loop, "steps": args.steps, "tokens_per_s": b * args.steps / med,
                        "step_ms": 1e3 * med / args.steps, "trials_s": times, "warmup_s": round(warm_s, 2),
-                       "finite": bool(torch.isfinite(model.decode(g.tokens[:, -1], torch.full((b,), args.prompt_len, device=device))).all())}
+                       "finite": bool(torch.isfinite(model.decode(last, torch.full((b,), args.prompt_len, device=device))).all())}
                 if device.type == "cuda":
                     row["peak_bytes"] = torch.cuda.max_memory_allocated()
                 res["rows"].append(row)

@@ -7,20 +7,22 @@
 # benchmarks, and prints the W4A16 table and TARGETS block last. Everything is teed into $OUT as it
 # happens, so a run cut off by a time limit still returns what it did. Files in $OUT (<= 8):
 #   gpu_run.log (everything, in order), pytest_gpu.xml, bench_int_weight.json, bench_int_weight.txt,
-#   bench_fp8.json, bench_bnb_int8.json, bench_decode.json, sweep_native.json, probe_layout_bw.json,
+#   bench_fp8.json, bench_bnb_int8.json, bench_decode.json, sweep_native.json, probe_layout_bw.json, profile_decode.json,
 #   bench_fp8_sweep.json (only 8 come back from one device call: choose the steps per call)
 #
 # Environment:
-#   QOPS_STEPS=a,b,...      the steps to run, in this order: sweep_native, probe_layout_bw, bench_int_weight,
+#   QOPS_STEPS=a,b,...      the steps to run, in this order: sweep_native, profile_decode, probe_layout_bw, bench_int_weight,
 #                           pytest_gpu, bench_fp8, bench_bnb_int8, bench_decode, bench_fp8_sweep
 #                           (default: bench_int_weight, pytest_gpu, bench_fp8, bench_bnb_int8, bench_decode)
 #   QOPS_TESTS="..."        what pytest_gpu runs (default: tests/gpu); QOPS_JUNIT names its XML (pytest_gpu.xml).
 #                           The tests get SIGINT at the timeout, so pytest still writes the XML of what ran.
 #   QOPS_BENCH_ARGS="..."   extra arguments for benchmarks/bench_int_weight.py (e.g. "--quick")
+#   QOPS_PROFILE_ARGS="..." arguments for benchmarks/profile_decode.py (e.g. "--variants w4:sdpa,w4:matmul");
+#                           QOPS_PROFILE_TIMEOUT=480 its time limit
 #   QOPS_TEST_TIMEOUT=600   seconds before the tests are killed (coreutils timeout; no pytest-timeout needed)
 #   QOPS_BENCH_TIMEOUT=240  seconds before the W4A16 benchmark is killed (its JSON is rewritten after every shape)
 #   QOPS_FAMILY_BENCH_TIMEOUT=90  the same for each of the fp8 and int8/NF4 benchmarks
-#   QOPS_DECODE_TIMEOUT=300 the same for the end-to-end decode benchmark
+#   QOPS_DECODE_TIMEOUT=300 the same for the end-to-end decode benchmark; QOPS_DECODE_ARGS="..." its extra arguments
 #   QOPS_SWEEP_TIMEOUT=300  the same for the native launch-plan sweep (benchmarks/sweep_native.py)
 #   QOPS_COMMIT=<sha>       recorded in the JSON when git is not available here
 #   PYTHON=python3          the interpreter
@@ -79,6 +81,10 @@ main() {
     case ",$steps," in *,sweep_native,*)
         step sweep_native "$SWEEP_TIMEOUT" "$PY" benchmarks/sweep_native.py --budget-s $((SWEEP_TIMEOUT - 60)) ;;
     esac
+    case ",$steps," in *,profile_decode,*)
+        # shellcheck disable=SC2086  # QOPS_PROFILE_ARGS is split on purpose
+        step profile_decode "${QOPS_PROFILE_TIMEOUT:-480}" "$PY" benchmarks/profile_decode.py ${QOPS_PROFILE_ARGS:-} ;;
+    esac
     case ",$steps," in *,probe_layout_bw,*)
         step probe_layout_bw 120 "$PY" benchmarks/probe_layout_bw.py ;;
     esac
@@ -98,7 +104,8 @@ main() {
         step bench_bnb_int8 "$FAMILY_TIMEOUT" "$PY" benchmarks/bench_bnb_int8.py --out "$OUT/bench_bnb_int8.json" ;;
     esac
     case ",$steps," in *,bench_decode,*)
-        step bench_decode "$DECODE_TIMEOUT" "$PY" benchmarks/bench_decode.py ;;
+        # shellcheck disable=SC2086  # QOPS_DECODE_ARGS is split on purpose
+        step bench_decode "$DECODE_TIMEOUT" "$PY" benchmarks/bench_decode.py ${QOPS_DECODE_ARGS:-} ;;
     esac
     case ",$steps," in *,bench_fp8_sweep,*)
         step bench_fp8_sweep 150 "$PY" benchmarks/bench_fp8.py --sweep ;;

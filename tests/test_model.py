@@ -57,13 +57,19 @@ def test_schemes_cover_the_format_registry():
         assert s.tags and all(t in QUANT_ERROR for t in s.tags), s.name
 
 
-def test_dense_model_equals_the_float64_reference(dense_tensors):
-    model = _model(dense_tensors, None, max_seq=8)
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_dense_model_equals_the_float64_reference(dense_tensors, attention):
+    model = _model(dense_tensors, None, max_seq=8, attention=attention)
     tokens = _prompts(3, 7)
     with torch.no_grad():
         got = model(tokens, torch.arange(7).expand(3, 7))
     want = reference_logits(dense_tensors, CONFIG, tokens)
     assert relative_error(got, want) < 1e-5
+
+
+def test_unknown_attention_kind_is_refused(dense_tensors):
+    with pytest.raises(ValueError, match="attention='flash'"):
+        _model(dense_tensors, None, attention="flash")
 
 
 def test_llama3_rope_scaling_matches_the_published_rule():

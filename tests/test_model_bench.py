@@ -50,3 +50,32 @@ def test_random_gptq_checkpoint_is_a_valid_checkpoint(monkeypatch):
     # Weights of std ~ 1/sqrt(K), mean ~ 0: activations keep their scale through the layers.
     assert abs(w.std().item() * cfg.intermediate_size ** 0.5 - 1) < 0.2 and abs(w.mean().item()) < 0.1 * w.std().item()
     assert qc["checkpoint_format"] == "gptq_v2"
+
+
+def test_profile_decode_dry_run_and_kernel_table(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.delenv("OUT", raising=False)
+    import profile_decode
+
+    torch._dynamo.reset()
+    out = tmp_path / "p.json"
+    assert profile_decode.main(["--dry-run", "--variants", "w4:sdpa,w4:matmul,bf16", "--steps", "2", "--out", str(out)]) == 0
+    torch._dynamo.reset()
+    res = json.loads(out.read_text())
+    assert [r["variant"] for r in res["rows"]] == ["w4:sdpa", "w4:matmul", "bf16"]
+    assert all("error" not in r for r in res["rows"]), res["rows"]
+    # The two attention kinds agree on the same weights and inputs.
+    assert res["rows"][1]["first_logits_rel_err_vs_first_variant"] < 1e-5
+
+    class Ev:  # a profiler event on the device: name, (start, end) in microseconds
+        def __init__(self, name, s, e):
+            self.name, self.device_type = name, "DeviceType.CUDA"
+            self.time_range = type("R", (), {"start": s, "end": e})()
+
+    evs = [Ev("w4a16_gemv", 0, 10), Ev("triton_poi_fused_add_0", 12, 14), Ev("w4a16_gemv", 13, 23), Ev("sm90_xmma_gemm", 30, 40)]
+    t = profile_decode.kernel_table(evs, steps=2)
+    assert t["kernels_per_step"] == 2 and t["span_us_per_step"] == 20
+    assert t["busy_us_per_step"] == (10 + 11 + 10) / 2  # the overlapping pair counts once
+    assert t["kinds"]["qops native"] == {"us_per_step": 10, "launches_per_step": 1}
+    assert t["kinds"]["cublas"]["us_per_step"] == 5 and t["kinds"]["inductor triton"]["us_per_step"] == 1
+    assert t["top"][0]["name"] == "w4a16_gemv"

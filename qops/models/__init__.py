@@ -7,9 +7,9 @@
   ``qops.formats.FORMATS`` entry), in-memory checkpoints (``TensorWeights``), ``save_pretrained``.
 """
 from .checkpoint import DEFAULT_SCHEME, QUANT_SCHEMES, QuantScheme, TensorWeights, get_scheme, quantize_tensors, save_pretrained
-from .llama import LlamaConfig, LlamaForCausalLM, compile_decode, default_process_group, generate, random_tensors, save_random_checkpoint
+from .llama import CapturedDecode, LlamaConfig, LlamaForCausalLM, compile_decode, default_process_group, generate, random_tensors, save_random_checkpoint
 
 __all__ = [
-    "DEFAULT_SCHEME", "QUANT_SCHEMES", "LlamaConfig", "LlamaForCausalLM", "QuantScheme", "TensorWeights", "compile_decode", "default_process_group",
+    "CapturedDecode", "DEFAULT_SCHEME", "QUANT_SCHEMES", "LlamaConfig", "LlamaForCausalLM", "QuantScheme", "TensorWeights", "compile_decode", "default_process_group",
     "generate", "get_scheme", "quantize_tensors", "random_tensors", "save_pretrained", "save_random_checkpoint",
 ]

@@ -14,7 +14,9 @@ Static shapes for CUDA graphs. Every tensor a step touches lives at a fixed addr
   ``(max_batch, kv_heads_local, max_seq, head_dim)``. A step writes its keys and values in place
   (``index_put_`` at ``(row, kv head, position)``) and attends over all
   ``max_seq`` positions of its rows, masking positions after the query's own; batch row b of a call
-  uses cache row b.
+  uses cache row b. ``attention="sdpa"`` (default) attends with one
+  ``F.scaled_dot_product_attention`` call per layer under an additive mask computed once per step;
+  ``"matmul"`` spells it out (two batched matmuls around a masked softmax, fp32 scores).
 - Rotary tables: buffers ``(max_seq, head_dim)``, gathered at the step's positions.
 - Scratch: ``model.workspace`` (:class:`qops.workspace.Workspace`), sized once from the layers'
   lowerings for ``max_batch`` rows and attached to every quantized linear, which then calls its
@@ -184,9 +186,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 
 
+ATTENTION_KINDS = ("sdpa", "matmul")
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, prefix: str, weights: Weights, *, max_batch: int, max_seq: int) -> None:
+    def __init__(self, config: LlamaConfig, prefix: str, weights: Weights, *, max_batch: int, max_seq: int,
+                 attention: str = "sdpa") -> None:
         super().__init__()
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"{prefix}: attention={attention!r} is not one of {ATTENTION_KINDS}")
+        self.attention = attention
         world = weights.world_size
         for what, h in (("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", config.num_key_value_heads)):
             if h % world:
@@ -202,7 +211,8 @@ class LlamaAttention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=weights.dtype, device=weights.device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=weights.dtype, device=weights.device), persistent=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: tuple[torch.Tensor, ...], bias: torch.Tensor) -> torch.Tensor:
+        """``bias``: ``(1, B*Hkv, G*T, S)`` additive mask, 0 where a query row sees a key, -inf elsewhere."""
         b, t, _ = x.shape
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split([h * d, hk * d, hk * d], dim=-1)
@@ -220,10 +230,16 @@ class LlamaAttention(nn.Module):
         g = h // hk
         # Query rows grouped under their KV head: (B, Hkv, G*T, D), no copy of the cache per head.
         qg = q.view(b, t, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
-        scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale  # (B, Hkv, G*T, S)
-        scores = scores.masked_fill(mask, float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(vc.dtype)
-        o = torch.matmul(p, vc)  # (B, Hkv, G*T, D)
+        # Rows and KV heads merged into one head dimension of a batch of 1: with an unbacked B, SDPA's
+        # shape checks would otherwise guard on B == 1 (torch 2.11), while B*Hkv == 1 is known false.
+        s = kc.shape[2]
+        qg, kc, vc = qg.reshape(1, b * hk, g * t, d), kc.reshape(1, b * hk, s, d), vc.reshape(1, b * hk, s, d)
+        if self.attention == "sdpa":
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=bias, scale=self.scale)  # (1, B*Hkv, G*T, D)
+        else:
+            scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale + bias  # (1, B*Hkv, G*T, S)
+            p = torch.softmax(scores, dim=-1).to(vc.dtype)
+            o = torch.matmul(p, vc)
         o = o.view(b, hk, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
         return self.o_proj(o)
 
@@ -240,15 +256,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, prefix: str, weights: Weights, *, max_batch: int, max_seq: int) -> None:
+    def __init__(self, config: LlamaConfig, prefix: str, weights: Weights, *, max_batch: int, max_seq: int,
+                 attention: str = "sdpa") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.input_layernorm.weight"), config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", weights, max_batch=max_batch, max_seq=max_seq)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", weights, max_batch=max_batch, max_seq=max_seq,
+                                        attention=attention)
         self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), config.rms_norm_eps)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", weights)
 
-    def forward(self, x, cos, sin, index, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, index, mask)
+    def forward(self, x, cos, sin, index, bias):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, index, bias)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -258,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
     :func:`generate`."""
 
     def __init__(self, config: LlamaConfig, weights: Weights, *, max_batch: int = 8, max_seq: int = 256,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 attention: str = "sdpa", progress: Callable[[int, int], None] | None = None) -> None:
         super().__init__()
         if max_batch < 1 or max_seq < 1:
             raise ValueError(f"LlamaForCausalLM: max_batch and max_seq must be positive, got {max_batch}, {max_seq}")
@@ -269,7 +287,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = TensorParallelEmbedding("model.embed_tokens", weights)
         layers = []
         for i in range(config.num_hidden_layers):
-            layers.append(LlamaDecoderLayer(config, f"model.layers.{i}", weights, max_batch=max_batch, max_seq=max_seq))
+            layers.append(LlamaDecoderLayer(config, f"model.layers.{i}", weights, max_batch=max_batch, max_seq=max_seq,
+                                            attention=attention))
             if progress is not None:
                 progress(i + 1, config.num_hidden_layers)
         self.layers = nn.ModuleList(layers)
@@ -327,17 +346,19 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(2)  # (B, T, 1, D)
         sin = self.rope_sin[positions].unsqueeze(2)
         # Masked: keys after the query's position (not written yet, or stale from an earlier sequence).
-        mask = (self.key_positions > positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+        # One additive mask for every layer: (1, B*Hkv, G*T, S), 0 where visible, -inf elsewhere.
+        masked = (self.key_positions > positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
         hk = self.config.num_key_value_heads // self.world_size
         g = self.config.num_attention_heads // self.config.num_key_value_heads
         # Cache index (row, kv head, position) of each key of the step, broadcast to (B, T, Hkv).
         index = (torch.arange(b, device=tokens.device).view(b, 1, 1), torch.arange(hk, device=tokens.device).view(1, 1, hk),
                  positions.unsqueeze(-1))
         # Query rows are grouped (g, t) under their KV head.
-        mask = mask.unsqueeze(2).expand(b, 1, g, t, self.max_seq).reshape(b, 1, g * t, self.max_seq)
+        masked = masked.unsqueeze(2).expand(b, hk, g, t, self.max_seq).reshape(1, b * hk, g * t, self.max_seq)
+        bias = torch.where(masked, float("-inf"), 0.0).to(self.dtype)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, index, mask)
+            x = layer(x, cos, sin, index, bias)
         return self.lm_head(self.norm(x))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -486,3 +507,44 @@ def generate(model: LlamaForCausalLM, prompts: torch.Tensor, new_tokens: int, *,
     sync()
     decode_s = time.perf_counter() - t
     return Generation(torch.stack(out, 1), torch.stack(kept, 1) if keep_logits else None, prefill_s, decode_s, new_tokens - 1)
+
+
+class CapturedDecode:
+    """Greedy decode steps of one batch size captured once into a ``torch.cuda.graph``, as a serving
+    loop runs them: no Python, no guards and no input copies per step.
+
+    ``step`` (``model.decode`` or a :func:`compile_decode` result without CUDA graphs) runs on static
+    ``tokens`` / ``positions`` buffers of ``batch`` rows; the graph also writes the argmax back into
+    ``tokens`` and advances ``positions``, so replays chain. :meth:`start` loads a batch's first
+    tokens and positions; :meth:`replay` runs one step; ``logits`` holds the last step's output.
+    The caller keeps positions below ``model.max_seq`` (nothing is checked inside the graph).
+    Kernels compile and load in two warm-up steps on a side stream before capture (they write the
+    KV cache at the start positions, which the first replay then overwrites).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, step: Callable | None, batch: int, *, start_position: int = 0) -> None:
+        if not 1 <= batch <= model.max_batch:
+            raise ValueError(f"CapturedDecode: batch {batch} is outside [1, max_batch={model.max_batch}]")
+        if model.device.type != "cuda":
+            raise ValueError(f"CapturedDecode: the model is on {model.device}; CUDA graphs need a CUDA device")
+        step = step or model.decode
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=model.device)
+        self.positions = torch.full((batch,), start_position, dtype=torch.long, device=model.device)
+        side = torch.cuda.Stream(model.device)
+        side.wait_stream(torch.cuda.current_stream(model.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                step(self.tokens, self.positions)
+        torch.cuda.current_stream(model.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.logits = step(self.tokens, self.positions)
+            self.tokens.copy_(self.logits.argmax(-1))
+            self.positions.add_(1)
+
+    def start(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+
+    def replay(self) -> None:
+        self.graph.replay()
