@@ -249,7 +249,7 @@ def run(args) -> int:
             info["allocated_after_build_bytes"] = torch.cuda.memory_allocated()
         res["models"][label] = info
         models[label] = model
-        steps_fn[label] = compile_decode(model, cuda_graphs=cuda_graphs and not captured)
+        steps_fn[label] = compile_decode(model, cuda_graphs=cuda_graphs and not captured, greedy=captured)
         print(f"built {label}: {info['build_s']} s, weights {info['weights_bytes'] / 2**30:.2f} GiB, scratch "
               f"{info['scratch_bytes'] / 2**20:.2f} MiB, lowerings {info['lowerings']}", flush=True)
         common.write_json(res, out_paths)

@@ -7,7 +7,8 @@ refuses is skipped with the chooser's reasons):
   (``counters["inductor"]["cudagraph_skips"] == 0``), one compilation for batch sizes 1, 3 and the
   maximum (unbacked batch) and every step, logits equal to eager;
 - a manual ``torch.cuda.graph`` capture of the eager step, replayed on new tokens and positions,
-  then replayed again after zeroing its output: equal to eager;
+  then replayed again after zeroing its output: equal to eager; ``qops.models.CapturedDecode`` of
+  the compiled greedy step chaining replays, each equal to an eager step;
 - fp16 and bf16 decode close to the fp32 model;
 - the workspace sized from the real lowerings' size functions (<= 64 MiB for Llama-3-8B shapes
   at batch 32);
@@ -141,6 +142,35 @@ def test_manual_cuda_graph_capture_replays_eager(dense, scheme, lowering):
             want = model.decode(tok, static_pos.clone())
             assert torch.equal(got, again)
             assert relative_error(got, want) < 1e-3, pos  # the same kernels, captured
+
+
+# One pair per kind of lowering (the model-level mechanism is the same for the rest).
+CAPTURED_PAIRS = [("none", "dense"), ("gptq", "native_w4a16"), ("gptq", "triton_int_weight"), ("fp8", "triton_fp8"),
+                  ("bitsandbytes-nf4", "triton_blockwise4")]
+
+
+@pytest.mark.parametrize("scheme,lowering", CAPTURED_PAIRS, ids=[f"{s}-{low}" for s, low in CAPTURED_PAIRS])
+def test_captured_greedy_decode_chains_compiled_steps(dense, scheme, lowering):
+    """qops.models.CapturedDecode over the compiled greedy step (what bench_decode times): each
+    replay equals an eager step on the same inputs, feeds its argmax to the next and advances the
+    positions."""
+    from qops.models import CapturedDecode, compile_decode
+
+    model = _model(dense, scheme, lowering)
+    b = 3
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        prompts = torch.randint(0, CONFIG.vocab_size, (b, 4), generator=gen).cuda()
+        first = model.prefill(prompts).argmax(-1)
+        cap = CapturedDecode(model, compile_decode(model, cuda_graphs=False, greedy=True), b, start_position=4)
+        cap.start(first, torch.full((b,), 4, dtype=torch.long, device="cuda"))
+        for s in range(4):
+            tok, pos = cap.tokens.clone(), cap.positions.clone()
+            cap.replay()
+            want = model.decode(tok, pos)
+            assert relative_error(cap.logits, want) < TOLERANCE[torch.bfloat16], f"step {s}"
+            assert torch.equal(cap.tokens, cap.logits.argmax(-1))
+            assert torch.equal(cap.positions, pos + 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
