@@ -1,9 +1,11 @@
 """The native CUDA sources compile with NVRTC on a machine without a GPU, the compiler's disk cache
-is keyed as documented, failures carry NVRTC's log, and the launch plans stay inside the limits the
-kernel assumes (no GPU needed for any of it)."""
+is keyed as documented, failures carry NVRTC's log, the launch plans stay inside the limits the
+kernel assumes, and programmatic dependent launch is compiled in for sm_90 only and requested (or
+dropped) on the host as documented (no GPU needed for any of it)."""
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -202,3 +204,156 @@ def test_deterministic_switch(monkeypatch):
     monkeypatch.setenv(native.DETERMINISTIC_ENV, "0")
     assert native.deterministic() is True, "read at warm-up, not per call"
     assert native.read_deterministic() is torch.are_deterministic_algorithms_enabled()
+
+
+def _ptx(source: str, arch: str, defines) -> str:
+    """PTX through NVRTC directly: cuda.core's PTX output looks for a driver, which CI does not have."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        from cuda import nvrtc  # cuda-python < 12.6 layout
+    opts = compiler.native_options(defines)
+    flags = [f"-arch={arch}", f"-std={compiler.DEFAULT_STD}", *(f"-I{d}" for d in opts["include_path"]),
+             *(f"-D{k}={v}" for k, v in opts.get("define_macro", []))]
+    _, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"native.cu", 0, [], [])
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(flags), [f.encode() for f in flags])
+        assert int(err) == 0, f"NVRTC failed for {arch} {defines}"
+        _, size = nvrtc.nvrtcGetPTXSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetPTX(prog, buf)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return buf.decode().rstrip("\x00")
+
+
+def _entries(ptx: str) -> dict[str, list[str]]:
+    """PTX lines of each kernel entry, by name."""
+    out, name = {}, None
+    for line in ptx.splitlines():
+        m = re.match(r"\.visible \.entry (\w+)\(", line)
+        if m:
+            name = m.group(1)
+            out[name] = []
+        elif name:
+            out[name].append(line)
+    return out
+
+
+# The loads ptx.cuh issues for qweight, scales and qzeros, which no earlier kernel writes: the only
+# global accesses allowed ahead of griddepcontrol.wait.
+_WEIGHT_LOAD = re.compile(r"ld\.global\.nc\.(L1::no_allocate\.v4\.u32|v2\.u32|u32)\s")
+_GLOBAL_ACCESS = re.compile(r"\b(ld|st|cp\.async[.\w]*)\.[\w.:]*global")
+
+
+def _first_dependent_access(lines: list[str]) -> int:
+    """Index of the first global load or store that is not a weight load (x, bias, workspace, out)."""
+    return next(i for i, l in enumerate(lines) if _GLOBAL_ACCESS.search(l) and not _WEIGHT_LOAD.search(l))
+
+
+def _pdl_variants():
+    """Both x staging modes at both tile heights, and a cluster (sm_90 only)."""
+    for m in (1, 16):
+        for xfull in (0, 1):
+            yield {**native._plan(m, 4096, 4096, 132, False).defines(torch.float16, True), "QOPS_XFULL": xfull}
+    yield {**native._plan(16, 4096, 4096, 132, True).defines(torch.bfloat16, False), "QOPS_CLUSTER": 2}
+
+
+@pytest.mark.parametrize("defines", list(_pdl_variants()), ids=lambda d: "mt{QOPS_MT}-xfull{QOPS_XFULL}-cl{QOPS_CLUSTER}".format(**d))
+def test_griddepcontrol_is_in_sm90_code_only_and_orders_the_accesses(defines):
+    """The PTX keeps source order here, so it shows where the wait and the trigger sit: weight loads
+    of the first ring stages before the wait, every other global access after it, the trigger after
+    the main loop's last weight load and before the first store."""
+    src = compiler.native_source(native.SOURCE)
+    if defines["QOPS_CLUSTER"] == 1:
+        assert "griddepcontrol" not in _ptx(src, "sm_80", defines), "before sm_90 the kernel must stay as it was"
+    kernels = _entries(_ptx(src, "sm_90", defines))
+    gemv, reduce = kernels[native.GEMV], kernels[native.REDUCE]
+
+    dep = _first_dependent_access(gemv)
+    waits = [i for i, l in enumerate(gemv[:dep]) if "griddepcontrol.wait" in l]
+    assert waits, "x, bias or workspace accessed before griddepcontrol.wait"
+    assert any(_WEIGHT_LOAD.search(l) for l in gemv[: waits[-1]]), "no weight load is issued ahead of the wait"
+    trigger = [i for i, l in enumerate(gemv) if "griddepcontrol.launch_dependents" in l]
+    assert len(trigger) == 1
+    last_weight = max(i for i, l in enumerate(gemv) if _WEIGHT_LOAD.search(l))
+    first_store = next(i for i, l in enumerate(gemv) if re.search(r"\bst\.[\w.:]*global", l))
+    assert last_weight < trigger[0] < first_store, "launch_dependents belongs after the main loop, before the stores"
+
+    dep = _first_dependent_access(reduce)
+    assert any("griddepcontrol.wait" in l for l in reduce[:dep]), "the reduce kernel reads the workspace before waiting"
+    assert any("griddepcontrol.launch_dependents" in l for l in reduce)
+
+
+@pytest.fixture
+def fake_core(monkeypatch):
+    """compiler.core() replaced by a namespace whose launch records (config, kernel, args)."""
+    fake = types.SimpleNamespace(launched=[])
+    fake.launch = lambda stream, cfg, kernel, *args: fake.launched.append((cfg, kernel, args))
+    monkeypatch.setattr(compiler, "core", lambda: fake)
+    monkeypatch.setattr(compiler, "_streams", {})
+    compiler.pdl_missing.cache_clear()
+    yield fake
+    compiler.pdl_missing.cache_clear()
+
+
+class _LaunchConfigBefore12:  # cuda-core < 1.2: no programmatic_stream_serialization
+    def __init__(self, grid=None, cluster=None, block=None, shmem_size=None, is_cooperative=False):
+        self.grid, self.block, self.shmem_size = grid, block, shmem_size
+
+
+class _LaunchConfig12(_LaunchConfigBefore12):
+    def __init__(self, grid=None, cluster=None, block=None, shmem_size=None, is_cooperative=False,
+                 programmatic_stream_serialization=False):
+        super().__init__(grid, cluster, block, shmem_size, is_cooperative)
+        self.programmatic_stream_serialization = programmatic_stream_serialization
+
+
+_STREAM = types.SimpleNamespace(cuda_stream=0, device_index=0)  # what _core_stream reads of a torch stream
+
+
+def test_launch_without_pdl_support_falls_back_to_an_ordinary_launch(fake_core):
+    fake_core.LaunchConfig = _LaunchConfigBefore12
+    compiler.launch("k", (3, 1, 1), (256, 1, 1), 64, _STREAM, 7, pdl=True)
+    ((cfg, kernel, args),) = fake_core.launched
+    assert (kernel, args, cfg.grid, cfg.block, cfg.shmem_size) == ("k", (7,), (3, 1, 1), (256, 1, 1), 64)
+    assert not hasattr(cfg, "programmatic_stream_serialization")
+    assert "programmatic_stream_serialization" in compiler.pdl_missing()
+
+
+def test_launch_with_pdl_support_sets_the_attribute_on_request_only(fake_core):
+    fake_core.LaunchConfig = _LaunchConfig12
+    compiler.launch("k", (3, 1, 1), (256, 1, 1), 0, _STREAM, pdl=True)
+    compiler.launch("k", (3, 1, 1), (256, 1, 1), 0, _STREAM)
+    assert compiler.pdl_missing() is None
+    assert [cfg.programmatic_stream_serialization for cfg, _, _ in fake_core.launched] == [True, False]
+
+
+def test_pdl_switch(monkeypatch):
+    monkeypatch.setattr(native, "_sm90", lambda idx: True)
+    monkeypatch.delenv(native.PDL_ENV, raising=False)
+    assert native.use_pdl(0) is True, "on by default on sm_90"
+    monkeypatch.setenv(native.PDL_ENV, "0")
+    assert native.use_pdl(0) is False, "read at each launch"
+    monkeypatch.setenv(native.PDL_ENV, "1")
+    monkeypatch.setattr(native, "_sm90", lambda idx: False)
+    assert native.use_pdl(0) is False, "griddepcontrol needs sm_90"
+
+
+@pytest.mark.parametrize("env", ["1", "0"])
+def test_both_launches_of_a_split_call_follow_the_switch(env, monkeypatch):
+    """A workspace plan launches the gemv and the reduce kernel; both get the same pdl flag."""
+    launches = []
+    monkeypatch.setattr(native, "_sm90", lambda idx: True)
+    monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
+    monkeypatch.setattr(compiler, "get_kernel", lambda dev, src, defines, name: name)
+    monkeypatch.setattr(compiler, "launch", lambda kernel, *a, pdl=False: launches.append((kernel, pdl)))
+    monkeypatch.setenv(native.PDL_ENV, env)
+    m, n, k = 1, 256, 4096
+    assert native.plan(m, n, k, 0).workspace, "the case needs the reduce kernel"
+    x2 = torch.zeros(m, k, dtype=torch.float16)
+    qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+    scales = torch.zeros(k // 128, n, dtype=torch.float16)
+    o2 = torch.empty(m, n, dtype=torch.float16)
+    native._launch(x2, qweight, scales, None, None, o2, None, m, n, k, 1, 8, 0, 0, None)
+    assert launches == [(native.GEMV, env == "1"), (native.REDUCE, env == "1")]

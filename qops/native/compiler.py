@@ -12,7 +12,9 @@ itself; local headers (``#include "x.cuh"``) are found beside them. Three layers
   and renamed into place, so concurrent processes never read half a file.
 - :func:`get_kernel` compiles (or reads the cache) and loads a module once per device and kernel
   variant. Loading happens at warm-up; during CUDA-graph capture a kernel that is not loaded yet
-  raises :class:`NativeNotReadyError` instead of compiling. :func:`launch` launches on a torch stream.
+  raises :class:`NativeNotReadyError` instead of compiling. :func:`launch` launches on a torch stream,
+  with programmatic dependent launch (sm_90) on request where this cuda.core can express it
+  (:func:`pdl_missing` says why not).
 
 ``cuda.core`` moved out of ``cuda.core.experimental`` in 1.0; both locations are accepted.
 """
@@ -355,10 +357,34 @@ def _wrap_stream(stream: torch.cuda.Stream, handle: int):
     return stream  # cuda.core versions that take objects with __cuda_stream__ directly
 
 
-def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], shmem: int, stream: torch.cuda.Stream, *args) -> None:
-    """Launch ``kernel`` on ``stream``; ``args``: ints for pointers, numpy scalars for the rest."""
+@functools.cache
+def pdl_missing() -> str | None:
+    """Why :func:`launch` ignores ``pdl=True`` with this cuda.core, or None when it honours it.
+
+    Decided once, by building a ``LaunchConfig`` with ``programmatic_stream_serialization`` (cuda-core
+    1.2 added it; older ones raise TypeError). Needs no device.
+    """
+    try:
+        cc = core()
+        cc.LaunchConfig(grid=1, block=1, programmatic_stream_serialization=True)
+    except Exception as e:  # noqa: BLE001 - any refusal means launching without PDL
+        return f"this cuda-core cannot launch with programmatic stream serialization (cuda-core >= 1.2 can): {type(e).__name__}: {e}"
+    return None
+
+
+def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], shmem: int, stream: torch.cuda.Stream, *args, pdl: bool = False) -> None:
+    """Launch ``kernel`` on ``stream``; ``args``: ints for pointers, numpy scalars for the rest.
+
+    ``pdl``: programmatic dependent launch (sm_90 and later): the kernel may start before the kernel
+    ahead of it on the stream has finished, so it must execute ``griddepcontrol.wait`` before it reads
+    anything that kernel may write and before it writes global memory. Where this cuda.core cannot
+    express it (:func:`pdl_missing`), the launch is an ordinary one, which is always correct.
+    """
     cc = core()
-    cfg = cc.LaunchConfig(grid=grid, block=block, shmem_size=shmem)
+    if pdl and pdl_missing() is None:
+        cfg = cc.LaunchConfig(grid=grid, block=block, shmem_size=shmem, programmatic_stream_serialization=True)
+    else:
+        cfg = cc.LaunchConfig(grid=grid, block=block, shmem_size=shmem)
     cc.launch(_core_stream(stream), cfg, kernel, *args)
 
 

@@ -19,6 +19,15 @@ not change from run to run; the choice of S depends only on the shape and the de
 Compilation and module loading happen in :func:`warmup` (which compiles every variant M = 1..16
 needs for a weight) or, failing that, at the first eager call of a shape; never during CUDA-graph
 capture, where a missing kernel raises :class:`~qops.native.compiler.NativeNotReadyError`.
+
+On sm_90 and later the kernels are launched with programmatic dependent launch (:func:`use_pdl`;
+``QOPS_NATIVE_PDL=0`` turns it off): a launch may start streaming its weights while the kernel ahead
+of it on the stream, which typically writes x, is still finishing. The kernel reads x, bias and the
+workspace and writes anything only after waiting for that kernel, so the one assumption is that the
+kernel right before a launch on the same stream does not write qweight, scales or qzeros. Weights
+are written when they are loaded and prepared; :func:`warmup` after that is enough, since its
+launches wait for the kernels ahead of them. A captured CUDA graph keeps the setting it was
+captured with.
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ MAX_M = 16
 THREADS = 256
 CHUNK_K = 128
 DETERMINISTIC_ENV = "QOPS_DETERMINISTIC"
+PDL_ENV = "QOPS_NATIVE_PDL"
 
 # `flags` bits, as in w4a16_gemv.cu
 _X_VEC, _BIAS_T, _BIAS_F32, _SCALE_BF16 = 1, 2, 4, 8
@@ -59,6 +69,21 @@ def read_deterministic() -> bool:
 def deterministic() -> bool:
     """The switch as read at the last warm-up (read once, lazily, if no warm-up ran)."""
     return read_deterministic() if _deterministic is None else _deterministic
+
+
+def use_pdl(device: int) -> bool:
+    """Launch on ``device`` with programmatic dependent launch: sm_90 or later, unless QOPS_NATIVE_PDL=0.
+
+    Read at every launch (a dictionary lookup), so the switch acts without re-warming; kernels are the
+    same either way. Where cuda.core cannot express it the launch is an ordinary one
+    (``compiler.pdl_missing()`` says why).
+    """
+    return _sm90(device) and os.environ.get(PDL_ENV, "1").strip() != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9  # griddepcontrol needs sm_90
 
 
 @dataclass(frozen=True)
@@ -333,11 +358,13 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
     ws_ptr = ws.data_ptr() if ws is not None else 0
     i32 = compiler.i32
+    pdl = use_pdl(dev)
     compiler.launch(
         gemv, (p.tiles, p.splits, 1), (THREADS, 1, 1), p.shmem, stream,
         qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr() if has_z else 0, x2.data_ptr(),
         bias.data_ptr() if bias is not None else 0, o2.data_ptr(), ws_ptr,
         i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(flags),
+        pdl=pdl,
     )
     if p.workspace:
         reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
@@ -345,6 +372,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
             reduce, (-(-m * n // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
             ws_ptr, bias.data_ptr() if bias is not None else 0, o2.data_ptr(),
             i32(m), i32(n), i32(ldo), i32(p.splits), i32(flags),
+            pdl=pdl,
         )
 
 
@@ -384,6 +412,7 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
     if torch.cuda.is_current_stream_capturing():
         raise compiler.NativeNotReadyError("qops.native.int_weight.warmup must run before CUDA-graph capture, not during it")
     seen = set()
+    pdl = use_pdl(dev)  # the launch path the calls will take, exercised before any capture
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream()
         for m in range(1, min(max_m, MAX_M) + 1):
@@ -395,10 +424,10 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
             defines = p.defines(act_dtype, has_zeros)
             gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
             i0 = compiler.i32(0)
-            compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8))
+            compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
             if p.workspace:
                 reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
-                compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5))
+                compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
     return len(seen)
 
 

@@ -134,6 +134,31 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2,
   }
 }
 
+// Programmatic dependent launch (sm_90). A kernel launched with programmatic stream serialization
+// may start while the kernel ahead of it on the stream is still running. grid_dep_wait() holds the
+// calling thread until that kernel has completed and its writes are visible: every read of what an
+// earlier kernel may write, and every global write, must come after it. Without the launch attribute
+// it returns at once. grid_dep_launch_dependents() lets the next such kernel be scheduled once every
+// block of this grid has issued it or exited; it orders no memory (the dependent's own wait does).
+// Before sm_90 launches are always serialized and both compile to nothing.
+#if __CUDA_ARCH__ >= 900
+constexpr bool kGridDep = true;  // whether the two below exist: a kernel may order its prologue around the wait
+#else
+constexpr bool kGridDep = false;
+#endif
+
+__device__ __forceinline__ void grid_dep_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #if __CUDA_ARCH__ >= 900
 // Thread-block clusters (sm_90): barrier and distributed shared memory.
 __device__ __forceinline__ void cluster_sync() {

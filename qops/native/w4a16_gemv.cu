@@ -37,6 +37,13 @@
 //      loop has no barrier, no x traffic and no permutes: each warp streams its chunks on its own.
 //      The weight loads of the first iterations are issued before x is staged, hiding its latency.
 //
+// Programmatic dependent launch (sm_90, launched with programmatic stream serialization): the kernel
+// may start while the kernel ahead of it (which typically writes x) is still running. Weights, scales
+// and zeros are never written by an earlier kernel, so the first ring stages are loaded before
+// grid_dep_wait(); x, bias and the workspace are read, and out and the workspace written, only after
+// it. After the main loop, grid_dep_launch_dependents() lets the next such launch start streaming its
+// own weights while this one reduces and stores. Launched without the attribute, the wait is a no-op.
+//
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
 // QOPS_NWN (1, 2, 4), QOPS_HAS_Z (0/1), QOPS_CLUSTER (1: no cluster; 2..8 needs sm_90),
 // QOPS_XFULL (0/1), QOPS_RING (register ring depth; 0: 3 for MT = 1, 2 for MT = 2),
@@ -124,7 +131,12 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   constexpr int RS = ROW + 4;    // padded stride: rows g, g+1 of a quarter warp fall in disjoint banks
   constexpr int kRing = ring_depth<MT>();
   constexpr int D = kRing - 1;  // prefetch distance in iterations
-  if (M <= 0 || N <= 0) return;  // also the warm-up launch that only makes the module resident
+  if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
+    // Even with no work: a dependent launched after this grid waits only for this grid, so this grid
+    // must not complete before the kernels ahead of it.
+    grid_dep_wait();
+    return;
+  }
   extern __shared__ uint4 smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -351,6 +363,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
     for (int d = 0; d < D; ++d)
       if (d < n_it) load_chunk(ring[d]);
+    grid_dep_wait();  // x may still be being written by the kernel ahead
     stage_x_full();
     __syncthreads();
     for (int it0 = 0; it0 < n_it; it0 += kRing) {
@@ -365,15 +378,26 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
     __syncthreads();  // every warp is done with x before shared memory is reused below
   } else {
-    // Prologue: iterations 0 .. D-1 in flight. Every iteration commits one cp.async group (maybe
-    // empty) so that wait_group<D-1> always means "the group of the current iteration has landed".
+    // Prologue: iterations 0 .. D-1 in flight. On sm_90 all their weights go first, so that they
+    // stream while the kernel ahead may still be writing x; before sm_90 each iteration's weights
+    // and then its x, the order the kernel was tuned with there. Every iteration commits one
+    // cp.async group (maybe empty) so that wait_group<D-1> always means "the group of the current
+    // iteration has landed".
 #pragma unroll
     for (int d = 0; d < D; ++d) {
       if (d < n_it) {
         load_chunk(ring[d]);
-        load_x(d, d);
+        if constexpr (!kGridDep) load_x(d, d);
       }
-      cp_async_commit();
+      if constexpr (!kGridDep) cp_async_commit();
+    }
+    if constexpr (kGridDep) {
+      grid_dep_wait();
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        if (d < n_it) load_x(d, d);
+        cp_async_commit();
+      }
     }
 
     for (int it0 = 0; it0 < n_it; it0 += kRing) {
@@ -395,6 +419,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     cp_async_wait<0>();
     __syncthreads();
   }
+  // Only the reduction and the stores are left: the next dependent launch may start its weight loads.
+  grid_dep_launch_dependents();
 
   // Reduction over the NWK warps sharing a column tile (shared memory reused), fixed order.
   float* red = reinterpret_cast<float*>(smem);  // [NWK][M][NBLK]
@@ -457,6 +483,9 @@ qops_w4a16_gemv(const unsigned* qweight, const unsigned short* scales, const uns
 // Split-K finish for the workspace path: out[m, n] = sum_s ws[s, m, n] (+ bias), s in order.
 extern "C" __global__ void __launch_bounds__(qops::kThreads)
 qops_w4a16_reduce(const float* ws, const void* bias, unsigned short* out, int M, int N, int ldo, int S, int flags) {
+  qops::grid_dep_wait();  // ws comes from the gemv just launched, which may still be storing it
+  // Nothing here is worth overlapping with: a dependent launch may start its weight loads at once.
+  qops::grid_dep_launch_dependents();
   const int idx = blockIdx.x * qops::kThreads + threadIdx.x;
   if (idx >= M * N) return;
   const size_t mn = static_cast<size_t>(M) * N;

@@ -4,8 +4,8 @@ Weights come from every 4-bit int_weight format (GPTQ v1/v2, AWQ, compressed-ten
 the CPU and moved to the GPU with ``kernel=Kernel.NATIVE``. The reference is float64
 ``x @ W.T (+ bias)`` with W from ``IntQuantized.dequantize`` (exact: fp16 scales times small
 integers). Checked eagerly, under ``torch.compile(fullgraph=True)``, in CUDA-graph replay, through
-both split-K reductions (cluster and workspace, which must agree bit for bit), and for run-to-run
-determinism.
+both split-K reductions (cluster and workspace, which must agree bit for bit), for run-to-run
+determinism, and with programmatic dependent launch on and off right behind the kernels writing x.
 """
 from __future__ import annotations
 
@@ -296,3 +296,69 @@ def test_capture_of_a_kernel_not_loaded_raises():
     with pytest.raises(compiler.NativeNotReadyError, match="Warm up"):
         with torch.cuda.graph(g):
             compiler.get_kernel(0, native.SOURCE, {"QOPS_NEVER_BUILT": 1}, native.GEMV)
+
+
+def test_pdl_is_on_for_this_gpu(monkeypatch):
+    """Says whether the PDL tests below exercise programmatic dependent launch here or only ordinary launches."""
+    if not native._sm90(0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    monkeypatch.delenv(native.PDL_ENV, raising=False)
+    assert native.use_pdl(0)
+    if compiler.pdl_missing() is not None:
+        pytest.skip(f"launches fall back to ordinary ones: {compiler.pdl_missing()}")
+
+
+def _producer_then_two_matmuls(w1, w2, a, bias):
+    """x = 2 a, y = x @ W1^T + bias, z = y @ W2^T: each native launch sits right behind the kernel
+    writing its x; the second one behind a native kernel, which lets it start before its own end."""
+    x = a * 2
+    y = w1.mm(x, bias)
+    return x, y, w2.mm(y)
+
+
+PDL_PLANS = [  # (nwn, splits, cluster, xfull): direct store, cluster sum, workspace + reduce kernel, both x modes
+    (4, 1, False, True), (1, 1, False, False), (2, 2, True, True), (2, 3, False, False), (1, 4, False, True),
+]
+
+
+@pytest.mark.parametrize("variant", PDL_PLANS, ids=lambda v: "nwn{}-s{}-{}-{}".format(
+    v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged"))
+def test_pdl_in_a_cuda_graph_right_after_the_kernel_writing_x(variant, monkeypatch):
+    nwn, splits, cluster, xfull = variant
+    if cluster and not native._device_facts(0)[1]:
+        pytest.skip("thread-block clusters need sm_90")
+    w1 = native_weight("gptq", 1024, 2048, 128, False, version="v2")
+    w2 = native_weight("awq", 512, 1024, 128, False)
+    bias = rand(1024, dtype=torch.float16, seed=9)
+
+    def chosen(m, n, k, sms, cluster_ok):
+        try:
+            return native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull)
+        except ValueError:  # outside the kernel's limits for this shape: the usual plan
+            return None
+
+    outs = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv(native.PDL_ENV, pdl)
+        for m in (1, 7, 16):
+            static_a = rand(m, 2048, dtype=torch.float16, seed=m)
+            with native.plan_override(chosen):
+                _producer_then_two_matmuls(w1.weight, w2.weight, static_a, bias)  # compiles and loads every kernel
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    x, y, z = _producer_then_two_matmuls(w1.weight, w2.weight, static_a, bias)
+            for rep in range(4):
+                static_a.copy_(rand(m, 2048, dtype=torch.float16, seed=100 * rep + m))
+                y.fill_(float("nan"))  # a matmul that read x before its producer finished shows here
+                z.fill_(float("nan"))
+                g.replay()
+                torch.cuda.synchronize()
+                what = f"QOPS_NATIVE_PDL={pdl} M={m} replay {rep}"
+                check(y, x, w1.w64, bias, f"first matmul, {what}")
+                check(z, y, w2.w64, None, f"second matmul, {what}")
+                outs[pdl, m, rep] = (y.clone(), z.clone())
+    for (pdl, m, rep), (y, z) in outs.items():
+        if pdl == "1":
+            y0, z0 = outs["0", m, rep]
+            assert torch.equal(y, y0) and torch.equal(z, z0), f"M={m} replay {rep}: PDL changed the result"
