@@ -8,7 +8,8 @@ picks today, then walks the knobs one at a time from it (coordinate descent: kee
 is faster, twice over all knobs), every variant checked against a float64 reference first.
 
 Method as ``common.py`` (CUDA-graph replays over rotated weight copies > 256 MB, median of
-trials). GPTQ v2, 4 bits, group 128, asymmetric, fp16 activations, as bench_int_weight.py.
+trials). GPTQ v2, 4 bits, group 128, asymmetric, fp16 activations (``--dtype bfloat16``: bf16), as
+bench_int_weight.py.
 
 Writes ``$OUT/sweep_native.json`` (and ``--out``) after every case; prints per case the default
 plan, the best plan found and their times, then a table last.
@@ -31,8 +32,10 @@ import common
 from bench_int_weight import decode_gptq4_f64
 from common import PERF_SHAPES, clone_tensors, n_copies, rel_err
 
-KNOBS = ("xfull", "nwn", "splits", "ring", "minb")
-VALUES = {"nwn": (1, 2, 4), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2), "xfull": (True, False)}
+KNOBS = ("fold", "xfull", "nwn", "splits", "ring", "minb")
+VALUES = {"nwn": (1, 2, 4), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2), "xfull": (True, False),
+          "fold": (True, False)}
+PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold")
 TOL = 2e-3
 
 
@@ -44,13 +47,16 @@ def parse_args(argv=None):
     ap.add_argument("--target-ms", type=float, default=4.0, help="length of one timed trial")
     ap.add_argument("--passes", type=int, default=2, help="rounds of coordinate descent over the knobs")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this many seconds")
+    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="activation dtype (default float16)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     return ap.parse_args(argv)
 
 
 def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, **change):
     """``base`` with ``change`` applied, or None when the kernel cannot run it."""
-    f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb} | change
+    f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb, "fold": base.fold} | change
+    if not f["xfull"]:
+        f["fold"] = False  # folding needs x staged once
     if f["ring"] == 4 and m > 8:  # the M > 8 tile's accumulators leave no registers for a 4-deep ring
         return None
     cluster = cluster_ok and base.cluster and 2 <= f["splits"] <= 8  # a new split count is tried both ways by the caller
@@ -61,7 +67,7 @@ def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, **change):
 
 
 def key(p) -> tuple:
-    return (p.nwn, p.splits, p.cluster, p.xfull, p.ring, p.minb)
+    return tuple(getattr(p, f) for f in PLAN_KEYS)
 
 
 def run(args) -> int:
@@ -73,11 +79,12 @@ def run(args) -> int:
     from qops.native import int_weight as native
 
     dev = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
     sms, cluster_ok = native._device_facts(0)
     copy_bw = common.copy_TBps(args.trials)
     res = {"gpu": common.device_name(True), "torch": torch.__version__, "qops_commit": common.git_commit(),
            "qops_dirty": common.git_dirty("qops"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "copy_TBps": round(copy_bw, 4), "sms": sms, "method": "CUDA-graph replays over rotated weight copies, median of trials",
+           "copy_TBps": round(copy_bw, 4), "sms": sms, "dtype": args.dtype, "method": "CUDA-graph replays over rotated weight copies, median of trials",
            "cases": []}
     paths = common.output_paths("sweep_native.json", args.out)
     t0 = time.time()
@@ -88,19 +95,19 @@ def run(args) -> int:
         if time.time() - t0 > args.budget_s:
             print(f"budget spent; skipping {n}x{k}", flush=True)
             continue
-        w = torch.randn(n, k, dtype=torch.float16, device=dev) * 0.02
+        w = torch.randn(n, k, dtype=dtype, device=dev) * 0.02
         ckpt = fmt.quantize(w, bits=4, group_size=128, sym=False)
         del w
-        iw = fmt.prepare(ckpt, dtype=torch.float16, choose_lowering=False)
+        iw = fmt.prepare(ckpt, dtype=dtype, choose_lowering=False)
         w64 = decode_gptq4_f64(ckpt)
         nbytes = n * k / 2 + 4 * n * k / 128
         copies = [iw] + [clone_tensors(iw) for _ in range(n_copies(nbytes) - 1)]
         for m in ms:
             if time.time() - t0 > args.budget_s:
                 break
-            x = torch.randn(m, k, dtype=torch.float16, device=dev)
+            x = torch.randn(m, k, dtype=dtype, device=dev)
             ref = x.double() @ w64
-            out = torch.empty(m, n, dtype=torch.float16, device=dev)
+            out = torch.empty(m, n, dtype=dtype, device=dev)
             ws = torch.empty(16 * m * n * 4, dtype=torch.uint8, device=dev)
             roof_us = (nbytes + 2 * m * (n + k)) / (copy_bw * 1e12) * 1e6
             seen: dict[tuple, float | None] = {}
@@ -139,7 +146,8 @@ def run(args) -> int:
                         if knob == "splits" and cluster_ok and 2 <= v <= 8:
                             for cl in (True, False):  # both reductions for a split count
                                 try:
-                                    cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb)
+                                    cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb,
+                                                          fold=c.fold)
                                 except ValueError:
                                     continue
                                 t = measure(cc)
@@ -154,7 +162,7 @@ def run(args) -> int:
                                 "roof_pct": round(100 * roof_us / t_def, 1) if t_def else None},
                     "best": {"plan": dataclasses.asdict(best), "us": t_best,
                              "roof_pct": round(100 * roof_us / t_best, 1) if t_best < float("inf") else None},
-                    "measured": [{"plan": dict(zip(("nwn", "splits", "cluster", "xfull", "ring", "minb"), kp)), "us": t} for kp, t in seen.items()]}
+                    "measured": [{"plan": dict(zip(PLAN_KEYS, kp)), "us": t} for kp, t in seen.items()]}
             res["cases"].append(case)
             common.write_json(res, paths)
             print(f"{n}x{k} M={m}: default {t_def} us ({case['default']['roof_pct']}%), best {t_best:.2f} us "
@@ -162,7 +170,7 @@ def run(args) -> int:
         del copies, iw, w64
         torch.cuda.empty_cache()
 
-    print("\nN x K        M  roof_us  default_us (%)    best_us (%)  best plan (nwn, splits, cluster, xfull, ring, minb)")
+    print("\nN x K        M  roof_us  default_us (%)    best_us (%)  best plan " + str(PLAN_KEYS))
     for c in res["cases"]:
         print(f"{c['N']:>5}x{c['K']:<6} {c['M']:>2} {c['roofline_us']:>8.2f}  {c['default']['us'] or float('nan'):>8.2f} ({c['default']['roof_pct']})"
               f"  {c['best']['us']:>8.2f} ({c['best']['roof_pct']})  {key(native.Plan(**c['best']['plan']))}")

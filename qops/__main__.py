@@ -67,6 +67,16 @@ def support_matrix() -> list[tuple[str, str, str]]:
     return rows
 
 
+def _native_launch_facts() -> str:
+    """Whether the native kernels launch with programmatic dependent launch here, and why not."""
+    try:
+        from .native import compiler
+    except Exception as e:  # noqa: BLE001 - cuda-python missing: reported, not fatal
+        return f"unavailable ({type(e).__name__}: {e})"
+    why = compiler.pdl_missing()
+    return "programmatic dependent launch available (sm_90+; QOPS_NATIVE_PDL=0 turns it off)" if why is None else f"no programmatic dependent launch: {why}"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import qops
     from .lowerings import LOWERINGS
@@ -84,6 +94,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     w1 = max(len(r[1]) for r in rows)
     for f, l, v in rows:
         print(f"  {f:<{w0}}  {l:<{w1}}  {v}")
+    print(f"\nNative kernels: {_native_launch_facts()}")
     ops = sorted(n for n in dir(torch.ops.qops) if not n.startswith("_") and isinstance(getattr(torch.ops.qops, n), torch._ops.OpOverloadPacket))
     print(f"\nOps: {', '.join('qops::' + o for o in ops)}  (reference: docs/OPS.md)")
     return 0

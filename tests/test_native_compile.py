@@ -40,13 +40,14 @@ def test_every_source_compiles(name, arch):
 
 
 def _gemv_variants():
-    """Every (dtype, tile, zeros, x staging) variant the plans can ask for, without clusters."""
+    """Every (dtype, tile, zeros, x staging, folding) variant the plans can ask for, without clusters."""
     for dt in (torch.float16, torch.bfloat16):
         for m in (1, 8, 16):
             for has_z in (False, True):
                 for xfull in (False, True):
-                    p = native._plan(m, 4096, 4096, 132, False)
-                    yield {**p.defines(dt, has_z), "QOPS_XFULL": int(xfull)}
+                    for fold in ((False, True) if xfull and m <= 8 else (False,)):  # folding needs x staged once
+                        p = native._plan(m, 4096, 4096, 132, False)
+                        yield {**p.defines(dt, has_z), "QOPS_XFULL": int(xfull), "QOPS_FOLD": int(fold)}
 
 
 def _ptxas_report(log: str) -> dict[str, tuple[int, int]]:
@@ -160,7 +161,8 @@ def test_plans_stay_within_kernel_limits(n, k, sms, cluster_ok):
         assert 1 <= p.splits <= min(chunks, 16)
         assert p.m <= 8 * p.mt
         if p.xfull:
-            assert native.xfull_bytes(m, k, p.splits) <= p.shmem
+            assert native.xfull_bytes(m, k, p.splits, p.fold) <= p.shmem
+        assert not p.fold or (p.xfull and m <= 8)
         if cluster_ok:
             assert p.cluster == (p.splits == 2)
             assert p.workspace == (p.splits * m * n * 4 if p.splits > 2 else 0)
@@ -255,7 +257,8 @@ def _pdl_variants():
     """Both x staging modes at both tile heights, and a cluster (sm_90 only)."""
     for m in (1, 16):
         for xfull in (0, 1):
-            yield {**native._plan(m, 4096, 4096, 132, False).defines(torch.float16, True), "QOPS_XFULL": xfull}
+            yield {**native._plan(m, 4096, 4096, 132, False).defines(torch.float16, True), "QOPS_XFULL": xfull,
+                   "QOPS_FOLD": int(xfull and m <= 8)}
     yield {**native._plan(16, 4096, 4096, 132, True).defines(torch.bfloat16, False), "QOPS_CLUSTER": 2}
 
 

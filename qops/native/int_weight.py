@@ -99,6 +99,7 @@ class Plan:
     xfull: bool = False  # x of the block's K range staged once (no barrier in the main loop)
     ring: int = 0  # register ring depth (0: the kernel's default for mt)
     minb: int = 2  # resident blocks per SM promised to the register allocator
+    fold: bool = False  # (x staged once, M <= 8) magic bias and zero point subtracted after the MMA, from x sums
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         return {
@@ -110,6 +111,7 @@ class Plan:
             "QOPS_XFULL": int(self.xfull),
             "QOPS_RING": self.ring,
             "QOPS_MINB": self.minb,
+            "QOPS_FOLD": int(self.fold),
         }
 
 
@@ -121,13 +123,14 @@ XFULL_MAX_BYTES = 48 * 1024  # x staged whole must fit the default dynamic share
 STAGED_X_SLOTS = 2 * THREADS  # per-iteration staging: each thread copies at most two 16-byte slots
 
 
-def xfull_bytes(m: int, k: int, splits: int) -> int:
-    """Shared memory the x-staged-once mode needs: M rows of the block's K range, padded rows."""
-    chunks = max(-(-k // CHUNK_K), 1)
-    return m * (-(-chunks // splits) * 16 + 4) * 16
+def xfull_bytes(m: int, k: int, splits: int, fold: bool = False) -> int:
+    """Shared memory the x-staged-once mode needs: M rows of the block's K range, padded rows (and
+    with ``fold`` two fp32 sums per chunk for 8 rows)."""
+    chunks = -(-max(-(-k // CHUNK_K), 1) // splits)
+    return m * (chunks * 16 + 4) * 16 + (chunks * 8 * 8 if fold else 0)
 
 
-def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int) -> str | None:
+def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: bool = False) -> str | None:
     """Why the kernel cannot run this combination (its compile-time and launch limits), or None."""
     nwk = 8 // nwn
     if nwn not in (1, 2, 4, 8):
@@ -136,8 +139,10 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
         return f"splits={splits} outside 1..min(chunks, 16)"
     if cluster and not 2 <= splits <= 8:
         return f"a cluster of {splits} blocks (2..8 supported)"
-    if xfull and xfull_bytes(m, k, splits) > XFULL_MAX_BYTES:
-        return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits)} bytes of shared memory (> {XFULL_MAX_BYTES})"
+    if fold and not (xfull and m <= 8):
+        return f"fold needs x staged once (xfull) and M <= 8 (got xfull={xfull}, M={m})"
+    if xfull and xfull_bytes(m, k, splits, fold) > XFULL_MAX_BYTES:
+        return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold)} bytes of shared memory (> {XFULL_MAX_BYTES})"
     if not xfull and m * nwk * 16 > STAGED_X_SLOTS:
         return f"per-iteration x staging of M={m} rows with {nwk} warps along K exceeds {STAGED_X_SLOTS} slots"
     if not xfull and _ring(1 if m <= 8 else 2, ring) * m * (nwk * 16 + 4) * 16 > XFULL_MAX_BYTES:
@@ -145,21 +150,22 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
     return None
 
 
-def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2) -> Plan:
+def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
+              fold: bool = False) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     Raises ValueError for a combination the kernel cannot run.
     """
-    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring)
+    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold)
     if why is not None:
         raise ValueError(f"native_w4a16: {why}")
     mt = 1 if m <= 8 else 2
     nblk, nwk = 32 * nwn, 8 // nwn
     tiles = -(-n // nblk)
-    xs_bytes = xfull_bytes(m, k, splits) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
+    xs_bytes = xfull_bytes(m, k, splits, fold) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
     red_bytes = nwk * m * nblk * 4 + (m * nblk * 4 if cluster else 0)
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
-    return Plan(m, mt, nwn, splits, cluster, tiles, max(xs_bytes, red_bytes), ws, xfull, ring, minb)
+    return Plan(m, mt, nwn, splits, cluster, tiles, max(xs_bytes, red_bytes), ws, xfull, ring, minb, fold)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -172,7 +178,9 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     # - x staged once (no barrier in the main loop) is 2-7% faster at M <= 8 wherever it fits; at
     #   M = 16 its serial prologue costs more than it saves on short blocks;
     # - two K splits sum faster inside a cluster than through the workspace, more do not;
-    # - one block per SM promised to the register allocator (minb = 1) gains 1-2% at M <= 8.
+    # - one block per SM promised to the register allocator (minb = 1) gains 1-2% at M <= 8;
+    # - with x staged once, the magic bias and zero point come off after the MMA (fold): about a
+    #   third fewer instructions per weight chunk (not yet in that sweep: sweep_native.py --dtype).
     # Otherwise (small N, or no candidate fits) the earlier rule: the tile by M, K split to about
     # two blocks per SM.
     chunks = max(-(-k // CHUNK_K), 1)
@@ -182,8 +190,8 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
                 if (-(-n // (32 * nwn))) * s < 1.5 * sms or (s > 1 and s > chunks // (8 // nwn)):
                     continue
                 cluster = cluster_ok and s == 2
-                if _plan_error(m, k, nwn, s, cluster, xfull, 0) is None:
-                    return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull, minb=1 if m <= 8 else 2)
+                if _plan_error(m, k, nwn, s, cluster, xfull, 0, xfull) is None:
+                    return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull, minb=1 if m <= 8 else 2, fold=xfull)
     nwn = 1 if m <= 4 else (2 if m <= 8 else 4)
     tiles = -(-n // (32 * nwn))
     s = 1

@@ -74,6 +74,9 @@
 #ifndef QOPS_MINB
 #define QOPS_MINB 2
 #endif
+#ifndef QOPS_FOLD
+#define QOPS_FOLD 0
+#endif
 
 #if QOPS_CLUSTER > 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -110,6 +113,12 @@ __device__ __forceinline__ u32 word(const uint4& v, int i) { return i == 0 ? v.x
 
 __device__ __forceinline__ u32 word2(const uint2& v, int i) { return i == 0 ? v.x : v.y; }
 
+// fp32 sum of the two halves of a f16x2 / bf16x2 word.
+template <int DT>
+__device__ __forceinline__ float sum2(u32 v) {
+  return bits_to_f32<DT>(static_cast<u16>(v & 0xffffu)) + bits_to_f32<DT>(static_cast<u16>(v >> 16));
+}
+
 __device__ __forceinline__ u32 pack2(u16 h) { return static_cast<u32>(h) | (static_cast<u32>(h) << 16); }
 
 template <int DT>
@@ -119,7 +128,7 @@ __device__ __forceinline__ void store_out(u16* out, const void* bias, int flags,
   out[static_cast<size_t>(m) * ldo + n] = f32_to_bits<DT>(v);
 }
 
-template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF>
+template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF, bool FOLD>
 __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, const u16* __restrict__ scales,
                                            const u32* __restrict__ qzeros, const u16* __restrict__ x,
                                            const void* __restrict__ bias, u16* __restrict__ out,
@@ -131,6 +140,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   constexpr int RS = ROW + 4;    // padded stride: rows g, g+1 of a quarter warp fall in disjoint banks
   constexpr int kRing = ring_depth<MT>();
   constexpr int D = kRing - 1;  // prefetch distance in iterations
+  static_assert(!FOLD || (XF && MT == 1), "QOPS_FOLD needs x staged once (QOPS_XFULL) and M <= 8");
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
     // Even with no work: a dependent launched after this grid waits only for this grid, so this grid
     // must not complete before the kernels ahead of it.
@@ -238,28 +248,60 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   };
 
   // XF: the block's x, read once and stored in B-fragment order (x0 x4 x1 x5 x2 x6 x3 x7).
+  // FOLD: per (block-local chunk, row m < 8) the sums the correction needs, after the staged x:
+  // xsum[chunk * 8 + m] = (bias * sum of the staged values, sum of x); rows m >= M hold zeros.
+  float2* xsum = reinterpret_cast<float2*>(smem + M * RSF);
   auto stage_x_full = [&]() {
     const int nkw = (ce - cb) * 16;
     for (int m = 0; m < M; ++m) {
-      for (int kwl = tid; kwl < nkw; kwl += kThreads) {
+      // Warp-uniform trip count (the FOLD sums reduce across lanes with shuffles).
+      for (int base = warp * 32; base < nkw; base += kThreads) {
+        const int kwl = base + lane;
         const int k = (cb * 16 + kwl) * 8;
         const u16* src = x + (static_cast<size_t>(m) * ldx + k);
-        uint4 v;
-        if (xvec && k + 8 <= K) {
-          v = *reinterpret_cast<const uint4*>(src);
-        } else {
-          u32 h[4];
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (kwl < nkw) {
+          if (xvec && k + 8 <= K) {
+            v = *reinterpret_cast<const uint4*>(src);
+          } else {
+            u32 h[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const u32 lo = (k + 2 * e < K) ? src[2 * e] : 0u;
-            const u32 hi = (k + 2 * e + 1 < K) ? src[2 * e + 1] : 0u;
-            h[e] = lo | (hi << 16);
+            for (int e = 0; e < 4; ++e) {
+              const u32 lo = (k + 2 * e < K) ? src[2 * e] : 0u;
+              const u32 hi = (k + 2 * e + 1 < K) ? src[2 * e + 1] : 0u;
+              h[e] = lo | (hi << 16);
+            }
+            v = make_uint4(h[0], h[1], h[2], h[3]);
           }
-          v = make_uint4(h[0], h[1], h[2], h[3]);
         }
-        smem[m * RSF + kwl] = make_uint4(prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z), prmt<0x5410>(v.y, v.w),
-                                         prmt<0x7632>(v.y, v.w));
+        uint4 f = make_uint4(prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z), prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
+        if constexpr (FOLD) {
+          // f16: the odd nibbles dequantize without their shift as 1024 + 16 q, so their x is staged
+          // divided by 16 (exact: a power of two) and the product is x * (64 + q).
+          float sum_x, sum_staged;
+          if constexpr (DT == 0) {
+            f.y = fma_f16x2(f.y, 0x2c002c00u, 0x80008000u);  // * 1/16 (+ -0: exact)
+            f.w = fma_f16x2(f.w, 0x2c002c00u, 0x80008000u);
+            const float even = sum2<DT>(f.x) + sum2<DT>(f.z), odd = sum2<DT>(f.y) + sum2<DT>(f.w);
+            sum_x = even + 16.f * odd;
+            sum_staged = even + odd;
+          } else {
+            sum_x = sum2<DT>(f.x) + sum2<DT>(f.y) + sum2<DT>(f.z) + sum2<DT>(f.w);
+            sum_staged = sum_x;
+          }
+#pragma unroll
+          for (int o = 8; o > 0; o >>= 1) {  // over the 16 slots (lanes) of one chunk
+            sum_x += __shfl_xor_sync(0xffffffffu, sum_x, o);
+            sum_staged += __shfl_xor_sync(0xffffffffu, sum_staged, o);
+          }
+          if ((lane & 15) == 0 && kwl < nkw) xsum[(kwl >> 4) * 8 + m] = make_float2((DT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
+        }
+        if (kwl < nkw) smem[m * RSF + kwl] = f;
       }
+    }
+    if constexpr (FOLD) {
+      for (int i = tid; i < (ce - cb) * 8; i += kThreads)
+        if ((i & 7) >= M) xsum[i] = make_float2(0.f, 0.f);
     }
   };
 
@@ -276,12 +318,17 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     const uint4* xs = XF ? smem : smem + stage * xstage;
 
     u32 za[4], zb[4];
+    float zf[4];  // FOLD: the zeros, subtracted after the MMA
     const u32 zbits = HAS_Z ? ck.z >> ((n0 & 7) * 4) : 0u;  // 4 nibbles: zeros of columns n0 .. n0+3
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       const u32 nib = (zbits >> (4 * jj)) & 15u;
-      za[jj] = (za0 + nib) * 0x10001u;
-      zb[jj] = (zb0 + 16u * nib) * 0x10001u;
+      if constexpr (FOLD) {
+        zf[jj] = static_cast<float>(static_cast<int>(nib) + (HAS_Z ? zero_offset : 8));
+      } else {
+        za[jj] = (za0 + nib) * 0x10001u;
+        zb[jj] = (zb0 + 16u * nib) * 0x10001u;
+      }
     }
 
     float gacc[MT][2][4];
@@ -319,7 +366,18 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const u32 w = word(ck.w[j], jj);
-        if constexpr (DT == 0) {
+        if constexpr (FOLD && DT == 0) {
+          // A = 1024 + q (even nibbles) and 1024 + 16 q (odd, against x / 16): bias and zero come off
+          // after the MMA, from the staged x sums.
+          const u32 w8 = w >> 8;
+          p[jj][0] = and_or(w, 0x000f000fu, 0x64006400u);
+          p[jj][1] = and_or(w, 0x00f000f0u, 0x64006400u);
+          p[jj][2] = and_or(w8, 0x000f000fu, 0x64006400u);
+          p[jj][3] = and_or(w8, 0x00f000f0u, 0x64006400u);
+        } else if constexpr (FOLD) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) p[jj][r] = and_or(w >> (4 * r), 0x000f000fu, 0x43004300u);  // 128 + q
+        } else if constexpr (DT == 0) {
           const u32 w8 = w >> 8;
           p[jj][0] = sub_f16x2(and_or(w, 0x000f000fu, 0x64006400u), za[jj]);
           p[jj][1] = fma_f16x2(and_or(w, 0x00f000f0u, 0x64006400u), 0x2c002c00u, zb[jj]);
@@ -349,12 +407,25 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       const u16 h = static_cast<u16>((jj & 1) ? (word2(ck.s, jj >> 1) >> 16) : (word2(ck.s, jj >> 1) & 0xffffu));
       sc[jj] = (flags & kScaleBf16) ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
     }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    if constexpr (FOLD) {
+      // (C1, S) of rows 2c and 2c + 1, the rows of this lane's accumulators; y = sum - C1 - z * S.
+      const float4 cs = *reinterpret_cast<const float4*>(xsum + (ch - cb) * 8 + 2 * c);
 #pragma unroll
       for (int t = 0; t < 2; ++t)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[mt][t][i] = fmaf(gacc[mt][t][i], sc[2 * t + (i >> 1)], acc[mt][t][i]);
+        for (int i = 0; i < 4; ++i) {
+          const int jj = 2 * t + (i >> 1);
+          const float c1 = (i & 1) ? cs.z : cs.x, sx = (i & 1) ? cs.w : cs.y;
+          acc[0][t][i] = fmaf(fmaf(-zf[jj], sx, gacc[0][t][i] - c1), sc[jj], acc[0][t][i]);
+        }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][t][i] = fmaf(gacc[mt][t][i], sc[2 * t + (i >> 1)], acc[mt][t][i]);
+    }
   };
 
   if constexpr (XF) {
@@ -476,7 +547,7 @@ extern "C" __global__ void __launch_bounds__(qops::kThreads, QOPS_MINB) QOPS_CLU
 qops_w4a16_gemv(const unsigned* qweight, const unsigned short* scales, const unsigned* qzeros,
                 const unsigned short* x, const void* bias, unsigned short* out, float* ws, int M, int N, int K,
                 int ldx, int ldo, int chunks_per_group, int zero_offset, int flags) {
-  qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER, QOPS_XFULL != 0>(
+  qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER, QOPS_XFULL != 0, QOPS_FOLD != 0>(
       qweight, scales, qzeros, x, bias, out, ws, M, N, K, ldx, ldo, chunks_per_group, zero_offset, flags);
 }
 

@@ -132,23 +132,25 @@ def test_cluster_and_workspace_reductions_agree_bitwise(shape, monkeypatch):
             assert torch.equal(y, first[m]), f"{shape} M={m}: cluster and workspace sums differ"
 
 
-PLAN_VARIANTS = [  # (nwn, splits, cluster, xfull, ring, minb): every kernel knob the plans or the sweep use
-    (1, 1, False, True, 0, 2), (1, 1, False, False, 0, 2), (2, 2, True, True, 0, 2), (2, 2, False, True, 3, 2),
-    (4, 3, False, True, 2, 2), (1, 3, True, False, 4, 1), (2, 4, False, False, 0, 1), (1, 2, True, True, 4, 1),
+PLAN_VARIANTS = [  # (nwn, splits, cluster, xfull, ring, minb, fold): every kernel knob the plans or the sweep use
+    (1, 1, False, True, 0, 2, False), (1, 1, False, False, 0, 2, False), (2, 2, True, True, 0, 2, False),
+    (2, 2, False, True, 3, 2, False), (4, 3, False, True, 2, 2, False), (1, 3, True, False, 4, 1, False),
+    (2, 4, False, False, 0, 1, False), (1, 2, True, True, 4, 1, False),
+    (1, 1, False, True, 0, 2, True), (2, 2, True, True, 0, 1, True), (4, 3, False, True, 2, 2, True), (4, 1, False, True, 0, 1, True),
 ]
 
 
-@pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=lambda v: "nwn{}-s{}-{}-{}-ring{}-minb{}".format(
-    v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged", v[4], v[5]))
+@pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=lambda v: "nwn{}-s{}-{}-{}-ring{}-minb{}{}".format(
+    v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged", v[4], v[5], "-fold" if v[6] else ""))
 def test_every_plan_variant_matches_reference(variant):
-    nwn, splits, cluster, xfull, ring, minb = variant
+    nwn, splits, cluster, xfull, ring, minb, fold = variant
     if cluster and not native._device_facts(0)[1]:
         pytest.skip("thread-block clusters need sm_90")
     for fmt, n, k, g, sym, ver in [("gptq", 1000, 777, 128, False, "v1"), ("gptq", 512, 2048, 128, True, "v2"), ("awq", 640, 1280, -1, False, None)]:
         nw = native_weight(fmt, n, k, g, sym, False, ver)
         for m in (1, 7, 16):
             try:
-                p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring, minb=minb)
+                p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring, minb=minb, fold=fold)
             except ValueError:  # outside the kernel's limits for this M (make_plan says which)
                 continue
             for dtype in DTYPES:
@@ -157,6 +159,24 @@ def test_every_plan_variant_matches_reference(variant):
                 with native.plan_override(lambda *a, p=p: p):
                     y = nw.weight.mm(x, bias)
                 check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {p}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fold_keeps_the_precision_of_the_exact_path_on_offset_activations(dtype):
+    """Folding subtracts the dequantization bias (1024 or 128 times the x sums) after the MMA: the
+    worst case for its cancellation is activations of one sign. Within 2x of the exact path's error
+    (which is the output rounding) and within the tolerance."""
+    n, k = 1024, 4096
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    errs = {}
+    for fold in (False, True):
+        p = native.make_plan(4, n, k, nwn=1, splits=1, cluster=False, xfull=True, fold=fold)
+        x = (rand(4, k, dtype=torch.float32, seed=7) + 3.0).to(dtype)
+        with native.plan_override(lambda *a, p=p: p):
+            y = nw.weight.mm(x)
+        check(y, x, nw.w64, None, f"fold={fold}")
+        errs[fold] = rel_err(y, reference(x, nw.w64))
+    assert errs[True] <= 2 * errs[False] + 1e-4, errs
 
 
 def test_out_variant_with_workspace_and_strided_out():
