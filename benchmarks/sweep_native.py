@@ -47,6 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--target-ms", type=float, default=4.0, help="length of one timed trial")
     ap.add_argument("--passes", type=int, default=2, help="rounds of coordinate descent over the knobs")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this many seconds")
+    ap.add_argument("--knobs", default=",".join(KNOBS), help="the knobs to walk, comma-separated (default: all)")
     ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="activation dtype (default float16)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     return ap.parse_args(argv)
@@ -138,7 +139,7 @@ def run(args) -> int:
             t_def = measure(default)
             best, t_best = default, t_def if t_def is not None else float("inf")
             for _ in range(args.passes):
-                for knob in KNOBS:
+                for knob in [kb for kb in args.knobs.split(",") if kb]:
                     for v in VALUES[knob]:
                         c = candidate(native, best, m, n, k, cluster_ok, **{knob: v})
                         if c is None:
