@@ -32,10 +32,10 @@ import common
 from bench_int_weight import decode_gptq4_f64
 from common import PERF_SHAPES, clone_tensors, n_copies, rel_err
 
-KNOBS = ("fold", "xfull", "nwn", "splits", "ring", "minb")
+KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb")
 VALUES = {"nwn": (1, 2, 4), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2), "xfull": (True, False),
-          "fold": (True, False)}
-PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold")
+          "fold": (True, False), "prefetch": (0, 2, 4, 8)}
+PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch")
 TOL = 2e-3
 
 
@@ -55,7 +55,8 @@ def parse_args(argv=None):
 
 def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, **change):
     """``base`` with ``change`` applied, or None when the kernel cannot run it."""
-    f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb, "fold": base.fold} | change
+    f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb, "fold": base.fold,
+         "prefetch": base.prefetch} | change
     if not f["xfull"]:
         f["fold"] = False  # folding needs x staged once
     if f["ring"] == 4 and m > 8:  # the M > 8 tile's accumulators leave no registers for a 4-deep ring
@@ -148,7 +149,7 @@ def run(args) -> int:
                             for cl in (True, False):  # both reductions for a split count
                                 try:
                                     cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb,
-                                                          fold=c.fold)
+                                                          fold=c.fold, prefetch=c.prefetch)
                                 except ValueError:
                                     continue
                                 t = measure(cc)

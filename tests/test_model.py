@@ -67,6 +67,35 @@ def test_dense_model_equals_the_float64_reference(dense_tensors, attention):
     assert relative_error(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("vocab", [256, 16384, 32000, 128256, 151936, 16411])
+def test_greedy_argmax_is_argmax_with_its_ties(vocab):
+    from qops.models.llama import _argmax_chunks, greedy_argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-50, 50, (5, vocab), generator=g).float()  # many ties: the first index must win
+    logits[1, -1] = 1000.0
+    logits[2, 0] = 1000.0
+    logits[3, vocab // 2] = logits[3, vocab // 2 + 1] = 1000.0
+    assert torch.equal(greedy_argmax(logits), logits.argmax(-1))
+    assert torch.equal(greedy_argmax(logits.bfloat16()), logits.bfloat16().argmax(-1))
+    assert vocab % _argmax_chunks(vocab) == 0
+    if vocab >= 16384 and vocab != 16411:  # (16411 is prime: one chunk of the whole row)
+        assert 32 <= _argmax_chunks(vocab) <= vocab // 32
+
+
+def test_greedy_argmax_compiles_fullgraph_for_an_unbacked_batch():
+    from qops.models.llama import greedy_argmax
+
+    torch._dynamo.reset()
+    f = torch.compile(greedy_argmax, fullgraph=True)
+    for b in (1, 3):
+        logits = torch.randn(b, 128256, generator=torch.Generator().manual_seed(b))
+        torch._dynamo.decorators.mark_unbacked(logits, 0)
+        with torch.compiler.set_stance("fail_on_recompile" if b > 1 else "default"):
+            assert torch.equal(f(logits), logits.argmax(-1))
+    torch._dynamo.reset()
+
+
 def test_unknown_attention_kind_is_refused(dense_tensors):
     with pytest.raises(ValueError, match="attention='flash'"):
         _model(dense_tensors, None, attention="flash")

@@ -47,7 +47,7 @@ def _gemv_variants():
                 for xfull in (False, True):
                     for fold in ((False, True) if xfull and m <= 8 else (False,)):  # folding needs x staged once
                         p = native._plan(m, 4096, 4096, 132, False)
-                        yield {**p.defines(dt, has_z), "QOPS_XFULL": int(xfull), "QOPS_FOLD": int(fold)}
+                        yield {**p.defines(dt, has_z), "QOPS_XFULL": int(xfull), "QOPS_FOLD": int(fold), "QOPS_PREFETCH": 4 * has_z}
 
 
 def _ptxas_report(log: str) -> dict[str, tuple[int, int]]:

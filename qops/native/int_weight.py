@@ -100,6 +100,7 @@ class Plan:
     ring: int = 0  # register ring depth (0: the kernel's default for mt)
     minb: int = 2  # resident blocks per SM promised to the register allocator
     fold: bool = False  # (x staged once, M <= 8) magic bias and zero point subtracted after the MMA, from x sums
+    prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         return {
@@ -112,6 +113,7 @@ class Plan:
             "QOPS_RING": self.ring,
             "QOPS_MINB": self.minb,
             "QOPS_FOLD": int(self.fold),
+            "QOPS_PREFETCH": self.prefetch,
         }
 
 
@@ -151,12 +153,14 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
-              fold: bool = False) -> Plan:
+              fold: bool = False, prefetch: int = 0) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     Raises ValueError for a combination the kernel cannot run.
     """
     why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold)
+    if why is None and not 0 <= prefetch <= 16:
+        why = f"prefetch={prefetch} outside 0..16"
     if why is not None:
         raise ValueError(f"native_w4a16: {why}")
     mt = 1 if m <= 8 else 2
@@ -165,7 +169,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     xs_bytes = xfull_bytes(m, k, splits, fold) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
     red_bytes = nwk * m * nblk * 4 + (m * nblk * 4 if cluster else 0)
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
-    return Plan(m, mt, nwn, splits, cluster, tiles, max(xs_bytes, red_bytes), ws, xfull, ring, minb, fold)
+    return Plan(m, mt, nwn, splits, cluster, tiles, max(xs_bytes, red_bytes), ws, xfull, ring, minb, fold, prefetch)
 
 
 @functools.lru_cache(maxsize=4096)

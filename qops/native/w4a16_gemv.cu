@@ -47,7 +47,9 @@
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
 // QOPS_NWN (1, 2, 4), QOPS_HAS_Z (0/1), QOPS_CLUSTER (1: no cluster; 2..8 needs sm_90),
 // QOPS_XFULL (0/1), QOPS_RING (register ring depth; 0: 3 for MT = 1, 2 for MT = 2),
-// QOPS_MINB (minimum resident blocks per SM promised to the register allocator; default 2).
+// QOPS_MINB (minimum resident blocks per SM promised to the register allocator; default 2),
+// QOPS_FOLD (0/1: bias and zero point subtracted after the MMA; needs QOPS_XFULL and MT = 1),
+// QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -76,6 +78,9 @@
 #endif
 #ifndef QOPS_FOLD
 #define QOPS_FOLD 0
+#endif
+#ifndef QOPS_PREFETCH
+#define QOPS_PREFETCH 0
 #endif
 
 #if QOPS_CLUSTER > 1
@@ -193,7 +198,24 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // being recomputed (integer work in the main loop costs issue slots the dequantization needs).
   const u32* wnext = wbase;
   int ch_next = cb + wk;
+  // L2 prefetch QOPS_PREFETCH iterations ahead of the loads. The register ring keeps only D chunks
+  // in flight per warp; the weight stream needs more bytes in flight than registers can hold (DRAM
+  // latency under load x bandwidth), and a prefetch holds no register: the later load then waits
+  // for L2 instead of DRAM.
+  auto prefetch_it = [&](int q) {
+    if constexpr (QOPS_PREFETCH > 0) {
+      const int ch = cb + wk + q * NWK;
+      const bool ok = n_ok && ch < ce;
+      const int rows_left = KW - (ch * 16 + c);
+      const u32* p = wbase + static_cast<size_t>(q) * wstride;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) prefetch_l2_if(p + j * wstep, ok && 4 * j < rows_left);
+    }
+  };
+  int it_next = 0;  // the iteration load_chunk serves next
   auto load_chunk = [&](Chunk& ck) {
+    prefetch_it(it_next + QOPS_PREFETCH);
+    ++it_next;
     const int ch = ch_next;
     ch_next += NWK;
     const bool ok = n_ok && ch < ce;
@@ -434,6 +456,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
     for (int d = 0; d < D; ++d)
       if (d < n_it) load_chunk(ring[d]);
+    for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
     grid_dep_wait();  // x may still be being written by the kernel ahead
     stage_x_full();
     __syncthreads();
@@ -462,6 +485,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       }
       if constexpr (!kGridDep) cp_async_commit();
     }
+    for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
     if constexpr (kGridDep) {
       grid_dep_wait();
 #pragma unroll

@@ -132,25 +132,27 @@ def test_cluster_and_workspace_reductions_agree_bitwise(shape, monkeypatch):
             assert torch.equal(y, first[m]), f"{shape} M={m}: cluster and workspace sums differ"
 
 
-PLAN_VARIANTS = [  # (nwn, splits, cluster, xfull, ring, minb, fold): every kernel knob the plans or the sweep use
-    (1, 1, False, True, 0, 2, False), (1, 1, False, False, 0, 2, False), (2, 2, True, True, 0, 2, False),
-    (2, 2, False, True, 3, 2, False), (4, 3, False, True, 2, 2, False), (1, 3, True, False, 4, 1, False),
-    (2, 4, False, False, 0, 1, False), (1, 2, True, True, 4, 1, False),
-    (1, 1, False, True, 0, 2, True), (2, 2, True, True, 0, 1, True), (4, 3, False, True, 2, 2, True), (4, 1, False, True, 0, 1, True),
+PLAN_VARIANTS = [  # (nwn, splits, cluster, xfull, ring, minb, fold, prefetch): every kernel knob the plans or the sweep use
+    (1, 1, False, True, 0, 2, False, 0), (1, 1, False, False, 0, 2, False, 0), (2, 2, True, True, 0, 2, False, 0),
+    (2, 2, False, True, 3, 2, False, 0), (4, 3, False, True, 2, 2, False, 0), (1, 3, True, False, 4, 1, False, 0),
+    (2, 4, False, False, 0, 1, False, 0), (1, 2, True, True, 4, 1, False, 0),
+    (1, 1, False, True, 0, 2, True, 0), (2, 2, True, True, 0, 1, True, 4), (4, 3, False, True, 2, 2, True, 8), (4, 1, False, True, 0, 1, True, 2),
+    (2, 4, False, False, 0, 1, False, 4), (1, 2, True, False, 0, 2, False, 16),
 ]
 
 
-@pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=lambda v: "nwn{}-s{}-{}-{}-ring{}-minb{}{}".format(
-    v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged", v[4], v[5], "-fold" if v[6] else ""))
+@pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=lambda v: "nwn{}-s{}-{}-{}-ring{}-minb{}{}-pf{}".format(
+    v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged", v[4], v[5], "-fold" if v[6] else "", v[7]))
 def test_every_plan_variant_matches_reference(variant):
-    nwn, splits, cluster, xfull, ring, minb, fold = variant
+    nwn, splits, cluster, xfull, ring, minb, fold, prefetch = variant
     if cluster and not native._device_facts(0)[1]:
         pytest.skip("thread-block clusters need sm_90")
     for fmt, n, k, g, sym, ver in [("gptq", 1000, 777, 128, False, "v1"), ("gptq", 512, 2048, 128, True, "v2"), ("awq", 640, 1280, -1, False, None)]:
         nw = native_weight(fmt, n, k, g, sym, False, ver)
         for m in (1, 7, 16):
             try:
-                p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring, minb=minb, fold=fold)
+                p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring, minb=minb, fold=fold,
+                                     prefetch=prefetch)
             except ValueError:  # outside the kernel's limits for this M (make_plan says which)
                 continue
             for dtype in DTYPES:
