@@ -6,8 +6,10 @@ A variant is ``model[:option+option...]``:
 
 - model ``w4`` (GPTQ v2 4-bit g128, qops) or ``bf16`` (``FastLinear``, cuBLAS), built as in
   ``bench_decode.py``;
-- ``matmul`` / ``sdpa``: the model's attention (``LlamaForCausalLM(attention=...)``, default sdpa);
-- ``pdl``: Inductor emits programmatic dependent launch (``torch._inductor.config.triton.enable_pdl``);
+- ``matmul`` / ``sdpa`` / ``fused``: the model's attention (``LlamaForCausalLM(attention=...)``,
+  default sdpa);
+- ``nopdl``: Inductor's kernels without programmatic dependent launch (``compile_decode(pdl=False)``;
+  on by default on sm_90);
 - ``nonativepdl``: the native W4A16 kernel launched without PDL (``QOPS_NATIVE_PDL=0``);
 - ``ro``: also time the ``mode="reduce-overhead"`` loop of ``bench_decode.py`` (one more compile).
 
@@ -19,7 +21,7 @@ Inductor Triton, cuBLAS, attention, copies), the busy time (union of kernel inte
 ``span - busy`` is the time between kernels. The first step's logits of each variant are compared
 with the first variant's (same weights, prompt and positions).
 
-    PYTHONPATH=. python benchmarks/profile_decode.py --variants w4:sdpa,w4:matmul,w4:sdpa+pdl,bf16:sdpa
+    PYTHONPATH=. python benchmarks/profile_decode.py --variants w4:sdpa,w4:fused,w4:sdpa+nopdl,bf16:sdpa
     PYTHONPATH=. python benchmarks/profile_decode.py --dry-run      # CPU, tiny model: plumbing only
 
 Writes ``$OUT/profile_decode.json`` (and ``--out``) after each variant; prints a table per variant.
@@ -39,7 +41,7 @@ from collections import defaultdict
 import bench_decode  # the model builders (this script's folder is on sys.path)
 import common
 
-OPTIONS = ("matmul", "sdpa", "pdl", "nonativepdl", "ro")
+OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro")
 # Kernel kinds, first match wins: (kind, substrings of the kernel name).
 KINDS = (
     ("qops native", ("w4a16",)),
@@ -54,7 +56,7 @@ KINDS = (
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="tiny model on the CPU, no graphs: checks the plumbing")
-    p.add_argument("--variants", default="w4:sdpa+ro,w4:matmul,w4:sdpa+pdl,w4:sdpa+nonativepdl,bf16:sdpa",
+    p.add_argument("--variants", default="w4:sdpa+ro,w4:fused,w4:sdpa+nopdl,w4:sdpa+nonativepdl,bf16:sdpa",
                    help="comma-separated model[:option+...] (options: " + ", ".join(OPTIONS) + ")")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4; the 8B model has 32)")
     p.add_argument("--batch", type=int, default=1)
@@ -130,7 +132,6 @@ def set_options(opts) -> None:
     import torch
 
     torch._dynamo.reset()
-    torch._inductor.config.triton.enable_pdl = "pdl" in opts
     if "nonativepdl" in opts:
         os.environ["QOPS_NATIVE_PDL"] = "0"
     else:
@@ -143,7 +144,7 @@ def run_variant(label, kind, opts, config, device, dtype, args, ref_logits):
     from qops.models import CapturedDecode, compile_decode, generate
 
     set_options(opts)
-    attention = "matmul" if "matmul" in opts else "sdpa"
+    attention = next((a for a in ("matmul", "fused") if a in opts), "sdpa")
     row = {"variant": label, "model": kind, "options": opts, "attention": attention}
     t = time.time()
     model = bench_decode.build(kind, config, device, dtype, args, attention=attention)
@@ -155,7 +156,8 @@ def run_variant(label, kind, opts, config, device, dtype, args, ref_logits):
     start_pos = torch.full((args.batch,), args.prompt_len, dtype=torch.long, device=device)
     with torch.no_grad():
         model.prefill(prompts)
-        step = compile_decode(model, cuda_graphs=False, greedy=True)
+        pdl = False if "nopdl" in opts else None
+        step = compile_decode(model, cuda_graphs=False, greedy=True, pdl=pdl)
         t = time.time()
         first = step(start_tok, start_pos)[0].float()
         bench_decode.sync(device)
@@ -180,7 +182,7 @@ def run_variant(label, kind, opts, config, device, dtype, args, ref_logits):
         row["profile"] = kernel_table(prof.events(), args.profile_steps)
         del cap
         if "ro" in opts:
-            ro = compile_decode(model, cuda_graphs=True)
+            ro = compile_decode(model, cuda_graphs=True, pdl=pdl)
             generate(model, prompts, 4, step=ro, cuda_graphs=True)
             ts = []
             for _ in range(3):
