@@ -16,7 +16,10 @@ Static shapes for CUDA graphs. Every tensor a step touches lives at a fixed addr
   ``max_seq`` positions of its rows, masking positions after the query's own; batch row b of a call
   uses cache row b. ``attention="sdpa"`` (default) attends with one
   ``F.scaled_dot_product_attention`` call per layer under an additive mask computed once per step;
-  ``"matmul"`` spells it out (two batched matmuls around a masked softmax, fp32 scores).
+  ``"matmul"`` spells it out (two batched matmuls around a masked softmax, fp32 scores);
+  ``"fused"`` runs a decode step (T == 1) as one ``qops::decode_attention`` call per layer
+  (:mod:`qops.models.attention`: rotary, cache write and attention over positions ``0..p`` only,
+  one kernel on CUDA) and a longer step (prefill) as ``"sdpa"``.
 - Rotary tables: buffers ``(max_seq, head_dim)``, gathered at the step's positions.
 - Scratch: ``model.workspace`` (:class:`qops.workspace.Workspace`), sized once from the layers'
   lowerings for ``max_batch`` rows and attached to every quantized linear, which then calls its
@@ -56,6 +59,7 @@ from ..layers import (
 )
 from ..layers.loader import read_quantization_config
 from ..workspace import Workspace, attach_workspace
+from . import attention as _attention  # noqa: F401  (registers qops::decode_attention)
 from .checkpoint import QuantScheme, TensorWeights, get_scheme, quantize_tensors, save_pretrained
 
 ARCHITECTURES = ("LlamaForCausalLM",)  # (Mistral adds sliding-window attention, not implemented here)
@@ -186,7 +190,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 
 
-ATTENTION_KINDS = ("sdpa", "matmul")
+ATTENTION_KINDS = ("sdpa", "matmul", "fused")
 
 
 class LlamaAttention(nn.Module):
@@ -211,10 +215,17 @@ class LlamaAttention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=weights.dtype, device=weights.device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=weights.dtype, device=weights.device), persistent=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: tuple[torch.Tensor, ...], bias: torch.Tensor) -> torch.Tensor:
-        """``bias``: ``(1, B*Hkv, G*T, S)`` additive mask, 0 where a query row sees a key, -inf elsewhere."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: tuple[torch.Tensor, ...], bias: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``bias``: ``(1, B*Hkv, G*T, S)`` additive mask, 0 where a query row sees a key, -inf elsewhere.
+        ``rope``: the model's rotary tables ``(rope_cos, rope_sin)`` ``(max_seq, D)``, which the
+        ``"fused"`` decode step reads at the positions ``index[2]`` itself."""
         b, t, _ = x.shape
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.attention == "fused" and t == 1:
+            qkv = self.qkv_proj(x).view(b, (h + 2 * hk) * d)
+            o = torch.ops.qops.decode_attention(qkv, rope[0], rope[1], index[2].reshape(b), self.k_cache, self.v_cache, h, hk, self.scale)
+            return self.o_proj(o.view(b, 1, h * d))
         q, k, v = self.qkv_proj(x).split([h * d, hk * d, hk * d], dim=-1)
         q = apply_rotary(q.view(b, t, h, d), cos, sin)
         k = apply_rotary(k.view(b, t, hk, d), cos, sin)
@@ -234,7 +245,7 @@ class LlamaAttention(nn.Module):
         # shape checks would otherwise guard on B == 1 (torch 2.11), while B*Hkv == 1 is known false.
         s = kc.shape[2]
         qg, kc, vc = qg.reshape(1, b * hk, g * t, d), kc.reshape(1, b * hk, s, d), vc.reshape(1, b * hk, s, d)
-        if self.attention == "sdpa":
+        if self.attention != "matmul":  # "fused" prefills through SDPA
             o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=bias, scale=self.scale)  # (1, B*Hkv, G*T, D)
         else:
             scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale + bias  # (1, B*Hkv, G*T, S)
@@ -265,8 +276,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), config.rms_norm_eps)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", weights)
 
-    def forward(self, x, cos, sin, index, bias):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, index, bias)
+    def forward(self, x, cos, sin, index, bias, rope=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, index, bias, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -358,7 +369,7 @@ class LlamaForCausalLM(nn.Module):
         bias = torch.where(masked, float("-inf"), 0.0).to(self.dtype)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, index, bias)
+            x = layer(x, cos, sin, index, bias, (self.rope_cos, self.rope_sin))
         return self.lm_head(self.norm(x))
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
