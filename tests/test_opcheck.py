@@ -11,6 +11,7 @@ import torch
 import qops  # noqa: F401  (registers the ops)
 
 from tests.bnb_cases import OPCHECK_SAMPLES as BNB_OPCHECK_SAMPLES
+from tests.test_decode_attention import OPCHECK_SAMPLES as ATTENTION_OPCHECK_SAMPLES
 from tests.int_weight_cases import Case, build, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -167,6 +168,7 @@ SAMPLES = {
     "dequantize_fp8": dequantize_fp8_samples,
 }
 SAMPLES.update(BNB_OPCHECK_SAMPLES)
+SAMPLES.update(ATTENTION_OPCHECK_SAMPLES)
 
 
 @pytest.fixture(autouse=True)
