@@ -174,28 +174,40 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
-    # From the H200 launch-plan sweep (benchmarks/results/h200-2026-11-30-sweep-native-1.json):
+    # From the H200 launch-plan sweeps (benchmarks/results/h200-2026-11-30-sweep-native-*.json):
     # - the plan that wins has about 1.5-2 blocks per SM, and wider column tiles (nwn = 4, 512
     #   contiguous bytes of a qweight row per block) win over splitting K whenever the column
-    #   tiles alone give that many blocks; so take the widest tile, then the fewest splits
-    #   (1 or 2), that reach 1.5 blocks per SM;
+    #   tiles alone give that many blocks; so take the widest tile, then the fewest splits (1 or 2),
+    #   that reach 1.4 blocks per SM without exceeding the 2 that fit at once (~125 registers a
+    #   thread): a second, partial wave costs more than the blocks it adds (6144 x 4096: 384 blocks
+    #   on 264 slots); where no plan fits in one wave (large N), the first with 1.5 blocks per SM;
     # - x staged once (no barrier in the main loop) is 2-7% faster at M <= 8 wherever it fits; at
     #   M = 16 its serial prologue costs more than it saves on short blocks;
     # - two K splits sum faster inside a cluster than through the workspace, more do not;
     # - one block per SM promised to the register allocator (minb = 1) gains 1-2% at M <= 8;
-    # - with x staged once, the magic bias and zero point come off after the MMA (fold): about a
-    #   third fewer instructions per weight chunk (not yet in that sweep: sweep_native.py --dtype).
+    # - an L2 prefetch 2 iterations ahead gains 7-10% where each warp runs >= 24 iterations
+    #   (57344 x 8192, 8192 x 28672 at M = 1) and loses up to 8% on short ones;
+    # - folding the bias and zero point out of the loop gains 3-6% on blocks of <= 4096 rows of K
+    #   (fp16 4096 x 4096, 6144 x 4096, 28672 x 4096) and, with the prefetch, on the long ones; alone
+    #   it loses 3-5% on the long ones.
     # Otherwise (small N, or no candidate fits) the earlier rule: the tile by M, K split to about
     # two blocks per SM.
     chunks = max(-(-k // CHUNK_K), 1)
-    for xfull in ((True, False) if m <= 8 else (False,)):
-        for nwn in (4, 2, 1):
-            for s in (1, 2):
-                if (-(-n // (32 * nwn))) * s < 1.5 * sms or (s > 1 and s > chunks // (8 // nwn)):
-                    continue
-                cluster = cluster_ok and s == 2
-                if _plan_error(m, k, nwn, s, cluster, xfull, 0, xfull) is None:
-                    return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull, minb=1 if m <= 8 else 2, fold=xfull)
+    for one_wave in (True, False):
+        for xfull in ((True, False) if m <= 8 else (False,)):
+            for nwn in (4, 2, 1):
+                for s in (1, 2):
+                    blocks = (-(-n // (32 * nwn))) * s
+                    low, high = (1.4 * sms, 2 * sms) if one_wave else (1.5 * sms, float("inf"))
+                    if not low <= blocks <= high or (s > 1 and s > chunks // (8 // nwn)):
+                        continue
+                    cluster = cluster_ok and s == 2
+                    iterations = -(-(-(-chunks // s)) // (8 // nwn))  # per warp
+                    prefetch = 2 if xfull and iterations >= 24 else 0
+                    fold = xfull and (prefetch > 0 or -(-k // s) <= 4096)
+                    if _plan_error(m, k, nwn, s, cluster, xfull, 0, fold) is None:
+                        return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull, minb=1 if m <= 8 else 2,
+                                         fold=fold, prefetch=prefetch)
     nwn = 1 if m <= 4 else (2 if m <= 8 else 4)
     tiles = -(-n // (32 * nwn))
     s = 1
