@@ -71,7 +71,7 @@ def parse_args(argv=None):
                         "torch.cuda.graph per batch (qops.models.CapturedDecode), replays timed with CUDA events; "
                         "reduce-overhead: torch.compile's mode='reduce-overhead' loop with eager argmax, wall clock "
                         "(the dry run always uses this one, without graphs)")
-    p.add_argument("--attention", choices=("sdpa", "matmul"), default="sdpa", help="the model's attention (default sdpa)")
+    p.add_argument("--attention", choices=("fused", "sdpa", "matmul"), default="fused", help="the model's attention (default fused)")
     p.add_argument("--budget-s", type=float, default=210.0, help="no new row starts after this many seconds (default 210)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -148,7 +148,7 @@ def random_dense_linears(config, device, dtype, seed):
             for prefix, (n, k) in linear_shapes(config).items()}
 
 
-def build(kind, config, device, dtype, args, attention="sdpa"):
+def build(kind, config, device, dtype, args, attention="fused"):
     from qops.models import LlamaForCausalLM
 
     shared = shared_tensors(config, device, dtype, args.seed)

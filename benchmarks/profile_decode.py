@@ -7,7 +7,7 @@ A variant is ``model[:option+option...]``:
 - model ``w4`` (GPTQ v2 4-bit g128, qops) or ``bf16`` (``FastLinear``, cuBLAS), built as in
   ``bench_decode.py``;
 - ``matmul`` / ``sdpa`` / ``fused``: the model's attention (``LlamaForCausalLM(attention=...)``,
-  default sdpa);
+  default fused);
 - ``nopdl``: Inductor's kernels without programmatic dependent launch (``compile_decode(pdl=False)``;
   on by default on sm_90);
 - ``nonativepdl``: the native W4A16 kernel launched without PDL (``QOPS_NATIVE_PDL=0``);
@@ -56,7 +56,7 @@ KINDS = (
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="tiny model on the CPU, no graphs: checks the plumbing")
-    p.add_argument("--variants", default="w4:sdpa+ro,w4:fused,w4:sdpa+nopdl,w4:sdpa+nonativepdl,bf16:sdpa",
+    p.add_argument("--variants", default="w4:fused+ro,w4:sdpa,w4:fused+nopdl,w4:fused+nonativepdl,bf16:fused",
                    help="comma-separated model[:option+...] (options: " + ", ".join(OPTIONS) + ")")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4; the 8B model has 32)")
     p.add_argument("--batch", type=int, default=1)
@@ -144,7 +144,7 @@ def run_variant(label, kind, opts, config, device, dtype, args, ref_logits):
     from qops.models import CapturedDecode, compile_decode, generate
 
     set_options(opts)
-    attention = next((a for a in ("matmul", "fused") if a in opts), "sdpa")
+    attention = next((a for a in ("matmul", "sdpa") if a in opts), "fused")
     row = {"variant": label, "model": kind, "options": opts, "attention": attention}
     t = time.time()
     model = bench_decode.build(kind, config, device, dtype, args, attention=attention)
