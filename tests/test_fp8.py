@@ -680,3 +680,21 @@ def test_triton_configs_fit_the_shapes():
     assert gemv_config(GEMV_MAX_M, 4096, 4096, 128, 132)["BLOCK_K"] <= 128
     assert gemm_config(2048, 4096, 4096, -1, 132)["BLOCK_M"] == 128
     assert gemm_config(16, 4096, 4096, 128, 132)["BLOCK_K"] == 128
+
+
+@pytest.mark.parametrize("n,k,block,what", [(40, 64, (-1, -1), "weight N a multiple of 16"), (48, 72, (1, -1), "weight K a multiple of 16"),
+                                            (48, 64, (16, 32), "per-tensor or per-channel weight scales")])
+def test_scaled_mm_kernel_refuses_what_cublaslt_cannot_run_under_fake_cuda_tensors(n, k, block, what):
+    """Asked for directly, kernel 3 (torch._scaled_mm) names the limit it does not meet, at trace
+    time, instead of failing inside cuBLASLt (the chooser never picks it for these weights)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    block_n, block_k = block
+    s_n = 1 if block_n == -1 else (n if block_n == 1 else -(-n // block_n))
+    s_k = 1 if block_k == -1 else -(-k // block_k)
+    with FakeTensorMode():
+        x = torch.empty(4, k, dtype=torch.float8_e4m3fn, device="cuda")
+        w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="cuda")
+        args = (x, torch.empty(1, device="cuda"), w, torch.empty(s_n, s_k, device="cuda"), None, block_n, block_k, torch.float16, 3)
+        with pytest.raises(ValueError, match=f"qops.scaled_mm_fp8: kernel=3 \\(scaled_mm_fp8\\) needs {what}"):
+            torch.ops.qops.scaled_mm_fp8(*args)

@@ -89,9 +89,12 @@ def _fp8_weights():
     from qops.ops.fp8 import prepare_fp8_weight
 
     g = torch.Generator().manual_seed(2)
-    specs = {"tensor": ("tensor", None), "channel": ("channel", None), "block": ("block", (16, 32))}
-    return {name: prepare_fp8_weight(quantize_rtn(torch.randn(40, 72, generator=g), gran, block or (128, 128)), activations="none")
-            for name, (gran, block) in specs.items()}
+    # (N, K) off every tile grid; the "16" pair meets torch._scaled_mm's multiples of 16 (the GPU suite's
+    # scaled_mm_fp8 lowering serves only those).
+    specs = {"tensor": ("tensor", None, (40, 72)), "channel": ("channel", None, (40, 72)), "block": ("block", (16, 32), (40, 72)),
+             "tensor16": ("tensor", None, (48, 64)), "channel16": ("channel", None, (48, 64))}
+    return {name: prepare_fp8_weight(quantize_rtn(torch.randn(*shape, generator=g), gran, block or (128, 128)), activations="none")
+            for name, (gran, block, shape) in specs.items()}
 
 
 def _fp8_static(w):

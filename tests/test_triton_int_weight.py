@@ -433,3 +433,20 @@ def test_launch_retries_with_fewer_stages_when_shared_memory_runs_out(monkeypatc
     with pytest.raises(triton.runtime.errors.OutOfResources):
         tiw._launch_within_shared_memory(NeverFits(), (1,), (), {"BLOCK_M": 64}, {"num_warps": 4, "num_stages": 3}, torch.float16)
     assert calls == [3, 2, 1], "one stage is the last try"
+
+
+def test_split_k_does_not_split_when_determinism_is_requested(monkeypatch):
+    """Split-K partial sums meet through atomic adds (order varies run to run): a deterministic
+    request (QOPS_DETERMINISTIC=1 or torch's switch) keeps every Triton kernel to one split."""
+    from qops.ops.triton.common import split_k
+
+    monkeypatch.delenv("QOPS_DETERMINISTIC", raising=False)
+    assert split_k(4096, 64, 4, 132, 16) == (16, 256)
+    monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
+    assert split_k(4096, 64, 4, 132, 16) == (1, 4096)
+    monkeypatch.delenv("QOPS_DETERMINISTIC")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert split_k(4096, 64, 4, 132, 16) == (1, 4096)
+    finally:
+        torch.use_deterministic_algorithms(False)

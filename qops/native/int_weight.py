@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from ..ops._common import DETERMINISTIC_ENV, deterministic_requested  # noqa: F401  (DETERMINISTIC_ENV: the switch's name, re-exported)
 from . import compiler
 
 SOURCE = "w4a16_gemv.cu"
@@ -48,7 +49,6 @@ REDUCE = "qops_w4a16_reduce"
 MAX_M = 16
 THREADS = 256
 CHUNK_K = 128
-DETERMINISTIC_ENV = "QOPS_DETERMINISTIC"
 PDL_ENV = "QOPS_NATIVE_PDL"
 
 # `flags` bits, as in w4a16_gemv.cu
@@ -61,8 +61,7 @@ _deterministic: bool | None = None
 def read_deterministic() -> bool:
     """Read the deterministic switch now (QOPS_DETERMINISTIC=1 or torch's deterministic algorithms)."""
     global _deterministic
-    env = os.environ.get(DETERMINISTIC_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-    _deterministic = env or torch.are_deterministic_algorithms_enabled()
+    _deterministic = deterministic_requested()
     return _deterministic
 
 

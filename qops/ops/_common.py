@@ -5,6 +5,7 @@ may be involved, a plain raise for static facts), and every message begins ``qop
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -117,3 +118,14 @@ def register_frozen_weight_autograd(op, dequantize: Callable, *, tensors: Sequen
         return tuple(grads)
 
     op.register_autograd(backward, setup_context=setup_context)
+
+
+DETERMINISTIC_ENV = "QOPS_DETERMINISTIC"
+
+
+def deterministic_requested() -> bool:
+    """Whether sums must come out in a fixed order (bit-identical from run to run):
+    ``QOPS_DETERMINISTIC=1`` or ``torch.use_deterministic_algorithms(True)``. Split-K kernels then
+    do not split (no atomic adds)."""
+    env = os.environ.get(DETERMINISTIC_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return env or torch.are_deterministic_algorithms_enabled()

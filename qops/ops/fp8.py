@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from ..formats.fp8 import FP8_DTYPE, FP8_MAX, Fp8Quantized, dequantize_reference, expand_scale, scale_shape
 from ..lowerings import LOWERINGS_BY_KERNEL, LOWERINGS_BY_NAME, Choice, Kernel, WeightSpec, choose, implementation
@@ -67,8 +68,12 @@ def check_fp8_weight(who: str, k, weight: torch.Tensor, weight_scale: torch.Tens
     return n
 
 
-def check_kernel(who: str, kernel: int, device: torch.device, act_dtype: torch.dtype) -> None:
-    """``kernel`` names an fp8 lowering that runs on ``device`` and reads ``act_dtype`` activations."""
+def check_kernel(who: str, kernel: int, device: torch.device, act_dtype: torch.dtype, weight: torch.Tensor | None = None,
+                 block_n: int = -1, block_k: int = -1) -> None:
+    """``kernel`` names an fp8 lowering that runs on ``device`` and reads ``act_dtype`` activations
+    (and, given the weight, whose declared N / K multiples and scale layouts it fits: the chooser
+    never picks a lowering otherwise, a direct caller gets this error instead of one from inside
+    the kernel)."""
     low = LOWERINGS_BY_KERNEL.get((FAMILY, kernel))
     if low is None:
         known = sorted(int(kid) for fam, kid in LOWERINGS_BY_KERNEL if fam == FAMILY)
@@ -77,6 +82,14 @@ def check_kernel(who: str, kernel: int, device: torch.device, act_dtype: torch.d
         raise ValueError(fail(who, f"kernel={kernel} ({low.name}) runs on {sorted(low.device_types)}, but the inputs are on {device}"))
     if act_dtype not in low.act_dtypes:
         raise ValueError(fail(who, f"kernel={kernel} ({low.name}) reads {sorted(str(d) for d in low.act_dtypes)} activations, not {act_dtype}"))
+    if weight is None:
+        return
+    n, k = weight.shape
+    for dim, size, multiple in (("N", n, low.n_multiple), ("K", k, low.k_multiple)):
+        if multiple > 1 and not guard_or_true(size % multiple == 0):
+            raise ValueError(fail(who, f"kernel={kernel} ({low.name}) needs weight {dim} a multiple of {multiple}, got {dim}={size}"))
+    if low.kernel == Kernel.SCALED_MM and (block_k != -1 or block_n not in (-1, 1)):
+        raise ValueError(fail(who, f"kernel={kernel} ({low.name}) needs per-tensor or per-channel weight scales, got block_n={block_n}, block_k={block_k}"))
 
 
 def check_mm_fp8_weight(who, x, weight, weight_scale, bias, block_n, block_k, kernel) -> list:
@@ -111,7 +124,7 @@ def check_scaled_mm_fp8(who, x_fp8, x_scale, weight, weight_scale, bias, block_n
     check_x_scale(who, x_scale, x_fp8)
     n = check_fp8_weight(who, x_fp8.shape[-1], weight, weight_scale, block_n, block_k, x_fp8.device)
     check_bias(who, bias, n, x_fp8.device)
-    check_kernel(who, kernel, x_fp8.device, x_fp8.dtype)
+    check_kernel(who, kernel, x_fp8.device, x_fp8.dtype, weight, block_n, block_k)
     return [*x_fp8.shape[:-1], n]
 
 

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import deterministic_requested
+
 @triton.jit
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of program ``pid`` in grouped order: ``GROUP_M`` row tiles per column sweep."""
@@ -202,7 +204,10 @@ def pow2_at_most(v: int, cap: int, floor: int = 16) -> int:
 
 def split_k(k: int, unit: int, tiles: int, want: int, max_split: int) -> tuple[int, int]:
     """(split count, K length per split, a multiple of ``unit``) so that ``tiles * split >= want``
-    programs when K allows, with at most ``max_split`` splits. K = 0 gives one empty split."""
+    programs when K allows, with at most ``max_split`` splits (one when deterministic results are
+    requested: the splits meet through atomic adds, whose order varies). K = 0 gives one empty split."""
+    if deterministic_requested():
+        max_split = 1
     steps = max(1, triton.cdiv(k, unit))
     split = 1
     if tiles < want:
