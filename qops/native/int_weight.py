@@ -2,8 +2,9 @@
 
 Serves the runtime layout of ``qops/ops/int_weight.py`` with bits = 4, group_size -1 or a multiple
 of 128, float16/bfloat16 activations and scales, N % 4 == 0, a 16-byte aligned contiguous qweight,
-and M = prod(x.shape[:-1]) <= 16. Anything else goes to the Triton lowering
-(``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where M > 16 runs this
+and M = prod(x.shape[:-1]) <= 16 per launch: up to ``SLICED_MAX_M`` = 32 rows run as 16-row slices
+(faster than Triton there, measured). Anything else goes to the Triton lowering
+(``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where any M runs this
 kernel over 16-row slices (bit-identical run to run; slower than Triton at prefill sizes).
 
 Kernel: ``w4a16_gemv.cu`` (design notes at its top). act_perm is applied by gathering x once
@@ -46,7 +47,13 @@ from . import compiler
 SOURCE = "w4a16_gemv.cu"
 GEMV = "qops_w4a16_gemv"
 REDUCE = "qops_w4a16_reduce"
-MAX_M = 16
+MAX_M = 16  # rows one launch takes (two 8-row MMA tiles)
+# Up to this many rows the kernel runs in MAX_M-row slices (each reads the weight again); above it
+# the call goes to triton. H200, W4 g128 (h200-2026-11-30-26b1d5b-int-weight.json): two native
+# 16-row launches take 67 / 36 / 246 / 117 / 18 us on 28672x4096, 4096x14336, 57344x8192,
+# 8192x28672, 4096x4096, where triton takes 91 / 45 / 314 / 167 / 21 us at M = 64 and more at
+# M = 16 (its time barely moves with M below 64); four launches (M = 64) lose on every shape.
+SLICED_MAX_M = 32
 THREADS = 256
 CHUNK_K = 128
 PDL_ENV = "QOPS_NATIVE_PDL"
@@ -255,8 +262,8 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
     """Scratch bytes ``native_mm`` needs for an (m, K) x (K, N) product on ``device``.
 
     The signature is the Triton lowering's, so callers size either the same way. 0 unless the plan
-    splits K in more than two (or in two, before sm_90). For m > 16 outside deterministic mode, the
-    Triton lowering's need, since those calls are handed to it.
+    splits K in more than two (or in two, before sm_90). For m > ``SLICED_MAX_M`` outside deterministic
+    mode, the Triton lowering's need, since those calls are handed to it.
     """
     if m <= 0 or n <= 0:
         return 0
@@ -265,7 +272,7 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
             return 16 * min(m, MAX_M) * n * 4  # the most any plan asks for
         device = torch.cuda.current_device()
     if m > MAX_M:
-        if deterministic():
+        if deterministic() or m <= SLICED_MAX_M:  # 16-row slices, one after another on the same scratch
             return plan(MAX_M, n, k, device).workspace
         dev = device if isinstance(device, torch.device) else torch.device("cuda", device)
         return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, dev))
@@ -316,7 +323,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     m = math.prod(lead)
     if _refusal(x, qweight, scales, qzeros, bits, group_size, n) is not None:
         return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
-    if m > MAX_M and not deterministic():
+    if m > SLICED_MAX_M and not deterministic():
         return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
 
     if out is None:

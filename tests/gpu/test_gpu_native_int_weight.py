@@ -250,10 +250,12 @@ def test_deterministic_mode_serves_large_m(monkeypatch):
         native.read_deterministic()
 
 
-def test_large_m_is_delegated_to_triton():
+def test_large_m_is_delegated_to_triton_and_up_to_32_rows_sliced():
     nw = native_weight("gptq", 1024, 2048, 128, False, version="v2")
-    x = rand(64, 2048, dtype=torch.float16, seed=7)
-    check(nw.weight.mm(x), x, nw.w64, None, "M=64 via triton")
+    for m in (17, 31, 32, 33, 64):
+        x = rand(m, 2048, dtype=torch.float16, seed=7)
+        bias = rand(1024, dtype=torch.float16, seed=8)
+        check(nw.weight.mm(x, bias), x, nw.w64, bias, f"M={m} ({'native slices' if m <= native.SLICED_MAX_M else 'triton'})")
 
 
 def test_torch_compile_fullgraph():
