@@ -294,6 +294,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"LlamaForCausalLM: max_batch and max_seq must be positive, got {max_batch}, {max_seq}")
         self.config = config
         self.max_batch, self.max_seq = max_batch, max_seq
+        self.attention = attention
         self.dtype, self.device = weights.dtype, weights.device
         self.world_size = weights.world_size
         self.embed_tokens = TensorParallelEmbedding("model.embed_tokens", weights)
@@ -355,19 +356,22 @@ class LlamaForCausalLM(nn.Module):
         """``tokens``, ``positions`` ``(B, T)`` -> logits ``(B, T, vocab)``; writes the KV cache of
         rows ``[0, B)`` at ``positions`` (each row's positions distinct)."""
         b, t = tokens.shape
-        cos = self.rope_cos[positions].unsqueeze(2)  # (B, T, 1, D)
-        sin = self.rope_sin[positions].unsqueeze(2)
-        # Masked: keys after the query's position (not written yet, or stale from an earlier sequence).
-        # One additive mask for every layer: (1, B*Hkv, G*T, S), 0 where visible, -inf elsewhere.
-        masked = (self.key_positions > positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
         hk = self.config.num_key_value_heads // self.world_size
         g = self.config.num_attention_heads // self.config.num_key_value_heads
         # Cache index (row, kv head, position) of each key of the step, broadcast to (B, T, Hkv).
         index = (torch.arange(b, device=tokens.device).view(b, 1, 1), torch.arange(hk, device=tokens.device).view(1, 1, hk),
                  positions.unsqueeze(-1))
-        # Query rows are grouped (g, t) under their KV head.
-        masked = masked.unsqueeze(2).expand(b, hk, g, t, self.max_seq).reshape(1, b * hk, g * t, self.max_seq)
-        bias = torch.where(masked, float("-inf"), 0.0).to(self.dtype)
+        if self.attention == "fused" and t == 1:
+            cos = sin = bias = None  # the fused decode op reads the rotary tables and masks by position itself
+        else:
+            cos = self.rope_cos[positions].unsqueeze(2)  # (B, T, 1, D)
+            sin = self.rope_sin[positions].unsqueeze(2)
+            # Masked: keys after the query's position (not written yet, or stale from an earlier
+            # sequence). One additive mask for every layer: (1, B*Hkv, G*T, S), 0 where visible,
+            # -inf elsewhere; query rows grouped (g, t) under their KV head.
+            masked = (self.key_positions > positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+            masked = masked.unsqueeze(2).expand(b, hk, g, t, self.max_seq).reshape(1, b * hk, g * t, self.max_seq)
+            bias = torch.where(masked, float("-inf"), 0.0).to(self.dtype)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, index, bias, (self.rope_cos, self.rope_sin))
