@@ -347,7 +347,7 @@ TRITON_RUNS = [
     (C.BLOCKWISE4_CASES[10], 17, {"gemv_slices_max_m": 0, "gemm": TINY_GEMM, "gemm_max_split": 1, "scale_after_max_block_m": 0}, "gemm", False),
     (C.BLOCKWISE4_CASES[5], 3, {"gemv_max_m": 2, "gemv_slices_max_m": 0, "gemm": TINY_GEMM, "gemm_max_split": 2, "scale_after_max_block_m": 0}, "gemm", True),
     # Above gemv_max_m: the small-M kernel over row slices (the last one partial), with and without split-K.
-    (C.BLOCKWISE4_CASES[4], 37, {}, "gemv_slices", None),
+    (C.BLOCKWISE4_CASES[4], 37, {"dense_above_m": 64}, "gemv_slices", None),
     (C.BLOCKWISE4_CASES[5], 7, {"gemv_max_m": 2, "gemv": {"STEP_BYTES": 64, "programs_per_sm": 64}}, "gemv_slices", True),
 ]
 
@@ -480,6 +480,113 @@ def test_triton_writes_out_and_uses_the_workspace():
     with ti8.config_override(gemv={"BLOCK_K": 32, "programs_per_sm": 64}):
         r = ti8.triton_mm(x, w.qweight, w.scales, None, out=out, workspace=ws)
     assert r is out and C.rel_err(out, C.matmul(x, b.w64)) <= 2e-3
+
+
+# Above 32 rows the 4-bit lowering dequantizes N-slabs of W and multiplies with torch.mm: NF4 and FP4,
+# nested and plain absmax, blocksizes 64, 32 and 128, K off the blocksize (96 at 64, 99 at 32: rows
+# start mid-block and, for odd K, on odd nibbles) and odd N. slab_bytes 1 forces the smallest slab
+# (8 rows), so slab edges fall inside blocks and a partial last slab follows.
+DENSE_CASES = tuple(
+    C.Case(f"bitsandbytes-{qt}", n, k, blocksize=b, nested=nested)
+    for qt, (n, k, b), nested in (
+        ("nf4", (33, 96, 64), True), ("nf4", (40, 128, 64), False), ("fp4", (21, 99, 32), True),
+        ("fp4", (19, 256, 128), False),
+    )
+)
+
+
+def _dense_mm(w, x, bias, **kw):
+    from qops.ops.triton import blockwise4 as tbw4
+
+    return tbw4.triton_mm(x, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize, **kw)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: c.id)
+def test_triton_dense_path(case, dtype):
+    from qops.ops.triton import blockwise4 as tbw4
+
+    b = C.build(case)
+    gen = torch.Generator().manual_seed(C.seed_of(case))
+    bias = torch.randn(case.n, generator=gen).to(dtype)
+    tol = 2e-6 if dtype == torch.float32 else 2e-3
+    for i, (shape, slab_bytes) in enumerate((((33,), 1), ((70,), 128 << 20), ((2, 35), 1))):
+        x = torch.randn(*shape, case.k, generator=gen).to(dtype)
+        if i == 1:
+            x = x.t().contiguous().t()  # column-major rows
+        bb = bias if i != 1 else None
+        with tbw4.config_override(slab_bytes=slab_bytes):
+            p = tbw4.plan(x.shape[:-1].numel(), case.n, case.k, case.blocksize, x.device, dtype)
+            y = _dense_mm(b.weight, x, bb)
+        assert p["path"] == "dense" and p["slab"] == (min(8, case.n) if slab_bytes == 1 else case.n), p
+        assert y.dtype == dtype and y.shape == (*shape, case.n)
+        assert C.rel_err(y, C.matmul(x, b.w64, bb)) <= tol, (shape, C.rel_err(y, C.matmul(x, b.w64, bb)))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", DENSE_CASES[::2], ids=lambda c: c.id)
+def test_triton_dense_slabs_are_the_reference_dequantization(case, dtype):
+    # One-hot rows (K > 32 of them: the dense path) return the dequantized slabs exactly: the
+    # kernel's nibble order, block index and de-nesting are the reference's, rounded once to dtype.
+    from qops.ops.blockwise4 import reference_dequantize
+    from qops.ops.triton import blockwise4 as tbw4
+
+    w = C.build(case).weight
+    want = reference_dequantize(*w._weight_args(), w.out_features, w.in_features, w.blocksize, w.nested_blocksize)
+    with tbw4.config_override(slab_bytes=1):
+        y = _dense_mm(w, torch.eye(case.k, dtype=dtype), None)
+    assert torch.equal(y, want.t().to(dtype))
+
+
+@needs_triton
+def test_triton_dense_writes_out_and_takes_the_workspace_only_when_it_fits():
+    from qops.ops.triton import blockwise4 as tbw4
+
+    case = DENSE_CASES[2]  # fp4 21x99 b32 nested
+    b = C.build(case)
+    w = b.weight
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, case.k, generator=gen).to(torch.float16)
+    bias = torch.randn(case.n, generator=gen).to(torch.float16)
+    want = C.matmul(x, b.w64, bias)
+    with tbw4.config_override(slab_bytes=1):
+        need = 2 * 8 * case.k  # one 8-row fp16 slab
+        for size, used in ((need + 5, True), (need - 1, False)):
+            ws = torch.full((size,), 255, dtype=torch.uint8)
+            out = torch.full((40, case.n), float("nan"), dtype=torch.float16)
+            r = _dense_mm(w, x, bias, out=out, workspace=ws)
+            assert r is out and C.rel_err(out, want) <= 2e-3
+            assert bool((ws[:need] != 255).any()) == used and bool((ws[need:] == 255).all())
+        # A column-major out (cuBLAS writes its column slices in place), and one that is no (M, N)
+        # view (written through a fresh buffer, then copied).
+        for out in (torch.full((case.n, 40), float("nan"), dtype=torch.float16).t(),
+                    torch.full((20, 2, case.n), float("nan"), dtype=torch.float16).transpose(0, 1)):
+            xs = x.view(*out.shape[:-1], case.k)
+            r = _dense_mm(w, xs, bias, out=out)
+            assert r is out and C.rel_err(out, C.matmul(xs, b.w64, bias)) <= 2e-3
+
+
+def test_triton_blockwise4_plan_takes_the_dense_path_above_32_rows():
+    from types import SimpleNamespace
+
+    from qops.ops.triton import blockwise4 as tbw4
+    from qops.workspace import SCRATCH_BYTES
+
+    cpu = torch.device("cpu")
+    paths = {m: tbw4.plan(m, 4096, 4096, 64, cpu, torch.float16)["path"] for m in (1, 16, 17, 32, 33, 64, 300, 8192)}
+    assert paths == {1: "gemv", 16: "gemv", 17: "gemv_slices", 32: "gemv_slices", 33: "dense", 64: "dense",
+                     300: "dense", 8192: "dense"}
+    # Slabs: whole multiples of 8 rows within 128 MB of x's dtype, all of N when it fits.
+    assert tbw4.plan(64, 4096, 4096, 64, cpu, torch.float16)["slab"] == 4096
+    assert tbw4.plan(64, 28672, 8192, 64, cpu, torch.bfloat16)["slab"] == 8192
+    assert tbw4.plan(64, 28672, 8192, 64, cpu, torch.float32)["slab"] == 4096
+    assert tbw4.plan(64, 100, 3 << 20, 64, cpu, torch.float32)["slab"] == 8
+    assert tbw4.plan(64, 50000, 4000, 64, cpu, torch.float16)["slab"] == (128 << 20) // 8000 // 8 * 8
+    # The dense path declares no workspace (it allocates the slab unless the one given holds it).
+    layer = SimpleNamespace(out_features=4096, in_features=4096, blocksize=64)
+    assert SCRATCH_BYTES["triton_blockwise4"](layer, 300, cpu) == 0
 
 
 # ---------------------------------------------------------------- bitsandbytes as a second oracle

@@ -1,6 +1,6 @@
 """The Triton lowerings of the int8 (EETQ, bitsandbytes LLM.int8) and 4-bit blockwise (bitsandbytes
 NF4 / FP4) families on a CUDA device, through the public ops: eagerly (every path: GEMV, GEMM,
-split-K), with a caller-owned ``out`` poisoned with NaN and a workspace, under
+split-K, the 4-bit dense path), with a caller-owned ``out`` poisoned with NaN and a workspace, under
 ``torch.compile(fullgraph=True)`` with CUDA graphs (a skipped capture fails), and in a hand-captured
 CUDA graph replayed on new inputs. The reference is float64 ``x @ W.T (+ bias)`` with W from the
 oracles of ``tests/bnb_cases.py`` (checkpoints built on the CPU, moved to the GPU, prepared there).
@@ -158,3 +158,32 @@ def test_cuda_graph_replay(case, m):
         g.replay()
         torch.cuda.synchronize()
         check(y, x, w64, None, torch.float16, f"replay {seed}")
+
+
+# Above 32 rows the 4-bit lowering dequantizes W into N-slabs and multiplies with cuBLAS: a
+# realistic 4096 x 4096 layer, NF4 nested at blocksize 64 and FP4 plain at 128, in one slab (with a
+# workspace that holds it) and in five (slabs of 1000 rows, the last partial).
+DENSE_CASES = (
+    C.Case("bitsandbytes-nf4", 4096, 4096, blocksize=64, nested=True),
+    C.Case("bitsandbytes-fp4", 4096, 4096, blocksize=128, nested=False),
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: c.id)
+def test_dense_path_at_a_realistic_shape(case, dtype):
+    w, w64 = gpu_weight(case, dtype)
+    assert w.kernel == Kernel.TRITON, w.choice.explain()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bias = torch.randn(case.n, device="cuda", generator=gen).to(dtype)
+    for m in (64, 300):
+        p = tbw4.plan(m, case.n, case.k, case.blocksize, torch.device("cuda"), dtype)
+        assert p["path"] == "dense" and p["slab"] == case.n, p
+        x = torch.randn(m, case.k, device="cuda", generator=gen).to(dtype)
+        b = bias if m == 300 else None
+        check(w.mm(x, b), x, w64, b, dtype, f"M={m}")
+        out = torch.full((m, case.n), float("nan"), device="cuda", dtype=dtype)
+        mm_out(w, x, bias, out, torch.empty(2 * case.n * case.k, dtype=torch.uint8, device="cuda"))
+        check(out, x, w64, bias, dtype, f"M={m} out+workspace")
+        with tbw4.config_override(slab_bytes=1000 * case.k * 2):
+            check(w.mm(x, bias), x, w64, bias, dtype, f"M={m} 5 slabs")

@@ -4,7 +4,7 @@ Reads the runtime layout of :mod:`qops.ops.blockwise4` as is: the flat nibble st
 the high nibble of byte i), the 16-entry codebook, and the block absmax, nested or not. The capability
 table only sends weights with ``K % blocksize == 0`` here, so every row starts on a byte and a block
 never spans two rows: byte j of row n holds K indices 2j and 2j+1 and belongs to block
-``n * K/B + 2j // B``.
+``n * K/B + 2j // B``. (The dense path reads the flat stream by absolute index and needs neither.)
 
 - **gemv** (M <= ``gemv_max_m``, 16 by default): ``tl.dot`` with the weight as the wide operand:
   a program owns ``BLOCK_N`` rows and walks its K split in steps of ``STEP`` bytes per row (at most
@@ -26,7 +26,18 @@ never spans two rows: byte j of row n holds K indices 2j and 2j+1 and belongs to
   16-bit codes: both look the codes up in memory (``PRMT=False``; fp32 x then takes an exact FMA
   dot only as wide as M, 0.51 warp-instructions per byte at M = 1); the PTX sequence itself is
   executed instruction by instruction in ``tests/test_bitsandbytes.py``.
-- **gemm** (larger M): ``tl.dot`` on tensor cores. A K step of ``BLOCK_K`` values (at most one
+- **dense** (M > ``dense_above_m``, 32 by default): the weight is dequantized by a Triton kernel
+  into a transient ``(slab, K)`` buffer of x's dtype (at most ``slab_bytes``, 128 MB), rows
+  ``[n0, n0 + slab)`` of W at a time, and cuBLAS writes ``x @ slab.T (+ bias)`` into the output's
+  columns ``[n0, n0 + slab)``; the dense weight never outlives the call. A slab of W is a contiguous
+  range of the flat element stream, so the kernel is one-dimensional: a program decodes
+  ``DQ_BLOCK_BYTES`` consecutive bytes (both nibbles of a byte lie in one block, B being even), looks
+  both codes up, scales them by their block's absmax in fp32 (de-nested as in the other kernels) and
+  rounds once to x's dtype. Block and nested-block indices come from the absolute flat index, so slab
+  edges need not fall on block boundaries; slabs are a multiple of 8 rows, which keeps every slab's
+  first element on a byte (``n0 * K`` even) and its output column offset 16-byte aligned.
+- **gemm** (only when the config raises ``dense_above_m`` past ``gemv_slices_max_m``; measured
+  0.02-0.04x cuBLAS fp16): ``tl.dot`` on tensor cores. A K step of ``BLOCK_K`` values (at most one
   block) is two dots, even and odd K against the high and low nibbles, so no interleaving is
   needed; the block absmax scales the step's fp32 product once per output element (small
   ``BLOCK_M``), or the weight tile before the dots (large ``BLOCK_M``, where a second fp32
@@ -53,7 +64,18 @@ CONFIGS: dict = {
     # 57344) unsplit: a split costs a zeroing and a cast kernel. STEP_BYTES is capped at
     # blocksize / 2 (one absmax per step). M <= 16 rows of x ride in one 16-wide dot.
     "gemv_max_m": 16,
-    # Up to this M, calls run the small-M kernel over gemv_max_m-row slices (see triton_mm); above, the GEMM.
+    # Above this M, calls dequantize W into slabs and multiply with cuBLAS. The dense path moves ~4.5
+    # bytes per weight (0.5 read, 2 written, 2 read back by cuBLAS) at near copy bandwidth; the
+    # slices move 0.5 bytes per weight per 16-row slice at ~20% of it (measured at 26b1d5b: 0.20-0.22x
+    # cuBLAS fp16 at M = 64, 0.07-0.08x at M = 256), i.e. ~2.5 copy-bandwidth bytes per slice: the
+    # slices cost more from 3 slices up (M > 32). Not yet measured on a GPU; by the same count the
+    # dense path would run near 2 / 4.5 of cuBLAS fp16's speed while cuBLAS is bound by its weight reads.
+    "dense_above_m": 32,
+    # Transient dense weight per slab, bytes (x's dtype); one slab for N * K * 2 <= 128 MB in fp16.
+    "slab_bytes": 128 << 20,
+    "dense": {"DQ_BLOCK_BYTES": 1024, "num_warps": 4},
+    # Up to this M (and not dense), calls run the small-M kernel over gemv_max_m-row slices (see
+    # triton_mm); above, the GEMM.
     "gemv_slices_max_m": 256,
     "gemv": {"BLOCK_N": 128, "STEP_BYTES": 32, "num_warps": 4, "num_stages": 4, "programs_per_sm": 1,
              "max_split": 16},
@@ -280,6 +302,32 @@ def _gemm_kernel(
     store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
+@triton.jit
+def _dequant_kernel(
+    w_ptr, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff_ptr, out_ptr, byte0, count,
+    BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, NESTED: tl.constexpr,
+):
+    """``out[i] = code[nibble(e)] * absmax[e // BLOCKSIZE]`` with ``e = 2 * byte0 + i``, for ``i < count``.
+
+    ``out`` is contiguous in x's dtype; a program decodes ``BLOCK_BYTES`` bytes of the nibble stream
+    from ``byte0 + pid * BLOCK_BYTES`` (high nibble: element 2j, low: 2j + 1, one block for both).
+    """
+    local = tl.program_id(0) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    bmask = 2 * local < count
+    byte = byte0.to(tl.int64) + local
+    b = tl.load(w_ptr + byte, mask=bmask, other=0, eviction_policy="evict_first").to(tl.int32)
+    if NESTED:
+        noff = tl.load(noff_ptr)
+    else:
+        noff = 0.0
+    s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, (2 * byte) // BLOCKSIZE, bmask, NESTED, NESTED_BS)
+    hi = tl.load(code_ptr + (b >> 4)) * s
+    lo = tl.load(code_ptr + (b & 15)) * s
+    v = tl.reshape(tl.join(hi, lo), (2 * BLOCK_BYTES,))
+    offs = 2 * tl.program_id(0) * BLOCK_BYTES + tl.arange(0, 2 * BLOCK_BYTES)
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=offs < count)
+
+
 def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: torch.dtype | None = None) -> dict:
     """Which path and launch parameters serve an (M, N, K, blocksize) problem with activations of
     ``dtype`` (default float16): static facts only."""
@@ -298,6 +346,14 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
         return dict(path="gemv", BLOCK_M=bm, BLOCK_N=bn, STEP=step, split=split,
                     split_bytes=per, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                     grid=(tiles, split))
+    if m > TABLE["dense_above_m"]:
+        elt = (dtype or torch.float16).itemsize
+        # Whole multiples of 8 rows: every slab starts on a byte of the nibble stream (n0 * K even)
+        # and at a 16-byte aligned output column; at least 8 rows, at most N.
+        rows = max(8, TABLE["slab_bytes"] // max(1, k * elt) // 8 * 8)
+        cfg = TABLE["dense"]
+        return dict(path="dense", slab=min(n, rows), DQ_BLOCK_BYTES=cfg["DQ_BLOCK_BYTES"],
+                    num_warps=cfg["num_warps"], split=1)
     if m <= TABLE["gemv_slices_max_m"]:
         # gemv_max_m-row slices through the small-M kernel: measured on the H200 (85c0cb8), four
         # slices at M = 64 take 1/5-1/7 of the tl.dot GEMM's time and sixteen at M = 256 1/4-1/2 of
@@ -315,7 +371,8 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
 
 def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
               nested_blocksize, out=None, workspace=None):
-    """Lowering entry (contract of ``qops.ops.int_weight.reference_mm``); needs K % blocksize == 0."""
+    """Lowering entry (contract of ``qops.ops.int_weight.reference_mm``); needs K % blocksize == 0
+    (except the dense path, which takes any K)."""
     k = x.shape[-1]
     n = out_features
     x2 = rows_2d(x)
@@ -327,6 +384,10 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         y2.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(y2))
         return finish(y2, None, None, x, n, out)
     p = plan(m, n, k, blocksize, x.device, x.dtype)
+    if p["path"] == "dense":
+        _run_dense(p, x2, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, blocksize,
+                   nested_blocksize, y2, workspace)
+        return finish(y2, None, None, x, n, out)
     if p["path"] == "gemv_slices":
         rows = TABLE["gemv_max_m"]
         for r0 in range(0, m, rows):
@@ -359,3 +420,46 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
                                 SCALE_AFTER=p["BLOCK_M"] <= TABLE["scale_after_max_block_m"],
                                 num_stages=p["num_stages"], **flags)
     return finish(y2, acc, bias, x, n, out)
+
+
+def slab_buffer(workspace: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
+    """The transient dense slab: a view of the caller's workspace (a contiguous buffer on ``device``,
+    bytes of any dtype) when it holds it, else a fresh tensor. The declared workspace need
+    (``qops.workspace.SCRATCH_BYTES``) leaves the slab out: dense calls are prefill-sized, and a model
+    workspace big enough for them would be held for every decode step."""
+    nbytes = dtype.itemsize * shape[0] * shape[1]
+    if (workspace is not None and workspace.device == device and workspace.is_contiguous()
+            and workspace.numel() * workspace.element_size() >= nbytes):
+        return workspace.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _run_dense(p, x2, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, blocksize,
+               nested_blocksize, y2, workspace):
+    """Dequantize N-slabs of W (rows = output features) into a transient buffer and multiply with cuBLAS."""
+    m, k = x2.shape
+    n = y2.shape[1]
+    slab = p["slab"]
+    nested = absmax.dtype == torch.uint8
+    qweight, code, absmax = qweight.contiguous(), code.contiguous(), absmax.contiguous()
+    if nested:
+        tables = (nested_code.contiguous(), nested_absmax.contiguous(), nested_offset)
+    else:
+        tables = (code, code, code)  # unused pointers
+    w = slab_buffer(workspace, (slab, k), x2.dtype, x2.device)
+    b = bias.to(x2.dtype) if bias is not None and bias.dtype != x2.dtype else bias
+    block = p["DQ_BLOCK_BYTES"]
+    for n0 in range(0, n, slab):
+        rows = min(slab, n - n0)
+        count = rows * k
+        # n0 is a multiple of 8: n0 * K is even, so the slab starts on byte n0 * K / 2.
+        _dequant_kernel[(triton.cdiv(count, 2 * block),)](
+            qweight, code, absmax, *tables, w, n0 * k // 2, count,
+            BLOCKSIZE=blocksize, NESTED_BS=nested_blocksize if nested else 1, BLOCK_BYTES=block, NESTED=nested,
+            num_warps=p["num_warps"])
+        wt = w[:rows].t()
+        dst = y2[:, n0:n0 + rows]
+        if b is not None:
+            torch.addmm(b[n0:n0 + rows], x2, wt, out=dst)
+        else:
+            torch.mm(x2, wt, out=dst)
