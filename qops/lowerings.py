@@ -287,7 +287,8 @@ LOWERINGS: tuple[Lowering, ...] = (
         k_multiple_of_group=True,
         priority=10,
         entry="qops.ops.triton.blockwise4:triton_mm",
-        note="Triton: register-codebook (prmt) decode into a narrow tensor-core dot for M <= 16, tl.dot GEMM above; absmax de-nested in the kernel",
+        note="Triton: register-codebook (prmt) decode into a narrow tensor-core dot for M <= 16 (16-row slices to 32), "
+             "dequantized N-slabs + cuBLAS above; absmax de-nested in the kernels",
         software=_triton_missing,
     ),
 )
