@@ -235,6 +235,7 @@ def run(args) -> int:
            "args": {k: v for k, v in vars(args).items() if k not in ("variant_list", "batch_list")}, "rows": [], "skipped": []}
     paths = common.output_paths("profile_decode.json", args.out) or [os.path.join(os.getcwd(), "profile_decode.json")]
     ref = None
+    pdl_env = os.environ.get("QOPS_NATIVE_PDL")  # the variants set it; restored after them
     for label, kind, opts in args.variant_list:
         if time.time() - t0 > args.budget_s:
             res["skipped"].append(label)
@@ -250,6 +251,10 @@ def run(args) -> int:
         res["rows"].append(row)
         print(render(row), flush=True)
         common.write_json(res, paths)
+    if pdl_env is None:
+        os.environ.pop("QOPS_NATIVE_PDL", None)
+    else:
+        os.environ["QOPS_NATIVE_PDL"] = pdl_env
     res["elapsed_s"] = round(time.time() - t0, 1)
     common.write_json(res, paths)
     return 0

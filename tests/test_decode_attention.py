@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from qops.models import LlamaConfig, LlamaForCausalLM, compile_decode, random_tensors
 from qops.models import attention as A
 from qops.models.testing import relative_error
+from tests.int_weight_cases import one_thread  # noqa: F401  (autouse: small products on one thread)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OP = torch.ops.qops.decode_attention.default
@@ -34,14 +35,6 @@ MAX_BATCH, HKV = 4, 2
 # output's rounding to fp16 / bf16 plus, in the Triton kernel, the probabilities rounded to it for
 # p @ v. Measured on CPU: fp32 5e-7, fp16 1e-3 (Triton interpreter), bf16 4e-3 (reference kernel).
 TOL = {torch.float32: 2e-6, torch.float16: 2.5e-3, torch.bfloat16: 1.6e-2}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def rope_tables(max_seq: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from qops.models import QUANT_SCHEMES, LlamaConfig, LlamaForCausalLM, generate, 
 from qops.models.checkpoint import get_scheme
 from qops.models.llama import inv_freq
 from qops.models.testing import reference_logits, relative_error, scheme_lowerings
+from tests.int_weight_cases import one_thread  # noqa: F401  (autouse: small products on one thread)
 
 CONFIG = LlamaConfig.tiny()
 CPU_PAIRS = scheme_lowerings("cpu")
@@ -24,14 +25,6 @@ PAIR_IDS = [f"{s}-{low}" for s, low in CPU_PAIRS]
 # Bound on the relative logit error of each scheme against the dense model (the tiny random model,
 # fp32), about twice what was measured: int4 0.16-0.18, nf4 0.16, fp4 0.19, fp8 0.04-0.05, int8 0.012.
 QUANT_ERROR = {"int4": 0.3, "nf4": 0.3, "fp4": 0.35, "int8": 0.03, "fp8": 0.1}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
