@@ -244,8 +244,7 @@ def test_triton_lowering_refusals():
     low = LOWERINGS_BY_NAME["triton_blockwise4"]
     spec = WeightSpec(family="blockwise4", format="bitsandbytes-nf4", bits=4, group_size=64, n=33, k=96,
                       act_order=False, symmetric=True, device=torch.device("cuda"), act_dtype=torch.float16)
-    assert low.static_refusal(spec) == "K=96 is not a multiple of the block size 64"
-    assert low.static_refusal(WeightSpec(**{**spec.__dict__, "k": 128})) is None
+    assert low.static_refusal(spec) is None  # K % blocksize != 0: served by the dense path (below)
     assert "group_size=48" in low.static_refusal(WeightSpec(**{**spec.__dict__, "group_size": 48, "k": 96}))
     assert LOWERINGS_BY_NAME["triton_int8_weight"].static_refusal(WeightSpec(**{**spec.__dict__, "family": "int8_weight", "format": "eetq", "bits": 8, "group_size": -1})) is None
 
@@ -522,6 +521,26 @@ def test_triton_dense_path(case, dtype):
         assert p["path"] == "dense" and p["slab"] == (min(8, case.n) if slab_bytes == 1 else case.n), p
         assert y.dtype == dtype and y.shape == (*shape, case.n)
         assert C.rel_err(y, C.matmul(x, b.w64, bb)) <= tol, (shape, C.rel_err(y, C.matmul(x, b.w64, bb)))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", [c for c in DENSE_CASES if c.k % c.blocksize], ids=lambda c: c.id)
+def test_triton_k_not_a_multiple_of_the_block_takes_the_dense_path_at_every_m(case, dtype):
+    # Blocks straddle rows: the gemv and gemm kernels index blocks per row and would read the wrong
+    # absmax (a wrong answer, NaN on the GPU); the dense path indexes the flat stream.
+    from qops.ops.triton import blockwise4 as tbw4
+
+    w = C.build(case)
+    gen = torch.Generator().manual_seed(C.seed_of(case) + 1)
+    bias = torch.randn(case.n, generator=gen).to(dtype)
+    for m in (0, 1, 5, 17):
+        x = _x(m, case.k, dtype, gen, "transposed" if m % 2 else "contiguous")
+        assert tbw4.plan(m, case.n, case.k, case.blocksize, x.device, dtype)["path"] == "dense"
+        y = _dense_mm(w.weight, x, bias)
+        assert y.dtype == dtype and y.shape == (m, case.n)
+        if m:
+            assert C.rel_err(y, C.matmul(x, w.w64, bias)) <= (2e-6 if dtype == torch.float32 else 2e-3), m
 
 
 @needs_triton

@@ -63,11 +63,13 @@ def test_chooser_picks_triton_where_it_serves():
     for case in CASES:
         w, _ = gpu_weight(case, torch.float16)
         assert w.kernel == Kernel.TRITON, (case.id, w.choice.explain())
-    odd = C.Case("bitsandbytes-nf4", 33, 96, blocksize=64, nested=True)  # K % blocksize != 0
-    w, w64 = gpu_weight(odd, torch.float16)
-    assert w.kernel == Kernel.REFERENCE and "not a multiple of the block size" in w.choice.explain()
-    x = torch.randn(3, 96, device="cuda", dtype=torch.float16)
-    check(w.mm(x), x, w64, None, torch.float16, "reference on cuda")
+    odd = C.Case("bitsandbytes-nf4", 33, 96, blocksize=64, nested=True)  # K % blocksize != 0: the dense path
+    for dtype in (torch.float16, torch.bfloat16):
+        w, w64 = gpu_weight(odd, dtype)
+        assert w.kernel == Kernel.TRITON, w.choice.explain()
+        for m in (1, 5, 17, 40):
+            x = torch.randn(m, 96, device="cuda", dtype=dtype)
+            check(w.mm(x), x, w64, None, dtype, f"K % blocksize != 0, M={m}")
 
 
 # Every case in fp16 over every M; bf16 and fp32 on one case per family (each (dtype, M bucket,

@@ -1,10 +1,11 @@
 """Triton lowering of ``qops::mm_blockwise4``: 4-bit codebook weights (bitsandbytes NF4 / FP4) on CUDA.
 
 Reads the runtime layout of :mod:`qops.ops.blockwise4` as is: the flat nibble stream (element 2i in
-the high nibble of byte i), the 16-entry codebook, and the block absmax, nested or not. The capability
-table only sends weights with ``K % blocksize == 0`` here, so every row starts on a byte and a block
-never spans two rows: byte j of row n holds K indices 2j and 2j+1 and belongs to block
-``n * K/B + 2j // B``. (The dense path reads the flat stream by absolute index and needs neither.)
+the high nibble of byte i), the 16-entry codebook, and the block absmax, nested or not. With
+``K % blocksize == 0`` every row starts on a byte and a block never spans two rows: byte j of row n
+holds K indices 2j and 2j+1 and belongs to block ``n * K/B + 2j // B``, which the gemv and gemm
+kernels assume. Other K (blocks straddling rows) take the dense path at every M: it reads the flat
+stream by absolute index and needs neither.
 
 - **gemv** (M <= ``gemv_max_m``, 16 by default): ``tl.dot`` with the weight as the wide operand:
   a program owns ``BLOCK_N`` rows and walks its K split in steps of ``STEP`` bytes per row (at most
@@ -334,7 +335,7 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
     sms = sm_count(device, INTERPRETER_SMS)
     row_bytes = k // 2
     half_block = blocksize // 2
-    if m <= TABLE["gemv_max_m"]:
+    if m <= TABLE["gemv_max_m"] and k % blocksize == 0:
         cfg = TABLE["gemv"]
         step = min(cfg["STEP_BYTES"], half_block)
         bn = pow2_at_most(n, cfg["BLOCK_N"])
@@ -346,7 +347,8 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
         return dict(path="gemv", BLOCK_M=bm, BLOCK_N=bn, STEP=step, split=split,
                     split_bytes=per, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                     grid=(tiles, split))
-    if m > TABLE["dense_above_m"]:
+    # K % blocksize != 0: blocks straddle rows, which only the dense path (flat stream) reads.
+    if m > TABLE["dense_above_m"] or k % blocksize:
         elt = (dtype or torch.float16).itemsize
         # Whole multiples of 8 rows: every slab starts on a byte of the nibble stream (n0 * K even)
         # and at a 16-byte aligned output column; at least 8 rows, at most N.
@@ -371,8 +373,7 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
 
 def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
               nested_blocksize, out=None, workspace=None):
-    """Lowering entry (contract of ``qops.ops.int_weight.reference_mm``); needs K % blocksize == 0
-    (except the dense path, which takes any K)."""
+    """Lowering entry (contract of ``qops.ops.int_weight.reference_mm``); any K (see :func:`plan`)."""
     k = x.shape[-1]
     n = out_features
     x2 = rows_2d(x)
