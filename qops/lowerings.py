@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 DISABLE_ENV = "QOPS_DISABLE_LOWERINGS"
 
@@ -44,6 +45,19 @@ class WeightSpec:
     symmetric: bool
     device: torch.device
     act_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class CallFacts:
+    """What one op call tells about its weight: the static facts a lowering's capabilities name,
+    less the checkpoint format (ops take tensors, not formats)."""
+
+    bits: int
+    group_size: int
+    act_dtype: torch.dtype
+    n: int
+    k: int
+    act_order: bool = False
 
 
 def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
@@ -87,7 +101,6 @@ class Lowering:
     group_sizes: frozenset[int] | None = None  # None: -1 and any positive size
     n_multiple: int = 1
     k_multiple: int = 1
-    k_multiple_of_group: bool = False  # K must be a whole number of groups (blocks never straddle rows)
     act_order: bool = True
     # "module:function(weight)" run once when a weight is prepared for this lowering: compiles and
     # loads its kernels then, never later during CUDA-graph capture.
@@ -101,19 +114,23 @@ class Lowering:
             return f"serves op family {self.family}, not {spec.family}"
         if spec.format not in self.formats:
             return f"format {spec.format} not in {sorted(self.formats)}"
-        if spec.bits not in self.bits:
-            return f"bits={spec.bits} not in {sorted(self.bits)}"
-        if self.group_sizes is not None and spec.group_size not in self.group_sizes:
-            return f"group_size={spec.group_size} not in {sorted(self.group_sizes)}"
-        if spec.act_dtype not in self.act_dtypes:
-            return f"activation dtype {spec.act_dtype} not in {sorted(str(d) for d in self.act_dtypes)}"
-        if spec.n % self.n_multiple:
-            return f"N={spec.n} is not a multiple of {self.n_multiple}"
-        if spec.k % self.k_multiple:
-            return f"K={spec.k} is not a multiple of {self.k_multiple}"
-        if self.k_multiple_of_group and spec.group_size > 0 and spec.k % spec.group_size:
-            return f"K={spec.k} is not a multiple of the block size {spec.group_size}"
-        if spec.act_order and not self.act_order:
+        return self.call_refusal(CallFacts(spec.bits, spec.group_size, spec.act_dtype, spec.n, spec.k, spec.act_order))
+
+    def call_refusal(self, facts: CallFacts) -> str | None:
+        """Why this lowering cannot serve a call with these facts, or None: the part of
+        :meth:`static_refusal` an op can check from its own arguments (it does not know the format)."""
+        if facts.bits not in self.bits:
+            return f"bits={facts.bits} not in {sorted(self.bits)}"
+        if self.group_sizes is not None and facts.group_size not in self.group_sizes:
+            return f"group_size={facts.group_size} not in {sorted(self.group_sizes)}"
+        if facts.act_dtype not in self.act_dtypes:
+            return f"activation dtype {facts.act_dtype} not in {sorted(str(d) for d in self.act_dtypes)}"
+        # guard_or_true: under symbolic shapes an undecidable multiple passes here and is checked at run time.
+        if not guard_or_true(facts.n % self.n_multiple == 0):
+            return f"N={facts.n} is not a multiple of {self.n_multiple}"
+        if not guard_or_true(facts.k % self.k_multiple == 0):
+            return f"K={facts.k} is not a multiple of {self.k_multiple}"
+        if facts.act_order and not self.act_order:
             return "act-order weights are not served"
         return None
 
@@ -284,7 +301,6 @@ LOWERINGS: tuple[Lowering, ...] = (
         bits=frozenset({4}),
         act_dtypes=FLOAT_ACTS,
         group_sizes=BNB_BLOCKSIZES,
-        k_multiple_of_group=True,
         priority=10,
         entry="qops.ops.triton.blockwise4:triton_mm",
         note="Triton: register-codebook (prmt) decode into a narrow tensor-core dot for M <= 16 (16-row slices to 32), "
@@ -339,8 +355,10 @@ def _entry(path: str):
     return getattr(importlib.import_module(module), fn)
 
 
-def lowering_for(family: str, kernel: int, device: torch.device, who: str) -> Lowering:
-    """The lowering that id ``kernel`` names in ``family``, checked to run on ``device``.
+def lowering_for(family: str, kernel: int, device: torch.device, who: str, facts: CallFacts | None = None) -> Lowering:
+    """The lowering that id ``kernel`` names in ``family``, checked to run on ``device`` and, given the
+    call's ``facts``, to serve them (the chooser never picks a lowering that refuses a weight; a
+    caller naming ``kernel`` directly gets this error instead of a wrong answer from the kernel).
 
     Imports nothing, so fake kernels call it too and a bad ``kernel`` fails while tracing, as it
     does eagerly. Tensors on the "meta" device (shape inference, not a run) pass the device check.
@@ -352,12 +370,16 @@ def lowering_for(family: str, kernel: int, device: torch.device, who: str) -> Lo
         raise ValueError(f"{who}: kernel must be one of {known} for {family}, got {kernel}") from None
     if device.type != "meta" and device.type not in low.device_types:
         raise ValueError(f"{who}: kernel={int(kernel)} ({low.name}) runs on {sorted(low.device_types)}, but the inputs are on {device}")
+    why = low.call_refusal(facts) if facts is not None else None
+    if why is not None:
+        raise ValueError(f"{who}: kernel={int(kernel)} ({low.name}) does not serve this call: {why}")
     return low
 
 
-def implementation(family: str, kernel: int, device: torch.device, who: str):
-    """The function implementing ``family`` for lowering id ``kernel`` on ``device``."""
-    return _entry(lowering_for(family, kernel, device, who).entry)
+def implementation(family: str, kernel: int, device: torch.device, who: str, facts: CallFacts | None = None):
+    """The function implementing ``family`` for lowering id ``kernel`` on ``device`` (checked as in
+    :func:`lowering_for`)."""
+    return _entry(lowering_for(family, kernel, device, who, facts).entry)
 
 
 def warm_up(lowering: Lowering, weight) -> None:

@@ -307,3 +307,30 @@ def _fp8_out_args(**changes) -> dict:
 )
 def test_mm_fp8_weight_out_bad_input(changes, pattern, mode):
     expect_error(torch.ops.qops.mm_fp8_weight_out, _fp8_out_args(**changes), mode, pattern)
+
+
+def _fake_cuda(*shape, dtype=torch.float16):
+    return torch.empty(*shape, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("what", ["native-bits-3", "triton-int-fp32-x", "triton-blockwise4-blocksize-48"])
+def test_a_named_kernel_refuses_a_call_it_does_not_serve_under_fake_cuda_tensors(what):
+    """An op called with a ``kernel`` whose declared capabilities exclude the call (the chooser would
+    never pick it) fails at trace time with the capability it misses, instead of running a kernel
+    that assumes it (a wrong answer) or quietly handing the call to another lowering."""
+    k, n = 256, 64
+    with FakeTensorMode():
+        if what == "native-bits-3":
+            args = (_fake_cuda(2, k), _fake_cuda(k * 3 // 32, n, dtype=torch.int32), _fake_cuda(1, n), None, None, None,
+                    k, 3, -1, 0, int(qops.Kernel.NATIVE))
+            op, pattern = torch.ops.qops.mm_int_weight, r"mm_int_weight: kernel=2 \(native_w4a16\) does not serve this call: bits=3 not in \[4\]"
+        elif what == "triton-int-fp32-x":
+            args = (_fake_cuda(2, k, dtype=torch.float32), _fake_cuda(k // 8, n, dtype=torch.int32), _fake_cuda(2, n), None, None, None,
+                    k, 4, 128, 0, int(qops.Kernel.TRITON))
+            op, pattern = torch.ops.qops.mm_int_weight, r"kernel=1 \(triton_int_weight\) does not serve this call: activation dtype torch.float32 not in"
+        else:
+            args = (_fake_cuda(2, k), _fake_cuda(n * k // 2, dtype=torch.uint8), _fake_cuda(16, dtype=torch.float32),
+                    _fake_cuda(n * k // 48 + 1, dtype=torch.float32), None, None, None, None, n, k, 48, 256, int(qops.Kernel.TRITON))
+            op, pattern = torch.ops.qops.mm_blockwise4, r"mm_blockwise4: kernel=1 \(triton_blockwise4\) does not serve this call: group_size=48 not in"
+        with pytest.raises(ValueError, match=pattern):
+            op(*args)

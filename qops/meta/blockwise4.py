@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..lowerings import lowering_for
-from ..ops.blockwise4 import FAMILY, check_blockwise4, check_mm_blockwise4
+from ..ops.blockwise4 import FAMILY, call_facts, check_blockwise4, check_mm_blockwise4
 from ..ops._common import check_out
 
 
@@ -13,7 +13,7 @@ def _mm_blockwise4_fake(x, qweight, code, absmax, nested_code, nested_absmax, ne
                         in_features, blocksize, nested_blocksize, kernel):
     shape = check_mm_blockwise4("mm_blockwise4", x, qweight, code, absmax, nested_code, nested_absmax, nested_offset,
                                 bias, out_features, in_features, blocksize, nested_blocksize)
-    lowering_for(FAMILY, kernel, x.device, "mm_blockwise4")
+    lowering_for(FAMILY, kernel, x.device, "mm_blockwise4", call_facts(x, shape, blocksize))
     return x.new_empty(shape)
 
 
@@ -23,7 +23,7 @@ def _mm_blockwise4_out_fake(x, qweight, code, absmax, nested_code, nested_absmax
     shape = check_mm_blockwise4("mm_blockwise4_out", x, qweight, code, absmax, nested_code, nested_absmax,
                                 nested_offset, bias, out_features, in_features, blocksize, nested_blocksize)
     check_out("mm_blockwise4_out", out, shape, x)
-    lowering_for(FAMILY, kernel, x.device, "mm_blockwise4_out")
+    lowering_for(FAMILY, kernel, x.device, "mm_blockwise4_out", call_facts(x, shape, blocksize))
 
 
 @torch.library.register_fake("qops::dequantize_blockwise4")

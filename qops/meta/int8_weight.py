@@ -4,14 +4,14 @@ from __future__ import annotations
 import torch
 
 from ..lowerings import lowering_for
-from ..ops.int8_weight import FAMILY, check_int8_weight, check_mm_int8_weight
+from ..ops.int8_weight import FAMILY, call_facts, check_int8_weight, check_mm_int8_weight
 from ..ops._common import check_out
 
 
 @torch.library.register_fake("qops::mm_int8_weight")
 def _mm_int8_weight_fake(x, qweight, scales, bias, kernel):
     shape = check_mm_int8_weight("mm_int8_weight", x, qweight, scales, bias)
-    lowering_for(FAMILY, kernel, x.device, "mm_int8_weight")
+    lowering_for(FAMILY, kernel, x.device, "mm_int8_weight", call_facts(x, shape))
     return x.new_empty(shape)
 
 
@@ -19,7 +19,7 @@ def _mm_int8_weight_fake(x, qweight, scales, bias, kernel):
 def _mm_int8_weight_out_fake(x, qweight, scales, bias, kernel, out, workspace):
     shape = check_mm_int8_weight("mm_int8_weight_out", x, qweight, scales, bias)
     check_out("mm_int8_weight_out", out, shape, x)
-    lowering_for(FAMILY, kernel, x.device, "mm_int8_weight_out")
+    lowering_for(FAMILY, kernel, x.device, "mm_int8_weight_out", call_facts(x, shape))
 
 
 @torch.library.register_fake("qops::dequantize_int8_weight")

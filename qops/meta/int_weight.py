@@ -5,13 +5,13 @@ import torch
 
 from ..lowerings import lowering_for
 from ..ops._common import check_out
-from ..ops.int_weight import FAMILY, check_int_weight, check_mm_int_weight
+from ..ops.int_weight import FAMILY, call_facts, check_int_weight, check_mm_int_weight
 
 
 @torch.library.register_fake("qops::mm_int_weight")
 def _mm_int_weight_fake(x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset, kernel):
     shape = check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
-    lowering_for(FAMILY, kernel, x.device, "mm_int_weight")
+    lowering_for(FAMILY, kernel, x.device, "mm_int_weight", call_facts(x, shape, act_perm, in_features, bits, group_size))
     return x.new_empty(shape)
 
 
@@ -25,4 +25,4 @@ def _dequantize_int_weight_fake(qweight, scales, qzeros, act_perm, in_features, 
 def _mm_int_weight_out_fake(x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset, kernel, out, workspace):
     shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
     check_out("mm_int_weight_out", out, shape, x)
-    lowering_for(FAMILY, kernel, x.device, "mm_int_weight_out")
+    lowering_for(FAMILY, kernel, x.device, "mm_int_weight_out", call_facts(x, shape, act_perm, in_features, bits, group_size))

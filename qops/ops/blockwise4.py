@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..formats.blockwise4 import denest, dequantize_flat, unpack_nibbles
-from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation, warm_up
+from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
 from ._common import check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "blockwise4"
@@ -101,6 +101,11 @@ def check_mm_blockwise4(who, x, qweight, code, absmax, nested_code, nested_absma
     return [*x.shape[:-1], n]
 
 
+def call_facts(x, shape, blocksize) -> CallFacts:
+    """What a lowering must serve for this call (checked when the op names its kernel)."""
+    return CallFacts(4, blocksize, x.dtype, shape[-1], x.shape[-1])
+
+
 _WEIGHT_ARGS = (
     "Tensor qweight, Tensor code, Tensor absmax, Tensor? nested_code, Tensor? nested_absmax, Tensor? nested_offset"
 )
@@ -131,9 +136,9 @@ def mm_blockwise4(
     nested_blocksize: int,  # ignored unless nested
     kernel: int,  # qops.lowerings.Kernel
 ) -> torch.Tensor:  # (..., N), dtype of x
-    check_mm_blockwise4("mm_blockwise4", x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias,
-                        out_features, in_features, blocksize, nested_blocksize)
-    impl = implementation(FAMILY, kernel, x.device, "mm_blockwise4")
+    shape = check_mm_blockwise4("mm_blockwise4", x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias,
+                                out_features, in_features, blocksize, nested_blocksize)
+    impl = implementation(FAMILY, kernel, x.device, "mm_blockwise4", call_facts(x, shape, blocksize))
     return impl(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize, nested_blocksize)
 
 
@@ -158,7 +163,7 @@ def mm_blockwise4_out(
     shape = check_mm_blockwise4("mm_blockwise4_out", x, qweight, code, absmax, nested_code, nested_absmax,
                                 nested_offset, bias, out_features, in_features, blocksize, nested_blocksize)
     check_out("mm_blockwise4_out", out, shape, x)
-    impl = implementation(FAMILY, kernel, x.device, "mm_blockwise4_out")
+    impl = implementation(FAMILY, kernel, x.device, "mm_blockwise4_out", call_facts(x, shape, blocksize))
     impl(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
          nested_blocksize, out=out, workspace=workspace)
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation, warm_up
+from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
 from ._common import ACT_DTYPES, check_act_dtype, check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "int8_weight"
@@ -56,6 +56,11 @@ MM_OUT_SCHEMA = (
 DEQUANT_SCHEMA = "(Tensor qweight, Tensor scales, ScalarType dtype) -> Tensor"
 
 
+def call_facts(x, shape) -> CallFacts:
+    """What a lowering must serve for this call (checked when the op names its kernel)."""
+    return CallFacts(8, -1, x.dtype, shape[-1], x.shape[-1])
+
+
 @torch.library.custom_op("qops::mm_int8_weight", mutates_args=(), schema=MM_SCHEMA)
 def mm_int8_weight(
     x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
@@ -64,8 +69,8 @@ def mm_int8_weight(
     bias: Optional[torch.Tensor],  # (N,) or None
     kernel: int,  # qops.lowerings.Kernel
 ) -> torch.Tensor:  # (..., N), dtype of x
-    check_mm_int8_weight("mm_int8_weight", x, qweight, scales, bias)
-    impl = implementation(FAMILY, kernel, x.device, "mm_int8_weight")
+    shape = check_mm_int8_weight("mm_int8_weight", x, qweight, scales, bias)
+    impl = implementation(FAMILY, kernel, x.device, "mm_int8_weight", call_facts(x, shape))
     return impl(x, qweight, scales, bias)
 
 
@@ -81,7 +86,7 @@ def mm_int8_weight_out(
 ) -> None:
     shape = check_mm_int8_weight("mm_int8_weight_out", x, qweight, scales, bias)
     check_out("mm_int8_weight_out", out, shape, x)
-    impl = implementation(FAMILY, kernel, x.device, "mm_int8_weight_out")
+    impl = implementation(FAMILY, kernel, x.device, "mm_int8_weight_out", call_facts(x, shape))
     impl(x, qweight, scales, bias, out=out, workspace=workspace)
 
 

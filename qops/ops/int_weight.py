@@ -26,7 +26,7 @@ import torch
 
 from ..formats._packing import pack_bits, packed_length, unpack_bits
 from ..formats.integer import IntQuantized, default_g_idx, n_groups_for
-from ..lowerings import Choice, Kernel, WeightSpec, choose, implementation, warm_up
+from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
 from ._common import check_act_dtype, check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "int_weight"
@@ -86,6 +86,11 @@ def check_mm_int_weight(who, x, qweight, scales, qzeros, act_perm, bias, in_feat
     return [*x.shape[:-1], n]
 
 
+def call_facts(x, shape, act_perm, in_features, bits, group_size) -> CallFacts:
+    """What a lowering must serve for this call (checked when the op names its kernel)."""
+    return CallFacts(bits, group_size, x.dtype, shape[-1], in_features, act_perm is not None)
+
+
 # Schemas are written out so that bits, group sizes and kernel ids are plain `int` (not SymInt):
 # they are static facts of the weight and Dynamo must specialize on them.
 MM_SCHEMA = (
@@ -116,8 +121,8 @@ def mm_int_weight(
     zero_offset: int,
     kernel: int,  # qops.lowerings.Kernel
 ) -> torch.Tensor:  # (..., N), dtype of x
-    check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
-    impl = implementation(FAMILY, kernel, x.device, "mm_int_weight")
+    shape = check_mm_int_weight("mm_int_weight", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
+    impl = implementation(FAMILY, kernel, x.device, "mm_int_weight", call_facts(x, shape, act_perm, in_features, bits, group_size))
     return impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
 
 
@@ -139,7 +144,7 @@ def mm_int_weight_out(
 ) -> None:
     shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
     check_out("mm_int_weight_out", out, shape, x)
-    impl = implementation(FAMILY, kernel, x.device, "mm_int_weight_out")
+    impl = implementation(FAMILY, kernel, x.device, "mm_int_weight_out", call_facts(x, shape, act_perm, in_features, bits, group_size))
     impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=out, workspace=workspace)
 
 
