@@ -1,4 +1,4 @@
-// W4A16 matmul for decode (M <= 16 rows of x), reading qops' runtime int-weight layout
+// W4A16 matmul for decode (M <= 32 rows of x), reading qops' runtime int-weight layout
 // (qops/ops/int_weight.py), 4-bit case:
 //   qweight u32 (ceil(K/8), N): word (kw, n) holds rows 8*kw .. 8*kw+7 of column n, nibble i = row 8*kw+i;
 //   scales  f16/bf16 (n_groups, N); group g covers rows [g*G, (g+1)*G), G a multiple of 128 or K
@@ -15,10 +15,15 @@
 // two in flight; two deep for M > 8). x for the block's current K range is staged in shared memory with
 // cp.async, as many stages as the ring, one barrier per iteration.
 //
+// Rows of x. MT = ceil(M / 8) B tiles of 8 rows (1..4), all multiplied by the same dequantized A
+// fragments, so the weight is read and dequantized once for up to 32 rows. The registers grow with
+// MT (accumulators 2 x MT x 8 fp32 a lane): MT <= 2 fits two blocks per SM (<= 128 registers), MT = 3
+// and 4 take 155-210 registers (one block per SM; QOPS_MINB must be 1, two would spill).
+//
 // Math. The tensor cores compute W^T x^T with W as the 16x16 A operand (rows = 16 of the warp's 32
 // columns, the K order inside a 16-row step permuted to match the int4 unpacking, the same permutation
-// applied to x when it is read from shared memory), x^T as the 16x8 B operand (columns = rows of x; a
-// second B tile for M > 8). Nibbles become f16/bf16 through the magic-number trick (OR into the
+// applied to x when it is read from shared memory), x^T as the 16x8 B operand (columns = rows of x; one
+// B tile per 8 rows). Nibbles become f16/bf16 through the magic-number trick (OR into the
 // mantissa of 1024.0 / 128.0, one lop3 per two values) and the zero point is subtracted in the same
 // instruction that removes the bias, so A holds the exact small integers q - zero. Products and sums
 // are fp32 in the MMA; each chunk's sum is multiplied by its group scale in fp32.
@@ -32,7 +37,8 @@
 // x staging, two modes (QOPS_XFULL):
 //   0: per iteration, as above: cp.async stages of the K range the block works on next, one barrier
 //      per iteration (all warps of a block advance together).
-//   1: once: the block's whole K range of x (M x K/S values, at most 48 KiB) is read at the start,
+//   1: once: the block's whole K range of x (M x K/S values, at most 48 KiB: at M = 32 no more than
+//      640 rows of K a block) is read at the start,
 //      already in the order the B fragments want (x0 x4 x1 x5 x2 x6 x3 x7 per 8 values), so the main
 //      loop has no barrier, no x traffic and no permutes: each warp streams its chunks on its own.
 //      The weight loads of the first iterations are issued before x is staged, hiding its latency.
@@ -44,10 +50,11 @@
 // it. After the main loop, grid_dep_launch_dependents() lets the next such launch start streaming its
 // own weights while this one reduces and stores. Launched without the attribute, the wait is a no-op.
 //
-// Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
-// QOPS_NWN (1, 2, 4), QOPS_HAS_Z (0/1), QOPS_CLUSTER (1: no cluster; 2..8 needs sm_90),
-// QOPS_XFULL (0/1), QOPS_RING (register ring depth; 0: 3 for MT = 1, 2 for MT = 2),
-// QOPS_MINB (minimum resident blocks per SM promised to the register allocator; default 2),
+// Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles: 1: M <= 8,
+// 2: M <= 16, 3: M <= 24, 4: M <= 32), QOPS_NWN (1, 2, 4, 8), QOPS_HAS_Z (0/1),
+// QOPS_CLUSTER (1: no cluster; 2..8 needs sm_90),
+// QOPS_XFULL (0/1), QOPS_RING (register ring depth; 0: 3 for MT = 1, 2 for MT >= 2),
+// QOPS_MINB (minimum resident blocks per SM promised to the register allocator; default 2; 1 for MT >= 3),
 // QOPS_FOLD (0/1: bias and zero point subtracted after the MMA; needs QOPS_XFULL and MT = 1),
 // QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead).
 #include "ptx.cuh"
@@ -98,7 +105,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = 8;
 constexpr int kChunkK = 128;  // K rows a warp takes per iteration: 4 steps of 32
 // Chunks per warp held in registers (one in use, the rest in flight) and x stages in shared memory:
-// three, or two for M > 8 where the second x tile and its accumulators need the registers.
+// three, or two for M > 8 where the further x tiles and their accumulators need the registers.
 template <int MT>
 __host__ __device__ constexpr int ring_depth() { return QOPS_RING > 0 ? QOPS_RING : (MT == 1 ? 3 : 2); }
 
@@ -145,6 +152,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   constexpr int RS = ROW + 4;    // padded stride: rows g, g+1 of a quarter warp fall in disjoint banks
   constexpr int kRing = ring_depth<MT>();
   constexpr int D = kRing - 1;  // prefetch distance in iterations
+  static_assert(MT >= 1 && MT <= 4, "QOPS_MT is 1..4 (M <= 32)");
   static_assert(!FOLD || (XF && MT == 1), "QOPS_FOLD needs x staged once (QOPS_XFULL) and M <= 8");
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
     // Even with no work: a dependent launched after this grid waits only for this grid, so this grid
@@ -229,12 +237,14 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     if constexpr (HAS_Z) ld_nc_u32_if(ck.z, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
   };
 
-  // x slots this thread stages each iteration (at most two): row m, 8 values from column k0 + 8*kk.
+  // x slots this thread stages each iteration: row m, 8 values from column k0 + 8*kk. Two cover
+  // M * ROW <= 512 slots (the plans for MT <= 2 keep to that); MT >= 3 takes as many as 8*MT rows need.
+  constexpr int kXSlots = MT <= 2 ? 2 : (8 * MT * ROW + kThreads - 1) / kThreads;
   const int nslots = M * ROW;
-  int xsrc[2], xdst[2], xk[2];  // offsets into x (elements) and the stage (16-byte slots)
-  bool xhas[2];
+  int xsrc[kXSlots], xdst[kXSlots], xk[kXSlots];  // offsets into x (elements) and the stage (16-byte slots)
+  bool xhas[kXSlots];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < kXSlots; ++r) {
     const int s = tid + r * kThreads;
     xhas[r] = s < nslots;
     const int m = xhas[r] ? s / ROW : 0, kk = s - m * ROW;
@@ -248,7 +258,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     const int koff = it * NWK * kChunkK;
     uint4* base = smem + stage * xstage;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kXSlots; ++r) {
       if (!xhas[r]) continue;
       const int k = xk[r] + koff;
       const u16* src = x + (xsrc[r] + koff);
