@@ -11,6 +11,7 @@ import atexit
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
@@ -360,7 +361,23 @@ def tp_worker(rank: int, world: int, root: str, port: int, backend: str, dtype: 
 
     from .loader import Weights
 
-    device = start_rank(backend, rank, world, port, 180)
+    import faulthandler
+    import time
+
+    # QOPS_TP_WATCHDOG_S: a rank still running after that many seconds prints every thread's stack
+    # and exits (a hung collective or compile then names itself instead of eating the caller's time
+    # limit); QOPS_TP_TRACE=1 prints each phase as it starts.
+    watchdog = float(os.environ.get("QOPS_TP_WATCHDOG_S", "0"))
+    if watchdog > 0:
+        faulthandler.dump_traceback_later(watchdog, exit=True)
+    t0 = time.monotonic()
+
+    def trace(what: str) -> None:
+        if os.environ.get("QOPS_TP_TRACE") == "1":
+            print(f"[rank {rank} +{time.monotonic() - t0:.1f}s] {what}", file=sys.stderr, flush=True)
+
+    device = start_rank(backend, rank, world, port, int(os.environ.get("QOPS_TP_TIMEOUT_S", "180")))
+    trace("process group up")
     try:
         if backend == "gloo":
             torch._inductor.config.compile_threads = 1  # CI: every core already runs a rank
@@ -371,6 +388,7 @@ def tp_worker(rank: int, world: int, root: str, port: int, backend: str, dtype: 
             sharded[name] = TinyBlock(Weights.from_pretrained(path, device=device, dtype=dtype, process_group=group))
             whole[name] = TinyBlock(Weights.from_pretrained(path, device=device, dtype=dtype))
         model, reference = Blocks(sharded), Blocks(whole)
+        trace(f"loaded {', '.join(names)}")
         failures: list[str] = []
 
         def check(mode: str, got: dict, ids: torch.Tensor) -> None:
@@ -393,17 +411,21 @@ def tp_worker(rank: int, world: int, root: str, port: int, backend: str, dtype: 
         ids, ids2 = sample_ids(0, device), sample_ids(1, device)
         with torch.no_grad():
             if "eager" in modes:
+                trace("eager")
                 check("eager", model(ids), ids)
             compiled = None
             if "compiled" in modes or "compiled_cuda_graph" in modes:
+                trace("compiled")
                 compiled = torch.compile(model, fullgraph=True)
                 check("compiled", compiled(ids), ids)
                 with torch.compiler.set_stance("fail_on_recompile"):
                     check("compiled (second call)", compiled(ids2), ids2)
             for mode, fn in (("cuda_graph", model), ("compiled_cuda_graph", compiled)):
                 if mode in modes:
+                    trace(mode)
                     _check_cuda_graph(mode, fn, ids, ids2, check)
             if "reduce_overhead" in modes:
+                trace("reduce_overhead")
                 torch._inductor.config.triton.cudagraph_or_error = True
                 ro = torch.compile(model, fullgraph=True, mode="reduce-overhead")
                 for step, x in enumerate((ids, ids2, ids)):
@@ -411,6 +433,7 @@ def tp_worker(rank: int, world: int, root: str, port: int, backend: str, dtype: 
                     out = ro(x)
                     # Copy out before the next replay overwrites the graph's outputs.
                     check(f"reduce_overhead (call {step})", {k: {o: t.clone() for o, t in v.items()} for k, v in out.items()}, x)
+        trace(f"done, {len(failures)} mismatches")
         if failures:
             raise AssertionError(f"{len(failures)} mismatches:\n" + "\n".join(failures[:40]))
     finally:
