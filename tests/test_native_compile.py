@@ -40,14 +40,24 @@ def test_every_source_compiles(name, arch):
 
 
 def _gemv_variants():
-    """Every (dtype, tile, zeros, x staging, folding) variant the plans can ask for, without clusters."""
+    """Every (dtype, tile, zeros, x staging, folding) variant the plans can ask for, without clusters;
+    for MT = 3 and 4 (M = 24, 32) also the widest tile (nwn = 8), nwn = 2 and the 3-deep ring."""
     for dt in (torch.float16, torch.bfloat16):
-        for m in (1, 8, 16):
+        for m in (1, 8, 16, 24, 32):
             for has_z in (False, True):
                 for xfull in (False, True):
                     for fold in ((False, True) if xfull and m <= 8 else (False,)):  # folding needs x staged once
                         p = native._plan(m, 4096, 4096, 132, False)
                         yield {**p.defines(dt, has_z), "QOPS_XFULL": int(xfull), "QOPS_FOLD": int(fold), "QOPS_PREFETCH": 4 * has_z}
+                if m > 16:
+                    p = native._plan(m, 4096, 4096, 132, False)
+                    for nwn, ring in ((8, 0), (2, 0), (8, 3), (4, 3)):
+                        yield {**p.defines(dt, has_z), "QOPS_NWN": nwn, "QOPS_RING": ring}
+
+
+def test_the_compiled_variants_cover_every_tile_height():
+    assert sorted({d["QOPS_MT"] for d in _gemv_variants()}) == [1, 2, 3, 4]
+    assert all(d["QOPS_MINB"] == 1 for d in _gemv_variants() if d["QOPS_MT"] >= 3)
 
 
 def _ptxas_report(log: str) -> dict[str, tuple[int, int]]:
@@ -88,9 +98,10 @@ def test_gemv_variants_compile_within_register_budget(arch):
             assert spills == 0, (defines, log[0])
 
 
+@pytest.mark.parametrize("m", [16, 32])
 @pytest.mark.parametrize("cluster", range(2, 9))
-def test_cluster_variants_compile_for_sm90_only(cluster):
-    defines = {**native._plan(16, 4096, 4096, 132, True).defines(torch.float16, True), "QOPS_CLUSTER": cluster}
+def test_cluster_variants_compile_for_sm90_only(cluster, m):
+    defines = {**native._plan(m, 4096, 4096, 132, True).defines(torch.float16, True), "QOPS_CLUSTER": cluster}
     src = compiler.native_source(native.SOURCE)
     assert compiler.compile(src, "sm_90", compiler.native_options(defines))[:4] == ELF_MAGIC
     with pytest.raises(compiler.NativeCompileError, match="clusters"):
@@ -154,12 +165,15 @@ def test_local_headers_of_the_kernel_are_found():
 @pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672), (1024, 8192), (100, 777), (4, 8)])
 def test_plans_stay_within_kernel_limits(n, k, sms, cluster_ok):
     chunks = -(-k // native.CHUNK_K)
+    assert native.MAX_M == 32
     for m in range(1, native.MAX_M + 1):
         p = native._plan(m, n, k, sms, cluster_ok)
         assert p.shmem <= 48 * 1024, "no dynamic shared memory opt-in is made"
         assert p.tiles * 32 * p.nwn >= n
         assert 1 <= p.splits <= min(chunks, 16)
-        assert p.m <= 8 * p.mt
+        assert p.mt == -(-m // 8), "one launch, one B tile per 8 rows"
+        if p.mt >= 3:  # 150-240 registers: promising two blocks per SM would spill
+            assert p.minb == 1 and not p.xfull and native._ring(p.mt, p.ring) == 2
         if p.xfull:
             assert native.xfull_bytes(m, k, p.splits, p.fold) <= p.shmem
         assert not p.fold or (p.xfull and m <= 8)
@@ -175,6 +189,57 @@ def test_plans_fill_the_machine_for_the_perf_shapes():
         for m in (1, 16):
             p = native._plan(m, n, k, 132, True)
             assert p.tiles * p.splits >= 120, (n, k, m, p)
+        for m in (17, 24, 32):  # one block per SM fits: at least 0.7 of a wave, one wave where any plan reaches it
+            p = native._plan(m, n, k, 132, True)
+            assert p.tiles * p.splits >= 0.7 * 132, (n, k, m, p)
+            assert n > 132 * 256 or p.tiles * p.splits <= 132, (n, k, m, p)
+
+
+def test_plans_up_to_16_rows_are_those_of_the_two_tile_kernel():
+    """M <= 16 keeps the rule measured on the H200; M = 17..32 is one launch with MT = 3 or 4."""
+    p = native._plan(16, 28672, 4096, 132, True)
+    assert (p.mt, p.nwn, p.splits, p.minb, p.xfull) == (2, 4, 1, 2, False)
+    p = native._plan(1, 28672, 4096, 132, True)
+    assert (p.mt, p.minb, p.xfull) == (1, 1, True)
+    for m, mt in ((17, 3), (24, 3), (25, 4), (32, 4)):
+        p = native._plan(m, 28672, 4096, 132, True)
+        assert (p.mt, p.nwn, p.splits, p.minb, p.prefetch) == (mt, 8, 1, 1, 2), p
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(m=33, nwn=4, splits=1, cluster=False, xfull=False, minb=1), "outside 1..32"),
+    (dict(m=24, nwn=4, splits=1, cluster=False, xfull=False, minb=2), "would spill"),
+    (dict(m=32, nwn=4, splits=1, cluster=False, xfull=False, minb=1, ring=4), "ring"),
+    (dict(m=32, nwn=4, splits=1, cluster=False, xfull=False, minb=1, ring=3), "shared memory"),  # 3 x 36 KiB of x stages
+    (dict(m=32, nwn=2, splits=1, cluster=False, xfull=False, minb=1), "shared memory"),
+    (dict(m=32, nwn=8, splits=2, cluster=True, xfull=False, minb=1), "reduction"),
+    (dict(m=32, nwn=4, splits=1, cluster=False, xfull=True, minb=1), "bytes of shared memory"),
+])
+def test_make_plan_refuses_tall_tiles_outside_the_kernel_limits(kw, why):
+    with pytest.raises(ValueError, match=why):
+        native.make_plan(n=4096, k=4096, **kw)
+
+
+def test_tall_plans_the_kernel_can_run():
+    for m in (17, 24, 25, 32):
+        p = native.make_plan(m, 4096, 4096, nwn=8, splits=2, cluster=False, xfull=False, minb=1, ring=3)
+        assert p.mt == -(-m // 8) and p.shmem <= 48 * 1024 and p.workspace == 2 * m * 4096 * 4
+        p = native.make_plan(m, 4096, 512, nwn=4, splits=1, cluster=False, xfull=True, minb=1)  # x of 512 rows staged once
+        assert p.shmem == max(native.xfull_bytes(m, 512, 1), 2 * m * 128 * 4)
+    assert native.make_plan(24, 4096, 4096, nwn=4, splits=2, cluster=True, xfull=False, minb=1, ring=3).shmem <= 48 * 1024
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_workspace_covers_every_slice(deterministic, monkeypatch):
+    """Above MAX_M rows the calls run as 32-row slices and a shorter last one on the same scratch."""
+    monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
+    monkeypatch.setattr(native, "_deterministic", deterministic)
+    for n, k in [(4096, 4096), (1024, 8192), (28672, 4096), (100, 777)]:
+        for m in range(1, 2 * native.MAX_M + 1 if not deterministic else 3 * native.MAX_M + 8):
+            rows = [min(native.MAX_M, m - r0) for r0 in range(0, m, native.MAX_M)]
+            need = max(native._plan(r, n, k, 132, False).workspace for r in rows)
+            assert native.workspace_bytes(m, n, k, 4, 128, device=0) == need, (n, k, m)
+    assert native.SLICED_MAX_M == 2 * native.MAX_M
 
 
 def test_workspace_bytes_without_a_gpu_is_an_upper_bound():
@@ -254,15 +319,16 @@ def _first_dependent_access(lines: list[str]) -> int:
 
 
 def _pdl_variants():
-    """Both x staging modes at both tile heights, and a cluster (sm_90 only)."""
-    for m in (1, 16):
+    """Both x staging modes at three tile heights, and a cluster (sm_90 only)."""
+    for m in (1, 16, 32):
         for xfull in (0, 1):
             yield {**native._plan(m, 4096, 4096, 132, False).defines(torch.float16, True), "QOPS_XFULL": xfull,
                    "QOPS_FOLD": int(xfull and m <= 8)}
     yield {**native._plan(16, 4096, 4096, 132, True).defines(torch.bfloat16, False), "QOPS_CLUSTER": 2}
+    yield {**native._plan(32, 28672, 4096, 132, True).defines(torch.bfloat16, False), "QOPS_CLUSTER": 2}
 
 
-@pytest.mark.parametrize("defines", list(_pdl_variants()), ids=lambda d: "mt{QOPS_MT}-xfull{QOPS_XFULL}-cl{QOPS_CLUSTER}".format(**d))
+@pytest.mark.parametrize("defines", list(_pdl_variants()), ids=lambda d: "mt{QOPS_MT}-xfull{QOPS_XFULL}-cl{QOPS_CLUSTER}-nwn{QOPS_NWN}".format(**d))
 def test_griddepcontrol_is_in_sm90_code_only_and_orders_the_accesses(defines):
     """The PTX keeps source order here, so it shows where the wait and the trigger sit: weight loads
     of the first ring stages before the wait, every other global access after it, the trigger after

@@ -2,10 +2,10 @@
 
 Serves the runtime layout of ``qops/ops/int_weight.py`` with bits = 4, group_size -1 or a multiple
 of 128, float16/bfloat16 activations and scales, N % 4 == 0, a 16-byte aligned contiguous qweight,
-and M = prod(x.shape[:-1]) <= 16 per launch: up to ``SLICED_MAX_M`` = 32 rows run as 16-row slices
-(faster than Triton there, measured). Anything else goes to the Triton lowering
+and M = prod(x.shape[:-1]) <= 32 per launch (``MAX_M``; the weight is read once for all rows): up to
+``SLICED_MAX_M`` = 64 rows run as 32-row slices. Anything else goes to the Triton lowering
 (``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where any M runs this
-kernel over 16-row slices (bit-identical run to run; slower than Triton at prefill sizes).
+kernel over 32-row slices (bit-identical run to run; slower than Triton at prefill sizes).
 
 Kernel: ``w4a16_gemv.cu`` (design notes at its top). act_perm is applied by gathering x once
 (``index_select``) before the launch.
@@ -17,7 +17,7 @@ sums meet: for S = 2 on sm_90 a thread-block cluster adds them through distribut
 :func:`workspace_bytes` and a second kernel adds them. Both add in a fixed order, so results do
 not change from run to run; the choice of S depends only on the shape and the device.
 
-Compilation and module loading happen in :func:`warmup` (which compiles every variant M = 1..16
+Compilation and module loading happen in :func:`warmup` (which compiles every variant M = 1..32
 needs for a weight) or, failing that, at the first eager call of a shape; never during CUDA-graph
 capture, where a missing kernel raises :class:`~qops.native.compiler.NativeNotReadyError`.
 
@@ -47,13 +47,15 @@ from . import compiler
 SOURCE = "w4a16_gemv.cu"
 GEMV = "qops_w4a16_gemv"
 REDUCE = "qops_w4a16_reduce"
-MAX_M = 16  # rows one launch takes (two 8-row MMA tiles)
+MAX_M = 32  # rows one launch takes (four 8-row MMA tiles)
 # Up to this many rows the kernel runs in MAX_M-row slices (each reads the weight again); above it
-# the call goes to triton. H200, W4 g128 (h200-2026-11-30-26b1d5b-int-weight.json): two native
-# 16-row launches take 67 / 36 / 246 / 117 / 18 us on 28672x4096, 4096x14336, 57344x8192,
+# the call goes to triton. H200, W4 g128 (h200-2026-11-30-26b1d5b-int-weight.json): with 16-row
+# launches, two of them took 67 / 36 / 246 / 117 / 18 us on 28672x4096, 4096x14336, 57344x8192,
 # 8192x28672, 4096x4096, where triton takes 91 / 45 / 314 / 167 / 21 us at M = 64 and more at
-# M = 16 (its time barely moves with M below 64); four launches (M = 64) lose on every shape.
-SLICED_MAX_M = 32
+# M = 16 (its time barely moves with M below 64); four launches (M = 64) lost on every shape.
+# Two 32-row launches (M = 64) beat triton if one costs less than half its M = 64 time (not yet
+# measured; benchmarks/sweep_native.py --ms 32 and bench_int_weight.py say).
+SLICED_MAX_M = 64
 THREADS = 256
 CHUNK_K = 128
 PDL_ENV = "QOPS_NATIVE_PDL"
@@ -95,7 +97,7 @@ def _sm90(index: int) -> bool:
 @dataclass(frozen=True)
 class Plan:
     m: int
-    mt: int  # 8-row MMA tiles of x: 1 (M <= 8) or 2
+    mt: int  # 8-row MMA tiles of x: ceil(M / 8), 1..4
     nwn: int  # warps along N; a block covers 32 * nwn columns with 8 / nwn warps along K
     splits: int  # S: blocks sharing one column tile's K range
     cluster: bool  # the S blocks sum inside a thread-block cluster (sm_90) instead of through the workspace
@@ -123,12 +125,22 @@ class Plan:
         }
 
 
+def _mt(m: int) -> int:
+    return -(-m // 8)  # 8-row B tiles of the MMA
+
+
 def _ring(mt: int, ring: int = 0) -> int:
     return ring if ring > 0 else (3 if mt == 1 else 2)  # as ring_depth<MT>() in w4a16_gemv.cu
 
 
-XFULL_MAX_BYTES = 48 * 1024  # x staged whole must fit the default dynamic shared memory limit
-STAGED_X_SLOTS = 2 * THREADS  # per-iteration staging: each thread copies at most two 16-byte slots
+SHMEM_MAX_BYTES = 48 * 1024  # the default dynamic shared memory limit (no opt-in is made)
+XFULL_MAX_BYTES = SHMEM_MAX_BYTES  # x staged whole must fit it
+
+
+def staged_x_slots(mt: int, nwk: int) -> int:
+    """16-byte x slots one iteration of per-iteration staging can copy (kXSlots * 256 in the kernel):
+    two a thread for MT <= 2, enough for all 8 * MT rows for MT >= 3."""
+    return THREADS * (2 if mt <= 2 else -(-8 * mt * nwk * 16 // THREADS))
 
 
 def xfull_bytes(m: int, k: int, splits: int, fold: bool = False) -> int:
@@ -138,7 +150,8 @@ def xfull_bytes(m: int, k: int, splits: int, fold: bool = False) -> int:
     return m * (chunks * 16 + 4) * 16 + (chunks * 8 * 8 if fold else 0)
 
 
-def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: bool = False) -> str | None:
+def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: bool = False,
+                minb: int = 2) -> str | None:
     """Why the kernel cannot run this combination (its compile-time and launch limits), or None."""
     nwk = 8 // nwn
     if nwn not in (1, 2, 4, 8):
@@ -147,15 +160,30 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
         return f"splits={splits} outside 1..min(chunks, 16)"
     if cluster and not 2 <= splits <= 8:
         return f"a cluster of {splits} blocks (2..8 supported)"
+    if not 1 <= m <= MAX_M:
+        return f"M={m} outside 1..{MAX_M}"
+    mt = _mt(m)
+    if mt >= 3 and minb != 1:
+        return f"minb={minb} with M={m}: MT = {mt} needs 150-240 registers a thread, two blocks per SM would spill"
+    if mt >= 3 and _ring(mt, ring) > 3:
+        return f"a register ring {_ring(mt, ring)} deep with M={m} (MT = {mt} keeps spill-free up to 3)"
     if fold and not (xfull and m <= 8):
         return f"fold needs x staged once (xfull) and M <= 8 (got xfull={xfull}, M={m})"
     if xfull and xfull_bytes(m, k, splits, fold) > XFULL_MAX_BYTES:
         return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold)} bytes of shared memory (> {XFULL_MAX_BYTES})"
-    if not xfull and m * nwk * 16 > STAGED_X_SLOTS:
-        return f"per-iteration x staging of M={m} rows with {nwk} warps along K exceeds {STAGED_X_SLOTS} slots"
-    if not xfull and _ring(1 if m <= 8 else 2, ring) * m * (nwk * 16 + 4) * 16 > XFULL_MAX_BYTES:
+    if not xfull and m * nwk * 16 > staged_x_slots(mt, nwk):
+        return f"per-iteration x staging of M={m} rows with {nwk} warps along K exceeds {staged_x_slots(mt, nwk)} slots"
+    if not xfull and _ring(mt, ring) * m * (nwk * 16 + 4) * 16 > XFULL_MAX_BYTES:
         return "per-iteration x stages exceed the default shared memory limit"
+    if _reduction_bytes(m, nwn, cluster) > SHMEM_MAX_BYTES:
+        return f"the reduction of M={m} rows over {32 * nwn} columns{' in a cluster' if cluster else ''} exceeds the default shared memory limit"
     return None
+
+
+def _reduction_bytes(m: int, nwn: int, cluster: bool) -> int:
+    """Shared memory of the final reduction: fp32 [NWK][M][NBLK] (+ [M][NBLK] read by the cluster)."""
+    nblk, nwk = 32 * nwn, 8 // nwn
+    return nwk * m * nblk * 4 + (m * nblk * 4 if cluster else 0)
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
@@ -164,18 +192,18 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
 
     Raises ValueError for a combination the kernel cannot run.
     """
-    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold)
+    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb)
     if why is None and not 0 <= prefetch <= 16:
         why = f"prefetch={prefetch} outside 0..16"
     if why is not None:
         raise ValueError(f"native_w4a16: {why}")
-    mt = 1 if m <= 8 else 2
+    mt = _mt(m)
     nblk, nwk = 32 * nwn, 8 // nwn
     tiles = -(-n // nblk)
     xs_bytes = xfull_bytes(m, k, splits, fold) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
-    red_bytes = nwk * m * nblk * 4 + (m * nblk * 4 if cluster else 0)
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
-    return Plan(m, mt, nwn, splits, cluster, tiles, max(xs_bytes, red_bytes), ws, xfull, ring, minb, fold, prefetch)
+    return Plan(m, mt, nwn, splits, cluster, tiles, max(xs_bytes, _reduction_bytes(m, nwn, cluster)), ws, xfull, ring, minb, fold,
+                prefetch)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -200,6 +228,8 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     # rule: the tile by M, K split to about two blocks per SM, two blocks per SM promised. At M = 4
     # on 8192 x 28672 and 4096 x 14336 it measured 49 and 15 us where the wide-tile rule with one
     # block promised gave 75 and 21 us (sweep-native-1 at 5992169 against int-weight at 26b1d5b).
+    if m > 16:
+        return _plan_tall(m, n, k, sms, cluster_ok)
     chunks = max(-(-k // CHUNK_K), 1)
     for one_wave in (True, False):
         for xfull in ((True,) if m <= 8 else (False,)):
@@ -222,6 +252,34 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     if tiles < sms:
         s = max(1, min(round(2 * sms / tiles), 16, chunks // (8 // nwn)))
     return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster_ok and s == 2, xfull=False)
+
+
+def _plan_tall(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
+    """M = 17..32 (MT = 3, 4). Not yet measured: the one-wave rule of M <= 16 for one resident block.
+
+    The accumulators of 24-32 rows take the registers of a second block (150-240 a thread; promising
+    two blocks per SM spills), so a wave is one block per SM: the widest tile (nwn = 8 first: its x
+    stage and K reduction are the smallest) and the fewest splits (1 or 2) giving 0.7-1 block per
+    SM, else the first giving >= 0.75 block per SM; failing both, nwn = 4 with K split to about one
+    block per SM. Per-iteration x staging (x staged once fits only <= 640 rows of K a block at
+    M = 32). With eight warps per SM and one chunk in flight each in the register ring, loads keep
+    ~2 MB in flight over 132 SMs against the ~8 MB DRAM needs, so the weights are also prefetched
+    into L2 two iterations ahead (the prefetch holds no register).
+    """
+    chunks = max(-(-k // CHUNK_K), 1)
+    for one_wave in (True, False):
+        for nwn in (8, 4, 2):
+            for s in (1, 2):
+                blocks = (-(-n // (32 * nwn))) * s
+                low, high = (0.7 * sms, sms) if one_wave else (0.75 * sms, float("inf"))
+                if not low <= blocks <= high or (s > 1 and s > chunks // (8 // nwn)):
+                    continue
+                cluster = cluster_ok and s == 2
+                if _plan_error(m, k, nwn, s, cluster, False, 0, minb=1) is None:
+                    return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=False, minb=1, prefetch=2)
+    tiles = -(-n // 128)
+    s = max(1, min(round(sms / tiles), 16, chunks // 2))
+    return make_plan(m, n, k, nwn=4, splits=s, cluster=cluster_ok and s == 2, xfull=False, minb=1, prefetch=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,7 +306,7 @@ def plan_override(fn):
 
 
 def plan(m: int, n: int, k: int, device: torch.device | int) -> Plan:
-    """The launch plan for ``m`` rows (<= 16) of x against an (N, K) weight on ``device``."""
+    """The launch plan for ``m`` rows (<= ``MAX_M``) of x against an (N, K) weight on ``device``."""
     idx = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
     sms, cluster_ok = _device_facts(idx)
     if _plan_override is not None:
@@ -272,8 +330,10 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
             return 16 * min(m, MAX_M) * n * 4  # the most any plan asks for
         device = torch.cuda.current_device()
     if m > MAX_M:
-        if deterministic() or m <= SLICED_MAX_M:  # 16-row slices, one after another on the same scratch
-            return plan(MAX_M, n, k, device).workspace
+        if deterministic() or m <= SLICED_MAX_M:
+            # MAX_M-row slices and a shorter last one, one after another on the same scratch: the
+            # larger need of the two plans (the short slice's may split K more ways).
+            return max(plan(r, n, k, device).workspace for r in {MAX_M, m % MAX_M} if r)
         dev = device if isinstance(device, torch.device) else torch.device("cuda", device)
         return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, dev))
     return plan(m, n, k, device).workspace

@@ -18,7 +18,8 @@
 // Rows of x. MT = ceil(M / 8) B tiles of 8 rows (1..4), all multiplied by the same dequantized A
 // fragments, so the weight is read and dequantized once for up to 32 rows. The registers grow with
 // MT (accumulators 2 x MT x 8 fp32 a lane): MT <= 2 fits two blocks per SM (<= 128 registers), MT = 3
-// and 4 take 155-210 registers (one block per SM; QOPS_MINB must be 1, two would spill).
+// and 4 take 150-240 registers (250 with a 3-deep ring; one block per SM; QOPS_MINB must be 1,
+// two would spill).
 //
 // Math. The tensor cores compute W^T x^T with W as the 16x16 A operand (rows = 16 of the warp's 32
 // columns, the K order inside a 16-row step permuted to match the int4 unpacking, the same permutation
