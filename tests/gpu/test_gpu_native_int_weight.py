@@ -26,6 +26,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 # fp32 accumulation of exact products: the error is the output rounding (2^-11, 2^-8) and little else.
 TOL = {torch.float16: 1.5e-3, torch.bfloat16: 8e-3}
 M_VALUES = (1, 2, 7, 16)
+# One launch of three or four 8-row tiles (17..32), and two launches of up to 32 rows each (33..64).
+TALL_M_VALUES = (17, 24, 25, 32, 33, 57, 64)
 
 
 @dataclasses.dataclass
@@ -103,6 +105,32 @@ def test_eager_matches_reference(case):
             check(w.mm(x, b), x, nw.w64, b, f"{_id(case)} {dtype} M={m} bias={b is not None}")
 
 
+def _tall_x(m, k, dtype, layout, seed):
+    """x of m rows in one of three layouts: contiguous, every other column (made contiguous before
+    the launch), or rows 3 elements into a wider buffer (row stride not a multiple of 8: the scalar
+    x staging, not cp.async)."""
+    if layout == "strided":
+        return rand(m, 2 * k, dtype=dtype, seed=seed)[:, ::2]
+    if layout == "offset":
+        return rand(m, k + 3, dtype=dtype, seed=seed)[:, 3:]
+    return rand(m, k, dtype=dtype, seed=seed)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_tall_m_matches_reference(case):
+    """M = 17..64: one launch with MT = 3 or 4 up to 32 rows, 32-row slices above (SLICED_MAX_M)."""
+    fmt, n, k, g, sym, act, ver = case
+    nw = native_weight(fmt, n, k, g, sym, act, ver)
+    w = nw.weight
+    for dtype in DTYPES:
+        bias = rand(n, dtype=dtype, seed=2)
+        for i, m in enumerate(TALL_M_VALUES):
+            layout = ("contiguous", "strided", "offset")[i % 3]
+            x = _tall_x(m, k, dtype, layout, seed=20 + m)
+            b = bias if i % 2 else None
+            check(w.mm(x, b), x, nw.w64, b, f"{_id(case)} {dtype} M={m} {layout} bias={b is not None} plan={native.plan(min(m, native.MAX_M), n, k, 0)}")
+
+
 def test_choose_picks_native_on_this_gpu():
     case = Case("gptq", 4, 128, False, False, "v2", 256, 512)
     iq = random_int_quantized(case, torch.Generator().manual_seed(0))
@@ -119,7 +147,7 @@ def test_choose_picks_native_on_this_gpu():
 def test_cluster_and_workspace_reductions_agree_bitwise(shape, monkeypatch):
     n, k = shape
     nw = native_weight("gptq", n, k, 128, False, version="v2")
-    xs = {m: rand(m, k, dtype=torch.float16, seed=m) for m in (1, 7, 16)}
+    xs = {m: rand(m, k, dtype=torch.float16, seed=m) for m in (1, 7, 16, 24, 32)}
     bias = rand(n, dtype=torch.float16, seed=3)
     first = {m: nw.weight.mm(x, bias) for m, x in xs.items()}
     sms, cluster_ok = native._device_facts(0)
@@ -138,6 +166,9 @@ PLAN_VARIANTS = [  # (nwn, splits, cluster, xfull, ring, minb, fold, prefetch): 
     (2, 4, False, False, 0, 1, False, 0), (1, 2, True, True, 4, 1, False, 0),
     (1, 1, False, True, 0, 2, True, 0), (2, 2, True, True, 0, 1, True, 4), (4, 3, False, True, 2, 2, True, 8), (4, 1, False, True, 0, 1, True, 2),
     (2, 4, False, False, 0, 1, False, 4), (1, 2, True, False, 0, 2, False, 16),
+    # M = 17..32 (MT 3, 4; one block per SM): the widest tile, nwn 2, the 3-deep ring, x staged once
+    (8, 1, False, False, 0, 1, False, 2), (8, 3, False, False, 3, 1, False, 0), (8, 2, True, False, 0, 1, False, 4),
+    (4, 2, True, False, 3, 1, False, 2), (2, 1, False, False, 0, 1, False, 0), (2, 4, False, True, 0, 1, False, 0),
 ]
 
 
@@ -149,7 +180,7 @@ def test_every_plan_variant_matches_reference(variant):
         pytest.skip("thread-block clusters need sm_90")
     for fmt, n, k, g, sym, ver in [("gptq", 1000, 777, 128, False, "v1"), ("gptq", 512, 2048, 128, True, "v2"), ("awq", 640, 1280, -1, False, None)]:
         nw = native_weight(fmt, n, k, g, sym, False, ver)
-        for m in (1, 7, 16):
+        for m in (1, 7, 16, 17, 24, 32):
             try:
                 p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring, minb=minb, fold=fold,
                                      prefetch=prefetch)
@@ -157,7 +188,7 @@ def test_every_plan_variant_matches_reference(variant):
                 continue
             for dtype in DTYPES:
                 x = rand(m, k, dtype=dtype, seed=m)
-                bias = rand(n, dtype=dtype, seed=5) if m == 7 else None
+                bias = rand(n, dtype=dtype, seed=5) if m in (7, 24) else None
                 with native.plan_override(lambda *a, p=p: p):
                     y = nw.weight.mm(x, bias)
                 check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {p}")
@@ -184,7 +215,7 @@ def test_fold_keeps_the_precision_of_the_exact_path_on_offset_activations(dtype)
 def test_out_variant_with_workspace_and_strided_out():
     nw = native_weight("gptq", 1024, 2048, 128, False, version="v2")
     w = nw.weight
-    for m in (1, 5, 16):
+    for m in (1, 5, 16, 32, 40):
         x = rand(m, 2048, dtype=torch.bfloat16, seed=m)
         big = torch.full((m, 1100), float("nan"), dtype=torch.bfloat16, device="cuda")
         out = big[:, 7:1031]
@@ -227,7 +258,7 @@ def test_empty_inputs():
 
 
 def test_deterministic_run_to_run():
-    for shape, m in (((4096, 4096), 16), ((1024, 8192), 1), ((1000, 777), 7)):
+    for shape, m in (((4096, 4096), 16), ((1024, 8192), 1), ((1000, 777), 7), ((4096, 4096), 32), ((1024, 8192), 25)):
         nw = native_weight("gptq", *shape, 128, False, version="v2")
         x = rand(m, shape[1], dtype=torch.bfloat16, seed=5)
         first = nw.weight.mm(x)
@@ -240,22 +271,32 @@ def test_deterministic_mode_serves_large_m(monkeypatch):
     monkeypatch.setenv(native.DETERMINISTIC_ENV, "1")
     assert native.warmup(nw.weight, torch.float16) >= 1
     try:
-        x = rand(40, 2048, dtype=torch.float16, seed=6)
+        x = rand(72, 2048, dtype=torch.float16, seed=6)
         y = nw.weight.mm(x)
-        check(y, x, nw.w64, None, "deterministic M=40")
+        check(y, x, nw.w64, None, "deterministic M=72")
         assert torch.equal(nw.weight.mm(x), y)
-        assert torch.equal(y[16:32], nw.weight.mm(x[16:32])), "16-row slices are independent launches"
+        assert torch.equal(y[32:64], nw.weight.mm(x[32:64])), "32-row slices are independent launches"
+        assert torch.equal(y[64:], nw.weight.mm(x[64:])), "the short last slice is a launch of its own"
     finally:
         monkeypatch.delenv(native.DETERMINISTIC_ENV)
         native.read_deterministic()
 
 
-def test_large_m_is_delegated_to_triton_and_up_to_32_rows_sliced():
+def test_large_m_is_delegated_to_triton_and_up_to_64_rows_sliced(monkeypatch):
+    """Up to 32 rows one launch (the weight read once), 33..64 two, above that triton."""
     nw = native_weight("gptq", 1024, 2048, 128, False, version="v2")
-    for m in (17, 31, 32, 33, 64):
+    launches = []
+    real = native._launch
+    monkeypatch.setattr(native, "_launch", lambda x2, *a: (launches.append(x2.shape[0]), real(x2, *a))[1])
+    bias = rand(1024, dtype=torch.float16, seed=8)
+    for m, want in ((17, [17]), (31, [31]), (32, [32]), (33, [32, 1]), (57, [32, 25]), (64, [32, 32]), (65, []), (96, [])):
+        launches.clear()
         x = rand(m, 2048, dtype=torch.float16, seed=7)
-        bias = rand(1024, dtype=torch.float16, seed=8)
-        check(nw.weight.mm(x, bias), x, nw.w64, bias, f"M={m} ({'native slices' if m <= native.SLICED_MAX_M else 'triton'})")
+        y = nw.weight.mm(x, bias)
+        check(y, x, nw.w64, bias, f"M={m} ({'native' if m <= native.SLICED_MAX_M else 'triton'})")
+        assert launches == want, f"M={m}: native launches of {launches} rows, expected {want}"
+        if len(want) == 2:
+            assert torch.equal(y[32:], nw.weight.mm(x[32:], bias)), f"M={m}: the second slice is a launch of its own"
 
 
 def test_torch_compile_fullgraph():
@@ -268,7 +309,7 @@ def test_torch_compile_fullgraph():
         return y, torch.nn.functional.silu(y)
 
     cf = torch.compile(f, fullgraph=True, dynamic=False)
-    for m in (1, 16):
+    for m in (1, 16, 32):
         x = rand(m, 1024, dtype=torch.float16, seed=m)
         (y, s), (y_ref, s_ref) = cf(x), f(x)
         assert torch.equal(y, y_ref), f"M={m}: the compiled graph must call the same kernel"
@@ -279,8 +320,8 @@ def test_torch_compile_fullgraph():
 def test_cuda_graph_replay():
     nw = native_weight("gptq", 4096, 4096, 128, False, version="v2")
     w = nw.weight
-    native.warmup(w, torch.float16)
-    for m in (1, 16):
+    native.warmup(w, torch.float16)  # M = 1..32, so the slices of M = 57 too
+    for m in (1, 16, 24, 32, 57):
         static_x = rand(m, 4096, dtype=torch.float16, seed=1)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -364,7 +405,7 @@ def test_pdl_in_a_cuda_graph_right_after_the_kernel_writing_x(variant, monkeypat
     outs = {}
     for pdl in ("1", "0"):
         monkeypatch.setenv(native.PDL_ENV, pdl)
-        for m in (1, 7, 16):
+        for m in (1, 7, 16, 32):
             static_a = rand(m, 2048, dtype=torch.float16, seed=m)
             with native.plan_override(chosen):
                 _producer_then_two_matmuls(w1.weight, w2.weight, static_a, bias)  # compiles and loads every kernel
