@@ -16,6 +16,10 @@ plan, the best plan found and their times, then a table last.
 
     PYTHONPATH=. python benchmarks/sweep_native.py                    # ~2-3 min on an H200
     PYTHONPATH=. python benchmarks/sweep_native.py --shapes 28672x4096 --ms 1
+    PYTHONPATH=. python benchmarks/sweep_native.py --ms 24,32         # the MT = 3, 4 plans (one block per SM)
+
+At M = 17..32 (MT = 3, 4) the kernel needs one block per SM (minb = 1; minb = 2 would spill and
+is refused), and the widest tile (nwn = 8) and a 3-deep ring are worth trying there.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from bench_int_weight import decode_gptq4_f64
 from common import PERF_SHAPES, clone_tensors, n_copies, rel_err
 
 KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb")
-VALUES = {"nwn": (1, 2, 4), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2), "xfull": (True, False),
+VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2), "xfull": (True, False),
           "fold": (True, False), "prefetch": (0, 2, 4, 8)}
 PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch")
 TOL = 2e-3
@@ -42,7 +46,7 @@ TOL = 2e-3
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in PERF_SHAPES), help="N x K list")
-    ap.add_argument("--ms", default="1,4,16", help="M values (<= 16)")
+    ap.add_argument("--ms", default="1,4,16", help="M values (<= 32: one launch each)")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--target-ms", type=float, default=4.0, help="length of one timed trial")
     ap.add_argument("--passes", type=int, default=2, help="rounds of coordinate descent over the knobs")
@@ -92,6 +96,9 @@ def run(args) -> int:
     t0 = time.time()
     shapes = common.parse_shapes(args.shapes)
     ms = common.parse_ms(args.ms)
+    if max(ms) > native.MAX_M:
+        print(f"sweep_native: M <= {native.MAX_M} (one launch; larger M runs as slices of those plans)", file=sys.stderr)
+        return 2
     fmt = FORMATS["gptq"]
     for n, k in shapes:
         if time.time() - t0 > args.budget_s:
