@@ -349,6 +349,33 @@ def end_rank() -> None:
     os._exit(0)
 
 
+def close_rank(backend: str, error: BaseException | None) -> None:
+    """Leave a spawned rank at the end of its checks: raise ``error`` (a failed check) to the
+    spawning test, or exit without interpreter teardown (:func:`end_rank`).
+
+    NCCL: ``destroy_process_group`` never returned on two H200s (torch 2.11, 0705a1e) after every
+    check of a run had passed, its collectives having been captured in CUDA graphs; the spawning
+    test then waited for the rank until its time limit. So an NCCL rank leaves without it: an error
+    is printed to stderr and the rank exits with status 1 (the spawning test fails, naming the rank's
+    exit code; the traceback is in the captured output).
+    """
+    import traceback
+
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        if error is not None:
+            traceback.print_exception(error)
+            sys.stderr.flush()
+            os._exit(1)
+        torch.cuda.synchronize()
+        end_rank()
+    dist.destroy_process_group()
+    if error is not None:
+        raise error
+    end_rank()
+
+
 def tp_worker(rank: int, world: int, root: str, port: int, backend: str, dtype: torch.dtype, modes: tuple[str, ...], names: tuple[str, ...], tolerances: dict[str, float]) -> None:
     """One rank of the tensor-parallel equivalence check (``torch.multiprocessing.spawn`` target).
 
@@ -436,9 +463,9 @@ def tp_worker(rank: int, world: int, root: str, port: int, backend: str, dtype: 
         trace(f"done, {len(failures)} mismatches")
         if failures:
             raise AssertionError(f"{len(failures)} mismatches:\n" + "\n".join(failures[:40]))
-    finally:
-        dist.destroy_process_group()
-    end_rank()
+    except BaseException as e:
+        close_rank(backend, e)
+    close_rank(backend, None)
 
 
 def _check_cuda_graph(mode, fn, ids, ids2, check) -> None:

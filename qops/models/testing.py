@@ -19,7 +19,7 @@ from ..lowerings import LOWERINGS
 from .checkpoint import QUANT_SCHEMES, get_scheme, quantize_tensors
 from .llama import LlamaConfig, LlamaForCausalLM, inv_freq, random_tensors
 
-from ..layers.testing import NVLS_OFF, end_rank, free_port, start_rank  # noqa: F401  (re-exported for the tests)
+from ..layers.testing import NVLS_OFF, close_rank, free_port, start_rank  # noqa: F401  (re-exported for the tests)
 
 
 def family_lowerings(scheme: str) -> list:
@@ -135,9 +135,9 @@ def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch
                 _tp_compare(rank, scheme, mode, sharded, whole, device, tolerance, failures)
         if failures:
             raise AssertionError(f"rank {rank}: {len(failures)} mismatches:\n" + "\n".join(failures[:40]))
-    finally:
-        dist.destroy_process_group()
-    end_rank()
+    except BaseException as e:
+        close_rank(backend, e)
+    close_rank(backend, None)
 
 
 def _tp_compare(rank, scheme, mode, sharded, whole, device, tolerance, failures) -> None:
