@@ -125,28 +125,30 @@ def test_id(case: ET.Element) -> str:
 
 
 def read_junit(name: str, path: str | None) -> Suite:
-    """The outcomes in one junit XML file, or in several (comma-separated paths, one suite)."""
+    """The outcomes in one junit XML file, or in several (comma-separated paths, one suite, oldest
+    run first: a test a later file ran again takes that file's outcome, so a re-run after a fix
+    replaces the failure it fixed)."""
     suite = Suite(name, path)
     if path is None:
         return suite
-    cases = []
     for one in path.split(","):
         root = ET.parse(one).getroot()
         for ts in root.iter("testsuite"):
             suite.timestamp = suite.timestamp or ts.get("timestamp")
             suite.hostname = suite.hostname or ts.get("hostname")
-        cases += list(root.iter("testcase"))
-    for case in cases:
-        if case.find("failure") is not None or case.find("error") is not None:
-            outcome = "failed"
-        elif case.find("skipped") is not None:
-            outcome = "skipped"
-        else:
-            outcome = "passed"
-        tid = test_id(case)
-        # A test that errors in teardown appears twice: the failure wins.
-        if suite.outcomes.get(tid) != "failed":
-            suite.outcomes[tid] = outcome
+        outcomes: dict[str, str] = {}
+        for case in root.iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                outcome = "failed"
+            elif case.find("skipped") is not None:
+                outcome = "skipped"
+            else:
+                outcome = "passed"
+            tid = test_id(case)
+            # A test that errors in teardown appears twice in one file: the failure wins.
+            if outcomes.get(tid) != "failed":
+                outcomes[tid] = outcome
+        suite.outcomes.update(outcomes)
     return suite
 
 

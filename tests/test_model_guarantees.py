@@ -86,3 +86,20 @@ def test_renders_a_header_naming_the_run(gm, tmp_path):
     text = gm.render(cpu, gm.read_junit("GPU", None), "2.13.0+cpu", "abc123")
     assert "torch 2.13.0+cpu, commit abc123" in text and "2026-12-01T10:00:00 on ci: 1 tests (1 passed" in text
     assert "GPU run: **not run**" in text
+
+
+def test_a_later_run_of_a_test_replaces_the_earlier_outcome(gm, tmp_path):
+    # Several GPU files, oldest first: a re-run after a fix takes the cell; a test the later file did
+    # not run keeps its earlier outcome; within one file a failure (e.g. in teardown) still wins.
+    op = "tests.gpu.test_gpu_opcheck"
+    old = _junit(tmp_path / "old.xml", [(op, "test_gpu_opcheck[gptq-triton_int_weight]", "failed"),
+                                        (op, "test_gpu_opcheck[gptq-native_w4a16]", "failed")])
+    new = _junit(tmp_path / "new.xml", [(op, "test_gpu_opcheck[gptq-triton_int_weight]", "passed"),
+                                        (op, "test_gpu_opcheck[awq-triton_int_weight]", "passed"),
+                                        (op, "test_gpu_opcheck[awq-triton_int_weight]", "failed")])
+    suite = gm.read_junit("GPU", f"{old},{new}")
+    assert suite.outcomes == {
+        "tests/gpu/test_gpu_opcheck.py::test_gpu_opcheck[gptq-triton_int_weight]": "passed",
+        "tests/gpu/test_gpu_opcheck.py::test_gpu_opcheck[gptq-native_w4a16]": "failed",
+        "tests/gpu/test_gpu_opcheck.py::test_gpu_opcheck[awq-triton_int_weight]": "failed",
+    }
