@@ -300,3 +300,51 @@ def test_act_order_group_size_minimises_runtime_bytes_over_multiples_of_32():
     assert costs[best] == min(costs.values())
     assert act_order.choose_group_size(torch.tensor([128, 128]), 128, 4) == 128
     assert act_order.choose_group_size(torch.tensor([9, 7]), 16, 4) == 8  # G < 32: any divisor of G
+
+
+@pytest.fixture
+def static_fp8_activations(monkeypatch):
+    """fp8 layers prepared W8A8 with the checkpoint's input_scale, as "auto" prepares them where
+    torch._scaled_mm serves (CPU "auto" is W8A16; the reference lowering reads fp8 activations too)."""
+    from qops.ops import fp8 as ops_fp8
+
+    prepare = ops_fp8.prepare_fp8_weight
+    monkeypatch.setattr(ops_fp8, "prepare_fp8_weight", lambda fq, **kw: prepare(fq, **{**kw, "activations": "static"}))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_static_w8a8_shards_compose_to_the_whole_layer(tmp_path, static_fp8_activations, world):
+    # The TP tests run W8A16 on the CPU; this is the W8A8 path of the two-GPU fp8-tensor-static
+    # test, in fp32, where sharding may only change the summation order. Input scales differ per
+    # layer (q/k/v fuse to their max) and reach 448 * input_scale (saturation).
+    from qops.distributed import FakeGroup
+    from qops.layers import TensorParallelColumnLinear as Col
+    from qops.layers import TensorParallelRowLinear as Row
+    from qops.layers import Weights
+    from qops.layers.testing import VARIANTS, rank_slice, write_checkpoint
+
+    k, n = 96, 192
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for prefix, rows, w_scale, in_scale in (("q", n, 0.02, 0.01), ("k", n, 0.2, 0.03), ("v", n, 1.0, 0.02), ("o", n, 0.05, 0.005),
+                                            ("gate_up", 2 * n, 0.1, 0.02)):
+        c = FORMATS["fp8"].quantize(torch.randn(rows, k, generator=gen) * w_scale, granularity="tensor", input_scale=in_scale)
+        tensors.update({f"{prefix}.weight": c.weight, f"{prefix}.weight_scale": c.weight_scale, f"{prefix}.input_scale": c.input_scale})
+    write_checkpoint(str(tmp_path), VARIANTS["fp8-tensor-static"], {}, tensors, shards=1)
+    load = {"q_k_v": lambda w: Col.load_multi(None, ["q", "k", "v"], w, bias=False), "col": lambda w: Col.load(None, "o", w, bias=False),
+            "gate_up": lambda w: Col.load_gate_up(None, "gate_up", w, bias=False), "row": lambda w: Row.load(None, "o", w, bias=False)}
+    x = torch.randn(7, k, generator=gen)
+    whole = {name: f(Weights.from_pretrained(str(tmp_path))) for name, f in load.items()}
+    assert all(m.linear.activations == "static" for m in whole.values())
+    assert whole["q_k_v"].linear.input_scale.item() == pytest.approx(0.03)
+    assert (x.abs() > 448 * 0.005).any()  # o's input saturates
+    want = {name: m(x) for name, m in whole.items()}
+    total = 0
+    for rank in range(world):
+        shard = {name: f(Weights.from_pretrained(str(tmp_path), process_group=FakeGroup(rank, world))) for name, f in load.items()}
+        for name, blocks in (("q_k_v", [n] * 3), ("col", [n]), ("gate_up", [n] * 2)):
+            assert torch.equal(shard[name].linear.input_scale, whole[name].linear.input_scale), name
+            torch.testing.assert_close(shard[name](x), rank_slice(want[name], blocks, rank, world), rtol=1e-5, atol=1e-5, msg=name)
+        assert torch.equal(shard["row"].linear.input_scale, whole["row"].linear.input_scale)
+        total = total + shard["row"](x[:, rank * k // world:(rank + 1) * k // world], reduce=False)
+    torch.testing.assert_close(total, want["row"], rtol=1e-5, atol=1e-5)
