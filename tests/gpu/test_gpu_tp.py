@@ -28,7 +28,17 @@ needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"need
 # fp16 activations: the ranks' partial sums are rounded to fp16 before the all-reduce. W8A8 with
 # dynamic per-token activation scales quantizes each rank's slice of a row-parallel input with the
 # slice's own amax, so those differ by the fp8 rounding of the activations.
-TOLERANCES = {"default": 1e-2, "fp8-channel": 1e-1}
+# fp8-tensor-static (W8A8, static input_scale): the shards compute what the whole layers do (fp32
+# on the CPU with W8A8 forced: equal up to summation order, 1.5e-7; tests/test_layers.py), but the
+# activation quantization is a step function of fp16 values: a one-ulp change of a layer's input
+# moves ~1/128 of its fp8 codes by a whole e4m3 step and its output by ~1e-2 of its max
+# (tests/test_fp8.py), and the block chains five such layers. The one-ulp changes come from the
+# partial sums (eager) and from Inductor computing the fp16 ops ahead of each quantization in fp32
+# without rounding them (compiled: the whole block compiled differs from it eager by as much, and
+# by 0 with emulate_precision_casts). Measured: two H200s (36b2c80) up to 0.051 (head, compiled);
+# gloo with fp16 and W8A8 forced, same ids, 0.049; the whole block compiled vs eager on the CPU over
+# 30 ids up to 0.073; the fp16 whole block vs the fp32 one up to 0.067.
+TOLERANCES = {"default": 1e-2, "fp8-channel": 1e-1, "fp8-tensor-static": 1e-1}
 # Every mode in one pair of ranks per variant: tp_worker reports the mismatches of all modes
 # together. All 17 variants in one pair ran > 224 s on the H200 (26b1d5b), and the 9 dense and
 # int-weight variants in one pair > 135 s (51dc144: one compiled graph of them all, Triton kernels
