@@ -15,17 +15,50 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import FORMATS
+from ..formats.integer import act_order_g_idx
 from ..lowerings import LOWERINGS
-from .checkpoint import QUANT_SCHEMES, get_scheme, quantize_tensors
+from .checkpoint import QUANT_SCHEMES, QuantScheme, get_scheme, quantize_tensors
 from .llama import LlamaConfig, LlamaForCausalLM, inv_freq, random_tensors
 
 from ..layers.testing import NVLS_OFF, close_rank, free_port, start_rank  # noqa: F401  (re-exported for the tests)
 
 
+def _gptq_act_order(w):
+    # Layers reading the same input share one act-order permutation (GPTQ derives it from the
+    # input's Hessian), which fused q/k/v and gate/up need: seed it with K.
+    k = w.shape[1]
+    g_idx = act_order_g_idx(k, 128, torch.Generator().manual_seed(k))
+    c = FORMATS["gptq"].quantize(w, bits=4, group_size=128, sym=False, g_idx=g_idx, version="v2")
+    return {"qweight": c.qweight, "qzeros": c.qzeros, "scales": c.scales, "g_idx": c.g_idx}
+
+
+def _fp8_tensor_static(w):
+    c = FORMATS["fp8"].quantize(w, granularity="tensor", input_scale=0.02)
+    return {"weight": c.weight, "weight_scale": c.weight_scale, "input_scale": c.input_scale}
+
+
+# Checkpoint layouts the tests use beyond QUANT_SCHEMES (one scheme per format there), under their
+# own names: GPTQ act-order is how most large GPTQ releases (Llama-3-70B among them) are written,
+# and its row-parallel shards go through ``qops.layers.act_order``.
+TEST_SCHEMES: dict[str, QuantScheme] = {
+    "gptq-act-order": QuantScheme("gptq", "GPTQ int4, group 128, act-order (desc_act), asymmetric (v2 zeros)", {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False, "checkpoint_format": "gptq_v2"},
+        _gptq_act_order, 128, ("int4", "act-order")),
+    "fp8-tensor-static": QuantScheme("fp8", "FP8 e4m3 weights, per-tensor scales, static per-tensor activation scales", {
+        "quant_method": "fp8", "activation_scheme": "static"}, _fp8_tensor_static, 1, ("fp8",)),
+}
+
+
+def scheme_by_name(name: str) -> QuantScheme | None:
+    """A QUANT_SCHEMES or TEST_SCHEMES scheme by name; None for "none"."""
+    return TEST_SCHEMES[name] if name in TEST_SCHEMES else get_scheme(name)
+
+
 def family_lowerings(scheme: str) -> list:
     """The lowerings of the scheme's op family that list its format, highest priority first."""
-    fmt = FORMATS[scheme]
-    return sorted((low for low in LOWERINGS if low.family == fmt.family and scheme in low.formats), key=lambda l: -l.priority)
+    name = scheme_by_name(scheme).name
+    fmt = FORMATS[name]
+    return sorted((low for low in LOWERINGS if low.family == fmt.family and name in low.formats), key=lambda l: -l.priority)
 
 
 def scheme_lowerings(device_type: str) -> list[tuple[str, str]]:
@@ -102,8 +135,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch.dtype, schemes: tuple[str, ...], modes: tuple[str, ...],
-                    tolerance: float, lowerings: dict[str, str] | None = None) -> None:
-    """One rank: the tiny model of each scheme sharded over ``world`` ranks against the whole
+                    tolerance: float, lowerings: dict[str, str] | None = None, config: LlamaConfig | None = None) -> None:
+    """One rank: the model of each scheme (``config``, default ``LlamaConfig.tiny()``; a scheme is a
+    QUANT_SCHEMES or TEST_SCHEMES name, or "none") sharded over ``world`` ranks against the whole
     model (world size 1, same process), on decode steps at batch sizes 1, 3 and 4.
 
     Modes: "eager"; "compiled" (``fullgraph=True``, one compilation for all batch sizes, then
@@ -117,11 +151,12 @@ def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch
     failures: list[str] = []
     try:
         torch._inductor.config.compile_threads = 1
-        config = LlamaConfig.tiny()
+        config = config or LlamaConfig.tiny()
         for scheme in schemes:
             ctx = forced_lowering(scheme, lowerings[scheme]) if lowerings and scheme in lowerings else contextlib.nullcontext()
-            tensors = quantize_tensors(random_tensors(config, seed=3), config.linear_prefixes(), get_scheme(scheme))
-            qc = None if scheme == "none" else QUANT_SCHEMES[scheme].config
+            sch = scheme_by_name(scheme)
+            tensors = quantize_tensors(random_tensors(config, seed=3), config.linear_prefixes(), sch)
+            qc = None if sch is None else sch.config
             with ctx:
                 sharded = LlamaForCausalLM.from_tensors(config, tensors, qc, device=device, dtype=dtype, max_batch=4, max_seq=16,
                                                         process_group=dist.group.WORLD)
