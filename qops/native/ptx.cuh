@@ -49,6 +49,27 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_by
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// Predicated cp.async of a weight chunk's pieces: nothing is copied when `pred` is false (the slot
+// keeps its old bytes, which callers never use then). 16 bytes bypass L1 (.cg: read once); the
+// 8- and 4-byte copies (scales, zeros) can only go through it (.ca).
+__device__ __forceinline__ void cp_async_16_if(u32 dst, const void* src, bool pred) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p cp.async.cg.shared.global [%0], [%1], 16;\n\t}" ::"r"(dst),
+               "l"(src), "r"(static_cast<int>(pred))
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_8_if(u32 dst, const void* src, bool pred) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p cp.async.ca.shared.global [%0], [%1], 8;\n\t}" ::"r"(dst),
+               "l"(src), "r"(static_cast<int>(pred))
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_4_if(u32 dst, const void* src, bool pred) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p cp.async.ca.shared.global [%0], [%1], 4;\n\t}" ::"r"(dst),
+               "l"(src), "r"(static_cast<int>(pred))
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>

@@ -12,7 +12,7 @@
 // evenly. Per 128-row chunk a lane loads 4 x 16 bytes: row kw = 16*chunk + 4*step + (lane % 4),
 // columns n0 .. n0+3 with n0 = 4*(lane / 4) (+ the warp's column offset); a quarter warp reads 128
 // contiguous bytes of one row. Chunks are kept in a register ring three deep (the one being used and
-// two in flight; two deep for M > 8). x for the block's current K range is staged in shared memory with
+// two in flight; two deep for M > 8), or in a shared-memory ring (QOPS_SMEM_RING, below). x for the block's current K range is staged in shared memory with
 // cp.async, as many stages as the ring, one barrier per iteration.
 //
 // Rows of x. MT = ceil(M / 8) B tiles of 8 rows (1..4), all multiplied by the same dequantized A
@@ -44,6 +44,25 @@
 //      loop has no barrier, no x traffic and no permutes: each warp streams its chunks on its own.
 //      The weight loads of the first iterations are issued before x is staged, hiding its latency.
 //
+// Shared-memory weight ring (QOPS_SMEM_RING = SR > 0; with x staged once only). The register ring
+// keeps D chunks in flight per warp, and every chunk in flight costs 19 registers a lane: at D = 2 the
+// GPU has ~7 MB in flight against the ~8-9 MB that DRAM latency under load times bandwidth needs,
+// and a deeper ring costs occupancy (above 128 registers, one block per SM). H200 measurements say
+// the kernel is latency-bound there, not layout- or issue-bound (benchmarks/NOTES.md). With the ring
+// in shared memory, each warp owns SR stages of kSmemStage bytes (2 KiB of qweight and the chunk's
+// scales and zero words, 2432 bytes) after x; a lane cp.asyncs its own 4 x 16 bytes of qweight
+// (.cg: not kept in L1), 8 bytes of scales and 4 of zeros into its own slots, one commit group per
+// iteration, and reads back exactly those slots after cp.async.wait_group: no lane reads another
+// lane's bytes, so there is no barrier and no warp sync, and warps stream independently as in XF.
+// Scales and zeros ride along rather than in registers so one wait covers a whole chunk and nothing
+// in flight holds a register (SR chunks would need 3 SR registers). Iteration `it` refills the stage
+// it read in iteration it-1 with iteration it+SR-1 (its loads of that stage were issued before the
+// copy, whose bytes land a global round trip later), then waits for its own: SR chunks in flight per
+// warp (SR x 19 KiB a block) in 63-80 registers at M <= 8 (108-123 with the register ring; ptxas,
+// sm_80/sm_90, no spills). Shared memory per block: x + SR x 8 x 2432 bytes, so
+// above 48 KiB the host opts the kernel in (sm_90: up to 227 KiB a block, 228 KiB an SM: two blocks
+// per SM up to 5 stages, one from 6, 11 at most). Off by default (0) until measured on a GPU.
+//
 // Programmatic dependent launch (sm_90, launched with programmatic stream serialization): the kernel
 // may start while the kernel ahead of it (which typically writes x) is still running. Weights, scales
 // and zeros are never written by an earlier kernel, so the first ring stages are loaded before
@@ -57,7 +76,9 @@
 // QOPS_XFULL (0/1), QOPS_RING (register ring depth; 0: 3 for MT = 1, 2 for MT >= 2),
 // QOPS_MINB (minimum resident blocks per SM promised to the register allocator; default 2; 1 for MT >= 3),
 // QOPS_FOLD (0/1: bias and zero point subtracted after the MMA; needs QOPS_XFULL and MT = 1),
-// QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead).
+// QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead),
+// QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
+// replaces QOPS_RING).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -90,6 +111,9 @@
 #ifndef QOPS_PREFETCH
 #define QOPS_PREFETCH 0
 #endif
+#ifndef QOPS_SMEM_RING
+#define QOPS_SMEM_RING 0
+#endif
 
 #if QOPS_CLUSTER > 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -109,6 +133,14 @@ constexpr int kChunkK = 128;  // K rows a warp takes per iteration: 4 steps of 3
 // three, or two for M > 8 where the further x tiles and their accumulators need the registers.
 template <int MT>
 __host__ __device__ constexpr int ring_depth() { return QOPS_RING > 0 ? QOPS_RING : (MT == 1 ? 3 : 2); }
+// QOPS_SMEM_RING: one warp's stage of the shared-memory ring, in bytes: qweight 4 steps x 32 lanes x 16
+// bytes (lane-major within a step: a step's reads and copies touch 512 contiguous bytes), then the
+// lanes' scales (8 bytes each), then their zero words (4 bytes each; reserved without zeros, so the
+// host's size does not depend on them). Multiple of 16: every stage starts 16-byte aligned.
+constexpr int kSmemStage = 4 * 32 * 16 + 32 * 8 + 32 * 4;
+constexpr int kSmemScales = 4 * 32 * 16;
+constexpr int kSmemZeros = kSmemScales + 32 * 8;
+static_assert(kSmemStage % 16 == 0, "stages must stay 16-byte aligned");
 
 // Bits of the `flags` argument.
 constexpr int kXVec = 1;       // x rows 16-byte aligned and K % 8 == 0: x staged with cp.async
@@ -141,7 +173,7 @@ __device__ __forceinline__ void store_out(u16* out, const void* bias, int flags,
   out[static_cast<size_t>(m) * ldo + n] = f32_to_bits<DT>(v);
 }
 
-template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF, bool FOLD>
+template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF, bool FOLD, int SR>
 __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, const u16* __restrict__ scales,
                                            const u32* __restrict__ qzeros, const u16* __restrict__ x,
                                            const void* __restrict__ bias, u16* __restrict__ out,
@@ -155,6 +187,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   constexpr int D = kRing - 1;  // prefetch distance in iterations
   static_assert(MT >= 1 && MT <= 4, "QOPS_MT is 1..4 (M <= 32)");
   static_assert(!FOLD || (XF && MT == 1), "QOPS_FOLD needs x staged once (QOPS_XFULL) and M <= 8");
+  static_assert(SR == 0 || (SR >= 2 && SR <= 16 && XF), "QOPS_SMEM_RING is 0 or 2..16 and needs QOPS_XFULL");
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
     // Even with no work: a dependent launched after this grid waits only for this grid, so this grid
     // must not complete before the kernels ahead of it.
@@ -185,9 +218,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const size_t wstride = static_cast<size_t>(NWK * 16) * N;
   const u32 wstep = 4u * N;
 
-  Chunk ring[kRing];
+  // The register ring (unused with the shared-memory ring, which keeps the chunks in flight instead).
+  Chunk ring[SR > 0 ? 1 : kRing];
 #pragma unroll
-  for (int r = 0; r < kRing; ++r) {
+  for (int r = 0; r < (SR > 0 ? 1 : kRing); ++r) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) ring[r].w[j] = make_uint4(0, 0, 0, 0);
     ring[r].s = make_uint2(0, 0);
@@ -236,6 +270,37 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
     ld_nc_v2_if(ck.s, scales + static_cast<size_t>(grp) * N + n0, ok);
     if constexpr (HAS_Z) ld_nc_u32_if(ck.z, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
+  };
+  // The shared-memory ring (SR > 0): this warp's SR stages of kSmemStage bytes after x (and the FOLD
+  // sums). A lane copies its own pieces of a chunk into its own slots and later reads back exactly
+  // those, so per-thread cp.async groups order everything: no barrier, no warp sync.
+  const int chunks_blk = (C + S - 1) / S;
+  char* sring = reinterpret_cast<char*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0)) + warp * SR * kSmemStage;
+  const u32 sring_a = smem_addr(sring);
+  auto load_chunk_smem = [&](int stage) {
+    prefetch_it(it_next + QOPS_PREFETCH);
+    ++it_next;
+    const int ch = ch_next;
+    ch_next += NWK;
+    const bool ok = n_ok && ch < ce;
+    const int rows_left = KW - (ch * 16 + c);
+    const u32* p = wnext;
+    wnext += wstride;
+    const u32 dst = sring_a + stage * kSmemStage;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) cp_async_16_if(dst + j * 512 + lane * 16, p + j * wstep, ok && 4 * j < rows_left);
+    const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
+    cp_async_8_if(dst + kSmemScales + lane * 8, scales + static_cast<size_t>(grp) * N + n0, ok);
+    if constexpr (HAS_Z) cp_async_4_if(dst + kSmemZeros + lane * 4, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
+  };
+  auto read_chunk_smem = [&](int stage) {
+    const char* src = sring + stage * kSmemStage;
+    Chunk ck;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ck.w[j] = *reinterpret_cast<const uint4*>(src + j * 512 + lane * 16);
+    ck.s = *reinterpret_cast<const uint2*>(src + kSmemScales + lane * 8);
+    ck.z = HAS_Z ? *reinterpret_cast<const u32*>(src + kSmemZeros + lane * 4) : 0u;
+    return ck;
   };
 
   // x slots this thread stages each iteration: row m, 8 values from column k0 + 8*kk. Two cover
@@ -461,7 +526,36 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
   };
 
-  if constexpr (XF) {
+  if constexpr (SR > 0) {
+    // As below, with the chunks in the shared-memory ring: iterations 0 .. SR-2 in flight before x is
+    // staged. Iteration `it` first refills the stage of it-1 (read by this thread in the previous
+    // iteration) with iteration it+SR-1, then waits for its own group: SR chunks in flight while it
+    // computes. One group per iteration (maybe empty), so wait_group<SR-1> always means "the group
+    // of `it` has landed".
+#pragma unroll
+    for (int d = 0; d < SR - 1; ++d) {
+      if (d < n_it) load_chunk_smem(d);
+      cp_async_commit();
+    }
+    for (int q = SR - 1; q < QOPS_PREFETCH; ++q) prefetch_it(q);
+    grid_dep_wait();  // x may still be being written by the kernel ahead
+    stage_x_full();
+    __syncthreads();
+    for (int it0 = 0; it0 < n_it; it0 += SR) {
+#pragma unroll
+      for (int b = 0; b < SR; ++b) {
+        const int it = it0 + b;
+        if (it < n_it) {
+          if (it + SR - 1 < n_it) load_chunk_smem((b + SR - 1) % SR);
+          cp_async_commit();
+          cp_async_wait<SR - 1>();
+          compute(it, read_chunk_smem(b), 0);
+        }
+      }
+    }
+    cp_async_wait<0>();  // nothing is left in flight (only empty groups) before shared memory is reused
+    __syncthreads();
+  } else if constexpr (XF) {
     // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then
     // every warp streams its chunks with no further barrier.
 #pragma unroll
@@ -582,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(qops::kThreads, QOPS_MINB) QOPS_CLU
 qops_w4a16_gemv(const unsigned* qweight, const unsigned short* scales, const unsigned* qzeros,
                 const unsigned short* x, const void* bias, unsigned short* out, float* ws, int M, int N, int K,
                 int ldx, int ldo, int chunks_per_group, int zero_offset, int flags) {
-  qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER, QOPS_XFULL != 0, QOPS_FOLD != 0>(
+  qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER, QOPS_XFULL != 0, QOPS_FOLD != 0, QOPS_SMEM_RING>(
       qweight, scales, qzeros, x, bias, out, ws, M, N, K, ldx, ldo, chunks_per_group, zero_offset, flags);
 }
 
