@@ -4,6 +4,7 @@ kernel assumes, and programmatic dependent launch is compiled in for sm_90 only 
 dropped) on the host as documented (no GPU needed for any of it)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import types
 from pathlib import Path
@@ -55,6 +56,25 @@ def _gemv_variants():
                         yield {**p.defines(dt, has_z), "QOPS_NWN": nwn, "QOPS_RING": ring}
 
 
+def _smem_ring_variants():
+    """The shared-memory weight ring (x staged once): both dtypes, zeros or not, folded or not, the
+    default M = 1 plans of the two decode shapes it is for, M = 16, 24, 32 (MT = 2, 3, 4), and the
+    stage counts the sweep tries, with one and two blocks per SM promised."""
+    for dt in (torch.float16, torch.bfloat16):
+        for has_z in (False, True):
+            for n, k, m, stages in ((28672, 4096, 1, 8), (4096, 14336, 1, 4), (4096, 4096, 16, 5)):
+                p = native._plan(m, n, k, 132, False)
+                yield {**p.defines(dt, has_z), "QOPS_XFULL": 1, "QOPS_SMEM_RING": stages}
+    p = native._plan(1, 28672, 4096, 132, False)
+    for stages, fold, minb, prefetch in ((2, 1, 2, 0), (3, 0, 1, 2), (6, 1, 2, 0), (10, 1, 1, 0), (11, 0, 1, 4)):
+        yield {**p.defines(torch.float16, True), "QOPS_SMEM_RING": stages, "QOPS_FOLD": fold, "QOPS_MINB": minb,
+               "QOPS_PREFETCH": prefetch}
+    yield {**native._plan(8, 4096, 4096, 132, False).defines(torch.bfloat16, True), "QOPS_XFULL": 1, "QOPS_NWN": 1,
+           "QOPS_SMEM_RING": 8}
+    for m in (24, 32):  # MT = 3, 4 with x staged once (short K only; one block per SM)
+        yield {**native._plan(m, 4096, 4096, 132, False).defines(torch.float16, True), "QOPS_XFULL": 1, "QOPS_SMEM_RING": 4}
+
+
 def test_the_compiled_variants_cover_every_tile_height():
     assert sorted({d["QOPS_MT"] for d in _gemv_variants()}) == [1, 2, 3, 4]
     assert all(d["QOPS_MINB"] == 1 for d in _gemv_variants() if d["QOPS_MT"] >= 3)
@@ -78,9 +98,10 @@ def _ptxas_report(log: str) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gemv_variants_compile_within_register_budget(arch):
+@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants], ids=["register-ring", "smem-ring"])
+def test_gemv_variants_compile_within_register_budget(arch, variants):
     seen = set()
-    for defines in _gemv_variants():
+    for defines in variants():
         key = tuple(sorted(defines.items()))
         if key in seen:
             continue
@@ -106,6 +127,41 @@ def test_cluster_variants_compile_for_sm90_only(cluster, m):
     assert compiler.compile(src, "sm_90", compiler.native_options(defines))[:4] == ELF_MAGIC
     with pytest.raises(compiler.NativeCompileError, match="clusters"):
         compiler.compile(src, "sm_80", compiler.native_options(defines))
+
+
+def test_smem_ring_with_a_cluster_compiles():
+    defines = {**native._plan(1, 4096, 14336, 132, True).defines(torch.float16, True), "QOPS_SMEM_RING": 4}
+    assert defines["QOPS_CLUSTER"] == 2 and defines["QOPS_XFULL"] == 1
+    assert compiler.compile(compiler.native_source(native.SOURCE), "sm_90", compiler.native_options(defines))[:4] == ELF_MAGIC
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_smem_ring_streams_the_weights_with_cp_async_only(arch):
+    """With the shared-memory ring every qweight, scale and zero load is a cp.async (16 bytes .cg,
+    8 and 4 bytes .ca) and no 16-byte register load of qweight is left; without it, none is a cp.async
+    (x staged once is read with plain loads)."""
+    src = compiler.native_source(native.SOURCE)
+    base = native._plan(1, 28672, 4096, 132, False).defines(torch.float16, True)
+    ring = _entries(_ptx(src, arch, {**base, "QOPS_SMEM_RING": 4}))[native.GEMV]
+    plain = _entries(_ptx(src, arch, base))[native.GEMV]
+    text = "\n".join(ring)
+    assert "cp.async.cg.shared.global" in text and "cp.async.ca.shared.global" in text and "cp.async.wait_group 3" in text
+    assert not re.search(r"ld\.global\.nc\.L1::no_allocate\.v4", text)
+    assert not any("cp.async" in l for l in plain)
+
+
+def test_smem_ring_stage_size_matches_the_kernel():
+    src = compiler.native_source(native.SOURCE)
+    expr = re.search(r"constexpr int kSmemStage = ([0-9 *+]+);", src).group(1)
+    assert native.SMEM_RING_STAGE_BYTES == 8 * eval(expr)  # noqa: S307 - digits, * and + from our own source
+
+
+def test_smem_ring_refuses_a_bad_compile_time_configuration():
+    src = compiler.native_source(native.SOURCE)
+    base = native._plan(1, 4096, 4096, 132, False).defines(torch.float16, True)
+    for bad in ({**base, "QOPS_SMEM_RING": 1}, {**base, "QOPS_SMEM_RING": 17}, {**base, "QOPS_SMEM_RING": 4, "QOPS_XFULL": 0}):
+        with pytest.raises(compiler.NativeCompileError, match="QOPS_SMEM_RING"):
+            compiler.compile(src, "sm_90", compiler.native_options(bad))
 
 
 def test_broken_source_raises_with_the_nvrtc_log():
@@ -169,6 +225,7 @@ def test_plans_stay_within_kernel_limits(n, k, sms, cluster_ok):
     for m in range(1, native.MAX_M + 1):
         p = native._plan(m, n, k, sms, cluster_ok)
         assert p.shmem <= 48 * 1024, "no dynamic shared memory opt-in is made"
+        assert p.smem_ring == 0 and p.defines(torch.float16, True)["QOPS_SMEM_RING"] == 0, "the shared-memory ring is not measured yet"
         assert p.tiles * 32 * p.nwn >= n
         assert 1 <= p.splits <= min(chunks, 16)
         assert p.mt == -(-m // 8), "one launch, one B tile per 8 rows"
@@ -227,6 +284,73 @@ def test_tall_plans_the_kernel_can_run():
         p = native.make_plan(m, 4096, 512, nwn=4, splits=1, cluster=False, xfull=True, minb=1)  # x of 512 rows staged once
         assert p.shmem == max(native.xfull_bytes(m, 512, 1), 2 * m * 128 * 4)
     assert native.make_plan(24, 4096, 4096, nwn=4, splits=2, cluster=True, xfull=False, minb=1, ring=3).shmem <= 48 * 1024
+
+
+def test_make_plan_honours_the_smem_ring():
+    kw = dict(nwn=4, splits=1, cluster=False, xfull=True, minb=1, fold=True)
+    base = native.make_plan(1, 28672, 4096, **kw)
+    for stages in (2, 4, 8, 10):
+        p = native.make_plan(1, 28672, 4096, **kw, smem_ring=stages)
+        assert p.smem_ring == stages and p.defines(torch.bfloat16, False)["QOPS_SMEM_RING"] == stages
+        assert p.shmem == native.xfull_bytes(1, 4096, 1, True) + stages * 8 * 2432
+        assert dataclasses.replace(p, smem_ring=0, shmem=base.shmem) == base, "nothing else changes"
+    p = native.make_plan(16, 4096, 2048, nwn=4, splits=2, cluster=True, xfull=True, smem_ring=6)  # MT = 2
+    assert p.shmem == native.xfull_bytes(16, 2048, 2) + 6 * 8 * 2432
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(smem_ring=4, xfull=False), "needs x staged once"),
+    (dict(smem_ring=1), "smem_ring=1 is not 0 or 2..16"),
+    (dict(smem_ring=17), "smem_ring=17"),
+    (dict(smem_ring=12), "opt-in maximum"),  # 12 x 19 KiB + x > 226 KiB on sm_90
+    (dict(smem_ring=8, smem_limit=99 * 1024), "the device allows 101376"),  # sm_86/89's opt-in
+    (dict(smem_ring=2, smem_limit=48 * 1024), "49216 bytes"),
+])
+def test_make_plan_refuses_smem_rings_outside_the_limits(kw, why):
+    args = dict(nwn=4, splits=1, cluster=False, xfull=True, minb=1, fold=True) | kw
+    with pytest.raises(ValueError, match=why):
+        native.make_plan(1, 28672, 4096, **args)
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """plan() as on an H200 (132 SMs, clusters, 227 KiB opt-in), no GPU needed."""
+    monkeypatch.setattr(native, "_device_facts", lambda idx: (132, True))
+    monkeypatch.setattr(native, "smem_optin_bytes", lambda idx: 227 * 1024 - native.STATIC_SHMEM_BYTES)
+    monkeypatch.delenv(native.SMEM_RING_ENV, raising=False)
+
+
+def test_plan_is_the_rule_unless_the_smem_ring_env_asks(h200, monkeypatch):
+    shapes = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672), (6144, 4096), (1000, 777)]
+    rule = {(m, n, k): native._plan(m, n, k, 132, True) for n, k in shapes for m in (1, 4, 8, 16, 32)}
+    assert all(native.plan(m, n, k, 0) == p for (m, n, k), p in rule.items())
+    monkeypatch.setenv(native.SMEM_RING_ENV, "0")
+    assert all(native.plan(m, n, k, 0) == p for (m, n, k), p in rule.items())
+    monkeypatch.setenv(native.SMEM_RING_ENV, "4")
+    for (m, n, k), p in rule.items():
+        q = native.plan(m, n, k, 0)
+        if p.xfull:  # x staged once: the ring fits at 4 stages on every shape here
+            assert q == dataclasses.replace(p, smem_ring=4, shmem=q.shmem) and q.shmem == p.shmem + 4 * native.SMEM_RING_STAGE_BYTES
+        else:
+            assert q == p
+    monkeypatch.setenv(native.SMEM_RING_ENV, "11")  # 214016 bytes of ring: with x of 8192 rows (20544 bytes) too much
+    assert native.plan(1, 57344, 8192, 0) == rule[1, 57344, 8192]
+    assert native.plan(1, 28672, 4096, 0).smem_ring == 11
+    monkeypatch.setenv(native.SMEM_RING_ENV, "many")
+    with pytest.raises(ValueError, match="QOPS_NATIVE_SMEM_RING"):
+        native.plan(1, 28672, 4096, 0)
+    monkeypatch.setenv(native.SMEM_RING_ENV, "1")
+    with pytest.raises(ValueError, match="smem_ring=1"):
+        native.plan(1, 28672, 4096, 0)
+
+
+def test_plan_refuses_a_plan_above_the_devices_opt_in(h200, monkeypatch):
+    p = native.make_plan(1, 28672, 4096, nwn=4, splits=1, cluster=False, xfull=True, minb=1, fold=True, smem_ring=8)
+    with native.plan_override(lambda *a: p):
+        assert native.plan(1, 28672, 4096, 0) == p
+        monkeypatch.setattr(native, "smem_optin_bytes", lambda idx: 163 * 1024 - 1024)  # an A100
+        with pytest.raises(ValueError, match="opt-in maximum"):
+            native.plan(1, 28672, 4096, 0)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -308,14 +432,20 @@ def _entries(ptx: str) -> dict[str, list[str]]:
 
 
 # The loads ptx.cuh issues for qweight, scales and qzeros, which no earlier kernel writes: the only
-# global accesses allowed ahead of griddepcontrol.wait.
+# global accesses allowed ahead of griddepcontrol.wait. With the shared-memory ring they are the
+# predicated cp.asyncs (x staged once uses plain loads, so there every cp.async is a weight's).
 _WEIGHT_LOAD = re.compile(r"ld\.global\.nc\.(L1::no_allocate\.v4\.u32|v2\.u32|u32)\s")
+_WEIGHT_CP_ASYNC = re.compile(r"@\S+\s+cp\.async\.c[ag]\.shared\.global \[[^]]+\], \[[^]]+\], (16|8|4);")
 _GLOBAL_ACCESS = re.compile(r"\b(ld|st|cp\.async[.\w]*)\.[\w.:]*global")
 
 
-def _first_dependent_access(lines: list[str]) -> int:
+def _weight_load(line: str, smem_ring: bool) -> bool:
+    return bool(_WEIGHT_LOAD.search(line) or (smem_ring and _WEIGHT_CP_ASYNC.search(line)))
+
+
+def _first_dependent_access(lines: list[str], smem_ring: bool = False) -> int:
     """Index of the first global load or store that is not a weight load (x, bias, workspace, out)."""
-    return next(i for i, l in enumerate(lines) if _GLOBAL_ACCESS.search(l) and not _WEIGHT_LOAD.search(l))
+    return next(i for i, l in enumerate(lines) if _GLOBAL_ACCESS.search(l) and not _weight_load(l, smem_ring))
 
 
 def _pdl_variants():
@@ -326,9 +456,12 @@ def _pdl_variants():
                    "QOPS_FOLD": int(xfull and m <= 8)}
     yield {**native._plan(16, 4096, 4096, 132, True).defines(torch.bfloat16, False), "QOPS_CLUSTER": 2}
     yield {**native._plan(32, 28672, 4096, 132, True).defines(torch.bfloat16, False), "QOPS_CLUSTER": 2}
+    yield {**native._plan(1, 28672, 4096, 132, True).defines(torch.float16, True), "QOPS_SMEM_RING": 8}
+    yield {**native._plan(1, 4096, 14336, 132, True).defines(torch.bfloat16, False), "QOPS_SMEM_RING": 4}
 
 
-@pytest.mark.parametrize("defines", list(_pdl_variants()), ids=lambda d: "mt{QOPS_MT}-xfull{QOPS_XFULL}-cl{QOPS_CLUSTER}-nwn{QOPS_NWN}".format(**d))
+@pytest.mark.parametrize("defines", list(_pdl_variants()), ids=lambda d: "mt{QOPS_MT}-xfull{QOPS_XFULL}-cl{QOPS_CLUSTER}-nwn{QOPS_NWN}".format(**d)
+                         + ("-smem{QOPS_SMEM_RING}".format(**d) if d["QOPS_SMEM_RING"] else ""))
 def test_griddepcontrol_is_in_sm90_code_only_and_orders_the_accesses(defines):
     """The PTX keeps source order here, so it shows where the wait and the trigger sit: weight loads
     of the first ring stages before the wait, every other global access after it, the trigger after
@@ -338,14 +471,15 @@ def test_griddepcontrol_is_in_sm90_code_only_and_orders_the_accesses(defines):
         assert "griddepcontrol" not in _ptx(src, "sm_80", defines), "before sm_90 the kernel must stay as it was"
     kernels = _entries(_ptx(src, "sm_90", defines))
     gemv, reduce = kernels[native.GEMV], kernels[native.REDUCE]
+    sr = defines["QOPS_SMEM_RING"] > 0
 
-    dep = _first_dependent_access(gemv)
+    dep = _first_dependent_access(gemv, sr)
     waits = [i for i, l in enumerate(gemv[:dep]) if "griddepcontrol.wait" in l]
     assert waits, "x, bias or workspace accessed before griddepcontrol.wait"
-    assert any(_WEIGHT_LOAD.search(l) for l in gemv[: waits[-1]]), "no weight load is issued ahead of the wait"
+    assert any(_weight_load(l, sr) for l in gemv[: waits[-1]]), "no weight load is issued ahead of the wait"
     trigger = [i for i, l in enumerate(gemv) if "griddepcontrol.launch_dependents" in l]
     assert len(trigger) == 1
-    last_weight = max(i for i, l in enumerate(gemv) if _WEIGHT_LOAD.search(l))
+    last_weight = max(i for i, l in enumerate(gemv) if _weight_load(l, sr))
     first_store = next(i for i, l in enumerate(gemv) if re.search(r"\bst\.[\w.:]*global", l))
     assert last_weight < trigger[0] < first_store, "launch_dependents belongs after the main loop, before the stores"
 
@@ -396,6 +530,28 @@ def test_launch_with_pdl_support_sets_the_attribute_on_request_only(fake_core):
     compiler.launch("k", (3, 1, 1), (256, 1, 1), 0, _STREAM)
     assert compiler.pdl_missing() is None
     assert [cfg.programmatic_stream_serialization for cfg, _, _ in fake_core.launched] == [True, False]
+
+
+class _Kernel:
+    def __init__(self, handle):
+        self.handle = handle
+
+
+def test_launch_opts_in_to_dynamic_shared_memory_above_48_kib_once(fake_core, monkeypatch):
+    fake_core.LaunchConfig = _LaunchConfig12
+    calls = []
+    monkeypatch.setattr(compiler, "_set_max_dynamic_shared", lambda handle, idx, nbytes: calls.append((handle, idx, nbytes)))
+    monkeypatch.setattr(compiler, "_shmem_allowed", {})
+    k1, k2 = _Kernel(11), _Kernel(12)
+    compiler.launch(k1, (1, 1, 1), (256, 1, 1), 48 * 1024, _STREAM)
+    assert calls == [], "no opt-in at or below the default limit"
+    compiler.launch(k1, (1, 1, 1), (256, 1, 1), 160 * 1024, _STREAM)
+    compiler.launch(k1, (1, 1, 1), (256, 1, 1), 100 * 1024, _STREAM)
+    compiler.launch(k1, (1, 1, 1), (256, 1, 1), 160 * 1024, _STREAM)
+    compiler.launch(k2, (1, 1, 1), (256, 1, 1), 64 * 1024, _STREAM)
+    compiler.launch(k1, (1, 1, 1), (256, 1, 1), 200 * 1024, _STREAM)
+    assert calls == [(11, 0, 160 * 1024), (12, 0, 64 * 1024), (11, 0, 200 * 1024)]
+    assert [cfg.shmem_size for cfg, _, _ in fake_core.launched] == [s * 1024 for s in (48, 160, 100, 160, 64, 200)]
 
 
 def test_pdl_switch(monkeypatch):

@@ -14,7 +14,8 @@ itself; local headers (``#include "x.cuh"``) are found beside them. Three layers
   variant. Loading happens at warm-up; during CUDA-graph capture a kernel that is not loaded yet
   raises :class:`NativeNotReadyError` instead of compiling. :func:`launch` launches on a torch stream,
   with programmatic dependent launch (sm_90) on request where this cuda.core can express it
-  (:func:`pdl_missing` says why not).
+  (:func:`pdl_missing` says why not), and opts the kernel in to dynamic shared memory above the
+  default 48 KiB when a launch asks for more (:func:`allow_dynamic_shared`).
 
 ``cuda.core`` moved out of ``cuda.core.experimental`` in 1.0; both locations are accepted.
 """
@@ -372,6 +373,51 @@ def pdl_missing() -> str | None:
     return None
 
 
+DEFAULT_SHMEM_BYTES = 48 * 1024  # dynamic shared memory any launch may ask for without opting in
+
+_shmem_allowed: dict[tuple[int, int], int] = {}  # (device, kernel handle) -> bytes opted in to
+
+
+def max_shared_optin(device: torch.device | int) -> int:
+    """The device's opt-in maximum of shared memory a block (227 KiB on sm_90, 163 KiB on sm_80)."""
+    idx = _device_index(device)
+    v = getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_block_optin", None)
+    if v:
+        return int(v)
+    return int(core().Device(idx).properties.max_shared_memory_per_block_optin)
+
+
+def allow_dynamic_shared(kernel, device: torch.device | int, nbytes: int) -> None:
+    """Let ``kernel`` launch with up to ``nbytes`` of dynamic shared memory on ``device``.
+
+    Above 48 KiB a launch fails unless the function attribute
+    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` was raised first (cuda.core exposes the
+    attribute read-only, so this goes to the driver). Remembered per kernel and device: a repeated
+    call with no larger size makes no driver call. A refusal raises with the driver's error.
+    """
+    idx = _device_index(device)
+    key = (idx, int(kernel.handle))
+    if _shmem_allowed.get(key, DEFAULT_SHMEM_BYTES) >= nbytes:
+        return
+    _set_max_dynamic_shared(kernel.handle, idx, nbytes)
+    _shmem_allowed[key] = nbytes
+
+
+def _set_max_dynamic_shared(handle, idx: int, nbytes: int) -> None:
+    from cuda.bindings import driver
+
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if isinstance(handle, driver.CUkernel):  # cuda.core loads modules as libraries: a context-free kernel
+        err, dev = driver.cuDeviceGet(idx)
+        if err == driver.CUresult.CUDA_SUCCESS:
+            (err,) = driver.cuKernelSetAttribute(attr, nbytes, handle, dev)
+    else:
+        (err,) = driver.cuFuncSetAttribute(handle, attr, nbytes)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"qops.native: could not allow {nbytes} bytes of dynamic shared memory on cuda:{idx} "
+                           f"(max_shared_optin: {max_shared_optin(idx)}): {err}")
+
+
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], shmem: int, stream: torch.cuda.Stream, *args, pdl: bool = False) -> None:
     """Launch ``kernel`` on ``stream``; ``args``: ints for pointers, numpy scalars for the rest.
 
@@ -379,8 +425,11 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], shmem: int, st
     ahead of it on the stream has finished, so it must execute ``griddepcontrol.wait`` before it reads
     anything that kernel may write and before it writes global memory. Where this cuda.core cannot
     express it (:func:`pdl_missing`), the launch is an ordinary one, which is always correct.
+    ``shmem`` above 48 KiB opts the kernel in first (:func:`allow_dynamic_shared`, once per size).
     """
     cc = core()
+    if shmem > DEFAULT_SHMEM_BYTES:
+        allow_dynamic_shared(kernel, stream.device_index, shmem)
     if pdl and pdl_missing() is None:
         cfg = cc.LaunchConfig(grid=grid, block=block, shmem_size=shmem, programmatic_stream_serialization=True)
     else:

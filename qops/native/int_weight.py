@@ -17,6 +17,12 @@ sums meet: for S = 2 on sm_90 a thread-block cluster adds them through distribut
 :func:`workspace_bytes` and a second kernel adds them. Both add in a fixed order, so results do
 not change from run to run; the choice of S depends only on the shape and the device.
 
+Plans with x staged once may keep the weights in flight in a shared-memory ring (``smem_ring``
+stages a warp) instead of registers: more than 48 KiB of shared memory a block, which the launch
+opts in to and :func:`make_plan` / :func:`plan` refuse above the device's opt-in maximum. The rule
+never picks it (not yet measured); ``QOPS_NATIVE_SMEM_RING=S`` gives it to the rule's x-staged-once
+plans for measurements.
+
 Compilation and module loading happen in :func:`warmup` (which compiles every variant M = 1..32
 needs for a weight) or, failing that, at the first eager call of a shape; never during CUDA-graph
 capture, where a missing kernel raises :class:`~qops.native.compiler.NativeNotReadyError`.
@@ -109,6 +115,7 @@ class Plan:
     minb: int = 2  # resident blocks per SM promised to the register allocator
     fold: bool = False  # (x staged once, M <= 8) magic bias and zero point subtracted after the MMA, from x sums
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
+    smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         return {
@@ -122,6 +129,7 @@ class Plan:
             "QOPS_MINB": self.minb,
             "QOPS_FOLD": int(self.fold),
             "QOPS_PREFETCH": self.prefetch,
+            "QOPS_SMEM_RING": self.smem_ring,
         }
 
 
@@ -133,8 +141,22 @@ def _ring(mt: int, ring: int = 0) -> int:
     return ring if ring > 0 else (3 if mt == 1 else 2)  # as ring_depth<MT>() in w4a16_gemv.cu
 
 
-SHMEM_MAX_BYTES = 48 * 1024  # the default dynamic shared memory limit (no opt-in is made)
+SHMEM_MAX_BYTES = 48 * 1024  # the default dynamic shared memory limit (above it a kernel must opt in)
 XFULL_MAX_BYTES = SHMEM_MAX_BYTES  # x staged whole must fit it
+# One stage of the shared-memory weight ring for the block's 8 warps (kSmemStage in w4a16_gemv.cu:
+# 2 KiB of qweight, 256 bytes of scales and 128 of zeros a warp).
+SMEM_RING_STAGE_BYTES = 8 * (4 * 32 * 16 + 32 * 8 + 32 * 4)
+SMEM_RING_MAX = 16  # stages (QOPS_SMEM_RING <= 16 in the kernel)
+# The largest opt-in of the devices served (sm_90: 227 KiB a block), less the 1 KiB of static shared
+# memory the sm_90 build carries (cuobjdump -res-usage: SHARED:1024), which counts against it.
+STATIC_SHMEM_BYTES = 1024
+SHMEM_OPTIN_MAX_BYTES = 227 * 1024 - STATIC_SHMEM_BYTES
+SMEM_RING_ENV = "QOPS_NATIVE_SMEM_RING"
+
+
+def smem_ring_bytes(stages: int) -> int:
+    """Shared memory of a ``stages``-deep weight ring for one block (8 warps)."""
+    return stages * SMEM_RING_STAGE_BYTES
 
 
 def staged_x_slots(mt: int, nwk: int) -> int:
@@ -187,23 +209,35 @@ def _reduction_bytes(m: int, nwn: int, cluster: bool) -> int:
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
-              fold: bool = False, prefetch: int = 0) -> Plan:
+              fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
-    Raises ValueError for a combination the kernel cannot run.
+    ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
+    (:func:`smem_optin_bytes`); None: the largest any served device allows (``SHMEM_OPTIN_MAX_BYTES``).
+    Only plans with a shared-memory ring go above ``SHMEM_MAX_BYTES``. Raises ValueError for a
+    combination the kernel cannot run.
     """
     why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb)
     if why is None and not 0 <= prefetch <= 16:
         why = f"prefetch={prefetch} outside 0..16"
+    if why is None and smem_ring and not 2 <= smem_ring <= SMEM_RING_MAX:
+        why = f"smem_ring={smem_ring} is not 0 or 2..{SMEM_RING_MAX}"
+    if why is None and smem_ring and not xfull:
+        why = f"smem_ring={smem_ring} needs x staged once (xfull): the per-iteration x stages share the barrier the ring avoids"
     if why is not None:
         raise ValueError(f"native_w4a16: {why}")
     mt = _mt(m)
     nblk, nwk = 32 * nwn, 8 // nwn
     tiles = -(-n // nblk)
     xs_bytes = xfull_bytes(m, k, splits, fold) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
+    shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster))
+    limit = SHMEM_OPTIN_MAX_BYTES if smem_limit is None else smem_limit
+    if smem_ring and shmem > limit:
+        raise ValueError(f"native_w4a16: a {smem_ring}-stage shared-memory ring needs {shmem} bytes of shared memory a block "
+                         f"(x {xs_bytes} + ring {smem_ring_bytes(smem_ring)}); the device allows {limit} "
+                         f"(its opt-in maximum): take fewer stages")
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
-    return Plan(m, mt, nwn, splits, cluster, tiles, max(xs_bytes, _reduction_bytes(m, nwn, cluster)), ws, xfull, ring, minb, fold,
-                prefetch)
+    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -288,6 +322,13 @@ def _device_facts(index: int) -> tuple[int, bool]:
     return props.multi_processor_count, props.major >= 9
 
 
+@functools.lru_cache(maxsize=None)
+def smem_optin_bytes(index: int) -> int:
+    """Dynamic shared memory a block of this kernel may opt in to on device ``index``: the device's
+    opt-in maximum less the kernel's static shared memory (``STATIC_SHMEM_BYTES``)."""
+    return compiler.max_shared_optin(index) - STATIC_SHMEM_BYTES
+
+
 _plan_override = None  # benchmarks only: a function (m, n, k, sms, cluster_ok) -> Plan | None
 
 
@@ -306,14 +347,47 @@ def plan_override(fn):
 
 
 def plan(m: int, n: int, k: int, device: torch.device | int) -> Plan:
-    """The launch plan for ``m`` rows (<= ``MAX_M``) of x against an (N, K) weight on ``device``."""
+    """The launch plan for ``m`` rows (<= ``MAX_M``) of x against an (N, K) weight on ``device``.
+
+    ``QOPS_NATIVE_SMEM_RING=S`` (read at each call, for measurements: set it before warm-up) gives
+    the default plans that stage x once an S-stage shared-memory ring where the device has the
+    shared memory for it; unset or 0, the plans are the measured rule's. A plan needing more shared
+    memory than the device allows raises ValueError.
+    """
     idx = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
     sms, cluster_ok = _device_facts(idx)
-    if _plan_override is not None:
-        p = _plan_override(m, n, k, sms, cluster_ok)
-        if p is not None:
-            return p
-    return _plan(m, n, k, sms, cluster_ok)
+    p = _plan_override(m, n, k, sms, cluster_ok) if _plan_override is not None else None
+    if p is None:
+        p = _plan(m, n, k, sms, cluster_ok)
+        stages = _env_smem_ring()
+        if stages and p.xfull:
+            p = _with_smem_ring(p, n, k, stages, smem_optin_bytes(idx)) or p
+    if p.shmem > SHMEM_MAX_BYTES and p.shmem > smem_optin_bytes(idx):
+        raise ValueError(f"native_w4a16: the plan {p} needs {p.shmem} bytes of shared memory a block; "
+                         f"cuda:{idx} allows {smem_optin_bytes(idx)} (its opt-in maximum)")
+    return p
+
+
+def _env_smem_ring() -> int:
+    raw = os.environ.get(SMEM_RING_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{SMEM_RING_ENV}={raw!r}: expected a stage count (0, or 2..{SMEM_RING_MAX})") from None
+
+
+@functools.lru_cache(maxsize=4096)
+def _with_smem_ring(p: Plan, n: int, k: int, stages: int, limit: int) -> Plan | None:
+    """``p`` with an ``stages``-deep shared-memory ring, or None where the device lacks the memory."""
+    try:
+        return make_plan(p.m, n, k, nwn=p.nwn, splits=p.splits, cluster=p.cluster, xfull=p.xfull, ring=p.ring, minb=p.minb,
+                         fold=p.fold, prefetch=p.prefetch, smem_ring=stages, smem_limit=limit)
+    except ValueError:
+        if not 2 <= stages <= SMEM_RING_MAX:
+            raise
+        return None
 
 
 def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device | int | None = None) -> int:
@@ -515,6 +589,8 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
             seen.add(key)
             defines = p.defines(act_dtype, has_zeros)
             gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
+            if p.shmem > SHMEM_MAX_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
+                compiler.allow_dynamic_shared(gemv, dev, p.shmem)
             i0 = compiler.i32(0)
             compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
             if p.workspace:

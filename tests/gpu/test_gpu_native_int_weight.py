@@ -169,13 +169,24 @@ PLAN_VARIANTS = [  # (nwn, splits, cluster, xfull, ring, minb, fold, prefetch): 
     # M = 17..32 (MT 3, 4; one block per SM): the widest tile, nwn 2, the 3-deep ring, x staged once
     (8, 1, False, False, 0, 1, False, 2), (8, 3, False, False, 3, 1, False, 0), (8, 2, True, False, 0, 1, False, 4),
     (4, 2, True, False, 3, 1, False, 2), (2, 1, False, False, 0, 1, False, 0), (2, 4, False, True, 0, 1, False, 0),
+    # the shared-memory weight ring (9th field: stages; x staged once): the M = 1 plans of 28672 x 4096
+    # (fold) and 4096 x 14336 (cluster), a workspace, more stages than iterations, MT = 2, 11 stages (the most that fit)
+    (4, 1, False, True, 0, 1, True, 0, 8), (1, 2, True, True, 0, 1, False, 0, 4), (1, 3, False, True, 0, 2, False, 2, 2),
+    (2, 1, False, True, 0, 1, True, 0, 10), (8, 1, False, True, 0, 1, False, 0, 6), (4, 2, False, True, 0, 2, False, 4, 5),
+    (1, 1, False, True, 0, 1, False, 0, 11),
 ]
 
 
-@pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=lambda v: "nwn{}-s{}-{}-{}-ring{}-minb{}{}-pf{}".format(
-    v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged", v[4], v[5], "-fold" if v[6] else "", v[7]))
+def _variant_id(v):
+    return "nwn{}-s{}-{}-{}-ring{}-minb{}{}-pf{}".format(
+        v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged", v[4], v[5], "-fold" if v[6] else "", v[7]) + (
+        f"-smem{v[8]}" if len(v) > 8 and v[8] else "")
+
+
+@pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=_variant_id)
 def test_every_plan_variant_matches_reference(variant):
-    nwn, splits, cluster, xfull, ring, minb, fold, prefetch = variant
+    nwn, splits, cluster, xfull, ring, minb, fold, prefetch = variant[:8]
+    smem_ring = variant[8] if len(variant) > 8 else 0
     if cluster and not native._device_facts(0)[1]:
         pytest.skip("thread-block clusters need sm_90")
     for fmt, n, k, g, sym, ver in [("gptq", 1000, 777, 128, False, "v1"), ("gptq", 512, 2048, 128, True, "v2"), ("awq", 640, 1280, -1, False, None)]:
@@ -183,7 +194,7 @@ def test_every_plan_variant_matches_reference(variant):
         for m in (1, 7, 16, 17, 24, 32):
             try:
                 p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring, minb=minb, fold=fold,
-                                     prefetch=prefetch)
+                                     prefetch=prefetch, smem_ring=smem_ring, smem_limit=native.smem_optin_bytes(0))
             except ValueError:  # outside the kernel's limits for this M (make_plan says which)
                 continue
             for dtype in DTYPES:
@@ -337,6 +348,33 @@ def test_cuda_graph_replay():
             check(static_y, x, nw.w64, None, f"graph M={m}")
 
 
+@pytest.mark.parametrize("stages", [4, 8])
+def test_smem_ring_env_warmup_then_cuda_graph(stages, monkeypatch):
+    """QOPS_NATIVE_SMEM_RING gives the x-staged-once plans a shared-memory ring (above 48 KiB: the
+    warm-up opts the kernels in, so nothing is set during capture); the graph replays match eager
+    and the oracle, at M = 1, 7 (the ring) and 16 (no ring), fp16 and bf16."""
+    monkeypatch.setenv(native.SMEM_RING_ENV, str(stages))
+    for fmt, n, k, sym, ver in (("gptq", 8192, 4096, False, "v2"), ("gptq", 4096, 14336, True, "v1")):
+        nw = native_weight(fmt, n, k, 128, sym, version=ver)
+        w = nw.weight
+        assert native.plan(1, n, k, 0).smem_ring == stages
+        for dtype in DTYPES:
+            native.warmup(w, dtype, max_m=16)
+            for m in (1, 7, 16):
+                static_x = rand(m, k, dtype=dtype, seed=1)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    static_y = w.mm(static_x)
+                x = rand(m, k, dtype=dtype, seed=2)
+                static_x.copy_(x)
+                static_y.fill_(float("nan"))
+                g.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(static_y, w.mm(x)), f"{n}x{k} {dtype} M={m}: replay differs from eager"
+                check(static_y, x, nw.w64, None, f"{n}x{k} {dtype} M={m} smem_ring={native.plan(m, n, k, 0).smem_ring}")
+
+
 def test_compiled_cuda_graphs_reduce_overhead():
     import torch._inductor.config as iconf
 
@@ -381,15 +419,17 @@ def _producer_then_two_matmuls(w1, w2, a, bias):
     return x, y, w2.mm(y)
 
 
-PDL_PLANS = [  # (nwn, splits, cluster, xfull): direct store, cluster sum, workspace + reduce kernel, both x modes
+PDL_PLANS = [  # (nwn, splits, cluster, xfull[, shared-memory ring stages]): direct store, cluster sum, workspace + reduce kernel, both x modes
     (4, 1, False, True), (1, 1, False, False), (2, 2, True, True), (2, 3, False, False), (1, 4, False, True),
+    (4, 1, False, True, 8), (2, 2, True, True, 4),
 ]
 
 
 @pytest.mark.parametrize("variant", PDL_PLANS, ids=lambda v: "nwn{}-s{}-{}-{}".format(
-    v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged"))
+    v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged") + (f"-smem{v[4]}" if len(v) > 4 else ""))
 def test_pdl_in_a_cuda_graph_right_after_the_kernel_writing_x(variant, monkeypatch):
-    nwn, splits, cluster, xfull = variant
+    nwn, splits, cluster, xfull = variant[:4]
+    smem_ring = variant[4] if len(variant) > 4 else 0
     if cluster and not native._device_facts(0)[1]:
         pytest.skip("thread-block clusters need sm_90")
     w1 = native_weight("gptq", 1024, 2048, 128, False, version="v2")
@@ -398,7 +438,8 @@ def test_pdl_in_a_cuda_graph_right_after_the_kernel_writing_x(variant, monkeypat
 
     def chosen(m, n, k, sms, cluster_ok):
         try:
-            return native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull)
+            return native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, smem_ring=smem_ring,
+                                    smem_limit=native.smem_optin_bytes(0))
         except ValueError:  # outside the kernel's limits for this shape: the usual plan
             return None
 
