@@ -2,10 +2,13 @@
 
 The kernel has knobs that only a measurement can set: warps along N (``nwn``), blocks splitting K
 (``splits``) and how they meet (thread-block cluster or workspace), x staged once or per iteration
-(``xfull``), the register ring depth (``ring``) and the blocks per SM promised to the register
-allocator (``minb``). For each (shape, M) this script times the plan ``qops.native.int_weight.plan``
-picks today, then walks the knobs one at a time from it (coordinate descent: keep a value when it
-is faster, twice over all knobs), every variant checked against a float64 reference first.
+(``xfull``), the register ring depth (``ring``), the stages of the shared-memory weight ring
+(``smem_ring``, x staged once only; 0 is the register ring) and the blocks per SM promised to the
+register allocator (``minb``). For each (shape, M) this script times the plan
+``qops.native.int_weight.plan`` picks today, then walks the knobs one at a time from it (coordinate
+descent: keep a value when it is faster, twice over all knobs), every variant checked against a
+float64 reference first. ``--joint`` first times every combination of a few knobs (for knobs that
+only pay together, such as a deep ring, which leaves one block per SM, with a wider tile).
 
 Method as ``common.py`` (CUDA-graph replays over rotated weight copies > 256 MB, median of
 trials). GPTQ v2, 4 bits, group 128, asymmetric, fp16 activations (``--dtype bfloat16``: bf16), as
@@ -20,12 +23,16 @@ plan, the best plan found and their times, then a table last.
 
 At M = 17..32 (MT = 3, 4) the kernel needs one block per SM (minb = 1; minb = 2 would spill and
 is refused), and the widest tile (nwn = 8) and a 3-deep ring are worth trying there.
+
+    PYTHONPATH=. python benchmarks/sweep_native.py --shapes 28672x4096,4096x14336 --ms 1,8 \
+        --joint smem_ring,nwn --knobs splits,smem_ring,minb,prefetch,fold   # the shared-memory ring
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
+import itertools
 import os
 import sys
 import time
@@ -36,10 +43,12 @@ import common
 from bench_int_weight import decode_gptq4_f64
 from common import PERF_SHAPES, clone_tensors, n_copies, rel_err
 
-KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb")
+KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring")
+# smem_ring: 2 KiB + 384 bytes of scales and zeros a warp a stage; up to 5 stages two blocks fit on
+# an H200 SM (<= 113 KiB a block with x), 6 and more take one block per SM, 11 is the most that fits.
 VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2), "xfull": (True, False),
-          "fold": (True, False), "prefetch": (0, 2, 4, 8)}
-PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch")
+          "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10)}
+PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring")
 TOL = 2e-3
 
 
@@ -52,22 +61,26 @@ def parse_args(argv=None):
     ap.add_argument("--passes", type=int, default=2, help="rounds of coordinate descent over the knobs")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this many seconds")
     ap.add_argument("--knobs", default=",".join(KNOBS), help="the knobs to walk, comma-separated (default: all)")
+    ap.add_argument("--joint", default="", help="knobs whose every combination is timed first, from the default plan; "
+                    "the best starts the walk (e.g. smem_ring,nwn)")
     ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="activation dtype (default float16)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     return ap.parse_args(argv)
 
 
-def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, **change):
-    """``base`` with ``change`` applied, or None when the kernel cannot run it."""
+def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, smem_limit: int | None = None, **change):
+    """``base`` with ``change`` applied, or None when the kernel cannot run it (``smem_limit``: the
+    device's opt-in maximum of shared memory a block)."""
     f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb, "fold": base.fold,
-         "prefetch": base.prefetch} | change
+         "prefetch": base.prefetch, "smem_ring": base.smem_ring} | change
     if not f["xfull"]:
         f["fold"] = False  # folding needs x staged once
+        f["smem_ring"] = 0  # and so does the shared-memory ring
     if f["ring"] == 4 and m > 8:  # the M > 8 tile's accumulators leave no registers for a 4-deep ring
         return None
     cluster = cluster_ok and base.cluster and 2 <= f["splits"] <= 8  # a new split count is tried both ways by the caller
     try:
-        return native.make_plan(m, n, k, cluster=cluster, **f)
+        return native.make_plan(m, n, k, cluster=cluster, smem_limit=smem_limit, **f)
     except ValueError:
         return None
 
@@ -87,10 +100,11 @@ def run(args) -> int:
     dev = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
     sms, cluster_ok = native._device_facts(0)
+    smem_limit = native.smem_optin_bytes(0)
     copy_bw = common.copy_TBps(args.trials)
     res = {"gpu": common.device_name(True), "torch": torch.__version__, "qops_commit": common.git_commit(),
            "qops_dirty": common.git_dirty("qops"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "copy_TBps": round(copy_bw, 4), "sms": sms, "dtype": args.dtype, "method": "CUDA-graph replays over rotated weight copies, median of trials",
+           "copy_TBps": round(copy_bw, 4), "sms": sms, "smem_optin": smem_limit, "joint": args.joint, "dtype": args.dtype, "method": "CUDA-graph replays over rotated weight copies, median of trials",
            "cases": []}
     paths = common.output_paths("sweep_native.json", args.out)
     t0 = time.time()
@@ -146,17 +160,23 @@ def run(args) -> int:
             default = native.plan(m, n, k, 0)
             t_def = measure(default)
             best, t_best = default, t_def if t_def is not None else float("inf")
+            joint = [kb for kb in args.joint.split(",") if kb]
+            for combo in itertools.product(*(VALUES[kb] for kb in joint)) if joint else ():
+                c = candidate(native, default, m, n, k, cluster_ok, smem_limit, **dict(zip(joint, combo)))
+                t = measure(c) if c is not None else None
+                if t is not None and t < t_best:
+                    best, t_best = c, t
             for _ in range(args.passes):
                 for knob in [kb for kb in args.knobs.split(",") if kb]:
                     for v in VALUES[knob]:
-                        c = candidate(native, best, m, n, k, cluster_ok, **{knob: v})
+                        c = candidate(native, best, m, n, k, cluster_ok, smem_limit, **{knob: v})
                         if c is None:
                             continue
                         if knob == "splits" and cluster_ok and 2 <= v <= 8:
                             for cl in (True, False):  # both reductions for a split count
                                 try:
                                     cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb,
-                                                          fold=c.fold, prefetch=c.prefetch)
+                                                          fold=c.fold, prefetch=c.prefetch, smem_ring=c.smem_ring, smem_limit=smem_limit)
                                 except ValueError:
                                     continue
                                 t = measure(cc)
