@@ -32,7 +32,10 @@ CONFIG = LlamaConfig(vocab_size=1024, hidden_size=8192, intermediate_size=4096, 
 CASES = [("none", None), ("gptq", "native_w4a16"), ("gptq-act-order", None), ("fp8", "scaled_mm_fp8"), ("fp8-tensor-static", None)]
 # fp16 against fp16 on one GPU: row-parallel partial sums are rounded to fp16 before the all-reduce.
 # W8A8 FP8 with per-token activation scales: each rank scales its own K slice of the activations.
-TOLERANCE = {"fp8": 3e-2}
+# Static scales: fp16 ulp differences flip whole fp8 activation codes (tests/gpu/test_gpu_tp.py
+# TOLERANCES and tests/test_fp8.py measure it: 8.7e-3 of a layer's max output per ulp of input).
+# Both are estimates for this Frobenius error on the logits: not yet run on four or eight GPUs.
+TOLERANCE = {"fp8": 3e-2, "fp8-tensor-static": 3e-2}
 DEFAULT_TOLERANCE = 1e-2
 
 
