@@ -255,21 +255,33 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       for (int j = 0; j < 4; ++j) prefetch_l2_if(p + j * wstep, ok && 4 * j < rows_left);
     }
   };
-  int it_next = 0;  // the iteration load_chunk serves next
-  auto load_chunk = [&](Chunk& ck) {
+  int it_next = 0;  // the iteration the next chunk load serves
+  // Where the next chunk of this lane comes from (both rings load the same pieces): prefetches
+  // ahead, then advances the iteration, chunk and weight pointer.
+  struct Src {
+    const u32* w;  // step j at w + j * wstep
+    const u16* s;
+    const u32* z;
+    bool ok;
+    int rows_left;
+  };
+  auto next_src = [&]() {
     prefetch_it(it_next + QOPS_PREFETCH);
     ++it_next;
     const int ch = ch_next;
     ch_next += NWK;
-    const bool ok = n_ok && ch < ce;
-    const int rows_left = KW - (ch * 16 + c);
     const u32* p = wnext;
     wnext += wstride;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) ld_stream_v4_if(ck.w[j], p + j * wstep, ok && 4 * j < rows_left);
     const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
-    ld_nc_v2_if(ck.s, scales + static_cast<size_t>(grp) * N + n0, ok);
-    if constexpr (HAS_Z) ld_nc_u32_if(ck.z, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
+    return Src{p, scales + static_cast<size_t>(grp) * N + n0, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3),
+               n_ok && ch < ce, KW - (ch * 16 + c)};
+  };
+  auto load_chunk = [&](Chunk& ck) {
+    const Src src = next_src();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ld_stream_v4_if(ck.w[j], src.w + j * wstep, src.ok && 4 * j < src.rows_left);
+    ld_nc_v2_if(ck.s, src.s, src.ok);
+    if constexpr (HAS_Z) ld_nc_u32_if(ck.z, src.z, src.ok);
   };
   // The shared-memory ring (SR > 0): this warp's SR stages of kSmemStage bytes after x (and the FOLD
   // sums). A lane copies its own pieces of a chunk into its own slots and later reads back exactly
@@ -278,20 +290,12 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   char* sring = reinterpret_cast<char*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0)) + warp * SR * kSmemStage;
   const u32 sring_a = smem_addr(sring);
   auto load_chunk_smem = [&](int stage) {
-    prefetch_it(it_next + QOPS_PREFETCH);
-    ++it_next;
-    const int ch = ch_next;
-    ch_next += NWK;
-    const bool ok = n_ok && ch < ce;
-    const int rows_left = KW - (ch * 16 + c);
-    const u32* p = wnext;
-    wnext += wstride;
+    const Src src = next_src();
     const u32 dst = sring_a + stage * kSmemStage;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) cp_async_16_if(dst + j * 512 + lane * 16, p + j * wstep, ok && 4 * j < rows_left);
-    const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
-    cp_async_8_if(dst + kSmemScales + lane * 8, scales + static_cast<size_t>(grp) * N + n0, ok);
-    if constexpr (HAS_Z) cp_async_4_if(dst + kSmemZeros + lane * 4, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
+    for (int j = 0; j < 4; ++j) cp_async_16_if(dst + j * 512 + lane * 16, src.w + j * wstep, src.ok && 4 * j < src.rows_left);
+    cp_async_8_if(dst + kSmemScales + lane * 8, src.s, src.ok);
+    if constexpr (HAS_Z) cp_async_4_if(dst + kSmemZeros + lane * 4, src.z, src.ok);
   };
   auto read_chunk_smem = [&](int stage) {
     const char* src = sring + stage * kSmemStage;
