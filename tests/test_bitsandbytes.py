@@ -408,6 +408,57 @@ def test_triton_gemv_over_bitsandbytes_layouts(case, dtype):
         assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), (m, C.rel_err(y, want))
 
 
+# Multi-block GEMV steps (gemv.blocks_per_step > 1): a step spans G whole blocks per row. NF4 and FP4,
+# nested and plain absmax, blocksizes 64, 32, 128 and 256, N off the 16-row tile, both ways of scaling
+# (each block's product, or the weight tile before one wide dot), K split into whole steps (one split,
+# equal splits, a shorter last split), and a STEP that does not divide the row falling back to fewer
+# blocks. Each: (case, STEP_BYTES, blocks_per_step, scale, max_split, expected STEP, expected split).
+MULTI_BLOCK_RUNS = (
+    (C.Case("bitsandbytes-nf4", 40, 512, blocksize=64, nested=True), 128, 8, "product", 1, 128, 1),
+    (C.Case("bitsandbytes-nf4", 40, 512, blocksize=64, nested=False), 64, 2, "product", 4, 64, 4),
+    (C.Case("bitsandbytes-fp4", 21, 384, blocksize=32, nested=True), 64, 8, "product", 2, 64, 2),  # 2 + 1 steps
+    (C.Case("bitsandbytes-fp4", 19, 768, blocksize=128, nested=False), 256, 8, "product", 3, 128, 3),  # 384 % 256
+    (C.Case("bitsandbytes-nf4", 5, 1024, blocksize=256, nested=True), 256, 8, "product", 2, 256, 2),
+    (C.Case("bitsandbytes-nf4", 40, 512, blocksize=64, nested=True), 128, 4, "weight", 2, 128, 2),
+    (C.Case("bitsandbytes-fp4", 21, 384, blocksize=32, nested=False), 64, 4, "weight", 1, 64, 1),
+    (C.Case("bitsandbytes-fp4", 5, 1024, blocksize=256, nested=False), 256, 2, "weight", 2, 256, 2),
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("run", MULTI_BLOCK_RUNS, ids=lambda r: f"{r[0].id}-s{r[1]}-{r[3]}-split{r[6]}")
+def test_triton_gemv_multi_block_steps(run, dtype):
+    from qops.ops.triton import blockwise4 as tbw4
+
+    case, step_bytes, blocks, scale, max_split, step, split = run
+    gemv = {"BLOCK_N": 16, "STEP_BYTES": step_bytes, "blocks_per_step": blocks, "scale": scale,
+            "max_split": max_split, "programs_per_sm": 64}
+    for m in (1, 2, 16, 17):  # 17: a 16-row slice and a 1-row slice
+        y, want, p = _triton_case(case, dtype, m, {"gemv": gemv}, tbw4, torch.Generator().manual_seed(m))
+        assert p["path"] == ("gemv" if m <= 16 else "gemv_slices"), p
+        assert (p["STEP"], p["split"], p["SCALE_W"]) == (step, split, scale == "weight"), p
+        assert p["split_bytes"] % step == 0 and 2 * step > case.blocksize
+        assert y.dtype == dtype and y.shape == (m, case.n)
+        assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), (m, C.rel_err(y, want))
+
+
+def test_triton_gemv_step_plan():
+    from qops.ops.triton import blockwise4 as tbw4
+
+    cpu = torch.device("cpu")
+    # The default config: one block at most (32 bytes at blocksize 64, 16 at 32), as measured so far.
+    for bs, step in ((64, 32), (32, 16), (128, 32), (4096, 32)):
+        p = tbw4.plan(1, 8192, 28672, bs, cpu, torch.float16)
+        assert (p["STEP"], p["SCALE_W"]) == (step, False), p
+    with tbw4.config_override(gemv={"STEP_BYTES": 256, "blocks_per_step": 8, "max_split": 4}):
+        for (n, k, bs), step in (((8192, 28672, 64), 256), ((4096, 11008, 64), 128), ((4096, 4096, 32), 128),
+                                 ((4096, 4096, 4096), 256), ((4096, 192, 64), 32)):
+            p = tbw4.plan(1, n, k, bs, cpu, torch.float16)
+            assert p["STEP"] == step and (k // 2) % step == 0 and p["split_bytes"] % step == 0, (n, k, bs, p)
+            assert (p["split"] - 1) * p["split_bytes"] < k // 2 <= p["split"] * p["split_bytes"], p
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX ``prmt.b32`` (default mode): byte i of the result is byte ``sel`` nibble i (low 3 bits) of
     {b, a}, or that byte's sign bit replicated when the nibble's bit 3 is set."""

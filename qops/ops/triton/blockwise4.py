@@ -8,8 +8,8 @@ kernels assume. Other K (blocks straddling rows) take the dense path at every M:
 stream by absolute index and needs neither.
 
 - **gemv** (M <= ``gemv_max_m``, 16 by default): ``tl.dot`` with the weight as the wide operand:
-  a program owns ``BLOCK_N`` rows and walks its K split in steps of ``STEP`` bytes per row (at most
-  one block, so one absmax per (row, step)); the rows of x are the dot's N, padded to 16, so M = 1
+  a program owns ``BLOCK_N`` rows and walks its K split in steps of ``STEP`` bytes per row (by default
+  at most one block, so one absmax per (row, step); multi-block steps below); the rows of x are the dot's N, padded to 16, so M = 1
   and M = 16 cost the same weight traffic and decode. Each step is two dots, even K against the
   high nibbles and odd K against the low ones (no interleaving), accumulated by the tensor cores in
   fp32; the block absmax (nested: de-nested once per (row, step) as
@@ -27,6 +27,27 @@ stream by absolute index and needs neither.
   16-bit codes: both look the codes up in memory (``PRMT=False``; fp32 x then takes an exact FMA
   dot only as wide as M, 0.51 warp-instructions per byte at M = 1); the PTX sequence itself is
   executed instruction by instruction in ``tests/test_bitsandbytes.py``.
+
+  Multi-block steps (config ``gemv.blocks_per_step`` > 1, off by default until measured): a step of
+  ``STEP`` bytes per row spans ``G = 2 * STEP / blocksize`` whole blocks (a power of two that divides
+  the row, so splits, a whole number of steps, stay mask-free). At one block per step each iteration
+  moved only ``BLOCK_N x 32`` bytes and waited, between its dots, on a dependent chain of two global
+  loads (absmax byte, then its nested code and nested absmax), which the pipeliner does not hide: in
+  the default SASS that chain sits inside the loop, and 15-23% of the roofline is what a loop paying
+  a load latency per 4 KB gives. Two ways to scale G blocks per step were compiled and counted
+  (SASS, loop only, sm_90, fp16, NF4 nested, b64):
+  (b) ``scale "product"``: G dot pairs per step (unrolled, one per block, the default layout and
+  registers of the one-block kernel), each fp32 product scaled by its block's absmax as before, with
+  all G absmax loaded and de-nested at the top of the step (independent loads: one latency per step).
+  BLOCK_N 128, 4 warps: 0.285 warp-instructions per byte at STEP 128, 0.278 at 256 (0.315 at one
+  block), 111-114 registers, no spills; numerics unchanged (one rounding of each code to x's dtype).
+  (a) ``scale "weight"``: the decoded tile times its blocks' absmax in x's dtype (an HMUL2 per two
+  codes), then one wide dot pair into the accumulator: no fp32 scaling, but at ``BLOCK_M = 16`` a
+  block row of 64 codes costs 32 packed multiplies against 16 FMAs on the product, the whole
+  ``BLOCK_N x STEP`` tile is live at once (255 registers at BLOCK_N 128, STEP 128, 4 warps; 0.318
+  per byte on 8 warps), and the scaled weight rounds twice more (absmax and product in 16 bits:
+  ~1.7x the fp16 error, subnormal below ~6e-5 absmax in fp16). So (b) is the path; (a) is kept
+  selectable for the GPU sweep only.
 - **dense** (M > ``dense_above_m``, 32 by default): the weight is dequantized by a Triton kernel
   into a transient ``(slab, K)`` buffer of x's dtype (at most ``slab_bytes``, 128 MB), rows
   ``[n0, n0 + slab)`` of W at a time, and cuBLAS writes ``x @ slab.T (+ bias)`` into the output's
@@ -63,7 +84,7 @@ CONFIGS: dict = {
     # warp-instructions per weight byte (256 on 8 warps: 0.305; 64 on 4: 0.43), no spills, 36 KiB
     # of shared memory at 4 stages. programs_per_sm 1 leaves the two widest PERF shapes (N = 28672,
     # 57344) unsplit: a split costs a zeroing and a cast kernel. STEP_BYTES is capped at
-    # blocksize / 2 (one absmax per step). M <= 16 rows of x ride in one 16-wide dot.
+    # blocks_per_step * blocksize / 2 (1: one absmax per step). M <= 16 rows of x ride in one 16-wide dot.
     "gemv_max_m": 16,
     # Above this M, calls dequantize W into slabs and multiply with cuBLAS. The dense path moves ~4.5
     # bytes per weight (0.5 read, 2 written, 2 read back by cuBLAS) at near copy bandwidth; the
@@ -78,8 +99,11 @@ CONFIGS: dict = {
     # Up to this M (and not dense), calls run the small-M kernel over gemv_max_m-row slices (see
     # triton_mm); above, the GEMM.
     "gemv_slices_max_m": 256,
+    # blocks_per_step > 1 lets STEP_BYTES span that many whole blocks per row (the multi-block step,
+    # not yet measured: benchmarks/bench_bnb_int8.py --sweep-nf4); scale "weight" scales the weight
+    # tile before one wide dot instead of each block's product (see the module docstring).
     "gemv": {"BLOCK_N": 128, "STEP_BYTES": 32, "num_warps": 4, "num_stages": 4, "programs_per_sm": 1,
-             "max_split": 16},
+             "max_split": 16, "blocks_per_step": 1, "scale": "product"},
     # Register counts from ptxas (triton 3.6, sm_90, nested, blocksize 64): 168, 114, 164, 164,
     # 210; no spills (BLOCK_N 128 with BLOCK_M >= 32 reaches 255).
     "gemm": [
@@ -181,16 +205,45 @@ def _decode_prmt(b, planes, DT: tl.constexpr):
     return even.to(DT, bitcast=True), odd.to(DT, bitcast=True)
 
 
+@triton.jit
+def _decode(b, planes, code_ptr, PRMT: tl.constexpr, DT: tl.constexpr):
+    """(even, odd) codes of the bytes ``b`` in DT: in registers (``PRMT``) or looked up in memory."""
+    if PRMT:
+        w_even, w_odd = _decode_prmt(b, planes, DT)
+    else:
+        bi = b.to(tl.int32)
+        w_even = tl.load(code_ptr + (bi >> 4)).to(DT)
+        w_odd = tl.load(code_ptr + (bi & 15)).to(DT)
+    return w_even, w_odd
+
+
+@triton.jit
+def _dot_pair(w_even, w_odd, xx, acc, BLOCK_M: tl.constexpr, STEP: tl.constexpr, DT: tl.constexpr):
+    """``acc + w_even @ x_even.T + w_odd @ x_odd.T`` for ``xx`` = (BLOCK_M, 2 * STEP) consecutive K of x."""
+    x_even, x_odd = tl.split(tl.reshape(xx, (BLOCK_M, STEP, 2)))
+    if DT == tl.float32:
+        t = tl.dot(w_even, tl.trans(x_even), acc, input_precision="ieee")
+        t = tl.dot(w_odd, tl.trans(x_odd), t, input_precision="ieee")
+    else:
+        t = tl.dot(w_even, tl.trans(x_even), acc)
+        t = tl.dot(w_odd, tl.trans(x_odd), t)
+    return t
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff_ptr, bias_ptr, y_ptr,
     M, N, row_bytes, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
     BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STEP: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-    PRMT: tl.constexpr,
+    PRMT: tl.constexpr, SCALE_W: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    # A step is STEP bytes per row: SUB bytes inside one block (STEP <= half a block), or G = STEP /
+    # SUB whole blocks (STEP a multiple of half a block).
+    SUB: tl.constexpr = STEP if STEP < BLOCKSIZE // 2 else BLOCKSIZE // 2
+    G: tl.constexpr = STEP // SUB
     blocks_per_row = (2 * row_bytes) // BLOCKSIZE
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -198,8 +251,6 @@ def _gemv_kernel(
     mmask = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * row_bytes
     row_blk = offs_n.to(tl.int64) * blocks_per_row
-    offs_b = tl.arange(0, STEP)
-    offs_x = tl.arange(0, 2 * STEP)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if NESTED:
@@ -213,27 +264,45 @@ def _gemv_kernel(
     kb_lo = pid_k * split_bytes
     kb_hi = tl.minimum(row_bytes, kb_lo + split_bytes)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    # K % BLOCKSIZE == 0 and STEP divides BLOCKSIZE / 2: every step is whole and inside one block.
+    # K % BLOCKSIZE == 0, splits are whole steps and STEP divides the row (plan): every step is whole.
     for kb0 in range(kb_lo, kb_hi, STEP):
-        b = tl.load(w_rows + (kb0 + offs_b)[None, :], mask=nmask[:, None], other=0,
-                    eviction_policy="evict_first")
-        if PRMT:
-            w_even, w_odd = _decode_prmt(b, planes, DT)
+        if SCALE_W:
+            # One wide dot per step: each decoded weight times its block's absmax, rounded to DT.
+            offs_w = tl.arange(0, STEP)
+            bw = tl.load(w_rows + (kb0 + offs_w)[None, :], mask=nmask[:, None], other=0,
+                        eviction_policy="evict_first")
+            we, wo = _decode(bw, planes, code_ptr, PRMT, DT)
+            blks = row_blk[:, None] + ((2 * kb0) // BLOCKSIZE + tl.arange(0, G))[None, :]
+            sw = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blks, nmask[:, None], NESTED, NESTED_BS).to(DT)
+            we = tl.reshape(tl.reshape(we, (BLOCK_N, G, SUB)) * sw[:, :, None], (BLOCK_N, STEP))
+            wo = tl.reshape(tl.reshape(wo, (BLOCK_N, G, SUB)) * sw[:, :, None], (BLOCK_N, STEP))
+            xw = tl.load(x_rows + (2 * kb0 + tl.arange(0, 2 * STEP))[None, :] * stride_xk, mask=mmask[:, None],
+                         other=0.0)
+            acc = _dot_pair(we, wo, xw, acc, BLOCK_M, STEP, DT)
         else:
-            bi = b.to(tl.int32)
-            w_even = tl.load(code_ptr + (bi >> 4)).to(DT)
-            w_odd = tl.load(code_ptr + (bi & 15)).to(DT)
-        xx = tl.load(x_rows + (2 * kb0 + offs_x)[None, :] * stride_xk, mask=mmask[:, None], other=0.0)
-        x_even, x_odd = tl.split(tl.reshape(xx, (BLOCK_M, STEP, 2)))
-        if DT == tl.float32:
-            t = tl.dot(w_even, tl.trans(x_even), input_precision="ieee")
-            t = tl.dot(w_odd, tl.trans(x_odd), t, input_precision="ieee")
-        else:
-            t = tl.dot(w_even, tl.trans(x_even))
-            t = tl.dot(w_odd, tl.trans(x_odd), t)
-        s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, row_blk + (2 * kb0) // BLOCKSIZE, nmask, NESTED,
-                          NESTED_BS)
-        acc += t * s[:, None]
+            # One dot pair per block (G of them, unrolled), each fp32 product scaled by its absmax.
+            offs_b = tl.arange(0, SUB)
+            offs_x = tl.arange(0, 2 * SUB)
+            if G > 1:
+                # Every block's absmax of the step first (G independent loads and de-nestings): one
+                # load latency per step, not a dependent chain per block between the dots.
+                ss = ()
+                for g in tl.static_range(G):
+                    ss = ss + (_block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, row_blk + (2 * kb0) // BLOCKSIZE + g,
+                                             nmask, NESTED, NESTED_BS),)
+            for g in tl.static_range(G):
+                kb = kb0 + g * SUB
+                b = tl.load(w_rows + (kb + offs_b)[None, :], mask=nmask[:, None], other=0,
+                            eviction_policy="evict_first")
+                w_even, w_odd = _decode(b, planes, code_ptr, PRMT, DT)
+                xx = tl.load(x_rows + (2 * kb + offs_x)[None, :] * stride_xk, mask=mmask[:, None], other=0.0)
+                t = _dot_pair(w_even, w_odd, xx, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), BLOCK_M, SUB, DT)
+                if G > 1:
+                    s = ss[g]
+                else:
+                    s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, row_blk + (2 * kb) // BLOCKSIZE, nmask,
+                                      NESTED, NESTED_BS)
+                acc += t * s[:, None]
     store_tile(y_ptr, bias_ptr, tl.trans(acc), offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
@@ -329,6 +398,19 @@ def _dequant_kernel(
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=offs < count)
 
 
+def gemv_step(step_bytes: int, blocks_per_step: int, half_block: int, row_bytes: int) -> int:
+    """Bytes per row of one GEMV loop step: ``step_bytes`` (a power of two) capped at
+    ``blocks_per_step`` blocks; past one block, a power-of-two count of whole blocks that divides the
+    row, so that every step (and every split, a whole number of steps) ends on the row's last byte."""
+    step = min(step_bytes, half_block * max(1, blocks_per_step))
+    if step <= half_block:
+        return step
+    g = triton.next_power_of_2(step // half_block + 1) // 2  # the power of two at most step / half_block
+    while g > 1 and row_bytes % (g * half_block):
+        g //= 2
+    return g * half_block
+
+
 def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: torch.dtype | None = None) -> dict:
     """Which path and launch parameters serve an (M, N, K, blocksize) problem with activations of
     ``dtype`` (default float16): static facts only."""
@@ -337,14 +419,14 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
     half_block = blocksize // 2
     if m <= TABLE["gemv_max_m"] and k % blocksize == 0:
         cfg = TABLE["gemv"]
-        step = min(cfg["STEP_BYTES"], half_block)
+        step = gemv_step(cfg["STEP_BYTES"], cfg.get("blocks_per_step", 1), half_block, row_bytes)
         bn = pow2_at_most(n, cfg["BLOCK_N"])
         tiles = triton.cdiv(n, bn)
         split, per = split_k(row_bytes, step, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
         # x's rows are the dot's N: 16 at least for the 16-bit tensor-core dot; fp32 x takes the FMA
         # dot (input_precision "ieee"), whose cost grows with the padded width, so no padding there.
         bm = triton.next_power_of_2(m) if dtype == torch.float32 else max(16, triton.next_power_of_2(m))
-        return dict(path="gemv", BLOCK_M=bm, BLOCK_N=bn, STEP=step, split=split,
+        return dict(path="gemv", BLOCK_M=bm, BLOCK_N=bn, STEP=step, SCALE_W=cfg.get("scale") == "weight", split=split,
                     split_bytes=per, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                     grid=(tiles, split))
     # K % blocksize != 0: blocks straddle rows, which only the dense path (flat stream) reads.
@@ -414,7 +496,7 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         _gemv_kernel[p["grid"]](x2, qweight, code.contiguous(), absmax, *tables, bias if bias is not None else code,
                                 dst, m, n, k // 2, x2.stride(0), x2.stride(1), dst.stride(0), dst.stride(1),
                                 p["split_bytes"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], STEP=p["STEP"],
-                                PRMT=prmt, num_stages=p["num_stages"], **flags)
+                                SCALE_W=p["SCALE_W"], PRMT=prmt, num_stages=p["num_stages"], **flags)
     else:
         _gemm_kernel[p["grid"]](*common, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
                                 GROUP_M=TABLE["GROUP_M"], IEEE=x.dtype == torch.float32,
