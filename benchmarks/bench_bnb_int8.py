@@ -21,6 +21,8 @@ NF4 faster than cuBLAS fp16 up to M=16) last.
     PYTHONPATH=. python benchmarks/bench_bnb_int8.py                    # ~1-2 min on an H200 (estimate)
     PYTHONPATH=. python benchmarks/bench_bnb_int8.py --shapes 57344x8192 --ms 1 --sweep
     PYTHONPATH=. python benchmarks/bench_bnb_int8.py --dry-run --out /tmp/b.json   # CPU: plumbing only
+    PYTHONPATH=. python benchmarks/bench_bnb_int8.py --shapes 28672x4096,4096x14336,57344x8192,8192x28672 \
+        --ms 1,16 --sweep-nf4        # the NF4 GEMV's K step (multi-block) against the default, ~60 s
 """
 from __future__ import annotations
 
@@ -55,6 +57,26 @@ SWEEP = {
     "nf4": [dict(BLOCK_N=bn, num_warps=w, programs_per_sm=p) for bn, w, p in itertools.product((64, 128, 256), (4, 8), (1, 2, 4))],
 }
 
+# --sweep-nf4: NF4 GEMV K steps, timed at every M of --ms (<= 16) with the correctness check of the
+# main rows. The first entry is the lowering's default (one block per step); the others use
+# multi-block steps (qops/ops/triton/blockwise4.py, "Multi-block steps"): STEP_BYTES per row, scale
+# "product" (a dot pair per block) or "weight" (the scaled tile, one wide dot).
+MULTI = dict(blocks_per_step=16, scale="product")
+NF4_STEPS = [
+    {},
+    dict(MULTI, STEP_BYTES=64),
+    dict(MULTI, STEP_BYTES=128),
+    dict(MULTI, STEP_BYTES=128, num_stages=3),
+    dict(MULTI, STEP_BYTES=128, BLOCK_N=64),
+    dict(MULTI, STEP_BYTES=128, programs_per_sm=2),
+    dict(MULTI, STEP_BYTES=128, num_warps=8),
+    dict(MULTI, STEP_BYTES=256, num_stages=3),
+    dict(MULTI, STEP_BYTES=256, BLOCK_N=64),
+    dict(MULTI, STEP_BYTES=256, BLOCK_N=64, programs_per_sm=2),
+    dict(MULTI, STEP_BYTES=128, BLOCK_N=64, scale="weight"),
+    dict(MULTI, STEP_BYTES=128, num_warps=8, num_stages=3, scale="weight"),
+]
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="bench_bnb_int8.py", description=__doc__.split("\n\n")[0])
@@ -63,6 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=5.0, help="GPU time per timed trial")
     p.add_argument("--sweep", action="store_true", help="also time the GEMV configs of SWEEP at M=1 and print the best")
+    p.add_argument("--sweep-nf4", action="store_true", help="also time the NF4 GEMV K steps of NF4_STEPS at each M <= 16")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, reference lowering: checks the plumbing only")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--tol", type=float, default=2e-3, help="largest relative error counted correct (fp16 activations)")
@@ -178,6 +201,8 @@ def main(argv=None) -> int:
                     row[kind] = {"error": common.short_err(e)}
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
+        if a.sweep_nf4:
+            res.setdefault("sweep_nf4", []).extend(sweep_nf4(n, k, copies["nf4"], refs["nf4"], timer, a, dev))
         if a.sweep and gpu and 1 in a.m_list:
             res.setdefault("sweep", []).extend(sweep(n, k, copies, dev, a))
         del weights, copies, dense, dense_copies, refs
@@ -187,6 +212,8 @@ def main(argv=None) -> int:
     res["seconds"] = round(time.time() - t_start, 1)
     common.write_json(res, out_paths)
     report(res, a)
+    if res.get("sweep_nf4"):
+        report_sweep_nf4(res["sweep_nf4"])
     return 0
 
 
@@ -232,6 +259,49 @@ def sweep(n, k, copies, dev, a) -> list[dict]:
         if best:
             print(f"SWEEP best {kind} {n}x{k} M=1: {best[0]} {best[1]:.2f} us", flush=True)
     return found
+
+
+def sweep_nf4(n, k, ws, ref, timer, a, dev) -> list[dict]:
+    """Each NF4_STEPS config at each M <= 16 of --ms: checked (rows [0, CHECK_ROWS) against float64),
+    then timed over the weight copies ``ws``; one row per (config, M)."""
+    from qops.ops.triton import blockwise4 as tbw4
+
+    found = []
+    for m in [m for m in a.m_list if m <= 16]:
+        x = torch.randn(m, k, device=dev, generator=torch.Generator(device=dev).manual_seed(m)).half()
+        want = x.double() @ ref.t()
+        base = None
+        for i, cfg in enumerate(NF4_STEPS):
+            row = {"N": n, "K": k, "M": m, "cfg": cfg}
+            with tbw4.config_override(gemv=cfg):
+                p = tbw4.plan(m, n, k, BLOCKSIZE, dev, torch.float16)
+                row.update(STEP=p["STEP"], split=p["split"])
+                try:
+                    err = common.rel_err(call(ws[0], x)[:, :ref.shape[0]], want)
+                    us = timer([lambda w=w: call(w, x) for w in ws], a.trials, a.target_ms)
+                except Exception as e:  # noqa: BLE001 - e.g. shared memory the compiler refuses; the rest still run
+                    row["error"] = common.short_err(e)
+                    print(f"sweep-nf4 {n}x{k} M={m} {cfg}: {row['error']}", flush=True)
+                    found.append(row)
+                    continue
+            base = us if i == 0 else base
+            row.update(us=round(us, 2), rel_err=err, correct=err is not None and err <= a.tol,
+                       vs_default=round(base / us, 3) if base else None)
+            print(json.dumps(row), flush=True)
+            found.append(row)
+    return found
+
+
+def report_sweep_nf4(rows) -> None:
+    """Per config: the geometric mean of its speedup over the default across the (shape, M) timed."""
+    print("\nNF4 GEMV K steps (speedup over the default config; geometric mean over shapes and M)")
+    for i, cfg in enumerate(NF4_STEPS):
+        mine = [r for r in rows if r["cfg"] == cfg]
+        ok = [r for r in mine if r.get("vs_default") and r.get("correct")]
+        gm = math.exp(sum(math.log(r["vs_default"]) for r in ok) / len(ok)) if ok else float("nan")
+        cells = ", ".join(f"{r['N']}x{r['K']} M={r['M']}: {r['us'] if 'us' in r else 'error'}" for r in mine)
+        bad = len(mine) - len(ok)
+        print(f"[{i}] {cfg or 'default'}: {gm:.2f}x{f' ({bad} failed)' if bad and i else ''} | {cells}")
 
 
 def report(res, a) -> None:
