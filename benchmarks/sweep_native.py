@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import datetime
 import itertools
-import os
 import sys
 import time
 
