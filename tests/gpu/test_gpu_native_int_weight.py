@@ -92,20 +92,7 @@ def _id(c):
     return f"{fmt}{'-' + ver if ver else ''}-{n}x{k}-g{g}-{'sym' if sym else 'asym'}{'-act' if act else ''}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
-def test_eager_matches_reference(case):
-    fmt, n, k, g, sym, act, ver = case
-    nw = native_weight(fmt, n, k, g, sym, act, ver)
-    w = nw.weight
-    for dtype in DTYPES:
-        bias = rand(n, dtype=dtype, seed=1)
-        for i, m in enumerate(M_VALUES):
-            x = rand(m, k, dtype=dtype, seed=10 + m)
-            b = bias if i % 2 else None
-            check(w.mm(x, b), x, nw.w64, b, f"{_id(case)} {dtype} M={m} bias={b is not None}")
-
-
-def _tall_x(m, k, dtype, layout, seed):
+def _x(m, k, dtype, layout, seed):
     """x of m rows in one of three layouts: contiguous, every other column (made contiguous before
     the launch), or rows 3 elements into a wider buffer (row stride not a multiple of 8: the scalar
     x staging, not cp.async)."""
@@ -116,17 +103,23 @@ def _tall_x(m, k, dtype, layout, seed):
     return rand(m, k, dtype=dtype, seed=seed)
 
 
+# M <= 16: MT = 1, 2 (every x contiguous, as before the tall rows existed); M = 17..64: one launch
+# with MT = 3 or 4 up to 32 rows, 32-row slices above (SLICED_MAX_M), x in every layout.
+M_GROUPS = {"small_m": (M_VALUES, ("contiguous",), 1, 10), "tall_m": (TALL_M_VALUES, ("contiguous", "strided", "offset"), 2, 20)}
+
+
+@pytest.mark.parametrize("group", sorted(M_GROUPS))
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_tall_m_matches_reference(case):
-    """M = 17..64: one launch with MT = 3 or 4 up to 32 rows, 32-row slices above (SLICED_MAX_M)."""
+def test_eager_matches_reference(case, group):
+    ms, layouts, bias_seed, x_seed = M_GROUPS[group]
     fmt, n, k, g, sym, act, ver = case
     nw = native_weight(fmt, n, k, g, sym, act, ver)
     w = nw.weight
     for dtype in DTYPES:
-        bias = rand(n, dtype=dtype, seed=2)
-        for i, m in enumerate(TALL_M_VALUES):
-            layout = ("contiguous", "strided", "offset")[i % 3]
-            x = _tall_x(m, k, dtype, layout, seed=20 + m)
+        bias = rand(n, dtype=dtype, seed=bias_seed)
+        for i, m in enumerate(ms):
+            layout = layouts[i % len(layouts)]
+            x = _x(m, k, dtype, layout, seed=x_seed + m)
             b = bias if i % 2 else None
             check(w.mm(x, b), x, nw.w64, b, f"{_id(case)} {dtype} M={m} {layout} bias={b is not None} plan={native.plan(min(m, native.MAX_M), n, k, 0)}")
 
