@@ -142,7 +142,6 @@ def _ring(mt: int, ring: int = 0) -> int:
 
 
 SHMEM_MAX_BYTES = 48 * 1024  # the default dynamic shared memory limit (above it a kernel must opt in)
-XFULL_MAX_BYTES = SHMEM_MAX_BYTES  # x staged whole must fit it
 # One stage of the shared-memory weight ring for the block's 8 warps (kSmemStage in w4a16_gemv.cu:
 # 2 KiB of qweight, 256 bytes of scales and 128 of zeros a warp).
 SMEM_RING_STAGE_BYTES = 8 * (4 * 32 * 16 + 32 * 8 + 32 * 4)
@@ -191,11 +190,11 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
         return f"a register ring {_ring(mt, ring)} deep with M={m} (MT = {mt} keeps spill-free up to 3)"
     if fold and not (xfull and m <= 8):
         return f"fold needs x staged once (xfull) and M <= 8 (got xfull={xfull}, M={m})"
-    if xfull and xfull_bytes(m, k, splits, fold) > XFULL_MAX_BYTES:
-        return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold)} bytes of shared memory (> {XFULL_MAX_BYTES})"
+    if xfull and xfull_bytes(m, k, splits, fold) > SHMEM_MAX_BYTES:
+        return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold)} bytes of shared memory (> {SHMEM_MAX_BYTES})"
     if not xfull and m * nwk * 16 > staged_x_slots(mt, nwk):
         return f"per-iteration x staging of M={m} rows with {nwk} warps along K exceeds {staged_x_slots(mt, nwk)} slots"
-    if not xfull and _ring(mt, ring) * m * (nwk * 16 + 4) * 16 > XFULL_MAX_BYTES:
+    if not xfull and _ring(mt, ring) * m * (nwk * 16 + 4) * 16 > SHMEM_MAX_BYTES:
         return "per-iteration x stages exceed the default shared memory limit"
     if _reduction_bytes(m, nwn, cluster) > SHMEM_MAX_BYTES:
         return f"the reduction of M={m} rows over {32 * nwn} columns{' in a cluster' if cluster else ''} exceeds the default shared memory limit"
