@@ -41,6 +41,16 @@ IDS = [f"{s}-{low}" for s, low in PAIRS]
 MAX_BATCH = 8
 # bf16 activations; the compiled graph fuses and orders differently from eager.
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# W8A8 (scaled_mm_fp8) quantizes each layer's input to e4m3 (half an ulp is 2^-4 relative), a step
+# function of its 16-bit values: a one-ulp difference there (Inductor's fused intermediates kept in
+# fp32, a rank's partial sums rounded before the all-reduce, a row slice's own amax) moves a code by
+# a whole fp8 step. Measured on the H200 in bf16 (99e1780): compiled vs eager 0.0348; fp16 vs the
+# fp32 model 0.045.
+W8A8_TOLERANCE = 6e-2
+
+
+def tolerance(lowering: str, dtype: torch.dtype) -> float:
+    return W8A8_TOLERANCE if lowering == "scaled_mm_fp8" else TOLERANCE[dtype]
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
 
 
@@ -106,7 +116,7 @@ def test_reduce_overhead_cuda_graphs(dense, scheme, lowering, dtype, monkeypatch
                 with torch.compiler.set_stance("fail_on_recompile" if i or s else "default"):
                     got = step(*_unbacked(tok.clone(), pos.clone())).clone()
                 err = relative_error(got, want)
-                assert err < TOLERANCE[dtype], f"batch {b} step {s}: relative error {err:.3g}"
+                assert err < tolerance(lowering, dtype), f"batch {b} step {s}: relative error {err:.3g}"
                 tok = want.argmax(-1)
     assert counters["inductor"]["cudagraph_skips"] == 0
 
@@ -187,10 +197,7 @@ def test_half_precision_decode(dense, scheme, lowering, dtype):
     assert got.isfinite().all()
     tol = 2e-2 if dtype == torch.float16 else 6e-2
     if lowering == "scaled_mm_fp8":
-        # W8A8: the activations' e4m3 rounding (half an ulp is 2^-4 relative) dominates, whatever the
-        # half dtype; an fp16 difference that moves a value across an fp8 rounding boundary changes it
-        # by a whole fp8 ulp (4.5% logit error measured on the H200 in fp16, within bf16's bound).
-        tol = 6e-2
+        tol = W8A8_TOLERANCE  # the activations' e4m3 rounding dominates, whatever the half dtype
     assert relative_error(got, want) < tol
 
 
@@ -295,6 +302,7 @@ def test_tp_pairs_name_real_pairs():
 def test_tensor_parallel_two_gpus_reduce_overhead(scheme, lowering):
     os.environ.update(NVLS_OFF)  # inherited by the spawned ranks (which set it again)
     lowerings = None if scheme == "none" else {scheme: lowering}
-    mp.spawn(tp_model_worker, args=(2, free_port(), "nccl", torch.bfloat16, (scheme,), ("eager", "reduce_overhead"), 3e-2, lowerings),
+    mp.spawn(tp_model_worker, args=(2, free_port(), "nccl", torch.bfloat16, (scheme,), ("eager", "reduce_overhead"),
+                                          tolerance(lowering, torch.bfloat16), lowerings),
              nprocs=2, join=True)
 
