@@ -64,17 +64,24 @@ SWEEP = {
 MULTI = dict(blocks_per_step=16, scale="product")
 NF4_STEPS = [
     {},
-    dict(MULTI, STEP_BYTES=64),
-    dict(MULTI, STEP_BYTES=128),
-    dict(MULTI, STEP_BYTES=128, num_stages=3),
-    dict(MULTI, STEP_BYTES=128, BLOCK_N=64),
-    dict(MULTI, STEP_BYTES=128, programs_per_sm=2),
-    dict(MULTI, STEP_BYTES=128, num_warps=8),
-    dict(MULTI, STEP_BYTES=256, num_stages=3),
-    dict(MULTI, STEP_BYTES=256, BLOCK_N=64),
-    dict(MULTI, STEP_BYTES=256, BLOCK_N=64, programs_per_sm=2),
+    # Run 1 (99e1780, ...-99e1780-nf4-steps.json): multi-block steps at 4 warps and one program per
+    # SM gained nothing (0.63-0.91x) except the weight-scaled tile at BLOCK_N 64 (1.05x). Triton 3.6
+    # (the device's) does not software-pipeline these loads (no cp.async in the loop whatever
+    # num_stages) and gives the default 227 registers: ~2 programs of 4 warps per SM over a grid of
+    # ~1.7 programs per SM, so few bytes are in flight. Run 2 asks for more programs: narrower tiles
+    # (BLOCK_N 64: 96 registers), 8 warps (109 registers at BLOCK_N 128), and K splits.
+    dict(BLOCK_N=64),
+    dict(BLOCK_N=64, programs_per_sm=4),
+    dict(BLOCK_N=64, programs_per_sm=8),
+    dict(num_warps=8),
+    dict(num_warps=8, programs_per_sm=4),
+    dict(MULTI, STEP_BYTES=64, num_warps=8),
+    dict(MULTI, STEP_BYTES=64, num_warps=8, programs_per_sm=4),
+    dict(MULTI, STEP_BYTES=64, BLOCK_N=64),
+    dict(MULTI, STEP_BYTES=64, BLOCK_N=64, programs_per_sm=4),
     dict(MULTI, STEP_BYTES=128, BLOCK_N=64, scale="weight"),
-    dict(MULTI, STEP_BYTES=128, num_warps=8, num_stages=3, scale="weight"),
+    dict(MULTI, STEP_BYTES=128, BLOCK_N=64, scale="weight", programs_per_sm=4),
+    dict(BLOCK_N=256, num_warps=8, programs_per_sm=2),
 ]
 
 
