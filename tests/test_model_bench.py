@@ -32,6 +32,20 @@ def test_dry_run_writes_every_row_and_the_targets(tmp_path, capsys, monkeypatch)
     assert "TARGETS" in printed and "DRY RUN" in printed
 
 
+def test_batch_one_alone_keeps_its_speedup_target(monkeypatch):
+    # With --batches 1 the largest batch is 1: its "faster than bf16" entry must not replace the
+    # batch-1 target of 2.8x (it did, on the H200 run of b72e09a).
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_decode
+
+    res = {"args": {"batches": [1]}, "models": {"w4": {"scratch_bytes": 0}},
+           "rows": [{"model": "w4", "batch": 1, "tokens_per_s": 425.0}, {"model": "bf16", "batch": 1, "tokens_per_s": 225.0}]}
+    t = bench_decode.targets(res, dry=False)
+    assert set(t) == {"w4_batch1_tok_s", "w4_over_bf16_batch1", "w4_scratch_bytes"}
+    assert t["w4_over_bf16_batch1"]["target"] == f">= {bench_decode.TARGET_SPEEDUP_B1}"
+    assert t["w4_over_bf16_batch1"]["ok"] is False
+
+
 def test_random_gptq_checkpoint_is_a_valid_checkpoint(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import bench_decode

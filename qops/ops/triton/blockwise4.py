@@ -28,13 +28,13 @@ stream by absolute index and needs neither.
   dot only as wide as M, 0.51 warp-instructions per byte at M = 1); the PTX sequence itself is
   executed instruction by instruction in ``tests/test_bitsandbytes.py``.
 
-  Multi-block steps (config ``gemv.blocks_per_step`` > 1, off by default until measured): a step of
+  Multi-block steps (config ``gemv.blocks_per_step`` > 1, off by default: measured on the H200
+  at 0.63-1.09x the one-block step, so the absmax chain below is not what bounds it; see CONFIGS): a step of
   ``STEP`` bytes per row spans ``G = 2 * STEP / blocksize`` whole blocks (a power of two that divides
-  the row, so splits, a whole number of steps, stay mask-free). At one block per step each iteration
-  moved only ``BLOCK_N x 32`` bytes and waited, between its dots, on a dependent chain of two global
-  loads (absmax byte, then its nested code and nested absmax), which the pipeliner does not hide: in
-  the default SASS that chain sits inside the loop, and 15-23% of the roofline is what a loop paying
-  a load latency per 4 KB gives. Two ways to scale G blocks per step were compiled and counted
+  the row, so splits, a whole number of steps, stay mask-free). They were built on the hypothesis
+  that the dependent chain of two global loads inside the loop (absmax byte, then its nested code
+  and nested absmax) bounds the one-block step; the H200 said otherwise (fewer bytes in flight are
+  what bound it: CONFIGS). Two ways to scale G blocks per step were compiled and counted
   (SASS, loop only, sm_90, fp16, NF4 nested, b64):
   (b) ``scale "product"``: G dot pairs per step (unrolled, one per block, the default layout and
   registers of the one-block kernel), each fp32 product scaled by its block's absmax as before, with
@@ -79,12 +79,15 @@ import triton.language as tl
 from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k, store_tile
 
 CONFIGS: dict = {
-    # Untuned estimates (no H200 run yet), chosen from the SASS of the loop (triton 3.9, sm_90, fp16,
-    # NF4, nested, blocksize 64): BLOCK_N 128 rows x 32 bytes per step on 4 warps spends 0.315
-    # warp-instructions per weight byte (256 on 8 warps: 0.305; 64 on 4: 0.43), no spills, 36 KiB
-    # of shared memory at 4 stages. programs_per_sm 1 leaves the two widest PERF shapes (N = 28672,
-    # 57344) unsplit: a split costs a zeroing and a cast kernel. STEP_BYTES is capped at
-    # blocks_per_step * blocksize / 2 (1: one absmax per step). M <= 16 rows of x ride in one 16-wide dot.
+    # GEMV: BLOCK_N 64 rows x 32 bytes per step on 4 warps, K split until ~4 programs per SM: the best
+    # of two H200 sweeps (bench_bnb_int8.py --sweep-nf4; ...-99e1780-nf4-steps.json and
+    # ...-b72e09a-nf4-steps-2.json): 1.17x the earlier BLOCK_N 128, one program per SM (geometric
+    # mean of four shapes at M 1 and 16), e.g. 8192x28672 M=1 148 -> 122 us. What limits it: Triton
+    # 3.6 (the device's) does not software-pipeline these loads (no cp.async in the loop at any
+    # num_stages), so each program has one step in flight; more, smaller programs (96 registers at
+    # BLOCK_N 64 against 227 at 128) put more bytes in flight. Multi-block steps, 8 warps and
+    # BLOCK_N 256 measured no better. STEP_BYTES is capped at blocks_per_step * blocksize / 2 (1: one
+    # absmax per step). M <= 16 rows of x ride in one 16-wide dot.
     "gemv_max_m": 16,
     # Above this M, calls dequantize W into slabs and multiply with cuBLAS. The dense path moves ~4.5
     # bytes per weight (0.5 read, 2 written, 2 read back by cuBLAS) at near copy bandwidth; the
@@ -100,9 +103,9 @@ CONFIGS: dict = {
     # triton_mm); above, the GEMM.
     "gemv_slices_max_m": 256,
     # blocks_per_step > 1 lets STEP_BYTES span that many whole blocks per row (the multi-block step,
-    # not yet measured: benchmarks/bench_bnb_int8.py --sweep-nf4); scale "weight" scales the weight
-    # tile before one wide dot instead of each block's product (see the module docstring).
-    "gemv": {"BLOCK_N": 128, "STEP_BYTES": 32, "num_warps": 4, "num_stages": 4, "programs_per_sm": 1,
+    # measured 0.63-1.09x: kept for sweeps); scale "weight" scales the weight tile before one wide
+    # dot instead of each block's product (see the module docstring).
+    "gemv": {"BLOCK_N": 64, "STEP_BYTES": 32, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4,
              "max_split": 16, "blocks_per_step": 1, "scale": "product"},
     # Register counts from ptxas (triton 3.6, sm_90, nested, blocksize 64): 168, 114, 164, 164,
     # 210; no spills (BLOCK_N 128 with BLOCK_M >= 32 reaches 255).
