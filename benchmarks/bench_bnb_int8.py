@@ -64,24 +64,23 @@ SWEEP = {
 MULTI = dict(blocks_per_step=16, scale="product")
 NF4_STEPS = [
     {},
-    # Run 1 (99e1780, ...-99e1780-nf4-steps.json): multi-block steps at 4 warps and one program per
-    # SM gained nothing (0.63-0.91x) except the weight-scaled tile at BLOCK_N 64 (1.05x). Triton 3.6
-    # (the device's) does not software-pipeline these loads (no cp.async in the loop whatever
-    # num_stages) and gives the default 227 registers: ~2 programs of 4 warps per SM over a grid of
-    # ~1.7 programs per SM, so few bytes are in flight. Run 2 asks for more programs: narrower tiles
-    # (BLOCK_N 64: 96 registers), 8 warps (109 registers at BLOCK_N 128), and K splits.
-    dict(BLOCK_N=64),
-    dict(BLOCK_N=64, programs_per_sm=4),
-    dict(BLOCK_N=64, programs_per_sm=8),
-    dict(num_warps=8),
-    dict(num_warps=8, programs_per_sm=4),
-    dict(MULTI, STEP_BYTES=64, num_warps=8),
-    dict(MULTI, STEP_BYTES=64, num_warps=8, programs_per_sm=4),
-    dict(MULTI, STEP_BYTES=64, BLOCK_N=64),
-    dict(MULTI, STEP_BYTES=64, BLOCK_N=64, programs_per_sm=4),
-    dict(MULTI, STEP_BYTES=128, BLOCK_N=64, scale="weight"),
-    dict(MULTI, STEP_BYTES=128, BLOCK_N=64, scale="weight", programs_per_sm=4),
-    dict(BLOCK_N=256, num_warps=8, programs_per_sm=2),
+    # Entries override the lowering's current gemv config. Run 1 (99e1780,
+    # ...-99e1780-nf4-steps.json): multi-block steps at 4 warps and one program per SM gained nothing
+    # (0.63-0.91x) except the weight-scaled tile at BLOCK_N 64 (1.05x). Run 2 (b72e09a,
+    # ...-b72e09a-nf4-steps-2.json, configs recorded there): more programs per SM; BLOCK_N 64 with ~4
+    # programs per SM (1.17x) became the default. Run 3: the hand pipeline ("prefetch": 1-3 steps of
+    # weight bytes and absmax in registers instead of Triton's cp.async stages), against the default
+    # and the previous one.
+    dict(BLOCK_N=128, programs_per_sm=1),
+    dict(programs_per_sm=8),
+    dict(MULTI, STEP_BYTES=128, scale="weight"),
+    dict(prefetch=1),
+    dict(prefetch=2),
+    dict(prefetch=3),
+    dict(prefetch=2, programs_per_sm=8),
+    dict(prefetch=3, programs_per_sm=2),
+    dict(prefetch=2, BLOCK_N=128, num_warps=8, programs_per_sm=2),
+    dict(prefetch=3, BLOCK_N=128, num_warps=8, programs_per_sm=4),
 ]
 
 
