@@ -20,8 +20,9 @@ not change from run to run; the choice of S depends only on the shape and the de
 Plans with x staged once may keep the weights in flight in a shared-memory ring (``smem_ring``
 stages a warp) instead of registers: more than 48 KiB of shared memory a block, which the launch
 opts in to and :func:`make_plan` / :func:`plan` refuse above the device's opt-in maximum. The rule
-never picks it (not yet measured); ``QOPS_NATIVE_SMEM_RING=S`` gives it to the rule's x-staged-once
-plans for measurements.
+never picks it: on the H200 (99e1780, ``...-99e1780-sweep-smem-ring-m1.json``) it ran 1.5-1.75x
+slower than the register ring at M = 1 on the four large shapes, at every depth from 2 to 10
+stages. ``QOPS_NATIVE_SMEM_RING=S`` gives it to the rule's x-staged-once plans for measurements.
 
 Compilation and module loading happen in :func:`warmup` (which compiles every variant M = 1..32
 needs for a weight) or, failing that, at the first eager call of a shape; never during CUDA-graph
