@@ -206,9 +206,9 @@ LOWERINGS: tuple[Lowering, ...] = (
         # Ranked above triton from measurement: faster at every M <= 16 on the five shapes measured
         # side by side (H200, benchmarks/results/h200-2026-11-30-26b1d5b-int-weight.json); one launch
         # serves up to 32 rows (the Llama-3-8B-shaped decode at batch 32: 1.04x bf16, ...-36b2c80-
-        # decode-b32-b8.json), two up to 64; above that it delegates to triton, so the times match
-        # (qops.native.int_weight.SLICED_MAX_M).
-        note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=32 (32-row slices up to 64), deterministic split-K; larger M delegated to triton",
+        # decode-b32-b8.json); above that it delegates to triton, so the times match (two 32-row
+        # launches lost to triton at M = 64 on every shape: qops.native.int_weight.MAX_M).
+        note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=32, deterministic split-K; larger M delegated to triton",
         software=_native_missing,
     ),
     Lowering(

@@ -353,17 +353,29 @@ def test_plan_refuses_a_plan_above_the_devices_opt_in(h200, monkeypatch):
             native.plan(1, 28672, 4096, 0)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_workspace_covers_every_slice(deterministic, monkeypatch):
-    """Above MAX_M rows the calls run as 32-row slices and a shorter last one on the same scratch."""
+def test_workspace_covers_every_slice(monkeypatch):
+    """Deterministic mode: above MAX_M rows the calls run as 32-row slices and a shorter last one on
+    the same scratch; up to MAX_M rows, one launch in either mode."""
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
-    monkeypatch.setattr(native, "_deterministic", deterministic)
-    for n, k in [(4096, 4096), (1024, 8192), (28672, 4096), (100, 777)]:
-        for m in range(1, 2 * native.MAX_M + 1 if not deterministic else 3 * native.MAX_M + 8):
-            rows = [min(native.MAX_M, m - r0) for r0 in range(0, m, native.MAX_M)]
-            need = max(native._plan(r, n, k, 132, False).workspace for r in rows)
-            assert native.workspace_bytes(m, n, k, 4, 128, device=0) == need, (n, k, m)
-    assert native.SLICED_MAX_M == 2 * native.MAX_M
+    for deterministic, top in ((False, native.MAX_M), (True, 3 * native.MAX_M + 8)):
+        monkeypatch.setattr(native, "_deterministic", deterministic)
+        for n, k in [(4096, 4096), (1024, 8192), (28672, 4096), (100, 777)]:
+            for m in range(1, top + 1):
+                rows = [min(native.MAX_M, m - r0) for r0 in range(0, m, native.MAX_M)]
+                need = max(native._plan(r, n, k, 132, False).workspace for r in rows)
+                assert native.workspace_bytes(m, n, k, 4, 128, device=0) == need, (deterministic, n, k, m)
+
+
+def test_workspace_above_max_m_is_the_triton_need(monkeypatch):
+    """Outside deterministic mode, calls above MAX_M rows are handed to triton: its scratch need."""
+    monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
+    monkeypatch.setattr(native, "_deterministic", False)
+    asked = []
+    fake = type("tri", (), {"workspace_bytes": staticmethod(lambda m, n, k, bits, g, dev: asked.append((m, n, k, dev.type)) or 4096)})
+    monkeypatch.setattr(native, "_triton_module", lambda: fake)
+    for m in (native.MAX_M + 1, 64, 65, 300):
+        assert native.workspace_bytes(m, 4096, 4096, 4, 128, device=0) == 4096
+    assert asked == [(m, 4096, 4096, "cuda") for m in (native.MAX_M + 1, 64, 65, 300)]
 
 
 def test_workspace_bytes_without_a_gpu_is_an_upper_bound():

@@ -2,10 +2,10 @@
 
 Serves the runtime layout of ``qops/ops/int_weight.py`` with bits = 4, group_size -1 or a multiple
 of 128, float16/bfloat16 activations and scales, N % 4 == 0, a 16-byte aligned contiguous qweight,
-and M = prod(x.shape[:-1]) <= 32 per launch (``MAX_M``; the weight is read once for all rows): up to
-``SLICED_MAX_M`` = 64 rows run as 32-row slices. Anything else goes to the Triton lowering
-(``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where any M runs this
-kernel over 32-row slices (bit-identical run to run; slower than Triton at prefill sizes).
+and M = prod(x.shape[:-1]) <= 32 (``MAX_M``; one launch, the weight read once for all rows).
+Anything else goes to the Triton lowering (``qops.ops.triton.int_weight.triton_mm``), except in
+deterministic mode, where any M runs this kernel over 32-row slices (bit-identical run to run;
+slower than Triton above 32 rows).
 
 Kernel: ``w4a16_gemv.cu`` (design notes at its top). act_perm is applied by gathering x once
 (``index_select``) before the launch.
@@ -55,14 +55,10 @@ SOURCE = "w4a16_gemv.cu"
 GEMV = "qops_w4a16_gemv"
 REDUCE = "qops_w4a16_reduce"
 MAX_M = 32  # rows one launch takes (four 8-row MMA tiles)
-# Up to this many rows the kernel runs in MAX_M-row slices (each reads the weight again); above it
-# the call goes to triton. H200, W4 g128 (h200-2026-11-30-26b1d5b-int-weight.json): with 16-row
-# launches, two of them took 67 / 36 / 246 / 117 / 18 us on 28672x4096, 4096x14336, 57344x8192,
-# 8192x28672, 4096x4096, where triton takes 91 / 45 / 314 / 167 / 21 us at M = 64 and more at
-# M = 16 (its time barely moves with M below 64); four launches (M = 64) lost on every shape.
-# Two 32-row launches (M = 64) beat triton if one costs less than half its M = 64 time (not yet
-# measured; benchmarks/sweep_native.py --ms 32 and bench_int_weight.py say).
-SLICED_MAX_M = 64
+# Above MAX_M rows the call goes to triton (outside deterministic mode). Measured on the H200 at
+# M = 64 (h200-2026-11-30-6f38b91-int-weight.json): two 32-row launches took 109.6 / 54.7 / 437 /
+# 190 / 22.4 us on 28672x4096, 4096x14336, 57344x8192, 8192x28672, 4096x4096, where triton took
+# 90.6 / 44.9 / 318 / 169 / 21.3 us (each launch reads the whole weight again).
 THREADS = 256
 CHUNK_K = 128
 PDL_ENV = "QOPS_NATIVE_PDL"
@@ -394,7 +390,7 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
     """Scratch bytes ``native_mm`` needs for an (m, K) x (K, N) product on ``device``.
 
     The signature is the Triton lowering's, so callers size either the same way. 0 unless the plan
-    splits K in more than two (or in two, before sm_90). For m > ``SLICED_MAX_M`` outside deterministic
+    splits K in more than two (or in two, before sm_90). For m > ``MAX_M`` outside deterministic
     mode, the Triton lowering's need, since those calls are handed to it.
     """
     if m <= 0 or n <= 0:
@@ -404,7 +400,7 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
             return 16 * min(m, MAX_M) * n * 4  # the most any plan asks for
         device = torch.cuda.current_device()
     if m > MAX_M:
-        if deterministic() or m <= SLICED_MAX_M:
+        if deterministic():
             # MAX_M-row slices and a shorter last one, one after another on the same scratch: the
             # larger need of the two plans (the short slice's may split K more ways).
             return max(plan(r, n, k, device).workspace for r in {MAX_M, m % MAX_M} if r)
@@ -457,7 +453,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     m = math.prod(lead)
     if _refusal(x, qweight, scales, qzeros, bits, group_size, n) is not None:
         return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
-    if m > SLICED_MAX_M and not deterministic():
+    if m > MAX_M and not deterministic():
         return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
 
     if out is None:
