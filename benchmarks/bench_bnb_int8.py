@@ -67,20 +67,12 @@ NF4_STEPS = [
     # Entries override the lowering's current gemv config. Run 1 (99e1780,
     # ...-99e1780-nf4-steps.json): multi-block steps at 4 warps and one program per SM gained nothing
     # (0.63-0.91x) except the weight-scaled tile at BLOCK_N 64 (1.05x). Run 2 (b72e09a,
-    # ...-b72e09a-nf4-steps-2.json, configs recorded there): more programs per SM; BLOCK_N 64 with ~4
-    # programs per SM (1.17x) became the default. Run 3: the hand pipeline ("prefetch": 1-3 steps of
-    # weight bytes and absmax in registers instead of Triton's cp.async stages), against the default
-    # and the previous one.
+    # ...-b72e09a-nf4-steps-2.json): more programs per SM; BLOCK_N 64 with ~4 programs per SM (1.17x)
+    # became the default. Run 3 (6f38b91, ...-6f38b91-nf4-steps-3.json): a hand pipeline carrying
+    # 1-3 steps in registers, 0.63-0.85x (taken out). Each run's configs are recorded in its file.
     dict(BLOCK_N=128, programs_per_sm=1),
     dict(programs_per_sm=8),
     dict(MULTI, STEP_BYTES=128, scale="weight"),
-    dict(prefetch=1),
-    dict(prefetch=2),
-    dict(prefetch=3),
-    dict(prefetch=2, programs_per_sm=8),
-    dict(prefetch=3, programs_per_sm=2),
-    dict(prefetch=2, BLOCK_N=128, num_warps=8, programs_per_sm=2),
-    dict(prefetch=3, BLOCK_N=128, num_warps=8, programs_per_sm=4),
 ]
 
 

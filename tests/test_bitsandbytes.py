@@ -443,29 +443,6 @@ def test_triton_gemv_multi_block_steps(run, dtype):
         assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), (m, C.rel_err(y, want))
 
 
-# The hand-pipelined GEMV (gemv.prefetch 1-3 steps ahead): loads of steps past a split masked off,
-# the carried steps rotated; K split into one, and into three (the last shorter), blocksizes 64, 32
-# and 128 (a step inside a block), nested and plain absmax.
-PREFETCH_CASES = (C.Case("bitsandbytes-nf4", 40, 512, blocksize=64, nested=True),
-                  C.Case("bitsandbytes-fp4", 21, 384, blocksize=32, nested=False),
-                  C.Case("bitsandbytes-nf4", 19, 768, blocksize=128, nested=True))
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("prefetch", [1, 2, 3])
-@pytest.mark.parametrize("case", PREFETCH_CASES, ids=lambda c: c.id)
-def test_triton_gemv_prefetch(case, prefetch, dtype):
-    from qops.ops.triton import blockwise4 as tbw4
-
-    for max_split in (1, 3):
-        gemv = {"BLOCK_N": 16, "prefetch": prefetch, "max_split": max_split, "programs_per_sm": 64}
-        for m in (1, 16):
-            y, want, p = _triton_case(case, dtype, m, {"gemv": gemv}, tbw4, torch.Generator().manual_seed(m))
-            assert (p["path"], p["PREFETCH"], p["split"]) == ("gemv", prefetch, max_split), p
-            assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), (m, max_split, C.rel_err(y, want))
-
-
 def test_triton_gemv_step_plan():
     from qops.ops.triton import blockwise4 as tbw4
 

@@ -85,8 +85,10 @@ CONFIGS: dict = {
     # mean of four shapes at M 1 and 16), e.g. 8192x28672 M=1 148 -> 122 us, still ~20-24% of the
     # roofline. More, smaller programs helped; multi-block steps, 8 warps and BLOCK_N 256 did not.
     # Triton 3.6 (the device's), with the launch's divisibility specialization, puts the weight bytes
-    # through a cp.async pipeline of num_stages (70 registers; 96 at BLOCK_N 128), so what bounds the
-    # loop is not established; "prefetch" (below) is the hand-pipelined alternative, in registers.
+    # through a cp.async pipeline of num_stages (70 registers; 96 at BLOCK_N 128). A hand pipeline
+    # instead (1-3 steps of weight bytes and absmax carried in registers, 3cd88ff) measured
+    # 0.63-0.85x (...-6f38b91-nf4-steps-3.json) and was taken out; what bounds the loop is not
+    # established.
     # STEP_BYTES is capped at blocks_per_step * blocksize / 2 (1: one absmax per step). M <= 16 rows
     # of x ride in one 16-wide dot.
     "gemv_max_m": 16,
@@ -105,10 +107,9 @@ CONFIGS: dict = {
     "gemv_slices_max_m": 256,
     # blocks_per_step > 1 lets STEP_BYTES span that many whole blocks per row (the multi-block step,
     # measured 0.63-1.09x: kept for sweeps); scale "weight" scales the weight tile before one wide
-    # dot instead of each block's product (see the module docstring). prefetch: steps whose loads
-    # are issued ahead by the hand pipeline of one-block steps (0: none, up to 3).
+    # dot instead of each block's product (see the module docstring).
     "gemv": {"BLOCK_N": 64, "STEP_BYTES": 32, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4,
-             "max_split": 16, "blocks_per_step": 1, "scale": "product", "prefetch": 0},
+             "max_split": 16, "blocks_per_step": 1, "scale": "product"},
     # Register counts from ptxas (triton 3.6, sm_90, nested, blocksize 64): 168, 114, 164, 164,
     # 210; no spills (BLOCK_N 128 with BLOCK_M >= 32 reaches 255).
     "gemm": [
@@ -235,40 +236,13 @@ def _dot_pair(w_even, w_odd, xx, acc, BLOCK_M: tl.constexpr, STEP: tl.constexpr,
     return t
 
 
-@triton.jit
-def _step_loads(w_rows, am_ptr, nam_ptr, row_blk, nmask, kb, kb_hi, STEP: tl.constexpr, BLOCKSIZE: tl.constexpr,
-                NESTED: tl.constexpr, NESTED_BS: tl.constexpr):
-    """The DRAM loads of one GEMV step (STEP <= half a block), issued ahead by the hand pipeline: the
-    weight bytes [kb, kb + STEP) of each row and the rows' raw absmax (nested: the uint8 code and its
-    nested absmax, de-nested at use by :func:`_denest`, so that no load here waits on another).
-    Masked off from ``kb_hi`` on (steps past the split; a split is whole steps)."""
-    offs_b = tl.arange(0, STEP)
-    b = tl.load(w_rows + (kb + offs_b)[None, :], mask=nmask[:, None] & ((kb + offs_b) < kb_hi)[None, :], other=0,
-                eviction_policy="evict_first")
-    blk = row_blk + (2 * kb) // BLOCKSIZE
-    ok = nmask & (row_blk * 0 + kb < kb_hi)
-    if NESTED:
-        return b, tl.load(am_ptr + blk, mask=ok, other=0), tl.load(nam_ptr + blk // NESTED_BS, mask=ok, other=0.0)
-    else:
-        return b, tl.load(am_ptr + blk, mask=ok, other=0.0), 0.0
-
-
-@triton.jit
-def _denest(q, nam, ncode_ptr, noff, NESTED: tl.constexpr):
-    """fp32 absmax from :func:`_step_loads`' raw values (the 256-entry code is L1-resident)."""
-    if NESTED:
-        return tl.load(ncode_ptr + q.to(tl.int32)) * nam + noff
-    else:
-        return q
-
-
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff_ptr, bias_ptr, y_ptr,
     M, N, row_bytes, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
     BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STEP: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-    PRMT: tl.constexpr, SCALE_W: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    PRMT: tl.constexpr, SCALE_W: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -296,37 +270,6 @@ def _gemv_kernel(
     kb_lo = pid_k * split_bytes
     kb_hi = tl.minimum(row_bytes, kb_lo + split_bytes)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    if PREFETCH > 0 and G == 1 and not SCALE_W:
-        # Software pipeline by hand, PREFETCH steps ahead: the weight bytes and raw absmax of step
-        # i + PREFETCH are issued before step i is decoded and multiplied, and carried through the
-        # loop in registers (one 16-byte load a thread per step at BLOCK_N 64 on 4 warps), instead of
-        # Triton's cp.async stages through shared memory. x (L2-resident) is loaded at use.
-        offs_x = tl.arange(0, 2 * STEP)
-        b0, q0, n0 = _step_loads(w_rows, am_ptr, nam_ptr, row_blk, nmask, kb_lo, kb_hi, STEP, BLOCKSIZE, NESTED, NESTED_BS)
-        if PREFETCH > 1:
-            b1, q1, n1 = _step_loads(w_rows, am_ptr, nam_ptr, row_blk, nmask, kb_lo + STEP, kb_hi, STEP, BLOCKSIZE, NESTED,
-                                     NESTED_BS)
-        if PREFETCH > 2:
-            b2, q2, n2 = _step_loads(w_rows, am_ptr, nam_ptr, row_blk, nmask, kb_lo + 2 * STEP, kb_hi, STEP, BLOCKSIZE,
-                                     NESTED, NESTED_BS)
-        for kb0 in range(kb_lo, kb_hi, STEP):
-            bn, qn, nn = _step_loads(w_rows, am_ptr, nam_ptr, row_blk, nmask, kb0 + PREFETCH * STEP, kb_hi, STEP, BLOCKSIZE,
-                                     NESTED, NESTED_BS)
-            xx = tl.load(x_rows + (2 * kb0 + offs_x)[None, :] * stride_xk, mask=mmask[:, None], other=0.0)
-            w_even, w_odd = _decode(b0, planes, code_ptr, PRMT, DT)
-            t = _dot_pair(w_even, w_odd, xx, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), BLOCK_M, STEP, DT)
-            acc += t * _denest(q0, n0, ncode_ptr, noff, NESTED)[:, None]
-            if PREFETCH == 1:
-                b0, q0, n0 = bn, qn, nn
-            elif PREFETCH == 2:
-                b0, q0, n0 = b1, q1, n1
-                b1, q1, n1 = bn, qn, nn
-            else:
-                b0, q0, n0 = b1, q1, n1
-                b1, q1, n1 = b2, q2, n2
-                b2, q2, n2 = bn, qn, nn
-        store_tile(y_ptr, bias_ptr, tl.trans(acc), offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
-        return
     # K % BLOCKSIZE == 0, splits are whole steps and STEP divides the row (plan): every step is whole.
     for kb0 in range(kb_lo, kb_hi, STEP):
         if SCALE_W:
@@ -489,10 +432,7 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
         # x's rows are the dot's N: 16 at least for the 16-bit tensor-core dot; fp32 x takes the FMA
         # dot (input_precision "ieee"), whose cost grows with the padded width, so no padding there.
         bm = triton.next_power_of_2(m) if dtype == torch.float32 else max(16, triton.next_power_of_2(m))
-        scale_w = cfg.get("scale") == "weight"
-        # The hand pipeline serves one-block steps scaled after the dot (the default); 0..3 steps ahead.
-        prefetch = min(3, cfg.get("prefetch", 0)) if step <= half_block and not scale_w else 0
-        return dict(path="gemv", BLOCK_M=bm, BLOCK_N=bn, STEP=step, SCALE_W=scale_w, PREFETCH=prefetch, split=split,
+        return dict(path="gemv", BLOCK_M=bm, BLOCK_N=bn, STEP=step, SCALE_W=cfg.get("scale") == "weight", split=split,
                     split_bytes=per, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                     grid=(tiles, split))
     # K % blocksize != 0: blocks straddle rows, which only the dense path (flat stream) reads.
@@ -562,8 +502,7 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         _gemv_kernel[p["grid"]](x2, qweight, code.contiguous(), absmax, *tables, bias if bias is not None else code,
                                 dst, m, n, k // 2, x2.stride(0), x2.stride(1), dst.stride(0), dst.stride(1),
                                 p["split_bytes"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], STEP=p["STEP"],
-                                SCALE_W=p["SCALE_W"], PRMT=prmt, PREFETCH=p["PREFETCH"], num_stages=p["num_stages"],
-                                **flags)
+                                SCALE_W=p["SCALE_W"], PRMT=prmt, num_stages=p["num_stages"], **flags)
     else:
         _gemm_kernel[p["grid"]](*common, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
                                 GROUP_M=TABLE["GROUP_M"], IEEE=x.dtype == torch.float32,
