@@ -51,6 +51,8 @@ W8A8_TOLERANCE = 6e-2
 
 def tolerance(lowering: str, dtype: torch.dtype) -> float:
     return W8A8_TOLERANCE if lowering == "scaled_mm_fp8" else TOLERANCE[dtype]
+
+
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
 
 
@@ -302,7 +304,7 @@ def test_tp_pairs_name_real_pairs():
 def test_tensor_parallel_two_gpus_reduce_overhead(scheme, lowering):
     os.environ.update(NVLS_OFF)  # inherited by the spawned ranks (which set it again)
     lowerings = None if scheme == "none" else {scheme: lowering}
-    mp.spawn(tp_model_worker, args=(2, free_port(), "nccl", torch.bfloat16, (scheme,), ("eager", "reduce_overhead"),
-                                          tolerance(lowering, torch.bfloat16), lowerings),
+    tol = tolerance(lowering, torch.bfloat16)
+    mp.spawn(tp_model_worker, args=(2, free_port(), "nccl", torch.bfloat16, (scheme,), ("eager", "reduce_overhead"), tol, lowerings),
              nprocs=2, join=True)
 

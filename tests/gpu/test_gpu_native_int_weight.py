@@ -103,7 +103,7 @@ def _x(m, k, dtype, layout, seed):
     return rand(m, k, dtype=dtype, seed=seed)
 
 
-# M <= 16: MT = 1, 2 (every x contiguous, as before the tall rows existed); M = 17..64: one launch
+# M <= 16: MT = 1, 2 (every x contiguous, as before the tall rows existed); M = 17..33: one launch
 # with MT = 3 or 4 up to 32 rows, triton above (MAX_M), x in every layout.
 M_GROUPS = {"small_m": (M_VALUES, ("contiguous",), 1, 10), "tall_m": (TALL_M_VALUES, ("contiguous", "strided", "offset"), 2, 20)}
 

@@ -33,8 +33,7 @@ stream by absolute index and needs neither.
   ``STEP`` bytes per row spans ``G = 2 * STEP / blocksize`` whole blocks (a power of two that divides
   the row, so splits, a whole number of steps, stay mask-free). They were built on the hypothesis
   that the dependent chain of two global loads inside the loop (absmax byte, then its nested code
-  and nested absmax) bounds the one-block step; the H200 said otherwise (fewer bytes in flight are
-  what bound it: CONFIGS). Two ways to scale G blocks per step were compiled and counted
+  and nested absmax) bounds the one-block step; the H200 said otherwise (see CONFIGS). Two ways to scale G blocks per step were compiled and counted
   (SASS, loop only, sm_90, fp16, NF4 nested, b64):
   (b) ``scale "product"``: G dot pairs per step (unrolled, one per block, the default layout and
   registers of the one-block kernel), each fp32 product scaled by its block's absmax as before, with
