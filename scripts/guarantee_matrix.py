@@ -35,7 +35,7 @@ FAMILY_OPS = {
     "blockwise4": ("mm_blockwise4", "mm_blockwise4_out", "dequantize_blockwise4"),
 }
 OPCHECK_SAMPLES = {
-    "gptq": ("gptq4sym", "gptq3v1act"), "awq": ("awq",), "compressed-tensors": ("ct8act",),
+    "gptq": ("gptq4sym", "gptq3v1act", "gptq4g128"), "awq": ("awq",), "compressed-tensors": ("ct8act", "ct4g128"),
     "fp8": ("tensor", "channel"), "compressed-tensors-fp8": ("tensor", "channel", "block"), "fp8-block": ("block",),
     "eetq": ("eetq",), "bitsandbytes-int8": ("bnb8",), "bitsandbytes-nf4": ("nf4nested",), "bitsandbytes-fp4": ("fp4plain",),
 }

@@ -19,12 +19,17 @@ TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "t
 
 def _weights():
     # sym without act-order (no qzeros, no act_perm); v1 asym act-order 3-bit with zeros up to 2**b
-    # (zero_offset 1) and a partial last group; AWQ; compressed-tensors int8 act-order.
+    # (zero_offset 1) and a partial last group; AWQ; compressed-tensors int8 act-order. The "g128"
+    # ones are what native_w4a16 serves (4-bit, groups of 128; fp16/bf16 x): GPTQ v1 act-order and
+    # compressed-tensors act-order with a partial last group, AWQ.
     specs = {
         "gptq4sym": Case("gptq", 4, 32, True, False, "v2", 24, 72),
         "gptq3v1act": Case("gptq", 3, 32, False, True, "v1", 24, 100),
+        "gptq4g128act": Case("gptq", 4, 128, False, True, "v1", 20, 200),
         "awq": Case("awq", 4, 64, False, False, None, 16, 136),
+        "awq4g128": Case("awq", 4, 128, False, False, None, 16, 256),
         "ct8act": Case("compressed-tensors", 8, 32, False, True, None, 8, 72),
+        "ct4g128act": Case("compressed-tensors", 4, 128, True, True, None, 12, 264),
     }
     return {name: build(case).weight for name, case in specs.items()}
 
@@ -62,7 +67,7 @@ def mm_int_weight_out_samples():
     ws = _weights()
     g = torch.Generator().manual_seed(1)
     out = {}
-    for name in ("gptq4sym", "gptq3v1act", "ct8act"):
+    for name in ("gptq4sym", "gptq3v1act", "gptq4g128act", "ct8act", "ct4g128act"):
         w = ws[name]
         k, n = w.in_features, w.out_features
         variants = {

@@ -39,7 +39,7 @@ FAMILY_MM_OPS = {
 }
 # Each format's samples in tests/test_opcheck.py / tests/bnb_cases.py (sample ids start with these).
 FORMAT_SAMPLES = {
-    "gptq": ("gptq4sym", "gptq3v1act"), "awq": ("awq",), "compressed-tensors": ("ct8act",),
+    "gptq": ("gptq4sym", "gptq3v1act", "gptq4g128"), "awq": ("awq",), "compressed-tensors": ("ct8act", "ct4g128"),
     "fp8": ("tensor", "channel"), "compressed-tensors-fp8": ("tensor", "channel", "block"), "fp8-block": ("block",),
     "eetq": ("eetq",), "bitsandbytes-int8": ("bnb8",), "bitsandbytes-nf4": ("nf4nested",), "bitsandbytes-fp4": ("fp4plain",),
 }
