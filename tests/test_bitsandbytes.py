@@ -730,3 +730,22 @@ def test_bitsandbytes_modules_state_dicts():
     assert C.rel_err(C.bnb_int8(sd8["weight"], sd8["SCB"]), w.double()) < 1e-2
     mine = FORMATS["bitsandbytes-int8"].quantize(w.float())
     assert torch.equal(mine.weight, sd8["weight"]) and torch.allclose(mine.SCB, sd8["SCB"])
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for Triton's CPU interpreter; on a GPU run the probe itself")
+def test_probe_nf4_bw_dry_run(tmp_path, monkeypatch):
+    """benchmarks/probe_nf4_bw.py under the interpreter: its load-only kernels read every weight byte
+    once with the GEMV's plan (the script asserts their sums), and it writes a row per kernel."""
+    import json
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    monkeypatch.delenv("OUT", raising=False)
+    import probe_nf4_bw
+
+    out = tmp_path / "p.json"
+    assert probe_nf4_bw.main(["--dry-run", "--trials", "1", "--shapes", "128x512", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel"] for r in rows] == ["op", "loads", "loads+absmax"]
+    assert rows[1]["plan"]["STEP"] == 32 and rows[1]["plan"]["grid"][1] == rows[1]["plan"]["split"]
