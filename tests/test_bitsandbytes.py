@@ -351,6 +351,7 @@ TRITON_RUNS = [
 ]
 
 
+@pytest.mark.interpreter
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("run", TRITON_RUNS, ids=lambda r: f"{r[0].id}-m{r[1]}-{r[3]}{'-split' if r[4] else ''}")
@@ -366,6 +367,7 @@ def test_triton_kernels_in_the_interpreter(run, dtype):
     assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), C.rel_err(y, want)
 
 
+@pytest.mark.interpreter
 @needs_triton
 def test_triton_k_not_a_multiple_of_the_step():
     # 8x256 int8 with BLOCK_K 96 -> 128: K steps end inside a tile (masked loads). 4-bit: 8x96 b32
@@ -393,6 +395,7 @@ GEMV_CASES = tuple(
 )
 
 
+@pytest.mark.interpreter
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: c.id)
@@ -425,6 +428,7 @@ MULTI_BLOCK_RUNS = (
 )
 
 
+@pytest.mark.interpreter
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("run", MULTI_BLOCK_RUNS, ids=lambda r: f"{r[0].id}-s{r[1]}-{r[3]}-split{r[6]}")
@@ -518,6 +522,7 @@ def test_prmt_decode_returns_the_codes(quant_type, dtype):
                 assert got_even[j] == bits[byte // 16] and got_odd[j] == bits[byte % 16], (v, pos, j)
 
 
+@pytest.mark.interpreter
 @needs_triton
 def test_triton_writes_out_and_uses_the_workspace():
     from qops.ops.triton import int8_weight as ti8
@@ -551,6 +556,7 @@ def _dense_mm(w, x, bias, **kw):
     return tbw4.triton_mm(x, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize, **kw)
 
 
+@pytest.mark.interpreter
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: c.id)
@@ -574,6 +580,7 @@ def test_triton_dense_path(case, dtype):
         assert C.rel_err(y, C.matmul(x, b.w64, bb)) <= tol, (shape, C.rel_err(y, C.matmul(x, b.w64, bb)))
 
 
+@pytest.mark.interpreter
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", [c for c in DENSE_CASES if c.k % c.blocksize], ids=lambda c: c.id)
@@ -594,6 +601,7 @@ def test_triton_k_not_a_multiple_of_the_block_takes_the_dense_path_at_every_m(ca
             assert C.rel_err(y, C.matmul(x, w.w64, bias)) <= (2e-6 if dtype == torch.float32 else 2e-3), m
 
 
+@pytest.mark.interpreter
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", DENSE_CASES[::2], ids=lambda c: c.id)
@@ -610,6 +618,7 @@ def test_triton_dense_slabs_are_the_reference_dequantization(case, dtype):
     assert torch.equal(y, want.t().to(dtype))
 
 
+@pytest.mark.interpreter
 @needs_triton
 def test_triton_dense_writes_out_and_takes_the_workspace_only_when_it_fits():
     from qops.ops.triton import blockwise4 as tbw4
@@ -732,8 +741,8 @@ def test_bitsandbytes_modules_state_dicts():
     assert torch.equal(mine.weight, sd8["weight"]) and torch.allclose(mine.SCB, sd8["SCB"])
 
 
+@pytest.mark.interpreter
 @needs_triton
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for Triton's CPU interpreter; on a GPU run the probe itself")
 def test_probe_nf4_bw_dry_run(tmp_path, monkeypatch):
     """benchmarks/probe_nf4_bw.py under the interpreter: its load-only kernels read every weight byte
     once with the GEMV's plan (the script asserts their sums), and it writes a row per kernel."""

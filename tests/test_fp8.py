@@ -608,6 +608,7 @@ TRITON_VARIANTS = {
 }
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("variant", sorted(TRITON_VARIANTS))
 @pytest.mark.parametrize("path", sorted(TRITON_PATHS))
 @pytest.mark.parametrize("gran", ["tensor", "channel", "block"])
@@ -633,6 +634,7 @@ def test_triton_kernels_match_oracle(gran, path, variant):
     assert rel_err(y, want) <= TOL[dtype]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("native", [False, True], ids=["bits", "native"])
 @pytest.mark.parametrize("gran", ["channel", "block128"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
@@ -648,6 +650,7 @@ def test_triton_one_hot_is_exact(gran, dtype, native):
         assert torch.equal(y, want.t()[: rows.shape[0]])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("view", ["2d", "3d", "strided"])
 def test_triton_takes_the_split_k_accumulator_from_the_workspace(view):
     from qops.ops.triton.fp8 import triton_mm, workspace_bytes
@@ -679,6 +682,7 @@ def test_triton_takes_the_split_k_accumulator_from_the_workspace(view):
     assert workspace_bytes(0, 16, 8192, -1, torch.device("cpu")) == 0
 
 
+@pytest.mark.interpreter
 def test_triton_edge_shapes():
     from qops.ops.triton.fp8 import triton_mm
 
