@@ -320,24 +320,30 @@ def test_torch_compile_fullgraph():
         check(y, x, nw.w64, bias, f"compiled M={m}")
 
 
+def _check_graph_replays(nw, m, k, dtype, seeds, what):
+    """Capture ``nw.weight.mm`` on a static x of M rows, then for each seed: new x, output poisoned
+    with NaN, replay; equal to eager and to the float64 oracle."""
+    w = nw.weight
+    static_x = rand(m, k, dtype=dtype, seed=1)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = w.mm(static_x)
+    for seed in seeds:
+        x = rand(m, k, dtype=dtype, seed=seed)
+        static_x.copy_(x)
+        static_y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, w.mm(x)), f"{what}: replay differs from eager"
+        check(static_y, x, nw.w64, None, what)
+
+
 def test_cuda_graph_replay():
     nw = native_weight("gptq", 4096, 4096, 128, False, version="v2")
-    w = nw.weight
-    native.warmup(w, torch.float16)  # M = 1..32, so the slices of M = 57 too
+    native.warmup(nw.weight, torch.float16)  # M = 1..32; M = 57 is triton's, captured as it comes
     for m in (1, 16, 24, 32, 57):
-        static_x = rand(m, 4096, dtype=torch.float16, seed=1)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            static_y = w.mm(static_x)
-        for seed in (2, 3):
-            x = rand(m, 4096, dtype=torch.float16, seed=seed)
-            static_x.copy_(x)
-            static_y.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(static_y, w.mm(x)), f"M={m} replay differs from eager"
-            check(static_y, x, nw.w64, None, f"graph M={m}")
+        _check_graph_replays(nw, m, 4096, torch.float16, (2, 3), f"graph M={m}")
 
 
 @pytest.mark.parametrize("stages", [4, 8])
@@ -353,18 +359,7 @@ def test_smem_ring_env_warmup_then_cuda_graph(stages, monkeypatch):
         for dtype in DTYPES:
             native.warmup(w, dtype, max_m=16)
             for m in (1, 7, 16):
-                static_x = rand(m, k, dtype=dtype, seed=1)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    static_y = w.mm(static_x)
-                x = rand(m, k, dtype=dtype, seed=2)
-                static_x.copy_(x)
-                static_y.fill_(float("nan"))
-                g.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(static_y, w.mm(x)), f"{n}x{k} {dtype} M={m}: replay differs from eager"
-                check(static_y, x, nw.w64, None, f"{n}x{k} {dtype} M={m} smem_ring={native.plan(m, n, k, 0).smem_ring}")
+                _check_graph_replays(nw, m, k, dtype, (2,), f"{n}x{k} {dtype} M={m} smem_ring={native.plan(m, n, k, 0).smem_ring}")
 
 
 def test_compiled_cuda_graphs_reduce_overhead():
