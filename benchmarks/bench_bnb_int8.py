@@ -53,7 +53,12 @@ CHECK_ROWS = 512
 TARGETS = {"int8_m1_roof_pct": 70.0, "nf4_m1_roof_pct": 60.0, "nf4_vs_fp16_max_m": 16}
 # --sweep: GEMV configs tried at M = 1 (the lowering's defaults are in qops/ops/triton/*.py CONFIGS).
 SWEEP = {
-    "int8": [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in itertools.product((2, 4, 8), (256, 512, 1024), (4, 8))],
+    # Rows x bytes per step x warps x pipeline stages, keeping 16-64 weight bytes a thread per step
+    # (16: one 16-byte load; 64: as many fp32 accumulators as registers allow). The first grid
+    # (2/4/8 rows, 256-1024 bytes, 4/8 warps) never reached the 2048-byte steps that won for FP8.
+    "int8": [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+             for bn, bk, w, st in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8), (2, 3, 4))
+             if 16 <= bn * bk // (32 * w) <= 64],
     "nf4": [dict(BLOCK_N=bn, num_warps=w, programs_per_sm=p) for bn, w, p in itertools.product((64, 128, 256), (4, 8), (1, 2, 4))],
 }
 
@@ -83,6 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=5.0, help="GPU time per timed trial")
     p.add_argument("--sweep", action="store_true", help="also time the GEMV configs of SWEEP at M=1 and print the best")
+    p.add_argument("--sweep-kinds", default="int8,nf4", help="which of SWEEP's kinds --sweep times (default int8,nf4)")
     p.add_argument("--sweep-nf4", action="store_true", help="also time the NF4 GEMV K steps of NF4_STEPS at each M <= 16")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, reference lowering: checks the plumbing only")
     p.add_argument("--out", help="also write the JSON here")
@@ -243,6 +249,8 @@ def sweep(n, k, copies, dev, a) -> list[dict]:
     x = torch.randn(1, k, device=dev).half()
     found = []
     for kind, mod in (("int8", ti8), ("nf4", tbw4)):
+        if kind not in a.sweep_kinds.split(","):
+            continue
         best = None
         for cfg in SWEEP[kind]:
             with mod.config_override(gemv=cfg):

@@ -28,6 +28,7 @@ large shapes). About 2 minutes on an H200.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -154,15 +155,17 @@ def sweep(args, dev):
         roof = common.roofline_us(n * k + 2 * (n + k), bw)
         default = common.graph_time([lambda w=w: triton_mm(x, None, w, pw.weight_scale, None, 1, -1, torch.float16) for w in ws], 3, 5.0).us
         results = []
-        for bn in (2, 4, 8, 16, 32):
-            for tile in (4096, 8192, 16384):
-                for warps in (4, 8):
-                    for split in ((1, 2, 4) if n <= 8192 else (1,)):
-                        cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=tile // bn, SPLIT_K=split, num_warps=warps)
-                        t = safe(lambda: common.graph_time([lambda w=w: triton_mm(x, None, w, pw.weight_scale, None, 1, -1, torch.float16, config=cfg)
-                                                     for w in ws], 3, 5.0).us)
-                        if t:
-                            results.append((t, cfg))
+        # Rows x bytes per step x warps x pipeline stages, 16-64 weight bytes a thread per step, no
+        # split: the first sweep (85c0cb8: 2-32 rows, 4-16 KiB tiles, 4/8 warps, split 1/2/4) had its
+        # best at 2 rows x 2048 bytes, 4 warps, split 1, at the small end of its grid.
+        for bn, bk, warps, stages in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8), (2, 3, 4)):
+            if not 16 <= bn * bk // (32 * warps) <= 64:
+                continue
+            cfg = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=warps, num_stages=stages)
+            t = safe(lambda: common.graph_time([lambda w=w: triton_mm(x, None, w, pw.weight_scale, None, 1, -1, torch.float16, config=cfg)
+                                                for w in ws], 3, 5.0).us)
+            if t:
+                results.append((t, cfg))
         results.sort(key=lambda r: r[0])
         print(f"{n}x{k} M=1 default config {default:7.2f} us = {100 * roof / default:5.1f}% of roofline", flush=True)
         for t, cfg in results[:5]:

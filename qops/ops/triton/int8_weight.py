@@ -29,8 +29,9 @@ from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, 
 CONFIGS: dict = {
     "gemv_max_m": 2,
     # Programs wanted per SM before K is split (memory-bound: enough bytes in flight per SM).
-    # Untuned defaults: 4 rows x 1024 bytes per step (one row per warp, 2 x 16 B per thread).
-    "gemv": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "programs_per_sm": 4, "max_split": 16},
+    # Untuned defaults: 4 rows x 1024 bytes per step (one row per warp, 2 x 16 B per thread);
+    # num_stages 3 is Triton's default for CUDA (named so that sweeps can vary it).
+    "gemv": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4, "max_split": 16},
     # (largest M of the bucket, tile config); the last bucket takes every larger M.
     # Register counts from ptxas (triton 3.6, sm_90): 168, 168, 116, 128, 219; no spills.
     "gemm": [
@@ -157,7 +158,7 @@ def plan(m: int, n: int, k: int, device: torch.device) -> dict:
         tiles = m * triton.cdiv(n, bn)
         split, per = split_k(k, bk, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
         return dict(path="gemv", BLOCK_N=bn, BLOCK_K=bk, split=split, split_len=per, num_warps=cfg["num_warps"],
-                    grid=(m, triton.cdiv(n, bn), split), EVEN_K=k % bk == 0)
+                    num_stages=cfg.get("num_stages", 3), grid=(m, triton.cdiv(n, bn), split), EVEN_K=k % bk == 0)
     cfg = TABLE.gemm(m)
     bm = pow2_at_most(m, cfg["BLOCK_M"])
     bn = pow2_at_most(n, cfg["BLOCK_N"])
@@ -189,7 +190,7 @@ def triton_mm(x, qweight, scales, bias, out=None, workspace=None):
               dst.stride(0), dst.stride(1), p["split_len"])
     if p["path"] == "gemv":
         _gemv_kernel[p["grid"]](*common, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], HAS_BIAS=bias is not None,
-                                ATOMIC=atomic, EVEN_K=p["EVEN_K"], num_warps=p["num_warps"])
+                                ATOMIC=atomic, EVEN_K=p["EVEN_K"], num_warps=p["num_warps"], num_stages=p["num_stages"])
     else:
         _gemm_kernel[p["grid"]](*common, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
                                 GROUP_M=TABLE["GROUP_M"], HAS_BIAS=bias is not None, ATOMIC=atomic,
