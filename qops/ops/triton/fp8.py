@@ -33,13 +33,19 @@ from .common import fp32_scratch, grouped_tile, pick_bucket, sm_count
 
 FP8 = torch.float8_e4m3fn
 GEMV_MAX_M = 4
-# gemv launch, from the H200 sweep of (BLOCK_N, BLOCK_K, num_warps, SPLIT_K) at M = 1
-# (benchmarks/results/h200-2026-11-30-85c0cb8-fp8-sweep.json): 2048 weight bytes per row per K step
-# and few rows per program win everywhere (8 rows from N = 8192 up, 2 below), 4 warps, no split-K
-# once the row blocks give every SM GEMV_PROGRAMS_PER_SM programs: 82-96% of the roofline on the large shapes where
-# the earlier rule (8192-element tiles, up to 32 rows) reached 32-73%.
+# gemv launch, from two H200 sweeps at M = 1. The first (85c0cb8,
+# benchmarks/results/h200-2026-11-30-85c0cb8-fp8-sweep.json: 2-32 rows, 4-16 KiB tiles, 4/8 warps,
+# split 1/2/4) found 2048 weight bytes per row per K step and no split-K best, with 8 rows from
+# N = 8192 and 2 below, 4 warps: 83/70/87/92% of the roofline on the four large shapes. The second
+# (9f03903, ...-9f03903-fp8-sweep-2.json: 1-8 rows, 1-4 KiB steps, 2/4/8 warps, 2-4 stages) found one
+# row of 2048 bytes a step on 2 warps (32 bytes a thread) better on all four: 87/80/97/93%. One row a
+# program gives the most programs (a likely reason: the last wave's tail is shortest; not profiled);
+# 4096-byte steps were 1-2% faster on three shapes and 6% slower on 4096x14336. The pipeline
+# depth did not matter (2-4 stages within 1%). No split-K once the rows give every SM
+# GEMV_PROGRAMS_PER_SM programs.
 GEMV_ROW_BYTES = 2048
-GEMV_WIDE_N = 8192
+GEMV_BLOCK_N = 1
+GEMV_WARPS = 2
 GEMV_PROGRAMS_PER_SM = 4
 # gemm: (largest M of the bucket, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages);
 # the last bucket takes every larger M. BLOCK_N of the small-M buckets shrinks (not below 16) until
@@ -190,7 +196,7 @@ def _native_fp8(device: torch.device) -> bool:
 def gemv_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
     """Launch configuration of the gemv kernel (M <= GEMV_MAX_M)."""
     block_m = triton.next_power_of_2(m)
-    block_n = 8 if n >= GEMV_WIDE_N else 2
+    block_n = GEMV_BLOCK_N
     block_k = max(64, GEMV_ROW_BYTES // block_m)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     if block_k_scale > 0:
@@ -198,7 +204,7 @@ def gemv_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     steps = triton.cdiv(k, block_k)
     split_k = max(1, min(GEMV_PROGRAMS_PER_SM * sms // programs, steps // 2))  # 1 for the large shapes
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=GEMV_WARPS)
 
 
 def _gemv_launch(m: int, n: int, k: int, block_k_scale: int, sms: int, config: dict | None) -> tuple[dict, int, int]:

@@ -29,9 +29,13 @@ from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, 
 CONFIGS: dict = {
     "gemv_max_m": 2,
     # Programs wanted per SM before K is split (memory-bound: enough bytes in flight per SM).
-    # Untuned defaults: 4 rows x 1024 bytes per step (one row per warp, 2 x 16 B per thread);
-    # num_stages 3 is Triton's default for CUDA (named so that sweeps can vary it).
-    "gemv": {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3, "programs_per_sm": 4, "max_split": 16},
+    # From the H200 sweep of rows x bytes per step x warps x stages at M = 1 (9f03903,
+    # benchmarks/results/h200-2026-11-30-9f03903-int8-sweep.json): 2 rows x 1024 bytes on 2 warps
+    # (32 bytes a thread per step) was best on all four large shapes, 80/77/92/89% of the roofline,
+    # where the untuned 4 rows x 1024 bytes on 4 warps measured 74/59/87/78% in the same run. One row
+    # a program lost here (62-78%), unlike the FP8 GEMV: this kernel keeps a (rows, BLOCK_K) fp32
+    # accumulator and reduces it once at the end. Stages 2-4 were within 1%.
+    "gemv": {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 2, "programs_per_sm": 4, "max_split": 16},
     # (largest M of the bucket, tile config); the last bucket takes every larger M.
     # Register counts from ptxas (triton 3.6, sm_90): 168, 168, 116, 128, 219; no spills.
     "gemm": [
