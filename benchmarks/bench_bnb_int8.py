@@ -60,6 +60,10 @@ SWEEP = {
              for bn, bk, w, st in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8), (2, 3, 4))
              if 16 <= bn * bk // (32 * w) <= 64],
     "nf4": [dict(BLOCK_N=bn, num_warps=w, programs_per_sm=p) for bn, w, p in itertools.product((64, 128, 256), (4, 8), (1, 2, 4))],
+    # The CUDA-core M = 1 GEMV (blockwise4 "gemv_fma"): weight rows x bytes a row per step x warps x stages.
+    "nf4_fma": [dict(ROWS=r, STEP_BYTES=sb, num_warps=w, num_stages=st)
+                for r, sb, w, st in itertools.product((1, 2), (512, 1024, 2048), (1, 2, 4), (1, 2))
+                if 8 <= r * sb // (32 * w) <= 64],
 }
 
 # --sweep-nf4: NF4 GEMV K steps, timed at every M of --ms (<= 16) with the correctness check of the
@@ -88,7 +92,7 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=5.0, help="GPU time per timed trial")
     p.add_argument("--sweep", action="store_true", help="also time the GEMV configs of SWEEP at M=1 and print the best")
-    p.add_argument("--sweep-kinds", default="int8,nf4", help="which of SWEEP's kinds --sweep times (default int8,nf4)")
+    p.add_argument("--sweep-kinds", default="int8,nf4", help="which of SWEEP's kinds --sweep times (default int8,nf4; also nf4_fma)")
     p.add_argument("--sweep-nf4", action="store_true", help="also time the NF4 GEMV K steps of NF4_STEPS at each M <= 16")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, reference lowering: checks the plumbing only")
     p.add_argument("--out", help="also write the JSON here")
@@ -163,6 +167,8 @@ def path_of(kind, m, n, k, dev) -> str:
 
 
 def main(argv=None) -> int:
+    from qops.ops.triton import blockwise4 as tbw4
+
     a = parse_args(argv)
     gpu = not a.dry_run
     if gpu and not torch.cuda.is_available():
@@ -203,6 +209,10 @@ def main(argv=None) -> int:
                     row[kind] = measure(kind, ws, x, refs[kind], row, io, bw, peak, timer, a, gpu)
                 except Exception as e:  # noqa: BLE001 - recorded and reported; the other rows still run
                     row[kind] = {"error": common.short_err(e)}
+            if "nf4" in copies and m <= tbw4.TABLE["gemv_fma_max_m"]:
+                # The tensor-core GEMV that served these M before the CUDA-core one, in the same run.
+                with tbw4.config_override(gemv_fma_max_m=0):
+                    row["nf4_dot_gemv"] = measure("nf4", copies["nf4"], x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         if a.sweep_nf4:
@@ -248,18 +258,24 @@ def sweep(n, k, copies, dev, a) -> list[dict]:
 
     x = torch.randn(1, k, device=dev).half()
     found = []
-    for kind, mod in (("int8", ti8), ("nf4", tbw4)):
+    for kind, mod, key in (("int8", ti8, "gemv"), ("nf4", tbw4, "gemv"), ("nf4_fma", tbw4, "gemv_fma")):
         if kind not in a.sweep_kinds.split(","):
             continue
         best = None
+        ws = copies[kind.split("_")[0]]
+        want = call(ws[0], x).float()  # the default config's output: each config must agree with it
         for cfg in SWEEP[kind]:
-            with mod.config_override(gemv=cfg):
+            with mod.config_override(**{key: cfg}):
                 try:
-                    us = common.graph_time([lambda w=w: call(w, x) for w in copies[kind]], 3, a.target_ms).us
+                    err = common.rel_err(call(ws[0], x), want)
+                    us = common.graph_time([lambda w=w: call(w, x) for w in ws], 3, a.target_ms).us
                 except Exception as e:  # noqa: BLE001 - a config the compiler refuses
                     print(f"sweep {kind} {cfg}: {type(e).__name__}", flush=True)
                     continue
-            found.append({"kind": kind, "N": n, "K": k, "cfg": cfg, "us": round(us, 2)})
+            if err is None or err > 1e-3:
+                print(f"sweep {kind} {cfg}: disagrees with the default config (rel err {err})", flush=True)
+                continue
+            found.append({"kind": kind, "N": n, "K": k, "cfg": cfg, "us": round(us, 2), "rel_err_vs_default": err})
             if best is None or us < best[1]:
                 best = (cfg, us)
         if best:

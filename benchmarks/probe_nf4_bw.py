@@ -110,6 +110,13 @@ def run(a) -> int:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "copy_TBps": round(copy_bw, 4), "rows": []}
     paths = common.output_paths("probe_nf4_bw.json", a.out)
+    # The probe is about the tensor-core GEMV, which M = 1 no longer takes by default (the CUDA-core
+    # "gemv_fma" does): pin it for the whole run.
+    with tbw4.config_override(gemv_fma_max_m=0):
+        return _probe(a, gpu, dev, copy_bw, res, paths)
+
+
+def _probe(a, gpu, dev, copy_bw, res, paths) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     for n, k in a.shape_list:
         nbytes = weight_bytes("nf4", n, k)

@@ -335,9 +335,10 @@ TRITON_RUNS = [
     (C.INT8_CASES[0], 2, {"gemv": {"BLOCK_K": 32, "programs_per_sm": 64}}, "gemv", True),
     (C.INT8_CASES[2], 3, {"gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
     (C.INT8_CASES[3], 17, {"gemm": TINY_GEMM, "gemm_max_split": 4}, "gemm", True),
-    (C.BLOCKWISE4_CASES[4], 1, {"gemv": {"max_split": 1}}, "gemv", False),  # 24x256 b128 nested
+    # M = 1 in 16 bits goes to the CUDA-core GEMV (test_triton_gemv_fma); gemv_fma_max_m 0 keeps the dot one.
+    (C.BLOCKWISE4_CASES[4], 1, {"gemv_fma_max_m": 0, "gemv": {"max_split": 1}}, "gemv", False),  # 24x256 b128 nested
     (C.BLOCKWISE4_CASES[5], 2, {"gemv": {"STEP_BYTES": 64, "programs_per_sm": 64}}, "gemv", True),
-    (C.BLOCKWISE4_CASES[10], 1, {"gemv": {"STEP_BYTES": 16}}, "gemv", None),  # fp4
+    (C.BLOCKWISE4_CASES[10], 1, {"gemv_fma_max_m": 0, "gemv": {"STEP_BYTES": 16}}, "gemv", None),  # fp4
     (C.BLOCKWISE4_CASES[11], 16, {"gemv": {"BLOCK_N": 16}}, "gemv", None),  # the largest default GEMV M
     (C.BLOCKWISE4_CASES[4], 17, {"gemv_max_m": 32}, "gemv", None),  # a 32-wide dot, 15 rows masked
     (C.BLOCKWISE4_CASES[4], 5, {"gemv_max_m": 2, "gemv_slices_max_m": 0, "gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
@@ -403,12 +404,71 @@ def test_triton_gemv_over_bitsandbytes_layouts(case, dtype):
     from qops.ops.triton import blockwise4 as tbw4
 
     for m in (1, 2, 17):
-        y, want, p = _triton_case(case, dtype, m, {"gemv_max_m": 32, "gemv": {"BLOCK_N": 16}}, tbw4,
+        y, want, p = _triton_case(case, dtype, m, {"gemv_max_m": 32, "gemv_fma_max_m": 0, "gemv": {"BLOCK_N": 16}}, tbw4,
                                   torch.Generator().manual_seed(m))
         # fp32 x: the FMA dot is as wide as M (rounded up to a power of 2); fp16: 16 at least.
         assert p["path"] == "gemv" and p["BLOCK_M"] == ({1: 1, 2: 2, 17: 32} if dtype == torch.float32 else {1: 16, 2: 16, 17: 32})[m], p
         assert y.dtype == dtype and y.shape == (m, case.n)
         assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), (m, C.rel_err(y, want))
+
+
+# The CUDA-core GEMV (M <= gemv_fma_max_m, 16-bit x): one or two weight rows a program, G runs of
+# SUB bytes a step. Over what bitsandbytes writes (GEMV_CASES: N odd, so the second row of the last
+# program is missing), x read as int32 pairs (contiguous; one transposed row) or element by element
+# (an odd offset, a K stride of 2), a step below a block, one block, and several; K split or not; M = 1
+# and 2 (one program per row of x).
+FMA_CONFIGS = (
+    ({"ROWS": 2, "STEP_BYTES": 1024}, {}),
+    ({"ROWS": 1, "STEP_BYTES": 16}, {"programs_per_sm": 64, "max_split": 4}),
+    ({"ROWS": 2, "STEP_BYTES": 64}, {"programs_per_sm": 64, "max_split": 3}),
+)
+
+
+@pytest.mark.interpreter
+@needs_triton
+@pytest.mark.parametrize("cfg", FMA_CONFIGS, ids=lambda c: f"rows{c[0]['ROWS']}-step{c[0]['STEP_BYTES']}{'-split' if c[1] else ''}")
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: c.id)
+def test_triton_gemv_fma(case, cfg):
+    from qops.ops.triton import blockwise4 as tbw4
+
+    b = C.build(case)
+    w = b.weight
+    gen = torch.Generator().manual_seed(C.seed_of(case))
+    bias = torch.randn(case.n, generator=gen).half()
+    xs = {
+        "pairs": torch.randn(2, case.k, generator=gen).half(),
+        "pairs-transposed-row": torch.randn(case.k, 1, generator=gen).t().half(),
+        "odd-offset": torch.randn(2, case.k + 1, generator=gen).half()[:, 1:],
+        "k-stride-2": _x(2, case.k, torch.float16, gen, "strided"),
+    }
+    for name, x in xs.items():
+        for m in range(1, min(2, x.shape[0]) + 1):
+            xm = x[:m]
+            with tbw4.config_override(gemv_fma_max_m=2, gemv_fma=dict(cfg[0], **cfg[1])):
+                y = tbw4.triton_mm(xm, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize)
+                p = tbw4.plan(m, case.n, case.k, w.blocksize, xm.device, xm.dtype)
+            assert p["path"] == "gemv_fma" and p["grid"][2] == m, p
+            if cfg[1] and (case.k // 2) // p["STEP"] >= 2:
+                assert p["split"] > 1, p  # the K split (atomic adds into the fp32 scratch) is exercised
+            assert y.dtype == torch.float16 and y.shape == (m, case.n)
+            assert C.rel_err(y, C.matmul(xm, b.w64, bias)) <= 2e-3, (name, m, C.rel_err(y, C.matmul(xm, b.w64, bias)))
+
+
+def test_triton_gemv_fma_plan():
+    from qops.ops.triton import blockwise4 as tbw4
+
+    cpu = torch.device("cpu")
+    # The default: M = 1 in 16 bits, two rows, STEP_BYTES capped so that whole steps tile the row;
+    # fp32 x and M = 2 take the dot GEMV.
+    for (n, k, bs), step in (((28672, 4096, 64), 1024), ((4096, 192, 64), 32), ((3, 4096, 4096), 1024),
+                             ((8192, 28672, 32), 1024), ((40, 192, 64), 32), ((21, 128, 64), 64)):
+        p = tbw4.plan(1, n, k, bs, cpu, torch.bfloat16)
+        assert p["path"] == "gemv_fma" and p["STEP"] == step and p["ROWS"] == 2, (n, k, bs, p)
+        assert (k // 2) % step == 0 and p["split_bytes"] % step == 0, p
+        assert p["grid"] == (-(-n // 2), p["split"], 1)
+    assert tbw4.plan(1, 4096, 4096, 64, cpu, torch.float32)["path"] == "gemv"
+    assert tbw4.plan(2, 4096, 4096, 64, cpu, torch.float16)["path"] == "gemv"
+    assert tbw4.plan(1, 4096, 4096 + 32, 64, cpu, torch.float16)["path"] == "dense"  # K % blocksize: flat stream only
 
 
 # Multi-block GEMV steps (gemv.blocks_per_step > 1): a step spans G whole blocks per row. NF4 and FP4,
@@ -439,7 +499,7 @@ def test_triton_gemv_multi_block_steps(run, dtype):
     gemv = {"BLOCK_N": 16, "STEP_BYTES": step_bytes, "blocks_per_step": blocks, "scale": scale,
             "max_split": max_split, "programs_per_sm": 64}
     for m in (1, 2, 16, 17):  # 17: a 16-row slice and a 1-row slice
-        y, want, p = _triton_case(case, dtype, m, {"gemv": gemv}, tbw4, torch.Generator().manual_seed(m))
+        y, want, p = _triton_case(case, dtype, m, {"gemv_fma_max_m": 0, "gemv": gemv}, tbw4, torch.Generator().manual_seed(m))
         assert p["path"] == ("gemv" if m <= 16 else "gemv_slices"), p
         assert (p["STEP"], p["split"], p["SCALE_W"]) == (step, split, scale == "weight"), p
         assert p["split_bytes"] % step == 0 and 2 * step > case.blocksize
@@ -453,12 +513,12 @@ def test_triton_gemv_step_plan():
     cpu = torch.device("cpu")
     # The default config: one block at most (32 bytes at blocksize 64, 16 at 32), as measured so far.
     for bs, step in ((64, 32), (32, 16), (128, 32), (4096, 32)):
-        p = tbw4.plan(1, 8192, 28672, bs, cpu, torch.float16)
+        p = tbw4.plan(2, 8192, 28672, bs, cpu, torch.float16)  # M = 2: the dot GEMV (M = 1: test_triton_gemv_fma_plan)
         assert (p["STEP"], p["SCALE_W"]) == (step, False), p
     with tbw4.config_override(gemv={"STEP_BYTES": 256, "blocks_per_step": 8, "max_split": 4}):
         for (n, k, bs), step in (((8192, 28672, 64), 256), ((4096, 11008, 64), 128), ((4096, 4096, 32), 128),
                                  ((4096, 4096, 4096), 256), ((4096, 192, 64), 32)):
-            p = tbw4.plan(1, n, k, bs, cpu, torch.float16)
+            p = tbw4.plan(2, n, k, bs, cpu, torch.float16)
             assert p["STEP"] == step and (k // 2) % step == 0 and p["split_bytes"] % step == 0, (n, k, bs, p)
             assert (p["split"] - 1) * p["split_bytes"] < k // 2 <= p["split"] * p["split_bytes"], p
 
@@ -655,7 +715,7 @@ def test_triton_blockwise4_plan_takes_the_dense_path_above_32_rows():
 
     cpu = torch.device("cpu")
     paths = {m: tbw4.plan(m, 4096, 4096, 64, cpu, torch.float16)["path"] for m in (1, 16, 17, 32, 33, 64, 300, 8192)}
-    assert paths == {1: "gemv", 16: "gemv", 17: "gemv_slices", 32: "gemv_slices", 33: "dense", 64: "dense",
+    assert paths == {1: "gemv_fma", 16: "gemv", 17: "gemv_slices", 32: "gemv_slices", 33: "dense", 64: "dense",
                      300: "dense", 8192: "dense"}
     # Slabs: whole multiples of 8 rows within 128 MB of x's dtype, all of N when it fits.
     assert tbw4.plan(64, 4096, 4096, 64, cpu, torch.float16)["slab"] == 4096

@@ -75,7 +75,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k, store_tile
+from .common import (ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k,
+                     store_row, store_tile)
 
 CONFIGS: dict = {
     # GEMV: BLOCK_N 64 rows x 32 bytes per step on 4 warps, K split until ~4 programs per SM: the best
@@ -109,6 +110,11 @@ CONFIGS: dict = {
     # dot instead of each block's product (see the module docstring).
     "gemv": {"BLOCK_N": 64, "STEP_BYTES": 32, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4,
              "max_split": 16, "blocks_per_step": 1, "scale": "product"},
+    # Up to this M (16-bit x only), one program per row of x on CUDA cores (``_gemv_fma_kernel``):
+    # ROWS weight rows x STEP_BYTES contiguous bytes a row per step, in the shape of the FP8 and int8
+    # GEMVs that reach 80-97% of the roofline (see their CONFIGS). Not yet measured here.
+    "gemv_fma_max_m": 1,
+    "gemv_fma": {"ROWS": 2, "STEP_BYTES": 1024, "num_warps": 2, "num_stages": 2, "programs_per_sm": 4, "max_split": 16},
     # Register counts from ptxas (triton 3.6, sm_90, nested, blocksize 64): 168, 114, 164, 164,
     # 210; no spills (BLOCK_N 128 with BLOCK_M >= 32 reaches 255).
     "gemm": [
@@ -311,6 +317,86 @@ def _gemv_kernel(
     store_tile(y_ptr, bias_ptr, tl.trans(acc), offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
+@triton.jit
+def _fma_step(w_row, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff, blks, row_len,
+              MASKED: tl.constexpr, PRMT: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr, DT: tl.constexpr):
+    """One weight row's (G,) fp32 contributions of a step: each run's sum of code * x, times its absmax.
+    ``MASKED``: the row may not exist (``row_len`` 0 instead of its byte count): its bytes and
+    absmax then read as 0."""
+    if MASKED:
+        b = tl.load(w_row + kb0 + pos, mask=kb0 + pos < row_len, other=0, eviction_policy="evict_first")
+        s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blks, kb0 + tl.arange(0, blks.shape[0]) < row_len,
+                          NESTED, NESTED_BS)
+    else:
+        b = tl.load(w_row + kb0 + pos, eviction_policy="evict_first")
+        s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blks, blks >= 0, NESTED, NESTED_BS)
+    w_even, w_odd = _decode(b, planes, code_ptr, PRMT, DT)
+    return tl.sum(w_even.to(tl.float32) * x_even + w_odd.to(tl.float32) * x_odd, axis=1) * s
+
+
+@triton.jit
+def _gemv_fma_kernel(
+    x_ptr, w_ptr, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff_ptr, bias_ptr, y_ptr,
+    N, row_bytes, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
+    BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
+    NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PRMT: tl.constexpr, PAIRS: tl.constexpr,
+):
+    """One row of x (program axis 2) against ``ROWS`` (1 or 2) weight rows on CUDA cores, ``STEP``
+    bytes a row per step.
+
+    A row's step is a (G, SUB) tile: G runs of SUB contiguous bytes, each inside one block, so the
+    block absmax is constant along a run and scales the run's fp32 sum of products once. Every
+    tensor of the step is 2-D in the weight bytes' layout: Triton then loads x straight into the
+    registers that use it (a 3-D (rows, G, SUB) tile made it move x through shared memory, with two
+    barriers per conversion). x is read as int32 pairs (``PAIRS``: element 2j in the low half, 2j + 1
+    in the high half, byte j's high and low nibble), as wide as the weight's loads; a second weight
+    row reuses the decoded x.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    SUB: tl.constexpr = STEP if STEP < BLOCKSIZE // 2 else BLOCKSIZE // 2
+    G: tl.constexpr = STEP // SUB
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    n0 = pid_n * ROWS
+    offs_g = tl.arange(0, G)
+    pos = offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]  # (G, SUB): byte offsets inside a step
+    blocks_per_row = (2 * row_bytes) // BLOCKSIZE
+    w_row = w_ptr + n0.to(tl.int64) * row_bytes
+    if NESTED:
+        noff = tl.load(noff_ptr)
+    else:
+        noff = 0.0
+    if PRMT:
+        planes = _code_planes(code_ptr, DT)
+    else:
+        planes = (0, 0, 0, 0, 0, 0, 0, 0)
+    kb_lo = pid_k * split_bytes
+    kb_hi = tl.minimum(row_bytes, kb_lo + split_bytes)
+    # The first row always exists; the second may not (N odd).
+    row1_len = tl.where(n0 + 1 < N, row_bytes, 0)
+    acc0 = tl.zeros([G], tl.float32)
+    acc1 = tl.zeros([G], tl.float32)
+    for kb0 in range(kb_lo, kb_hi, STEP):
+        if PAIRS:
+            # The launcher checked that x's row starts on 4 bytes and runs with unit stride.
+            xp = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + (m * stride_xm) // 2 + kb0 + pos)
+            x_even = (xp & 0xFFFF).to(tl.int16).to(DT, bitcast=True).to(tl.float32)
+            x_odd = (xp >> 16).to(tl.int16).to(DT, bitcast=True).to(tl.float32)
+        else:
+            x_even = tl.load(x_ptr + m * stride_xm + (2 * (kb0 + pos)) * stride_xk).to(tl.float32)
+            x_odd = tl.load(x_ptr + m * stride_xm + (2 * (kb0 + pos) + 1) * stride_xk).to(tl.float32)
+        blks = n0.to(tl.int64) * blocks_per_row + (2 * (kb0 + offs_g * SUB)) // BLOCKSIZE
+        acc0 += _fma_step(w_row, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff, blks,
+                          row_bytes, False, PRMT, NESTED, NESTED_BS, DT)
+        if ROWS == 2:
+            acc1 += _fma_step(w_row + row_bytes, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr, nam_ptr,
+                              noff, blks + blocks_per_row, row1_len, True, PRMT, NESTED, NESTED_BS, DT)
+    offs_r = n0 + tl.arange(0, 2)
+    r = tl.where(tl.arange(0, 2) == 0, tl.sum(acc0, axis=0), tl.sum(acc1, axis=0))
+    store_row(y_ptr, bias_ptr, r, m, offs_r, offs_r < tl.minimum(N, n0 + ROWS), stride_ym, stride_yn, HAS_BIAS, ATOMIC)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(
     x_ptr, w_ptr, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff_ptr, bias_ptr, y_ptr,
@@ -422,6 +508,14 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
     sms = sm_count(device, INTERPRETER_SMS)
     row_bytes = k // 2
     half_block = blocksize // 2
+    if m <= TABLE["gemv_fma_max_m"] and k % blocksize == 0 and dtype in (None, torch.float16, torch.bfloat16):
+        cfg = TABLE["gemv_fma"]
+        step = gemv_step(cfg["STEP_BYTES"], max(1, cfg["STEP_BYTES"] // half_block), half_block, row_bytes)
+        rows = min(cfg["ROWS"], 2)  # the kernel takes one or two weight rows
+        tiles = m * triton.cdiv(n, rows)
+        split, per = split_k(row_bytes, step, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
+        return dict(path="gemv_fma", ROWS=rows, STEP=step, split=split, split_bytes=per, num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"], grid=(triton.cdiv(n, rows), split, m))
     if m <= TABLE["gemv_max_m"] and k % blocksize == 0:
         cfg = TABLE["gemv"]
         step = gemv_step(cfg["STEP_BYTES"], cfg.get("blocks_per_step", 1), half_block, row_bytes)
@@ -496,7 +590,14 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
               m, n, k, x2.stride(0), x2.stride(1), dst.stride(0), dst.stride(1), p["split_bytes"])
     flags = dict(BLOCKSIZE=blocksize, NESTED_BS=nested_blocksize if nested else 1, NESTED=nested,
                  HAS_BIAS=bias is not None, ATOMIC=atomic, num_warps=p["num_warps"])
-    if p["path"] == "gemv":
+    if p["path"] == "gemv_fma":
+        # x read as int32 pairs where every row it reads starts on 4 bytes and has unit K stride.
+        pairs = x2.stride(1) == 1 and x2.data_ptr() % 4 == 0 and (m == 1 or x2.stride(0) % 2 == 0)
+        _gemv_fma_kernel[p["grid"]](x2, qweight, code.contiguous(), absmax, *tables, bias if bias is not None else code,
+                                    dst, n, k // 2, x2.stride(0), x2.stride(1), dst.stride(0),
+                                    dst.stride(1), p["split_bytes"], ROWS=p["ROWS"], STEP=p["STEP"],
+                                    PRMT=not interpreted(), PAIRS=pairs, num_stages=p["num_stages"], **flags)
+    elif p["path"] == "gemv":
         prmt = x.dtype != torch.float32 and not interpreted()
         _gemv_kernel[p["grid"]](x2, qweight, code.contiguous(), absmax, *tables, bias if bias is not None else code,
                                 dst, m, n, k // 2, x2.stride(0), x2.stride(1), dst.stride(0), dst.stride(1),
