@@ -7,7 +7,8 @@ holds K indices 2j and 2j+1 and belongs to block ``n * K/B + 2j // B``, which th
 kernels assume. Other K (blocks straddling rows) take the dense path at every M: it reads the flat
 stream by absolute index and needs neither.
 
-- **gemv** (M <= ``gemv_max_m``, 16 by default): ``tl.dot`` with the weight as the wide operand:
+- **gemv** (M <= ``gemv_max_m``, 16 by default; M = 1 in 16 bits takes **gemv_fma** below): ``tl.dot``
+  with the weight as the wide operand:
   a program owns ``BLOCK_N`` rows and walks its K split in steps of ``STEP`` bytes per row (by default
   at most one block, so one absmax per (row, step); multi-block steps below); the rows of x are the dot's N, padded to 16, so M = 1
   and M = 16 cost the same weight traffic and decode. Each step is two dots, even K against the
@@ -47,6 +48,17 @@ stream by absolute index and needs neither.
   per byte on 8 warps), and the scaled weight rounds twice more (absmax and product in 16 bits:
   ~1.7x the fp16 error, subnormal below ~6e-5 absmax in fp16). So (b) is the path; (a) is kept
   selectable for the GPU sweep only.
+- **gemv_fma** (M <= ``gemv_fma_max_m``, 1 by default, x in fp16 or bf16): CUDA cores, no tensor
+  core. A program takes one row of x and one or two weight rows, and walks the K split in steps of
+  ``STEP`` contiguous bytes a row, seen as a (G, SUB) tile of runs that each lie inside one block.
+  Codes are decoded by the same ``prmt`` sequence, x is read as int32 pairs (element 2j low, 2j + 1
+  high: byte j's two nibbles) when its row starts on 4 bytes with unit stride, products and sums are
+  fp32, and each run's sum is scaled once by its block's absmax. Every tensor of a step is 2-D in the
+  weight bytes' layout, so Triton loads x straight into the registers that use it; the tensor-core
+  GEMV pays a shared-memory layout conversion (and barriers) for its operands each step. The loop is
+  ~14.5 thread-instructions per weight byte at two rows (SASS, triton 3.6, sm_90), which caps it
+  by instruction issue near 55% of the copy roofline; measured 32-43% against 20-24% for the
+  tensor-core GEMV (CONFIGS).
 - **dense** (M > ``dense_above_m``, 32 by default): the weight is dequantized by a Triton kernel
   into a transient ``(slab, K)`` buffer of x's dtype (at most ``slab_bytes``, 128 MB), rows
   ``[n0, n0 + slab)`` of W at a time, and cuBLAS writes ``x @ slab.T (+ bias)`` into the output's
@@ -111,10 +123,14 @@ CONFIGS: dict = {
     "gemv": {"BLOCK_N": 64, "STEP_BYTES": 32, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4,
              "max_split": 16, "blocks_per_step": 1, "scale": "product"},
     # Up to this M (16-bit x only), one program per row of x on CUDA cores (``_gemv_fma_kernel``):
-    # ROWS weight rows x STEP_BYTES contiguous bytes a row per step, in the shape of the FP8 and int8
-    # GEMVs that reach 80-97% of the roofline (see their CONFIGS). Not yet measured here.
+    # ROWS weight rows x STEP_BYTES contiguous bytes a row per step. H200 sweep at M = 1 (71d027d,
+    # benchmarks/results/h200-2026-11-30-71d027d-nf4-fma.json: 1/2 rows, 512-2048 bytes, 1/2/4 warps,
+    # 1/2 stages): two rows of 1024 bytes on one warp best on all four large shapes, 37.5 / 31.8 /
+    # 42.5 / 37.9% of the roofline against 23.0 / 19.6 / 23.8 / 23.9% for the tensor-core GEMV in the
+    # same run (1.59-1.79x); two rows beat one (x decoded once for both), one warp beat two and four,
+    # stages did not matter. M = 2..16 stay on the tensor-core GEMV (not measured on this kernel).
     "gemv_fma_max_m": 1,
-    "gemv_fma": {"ROWS": 2, "STEP_BYTES": 1024, "num_warps": 2, "num_stages": 2, "programs_per_sm": 4, "max_split": 16},
+    "gemv_fma": {"ROWS": 2, "STEP_BYTES": 1024, "num_warps": 1, "num_stages": 2, "programs_per_sm": 4, "max_split": 16},
     # Register counts from ptxas (triton 3.6, sm_90, nested, blocksize 64): 168, 114, 164, 164,
     # 210; no spills (BLOCK_N 128 with BLOCK_M >= 32 reaches 255).
     "gemm": [
