@@ -61,9 +61,13 @@ SWEEP = {
              if 16 <= bn * bk // (32 * w) <= 64],
     "nf4": [dict(BLOCK_N=bn, num_warps=w, programs_per_sm=p) for bn, w, p in itertools.product((64, 128, 256), (4, 8), (1, 2, 4))],
     # The CUDA-core M = 1 GEMV (blockwise4 "gemv_fma"): weight rows x bytes a row per step x warps x stages.
-    "nf4_fma": [dict(ROWS=r, STEP_BYTES=sb, num_warps=w, num_stages=st)
-                for r, sb, w, st in itertools.product((1, 2), (512, 1024, 2048), (1, 2, 4), (1, 2))
-                if 8 <= r * sb // (32 * w) <= 64],
+    # Run 1 (71d027d, ...-71d027d-nf4-fma.json): rows 1/2, 512-2048 bytes, 1/2/4 warps, 1/2 stages:
+    # two rows of 1024 bytes on one warp best everywhere. Run 2: four rows (x shared by more rows).
+    "nf4_fma": [dict(ROWS=r, STEP_BYTES=sb, num_warps=w, num_stages=2)
+                for r, sb, w in itertools.product((2, 4), (512, 1024), (1, 2))],
+    # The tensor-core GEMV at M = 16 (where it still serves) with fewer warps and smaller tiles than
+    # the earlier NF4 sweeps tried (they stopped at 4 warps, BLOCK_N 64).
+    "nf4_m16": [dict(BLOCK_N=bn, num_warps=w, programs_per_sm=p) for bn, w, p in itertools.product((32, 64), (1, 2, 4), (4, 8))],
 }
 
 # --sweep-nf4: NF4 GEMV K steps, timed at every M of --ms (<= 16) with the correctness check of the
@@ -92,7 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=5.0, help="GPU time per timed trial")
     p.add_argument("--sweep", action="store_true", help="also time the GEMV configs of SWEEP at M=1 and print the best")
-    p.add_argument("--sweep-kinds", default="int8,nf4", help="which of SWEEP's kinds --sweep times (default int8,nf4; also nf4_fma)")
+    p.add_argument("--sweep-kinds", default="int8,nf4", help="which of SWEEP's kinds --sweep times (default int8,nf4; also nf4_fma, nf4_m16)")
+    p.add_argument("--fma-up-to", type=int, default=0, help="also time NF4 through the CUDA-core GEMV at each M of --ms up to this")
     p.add_argument("--sweep-nf4", action="store_true", help="also time the NF4 GEMV K steps of NF4_STEPS at each M <= 16")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, reference lowering: checks the plumbing only")
     p.add_argument("--out", help="also write the JSON here")
@@ -213,6 +218,10 @@ def main(argv=None) -> int:
                 # The tensor-core GEMV that served these M before the CUDA-core one, in the same run.
                 with tbw4.config_override(gemv_fma_max_m=0):
                     row["nf4_dot_gemv"] = measure("nf4", copies["nf4"], x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
+            elif "nf4" in copies and m <= a.fma_up_to:
+                # The CUDA-core GEMV at an M the tensor-core one serves by default (one program per row of x).
+                with tbw4.config_override(gemv_fma_max_m=m):
+                    row["nf4_fma_gemv"] = measure("nf4", copies["nf4"], x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         if a.sweep_nf4:
@@ -256,11 +265,12 @@ def sweep(n, k, copies, dev, a) -> list[dict]:
     from qops.ops.triton import blockwise4 as tbw4
     from qops.ops.triton import int8_weight as ti8
 
-    x = torch.randn(1, k, device=dev).half()
     found = []
-    for kind, mod, key in (("int8", ti8, "gemv"), ("nf4", tbw4, "gemv"), ("nf4_fma", tbw4, "gemv_fma")):
+    for kind, mod, key, m in (("int8", ti8, "gemv", 1), ("nf4", tbw4, "gemv", 1), ("nf4_fma", tbw4, "gemv_fma", 1),
+                              ("nf4_m16", tbw4, "gemv", 16)):
         if kind not in a.sweep_kinds.split(","):
             continue
+        x = torch.randn(m, k, device=dev).half()
         best = None
         ws = copies[kind.split("_")[0]]
         want = call(ws[0], x).float()  # the default config's output: each config must agree with it
@@ -275,11 +285,11 @@ def sweep(n, k, copies, dev, a) -> list[dict]:
             if err is None or err > 1e-3:
                 print(f"sweep {kind} {cfg}: disagrees with the default config (rel err {err})", flush=True)
                 continue
-            found.append({"kind": kind, "N": n, "K": k, "cfg": cfg, "us": round(us, 2), "rel_err_vs_default": err})
+            found.append({"kind": kind, "N": n, "K": k, "M": m, "cfg": cfg, "us": round(us, 2), "rel_err_vs_default": err})
             if best is None or us < best[1]:
                 best = (cfg, us)
         if best:
-            print(f"SWEEP best {kind} {n}x{k} M=1: {best[0]} {best[1]:.2f} us", flush=True)
+            print(f"SWEEP best {kind} {n}x{k} M={m}: {best[0]} {best[1]:.2f} us", flush=True)
     return found
 
 

@@ -412,13 +412,14 @@ def test_triton_gemv_over_bitsandbytes_layouts(case, dtype):
         assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), (m, C.rel_err(y, want))
 
 
-# The CUDA-core GEMV (M <= gemv_fma_max_m, 16-bit x): one or two weight rows a program, G runs of
+# The CUDA-core GEMV (M <= gemv_fma_max_m, 16-bit x): one, two or four weight rows a program, G runs of
 # SUB bytes a step. Over what bitsandbytes writes (GEMV_CASES: N odd, so the second row of the last
 # program is missing), x read as int32 pairs (contiguous; one transposed row) or element by element
 # (an odd offset, a K stride of 2), a step below a block, one block, and several; K split or not; M = 1
 # and 2 (one program per row of x).
 FMA_CONFIGS = (
     ({"ROWS": 2, "STEP_BYTES": 1024}, {}),
+    ({"ROWS": 4, "STEP_BYTES": 32}, {}),
     ({"ROWS": 1, "STEP_BYTES": 16}, {"programs_per_sm": 64, "max_split": 4}),
     ({"ROWS": 2, "STEP_BYTES": 64}, {"programs_per_sm": 64, "max_split": 3}),
 )
@@ -447,7 +448,7 @@ def test_triton_gemv_fma(case, cfg):
             with tbw4.config_override(gemv_fma_max_m=2, gemv_fma=dict(cfg[0], **cfg[1])):
                 y = tbw4.triton_mm(xm, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize)
                 p = tbw4.plan(m, case.n, case.k, w.blocksize, xm.device, xm.dtype)
-            assert p["path"] == "gemv_fma" and p["grid"][2] == m, p
+            assert p["path"] == "gemv_fma" and p["grid"][0] == m, p
             if cfg[1] and (case.k // 2) // p["STEP"] >= 2:
                 assert p["split"] > 1, p  # the K split (atomic adds into the fp32 scratch) is exercised
             assert y.dtype == torch.float16 and y.shape == (m, case.n)
@@ -465,7 +466,7 @@ def test_triton_gemv_fma_plan():
         p = tbw4.plan(1, n, k, bs, cpu, torch.bfloat16)
         assert p["path"] == "gemv_fma" and p["STEP"] == step and p["ROWS"] == 2, (n, k, bs, p)
         assert (k // 2) % step == 0 and p["split_bytes"] % step == 0, p
-        assert p["grid"] == (-(-n // 2), p["split"], 1)
+        assert p["grid"] == (1, -(-n // 2), p["split"])
     assert tbw4.plan(1, 4096, 4096, 64, cpu, torch.float32)["path"] == "gemv"
     assert tbw4.plan(2, 4096, 4096, 64, cpu, torch.float16)["path"] == "gemv"
     assert tbw4.plan(1, 4096, 4096 + 32, 64, cpu, torch.float16)["path"] == "dense"  # K % blocksize: flat stream only

@@ -357,20 +357,22 @@ def _gemv_fma_kernel(
     BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
     NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PRMT: tl.constexpr, PAIRS: tl.constexpr,
 ):
-    """One row of x (program axis 2) against ``ROWS`` (1 or 2) weight rows on CUDA cores, ``STEP``
-    bytes a row per step.
+    """One row of x (program axis 0) against ``ROWS`` (1, 2 or 4) weight rows on CUDA cores,
+    ``STEP`` bytes a row per step.
 
     A row's step is a (G, SUB) tile: G runs of SUB contiguous bytes, each inside one block, so the
     block absmax is constant along a run and scales the run's fp32 sum of products once. Every
     tensor of the step is 2-D in the weight bytes' layout: Triton then loads x straight into the
     registers that use it (a 3-D (rows, G, SUB) tile made it move x through shared memory, with two
-    barriers per conversion). x is read as int32 pairs (``PAIRS``: element 2j in the low half, 2j + 1
-    in the high half, byte j's high and low nibble), as wide as the weight's loads; a second weight
-    row reuses the decoded x.
+    barriers per conversion), and the weight rows are unrolled rather than a tensor dimension. x is
+    read as int32 pairs (``PAIRS``: element 2j in the low half, 2j + 1 in the high half, byte j's
+    high and low nibble), as wide as the weight's loads; the rows of a program share the decoded x.
+    The rows of x are the fastest grid axis, so the programs that read the same weight rows for
+    different rows of x run together and all but the first find the bytes in L2.
     """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m = tl.program_id(2)
+    m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     SUB: tl.constexpr = STEP if STEP < BLOCKSIZE // 2 else BLOCKSIZE // 2
     G: tl.constexpr = STEP // SUB
     DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -389,10 +391,14 @@ def _gemv_fma_kernel(
         planes = (0, 0, 0, 0, 0, 0, 0, 0)
     kb_lo = pid_k * split_bytes
     kb_hi = tl.minimum(row_bytes, kb_lo + split_bytes)
-    # The first row always exists; the second may not (N odd).
+    # The first row always exists; the others may not (N not a multiple of ROWS): 0 bytes long then.
     row1_len = tl.where(n0 + 1 < N, row_bytes, 0)
+    row2_len = tl.where(n0 + 2 < N, row_bytes, 0)
+    row3_len = tl.where(n0 + 3 < N, row_bytes, 0)
     acc0 = tl.zeros([G], tl.float32)
     acc1 = tl.zeros([G], tl.float32)
+    acc2 = tl.zeros([G], tl.float32)
+    acc3 = tl.zeros([G], tl.float32)
     for kb0 in range(kb_lo, kb_hi, STEP):
         if PAIRS:
             # The launcher checked that x's row starts on 4 bytes and runs with unit stride.
@@ -405,12 +411,18 @@ def _gemv_fma_kernel(
         blks = n0.to(tl.int64) * blocks_per_row + (2 * (kb0 + offs_g * SUB)) // BLOCKSIZE
         acc0 += _fma_step(w_row, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff, blks,
                           row_bytes, False, PRMT, NESTED, NESTED_BS, DT)
-        if ROWS == 2:
+        if ROWS >= 2:
             acc1 += _fma_step(w_row + row_bytes, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr, nam_ptr,
                               noff, blks + blocks_per_row, row1_len, True, PRMT, NESTED, NESTED_BS, DT)
-    offs_r = n0 + tl.arange(0, 2)
-    r = tl.where(tl.arange(0, 2) == 0, tl.sum(acc0, axis=0), tl.sum(acc1, axis=0))
-    store_row(y_ptr, bias_ptr, r, m, offs_r, offs_r < tl.minimum(N, n0 + ROWS), stride_ym, stride_yn, HAS_BIAS, ATOMIC)
+        if ROWS >= 4:
+            acc2 += _fma_step(w_row + 2 * row_bytes, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr,
+                              nam_ptr, noff, blks + 2 * blocks_per_row, row2_len, True, PRMT, NESTED, NESTED_BS, DT)
+            acc3 += _fma_step(w_row + 3 * row_bytes, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr,
+                              nam_ptr, noff, blks + 3 * blocks_per_row, row3_len, True, PRMT, NESTED, NESTED_BS, DT)
+    i = tl.arange(0, 4)
+    r = tl.where(i == 0, tl.sum(acc0, axis=0), tl.where(i == 1, tl.sum(acc1, axis=0),
+                 tl.where(i == 2, tl.sum(acc2, axis=0), tl.sum(acc3, axis=0))))
+    store_row(y_ptr, bias_ptr, r, m, n0 + i, n0 + i < tl.minimum(N, n0 + ROWS), stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -527,11 +539,13 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
     if m <= TABLE["gemv_fma_max_m"] and k % blocksize == 0 and dtype in (None, torch.float16, torch.bfloat16):
         cfg = TABLE["gemv_fma"]
         step = gemv_step(cfg["STEP_BYTES"], max(1, cfg["STEP_BYTES"] // half_block), half_block, row_bytes)
-        rows = min(cfg["ROWS"], 2)  # the kernel takes one or two weight rows
+        rows = cfg["ROWS"]
+        if rows not in (1, 2, 4):
+            raise ValueError(f"qops.triton_blockwise4: gemv_fma ROWS must be 1, 2 or 4, got {rows}")
         tiles = m * triton.cdiv(n, rows)
         split, per = split_k(row_bytes, step, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
         return dict(path="gemv_fma", ROWS=rows, STEP=step, split=split, split_bytes=per, num_warps=cfg["num_warps"],
-                    num_stages=cfg["num_stages"], grid=(triton.cdiv(n, rows), split, m))
+                    num_stages=cfg["num_stages"], grid=(m, triton.cdiv(n, rows), split))
     if m <= TABLE["gemv_max_m"] and k % blocksize == 0:
         cfg = TABLE["gemv"]
         step = gemv_step(cfg["STEP_BYTES"], cfg.get("blocks_per_step", 1), half_block, row_bytes)
