@@ -63,8 +63,13 @@ SWEEP = {
     # The CUDA-core M = 1 GEMV (blockwise4 "gemv_fma"): weight rows x bytes a row per step x warps x stages.
     # Run 1 (71d027d, ...-71d027d-nf4-fma.json): rows 1/2, 512-2048 bytes, 1/2/4 warps, 1/2 stages:
     # two rows of 1024 bytes on one warp best everywhere. Run 2: four rows (x shared by more rows).
-    "nf4_fma": [dict(ROWS=r, STEP_BYTES=sb, num_warps=w, num_stages=2)
-                for r, sb, w in itertools.product((2, 4), (512, 1024), (1, 2))],
+    # Run 2 (ff4b071, ...-ff4b071-nf4-fma-2.json): four rows lost to two. Run 3: the kernel with rows
+    # of x unrolled too (up to four products a program), at M = 1 and, as nf4_fma_m2 / nf4_fma_m4
+    # (gemv_fma_max_m raised to 4), at M = 2 and 4, where the plan caps ROWS at 4 // XROWS.
+    "nf4_fma": [dict(ROWS=2, STEP_BYTES=sb, num_warps=1, num_stages=2) for sb in (512, 1024)],
+    "nf4_fma_m2": [dict(ROWS=r, STEP_BYTES=sb, num_warps=w, num_stages=2)
+                   for r, sb, w in itertools.product((1, 2), (512, 1024), (1, 2))],
+    "nf4_fma_m4": [dict(ROWS=1, STEP_BYTES=sb, num_warps=w, num_stages=2) for sb, w in itertools.product((512, 1024), (1, 2))],
     # The tensor-core GEMV at M = 16 (where it still serves) with fewer warps and smaller tiles than
     # the earlier NF4 sweeps tried (they stopped at 4 warps, BLOCK_N 64).
     "nf4_m16": [dict(BLOCK_N=bn, num_warps=w, programs_per_sm=p) for bn, w, p in itertools.product((32, 64), (1, 2, 4), (4, 8))],
@@ -96,7 +101,7 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=5.0, help="GPU time per timed trial")
     p.add_argument("--sweep", action="store_true", help="also time the GEMV configs of SWEEP at M=1 and print the best")
-    p.add_argument("--sweep-kinds", default="int8,nf4", help="which of SWEEP's kinds --sweep times (default int8,nf4; also nf4_fma, nf4_m16)")
+    p.add_argument("--sweep-kinds", default="int8,nf4", help="which of SWEEP's kinds --sweep times (default int8,nf4; also nf4_fma, nf4_m16, nf4_fma_m2, nf4_fma_m4)")
     p.add_argument("--fma-up-to", type=int, default=0, help="also time NF4 through the CUDA-core GEMV at each M of --ms up to this")
     p.add_argument("--sweep-nf4", action="store_true", help="also time the NF4 GEMV K steps of NF4_STEPS at each M <= 16")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, reference lowering: checks the plumbing only")
@@ -266,8 +271,10 @@ def sweep(n, k, copies, dev, a) -> list[dict]:
     from qops.ops.triton import int8_weight as ti8
 
     found = []
-    for kind, mod, key, m in (("int8", ti8, "gemv", 1), ("nf4", tbw4, "gemv", 1), ("nf4_fma", tbw4, "gemv_fma", 1),
-                              ("nf4_m16", tbw4, "gemv", 16)):
+    fma_m = {"gemv_fma_max_m": 4}
+    for kind, mod, key, m, extra in (("int8", ti8, "gemv", 1, {}), ("nf4", tbw4, "gemv", 1, {}),
+                                     ("nf4_fma", tbw4, "gemv_fma", 1, {}), ("nf4_m16", tbw4, "gemv", 16, {}),
+                                     ("nf4_fma_m2", tbw4, "gemv_fma", 2, fma_m), ("nf4_fma_m4", tbw4, "gemv_fma", 4, fma_m)):
         if kind not in a.sweep_kinds.split(","):
             continue
         x = torch.randn(m, k, device=dev).half()
@@ -275,7 +282,7 @@ def sweep(n, k, copies, dev, a) -> list[dict]:
         ws = copies[kind.split("_")[0]]
         want = call(ws[0], x).float()  # the default config's output: each config must agree with it
         for cfg in SWEEP[kind]:
-            with mod.config_override(**{key: cfg}):
+            with mod.config_override(**{key: cfg}, **extra):
                 try:
                     err = common.rel_err(call(ws[0], x), want)
                     us = common.graph_time([lambda w=w: call(w, x) for w in ws], 3, a.target_ms).us

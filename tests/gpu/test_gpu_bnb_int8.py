@@ -93,19 +93,23 @@ def test_eager(case, dtype, ms):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_blockwise4_m1_cuda_core_gemv(dtype):
-    # M = 1 in 16 bits takes the CUDA-core GEMV: x read as int32 pairs (4-byte aligned) and element by
-    # element (an odd offset), each against float64, and the tensor-core GEMV on the same inputs.
+def test_blockwise4_cuda_core_gemv(dtype):
+    # The CUDA-core GEMV (M <= 4 with gemv_fma_max_m 4): x read as int32 pairs (4-byte aligned rows)
+    # and element by element (an odd offset), M = 1 and 3 (the fourth product lane of the program
+    # empty), each against float64 and the tensor-core GEMV on the same inputs.
     from qops.ops.triton import blockwise4 as tbw4
 
     for case in (CASES[2], CASES[3], CASES[4]):
         w, w64 = gpu_weight(case, dtype)
-        base = torch.randn(1, case.k + 1, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(dtype)
-        for name, x in (("pairs", base[:, :-1]), ("odd offset", base[:, 1:])):
-            assert tbw4.plan(1, case.n, case.k, case.blocksize, x.device, dtype)["path"] == "gemv_fma"
-            check(w.mm(x), x, w64, None, dtype, f"{case.id} {name}")
-            with tbw4.config_override(gemv_fma_max_m=0):
-                check(w.mm(x), x, w64, None, dtype, f"{case.id} {name}, tensor-core GEMV")
+        base = torch.randn(3, case.k + 2, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(dtype)
+        for name, x3 in (("pairs", base[:, :-2]), ("odd offset", base[:, 1:-1])):
+            for m in (1, 3):
+                x = x3[:m]
+                with tbw4.config_override(gemv_fma_max_m=4):
+                    assert tbw4.plan(m, case.n, case.k, case.blocksize, x.device, dtype)["path"] == "gemv_fma"
+                    check(w.mm(x), x, w64, None, dtype, f"{case.id} {name} M={m}")
+                with tbw4.config_override(gemv_fma_max_m=0):
+                    check(w.mm(x), x, w64, None, dtype, f"{case.id} {name} M={m}, tensor-core GEMV")
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.id)

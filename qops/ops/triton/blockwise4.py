@@ -334,11 +334,11 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _fma_step(w_row, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff, blks, row_len,
-              MASKED: tl.constexpr, PRMT: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr, DT: tl.constexpr):
-    """One weight row's (G,) fp32 contributions of a step: each run's sum of code * x, times its absmax.
-    ``MASKED``: the row may not exist (``row_len`` 0 instead of its byte count): its bytes and
-    absmax then read as 0."""
+def _fma_weights(w_row, kb0, pos, blks, row_len, planes, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff,
+                 MASKED: tl.constexpr, PRMT: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr,
+                 DT: tl.constexpr):
+    """One weight row's step: its (G, SUB) even and odd codes in fp32 and the (G,) absmax of its runs.
+    ``MASKED``: the row may not exist (``row_len`` 0 instead of its byte count): it reads as zeros."""
     if MASKED:
         b = tl.load(w_row + kb0 + pos, mask=kb0 + pos < row_len, other=0, eviction_policy="evict_first")
         s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blks, kb0 + tl.arange(0, blks.shape[0]) < row_len,
@@ -347,35 +347,61 @@ def _fma_step(w_row, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_pt
         b = tl.load(w_row + kb0 + pos, eviction_policy="evict_first")
         s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, blks, blks >= 0, NESTED, NESTED_BS)
     w_even, w_odd = _decode(b, planes, code_ptr, PRMT, DT)
-    return tl.sum(w_even.to(tl.float32) * x_even + w_odd.to(tl.float32) * x_odd, axis=1) * s
+    return w_even.to(tl.float32), w_odd.to(tl.float32), s
 
 
 @triton.jit
+def _fma_x(x_ptr, row_start, kb0, pos, stride_xk, row_len, MASKED: tl.constexpr, PAIRS: tl.constexpr,
+           DT: tl.constexpr):
+    """One row of x for a step: its (G, SUB) even and odd elements in fp32 (byte j of the step: K
+    indices 2j, 2j + 1). ``MASKED``: the row may not exist (``row_len`` 0): it reads as zeros."""
+    mask = kb0 + pos < row_len
+    if PAIRS:
+        # The launcher checked that x's rows start on 4 bytes and run with unit stride.
+        ptr = x_ptr.to(tl.pointer_type(tl.int32)) + row_start // 2 + kb0 + pos
+        if MASKED:
+            xp = tl.load(ptr, mask=mask, other=0)
+        else:
+            xp = tl.load(ptr)
+        x_even = (xp & 0xFFFF).to(tl.int16).to(DT, bitcast=True)
+        x_odd = (xp >> 16).to(tl.int16).to(DT, bitcast=True)
+    else:
+        ptr = x_ptr + row_start + (2 * (kb0 + pos)) * stride_xk
+        if MASKED:
+            x_even = tl.load(ptr, mask=mask, other=0.0)
+            x_odd = tl.load(ptr + stride_xk, mask=mask, other=0.0)
+        else:
+            x_even = tl.load(ptr)
+            x_odd = tl.load(ptr + stride_xk)
+    return x_even.to(tl.float32), x_odd.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
 def _gemv_fma_kernel(
     x_ptr, w_ptr, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff_ptr, bias_ptr, y_ptr,
-    N, row_bytes, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
-    BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
+    M, N, row_bytes, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
+    BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, ROWS: tl.constexpr, XROWS: tl.constexpr, STEP: tl.constexpr,
     NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PRMT: tl.constexpr, PAIRS: tl.constexpr,
 ):
-    """One row of x (program axis 0) against ``ROWS`` (1, 2 or 4) weight rows on CUDA cores,
-    ``STEP`` bytes a row per step.
+    """``XROWS`` rows of x against ``ROWS`` weight rows on CUDA cores (ROWS x XROWS <= 4 products a
+    program), ``STEP`` bytes a weight row per step.
 
     A row's step is a (G, SUB) tile: G runs of SUB contiguous bytes, each inside one block, so the
     block absmax is constant along a run and scales the run's fp32 sum of products once. Every
     tensor of the step is 2-D in the weight bytes' layout: Triton then loads x straight into the
     registers that use it (a 3-D (rows, G, SUB) tile made it move x through shared memory, with two
-    barriers per conversion), and the weight rows are unrolled rather than a tensor dimension. x is
-    read as int32 pairs (``PAIRS``: element 2j in the low half, 2j + 1 in the high half, byte j's
-    high and low nibble), as wide as the weight's loads; the rows of a program share the decoded x.
-    The rows of x are the fastest grid axis, so the programs that read the same weight rows for
-    different rows of x run together and all but the first find the bytes in L2.
+    barriers per conversion), so the rows of W and of x are unrolled rather than tensor dimensions.
+    Each weight row is decoded once for all XROWS rows of x, and each row of x converted once for all
+    ROWS weight rows. x is read as int32 pairs (``PAIRS``: element 2j in the low half, 2j + 1 in the
+    high half, byte j's high and low nibble), as wide as the weight's loads.
     """
-    m = tl.program_id(0)
+    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     SUB: tl.constexpr = STEP if STEP < BLOCKSIZE // 2 else BLOCKSIZE // 2
     G: tl.constexpr = STEP // SUB
     DT: tl.constexpr = x_ptr.dtype.element_ty
+    m0 = pid_m * XROWS
     n0 = pid_n * ROWS
     offs_g = tl.arange(0, G)
     pos = offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]  # (G, SUB): byte offsets inside a step
@@ -391,38 +417,41 @@ def _gemv_fma_kernel(
         planes = (0, 0, 0, 0, 0, 0, 0, 0)
     kb_lo = pid_k * split_bytes
     kb_hi = tl.minimum(row_bytes, kb_lo + split_bytes)
-    # The first row always exists; the others may not (N not a multiple of ROWS): 0 bytes long then.
-    row1_len = tl.where(n0 + 1 < N, row_bytes, 0)
-    row2_len = tl.where(n0 + 2 < N, row_bytes, 0)
-    row3_len = tl.where(n0 + 3 < N, row_bytes, 0)
+    # Products (weight row r, row j of x) are lanes r * XROWS + j: four accumulators at most.
     acc0 = tl.zeros([G], tl.float32)
     acc1 = tl.zeros([G], tl.float32)
     acc2 = tl.zeros([G], tl.float32)
     acc3 = tl.zeros([G], tl.float32)
     for kb0 in range(kb_lo, kb_hi, STEP):
-        if PAIRS:
-            # The launcher checked that x's row starts on 4 bytes and runs with unit stride.
-            xp = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + (m * stride_xm) // 2 + kb0 + pos)
-            x_even = (xp & 0xFFFF).to(tl.int16).to(DT, bitcast=True).to(tl.float32)
-            x_odd = (xp >> 16).to(tl.int16).to(DT, bitcast=True).to(tl.float32)
-        else:
-            x_even = tl.load(x_ptr + m * stride_xm + (2 * (kb0 + pos)) * stride_xk).to(tl.float32)
-            x_odd = tl.load(x_ptr + m * stride_xm + (2 * (kb0 + pos) + 1) * stride_xk).to(tl.float32)
         blks = n0.to(tl.int64) * blocks_per_row + (2 * (kb0 + offs_g * SUB)) // BLOCKSIZE
-        acc0 += _fma_step(w_row, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff, blks,
-                          row_bytes, False, PRMT, NESTED, NESTED_BS, DT)
-        if ROWS >= 2:
-            acc1 += _fma_step(w_row + row_bytes, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr, nam_ptr,
-                              noff, blks + blocks_per_row, row1_len, True, PRMT, NESTED, NESTED_BS, DT)
-        if ROWS >= 4:
-            acc2 += _fma_step(w_row + 2 * row_bytes, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr,
-                              nam_ptr, noff, blks + 2 * blocks_per_row, row2_len, True, PRMT, NESTED, NESTED_BS, DT)
-            acc3 += _fma_step(w_row + 3 * row_bytes, kb0, pos, x_even, x_odd, planes, code_ptr, am_ptr, ncode_ptr,
-                              nam_ptr, noff, blks + 3 * blocks_per_row, row3_len, True, PRMT, NESTED, NESTED_BS, DT)
-    i = tl.arange(0, 4)
-    r = tl.where(i == 0, tl.sum(acc0, axis=0), tl.where(i == 1, tl.sum(acc1, axis=0),
-                 tl.where(i == 2, tl.sum(acc2, axis=0), tl.sum(acc3, axis=0))))
-    store_row(y_ptr, bias_ptr, r, m, n0 + i, n0 + i < tl.minimum(N, n0 + ROWS), stride_ym, stride_yn, HAS_BIAS, ATOMIC)
+        xs = ()
+        for j in tl.static_range(XROWS):
+            # Row 0 of a program always exists; a later one is read as zeros past M (0 bytes long).
+            xs = xs + (_fma_x(x_ptr, (m0 + j) * stride_xm, kb0, pos, stride_xk, tl.where(m0 + j < M, row_bytes, 0),
+                              j > 0, PAIRS, DT),)
+        for r in tl.static_range(ROWS):
+            w_even, w_odd, s = _fma_weights(w_row + r * row_bytes, kb0, pos, blks + r * blocks_per_row,
+                                            tl.where(n0 + r < N, row_bytes, 0), planes, code_ptr, am_ptr, ncode_ptr,
+                                            nam_ptr, noff, r > 0, PRMT, NESTED, NESTED_BS, DT)
+            for j in tl.static_range(XROWS):
+                x_even, x_odd = xs[j]
+                part = tl.sum(w_even * x_even + w_odd * x_odd, axis=1) * s
+                if r * XROWS + j == 0:
+                    acc0 += part
+                elif r * XROWS + j == 1:
+                    acc1 += part
+                elif r * XROWS + j == 2:
+                    acc2 += part
+                else:
+                    acc3 += part
+    accs = (acc0, acc1, acc2, acc3)
+    i = tl.arange(0, ROWS)
+    for j in tl.static_range(XROWS):
+        r = tl.zeros([ROWS], tl.float32)
+        for rr in tl.static_range(ROWS):
+            r = tl.where(i == rr, tl.sum(accs[rr * XROWS + j], axis=0), r)
+        if m0 + j < M:
+            store_row(y_ptr, bias_ptr, r, m0 + j, n0 + i, n0 + i < N, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -539,13 +568,16 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
     if m <= TABLE["gemv_fma_max_m"] and k % blocksize == 0 and dtype in (None, torch.float16, torch.bfloat16):
         cfg = TABLE["gemv_fma"]
         step = gemv_step(cfg["STEP_BYTES"], max(1, cfg["STEP_BYTES"] // half_block), half_block, row_bytes)
-        rows = cfg["ROWS"]
+        # Up to four products a program: all of M's rows of x (M <= 4) with as many weight rows as fit.
+        xrows = min(triton.next_power_of_2(m), 4)
+        rows = max(1, min(cfg["ROWS"], 4 // xrows))
         if rows not in (1, 2, 4):
-            raise ValueError(f"qops.triton_blockwise4: gemv_fma ROWS must be 1, 2 or 4, got {rows}")
-        tiles = m * triton.cdiv(n, rows)
+            raise ValueError(f"qops.triton_blockwise4: gemv_fma ROWS must be 1, 2 or 4, got {cfg['ROWS']}")
+        tiles = triton.cdiv(m, xrows) * triton.cdiv(n, rows)
         split, per = split_k(row_bytes, step, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
-        return dict(path="gemv_fma", ROWS=rows, STEP=step, split=split, split_bytes=per, num_warps=cfg["num_warps"],
-                    num_stages=cfg["num_stages"], grid=(m, triton.cdiv(n, rows), split))
+        return dict(path="gemv_fma", ROWS=rows, XROWS=xrows, STEP=step, split=split, split_bytes=per,
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                    grid=(triton.cdiv(m, xrows), triton.cdiv(n, rows), split))
     if m <= TABLE["gemv_max_m"] and k % blocksize == 0:
         cfg = TABLE["gemv"]
         step = gemv_step(cfg["STEP_BYTES"], cfg.get("blocks_per_step", 1), half_block, row_bytes)
@@ -624,8 +656,8 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         # x read as int32 pairs where every row it reads starts on 4 bytes and has unit K stride.
         pairs = x2.stride(1) == 1 and x2.data_ptr() % 4 == 0 and (m == 1 or x2.stride(0) % 2 == 0)
         _gemv_fma_kernel[p["grid"]](x2, qweight, code.contiguous(), absmax, *tables, bias if bias is not None else code,
-                                    dst, n, k // 2, x2.stride(0), x2.stride(1), dst.stride(0),
-                                    dst.stride(1), p["split_bytes"], ROWS=p["ROWS"], STEP=p["STEP"],
+                                    dst, m, n, k // 2, x2.stride(0), x2.stride(1), dst.stride(0),
+                                    dst.stride(1), p["split_bytes"], ROWS=p["ROWS"], XROWS=p["XROWS"], STEP=p["STEP"],
                                     PRMT=not interpreted(), PAIRS=pairs, num_stages=p["num_stages"], **flags)
     elif p["path"] == "gemv":
         prmt = x.dtype != torch.float32 and not interpreted()
