@@ -337,7 +337,7 @@ TRITON_RUNS = [
     (C.INT8_CASES[3], 17, {"gemm": TINY_GEMM, "gemm_max_split": 4}, "gemm", True),
     # M = 1 in 16 bits goes to the CUDA-core GEMV (test_triton_gemv_fma); gemv_fma_max_m 0 keeps the dot one.
     (C.BLOCKWISE4_CASES[4], 1, {"gemv_fma_max_m": 0, "gemv": {"max_split": 1}}, "gemv", False),  # 24x256 b128 nested
-    (C.BLOCKWISE4_CASES[5], 2, {"gemv": {"STEP_BYTES": 64, "programs_per_sm": 64}}, "gemv", True),
+    (C.BLOCKWISE4_CASES[5], 2, {"gemv_fma_max_m": 0, "gemv": {"STEP_BYTES": 64, "programs_per_sm": 64}}, "gemv", True),
     (C.BLOCKWISE4_CASES[10], 1, {"gemv_fma_max_m": 0, "gemv": {"STEP_BYTES": 16}}, "gemv", None),  # fp4
     (C.BLOCKWISE4_CASES[11], 16, {"gemv": {"BLOCK_N": 16}}, "gemv", None),  # the largest default GEMV M
     (C.BLOCKWISE4_CASES[4], 17, {"gemv_max_m": 32}, "gemv", None),  # a 32-wide dot, 15 rows masked
@@ -348,7 +348,8 @@ TRITON_RUNS = [
     (C.BLOCKWISE4_CASES[5], 3, {"gemv_max_m": 2, "gemv_slices_max_m": 0, "gemm": TINY_GEMM, "gemm_max_split": 2, "scale_after_max_block_m": 0}, "gemm", True),
     # Above gemv_max_m: the small-M kernel over row slices (the last one partial), with and without split-K.
     (C.BLOCKWISE4_CASES[4], 37, {"dense_above_m": 64}, "gemv_slices", None),
-    (C.BLOCKWISE4_CASES[5], 7, {"gemv_max_m": 2, "gemv": {"STEP_BYTES": 64, "programs_per_sm": 64}}, "gemv_slices", True),
+    (C.BLOCKWISE4_CASES[5], 7, {"gemv_max_m": 2, "gemv_fma_max_m": 0, "gemv": {"STEP_BYTES": 64, "programs_per_sm": 64}},
+     "gemv_slices", True),
 ]
 
 
@@ -464,8 +465,8 @@ def test_triton_gemv_fma_plan():
     from qops.ops.triton import blockwise4 as tbw4
 
     cpu = torch.device("cpu")
-    # The default: M = 1 in 16 bits, two rows, STEP_BYTES capped so that whole steps tile the row;
-    # fp32 x and M = 2 take the dot GEMV.
+    # The default: M = 1 in 16 bits, two weight rows, STEP_BYTES capped so that whole steps tile the
+    # row; M = 2 too (two rows of x); fp32 x and M = 3 take the dot GEMV.
     for (n, k, bs), step in (((28672, 4096, 64), 1024), ((4096, 192, 64), 32), ((3, 4096, 4096), 1024),
                              ((8192, 28672, 32), 1024), ((40, 192, 64), 32), ((21, 128, 64), 64)):
         p = tbw4.plan(1, n, k, bs, cpu, torch.bfloat16)
@@ -473,7 +474,9 @@ def test_triton_gemv_fma_plan():
         assert (k // 2) % step == 0 and p["split_bytes"] % step == 0, p
         assert p["grid"] == (1, -(-n // 2), p["split"]) and p["XROWS"] == 1
     assert tbw4.plan(1, 4096, 4096, 64, cpu, torch.float32)["path"] == "gemv"
-    assert tbw4.plan(2, 4096, 4096, 64, cpu, torch.float16)["path"] == "gemv"
+    p = tbw4.plan(2, 4096, 4096, 64, cpu, torch.float16)  # two rows of x by two weight rows
+    assert (p["path"], p["XROWS"], p["ROWS"], p["grid"][:2]) == ("gemv_fma", 2, 2, (1, 2048)), p
+    assert tbw4.plan(3, 4096, 4096, 64, cpu, torch.float16)["path"] == "gemv"
     assert tbw4.plan(1, 4096, 4096 + 32, 64, cpu, torch.float16)["path"] == "dense"  # K % blocksize: flat stream only
 
 
@@ -519,12 +522,12 @@ def test_triton_gemv_step_plan():
     cpu = torch.device("cpu")
     # The default config: one block at most (32 bytes at blocksize 64, 16 at 32), as measured so far.
     for bs, step in ((64, 32), (32, 16), (128, 32), (4096, 32)):
-        p = tbw4.plan(2, 8192, 28672, bs, cpu, torch.float16)  # M = 2: the dot GEMV (M = 1: test_triton_gemv_fma_plan)
+        p = tbw4.plan(3, 8192, 28672, bs, cpu, torch.float16)  # M = 3: the dot GEMV (M <= 2: test_triton_gemv_fma_plan)
         assert (p["STEP"], p["SCALE_W"]) == (step, False), p
     with tbw4.config_override(gemv={"STEP_BYTES": 256, "blocks_per_step": 8, "max_split": 4}):
         for (n, k, bs), step in (((8192, 28672, 64), 256), ((4096, 11008, 64), 128), ((4096, 4096, 32), 128),
                                  ((4096, 4096, 4096), 256), ((4096, 192, 64), 32)):
-            p = tbw4.plan(2, n, k, bs, cpu, torch.float16)
+            p = tbw4.plan(3, n, k, bs, cpu, torch.float16)
             assert p["STEP"] == step and (k // 2) % step == 0 and p["split_bytes"] % step == 0, (n, k, bs, p)
             assert (p["split"] - 1) * p["split_bytes"] < k // 2 <= p["split"] * p["split_bytes"], p
 

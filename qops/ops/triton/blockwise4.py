@@ -129,8 +129,14 @@ CONFIGS: dict = {
     # 42.5 / 37.9% of the roofline against 23.0 / 19.6 / 23.8 / 23.9% for the tensor-core GEMV in the
     # same run (1.59-1.79x); two rows beat one (x decoded once for both), one warp beat two and four,
     # stages did not matter. M = 2..16 stay on the tensor-core GEMV (not measured on this kernel).
-    "gemv_fma_max_m": 1,
-    "gemv_fma": {"ROWS": 2, "STEP_BYTES": 1024, "num_warps": 1, "num_stages": 2, "programs_per_sm": 4, "max_split": 16},
+    # Rows of x are unrolled with the weight rows, up to four products a program (ROWS capped at
+    # 4 // XROWS): at M = 2, two weight rows by two rows of x measured 49.3 / 27.0 / 176 / 94.5 us
+    # against 62.8 / 36.7 / 241 / 122 for the tensor-core GEMV (a05a4ec, ...-a05a4ec-nf4-fma-3.json);
+    # at M = 4 (one weight row by four rows of x) 1.4-2.2x slower than it: the products, not the
+    # bytes, bound it there. maxnreg: ptxas's register cap (None: its own choice).
+    "gemv_fma_max_m": 2,
+    "gemv_fma": {"ROWS": 2, "STEP_BYTES": 1024, "num_warps": 1, "num_stages": 2, "maxnreg": None, "programs_per_sm": 4,
+                 "max_split": 16},
     # Register counts from ptxas (triton 3.6, sm_90, nested, blocksize 64): 168, 114, 164, 164,
     # 210; no spills (BLOCK_N 128 with BLOCK_M >= 32 reaches 255).
     "gemm": [
@@ -422,16 +428,21 @@ def _gemv_fma_kernel(
     acc1 = tl.zeros([G], tl.float32)
     acc2 = tl.zeros([G], tl.float32)
     acc3 = tl.zeros([G], tl.float32)
+    # Row 0 of W and of x always exists; a later one past N or M reads as zeros (0 bytes long).
+    row_lens = ()
+    for r in tl.static_range(ROWS):
+        row_lens = row_lens + (tl.where(n0 + r < N, row_bytes, 0),)
+    x_lens = ()
+    for j in tl.static_range(XROWS):
+        x_lens = x_lens + (tl.where(m0 + j < M, row_bytes, 0),)
     for kb0 in range(kb_lo, kb_hi, STEP):
-        blks = n0.to(tl.int64) * blocks_per_row + (2 * (kb0 + offs_g * SUB)) // BLOCKSIZE
         xs = ()
         for j in tl.static_range(XROWS):
-            # Row 0 of a program always exists; a later one is read as zeros past M (0 bytes long).
-            xs = xs + (_fma_x(x_ptr, (m0 + j) * stride_xm, kb0, pos, stride_xk, tl.where(m0 + j < M, row_bytes, 0),
-                              j > 0, PAIRS, DT),)
+            xs = xs + (_fma_x(x_ptr, (m0 + j) * stride_xm, kb0, pos, stride_xk, x_lens[j], j > 0, PAIRS, DT),)
+        blks = n0.to(tl.int64) * blocks_per_row + (2 * (kb0 + offs_g * SUB)) // BLOCKSIZE
         for r in tl.static_range(ROWS):
             w_even, w_odd, s = _fma_weights(w_row + r * row_bytes, kb0, pos, blks + r * blocks_per_row,
-                                            tl.where(n0 + r < N, row_bytes, 0), planes, code_ptr, am_ptr, ncode_ptr,
+                                            row_lens[r], planes, code_ptr, am_ptr, ncode_ptr,
                                             nam_ptr, noff, r > 0, PRMT, NESTED, NESTED_BS, DT)
             for j in tl.static_range(XROWS):
                 x_even, x_odd = xs[j]
@@ -450,8 +461,9 @@ def _gemv_fma_kernel(
         r = tl.zeros([ROWS], tl.float32)
         for rr in tl.static_range(ROWS):
             r = tl.where(i == rr, tl.sum(accs[rr * XROWS + j], axis=0), r)
-        if m0 + j < M:
-            store_row(y_ptr, bias_ptr, r, m0 + j, n0 + i, n0 + i < N, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
+        # Columns past N, or a row of x past M (its whole row): not written.
+        store_row(y_ptr, bias_ptr, r, m0 + j, n0 + i, n0 + i < tl.where(m0 + j < M, N, 0), stride_ym, stride_yn,
+                  HAS_BIAS, ATOMIC)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -577,6 +589,7 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
         split, per = split_k(row_bytes, step, tiles, cfg["programs_per_sm"] * sms, cfg["max_split"])
         return dict(path="gemv_fma", ROWS=rows, XROWS=xrows, STEP=step, split=split, split_bytes=per,
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                    maxnreg={"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {},
                     grid=(triton.cdiv(m, xrows), triton.cdiv(n, rows), split))
     if m <= TABLE["gemv_max_m"] and k % blocksize == 0:
         cfg = TABLE["gemv"]
@@ -658,7 +671,7 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         _gemv_fma_kernel[p["grid"]](x2, qweight, code.contiguous(), absmax, *tables, bias if bias is not None else code,
                                     dst, m, n, k // 2, x2.stride(0), x2.stride(1), dst.stride(0),
                                     dst.stride(1), p["split_bytes"], ROWS=p["ROWS"], XROWS=p["XROWS"], STEP=p["STEP"],
-                                    PRMT=not interpreted(), PAIRS=pairs, num_stages=p["num_stages"], **flags)
+                                    PRMT=not interpreted(), PAIRS=pairs, num_stages=p["num_stages"], **p["maxnreg"], **flags)
     elif p["path"] == "gemv":
         prmt = x.dtype != torch.float32 and not interpreted()
         _gemv_kernel[p["grid"]](x2, qweight, code.contiguous(), absmax, *tables, bias if bias is not None else code,
