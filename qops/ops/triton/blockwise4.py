@@ -48,17 +48,18 @@ stream by absolute index and needs neither.
   per byte on 8 warps), and the scaled weight rounds twice more (absmax and product in 16 bits:
   ~1.7x the fp16 error, subnormal below ~6e-5 absmax in fp16). So (b) is the path; (a) is kept
   selectable for the GPU sweep only.
-- **gemv_fma** (M <= ``gemv_fma_max_m``, 1 by default, x in fp16 or bf16): CUDA cores, no tensor
-  core. A program takes one row of x and one or two weight rows, and walks the K split in steps of
-  ``STEP`` contiguous bytes a row, seen as a (G, SUB) tile of runs that each lie inside one block.
-  Codes are decoded by the same ``prmt`` sequence, x is read as int32 pairs (element 2j low, 2j + 1
-  high: byte j's two nibbles) when its row starts on 4 bytes with unit stride, products and sums are
-  fp32, and each run's sum is scaled once by its block's absmax. Every tensor of a step is 2-D in the
-  weight bytes' layout, so Triton loads x straight into the registers that use it; the tensor-core
-  GEMV pays a shared-memory layout conversion (and barriers) for its operands each step. The loop is
-  ~14.5 thread-instructions per weight byte at two rows (SASS, triton 3.6, sm_90), which caps it
-  by instruction issue near 55% of the copy roofline; measured 32-43% against 20-24% for the
-  tensor-core GEMV (CONFIGS).
+- **gemv_fma** (M <= ``gemv_fma_max_m``, 2 by default, x in fp16 or bf16): CUDA cores, no tensor
+  core. A program takes up to four (weight row, row of x) products: at M = 1 two weight rows, at
+  M = 2 two by two. It walks the K split in steps of ``STEP`` contiguous bytes a weight row, seen as
+  a (G, SUB) tile of runs that each lie inside one block. Codes are decoded by the same ``prmt``
+  sequence, once per weight row for every row of x; x is read as int32 pairs (element 2j low,
+  2j + 1 high: byte j's two nibbles) when its rows start on 4 bytes with unit stride; products and
+  sums are fp32, and each run's sum is scaled once by its block's absmax. Every tensor of a step is
+  2-D in the weight bytes' layout, so Triton loads x straight into the registers that use it; the
+  tensor-core GEMV pays a shared-memory layout conversion (and barriers) for its operands each step.
+  The loop is ~14.5 thread-instructions per weight byte at two weight rows (SASS, triton 3.6,
+  sm_90), which caps it by instruction issue near 55% of the copy roofline; measured 32-43% at
+  M = 1 against 20-24% for the tensor-core GEMV, and 1.27-1.37x that GEMV at M = 2 (CONFIGS).
 - **dense** (M > ``dense_above_m``, 32 by default): the weight is dequantized by a Triton kernel
   into a transient ``(slab, K)`` buffer of x's dtype (at most ``slab_bytes``, 128 MB), rows
   ``[n0, n0 + slab)`` of W at a time, and cuBLAS writes ``x @ slab.T (+ bias)`` into the output's
@@ -122,18 +123,20 @@ CONFIGS: dict = {
     # dot instead of each block's product (see the module docstring).
     "gemv": {"BLOCK_N": 64, "STEP_BYTES": 32, "num_warps": 4, "num_stages": 4, "programs_per_sm": 4,
              "max_split": 16, "blocks_per_step": 1, "scale": "product"},
-    # Up to this M (16-bit x only), one program per row of x on CUDA cores (``_gemv_fma_kernel``):
-    # ROWS weight rows x STEP_BYTES contiguous bytes a row per step. H200 sweep at M = 1 (71d027d,
-    # benchmarks/results/h200-2026-11-30-71d027d-nf4-fma.json: 1/2 rows, 512-2048 bytes, 1/2/4 warps,
-    # 1/2 stages): two rows of 1024 bytes on one warp best on all four large shapes, 37.5 / 31.8 /
-    # 42.5 / 37.9% of the roofline against 23.0 / 19.6 / 23.8 / 23.9% for the tensor-core GEMV in the
-    # same run (1.59-1.79x); two rows beat one (x decoded once for both), one warp beat two and four,
-    # stages did not matter. M = 2..16 stay on the tensor-core GEMV (not measured on this kernel).
-    # Rows of x are unrolled with the weight rows, up to four products a program (ROWS capped at
-    # 4 // XROWS): at M = 2, two weight rows by two rows of x measured 49.3 / 27.0 / 176 / 94.5 us
-    # against 62.8 / 36.7 / 241 / 122 for the tensor-core GEMV (a05a4ec, ...-a05a4ec-nf4-fma-3.json);
-    # at M = 4 (one weight row by four rows of x) 1.4-2.2x slower than it: the products, not the
-    # bytes, bound it there. maxnreg: ptxas's register cap (None: its own choice).
+    # Up to this M (16-bit x only), the CUDA-core GEMV (``_gemv_fma_kernel``): ROWS weight rows x
+    # STEP_BYTES contiguous bytes a row per step, for each of up to 4 // ROWS rows of x.
+    # Sweep 1 at M = 1 (71d027d, benchmarks/results/h200-2026-11-30-71d027d-nf4-fma.json: 1/2 rows,
+    # 512-2048 bytes, 1/2/4 warps, 1/2 stages): two rows of 1024 bytes on one warp best on all four
+    # large shapes, 37.5 / 31.8 / 42.5 / 37.9% of the roofline against 23.0 / 19.6 / 23.8 / 23.9% for
+    # the tensor-core GEMV in the same run (1.59-1.79x); two rows beat one (x converted once for
+    # both), one warp beat two and four, stages did not matter. Sweep 2 (ff4b071, ...-nf4-fma-2.json):
+    # four rows lost to two. Sweep 3 (a05a4ec, ...-nf4-fma-3.json): rows of x unrolled with the
+    # weight rows; at M = 2, two by two measured 49.3 / 27.0 / 176 / 94.5 us against 62.8 / 36.7 / 241 /
+    # 122 for the tensor-core GEMV; at M = 4 (one weight row by four rows of x) 1.4-2.2x slower than
+    # it: the products, not the bytes, bound it there. The unrolled kernel costs M = 1 ~5% (40.4 /
+    # 22.4 / 143 / 77.5 us against 38.0 / 22.5 / 135 / 75.5: ptxas takes 125 registers where the
+    # two-row kernel took 80; capping them with maxnreg 80-128 was slower still, 6c34b9c,
+    # ...-6c34b9c-nf4-fma-4.json). maxnreg: ptxas's register cap (None: its own choice).
     "gemv_fma_max_m": 2,
     "gemv_fma": {"ROWS": 2, "STEP_BYTES": 1024, "num_warps": 1, "num_stages": 2, "maxnreg": None, "programs_per_sm": 4,
                  "max_split": 16},
