@@ -51,9 +51,18 @@ def test_help_documents_every_option():
     assert re.search(r"\(default:\s+gptq\)", out)
 
 
+def _on_gpu() -> bool:
+    """Whether the demo's default device (``--device auto``) is CUDA here, as the subprocess sees it."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def test_compiled_default_format():
     out = _demo(*TINY)
-    assert "format: gptq (GPTQ int4, group 128" in out and "(compiled;" in out
+    # The default device is the GPU where there is one: compiled and captured in CUDA graphs there.
+    mode = "(compiled + CUDA graphs;" if _on_gpu() else "(compiled;"
+    assert "format: gptq (GPTQ int4, group 128" in out and mode in out, out
     assert _tokens_per_s(out) > 0
     assert 0 < _logit_error(out) < 0.5
 
@@ -72,4 +81,14 @@ def test_checkpoint_directory(tmp_path, scheme):
         assert "format: awq" in out and 0 < _logit_error(out) < 0.5
     else:
         assert "--format ignored" in out and "n/a (the checkpoint is already quantized)" in out
-    assert "lowerings: reference_int_weight x4" in out
+    # Four int-weight linears: the reference kernel on a CPU; on a GPU whichever CUDA lowering the
+    # chooser picks for these shapes (the lowerings line names it).
+    if _on_gpu():
+        from qops.lowerings import LOWERINGS
+
+        line = re.search(r"^lowerings: (.*)$", out, re.M)
+        used = dict(re.findall(r"(\S+) x(\d+)", line.group(1))) if line else {}
+        cuda = {low.name for low in LOWERINGS if low.family == "int_weight" and low.name != "reference_int_weight"}
+        assert used and set(used) <= cuda and sum(map(int, used.values())) == 4, out
+    else:
+        assert "lowerings: reference_int_weight x4" in out, out
