@@ -133,10 +133,12 @@ CONFIGS: dict = {
     # four rows lost to two. Sweep 3 (a05a4ec, ...-nf4-fma-3.json): rows of x unrolled with the
     # weight rows; at M = 2, two by two measured 49.3 / 27.0 / 176 / 94.5 us against 62.8 / 36.7 / 241 /
     # 122 for the tensor-core GEMV; at M = 4 (one weight row by four rows of x) 1.4-2.2x slower than
-    # it: the products, not the bytes, bound it there. The unrolled kernel costs M = 1 ~5% (40.4 /
-    # 22.4 / 143 / 77.5 us against 38.0 / 22.5 / 135 / 75.5: ptxas takes 125 registers where the
-    # two-row kernel took 80; capping them with maxnreg 80-128 was slower still, 6c34b9c,
-    # ...-6c34b9c-nf4-fma-4.json). maxnreg: ptxas's register cap (None: its own choice).
+    # it: the products, not the bytes, bound it there. The unrolled kernel as measured there cost M = 1
+    # ~5% (40.4 / 22.4 / 143 / 77.5 us against 38.0 / 22.5 / 135 / 75.5): ptxas took 125 registers
+    # where the two-row kernel took 80 (capping them with maxnreg 80-128 was slower still, 6c34b9c,
+    # ...-6c34b9c-nf4-fma-4.json). The cause was the epilogue's form; with the current one the M = 1
+    # kernel's SASS is the two-row kernel's again (1112 instructions, 80 registers, the same
+    # sequence up to register names): not re-measured. maxnreg: ptxas's register cap (None: its own).
     "gemv_fma_max_m": 2,
     "gemv_fma": {"ROWS": 2, "STEP_BYTES": 1024, "num_warps": 1, "num_stages": 2, "maxnreg": None, "programs_per_sm": 4,
                  "max_split": 16},
@@ -458,15 +460,21 @@ def _gemv_fma_kernel(
                     acc2 += part
                 else:
                     acc3 += part
+    # Row j of x: weight row r's sum (lane r * XROWS + j) goes to column n0 + r. A four-wide vector
+    # whatever ROWS is: ptxas kept 125 registers in the loop for a ROWS-wide one built in a loop,
+    # against 80 for this form (two weight rows, one row of x; triton 3.6, sm_90).
     accs = (acc0, acc1, acc2, acc3)
-    i = tl.arange(0, ROWS)
+    i = tl.arange(0, 4)
     for j in tl.static_range(XROWS):
-        r = tl.zeros([ROWS], tl.float32)
-        for rr in tl.static_range(ROWS):
-            r = tl.where(i == rr, tl.sum(accs[rr * XROWS + j], axis=0), r)
-        # Columns past N, or a row of x past M (its whole row): not written.
-        store_row(y_ptr, bias_ptr, r, m0 + j, n0 + i, n0 + i < tl.where(m0 + j < M, N, 0), stride_ym, stride_yn,
-                  HAS_BIAS, ATOMIC)
+        r = tl.where(i == 0, tl.sum(accs[j], axis=0), 0.0)
+        if ROWS >= 2:
+            r = tl.where(i == 1, tl.sum(accs[XROWS + j], axis=0), r)
+        if ROWS >= 4:
+            r = tl.where(i == 2, tl.sum(accs[2 * XROWS + j], axis=0), r)
+            r = tl.where(i == 3, tl.sum(accs[3 * XROWS + j], axis=0), r)
+        # Columns past N or this program's rows, and a row of x past M, are not written.
+        cols = tl.where(m0 + j < M, tl.minimum(N, n0 + ROWS), 0)
+        store_row(y_ptr, bias_ptr, r, m0 + j, n0 + i, n0 + i < cols, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 @triton.jit(do_not_specialize=["M"])
