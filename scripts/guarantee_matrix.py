@@ -127,7 +127,8 @@ def test_id(case: ET.Element) -> str:
 def read_junit(name: str, path: str | None) -> Suite:
     """The outcomes in one junit XML file, or in several (comma-separated paths, one suite, oldest
     run first: a test a later file ran again takes that file's outcome, so a re-run after a fix
-    replaces the failure it fixed)."""
+    replaces the failure it fixed; a later skip does not replace a pass or a failure, since a
+    machine that could not run the test says nothing about it, e.g. a one-GPU run of 2-GPU tests)."""
     suite = Suite(name, path)
     if path is None:
         return suite
@@ -148,7 +149,9 @@ def read_junit(name: str, path: str | None) -> Suite:
             # A test that errors in teardown appears twice in one file: the failure wins.
             if outcomes.get(tid) != "failed":
                 outcomes[tid] = outcome
-        suite.outcomes.update(outcomes)
+        for tid, outcome in outcomes.items():
+            if outcome != "skipped" or suite.outcomes.get(tid, "skipped") == "skipped":
+                suite.outcomes[tid] = outcome
     return suite
 
 

@@ -71,6 +71,21 @@ def test_cells_follow_the_outcomes(gm, tmp_path):
     assert gm.cell(cols["opcheck passes"], "gptq", LOWERINGS_BY_NAME["native_w4a16"], cpu, gpu) == "GPU FAIL (1 of 1)"
 
 
+def test_later_runs_replace_outcomes_but_not_with_skips(gm, tmp_path):
+    # Oldest first: a re-run replaces a failure (and a pass); a later skip (a machine that could not
+    # run the test) keeps what an earlier run found; a test only ever skipped stays skipped.
+    a = ("tests.gpu.test_gpu_tp", "test_a", "failed")
+    b = ("tests.gpu.test_gpu_tp", "test_b", "passed")
+    c = ("tests.gpu.test_gpu_tp", "test_c", "passed")
+    d = ("tests.gpu.test_gpu_tp", "test_d", "skipped")
+    first = _junit(tmp_path / "1.xml", [a, b, c, d])
+    second = _junit(tmp_path / "2.xml", [(a[0], a[1], "passed"), (b[0], b[1], "skipped"), (c[0], c[1], "failed"),
+                                         (d[0], d[1], "skipped")])
+    got = gm.read_junit("GPU", f"{first},{second}").outcomes
+    assert got == {"tests/gpu/test_gpu_tp.py::test_a": "passed", "tests/gpu/test_gpu_tp.py::test_b": "passed",
+                   "tests/gpu/test_gpu_tp.py::test_c": "failed", "tests/gpu/test_gpu_tp.py::test_d": "skipped"}, got
+
+
 def test_every_registered_pair_has_a_row(gm):
     from qops.formats import FORMATS
     from qops.lowerings import LOWERINGS
