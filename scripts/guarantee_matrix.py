@@ -124,11 +124,16 @@ def test_id(case: ET.Element) -> str:
     return "/".join(mod) + ".py::" + "::".join(klass + [name])
 
 
+# Skip messages that say the machine lacked what the test needs (tests/gpu, conftest.py).
+MACHINE_SKIP = re.compile(r"needs \d+ CUDA devices|needs a CUDA device|no GPU on this machine")
+
+
 def read_junit(name: str, path: str | None) -> Suite:
     """The outcomes in one junit XML file, or in several (comma-separated paths, one suite, oldest
     run first: a test a later file ran again takes that file's outcome, so a re-run after a fix
-    replaces the failure it fixed; a later skip does not replace a pass or a failure, since a
-    machine that could not run the test says nothing about it, e.g. a one-GPU run of 2-GPU tests)."""
+    replaces the failure it fixed. A later skip for want of hardware (``MACHINE_SKIP``: a one-GPU run
+    of 2-GPU tests) does not replace a pass or a failure, since it says nothing about the test; any
+    other skip (the test now names a real limit of the pair) does)."""
     suite = Suite(name, path)
     if path is None:
         return suite
@@ -138,10 +143,12 @@ def read_junit(name: str, path: str | None) -> Suite:
             suite.timestamp = suite.timestamp or ts.get("timestamp")
             suite.hostname = suite.hostname or ts.get("hostname")
         outcomes: dict[str, str] = {}
+        no_machine: set[str] = set()
         for case in root.iter("testcase"):
+            skip = case.find("skipped")
             if case.find("failure") is not None or case.find("error") is not None:
                 outcome = "failed"
-            elif case.find("skipped") is not None:
+            elif skip is not None:
                 outcome = "skipped"
             else:
                 outcome = "passed"
@@ -149,8 +156,10 @@ def read_junit(name: str, path: str | None) -> Suite:
             # A test that errors in teardown appears twice in one file: the failure wins.
             if outcomes.get(tid) != "failed":
                 outcomes[tid] = outcome
+            if skip is not None and MACHINE_SKIP.search(skip.get("message", "")):
+                no_machine.add(tid)
         for tid, outcome in outcomes.items():
-            if outcome != "skipped" or suite.outcomes.get(tid, "skipped") == "skipped":
+            if not (outcome == "skipped" and tid in no_machine and suite.outcomes.get(tid, "skipped") != "skipped"):
                 suite.outcomes[tid] = outcome
     return suite
 

@@ -21,7 +21,8 @@ def gm(monkeypatch):
 def _junit(path, cases):
     body = []
     for cls, name, outcome in cases:
-        inner = {"passed": "", "failed": "<failure message='x'/>", "skipped": "<skipped message='y'/>"}[outcome]
+        inner = {"passed": "", "failed": "<failure message='x'/>", "skipped": "<skipped message='y'/>",
+                 "no-machine": "<skipped message='needs 2 CUDA devices, found 1'/>"}[outcome]
         body.append(f'<testcase classname="{cls}" name="{name}" time="0.1">{inner}</testcase>')
     path.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest" timestamp="2026-12-01T10:00:00" hostname="ci">'
                     + "".join(body) + "</testsuite></testsuites>")
@@ -72,18 +73,17 @@ def test_cells_follow_the_outcomes(gm, tmp_path):
 
 
 def test_later_runs_replace_outcomes_but_not_with_skips(gm, tmp_path):
-    # Oldest first: a re-run replaces a failure (and a pass); a later skip (a machine that could not
-    # run the test) keeps what an earlier run found; a test only ever skipped stays skipped.
-    a = ("tests.gpu.test_gpu_tp", "test_a", "failed")
-    b = ("tests.gpu.test_gpu_tp", "test_b", "passed")
-    c = ("tests.gpu.test_gpu_tp", "test_c", "passed")
-    d = ("tests.gpu.test_gpu_tp", "test_d", "skipped")
-    first = _junit(tmp_path / "1.xml", [a, b, c, d])
-    second = _junit(tmp_path / "2.xml", [(a[0], a[1], "passed"), (b[0], b[1], "skipped"), (c[0], c[1], "failed"),
-                                         (d[0], d[1], "skipped")])
+    # Oldest first: a re-run replaces a failure (and a pass); a later skip for want of hardware keeps
+    # what an earlier run found; any other later skip (a limit the test now names) replaces it; a
+    # test only ever skipped stays skipped.
+    t = "tests.gpu.test_gpu_tp"
+    first = _junit(tmp_path / "1.xml", [(t, "a", "failed"), (t, "b", "passed"), (t, "c", "passed"), (t, "d", "no-machine"),
+                                        (t, "e", "failed")])
+    second = _junit(tmp_path / "2.xml", [(t, "a", "passed"), (t, "b", "no-machine"), (t, "c", "failed"), (t, "d", "no-machine"),
+                                         (t, "e", "skipped")])
     got = gm.read_junit("GPU", f"{first},{second}").outcomes
-    assert got == {"tests/gpu/test_gpu_tp.py::test_a": "passed", "tests/gpu/test_gpu_tp.py::test_b": "passed",
-                   "tests/gpu/test_gpu_tp.py::test_c": "failed", "tests/gpu/test_gpu_tp.py::test_d": "skipped"}, got
+    want = {"a": "passed", "b": "passed", "c": "failed", "d": "skipped", "e": "skipped"}
+    assert got == {f"tests/gpu/test_gpu_tp.py::{k}": v for k, v in want.items()}, got
 
 
 def test_every_registered_pair_has_a_row(gm):
