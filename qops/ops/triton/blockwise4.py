@@ -229,6 +229,21 @@ def _code_planes(code_ptr, DT: tl.constexpr):
 
 
 @triton.jit
+def _gemv_tables(noff_ptr, code_ptr, NESTED: tl.constexpr, PRMT: tl.constexpr, DT: tl.constexpr):
+    """What the GEMVs read once per program: the nested absmax's offset (0 when plain) and the
+    register codebook for ``_decode`` (unused zeros when codes are looked up in memory)."""
+    if NESTED:
+        noff = tl.load(noff_ptr)
+    else:
+        noff = 0.0
+    if PRMT:
+        planes = _code_planes(code_ptr, DT)
+    else:
+        planes = (0, 0, 0, 0, 0, 0, 0, 0)
+    return noff, planes
+
+
+@triton.jit
 def _decode_prmt(b, planes, DT: tl.constexpr):
     """(even, odd) 16-bit codes of the bytes ``b`` (high nibble: even K, low nibble: odd K), in DT.
 
@@ -291,14 +306,7 @@ def _gemv_kernel(
     row_blk = offs_n.to(tl.int64) * blocks_per_row
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    if NESTED:
-        noff = tl.load(noff_ptr)
-    else:
-        noff = 0.0
-    if PRMT:
-        planes = _code_planes(code_ptr, DT)
-    else:
-        planes = (0, 0, 0, 0, 0, 0, 0, 0)
+    noff, planes = _gemv_tables(noff_ptr, code_ptr, NESTED, PRMT, DT)
     kb_lo = pid_k * split_bytes
     kb_hi = tl.minimum(row_bytes, kb_lo + split_bytes)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -418,14 +426,7 @@ def _gemv_fma_kernel(
     pos = offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]  # (G, SUB): byte offsets inside a step
     blocks_per_row = (2 * row_bytes) // BLOCKSIZE
     w_row = w_ptr + n0.to(tl.int64) * row_bytes
-    if NESTED:
-        noff = tl.load(noff_ptr)
-    else:
-        noff = 0.0
-    if PRMT:
-        planes = _code_planes(code_ptr, DT)
-    else:
-        planes = (0, 0, 0, 0, 0, 0, 0, 0)
+    noff, planes = _gemv_tables(noff_ptr, code_ptr, NESTED, PRMT, DT)
     kb_lo = pid_k * split_bytes
     kb_hi = tl.minimum(row_bytes, kb_lo + split_bytes)
     # Products (weight row r, row j of x) are lanes r * XROWS + j: four accumulators at most.
