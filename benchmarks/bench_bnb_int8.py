@@ -60,14 +60,14 @@ SWEEP = {
              for bn, bk, w, st in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8), (2, 3, 4))
              if 16 <= bn * bk // (32 * w) <= 64],
     "nf4": [dict(BLOCK_N=bn, num_warps=w, programs_per_sm=p) for bn, w, p in itertools.product((64, 128, 256), (4, 8), (1, 2, 4))],
-    # The CUDA-core M = 1 GEMV (blockwise4 "gemv_fma"): weight rows x bytes a row per step x warps x stages.
-    # Run 1 (71d027d, ...-71d027d-nf4-fma.json): rows 1/2, 512-2048 bytes, 1/2/4 warps, 1/2 stages:
-    # two rows of 1024 bytes on one warp best everywhere. Run 2: four rows (x shared by more rows).
-    # Run 2 (ff4b071, ...-ff4b071-nf4-fma-2.json): four rows lost to two. Run 3: the kernel with rows
-    # of x unrolled too (up to four products a program), at M = 1 and, as nf4_fma_m2 / nf4_fma_m4
-    # (gemv_fma_max_m raised to 4), at M = 2 and 4, where the plan caps ROWS at 4 // XROWS.
-    # Run 4: ptxas's register cap (the unrolled kernel of run 3 took 125 registers at M = 1 where the
-    # two-row kernel of runs 1-2 took 80, and ran ~5% slower).
+    # The CUDA-core GEMV (blockwise4 "gemv_fma"): weight rows x bytes a row per step x warps x stages.
+    # Earlier grids, each recorded in its results file: run 1 (71d027d, ...-71d027d-nf4-fma.json) rows
+    # 1/2, 512-2048 bytes, 1/2/4 warps, 1/2 stages: two rows of 1024 bytes on one warp best everywhere;
+    # run 2 (ff4b071, ...-ff4b071-nf4-fma-2.json) four rows: lost to two; run 3 (a05a4ec,
+    # ...-a05a4ec-nf4-fma-3.json) the kernel with rows of x unrolled too, at M = 1 and, as nf4_fma_m2 /
+    # nf4_fma_m4 (gemv_fma_max_m raised to 4), at M = 2 and 4, where the plan caps ROWS at 4 // XROWS.
+    # Run 4 (below, 6c34b9c): ptxas's register cap (run 3's kernel took 125 registers at M = 1 where
+    # the two-row kernel of runs 1-2 took 80, and ran ~5% slower): every cap was slower.
     "nf4_fma": [dict(ROWS=2, STEP_BYTES=1024, num_warps=1, num_stages=2, maxnreg=r) for r in (None, 80, 96, 128)],
     "nf4_fma_m2": [dict(ROWS=2, STEP_BYTES=1024, num_warps=1, num_stages=2, maxnreg=r) for r in (None, 80, 96, 128)],
     "nf4_fma_m4": [dict(ROWS=1, STEP_BYTES=sb, num_warps=w, num_stages=2) for sb, w in itertools.product((512, 1024), (1, 2))],
@@ -101,7 +101,7 @@ def parse_args(argv=None):
     p.add_argument("--ms", type=common.parse_ms, help="comma-separated M; default 1,16,64,256")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=5.0, help="GPU time per timed trial")
-    p.add_argument("--sweep", action="store_true", help="also time the GEMV configs of SWEEP at M=1 and print the best")
+    p.add_argument("--sweep", action="store_true", help="also time the GEMV configs of SWEEP (each kind at its own M, 1 by default) and print the best")
     p.add_argument("--sweep-kinds", default="int8,nf4", help="which of SWEEP's kinds --sweep times (default int8,nf4; also nf4_fma, nf4_m16, nf4_fma_m2, nf4_fma_m4)")
     p.add_argument("--fma-up-to", type=int, default=0, help="also time NF4 through the CUDA-core GEMV at each M of --ms up to this")
     p.add_argument("--sweep-nf4", action="store_true", help="also time the NF4 GEMV K steps of NF4_STEPS at each M <= 16")
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
                 with tbw4.config_override(gemv_fma_max_m=0):
                     row["nf4_dot_gemv"] = measure("nf4", copies["nf4"], x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
             elif "nf4" in copies and m <= a.fma_up_to:
-                # The CUDA-core GEMV at an M the tensor-core one serves by default (one program per row of x).
+                # The CUDA-core GEMV at an M the tensor-core one serves by default.
                 with tbw4.config_override(gemv_fma_max_m=m):
                     row["nf4_fma_gemv"] = measure("nf4", copies["nf4"], x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
             res["rows"].append(row)

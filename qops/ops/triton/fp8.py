@@ -36,7 +36,8 @@ GEMV_MAX_M = 4
 # gemv launch, from two H200 sweeps at M = 1. The first (85c0cb8,
 # benchmarks/results/h200-2026-11-30-85c0cb8-fp8-sweep.json: 2-32 rows, 4-16 KiB tiles, 4/8 warps,
 # split 1/2/4) found 2048 weight bytes per row per K step and no split-K best, with 8 rows from
-# N = 8192 and 2 below, 4 warps: 83/70/87/92% of the roofline on the four large shapes. The second
+# N = 8192 and 2 below, 4 warps (83/70/87/92% of the roofline on the four large shapes, timed in the
+# second sweep's run). The second
 # (9f03903, ...-9f03903-fp8-sweep-2.json: 1-8 rows, 1-4 KiB steps, 2/4/8 warps, 2-4 stages) found one
 # row of 2048 bytes a step on 2 warps (32 bytes a thread) better on all four: 87/80/97/93%. One row a
 # program gives the most programs (a likely reason: the last wave's tail is shortest; not profiled);

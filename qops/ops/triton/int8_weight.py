@@ -33,7 +33,7 @@ CONFIGS: dict = {
     # benchmarks/results/h200-2026-11-30-9f03903-int8-sweep.json): 2 rows x 1024 bytes on 2 warps
     # (32 bytes a thread per step) was best on all four large shapes, 80/77/92/89% of the roofline,
     # where the untuned 4 rows x 1024 bytes on 4 warps measured 74/59/87/78% in the same run. One row
-    # a program lost here (62-78%), unlike the FP8 GEMV: this kernel keeps a (rows, BLOCK_K) fp32
+    # a program lost here (63-78% at its best), unlike the FP8 GEMV: this kernel keeps a (rows, BLOCK_K) fp32
     # accumulator and reduces it once at the end. Stages 2-4 were within 1%.
     "gemv": {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 2, "num_stages": 2, "programs_per_sm": 4, "max_split": 16},
     # (largest M of the bucket, tile config); the last bucket takes every larger M.
