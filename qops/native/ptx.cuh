@@ -21,6 +21,13 @@ __device__ __forceinline__ void ld_stream_v4_if(uint4& v, const void* p, bool pr
       : "l"(p), "r"(static_cast<int>(pred)));
 }
 
+// 8 bytes of data read exactly once (weights), by the read-only path without allocating in L1.
+__device__ __forceinline__ uint2 ld_stream_v2(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void ld_nc_v2_if(uint2& v, const void* p, bool pred) {
   asm volatile(
       "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\t@p ld.global.nc.v2.u32 {%0, %1}, [%2];\n\t}"
@@ -144,6 +151,20 @@ __device__ __forceinline__ u16 f32_to_bits(float f) {
   if constexpr (DT == 0) return f32_to_f16_bits(f);
   else return f32_to_bf16_bits(f);
 }
+
+// Bits of a kernel's `flags` argument saying how `bias` is stored (neither: no bias).
+constexpr int kBiasT = 2;    // in the activation dtype
+constexpr int kBiasF32 = 4;  // in float32
+
+// out[m, n] = v (+ bias[n]) rounded to the activation dtype DT.
+template <int DT>
+__device__ __forceinline__ void store_out(u16* out, const void* bias, int flags, int m, int n, int ldo, float v) {
+  if (flags & kBiasT) v += bits_to_f32<DT>(static_cast<const u16*>(bias)[n]);
+  else if (flags & kBiasF32) v += static_cast<const float*>(bias)[n];
+  out[static_cast<size_t>(m) * ldo + n] = f32_to_bits<DT>(v);
+}
+
+__device__ __forceinline__ u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // D += A(16x16, row) * B(16x8, col), fp32 accumulation.
 template <int DT>

@@ -146,8 +146,7 @@ static_assert(kSmemStage % 16 == 0, "stages must stay 16-byte aligned");
 
 // Bits of the `flags` argument.
 constexpr int kXVec = 1;       // x rows 16-byte aligned and K % 8 == 0: x staged with cp.async
-constexpr int kBiasT = 2;      // bias in the activation dtype
-constexpr int kBiasF32 = 4;    // bias in float32
+// kBiasT = 2, kBiasF32 = 4: ptx.cuh (store_out)
 constexpr int kScaleBf16 = 8;  // scales are bfloat16 (else float16)
 
 struct Chunk {
@@ -155,8 +154,6 @@ struct Chunk {
   uint2 s;     // scales of columns n0 .. n0+3
   u32 z;       // qzeros word holding the zeros of columns n0 .. n0+3
 };
-
-__device__ __forceinline__ u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 __device__ __forceinline__ u32 word2(const uint2& v, int i) { return i == 0 ? v.x : v.y; }
 
@@ -167,13 +164,6 @@ __device__ __forceinline__ float sum2(u32 v) {
 }
 
 __device__ __forceinline__ u32 pack2(u16 h) { return static_cast<u32>(h) | (static_cast<u32>(h) << 16); }
-
-template <int DT>
-__device__ __forceinline__ void store_out(u16* out, const void* bias, int flags, int m, int n, int ldo, float v) {
-  if (flags & kBiasT) v += bits_to_f32<DT>(static_cast<const u16*>(bias)[n]);
-  else if (flags & kBiasF32) v += static_cast<const float*>(bias)[n];
-  out[static_cast<size_t>(m) * ldo + n] = f32_to_bits<DT>(v);
-}
 
 template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF, bool FOLD, int SR>
 __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, const u16* __restrict__ scales,
