@@ -308,6 +308,24 @@ LOWERINGS: tuple[Lowering, ...] = (
              "dequantized N-slabs + cuBLAS above; absmax de-nested in the kernels",
         software=_triton_missing,
     ),
+    Lowering(
+        name="native_blockwise4",
+        kernel=Kernel.NATIVE,
+        family="blockwise4",
+        device_types=frozenset({"cuda"}),
+        min_capability=(8, 0),
+        formats=BLOCKWISE4_FORMATS,
+        bits=frozenset({4}),
+        act_dtypes=frozenset({torch.float16, torch.bfloat16}),
+        group_sizes=frozenset(b for b in BNB_BLOCKSIZES if b % 64 == 0),
+        k_multiple=64,
+        priority=20,
+        entry="qops.native.blockwise4:native_mm",
+        warmup="qops.native.blockwise4:warmup",
+        note="CUDA C++ via NVRTC: codes looked up a byte at a time in a shared-memory table, tensor-core GEMV "
+             "for M<=16 (N*K < 2^31); larger M delegated to triton",
+        software=_native_missing,
+    ),
 )
 
 LOWERINGS_BY_NAME = {l.name: l for l in LOWERINGS}

@@ -234,6 +234,7 @@ class Blockwise4Weight:
     nested_blocksize: int
     kernel: Kernel
     choice: Choice | None = None
+    act_dtype: torch.dtype = torch.float16  # the activation dtype it was prepared (and warmed up) for
 
     def _weight_args(self):
         return (self.qweight, self.code, self.absmax, self.nested_code, self.nested_absmax, self.nested_offset)
@@ -280,13 +281,14 @@ def prepare_blockwise4(
         nested_offset=None if nested_offset is None else nested_offset.to(dev).reshape(1),
     )
     check_blockwise4("prepare_blockwise4", in_features, *args.values(), out_features, blocksize, nested_blocksize, dev)
+    act_dtype = dtype if dtype is not None else torch.float16
     spec = WeightSpec(
         family=FAMILY, format=format_name, bits=4, group_size=blocksize, n=out_features, k=in_features,
-        act_order=False, symmetric=True, device=dev, act_dtype=dtype if dtype is not None else torch.float16,
+        act_order=False, symmetric=True, device=dev, act_dtype=act_dtype,
     )
     choice = choose(spec)
     weight = Blockwise4Weight(**args, in_features=in_features, out_features=out_features, blocksize=blocksize,
                               nested_blocksize=nested_blocksize if absmax.dtype == torch.uint8 else 0,
-                              kernel=choice.lowering.kernel, choice=choice)
+                              kernel=choice.lowering.kernel, choice=choice, act_dtype=act_dtype)
     warm_up(choice.lowering, weight)
     return weight

@@ -4,6 +4,8 @@ split-K, the 4-bit dense path), with a caller-owned ``out`` poisoned with NaN an
 ``torch.compile(fullgraph=True)`` with CUDA graphs (a skipped capture fails), and in a hand-captured
 CUDA graph replayed on new inputs. The reference is float64 ``x @ W.T (+ bias)`` with W from the
 oracles of ``tests/bnb_cases.py`` (checkpoints built on the CPU, moved to the GPU, prepared there).
+The native 4-bit lowering, which ranks above Triton, is disabled here (its own suite:
+``test_gpu_native_blockwise4.py``).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from qops.formats import FORMATS
 from qops.lowerings import Kernel
+from qops.models.testing import forced_lowering
 from qops.ops.triton import blockwise4 as tbw4
 from qops.ops.triton import int8_weight as ti8
 
@@ -40,7 +43,8 @@ def gpu_weight(case: C.Case, dtype: torch.dtype):
         w64 = C.oracle_of(case, state).cuda()
         kwargs = {"layout": case.layout} if case.fmt == "eetq" else {}
         ckpt = fmt.from_state_dict({k: v.cuda() for k, v in state.items()}, **kwargs)
-        _BUILT[key] = (fmt.prepare(ckpt, dtype=dtype), w64)
+        with forced_lowering("bitsandbytes-nf4", "triton_blockwise4"):
+            _BUILT[key] = (fmt.prepare(ckpt, dtype=dtype), w64)
     return _BUILT[key]
 
 

@@ -1,0 +1,215 @@
+"""Native lowering of ``qops::mm_blockwise4`` (lowering ``native_blockwise4``): bitsandbytes NF4 / FP4
+at decode sizes.
+
+Serves the runtime layout of ``qops/ops/blockwise4.py`` unchanged (plain or nested absmax) with
+float16 / bfloat16 x, K % 64 == 0, a blocksize that is a multiple of 64, N*K < 2^31, and M =
+prod(x.shape[:-1]) <= 16 (``MAX_M``: one launch, the weight read once for all rows). Anything else
+goes to the Triton lowering (``qops.ops.triton.blockwise4.triton_mm``).
+
+Kernel: ``blockwise4_gemv.cu`` (design notes at its top): the codes are looked up a byte (two codes)
+at a time in a bank-conflict-free shared-memory table and multiplied on the tensor cores; one block
+of ``warps`` warps per 16 * ``tiles`` rows of N, its warps splitting K and summing in shared memory
+in a fixed order (bit-identical from run to run, no workspace).
+
+Compilation and module loading happen in :func:`warmup` (every variant M = 1..16 needs) or at the
+first eager call of a shape; never during CUDA-graph capture. Launched with programmatic dependent
+launch on sm_90 as ``qops.native.int_weight`` launches (same switch, ``QOPS_NATIVE_PDL``).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import compiler
+from .int_weight import use_pdl
+
+SOURCE = "blockwise4_gemv.cu"
+GEMV = "qops_blockwise4_gemv"
+MAX_M = 16  # rows one launch takes (two 8-row MMA tiles)
+PIECE_K = 64  # K values of a row the kernel handles as one piece (inside one absmax block)
+TABLE_BYTES = 256 * 256  # the code table's shared memory (kTableBytes in the kernel)
+_DT = {torch.float16: 0, torch.bfloat16: 1}
+_BIAS_T, _BIAS_F32 = 2, 4  # kBiasT, kBiasF32 in ptx.cuh
+
+
+@dataclass(frozen=True)
+class Plan:
+    mt: int  # 8-row MMA tiles of x: 1 (M <= 8) or 2
+    tiles: int  # 16-row tiles of N a block (QOPS_R)
+    warps: int  # warps a block, splitting K
+    unroll: int  # 64-wide pieces a warp loads before using any
+
+    def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int) -> dict[str, int]:
+        return {
+            "QOPS_DT": _DT[dtype],
+            "QOPS_MT": self.mt,
+            "QOPS_R": self.tiles,
+            "QOPS_WARPS": self.warps,
+            "QOPS_UNROLL": self.unroll,
+            "QOPS_NESTED": int(nested),
+            "QOPS_BLOCKSIZE": blocksize,
+            "QOPS_NESTED_BS": nested_blocksize if nested else 1,
+        }
+
+    def grid(self, n: int) -> int:
+        return -(-n // (16 * self.tiles))
+
+
+_override: dict = {}
+
+
+@contextlib.contextmanager
+def plan_override(**fields):
+    """Force plan fields (``tiles``, ``warps``, ``unroll``) inside the block: for sweeps and tests."""
+    global _override
+    saved = _override
+    _override = {**saved, **fields}
+    try:
+        yield
+    finally:
+        _override = saved
+
+
+def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
+    """The launch plan for M rows against an (N, K) weight on a device with ``sm_count`` SMs.
+
+    Two 16-row tiles a block where that still leaves >= 2 blocks an SM (fewer, wider blocks share
+    the x loads and the table's build); one otherwise, so that short-N shapes (4096 rows) fill the GPU.
+    """
+    mt = 1 if m <= 8 else 2
+    tiles = 2 if -(-n // 32) >= 2 * sm_count else 1
+    return replace(Plan(mt=mt, tiles=tiles, warps=8, unroll=4), **_override)
+
+
+def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype) -> str | None:
+    """Why this kernel does not serve an (N, K) weight with this blocksize and activation dtype, or None."""
+    if act_dtype not in _DT:
+        return f"activation dtype {act_dtype} (float16 and bfloat16 only)"
+    if k % PIECE_K:
+        return f"K={k} is not a multiple of {PIECE_K}"
+    if blocksize % PIECE_K:
+        return f"blocksize={blocksize} is not a multiple of {PIECE_K}"
+    if n * k >= 2**31:
+        return f"N*K={n * k} does not fit the kernel's 32-bit flat index"
+    return None
+
+
+def _call_refusal(x, qweight, absmax, n, blocksize) -> str | None:
+    if x.device.type != "cuda":
+        return "x is not on a CUDA device"
+    why = refusal(n, x.shape[-1], blocksize, x.dtype)
+    if why is not None:
+        return why
+    if not qweight.is_contiguous() or qweight.data_ptr() % 8:
+        return "qweight is not contiguous and 8-byte aligned"
+    if not absmax.is_contiguous():
+        return "absmax is not contiguous"
+    return None
+
+
+def _delegate(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
+              nested_blocksize, out, workspace):
+    from ..ops.triton.blockwise4 import triton_mm
+
+    return triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
+                     nested_blocksize, out=out, workspace=workspace)
+
+
+def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
+              nested_blocksize, out=None, workspace=None) -> torch.Tensor:
+    """Lowering entry (contract of ``qops.ops.blockwise4.reference_mm``): ``x (..., K) -> (..., N)``.
+
+    Arguments are already validated. Returns a fresh tensor of x's dtype, or writes ``out`` and
+    returns it; M > 16 and calls the kernel does not serve go to Triton (which may use ``workspace``).
+    """
+    args = (x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
+            nested_blocksize)
+    n, k = out_features, x.shape[-1]
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    if m > MAX_M or _call_refusal(x, qweight, absmax, n, blocksize) is not None:
+        return _delegate(*args, out, workspace)
+    result = out if out is not None else torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return result
+    if k == 0:
+        result.copy_(bias.expand(*lead, n) if bias is not None else torch.zeros_like(result))
+        return result
+    o2 = _out_view(result, m, n)
+    target = o2 if o2 is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    x2 = x.reshape(m, k)
+    if x2.stride(1) != 1 or x2.data_ptr() % 16 or (m > 1 and x2.stride(0) % 8):
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # 16-byte aligned rows for the kernel's x loads
+    nested = absmax.dtype == torch.uint8
+    flags = 0
+    if bias is not None:
+        if bias.dtype not in (x.dtype, torch.float32):
+            bias = bias.float()
+        flags = _BIAS_T if bias.dtype == x.dtype else _BIAS_F32
+        bias = bias.contiguous()
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(dev):
+        p = plan(m, n, k, _sm_count(dev))
+        gemv = compiler.get_kernel(dev, SOURCE, p.defines(x.dtype, nested, blocksize, nested_blocksize), GEMV)
+        i32 = compiler.i32
+        compiler.launch(
+            gemv, (p.grid(n), 1, 1), (32 * p.warps, 1, 1), TABLE_BYTES, torch.cuda.current_stream(),
+            qweight.data_ptr(), code.data_ptr(), absmax.data_ptr(),
+            nested_code.data_ptr() if nested else 0, nested_absmax.data_ptr() if nested else 0,
+            nested_offset.data_ptr() if nested else 0, x2.data_ptr(), bias.data_ptr() if bias is not None else 0,
+            target.data_ptr(), i32(m), i32(n), i32(k), i32(x2.stride(0) if m > 1 else k),
+            i32(target.stride(0) if m > 1 else n), i32(flags), pdl=use_pdl(dev))
+    if o2 is None:
+        result.copy_(target.view(result.shape))
+    return result
+
+
+def _out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
+    """``out`` as an (m, n) view with unit column stride, or None when it has no such view."""
+    try:
+        o2 = out.view(m, n)
+    except RuntimeError:
+        return None
+    return o2 if (n <= 1 or o2.stride(1) == 1) else None
+
+
+_sms: dict[int, int] = {}
+
+
+def _sm_count(dev: int) -> int:
+    if dev not in _sms:
+        _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _sms[dev]
+
+
+def warmup(weight, act_dtype: torch.dtype | None = None) -> int:
+    """Compile and load every kernel M = 1..16 needs for a prepared ``Blockwise4Weight``; returns how
+    many (0 when this kernel does not serve it). Each is launched once with no work, so the driver
+    makes its code resident now and not during a later CUDA-graph capture."""
+    qweight = weight.qweight
+    act_dtype = act_dtype or weight.act_dtype
+    n, k = weight.out_features, weight.in_features
+    if qweight.device.type != "cuda" or refusal(n, k, weight.blocksize, act_dtype) is not None:
+        return 0
+    if torch.cuda.is_current_stream_capturing():
+        raise compiler.NativeNotReadyError("qops.native.blockwise4.warmup must run before CUDA-graph capture, not during it")
+    nested = weight.absmax.dtype == torch.uint8
+    dev = qweight.device.index if qweight.device.index is not None else torch.cuda.current_device()
+    seen = set()
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream()
+        for m in range(1, MAX_M + 1):
+            p = plan(m, n, k, _sm_count(dev))
+            defines = p.defines(act_dtype, nested, weight.blocksize, weight.nested_blocksize)
+            key = tuple(sorted(defines.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
+            i0 = compiler.i32(0)
+            compiler.launch(gemv, (1, 1, 1), (32 * p.warps, 1, 1), TABLE_BYTES, stream, *([0] * 9), *([i0] * 6),
+                            pdl=use_pdl(dev))
+    return len(seen)

@@ -1,0 +1,277 @@
+// 4-bit codebook matmul for decode (bitsandbytes NF4 / FP4, M <= 16 rows of x), reading qops'
+// blockwise4 runtime layout (qops/ops/blockwise4.py) unchanged:
+//   qweight u8 (N*K/2,): flat element e = n*K + k has its code in the high nibble of byte e/2 when e
+//           is even, in the low nibble when odd; row n is the K/2 bytes from n*K/2;
+//   code    f32 (16,) codebook; absmax f32 (n_blocks,), or u8 (n_blocks,) when nested:
+//           absmax[b] = nested_code[u8[b]] * nested_absmax[b / NESTED_BS] + nested_offset[0];
+//   block b = e / BLOCKSIZE (flat: a block may straddle rows);
+//   y[m, n] = sum_k x[m, k] * code[q(n, k)] * absmax[(n*K + k) / BLOCKSIZE] (+ bias[n]), fp32 sums.
+// The host guarantees K % 64 == 0, BLOCKSIZE % 64 == 0, N*K < 2^31 and 16-byte aligned x rows, so a
+// 64-wide piece of a row (32 bytes) lies inside one block and every load below is aligned.
+//
+// Decode. The 16 codes are rounded to the activation dtype, as bitsandbytes' own kernels do. A byte
+// holds two codes (even K high, odd K low); a 256-entry table in shared memory maps it to the f16x2 /
+// bf16x2 word (even code in the low half), which is exactly one register of an MMA operand. The table
+// is held 32 times, entry v's copy for lane l at byte v*256 + 4*l, so the 32 lanes of a warp always
+// hit 32 different banks whatever bytes they look up; its byte address is then one prmt (byte v into
+// bits 8..15 beside the lane's 4*l), and a weight costs half a prmt and half a shared load: no ALU
+// decode chain (the Triton CUDA-core GEMV spends ~3 integer instructions a weight on it).
+//
+// Math. The tensor cores compute W x^T with W as the 16x16 A operand (16 rows of N) and x^T as the
+// 16x8 B operand (8 rows of x per tile, QOPS_MT tiles). Lane (g = lane/4, t = lane%4) loads 8 bytes of
+// rows g and g+8 of a tile per 64-wide piece, bytes 8t..8t+7; slice j (0..3) of the piece is one
+// k16 MMA step built from its bytes 2j, 2j+1. The MMA's k order inside a slice is thus a permutation
+// of the piece's K (logical k 2t, 2t+1, 2t+8, 2t+9 <-> 16t+4j .. 16t+4j+3), and x is read in the same
+// order: lane (g, t) takes x[g][16t+4j .. 16t+4j+3] as its B registers, 16 contiguous values a
+// piece. A piece lies inside one block, so its MMA sum (fp32, started from zero) is scaled by the
+// block's absmax in fp32 and added to the lane's accumulators.
+//
+// Work split. A block is QOPS_WARPS warps on 16*QOPS_R rows of N (grid: ceil(N / (16 R))); its
+// warps split the row's pieces evenly and sum their partials through shared memory at the end, in
+// warp order (deterministic, no atomics, no workspace). A warp takes QOPS_UNROLL pieces per iteration,
+// every load of them issued before any is used. Rows of N past the end read row N-1 and rows of x past
+// M read row 0 (valid memory, results discarded), so no load is predicated.
+//
+// Programmatic dependent launch (sm_90): the table is built from `code` (never written by the kernel
+// ahead) before grid_dep_wait(); x, absmax and bias are read and out written only after it.
+//
+// Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
+// QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16), QOPS_UNROLL (pieces per iteration),
+// QOPS_NESTED (0/1), QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only).
+#include "ptx.cuh"
+
+#ifndef QOPS_DT
+#define QOPS_DT 0
+#endif
+#ifndef QOPS_MT
+#define QOPS_MT 1
+#endif
+#ifndef QOPS_R
+#define QOPS_R 2
+#endif
+#ifndef QOPS_WARPS
+#define QOPS_WARPS 8
+#endif
+#ifndef QOPS_UNROLL
+#define QOPS_UNROLL 4
+#endif
+#ifndef QOPS_NESTED
+#define QOPS_NESTED 0
+#endif
+#ifndef QOPS_BLOCKSIZE
+#define QOPS_BLOCKSIZE 64
+#endif
+#ifndef QOPS_NESTED_BS
+#define QOPS_NESTED_BS 256
+#endif
+
+namespace qops {
+namespace bw4 {
+
+constexpr int kDT = QOPS_DT;
+constexpr int kMT = QOPS_MT;
+constexpr int kR = QOPS_R;
+constexpr int kWarps = QOPS_WARPS;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kU = QOPS_UNROLL;
+constexpr bool kNested = QOPS_NESTED != 0;
+constexpr int kBlock = QOPS_BLOCKSIZE;
+constexpr int kNestedBS = QOPS_NESTED_BS;
+constexpr int kPiece = 64;                  // K values of a row a lane quad covers per piece
+constexpr int kTableBytes = 256 * 256;      // 256 byte values x (32 lane copies + 32 unused words)
+static_assert(kMT == 1 || kMT == 2, "QOPS_MT is 1 or 2 (M <= 16)");
+static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
+static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "QOPS_WARPS is 4, 8 or 16");
+static_assert(kBlock % kPiece == 0, "QOPS_BLOCKSIZE must be a multiple of 64");
+static_assert(kWarps * kR * kMT * 32 * 16 <= kTableBytes, "the partials reuse the table's shared memory");
+
+// One piece of one lane: 8 weight bytes of rows g and g+8 of each tile, the two rows' absmax,
+// and 16 values of x per x tile (two 16-byte loads).
+struct Piece {
+  uint2 w[kR][2];
+  float s[kR][2];
+  uint4 x[kMT][2];
+};
+
+__device__ __forceinline__ float block_absmax(const void* absmax, const float* nested_code, const float* nested_absmax,
+                                              float nested_offset, int b) {
+  if constexpr (kNested) {
+    const unsigned char q = static_cast<const unsigned char*>(absmax)[b];
+    return fmaf(nested_code[q], nested_absmax[b / kNestedBS], nested_offset);
+  } else {
+    return static_cast<const float*>(absmax)[b];
+  }
+}
+
+// The table word of byte `byte_sel` of w: shared address v*256 + 4*lane (prmt puts byte v in bits
+// 8..15 beside lane4 = 4*lane, whose bytes 1..3 are zero).
+template <int SEL>
+__device__ __forceinline__ u32 lookup(const unsigned char* table, u32 w, u32 lane4) {
+  return *reinterpret_cast<const u32*>(table + prmt<0x5504 | (SEL << 4)>(w, lane4));
+}
+
+__device__ __forceinline__ void load_piece(Piece& pc, const unsigned char* const (&wrow)[kR][2], const u16* const (&xrow)[kMT],
+                                           const int (&flat)[kR][2], const void* absmax, const float* nested_code,
+                                           const float* nested_absmax, float nested_offset, int p, int t) {
+#pragma unroll
+  for (int r = 0; r < kR; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) pc.w[r][h] = ld_stream_v2(wrow[r][h] + p * (kPiece / 2) + 8 * t);
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    const uint4* xp = reinterpret_cast<const uint4*>(xrow[mt] + p * kPiece + 16 * t);
+    pc.x[mt][0] = xp[0];
+    pc.x[mt][1] = xp[1];
+  }
+#pragma unroll
+  for (int r = 0; r < kR; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      pc.s[r][h] = block_absmax(absmax, nested_code, nested_absmax, nested_offset, (flat[r][h] + p * kPiece) / kBlock);
+}
+
+__device__ __forceinline__ void use_piece(const Piece& pc, float (&acc)[kR][kMT][4], const unsigned char* table, u32 lane4) {
+#pragma unroll
+  for (int r = 0; r < kR; ++r) {
+    float d[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) d[mt][0] = d[mt][1] = d[mt][2] = d[mt][3] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 w0 = j < 2 ? pc.w[r][0].x : pc.w[r][0].y;  // row g: bytes 2j, 2j+1
+      const u32 w1 = j < 2 ? pc.w[r][1].x : pc.w[r][1].y;  // row g + 8
+      u32 a0, a1, a2, a3;
+      if ((j & 1) == 0) {
+        a0 = lookup<0>(table, w0, lane4);
+        a2 = lookup<1>(table, w0, lane4);
+        a1 = lookup<0>(table, w1, lane4);
+        a3 = lookup<1>(table, w1, lane4);
+      } else {
+        a0 = lookup<2>(table, w0, lane4);
+        a2 = lookup<3>(table, w0, lane4);
+        a1 = lookup<2>(table, w1, lane4);
+        a3 = lookup<3>(table, w1, lane4);
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const uint4& xv = pc.x[mt][j >> 1];
+        const u32 b0 = (j & 1) ? xv.z : xv.x;  // x[16t + 4j], x[16t + 4j + 1]
+        const u32 b1 = (j & 1) ? xv.w : xv.y;  // x[16t + 4j + 2], x[16t + 4j + 3]
+        mma_16816<kDT>(d[mt], a0, a1, a2, a3, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      acc[r][mt][0] = fmaf(d[mt][0], pc.s[r][0], acc[r][mt][0]);
+      acc[r][mt][1] = fmaf(d[mt][1], pc.s[r][0], acc[r][mt][1]);
+      acc[r][mt][2] = fmaf(d[mt][2], pc.s[r][1], acc[r][mt][2]);
+      acc[r][mt][3] = fmaf(d[mt][3], pc.s[r][1], acc[r][mt][3]);
+    }
+  }
+}
+
+}  // namespace bw4
+}  // namespace qops
+
+extern "C" __global__ void __launch_bounds__(qops::bw4::kThreads)
+qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __restrict__ code,
+                     const void* __restrict__ absmax, const float* __restrict__ nested_code,
+                     const float* __restrict__ nested_absmax, const float* __restrict__ nested_offset,
+                     const unsigned short* __restrict__ x, const void* __restrict__ bias, unsigned short* __restrict__ out,
+                     int M, int N, int K, int ldx, int ldo, int flags) {
+  using namespace qops;
+  using namespace qops::bw4;
+  extern __shared__ __align__(16) unsigned char table[];
+  const int tid = threadIdx.x;
+  if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
+    grid_dep_wait();
+    return;
+  }
+  // The table: 32 copies of 256 words. Thread v builds word v once and stores its copies starting at
+  // its own lane's bank, so a warp's 32 stores of one round fall in 32 different banks.
+  for (int v = tid; v < 256; v += kThreads) {
+    const u32 lo = f32_to_bits<kDT>(code[v >> 4]);
+    const u32 hi = f32_to_bits<kDT>(code[v & 15]);
+    const u32 word2 = lo | (hi << 16);
+    u32* entry = reinterpret_cast<u32*>(table + v * 256);
+#pragma unroll 8
+    for (int c = 0; c < 32; ++c) entry[(c + tid) & 31] = word2;
+  }
+  __syncthreads();
+  grid_dep_wait();  // x, absmax tables of a re-prepared weight, bias, out: after the kernel ahead
+
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const u32 lane4 = static_cast<u32>(lane) * 4u;
+  const int n_tile = blockIdx.x * (16 * kR);
+  const unsigned char* wrow[kR][2];
+  int flat[kR][2];
+#pragma unroll
+  for (int r = 0; r < kR; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = min(n_tile + 16 * r + 8 * h + g, N - 1);
+      wrow[r][h] = qweight + static_cast<size_t>(n) * (K / 2);
+      flat[r][h] = n * K;
+    }
+  const u16* xrow[kMT];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    const int m = 8 * mt + g;
+    xrow[mt] = x + static_cast<size_t>(m < M ? m : 0) * ldx;
+  }
+  const float noff = kNested ? nested_offset[0] : 0.f;
+
+  const int pieces = K / kPiece;
+  const int p0 = static_cast<int>(static_cast<long long>(pieces) * warp / kWarps);
+  const int p1 = static_cast<int>(static_cast<long long>(pieces) * (warp + 1) / kWarps);
+  float acc[kR][kMT][4];
+#pragma unroll
+  for (int r = 0; r < kR; ++r)
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) acc[r][mt][0] = acc[r][mt][1] = acc[r][mt][2] = acc[r][mt][3] = 0.f;
+
+  int p = p0;
+  for (; p + kU <= p1; p += kU) {
+    Piece pc[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      load_piece(pc[u], wrow, xrow, flat, absmax, nested_code, nested_absmax, noff, p + u, t);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) use_piece(pc[u], acc, table, lane4);
+  }
+  for (; p < p1; ++p) {
+    Piece pc;
+    load_piece(pc, wrow, xrow, flat, absmax, nested_code, nested_absmax, noff, p, t);
+    use_piece(pc, acc, table, lane4);
+  }
+  grid_dep_launch_dependents();
+
+  // Partials of the warps, summed in warp order through the table's shared memory.
+  __syncthreads();  // every warp is done with the table
+  float4* part = reinterpret_cast<float4*>(table);
+  constexpr int kSlots = kR * kMT * 32;
+#pragma unroll
+  for (int r = 0; r < kR; ++r)
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+      part[warp * kSlots + (r * kMT + mt) * 32 + lane] = make_float4(acc[r][mt][0], acc[r][mt][1], acc[r][mt][2], acc[r][mt][3]);
+  __syncthreads();
+  for (int i = tid; i < kSlots; i += kThreads) {
+    float4 v = part[i];
+    for (int w = 1; w < kWarps; ++w) {
+      const float4 o = part[w * kSlots + i];
+      v.x += o.x;
+      v.y += o.y;
+      v.z += o.z;
+      v.w += o.w;
+    }
+    const int r = i / (kMT * 32), mt = (i / 32) % kMT, l = i & 31;
+    const int n0 = n_tile + 16 * r + (l >> 2), m0 = 8 * mt + 2 * (l & 3);
+    const float vals[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int n = n0 + 8 * (q >> 1), m = m0 + (q & 1);
+      if (n < N && m < M) store_out<kDT>(out, bias, flags, m, n, ldo, vals[q]);
+    }
+  }
+}

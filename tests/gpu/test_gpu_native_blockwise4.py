@@ -1,0 +1,165 @@
+"""The native 4-bit blockwise lowering (``native_blockwise4``: bitsandbytes NF4 / FP4 through
+``qops/native/blockwise4_gemv.cu``) on a CUDA device, through the public ops.
+
+Each check is against float64 ``x @ W.T (+ bias)`` with W from the oracles of ``tests/bnb_cases.py``
+(written without qops), on fresh random x: every M the kernel takes (1..16, and 0) plus M = 17 and
+257 (delegated to Triton), fp16 and bf16, plain and nested absmax, blocksizes 64 to 4096 (blocks that
+straddle rows included), N off the 32-row tile grid, non-contiguous and misaligned x, bias in the
+activation dtype and in fp32, a caller-owned ``out`` poisoned with NaN, determinism, CUDA-graph
+capture after warm-up, and the chooser's refusals.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qops.formats import FORMATS
+from qops.lowerings import Kernel
+from qops.native import blockwise4 as nbw4
+
+from tests import bnb_cases as C
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+CASES = (
+    C.Case("bitsandbytes-nf4", 1000, 2048, blocksize=64, nested=True),  # N % 32 = 8
+    C.Case("bitsandbytes-fp4", 1024, 4096, blocksize=128, nested=False),
+    C.Case("bitsandbytes-nf4", 33, 576, blocksize=256, nested=False),  # K % blocksize != 0: blocks straddle rows
+    C.Case("bitsandbytes-nf4", 72, 1024, blocksize=4096, nested=True),  # a block holds four rows
+    C.Case("bitsandbytes-fp4", 4096, 4096, blocksize=64, nested=True),  # a decode-sized layer
+)
+MS = (1, 2, 7, 8, 9, 16, 17, 257, 0)
+_BUILT: dict = {}
+
+
+def gpu_weight(case: C.Case, dtype: torch.dtype):
+    key = (case, dtype)
+    if key not in _BUILT:
+        fmt = FORMATS[case.fmt]
+        state = C.random_state(case, torch.Generator().manual_seed(C.seed_of(case)))
+        ckpt = fmt.from_state_dict({k: v.cuda() for k, v in state.items()})
+        _BUILT[key] = (fmt.prepare(ckpt, dtype=dtype), C.oracle_of(case, state).cuda())
+    return _BUILT[key]
+
+
+def check(y, x, w64, bias, dtype, what):
+    want = C.matmul(x, w64, bias)
+    assert y.dtype == dtype and y.shape == want.shape, what
+    assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
+    err = C.rel_err(y, want)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e}"
+
+
+def test_chooser_picks_native_where_it_serves():
+    for case in CASES:
+        w, _ = gpu_weight(case, torch.float16)
+        assert w.kernel == Kernel.NATIVE and w.choice.lowering.name == "native_blockwise4", (case.id, w.choice.explain())
+    refused = {
+        C.Case("bitsandbytes-nf4", 520, 1024, blocksize=32, nested=False): "group_size=32",
+        C.Case("bitsandbytes-nf4", 33, 96, blocksize=64, nested=True): "K=96 is not a multiple of 64",
+    }
+    for case, why in refused.items():
+        w, w64 = gpu_weight(case, torch.float16)
+        assert w.kernel == Kernel.TRITON, w.choice.explain()
+        assert why in dict(w.choice.refusals)["native_blockwise4"], w.choice.explain()
+        x = torch.randn(3, case.k, device="cuda", dtype=torch.float16)
+        check(w.mm(x), x, w64, None, torch.float16, case.id)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_every_m_against_float64(case, dtype):
+    w, w64 = gpu_weight(case, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bias = torch.randn(case.n, device="cuda", generator=gen).to(dtype)
+    for m in MS:
+        x = torch.randn(m, case.k, device="cuda", generator=gen).to(dtype)
+        b = bias if m % 2 else None
+        check(w.mm(x, b), x, w64, b, dtype, f"M={m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_strided_misaligned_x_fp32_bias_and_out(dtype):
+    case = CASES[0]
+    w, w64 = gpu_weight(case, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    bias32 = torch.randn(case.n, device="cuda", generator=gen)
+    for m in (1, 5, 16):
+        base = torch.randn(m, case.k + 2, device="cuda", generator=gen).to(dtype)
+        for name, x in (("transposed", torch.randn(case.k, m, device="cuda", generator=gen).to(dtype).t()),
+                        ("odd offset", base[:, 1:-1]), ("padded rows", base[:, :-2])):
+            check(w.mm(x, bias32), x, w64, bias32, dtype, f"{name} M={m} fp32 bias")
+            out = torch.full((m, case.n), float("nan"), device="cuda", dtype=dtype)
+            torch.ops.qops.mm_blockwise4_out(x, *w._weight_args(), bias32, *w._static_args(), int(w.kernel), out, None)
+            check(out, x, w64, bias32, dtype, f"{name} M={m} out")
+            wide = torch.full((m, 2 * case.n), float("nan"), device="cuda", dtype=dtype)
+            torch.ops.qops.mm_blockwise4_out(x, *w._weight_args(), None, *w._static_args(), int(w.kernel), wide[:, ::2], None)
+            check(wide[:, ::2], x, w64, None, dtype, f"{name} M={m} strided out")
+
+
+def test_batched_leading_dims_and_agreement_with_triton():
+    case = CASES[1]
+    w, w64 = gpu_weight(case, torch.float16)
+    x = torch.randn(2, 3, case.k, device="cuda", dtype=torch.float16)
+    y = w.mm(x)
+    assert y.shape == (2, 3, case.n)
+    check(y.reshape(6, case.n), x.reshape(6, case.k), w64, None, torch.float16, "(2, 3, K)")
+    tri = torch.ops.qops.mm_blockwise4(x, *w._weight_args(), None, *w._static_args(), int(Kernel.TRITON))
+    assert C.rel_err(y, tri.double()) < 2e-3
+
+
+def test_deterministic_and_plans_agree():
+    case = CASES[4]
+    w, w64 = gpu_weight(case, torch.bfloat16)
+    x = torch.randn(16, case.k, device="cuda", dtype=torch.bfloat16)
+    first = w.mm(x)
+    for _ in range(3):
+        assert torch.equal(w.mm(x), first)
+    for fields in ({"tiles": 1}, {"tiles": 2}, {"warps": 4}, {"warps": 16}, {"unroll": 1}, {"unroll": 2}):
+        with nbw4.plan_override(**fields):
+            for m in (1, 16):
+                check(w.mm(x[:m]), x[:m], w64, None, torch.bfloat16, f"{fields} M={m}")
+
+
+@pytest.mark.parametrize("m", [1, 9])
+def test_cuda_graph_capture_after_warmup(m):
+    case = CASES[0]
+    w, w64 = gpu_weight(case, torch.float16)
+    assert nbw4.warmup(w) >= 2  # M <= 8 and M <= 16 variants
+    x = torch.randn(m, case.k, device="cuda", dtype=torch.float16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        w.mm(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = w.mm(x)
+    for seed in (1, 2):
+        x.copy_(torch.randn(m, case.k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).half())
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(y, x, w64, None, torch.float16, f"replay {seed}")
+
+
+def test_torch_compile_fullgraph_with_cuda_graphs():
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    case = CASES[3]
+    w, w64 = gpu_weight(case, torch.bfloat16)
+    bias = torch.randn(case.n, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    with inductor_config.patch({"triton.cudagraph_or_error": True}):
+        f = torch.compile(lambda x: torch.relu(w.mm(x, bias)), fullgraph=True, mode="reduce-overhead")
+        for m in (1, 4, 16, 4):
+            x = torch.randn(m, case.k, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3):
+                torch.compiler.cudagraph_mark_step_begin()
+                y = f(x).clone()
+            assert C.rel_err(y, torch.relu(C.matmul(x, w64, bias))) <= TOL[torch.bfloat16], f"M={m}"
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    torch._dynamo.reset()

@@ -1,0 +1,99 @@
+"""The native 4-bit blockwise kernel without a GPU: every variant its plans and sweeps ask for compiles
+with NVRTC for sm_80 and sm_90 within its register budget (no spills on sm_90), the launch rule, the
+refusals that send calls to Triton, and its place in the lowering table. Its numerics are checked on
+the GPU (``tests/gpu/test_gpu_native_blockwise4.py``)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from qops.lowerings import LOWERINGS_BY_NAME, Kernel, WeightSpec
+from qops.native import blockwise4 as nbw4
+from qops.native import compiler
+
+pytestmark = pytest.mark.skipif(compiler.runtime_missing() is not None, reason=f"NVRTC unusable: {compiler.runtime_missing()}")
+
+H200_SMS = 132
+
+
+def _variants():
+    """(defines, promised blocks an SM) for each dtype x row tiles x N tiles x nesting, blocksizes 64
+    and 4096, and the warps / unroll the sweep tries."""
+    for dt in (torch.float16, torch.bfloat16):
+        for m in (1, 16):
+            for n in (4096, 28672):
+                for nested, bs in ((True, 64), (False, 4096)):
+                    yield nbw4.plan(m, n, 4096, H200_SMS).defines(dt, nested, bs, 256)
+    for fields in ({"warps": 4}, {"warps": 16}, {"unroll": 1}, {"unroll": 2}, {"unroll": 8, "tiles": 1}):
+        with nbw4.plan_override(**fields):
+            yield nbw4.plan(16, 28672, 4096, H200_SMS).defines(torch.float16, True, 64, 256)
+
+
+def _ptxas(log: str) -> tuple[int, int]:
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return regs, int(spills.group(1)) if spills else 0
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_planned_variant_compiles_without_spills(arch):
+    for defines in _variants():
+        log: list[str] = []
+        cubin = compiler.compile(compiler.native_source(nbw4.SOURCE), arch,
+                                 compiler.native_options(defines, ptxas_options=["-v"]), log=log)
+        assert cubin[:4] == b"\x7fELF"
+        regs, spills = _ptxas(log[0])
+        assert regs <= 65536 // (32 * defines["QOPS_WARPS"]), (defines, log[0])  # one block fits an SM
+        if arch == "sm_90":
+            assert spills == 0, (defines, log[0])
+
+
+def test_a_bad_compile_time_configuration_is_refused():
+    src = compiler.native_source(nbw4.SOURCE)
+    with pytest.raises(compiler.NativeCompileError, match="multiple of 64"):
+        compiler.compile(src, "sm_90", compiler.native_options({"QOPS_BLOCKSIZE": 32}))
+    with pytest.raises(compiler.NativeCompileError, match="QOPS_MT"):
+        compiler.compile(src, "sm_90", compiler.native_options({"QOPS_MT": 3}))
+
+
+def test_plan_rule():
+    # Wide tiles only where they still leave two blocks an SM; 16 rows of x take the second x tile.
+    assert nbw4.plan(1, 28672, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, unroll=4)
+    assert nbw4.plan(1, 4096, 14336, H200_SMS).tiles == 1
+    assert nbw4.plan(8, 8192, 28672, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=8, unroll=4)
+    assert nbw4.plan(9, 57344, 8192, H200_SMS).mt == 2
+    assert nbw4.plan(1, 1000, 64, H200_SMS).grid(1000) == 63
+    with nbw4.plan_override(warps=16, unroll=2):
+        assert nbw4.plan(1, 4096, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=16, unroll=2)
+    assert nbw4.plan(1, 4096, 4096, H200_SMS).warps == 8
+
+
+@pytest.mark.parametrize("args,why", [
+    ((4096, 4096, 64, torch.float32), "activation dtype torch.float32"),
+    ((4096, 4000, 64, torch.float16), "K=4000 is not a multiple of 64"),
+    ((4096, 4096, 32, torch.bfloat16), "blocksize=32 is not a multiple of 64"),
+    ((2**18, 2**13, 64, torch.float16), "does not fit the kernel's 32-bit flat index"),
+])
+def test_refusals_name_the_reason(args, why):
+    assert why in nbw4.refusal(*args)
+
+
+def test_served_shapes_are_not_refused():
+    for n, k, bs in ((28672, 4096, 64), (4096, 14336, 64), (57344, 8192, 64), (8192, 28672, 4096), (33, 576, 256)):
+        assert nbw4.refusal(n, k, bs, torch.bfloat16) is None
+
+
+def test_lowering_entry_and_its_declared_capabilities():
+    low = LOWERINGS_BY_NAME["native_blockwise4"]
+    assert low.kernel == Kernel.NATIVE and low.priority > LOWERINGS_BY_NAME["triton_blockwise4"].priority
+    assert low.group_sizes == frozenset({64, 128, 256, 512, 1024, 2048, 4096}) and low.k_multiple == 64
+    spec = WeightSpec(family="blockwise4", format="bitsandbytes-nf4", bits=4, group_size=32, n=64, k=128, act_order=False,
+                      symmetric=True, device=torch.device("cuda"), act_dtype=torch.float16)
+    assert "group_size=32" in low.static_refusal(spec)
+    assert low.static_refusal(WeightSpec(**{**spec.__dict__, "group_size": 64})) is None
+    assert "K=96" in low.static_refusal(WeightSpec(**{**spec.__dict__, "group_size": 64, "k": 96}))
+    from qops.lowerings import _entry
+
+    assert _entry(low.entry) is nbw4.native_mm and _entry(low.warmup) is nbw4.warmup
