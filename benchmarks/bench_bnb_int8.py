@@ -27,6 +27,7 @@ NF4 faster than cuBLAS fp16 up to M=16) last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -41,6 +42,7 @@ from common import LARGE_SHAPES, clone_tensors, n_copies
 common.add_repo_to_path()
 
 import qops  # noqa: E402,F401
+from qops.lowerings import LOWERINGS_BY_KERNEL, Kernel  # noqa: E402
 from qops.formats.bitsandbytes import codebook  # noqa: E402
 from qops.formats.blockwise4 import dynamic_map  # noqa: E402
 from qops.ops.blockwise4 import prepare_blockwise4  # noqa: E402
@@ -74,6 +76,10 @@ SWEEP = {
     # The tensor-core GEMV at M = 16 (where it still serves) with fewer warps and smaller tiles than
     # the earlier NF4 sweeps tried (they stopped at 4 warps, BLOCK_N 64).
     "nf4_m16": [dict(BLOCK_N=bn, num_warps=w, programs_per_sm=p) for bn, w, p in itertools.product((32, 64), (1, 2, 4), (4, 8))],
+    # The native kernel (qops/native/blockwise4_gemv.cu), plan fields: 16-row tiles of N a block x
+    # warps a block (splitting K) x pieces a warp loads ahead; at M = 1 and (nf4_native_m16) M = 16.
+    "nf4_native": [dict(tiles=t, warps=w, unroll=u) for t, w, u in itertools.product((1, 2), (4, 8, 16), (2, 4, 8))],
+    "nf4_native_m16": [dict(tiles=t, warps=w, unroll=u) for t, w, u in itertools.product((1, 2), (4, 8, 16), (2, 4))],
 }
 
 # --sweep-nf4: NF4 GEMV K steps, timed at every M of --ms (<= 16) with the correctness check of the
@@ -102,7 +108,7 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=5.0, help="GPU time per timed trial")
     p.add_argument("--sweep", action="store_true", help="also time the GEMV configs of SWEEP (each kind at its own M, 1 by default) and print the best")
-    p.add_argument("--sweep-kinds", default="int8,nf4", help="which of SWEEP's kinds --sweep times (default int8,nf4; also nf4_fma, nf4_m16, nf4_fma_m2, nf4_fma_m4)")
+    p.add_argument("--sweep-kinds", default="int8,nf4", help="which of SWEEP's kinds --sweep times (default int8,nf4; also nf4_fma, nf4_m16, nf4_fma_m2, nf4_fma_m4, nf4_native, nf4_native_m16)")
     p.add_argument("--fma-up-to", type=int, default=0, help="also time NF4 through the CUDA-core GEMV at each M of --ms up to this")
     p.add_argument("--sweep-nf4", action="store_true", help="also time the NF4 GEMV K steps of NF4_STEPS at each M <= 16")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, reference lowering: checks the plumbing only")
@@ -168,11 +174,27 @@ def weight_bytes(kind: str, n: int, k: int) -> float:
     return 2 * n * k
 
 
-def path_of(kind, m, n, k, dev) -> str:
+def lowering_of(w) -> str:
+    family = "int8_weight" if hasattr(w, "scales") else "blockwise4"
+    return LOWERINGS_BY_KERNEL[(family, w.kernel)].name
+
+
+def as_triton(ws: list) -> list:
+    """The same weights, called through the Triton lowering (the native one outranks it)."""
+    return [dataclasses.replace(w, kernel=Kernel.TRITON) for w in ws]
+
+
+def path_of(w, m, n, k, dev) -> str:
+    from qops.native import blockwise4 as nbw4
     from qops.ops.triton import blockwise4 as tbw4
     from qops.ops.triton import int8_weight as ti8
 
-    p = ti8.plan(m, n, k, dev) if kind == "int8" else tbw4.plan(m, n, k, BLOCKSIZE, dev)
+    if lowering_of(w) == "native_blockwise4":
+        if m > nbw4.MAX_M:
+            return "native->triton/" + path_of(as_triton([w])[0], m, n, k, dev)
+        p = nbw4.plan(m, n, k, torch.cuda.get_device_properties(dev).multi_processor_count)
+        return f"native/tiles{p.tiles}-warps{p.warps}-unroll{p.unroll}"
+    p = ti8.plan(m, n, k, dev) if hasattr(w, "scales") else tbw4.plan(m, n, k, BLOCKSIZE, dev)
     return f"{p['path']}/split{p['split']}"
 
 
@@ -220,18 +242,17 @@ def main(argv=None) -> int:
                     row[kind] = measure(kind, ws, x, refs[kind], row, io, bw, peak, timer, a, gpu)
                 except Exception as e:  # noqa: BLE001 - recorded and reported; the other rows still run
                     row[kind] = {"error": common.short_err(e)}
-            if "nf4" in copies and m <= tbw4.TABLE["gemv_fma_max_m"]:
-                # The tensor-core GEMV that served these M before the CUDA-core one, in the same run.
-                with tbw4.config_override(gemv_fma_max_m=0):
-                    row["nf4_dot_gemv"] = measure("nf4", copies["nf4"], x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
-            elif "nf4" in copies and m <= a.fma_up_to:
+            if "nf4" in copies and gpu and lowering_of(copies["nf4"][0]) != "triton_blockwise4" and m <= 16:
+                # What served NF4 before the native kernel (CUDA-core GEMV at M <= 2, tensor-core above), same run.
+                row["nf4_triton"] = measure("nf4", as_triton(copies["nf4"]), x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
+            if "nf4" in copies and m <= a.fma_up_to:
                 # The CUDA-core GEMV at an M the tensor-core one serves by default.
                 with tbw4.config_override(gemv_fma_max_m=m):
-                    row["nf4_fma_gemv"] = measure("nf4", copies["nf4"], x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
+                    row["nf4_fma_gemv"] = measure("nf4", as_triton(copies["nf4"]), x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         if a.sweep_nf4:
-            res.setdefault("sweep_nf4", []).extend(sweep_nf4(n, k, copies["nf4"], refs["nf4"], timer, a, dev))
+            res.setdefault("sweep_nf4", []).extend(sweep_nf4(n, k, as_triton(copies["nf4"]), refs["nf4"], timer, a, dev))
         if a.sweep and gpu and 1 in a.m_list:
             res.setdefault("sweep", []).extend(sweep(n, k, copies, dev, a))
         del weights, copies, dense, dense_copies, refs
@@ -262,12 +283,13 @@ def measure(kind, ws, x, ref, row, io, bw, peak, timer, a, gpu) -> dict:
     roof = common.roofline_us(weight_bytes(kind, n, k) + io, bw, 2 * m * n * k, peak)
     return {"op": "mm_int8_weight" if kind == "int8" else "mm_blockwise4",
             "format": "eetq / bitsandbytes-int8" if kind == "int8" else "bitsandbytes-nf4 b64 nested",
-            "lowering": w.choice.lowering.name, "path": path_of(kind, m, n, k, x.device) if gpu else "reference",
+            "lowering": lowering_of(w), "path": path_of(w, m, n, k, x.device) if gpu else "reference",
             "qops_us": round(us, 2), "roofline_us": round(roof, 2), "roofline_pct": round(100 * roof / us, 1),
             "vs_fp16": round(row["cublas_fp16_us"] / us, 2), "rel_err": err, "correct": err <= a.tol}
 
 
 def sweep(n, k, copies, dev, a) -> list[dict]:
+    from qops.native import blockwise4 as nbw4
     from qops.ops.triton import blockwise4 as tbw4
     from qops.ops.triton import int8_weight as ti8
 
@@ -275,15 +297,18 @@ def sweep(n, k, copies, dev, a) -> list[dict]:
     fma_m = {"gemv_fma_max_m": 4}
     for kind, mod, key, m, extra in (("int8", ti8, "gemv", 1, {}), ("nf4", tbw4, "gemv", 1, {}),
                                      ("nf4_fma", tbw4, "gemv_fma", 1, {}), ("nf4_m16", tbw4, "gemv", 16, {}),
-                                     ("nf4_fma_m2", tbw4, "gemv_fma", 2, fma_m), ("nf4_fma_m4", tbw4, "gemv_fma", 4, fma_m)):
+                                     ("nf4_fma_m2", tbw4, "gemv_fma", 2, fma_m), ("nf4_fma_m4", tbw4, "gemv_fma", 4, fma_m),
+                                     ("nf4_native", nbw4, None, 1, {}), ("nf4_native_m16", nbw4, None, 16, {})):
         if kind not in a.sweep_kinds.split(","):
             continue
         x = torch.randn(m, k, device=dev).half()
         best = None
         ws = copies[kind.split("_")[0]]
+        if mod is tbw4 and lowering_of(ws[0]) != "triton_blockwise4":
+            ws = as_triton(ws)
         want = call(ws[0], x).float()  # the default config's output: each config must agree with it
         for cfg in SWEEP[kind]:
-            with mod.config_override(**{key: cfg}, **extra):
+            with (mod.plan_override(**cfg) if mod is nbw4 else mod.config_override(**{key: cfg}, **extra)):
                 try:
                     err = common.rel_err(call(ws[0], x), want)
                     us = common.graph_time([lambda w=w: call(w, x) for w in ws], 3, a.target_ms).us
@@ -349,10 +374,11 @@ def report(res, a) -> None:
         v = r[kind]
         return f"error: {v['error']}" if "error" in v else f"{v['qops_us']} ({v['roofline_pct']}%, {v['vs_fp16']}x)"
 
-    print("\nN x K, M | cuBLAS fp16 us | int8 us (roof %, x fp16) | NF4 us (roof %, x fp16) | paths")
+    print("\nN x K, M | cuBLAS fp16 us | int8 us (roof %, x fp16) | NF4 us (roof %, x fp16) | NF4 through triton | paths")
     for r in res["rows"]:
         paths = ", ".join(r[kind].get("path", "-") for kind in ("int8", "nf4"))
-        print(f"{r['N']}x{r['K']}, {r['M']} | {r['cublas_fp16_us']} | {cell(r, 'int8')} | {cell(r, 'nf4')} | {paths}")
+        tri = cell(r, "nf4_triton") if "nf4_triton" in r else "-"
+        print(f"{r['N']}x{r['K']}, {r['M']} | {r['cublas_fp16_us']} | {cell(r, 'int8')} | {cell(r, 'nf4')} | {tri} | {paths}")
     print(f"\nTARGETS ({res['device']}, copy {res['copy_TBps']} TB/s, bf16 {res['bf16_TFLOPs']} TFLOP/s, commit {(res['commit'] or 'unknown')[:12]})")
     bad = [r for r in res["rows"] for kind in ("int8", "nf4") if not r[kind].get("correct", False)]
     print(f"correct (rel err <= {a.tol}, no error): {'all rows' if not bad else f'FAILED in {len(bad)} rows'}")
