@@ -77,9 +77,21 @@ SWEEP = {
     # the earlier NF4 sweeps tried (they stopped at 4 warps, BLOCK_N 64).
     "nf4_m16": [dict(BLOCK_N=bn, num_warps=w, programs_per_sm=p) for bn, w, p in itertools.product((32, 64), (1, 2, 4), (4, 8))],
     # The native kernel (qops/native/blockwise4_gemv.cu), plan fields: 16-row tiles of N a block x
-    # warps a block (splitting K) x pieces a warp loads ahead; at M = 1 and (nf4_native_m16) M = 16.
-    "nf4_native": [dict(tiles=t, warps=w, unroll=u) for t, w, u in itertools.product((1, 2), (4, 8, 16), (2, 4, 8))],
-    "nf4_native_m16": [dict(tiles=t, warps=w, unroll=u) for t, w, u in itertools.product((1, 2), (4, 8, 16), (2, 4))],
+    # warps a block (splitting K) x register ring slots; at M = 1 and (nf4_native_m16) M = 16.
+    # Each with a register budget (minb: blocks an SM promised to ptxas; 80 registers = 3 blocks of 8
+    # warps, 128 = 2) it compiles in without spills (ptxas -v, sm_90).
+    "nf4_native": [dict(tiles=1, warps=8, ring=r, minb=3) for r in (3, 4, 6)]
+                  + [dict(tiles=1, warps=4, ring=r, minb=6) for r in (4, 6)]
+                  + [dict(tiles=1, warps=16, ring=r, minb=1) for r in (4, 6)]
+                  + [dict(tiles=1, warps=8, ring=r, minb=2) for r in (4, 8)]
+                  + [dict(tiles=2, warps=8, ring=r, minb=2) for r in (3, 4, 6)]
+                  + [dict(tiles=2, warps=4, ring=r, minb=4) for r in (4, 6)]
+                  + [dict(tiles=2, warps=8, ring=r, minb=1) for r in (6, 8)],
+    "nf4_native_m16": [dict(tiles=1, warps=8, ring=r, minb=3) for r in (3, 4)]
+                      + [dict(tiles=1, warps=4, ring=4, minb=6), dict(tiles=1, warps=16, ring=4, minb=1)]
+                      + [dict(tiles=1, warps=8, ring=r, minb=2) for r in (6, 8)]
+                      + [dict(tiles=2, warps=8, ring=3, minb=2), dict(tiles=2, warps=4, ring=3, minb=4)]
+                      + [dict(tiles=2, warps=8, ring=r, minb=1) for r in (4, 6)],
 }
 
 # --sweep-nf4: NF4 GEMV K steps, timed at every M of --ms (<= 16) with the correctness check of the
@@ -193,7 +205,7 @@ def path_of(w, m, n, k, dev) -> str:
         if m > nbw4.MAX_M:
             return "native->triton/" + path_of(as_triton([w])[0], m, n, k, dev)
         p = nbw4.plan(m, n, k, torch.cuda.get_device_properties(dev).multi_processor_count)
-        return f"native/tiles{p.tiles}-warps{p.warps}-unroll{p.unroll}"
+        return f"native/tiles{p.tiles}-warps{p.warps}-ring{p.ring}-minb{p.minb}"
     p = ti8.plan(m, n, k, dev) if hasattr(w, "scales") else tbw4.plan(m, n, k, BLOCKSIZE, dev)
     return f"{p['path']}/split{p['split']}"
 

@@ -20,15 +20,15 @@ H200_SMS = 132
 
 def _variants():
     """(defines, promised blocks an SM) for each dtype x row tiles x N tiles x nesting, blocksizes 64
-    and 4096, and the warps / unroll the sweep tries."""
+    and 4096, and the warps / ring depths the sweep tries."""
     for dt in (torch.float16, torch.bfloat16):
         for m in (1, 16):
             for n in (4096, 28672):
                 for nested, bs in ((True, 64), (False, 4096)):
                     yield nbw4.plan(m, n, 4096, H200_SMS).defines(dt, nested, bs, 256)
-    for fields in ({"warps": 4}, {"warps": 16}, {"unroll": 1}, {"unroll": 2}, {"unroll": 8, "tiles": 1}):
+    for m, fields in ((16, {"warps": 4}), (1, {"warps": 16, "minb": 1}), (16, {"ring": 2}), (1, {"ring": 8, "tiles": 1, "minb": 2})):
         with nbw4.plan_override(**fields):
-            yield nbw4.plan(16, 28672, 4096, H200_SMS).defines(torch.float16, True, 64, 256)
+            yield nbw4.plan(m, 28672, 4096, H200_SMS).defines(torch.float16, True, 64, 256)
 
 
 def _ptxas(log: str) -> tuple[int, int]:
@@ -45,7 +45,7 @@ def test_every_planned_variant_compiles_without_spills(arch):
                                  compiler.native_options(defines, ptxas_options=["-v"]), log=log)
         assert cubin[:4] == b"\x7fELF"
         regs, spills = _ptxas(log[0])
-        assert regs <= 65536 // (32 * defines["QOPS_WARPS"]), (defines, log[0])  # one block fits an SM
+        assert regs <= 65536 // (32 * defines["QOPS_WARPS"] * defines["QOPS_MINB"]), (defines, log[0])  # the promised blocks fit an SM
         if arch == "sm_90":
             assert spills == 0, (defines, log[0])
 
@@ -60,13 +60,14 @@ def test_a_bad_compile_time_configuration_is_refused():
 
 def test_plan_rule():
     # Wide tiles only where they still leave two blocks an SM; 16 rows of x take the second x tile.
-    assert nbw4.plan(1, 28672, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, unroll=4)
+    assert nbw4.plan(1, 28672, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, ring=4, minb=2)
     assert nbw4.plan(1, 4096, 14336, H200_SMS).tiles == 1
-    assert nbw4.plan(8, 8192, 28672, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=8, unroll=4)
-    assert nbw4.plan(9, 57344, 8192, H200_SMS).mt == 2
+    assert nbw4.plan(8, 8192, 28672, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=8, ring=6, minb=3)
+    assert nbw4.plan(9, 57344, 8192, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=3, minb=2)
+    assert nbw4.plan(16, 4096, 4096, H200_SMS) == nbw4.Plan(mt=2, tiles=1, warps=8, ring=4, minb=3)
     assert nbw4.plan(1, 1000, 64, H200_SMS).grid(1000) == 63
-    with nbw4.plan_override(warps=16, unroll=2):
-        assert nbw4.plan(1, 4096, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=16, unroll=2)
+    with nbw4.plan_override(warps=16, ring=2, minb=1):
+        assert nbw4.plan(1, 4096, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=16, ring=2, minb=1)
     assert nbw4.plan(1, 4096, 4096, H200_SMS).warps == 8
 
 

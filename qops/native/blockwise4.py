@@ -30,7 +30,7 @@ SOURCE = "blockwise4_gemv.cu"
 GEMV = "qops_blockwise4_gemv"
 MAX_M = 16  # rows one launch takes (two 8-row MMA tiles)
 PIECE_K = 64  # K values of a row the kernel handles as one piece (inside one absmax block)
-TABLE_BYTES = 256 * 256  # the code table's shared memory (kTableBytes in the kernel)
+SHMEM_BYTES = 256 * 32 * 4 + 256 * 4  # the code table and the nested map (kTableBytes + kNestedCodeBytes)
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 _BIAS_T, _BIAS_F32 = 2, 4  # kBiasT, kBiasF32 in ptx.cuh
 
@@ -40,7 +40,8 @@ class Plan:
     mt: int  # 8-row MMA tiles of x: 1 (M <= 8) or 2
     tiles: int  # 16-row tiles of N a block (QOPS_R)
     warps: int  # warps a block, splitting K
-    unroll: int  # 64-wide pieces a warp loads before using any
+    ring: int  # register ring slots a warp (ring - 1 pieces of 64 K values in flight)
+    minb: int  # blocks an SM promised to ptxas (__launch_bounds__): 3 caps at 80 registers, 2 at 128
 
     def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int) -> dict[str, int]:
         return {
@@ -48,7 +49,8 @@ class Plan:
             "QOPS_MT": self.mt,
             "QOPS_R": self.tiles,
             "QOPS_WARPS": self.warps,
-            "QOPS_UNROLL": self.unroll,
+            "QOPS_RING": self.ring,
+            "QOPS_MINB": self.minb,
             "QOPS_NESTED": int(nested),
             "QOPS_BLOCKSIZE": blocksize,
             "QOPS_NESTED_BS": nested_blocksize if nested else 1,
@@ -63,7 +65,7 @@ _override: dict = {}
 
 @contextlib.contextmanager
 def plan_override(**fields):
-    """Force plan fields (``tiles``, ``warps``, ``unroll``) inside the block: for sweeps and tests."""
+    """Force plan fields (``tiles``, ``warps``, ``ring``, ``minb``) inside the block: for sweeps and tests."""
     global _override
     saved = _override
     _override = {**saved, **fields}
@@ -78,10 +80,17 @@ def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
 
     Two 16-row tiles a block where that still leaves >= 2 blocks an SM (fewer, wider blocks share
     the x loads and the table's build); one otherwise, so that short-N shapes (4096 rows) fill the GPU.
+    Ring depth and register budget: the deepest ring that compiles without spills at the occupancy
+    (ptxas -v, sm_90: one tile 80 registers with 6 slots at M <= 8 and 4 at M <= 16; two tiles 128
+    registers with 4 and 3).
     """
     mt = 1 if m <= 8 else 2
     tiles = 2 if -(-n // 32) >= 2 * sm_count else 1
-    return replace(Plan(mt=mt, tiles=tiles, warps=8, unroll=4), **_override)
+    if tiles == 1:
+        ring, minb = (6 if mt == 1 else 4), 3
+    else:
+        ring, minb = (4 if mt == 1 else 3), 2
+    return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb), **_override)
 
 
 def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype) -> str | None:
@@ -156,7 +165,7 @@ def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         gemv = compiler.get_kernel(dev, SOURCE, p.defines(x.dtype, nested, blocksize, nested_blocksize), GEMV)
         i32 = compiler.i32
         compiler.launch(
-            gemv, (p.grid(n), 1, 1), (32 * p.warps, 1, 1), TABLE_BYTES, torch.cuda.current_stream(),
+            gemv, (p.grid(n), 1, 1), (32 * p.warps, 1, 1), SHMEM_BYTES, torch.cuda.current_stream(),
             qweight.data_ptr(), code.data_ptr(), absmax.data_ptr(),
             nested_code.data_ptr() if nested else 0, nested_absmax.data_ptr() if nested else 0,
             nested_offset.data_ptr() if nested else 0, x2.data_ptr(), bias.data_ptr() if bias is not None else 0,
@@ -210,6 +219,6 @@ def warmup(weight, act_dtype: torch.dtype | None = None) -> int:
             seen.add(key)
             gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
             i0 = compiler.i32(0)
-            compiler.launch(gemv, (1, 1, 1), (32 * p.warps, 1, 1), TABLE_BYTES, stream, *([0] * 9), *([i0] * 6),
+            compiler.launch(gemv, (1, 1, 1), (32 * p.warps, 1, 1), SHMEM_BYTES, stream, *([0] * 9), *([i0] * 6),
                             pdl=use_pdl(dev))
     return len(seen)

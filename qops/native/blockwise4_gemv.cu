@@ -12,10 +12,10 @@
 // Decode. The 16 codes are rounded to the activation dtype, as bitsandbytes' own kernels do. A byte
 // holds two codes (even K high, odd K low); a 256-entry table in shared memory maps it to the f16x2 /
 // bf16x2 word (even code in the low half), which is exactly one register of an MMA operand. The table
-// is held 32 times, entry v's copy for lane l at byte v*256 + 4*l, so the 32 lanes of a warp always
-// hit 32 different banks whatever bytes they look up; its byte address is then one prmt (byte v into
-// bits 8..15 beside the lane's 4*l), and a weight costs half a prmt and half a shared load: no ALU
-// decode chain (the Triton CUDA-core GEMV spends ~3 integer instructions a weight on it).
+// is held 32 times, entry v's copy for lane l at byte v*128 + 4*l, so the 32 lanes of a warp always
+// hit 32 different banks whatever bytes they look up (32 KiB). A weight costs half a prmt (isolate
+// the byte), half an integer multiply-add (its address) and half a shared load: no ALU decode chain
+// (the Triton CUDA-core GEMV spends ~3 integer instructions a weight on it).
 //
 // Math. The tensor cores compute W x^T with W as the 16x16 A operand (16 rows of N) and x^T as the
 // 16x8 B operand (8 rows of x per tile, QOPS_MT tiles). Lane (g = lane/4, t = lane%4) loads 8 bytes of
@@ -28,15 +28,20 @@
 //
 // Work split. A block is QOPS_WARPS warps on 16*QOPS_R rows of N (grid: ceil(N / (16 R))); its
 // warps split the row's pieces evenly and sum their partials through shared memory at the end, in
-// warp order (deterministic, no atomics, no workspace). A warp takes QOPS_UNROLL pieces per iteration,
-// every load of them issued before any is used. Rows of N past the end read row N-1 and rows of x past
-// M read row 0 (valid memory, results discarded), so no load is predicated.
+// warp order (deterministic, no atomics, no workspace). Each warp streams its pieces through a
+// register ring of QOPS_RING slots: a step requests the piece QOPS_RING - 1 ahead (weights and
+// absmax, predicated off past the warp's range) and then uses its own, so QOPS_RING - 1 pieces are in
+// flight at every step (the first version loaded a few pieces and used them; ptxas interleaved the
+// loads with the uses and kept ~one piece in flight: 30-40% of the roofline). x is read when a piece
+// is used (L1: every warp of the SM reads the same few KiB). Rows of N past the end read row N-1 and
+// rows of x past M read row 0 (valid memory, results discarded).
 //
-// Programmatic dependent launch (sm_90): the table is built from `code` (never written by the kernel
-// ahead) before grid_dep_wait(); x, absmax and bias are read and out written only after it.
+// Programmatic dependent launch (sm_90): the ring's first pieces are requested and the tables built
+// from weight tensors only (never written by the kernel ahead) before grid_dep_wait(); x and bias are
+// read and out written only after it.
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
-// QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16), QOPS_UNROLL (pieces per iteration),
+// QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16), QOPS_RING (2..8 slots),
 // QOPS_NESTED (0/1), QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only).
 #include "ptx.cuh"
 
@@ -52,11 +57,14 @@
 #ifndef QOPS_WARPS
 #define QOPS_WARPS 8
 #endif
-#ifndef QOPS_UNROLL
-#define QOPS_UNROLL 4
+#ifndef QOPS_RING
+#define QOPS_RING 4
 #endif
 #ifndef QOPS_NESTED
 #define QOPS_NESTED 0
+#endif
+#ifndef QOPS_MINB
+#define QOPS_MINB 2
 #endif
 #ifndef QOPS_BLOCKSIZE
 #define QOPS_BLOCKSIZE 64
@@ -73,64 +81,61 @@ constexpr int kMT = QOPS_MT;
 constexpr int kR = QOPS_R;
 constexpr int kWarps = QOPS_WARPS;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kU = QOPS_UNROLL;
+constexpr int kRing = QOPS_RING;
 constexpr bool kNested = QOPS_NESTED != 0;
 constexpr int kBlock = QOPS_BLOCKSIZE;
 constexpr int kNestedBS = QOPS_NESTED_BS;
-constexpr int kPiece = 64;                  // K values of a row a lane quad covers per piece
-constexpr int kTableBytes = 256 * 256;      // 256 byte values x (32 lane copies + 32 unused words)
+constexpr int kPiece = 64;                     // K values of a row a lane quad covers per piece
+constexpr int kTableBytes = 256 * 32 * 4;      // 256 byte values x 32 lane copies
 static_assert(kMT == 1 || kMT == 2, "QOPS_MT is 1 or 2 (M <= 16)");
 static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
 static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "QOPS_WARPS is 4, 8 or 16");
+static_assert(kRing >= 2 && kRing <= 8, "QOPS_RING is 2..8");
 static_assert(kBlock % kPiece == 0, "QOPS_BLOCKSIZE must be a multiple of 64");
 static_assert(kWarps * kR * kMT * 32 * 16 <= kTableBytes, "the partials reuse the table's shared memory");
 
-// One piece of one lane: 8 weight bytes of rows g and g+8 of each tile, the two rows' absmax,
-// and 16 values of x per x tile (two 16-byte loads).
-struct Piece {
+// What a lane keeps in flight for one piece: 8 weight bytes of rows g and g+8 of each tile and the
+// two rows' absmax as loaded (float32 bits, or the nested u8 code).
+struct Slot {
   uint2 w[kR][2];
-  float s[kR][2];
-  uint4 x[kMT][2];
+  u32 a[kR][2];
 };
 
-__device__ __forceinline__ float block_absmax(const void* absmax, const float* nested_code, const float* nested_absmax,
-                                              float nested_offset, int b) {
-  if constexpr (kNested) {
-    const unsigned char q = static_cast<const unsigned char*>(absmax)[b];
-    return fmaf(nested_code[q], nested_absmax[b / kNestedBS], nested_offset);
-  } else {
-    return static_cast<const float*>(absmax)[b];
-  }
-}
-
-// The table word of byte `byte_sel` of w: shared address v*256 + 4*lane (prmt puts byte v in bits
-// 8..15 beside lane4 = 4*lane, whose bytes 1..3 are zero).
-template <int SEL>
-__device__ __forceinline__ u32 lookup(const unsigned char* table, u32 w, u32 lane4) {
-  return *reinterpret_cast<const u32*>(table + prmt<0x5504 | (SEL << 4)>(w, lane4));
-}
-
-__device__ __forceinline__ void load_piece(Piece& pc, const unsigned char* const (&wrow)[kR][2], const u16* const (&xrow)[kMT],
-                                           const int (&flat)[kR][2], const void* absmax, const float* nested_code,
-                                           const float* nested_absmax, float nested_offset, int p, int t) {
+__device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (&wrow)[kR][2], const int (&flat)[kR][2],
+                                          const void* absmax, int p, int t, bool pred) {
 #pragma unroll
   for (int r = 0; r < kR; ++r)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) pc.w[r][h] = ld_stream_v2(wrow[r][h] + p * (kPiece / 2) + 8 * t);
+    for (int h = 0; h < 2; ++h) {
+      ld_stream_v2_if(sl.w[r][h], wrow[r][h] + p * (kPiece / 2) + 8 * t, pred);
+      const int b = (flat[r][h] + p * kPiece) / kBlock;
+      if constexpr (kNested) ld_nc_u8_if(sl.a[r][h], static_cast<const unsigned char*>(absmax) + b, pred);
+      else ld_nc_u32_if(sl.a[r][h], static_cast<const float*>(absmax) + b, pred);
+    }
+}
+
+__device__ __forceinline__ float block_absmax(u32 a, const float* nested_code_s, const float* nested_absmax,
+                                              float nested_offset, int b) {
+  if constexpr (kNested) return fmaf(nested_code_s[a], nested_absmax[b / kNestedBS], nested_offset);
+  else return __uint_as_float(a);
+}
+
+// The table word of byte SEL of w: shared address v*128 + 4*lane (prmt isolates byte v).
+template <int SEL>
+__device__ __forceinline__ u32 lookup(const unsigned char* lane_table, u32 w) {
+  return *reinterpret_cast<const u32*>(lane_table + prmt<0x4440 | SEL>(w, 0u) * 128u);
+}
+
+__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], const unsigned char* lane_table,
+                                         const u16* const (&xrow)[kMT], const int (&flat)[kR][2], const float* nested_code_s,
+                                         const float* nested_absmax, float nested_offset, int p, int t) {
+  uint4 xv[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
     const uint4* xp = reinterpret_cast<const uint4*>(xrow[mt] + p * kPiece + 16 * t);
-    pc.x[mt][0] = xp[0];
-    pc.x[mt][1] = xp[1];
+    xv[mt][0] = xp[0];
+    xv[mt][1] = xp[1];
   }
-#pragma unroll
-  for (int r = 0; r < kR; ++r)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      pc.s[r][h] = block_absmax(absmax, nested_code, nested_absmax, nested_offset, (flat[r][h] + p * kPiece) / kBlock);
-}
-
-__device__ __forceinline__ void use_piece(const Piece& pc, float (&acc)[kR][kMT][4], const unsigned char* table, u32 lane4) {
 #pragma unroll
   for (int r = 0; r < kR; ++r) {
     float d[kMT][4];
@@ -138,34 +143,36 @@ __device__ __forceinline__ void use_piece(const Piece& pc, float (&acc)[kR][kMT]
     for (int mt = 0; mt < kMT; ++mt) d[mt][0] = d[mt][1] = d[mt][2] = d[mt][3] = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const u32 w0 = j < 2 ? pc.w[r][0].x : pc.w[r][0].y;  // row g: bytes 2j, 2j+1
-      const u32 w1 = j < 2 ? pc.w[r][1].x : pc.w[r][1].y;  // row g + 8
+      const u32 w0 = j < 2 ? sl.w[r][0].x : sl.w[r][0].y;  // row g: bytes 2j, 2j+1
+      const u32 w1 = j < 2 ? sl.w[r][1].x : sl.w[r][1].y;  // row g + 8
       u32 a0, a1, a2, a3;
       if ((j & 1) == 0) {
-        a0 = lookup<0>(table, w0, lane4);
-        a2 = lookup<1>(table, w0, lane4);
-        a1 = lookup<0>(table, w1, lane4);
-        a3 = lookup<1>(table, w1, lane4);
+        a0 = lookup<0>(lane_table, w0);
+        a2 = lookup<1>(lane_table, w0);
+        a1 = lookup<0>(lane_table, w1);
+        a3 = lookup<1>(lane_table, w1);
       } else {
-        a0 = lookup<2>(table, w0, lane4);
-        a2 = lookup<3>(table, w0, lane4);
-        a1 = lookup<2>(table, w1, lane4);
-        a3 = lookup<3>(table, w1, lane4);
+        a0 = lookup<2>(lane_table, w0);
+        a2 = lookup<3>(lane_table, w0);
+        a1 = lookup<2>(lane_table, w1);
+        a3 = lookup<3>(lane_table, w1);
       }
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        const uint4& xv = pc.x[mt][j >> 1];
-        const u32 b0 = (j & 1) ? xv.z : xv.x;  // x[16t + 4j], x[16t + 4j + 1]
-        const u32 b1 = (j & 1) ? xv.w : xv.y;  // x[16t + 4j + 2], x[16t + 4j + 3]
+        const uint4& xq = xv[mt][j >> 1];
+        const u32 b0 = (j & 1) ? xq.z : xq.x;  // x[16t + 4j], x[16t + 4j + 1]
+        const u32 b1 = (j & 1) ? xq.w : xq.y;  // x[16t + 4j + 2], x[16t + 4j + 3]
         mma_16816<kDT>(d[mt], a0, a1, a2, a3, b0, b1);
       }
     }
+    const float s0 = block_absmax(sl.a[r][0], nested_code_s, nested_absmax, nested_offset, (flat[r][0] + p * kPiece) / kBlock);
+    const float s1 = block_absmax(sl.a[r][1], nested_code_s, nested_absmax, nested_offset, (flat[r][1] + p * kPiece) / kBlock);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-      acc[r][mt][0] = fmaf(d[mt][0], pc.s[r][0], acc[r][mt][0]);
-      acc[r][mt][1] = fmaf(d[mt][1], pc.s[r][0], acc[r][mt][1]);
-      acc[r][mt][2] = fmaf(d[mt][2], pc.s[r][1], acc[r][mt][2]);
-      acc[r][mt][3] = fmaf(d[mt][3], pc.s[r][1], acc[r][mt][3]);
+      acc[r][mt][0] = fmaf(d[mt][0], s0, acc[r][mt][0]);
+      acc[r][mt][1] = fmaf(d[mt][1], s0, acc[r][mt][1]);
+      acc[r][mt][2] = fmaf(d[mt][2], s1, acc[r][mt][2]);
+      acc[r][mt][3] = fmaf(d[mt][3], s1, acc[r][mt][3]);
     }
   }
 }
@@ -173,7 +180,7 @@ __device__ __forceinline__ void use_piece(const Piece& pc, float (&acc)[kR][kMT]
 }  // namespace bw4
 }  // namespace qops
 
-extern "C" __global__ void __launch_bounds__(qops::bw4::kThreads)
+extern "C" __global__ void __launch_bounds__(qops::bw4::kThreads, QOPS_MINB)
 qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __restrict__ code,
                      const void* __restrict__ absmax, const float* __restrict__ nested_code,
                      const float* __restrict__ nested_absmax, const float* __restrict__ nested_offset,
@@ -187,21 +194,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     grid_dep_wait();
     return;
   }
-  // The table: 32 copies of 256 words. Thread v builds word v once and stores its copies starting at
-  // its own lane's bank, so a warp's 32 stores of one round fall in 32 different banks.
-  for (int v = tid; v < 256; v += kThreads) {
-    const u32 lo = f32_to_bits<kDT>(code[v >> 4]);
-    const u32 hi = f32_to_bits<kDT>(code[v & 15]);
-    const u32 word2 = lo | (hi << 16);
-    u32* entry = reinterpret_cast<u32*>(table + v * 256);
-#pragma unroll 8
-    for (int c = 0; c < 32; ++c) entry[(c + tid) & 31] = word2;
-  }
-  __syncthreads();
-  grid_dep_wait();  // x, absmax tables of a re-prepared weight, bias, out: after the kernel ahead
-
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const u32 lane4 = static_cast<u32>(lane) * 4u;
   const int n_tile = blockIdx.x * (16 * kR);
   const unsigned char* wrow[kR][2];
   int flat[kR][2];
@@ -213,6 +206,32 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
       wrow[r][h] = qweight + static_cast<size_t>(n) * (K / 2);
       flat[r][h] = n * K;
     }
+  const int pieces = K / kPiece;
+  const int p0 = static_cast<int>(static_cast<long long>(pieces) * warp / kWarps);
+  const int p1 = static_cast<int>(static_cast<long long>(pieces) * (warp + 1) / kWarps);
+
+  // The ring's first kRing - 1 pieces are requested before anything else: weights and absmax are
+  // never written by the kernel ahead, and their latency then covers the table's build.
+  Slot ring[kRing];
+#pragma unroll
+  for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
+
+  // The table: 32 copies of 256 words. Thread v builds word v once and stores its copies starting at
+  // its own lane's bank, so a warp's 32 stores of one round fall in 32 different banks.
+  for (int v = tid; v < 256; v += kThreads) {
+    const u32 lo = f32_to_bits<kDT>(code[v >> 4]);
+    const u32 hi = f32_to_bits<kDT>(code[v & 15]);
+    const u32 word2 = lo | (hi << 16);
+    u32* entry = reinterpret_cast<u32*>(table + v * 128);
+#pragma unroll 8
+    for (int c = 0; c < 32; ++c) entry[(c + tid) & 31] = word2;
+  }
+  float* nested_code_s = reinterpret_cast<float*>(table + kTableBytes);
+  if constexpr (kNested)
+    for (int v = tid; v < 256; v += kThreads) nested_code_s[v] = nested_code[v];
+  __syncthreads();
+  grid_dep_wait();  // x, bias and out: after the kernel ahead
+
   const u16* xrow[kMT];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
@@ -220,29 +239,22 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     xrow[mt] = x + static_cast<size_t>(m < M ? m : 0) * ldx;
   }
   const float noff = kNested ? nested_offset[0] : 0.f;
-
-  const int pieces = K / kPiece;
-  const int p0 = static_cast<int>(static_cast<long long>(pieces) * warp / kWarps);
-  const int p1 = static_cast<int>(static_cast<long long>(pieces) * (warp + 1) / kWarps);
+  const unsigned char* lane_table = table + 4 * lane;
   float acc[kR][kMT][4];
 #pragma unroll
   for (int r = 0; r < kR; ++r)
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) acc[r][mt][0] = acc[r][mt][1] = acc[r][mt][2] = acc[r][mt][3] = 0.f;
 
-  int p = p0;
-  for (; p + kU <= p1; p += kU) {
-    Piece pc[kU];
+  // Piece p sits in slot (p - p0) % kRing; each step requests the piece kRing - 1 ahead, then uses its own.
+  for (int base = p0; base < p1; base += kRing) {
 #pragma unroll
-    for (int u = 0; u < kU; ++u)
-      load_piece(pc[u], wrow, xrow, flat, absmax, nested_code, nested_absmax, noff, p + u, t);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) use_piece(pc[u], acc, table, lane4);
-  }
-  for (; p < p1; ++p) {
-    Piece pc;
-    load_piece(pc, wrow, xrow, flat, absmax, nested_code, nested_absmax, noff, p, t);
-    use_piece(pc, acc, table, lane4);
+    for (int s = 0; s < kRing; ++s) {
+      const int ahead = base + s + kRing - 1;
+      load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1);
+      if (base + s < p1)
+        use_slot(ring[s], acc, lane_table, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
+    }
   }
   grid_dep_launch_dependents();
 

@@ -21,11 +21,19 @@ __device__ __forceinline__ void ld_stream_v4_if(uint4& v, const void* p, bool pr
       : "l"(p), "r"(static_cast<int>(pred)));
 }
 
-// 8 bytes of data read exactly once (weights), by the read-only path without allocating in L1.
-__device__ __forceinline__ uint2 ld_stream_v2(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
+// 8 bytes of data read exactly once (weights), by the read-only path without allocating in L1, and
+// one byte (u8 absmax), both predicated as above.
+__device__ __forceinline__ void ld_stream_v2_if(uint2& v, const void* p, bool pred) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\t@p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n\t}"
+      : "+r"(v.x), "+r"(v.y)
+      : "l"(p), "r"(static_cast<int>(pred)));
+}
+
+__device__ __forceinline__ void ld_nc_u8_if(u32& v, const void* p, bool pred) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p ld.global.nc.u8 %0, [%1];\n\t}"
+               : "+r"(v)
+               : "l"(p), "r"(static_cast<int>(pred)));
 }
 
 __device__ __forceinline__ void ld_nc_v2_if(uint2& v, const void* p, bool pred) {
