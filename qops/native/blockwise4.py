@@ -42,6 +42,7 @@ class Plan:
     warps: int  # warps a block, splitting K
     ring: int  # register ring slots a warp (ring - 1 pieces of 64 K values in flight)
     minb: int  # blocks an SM promised to ptxas (__launch_bounds__): 3 caps at 80 registers, 2 at 128
+    probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
 
     def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int) -> dict[str, int]:
         return {
@@ -51,6 +52,7 @@ class Plan:
             "QOPS_WARPS": self.warps,
             "QOPS_RING": self.ring,
             "QOPS_MINB": self.minb,
+            "QOPS_PROBE": self.probe,
             "QOPS_NESTED": int(nested),
             "QOPS_BLOCKSIZE": blocksize,
             "QOPS_NESTED_BS": nested_blocksize if nested else 1,
@@ -81,13 +83,13 @@ def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
     Two 16-row tiles a block where that still leaves >= 2 blocks an SM (fewer, wider blocks share
     the x loads and the table's build); one otherwise, so that short-N shapes (4096 rows) fill the GPU.
     Ring depth and register budget: the deepest ring that compiles without spills at the occupancy
-    (ptxas -v, sm_90: one tile 80 registers with 6 slots at M <= 8 and 4 at M <= 16; two tiles 128
+    (ptxas -v, sm_90: one tile 80 registers with 5 slots at M <= 8 and 3 at M <= 16; two tiles 128
     registers with 4 and 3).
     """
     mt = 1 if m <= 8 else 2
     tiles = 2 if -(-n // 32) >= 2 * sm_count else 1
     if tiles == 1:
-        ring, minb = (6 if mt == 1 else 4), 3
+        ring, minb = (5 if mt == 1 else 3), 3
     else:
         ring, minb = (4 if mt == 1 else 3), 2
     return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb), **_override)

@@ -66,6 +66,9 @@
 #ifndef QOPS_MINB
 #define QOPS_MINB 2
 #endif
+#ifndef QOPS_PROBE
+#define QOPS_PROBE 0  // measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
+#endif
 #ifndef QOPS_BLOCKSIZE
 #define QOPS_BLOCKSIZE 64
 #endif
@@ -84,6 +87,7 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kRing = QOPS_RING;
 constexpr bool kNested = QOPS_NESTED != 0;
 constexpr int kBlock = QOPS_BLOCKSIZE;
+constexpr int kProbe = QOPS_PROBE;
 constexpr int kNestedBS = QOPS_NESTED_BS;
 constexpr int kPiece = 64;                     // K values of a row a lane quad covers per piece
 constexpr int kTableBytes = 256 * 32 * 4;      // 256 byte values x 32 lane copies
@@ -101,34 +105,44 @@ struct Slot {
   u32 a[kR][2];
 };
 
-__device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (&wrow)[kR][2], const int (&flat)[kR][2],
+__device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (&wrow)[kR][2], const u32 (&flat)[kR][2],
                                           const void* absmax, int p, int t, bool pred) {
+  if constexpr (kProbe == 2) return;  // math alone: the slots keep what they were given
 #pragma unroll
   for (int r = 0; r < kR; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       ld_stream_v2_if(sl.w[r][h], wrow[r][h] + p * (kPiece / 2) + 8 * t, pred);
-      const int b = (flat[r][h] + p * kPiece) / kBlock;
+      const u32 b = (flat[r][h] + static_cast<u32>(p) * kPiece) / kBlock;
       if constexpr (kNested) ld_nc_u8_if(sl.a[r][h], static_cast<const unsigned char*>(absmax) + b, pred);
       else ld_nc_u32_if(sl.a[r][h], static_cast<const float*>(absmax) + b, pred);
     }
 }
 
 __device__ __forceinline__ float block_absmax(u32 a, const float* nested_code_s, const float* nested_absmax,
-                                              float nested_offset, int b) {
+                                              float nested_offset, u32 b) {
   if constexpr (kNested) return fmaf(nested_code_s[a], nested_absmax[b / kNestedBS], nested_offset);
   else return __uint_as_float(a);
 }
 
-// The table word of byte SEL of w: shared address v*128 + 4*lane (prmt isolates byte v).
+// The table word of byte SEL of w: shared address lane_table + v*128 (prmt isolates byte v; one
+// integer multiply-add makes the address, the lane's 4*lane and the table's base folded in).
 template <int SEL>
-__device__ __forceinline__ u32 lookup(const unsigned char* lane_table, u32 w) {
-  return *reinterpret_cast<const u32*>(lane_table + prmt<0x4440 | SEL>(w, 0u) * 128u);
+__device__ __forceinline__ u32 lookup(u32 lane_table, u32 w) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(prmt<0x4440 | SEL>(w, 0u) * 128u + lane_table));
+  return v;
 }
 
-__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], const unsigned char* lane_table,
-                                         const u16* const (&xrow)[kMT], const int (&flat)[kR][2], const float* nested_code_s,
+__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table,
+                                         const u16* const (&xrow)[kMT], const u32 (&flat)[kR][2], const float* nested_code_s,
                                          const float* nested_absmax, float nested_offset, int p, int t) {
+  if constexpr (kProbe == 1) {  // loads alone: every loaded word reaches the output, nothing is decoded
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+      acc[r][0][0] += __uint_as_float((sl.w[r][0].x ^ sl.w[r][0].y ^ sl.w[r][1].x ^ sl.w[r][1].y ^ sl.a[r][0] ^ sl.a[r][1]) & 0x3fffffffu);
+    return;
+  }
   uint4 xv[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
@@ -165,8 +179,8 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
         mma_16816<kDT>(d[mt], a0, a1, a2, a3, b0, b1);
       }
     }
-    const float s0 = block_absmax(sl.a[r][0], nested_code_s, nested_absmax, nested_offset, (flat[r][0] + p * kPiece) / kBlock);
-    const float s1 = block_absmax(sl.a[r][1], nested_code_s, nested_absmax, nested_offset, (flat[r][1] + p * kPiece) / kBlock);
+    const float s0 = block_absmax(sl.a[r][0], nested_code_s, nested_absmax, nested_offset, (flat[r][0] + static_cast<u32>(p) * kPiece) / kBlock);
+    const float s1 = block_absmax(sl.a[r][1], nested_code_s, nested_absmax, nested_offset, (flat[r][1] + static_cast<u32>(p) * kPiece) / kBlock);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       acc[r][mt][0] = fmaf(d[mt][0], s0, acc[r][mt][0]);
@@ -197,14 +211,14 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int n_tile = blockIdx.x * (16 * kR);
   const unsigned char* wrow[kR][2];
-  int flat[kR][2];
+  u32 flat[kR][2];  // flat index n*K of the row's first element (N*K < 2^31)
 #pragma unroll
   for (int r = 0; r < kR; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int n = min(n_tile + 16 * r + 8 * h + g, N - 1);
       wrow[r][h] = qweight + static_cast<size_t>(n) * (K / 2);
-      flat[r][h] = n * K;
+      flat[r][h] = static_cast<u32>(n) * static_cast<u32>(K);
     }
   const int pieces = K / kPiece;
   const int p0 = static_cast<int>(static_cast<long long>(pieces) * warp / kWarps);
@@ -213,6 +227,17 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   // The ring's first kRing - 1 pieces are requested before anything else: weights and absmax are
   // never written by the kernel ahead, and their latency then covers the table's build.
   Slot ring[kRing];
+  if constexpr (kProbe == 2) {  // math alone: weight bytes that vary by lane, absmax codes in range
+#pragma unroll
+    for (int s = 0; s < kRing; ++s)
+#pragma unroll
+      for (int r = 0; r < kR; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          ring[s].w[r][h] = make_uint2(0x9e3779b9u * (tid + 7 * s + 3 * r + h), 0x85ebca6bu * (tid + s + r + 5 * h));
+          ring[s].a[r][h] = kNested ? ((tid + s) & 255) : 0x3c000000u;
+        }
+  }
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
 
@@ -239,7 +264,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     xrow[mt] = x + static_cast<size_t>(m < M ? m : 0) * ldx;
   }
   const float noff = kNested ? nested_offset[0] : 0.f;
-  const unsigned char* lane_table = table + 4 * lane;
+  const u32 lane_table = smem_addr(table) + 4u * lane;
   float acc[kR][kMT][4];
 #pragma unroll
   for (int r = 0; r < kR; ++r)

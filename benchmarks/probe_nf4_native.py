@@ -1,0 +1,74 @@
+"""What bounds the native NF4 GEMV at M = 1 (H200): its loads, or its decode and math?
+
+Times, per shape, over the same rotated weight copies with the method of ``common.py`` (CUDA-graph
+replays over copies > 256 MB, median of trials), the native kernel (``qops/native/blockwise4_gemv.cu``)
+at its plan and two measurement builds of it (``QOPS_PROBE``):
+
+- ``op``: the kernel as it runs;
+- ``loads``: the same launch, ring and loads (weights and absmax), each loaded word folded into the
+  output without decoding (so the loads stay);
+- ``math``: the same launch, table, x reads, lookups, MMAs and scaling, on register data (no weight
+  or absmax loads);
+
+each as a percentage of the roofline of the op's bytes. If ``loads`` is near the op, the access
+pattern bounds it; if ``math`` is, the instructions do. ``--plans`` adds the same three for other
+plan fields (JSON, e.g. '[{"tiles": 1, "ring": 6, "minb": 3}]').
+
+    PYTHONPATH=. python benchmarks/probe_nf4_native.py [--shapes 28672x4096,...] [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import common
+from common import LARGE_SHAPES, clone_tensors, n_copies
+
+common.add_repo_to_path()
+
+from bench_bnb_int8 import call, nf4_weight, weight_bytes  # noqa: E402
+from qops.native import blockwise4 as nbw4  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="probe_nf4_native.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=common.parse_shapes, default=LARGE_SHAPES)
+    p.add_argument("--plans", type=json.loads, default=[{}], help="plan field overrides to probe (JSON list)")
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    bw = common.copy_TBps(a.trials)
+    res = {"probe": "nf4_native", "device": common.device_name(True), "commit": common.git_commit(), "copy_TBps": round(bw, 3), "rows": []}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in a.shapes:
+        w = nf4_weight(n, k, torch.device("cuda"), gen)
+        ws = [w] + [clone_tensors(w) for _ in range(n_copies(weight_bytes("nf4", n, k)) - 1)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
+        roof = common.roofline_us(weight_bytes("nf4", n, k) + 2 * (k + n), bw)
+        for fields in a.plans:
+            row = {"N": n, "K": k, "M": 1, "plan": fields, "roofline_us": round(roof, 2)}
+            for name, probe in (("op", 0), ("loads", 1), ("math", 2)):
+                with nbw4.plan_override(**fields, probe=probe):
+                    row["plan_used"] = str(nbw4.plan(1, n, k, torch.cuda.get_device_properties(0).multi_processor_count))
+                    us = common.graph_time([lambda w=w: call(w, x) for w in ws], a.trials, 5.0).us
+                row[name + "_us"] = round(us, 2)
+                row[name + "_roof_pct"] = round(100 * roof / us, 1)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        del w, ws
+        torch.cuda.empty_cache()
+    common.write_json(res, common.output_paths("probe_nf4_native.json", a.out))
+    print("\nN x K | plan | op % | loads % | math % (of the roofline)")
+    for r in res["rows"]:
+        print(f"{r['N']}x{r['K']} | {r['plan'] or 'default'} | {r['op_roof_pct']} | {r['loads_roof_pct']} | {r['math_roof_pct']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
