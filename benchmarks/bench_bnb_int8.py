@@ -80,18 +80,12 @@ SWEEP = {
     # warps a block (splitting K) x register ring slots; at M = 1 and (nf4_native_m16) M = 16.
     # Each with a register budget (minb: blocks an SM promised to ptxas; 80 registers = 3 blocks of 8
     # warps, 128 = 2) it compiles in without spills (ptxas -v, sm_90).
-    "nf4_native": [dict(tiles=1, warps=8, ring=r, minb=3) for r in (3, 4, 5)]
-                  + [dict(tiles=1, warps=4, ring=r, minb=6) for r in (4, 5)]
-                  + [dict(tiles=1, warps=16, ring=r, minb=1) for r in (4, 6)]
-                  + [dict(tiles=1, warps=8, ring=r, minb=2) for r in (4, 8)]
-                  + [dict(tiles=2, warps=8, ring=r, minb=2) for r in (3, 4, 6)]
-                  + [dict(tiles=2, warps=4, ring=r, minb=4) for r in (4, 6)]
-                  + [dict(tiles=2, warps=8, ring=r, minb=1) for r in (6, 8)],
-    "nf4_native_m16": [dict(tiles=1, warps=8, ring=3, minb=3), dict(tiles=1, warps=8, ring=4, minb=2)]
-                      + [dict(tiles=1, warps=4, ring=3, minb=6), dict(tiles=1, warps=16, ring=4, minb=1)]
-                      + [dict(tiles=1, warps=8, ring=r, minb=2) for r in (6, 8)]
-                      + [dict(tiles=2, warps=8, ring=3, minb=2), dict(tiles=2, warps=4, ring=3, minb=4)]
-                      + [dict(tiles=2, warps=8, ring=r, minb=1) for r in (4, 6)],
+    "nf4_native": [dict(tiles=1, warps=8, ring=2, minb=3)] + [dict(tiles=1, warps=8, ring=r, minb=2) for r in (3, 4)]
+                  + [dict(tiles=1, warps=4, ring=3, minb=4), dict(tiles=1, warps=16, ring=3, minb=1)]
+                  + [dict(tiles=2, warps=8, ring=2, minb=2)] + [dict(tiles=2, warps=8, ring=r, minb=1) for r in (3, 4)]
+                  + [dict(tiles=2, warps=4, ring=2, minb=4)],
+    "nf4_native_m16": [dict(tiles=1, warps=8, ring=r, minb=2) for r in (2, 3, 4)] + [dict(tiles=1, warps=4, ring=3, minb=4)]
+                      + [dict(tiles=2, warps=8, ring=r, minb=1) for r in (2, 3)],
 }
 
 # --sweep-nf4: NF4 GEMV K steps, timed at every M of --ms (<= 16) with the correctness check of the

@@ -318,7 +318,7 @@ LOWERINGS: tuple[Lowering, ...] = (
         bits=frozenset({4}),
         act_dtypes=frozenset({torch.float16, torch.bfloat16}),
         group_sizes=frozenset(b for b in BNB_BLOCKSIZES if b % 64 == 0),
-        k_multiple=64,
+        k_multiple=128,
         priority=20,
         entry="qops.native.blockwise4:native_mm",
         warmup="qops.native.blockwise4:warmup",

@@ -26,7 +26,8 @@ def _variants():
             for n in (4096, 28672):
                 for nested, bs in ((True, 64), (False, 4096)):
                     yield nbw4.plan(m, n, 4096, H200_SMS).defines(dt, nested, bs, 256)
-    for m, fields in ((16, {"warps": 4}), (1, {"warps": 16, "minb": 1}), (16, {"ring": 2}), (1, {"ring": 8, "tiles": 1, "minb": 2})):
+    for m, fields in ((16, {"warps": 4, "minb": 2}), (1, {"warps": 16, "minb": 1, "tiles": 1}), (1, {"ring": 4, "tiles": 1}),
+                      (16, {"ring": 4, "tiles": 1})):
         with nbw4.plan_override(**fields):
             yield nbw4.plan(m, 28672, 4096, H200_SMS).defines(torch.float16, True, 64, 256)
 
@@ -60,12 +61,12 @@ def test_a_bad_compile_time_configuration_is_refused():
 
 def test_plan_rule():
     # Wide tiles only where they still leave two blocks an SM; 16 rows of x take the second x tile.
-    assert nbw4.plan(1, 28672, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, ring=4, minb=2)
+    assert nbw4.plan(1, 28672, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, ring=2, minb=2)
     assert nbw4.plan(1, 4096, 14336, H200_SMS).tiles == 1
-    assert nbw4.plan(8, 8192, 28672, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=8, ring=5, minb=3)
-    assert nbw4.plan(9, 57344, 8192, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=3, minb=2)
-    assert nbw4.plan(16, 4096, 4096, H200_SMS) == nbw4.Plan(mt=2, tiles=1, warps=8, ring=3, minb=3)
-    assert nbw4.plan(1, 1000, 64, H200_SMS).grid(1000) == 63
+    assert nbw4.plan(8, 8192, 28672, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=8, ring=3, minb=2)
+    assert nbw4.plan(9, 57344, 8192, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=2, minb=1)
+    assert nbw4.plan(16, 4096, 4096, H200_SMS) == nbw4.Plan(mt=2, tiles=1, warps=8, ring=3, minb=2)
+    assert nbw4.plan(1, 1000, 128, H200_SMS).grid(1000) == 63
     with nbw4.plan_override(warps=16, ring=2, minb=1):
         assert nbw4.plan(1, 4096, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=16, ring=2, minb=1)
     assert nbw4.plan(1, 4096, 4096, H200_SMS).warps == 8
@@ -73,7 +74,7 @@ def test_plan_rule():
 
 @pytest.mark.parametrize("args,why", [
     ((4096, 4096, 64, torch.float32), "activation dtype torch.float32"),
-    ((4096, 4000, 64, torch.float16), "K=4000 is not a multiple of 64"),
+    ((4096, 4000, 64, torch.float16), "K=4000 is not a multiple of 128"),
     ((4096, 4096, 32, torch.bfloat16), "blocksize=32 is not a multiple of 64"),
     ((2**18, 2**13, 64, torch.float16), "does not fit the kernel's 32-bit flat index"),
 ])
@@ -82,19 +83,19 @@ def test_refusals_name_the_reason(args, why):
 
 
 def test_served_shapes_are_not_refused():
-    for n, k, bs in ((28672, 4096, 64), (4096, 14336, 64), (57344, 8192, 64), (8192, 28672, 4096), (33, 576, 256)):
+    for n, k, bs in ((28672, 4096, 64), (4096, 14336, 64), (57344, 8192, 64), (8192, 28672, 4096), (33, 640, 256)):
         assert nbw4.refusal(n, k, bs, torch.bfloat16) is None
 
 
 def test_lowering_entry_and_its_declared_capabilities():
     low = LOWERINGS_BY_NAME["native_blockwise4"]
     assert low.kernel == Kernel.NATIVE and low.priority > LOWERINGS_BY_NAME["triton_blockwise4"].priority
-    assert low.group_sizes == frozenset({64, 128, 256, 512, 1024, 2048, 4096}) and low.k_multiple == 64
+    assert low.group_sizes == frozenset({64, 128, 256, 512, 1024, 2048, 4096}) and low.k_multiple == 128
     spec = WeightSpec(family="blockwise4", format="bitsandbytes-nf4", bits=4, group_size=32, n=64, k=128, act_order=False,
                       symmetric=True, device=torch.device("cuda"), act_dtype=torch.float16)
     assert "group_size=32" in low.static_refusal(spec)
     assert low.static_refusal(WeightSpec(**{**spec.__dict__, "group_size": 64})) is None
-    assert "K=96" in low.static_refusal(WeightSpec(**{**spec.__dict__, "group_size": 64, "k": 96}))
+    assert "K=192 is not a multiple of 128" in low.static_refusal(WeightSpec(**{**spec.__dict__, "group_size": 64, "k": 192}))
     from qops.lowerings import _entry
 
     assert _entry(low.entry) is nbw4.native_mm and _entry(low.warmup) is nbw4.warmup

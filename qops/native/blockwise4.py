@@ -2,7 +2,7 @@
 at decode sizes.
 
 Serves the runtime layout of ``qops/ops/blockwise4.py`` unchanged (plain or nested absmax) with
-float16 / bfloat16 x, K % 64 == 0, a blocksize that is a multiple of 64, N*K < 2^31, and M =
+float16 / bfloat16 x, K % 128 == 0, a blocksize that is a multiple of 64, N*K < 2^31, and M =
 prod(x.shape[:-1]) <= 16 (``MAX_M``: one launch, the weight read once for all rows). Anything else
 goes to the Triton lowering (``qops.ops.triton.blockwise4.triton_mm``).
 
@@ -29,7 +29,7 @@ from .int_weight import use_pdl
 SOURCE = "blockwise4_gemv.cu"
 GEMV = "qops_blockwise4_gemv"
 MAX_M = 16  # rows one launch takes (two 8-row MMA tiles)
-PIECE_K = 64  # K values of a row the kernel handles as one piece (inside one absmax block)
+STEP_K = 128  # K values of a row a lane quad takes per step (kStepK in the kernel)
 SHMEM_BYTES = 256 * 32 * 4 + 256 * 4  # the code table and the nested map (kTableBytes + kNestedCodeBytes)
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 _BIAS_T, _BIAS_F32 = 2, 4  # kBiasT, kBiasF32 in ptx.cuh
@@ -82,16 +82,16 @@ def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
 
     Two 16-row tiles a block where that still leaves >= 2 blocks an SM (fewer, wider blocks share
     the x loads and the table's build); one otherwise, so that short-N shapes (4096 rows) fill the GPU.
-    Ring depth and register budget: the deepest ring that compiles without spills at the occupancy
-    (ptxas -v, sm_90: one tile 80 registers with 5 slots at M <= 8 and 3 at M <= 16; two tiles 128
-    registers with 4 and 3).
+    Ring depth and register budget: ptxas -v on sm_90 (spill-free at both M tiles, nested or not):
+    one tile keeps 2 steps in flight in <= 120 registers (two blocks an SM); two tiles 1 step in 128
+    (M <= 8) or 168 registers (M <= 16, one block an SM).
     """
     mt = 1 if m <= 8 else 2
     tiles = 2 if -(-n // 32) >= 2 * sm_count else 1
     if tiles == 1:
-        ring, minb = (5 if mt == 1 else 3), 3
+        ring, minb = 3, 2
     else:
-        ring, minb = (4 if mt == 1 else 3), 2
+        ring, minb = 2, (2 if mt == 1 else 1)
     return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb), **_override)
 
 
@@ -99,10 +99,10 @@ def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype) -> str | Non
     """Why this kernel does not serve an (N, K) weight with this blocksize and activation dtype, or None."""
     if act_dtype not in _DT:
         return f"activation dtype {act_dtype} (float16 and bfloat16 only)"
-    if k % PIECE_K:
-        return f"K={k} is not a multiple of {PIECE_K}"
-    if blocksize % PIECE_K:
-        return f"blocksize={blocksize} is not a multiple of {PIECE_K}"
+    if k % STEP_K:
+        return f"K={k} is not a multiple of {STEP_K}"
+    if blocksize % 64:
+        return f"blocksize={blocksize} is not a multiple of 64"
     if n * k >= 2**31:
         return f"N*K={n * k} does not fit the kernel's 32-bit flat index"
     return None
@@ -116,8 +116,8 @@ def _call_refusal(x, qweight, absmax, n, blocksize) -> str | None:
         return why
     if not qweight.is_contiguous() or qweight.data_ptr() % 8:
         return "qweight is not contiguous and 8-byte aligned"
-    if not absmax.is_contiguous():
-        return "absmax is not contiguous"
+    if not absmax.is_contiguous() or absmax.data_ptr() % (8 if absmax.dtype == torch.float32 else 2):
+        return "absmax is not contiguous and 8-byte (float32) / 2-byte (nested) aligned"
     return None
 
 

@@ -6,8 +6,8 @@
 //           absmax[b] = nested_code[u8[b]] * nested_absmax[b / NESTED_BS] + nested_offset[0];
 //   block b = e / BLOCKSIZE (flat: a block may straddle rows);
 //   y[m, n] = sum_k x[m, k] * code[q(n, k)] * absmax[(n*K + k) / BLOCKSIZE] (+ bias[n]), fp32 sums.
-// The host guarantees K % 64 == 0, BLOCKSIZE % 64 == 0, N*K < 2^31 and 16-byte aligned x rows, so a
-// 64-wide piece of a row (32 bytes) lies inside one block and every load below is aligned.
+// The host guarantees K % 128 == 0, BLOCKSIZE % 64 == 0, N*K < 2^31 and 16-byte aligned x rows, so a
+// 128-wide step of a row (64 bytes) spans one block or two whole ones and every load below is aligned.
 //
 // Decode. The 16 codes are rounded to the activation dtype, as bitsandbytes' own kernels do. A byte
 // holds two codes (even K high, odd K low); a 256-entry table in shared memory maps it to the f16x2 /
@@ -18,25 +18,31 @@
 // (the Triton CUDA-core GEMV spends ~3 integer instructions a weight on it).
 //
 // Math. The tensor cores compute W x^T with W as the 16x16 A operand (16 rows of N) and x^T as the
-// 16x8 B operand (8 rows of x per tile, QOPS_MT tiles). Lane (g = lane/4, t = lane%4) loads 8 bytes of
-// rows g and g+8 of a tile per 64-wide piece, bytes 8t..8t+7; slice j (0..3) of the piece is one
-// k16 MMA step built from its bytes 2j, 2j+1. The MMA's k order inside a slice is thus a permutation
-// of the piece's K (logical k 2t, 2t+1, 2t+8, 2t+9 <-> 16t+4j .. 16t+4j+3), and x is read in the same
-// order: lane (g, t) takes x[g][16t+4j .. 16t+4j+3] as its B registers, 16 contiguous values a
-// piece. A piece lies inside one block, so its MMA sum (fp32, started from zero) is scaled by the
-// block's absmax in fp32 and added to the lane's accumulators.
+// 16x8 B operand (8 rows of x per tile, QOPS_MT tiles). Per 128-wide step of K, lane (g = lane/4,
+// t = lane%4) loads 16 bytes of rows g and g+8 of a tile, bytes 16t..16t+15 of the row's 64 (one
+// 16-byte load a row: a warp's load covers 64 contiguous bytes of 8 rows; with 8 bytes a lane, the
+// first version's 32, the loads alone reached only 60-70% of the roofline). Slice j (0..7) of the
+// step is one k16 MMA built from the lane's bytes 2j, 2j+1, so the MMA's k order is a permutation of
+// K (logical k 2t, 2t+1, 2t+8, 2t+9 <-> 32t+4j .. 32t+4j+3), and x is read in the same order: lane
+// (g, t) takes x[g][32t+4j .. 32t+4j+3] as its B registers, 32 contiguous values a step.
+// Scaling. With BLOCKSIZE >= 128 a step lies in one block: one MMA chain a step, its fp32 sum scaled by
+// the block's absmax. With BLOCKSIZE 64 lanes t = 0, 1 hold block A (K 0..63 of the step) and t = 2,
+// 3 block B, and every k16 MMA mixes the four lanes; so each slice runs twice, into chain A with the
+// x of lanes 2, 3 zero and into chain B with the x of lanes 0, 1 zero (x loaded, predicated, into two
+// zero-initialized register sets), and the chains are scaled by their blocks' absmax in fp32. MMAs
+// are cheap at M <= 16; the lookups are the same either way.
 //
 // Work split. A block is QOPS_WARPS warps on 16*QOPS_R rows of N (grid: ceil(N / (16 R))); its
-// warps split the row's pieces evenly and sum their partials through shared memory at the end, in
-// warp order (deterministic, no atomics, no workspace). Each warp streams its pieces through a
-// register ring of QOPS_RING slots: a step requests the piece QOPS_RING - 1 ahead (weights and
-// absmax, predicated off past the warp's range) and then uses its own, so QOPS_RING - 1 pieces are in
-// flight at every step (the first version loaded a few pieces and used them; ptxas interleaved the
-// loads with the uses and kept ~one piece in flight: 30-40% of the roofline). x is read when a piece
-// is used (L1: every warp of the SM reads the same few KiB). Rows of N past the end read row N-1 and
-// rows of x past M read row 0 (valid memory, results discarded).
+// warps split the row's steps evenly and sum their partials through shared memory at the end, in
+// warp order (deterministic, no atomics, no workspace). Each warp streams its steps through a
+// register ring of QOPS_RING slots: a step requests the step QOPS_RING - 1 ahead (weights and
+// absmax, predicated off past the warp's range) and then uses its own, so QOPS_RING - 1 steps are in
+// flight at every step (the first version loaded a few steps and used them; ptxas interleaved the
+// loads with the uses and kept ~one in flight). x is read when a step is used (L1: every warp of the
+// SM reads the same few KiB). Rows of N past the end read row N-1 and rows of x past M read row 0
+// (valid memory, results discarded).
 //
-// Programmatic dependent launch (sm_90): the ring's first pieces are requested and the tables built
+// Programmatic dependent launch (sm_90): the ring's first steps are requested and the tables built
 // from weight tensors only (never written by the kernel ahead) before grid_dep_wait(); x and bias are
 // read and out written only after it.
 //
@@ -89,40 +95,49 @@ constexpr bool kNested = QOPS_NESTED != 0;
 constexpr int kBlock = QOPS_BLOCKSIZE;
 constexpr int kProbe = QOPS_PROBE;
 constexpr int kNestedBS = QOPS_NESTED_BS;
-constexpr int kPiece = 64;                     // K values of a row a lane quad covers per piece
+constexpr int kStepK = 128;                    // K values of a row a lane quad covers per step (64 bytes)
+constexpr bool kTwoBlocks = kBlock == 64;      // a step spans two absmax blocks (else one)
 constexpr int kTableBytes = 256 * 32 * 4;      // 256 byte values x 32 lane copies
 static_assert(kMT == 1 || kMT == 2, "QOPS_MT is 1 or 2 (M <= 16)");
 static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
 static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "QOPS_WARPS is 4, 8 or 16");
 static_assert(kRing >= 2 && kRing <= 8, "QOPS_RING is 2..8");
-static_assert(kBlock % kPiece == 0, "QOPS_BLOCKSIZE must be a multiple of 64");
+static_assert(kBlock % 64 == 0, "QOPS_BLOCKSIZE must be a multiple of 64");
 static_assert(kWarps * kR * kMT * 32 * 16 <= kTableBytes, "the partials reuse the table's shared memory");
 
-// What a lane keeps in flight for one piece: 8 weight bytes of rows g and g+8 of each tile and the
-// two rows' absmax as loaded (float32 bits, or the nested u8 code).
+// What a lane keeps in flight for one step: 16 weight bytes of rows g and g+8 of each tile and the
+// two rows' absmax as loaded: float32 bits of blocks A and B (B: two blocks only), or the nested u8
+// codes (A in bits 0..7, B in bits 8..15).
 struct Slot {
-  uint2 w[kR][2];
-  u32 a[kR][2];
+  uint4 w[kR][2];
+  uint2 a[kR][2];
 };
 
 __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (&wrow)[kR][2], const u32 (&flat)[kR][2],
-                                          const void* absmax, int p, int t, bool pred) {
+                                          const void* absmax, int q, int t, bool pred) {
   if constexpr (kProbe == 2) return;  // math alone: the slots keep what they were given
 #pragma unroll
   for (int r = 0; r < kR; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      ld_stream_v2_if(sl.w[r][h], wrow[r][h] + p * (kPiece / 2) + 8 * t, pred);
-      const u32 b = (flat[r][h] + static_cast<u32>(p) * kPiece) / kBlock;
-      if constexpr (kNested) ld_nc_u8_if(sl.a[r][h], static_cast<const unsigned char*>(absmax) + b, pred);
-      else ld_nc_u32_if(sl.a[r][h], static_cast<const float*>(absmax) + b, pred);
+      ld_stream_v4_if(sl.w[r][h], wrow[r][h] + q * (kStepK / 2) + 16 * t, pred);
+      const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
+      if constexpr (kNested) {
+        if constexpr (kTwoBlocks) ld_nc_u16_if(sl.a[r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
+        else ld_nc_u8_if(sl.a[r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
+      } else {
+        if constexpr (kTwoBlocks) ld_nc_v2_if(sl.a[r][h], static_cast<const float*>(absmax) + b, pred);
+        else ld_nc_u32_if(sl.a[r][h].x, static_cast<const float*>(absmax) + b, pred);
+      }
     }
 }
 
-__device__ __forceinline__ float block_absmax(u32 a, const float* nested_code_s, const float* nested_absmax,
+// The absmax of block b (SECOND: block B of a two-block step) from the slot's word(s).
+template <bool SECOND>
+__device__ __forceinline__ float block_absmax(const uint2& a, const float* nested_code_s, const float* nested_absmax,
                                               float nested_offset, u32 b) {
-  if constexpr (kNested) return fmaf(nested_code_s[a], nested_absmax[b / kNestedBS], nested_offset);
-  else return __uint_as_float(a);
+  if constexpr (kNested) return fmaf(nested_code_s[SECOND ? (a.x >> 8) & 255u : a.x & 255u], nested_absmax[b / kNestedBS], nested_offset);
+  else return __uint_as_float(SECOND ? a.y : a.x);
 }
 
 // The table word of byte SEL of w: shared address lane_table + v*128 (prmt isolates byte v; one
@@ -134,59 +149,99 @@ __device__ __forceinline__ u32 lookup(u32 lane_table, u32 w) {
   return v;
 }
 
-__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table,
+// x for a quarter of a step (8 values of the lane's 32) and one x tile: with two blocks a step, in the
+// register set of the lane's block (lo: t < 2, hi: t >= 2; predicated loads), the other set staying
+// zero from the start of the kernel; with one block, in lo.
+struct XQuarter {
+  uint4 lo;
+  uint4 hi;
+};
+
+__device__ __forceinline__ void load_x(XQuarter& xq, const u16* xrow, int q, int t, int i) {
+  const uint4* xp = reinterpret_cast<const uint4*>(xrow + q * kStepK + 32 * t) + i;
+  if constexpr (kTwoBlocks) {
+    ld_nc_v4_if(xq.lo, xp, t < 2);
+    ld_nc_v4_if(xq.hi, xp, t >= 2);
+  } else {
+    xq.lo = *xp;
+  }
+}
+
+__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, XQuarter (&xq)[kMT],
                                          const u16* const (&xrow)[kMT], const u32 (&flat)[kR][2], const float* nested_code_s,
-                                         const float* nested_absmax, float nested_offset, int p, int t) {
+                                         const float* nested_absmax, float nested_offset, int q, int t) {
   if constexpr (kProbe == 1) {  // loads alone: every loaded word reaches the output, nothing is decoded
 #pragma unroll
     for (int r = 0; r < kR; ++r)
-      acc[r][0][0] += __uint_as_float((sl.w[r][0].x ^ sl.w[r][0].y ^ sl.w[r][1].x ^ sl.w[r][1].y ^ sl.a[r][0] ^ sl.a[r][1]) & 0x3fffffffu);
+      acc[r][0][0] += __uint_as_float((sl.w[r][0].x ^ sl.w[r][0].y ^ sl.w[r][0].z ^ sl.w[r][0].w ^ sl.w[r][1].x ^ sl.w[r][1].y ^
+                                       sl.w[r][1].z ^ sl.w[r][1].w ^ sl.a[r][0].x ^ sl.a[r][1].x) & 0x3fffffffu);
     return;
   }
-  uint4 xv[kMT][2];
+  float da[kR][kMT][4], db[kR][kMT][4];  // chain A (one-block steps: the only chain) and chain B
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-    const uint4* xp = reinterpret_cast<const uint4*>(xrow[mt] + p * kPiece + 16 * t);
-    xv[mt][0] = xp[0];
-    xv[mt][1] = xp[1];
+  for (int r = 0; r < kR; ++r)
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) da[r][mt][e] = db[r][mt][e] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // quarter i: slices 2i, 2i + 1, x[32t + 8i .. 32t + 8i + 7]
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) load_x(xq[mt], xrow[mt], q, t, i);
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+#pragma unroll
+      for (int r = 0; r < kR; ++r) {
+        const u32 w0 = word(sl.w[r][0], i);  // row g: bytes 4i .. 4i + 3 (slice 2i + jj: 2 of them)
+        const u32 w1 = word(sl.w[r][1], i);  // row g + 8
+        u32 a0, a1, a2, a3;
+        if (jj == 0) {
+          a0 = lookup<0>(lane_table, w0);
+          a2 = lookup<1>(lane_table, w0);
+          a1 = lookup<0>(lane_table, w1);
+          a3 = lookup<1>(lane_table, w1);
+        } else {
+          a0 = lookup<2>(lane_table, w0);
+          a2 = lookup<3>(lane_table, w0);
+          a1 = lookup<2>(lane_table, w1);
+          a3 = lookup<3>(lane_table, w1);
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          // x[32t + 8i + 4jj .. + 3] as the B registers
+          const uint4& lo = xq[mt].lo;
+          mma_16816<kDT>(da[r][mt], a0, a1, a2, a3, jj ? lo.z : lo.x, jj ? lo.w : lo.y);
+          if constexpr (kTwoBlocks) {
+            const uint4& hi = xq[mt].hi;
+            mma_16816<kDT>(db[r][mt], a0, a1, a2, a3, jj ? hi.z : hi.x, jj ? hi.w : hi.y);
+          }
+        }
+      }
+    }
   }
 #pragma unroll
   for (int r = 0; r < kR; ++r) {
-    float d[kMT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) d[mt][0] = d[mt][1] = d[mt][2] = d[mt][3] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const u32 w0 = j < 2 ? sl.w[r][0].x : sl.w[r][0].y;  // row g: bytes 2j, 2j+1
-      const u32 w1 = j < 2 ? sl.w[r][1].x : sl.w[r][1].y;  // row g + 8
-      u32 a0, a1, a2, a3;
-      if ((j & 1) == 0) {
-        a0 = lookup<0>(lane_table, w0);
-        a2 = lookup<1>(lane_table, w0);
-        a1 = lookup<0>(lane_table, w1);
-        a3 = lookup<1>(lane_table, w1);
-      } else {
-        a0 = lookup<2>(lane_table, w0);
-        a2 = lookup<3>(lane_table, w0);
-        a1 = lookup<2>(lane_table, w1);
-        a3 = lookup<3>(lane_table, w1);
-      }
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        const uint4& xq = xv[mt][j >> 1];
-        const u32 b0 = (j & 1) ? xq.z : xq.x;  // x[16t + 4j], x[16t + 4j + 1]
-        const u32 b1 = (j & 1) ? xq.w : xq.y;  // x[16t + 4j + 2], x[16t + 4j + 3]
-        mma_16816<kDT>(d[mt], a0, a1, a2, a3, b0, b1);
-      }
-    }
-    const float s0 = block_absmax(sl.a[r][0], nested_code_s, nested_absmax, nested_offset, (flat[r][0] + static_cast<u32>(p) * kPiece) / kBlock);
-    const float s1 = block_absmax(sl.a[r][1], nested_code_s, nested_absmax, nested_offset, (flat[r][1] + static_cast<u32>(p) * kPiece) / kBlock);
+    const u32 b0 = (flat[r][0] + static_cast<u32>(q) * kStepK) / kBlock;  // row g's block A
+    const u32 b1 = (flat[r][1] + static_cast<u32>(q) * kStepK) / kBlock;  // row g + 8's
+    const float s0 = block_absmax<false>(sl.a[r][0], nested_code_s, nested_absmax, nested_offset, b0);
+    const float s1 = block_absmax<false>(sl.a[r][1], nested_code_s, nested_absmax, nested_offset, b1);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-      acc[r][mt][0] = fmaf(d[mt][0], s0, acc[r][mt][0]);
-      acc[r][mt][1] = fmaf(d[mt][1], s0, acc[r][mt][1]);
-      acc[r][mt][2] = fmaf(d[mt][2], s1, acc[r][mt][2]);
-      acc[r][mt][3] = fmaf(d[mt][3], s1, acc[r][mt][3]);
+      acc[r][mt][0] = fmaf(da[r][mt][0], s0, acc[r][mt][0]);
+      acc[r][mt][1] = fmaf(da[r][mt][1], s0, acc[r][mt][1]);
+      acc[r][mt][2] = fmaf(da[r][mt][2], s1, acc[r][mt][2]);
+      acc[r][mt][3] = fmaf(da[r][mt][3], s1, acc[r][mt][3]);
+    }
+    if constexpr (kTwoBlocks) {
+      const float u0 = block_absmax<true>(sl.a[r][0], nested_code_s, nested_absmax, nested_offset, b0 + 1);
+      const float u1 = block_absmax<true>(sl.a[r][1], nested_code_s, nested_absmax, nested_offset, b1 + 1);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        acc[r][mt][0] = fmaf(db[r][mt][0], u0, acc[r][mt][0]);
+        acc[r][mt][1] = fmaf(db[r][mt][1], u0, acc[r][mt][1]);
+        acc[r][mt][2] = fmaf(db[r][mt][2], u1, acc[r][mt][2]);
+        acc[r][mt][3] = fmaf(db[r][mt][3], u1, acc[r][mt][3]);
+      }
     }
   }
 }
@@ -220,11 +275,11 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
       wrow[r][h] = qweight + static_cast<size_t>(n) * (K / 2);
       flat[r][h] = static_cast<u32>(n) * static_cast<u32>(K);
     }
-  const int pieces = K / kPiece;
-  const int p0 = static_cast<int>(static_cast<long long>(pieces) * warp / kWarps);
-  const int p1 = static_cast<int>(static_cast<long long>(pieces) * (warp + 1) / kWarps);
+  const int steps = K / kStepK;
+  const int p0 = static_cast<int>(static_cast<long long>(steps) * warp / kWarps);
+  const int p1 = static_cast<int>(static_cast<long long>(steps) * (warp + 1) / kWarps);
 
-  // The ring's first kRing - 1 pieces are requested before anything else: weights and absmax are
+  // The ring's first kRing - 1 steps are requested before anything else: weights and absmax are
   // never written by the kernel ahead, and their latency then covers the table's build.
   Slot ring[kRing];
   if constexpr (kProbe == 2) {  // math alone: weight bytes that vary by lane, absmax codes in range
@@ -234,8 +289,9 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
       for (int r = 0; r < kR; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          ring[s].w[r][h] = make_uint2(0x9e3779b9u * (tid + 7 * s + 3 * r + h), 0x85ebca6bu * (tid + s + r + 5 * h));
-          ring[s].a[r][h] = kNested ? ((tid + s) & 255) : 0x3c000000u;
+          ring[s].w[r][h] = make_uint4(0x9e3779b9u * (tid + 7 * s + 3 * r + h), 0x85ebca6bu * (tid + s + r + 5 * h),
+                                       0xc2b2ae35u * (tid + 3 * s + h), 0x27d4eb2fu * (tid + s + 7 * r));
+          ring[s].a[r][h] = kNested ? make_uint2((tid * 0x0101u + s) & 0xffffu, 0) : make_uint2(0x3c000000u, 0x3c800000u);
         }
   }
 #pragma unroll
@@ -265,20 +321,23 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   }
   const float noff = kNested ? nested_offset[0] : 0.f;
   const u32 lane_table = smem_addr(table) + 4u * lane;
+  XQuarter xq[kMT];  // the set of the other block's lanes stays zero (its loads are predicated off)
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) xq[mt].lo = xq[mt].hi = make_uint4(0, 0, 0, 0);
   float acc[kR][kMT][4];
 #pragma unroll
   for (int r = 0; r < kR; ++r)
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) acc[r][mt][0] = acc[r][mt][1] = acc[r][mt][2] = acc[r][mt][3] = 0.f;
 
-  // Piece p sits in slot (p - p0) % kRing; each step requests the piece kRing - 1 ahead, then uses its own.
+  // Step q sits in slot (q - p0) % kRing; each step requests the one kRing - 1 ahead, then uses its own.
   for (int base = p0; base < p1; base += kRing) {
 #pragma unroll
     for (int s = 0; s < kRing; ++s) {
       const int ahead = base + s + kRing - 1;
       load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1);
       if (base + s < p1)
-        use_slot(ring[s], acc, lane_table, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
+        use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
     }
   }
   grid_dep_launch_dependents();

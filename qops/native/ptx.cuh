@@ -30,6 +30,20 @@ __device__ __forceinline__ void ld_stream_v2_if(uint2& v, const void* p, bool pr
       : "l"(p), "r"(static_cast<int>(pred)));
 }
 
+__device__ __forceinline__ void ld_nc_u16_if(u32& v, const void* p, bool pred) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p ld.global.nc.u16 %0, [%1];\n\t}"
+               : "+r"(v)
+               : "l"(p), "r"(static_cast<int>(pred)));
+}
+
+// 16 bytes of data read many times (x): the read-only path, kept in L1.
+__device__ __forceinline__ void ld_nc_v4_if(uint4& v, const void* p, bool pred) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
+}
+
 __device__ __forceinline__ void ld_nc_u8_if(u32& v, const void* p, bool pred) {
   asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p ld.global.nc.u8 %0, [%1];\n\t}"
                : "+r"(v)
