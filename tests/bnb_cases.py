@@ -273,6 +273,9 @@ def _opcheck_weights():
         "eetq": build(INT8_CASES[2]).weight,
         "nf4nested": build(BLOCKWISE4_CASES[0]).weight,  # K % blocksize != 0, nested
         "fp4plain": build(BLOCKWISE4_CASES[9]).weight,  # odd N*K, plain absmax
+        # K % 128 == 0, blocksize 128: shapes the native lowering serves (16-bit x samples only)
+        "nf4k256": build(BLOCKWISE4_CASES[4]).weight,  # nested
+        "fp4k256": build(BLOCKWISE4_CASES[11]).weight,  # plain absmax
     }
 
 
