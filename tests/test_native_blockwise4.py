@@ -60,12 +60,13 @@ def test_a_bad_compile_time_configuration_is_refused():
 
 
 def test_plan_rule():
-    # Wide tiles only where they still leave two blocks an SM; 16 rows of x take the second x tile.
+    # Wide tiles where every SM still gets a block, and always at M > 8 (the second x tile).
     assert nbw4.plan(1, 28672, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, ring=2, minb=2)
     assert nbw4.plan(1, 4096, 14336, H200_SMS).tiles == 1
-    assert nbw4.plan(8, 8192, 28672, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=8, ring=3, minb=2)
+    assert nbw4.plan(8, 8192, 28672, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, ring=2, minb=2)
+    assert nbw4.plan(8, 4096, 14336, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=8, ring=3, minb=2)
     assert nbw4.plan(9, 57344, 8192, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=2, minb=1)
-    assert nbw4.plan(16, 4096, 4096, H200_SMS) == nbw4.Plan(mt=2, tiles=1, warps=8, ring=3, minb=2)
+    assert nbw4.plan(16, 4096, 4096, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=2, minb=1)
     assert nbw4.plan(1, 1000, 128, H200_SMS).grid(1000) == 63
     with nbw4.plan_override(warps=16, ring=2, minb=1):
         assert nbw4.plan(1, 4096, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=16, ring=2, minb=1)

@@ -80,14 +80,15 @@ def plan_override(**fields):
 def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
     """The launch plan for M rows against an (N, K) weight on a device with ``sm_count`` SMs.
 
-    Two 16-row tiles a block where that still leaves >= 2 blocks an SM (fewer, wider blocks share
-    the x loads and the table's build); one otherwise, so that short-N shapes (4096 rows) fill the GPU.
-    Ring depth and register budget: ptxas -v on sm_90 (spill-free at both M tiles, nested or not):
-    one tile keeps 2 steps in flight in <= 120 registers (two blocks an SM); two tiles 1 step in 128
-    (M <= 8) or 168 registers (M <= 16, one block an SM).
+    From the H200 sweeps (benchmarks/results/h200-2026-11-30-f7d4784-nf4-native-16b.json): two
+    16-row tiles a block (x loads and table build shared by 32 rows) wherever that still gives every
+    SM a block, one otherwise (4096-row shapes at M <= 8); at M > 8 always two. Ring depth and
+    register budget: the deepest that compiles without spills (ptxas -v, sm_90, nested or not): one
+    tile keeps 2 steps in flight in <= 120 registers (two blocks an SM), two tiles 1 step in 128
+    (M <= 8, two blocks an SM) or 168 registers (M <= 16, one block an SM).
     """
     mt = 1 if m <= 8 else 2
-    tiles = 2 if -(-n // 32) >= 2 * sm_count else 1
+    tiles = 2 if mt == 2 or -(-n // 32) >= sm_count else 1
     if tiles == 1:
         ring, minb = 3, 2
     else:
@@ -108,12 +109,14 @@ def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype) -> str | Non
     return None
 
 
-def _call_refusal(x, qweight, absmax, n, blocksize) -> str | None:
+def _call_refusal(x, qweight, absmax, n, blocksize, nested_blocksize) -> str | None:
     if x.device.type != "cuda":
         return "x is not on a CUDA device"
     why = refusal(n, x.shape[-1], blocksize, x.dtype)
     if why is not None:
         return why
+    if absmax.dtype == torch.uint8 and blocksize == 64 and nested_blocksize % 2:
+        return f"nested_blocksize={nested_blocksize} is odd (a step's two blocks must share their nested scale)"
     if not qweight.is_contiguous() or qweight.data_ptr() % 8:
         return "qweight is not contiguous and 8-byte aligned"
     if not absmax.is_contiguous() or absmax.data_ptr() % (8 if absmax.dtype == torch.float32 else 2):
@@ -141,7 +144,7 @@ def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     n, k = out_features, x.shape[-1]
     lead = x.shape[:-1]
     m = math.prod(lead)
-    if m > MAX_M or _call_refusal(x, qweight, absmax, n, blocksize) is not None:
+    if m > MAX_M or _call_refusal(x, qweight, absmax, n, blocksize, nested_blocksize) is not None:
         return _delegate(*args, out, workspace)
     result = out if out is not None else torch.empty((*lead, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -205,6 +208,8 @@ def warmup(weight, act_dtype: torch.dtype | None = None) -> int:
     n, k = weight.out_features, weight.in_features
     if qweight.device.type != "cuda" or refusal(n, k, weight.blocksize, act_dtype) is not None:
         return 0
+    if weight.absmax.dtype == torch.uint8 and weight.blocksize == 64 and weight.nested_blocksize % 2:
+        return 0  # delegated to triton (native_mm)
     if torch.cuda.is_current_stream_capturing():
         raise compiler.NativeNotReadyError("qops.native.blockwise4.warmup must run before CUDA-graph capture, not during it")
     nested = weight.absmax.dtype == torch.uint8

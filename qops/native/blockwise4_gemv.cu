@@ -103,6 +103,7 @@ static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
 static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "QOPS_WARPS is 4, 8 or 16");
 static_assert(kRing >= 2 && kRing <= 8, "QOPS_RING is 2..8");
 static_assert(kBlock % 64 == 0, "QOPS_BLOCKSIZE must be a multiple of 64");
+static_assert(!kNested || !kTwoBlocks || kNestedBS % 2 == 0, "two-block steps need an even QOPS_NESTED_BS");
 static_assert(kWarps * kR * kMT * 32 * 16 <= kTableBytes, "the partials reuse the table's shared memory");
 
 // What a lane keeps in flight for one step: 16 weight bytes of rows g and g+8 of each tile and the
@@ -133,11 +134,19 @@ __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (
 }
 
 // The absmax of block b (SECOND: block B of a two-block step) from the slot's word(s).
+// ``nested_scale``: nested_absmax of the block's nested group (unused when plain).
 template <bool SECOND>
-__device__ __forceinline__ float block_absmax(const uint2& a, const float* nested_code_s, const float* nested_absmax,
-                                              float nested_offset, u32 b) {
-  if constexpr (kNested) return fmaf(nested_code_s[SECOND ? (a.x >> 8) & 255u : a.x & 255u], nested_absmax[b / kNestedBS], nested_offset);
+__device__ __forceinline__ float block_absmax(const uint2& a, const float* nested_code_s, float nested_scale,
+                                              float nested_offset) {
+  if constexpr (kNested) return fmaf(nested_code_s[SECOND ? (a.x >> 8) & 255u : a.x & 255u], nested_scale, nested_offset);
   else return __uint_as_float(SECOND ? a.y : a.x);
+}
+
+// nested_absmax of block b's group (1 when plain). Blocks A and B of a two-block step share it: A is
+// even (K % 128 == 0) and a nested group holds an even number of blocks.
+__device__ __forceinline__ float nested_scale_of(const float* nested_absmax, u32 b) {
+  if constexpr (kNested) return nested_absmax[b / kNestedBS];
+  else return 1.f;
 }
 
 // The table word of byte SEL of w: shared address lane_table + v*128 (prmt isolates byte v; one
@@ -223,8 +232,9 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
   for (int r = 0; r < kR; ++r) {
     const u32 b0 = (flat[r][0] + static_cast<u32>(q) * kStepK) / kBlock;  // row g's block A
     const u32 b1 = (flat[r][1] + static_cast<u32>(q) * kStepK) / kBlock;  // row g + 8's
-    const float s0 = block_absmax<false>(sl.a[r][0], nested_code_s, nested_absmax, nested_offset, b0);
-    const float s1 = block_absmax<false>(sl.a[r][1], nested_code_s, nested_absmax, nested_offset, b1);
+    const float ns0 = nested_scale_of(nested_absmax, b0), ns1 = nested_scale_of(nested_absmax, b1);
+    const float s0 = block_absmax<false>(sl.a[r][0], nested_code_s, ns0, nested_offset);
+    const float s1 = block_absmax<false>(sl.a[r][1], nested_code_s, ns1, nested_offset);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       acc[r][mt][0] = fmaf(da[r][mt][0], s0, acc[r][mt][0]);
@@ -233,8 +243,8 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
       acc[r][mt][3] = fmaf(da[r][mt][3], s1, acc[r][mt][3]);
     }
     if constexpr (kTwoBlocks) {
-      const float u0 = block_absmax<true>(sl.a[r][0], nested_code_s, nested_absmax, nested_offset, b0 + 1);
-      const float u1 = block_absmax<true>(sl.a[r][1], nested_code_s, nested_absmax, nested_offset, b1 + 1);
+      const float u0 = block_absmax<true>(sl.a[r][0], nested_code_s, ns0, nested_offset);
+      const float u1 = block_absmax<true>(sl.a[r][1], nested_code_s, ns1, nested_offset);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         acc[r][mt][0] = fmaf(db[r][mt][0], u0, acc[r][mt][0]);

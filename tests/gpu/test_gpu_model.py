@@ -158,7 +158,7 @@ def test_manual_cuda_graph_capture_replays_eager(dense, scheme, lowering):
 
 # One pair per kind of lowering (the model-level mechanism is the same for the rest).
 CAPTURED_PAIRS = [("none", "dense"), ("gptq", "native_w4a16"), ("gptq", "triton_int_weight"), ("fp8", "triton_fp8"),
-                  ("bitsandbytes-nf4", "triton_blockwise4")]
+                  ("bitsandbytes-nf4", "triton_blockwise4"), ("bitsandbytes-nf4", "native_blockwise4")]
 
 
 @pytest.mark.parametrize("scheme,lowering", CAPTURED_PAIRS, ids=[f"{s}-{low}" for s, low in CAPTURED_PAIRS])
