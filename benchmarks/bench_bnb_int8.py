@@ -83,9 +83,12 @@ SWEEP = {
     "nf4_native": [dict(tiles=1, warps=8, ring=2, minb=3)] + [dict(tiles=1, warps=8, ring=r, minb=2) for r in (3, 4)]
                   + [dict(tiles=1, warps=4, ring=3, minb=4), dict(tiles=1, warps=16, ring=3, minb=1)]
                   + [dict(tiles=2, warps=8, ring=2, minb=2)] + [dict(tiles=2, warps=8, ring=r, minb=1) for r in (3, 4)]
-                  + [dict(tiles=2, warps=4, ring=2, minb=4)],
-    "nf4_native_m16": [dict(tiles=1, warps=8, ring=r, minb=2) for r in (2, 3, 4)] + [dict(tiles=1, warps=4, ring=3, minb=4)]
-                      + [dict(tiles=2, warps=8, ring=r, minb=1) for r in (2, 3)],
+                  + [dict(tiles=2, warps=4, ring=2, minb=4)]
+                  + [dict(tiles=2, warps=8, ring=2, minb=2, prescale=True), dict(tiles=1, warps=8, ring=3, minb=2, prescale=True)],
+    "nf4_native_m16": [dict(tiles=1, warps=8, ring=3, minb=2, prescale=p) for p in (False, True)]
+                      + [dict(tiles=2, warps=8, ring=r, minb=1, prescale=False) for r in (2, 3)]
+                      + [dict(tiles=2, warps=8, ring=2, minb=2, prescale=True), dict(tiles=2, warps=8, ring=3, minb=1, prescale=True),
+                         dict(tiles=2, warps=4, ring=2, minb=4, prescale=True)],
 }
 
 # --sweep-nf4: NF4 GEMV K steps, timed at every M of --ms (<= 16) with the correctness check of the

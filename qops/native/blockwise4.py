@@ -42,6 +42,7 @@ class Plan:
     warps: int  # warps a block, splitting K
     ring: int  # register ring slots a warp (ring - 1 pieces of 64 K values in flight)
     minb: int  # blocks an SM promised to ptxas (__launch_bounds__): 3 caps at 80 registers, 2 at 128
+    prescale: bool = False  # (blocksize 64) absmax applied to the decoded weights in the activation dtype, one MMA chain
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
 
     def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int) -> dict[str, int]:
@@ -53,6 +54,7 @@ class Plan:
             "QOPS_RING": self.ring,
             "QOPS_MINB": self.minb,
             "QOPS_PROBE": self.probe,
+            "QOPS_PRESCALE": int(self.prescale),
             "QOPS_NESTED": int(nested),
             "QOPS_BLOCKSIZE": blocksize,
             "QOPS_NESTED_BS": nested_blocksize if nested else 1,
@@ -85,15 +87,13 @@ def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
     SM a block, one otherwise (4096-row shapes at M <= 8); at M > 8 always two. Ring depth and
     register budget: the deepest that compiles without spills (ptxas -v, sm_90, nested or not): one
     tile keeps 2 steps in flight in <= 120 registers (two blocks an SM), two tiles 1 step in 128
-    (M <= 8, two blocks an SM) or 168 registers (M <= 16, one block an SM).
+    (two blocks an SM). At M > 8 the weights are pre-scaled (``prescale``: with blocksize 64 the two
+    exact MMA chains would double the MMAs of both x tiles and need 168 registers, one block an SM).
     """
     mt = 1 if m <= 8 else 2
     tiles = 2 if mt == 2 or -(-n // 32) >= sm_count else 1
-    if tiles == 1:
-        ring, minb = 3, 2
-    else:
-        ring, minb = 2, (2 if mt == 1 else 1)
-    return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb), **_override)
+    ring, minb = (3, 2) if tiles == 1 else (2, 2)
+    return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb, prescale=mt == 2), **_override)
 
 
 def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype) -> str | None:

@@ -30,7 +30,10 @@
 // 3 block B, and every k16 MMA mixes the four lanes; so each slice runs twice, into chain A with the
 // x of lanes 2, 3 zero and into chain B with the x of lanes 0, 1 zero (x loaded, predicated, into two
 // zero-initialized register sets), and the chains are scaled by their blocks' absmax in fp32. MMAs
-// are cheap at M <= 16; the lookups are the same either way.
+// are cheap at M <= 8; the lookups are the same either way. With QOPS_PRESCALE (the plans' choice at
+// M > 8, where two chains double the MMAs of both x tiles) each lane instead multiplies its decoded
+// words by its own block's absmax rounded to the activation dtype (what bitsandbytes' dequantization
+// computes) and one chain over unmasked x serves both blocks.
 //
 // Work split. A block is QOPS_WARPS warps on 16*QOPS_R rows of N (grid: ceil(N / (16 R))); its
 // warps split the row's steps evenly and sum their partials through shared memory at the end, in
@@ -48,7 +51,8 @@
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
 // QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16), QOPS_RING (2..8 slots),
-// QOPS_NESTED (0/1), QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only).
+// QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1), QOPS_BLOCKSIZE, QOPS_NESTED_BS
+// (nested only), QOPS_PRESCALE (0/1), QOPS_PROBE (measurement builds only).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -71,6 +75,9 @@
 #endif
 #ifndef QOPS_MINB
 #define QOPS_MINB 2
+#endif
+#ifndef QOPS_PRESCALE
+#define QOPS_PRESCALE 0  // 1: scale the decoded weights by absmax in DT before one MMA chain (two-block steps)
 #endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0  // measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
@@ -97,6 +104,10 @@ constexpr int kProbe = QOPS_PROBE;
 constexpr int kNestedBS = QOPS_NESTED_BS;
 constexpr int kStepK = 128;                    // K values of a row a lane quad covers per step (64 bytes)
 constexpr bool kTwoBlocks = kBlock == 64;      // a step spans two absmax blocks (else one)
+// Two-block steps, pre-scaled: each lane multiplies its decoded words by its own block's absmax
+// (rounded to DT, as bitsandbytes' dequantization does), so one MMA chain over unmasked x serves
+// both blocks: half the MMAs and x loads of the two chains, one more f16x2/bf16x2 multiply a lookup.
+constexpr bool kPrescale = QOPS_PRESCALE != 0 && kTwoBlocks;
 constexpr int kTableBytes = 256 * 32 * 4;      // 256 byte values x 32 lane copies
 static_assert(kMT == 1 || kMT == 2, "QOPS_MT is 1 or 2 (M <= 16)");
 static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
@@ -149,6 +160,12 @@ __device__ __forceinline__ float nested_scale_of(const float* nested_absmax, u32
   else return 1.f;
 }
 
+// a * s for an f16x2 / bf16x2 word a and a DT pair s (fma with -0: exact sign, any sm_80+).
+__device__ __forceinline__ u32 mul2(u32 a, u32 s) {
+  if constexpr (kDT == 0) return fma_f16x2(a, s, 0x80008000u);
+  else return fma_bf16x2(a, s, 0x80008000u);
+}
+
 // The table word of byte SEL of w: shared address lane_table + v*128 (prmt isolates byte v; one
 // integer multiply-add makes the address, the lane's 4*lane and the table's base folded in).
 template <int SEL>
@@ -168,7 +185,7 @@ struct XQuarter {
 
 __device__ __forceinline__ void load_x(XQuarter& xq, const u16* xrow, int q, int t, int i) {
   const uint4* xp = reinterpret_cast<const uint4*>(xrow + q * kStepK + 32 * t) + i;
-  if constexpr (kTwoBlocks) {
+  if constexpr (kTwoBlocks && !kPrescale) {
     ld_nc_v4_if(xq.lo, xp, t < 2);
     ld_nc_v4_if(xq.hi, xp, t >= 2);
   } else {
@@ -186,7 +203,21 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
                                        sl.w[r][1].z ^ sl.w[r][1].w ^ sl.a[r][0].x ^ sl.a[r][1].x) & 0x3fffffffu);
     return;
   }
-  float da[kR][kMT][4], db[kR][kMT][4];  // chain A (one-block steps: the only chain) and chain B
+  u32 pre[kR][2];  // kPrescale: the lane's block's absmax for rows g, g+8 of each tile, as a DT pair
+  if constexpr (kPrescale) {
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
+        const float ns = nested_scale_of(nested_absmax, b);
+        const float sv = t < 2 ? block_absmax<false>(sl.a[r][h], nested_code_s, ns, nested_offset)
+                               : block_absmax<true>(sl.a[r][h], nested_code_s, ns, nested_offset);
+        const u32 bits = f32_to_bits<kDT>(sv);
+        pre[r][h] = bits | (bits << 16);
+      }
+  }
+  float da[kR][kMT][4], db[kR][kMT][4];  // chain A (one-block steps, pre-scaled: the only chain) and chain B
 #pragma unroll
   for (int r = 0; r < kR; ++r)
 #pragma unroll
@@ -215,18 +246,33 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
           a1 = lookup<2>(lane_table, w1);
           a3 = lookup<3>(lane_table, w1);
         }
+        if constexpr (kPrescale) {
+          a0 = mul2(a0, pre[r][0]);
+          a2 = mul2(a2, pre[r][0]);
+          a1 = mul2(a1, pre[r][1]);
+          a3 = mul2(a3, pre[r][1]);
+        }
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           // x[32t + 8i + 4jj .. + 3] as the B registers
           const uint4& lo = xq[mt].lo;
           mma_16816<kDT>(da[r][mt], a0, a1, a2, a3, jj ? lo.z : lo.x, jj ? lo.w : lo.y);
-          if constexpr (kTwoBlocks) {
+          if constexpr (kTwoBlocks && !kPrescale) {
             const uint4& hi = xq[mt].hi;
             mma_16816<kDT>(db[r][mt], a0, a1, a2, a3, jj ? hi.z : hi.x, jj ? hi.w : hi.y);
           }
         }
       }
     }
+  }
+  if constexpr (kPrescale) {
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][mt][e] += da[r][mt][e];
+    return;
   }
 #pragma unroll
   for (int r = 0; r < kR; ++r) {

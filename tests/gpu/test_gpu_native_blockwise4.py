@@ -116,7 +116,8 @@ def test_deterministic_and_plans_agree():
     first = w.mm(x)
     for _ in range(3):
         assert torch.equal(w.mm(x), first)
-    for fields in ({"tiles": 1}, {"tiles": 2, "minb": 1}, {"warps": 4}, {"warps": 16, "minb": 1}, {"ring": 2}, {"ring": 4, "minb": 1}):
+    for fields in ({"tiles": 1}, {"tiles": 2, "minb": 1}, {"warps": 4}, {"warps": 16, "minb": 1}, {"ring": 2}, {"ring": 4, "minb": 1},
+                   {"prescale": True}, {"prescale": False, "minb": 1}):
         with nbw4.plan_override(**fields):
             for m in (1, 16):
                 check(w.mm(x[:m]), x[:m], w64, None, torch.bfloat16, f"{fields} M={m}")
