@@ -23,7 +23,7 @@ def _variants():
     and 4096, and the warps / ring depths the sweep tries."""
     for dt in (torch.float16, torch.bfloat16):
         for m in (1, 16):
-            for n in (4096, 28672):
+            for n in (4096, 28672):  # (4096: one tile at M <= 8, the 216-register ring at M > 8)
                 for nested, bs in ((True, 64), (False, 4096)):
                     yield nbw4.plan(m, n, 4096, H200_SMS).defines(dt, nested, bs, 256)
     for m, fields in ((16, {"warps": 4, "minb": 2}), (1, {"warps": 16, "minb": 1, "tiles": 1}), (1, {"ring": 4, "tiles": 1}),
@@ -67,7 +67,8 @@ def test_plan_rule():
     assert nbw4.plan(8, 8192, 28672, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, ring=2, minb=2)
     assert nbw4.plan(8, 4096, 14336, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=8, ring=3, minb=2)
     assert nbw4.plan(9, 57344, 8192, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=2, minb=2, prescale=True)
-    assert nbw4.plan(16, 4096, 4096, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=2, minb=2, prescale=True)
+    assert nbw4.plan(16, 4096, 4096, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=3, minb=1, prescale=True)
+    assert nbw4.plan(16, 8192, 4096, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=2, minb=2, prescale=True)
     assert nbw4.plan(1, 1000, 128, H200_SMS).grid(1000) == 63
     with nbw4.plan_override(warps=16, ring=2, minb=1):
         assert nbw4.plan(1, 4096, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=16, ring=2, minb=1)

@@ -82,17 +82,24 @@ def plan_override(**fields):
 def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
     """The launch plan for M rows against an (N, K) weight on a device with ``sm_count`` SMs.
 
-    From the H200 sweeps (benchmarks/results/h200-2026-11-30-f7d4784-nf4-native-16b.json): two
+    From the H200 sweeps (benchmarks/results/h200-2026-11-30-f7d4784-nf4-native-16b.json and
+    ...-9c36101-nf4-native-prescale.json): two
     16-row tiles a block (x loads and table build shared by 32 rows) wherever that still gives every
     SM a block, one otherwise (4096-row shapes at M <= 8); at M > 8 always two. Ring depth and
     register budget: the deepest that compiles without spills (ptxas -v, sm_90, nested or not): one
     tile keeps 2 steps in flight in <= 120 registers (two blocks an SM), two tiles 1 step in 128
-    (two blocks an SM). At M > 8 the weights are pre-scaled (``prescale``: with blocksize 64 the two
+    (two blocks an SM), or at M > 8 with fewer blocks than SMs 2 steps in 216 (4096-row shapes: 24 us
+    against 32 at 4096x14336). At M > 8 the weights are pre-scaled (``prescale``: with blocksize 64 the two
     exact MMA chains would double the MMAs of both x tiles and need 168 registers, one block an SM).
     """
     mt = 1 if m <= 8 else 2
     tiles = 2 if mt == 2 or -(-n // 32) >= sm_count else 1
-    ring, minb = (3, 2) if tiles == 1 else (2, 2)
+    if tiles == 1:
+        ring, minb = 3, 2
+    elif mt == 2 and -(-n // 32) < sm_count:  # one block an SM at most anyway: the deeper ring's 216 registers cost nothing
+        ring, minb = 3, 1
+    else:
+        ring, minb = 2, 2
     return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb, prescale=mt == 2), **_override)
 
 
