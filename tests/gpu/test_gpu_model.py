@@ -292,7 +292,7 @@ def test_compiled_decode_runs_on_the_model_workspace(dense, scheme, lowering, mo
 
 # One pair per fast lowering family (each spawn compiles per rank; the GPU suite has a time limit).
 TP_PAIRS = [("none", "dense"), ("gptq", "native_w4a16"), ("awq", "triton_int_weight"), ("fp8", "scaled_mm_fp8"),
-            ("eetq", "triton_int8_weight"), ("bitsandbytes-nf4", "triton_blockwise4")]
+            ("eetq", "triton_int8_weight"), ("bitsandbytes-nf4", "triton_blockwise4"), ("bitsandbytes-nf4", "native_blockwise4")]
 
 
 def test_tp_pairs_name_real_pairs():
