@@ -37,7 +37,7 @@ FAMILY_OPS = {
 OPCHECK_SAMPLES = {
     "gptq": ("gptq4sym", "gptq3v1act", "gptq4g128"), "awq": ("awq",), "compressed-tensors": ("ct8act", "ct4g128"),
     "fp8": ("tensor", "channel"), "compressed-tensors-fp8": ("tensor", "channel", "block"), "fp8-block": ("block",),
-    "eetq": ("eetq",), "bitsandbytes-int8": ("bnb8",), "bitsandbytes-nf4": ("nf4nested",), "bitsandbytes-fp4": ("fp4plain",),
+    "eetq": ("eetq",), "bitsandbytes-int8": ("bnb8",), "bitsandbytes-nf4": ("nf4nested", "nf4k256"), "bitsandbytes-fp4": ("fp4plain", "fp4k256"),
 }
 
 

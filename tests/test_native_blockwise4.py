@@ -80,6 +80,7 @@ def test_plan_rule():
     ((4096, 4000, 64, torch.float16), "K=4000 is not a multiple of 128"),
     ((4096, 4096, 32, torch.bfloat16), "blocksize=32 is not a multiple of 64"),
     ((2**18, 2**13, 64, torch.float16), "does not fit the kernel's 32-bit flat index"),
+    ((4096, 4096, 64, torch.float16, 255), "nested_blocksize=255 is odd"),
 ])
 def test_refusals_name_the_reason(args, why):
     assert why in nbw4.refusal(*args)
@@ -87,7 +88,7 @@ def test_refusals_name_the_reason(args, why):
 
 def test_served_shapes_are_not_refused():
     for n, k, bs in ((28672, 4096, 64), (4096, 14336, 64), (57344, 8192, 64), (8192, 28672, 4096), (33, 640, 256)):
-        assert nbw4.refusal(n, k, bs, torch.bfloat16) is None
+        assert nbw4.refusal(n, k, bs, torch.bfloat16) is None and nbw4.refusal(n, k, bs, torch.float16, 256) is None
 
 
 def test_lowering_entry_and_its_declared_capabilities():

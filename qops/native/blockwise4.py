@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import compiler
-from .int_weight import use_pdl
+from .int_weight import out_view, use_pdl
 
 SOURCE = "blockwise4_gemv.cu"
 GEMV = "qops_blockwise4_gemv"
 MAX_M = 16  # rows one launch takes (two 8-row MMA tiles)
 STEP_K = 128  # K values of a row a lane quad takes per step (kStepK in the kernel)
-SHMEM_BYTES = 256 * 32 * 4 + 256 * 4  # the code table and the nested map (kTableBytes + kNestedCodeBytes)
+SHMEM_BYTES = 256 * 32 * 4 + 256 * 4  # the code table (kTableBytes in the kernel) and the nested map after it
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 _BIAS_T, _BIAS_F32 = 2, 4  # kBiasT, kBiasF32 in ptx.cuh
 
@@ -40,7 +40,7 @@ class Plan:
     mt: int  # 8-row MMA tiles of x: 1 (M <= 8) or 2
     tiles: int  # 16-row tiles of N a block (QOPS_R)
     warps: int  # warps a block, splitting K
-    ring: int  # register ring slots a warp (ring - 1 pieces of 64 K values in flight)
+    ring: int  # register ring slots a warp (ring - 1 steps of 128 K values in flight)
     minb: int  # blocks an SM promised to ptxas (__launch_bounds__): 3 caps at 80 registers, 2 at 128
     prescale: bool = False  # (blocksize 64) absmax applied to the decoded weights in the activation dtype, one MMA chain
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
@@ -69,7 +69,7 @@ _override: dict = {}
 
 @contextlib.contextmanager
 def plan_override(**fields):
-    """Force plan fields (``tiles``, ``warps``, ``ring``, ``minb``) inside the block: for sweeps and tests."""
+    """Force plan fields (any of :class:`Plan`'s) inside the block: for sweeps, probes and tests."""
     global _override
     saved = _override
     _override = {**saved, **fields}
@@ -83,14 +83,14 @@ def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
     """The launch plan for M rows against an (N, K) weight on a device with ``sm_count`` SMs.
 
     From the H200 sweeps (benchmarks/results/h200-2026-11-30-f7d4784-nf4-native-16b.json and
-    ...-9c36101-nf4-native-prescale.json): two
-    16-row tiles a block (x loads and table build shared by 32 rows) wherever that still gives every
-    SM a block, one otherwise (4096-row shapes at M <= 8); at M > 8 always two. Ring depth and
-    register budget: the deepest that compiles without spills (ptxas -v, sm_90, nested or not): one
-    tile keeps 2 steps in flight in <= 120 registers (two blocks an SM), two tiles 1 step in 128
-    (two blocks an SM), or at M > 8 with fewer blocks than SMs 2 steps in 216 (4096-row shapes: 24 us
-    against 32 at 4096x14336). At M > 8 the weights are pre-scaled (``prescale``: with blocksize 64 the two
-    exact MMA chains would double the MMAs of both x tiles and need 168 registers, one block an SM).
+    ...-9c36101-nf4-native-prescale.json): two 16-row tiles a block (x loads and table build shared
+    by 32 rows) wherever that still gives every SM a block, one otherwise (4096-row shapes at M <= 8);
+    at M > 8 always two. Ring depth and register budget: the deepest that compiles without spills
+    (ptxas -v, sm_90, nested or not): one tile keeps 2 steps in flight in <= 120 registers (two
+    blocks an SM), two tiles 1 step in 128 (two blocks an SM), or at M > 8 with fewer blocks than
+    SMs 2 steps in 216 (4096x14336 at M = 16: 24 us against 32). At M > 8 the weights are pre-scaled
+    (``prescale``: with blocksize 64 the two exact MMA chains would double the MMAs of both x tiles
+    and need 168 registers, one block an SM).
     """
     mt = 1 if m <= 8 else 2
     tiles = 2 if mt == 2 or -(-n // 32) >= sm_count else 1
@@ -103,8 +103,9 @@ def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
     return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb, prescale=mt == 2), **_override)
 
 
-def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype) -> str | None:
-    """Why this kernel does not serve an (N, K) weight with this blocksize and activation dtype, or None."""
+def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype, nested_blocksize: int = 0) -> str | None:
+    """Why this kernel does not serve an (N, K) weight with this blocksize (``nested_blocksize``: 0 when
+    the absmax is plain) and activation dtype, or None."""
     if act_dtype not in _DT:
         return f"activation dtype {act_dtype} (float16 and bfloat16 only)"
     if k % STEP_K:
@@ -113,19 +114,19 @@ def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype) -> str | Non
         return f"blocksize={blocksize} is not a multiple of 64"
     if n * k >= 2**31:
         return f"N*K={n * k} does not fit the kernel's 32-bit flat index"
+    if blocksize == 64 and nested_blocksize % 2:
+        return f"nested_blocksize={nested_blocksize} is odd (a step's two blocks must share their nested scale)"
     return None
 
 
 def _call_refusal(x, qweight, absmax, n, blocksize, nested_blocksize) -> str | None:
     if x.device.type != "cuda":
         return "x is not on a CUDA device"
-    why = refusal(n, x.shape[-1], blocksize, x.dtype)
+    why = refusal(n, x.shape[-1], blocksize, x.dtype, nested_blocksize if absmax.dtype == torch.uint8 else 0)
     if why is not None:
         return why
-    if absmax.dtype == torch.uint8 and blocksize == 64 and nested_blocksize % 2:
-        return f"nested_blocksize={nested_blocksize} is odd (a step's two blocks must share their nested scale)"
-    if not qweight.is_contiguous() or qweight.data_ptr() % 8:
-        return "qweight is not contiguous and 8-byte aligned"
+    if not qweight.is_contiguous() or qweight.data_ptr() % 16:
+        return "qweight is not contiguous and 16-byte aligned"
     if not absmax.is_contiguous() or absmax.data_ptr() % (8 if absmax.dtype == torch.float32 else 2):
         return "absmax is not contiguous and 8-byte (float32) / 2-byte (nested) aligned"
     return None
@@ -159,12 +160,15 @@ def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     if k == 0:
         result.copy_(bias.expand(*lead, n) if bias is not None else torch.zeros_like(result))
         return result
-    o2 = _out_view(result, m, n)
+    o2 = out_view(result, m, n)
     target = o2 if o2 is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     x2 = x.reshape(m, k)
     if x2.stride(1) != 1 or x2.data_ptr() % 16 or (m > 1 and x2.stride(0) % 8):
         x2 = x2.clone(memory_format=torch.contiguous_format)  # 16-byte aligned rows for the kernel's x loads
     nested = absmax.dtype == torch.uint8
+    code = code.contiguous()  # (16,), (256,), (n_nested,): checked shapes, any strides
+    if nested:
+        nested_code, nested_absmax = nested_code.contiguous(), nested_absmax.contiguous()
     flags = 0
     if bias is not None:
         if bias.dtype not in (x.dtype, torch.float32):
@@ -188,15 +192,6 @@ def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     return result
 
 
-def _out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
-    """``out`` as an (m, n) view with unit column stride, or None when it has no such view."""
-    try:
-        o2 = out.view(m, n)
-    except RuntimeError:
-        return None
-    return o2 if (n <= 1 or o2.stride(1) == 1) else None
-
-
 _sms: dict[int, int] = {}
 
 
@@ -213,10 +208,8 @@ def warmup(weight, act_dtype: torch.dtype | None = None) -> int:
     qweight = weight.qweight
     act_dtype = act_dtype or weight.act_dtype
     n, k = weight.out_features, weight.in_features
-    if qweight.device.type != "cuda" or refusal(n, k, weight.blocksize, act_dtype) is not None:
+    if qweight.device.type != "cuda" or refusal(n, k, weight.blocksize, act_dtype, weight.nested_blocksize) is not None:
         return 0
-    if weight.absmax.dtype == torch.uint8 and weight.blocksize == 64 and weight.nested_blocksize % 2:
-        return 0  # delegated to triton (native_mm)
     if torch.cuda.is_current_stream_capturing():
         raise compiler.NativeNotReadyError("qops.native.blockwise4.warmup must run before CUDA-graph capture, not during it")
     nested = weight.absmax.dtype == torch.uint8

@@ -461,7 +461,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         o2 = result.view(m, n)
     else:
         result = out
-        o2 = _out_view(out, m, n)
+        o2 = out_view(out, m, n)
     if m == 0 or n == 0:
         return result
 
@@ -499,7 +499,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     return result
 
 
-def _out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
+def out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
     """``out`` as an (m, n) view with unit column stride, or None when it has no such view."""
     try:
         o2 = out.view(m, n)
