@@ -48,13 +48,9 @@ class Timing(NamedTuple):
     info: dict  # how it was measured: copies, replays per trial, trials, spread
 
 
-def graph_time(fns, trials: int, target_ms: float, max_replays: int = 2000) -> Timing:
-    """Median microseconds per call of ``fns`` (one zero-arg callable per rotated weight copy).
-
-    Eager warm-up on a side stream first (compiles, autotunes: CUDA graphs cannot capture either),
-    then one graph holding one call per copy. A first timed replay sizes the trials so that each
-    lasts about ``target_ms`` (at most ``max_replays`` replays), long enough for events to resolve.
-    """
+def _capture(fns) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph holding one call of each of ``fns``, after an eager warm-up on a side stream
+    (compiles, autotunes: CUDA graphs cannot capture either)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -69,24 +65,48 @@ def graph_time(fns, trials: int, target_ms: float, max_replays: int = 2000) -> T
             f()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def _replay_ms(g, replays: int) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
-    g.replay()
+    for _ in range(replays):
+        g.replay()
     b.record()
     b.synchronize()
-    replays = max(1, min(max_replays, round(target_ms / max(a.elapsed_time(b), 1e-3))))
-    ts = []
-    for _ in range(trials):
-        a.record()
-        for _ in range(replays):
-            g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / replays / len(fns))
-    del g
+    return a.elapsed_time(b)
+
+
+def _timing(ts: list[float], copies: int, replays: int) -> Timing:
     med = statistics.median(ts)
-    return Timing(med, {"copies": len(fns), "replays": replays, "trials": trials,
+    return Timing(med, {"copies": copies, "replays": replays, "trials": len(ts),
                         "spread_pct": round(100 * (max(ts) - min(ts)) / med, 1) if med > 0 else None})
+
+
+def graph_time(fns, trials: int, target_ms: float, max_replays: int = 2000) -> Timing:
+    """Median microseconds per call of ``fns`` (one zero-arg callable per rotated weight copy).
+
+    One graph holds one call per copy (:func:`_capture`). A first timed replay sizes the trials so
+    that each lasts about ``target_ms`` (at most ``max_replays`` replays), long enough for events to
+    resolve.
+    """
+    return graph_times({"": fns}, trials, target_ms, max_replays)[""]
+
+
+def graph_times(candidates: dict, trials: int, target_ms: float, max_replays: int = 2000) -> dict:
+    """:func:`graph_time` of several candidates (name -> callables) with their trials interleaved
+    (A B A B ...): a drift of clocks or power state during the measurement (a GEMV timed right after
+    large GEMMs ran up to 15% slower on the H200, benchmarks/NOTES.md, stop 15) then moves all of
+    them alike instead of biasing their ratios. Returns name -> :class:`Timing`."""
+    graphs = {name: _capture(fns) for name, fns in candidates.items()}
+    replays = {name: max(1, min(max_replays, round(target_ms / max(_replay_ms(g, 1), 1e-3)))) for name, g in graphs.items()}
+    ts: dict = {name: [] for name in graphs}
+    for _ in range(trials):
+        for name, g in graphs.items():
+            ts[name].append(_replay_ms(g, replays[name]) * 1e3 / replays[name] / len(candidates[name]))
+    del graphs
+    return {name: _timing(ts[name], len(candidates[name]), replays[name]) for name in ts}
 
 
 def wall_time(fns, trials: int) -> Timing:
