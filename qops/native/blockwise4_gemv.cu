@@ -193,6 +193,17 @@ __device__ __forceinline__ void load_x(XQuarter& xq, const u16* xrow, int q, int
   }
 }
 
+// acc += d scaled by the absmax of the lane's rows: s0 for row g (d[.][0..1]), s1 for row g + 8.
+__device__ __forceinline__ void add_scaled(float (&acc)[kMT][4], const float (&d)[kMT][4], float s0, float s1) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    acc[mt][0] = fmaf(d[mt][0], s0, acc[mt][0]);
+    acc[mt][1] = fmaf(d[mt][1], s0, acc[mt][1]);
+    acc[mt][2] = fmaf(d[mt][2], s1, acc[mt][2]);
+    acc[mt][3] = fmaf(d[mt][3], s1, acc[mt][3]);
+  }
+}
+
 __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, XQuarter (&xq)[kMT],
                                          const u16* const (&xrow)[kMT], const u32 (&flat)[kR][2], const float* nested_code_s,
                                          const float* nested_absmax, float nested_offset, int q, int t) {
@@ -279,26 +290,11 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
     const u32 b0 = (flat[r][0] + static_cast<u32>(q) * kStepK) / kBlock;  // row g's block A
     const u32 b1 = (flat[r][1] + static_cast<u32>(q) * kStepK) / kBlock;  // row g + 8's
     const float ns0 = nested_scale_of(nested_absmax, b0), ns1 = nested_scale_of(nested_absmax, b1);
-    const float s0 = block_absmax<false>(sl.a[r][0], nested_code_s, ns0, nested_offset);
-    const float s1 = block_absmax<false>(sl.a[r][1], nested_code_s, ns1, nested_offset);
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      acc[r][mt][0] = fmaf(da[r][mt][0], s0, acc[r][mt][0]);
-      acc[r][mt][1] = fmaf(da[r][mt][1], s0, acc[r][mt][1]);
-      acc[r][mt][2] = fmaf(da[r][mt][2], s1, acc[r][mt][2]);
-      acc[r][mt][3] = fmaf(da[r][mt][3], s1, acc[r][mt][3]);
-    }
-    if constexpr (kTwoBlocks) {
-      const float u0 = block_absmax<true>(sl.a[r][0], nested_code_s, ns0, nested_offset);
-      const float u1 = block_absmax<true>(sl.a[r][1], nested_code_s, ns1, nested_offset);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        acc[r][mt][0] = fmaf(db[r][mt][0], u0, acc[r][mt][0]);
-        acc[r][mt][1] = fmaf(db[r][mt][1], u0, acc[r][mt][1]);
-        acc[r][mt][2] = fmaf(db[r][mt][2], u1, acc[r][mt][2]);
-        acc[r][mt][3] = fmaf(db[r][mt][3], u1, acc[r][mt][3]);
-      }
-    }
+    add_scaled(acc[r], da[r], block_absmax<false>(sl.a[r][0], nested_code_s, ns0, nested_offset),
+               block_absmax<false>(sl.a[r][1], nested_code_s, ns1, nested_offset));
+    if constexpr (kTwoBlocks)
+      add_scaled(acc[r], db[r], block_absmax<true>(sl.a[r][0], nested_code_s, ns0, nested_offset),
+                 block_absmax<true>(sl.a[r][1], nested_code_s, ns1, nested_offset));
   }
 }
 
