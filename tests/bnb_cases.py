@@ -164,6 +164,15 @@ def rel_err(got: torch.Tensor, want64: torch.Tensor) -> float:
     return float(diff / ref) if ref > 0 else float(diff)
 
 
+def check_output(y, x, w64, bias, dtype, tol: float, what: str) -> None:
+    """``y`` (a kernel's output) against float64 ``x @ W.T + bias``: dtype, shape, finite, relative error <= tol."""
+    want = matmul(x, w64, bias)
+    assert y.dtype == dtype and y.shape == want.shape, what
+    assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
+    err = rel_err(y, want)
+    assert err <= tol, f"{what}: relative error {err:.2e}"
+
+
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MS = (0, 1, 2, 3, 17, 128, 257)
