@@ -21,17 +21,15 @@ __device__ __forceinline__ void ld_stream_v4_if(uint4& v, const void* p, bool pr
       : "l"(p), "r"(static_cast<int>(pred)));
 }
 
-// 8 bytes of data read exactly once (weights), by the read-only path without allocating in L1, and
-// one byte (u8 absmax), both predicated as above.
-__device__ __forceinline__ void ld_stream_v2_if(uint2& v, const void* p, bool pred) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\t@p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n\t}"
-      : "+r"(v.x), "+r"(v.y)
-      : "l"(p), "r"(static_cast<int>(pred)));
-}
-
+// Predicated loads of 2 and 1 bytes (u8 absmax codes), on the read-only path.
 __device__ __forceinline__ void ld_nc_u16_if(u32& v, const void* p, bool pred) {
   asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p ld.global.nc.u16 %0, [%1];\n\t}"
+               : "+r"(v)
+               : "l"(p), "r"(static_cast<int>(pred)));
+}
+
+__device__ __forceinline__ void ld_nc_u8_if(u32& v, const void* p, bool pred) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p ld.global.nc.u8 %0, [%1];\n\t}"
                : "+r"(v)
                : "l"(p), "r"(static_cast<int>(pred)));
 }
@@ -42,12 +40,6 @@ __device__ __forceinline__ void ld_nc_v4_if(uint4& v, const void* p, bool pred) 
       "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
       : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
       : "l"(p), "r"(static_cast<int>(pred)));
-}
-
-__device__ __forceinline__ void ld_nc_u8_if(u32& v, const void* p, bool pred) {
-  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p ld.global.nc.u8 %0, [%1];\n\t}"
-               : "+r"(v)
-               : "l"(p), "r"(static_cast<int>(pred)));
 }
 
 __device__ __forceinline__ void ld_nc_v2_if(uint2& v, const void* p, bool pred) {
