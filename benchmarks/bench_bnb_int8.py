@@ -10,7 +10,8 @@ One run measures everything side by side with one method (``../shared/anchors/be
 - correctness first, per (shape, M): rows ``[0, 512)`` of the output against float64 ``x @ W.T``
   with W decoded here from the runtime tensors (bytes read with // and %, not qops' code), and the
   ``_out`` op with its ``out`` poisoned with NaN;
-- time: CUDA-graph replays over rotated weight copies (> 256 MB in all), CUDA events, median;
+- time: CUDA-graph replays over rotated weight copies (> 256 MB in all), CUDA events, median; each op's
+  trials interleaved with cuBLAS fp16's on the same x (``common.graph_times``), which its ``vs_fp16`` uses;
 - roofline per row: max(bytes moved / copy bandwidth, 2*M*N*K / bf16 peak), bytes = weight +
   scales/absmax + x read + y written.
 
@@ -219,7 +220,14 @@ def main(argv=None) -> int:
     dev = torch.device("cuda" if gpu else "cpu")
 
     def timer(fns, trials, target_ms):
-        return common.graph_time(fns, trials, target_ms).us if gpu else common.wall_time(fns, trials).us
+        """us per call of the callables ``fns``; of each candidate, trials interleaved, when ``fns`` is a
+        dict (name -> callables: common.graph_times)."""
+        cands = fns if isinstance(fns, dict) else {"": fns}
+        if gpu:
+            got = {name: t.us for name, t in common.graph_times(cands, trials, target_ms).items()}
+        else:
+            got = {name: common.wall_time(f, trials).us for name, f in cands.items()}
+        return got if isinstance(fns, dict) else got[""]
 
     res = {"bench": "bnb_int8", "device": common.device_name(gpu), "torch": torch.__version__,
            "commit": common.git_commit(), "dry_run": a.dry_run, "rows": [], "triton": common.triton_version()}
@@ -246,18 +254,20 @@ def main(argv=None) -> int:
             for dt, name in ((torch.float16, "cublas_fp16_us"), (torch.bfloat16, "cublas_bf16_us")):
                 xd = x.to(dt)
                 row[name] = round(timer([lambda w=w, xd=xd: torch.nn.functional.linear(xd, w) for w in dense_copies[dt]], a.trials, a.target_ms), 2)
+            peer = [lambda w=w: torch.nn.functional.linear(x, w) for w in dense_copies[torch.float16]]
             for kind, ws in copies.items():
                 try:
-                    row[kind] = measure(kind, ws, x, refs[kind], row, io, bw, peak, timer, a, gpu)
+                    row[kind] = measure(kind, ws, x, refs[kind], row, io, bw, peak, timer, a, gpu, peer)
                 except Exception as e:  # noqa: BLE001 - recorded and reported; the other rows still run
                     row[kind] = {"error": common.short_err(e)}
             if "nf4" in copies and gpu and lowering_of(copies["nf4"][0]) != "triton_blockwise4" and m <= 16:
                 # What served NF4 before the native kernel (CUDA-core GEMV at M <= 2, tensor-core above), same run.
-                row["nf4_triton"] = measure("nf4", as_triton(copies["nf4"]), x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
+                row["nf4_triton"] = measure("nf4", as_triton(copies["nf4"]), x, refs["nf4"], row, io, bw, peak, timer, a, gpu, peer)
             if "nf4" in copies and m <= a.fma_up_to:
                 # The CUDA-core GEMV at an M the tensor-core one serves by default.
                 with tbw4.config_override(gemv_fma_max_m=m):
-                    row["nf4_fma_gemv"] = measure("nf4", as_triton(copies["nf4"]), x, refs["nf4"], row, io, bw, peak, timer, a, gpu)
+                    row["nf4_fma_gemv"] = measure("nf4", as_triton(copies["nf4"]), x, refs["nf4"], row, io, bw, peak, timer, a,
+                                                  gpu, peer)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         if a.sweep_nf4:
@@ -276,8 +286,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def measure(kind, ws, x, ref, row, io, bw, peak, timer, a, gpu) -> dict:
-    """Check rows [0, CHECK_ROWS) of one qops op against float64, then time it over the copies ``ws``."""
+def measure(kind, ws, x, ref, row, io, bw, peak, timer, a, gpu, peer) -> dict:
+    """Check rows [0, CHECK_ROWS) of one qops op against float64, then time it over the copies ``ws``
+    with its trials interleaved with those of ``peer`` (cuBLAS fp16 on the same x), whose time in
+    this pairing is the ``vs_fp16`` ratio's."""
     w = ws[0]
     m, n, k = x.shape[0], w.out_features, w.in_features
     rows = ref.shape[0]
@@ -288,13 +300,15 @@ def measure(kind, ws, x, ref, row, io, bw, peak, timer, a, gpu) -> dict:
     errs = [common.rel_err(got[:, :rows], want), common.rel_err(out[:, :rows], want)]
     # out starts as NaN: an element the op left unwritten anywhere, not only in the checked rows, fails.
     err = math.inf if None in errs or not bool(torch.isfinite(out).all()) else max(errs)
-    us = timer([lambda w=w: call(w, x) for w in ws], a.trials, a.target_ms)
+    times = timer({"qops": [lambda w=w: call(w, x) for w in ws], "cublas_fp16": peer}, a.trials, a.target_ms)
+    us = times["qops"]
     roof = common.roofline_us(weight_bytes(kind, n, k) + io, bw, 2 * m * n * k, peak)
     return {"op": "mm_int8_weight" if kind == "int8" else "mm_blockwise4",
             "format": "eetq / bitsandbytes-int8" if kind == "int8" else "bitsandbytes-nf4 b64 nested",
             "lowering": lowering_of(w), "path": path_of(w, m, n, k, x.device) if gpu else "reference",
             "qops_us": round(us, 2), "roofline_us": round(roof, 2), "roofline_pct": round(100 * roof / us, 1),
-            "vs_fp16": round(row["cublas_fp16_us"] / us, 2), "rel_err": err, "correct": err <= a.tol}
+            "cublas_fp16_paired_us": round(times["cublas_fp16"], 2), "vs_fp16": round(times["cublas_fp16"] / us, 2),
+            "rel_err": err, "correct": err <= a.tol}
 
 
 def sweep(n, k, copies, dev, a) -> list[dict]:
