@@ -304,8 +304,8 @@ LOWERINGS: tuple[Lowering, ...] = (
         group_sizes=BNB_BLOCKSIZES,
         priority=10,
         entry="qops.ops.triton.blockwise4:triton_mm",
-        note="Triton: register-codebook (prmt) decode into a narrow tensor-core dot for M <= 16 (16-row slices to 32), "
-             "dequantized N-slabs + cuBLAS above; absmax de-nested in the kernels",
+        note="Triton: register-codebook (prmt) decode, on CUDA cores for M <= 2 and into a narrow tensor-core dot to M = 16 "
+             "(16-row slices to 32), dequantized N-slabs + cuBLAS above; absmax de-nested in the kernels",
         software=_triton_missing,
     ),
     Lowering(
