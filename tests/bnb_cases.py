@@ -173,6 +173,28 @@ def check_output(y, x, w64, bias, dtype, tol: float, what: str) -> None:
     assert err <= tol, f"{what}: relative error {err:.2e}"
 
 
+def check_graph_replay(w, w64, m: int, tol: float) -> None:
+    """``w.mm`` on fp16 x of ``m`` rows captured in a CUDA graph after eager calls on a side stream,
+    then replayed on new x with the output poisoned with NaN: each replay against float64."""
+    k = w64.shape[1]
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            w.mm(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = w.mm(x)
+    for seed in (1, 2):
+        x.copy_(torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).half())
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check_output(y, x, w64, None, torch.float16, tol, f"replay {seed}")
+
+
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MS = (0, 1, 2, 3, 17, 128, 257)
