@@ -30,7 +30,7 @@ SOURCE = "blockwise4_gemv.cu"
 GEMV = "qops_blockwise4_gemv"
 MAX_M = 16  # rows one launch takes (two 8-row MMA tiles)
 STEP_K = 128  # K values of a row a lane quad takes per step (kStepK in the kernel)
-SHMEM_BYTES = 256 * 32 * 4 + 256 * 4  # the code table (kTableBytes in the kernel) and the nested map after it
+NESTED_MAP_BYTES = 256 * 4  # the nested code, after the table
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 _BIAS_T, _BIAS_F32 = 2, 4  # kBiasT, kBiasF32 in ptx.cuh
 
@@ -43,9 +43,17 @@ class Plan:
     ring: int  # register ring slots a warp (ring - 1 steps of 128 K values in flight)
     minb: int  # blocks an SM promised to ptxas (__launch_bounds__): 3 caps at 80 registers, 2 at 128
     prescale: bool = False  # (blocksize 64) absmax applied to the decoded weights in the activation dtype, one MMA chain
+    span: int = 1  # steps a ring slot holds (QOPS_SPAN): its loads cover 64 * span contiguous bytes of a row
+    lut_imm: bool = False  # table entries 256 bytes apart, addressed by one prmt and the window base as an immediate
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
 
-    def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int) -> dict[str, int]:
+    @property
+    def shmem_bytes(self) -> int:
+        """Dynamic shared memory a block: the code table (kTableBytes in the kernel), then the nested map."""
+        return 256 * (256 if self.lut_imm else 128) + NESTED_MAP_BYTES
+
+    def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int, smem_base: int = 0) -> dict[str, int]:
+        """``smem_base``: where the device puts a block's dynamic shared memory (used with ``lut_imm``)."""
         return {
             "QOPS_DT": _DT[dtype],
             "QOPS_MT": self.mt,
@@ -58,6 +66,9 @@ class Plan:
             "QOPS_NESTED": int(nested),
             "QOPS_BLOCKSIZE": blocksize,
             "QOPS_NESTED_BS": nested_blocksize if nested else 1,
+            "QOPS_SPAN": self.span,
+            "QOPS_LUT_IMM": int(self.lut_imm),
+            "QOPS_SMEM_BASE": smem_base if self.lut_imm else 0,
         }
 
     def grid(self, n: int) -> int:
@@ -178,10 +189,10 @@ def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(dev):
         p = plan(m, n, k, _sm_count(dev))
-        gemv = compiler.get_kernel(dev, SOURCE, p.defines(x.dtype, nested, blocksize, nested_blocksize), GEMV)
+        gemv = _kernel(dev, p, x.dtype, nested, blocksize, nested_blocksize)
         i32 = compiler.i32
         compiler.launch(
-            gemv, (p.grid(n), 1, 1), (32 * p.warps, 1, 1), SHMEM_BYTES, torch.cuda.current_stream(),
+            gemv, (p.grid(n), 1, 1), (32 * p.warps, 1, 1), p.shmem_bytes, torch.cuda.current_stream(),
             qweight.data_ptr(), code.data_ptr(), absmax.data_ptr(),
             nested_code.data_ptr() if nested else 0, nested_absmax.data_ptr() if nested else 0,
             nested_offset.data_ptr() if nested else 0, x2.data_ptr(), bias.data_ptr() if bias is not None else 0,
@@ -193,6 +204,14 @@ def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
 
 
 _sms: dict[int, int] = {}
+
+
+def _kernel(dev: int, p: Plan, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int):
+    """The compiled, loaded kernel of plan ``p``, allowed the dynamic shared memory it launches with."""
+    base = compiler.dynamic_shared_base(dev) if p.lut_imm else 0
+    gemv = compiler.get_kernel(dev, SOURCE, p.defines(dtype, nested, blocksize, nested_blocksize, base), GEMV)
+    compiler.allow_dynamic_shared(gemv, dev, p.shmem_bytes)
+    return gemv
 
 
 def _sm_count(dev: int) -> int:
@@ -219,13 +238,12 @@ def warmup(weight, act_dtype: torch.dtype | None = None) -> int:
         stream = torch.cuda.current_stream()
         for m in range(1, MAX_M + 1):
             p = plan(m, n, k, _sm_count(dev))
-            defines = p.defines(act_dtype, nested, weight.blocksize, weight.nested_blocksize)
-            key = tuple(sorted(defines.items()))
+            key = (p, act_dtype, nested, weight.blocksize, weight.nested_blocksize)
             if key in seen:
                 continue
             seen.add(key)
-            gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
+            gemv = _kernel(dev, *key)
             i0 = compiler.i32(0)
-            compiler.launch(gemv, (1, 1, 1), (32 * p.warps, 1, 1), SHMEM_BYTES, stream, *([0] * 9), *([i0] * 6),
+            compiler.launch(gemv, (1, 1, 1), (32 * p.warps, 1, 1), p.shmem_bytes, stream, *([0] * 9), *([i0] * 6),
                             pdl=use_pdl(dev))
     return len(seen)

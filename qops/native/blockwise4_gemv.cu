@@ -88,6 +88,15 @@
 #ifndef QOPS_NESTED_BS
 #define QOPS_NESTED_BS 256
 #endif
+#ifndef QOPS_SPAN
+#define QOPS_SPAN 1  // steps a ring slot holds (loaded back to back: 64 * QOPS_SPAN contiguous bytes of a row)
+#endif
+#ifndef QOPS_LUT_IMM
+#define QOPS_LUT_IMM 0  // 1: table entries 256 bytes apart, the window base QOPS_SMEM_BASE an immediate of the lookup
+#endif
+#ifndef QOPS_SMEM_BASE
+#define QOPS_SMEM_BASE 0  // shared-window address of dynamic shared memory (the device's reserved bytes a block)
+#endif
 
 namespace qops {
 namespace bw4 {
@@ -108,11 +117,18 @@ constexpr bool kTwoBlocks = kBlock == 64;      // a step spans two absmax blocks
 // (rounded to DT, as bitsandbytes' dequantization does), so one MMA chain over unmasked x serves
 // both blocks: half the MMAs and x loads of the two chains, one more f16x2/bf16x2 multiply a lookup.
 constexpr bool kPrescale = QOPS_PRESCALE != 0 && kTwoBlocks;
-constexpr int kTableBytes = 256 * 32 * 4;      // 256 byte values x 32 lane copies
+constexpr int kSpan = QOPS_SPAN;
+constexpr bool kLutImm = QOPS_LUT_IMM != 0;
+// Entry v's copy for lane l at v * kTableStride + 4 l. 128: the 32 copies packed, the address one
+// prmt and one integer multiply-add away. 256 (kLutImm): half of each entry's bytes unused, but one
+// prmt builds v * 256 + 4 l outright and the load adds the window's base as an immediate.
+constexpr int kTableStride = kLutImm ? 256 : 128;
+constexpr int kTableBytes = 256 * kTableStride;  // 256 byte values x 32 lane copies
 static_assert(kMT == 1 || kMT == 2, "QOPS_MT is 1 or 2 (M <= 16)");
 static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
 static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "QOPS_WARPS is 4, 8 or 16");
 static_assert(kRing >= 2 && kRing <= 8, "QOPS_RING is 2..8");
+static_assert(kSpan == 1 || kSpan == 2 || kSpan == 4, "QOPS_SPAN is 1, 2 or 4");
 static_assert(kBlock % 64 == 0, "QOPS_BLOCKSIZE must be a multiple of 64");
 static_assert(!kNested || !kTwoBlocks || kNestedBS % 2 == 0, "two-block steps need an even QOPS_NESTED_BS");
 static_assert(kWarps * kR * kMT * 32 * 16 <= kTableBytes, "the partials reuse the table's shared memory");
@@ -121,27 +137,32 @@ static_assert(kWarps * kR * kMT * 32 * 16 <= kTableBytes, "the partials reuse th
 // two rows' absmax as loaded: float32 bits of blocks A and B (B: two blocks only), or the nested u8
 // codes (A in bits 0..7, B in bits 8..15).
 struct Slot {
-  uint4 w[kR][2];
-  uint2 a[kR][2];
+  uint4 w[kSpan][kR][2];
+  uint2 a[kSpan][kR][2];
 };
 
+// Steps q0 .. q0 + kSpan - 1 of the warp's range (those before p1).
 __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (&wrow)[kR][2], const u32 (&flat)[kR][2],
-                                          const void* absmax, int q, int t, bool pred) {
+                                          const void* absmax, int q0, int t, int p1) {
   if constexpr (kProbe == 2) return;  // math alone: the slots keep what they were given
 #pragma unroll
-  for (int r = 0; r < kR; ++r)
+  for (int s = 0; s < kSpan; ++s)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      ld_stream_v4_if(sl.w[r][h], wrow[r][h] + q * (kStepK / 2) + 16 * t, pred);
-      const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
-      if constexpr (kNested) {
-        if constexpr (kTwoBlocks) ld_nc_u16_if(sl.a[r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
-        else ld_nc_u8_if(sl.a[r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
-      } else {
-        if constexpr (kTwoBlocks) ld_nc_v2_if(sl.a[r][h], static_cast<const float*>(absmax) + b, pred);
-        else ld_nc_u32_if(sl.a[r][h].x, static_cast<const float*>(absmax) + b, pred);
+    for (int r = 0; r < kR; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int q = q0 + s;
+        const bool pred = q < p1;
+        ld_stream_v4_if(sl.w[s][r][h], wrow[r][h] + q * (kStepK / 2) + 16 * t, pred);
+        const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
+        if constexpr (kNested) {
+          if constexpr (kTwoBlocks) ld_nc_u16_if(sl.a[s][r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
+          else ld_nc_u8_if(sl.a[s][r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
+        } else {
+          if constexpr (kTwoBlocks) ld_nc_v2_if(sl.a[s][r][h], static_cast<const float*>(absmax) + b, pred);
+          else ld_nc_u32_if(sl.a[s][r][h].x, static_cast<const float*>(absmax) + b, pred);
+        }
       }
-    }
 }
 
 // The absmax of block b (SECOND: block B of a two-block step) from the slot's word(s).
@@ -166,12 +187,18 @@ __device__ __forceinline__ u32 mul2(u32 a, u32 s) {
   else return fma_bf16x2(a, s, 0x80008000u);
 }
 
-// The table word of byte SEL of w: shared address lane_table + v*128 (prmt isolates byte v; one
-// integer multiply-add makes the address, the lane's 4*lane and the table's base folded in).
+// The table word of byte SEL of w for this lane. lane_table: the lane's copy of entry 0 (shared
+// address), or with kLutImm 4 * lane (the window's base is the load's immediate).
 template <int SEL>
 __device__ __forceinline__ u32 lookup(u32 lane_table, u32 w) {
   u32 v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(prmt<0x4440 | SEL>(w, 0u) * 128u + lane_table));
+  if constexpr (kLutImm) {
+    // one prmt: byte 0 from lane_table (4 * lane < 256), byte 1 = byte SEL of w, bytes 2, 3 zero
+    asm volatile("ld.shared.u32 %0, [%1+%2];" : "=r"(v) : "r"(prmt<0x5504 | (SEL << 4)>(w, lane_table)), "n"(QOPS_SMEM_BASE));
+  } else {
+    // prmt isolates byte v; one integer multiply-add makes the address
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(prmt<0x4440 | SEL>(w, 0u) * 128u + lane_table));
+  }
   return v;
 }
 
@@ -204,14 +231,16 @@ __device__ __forceinline__ void add_scaled(float (&acc)[kMT][4], const float (&d
   }
 }
 
-__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, XQuarter (&xq)[kMT],
+// Step q from sub-step U of a slot.
+template <int U>
+__device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, XQuarter (&xq)[kMT],
                                          const u16* const (&xrow)[kMT], const u32 (&flat)[kR][2], const float* nested_code_s,
                                          const float* nested_absmax, float nested_offset, int q, int t) {
   if constexpr (kProbe == 1) {  // loads alone: every loaded word reaches the output, nothing is decoded
 #pragma unroll
     for (int r = 0; r < kR; ++r)
-      acc[r][0][0] += __uint_as_float((sl.w[r][0].x ^ sl.w[r][0].y ^ sl.w[r][0].z ^ sl.w[r][0].w ^ sl.w[r][1].x ^ sl.w[r][1].y ^
-                                       sl.w[r][1].z ^ sl.w[r][1].w ^ sl.a[r][0].x ^ sl.a[r][1].x) & 0x3fffffffu);
+      acc[r][0][0] += __uint_as_float((sl.w[U][r][0].x ^ sl.w[U][r][0].y ^ sl.w[U][r][0].z ^ sl.w[U][r][0].w ^ sl.w[U][r][1].x ^ sl.w[U][r][1].y ^
+                                       sl.w[U][r][1].z ^ sl.w[U][r][1].w ^ sl.a[U][r][0].x ^ sl.a[U][r][1].x) & 0x3fffffffu);
     return;
   }
   u32 pre[kR][2];  // kPrescale: the lane's block's absmax for rows g, g+8 of each tile, as a DT pair
@@ -222,8 +251,8 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
       for (int h = 0; h < 2; ++h) {
         const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
         const float ns = nested_scale_of(nested_absmax, b);
-        const float sv = t < 2 ? block_absmax<false>(sl.a[r][h], nested_code_s, ns, nested_offset)
-                               : block_absmax<true>(sl.a[r][h], nested_code_s, ns, nested_offset);
+        const float sv = t < 2 ? block_absmax<false>(sl.a[U][r][h], nested_code_s, ns, nested_offset)
+                               : block_absmax<true>(sl.a[U][r][h], nested_code_s, ns, nested_offset);
         const u32 bits = f32_to_bits<kDT>(sv);
         pre[r][h] = bits | (bits << 16);
       }
@@ -243,8 +272,8 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
     for (int jj = 0; jj < 2; ++jj) {
 #pragma unroll
       for (int r = 0; r < kR; ++r) {
-        const u32 w0 = word(sl.w[r][0], i);  // row g: bytes 4i .. 4i + 3 (slice 2i + jj: 2 of them)
-        const u32 w1 = word(sl.w[r][1], i);  // row g + 8
+        const u32 w0 = word(sl.w[U][r][0], i);  // row g: bytes 4i .. 4i + 3 (slice 2i + jj: 2 of them)
+        const u32 w1 = word(sl.w[U][r][1], i);  // row g + 8
         u32 a0, a1, a2, a3;
         if (jj == 0) {
           a0 = lookup<0>(lane_table, w0);
@@ -290,12 +319,21 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
     const u32 b0 = (flat[r][0] + static_cast<u32>(q) * kStepK) / kBlock;  // row g's block A
     const u32 b1 = (flat[r][1] + static_cast<u32>(q) * kStepK) / kBlock;  // row g + 8's
     const float ns0 = nested_scale_of(nested_absmax, b0), ns1 = nested_scale_of(nested_absmax, b1);
-    add_scaled(acc[r], da[r], block_absmax<false>(sl.a[r][0], nested_code_s, ns0, nested_offset),
-               block_absmax<false>(sl.a[r][1], nested_code_s, ns1, nested_offset));
+    add_scaled(acc[r], da[r], block_absmax<false>(sl.a[U][r][0], nested_code_s, ns0, nested_offset),
+               block_absmax<false>(sl.a[U][r][1], nested_code_s, ns1, nested_offset));
     if constexpr (kTwoBlocks)
-      add_scaled(acc[r], db[r], block_absmax<true>(sl.a[r][0], nested_code_s, ns0, nested_offset),
-                 block_absmax<true>(sl.a[r][1], nested_code_s, ns1, nested_offset));
+      add_scaled(acc[r], db[r], block_absmax<true>(sl.a[U][r][0], nested_code_s, ns0, nested_offset),
+                 block_absmax<true>(sl.a[U][r][1], nested_code_s, ns1, nested_offset));
   }
+}
+
+// The steps q0 .. of a slot that lie before p1.
+template <int U = 0>
+__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, XQuarter (&xq)[kMT],
+                                         const u16* const (&xrow)[kMT], const u32 (&flat)[kR][2], const float* nested_code_s,
+                                         const float* nested_absmax, float nested_offset, int q0, int t, int p1) {
+  if (q0 + U < p1) use_step<U>(sl, acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, nested_offset, q0 + U, t);
+  if constexpr (U + 1 < kSpan) use_slot<U + 1>(sl, acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, nested_offset, q0, t, p1);
 }
 
 }  // namespace bw4
@@ -331,23 +369,32 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   const int p0 = static_cast<int>(static_cast<long long>(steps) * warp / kWarps);
   const int p1 = static_cast<int>(static_cast<long long>(steps) * (warp + 1) / kWarps);
 
-  // The ring's first kRing - 1 steps are requested before anything else: weights and absmax are
+  if constexpr (kLutImm) {
+    // The lookups address the table with the window base as an immediate: a launch where dynamic
+    // shared memory starts elsewhere must fail, not read the wrong bytes.
+    if (smem_addr(table) != QOPS_SMEM_BASE) __trap();
+  }
+
+  // The ring's first kRing - 1 slots are requested before anything else: weights and absmax are
   // never written by the kernel ahead, and their latency then covers the table's build.
   Slot ring[kRing];
   if constexpr (kProbe == 2) {  // math alone: weight bytes that vary by lane, absmax codes in range
 #pragma unroll
     for (int s = 0; s < kRing; ++s)
 #pragma unroll
-      for (int r = 0; r < kR; ++r)
+      for (int u = 0; u < kSpan; ++u)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          ring[s].w[r][h] = make_uint4(0x9e3779b9u * (tid + 7 * s + 3 * r + h), 0x85ebca6bu * (tid + s + r + 5 * h),
-                                       0xc2b2ae35u * (tid + 3 * s + h), 0x27d4eb2fu * (tid + s + 7 * r));
-          ring[s].a[r][h] = kNested ? make_uint2((tid * 0x0101u + s) & 0xffffu, 0) : make_uint2(0x3c000000u, 0x3c800000u);
-        }
+        for (int r = 0; r < kR; ++r)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int v = 7 * s + 5 * u;
+            ring[s].w[u][r][h] = make_uint4(0x9e3779b9u * (tid + v + 3 * r + h), 0x85ebca6bu * (tid + v + r + 5 * h),
+                                            0xc2b2ae35u * (tid + 3 * v + h), 0x27d4eb2fu * (tid + v + 7 * r));
+            ring[s].a[u][r][h] = kNested ? make_uint2((tid * 0x0101u + v) & 0xffffu, 0) : make_uint2(0x3c000000u, 0x3c800000u);
+          }
   }
 #pragma unroll
-  for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
+  for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + kSpan * s, t, p1);
 
   // The table: 32 copies of 256 words. Thread v builds word v once and stores its copies starting at
   // its own lane's bank, so a warp's 32 stores of one round fall in 32 different banks.
@@ -355,7 +402,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     const u32 lo = f32_to_bits<kDT>(code[v >> 4]);
     const u32 hi = f32_to_bits<kDT>(code[v & 15]);
     const u32 word2 = lo | (hi << 16);
-    u32* entry = reinterpret_cast<u32*>(table + v * 128);
+    u32* entry = reinterpret_cast<u32*>(table + v * kTableStride);
 #pragma unroll 8
     for (int c = 0; c < 32; ++c) entry[(c + tid) & 31] = word2;
   }
@@ -372,7 +419,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     xrow[mt] = x + static_cast<size_t>(m < M ? m : 0) * ldx;
   }
   const float noff = kNested ? nested_offset[0] : 0.f;
-  const u32 lane_table = smem_addr(table) + 4u * lane;
+  const u32 lane_table = (kLutImm ? 0u : smem_addr(table)) + 4u * lane;
   XQuarter xq[kMT];  // the set of the other block's lanes stays zero (its loads are predicated off)
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) xq[mt].lo = xq[mt].hi = make_uint4(0, 0, 0, 0);
@@ -382,14 +429,13 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) acc[r][mt][0] = acc[r][mt][1] = acc[r][mt][2] = acc[r][mt][3] = 0.f;
 
-  // Step q sits in slot (q - p0) % kRing; each step requests the one kRing - 1 ahead, then uses its own.
-  for (int base = p0; base < p1; base += kRing) {
+  // Slot i (steps p0 + kSpan i ..) sits in ring entry i % kRing; each slot requests the one kRing - 1
+  // ahead, then uses its own.
+  for (int base = p0; base < p1; base += kRing * kSpan) {
 #pragma unroll
     for (int s = 0; s < kRing; ++s) {
-      const int ahead = base + s + kRing - 1;
-      load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1);
-      if (base + s < p1)
-        use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
+      load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, base + kSpan * (s + kRing - 1), t, p1);
+      use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + kSpan * s, t, p1);
     }
   }
   grid_dep_launch_dependents();

@@ -387,6 +387,26 @@ def max_shared_optin(device: torch.device | int) -> int:
     return int(core().Device(idx).properties.max_shared_memory_per_block_optin)
 
 
+_shared_base: dict[int, int] = {}
+
+
+def dynamic_shared_base(device: torch.device | int) -> int:
+    """The shared-window address where a block's dynamic shared memory starts on ``device``, for a
+    kernel without static shared memory: the bytes the driver reserves a block (1 KiB on sm_80 and
+    sm_90). Kernels that bake it into their code as an immediate check it on entry."""
+    idx = _device_index(device)
+    if idx not in _shared_base:
+        from cuda.bindings import driver
+
+        err, dev = driver.cuDeviceGet(idx)
+        if err == driver.CUresult.CUDA_SUCCESS:
+            err, v = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK, dev)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"qops.native: could not read the reserved shared memory a block of cuda:{idx}: {err}")
+        _shared_base[idx] = int(v)
+    return _shared_base[idx]
+
+
 def allow_dynamic_shared(kernel, device: torch.device | int, nbytes: int) -> None:
     """Let ``kernel`` launch with up to ``nbytes`` of dynamic shared memory on ``device``.
 
