@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="probe_nf4_native.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", type=common.parse_shapes, default=LARGE_SHAPES)
     p.add_argument("--plans", type=json.loads, default=[{}], help="plan field overrides to probe (JSON list)")
+    p.add_argument("--probes", default="op,loads,math", help="which of op, loads, math to time (default all three)")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--out")
     a = p.parse_args(argv)
@@ -54,6 +55,8 @@ def main(argv=None) -> int:
         for fields in a.plans:
             row = {"N": n, "K": k, "M": 1, "plan": fields, "roofline_us": round(roof, 2)}
             for name, probe in (("op", 0), ("loads", 1), ("math", 2)):
+                if name not in a.probes.split(","):
+                    continue
                 with nbw4.plan_override(**fields, probe=probe):
                     row["plan_used"] = str(nbw4.plan(1, n, k, torch.cuda.get_device_properties(0).multi_processor_count))
                     us = common.graph_time([lambda w=w: call(w, x) for w in ws], a.trials, 5.0).us
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
     common.write_json(res, common.output_paths("probe_nf4_native.json", a.out))
     print("\nN x K | plan | op % | loads % | math % (of the roofline)")
     for r in res["rows"]:
-        print(f"{r['N']}x{r['K']} | {r['plan'] or 'default'} | {r['op_roof_pct']} | {r['loads_roof_pct']} | {r['math_roof_pct']}")
+        print(f"{r['N']}x{r['K']} | {r['plan'] or 'default'} | {r.get('op_roof_pct', '-')} | {r.get('loads_roof_pct', '-')} | {r.get('math_roof_pct', '-')}")
     return 0
 
 

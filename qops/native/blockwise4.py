@@ -44,6 +44,7 @@ class Plan:
     minb: int  # blocks an SM promised to ptxas (__launch_bounds__): 3 caps at 80 registers, 2 at 128
     prescale: bool = False  # (blocksize 64) absmax applied to the decoded weights in the activation dtype, one MMA chain
     span: int = 1  # steps a ring slot holds (QOPS_SPAN): its loads cover 64 * span contiguous bytes of a row
+    chains: int = 1  # MMA accumulator chains a step (2: the slices of a quarter alternate, chains half as deep)
     lut_imm: bool = False  # table entries 256 bytes apart, addressed by one prmt and the window base as an immediate
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
 
@@ -68,6 +69,7 @@ class Plan:
             "QOPS_NESTED_BS": nested_blocksize if nested else 1,
             "QOPS_SPAN": self.span,
             "QOPS_LUT_IMM": int(self.lut_imm),
+            "QOPS_CHAINS": self.chains,
             "QOPS_SMEM_BASE": smem_base if self.lut_imm else 0,
         }
 

@@ -91,6 +91,9 @@
 #ifndef QOPS_SPAN
 #define QOPS_SPAN 1  // steps a ring slot holds (loaded back to back: 64 * QOPS_SPAN contiguous bytes of a row)
 #endif
+#ifndef QOPS_CHAINS
+#define QOPS_CHAINS 1  // 2: the two k16 slices of a quarter accumulate into separate MMA chains (half as deep)
+#endif
 #ifndef QOPS_LUT_IMM
 #define QOPS_LUT_IMM 0  // 1: table entries 256 bytes apart, the window base QOPS_SMEM_BASE an immediate of the lookup
 #endif
@@ -118,6 +121,7 @@ constexpr bool kTwoBlocks = kBlock == 64;      // a step spans two absmax blocks
 // both blocks: half the MMAs and x loads of the two chains, one more f16x2/bf16x2 multiply a lookup.
 constexpr bool kPrescale = QOPS_PRESCALE != 0 && kTwoBlocks;
 constexpr int kSpan = QOPS_SPAN;
+constexpr int kChains = QOPS_CHAINS;
 constexpr bool kLutImm = QOPS_LUT_IMM != 0;
 // Entry v's copy for lane l at v * kTableStride + 4 l. 128: the 32 copies packed, the address one
 // prmt and one integer multiply-add away. 256 (kLutImm): half of each entry's bytes unused, but one
@@ -129,6 +133,7 @@ static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
 static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "QOPS_WARPS is 4, 8 or 16");
 static_assert(kRing >= 2 && kRing <= 8, "QOPS_RING is 2..8");
 static_assert(kSpan == 1 || kSpan == 2 || kSpan == 4, "QOPS_SPAN is 1, 2 or 4");
+static_assert(kChains == 1 || kChains == 2, "QOPS_CHAINS is 1 or 2");
 static_assert(kBlock % 64 == 0, "QOPS_BLOCKSIZE must be a multiple of 64");
 static_assert(!kNested || !kTwoBlocks || kNestedBS % 2 == 0, "two-block steps need an even QOPS_NESTED_BS");
 static_assert(kWarps * kR * kMT * 32 * 16 <= kTableBytes, "the partials reuse the table's shared memory");
@@ -257,13 +262,17 @@ __device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4
         pre[r][h] = bits | (bits << 16);
       }
   }
-  float da[kR][kMT][4], db[kR][kMT][4];  // chain A (one-block steps, pre-scaled: the only chain) and chain B
+  // Chain A (one-block steps, pre-scaled: the only chain) and chain B; with kChains 2 each is two
+  // accumulators (slice parity), summed at the end of the step.
+  float da[kChains][kR][kMT][4], db[kChains][kR][kMT][4];
 #pragma unroll
-  for (int r = 0; r < kR; ++r)
+  for (int c = 0; c < kChains; ++c)
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+    for (int r = 0; r < kR; ++r)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) da[r][mt][e] = db[r][mt][e] = 0.f;
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) da[c][r][mt][e] = db[c][r][mt][e] = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {  // quarter i: slices 2i, 2i + 1, x[32t + 8i .. 32t + 8i + 7]
 #pragma unroll
@@ -296,14 +305,26 @@ __device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4
         for (int mt = 0; mt < kMT; ++mt) {
           // x[32t + 8i + 4jj .. + 3] as the B registers
           const uint4& lo = xq[mt].lo;
-          mma_16816<kDT>(da[r][mt], a0, a1, a2, a3, jj ? lo.z : lo.x, jj ? lo.w : lo.y);
+          const int c = kChains == 2 ? jj : 0;
+          mma_16816<kDT>(da[c][r][mt], a0, a1, a2, a3, jj ? lo.z : lo.x, jj ? lo.w : lo.y);
           if constexpr (kTwoBlocks && !kPrescale) {
             const uint4& hi = xq[mt].hi;
-            mma_16816<kDT>(db[r][mt], a0, a1, a2, a3, jj ? hi.z : hi.x, jj ? hi.w : hi.y);
+            mma_16816<kDT>(db[c][r][mt], a0, a1, a2, a3, jj ? hi.z : hi.x, jj ? hi.w : hi.y);
           }
         }
       }
     }
+  }
+  if constexpr (kChains == 2) {
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          da[0][r][mt][e] += da[1][r][mt][e];
+          db[0][r][mt][e] += db[1][r][mt][e];
+        }
   }
   if constexpr (kPrescale) {
 #pragma unroll
@@ -311,7 +332,7 @@ __device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[r][mt][e] += da[r][mt][e];
+        for (int e = 0; e < 4; ++e) acc[r][mt][e] += da[0][r][mt][e];
     return;
   }
 #pragma unroll
@@ -319,10 +340,10 @@ __device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4
     const u32 b0 = (flat[r][0] + static_cast<u32>(q) * kStepK) / kBlock;  // row g's block A
     const u32 b1 = (flat[r][1] + static_cast<u32>(q) * kStepK) / kBlock;  // row g + 8's
     const float ns0 = nested_scale_of(nested_absmax, b0), ns1 = nested_scale_of(nested_absmax, b1);
-    add_scaled(acc[r], da[r], block_absmax<false>(sl.a[U][r][0], nested_code_s, ns0, nested_offset),
+    add_scaled(acc[r], da[0][r], block_absmax<false>(sl.a[U][r][0], nested_code_s, ns0, nested_offset),
                block_absmax<false>(sl.a[U][r][1], nested_code_s, ns1, nested_offset));
     if constexpr (kTwoBlocks)
-      add_scaled(acc[r], db[r], block_absmax<true>(sl.a[U][r][0], nested_code_s, ns0, nested_offset),
+      add_scaled(acc[r], db[0][r], block_absmax<true>(sl.a[U][r][0], nested_code_s, ns0, nested_offset),
                  block_absmax<true>(sl.a[U][r][1], nested_code_s, ns1, nested_offset));
   }
 }

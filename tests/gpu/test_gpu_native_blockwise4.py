@@ -114,7 +114,8 @@ def test_deterministic_and_plans_agree():
         assert torch.equal(w.mm(x), first)
     for fields in ({"tiles": 1}, {"tiles": 2, "minb": 1}, {"warps": 4}, {"warps": 16, "minb": 1}, {"ring": 2}, {"ring": 4, "minb": 1},
                    {"prescale": True}, {"prescale": False, "minb": 1}, {"lut_imm": True}, {"lut_imm": True, "tiles": 1, "ring": 3},
-                   {"span": 2, "tiles": 1, "ring": 2, "lut_imm": True}, {"span": 4, "tiles": 1, "ring": 2, "minb": 1}):
+                   {"span": 2, "tiles": 1, "ring": 2, "lut_imm": True}, {"span": 4, "tiles": 1, "ring": 2, "minb": 1},
+                   {"chains": 2}, {"chains": 2, "lut_imm": True, "prescale": True}):
         with nbw4.plan_override(**fields):
             for m in (1, 16):
                 check(w.mm(x[:m]), x[:m], w64, None, torch.bfloat16, f"{fields} M={m}")
