@@ -44,6 +44,7 @@ class Plan:
     minb: int  # blocks an SM promised to ptxas (__launch_bounds__): 3 caps at 80 registers, 2 at 128
     prescale: bool = False  # (blocksize 64) absmax applied to the decoded weights in the activation dtype, one MMA chain
     span: int = 1  # steps a ring slot holds (QOPS_SPAN): its loads cover 64 * span contiguous bytes of a row
+    staged: bool = False  # the ring's weight bytes wait in shared memory (cp.async), not in registers
     chains: int = 1  # MMA accumulator chains a step (2: the slices of a quarter alternate, chains half as deep)
     lut_imm: bool = False  # table entries 256 bytes apart, addressed by one prmt and the window base as an immediate
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
@@ -51,7 +52,8 @@ class Plan:
     @property
     def shmem_bytes(self) -> int:
         """Dynamic shared memory a block: the code table (kTableBytes in the kernel), then the nested map."""
-        return 256 * (256 if self.lut_imm else 128) + NESTED_MAP_BYTES
+        stages = self.warps * self.ring * self.span * self.tiles * 1024 if self.staged else 0
+        return 256 * (256 if self.lut_imm else 128) + NESTED_MAP_BYTES + stages
 
     def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int, smem_base: int = 0) -> dict[str, int]:
         """``smem_base``: where the device puts a block's dynamic shared memory (used with ``lut_imm``)."""
@@ -70,6 +72,7 @@ class Plan:
             "QOPS_SPAN": self.span,
             "QOPS_LUT_IMM": int(self.lut_imm),
             "QOPS_CHAINS": self.chains,
+            "QOPS_STAGED": int(self.staged),
             "QOPS_SMEM_BASE": smem_base if self.lut_imm else 0,
         }
 

@@ -91,6 +91,9 @@
 #ifndef QOPS_SPAN
 #define QOPS_SPAN 1  // steps a ring slot holds (loaded back to back: 64 * QOPS_SPAN contiguous bytes of a row)
 #endif
+#ifndef QOPS_STAGED
+#define QOPS_STAGED 0  // 1: the ring's weight bytes wait in shared memory (cp.async), not in registers
+#endif
 #ifndef QOPS_CHAINS
 #define QOPS_CHAINS 1  // 2: the two k16 slices of a quarter accumulate into separate MMA chains (half as deep)
 #endif
@@ -122,6 +125,11 @@ constexpr bool kTwoBlocks = kBlock == 64;      // a step spans two absmax blocks
 constexpr bool kPrescale = QOPS_PRESCALE != 0 && kTwoBlocks;
 constexpr int kSpan = QOPS_SPAN;
 constexpr int kChains = QOPS_CHAINS;
+constexpr bool kStaged = QOPS_STAGED != 0;
+// kStaged: a warp's stage holds one slot's weight bytes, lane-major per (step, tile, row half):
+// piece (u, r, h) of lane l at ((u * kR + r) * 2 + h) * 512 + 16 l, so a lane reads back exactly the
+// 16-byte pieces it copied (no barrier) and a warp's 16-byte reads and writes hit every bank once.
+constexpr int kStageBytes = kSpan * kR * 2 * 512;
 constexpr bool kLutImm = QOPS_LUT_IMM != 0;
 // Entry v's copy for lane l at v * kTableStride + 4 l. 128: the 32 copies packed, the address one
 // prmt and one integer multiply-add away. 256 (kLutImm): half of each entry's bytes unused, but one
@@ -146,9 +154,10 @@ struct Slot {
   uint2 a[kSpan][kR][2];
 };
 
-// Steps q0 .. q0 + kSpan - 1 of the warp's range (those before p1).
+// Steps q0 .. q0 + kSpan - 1 of the warp's range (those before p1). kStaged: the weight bytes go to
+// shared memory at `stage` (this lane's piece (0, 0, 0)) as one cp.async group.
 __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (&wrow)[kR][2], const u32 (&flat)[kR][2],
-                                          const void* absmax, int q0, int t, int p1) {
+                                          const void* absmax, int q0, int t, int p1, u32 stage) {
   if constexpr (kProbe == 2) return;  // math alone: the slots keep what they were given
 #pragma unroll
   for (int s = 0; s < kSpan; ++s)
@@ -158,7 +167,9 @@ __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (
       for (int h = 0; h < 2; ++h) {
         const int q = q0 + s;
         const bool pred = q < p1;
-        ld_stream_v4_if(sl.w[s][r][h], wrow[r][h] + q * (kStepK / 2) + 16 * t, pred);
+        const unsigned char* src = wrow[r][h] + q * (kStepK / 2) + 16 * t;
+        if constexpr (kStaged) cp_async_16_if(stage + ((s * kR + r) * 2 + h) * 512, src, pred);
+        else ld_stream_v4_if(sl.w[s][r][h], src, pred);
         const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
         if constexpr (kNested) {
           if constexpr (kTwoBlocks) ld_nc_u16_if(sl.a[s][r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
@@ -168,6 +179,17 @@ __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (
           else ld_nc_u32_if(sl.a[s][r][h].x, static_cast<const float*>(absmax) + b, pred);
         }
       }
+  if constexpr (kStaged) cp_async_commit();  // one group a slot (maybe empty): the waits count slots
+}
+
+// kStaged: the slot's weight bytes back from this lane's pieces of its stage.
+__device__ __forceinline__ void read_stage(Slot& sl, const unsigned char* stage) {
+#pragma unroll
+  for (int s = 0; s < kSpan; ++s)
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sl.w[s][r][h] = *reinterpret_cast<const uint4*>(stage + ((s * kR + r) * 2 + h) * 512);
 }
 
 // The absmax of block b (SECOND: block B of a two-block step) from the slot's word(s).
@@ -396,6 +418,10 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     if (smem_addr(table) != QOPS_SMEM_BASE) __trap();
   }
 
+  // kStaged: this warp's kRing stages after the table and the nested map; its lane's first piece.
+  unsigned char* stages = table + kTableBytes + 256 * 4 + (warp * kRing) * kStageBytes + 16 * lane;
+  const u32 stages_a = smem_addr(stages);
+
   // The ring's first kRing - 1 slots are requested before anything else: weights and absmax are
   // never written by the kernel ahead, and their latency then covers the table's build.
   Slot ring[kRing];
@@ -415,7 +441,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
           }
   }
 #pragma unroll
-  for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + kSpan * s, t, p1);
+  for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + kSpan * s, t, p1, stages_a + s * kStageBytes);
 
   // The table: 32 copies of 256 words. Thread v builds word v once and stores its copies starting at
   // its own lane's bank, so a warp's 32 stores of one round fall in 32 different banks.
@@ -455,10 +481,16 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   for (int base = p0; base < p1; base += kRing * kSpan) {
 #pragma unroll
     for (int s = 0; s < kRing; ++s) {
-      load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, base + kSpan * (s + kRing - 1), t, p1);
+      load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, base + kSpan * (s + kRing - 1), t, p1,
+                stages_a + ((s + kRing - 1) % kRing) * kStageBytes);
+      if constexpr (kStaged && kProbe != 2) {
+        cp_async_wait<kRing - 1>();  // this slot's group (kRing - 1 slots were requested after it)
+        read_stage(ring[s], stages + s * kStageBytes);
+      }
       use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + kSpan * s, t, p1);
     }
   }
+  if constexpr (kStaged) cp_async_wait<0>();  // no copy is left in flight (only empty groups)
   grid_dep_launch_dependents();
 
   // Partials of the warps, summed in warp order through the table's shared memory.
