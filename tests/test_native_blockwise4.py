@@ -28,7 +28,7 @@ def _variants():
                     yield nbw4.plan(m, n, 4096, H200_SMS).defines(dt, nested, bs, 256)
     for m, fields in ((16, {"warps": 4, "minb": 2}), (1, {"warps": 16, "minb": 1, "tiles": 1}), (1, {"ring": 4, "tiles": 1}),
                       (16, {"ring": 4, "tiles": 1, "prescale": False}), (16, {"ring": 2, "minb": 1, "prescale": False}),
-                      (1, {"prescale": True})):
+                      (1, {"prescale": False, "lut_imm": False}), (1, {"prescale": False, "tiles": 1})):
         with nbw4.plan_override(**fields):
             yield nbw4.plan(m, 28672, 4096, H200_SMS).defines(torch.float16, True, 64, 256)
 
@@ -62,16 +62,17 @@ def test_a_bad_compile_time_configuration_is_refused():
 
 def test_plan_rule():
     # Wide tiles where every SM still gets a block, and always at M > 8 (the second x tile).
-    assert nbw4.plan(1, 28672, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, ring=2, minb=2)
+    # Pre-scaled everywhere; the one-prmt table addresses at M <= 8.
+    assert nbw4.plan(1, 28672, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, ring=2, minb=2, prescale=True, lut_imm=True)
     assert nbw4.plan(1, 4096, 14336, H200_SMS).tiles == 1
-    assert nbw4.plan(8, 8192, 28672, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, ring=2, minb=2)
-    assert nbw4.plan(8, 4096, 14336, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=8, ring=3, minb=2)
+    assert nbw4.plan(8, 8192, 28672, H200_SMS) == nbw4.Plan(mt=1, tiles=2, warps=8, ring=2, minb=2, prescale=True, lut_imm=True)
+    assert nbw4.plan(8, 4096, 14336, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=8, ring=3, minb=2, prescale=True, lut_imm=True)
     assert nbw4.plan(9, 57344, 8192, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=2, minb=2, prescale=True)
     assert nbw4.plan(16, 4096, 4096, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=3, minb=1, prescale=True)
     assert nbw4.plan(16, 8192, 4096, H200_SMS) == nbw4.Plan(mt=2, tiles=2, warps=8, ring=2, minb=2, prescale=True)
     assert nbw4.plan(1, 1000, 128, H200_SMS).grid(1000) == 63
     with nbw4.plan_override(warps=16, ring=2, minb=1):
-        assert nbw4.plan(1, 4096, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=16, ring=2, minb=1)
+        assert nbw4.plan(1, 4096, 4096, H200_SMS) == nbw4.Plan(mt=1, tiles=1, warps=16, ring=2, minb=1, prescale=True, lut_imm=True)
     assert nbw4.plan(1, 4096, 4096, H200_SMS).warps == 8
 
 

@@ -43,17 +43,13 @@ class Plan:
     ring: int  # register ring slots a warp (ring - 1 steps of 128 K values in flight)
     minb: int  # blocks an SM promised to ptxas (__launch_bounds__): 3 caps at 80 registers, 2 at 128
     prescale: bool = False  # (blocksize 64) absmax applied to the decoded weights in the activation dtype, one MMA chain
-    span: int = 1  # steps a ring slot holds (QOPS_SPAN): its loads cover 64 * span contiguous bytes of a row
-    staged: bool = False  # the ring's weight bytes wait in shared memory (cp.async), not in registers
-    chains: int = 1  # MMA accumulator chains a step (2: the slices of a quarter alternate, chains half as deep)
     lut_imm: bool = False  # table entries 256 bytes apart, addressed by one prmt and the window base as an immediate
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
 
     @property
     def shmem_bytes(self) -> int:
         """Dynamic shared memory a block: the code table (kTableBytes in the kernel), then the nested map."""
-        stages = self.warps * self.ring * self.span * self.tiles * 1024 if self.staged else 0
-        return 256 * (256 if self.lut_imm else 128) + NESTED_MAP_BYTES + stages
+        return 256 * (256 if self.lut_imm else 128) + NESTED_MAP_BYTES
 
     def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int, smem_base: int = 0) -> dict[str, int]:
         """``smem_base``: where the device puts a block's dynamic shared memory (used with ``lut_imm``)."""
@@ -69,10 +65,7 @@ class Plan:
             "QOPS_NESTED": int(nested),
             "QOPS_BLOCKSIZE": blocksize,
             "QOPS_NESTED_BS": nested_blocksize if nested else 1,
-            "QOPS_SPAN": self.span,
             "QOPS_LUT_IMM": int(self.lut_imm),
-            "QOPS_CHAINS": self.chains,
-            "QOPS_STAGED": int(self.staged),
             "QOPS_SMEM_BASE": smem_base if self.lut_imm else 0,
         }
 
@@ -104,9 +97,11 @@ def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
     at M > 8 always two. Ring depth and register budget: the deepest that compiles without spills
     (ptxas -v, sm_90, nested or not): one tile keeps 2 steps in flight in <= 120 registers (two
     blocks an SM), two tiles 1 step in 128 (two blocks an SM), or at M > 8 with fewer blocks than
-    SMs 2 steps in 216 (4096x14336 at M = 16: 24 us against 32). At M > 8 the weights are pre-scaled
-    (``prescale``: with blocksize 64 the two exact MMA chains would double the MMAs of both x tiles
-    and need 168 registers, one block an SM).
+    SMs 2 steps in 216 (4096x14336 at M = 16: 24 us against 32). The weights are pre-scaled
+    (``prescale``): at M > 8 the two exact MMA chains of blocksize 64 would double the MMAs of both x
+    tiles and need 168 registers (one block an SM); at M <= 8, with the one-prmt table addresses
+    (``lut_imm``), the pair measured 1-4% faster at M = 1 than two chains and the packed table on
+    the four large shapes (...-5ed6f99-probe2.json).
     """
     mt = 1 if m <= 8 else 2
     tiles = 2 if mt == 2 or -(-n // 32) >= sm_count else 1
@@ -116,7 +111,7 @@ def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
         ring, minb = 3, 1
     else:
         ring, minb = 2, 2
-    return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb, prescale=mt == 2), **_override)
+    return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb, prescale=True, lut_imm=mt == 1), **_override)
 
 
 def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype, nested_blocksize: int = 0) -> str | None:

@@ -12,10 +12,11 @@
 // Decode. The 16 codes are rounded to the activation dtype, as bitsandbytes' own kernels do. A byte
 // holds two codes (even K high, odd K low); a 256-entry table in shared memory maps it to the f16x2 /
 // bf16x2 word (even code in the low half), which is exactly one register of an MMA operand. The table
-// is held 32 times, entry v's copy for lane l at byte v*128 + 4*l, so the 32 lanes of a warp always
-// hit 32 different banks whatever bytes they look up (32 KiB). A weight costs half a prmt (isolate
-// the byte), half an integer multiply-add (its address) and half a shared load: no ALU decode chain
-// (the Triton CUDA-core GEMV spends ~3 integer instructions a weight on it).
+// is held 32 times, entry v's copy for lane l at byte v*S + 4*l (S = 128: 32 KiB; or 256: 64 KiB,
+// QOPS_LUT_IMM), so the 32 lanes of a warp always hit 32 different banks whatever bytes they look up.
+// With S = 256 a weight costs half a prmt (the address: the byte in bits 8..15, 4*l below it) and half
+// a shared load whose immediate is the window's base; with S = 128 also half an integer multiply-add.
+// No ALU decode chain (the Triton CUDA-core GEMV spends ~3 integer instructions a weight on it).
 //
 // Math. The tensor cores compute W x^T with W as the 16x16 A operand (16 rows of N) and x^T as the
 // 16x8 B operand (8 rows of x per tile, QOPS_MT tiles). Per 128-wide step of K, lane (g = lane/4,
@@ -52,7 +53,8 @@
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
 // QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16), QOPS_RING (2..8 slots),
 // QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1), QOPS_BLOCKSIZE, QOPS_NESTED_BS
-// (nested only), QOPS_PRESCALE (0/1), QOPS_PROBE (measurement builds only).
+// (nested only), QOPS_PRESCALE (0/1), QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_PROBE (measurement
+// builds only).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -88,15 +90,6 @@
 #ifndef QOPS_NESTED_BS
 #define QOPS_NESTED_BS 256
 #endif
-#ifndef QOPS_SPAN
-#define QOPS_SPAN 1  // steps a ring slot holds (loaded back to back: 64 * QOPS_SPAN contiguous bytes of a row)
-#endif
-#ifndef QOPS_STAGED
-#define QOPS_STAGED 0  // 1: the ring's weight bytes wait in shared memory (cp.async), not in registers
-#endif
-#ifndef QOPS_CHAINS
-#define QOPS_CHAINS 1  // 2: the two k16 slices of a quarter accumulate into separate MMA chains (half as deep)
-#endif
 #ifndef QOPS_LUT_IMM
 #define QOPS_LUT_IMM 0  // 1: table entries 256 bytes apart, the window base QOPS_SMEM_BASE an immediate of the lookup
 #endif
@@ -123,25 +116,17 @@ constexpr bool kTwoBlocks = kBlock == 64;      // a step spans two absmax blocks
 // (rounded to DT, as bitsandbytes' dequantization does), so one MMA chain over unmasked x serves
 // both blocks: half the MMAs and x loads of the two chains, one more f16x2/bf16x2 multiply a lookup.
 constexpr bool kPrescale = QOPS_PRESCALE != 0 && kTwoBlocks;
-constexpr int kSpan = QOPS_SPAN;
-constexpr int kChains = QOPS_CHAINS;
-constexpr bool kStaged = QOPS_STAGED != 0;
-// kStaged: a warp's stage holds one slot's weight bytes, lane-major per (step, tile, row half):
-// piece (u, r, h) of lane l at ((u * kR + r) * 2 + h) * 512 + 16 l, so a lane reads back exactly the
-// 16-byte pieces it copied (no barrier) and a warp's 16-byte reads and writes hit every bank once.
-constexpr int kStageBytes = kSpan * kR * 2 * 512;
 constexpr bool kLutImm = QOPS_LUT_IMM != 0;
-// Entry v's copy for lane l at v * kTableStride + 4 l. 128: the 32 copies packed, the address one
-// prmt and one integer multiply-add away. 256 (kLutImm): half of each entry's bytes unused, but one
-// prmt builds v * 256 + 4 l outright and the load adds the window's base as an immediate.
+// Entry v's copy for lane l at v * kTableStride + 4 l. 128: the 32 copies packed, the address one prmt
+// and one integer multiply-add away. 256 (kLutImm): half of each entry's bytes unused, but one prmt
+// builds v * 256 + 4 l outright and the load adds the window's base as its immediate (measured at
+// M = 1: 1-4% faster, ~12% fewer instructions a step).
 constexpr int kTableStride = kLutImm ? 256 : 128;
 constexpr int kTableBytes = 256 * kTableStride;  // 256 byte values x 32 lane copies
 static_assert(kMT == 1 || kMT == 2, "QOPS_MT is 1 or 2 (M <= 16)");
 static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
 static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "QOPS_WARPS is 4, 8 or 16");
 static_assert(kRing >= 2 && kRing <= 8, "QOPS_RING is 2..8");
-static_assert(kSpan == 1 || kSpan == 2 || kSpan == 4, "QOPS_SPAN is 1, 2 or 4");
-static_assert(kChains == 1 || kChains == 2, "QOPS_CHAINS is 1 or 2");
 static_assert(kBlock % 64 == 0, "QOPS_BLOCKSIZE must be a multiple of 64");
 static_assert(!kNested || !kTwoBlocks || kNestedBS % 2 == 0, "two-block steps need an even QOPS_NESTED_BS");
 static_assert(kWarps * kR * kMT * 32 * 16 <= kTableBytes, "the partials reuse the table's shared memory");
@@ -150,46 +135,27 @@ static_assert(kWarps * kR * kMT * 32 * 16 <= kTableBytes, "the partials reuse th
 // two rows' absmax as loaded: float32 bits of blocks A and B (B: two blocks only), or the nested u8
 // codes (A in bits 0..7, B in bits 8..15).
 struct Slot {
-  uint4 w[kSpan][kR][2];
-  uint2 a[kSpan][kR][2];
+  uint4 w[kR][2];
+  uint2 a[kR][2];
 };
 
-// Steps q0 .. q0 + kSpan - 1 of the warp's range (those before p1). kStaged: the weight bytes go to
-// shared memory at `stage` (this lane's piece (0, 0, 0)) as one cp.async group.
 __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (&wrow)[kR][2], const u32 (&flat)[kR][2],
-                                          const void* absmax, int q0, int t, int p1, u32 stage) {
+                                          const void* absmax, int q, int t, bool pred) {
   if constexpr (kProbe == 2) return;  // math alone: the slots keep what they were given
 #pragma unroll
-  for (int s = 0; s < kSpan; ++s)
+  for (int r = 0; r < kR; ++r)
 #pragma unroll
-    for (int r = 0; r < kR; ++r)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int q = q0 + s;
-        const bool pred = q < p1;
-        const unsigned char* src = wrow[r][h] + q * (kStepK / 2) + 16 * t;
-        if constexpr (kStaged) cp_async_16_if(stage + ((s * kR + r) * 2 + h) * 512, src, pred);
-        else ld_stream_v4_if(sl.w[s][r][h], src, pred);
-        const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
-        if constexpr (kNested) {
-          if constexpr (kTwoBlocks) ld_nc_u16_if(sl.a[s][r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
-          else ld_nc_u8_if(sl.a[s][r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
-        } else {
-          if constexpr (kTwoBlocks) ld_nc_v2_if(sl.a[s][r][h], static_cast<const float*>(absmax) + b, pred);
-          else ld_nc_u32_if(sl.a[s][r][h].x, static_cast<const float*>(absmax) + b, pred);
-        }
+    for (int h = 0; h < 2; ++h) {
+      ld_stream_v4_if(sl.w[r][h], wrow[r][h] + q * (kStepK / 2) + 16 * t, pred);
+      const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
+      if constexpr (kNested) {
+        if constexpr (kTwoBlocks) ld_nc_u16_if(sl.a[r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
+        else ld_nc_u8_if(sl.a[r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
+      } else {
+        if constexpr (kTwoBlocks) ld_nc_v2_if(sl.a[r][h], static_cast<const float*>(absmax) + b, pred);
+        else ld_nc_u32_if(sl.a[r][h].x, static_cast<const float*>(absmax) + b, pred);
       }
-  if constexpr (kStaged) cp_async_commit();  // one group a slot (maybe empty): the waits count slots
-}
-
-// kStaged: the slot's weight bytes back from this lane's pieces of its stage.
-__device__ __forceinline__ void read_stage(Slot& sl, const unsigned char* stage) {
-#pragma unroll
-  for (int s = 0; s < kSpan; ++s)
-#pragma unroll
-    for (int r = 0; r < kR; ++r)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) sl.w[s][r][h] = *reinterpret_cast<const uint4*>(stage + ((s * kR + r) * 2 + h) * 512);
+    }
 }
 
 // The absmax of block b (SECOND: block B of a two-block step) from the slot's word(s).
@@ -214,8 +180,8 @@ __device__ __forceinline__ u32 mul2(u32 a, u32 s) {
   else return fma_bf16x2(a, s, 0x80008000u);
 }
 
-// The table word of byte SEL of w for this lane. lane_table: the lane's copy of entry 0 (shared
-// address), or with kLutImm 4 * lane (the window's base is the load's immediate).
+// The table word of byte SEL of w for this lane. lane_table: the lane's copy of entry 0 (a shared
+// address), or with kLutImm 4 * lane (the window's base is then the load's immediate).
 template <int SEL>
 __device__ __forceinline__ u32 lookup(u32 lane_table, u32 w) {
   u32 v;
@@ -258,16 +224,14 @@ __device__ __forceinline__ void add_scaled(float (&acc)[kMT][4], const float (&d
   }
 }
 
-// Step q from sub-step U of a slot.
-template <int U>
-__device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, XQuarter (&xq)[kMT],
+__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, XQuarter (&xq)[kMT],
                                          const u16* const (&xrow)[kMT], const u32 (&flat)[kR][2], const float* nested_code_s,
                                          const float* nested_absmax, float nested_offset, int q, int t) {
   if constexpr (kProbe == 1) {  // loads alone: every loaded word reaches the output, nothing is decoded
 #pragma unroll
     for (int r = 0; r < kR; ++r)
-      acc[r][0][0] += __uint_as_float((sl.w[U][r][0].x ^ sl.w[U][r][0].y ^ sl.w[U][r][0].z ^ sl.w[U][r][0].w ^ sl.w[U][r][1].x ^ sl.w[U][r][1].y ^
-                                       sl.w[U][r][1].z ^ sl.w[U][r][1].w ^ sl.a[U][r][0].x ^ sl.a[U][r][1].x) & 0x3fffffffu);
+      acc[r][0][0] += __uint_as_float((sl.w[r][0].x ^ sl.w[r][0].y ^ sl.w[r][0].z ^ sl.w[r][0].w ^ sl.w[r][1].x ^ sl.w[r][1].y ^
+                                       sl.w[r][1].z ^ sl.w[r][1].w ^ sl.a[r][0].x ^ sl.a[r][1].x) & 0x3fffffffu);
     return;
   }
   u32 pre[kR][2];  // kPrescale: the lane's block's absmax for rows g, g+8 of each tile, as a DT pair
@@ -278,23 +242,19 @@ __device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4
       for (int h = 0; h < 2; ++h) {
         const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
         const float ns = nested_scale_of(nested_absmax, b);
-        const float sv = t < 2 ? block_absmax<false>(sl.a[U][r][h], nested_code_s, ns, nested_offset)
-                               : block_absmax<true>(sl.a[U][r][h], nested_code_s, ns, nested_offset);
+        const float sv = t < 2 ? block_absmax<false>(sl.a[r][h], nested_code_s, ns, nested_offset)
+                               : block_absmax<true>(sl.a[r][h], nested_code_s, ns, nested_offset);
         const u32 bits = f32_to_bits<kDT>(sv);
         pre[r][h] = bits | (bits << 16);
       }
   }
-  // Chain A (one-block steps, pre-scaled: the only chain) and chain B; with kChains 2 each is two
-  // accumulators (slice parity), summed at the end of the step.
-  float da[kChains][kR][kMT][4], db[kChains][kR][kMT][4];
+  float da[kR][kMT][4], db[kR][kMT][4];  // chain A (one-block steps, pre-scaled: the only chain) and chain B
 #pragma unroll
-  for (int c = 0; c < kChains; ++c)
+  for (int r = 0; r < kR; ++r)
 #pragma unroll
-    for (int r = 0; r < kR; ++r)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) da[c][r][mt][e] = db[c][r][mt][e] = 0.f;
+      for (int e = 0; e < 4; ++e) da[r][mt][e] = db[r][mt][e] = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {  // quarter i: slices 2i, 2i + 1, x[32t + 8i .. 32t + 8i + 7]
 #pragma unroll
@@ -303,8 +263,8 @@ __device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4
     for (int jj = 0; jj < 2; ++jj) {
 #pragma unroll
       for (int r = 0; r < kR; ++r) {
-        const u32 w0 = word(sl.w[U][r][0], i);  // row g: bytes 4i .. 4i + 3 (slice 2i + jj: 2 of them)
-        const u32 w1 = word(sl.w[U][r][1], i);  // row g + 8
+        const u32 w0 = word(sl.w[r][0], i);  // row g: bytes 4i .. 4i + 3 (slice 2i + jj: 2 of them)
+        const u32 w1 = word(sl.w[r][1], i);  // row g + 8
         u32 a0, a1, a2, a3;
         if (jj == 0) {
           a0 = lookup<0>(lane_table, w0);
@@ -327,26 +287,14 @@ __device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4
         for (int mt = 0; mt < kMT; ++mt) {
           // x[32t + 8i + 4jj .. + 3] as the B registers
           const uint4& lo = xq[mt].lo;
-          const int c = kChains == 2 ? jj : 0;
-          mma_16816<kDT>(da[c][r][mt], a0, a1, a2, a3, jj ? lo.z : lo.x, jj ? lo.w : lo.y);
+          mma_16816<kDT>(da[r][mt], a0, a1, a2, a3, jj ? lo.z : lo.x, jj ? lo.w : lo.y);
           if constexpr (kTwoBlocks && !kPrescale) {
             const uint4& hi = xq[mt].hi;
-            mma_16816<kDT>(db[c][r][mt], a0, a1, a2, a3, jj ? hi.z : hi.x, jj ? hi.w : hi.y);
+            mma_16816<kDT>(db[r][mt], a0, a1, a2, a3, jj ? hi.z : hi.x, jj ? hi.w : hi.y);
           }
         }
       }
     }
-  }
-  if constexpr (kChains == 2) {
-#pragma unroll
-    for (int r = 0; r < kR; ++r)
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          da[0][r][mt][e] += da[1][r][mt][e];
-          db[0][r][mt][e] += db[1][r][mt][e];
-        }
   }
   if constexpr (kPrescale) {
 #pragma unroll
@@ -354,7 +302,7 @@ __device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[r][mt][e] += da[0][r][mt][e];
+        for (int e = 0; e < 4; ++e) acc[r][mt][e] += da[r][mt][e];
     return;
   }
 #pragma unroll
@@ -362,21 +310,12 @@ __device__ __forceinline__ void use_step(const Slot& sl, float (&acc)[kR][kMT][4
     const u32 b0 = (flat[r][0] + static_cast<u32>(q) * kStepK) / kBlock;  // row g's block A
     const u32 b1 = (flat[r][1] + static_cast<u32>(q) * kStepK) / kBlock;  // row g + 8's
     const float ns0 = nested_scale_of(nested_absmax, b0), ns1 = nested_scale_of(nested_absmax, b1);
-    add_scaled(acc[r], da[0][r], block_absmax<false>(sl.a[U][r][0], nested_code_s, ns0, nested_offset),
-               block_absmax<false>(sl.a[U][r][1], nested_code_s, ns1, nested_offset));
+    add_scaled(acc[r], da[r], block_absmax<false>(sl.a[r][0], nested_code_s, ns0, nested_offset),
+               block_absmax<false>(sl.a[r][1], nested_code_s, ns1, nested_offset));
     if constexpr (kTwoBlocks)
-      add_scaled(acc[r], db[0][r], block_absmax<true>(sl.a[U][r][0], nested_code_s, ns0, nested_offset),
-                 block_absmax<true>(sl.a[U][r][1], nested_code_s, ns1, nested_offset));
+      add_scaled(acc[r], db[r], block_absmax<true>(sl.a[r][0], nested_code_s, ns0, nested_offset),
+                 block_absmax<true>(sl.a[r][1], nested_code_s, ns1, nested_offset));
   }
-}
-
-// The steps q0 .. of a slot that lie before p1.
-template <int U = 0>
-__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, XQuarter (&xq)[kMT],
-                                         const u16* const (&xrow)[kMT], const u32 (&flat)[kR][2], const float* nested_code_s,
-                                         const float* nested_absmax, float nested_offset, int q0, int t, int p1) {
-  if (q0 + U < p1) use_step<U>(sl, acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, nested_offset, q0 + U, t);
-  if constexpr (U + 1 < kSpan) use_slot<U + 1>(sl, acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, nested_offset, q0, t, p1);
 }
 
 }  // namespace bw4
@@ -413,35 +352,28 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   const int p1 = static_cast<int>(static_cast<long long>(steps) * (warp + 1) / kWarps);
 
   if constexpr (kLutImm) {
-    // The lookups address the table with the window base as an immediate: a launch where dynamic
+    // The lookups address the table with the window's base as an immediate: a launch where dynamic
     // shared memory starts elsewhere must fail, not read the wrong bytes.
     if (smem_addr(table) != QOPS_SMEM_BASE) __trap();
   }
 
-  // kStaged: this warp's kRing stages after the table and the nested map; its lane's first piece.
-  unsigned char* stages = table + kTableBytes + 256 * 4 + (warp * kRing) * kStageBytes + 16 * lane;
-  const u32 stages_a = smem_addr(stages);
-
-  // The ring's first kRing - 1 slots are requested before anything else: weights and absmax are
+  // The ring's first kRing - 1 steps are requested before anything else: weights and absmax are
   // never written by the kernel ahead, and their latency then covers the table's build.
   Slot ring[kRing];
   if constexpr (kProbe == 2) {  // math alone: weight bytes that vary by lane, absmax codes in range
 #pragma unroll
     for (int s = 0; s < kRing; ++s)
 #pragma unroll
-      for (int u = 0; u < kSpan; ++u)
+      for (int r = 0; r < kR; ++r)
 #pragma unroll
-        for (int r = 0; r < kR; ++r)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int v = 7 * s + 5 * u;
-            ring[s].w[u][r][h] = make_uint4(0x9e3779b9u * (tid + v + 3 * r + h), 0x85ebca6bu * (tid + v + r + 5 * h),
-                                            0xc2b2ae35u * (tid + 3 * v + h), 0x27d4eb2fu * (tid + v + 7 * r));
-            ring[s].a[u][r][h] = kNested ? make_uint2((tid * 0x0101u + v) & 0xffffu, 0) : make_uint2(0x3c000000u, 0x3c800000u);
-          }
+        for (int h = 0; h < 2; ++h) {
+          ring[s].w[r][h] = make_uint4(0x9e3779b9u * (tid + 7 * s + 3 * r + h), 0x85ebca6bu * (tid + s + r + 5 * h),
+                                       0xc2b2ae35u * (tid + 3 * s + h), 0x27d4eb2fu * (tid + s + 7 * r));
+          ring[s].a[r][h] = kNested ? make_uint2((tid * 0x0101u + s) & 0xffffu, 0) : make_uint2(0x3c000000u, 0x3c800000u);
+        }
   }
 #pragma unroll
-  for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + kSpan * s, t, p1, stages_a + s * kStageBytes);
+  for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
 
   // The table: 32 copies of 256 words. Thread v builds word v once and stores its copies starting at
   // its own lane's bank, so a warp's 32 stores of one round fall in 32 different banks.
@@ -476,21 +408,16 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) acc[r][mt][0] = acc[r][mt][1] = acc[r][mt][2] = acc[r][mt][3] = 0.f;
 
-  // Slot i (steps p0 + kSpan i ..) sits in ring entry i % kRing; each slot requests the one kRing - 1
-  // ahead, then uses its own.
-  for (int base = p0; base < p1; base += kRing * kSpan) {
+  // Step q sits in slot (q - p0) % kRing; each step requests the one kRing - 1 ahead, then uses its own.
+  for (int base = p0; base < p1; base += kRing) {
 #pragma unroll
     for (int s = 0; s < kRing; ++s) {
-      load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, base + kSpan * (s + kRing - 1), t, p1,
-                stages_a + ((s + kRing - 1) % kRing) * kStageBytes);
-      if constexpr (kStaged && kProbe != 2) {
-        cp_async_wait<kRing - 1>();  // this slot's group (kRing - 1 slots were requested after it)
-        read_stage(ring[s], stages + s * kStageBytes);
-      }
-      use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + kSpan * s, t, p1);
+      const int ahead = base + s + kRing - 1;
+      load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1);
+      if (base + s < p1)
+        use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
     }
   }
-  if constexpr (kStaged) cp_async_wait<0>();  // no copy is left in flight (only empty groups)
   grid_dep_launch_dependents();
 
   // Partials of the warps, summed in warp order through the table's shared memory.

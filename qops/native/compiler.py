@@ -392,18 +392,20 @@ _shared_base: dict[int, int] = {}
 
 def dynamic_shared_base(device: torch.device | int) -> int:
     """The shared-window address where a block's dynamic shared memory starts on ``device``, for a
-    kernel without static shared memory: the bytes the driver reserves a block (1 KiB on sm_80 and
-    sm_90). Kernels that bake it into their code as an immediate check it on entry."""
+    kernel without static shared memory launched without a cluster. Measured once per device by a
+    one-thread kernel (``smem_base.cu``; a sync), so it must first be asked for outside CUDA-graph
+    capture: kernels that bake it into their code as an immediate ask for it when they are loaded,
+    and check it on entry."""
     idx = _device_index(device)
     if idx not in _shared_base:
-        from cuda.bindings import driver
-
-        err, dev = driver.cuDeviceGet(idx)
-        if err == driver.CUresult.CUDA_SUCCESS:
-            err, v = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK, dev)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"qops.native: could not read the reserved shared memory a block of cuda:{idx}: {err}")
-        _shared_base[idx] = int(v)
+        if torch.cuda.is_current_stream_capturing():
+            raise NativeNotReadyError(f"qops.native: the dynamic shared memory base of cuda:{idx} is not known yet, and "
+                                      "measuring it during CUDA-graph capture is not allowed. Warm up first.")
+        kernel = get_kernel(idx, "smem_base.cu", {}, "qops_smem_base")
+        with torch.cuda.device(idx):
+            out = torch.full((1,), -1, dtype=torch.int32, device=torch.device("cuda", idx))
+            launch(kernel, (1, 1, 1), (1, 1, 1), 16, torch.cuda.current_stream(), out.data_ptr())
+            _shared_base[idx] = int(out.item())
     return _shared_base[idx]
 
 
