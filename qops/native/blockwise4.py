@@ -101,7 +101,7 @@ def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
     (``prescale``): at M > 8 the two exact MMA chains of blocksize 64 would double the MMAs of both x
     tiles and need 168 registers (one block an SM); at M <= 8, with the one-prmt table addresses
     (``lut_imm``), the pair measured 1-4% faster at M = 1 than two chains and the packed table on
-    the four large shapes (...-5ed6f99-probe2.json).
+    the four large shapes (...-5ed6f99-probe-nf4-chains.json).
     """
     mt = 1 if m <= 8 else 2
     tiles = 2 if mt == 2 or -(-n // 32) >= sm_count else 1
