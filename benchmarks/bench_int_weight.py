@@ -233,6 +233,27 @@ def r2(v, nd=2):
     return None if v is None else round(v, nd)
 
 
+def time_candidates(cands: dict, args, dry: bool) -> tuple[dict, dict]:
+    """Time every candidate (name -> callables over rotated copies): name -> (us, timing info), and
+    name -> exception for those that failed. On the GPU all at once with interleaved trials; if that
+    fails, each alone, so one broken candidate costs only its own row."""
+    if not cands:
+        return {}, {}
+    if dry:
+        return {n: tuple(common.wall_time(f, args.trials)) for n, f in cands.items()}, {}
+    try:
+        return {n: tuple(t) for n, t in common.graph_times(cands, args.trials, args.target_ms).items()}, {}
+    except Exception:  # noqa: BLE001 - find the culprit below
+        torch.cuda.synchronize()
+    times, errors = {}, {}
+    for n, f in cands.items():
+        try:
+            times[n] = tuple(common.graph_time(f, args.trials, args.target_ms))
+        except Exception as e:  # noqa: BLE001
+            errors[n] = e
+    return times, errors
+
+
 def run(args) -> int:
     import torch.nn.functional as F
 
@@ -267,7 +288,8 @@ def run(args) -> int:
         | {"shapes": fmt_shapes(args.shape_list), "ms": args.m_list, "lowerings": args.lowering_list},
         "method": {
             "timing": "cpu wall clock (dry run; meaningless)" if dry else
-            "CUDA-graph replays (one call per rotated weight copy), CUDA events, median of trials",
+            "CUDA-graph replays (one call per rotated weight copy), CUDA events, median of trials; at each (shape, M) "
+            "every peer and lowering timed in one run with their trials interleaved (common.graph_times)",
             "rotation_bytes_min": common.ROT_BYTES, "max_copies": common.MAX_COPIES if gpu else common.DRY_MAX_COPIES,
             "roofline": f"max((N*K/2 + 4*N*K/{GROUP} + 2*M*(N+K)) B / copy_TBps, 2*M*N*K / bf16_TFLOPs)",
             "reference": "float64, decoded from the GPTQ checkpoint tensors independently of qops",
@@ -409,62 +431,66 @@ def run(args) -> int:
             wbytes = N * K / 2 + 4 * N * K / GROUP + 2 * M * (N + K)
             roof_us = common.roofline_us(wbytes, copy_bw, 2 * M * N * K, bf16_tf)
 
-            peer_us, timing = {}, {}
-            for pname in ("cublas_fp16", "cublas_bf16", "torch_int4", "gemlite"):
-                if pname not in peers or fatal:
-                    peer_us[pname] = None
-                    continue
-                try:
-                    peer_us[pname], timing[pname] = timer(peers[pname](x, xb), args.trials, args.target_ms)
-                except Exception as e:  # noqa: BLE001
-                    peer_us[pname] = None
-                    timing[pname] = {"error": short_err(e)}
-                    print(f"  {pname} {N}x{K} M={M} failed: {short_err(e)}", flush=True)
-                    if is_fatal_cuda(e):
-                        fatal = short_err(e)
-
+            # Correctness first (a lowering that fails its call is not timed), then every candidate,
+            # peers and lowerings, timed in one interleaved run (common.graph_times).
             row_base = {"op": "mm_int_weight", "format": "gptq", "bits": BITS, "group_size": GROUP,
                         "N": N, "K": K, "M": M, "dtype": "float16"}
-            peer_fields = {"cublas_fp16_us": r2(peer_us["cublas_fp16"]), "cublas_bf16_us": r2(peer_us["cublas_bf16"]),
-                           "torch_int4_us": r2(peer_us["torch_int4"]), "gemlite_us": r2(peer_us["gemlite"]),
-                           "roofline_us": r2(roof_us, 3)}
             names = list(variants) or [None]
+            checked = {}
             for name in names:
-                timing.pop("qops", None)
-                row = dict(row_base, lowering=name, qops_us=None, **peer_fields,
-                           pct_roofline=None, speedup_vs_fp16=None, rel_err=None)
+                row = dict(row_base, lowering=name, qops_us=None, pct_roofline=None, speedup_vs_fp16=None, rel_err=None)
+                checked[name] = row
                 if name is None:
                     row["error"] = "no qops lowering usable: " + "; ".join(f"{k}: {v}" for k, v in lowering_notes.items())
                 elif name in broken:
                     row["error"] = broken[name]
-                elif not fatal:
-                    copies = variants[name]
+                elif fatal:
+                    row["error"] = f"not run: {fatal}"
+                else:
                     try:
-                        row["rel_err"] = rel_err(copies[0].mm(x), ref)
-                        ws, ws_note = workspace_for(copies[0], x)
-                        row["rel_err_out"] = check_out_variant(copies[0], x, ref, ws)
+                        row["rel_err"] = rel_err(variants[name][0].mm(x), ref)
+                        ws, ws_note = workspace_for(variants[name][0], x)
+                        row["rel_err_out"] = check_out_variant(variants[name][0], x, ref, ws)
                         row["workspace"] = ws_note
                         del ws
+                        row["correct"] = all(v is not None and v <= args.tol for v in (row["rel_err"], row["rel_err_out"]))
                     except Exception as e:  # noqa: BLE001
                         row["error"] = f"correctness call failed: {short_err(e)}"
                         broken[name] = row["error"]
                         if is_fatal_cuda(e):
                             fatal = short_err(e)
                         traceback.print_exc()
-                    if "error" not in row:
-                        ok = all(v is not None and v <= args.tol for v in (row["rel_err"], row["rel_err_out"]))
-                        row["correct"] = ok
-                        try:
-                            t, tinfo = timer([lambda c=c: c.mm(x) for c in copies], args.trials, args.target_ms)
-                            row["qops_us"] = r2(t)
-                            timing["qops"] = tinfo
-                            row["pct_roofline"] = r2(100 * roof_us / t, 1)
-                            if peer_us["cublas_fp16"]:
-                                row["speedup_vs_fp16"] = r2(peer_us["cublas_fp16"] / t, 3)
-                        except Exception as e:  # noqa: BLE001
-                            row["error"] = f"timing failed: {short_err(e)}"
-                            if is_fatal_cuda(e):
-                                fatal = short_err(e)
+            cands = {}
+            if not fatal:
+                for pname in ("cublas_fp16", "cublas_bf16", "torch_int4", "gemlite"):
+                    if pname in peers:
+                        cands[pname] = peers[pname](x, xb)
+                for name, row in checked.items():
+                    if name is not None and "error" not in row:
+                        cands["qops:" + name] = [lambda c=c: c.mm(x) for c in variants[name]]
+            times, errors = time_candidates(cands, args, dry)
+            for name, err in errors.items():
+                print(f"  {name} {N}x{K} M={M} failed: {err}", flush=True)
+                if is_fatal_cuda(err):
+                    fatal = short_err(err)
+            peer_us = {p: (times[p][0] if p in times else None) for p in ("cublas_fp16", "cublas_bf16", "torch_int4", "gemlite")}
+            timing = {p: (times[p][1] if p in times else {"error": short_err(errors[p])}) for p in peer_us if p in cands}
+            peer_fields = {"cublas_fp16_us": r2(peer_us["cublas_fp16"]), "cublas_bf16_us": r2(peer_us["cublas_bf16"]),
+                           "torch_int4_us": r2(peer_us["torch_int4"]), "gemlite_us": r2(peer_us["gemlite"]),
+                           "roofline_us": r2(roof_us, 3)}
+            for name, row in checked.items():
+                row.update(peer_fields)
+                timing.pop("qops", None)
+                key = "qops:" + str(name)
+                if key in times:
+                    t, tinfo = times[key]
+                    row["qops_us"] = r2(t)
+                    timing["qops"] = tinfo
+                    row["pct_roofline"] = r2(100 * roof_us / t, 1)
+                    if peer_us["cublas_fp16"]:
+                        row["speedup_vs_fp16"] = r2(peer_us["cublas_fp16"] / t, 3)
+                elif key in errors and "error" not in row:
+                    row["error"] = f"timing failed: {short_err(errors[key])}"
                 row["timing"] = dict(timing)
                 rows.append(row)
                 print(json.dumps(common.clean({k: v for k, v in row.items() if k != "timing"})), flush=True)
