@@ -27,7 +27,10 @@ import triton.language as tl
 from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k, store_row, store_tile
 
 CONFIGS: dict = {
-    "gemv_max_m": 2,
+    # One program per row of x reads the weights once per row: at M = 2 the GEMV took 1.7x its M = 1
+    # time (60.7 / 30.6 / 212 / 106 us on the four large shapes) where the GEMM at M = 4 took 38.0 /
+    # 28.5 / 150 / 75.9 us (benchmarks/results/h200-2026-11-30-418adfb-bnb-int8.json): M >= 2 tiles.
+    "gemv_max_m": 1,
     # Programs wanted per SM before K is split (memory-bound: enough bytes in flight per SM).
     # From the H200 sweep of rows x bytes per step x warps x stages at M = 1 (9f03903,
     # benchmarks/results/h200-2026-11-30-9f03903-int8-sweep.json): 2 rows x 1024 bytes on 2 warps
