@@ -311,6 +311,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_watchdog(rank: int):
+    """Arm a spawned rank's watchdog and return its ``trace(what)`` function.
+
+    ``QOPS_TP_WATCHDOG_S``: a rank still running after that many seconds prints every thread's stack
+    and exits (a hung collective or compile then names itself instead of eating the caller's time
+    limit); ``QOPS_TP_TRACE=1``: ``trace`` prints each phase as it starts, with the rank's clock.
+    """
+    import faulthandler
+    import time
+
+    watchdog = float(os.environ.get("QOPS_TP_WATCHDOG_S", "0"))
+    if watchdog > 0:
+        faulthandler.dump_traceback_later(watchdog, exit=True)
+    t0 = time.monotonic()
+
+    def trace(what: str) -> None:
+        if os.environ.get("QOPS_TP_TRACE") == "1":
+            print(f"[rank {rank} +{time.monotonic() - t0:.1f}s] {what}", file=sys.stderr, flush=True)
+
+    return trace
+
+
 def start_rank(backend: str, rank: int, world: int, port: int, timeout_s: int) -> torch.device:
     """Join a test's process group on loopback; the rank's device (one GPU per rank with NCCL).
 
@@ -388,21 +410,7 @@ def tp_worker(rank: int, world: int, root: str, port: int, backend: str, dtype: 
 
     from .loader import Weights
 
-    import faulthandler
-    import time
-
-    # QOPS_TP_WATCHDOG_S: a rank still running after that many seconds prints every thread's stack
-    # and exits (a hung collective or compile then names itself instead of eating the caller's time
-    # limit); QOPS_TP_TRACE=1 prints each phase as it starts.
-    watchdog = float(os.environ.get("QOPS_TP_WATCHDOG_S", "0"))
-    if watchdog > 0:
-        faulthandler.dump_traceback_later(watchdog, exit=True)
-    t0 = time.monotonic()
-
-    def trace(what: str) -> None:
-        if os.environ.get("QOPS_TP_TRACE") == "1":
-            print(f"[rank {rank} +{time.monotonic() - t0:.1f}s] {what}", file=sys.stderr, flush=True)
-
+    trace = rank_watchdog(rank)
     device = start_rank(backend, rank, world, port, int(os.environ.get("QOPS_TP_TIMEOUT_S", "180")))
     trace("process group up")
     try:

@@ -20,7 +20,7 @@ from ..lowerings import LOWERINGS
 from .checkpoint import QUANT_SCHEMES, QuantScheme, get_scheme, quantize_tensors
 from .llama import LlamaConfig, LlamaForCausalLM, inv_freq, random_tensors
 
-from ..layers.testing import NVLS_OFF, close_rank, free_port, start_rank  # noqa: F401  (re-exported for the tests)
+from ..layers.testing import NVLS_OFF, close_rank, free_port, rank_watchdog, start_rank  # noqa: F401  (re-exported for the tests)
 
 
 def _gptq_act_order(w):
@@ -147,12 +147,15 @@ def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch
     """
     import torch.distributed as dist
 
+    trace = rank_watchdog(rank)
     device = start_rank(backend, rank, world, port, 300)
+    trace("process group up")
     failures: list[str] = []
     try:
         torch._inductor.config.compile_threads = 1
         config = config or LlamaConfig.tiny()
         for scheme in schemes:
+            trace(f"scheme {scheme}")
             ctx = forced_lowering(scheme, lowerings[scheme]) if lowerings and scheme in lowerings else contextlib.nullcontext()
             sch = scheme_by_name(scheme)
             tensors = quantize_tensors(random_tensors(config, seed=3), config.linear_prefixes(), sch)
@@ -166,8 +169,10 @@ def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch
                 chosen = {m.choice.lowering.name for m in sharded.quantized_linears()}
                 if chosen != {lowerings[scheme]}:
                     failures.append(f"{scheme}: layers prepared for {sorted(chosen)}, not {lowerings[scheme]}")
+            trace(f"{scheme} loaded")
             for mode in modes:
                 _tp_compare(rank, scheme, mode, sharded, whole, device, tolerance, failures)
+                trace(f"{scheme} {mode} compared")
         if failures:
             raise AssertionError(f"rank {rank}: {len(failures)} mismatches:\n" + "\n".join(failures[:40]))
     except BaseException as e:
