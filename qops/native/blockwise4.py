@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import compiler
-from .int_weight import out_view, use_pdl
+from .int_weight import early_dependents_flag, out_view, use_pdl
 
 SOURCE = "blockwise4_gemv.cu"
 GEMV = "qops_blockwise4_gemv"
@@ -190,6 +190,7 @@ def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     with torch.cuda.device(dev):
         p = plan(m, n, k, _sm_count(dev))
         gemv = _kernel(dev, p, x.dtype, nested, blocksize, nested_blocksize)
+        flags |= early_dependents_flag(gemv, dev, p.grid(n), 32 * p.warps, p.shmem_bytes)
         i32 = compiler.i32
         compiler.launch(
             gemv, (p.grid(n), 1, 1), (32 * p.warps, 1, 1), p.shmem_bytes, torch.cuda.current_stream(),

@@ -335,6 +335,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     grid_dep_wait();
     return;
   }
+  if (flags & kEarlyDependents) grid_dep_launch_dependents();
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int n_tile = blockIdx.x * (16 * kR);
   const unsigned char* wrow[kR][2];

@@ -409,6 +409,25 @@ def dynamic_shared_base(device: torch.device | int) -> int:
     return _shared_base[idx]
 
 
+_active_blocks: dict[tuple, int] = {}
+
+
+def max_active_blocks(kernel, device: torch.device | int, threads: int, shmem: int) -> int:
+    """Blocks of ``kernel`` (``threads`` a block, ``shmem`` bytes of dynamic shared memory) that fit on
+    one SM of ``device`` at once (the driver's occupancy calculator), or 0 where this cuda.core cannot
+    say. Cached per kernel and launch shape."""
+    idx = _device_index(device)
+    key = (idx, int(kernel.handle), threads, shmem)
+    if key not in _active_blocks:
+        try:
+            with torch.cuda.device(idx):
+                core().Device(idx).set_current()
+                _active_blocks[key] = int(kernel.occupancy.max_active_blocks_per_multiprocessor(threads, shmem))
+        except Exception:  # noqa: BLE001 - older cuda.core: callers then assume nothing about occupancy
+            _active_blocks[key] = 0
+    return _active_blocks[key]
+
+
 def allow_dynamic_shared(kernel, device: torch.device | int, nbytes: int) -> None:
     """Let ``kernel`` launch with up to ``nbytes`` of dynamic shared memory on ``device``.
 

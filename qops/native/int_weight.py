@@ -92,6 +92,21 @@ def use_pdl(device: int) -> bool:
     return _sm90(device) and os.environ.get(PDL_ENV, "1").strip() != "0"
 
 
+EARLY_ENV = "QOPS_NATIVE_EARLY_PDL"
+_EARLY_DEPENDENTS = 16  # kEarlyDependents in ptx.cuh
+
+
+def early_dependents_flag(kernel, device: int, blocks: int, threads: int, shmem: int) -> int:
+    """The ``flags`` bit that releases the next PDL launch when ``kernel`` starts rather than after its
+    main loop: only with PDL, QOPS_NATIVE_EARLY_PDL=1 (off by default: a measurement switch, read at
+    every launch) and a grid of one wave (every block resident at once, by the driver's occupancy
+    calculator), so the next grid never takes a slot one of this grid's blocks still waits for."""
+    if os.environ.get(EARLY_ENV, "0").strip() != "1" or not use_pdl(device):
+        return 0
+    per_sm = compiler.max_active_blocks(kernel, device, threads, shmem)
+    return _EARLY_DEPENDENTS if per_sm and blocks <= per_sm * _device_facts(device)[0] else 0
+
+
 @functools.lru_cache(maxsize=None)
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9  # griddepcontrol needs sm_90
@@ -517,6 +532,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     ldo = o2.stride(0) if m > 1 else n
     if x2.data_ptr() % 16 == 0 and ldx % 8 == 0 and k % 8 == 0:
         flags |= _X_VEC
+    flags |= early_dependents_flag(gemv, dev, p.tiles * p.splits, THREADS, p.shmem)
     ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
     ws_ptr = ws.data_ptr() if ws is not None else 0
     i32 = compiler.i32

@@ -148,6 +148,7 @@ static_assert(kSmemStage % 16 == 0, "stages must stay 16-byte aligned");
 constexpr int kXVec = 1;       // x rows 16-byte aligned and K % 8 == 0: x staged with cp.async
 // kBiasT = 2, kBiasF32 = 4: ptx.cuh (store_out)
 constexpr int kScaleBf16 = 8;  // scales are bfloat16 (else float16)
+// kEarlyDependents = 16: ptx.cuh
 
 struct Chunk {
   uint4 w[4];  // step j: qweight row 16*chunk + 4*j + lane%4, columns n0 .. n0+3
@@ -186,6 +187,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     grid_dep_wait();
     return;
   }
+  if (flags & kEarlyDependents) grid_dep_launch_dependents();
   extern __shared__ uint4 smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -1,0 +1,95 @@
+"""Does releasing the next PDL launch at a native kernel's start (``kEarlyDependents``, switch
+``QOPS_NATIVE_EARLY_PDL``) beat releasing it after the main loop (the default)?
+
+Times, per shape and M, the native W4A16 kernel (GPTQ W4 g128 asym) and the native NF4 kernel (b64,
+nested) over rotated weight copies with the method of ``common.py`` (CUDA-graph replays, the launches
+chained by programmatic dependent launch as in a decoder), both settings captured in their own
+graphs and timed with interleaved trials (``common.graph_times``).
+
+    PYTHONPATH=. python benchmarks/probe_early_pdl.py [--shapes 28672x4096,...] [--ms 1,16] [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+import common
+from common import clone_tensors, n_copies
+
+common.add_repo_to_path()
+
+from bench_bnb_int8 import call, nf4_weight, weight_bytes  # noqa: E402
+from qops.native import int_weight as niw  # noqa: E402
+
+SHAPES = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672), (6144, 4096), (4096, 4096)]
+
+
+def gptq_native(n: int, k: int):
+    from qops.formats import FORMATS
+    from qops.lowerings import LOWERINGS_BY_NAME
+
+    fmt = FORMATS["gptq"]
+    w = torch.randn(n, k, dtype=torch.float16, device="cuda") * 0.02
+    iw = fmt.prepare(fmt.quantize(w, bits=4, group_size=128, sym=False), dtype=torch.float16)
+    return dataclasses.replace(iw, kernel=LOWERINGS_BY_NAME["native_w4a16"].kernel)
+
+
+def under(early: str, f):
+    """``f`` called with the switch set to ``early``: the flag is read at launch, so a graph keeps the
+    setting its calls were captured under."""
+    def g():
+        os.environ[niw.EARLY_ENV] = early
+        return f()
+    return g
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="probe_early_pdl.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=common.parse_shapes, default=SHAPES)
+    p.add_argument("--ms", type=common.parse_ms, default=[1, 16])
+    p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    bw = common.copy_TBps(5)
+    res = {"probe": "early_pdl", "device": common.device_name(True), "commit": common.git_commit(), "copy_TBps": round(bw, 3), "rows": []}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in a.shapes:
+        w4 = gptq_native(n, k)
+        w4s = [w4] + [clone_tensors(w4) for _ in range(n_copies(w4.nbytes()) - 1)]
+        nf = nf4_weight(n, k, torch.device("cuda"), gen)
+        nfs = [nf] + [clone_tensors(nf) for _ in range(n_copies(weight_bytes("nf4", n, k)) - 1)]
+        for m in a.ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
+            row = {"N": n, "K": k, "M": m}
+            cands = {}
+            for early in ("0", "1"):
+                cands[f"w4/early={early}"] = [under(early, lambda w=w: w.mm(x)) for w in w4s]
+                cands[f"nf4/early={early}"] = [under(early, lambda w=w: call(w, x)) for w in nfs]
+            ts = {name: t.us for name, t in common.graph_times(cands, a.trials, 5.0).items()}
+            os.environ[niw.EARLY_ENV] = "0"
+            for name, t in ts.items():
+                row[name] = round(t, 2)
+            for kind in ("w4", "nf4"):
+                row[f"{kind}_early_over_default"] = round(row[f"{kind}/early=1"] / row[f"{kind}/early=0"], 3)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        del w4s, nfs
+        torch.cuda.empty_cache()
+    common.write_json(res, common.output_paths("probe_early_pdl.json", a.out))
+    print("\nN x K, M | w4 default / early us | nf4 default / early us")
+    for r in res["rows"]:
+        print(f"{r['N']}x{r['K']}, {r['M']} | {r['w4/early=0']} / {r['w4/early=1']} ({r['w4_early_over_default']}x) | "
+              f"{r['nf4/early=0']} / {r['nf4/early=1']} ({r['nf4_early_over_default']}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
