@@ -489,11 +489,15 @@ def test_griddepcontrol_is_in_sm90_code_only_and_orders_the_accesses(defines):
     waits = [i for i, l in enumerate(gemv[:dep]) if "griddepcontrol.wait" in l]
     assert waits, "x, bias or workspace accessed before griddepcontrol.wait"
     assert any(_weight_load(l, sr) for l in gemv[: waits[-1]]), "no weight load is issued ahead of the wait"
+    # Two triggers: the early one (flags & kEarlyDependents, one-wave grids) before any weight load,
+    # and the default one after the main loop, before the stores.
     trigger = [i for i, l in enumerate(gemv) if "griddepcontrol.launch_dependents" in l]
-    assert len(trigger) == 1
+    assert len(trigger) == 2
+    first_weight = min(i for i, l in enumerate(gemv) if _weight_load(l, sr))
     last_weight = max(i for i, l in enumerate(gemv) if _weight_load(l, sr))
     first_store = next(i for i, l in enumerate(gemv) if re.search(r"\bst\.[\w.:]*global", l))
-    assert last_weight < trigger[0] < first_store, "launch_dependents belongs after the main loop, before the stores"
+    assert trigger[0] < first_weight, "the early trigger belongs before the main loop"
+    assert last_weight < trigger[1] < first_store, "launch_dependents belongs after the main loop, before the stores"
 
     dep = _first_dependent_access(reduce)
     assert any("griddepcontrol.wait" in l for l in reduce[:dep]), "the reduce kernel reads the workspace before waiting"
