@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                 cands[f"w4/early={early}"] = [under(early, lambda w=w: w.mm(x)) for w in w4s]
                 cands[f"nf4/early={early}"] = [under(early, lambda w=w: call(w, x)) for w in nfs]
             ts = {name: t.us for name, t in common.graph_times(cands, a.trials, 5.0).items()}
-            os.environ[niw.EARLY_ENV] = "0"
+            os.environ.pop(niw.EARLY_ENV, None)
             for name, t in ts.items():
                 row[name] = round(t, 2)
             for kind in ("w4", "nf4"):

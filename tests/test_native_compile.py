@@ -588,7 +588,8 @@ def test_both_launches_of_a_split_call_follow_the_switch(env, monkeypatch):
     monkeypatch.setattr(native, "_sm90", lambda idx: True)
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
     monkeypatch.setattr(compiler, "get_kernel", lambda dev, src, defines, name: name)
-    monkeypatch.setattr(compiler, "launch", lambda kernel, *a, pdl=False: launches.append((kernel, pdl)))
+    monkeypatch.setattr(compiler, "max_active_blocks", lambda kernel, dev, threads, shmem: 2)
+    monkeypatch.setattr(compiler, "launch", lambda kernel, *a, pdl=False: launches.append((kernel, pdl, int(a[-1]))))
     monkeypatch.setenv(native.PDL_ENV, env)
     m, n, k = 1, 256, 4096
     assert native.plan(m, n, k, 0).workspace, "the case needs the reduce kernel"
@@ -597,4 +598,6 @@ def test_both_launches_of_a_split_call_follow_the_switch(env, monkeypatch):
     scales = torch.zeros(k // 128, n, dtype=torch.float16)
     o2 = torch.empty(m, n, dtype=torch.float16)
     native._launch(x2, qweight, scales, None, None, o2, None, m, n, k, 1, 8, 0, 0, None)
-    assert launches == [(native.GEMV, env == "1"), (native.REDUCE, env == "1")]
+    # The gemv's grid is one wave: with PDL it releases the reduce kernel as it starts (flags bit 16).
+    early = native._EARLY_DEPENDENTS if env == "1" else 0
+    assert [(k_, p_, f_ & native._EARLY_DEPENDENTS) for k_, p_, f_ in launches] == [(native.GEMV, env == "1", early), (native.REDUCE, env == "1", 0)]

@@ -48,7 +48,8 @@
 //
 // Programmatic dependent launch (sm_90): the ring's first steps are requested and the tables built
 // from weight tensors only (never written by the kernel ahead) before grid_dep_wait(); x and bias are
-// read and out written only after it.
+// read and out written only after it. The next launch is released after the main loop, or as the
+// kernel starts with flags & kEarlyDependents (one-wave grids: ptx.cuh).
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
 // QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16), QOPS_RING (2..8 slots),

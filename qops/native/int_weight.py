@@ -98,10 +98,17 @@ _EARLY_DEPENDENTS = 16  # kEarlyDependents in ptx.cuh
 
 def early_dependents_flag(kernel, device: int, blocks: int, threads: int, shmem: int) -> int:
     """The ``flags`` bit that releases the next PDL launch when ``kernel`` starts rather than after its
-    main loop: only with PDL, QOPS_NATIVE_EARLY_PDL=1 (off by default: a measurement switch, read at
-    every launch) and a grid of one wave (every block resident at once, by the driver's occupancy
-    calculator), so the next grid never takes a slot one of this grid's blocks still waits for."""
-    if os.environ.get(EARLY_ENV, "0").strip() != "1" or not use_pdl(device):
+    main loop, for a grid of one wave (every block resident at once, by the driver's occupancy
+    calculator) launched with PDL; QOPS_NATIVE_EARLY_PDL=0 turns it off (read at every launch).
+
+    Safe for any grid: the next grid is released only once every block of this one has executed the
+    trigger, so it never takes a slot one of this grid's blocks still waits for, and it reads x and
+    writes only after its own griddepcontrol.wait. Kept to one wave because that is what was measured
+    (benchmarks/results/h200-2026-11-30-4d76d20-early-pdl.json, M = 1, interleaved with the default):
+    W4A16 0.91-0.95x the time on 28672x4096, 4096x14336, 6144x4096, 4096x4096 and NF4 0.82-0.91x on
+    4096x14336, 6144x4096, 4096x4096, the rest within 2.5%.
+    """
+    if os.environ.get(EARLY_ENV, "1").strip() == "0" or not use_pdl(device):
         return 0
     per_sm = compiler.max_active_blocks(kernel, device, threads, shmem)
     return _EARLY_DEPENDENTS if per_sm and blocks <= per_sm * _device_facts(device)[0] else 0
@@ -532,7 +539,9 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     ldo = o2.stride(0) if m > 1 else n
     if x2.data_ptr() % 16 == 0 and ldx % 8 == 0 and k % 8 == 0:
         flags |= _X_VEC
-    flags |= early_dependents_flag(gemv, dev, p.tiles * p.splits, THREADS, p.shmem)
+    gemv_flags = flags
+    if m <= 8:  # at M = 16 the W4A16 rows measured 0.99-1.03x: not taken
+        gemv_flags |= early_dependents_flag(gemv, dev, p.tiles * p.splits, THREADS, p.shmem)
     ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
     ws_ptr = ws.data_ptr() if ws is not None else 0
     i32 = compiler.i32
@@ -541,7 +550,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
         gemv, (p.tiles, p.splits, 1), (THREADS, 1, 1), p.shmem, stream,
         qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr() if has_z else 0, x2.data_ptr(),
         bias.data_ptr() if bias is not None else 0, o2.data_ptr(), ws_ptr,
-        i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(flags),
+        i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(gemv_flags),
         pdl=pdl,
     )
     if p.workspace:

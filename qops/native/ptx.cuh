@@ -169,10 +169,11 @@ __device__ __forceinline__ u16 f32_to_bits(float f) {
 // Bits of a kernel's `flags` argument saying how `bias` is stored (neither: no bias).
 constexpr int kBiasT = 2;    // in the activation dtype
 constexpr int kBiasF32 = 4;  // in float32
-// `flags` bit of the kernels launched with programmatic dependent launch: this grid is one wave (every
-// block resident at once), so the next launch may be released at once rather than after the main
-// loop: its blocks take SM slots only as this grid's blocks leave, and it launches and streams its
-// first weights while this grid's last blocks finish.
+// `flags` bit of the kernels launched with programmatic dependent launch: release the next launch as
+// the kernel starts rather than after its main loop. The next grid launches once every block of this
+// one has executed the trigger, so it never takes a slot one of this grid's blocks still waits for;
+// it launches, and streams its first weights, while this grid's blocks run. The hosts set it for
+// one-wave grids (qops.native.int_weight.early_dependents_flag).
 constexpr int kEarlyDependents = 16;
 
 // out[m, n] = v (+ bias[n]) rounded to the activation dtype DT.

@@ -70,7 +70,8 @@
 // and zeros are never written by an earlier kernel, so the first ring stages are loaded before
 // grid_dep_wait(); x, bias and the workspace are read, and out and the workspace written, only after
 // it. After the main loop, grid_dep_launch_dependents() lets the next such launch start streaming its
-// own weights while this one reduces and stores. Launched without the attribute, the wait is a no-op.
+// own weights while this one reduces and stores; with flags & kEarlyDependents (one-wave grids) it is
+// issued as the kernel starts instead. Launched without the attribute, the wait is a no-op.
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles: 1: M <= 8,
 // 2: M <= 16, 3: M <= 24, 4: M <= 32), QOPS_NWN (1, 2, 4, 8), QOPS_HAS_Z (0/1),
