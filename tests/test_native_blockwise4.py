@@ -104,3 +104,23 @@ def test_lowering_entry_and_its_declared_capabilities():
     from qops.lowerings import _entry
 
     assert _entry(low.entry) is nbw4.native_mm and _entry(low.warmup) is nbw4.warmup
+
+
+def test_the_shared_window_base_is_not_measured_during_capture(monkeypatch):
+    """lut_imm kernels bake the base into their code: it is measured (a launch and a sync) at warm-up,
+    and asking for it first during CUDA-graph capture is a clear error, not a capture failure."""
+    monkeypatch.setattr(compiler, "_shared_base", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(compiler.NativeNotReadyError, match="dynamic shared memory base of cuda:0"):
+        compiler.dynamic_shared_base(0)
+    monkeypatch.setattr(compiler, "_shared_base", {0: 1024})
+    assert compiler.dynamic_shared_base(0) == 1024, "known once measured"
+
+
+def test_shared_memory_a_block_follows_the_table_layout():
+    plan = nbw4.plan(1, 28672, 4096, H200_SMS)
+    assert plan.lut_imm and plan.shmem_bytes == 256 * 256 + 256 * 4
+    assert nbw4.plan(16, 28672, 4096, H200_SMS).shmem_bytes == 256 * 128 + 256 * 4
+    assert plan.defines(torch.float16, True, 64, 256, 1024)["QOPS_SMEM_BASE"] == 1024
+    with nbw4.plan_override(lut_imm=False):
+        assert nbw4.plan(1, 28672, 4096, H200_SMS).defines(torch.float16, True, 64, 256, 1024)["QOPS_SMEM_BASE"] == 0

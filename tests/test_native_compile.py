@@ -581,6 +581,29 @@ def test_pdl_switch(monkeypatch):
     assert native.use_pdl(0) is False, "griddepcontrol needs sm_90"
 
 
+def test_early_release_is_for_one_wave_pdl_launches(monkeypatch):
+    """kEarlyDependents: set by default for a PDL launch whose grid is one wave by the occupancy
+    calculator; never without PDL, with QOPS_NATIVE_EARLY_PDL=0, beyond one wave, or where the
+    occupancy is unknown."""
+    monkeypatch.setattr(native, "_sm90", lambda idx: True)
+    monkeypatch.setattr(native, "_device_facts", lambda idx: (132, True))
+    per_sm = {"n": 2}
+    monkeypatch.setattr(compiler, "max_active_blocks", lambda kernel, dev, threads, shmem: per_sm["n"])
+    monkeypatch.delenv(native.PDL_ENV, raising=False)
+    monkeypatch.delenv(native.EARLY_ENV, raising=False)
+    flag = native.early_dependents_flag
+    assert flag("k", 0, 264, 256, 0) == native._EARLY_DEPENDENTS == 16, "on by default, two blocks an SM"
+    assert flag("k", 0, 265, 256, 0) == 0, "a second wave"
+    per_sm["n"] = 0
+    assert flag("k", 0, 1, 256, 0) == 0, "occupancy unknown"
+    per_sm["n"] = 2
+    monkeypatch.setenv(native.EARLY_ENV, "0")
+    assert flag("k", 0, 1, 256, 0) == 0, "switched off, read at each launch"
+    monkeypatch.setenv(native.EARLY_ENV, "1")
+    monkeypatch.setenv(native.PDL_ENV, "0")
+    assert flag("k", 0, 1, 256, 0) == 0, "without PDL there is no next launch to release"
+
+
 @pytest.mark.parametrize("env", ["1", "0"])
 def test_both_launches_of_a_split_call_follow_the_switch(env, monkeypatch):
     """A workspace plan launches the gemv and the reduce kernel; both get the same pdl flag."""
