@@ -244,6 +244,7 @@ def warmup(weight, act_dtype: torch.dtype | None = None) -> int:
                 continue
             seen.add(key)
             gemv = _kernel(dev, *key)
+            compiler.max_active_blocks(gemv, dev, 32 * p.warps, p.shmem_bytes)  # the early-release check's query, cached now
             i0 = compiler.i32(0)
             compiler.launch(gemv, (1, 1, 1), (32 * p.warps, 1, 1), p.shmem_bytes, stream, *([0] * 9), *([i0] * 6),
                             pdl=use_pdl(dev))

@@ -612,6 +612,7 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
             gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
             if p.shmem > SHMEM_MAX_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
                 compiler.allow_dynamic_shared(gemv, dev, p.shmem)
+            compiler.max_active_blocks(gemv, dev, THREADS, p.shmem)  # the early-release check's occupancy query, cached now
             i0 = compiler.i32(0)
             compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
             if p.workspace:
