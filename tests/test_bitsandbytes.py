@@ -332,7 +332,8 @@ TINY_GEMM = [(1 << 62, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps"
 TRITON_RUNS = [
     # (case, M, override, expected path, split > 1)
     (C.INT8_CASES[0], 1, {}, "gemv", None),
-    (C.INT8_CASES[0], 2, {"gemv": {"BLOCK_K": 32, "programs_per_sm": 64}}, "gemv", True),
+    # The GEMV takes M = 1 by default; forced to two rows of x here (a program per row) with a K split.
+    (C.INT8_CASES[0], 2, {"gemv_max_m": 2, "gemv": {"BLOCK_K": 32, "programs_per_sm": 64}}, "gemv", True),
     (C.INT8_CASES[2], 3, {"gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
     (C.INT8_CASES[3], 17, {"gemm": TINY_GEMM, "gemm_max_split": 4}, "gemm", True),
     # M = 1 in 16 bits goes to the CUDA-core GEMV (test_triton_gemv_fma); gemv_fma_max_m 0 keeps the dot one.
