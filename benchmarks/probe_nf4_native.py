@@ -10,8 +10,9 @@ at its plan and two measurement builds of it (``QOPS_PROBE``):
 - ``math``: the same launch, table, x reads, lookups, MMAs and scaling, on register data (no weight
   or absmax loads);
 
-each as a percentage of the roofline of the op's bytes. If ``loads`` is near the op, the access
-pattern bounds it; if ``math`` is, the instructions do. ``--plans`` adds the same three for other
+each as a percentage of the roofline of the op's bytes, with the blocks an SM each build fits (the
+builds compile on their own, so a ``loads`` build may run at a higher occupancy than the op). If
+``loads`` is near the op, the access pattern bounds it; if ``math`` is, the instructions do. ``--plans`` adds the same three for other
 plan fields (JSON, e.g. '[{"tiles": 1, "ring": 6, "minb": 3}]').
 
     PYTHONPATH=. python benchmarks/probe_nf4_native.py [--shapes 28672x4096,...] [--out F]
@@ -31,6 +32,7 @@ common.add_repo_to_path()
 
 from bench_bnb_int8 import call, nf4_weight, weight_bytes  # noqa: E402
 from qops.native import blockwise4 as nbw4  # noqa: E402
+from qops.native import compiler  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -58,8 +60,13 @@ def main(argv=None) -> int:
                 if name not in a.probes.split(","):
                     continue
                 with nbw4.plan_override(**fields, probe=probe):
-                    row["plan_used"] = str(nbw4.plan(1, n, k, torch.cuda.get_device_properties(0).multi_processor_count))
+                    used = nbw4.plan(1, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+                    row["plan_used"] = str(used)
                     us = common.graph_time([lambda w=w: call(w, x) for w in ws], a.trials, 5.0).us
+                    # Each build runs at its own occupancy (a loads or math build may fit more blocks
+                    # an SM than the op): recorded, so its time is read against the right one.
+                    gemv = nbw4._kernel(0, used, x.dtype, True, w.blocksize, w.nested_blocksize)
+                    row[name + "_blocks_per_sm"] = compiler.max_active_blocks(gemv, 0, 32 * used.warps, used.shmem_bytes)
                 row[name + "_us"] = round(us, 2)
                 row[name + "_roof_pct"] = round(100 * roof / us, 1)
             res["rows"].append(row)
@@ -67,9 +74,10 @@ def main(argv=None) -> int:
         del w, ws
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_nf4_native.json", a.out))
-    print("\nN x K | plan | op % | loads % | math % (of the roofline)")
+    print("\nN x K | plan | op % | loads % | math % (of the roofline; blocks an SM)")
     for r in res["rows"]:
-        print(f"{r['N']}x{r['K']} | {r['plan'] or 'default'} | {r.get('op_roof_pct', '-')} | {r.get('loads_roof_pct', '-')} | {r.get('math_roof_pct', '-')}")
+        cells = [f"{r.get(p + '_roof_pct', '-')} ({r.get(p + '_blocks_per_sm', '-')})" for p in ("op", "loads", "math")]
+        print(f"{r['N']}x{r['K']} | {r['plan'] or 'default'} | " + " | ".join(cells))
     return 0
 
 
