@@ -95,7 +95,7 @@
 #define QOPS_LUT_IMM 0  // 1: table entries 256 bytes apart, the window base QOPS_SMEM_BASE an immediate of the lookup
 #endif
 #ifndef QOPS_SMEM_BASE
-#define QOPS_SMEM_BASE 0  // shared-window address of dynamic shared memory (the device's reserved bytes a block)
+#define QOPS_SMEM_BASE 0  // shared-window address of dynamic shared memory (measured: compiler.dynamic_shared_base)
 #endif
 
 namespace qops {
