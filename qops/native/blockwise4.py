@@ -208,11 +208,9 @@ _sms: dict[int, int] = {}
 
 
 def _kernel(dev: int, p: Plan, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int):
-    """The compiled, loaded kernel of plan ``p``, allowed the dynamic shared memory it launches with."""
+    """The compiled, loaded kernel of plan ``p`` (``compiler.launch`` opts it in to its shared memory)."""
     base = compiler.dynamic_shared_base(dev) if p.lut_imm else 0
-    gemv = compiler.get_kernel(dev, SOURCE, p.defines(dtype, nested, blocksize, nested_blocksize, base), GEMV)
-    compiler.allow_dynamic_shared(gemv, dev, p.shmem_bytes)
-    return gemv
+    return compiler.get_kernel(dev, SOURCE, p.defines(dtype, nested, blocksize, nested_blocksize, base), GEMV)
 
 
 def _sm_count(dev: int) -> int:
