@@ -85,11 +85,11 @@ SWEEP = {
                   + [dict(tiles=1, warps=4, ring=3, minb=4), dict(tiles=1, warps=16, ring=3, minb=1)]
                   + [dict(tiles=2, warps=8, ring=2, minb=2)] + [dict(tiles=2, warps=8, ring=r, minb=1) for r in (3, 4)]
                   + [dict(tiles=2, warps=4, ring=2, minb=4)]
-                  + [dict(tiles=2, warps=8, ring=2, minb=2, prescale=True), dict(tiles=1, warps=8, ring=3, minb=2, prescale=True)],
-    "nf4_native_m16": [dict(tiles=1, warps=8, ring=3, minb=2, prescale=p) for p in (False, True)]
-                      + [dict(tiles=2, warps=8, ring=r, minb=1, prescale=False) for r in (2, 3)]
-                      + [dict(tiles=2, warps=8, ring=2, minb=2, prescale=True), dict(tiles=2, warps=8, ring=3, minb=1, prescale=True),
-                         dict(tiles=2, warps=4, ring=2, minb=4, prescale=True)],
+                  + [dict(tiles=2, warps=8, ring=2, minb=2, scale="prescale"), dict(tiles=1, warps=8, ring=3, minb=2, scale="prescale")],
+    "nf4_native_m16": [dict(tiles=1, warps=8, ring=3, minb=2, scale=p) for p in ("chains", "prescale")]
+                      + [dict(tiles=2, warps=8, ring=r, minb=1, scale="chains") for r in (2, 3)]
+                      + [dict(tiles=2, warps=8, ring=2, minb=2, scale="prescale"), dict(tiles=2, warps=8, ring=3, minb=1, scale="prescale"),
+                         dict(tiles=2, warps=4, ring=2, minb=4, scale="prescale")],
 }
 
 # --sweep-nf4: NF4 GEMV K steps, timed at every M of --ms (<= 16) with the correctness check of the
@@ -202,8 +202,8 @@ def path_of(w, m, n, k, dev) -> str:
     if lowering_of(w) == "native_blockwise4":
         if m > nbw4.MAX_M:
             return "native->triton/" + path_of(as_triton([w])[0], m, n, k, dev)
-        p = nbw4.plan(m, n, k, torch.cuda.get_device_properties(dev).multi_processor_count)
-        return f"native/tiles{p.tiles}-warps{p.warps}-ring{p.ring}-minb{p.minb}"
+        p = nbw4.plan(m, n, k, torch.cuda.get_device_properties(dev).multi_processor_count, BLOCKSIZE)
+        return f"native/{p.scale}-mt{p.mt}-tiles{p.tiles}-warps{p.warps}-ring{p.ring}-minb{p.minb}"
     p = ti8.plan(m, n, k, dev) if hasattr(w, "scales") else tbw4.plan(m, n, k, BLOCKSIZE, dev)
     return f"{p['path']}/split{p['split']}"
 

@@ -1,6 +1,7 @@
-"""What bounds the native NF4 GEMV at M = 1 (H200): its loads, or its decode and math?
+"""What bounds the native NF4 GEMV at decode sizes (H200): its loads, or its decode and math? And
+which plan is fastest?
 
-Times, per shape, over the same rotated weight copies with the method of ``common.py`` (CUDA-graph
+Times, per shape and M (``--ms``, default 1), over the same rotated weight copies with the method of ``common.py`` (CUDA-graph
 replays over copies > 256 MB, median of trials), the native kernel (``qops/native/blockwise4_gemv.cu``)
 at its plan and two measurement builds of it (``QOPS_PROBE``):
 
@@ -12,10 +13,12 @@ at its plan and two measurement builds of it (``QOPS_PROBE``):
 
 each as a percentage of the roofline of the op's bytes, with the blocks an SM each build fits (the
 builds compile on their own, so a ``loads`` build may run at a higher occupancy than the op). If
-``loads`` is near the op, the access pattern bounds it; if ``math`` is, the instructions do. ``--plans`` adds the same three for other
-plan fields (JSON, e.g. '[{"tiles": 1, "ring": 6, "minb": 3}]').
+``loads`` is near the op, the access pattern bounds it; if ``math`` is, the instructions do.
+``--plans`` times the same for other plan fields (JSON, e.g. '[{}, {"tiles": 1, "ring": 6, "minb":
+3}]'), each probe's plans with interleaved trials (``common.graph_times``), each plan's op checked
+against the default plan's output.
 
-    PYTHONPATH=. python benchmarks/probe_nf4_native.py [--shapes 28672x4096,...] [--out F]
+    PYTHONPATH=. python benchmarks/probe_nf4_native.py [--shapes 28672x4096,...] [--ms 1,8] [--out F]
 """
 from __future__ import annotations
 
@@ -35,9 +38,18 @@ from qops.native import blockwise4 as nbw4  # noqa: E402
 from qops.native import compiler  # noqa: E402
 
 
+def under(fields: dict, f):
+    """``f`` called with the plan fields forced: a graph keeps the kernel its calls were captured with."""
+    def g():
+        with nbw4.plan_override(**fields):
+            return f()
+    return g
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="probe_nf4_native.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", type=common.parse_shapes, default=LARGE_SHAPES)
+    p.add_argument("--ms", type=common.parse_ms, default=[1], help="rows of x (<= 16; default 1)")
     p.add_argument("--plans", type=json.loads, default=[{}], help="plan field overrides to probe (JSON list)")
     p.add_argument("--probes", default="op,loads,math", help="which of op, loads, math to time (default all three)")
     p.add_argument("--trials", type=int, default=5)
@@ -47,37 +59,45 @@ def main(argv=None) -> int:
         print("needs a CUDA device", file=sys.stderr)
         return 2
     bw = common.copy_TBps(a.trials)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = {"probe": "nf4_native", "device": common.device_name(True), "commit": common.git_commit(), "copy_TBps": round(bw, 3), "rows": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
+    probes = [(name, code) for name, code in (("op", 0), ("loads", 1), ("math", 2)) if name in a.probes.split(",")]
     for n, k in a.shapes:
         w = nf4_weight(n, k, torch.device("cuda"), gen)
         ws = [w] + [clone_tensors(w) for _ in range(n_copies(weight_bytes("nf4", n, k)) - 1)]
-        x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
-        roof = common.roofline_us(weight_bytes("nf4", n, k) + 2 * (k + n), bw)
-        for fields in a.plans:
-            row = {"N": n, "K": k, "M": 1, "plan": fields, "roofline_us": round(roof, 2)}
-            for name, probe in (("op", 0), ("loads", 1), ("math", 2)):
-                if name not in a.probes.split(","):
-                    continue
-                with nbw4.plan_override(**fields, probe=probe):
-                    used = nbw4.plan(1, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        for m in a.ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
+            roof = common.roofline_us(weight_bytes("nf4", n, k) + 2 * m * (k + n), bw)
+            want = call(w, x).float()
+            rows = {i: {"N": n, "K": k, "M": m, "plan": fields, "roofline_us": round(roof, 2)} for i, fields in enumerate(a.plans)}
+            for name, probe in probes:
+                # The plans of one probe are timed with interleaved trials (a drift of clocks moves all alike).
+                cands = {i: [under({**fields, "probe": probe}, lambda w=w: call(w, x)) for w in ws] for i, fields in enumerate(a.plans)}
+                times = common.graph_times(cands, a.trials, 5.0)
+                for i, fields in enumerate(a.plans):
+                    row = rows[i]
+                    with nbw4.plan_override(**fields, probe=probe):
+                        used = nbw4.plan(m, n, k, sms, w.blocksize)
+                        if probe == 0:  # every plan's op must agree with the default's
+                            row["rel_err_vs_default"] = common.rel_err(call(w, x), want)
                     row["plan_used"] = str(used)
-                    us = common.graph_time([lambda w=w: call(w, x) for w in ws], a.trials, 5.0).us
                     # Each build runs at its own occupancy (a loads or math build may fit more blocks
                     # an SM than the op): recorded, so its time is read against the right one.
                     gemv = nbw4._kernel(0, used, x.dtype, True, w.blocksize, w.nested_blocksize)
                     row[name + "_blocks_per_sm"] = compiler.max_active_blocks(gemv, 0, 32 * used.warps, used.shmem_bytes)
-                row[name + "_us"] = round(us, 2)
-                row[name + "_roof_pct"] = round(100 * roof / us, 1)
-            res["rows"].append(row)
-            print(json.dumps(row), flush=True)
+                    row[name + "_us"] = round(times[i].us, 2)
+                    row[name + "_roof_pct"] = round(100 * roof / times[i].us, 1)
+            for row in rows.values():
+                res["rows"].append(row)
+                print(json.dumps(row), flush=True)
         del w, ws
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_nf4_native.json", a.out))
-    print("\nN x K | plan | op % | loads % | math % (of the roofline; blocks an SM)")
+    print("\nN x K | M | plan | op % | loads % | math % (of the roofline; blocks an SM)")
     for r in res["rows"]:
         cells = [f"{r.get(p + '_roof_pct', '-')} ({r.get(p + '_blocks_per_sm', '-')})" for p in ("op", "loads", "math")]
-        print(f"{r['N']}x{r['K']} | {r['plan'] or 'default'} | " + " | ".join(cells))
+        print(f"{r['N']}x{r['K']} | {r['M']} | {r['plan'] or 'default'} | " + " | ".join(cells))
     return 0
 
 

@@ -31,18 +31,23 @@ GEMV = "qops_blockwise4_gemv"
 MAX_M = 16  # rows one launch takes (two 8-row MMA tiles)
 STEP_K = 128  # K values of a row a lane quad takes per step (kStepK in the kernel)
 NESTED_MAP_BYTES = 256 * 4  # the nested code, after the table
+SCALES = ("cols", "prescale", "chains")
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 _BIAS_T, _BIAS_F32 = 2, 4  # kBiasT, kBiasF32 in ptx.cuh
 
 
 @dataclass(frozen=True)
 class Plan:
-    mt: int  # 8-row MMA tiles of x: 1 (M <= 8) or 2
+    mt: int  # 8-column MMA tiles of x, 1 or 2: 8 rows of x a tile, 4 with scale "cols" at blocksize 64
     tiles: int  # 16-row tiles of N a block (QOPS_R)
     warps: int  # warps a block, splitting K
     ring: int  # register ring slots a warp (ring - 1 steps of 128 K values in flight)
     minb: int  # blocks an SM promised to ptxas (__launch_bounds__): 3 caps at 80 registers, 2 at 128
-    prescale: bool = False  # (blocksize 64) absmax applied to the decoded weights in the activation dtype, one MMA chain
+    # How a step's two absmax blocks are applied (blocksize 64 only; one block a step is scaled after
+    # its MMA chain in fp32): "cols", in separate MMA columns of each x row, scaled after the MMA in
+    # fp32; "prescale", on the decoded weights in the activation dtype, one MMA chain; "chains", two
+    # MMA chains over x masked to each block's lanes, scaled in fp32.
+    scale: str = "prescale"
     lut_imm: bool = False  # table entries 256 bytes apart, addressed by one prmt and the window base as an immediate
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
 
@@ -50,6 +55,10 @@ class Plan:
     def shmem_bytes(self) -> int:
         """Dynamic shared memory a block: the code table (kTableBytes in the kernel), then the nested map."""
         return 256 * (256 if self.lut_imm else 128) + NESTED_MAP_BYTES
+
+    def __post_init__(self):
+        if self.scale not in SCALES:
+            raise ValueError(f"native blockwise4 plan: scale={self.scale!r} is not one of {SCALES}")
 
     def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int, smem_base: int = 0) -> dict[str, int]:
         """``smem_base``: where the device puts a block's dynamic shared memory (used with ``lut_imm``)."""
@@ -61,7 +70,8 @@ class Plan:
             "QOPS_RING": self.ring,
             "QOPS_MINB": self.minb,
             "QOPS_PROBE": self.probe,
-            "QOPS_PRESCALE": int(self.prescale),
+            "QOPS_PRESCALE": int(self.scale == "prescale"),
+            "QOPS_BLOCK_COLS": int(self.scale == "cols"),
             "QOPS_NESTED": int(nested),
             "QOPS_BLOCKSIZE": blocksize,
             "QOPS_NESTED_BS": nested_blocksize if nested else 1,
@@ -88,8 +98,9 @@ def plan_override(**fields):
         _override = saved
 
 
-def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
-    """The launch plan for M rows against an (N, K) weight on a device with ``sm_count`` SMs.
+def plan(m: int, n: int, k: int, sm_count: int, blocksize: int) -> Plan:
+    """The launch plan for M rows against an (N, K) weight of this blocksize on a device with
+    ``sm_count`` SMs.
 
     From the H200 sweeps (benchmarks/results/h200-2026-11-30-f7d4784-nf4-native-16b.json and
     ...-9c36101-nf4-native-prescale.json): two 16-row tiles a block (x loads and table build shared
@@ -97,21 +108,28 @@ def plan(m: int, n: int, k: int, sm_count: int) -> Plan:
     at M > 8 always two. Ring depth and register budget: the deepest that compiles without spills
     (ptxas -v, sm_90, nested or not): one tile keeps 2 steps in flight in <= 120 registers (two
     blocks an SM), two tiles 1 step in 128 (two blocks an SM), or at M > 8 with fewer blocks than
-    SMs 2 steps in 216 (4096x14336 at M = 16: 24 us against 32). The weights are pre-scaled
-    (``prescale``): at M > 8 the two exact MMA chains of blocksize 64 would double the MMAs of both x
-    tiles and need 168 registers (one block an SM); at M <= 8, with the one-prmt table addresses
-    (``lut_imm``), the pair measured 1-4% faster at M = 1 than two chains and the packed table on
-    the four large shapes (...-5ed6f99-probe-nf4-chains.json).
+    SMs 2 steps in 216 (4096x14336 at M = 16: 24 us against 32). At blocksize 64 a step holds two
+    absmax blocks: at M <= 8 they take separate MMA columns (scale "cols": no multiply a decoded
+    word, scaled in fp32 after the MMA; 4 rows of x a tile); at M > 8, where that would need four
+    tiles, the weights are pre-scaled in the activation dtype ("prescale"; two exact MMA chains
+    would double the MMAs of both x tiles and need 168 registers). At M <= 8 the table is addressed
+    by one prmt (``lut_imm``: 1-4% faster at M = 1, ...-5ed6f99-probe-nf4-chains.json). Fields
+    forced by :func:`plan_override` win; the x tiles follow from them.
     """
-    mt = 1 if m <= 8 else 2
-    tiles = 2 if mt == 2 or -(-n // 32) >= sm_count else 1
+    fields = {"scale": "cols" if m <= 8 else "prescale", "lut_imm": m <= 8, **_override}
+    rows = 4 if fields["scale"] == "cols" and blocksize == 64 else 8
+    mt = max(1, -(-m // rows))
+    if mt > 2:
+        raise ValueError(f"native blockwise4 plan: M={m} needs {mt} x tiles of {rows} rows (at most 2)")
+    small_n = -(-n // 32) < sm_count
+    tiles = 2 if m > 8 or not small_n else 1
     if tiles == 1:
         ring, minb = 3, 2
-    elif mt == 2 and -(-n // 32) < sm_count:  # one block an SM at most anyway: the deeper ring's 216 registers cost nothing
+    elif m > 8 and small_n:  # one block an SM at most anyway: the deeper ring's 216 registers cost nothing
         ring, minb = 3, 1
     else:
         ring, minb = 2, 2
-    return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb, prescale=True, lut_imm=mt == 1), **_override)
+    return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb), **fields)
 
 
 def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype, nested_blocksize: int = 0) -> str | None:
@@ -188,7 +206,7 @@ def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         bias = bias.contiguous()
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(dev):
-        p = plan(m, n, k, _sm_count(dev))
+        p = plan(m, n, k, _sm_count(dev), blocksize)
         gemv = _kernel(dev, p, x.dtype, nested, blocksize, nested_blocksize)
         flags |= early_dependents_flag(gemv, dev, p.grid(n), 32 * p.warps, p.shmem_bytes)
         i32 = compiler.i32
@@ -236,7 +254,7 @@ def warmup(weight, act_dtype: torch.dtype | None = None) -> int:
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream()
         for m in range(1, MAX_M + 1):
-            p = plan(m, n, k, _sm_count(dev))
+            p = plan(m, n, k, _sm_count(dev), weight.blocksize)
             key = (p, act_dtype, nested, weight.blocksize, weight.nested_blocksize)
             if key in seen:
                 continue

@@ -34,7 +34,12 @@
 // are cheap at M <= 8; the lookups are the same either way. With QOPS_PRESCALE (the plans' choice at
 // M > 8, where two chains double the MMAs of both x tiles) each lane instead multiplies its decoded
 // words by its own block's absmax rounded to the activation dtype (what bitsandbytes' dequantization
-// computes) and one chain over unmasked x serves both blocks.
+// computes) and one chain over unmasked x serves both blocks. With QOPS_BLOCK_COLS (the plans' choice
+// at M <= 8) the two blocks take separate columns of the MMA instead: x row m is the B operand's
+// columns 2m (the x of block A's lanes, t = 0, 1; zero at t = 2, 3) and 2m + 1 (block B's), so one
+// MMA yields both blocks' sums side by side in fp32, each scaled by its absmax after the step: no
+// multiply a lookup and no doubled MMA, at the price of 4 rows of x an 8-column tile (the columns
+// are idle at decode sizes anyway).
 //
 // Work split. A block is QOPS_WARPS warps on 16*QOPS_R rows of N (grid: ceil(N / (16 R))); its
 // warps split the row's steps evenly and sum their partials through shared memory at the end, in
@@ -51,10 +56,11 @@
 // read and out written only after it. The next launch is released after the main loop, or as the
 // kernel starts with flags & kEarlyDependents (one-wave grids: ptx.cuh).
 //
-// Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (1: M <= 8, 2: M <= 16),
+// Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (x tiles: 8 rows each, 4 with
+// QOPS_BLOCK_COLS),
 // QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16), QOPS_RING (2..8 slots),
 // QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1), QOPS_BLOCKSIZE, QOPS_NESTED_BS
-// (nested only), QOPS_PRESCALE (0/1), QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_PROBE (measurement
+// (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1), QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_PROBE (measurement
 // builds only).
 #include "ptx.cuh"
 
@@ -81,6 +87,9 @@
 #endif
 #ifndef QOPS_PRESCALE
 #define QOPS_PRESCALE 0  // 1: scale the decoded weights by absmax in DT before one MMA chain (two-block steps)
+#endif
+#ifndef QOPS_BLOCK_COLS
+#define QOPS_BLOCK_COLS 0  // 1: blocks A and B of a two-block step in separate MMA columns (4 rows of x a tile)
 #endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0  // measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
@@ -117,6 +126,10 @@ constexpr bool kTwoBlocks = kBlock == 64;      // a step spans two absmax blocks
 // (rounded to DT, as bitsandbytes' dequantization does), so one MMA chain over unmasked x serves
 // both blocks: half the MMAs and x loads of the two chains, one more f16x2/bf16x2 multiply a lookup.
 constexpr bool kPrescale = QOPS_PRESCALE != 0 && kTwoBlocks;
+// Two-block steps, block columns: x row m fills B columns 2m (block A's lanes) and 2m + 1 (block B's).
+constexpr bool kBlockCols = QOPS_BLOCK_COLS != 0 && kTwoBlocks;
+constexpr int kRowsPerTile = kBlockCols ? 4 : 8;  // rows of x an 8-column MMA tile holds
+static_assert(!(kPrescale && kBlockCols), "QOPS_PRESCALE and QOPS_BLOCK_COLS are two answers to the same problem");
 constexpr bool kLutImm = QOPS_LUT_IMM != 0;
 // Entry v's copy for lane l at v * kTableStride + 4 l. 128: the 32 copies packed, the address one prmt
 // and one integer multiply-add away. 256 (kLutImm): half of each entry's bytes unused, but one prmt
@@ -198,7 +211,8 @@ __device__ __forceinline__ u32 lookup(u32 lane_table, u32 w) {
 
 // x for a quarter of a step (8 values of the lane's 32) and one x tile: with two blocks a step, in the
 // register set of the lane's block (lo: t < 2, hi: t >= 2; predicated loads), the other set staying
-// zero from the start of the kernel; with one block, in lo.
+// zero from the start of the kernel; with block columns, in lo where the lane's block is its column's
+// (t < 2 for even g, t >= 2 for odd g), lo staying zero otherwise; with one block, in lo.
 struct XQuarter {
   uint4 lo;
   uint4 hi;
@@ -206,7 +220,9 @@ struct XQuarter {
 
 __device__ __forceinline__ void load_x(XQuarter& xq, const u16* xrow, int q, int t, int i) {
   const uint4* xp = reinterpret_cast<const uint4*>(xrow + q * kStepK + 32 * t) + i;
-  if constexpr (kTwoBlocks && !kPrescale) {
+  if constexpr (kBlockCols) {
+    ld_nc_v4_if(xq.lo, xp, (t >= 2) == ((threadIdx.x >> 2) & 1));  // g & 1: the column's block
+  } else if constexpr (kTwoBlocks && !kPrescale) {
     ld_nc_v4_if(xq.lo, xp, t < 2);
     ld_nc_v4_if(xq.hi, xp, t >= 2);
   } else {
@@ -289,7 +305,7 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
           // x[32t + 8i + 4jj .. + 3] as the B registers
           const uint4& lo = xq[mt].lo;
           mma_16816<kDT>(da[r][mt], a0, a1, a2, a3, jj ? lo.z : lo.x, jj ? lo.w : lo.y);
-          if constexpr (kTwoBlocks && !kPrescale) {
+          if constexpr (kTwoBlocks && !kPrescale && !kBlockCols) {
             const uint4& hi = xq[mt].hi;
             mma_16816<kDT>(db[r][mt], a0, a1, a2, a3, jj ? hi.z : hi.x, jj ? hi.w : hi.y);
           }
@@ -308,6 +324,21 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
   }
 #pragma unroll
   for (int r = 0; r < kR; ++r) {
+    if constexpr (kBlockCols) {  // columns 2t (block A) and 2t + 1 (block B) of x row t of each tile
+      const u32 b0 = (flat[r][0] + static_cast<u32>(q) * kStepK) / kBlock;
+      const u32 b1 = (flat[r][1] + static_cast<u32>(q) * kStepK) / kBlock;
+      const float ns0 = nested_scale_of(nested_absmax, b0), ns1 = nested_scale_of(nested_absmax, b1);
+      const float a0 = block_absmax<false>(sl.a[r][0], nested_code_s, ns0, nested_offset);
+      const float b0s = block_absmax<true>(sl.a[r][0], nested_code_s, ns0, nested_offset);
+      const float a1 = block_absmax<false>(sl.a[r][1], nested_code_s, ns1, nested_offset);
+      const float b1s = block_absmax<true>(sl.a[r][1], nested_code_s, ns1, nested_offset);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        acc[r][mt][0] = fmaf(da[r][mt][1], b0s, fmaf(da[r][mt][0], a0, acc[r][mt][0]));  // row g
+        acc[r][mt][2] = fmaf(da[r][mt][3], b1s, fmaf(da[r][mt][2], a1, acc[r][mt][2]));  // row g + 8
+      }
+      continue;
+    }
     const u32 b0 = (flat[r][0] + static_cast<u32>(q) * kStepK) / kBlock;  // row g's block A
     const u32 b1 = (flat[r][1] + static_cast<u32>(q) * kStepK) / kBlock;  // row g + 8's
     const float ns0 = nested_scale_of(nested_absmax, b0), ns1 = nested_scale_of(nested_absmax, b1);
@@ -396,7 +427,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   const u16* xrow[kMT];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
-    const int m = 8 * mt + g;
+    const int m = kRowsPerTile * mt + (kBlockCols ? g >> 1 : g);
     xrow[mt] = x + static_cast<size_t>(m < M ? m : 0) * ldx;
   }
   const float noff = kNested ? nested_offset[0] : 0.f;
@@ -442,11 +473,14 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
       v.w += o.w;
     }
     const int r = i / (kMT * 32), mt = (i / 32) % kMT, l = i & 31;
-    const int n0 = n_tile + 16 * r + (l >> 2), m0 = 8 * mt + 2 * (l & 3);
+    const int n0 = n_tile + 16 * r + (l >> 2);
     const float vals[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int n = n0 + 8 * (q >> 1), m = m0 + (q & 1);
+      // block columns: x row 4 mt + t, rows g and g + 8 of N in values 0 and 2 (1 and 3 unused)
+      if (kBlockCols && (q & 1)) continue;
+      const int n = n0 + 8 * (q >> 1);
+      const int m = kBlockCols ? kRowsPerTile * mt + (l & 3) : 8 * mt + 2 * (l & 3) + (q & 1);
       if (n < N && m < M) store_out<kDT>(out, bias, flags, m, n, ldo, vals[q]);
     }
   }

@@ -113,15 +113,16 @@ def test_deterministic_and_plans_agree():
     for _ in range(3):
         assert torch.equal(w.mm(x), first)
     for fields in ({"tiles": 1}, {"tiles": 2, "minb": 1}, {"warps": 4}, {"warps": 16, "minb": 1}, {"ring": 2}, {"ring": 4, "minb": 1},
-                   {"prescale": True}, {"prescale": False, "minb": 1}, {"lut_imm": True}, {"lut_imm": False},
-                   {"lut_imm": True, "tiles": 1, "ring": 3}, {"lut_imm": False, "prescale": False, "tiles": 1}):
+                   {"scale": "prescale"}, {"scale": "chains", "minb": 1}, {"lut_imm": True}, {"lut_imm": False},
+                   {"lut_imm": True, "tiles": 1, "ring": 3}, {"lut_imm": False, "scale": "chains", "tiles": 1},
+                   {"scale": "cols", "lut_imm": False}, {"scale": "cols", "tiles": 1, "ring": 3}):
         with nbw4.plan_override(**fields):
-            for m in (1, 16):
+            for m in ((1, 4, 5, 8) if fields.get("scale") == "cols" else (1, 16)):
                 check(w.mm(x[:m]), x[:m], w64, None, torch.bfloat16, f"{fields} M={m}")
     # 5 steps of K over 8 warps: warps with no step
     w5, w5_64 = gpu_weight(CASES[2], torch.float16)
     x5 = torch.randn(3, CASES[2].k, device="cuda", dtype=torch.float16)
-    for fields in ({}, {"lut_imm": False, "prescale": False}, {"warps": 4, "ring": 4, "tiles": 1}):
+    for fields in ({}, {"lut_imm": False, "scale": "chains"}, {"warps": 4, "ring": 4, "tiles": 1}):
         with nbw4.plan_override(**fields):
             check(w5.mm(x5), x5, w5_64, None, torch.float16, f"K=640 {fields}")
 
