@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = {"probe": "nf4_native", "device": common.device_name(True), "commit": common.git_commit(), "copy_TBps": round(bw, 3), "rows": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    probes = [(name, code) for name, code in (("op", 0), ("loads", 1), ("math", 2)) if name in a.probes.split(",")]
+    probes = [(name, code) for name, code in (("op", 0), ("loads", 1), ("math", 2), ("tiled", 3)) if name in a.probes.split(",")]
     for n, k in a.shapes:
         w = nf4_weight(n, k, torch.device("cuda"), gen)
         ws = [w] + [clone_tensors(w) for _ in range(n_copies(weight_bytes("nf4", n, k)) - 1)]
@@ -94,9 +94,9 @@ def main(argv=None) -> int:
         del w, ws
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_nf4_native.json", a.out))
-    print("\nN x K | M | plan | op % | loads % | math % (of the roofline; blocks an SM)")
+    print("\nN x K | M | plan | op % | loads % | math % | tiled % (of the roofline; blocks an SM)")
     for r in res["rows"]:
-        cells = [f"{r.get(p + '_roof_pct', '-')} ({r.get(p + '_blocks_per_sm', '-')})" for p in ("op", "loads", "math")]
+        cells = [f"{r.get(p + '_roof_pct', '-')} ({r.get(p + '_blocks_per_sm', '-')})" for p in ("op", "loads", "math", "tiled")]
         print(f"{r['N']}x{r['K']} | {r['M']} | {r['plan'] or 'default'} | " + " | ".join(cells))
     return 0
 

@@ -92,7 +92,7 @@
 #define QOPS_BLOCK_COLS 0  // 1: blocks A and B of a two-block step in separate MMA columns (4 rows of x a tile)
 #endif
 #ifndef QOPS_PROBE
-#define QOPS_PROBE 0  // measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
+#define QOPS_PROBE 0  // measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone, 3 tile-major reads
 #endif
 #ifndef QOPS_BLOCKSIZE
 #define QOPS_BLOCKSIZE 64
@@ -160,7 +160,10 @@ __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (
   for (int r = 0; r < kR; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      ld_stream_v4_if(sl.w[r][h], wrow[r][h] + q * (kStepK / 2) + 16 * t, pred);
+      if constexpr (kProbe == 3)  // tile-major reads: a tile's step is 1 KiB, contiguous, steps in a row
+        ld_stream_v4_if(sl.w[r][h], wrow[r][h] + q * 1024, pred);
+      else
+        ld_stream_v4_if(sl.w[r][h], wrow[r][h] + q * (kStepK / 2) + 16 * t, pred);
       const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
       if constexpr (kNested) {
         if constexpr (kTwoBlocks) ld_nc_u16_if(sl.a[r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
@@ -378,6 +381,8 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     for (int h = 0; h < 2; ++h) {
       const int n = min(n_tile + 16 * r + 8 * h + g, N - 1);
       wrow[r][h] = qweight + static_cast<size_t>(n) * (K / 2);
+      if constexpr (kProbe == 3)  // the same bytes as if stored tile by tile (shapes with N % 16 == 0 only)
+        wrow[r][h] = qweight + static_cast<size_t>(min(blockIdx.x * kR + r, N / 16 - 1)) * 8 * K + 512 * h + 16 * lane;
       flat[r][h] = static_cast<u32>(n) * static_cast<u32>(K);
     }
   const int steps = K / kStepK;
@@ -442,15 +447,21 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     for (int mt = 0; mt < kMT; ++mt) acc[r][mt][0] = acc[r][mt][1] = acc[r][mt][2] = acc[r][mt][3] = 0.f;
 
   // Step q sits in slot (q - p0) % kRing; each step requests the one kRing - 1 ahead, then uses its own.
-  for (int base = p0; base < p1; base += kRing) {
+  // Whole rounds of kRing steps use every slot unconditionally; the last, partial round is a loop of
+  // its own. (With a guarded use in the main loop, ptxas sank the next step's loads below the guarded
+  // block, into the join: each other step then waited a whole DRAM latency for its weights.)
+  int base = p0;
+  for (; base + kRing <= p1; base += kRing) {
 #pragma unroll
     for (int s = 0; s < kRing; ++s) {
       const int ahead = base + s + kRing - 1;
       load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1);
-      if (base + s < p1)
-        use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
+      use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
     }
   }
+#pragma unroll
+  for (int s = 0; s < kRing - 1; ++s)  // no loads left to request: every step ahead is past p1
+    if (base + s < p1) use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
   grid_dep_launch_dependents();
 
   // Partials of the warps, summed in warp order through the table's shared memory.

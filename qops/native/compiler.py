@@ -419,6 +419,10 @@ def max_active_blocks(kernel, device: torch.device | int, threads: int, shmem: i
     idx = _device_index(device)
     key = (idx, int(kernel.handle), threads, shmem)
     if key not in _active_blocks:
+        if shmem > DEFAULT_SHMEM_BYTES:
+            # The calculator counts no block of a kernel not yet allowed this much dynamic shared
+            # memory (it answered 0 for the 65 KiB NF4 kernel queried before its first launch).
+            allow_dynamic_shared(kernel, idx, shmem)
         try:
             with torch.cuda.device(idx):
                 core().Device(idx).set_current()

@@ -154,3 +154,19 @@ def test_torch_compile_fullgraph_with_cuda_graphs():
             assert C.rel_err(y, torch.relu(C.matmul(x, w64, bias))) <= TOL[torch.bfloat16], f"M={m}"
     assert counters["inductor"]["cudagraph_skips"] == 0
     torch._dynamo.reset()
+
+
+def test_occupancy_is_known_before_the_first_launch():
+    """The early PDL release of one-wave grids rests on the occupancy calculator. Queried before a
+    kernel's first launch (warm-up does), it answered 0 for the 65 KiB table until the query opted
+    the kernel in to its dynamic shared memory first (so the release never engaged)."""
+    from qops.native import compiler
+    from qops.native.int_weight import early_dependents_flag, use_pdl
+
+    with nbw4.plan_override(warps=4, minb=4, ring=3):  # a variant no other test launches
+        p = nbw4.plan(1, 4096, 1024, torch.cuda.get_device_properties(0).multi_processor_count, 64)
+    kernel = nbw4._kernel(0, p, torch.float16, True, 64, 256)
+    assert p.shmem_bytes > 48 * 1024
+    assert compiler.max_active_blocks(kernel, 0, 32 * p.warps, p.shmem_bytes) >= 2  # the table fits three blocks an SM
+    if use_pdl(0):
+        assert early_dependents_flag(kernel, 0, p.grid(4096), 32 * p.warps, p.shmem_bytes) != 0
