@@ -447,21 +447,15 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     for (int mt = 0; mt < kMT; ++mt) acc[r][mt][0] = acc[r][mt][1] = acc[r][mt][2] = acc[r][mt][3] = 0.f;
 
   // Step q sits in slot (q - p0) % kRing; each step requests the one kRing - 1 ahead, then uses its own.
-  // Whole rounds of kRing steps use every slot unconditionally; the last, partial round is a loop of
-  // its own. (With a guarded use in the main loop, ptxas sank the next step's loads below the guarded
-  // block, into the join: each other step then waited a whole DRAM latency for its weights.)
-  int base = p0;
-  for (; base + kRing <= p1; base += kRing) {
+  for (int base = p0; base < p1; base += kRing) {
 #pragma unroll
     for (int s = 0; s < kRing; ++s) {
       const int ahead = base + s + kRing - 1;
       load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1);
-      use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
+      if (base + s < p1)
+        use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
     }
   }
-#pragma unroll
-  for (int s = 0; s < kRing - 1; ++s)  // no loads left to request: every step ahead is past p1
-    if (base + s < p1) use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
   grid_dep_launch_dependents();
 
   // Partials of the warps, summed in warp order through the table's shared memory.
