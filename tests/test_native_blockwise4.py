@@ -22,14 +22,14 @@ def _variants():
     """(defines, promised blocks an SM) for each dtype x row tiles x N tiles x nesting, blocksizes 64
     and 4096, and the warps / ring depths the sweep tries."""
     for dt in (torch.float16, torch.bfloat16):
-        for m in (1, 8, 16):  # block columns: one x tile (M <= 4) and two; pre-scaled (M > 8)
+        for m in (1, 16):
             for n in (4096, 28672):  # (4096: one tile at M <= 8, the 216-register ring at M > 8)
                 for nested, bs in ((True, 64), (False, 4096)):
                     yield nbw4.plan(m, n, 4096, H200_SMS, bs).defines(dt, nested, bs, 256)
     for m, fields in ((16, {"warps": 4, "minb": 2}), (1, {"warps": 16, "minb": 1, "tiles": 1}), (1, {"ring": 4, "tiles": 1}),
                       (16, {"ring": 4, "tiles": 1, "scale": "chains"}), (16, {"ring": 2, "minb": 1, "scale": "chains"}),
                       (1, {"scale": "chains", "lut_imm": False}), (1, {"scale": "chains", "tiles": 1}),
-                      (1, {"scale": "prescale"}), (8, {"scale": "prescale", "tiles": 1}), (8, {"lut_imm": False})):
+                      (1, {"scale": "cols"}), (8, {"scale": "cols", "tiles": 1}), (8, {"scale": "cols", "lut_imm": False})):
         with nbw4.plan_override(**fields):
             yield nbw4.plan(m, 28672, 4096, H200_SMS, 64).defines(torch.float16, True, 64, 256)
 
@@ -62,16 +62,14 @@ def test_a_bad_compile_time_configuration_is_refused():
 
 
 def test_plan_rule():
-    # Wide tiles where every SM still gets a block, and always at M > 8. At blocksize 64 the two
-    # blocks of a step take separate MMA columns at M <= 8 (4 rows of x a tile), and are pre-scaled
-    # above; the one-prmt table addresses at M <= 8.
+    # Wide tiles where every SM still gets a block, and always at M > 8. Pre-scaled everywhere; the
+    # one-prmt table addresses at M <= 8.
     P = nbw4.Plan
-    assert nbw4.plan(1, 28672, 4096, H200_SMS, 64) == P(mt=1, tiles=2, warps=8, ring=2, minb=2, scale="cols", lut_imm=True)
-    assert nbw4.plan(4, 28672, 4096, H200_SMS, 64).mt == 1
-    assert nbw4.plan(5, 28672, 4096, H200_SMS, 64).mt == 2
+    assert nbw4.plan(1, 28672, 4096, H200_SMS, 64) == P(mt=1, tiles=2, warps=8, ring=2, minb=2, scale="prescale", lut_imm=True)
+    assert nbw4.plan(8, 28672, 4096, H200_SMS, 64).mt == 1
     assert nbw4.plan(1, 4096, 14336, H200_SMS, 64).tiles == 1
-    assert nbw4.plan(8, 8192, 28672, H200_SMS, 64) == P(mt=2, tiles=2, warps=8, ring=2, minb=2, scale="cols", lut_imm=True)
-    assert nbw4.plan(8, 4096, 14336, H200_SMS, 64) == P(mt=2, tiles=1, warps=8, ring=3, minb=2, scale="cols", lut_imm=True)
+    assert nbw4.plan(8, 8192, 28672, H200_SMS, 64) == P(mt=1, tiles=2, warps=8, ring=2, minb=2, scale="prescale", lut_imm=True)
+    assert nbw4.plan(8, 4096, 14336, H200_SMS, 64) == P(mt=1, tiles=1, warps=8, ring=3, minb=2, scale="prescale", lut_imm=True)
     assert nbw4.plan(9, 57344, 8192, H200_SMS, 64) == P(mt=2, tiles=2, warps=8, ring=2, minb=2, scale="prescale")
     assert nbw4.plan(16, 4096, 4096, H200_SMS, 64) == P(mt=2, tiles=2, warps=8, ring=3, minb=1, scale="prescale")
     assert nbw4.plan(16, 8192, 4096, H200_SMS, 64) == P(mt=2, tiles=2, warps=8, ring=2, minb=2, scale="prescale")
@@ -79,11 +77,13 @@ def test_plan_rule():
     assert nbw4.plan(8, 8192, 28672, H200_SMS, 128).mt == 1
     assert nbw4.plan(1, 1000, 128, H200_SMS, 64).grid(1000) == 63
     with nbw4.plan_override(warps=16, ring=2, minb=1):
-        assert nbw4.plan(1, 4096, 4096, H200_SMS, 64) == P(mt=1, tiles=1, warps=16, ring=2, minb=1, scale="cols", lut_imm=True)
+        assert nbw4.plan(1, 4096, 4096, H200_SMS, 64) == P(mt=1, tiles=1, warps=16, ring=2, minb=1, scale="prescale", lut_imm=True)
     assert nbw4.plan(1, 4096, 4096, H200_SMS, 64).warps == 8
-    # Overrides of the scale decide the x tiles: pre-scaled 8 rows fit one tile.
-    with nbw4.plan_override(scale="prescale"):
-        assert nbw4.plan(8, 8192, 28672, H200_SMS, 64).mt == 1
+    # Overrides of the scale decide the x tiles: 4 rows of x a tile in separate block columns.
+    with nbw4.plan_override(scale="cols"):
+        assert nbw4.plan(4, 8192, 28672, H200_SMS, 64).mt == 1
+        assert nbw4.plan(5, 8192, 28672, H200_SMS, 64).mt == 2
+        assert nbw4.plan(5, 8192, 28672, H200_SMS, 128).mt == 1  # one block a step: no block columns
     with nbw4.plan_override(scale="cols"), pytest.raises(ValueError, match="M=9 needs 3 x tiles"):
         nbw4.plan(9, 8192, 28672, H200_SMS, 64)
     with pytest.raises(ValueError, match="scale='both'"):

@@ -135,6 +135,7 @@ class Plan:
     fold: bool = False  # (x staged once, M <= 8) magic bias and zero point subtracted after the MMA, from x sums
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
+    probe: int = 0  # measurements only (benchmarks/probe_w4_tiled.py): 1 reads the weight bytes tile-major (wrong sums)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         return {
@@ -149,6 +150,7 @@ class Plan:
             "QOPS_FOLD": int(self.fold),
             "QOPS_PREFETCH": self.prefetch,
             "QOPS_SMEM_RING": self.smem_ring,
+            "QOPS_PROBE": self.probe,
         }
 
 

@@ -79,7 +79,8 @@
 // QOPS_XFULL (0/1), QOPS_RING (register ring depth; 0: 3 for MT = 1, 2 for MT >= 2),
 // QOPS_MINB (minimum resident blocks per SM promised to the register allocator; default 2; 1 for MT >= 3),
 // QOPS_FOLD (0/1: bias and zero point subtracted after the MMA; needs QOPS_XFULL and MT = 1),
-// QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead),
+// QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead), QOPS_PROBE
+// (measurement builds only),
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
 // replaces QOPS_RING).
 #include "ptx.cuh"
@@ -110,6 +111,9 @@
 #endif
 #ifndef QOPS_FOLD
 #define QOPS_FOLD 0
+#endif
+#ifndef QOPS_PROBE
+#define QOPS_PROBE 0  // measurements only: 1 tile-major weight reads (benchmarks/probe_w4_tiled.py)
 #endif
 #ifndef QOPS_PREFETCH
 #define QOPS_PREFETCH 0
@@ -209,9 +213,15 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int RSF = ((C + S - 1) / S) * 16 + 4;
 
   // This lane's qweight words for iteration `it`, step j: wbase + it * wstride + j * 4 * N.
-  const u32* wbase = qweight + static_cast<size_t>((cb + wk) * 16 + c) * N + n0;
-  const size_t wstride = static_cast<size_t>(NWK * 16) * N;
-  const u32 wstep = 4u * N;
+  // QOPS_PROBE 1 (a measurement build, N % 32 == 0): the same bytes read as if each 32 columns were
+  // stored as one (KW, 32) slab, so a warp's step is 512 contiguous bytes and its chunks follow
+  // one another; the sums are meaningless.
+  constexpr bool kTiled = QOPS_PROBE == 1;
+  const int ldq = kTiled ? 32 : N;  // words from one qweight row to the next
+  const u32* wbase = qweight + (kTiled ? static_cast<size_t>(n0 >> 5) * KW * 32 + (n0 & 31) : n0) +
+                     static_cast<size_t>((cb + wk) * 16 + c) * ldq;
+  const size_t wstride = static_cast<size_t>(NWK * 16) * ldq;
+  const u32 wstep = 4u * ldq;
 
   // The register ring (unused with the shared-memory ring, which keeps the chunks in flight instead).
   Chunk ring[SR > 0 ? 1 : kRing];

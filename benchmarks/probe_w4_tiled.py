@@ -1,0 +1,78 @@
+"""Would a tile-major weight layout make the native W4A16 decode kernel faster (H200)?
+
+The runtime layout keeps GPTQ's (K/8, N) int32 words: a warp's load reads 128 contiguous bytes of
+each of 4 rows N*4 bytes apart, and its next step the next 4 rows. ``QOPS_PROBE = 1`` builds the
+kernel at its own plan reading the same number of bytes as if each 32 columns were stored as one
+(K/8, 32) slab (a step 512 contiguous bytes, consecutive steps adjacent): wrong sums, same work. Per
+shape and M, the op and that build are timed with interleaved trials over rotated weight copies
+(method of ``common.py``), GPTQ v2, 4 bits, group 128, asymmetric, fp16 x. The same question for the
+NF4 kernel is ``probe_nf4_native.py --probes op,tiled``. Needs N % 32 == 0.
+
+    PYTHONPATH=. python benchmarks/probe_w4_tiled.py [--shapes 28672x4096,...] [--ms 1,16] [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+
+import common
+from common import LARGE_SHAPES, clone_tensors, n_copies
+
+common.add_repo_to_path()
+
+from probe_early_pdl import gptq_native  # noqa: E402
+from qops.native import int_weight as niw  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="probe_w4_tiled.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=common.parse_shapes, default=LARGE_SHAPES)
+    p.add_argument("--ms", type=common.parse_ms, default=[1])
+    p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    bw = common.copy_TBps(5)
+    res = {"probe": "w4_tiled", "device": common.device_name(True), "commit": common.git_commit(), "copy_TBps": round(bw, 3), "rows": []}
+    for n, k in a.shapes:
+        if n % 32:
+            print(f"{n}x{k}: N % 32 != 0, skipped", flush=True)
+            continue
+        w = gptq_native(n, k)
+        ws = [w] + [clone_tensors(w) for _ in range(n_copies(w.nbytes()) - 1)]
+        for m in a.ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            used = niw.plan(m, n, k, 0)
+            roof = common.roofline_us(w.nbytes() + 2 * m * (k + n), bw)
+
+            def under(probe, f, used=used):
+                def g():
+                    with niw.plan_override(lambda *_: dataclasses.replace(used, probe=probe)):
+                        return f()
+                return g
+
+            cands = {name: [under(code, lambda w=w: w.mm(x)) for w in ws] for name, code in (("op", 0), ("tiled", 1))}
+            ts = common.graph_times(cands, a.trials, 5.0)
+            row = {"N": n, "K": k, "M": m, "plan": str(used), "roofline_us": round(roof, 2)}
+            for name, t in ts.items():
+                row[name + "_us"] = round(t.us, 2)
+                row[name + "_roof_pct"] = round(100 * roof / t.us, 1)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        del w, ws
+        torch.cuda.empty_cache()
+    common.write_json(res, common.output_paths("probe_w4_tiled.json", a.out))
+    print("\nN x K | M | op % | tiled % (of the roofline)")
+    for r in res["rows"]:
+        print(f"{r['N']}x{r['K']} | {r['M']} | {r['op_roof_pct']} | {r['tiled_roof_pct']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
