@@ -111,11 +111,12 @@ def plan(m: int, n: int, k: int, sm_count: int, blocksize: int) -> Plan:
     SMs 2 steps in 216 (4096x14336 at M = 16: 24 us against 32). At blocksize 64 a step holds two
     absmax blocks, applied by pre-scaling the decoded weights in the activation dtype ("prescale"):
     two exact MMA chains would double the MMAs and need 168 registers at M > 8; separate MMA columns
-    ("cols", 14% fewer instructions in the main loop) measured the same at M = 1 on three large
-    shapes, 0.93x on 8192x28672, and half the speed on 4096x14336, where its 80 registers let a third
-    block onto each SM (...-68788f2-probe-plans.json, ...-a12f445-probe-tiled.json). At M <= 8 the table is addressed
-    by one prmt (``lut_imm``: 1-4% faster at M = 1, ...-5ed6f99-probe-nf4-chains.json). Fields
-    forced by :func:`plan_override` win; the x tiles follow from them.
+    ("cols", 14% fewer instructions in the main loop) measured within 1% at M = 1 on 28672x4096 and
+    57344x8192, 0.93-0.96x on 8192x28672 and half the speed on 4096x14336, where its 80 registers
+    let a third block onto each SM (...-68788f2-probe-nf4-scale.json, ...-a12f445-probe-nf4-tiled.json).
+    At M <= 8 the table is addressed by one prmt (``lut_imm``: 1-4% faster at M = 1,
+    ...-5ed6f99-probe-nf4-chains.json). Fields forced by :func:`plan_override` win; the x tiles
+    follow from them.
     """
     fields = {"scale": "prescale", "lut_imm": m <= 8, **_override}
     rows = 4 if fields["scale"] == "cols" and blocksize == 64 else 8

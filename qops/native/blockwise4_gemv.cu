@@ -34,12 +34,12 @@
 // are cheap at M <= 8; the lookups are the same either way. With QOPS_PRESCALE (the plans' choice at
 // M > 8, where two chains double the MMAs of both x tiles) each lane instead multiplies its decoded
 // words by its own block's absmax rounded to the activation dtype (what bitsandbytes' dequantization
-// computes) and one chain over unmasked x serves both blocks. With QOPS_BLOCK_COLS (the plans' choice
-// at M <= 8) the two blocks take separate columns of the MMA instead: x row m is the B operand's
-// columns 2m (the x of block A's lanes, t = 0, 1; zero at t = 2, 3) and 2m + 1 (block B's), so one
-// MMA yields both blocks' sums side by side in fp32, each scaled by its absmax after the step: no
-// multiply a lookup and no doubled MMA, at the price of 4 rows of x an 8-column tile (the columns
-// are idle at decode sizes anyway).
+// computes) and one chain over unmasked x serves both blocks. With QOPS_BLOCK_COLS (M <= 8; no plan
+// picks it yet: no faster at M = 1, +3-6% at M = 4, benchmarks/NOTES.md stop 17) the two blocks take
+// separate columns of the MMA instead: x row m is the B operand's columns 2m (the x of block A's
+// lanes, t = 0, 1; zero at t = 2, 3) and 2m + 1 (block B's), so one MMA yields both blocks' sums side
+// by side in fp32, each scaled by its absmax after the step: no multiply a lookup and no doubled MMA,
+// at the price of 4 rows of x an 8-column tile.
 //
 // Work split. A block is QOPS_WARPS warps on 16*QOPS_R rows of N (grid: ceil(N / (16 R))); its
 // warps split the row's steps evenly and sum their partials through shared memory at the end, in
@@ -56,12 +56,11 @@
 // read and out written only after it. The next launch is released after the main loop, or as the
 // kernel starts with flags & kEarlyDependents (one-wave grids: ptx.cuh).
 //
-// Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (x tiles: 8 rows each, 4 with
-// QOPS_BLOCK_COLS),
-// QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16), QOPS_RING (2..8 slots),
-// QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1), QOPS_BLOCKSIZE, QOPS_NESTED_BS
-// (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1), QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_PROBE (measurement
-// builds only).
+// Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (x tiles, 1 or 2: 8 rows of
+// x each, 4 with QOPS_BLOCK_COLS), QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16),
+// QOPS_RING (2..8 slots), QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1),
+// QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1),
+// QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_PROBE (measurement builds only).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -92,7 +91,7 @@
 #define QOPS_BLOCK_COLS 0  // 1: blocks A and B of a two-block step in separate MMA columns (4 rows of x a tile)
 #endif
 #ifndef QOPS_PROBE
-#define QOPS_PROBE 0  // measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone, 3 tile-major reads
+#define QOPS_PROBE 0  // measurements (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone, 3 tile-major reads
 #endif
 #ifndef QOPS_BLOCKSIZE
 #define QOPS_BLOCKSIZE 64
