@@ -209,6 +209,31 @@ def parse_ms(text: str) -> list[int]:
     return ms
 
 
+def probe_parser(prog: str, doc: str, shapes, ms: list[int], trials: int) -> argparse.ArgumentParser:
+    """The arguments every probe takes (``--shapes``, ``--ms``, ``--trials``, ``--out``), with its defaults."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    p.add_argument("--shapes", type=parse_shapes, default=shapes)
+    p.add_argument("--ms", type=parse_ms, default=ms, help="rows of x")
+    p.add_argument("--trials", type=int, default=trials)
+    p.add_argument("--out")
+    return p
+
+
+def probe_result(name: str) -> dict | None:
+    """A probe's JSON header (device, commit, measured copy bandwidth) with no rows yet; None, with a
+    message, where there is no CUDA device to probe."""
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return None
+    return {"probe": name, "device": device_name(True), "commit": git_commit(), "copy_TBps": round(copy_TBps(5), 3), "rows": []}
+
+
+def add_time(row: dict, name: str, us: float, roof_us: float) -> None:
+    """``name``'s time and its share of the roofline, as a probe row's ``<name>_us`` / ``<name>_roof_pct``."""
+    row[name + "_us"] = round(us, 2)
+    row[name + "_roof_pct"] = round(100 * roof_us / us, 1)
+
+
 def device_name(gpu: bool) -> str:
     return torch.cuda.get_device_name() if gpu else "cpu (dry run)"
 

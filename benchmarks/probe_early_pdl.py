@@ -10,7 +10,6 @@ graphs and timed with interleaved trials (``common.graph_times``).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -49,17 +48,10 @@ def under(early: str, f):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="probe_early_pdl.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", type=common.parse_shapes, default=SHAPES)
-    p.add_argument("--ms", type=common.parse_ms, default=[1, 16])
-    p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--out")
-    a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    a = common.probe_parser("probe_early_pdl.py", __doc__, SHAPES, [1, 16], 7).parse_args(argv)
+    res = common.probe_result("early_pdl")
+    if res is None:
         return 2
-    bw = common.copy_TBps(5)
-    res = {"probe": "early_pdl", "device": common.device_name(True), "commit": common.git_commit(), "copy_TBps": round(bw, 3), "rows": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in a.shapes:
         w4 = gptq_native(n, k)

@@ -22,7 +22,6 @@ against the default plan's output.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -47,20 +46,15 @@ def under(fields: dict, f):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="probe_nf4_native.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", type=common.parse_shapes, default=LARGE_SHAPES)
-    p.add_argument("--ms", type=common.parse_ms, default=[1], help="rows of x (<= 16; default 1)")
+    p = common.probe_parser("probe_nf4_native.py", __doc__, LARGE_SHAPES, [1], 5)
     p.add_argument("--plans", type=json.loads, default=[{}], help="plan field overrides to probe (JSON list)")
-    p.add_argument("--probes", default="op,loads,math", help="which of op, loads, math to time (default all three)")
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--out")
+    p.add_argument("--probes", default="op,loads,math", help="which of op, loads, math, tiled to time (default the first three)")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    res = common.probe_result("nf4_native")
+    if res is None:
         return 2
-    bw = common.copy_TBps(a.trials)
+    bw = res["copy_TBps"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    res = {"probe": "nf4_native", "device": common.device_name(True), "commit": common.git_commit(), "copy_TBps": round(bw, 3), "rows": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
     probes = [(name, code) for name, code in (("op", 0), ("loads", 1), ("math", 2), ("tiled", 3)) if name in a.probes.split(",")]
     for n, k in a.shapes:
@@ -86,8 +80,7 @@ def main(argv=None) -> int:
                     # an SM than the op): recorded, so its time is read against the right one.
                     gemv = nbw4._kernel(0, used, x.dtype, True, w.blocksize, w.nested_blocksize)
                     row[name + "_blocks_per_sm"] = compiler.max_active_blocks(gemv, 0, 32 * used.warps, used.shmem_bytes)
-                    row[name + "_us"] = round(times[i].us, 2)
-                    row[name + "_roof_pct"] = round(100 * roof / times[i].us, 1)
+                    common.add_time(row, name, times[i].us, roof)
             for row in rows.values():
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)

@@ -12,7 +12,6 @@ NF4 kernel is ``probe_nf4_native.py --probes op,tiled``. Needs N % 32 == 0.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -29,17 +28,11 @@ from qops.native import int_weight as niw  # noqa: E402
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="probe_w4_tiled.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", type=common.parse_shapes, default=LARGE_SHAPES)
-    p.add_argument("--ms", type=common.parse_ms, default=[1])
-    p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--out")
-    a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    a = common.probe_parser("probe_w4_tiled.py", __doc__, LARGE_SHAPES, [1], 7).parse_args(argv)
+    res = common.probe_result("w4_tiled")
+    if res is None:
         return 2
-    bw = common.copy_TBps(5)
-    res = {"probe": "w4_tiled", "device": common.device_name(True), "commit": common.git_commit(), "copy_TBps": round(bw, 3), "rows": []}
+    bw = res["copy_TBps"]
     for n, k in a.shapes:
         if n % 32:
             print(f"{n}x{k}: N % 32 != 0, skipped", flush=True)
@@ -61,8 +54,7 @@ def main(argv=None) -> int:
             ts = common.graph_times(cands, a.trials, 5.0)
             row = {"N": n, "K": k, "M": m, "plan": str(used), "roofline_us": round(roof, 2)}
             for name, t in ts.items():
-                row[name + "_us"] = round(t.us, 2)
-                row[name + "_roof_pct"] = round(100 * roof / t.us, 1)
+                common.add_time(row, name, t.us, roof)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         del w, ws
