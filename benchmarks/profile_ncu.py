@@ -1,0 +1,107 @@
+"""One call of each chosen op, bracketed for Nsight Compute (``ncu``), to see what bounds the kernels.
+
+The timing scripts say how fast a kernel is; the hardware counters say why. This script makes the
+weights, warms every case up (NVRTC and Triton compiles, module loads), then runs one call per case
+between ``cudaProfilerStart`` and ``cudaProfilerStop``, each inside an NVTX range named after the
+case, so that ``ncu --profile-from-start off`` profiles exactly those launches and names them.
+Cases (``--cases``, comma separated, ``KIND:NxK:M``):
+
+- ``w4native``: GPTQ v2, 4 bits, group 128, asymmetric, fp16 x, the native W4A16 kernel;
+- ``w4triton``: the same weight through the Triton lowering;
+- ``nf4native``: bitsandbytes NF4, blocksize 64, nested absmax, fp16 x, the native kernel.
+
+Under ``ncu`` (the device's image has it; ``--clock-control none`` leaves the clocks as found):
+
+    ncu --profile-from-start off --nvtx --clock-control none --set full -o OUT/prof \\
+        python benchmarks/profile_ncu.py --cases w4native:28672x4096:1,nf4native:28672x4096:1
+
+Without ``ncu`` it runs the same calls and checks each output against a float64 reference of a few
+rows, so a profile never describes a kernel that computes the wrong thing.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+import common
+
+common.add_repo_to_path()
+
+from bench_bnb_int8 import call, decode_rows, nf4_weight  # noqa: E402
+from qops.lowerings import LOWERINGS_BY_NAME  # noqa: E402
+
+KINDS = ("w4native", "w4triton", "nf4native")
+CHECK_ROWS = 64
+
+
+def parse_cases(text: str) -> list[tuple[str, int, int, int]]:
+    cases = []
+    for item in text.split(","):
+        try:
+            kind, shape, m = item.split(":")
+            n, k = (int(v) for v in shape.lower().split("x"))
+            cases.append((kind, n, k, int(m)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"case {item!r} is not KIND:NxK:M") from None
+        if kind not in KINDS:
+            raise argparse.ArgumentTypeError(f"case {item!r}: kind must be one of {', '.join(KINDS)}")
+    return cases
+
+
+def gptq_weight(n: int, k: int, lowering: str):
+    from qops.formats import FORMATS
+
+    fmt = FORMATS["gptq"]
+    w = torch.randn(n, k, dtype=torch.float16, device="cuda") * 0.02
+    iw = fmt.prepare(fmt.quantize(w, bits=4, group_size=128, sym=False), dtype=torch.float16)
+    return dataclasses.replace(iw, kernel=LOWERINGS_BY_NAME[lowering].kernel)
+
+
+def make_case(kind: str, n: int, k: int, m: int, gen):
+    """(zero-argument call, float64 reference of the first CHECK_ROWS output columns)."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
+    if kind == "nf4native":
+        w = nf4_weight(n, k, "cuda", gen)
+        w = dataclasses.replace(w, kernel=LOWERINGS_BY_NAME["native_blockwise4"].kernel)
+        want = x.double() @ decode_rows(w, CHECK_ROWS).T
+        return (lambda: call(w, x)), want
+    w = gptq_weight(n, k, "native_w4a16" if kind == "w4native" else "triton_int_weight")
+    want = x.double() @ w.dequantize(torch.float64)[:CHECK_ROWS].T
+    return (lambda: w.mm(x)), want
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="profile_ncu.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", type=parse_cases, required=True, help="KIND:NxK:M, comma separated")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_ncu.py needs a CUDA device", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    runs = []
+    for kind, n, k, m in a.cases:
+        f, want = make_case(kind, n, k, m, gen)
+        for _ in range(3):
+            got = f()
+        torch.cuda.synchronize()
+        err = common.rel_err(got[:, :CHECK_ROWS], want)
+        print(f"{kind}:{n}x{k}:{m} rel err {err:.2e}", flush=True)
+        if err is None or err > 1e-2:
+            print("wrong result: not profiled", file=sys.stderr)
+            return 1
+        runs.append((f"{kind}:{n}x{k}:{m}", f))
+    torch.cuda.profiler.start()
+    for name, f in runs:
+        with torch.cuda.nvtx.range(name):
+            f()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled:", ", ".join(name for name, _ in runs), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
