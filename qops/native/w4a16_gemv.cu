@@ -268,6 +268,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     const u16* s;
     const u32* z;
     bool ok;
+    bool chunk_ok;  // the chunk is in this block's K range (ok also needs this lane's columns)
     int rows_left;
   };
   auto next_src = [&]() {
@@ -279,7 +280,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     wnext += wstride;
     const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
     return Src{p, scales + static_cast<size_t>(grp) * N + n0, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3),
-               n_ok && ch < ce, KW - (ch * 16 + c)};
+               n_ok && ch < ce, ch < ce, KW - (ch * 16 + c)};
   };
   auto load_chunk = [&](Chunk& ck) {
     const Src src = next_src();
@@ -289,16 +290,25 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     if constexpr (HAS_Z) ld_nc_u32_if(ck.z, src.z, src.ok);
   };
   // The shared-memory ring (SR > 0): this warp's SR stages of kSmemStage bytes after x (and the FOLD
-  // sums). A lane copies its own pieces of a chunk into its own slots and later reads back exactly
-  // those, so per-thread cp.async groups order everything: no barrier, no warp sync.
+  // sums). Copy lane L fetches the qweight piece that lane 4 * (L % 8) + L / 8 reads (row L / 8 of
+  // the step, columns 4 * (L % 8) ..): each eight consecutive lanes copy one 128-byte row segment.
+  // With the lanes' own pieces (four rows per eight lanes), every cp.async asked the L2 for twice the
+  // sectors it needed (Nsight Compute, 89b7c63). A lane then reads bytes other lanes copied, so the
+  // warp syncs after its waits and before it overwrites a stage; scales and zeros stay per lane.
   const int chunks_blk = (C + S - 1) / S;
   char* sring = reinterpret_cast<char*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0)) + warp * SR * kSmemStage;
   const u32 sring_a = smem_addr(sring);
   auto load_chunk_smem = [&](int stage) {
     const Src src = next_src();
     const u32 dst = sring_a + stage * kSmemStage;
+    const int r = lane >> 3, gg = lane & 7;  // the row and column group this lane copies
+    const int dn = 4 * (gg - g);
+    const u32* w = src.w + (r - c) * ldq + dn;
+    const bool ok = src.chunk_ok && n0 + dn < N;
+    const int rows_left = src.rows_left + c - r;
+    const u32 slot = dst + (4 * gg + r) * 16;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) cp_async_16_if(dst + j * 512 + lane * 16, src.w + j * wstep, src.ok && 4 * j < src.rows_left);
+    for (int j = 0; j < 4; ++j) cp_async_16_if(slot + j * 512, w + j * wstep, ok && 4 * j < rows_left);
     cp_async_8_if(dst + kSmemScales + lane * 8, src.s, src.ok);
     if constexpr (HAS_Z) cp_async_4_if(dst + kSmemZeros + lane * 4, src.z, src.ok);
   };
@@ -555,9 +565,11 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       for (int b = 0; b < SR; ++b) {
         const int it = it0 + b;
         if (it < n_it) {
+          __syncwarp();  // every lane has read the stage of it - 1, refilled next
           if (it + SR - 1 < n_it) load_chunk_smem((b + SR - 1) % SR);
           cp_async_commit();
           cp_async_wait<SR - 1>();
+          __syncwarp();  // the pieces other lanes copied for this lane have landed
           compute(it, read_chunk_smem(b), 0);
         }
       }
