@@ -71,10 +71,10 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_by
 }
 
 // Predicated cp.async of a weight chunk's pieces: nothing is copied when `pred` is false (the slot
-// keeps its old bytes, which callers never use then). 16 bytes bypass L1 (.cg: read once); the
-// 8- and 4-byte copies (scales, zeros) can only go through it (.ca).
+// keeps its old bytes, which callers never use then). All go through L1 (.ca): the 16-byte form
+// that bypasses it (.cg) asked the L2 for twice the sectors it needed (Nsight Compute, ebbbefa).
 __device__ __forceinline__ void cp_async_16_if(u32 dst, const void* src, bool pred) {
-  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p cp.async.cg.shared.global [%0], [%1], 16;\n\t}" ::"r"(dst),
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p cp.async.ca.shared.global [%0], [%1], 16;\n\t}" ::"r"(dst),
                "l"(src), "r"(static_cast<int>(pred))
                : "memory");
 }
