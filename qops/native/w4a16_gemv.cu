@@ -547,11 +547,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 
   if constexpr (SR > 0) {
     // As below, with the chunks in the shared-memory ring: iterations 0 .. SR-2 in flight before x is
-    // staged. Iteration `it` computes chunk `it` from registers (read from its stage during it - 1),
-    // refills the stage of it - 1 with iteration it+SR-1, waits for the group of it + 1 and reads
-    // that chunk into registers before the math, so the shared-memory latency hides under it (the
-    // math waiting on the read was ~18% of the stall samples, Nsight Compute at 822a60e). One group
-    // per iteration (maybe empty), so wait_group<SR-2> always means "the group of it + 1 has landed".
+    // staged. Iteration `it` first refills the stage of it-1 (read by this thread in the previous
+    // iteration) with iteration it+SR-1, then waits for its own group: SR chunks in flight while it
+    // computes. One group per iteration (maybe empty), so wait_group<SR-1> always means "the group
+    // of `it` has landed".
 #pragma unroll
     for (int d = 0; d < SR - 1; ++d) {
       if (d < n_it) load_chunk_smem(d);
@@ -560,9 +559,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     for (int q = SR - 1; q < QOPS_PREFETCH; ++q) prefetch_it(q);
     grid_dep_wait();  // x may still be being written by the kernel ahead
     stage_x_full();
-    cp_async_wait<SR - 2>();
-    __syncthreads();  // x staged, and chunk 0's pieces (copied by other lanes) have landed
-    Chunk cur = read_chunk_smem(0);
+    __syncthreads();
     for (int it0 = 0; it0 < n_it; it0 += SR) {
 #pragma unroll
       for (int b = 0; b < SR; ++b) {
@@ -571,11 +568,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           __syncwarp();  // every lane has read the stage of it - 1, refilled next
           if (it + SR - 1 < n_it) load_chunk_smem((b + SR - 1) % SR);
           cp_async_commit();
-          cp_async_wait<SR - 2>();
-          __syncwarp();  // the pieces other lanes copied for it + 1 have landed
-          const Chunk next = read_chunk_smem((b + 1) % SR);  // past the last chunk: stale, unused
-          compute(it, cur, 0);
-          cur = next;
+          cp_async_wait<SR - 1>();
+          __syncwarp();  // the pieces other lanes copied for this lane have landed
+          compute(it, read_chunk_smem(b), 0);
         }
       }
     }
