@@ -54,6 +54,10 @@ def _gemv_variants():
                     p = native._plan(m, 4096, 4096, 132, False)
                     for nwn, ring in ((8, 0), (2, 0), (8, 3), (4, 3)):
                         yield {**p.defines(dt, has_z), "QOPS_NWN": nwn, "QOPS_RING": ring}
+            for m in (1, 2):  # the widest tile at M <= 8 (x staged once, folded, L2 prefetch)
+                p = native._plan(m, 57344, 8192, 132, False)
+                assert p.nwn == 8, p
+                yield p.defines(dt, has_z)
 
 
 def _smem_ring_variants():
@@ -250,6 +254,19 @@ def test_plans_fill_the_machine_for_the_perf_shapes():
             p = native._plan(m, n, k, 132, True)
             assert p.tiles * p.splits >= 0.7 * 132, (n, k, m, p)
             assert n > 132 * 256 or p.tiles * p.splits <= 132, (n, k, m, p)
+
+
+def test_the_widest_tile_where_it_alone_makes_one_wave():
+    """nwn = 8 (measured 10% faster on 57344 x 8192 at M = 1) only where 256-column tiles fill
+    1.4-2 blocks an SM without splitting K, and only at M <= 8."""
+    p = native._plan(1, 57344, 8192, 132, True)
+    assert (p.nwn, p.splits, p.xfull, p.fold, p.prefetch, p.minb) == (8, 1, True, True, 2, 1)
+    assert native._plan(16, 57344, 8192, 132, True).nwn == 4
+    for n, k in [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (8192, 28672)]:
+        assert native._plan(1, n, k, 132, True).nwn < 8, (n, k)
+    for m in range(1, 17):
+        p = native._plan(m, 57344, 8192, 132, True)
+        assert p.nwn < 8 or (m <= 8 and p.splits == 1 and 1.4 * 132 <= p.tiles <= 2 * 132), (m, p)
 
 
 def test_plans_up_to_16_rows_are_those_of_the_two_tile_kernel():

@@ -278,6 +278,9 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     # - folding the bias and zero point out of the loop gains 3-6% on blocks of <= 4096 rows of K
     #   (fp16 4096 x 4096, 6144 x 4096, 28672 x 4096) and, with the prefetch, on the long ones; alone
     #   it loses 3-5% on the long ones.
+    # - at M <= 8 the widest tile (nwn = 8: eight warps side by side, no K reduction in the block)
+    #   where it alone makes one wave: 57344 x 8192 at M = 1 77.1 us against 85.9 for nwn = 4
+    #   (`h200-2026-11-30-9cc0d6c-sweep-smem-joint.json`); it was not a candidate before.
     # Otherwise (small N, no candidate fits, or M <= 8 where x cannot be staged once) the earlier
     # rule: the tile by M, K split to about two blocks per SM, two blocks per SM promised. At M = 4
     # on 8192 x 28672 and 4096 x 14336 it measured 49 and 15 us where the wide-tile rule with one
@@ -287,8 +290,8 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     chunks = max(-(-k // CHUNK_K), 1)
     for one_wave in (True, False):
         for xfull in ((True,) if m <= 8 else (False,)):
-            for nwn in (4, 2, 1):
-                for s in (1, 2):
+            for nwn in ((8, 4, 2, 1) if m <= 8 else (4, 2, 1)):
+                for s in ((1,) if nwn == 8 else (1, 2)):
                     blocks = (-(-n // (32 * nwn))) * s
                     low, high = (1.4 * sms, 2 * sms) if one_wave else (1.5 * sms, float("inf"))
                     if not low <= blocks <= high or (s > 1 and s > chunks // (8 // nwn)):
