@@ -61,9 +61,12 @@
 // warp (SR x 19 KiB a block) in 63-80 registers at M <= 8 (108-123 with the register ring; ptxas,
 // sm_80/sm_90, no spills). Shared memory per block: x + SR x 8 x 2432 bytes, so
 // above 48 KiB the host opts the kernel in (sm_90: up to 227 KiB a block, 228 KiB an SM: two blocks
-// per SM up to 5 stages, one from 6, 11 at most). Off by default (0): measured on the H200 at M = 1
-// it is 1.5-1.75x slower than the register ring at every depth 2..10 (depth-independent, so what
-// bounds it is not the bytes in flight; not yet explained).
+// per SM up to 5 stages, one from 6, 11 at most). Off by default (0). With 16-byte copies that bypass
+// L1 (.cg) it was 1.5-1.9x slower than the register ring at every depth: Nsight Compute showed each
+// such cp.async asking the L2 for twice the sectors it needed (L2 hit rate 58%, DRAM 36% of peak).
+// Through L1 (.ca) it matches the register ring: 4 stages 1-2% faster at M = 1 on 28672 x 4096 and
+// 4096 x 14336, deeper rings slower as L1 and the blocks an SM shrink
+// (`benchmarks/results/h200-2026-11-30-822a60e-sweep-smem-ca.json`, `...-9cc0d6c-sweep-smem-joint.json`).
 //
 // Programmatic dependent launch (sm_90, launched with programmatic stream serialization): the kernel
 // may start while the kernel ahead of it (which typically writes x) is still running. Weights, scales
