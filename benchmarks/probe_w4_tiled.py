@@ -5,10 +5,12 @@ each of 4 rows N*4 bytes apart, and its next step the next 4 rows. ``QOPS_PROBE 
 kernel at its own plan reading the same number of bytes as if each 32 columns were stored as one
 (K/8, 32) slab (a step 512 contiguous bytes, consecutive steps adjacent): wrong sums, same work. Per
 shape and M, the op and that build are timed with interleaved trials over rotated weight copies
-(method of ``common.py``), GPTQ v2, 4 bits, group 128, asymmetric, fp16 x. The same question for the
-NF4 kernel is ``probe_nf4_native.py --probes op,tiled``. Needs N % 32 == 0.
+(method of ``common.py``), GPTQ v2, 4 bits, group 128, asymmetric, fp16 x. ``--plans`` adds the op at
+its plan with other fields (JSON list, e.g. '[{"l2_fetch": 256}]': the L2 fetching 256 bytes around
+each weight load), each checked against the op's output. The same questions for the NF4 kernel are
+``probe_nf4_native.py --probes op,tiled --plans ...``. Needs N % 32 == 0.
 
-    PYTHONPATH=. python benchmarks/probe_w4_tiled.py [--shapes 28672x4096,...] [--ms 1,16] [--out F]
+    PYTHONPATH=. python benchmarks/probe_w4_tiled.py [--shapes 28672x4096,...] [--ms 1,16] [--plans JSON] [--out F]
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ from qops.native import int_weight as niw  # noqa: E402
 
 
 def main(argv=None) -> int:
-    a = common.probe_parser("probe_w4_tiled.py", __doc__, LARGE_SHAPES, [1], 7).parse_args(argv)
+    p = common.probe_parser("probe_w4_tiled.py", __doc__, LARGE_SHAPES, [1], 7)
+    p.add_argument("--plans", type=json.loads, default=[], help="plan field overrides timed beside op and tiled (JSON list)")
+    a = p.parse_args(argv)
     res = common.probe_result("w4_tiled")
     if res is None:
         return 2
@@ -44,15 +48,20 @@ def main(argv=None) -> int:
             used = niw.plan(m, n, k, 0)
             roof = common.roofline_us(w.nbytes() + 2 * m * (k + n), bw)
 
-            def under(probe, f, used=used):
+            def under(fields, f, used=used):
                 def g():
-                    with niw.plan_override(lambda *_: dataclasses.replace(used, probe=probe)):
+                    with niw.plan_override(lambda *_: dataclasses.replace(used, **fields)):
                         return f()
                 return g
 
-            cands = {name: [under(code, lambda w=w: w.mm(x)) for w in ws] for name, code in (("op", 0), ("tiled", 1))}
-            ts = common.graph_times(cands, a.trials, 5.0)
+            variants = {"op": {}, "tiled": {"probe": 1}} | {json.dumps(f, sort_keys=True): f for f in a.plans}
             row = {"N": n, "K": k, "M": m, "plan": str(used), "roofline_us": round(roof, 2)}
+            want = w.mm(x).float()
+            for name, fields in variants.items():
+                if name not in ("op", "tiled"):
+                    row[name + "_rel_err_vs_op"] = common.rel_err(under(fields, lambda: w.mm(x))(), want)
+            cands = {name: [under(fields, lambda w=w: w.mm(x)) for w in ws] for name, fields in variants.items()}
+            ts = common.graph_times(cands, a.trials, 5.0)
             for name, t in ts.items():
                 common.add_time(row, name, t.us, roof)
             res["rows"].append(row)
@@ -60,9 +69,10 @@ def main(argv=None) -> int:
         del w, ws
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_w4_tiled.json", a.out))
-    print("\nN x K | M | op % | tiled % (of the roofline)")
+    names = ["op", "tiled"] + [json.dumps(f, sort_keys=True) for f in a.plans]
+    print("\nN x K | M | " + " | ".join(f"{v} %" for v in names) + " (of the roofline)")
     for r in res["rows"]:
-        print(f"{r['N']}x{r['K']} | {r['M']} | {r['op_roof_pct']} | {r['tiled_roof_pct']}")
+        print(f"{r['N']}x{r['K']} | {r['M']} | " + " | ".join(str(r.get(v + "_roof_pct", "-")) for v in names))
     return 0
 
 

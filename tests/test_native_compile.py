@@ -641,3 +641,26 @@ def test_both_launches_of_a_split_call_follow_the_switch(env, monkeypatch):
     # The gemv's grid is one wave: with PDL it releases the reduce kernel as it starts (flags bit 16).
     early = native._EARLY_DEPENDENTS if env == "1" else 0
     assert [(k_, p_, f_ & native._EARLY_DEPENDENTS) for k_, p_, f_ in launches] == [(native.GEMV, env == "1", early), (native.REDUCE, env == "1", 0)]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_l2_fetch_size_reaches_the_weight_loads(arch):
+    """Plan field l2_fetch (measurements) puts .L2::<size>B on both kernels' weight loads and nowhere
+    when 0; a size PTX lacks is a compile error naming the macro."""
+    from qops.native import blockwise4 as nbw4
+
+    w4 = native._plan(1, 28672, 4096, 132, False)
+    nf4 = nbw4.plan(1, 28672, 4096, 132, 64)
+    builds = {
+        "w4": (native.SOURCE, native.GEMV, lambda f: dataclasses.replace(w4, l2_fetch=f).defines(torch.float16, True)),
+        "nf4": (nbw4.SOURCE, nbw4.GEMV, lambda f: dataclasses.replace(nf4, l2_fetch=f).defines(torch.float16, True, 64, 256)),
+    }
+    for name, (source, kernel, defines) in builds.items():
+        src = compiler.native_source(source)
+        for fetch in (0, 256):
+            text = "\n".join(_entries(_ptx(src, arch, defines(fetch)))[kernel])
+            loads = re.findall(r"ld\.global\.nc\.L1::no_allocate\S*\.v4\.u32", text)
+            assert loads, name
+            assert all(("L2::256B" in ld) == (fetch == 256) for ld in loads), (name, fetch, set(loads))
+        with pytest.raises(compiler.NativeCompileError, match="QOPS_L2_FETCH"):
+            compiler.compile(src, arch, compiler.native_options(defines(100)))

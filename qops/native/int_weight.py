@@ -136,6 +136,7 @@ class Plan:
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
     probe: int = 0  # measurements only (benchmarks/probe_w4_tiled.py): 1 reads the weight bytes tile-major (wrong sums)
+    l2_fetch: int = 0  # bytes the L2 fetches around each weight load (0, 64, 128, 256; 0: the hardware's choice)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         return {
@@ -151,6 +152,7 @@ class Plan:
             "QOPS_PREFETCH": self.prefetch,
             "QOPS_SMEM_RING": self.smem_ring,
             "QOPS_PROBE": self.probe,
+            "QOPS_L2_FETCH": self.l2_fetch,
         }
 
 

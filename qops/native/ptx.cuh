@@ -13,10 +13,27 @@ typedef unsigned short u16;
 // that the compiler keeps them where they are issued (early, ahead of their use). The 16-byte
 // streaming load of data read exactly once (weights) takes the read-only path without allocating in
 // L1, so x and the scales keep L1.
+// QOPS_L2_FETCH (0, 64, 128 or 256): the bytes the L2 fetches from DRAM around each weight load
+// (PTX .L2::<size>B prefetch size); 0 leaves it to the hardware. A plan field, for measurements.
+#ifndef QOPS_L2_FETCH
+#define QOPS_L2_FETCH 0
+#endif
+#if QOPS_L2_FETCH == 256
+#define QOPS_L2_FETCH_Q ".L2::256B"
+#elif QOPS_L2_FETCH == 128
+#define QOPS_L2_FETCH_Q ".L2::128B"
+#elif QOPS_L2_FETCH == 64
+#define QOPS_L2_FETCH_Q ".L2::64B"
+#elif QOPS_L2_FETCH == 0
+#define QOPS_L2_FETCH_Q ""
+#else
+#error "QOPS_L2_FETCH must be 0, 64, 128 or 256"
+#endif
+
 __device__ __forceinline__ void ld_stream_v4_if(uint4& v, const void* p, bool pred) {
   asm volatile(
       "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
-      "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      "@p ld.global.nc.L1::no_allocate" QOPS_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
       : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
       : "l"(p), "r"(static_cast<int>(pred)));
 }
