@@ -7,7 +7,8 @@ kernel at its own plan reading the same number of bytes as if each 32 columns we
 shape and M, the op and that build are timed with interleaved trials over rotated weight copies
 (method of ``common.py``), GPTQ v2, 4 bits, group 128, asymmetric, fp16 x. ``--plans`` adds the op at
 its plan with other fields (JSON list, e.g. '[{"l2_fetch": 256}]': the L2 fetching 256 bytes around
-each weight load), each checked against the op's output. The same questions for the NF4 kernel are
+each weight load; '[{"smem_ring": 4, "smem_bulk": true}]': the shared-memory ring filled by bulk
+copies), each checked against the op's output. The same questions for the NF4 kernel are
 ``probe_nf4_native.py --probes op,tiled --plans ...``. Needs N % 32 == 0.
 
     PYTHONPATH=. python benchmarks/probe_w4_tiled.py [--shapes 28672x4096,...] [--ms 1,16] [--plans JSON] [--out F]
@@ -29,6 +30,9 @@ from probe_early_pdl import gptq_native  # noqa: E402
 from qops.native import int_weight as niw  # noqa: E402
 
 
+PLAN_KNOBS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring")
+
+
 def main(argv=None) -> int:
     p = common.probe_parser("probe_w4_tiled.py", __doc__, LARGE_SHAPES, [1], 7)
     p.add_argument("--plans", type=json.loads, default=[], help="plan field overrides timed beside op and tiled (JSON list)")
@@ -48,9 +52,21 @@ def main(argv=None) -> int:
             used = niw.plan(m, n, k, 0)
             roof = common.roofline_us(w.nbytes() + 2 * m * (k + n), bw)
 
-            def under(fields, f, used=used):
+            def variant(fields, used=used, m=m, n=n, k=k):
+                """``used`` with ``fields``: the launch-shaping ones through make_plan (shared memory and
+                workspace follow), the build-only ones (probe, l2_fetch, smem_bulk) replaced."""
+                shaping = {f: fields[f] for f in PLAN_KNOBS if f in fields}
+                p = used
+                if shaping:
+                    base = {f: getattr(used, f) for f in PLAN_KNOBS}
+                    p = niw.make_plan(m, n, k, **(base | shaping), smem_limit=niw.smem_optin_bytes(0))
+                return dataclasses.replace(p, **{f: v for f, v in fields.items() if f not in PLAN_KNOBS})
+
+            def under(fields, f):
+                p = variant(fields)
+
                 def g():
-                    with niw.plan_override(lambda *_: dataclasses.replace(used, **fields)):
+                    with niw.plan_override(lambda *_: p):
                         return f()
                 return g
 
@@ -59,7 +75,7 @@ def main(argv=None) -> int:
             want = w.mm(x).float()
             for name, fields in variants.items():
                 if name not in ("op", "tiled"):
-                    row[name + "_rel_err_vs_op"] = common.rel_err(under(fields, lambda: w.mm(x))(), want)
+                    row[name + "_rel_err_vs_op"] = common.rel_err(under(fields, lambda w=w: w.mm(x))(), want)
             cands = {name: [under(fields, lambda w=w: w.mm(x)) for w in ws] for name, fields in variants.items()}
             ts = common.graph_times(cands, a.trials, 5.0)
             for name, t in ts.items():

@@ -664,3 +664,26 @@ def test_l2_fetch_size_reaches_the_weight_loads(arch):
             assert all(("L2::256B" in ld) == (fetch == 256) for ld in loads), (name, fetch, set(loads))
         with pytest.raises(compiler.NativeCompileError, match="QOPS_L2_FETCH"):
             compiler.compile(src, arch, compiler.native_options(defines(100)))
+
+
+def test_smem_bulk_compiles_for_sm90_only_without_spills():
+    """The bulk-copy fill of the smem ring (measurements): the two decode plans it is tried on, both
+    dtypes, zeros or not, with and without a cluster; the copies, the mbarrier waits and no per-lane
+    cp.async of qweight in its PTX; refused for sm_80."""
+    src = compiler.native_source(native.SOURCE)
+    for n, k in ((28672, 4096), (4096, 14336)):
+        for cluster in (False, True):
+            p = native._plan(1, n, k, 132, cluster)
+            for dt in (torch.float16, torch.bfloat16):
+                for has_z in (False, True):
+                    defines = {**p.defines(dt, has_z), "QOPS_SMEM_RING": 4, "QOPS_SMEM_BULK": 1}
+                    log: list[str] = []
+                    cubin = compiler.compile(src, "sm_90", compiler.native_options(defines, ptxas_options=["-v"]), log=log)
+                    assert cubin[:4] == ELF_MAGIC
+                    regs, spills = _ptxas_report(log[0])[native.GEMV]
+                    assert spills == 0 and regs <= 65536 // (256 * defines["QOPS_MINB"]), (defines, log[0])
+    text = "\n".join(_entries(_ptx(src, "sm_90", defines))[native.GEMV])
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text
+    assert "mbarrier.try_wait.parity" in text and "cp.async.cg" not in text
+    with pytest.raises(compiler.NativeCompileError, match="QOPS_SMEM_BULK"):
+        compiler.compile(src, "sm_80", compiler.native_options(defines))
