@@ -6,9 +6,9 @@ kernel at its own plan reading the same number of bytes as if each 32 columns we
 (K/8, 32) slab (a step 512 contiguous bytes, consecutive steps adjacent): wrong sums, same work. Per
 shape and M, the op and that build are timed with interleaved trials over rotated weight copies
 (method of ``common.py``), GPTQ v2, 4 bits, group 128, asymmetric, fp16 x. ``--plans`` adds the op at
-its plan with other fields (JSON list, e.g. '[{"l2_fetch": 256}]': the L2 fetching 256 bytes around
-each weight load; '[{"smem_ring": 4, "smem_bulk": true}]': the shared-memory ring filled by bulk
-copies), each checked against the op's output. The same questions for the NF4 kernel are
+its plan with other fields (JSON list, e.g. '[{"smem_ring": 4}]': a 4-stage shared-memory ring), each
+checked against the op's output. (Stop 18 also timed an L2 fetch size on the weight loads and a ring
+filled by per-row bulk copies this way, at 525f5d4 and c9b8957; neither paid, both were taken out.) The same questions for the NF4 kernel are
 ``probe_nf4_native.py --probes op,tiled --plans ...``. Needs N % 32 == 0.
 
     PYTHONPATH=. python benchmarks/probe_w4_tiled.py [--shapes 28672x4096,...] [--ms 1,16] [--plans JSON] [--out F]
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
             def variant(fields, used=used, m=m, n=n, k=k):
                 """``used`` with ``fields``: the launch-shaping ones through make_plan (shared memory and
-                workspace follow), the build-only ones (probe, l2_fetch, smem_bulk) replaced."""
+                workspace follow), the build-only ones (probe) replaced."""
                 shaping = {f: fields[f] for f in PLAN_KNOBS if f in fields}
                 p = used
                 if shaping:

@@ -50,7 +50,6 @@ class Plan:
     scale: str = "prescale"
     lut_imm: bool = False  # table entries 256 bytes apart, addressed by one prmt and the window base as an immediate
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
-    l2_fetch: int = 0  # bytes the L2 fetches around each weight load (0, 64, 128, 256; 0: the hardware's choice)
 
     @property
     def shmem_bytes(self) -> int:
@@ -71,7 +70,6 @@ class Plan:
             "QOPS_RING": self.ring,
             "QOPS_MINB": self.minb,
             "QOPS_PROBE": self.probe,
-            "QOPS_L2_FETCH": self.l2_fetch,
             "QOPS_PRESCALE": int(self.scale == "prescale"),
             "QOPS_BLOCK_COLS": int(self.scale == "cols"),
             "QOPS_NESTED": int(nested),

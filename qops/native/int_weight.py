@@ -136,8 +136,6 @@ class Plan:
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
     probe: int = 0  # measurements only (benchmarks/probe_w4_tiled.py): 1 reads the weight bytes tile-major (wrong sums)
-    l2_fetch: int = 0  # bytes the L2 fetches around each weight load (0, 64, 128, 256; 0: the hardware's choice)
-    smem_bulk: bool = False  # measurements: the smem ring filled by bulk copies (sm_90, N % 32 == 0)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         return {
@@ -153,8 +151,6 @@ class Plan:
             "QOPS_PREFETCH": self.prefetch,
             "QOPS_SMEM_RING": self.smem_ring,
             "QOPS_PROBE": self.probe,
-            "QOPS_L2_FETCH": self.l2_fetch,
-            "QOPS_SMEM_BULK": int(self.smem_bulk),
         }
 
 
@@ -541,10 +537,6 @@ def out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
 
 def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_per_group, zero_offset, flags, dev, stream) -> None:
     p = plan(m, n, k, dev)
-    if p.smem_bulk and (n % 32 or not _sm90(dev) or scales.data_ptr() % 16 or (qzeros is not None and qzeros.data_ptr() % 16)):
-        # only measurement overrides set it: bulk copies move whole 128-byte rows from 16-byte aligned starts
-        raise ValueError(f"native_w4a16: a plan with smem_bulk needs N % 32 == 0, sm_90 and 16-byte aligned scales and "
-                         f"zeros (N={n}, cuda:{dev})")
     has_z = qzeros is not None
     defines = p.defines(x2.dtype, has_z)
     gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)

@@ -13,27 +13,10 @@ typedef unsigned short u16;
 // that the compiler keeps them where they are issued (early, ahead of their use). The 16-byte
 // streaming load of data read exactly once (weights) takes the read-only path without allocating in
 // L1, so x and the scales keep L1.
-// QOPS_L2_FETCH (0, 64, 128 or 256): the bytes the L2 fetches from DRAM around each weight load
-// (PTX .L2::<size>B prefetch size); 0 leaves it to the hardware. A plan field, for measurements.
-#ifndef QOPS_L2_FETCH
-#define QOPS_L2_FETCH 0
-#endif
-#if QOPS_L2_FETCH == 256
-#define QOPS_L2_FETCH_Q ".L2::256B"
-#elif QOPS_L2_FETCH == 128
-#define QOPS_L2_FETCH_Q ".L2::128B"
-#elif QOPS_L2_FETCH == 64
-#define QOPS_L2_FETCH_Q ".L2::64B"
-#elif QOPS_L2_FETCH == 0
-#define QOPS_L2_FETCH_Q ""
-#else
-#error "QOPS_L2_FETCH must be 0, 64, 128 or 256"
-#endif
-
 __device__ __forceinline__ void ld_stream_v4_if(uint4& v, const void* p, bool pred) {
   asm volatile(
       "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
-      "@p ld.global.nc.L1::no_allocate" QOPS_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
       : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
       : "l"(p), "r"(static_cast<int>(pred)));
 }
@@ -107,36 +90,6 @@ __device__ __forceinline__ void cp_async_4_if(u32 dst, const void* src, bool pre
                "l"(src), "r"(static_cast<int>(pred))
                : "memory");
 }
-
-// Bulk copies (sm_90 copy engine) completing on a shared-memory mbarrier: one thread moves `bytes`
-// (a multiple of 16, both addresses 16-byte aligned) and the barrier's transaction count falls by
-// them as they land. Used by the W4A16 smem ring's QOPS_SMEM_BULK measurement build.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void mbar_init(u32 bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_inval(u32 bar) { asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory"); }
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst), "l"(src),
-               "r"(bytes), "r"(bar)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait_parity(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n\t.reg .pred done;\n"
-      "WAIT_%=:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra WAIT_%=;\n\t}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-#endif
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 

@@ -198,44 +198,6 @@ def test_every_plan_variant_matches_reference(variant):
                 check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {p}")
 
 
-BULK_VARIANTS = [  # (nwn, splits, cluster, minb, fold, stages): the smem ring filled by bulk copies (measurements)
-    (4, 1, False, 1, True, 4), (1, 2, True, 1, False, 4), (2, 3, False, 2, False, 2), (1, 1, False, 1, False, 11), (8, 1, False, 1, True, 6),
-]
-
-
-@pytest.mark.parametrize("variant", BULK_VARIANTS, ids=lambda v: "nwn{}-s{}-{}-minb{}{}-smem{}".format(
-    v[0], v[1], "cl" if v[2] else "ws", v[3], "-fold" if v[4] else "", v[5]))
-def test_smem_bulk_matches_reference(variant):
-    """The bulk-copy fill of the shared-memory ring: per-warp mbarriers, 128-byte row copies, a
-    chunk cut short by K (K = 1000, group -1), zeros or not, M = 1, 7, 16, fp16 and bf16, then a
-    CUDA graph of it replayed."""
-    nwn, splits, cluster, minb, fold, stages = variant
-    if not native._device_facts(0)[1]:
-        pytest.skip("bulk copies need sm_90")
-    for fmt, n, k, g, sym, ver in [("gptq", 1024, 1000, -1, False, "v1"), ("gptq", 512, 2048, 128, True, "v2"), ("awq", 640, 1280, 128, False, None)]:
-        nw = native_weight(fmt, n, k, g, sym, False, ver)
-        for m in (1, 7, 16):
-            try:
-                p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=True, minb=minb, fold=fold and m <= 8,
-                                     smem_ring=stages, smem_limit=native.smem_optin_bytes(0))
-            except ValueError:
-                continue
-            p = dataclasses.replace(p, smem_bulk=True)
-            with native.plan_override(lambda *a, p=p: p):
-                for dtype in DTYPES:
-                    x = rand(m, k, dtype=dtype, seed=m)
-                    check(nw.weight.mm(x), x, nw.w64, None, f"{fmt} {n}x{k} M={m} {dtype} {p}")
-                if m == 7:
-                    _check_graph_replays(nw, m, k, torch.float16, (2,), f"bulk graph {fmt} {n}x{k}")
-
-
-def test_smem_bulk_refuses_n_off_the_warp_tile():
-    nw = native_weight("gptq", 1000, 1024, 128, False, version="v2")
-    p = dataclasses.replace(native.make_plan(1, 1000, 1024, nwn=1, splits=1, cluster=False, xfull=True, smem_ring=4), smem_bulk=True)
-    with native.plan_override(lambda *a: p), pytest.raises(ValueError, match="smem_bulk needs N % 32 == 0"):
-        nw.weight.mm(rand(1, 1024, dtype=torch.float16, seed=1))
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fold_keeps_the_precision_of_the_exact_path_on_offset_activations(dtype):
     """Folding subtracts the dequantization bias (1024 or 128 times the x sums) after the MMA: the
