@@ -295,8 +295,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // The shared-memory ring (SR > 0): this warp's SR stages of kSmemStage bytes after x (and the FOLD
   // sums). Copy lane L fetches the qweight piece that lane 4 * (L % 8) + L / 8 reads (row L / 8 of
   // the step, columns 4 * (L % 8) ..): each eight consecutive lanes copy one 128-byte row segment.
-  // With the lanes' own pieces (four rows per eight lanes), every cp.async asked the L2 for twice the
-  // sectors it needed (Nsight Compute, 89b7c63). A lane then reads bytes other lanes copied, so the
+  // (Tried against the doubled L2 sectors of the .cg copies, which it did not cure; the .ca form
+  // did, and was measured with this mapping.) A lane then reads bytes other lanes copied, so the
   // warp syncs after its waits and before it overwrites a stage; scales and zeros stay per lane.
   const int chunks_blk = (C + S - 1) / S;
   char* sring = reinterpret_cast<char*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0)) + warp * SR * kSmemStage;
