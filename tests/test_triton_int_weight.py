@@ -263,19 +263,16 @@ def test_half_weight_tile_matches_oracle(bits, group_size, sym):
         check(17, 40, 520, bits, group_size, sym, False, False, torch.float16, "gemm", seed=1)
 
 
-@pytest.mark.parametrize("boundary", [True, False], ids=["half-k-tile", "tall"])
 @pytest.mark.parametrize("bits,group_size", [(4, 128), (8, 64)])
-def test_tall_tiles_scale_the_half_tile(bits, group_size, boundary):
-    # BLOCK_M >= BLOCK_K / 2: the group scale multiplies the fp16 weight tile instead of the fp32
-    # product (fewer instructions for tall tiles, the dot accumulating in place); the weight is then
-    # rounded once, like a dequantized fp16 weight. The K tile of whole words is 16 words deep
-    # (128 rows at 4 bits, 64 at 8), so BLOCK_M of half that is the boundary.
-    block_m = 8 * (32 // bits) if boundary else 128
+def test_tall_tiles_scale_the_half_tile(bits, group_size):
+    # BLOCK_M > BLOCK_K / 2: the group scale multiplies the fp16 weight tile instead of the fp32
+    # product (fewer instructions for tall tiles); the weight is then rounded once, like a
+    # dequantized fp16 weight.
     tall = table()
-    tall["gemm"]["default"]["64"] = {**_GEMM, "BLOCK_M": block_m, "reduce": "partials"}
+    tall["gemm"]["default"]["64"] = {**_GEMM, "BLOCK_M": 128, "reduce": "partials"}
     with T.config_override(tall):
         plan = T._plan(17, 40, 520, bits, group_size, torch.device(DEVICE), "gemm")
-        assert plan["tile_group"] and 2 * plan["block_m"] >= plan["block_k"]
+        assert plan["tile_group"] and 2 * plan["block_m"] > plan["block_k"]
         check(17, 40, 520, bits, group_size, False, True, True, torch.float16, "gemm")
 
 

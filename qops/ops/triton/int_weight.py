@@ -518,12 +518,10 @@ def _tc_kernel(
                                 group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE,
                                 DEQUANT)
             s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
-            if DEQUANT != 0 and 2 * BLOCK_M >= BLOCK_K:
+            if DEQUANT != 0 and 2 * BLOCK_M > BLOCK_K:
                 # Scaling the product costs BLOCK_M / BLOCK_K instructions per weight, the half tile
-                # 1/2 (a packed multiply per pair): cheaper for tall tiles, and at 2 * BLOCK_M ==
-                # BLOCK_K the dot accumulates in place (no fp32 pass over the tile; 254 -> 168
-                # registers at 64 x 128 x 128). s * (q - z) is then rounded to the activation dtype
-                # once, as a dequantized weight would be.
+                # 1/2 (a packed multiply per pair): cheaper for tall tiles. s * (q - z) is then
+                # rounded to the activation dtype once, as a dequantized weight would be.
                 acc = tl.dot(a, b * s.to(DTYPE)[None, :], acc)
             else:
                 # "ieee": fp32 activations (interpreter tests) are not rounded to tf32; fp16/bf16 are unaffected.
