@@ -31,6 +31,7 @@ import common
 common.add_repo_to_path()
 
 from bench_bnb_int8 import call, decode_rows, nf4_weight  # noqa: E402
+from probe_early_pdl import gptq_native  # noqa: E402
 from qops.lowerings import LOWERINGS_BY_NAME  # noqa: E402
 
 KINDS = ("w4native", "w4triton", "nf4native")
@@ -51,15 +52,6 @@ def parse_cases(text: str) -> list[tuple[str, int, int, int]]:
     return cases
 
 
-def gptq_weight(n: int, k: int, lowering: str):
-    from qops.formats import FORMATS
-
-    fmt = FORMATS["gptq"]
-    w = torch.randn(n, k, dtype=torch.float16, device="cuda") * 0.02
-    iw = fmt.prepare(fmt.quantize(w, bits=4, group_size=128, sym=False), dtype=torch.float16)
-    return dataclasses.replace(iw, kernel=LOWERINGS_BY_NAME[lowering].kernel)
-
-
 def make_case(kind: str, n: int, k: int, m: int, gen):
     """(zero-argument call, float64 reference of the first CHECK_ROWS output columns)."""
     x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
@@ -68,7 +60,7 @@ def make_case(kind: str, n: int, k: int, m: int, gen):
         w = dataclasses.replace(w, kernel=LOWERINGS_BY_NAME["native_blockwise4"].kernel)
         want = x.double() @ decode_rows(w, CHECK_ROWS).T
         return (lambda: call(w, x)), want
-    w = gptq_weight(n, k, "native_w4a16" if kind == "w4native" else "triton_int_weight")
+    w = gptq_native(n, k, "native_w4a16" if kind == "w4native" else "triton_int_weight")
     want = x.double() @ w.dequantize(torch.float64)[:CHECK_ROWS].T
     return (lambda: w.mm(x)), want
 
