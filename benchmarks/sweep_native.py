@@ -21,6 +21,14 @@ plan, the best plan found and their times, then a table last.
     PYTHONPATH=. python benchmarks/sweep_native.py --shapes 28672x4096 --ms 1
     PYTHONPATH=. python benchmarks/sweep_native.py --ms 24,32         # the MT = 3, 4 plans (one block per SM)
 
+The shared-memory ring can also be filled by tensor-map copies (``tma``, sm_90) and, since it holds
+no chunk in registers, run with three or four blocks per SM promised (``minb`` 3, 4: <= 80 / 64
+registers a thread). ``--values`` narrows a knob's values; ``--jobs`` compiles the ``--joint``
+plans' kernels in parallel first:
+
+    PYTHONPATH=. python benchmarks/sweep_native.py --ms 1 --joint tma,smem_ring,minb,nwn \
+        --values smem_ring=2,3,4 --values minb=2,3,4 --knobs splits,prefetch,fold --passes 1
+
 At M = 17..32 (MT = 3, 4) the kernel needs one block per SM (minb = 1; minb = 2 would spill and
 is refused), and the widest tile (nwn = 8) and a 3-deep ring are worth trying there.
 
@@ -33,6 +41,7 @@ import argparse
 import dataclasses
 import datetime
 import itertools
+import multiprocessing
 import sys
 import time
 
@@ -42,12 +51,14 @@ import common
 from bench_int_weight import decode_gptq4_f64
 from common import PERF_SHAPES, clone_tensors, n_copies, rel_err
 
-KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring")
+KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring", "tma")
 # smem_ring: 2 KiB + 384 bytes of scales and zeros a warp a stage; up to 5 stages two blocks fit on
 # an H200 SM (<= 113 KiB a block with x), 6 and more take one block per SM, 11 is the most that fits.
-VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2), "xfull": (True, False),
-          "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10)}
-PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring")
+# minb 3, 4 (<= 80, 64 registers a thread) only with the shared-memory ring (the register ring spills);
+# tma: that ring filled by tensor-map copies (sm_90, N % 32 == 0).
+VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2, 3, 4), "xfull": (True, False),
+          "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10), "tma": (False, True)}
+PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "tma")
 TOL = 2e-3
 
 
@@ -62,6 +73,9 @@ def parse_args(argv=None):
     ap.add_argument("--knobs", default=",".join(KNOBS), help="the knobs to walk, comma-separated (default: all)")
     ap.add_argument("--joint", default="", help="knobs whose every combination is timed first, from the default plan; "
                     "the best starts the walk (e.g. smem_ring,nwn)")
+    ap.add_argument("--values", action="append", default=[], metavar="KNOB=V1,V2",
+                    help="the values tried for a knob instead of VALUES' (repeatable; booleans as 0/1)")
+    ap.add_argument("--jobs", type=int, default=8, help="processes compiling the --joint plans' kernels before timing (0: none)")
     ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="activation dtype (default float16)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     return ap.parse_args(argv)
@@ -71,10 +85,12 @@ def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, smem_limit
     """``base`` with ``change`` applied, or None when the kernel cannot run it (``smem_limit``: the
     device's opt-in maximum of shared memory a block)."""
     f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb, "fold": base.fold,
-         "prefetch": base.prefetch, "smem_ring": base.smem_ring} | change
+         "prefetch": base.prefetch, "smem_ring": base.smem_ring, "tma": base.tma} | change
     if not f["xfull"]:
         f["fold"] = False  # folding needs x staged once
         f["smem_ring"] = 0  # and so does the shared-memory ring
+    if not f["smem_ring"]:
+        f["tma"] = False  # which tensor-map copies fill
     if f["ring"] == 4 and m > 8:  # the M > 8 tile's accumulators leave no registers for a 4-deep ring
         return None
     cluster = cluster_ok and base.cluster and 2 <= f["splits"] <= 8  # a new split count is tried both ways by the caller
@@ -82,6 +98,44 @@ def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, smem_limit
         return native.make_plan(m, n, k, cluster=cluster, smem_limit=smem_limit, **f)
     except ValueError:
         return None
+
+
+def override_values(specs) -> None:
+    """--values KNOB=V1,V2: replace VALUES[KNOB] (booleans given as 0/1)."""
+    for spec in specs:
+        knob, _, vals = spec.partition("=")
+        if knob not in VALUES:
+            raise SystemExit(f"sweep_native: unknown knob {knob!r} in --values (one of {', '.join(VALUES)})")
+        cast = (lambda v: bool(int(v))) if isinstance(VALUES[knob][0], bool) else int
+        VALUES[knob] = tuple(cast(v) for v in vals.split(",") if v)
+
+
+def _compile_one(args) -> str | None:
+    from qops.native import compiler
+    source, arch, defines = args
+    try:
+        compiler.compile_cached(source, arch, compiler.native_options(defines))
+    except Exception as e:  # noqa: BLE001 - the timing loop reports a plan that cannot build
+        return f"{defines}: {common.short_err(e)}"
+    return None
+
+
+def precompile(native, plans, dtype, jobs: int) -> float:
+    """Compile the kernels of ``plans`` into the disk cache in ``jobs`` processes (the timing loop then
+    only loads them); returns the seconds it took."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from qops.native import compiler
+    t0 = time.time()
+    source, arch = compiler.native_source(native.SOURCE), compiler.device_arch(0)
+    todo = {tuple(sorted(p.defines(dtype, True).items())) for p in plans}
+    # spawn, not fork: the parent holds a CUDA context, which a forked child must not touch
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for err in ex.map(_compile_one, [(source, arch, dict(d)) for d in todo]):
+            if err:
+                print(f"  compile failed: {err}", flush=True)
+    print(f"precompiled {len(todo)} kernels in {time.time() - t0:.1f} s with {jobs} processes", flush=True)
+    return time.time() - t0
 
 
 def key(p) -> tuple:
@@ -109,6 +163,13 @@ def run(args) -> int:
     t0 = time.time()
     shapes = common.parse_shapes(args.shapes)
     ms = common.parse_ms(args.ms)
+    override_values(args.values)
+    joint = [kb for kb in args.joint.split(",") if kb]
+    if joint and args.jobs > 0:
+        plans = [native.plan(m, n, k, 0) for n, k in shapes for m in ms]
+        plans += [c for n, k in shapes for m in ms for combo in itertools.product(*(VALUES[kb] for kb in joint))
+                  if (c := candidate(native, native.plan(m, n, k, 0), m, n, k, cluster_ok, smem_limit, **dict(zip(joint, combo)))) is not None]
+        res["precompile_s"] = round(precompile(native, plans, dtype, args.jobs), 1)
     if max(ms) > native.MAX_M:
         print(f"sweep_native: M <= {native.MAX_M} (one launch; larger M runs as slices of those plans)", file=sys.stderr)
         return 2
@@ -159,7 +220,6 @@ def run(args) -> int:
             default = native.plan(m, n, k, 0)
             t_def = measure(default)
             best, t_best = default, t_def if t_def is not None else float("inf")
-            joint = [kb for kb in args.joint.split(",") if kb]
             for combo in itertools.product(*(VALUES[kb] for kb in joint)) if joint else ():
                 c = candidate(native, default, m, n, k, cluster_ok, smem_limit, **dict(zip(joint, combo)))
                 t = measure(c) if c is not None else None
@@ -175,7 +235,8 @@ def run(args) -> int:
                             for cl in (True, False):  # both reductions for a split count
                                 try:
                                     cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb,
-                                                          fold=c.fold, prefetch=c.prefetch, smem_ring=c.smem_ring, smem_limit=smem_limit)
+                                                          fold=c.fold, prefetch=c.prefetch, smem_ring=c.smem_ring, smem_limit=smem_limit,
+                                                          tma=c.tma)
                                 except ValueError:
                                     continue
                                 t = measure(cc)
