@@ -62,8 +62,10 @@ def encode(box: Box2D) -> bytes:
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16
     swizzle = driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if box.swizzle128 else \
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t  # some cuda-bindings versions take no plain ints for these
     err, tmap = driver.cuTensorMapEncodeTiled(
-        dtype, 2, box.ptr, [box.cols, box.rows], [box.row_stride], [box.box_cols, box.box_rows], [1, 1],
+        dtype, 2, box.ptr, [u64(box.cols), u64(box.rows)], [u64(box.row_stride)], [u32(box.box_cols), u32(box.box_rows)],
+        [u32(1), u32(1)],
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
