@@ -203,8 +203,11 @@ def xfull_bytes(m: int, k: int, splits: int, fold: bool = False) -> int:
 
 
 def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: bool = False,
-                minb: int = 2) -> str | None:
-    """Why the kernel cannot run this combination (its compile-time and launch limits), or None."""
+                minb: int = 2, opt_in: bool = False) -> str | None:
+    """Why the kernel cannot run this combination (its compile-time and launch limits), or None.
+
+    ``opt_in``: the launch opts in to more than 48 KiB of shared memory (a shared-memory ring), so
+    x staged once may take up to the largest opt-in (:func:`make_plan` checks the total)."""
     nwk = 8 // nwn
     if nwn not in (1, 2, 4, 8):
         return f"nwn={nwn} is not 1, 2, 4 or 8"
@@ -223,8 +226,9 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
         return f"a register ring {_ring(mt, ring)} deep with M={m} (MT = {mt} keeps spill-free up to 3)"
     if fold and not (xfull and m <= 8):
         return f"fold needs x staged once (xfull) and M <= 8 (got xfull={xfull}, M={m})"
-    if xfull and xfull_bytes(m, k, splits, fold) > SHMEM_MAX_BYTES:
-        return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold)} bytes of shared memory (> {SHMEM_MAX_BYTES})"
+    x_limit = SHMEM_OPTIN_MAX_BYTES if opt_in else SHMEM_MAX_BYTES
+    if xfull and xfull_bytes(m, k, splits, fold) > x_limit:
+        return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold)} bytes of shared memory (> {x_limit})"
     if not xfull and m * nwk * 16 > staged_x_slots(mt, nwk):
         return f"per-iteration x staging of M={m} rows with {nwk} warps along K exceeds {staged_x_slots(mt, nwk)} slots"
     if not xfull and _ring(mt, ring) * m * (nwk * 16 + 4) * 16 > SHMEM_MAX_BYTES:
@@ -249,7 +253,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     Only plans with a shared-memory ring go above ``SHMEM_MAX_BYTES``. Raises ValueError for a
     combination the kernel cannot run.
     """
-    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb)
+    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb, opt_in=smem_ring > 0)
     if why is None and not 0 <= prefetch <= 16:
         why = f"prefetch={prefetch} outside 0..16"
     if why is None and smem_ring and not 2 <= smem_ring <= SMEM_RING_MAX:
