@@ -21,13 +21,12 @@ plan, the best plan found and their times, then a table last.
     PYTHONPATH=. python benchmarks/sweep_native.py --shapes 28672x4096 --ms 1
     PYTHONPATH=. python benchmarks/sweep_native.py --ms 24,32         # the MT = 3, 4 plans (one block per SM)
 
-The shared-memory ring can also be filled by tensor-map copies (``tma``, sm_90) and, since it holds
-no chunk in registers, run with three or four blocks per SM promised (``minb`` 3, 4: <= 80 / 64
-registers a thread). ``--values`` narrows a knob's values; ``--jobs`` compiles the ``--joint``
-plans' kernels in parallel first:
+The shared-memory ring holds no chunk in registers, so it can run with three or four blocks per SM
+promised (``minb`` 3, 4: <= 80 / 64 registers a thread). ``--values`` narrows a knob's values;
+``--jobs`` compiles the ``--joint`` plans' kernels in parallel first:
 
-    PYTHONPATH=. python benchmarks/sweep_native.py --ms 1 --joint tma,smem_ring,minb,nwn \
-        --values smem_ring=2,3,4 --values minb=2,3,4 --knobs splits,prefetch,fold --passes 1
+    PYTHONPATH=. python benchmarks/sweep_native.py --ms 1 --joint smem_ring,minb,nwn \
+        --values smem_ring=2,3,4 --values minb=2,3,4 --knobs splits --passes 1
 
 At M = 17..32 (MT = 3, 4) the kernel needs one block per SM (minb = 1; minb = 2 would spill and
 is refused), and the widest tile (nwn = 8) and a 3-deep ring are worth trying there.
@@ -51,14 +50,13 @@ import common
 from bench_int_weight import decode_gptq4_f64
 from common import PERF_SHAPES, clone_tensors, n_copies, rel_err
 
-KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring", "tma")
+KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring")
 # smem_ring: 2 KiB + 384 bytes of scales and zeros a warp a stage; up to 5 stages two blocks fit on
 # an H200 SM (<= 113 KiB a block with x), 6 and more take one block per SM, 11 is the most that fits.
-# minb 3, 4 (<= 80, 64 registers a thread) only with the shared-memory ring (the register ring spills);
-# tma: that ring filled by tensor-map copies (sm_90, N % 32 == 0).
+# minb 3, 4 (<= 80, 64 registers a thread) only with the shared-memory ring (the register ring spills).
 VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2, 3, 4), "xfull": (True, False),
-          "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10), "tma": (False, True)}
-PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "tma")
+          "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10)}
+PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring")
 TOL = 2e-3
 
 
@@ -85,12 +83,10 @@ def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, smem_limit
     """``base`` with ``change`` applied, or None when the kernel cannot run it (``smem_limit``: the
     device's opt-in maximum of shared memory a block)."""
     f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb, "fold": base.fold,
-         "prefetch": base.prefetch, "smem_ring": base.smem_ring, "tma": base.tma} | change
+         "prefetch": base.prefetch, "smem_ring": base.smem_ring} | change
     if not f["xfull"]:
         f["fold"] = False  # folding needs x staged once
         f["smem_ring"] = 0  # and so does the shared-memory ring
-    if not f["smem_ring"]:
-        f["tma"] = False  # which tensor-map copies fill
     if f["ring"] == 4 and m > 8:  # the M > 8 tile's accumulators leave no registers for a 4-deep ring
         return None
     cluster = cluster_ok and base.cluster and 2 <= f["splits"] <= 8  # a new split count is tried both ways by the caller
@@ -235,8 +231,7 @@ def run(args) -> int:
                             for cl in (True, False):  # both reductions for a split count
                                 try:
                                     cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb,
-                                                          fold=c.fold, prefetch=c.prefetch, smem_ring=c.smem_ring, smem_limit=smem_limit,
-                                                          tma=c.tma)
+                                                          fold=c.fold, prefetch=c.prefetch, smem_ring=c.smem_ring, smem_limit=smem_limit)
                                 except ValueError:
                                     continue
                                 t = measure(cc)

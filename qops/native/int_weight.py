@@ -19,10 +19,13 @@ not change from run to run; the choice of S depends only on the shape and the de
 
 Plans with x staged once may keep the weights in flight in a shared-memory ring (``smem_ring``
 stages a warp) instead of registers: more than 48 KiB of shared memory a block, which the launch
-opts in to and :func:`make_plan` / :func:`plan` refuse above the device's opt-in maximum. The rule
-never picks it: on the H200 (99e1780, ``...-99e1780-sweep-smem-ring-m1.json``) it ran 1.5-1.75x
-slower than the register ring at M = 1 on the four large shapes, at every depth from 2 to 10
-stages. ``QOPS_NATIVE_SMEM_RING=S`` gives it to the rule's x-staged-once plans for measurements.
+opts in to and :func:`make_plan` / :func:`plan` refuse above the device's opt-in maximum (x staged
+once may then exceed 48 KiB too). The rule never picks it: since its copies go through L1 (822a60e)
+it matches the register ring at M = 1 (4 stages 1-2% faster on 28672 x 4096 and 4096 x 14336,
+slower on the long-K shapes), and neither three or four blocks per SM promised (``minb`` 3, 4: it
+holds no chunk in registers) nor M = 16 plans staging x once beat the defaults
+(``...-ee2bf78-sweep-smem-minb.json``, ``...-5ea9ca4-sweep-m16-smem.json``; benchmarks/NOTES.md,
+stop 19). ``QOPS_NATIVE_SMEM_RING=S`` gives it to the rule's x-staged-once plans for measurements.
 
 Compilation and module loading happen in :func:`warmup` (which compiles every variant M = 1..32
 needs for a weight) or, failing that, at the first eager call of a shape; never during CUDA-graph
@@ -49,7 +52,7 @@ from typing import Optional
 import torch
 
 from ..ops._common import DETERMINISTIC_ENV, deterministic_requested  # noqa: F401  (DETERMINISTIC_ENV: the switch's name, re-exported)
-from . import compiler, tensor_map
+from . import compiler
 
 SOURCE = "w4a16_gemv.cu"
 GEMV = "qops_w4a16_gemv"
@@ -136,7 +139,6 @@ class Plan:
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
     probe: int = 0  # measurements only (benchmarks/probe_w4_tiled.py): 1 reads the weight bytes tile-major (wrong sums)
-    tma: bool = False  # measurements: the smem ring filled by 2-D tensor-map copies (sm_90, N % 32 == 0; :func:`tma_refusal`)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         return {
@@ -152,7 +154,6 @@ class Plan:
             "QOPS_PREFETCH": self.prefetch,
             "QOPS_SMEM_RING": self.smem_ring,
             "QOPS_PROBE": self.probe,
-            "QOPS_TMA": int(self.tma),
         }
 
 
@@ -176,16 +177,8 @@ SHMEM_OPTIN_MAX_BYTES = 227 * 1024 - STATIC_SHMEM_BYTES
 SMEM_RING_ENV = "QOPS_NATIVE_SMEM_RING"
 
 
-# The ring filled by tensor-map copies (kTmaSlot, kTmaAlign in w4a16_gemv.cu): per warp and stage the
-# 2 KiB qweight box, 128 bytes each for scales and zeros, an 8-byte mbarrier; 1 KiB of alignment slack.
-TMA_SLOT_BYTES = 16 * 128 + 128 + 128 + 8
-TMA_ALIGN_BYTES = 1024
-
-
-def smem_ring_bytes(stages: int, tma: bool = False) -> int:
+def smem_ring_bytes(stages: int) -> int:
     """Shared memory of a ``stages``-deep weight ring for one block (8 warps)."""
-    if tma and stages:
-        return TMA_ALIGN_BYTES + 8 * stages * TMA_SLOT_BYTES
     return stages * SMEM_RING_STAGE_BYTES
 
 
@@ -245,7 +238,7 @@ def _reduction_bytes(m: int, nwn: int, cluster: bool) -> int:
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
-              fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, tma: bool = False) -> Plan:
+              fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
@@ -260,8 +253,6 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
         why = f"smem_ring={smem_ring} is not 0 or 2..{SMEM_RING_MAX}"
     if why is None and smem_ring and not xfull:
         why = f"smem_ring={smem_ring} needs x staged once (xfull): the per-iteration x stages share the barrier the ring avoids"
-    if why is None and tma and not smem_ring:
-        why = "tma fills the shared-memory ring: it needs smem_ring >= 2"
     if why is None and minb > 2 and not smem_ring:
         why = f"minb={minb} leaves <= {65536 // (THREADS * minb)} registers a thread: only the shared-memory ring fits (the register ring spills)"
     if why is not None:
@@ -270,14 +261,14 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     nblk, nwk = 32 * nwn, 8 // nwn
     tiles = -(-n // nblk)
     xs_bytes = xfull_bytes(m, k, splits, fold) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
-    shmem = max(xs_bytes + smem_ring_bytes(smem_ring, tma), _reduction_bytes(m, nwn, cluster))
+    shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster))
     limit = SHMEM_OPTIN_MAX_BYTES if smem_limit is None else smem_limit
     if smem_ring and shmem > limit:
         raise ValueError(f"native_w4a16: a {smem_ring}-stage shared-memory ring needs {shmem} bytes of shared memory a block "
-                         f"(x {xs_bytes} + ring {smem_ring_bytes(smem_ring, tma)}); the device allows {limit} "
+                         f"(x {xs_bytes} + ring {smem_ring_bytes(smem_ring)}); the device allows {limit} "
                          f"(its opt-in maximum): take fewer stages")
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
-    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, tma=tma)
+    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -555,39 +546,9 @@ def out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
     return o2 if (n <= 1 or o2.stride(1) == 1) else None
 
 
-def tma_refusal(dev: int, n: int, qweight, scales, qzeros) -> str | None:
-    """Why a plan with ``tma`` cannot run on these tensors, or None: the tensor maps need sm_90,
-    16-byte aligned bases and rows (N % 32 == 0 makes the zeros' rows so), contiguous tensors."""
-    if not _sm90(dev):
-        return f"cuda:{dev} is not sm_90 or newer (tensor-map copies)"
-    if n % 32:
-        return f"N={n} is not a multiple of 32"
-    for name, t in (("qweight", qweight), ("scales", scales), ("qzeros", qzeros)):
-        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
-            return f"{name} is not contiguous and 16-byte aligned"
-    return None
-
-
-def _tma_maps(dev: int, n: int, qweight, scales, qzeros) -> int:
-    """Global address of the three maps the kernel's tensor-map ring reads: qweight (K/8, N) u32 in
-    16-row x 32-column swizzled boxes, scales (groups, N) in 1 x 32 boxes, qzeros (groups, N/8) u32 in
-    1 x 4 boxes (scales stand in for a weight without zeros; the kernel then reads no third map)."""
-    why = tma_refusal(dev, n, qweight, scales, qzeros)
-    if why is not None:
-        raise ValueError(f"native_w4a16: a plan with tma cannot run here: {why}")
-    kw, groups = qweight.shape[0], scales.shape[0]
-    es = scales.element_size()
-    scales_box = tensor_map.Box2D(scales.data_ptr(), es, groups, n, es * n, 1, 32)
-    boxes = (tensor_map.Box2D(qweight.data_ptr(), 4, kw, n, 4 * n, 16, 32, swizzle128=True), scales_box,
-             tensor_map.Box2D(qzeros.data_ptr(), 4, qzeros.shape[0], qzeros.shape[1], 4 * qzeros.shape[1], 1, 4)
-             if qzeros is not None else scales_box)
-    return tensor_map.device_maps(dev, boxes)
-
-
 def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_per_group, zero_offset, flags, dev, stream) -> None:
     p = plan(m, n, k, dev)
     has_z = qzeros is not None
-    tmaps = _tma_maps(dev, n, qweight, scales, qzeros) if p.tma else 0
     defines = p.defines(x2.dtype, has_z)
     gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
     ldx = x2.stride(0) if m > 1 else k
@@ -605,7 +566,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
         gemv, (p.tiles, p.splits, 1), (THREADS, 1, 1), p.shmem, stream,
         qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr() if has_z else 0, x2.data_ptr(),
         bias.data_ptr() if bias is not None else 0, o2.data_ptr(), ws_ptr,
-        i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(gemv_flags), tmaps,
+        i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(gemv_flags),
         pdl=pdl,
     )
     if p.workspace:
@@ -669,7 +630,7 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
                 compiler.allow_dynamic_shared(gemv, dev, p.shmem)
             compiler.max_active_blocks(gemv, dev, THREADS, p.shmem)  # the early-release check's occupancy query, cached now
             i0 = compiler.i32(0)
-            compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), 0, pdl=pdl)
+            compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
             if p.workspace:
                 reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
                 compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)

@@ -98,45 +98,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Tensor-memory-accelerator copies (sm_90) completing on shared-memory mbarriers. One thread asks
-// for a whole 2-D box of a tensor described by a CUtensorMap; the barrier's transaction count falls
-// by the box's bytes as they land (out-of-bounds elements arrive as zeros and count too). The map
-// lives in global memory, written by the host before the launch.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void mbar_init(u32 bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_inval(u32 bar) { asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory"); }
-// Makes initialized barriers visible to the copy engine (the async proxy) before it completes on them.
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-// Orders this thread's earlier shared-memory accesses before later async-proxy writes (a refill).
-__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait_parity(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n\t.reg .pred done;\n"
-      "WAIT_%=:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra WAIT_%=;\n\t}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// A tensor map in global memory is read through the tensormap proxy: acquire it once before use.
-__device__ __forceinline__ void tensormap_acquire(const void* map) {
-  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
-}
-// The box at element coordinates (x innermost, y) of `map` into shared memory at `dst`.
-__device__ __forceinline__ void tma_load_2d(u32 dst, const void* map, int x, int y, u32 bar) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-                   dst),
-               "l"(map), "r"(x), "r"(y), "r"(bar)
-               : "memory");
-}
-#endif
-
 template <int LUT>
 __device__ __forceinline__ u32 lop3(u32 a, u32 b, u32 c) {
   u32 r;

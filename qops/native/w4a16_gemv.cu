@@ -124,12 +124,6 @@
 #ifndef QOPS_SMEM_RING
 #define QOPS_SMEM_RING 0
 #endif
-#ifndef QOPS_TMA
-#define QOPS_TMA 0  // measurements: the shared-memory ring filled by 2-D tensor-map copies (sm_90)
-#endif
-#if QOPS_TMA && (QOPS_SMEM_RING == 0 || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900))
-#error "QOPS_TMA needs QOPS_SMEM_RING > 0 and sm_90 (tensor-map copies)"
-#endif
 
 #if QOPS_CLUSTER > 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -157,14 +151,6 @@ constexpr int kSmemStage = 4 * 32 * 16 + 32 * 8 + 32 * 4;
 constexpr int kSmemScales = 4 * 32 * 16;
 constexpr int kSmemZeros = kSmemScales + 32 * 8;
 static_assert(kSmemStage % 16 == 0, "stages must stay 16-byte aligned");
-// QOPS_TMA: per (warp, stage) slot, in four arrays after x (and the FOLD sums), the first aligned to
-// 1024 bytes (the unit of the 128-byte swizzle): the warp's 16 qweight rows x 32 columns as the
-// tensor map's swizzled box, its 32 scales and its 4 zero words (each padded to 128 bytes: a copy's
-// destination is 128-byte aligned), and the slot's mbarrier. The host reserves kTmaAlign + 8 x SR x
-// kTmaSlot bytes.
-constexpr int kTmaW = 16 * 128, kTmaS = 128, kTmaZ = 128, kTmaBar = 8;
-constexpr int kTmaSlot = kTmaW + kTmaS + kTmaZ + kTmaBar;
-constexpr int kTmaAlign = 1024;
 
 // Bits of the `flags` argument.
 constexpr int kXVec = 1;       // x rows 16-byte aligned and K % 8 == 0: x staged with cp.async
@@ -193,7 +179,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
                                            const u32* __restrict__ qzeros, const u16* __restrict__ x,
                                            const void* __restrict__ bias, u16* __restrict__ out,
                                            float* __restrict__ ws, int M, int N, int K, int ldx, int ldo,
-                                           int chunks_per_group, int zero_offset, int flags, const char* tmaps) {
+                                           int chunks_per_group, int zero_offset, int flags) {
   constexpr int NWK = kWarps / NWN;
   constexpr int NBLK = 32 * NWN;
   constexpr int ROW = NWK * 16;  // 16-byte x slots (8 values) per row of one stage
@@ -215,12 +201,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp % NWN, wk = warp / NWN;
   const int g = lane >> 2, c = lane & 3;
-  // The warp's column group (4 columns) this lane dequantizes, accumulates and stores: g, or with
-  // QOPS_TMA the permutation that makes the reads of the swizzled box conflict-free. A quarter warp
-  // (g = 2q, 2q + 1; c = 0..3) reads rows r = 4j + c at 16-byte slot cg ^ (r % 8); groups cg and
-  // cg ^ 4 for the two g keep those eight slots distinct.
-  const int cgl = QOPS_TMA ? ((g >> 1) | ((g & 1) << 2)) : g;
-  const int n0 = blockIdx.x * NBLK + wn * 32 + 4 * cgl;
+  const int n0 = blockIdx.x * NBLK + wn * 32 + 4 * g;
   const bool n_ok = n0 < N;
   const int KW = (K + 7) >> 3;
   const int C = (K + kChunkK - 1) / kChunkK;
@@ -292,8 +273,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     bool ok;
     bool chunk_ok;  // the chunk is in this block's K range (ok also needs this lane's columns)
     int rows_left;
-    int ch;   // the chunk (128 rows of K)
-    int grp;  // its group (row of scales and zeros)
   };
   auto next_src = [&]() {
     prefetch_it(it_next + QOPS_PREFETCH);
@@ -304,7 +283,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     wnext += wstride;
     const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
     return Src{p, scales + static_cast<size_t>(grp) * N + n0, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3),
-               n_ok && ch < ce, ch < ce, KW - (ch * 16 + c), ch, grp};
+               n_ok && ch < ce, ch < ce, KW - (ch * 16 + c)};
   };
   auto load_chunk = [&](Chunk& ck) {
     const Src src = next_src();
@@ -345,51 +324,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     ck.z = HAS_Z ? *reinterpret_cast<const u32*>(src + kSmemZeros + lane * 4) : 0u;
     return ck;
   };
-#if QOPS_TMA
-  // QOPS_TMA: lane 0 of each warp fills a slot with three tensor-map copies (tmaps: the maps of
-  // qweight, scales and qzeros, 128 bytes each, in global memory): the box of 16 qweight rows x 32
-  // columns at (warp's first column, 16 * chunk), 128-byte swizzled (16-byte slot s of row r lands
-  // at slot s ^ (r % 8)); the 32 scales and 4 zero words of the chunk's group. Rows past K and
-  // columns past N arrive as zeros. The slot's mbarrier completes one phase per fill.
-  char* tregion = reinterpret_cast<char*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0));
-  {
-    const u32 a = smem_addr(tregion);
-    tregion += ((a + kTmaAlign - 1) & ~static_cast<u32>(kTmaAlign - 1)) - a;
-  }
-  constexpr int kSlots = 8 * (SR > 0 ? SR : 1);
-  const u32 tw_a = smem_addr(tregion), ts_a = tw_a + kSlots * kTmaW, tz_a = ts_a + kSlots * kTmaS, tb_a = tz_a + kSlots * kTmaZ;
-  const int wn0 = n0 - 4 * cgl;  // the warp's first column
-  auto tma_fill = [&](int stage) {
-    const Src src = next_src();
-    const int slot = warp * SR + stage;
-    const u32 bar = tb_a + slot * kTmaBar;
-    if (lane == 0) {
-      fence_proxy_async_smem();  // the warp's reads of this slot (ordered by the caller's __syncwarp) before the refill
-      if (src.chunk_ok) {
-        mbar_arrive_expect_tx(bar, kTmaW + 64u + (HAS_Z ? 16u : 0u));
-        tma_load_2d(tw_a + slot * kTmaW, tmaps, wn0, src.ch * 16, bar);
-        tma_load_2d(ts_a + slot * kTmaS, tmaps + 128, wn0, src.grp, bar);
-        if constexpr (HAS_Z) tma_load_2d(tz_a + slot * kTmaZ, tmaps + 256, wn0 >> 3, src.grp, bar);
-      } else {
-        mbar_arrive_expect_tx(bar, 0u);  // no chunk for this warp: the phase completes at once
-      }
-    }
-  };
-  auto tma_read = [&](int stage, int use) {
-    const int slot = warp * SR + stage;
-    mbar_wait_parity(tb_a + slot * kTmaBar, static_cast<u32>(use & 1));
-    const char* wb = tregion + slot * kTmaW;
-    Chunk ck;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = 4 * j + c;
-      ck.w[j] = *reinterpret_cast<const uint4*>(wb + r * 128 + ((cgl ^ (r & 7)) << 4));
-    }
-    ck.s = *reinterpret_cast<const uint2*>(tregion + kSlots * kTmaW + slot * kTmaS + 8 * cgl);
-    ck.z = HAS_Z ? *reinterpret_cast<const u32*>(tregion + kSlots * (kTmaW + kTmaS) + slot * kTmaZ + 4 * (cgl >> 1)) : 0u;
-    return ck;
-  };
-#endif
 
   // x slots this thread stages each iteration: row m, 8 values from column k0 + 8*kk. Two cover
   // M * ROW <= 512 slots (the plans for MT <= 2 keep to that); MT >= 3 takes as many as 8*MT rows need.
@@ -614,42 +548,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
   };
 
-#if QOPS_TMA
-  if constexpr (SR > 0) {
-    // As the cp.async ring below, filled by tensor-map copies: slot (warp, b) serves iterations b,
-    // b + SR, ..., the fill for iteration `it` completing phase it / SR of its barrier.
-    if (lane == 0) {
-      for (int st = 0; st < SR; ++st) mbar_init(tb_a + (warp * SR + st) * kTmaBar, 1);
-      mbar_init_fence();
-      tensormap_acquire(tmaps);
-      tensormap_acquire(tmaps + 128);
-      if constexpr (HAS_Z) tensormap_acquire(tmaps + 256);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int d = 0; d < SR - 1; ++d)
-      if (d < n_it) tma_fill(d);
-    for (int q = SR - 1; q < QOPS_PREFETCH; ++q) prefetch_it(q);
-    grid_dep_wait();  // x may still be being written by the kernel ahead
-    stage_x_full();
-    __syncthreads();
-    for (int it0 = 0; it0 < n_it; it0 += SR) {
-#pragma unroll
-      for (int b = 0; b < SR; ++b) {
-        const int it = it0 + b;
-        if (it < n_it) {
-          __syncwarp();  // every lane has read the slot of it - 1, refilled next
-          if (it + SR - 1 < n_it) tma_fill((b + SR - 1) % SR);
-          compute(it, tma_read(b, it / SR), 0);
-        }
-      }
-    }
-    __syncwarp();  // every lane is past its last wait before the barriers go (their memory is reused below)
-    if (lane == 0)
-      for (int st = 0; st < SR; ++st) mbar_inval(tb_a + (warp * SR + st) * kTmaBar);
-    __syncthreads();
-  } else
-#endif
   if constexpr (SR > 0) {
     // As below, with the chunks in the shared-memory ring: iterations 0 .. SR-2 in flight before x is
     // staged. Iteration `it` first refills the stage of it-1 (read by this thread in the previous
@@ -758,7 +656,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int m = 8 * mt + 2 * c + (i & 1);
-        const int col = wn * 32 + 4 * cgl + 2 * t + (i >> 1);
+        const int col = wn * 32 + 4 * g + 2 * t + (i >> 1);
         if (m < M) red[wk * total + m * NBLK + col] = acc[mt][t][i];
       }
   __syncthreads();
@@ -801,9 +699,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 extern "C" __global__ void __launch_bounds__(qops::kThreads, QOPS_MINB) QOPS_CLUSTER_ATTR
 qops_w4a16_gemv(const unsigned* qweight, const unsigned short* scales, const unsigned* qzeros,
                 const unsigned short* x, const void* bias, unsigned short* out, float* ws, int M, int N, int K,
-                int ldx, int ldo, int chunks_per_group, int zero_offset, int flags, const char* tmaps) {
+                int ldx, int ldo, int chunks_per_group, int zero_offset, int flags) {
   qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER, QOPS_XFULL != 0, QOPS_FOLD != 0, QOPS_SMEM_RING>(
-      qweight, scales, qzeros, x, bias, out, ws, M, N, K, ldx, ldo, chunks_per_group, zero_offset, flags, tmaps);
+      qweight, scales, qzeros, x, bias, out, ws, M, N, K, ldx, ldo, chunks_per_group, zero_offset, flags);
 }
 
 // Split-K finish for the workspace path: out[m, n] = sum_s ws[s, m, n] (+ bias), s in order.

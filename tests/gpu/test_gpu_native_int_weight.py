@@ -380,57 +380,6 @@ def test_compiled_cuda_graphs_reduce_overhead():
             assert torch.equal(y, f(x)), f"step {step}"
 
 
-TMA_VARIANTS = [  # (nwn, splits, cluster, stages, minb, fold, prefetch): the smem ring filled by tensor-map copies
-    (4, 1, False, 4, 2, True, 0), (1, 2, True, 4, 2, False, 0), (2, 3, False, 2, 4, False, 2), (8, 1, False, 3, 3, True, 0),
-    (1, 1, False, 8, 1, False, 0), (2, 2, True, 2, 4, True, 4),
-]
-
-
-@pytest.mark.parametrize("variant", TMA_VARIANTS, ids=lambda v: "nwn{}-s{}-{}-tma{}-minb{}{}-pf{}".format(
-    v[0], v[1], "cl" if v[2] else "ws", v[3], v[4], "-fold" if v[5] else "", v[6]))
-def test_tma_ring_matches_reference(variant):
-    """Every tensor-map ring plan against the oracle: rows past K (K = 777, 1000) and columns past N
-    (N = 1056: the last tiles' boxes partly outside) arrive as zeros, one group (g -1) and act-order,
-    with and without zeros, M = 1..32, fp16 and bf16."""
-    nwn, splits, cluster, stages, minb, fold, prefetch = variant
-    if not native._device_facts(0)[1]:
-        pytest.skip("tensor-map copies need sm_90")
-    for fmt, n, k, g, sym, act, ver in [("gptq", 1056, 777, 128, False, False, "v1"), ("gptq", 512, 2048, 128, True, False, "v2"),
-                                        ("awq", 640, 1280, -1, False, False, None), ("gptq", 1024, 1000, 128, False, True, "v1")]:
-        nw = native_weight(fmt, n, k, g, sym, act, ver)
-        for m in (1, 7, 16, 24, 32):
-            try:
-                p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=True, minb=minb, fold=fold,
-                                     prefetch=prefetch, smem_ring=stages, smem_limit=native.smem_optin_bytes(0), tma=True)
-            except ValueError:  # outside the kernel's limits for this M (make_plan says which)
-                continue
-            for dtype in DTYPES:
-                x = rand(m, k, dtype=dtype, seed=m)
-                bias = rand(n, dtype=dtype, seed=5) if m in (7, 24) else None
-                with native.plan_override(lambda *a, p=p: p):
-                    y = nw.weight.mm(x, bias)
-                check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {p}")
-
-
-def test_tma_ring_in_a_cuda_graph_and_its_maps_built_before_capture(monkeypatch):
-    """The maps are built by an eager call and kept: capture then replays against the oracle (PDL on,
-    behind another launch); a weight whose maps were never built is a clear error during capture."""
-    if not native._device_facts(0)[1]:
-        pytest.skip("tensor-map copies need sm_90")
-    nw = native_weight("gptq", 4096, 4096, 128, False, version="v2")
-    p = native.make_plan(1, 4096, 4096, nwn=1, splits=2, cluster=True, xfull=True, smem_ring=4, minb=2,
-                         smem_limit=native.smem_optin_bytes(0), tma=True)
-    with native.plan_override(lambda m, *a: p if m == 1 else None):
-        nw.weight.mm(rand(1, 4096, dtype=torch.float16, seed=0))  # loads the kernel, builds the maps
-        _check_graph_replays(nw, 1, 4096, torch.float16, (2, 3), "tma graph M=1")
-        other = dataclasses.replace(nw.weight, qweight=nw.weight.qweight.clone())
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with pytest.raises(compiler.NativeNotReadyError, match="tensor maps"):
-            with torch.cuda.graph(g):
-                other.mm(torch.zeros(1, 4096, dtype=torch.float16, device="cuda"))
-
-
 def test_capture_of_a_kernel_not_loaded_raises():
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
