@@ -50,13 +50,14 @@ import common
 from bench_int_weight import decode_gptq4_f64
 from common import PERF_SHAPES, clone_tensors, n_copies, rel_err
 
-KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring")
+KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring", "xu")
 # smem_ring: 2 KiB + 384 bytes of scales and zeros a warp a stage; up to 5 stages two blocks fit on
 # an H200 SM (<= 113 KiB a block with x), 6 and more take one block per SM, 11 is the most that fits.
 # minb 3, 4 (<= 80, 64 registers a thread) only with the shared-memory ring (the register ring spills).
 VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2, 3, 4), "xfull": (True, False),
-          "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10)}
-PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring")
+          "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10),
+          "xu": (1, 2, 4, 8)}
+PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "xu")
 TOL = 2e-3
 
 
@@ -83,7 +84,7 @@ def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, smem_limit
     """``base`` with ``change`` applied, or None when the kernel cannot run it (``smem_limit``: the
     device's opt-in maximum of shared memory a block)."""
     f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb, "fold": base.fold,
-         "prefetch": base.prefetch, "smem_ring": base.smem_ring} | change
+         "prefetch": base.prefetch, "smem_ring": base.smem_ring, "xu": base.xu} | change
     if not f["xfull"]:
         f["fold"] = False  # folding needs x staged once
         f["smem_ring"] = 0  # and so does the shared-memory ring
@@ -231,7 +232,8 @@ def run(args) -> int:
                             for cl in (True, False):  # both reductions for a split count
                                 try:
                                     cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb,
-                                                          fold=c.fold, prefetch=c.prefetch, smem_ring=c.smem_ring, smem_limit=smem_limit)
+                                                          fold=c.fold, prefetch=c.prefetch, smem_ring=c.smem_ring, smem_limit=smem_limit,
+                                                          xu=c.xu)
                                 except ValueError:
                                     continue
                                 t = measure(cc)

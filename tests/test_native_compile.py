@@ -659,3 +659,22 @@ def test_make_plan_promises_more_blocks_per_sm_only_with_the_smem_ring():
         native.make_plan(16, 28672, 4096, **tall)
     p = native.make_plan(16, 28672, 4096, **tall, smem_ring=2)
     assert p.shmem == native.xfull_bytes(16, 4096, 1) + native.smem_ring_bytes(2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_x_staging_unroll_compiles_and_issues_its_loads_first(arch):
+    """QOPS_XU: x staged once is read QOPS_XU 16-byte slots a thread at a time, every load of a round
+    issued before the first is used (1..8; the plans' default 8); 9 is refused."""
+    src = compiler.native_source(native.SOURCE)
+    base = native._plan(1, 4096, 14336, 132, False).defines(torch.float16, True)
+    assert base["QOPS_XFULL"] == 1 and base["QOPS_XU"] == 8
+    for xu in (1, 4, 8):
+        assert compiler.compile(src, arch, compiler.native_options({**base, "QOPS_XU": xu}))[:4] == ELF_MAGIC
+    text = _entries(_ptx(src, arch, base))[native.GEMV]
+    loads = [i for i, line in enumerate(text) if re.search(r"ld\.global\.nc\.v4\.u32", line)]
+    first_use = next(i for i, line in enumerate(text) if "prmt.b32" in line)
+    assert sum(i < first_use for i in loads) >= 8, "the round's eight x loads precede its first permute"
+    with pytest.raises(compiler.NativeCompileError, match="QOPS_XU"):
+        compiler.compile(src, "sm_90", compiler.native_options({**base, "QOPS_XU": 9}))
+    with pytest.raises(ValueError, match="xu=9 outside"):
+        native.make_plan(1, 4096, 14336, nwn=1, splits=2, cluster=True, xfull=True, xu=9)

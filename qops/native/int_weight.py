@@ -139,6 +139,7 @@ class Plan:
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
     probe: int = 0  # measurements only (benchmarks/probe_w4_tiled.py): 1 reads the weight bytes tile-major (wrong sums)
+    xu: int = 8  # (x staged once) 16-byte x slots a thread loads before using any (1..8; 1: one round trip per 256 slots)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         return {
@@ -154,6 +155,7 @@ class Plan:
             "QOPS_PREFETCH": self.prefetch,
             "QOPS_SMEM_RING": self.smem_ring,
             "QOPS_PROBE": self.probe,
+            "QOPS_XU": self.xu,
         }
 
 
@@ -238,7 +240,7 @@ def _reduction_bytes(m: int, nwn: int, cluster: bool) -> int:
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
-              fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None) -> Plan:
+              fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
@@ -253,6 +255,8 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
         why = f"smem_ring={smem_ring} is not 0 or 2..{SMEM_RING_MAX}"
     if why is None and smem_ring and not xfull:
         why = f"smem_ring={smem_ring} needs x staged once (xfull): the per-iteration x stages share the barrier the ring avoids"
+    if why is None and not 1 <= xu <= 8:
+        why = f"xu={xu} outside 1..8"
     if why is None and minb > 2 and not smem_ring:
         why = f"minb={minb} leaves <= {65536 // (THREADS * minb)} registers a thread: only the shared-memory ring fits (the register ring spills)"
     if why is not None:
@@ -268,7 +272,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
                          f"(x {xs_bytes} + ring {smem_ring_bytes(smem_ring)}); the device allows {limit} "
                          f"(its opt-in maximum): take fewer stages")
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
-    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring)
+    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -85,7 +85,7 @@
 // QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead), QOPS_PROBE
 // (measurement builds only),
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
-// replaces QOPS_RING).
+// replaces QOPS_RING), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -123,6 +123,9 @@
 #endif
 #ifndef QOPS_SMEM_RING
 #define QOPS_SMEM_RING 0
+#endif
+#ifndef QOPS_XU
+#define QOPS_XU 8
 #endif
 
 #if QOPS_CLUSTER > 1
@@ -371,30 +374,46 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // FOLD: per (block-local chunk, row m < 8) the sums the correction needs, after the staged x:
   // xsum[chunk * 8 + m] = (bias * sum of the staged values, sum of x); rows m >= M hold zeros.
   float2* xsum = reinterpret_cast<float2*>(smem + M * RSF);
+  // The loads come first, QOPS_XU slots a thread, then their permutes and stores: one global round
+  // trip for every QOPS_XU x 256 slots instead of one per 256 (Nsight Compute put 10-17% of the M = 1
+  // kernel's stall samples on this prologue's loads, each waited for before the next was issued).
+  // Slot s of the M x nkw staged slots is row s / nkw, 8-value word s % nkw; 16 | nkw, so the 16 lanes
+  // of a chunk's FOLD sums share one row.
+  static_assert(QOPS_XU >= 1 && QOPS_XU <= 8, "QOPS_XU is 1..8");
   auto stage_x_full = [&]() {
     const int nkw = (ce - cb) * 16;
-    for (int m = 0; m < M; ++m) {
-      // Warp-uniform trip count (the FOLD sums reduce across lanes with shuffles).
-      for (int base = warp * 32; base < nkw; base += kThreads) {
-        const int kwl = base + lane;
+    const int total = M * nkw;
+    for (int base0 = warp * 32; base0 < total; base0 += kThreads * QOPS_XU) {
+      uint4 v[QOPS_XU];
+#pragma unroll
+      for (int u = 0; u < QOPS_XU; ++u) {
+        const int s = base0 + u * kThreads + lane;
+        const bool in = s < total;
+        const int m = in ? s / nkw : 0, kwl = s - m * nkw;
         const int k = (cb * 16 + kwl) * 8;
         const u16* src = x + (static_cast<size_t>(m) * ldx + k);
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (kwl < nkw) {
-          if (xvec && k + 8 <= K) {
-            v = *reinterpret_cast<const uint4*>(src);
-          } else {
-            u32 h[4];
+        const bool vec = xvec && k + 8 <= K;
+        v[u] = make_uint4(0, 0, 0, 0);
+        ld_nc_v4_if(v[u], src, in && vec);
+        if (in && !vec) {
+          u32 h[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const u32 lo = (k + 2 * e < K) ? src[2 * e] : 0u;
-              const u32 hi = (k + 2 * e + 1 < K) ? src[2 * e + 1] : 0u;
-              h[e] = lo | (hi << 16);
-            }
-            v = make_uint4(h[0], h[1], h[2], h[3]);
+          for (int e = 0; e < 4; ++e) {
+            const u32 lo = (k + 2 * e < K) ? src[2 * e] : 0u;
+            const u32 hi = (k + 2 * e + 1 < K) ? src[2 * e + 1] : 0u;
+            h[e] = lo | (hi << 16);
           }
+          v[u] = make_uint4(h[0], h[1], h[2], h[3]);
         }
-        uint4 f = make_uint4(prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z), prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
+      }
+#pragma unroll
+      for (int u = 0; u < QOPS_XU; ++u) {
+        if (base0 + u * kThreads >= total) break;  // warp-uniform (the FOLD sums shuffle across lanes)
+        const int s = base0 + u * kThreads + lane;
+        const bool in = s < total;
+        const int m = in ? s / nkw : 0, kwl = s - m * nkw;
+        uint4 f = make_uint4(prmt<0x5410>(v[u].x, v[u].z), prmt<0x7632>(v[u].x, v[u].z), prmt<0x5410>(v[u].y, v[u].w),
+                             prmt<0x7632>(v[u].y, v[u].w));
         if constexpr (FOLD) {
           // f16: the odd nibbles dequantize without their shift as 1024 + 16 q, so their x is staged
           // divided by 16 (exact: a power of two) and the product is x * (64 + q).
@@ -414,9 +433,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
             sum_x += __shfl_xor_sync(0xffffffffu, sum_x, o);
             sum_staged += __shfl_xor_sync(0xffffffffu, sum_staged, o);
           }
-          if ((lane & 15) == 0 && kwl < nkw) xsum[(kwl >> 4) * 8 + m] = make_float2((DT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
+          if ((lane & 15) == 0 && in) xsum[(kwl >> 4) * 8 + m] = make_float2((DT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
         }
-        if (kwl < nkw) smem[m * RSF + kwl] = f;
+        if (in) smem[m * RSF + kwl] = f;
       }
     }
     if constexpr (FOLD) {
