@@ -387,9 +387,11 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       uint4 v[QOPS_XU];
 #pragma unroll
       for (int u = 0; u < QOPS_XU; ++u) {
+        // Warp-uniform: a short K range (a few slots a thread) does no more work than it needs.
+        if (base0 + u * kThreads >= total) break;
         const int s = base0 + u * kThreads + lane;
         const bool in = s < total;
-        const int m = in ? s / nkw : 0, kwl = s - m * nkw;
+        const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
         const int k = (cb * 16 + kwl) * 8;
         const u16* src = x + (static_cast<size_t>(m) * ldx + k);
         const bool vec = xvec && k + 8 <= K;
@@ -411,7 +413,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         if (base0 + u * kThreads >= total) break;  // warp-uniform (the FOLD sums shuffle across lanes)
         const int s = base0 + u * kThreads + lane;
         const bool in = s < total;
-        const int m = in ? s / nkw : 0, kwl = s - m * nkw;
+        const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
         uint4 f = make_uint4(prmt<0x5410>(v[u].x, v[u].z), prmt<0x7632>(v[u].x, v[u].z), prmt<0x5410>(v[u].y, v[u].w),
                              prmt<0x7632>(v[u].y, v[u].w));
         if constexpr (FOLD) {
