@@ -646,8 +646,8 @@ def test_both_launches_of_a_split_call_follow_the_switch(env, monkeypatch):
 
 def test_make_plan_promises_more_blocks_per_sm_only_with_the_smem_ring():
     """minb 3 and 4 (<= 80 / 64 registers a thread) fit the shared-memory ring, which holds no chunk
-    in registers; the register ring would spill. With the ring (the launch opts in anyway) x staged
-    once may take more than 48 KiB."""
+    in registers; the register ring would spill. An explicit plan may stage more than 48 KiB of x
+    once (the launch opts in); the rule's plans keep within 48 KiB."""
     kw = dict(nwn=4, splits=1, cluster=False, xfull=True, minb=1, fold=True)
     assert native.make_plan(1, 28672, 4096, **(kw | dict(minb=4)), smem_ring=2).defines(torch.float16, True)["QOPS_MINB"] == 4
     with pytest.raises(ValueError, match="register ring spills"):
@@ -655,10 +655,15 @@ def test_make_plan_promises_more_blocks_per_sm_only_with_the_smem_ring():
     with pytest.raises(ValueError, match="minb=5 outside"):
         native.make_plan(1, 28672, 4096, **(kw | dict(minb=5)), smem_ring=2)
     tall = dict(nwn=4, splits=1, cluster=False, xfull=True)
-    with pytest.raises(ValueError, match="needs 132096 bytes"):
-        native.make_plan(16, 28672, 4096, **tall)
+    assert native.make_plan(16, 28672, 4096, **tall).shmem == native.xfull_bytes(16, 4096, 1) == 132096
     p = native.make_plan(16, 28672, 4096, **tall, smem_ring=2)
     assert p.shmem == native.xfull_bytes(16, 4096, 1) + native.smem_ring_bytes(2)
+    with pytest.raises(ValueError, match=r"needs 1837056 bytes of shared memory \(> 231424\)"):
+        native.make_plan(32, 8192, 28672, **(tall | dict(minb=1)))
+    for n, k in ((28672, 4096), (4096, 14336), (8192, 28672), (4096, 4096)):  # the rule keeps x within 48 KiB
+        for m in (1, 4, 8, 16):
+            q = native._plan(m, n, k, 132, True)
+            assert not q.xfull or native.xfull_bytes(m, k, q.splits, q.fold) <= 48 * 1024, q
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -201,8 +201,9 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
                 minb: int = 2, opt_in: bool = False) -> str | None:
     """Why the kernel cannot run this combination (its compile-time and launch limits), or None.
 
-    ``opt_in``: the launch opts in to more than 48 KiB of shared memory (a shared-memory ring), so
-    x staged once may take up to the largest opt-in (:func:`make_plan` checks the total)."""
+    ``opt_in``: the launch may opt in to more than 48 KiB of shared memory, so x staged once may
+    take up to the largest opt-in (:func:`make_plan` checks the total). :func:`make_plan` allows it
+    for every x-staged-once plan (measurements; a shared-memory ring); the rule keeps to 48 KiB."""
     nwk = 8 // nwn
     if nwn not in (1, 2, 4, 8):
         return f"nwn={nwn} is not 1, 2, 4 or 8"
@@ -245,10 +246,11 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
 
     ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
     (:func:`smem_optin_bytes`); None: the largest any served device allows (``SHMEM_OPTIN_MAX_BYTES``).
-    Only plans with a shared-memory ring go above ``SHMEM_MAX_BYTES``. Raises ValueError for a
+    Only plans given here with x staged once or a shared-memory ring go above ``SHMEM_MAX_BYTES``
+    (:func:`plan`'s rule keeps x within it). Raises ValueError for a
     combination the kernel cannot run.
     """
-    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb, opt_in=smem_ring > 0)
+    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb, opt_in=xfull)
     if why is None and not 0 <= prefetch <= 16:
         why = f"prefetch={prefetch} outside 0..16"
     if why is None and smem_ring and not 2 <= smem_ring <= SMEM_RING_MAX:
@@ -267,10 +269,10 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     xs_bytes = xfull_bytes(m, k, splits, fold) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
     shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster))
     limit = SHMEM_OPTIN_MAX_BYTES if smem_limit is None else smem_limit
-    if smem_ring and shmem > limit:
-        raise ValueError(f"native_w4a16: a {smem_ring}-stage shared-memory ring needs {shmem} bytes of shared memory a block "
-                         f"(x {xs_bytes} + ring {smem_ring_bytes(smem_ring)}); the device allows {limit} "
-                         f"(its opt-in maximum): take fewer stages")
+    if shmem > limit:
+        raise ValueError(f"native_w4a16: x staged once and a {smem_ring}-stage shared-memory ring need {shmem} bytes of shared "
+                         f"memory a block (x {xs_bytes} + ring {smem_ring_bytes(smem_ring)}); the device allows {limit} "
+                         f"(its opt-in maximum): take fewer stages or split K more")
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
     return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu)
 
