@@ -43,6 +43,8 @@
 //      already in the order the B fragments want (x0 x4 x1 x5 x2 x6 x3 x7 per 8 values), so the main
 //      loop has no barrier, no x traffic and no permutes: each warp streams its chunks on its own.
 //      The weight loads of the first iterations are issued before x is staged, hiding its latency.
+//      x is read QOPS_XU 16-byte slots a thread before any is used, so a block waits one global
+//      round trip per QOPS_XU x 256 slots (one per 256 slots cost M = 1 10-16%: benchmarks/NOTES.md, stop 19).
 //
 // Shared-memory weight ring (QOPS_SMEM_RING = SR > 0; with x staged once only). The register ring
 // keeps D chunks in flight per warp, and every chunk in flight costs 19 registers a lane: at D = 2 the
