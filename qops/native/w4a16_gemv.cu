@@ -179,6 +179,19 @@ __device__ __forceinline__ float sum2(u32 v) {
 
 __device__ __forceinline__ u32 pack2(u16 h) { return static_cast<u32>(h) | (static_cast<u32>(h) << 16); }
 
+// x[k .. k+7] of one row (src = &row[k]) read a value at a time, zeros from column K on: for rows
+// that are not 16-byte aligned, and a row's last, partial slot.
+__device__ __forceinline__ uint4 load_x8_scalar(const u16* src, int k, int K) {
+  u32 h[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const u32 lo = (k + 2 * e < K) ? src[2 * e] : 0u;
+    const u32 hi = (k + 2 * e + 1 < K) ? src[2 * e + 1] : 0u;
+    h[e] = lo | (hi << 16);
+  }
+  return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF, bool FOLD, int SR>
 __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, const u16* __restrict__ scales,
                                            const u32* __restrict__ qzeros, const u16* __restrict__ x,
@@ -360,14 +373,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         const bool in = k < K;
         cp_async_16(smem_addr(dst), in ? src : x, in ? 16 : 0);
       } else {
-        u32 v[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const u32 lo = (k + 2 * e < K) ? src[2 * e] : 0u;
-          const u32 hi = (k + 2 * e + 1 < K) ? src[2 * e + 1] : 0u;
-          v[e] = lo | (hi << 16);
-        }
-        *dst = make_uint4(v[0], v[1], v[2], v[3]);
+        *dst = load_x8_scalar(src, k, K);
       }
     }
   };
@@ -399,16 +405,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         const bool vec = xvec && k + 8 <= K;
         v[u] = make_uint4(0, 0, 0, 0);
         ld_nc_v4_if(v[u], src, in && vec);
-        if (in && !vec) {
-          u32 h[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const u32 lo = (k + 2 * e < K) ? src[2 * e] : 0u;
-            const u32 hi = (k + 2 * e + 1 < K) ? src[2 * e + 1] : 0u;
-            h[e] = lo | (hi << 16);
-          }
-          v[u] = make_uint4(h[0], h[1], h[2], h[3]);
-        }
+        if (in && !vec) v[u] = load_x8_scalar(src, k, K);
       }
 #pragma unroll
       for (int u = 0; u < QOPS_XU; ++u) {
