@@ -260,7 +260,7 @@ def test_the_widest_tile_where_it_alone_makes_one_wave():
     """nwn = 8 (measured 10% faster on 57344 x 8192 at M = 1) only where 256-column tiles fill
     1.4-2 blocks an SM without splitting K, and only at M <= 8."""
     p = native._plan(1, 57344, 8192, 132, True)
-    assert (p.nwn, p.splits, p.xfull, p.fold, p.prefetch, p.minb) == (8, 1, True, True, 2, 1)
+    assert (p.nwn, p.splits, p.xfull, p.fold, p.prefetch, p.minb) == (8, 1, True, True, 0, 1)
     assert native._plan(16, 57344, 8192, 132, True).nwn == 4
     for n, k in [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (8192, 28672)]:
         assert native._plan(1, n, k, 132, True).nwn < 8, (n, k)

@@ -292,8 +292,9 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     #   M = 16 staging x once is now 6-7% faster on the two long-K shapes, not yet in this rule);
     # - two K splits sum faster inside a cluster than through the workspace, more do not;
     # - one block per SM promised to the register allocator (minb = 1) gains 1-2% at M <= 8;
-    # - an L2 prefetch 2 iterations ahead gains 7-10% where each warp runs >= 24 iterations
-    #   (57344 x 8192, 8192 x 28672 at M = 1) and loses up to 8% on short ones;
+    # - an L2 prefetch 2 iterations ahead gained 7-10% where each warp runs >= 24 iterations
+    #   (57344 x 8192, 8192 x 28672 at M = 1) while x's prologue was serialized; with xu = 8 it costs
+    #   8-12% there, so the M <= 16 plans take none;
     # - folding the bias and zero point out of the loop gains 3-6% on blocks of <= 4096 rows of K
     #   (fp16 4096 x 4096, 6144 x 4096, 28672 x 4096) and, with the prefetch, on the long ones; alone
     #   it loses 3-5% on the long ones.
@@ -317,11 +318,13 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
                         continue
                     cluster = cluster_ok and s == 2
                     iterations = -(-(-(-chunks // s)) // (8 // nwn))  # per warp
-                    prefetch = 2 if xfull and iterations >= 24 else 0
-                    fold = xfull and (prefetch > 0 or -(-k // s) <= 4096)
+                    # The L2 prefetch no longer pays since x's loads overlap (xu): 57344 x 8192 and
+                    # 8192 x 28672 at M = 1 run 8-12% faster without it (`...-1560c6f-sweep-m1-joint.json`).
+                    # Folding stays where it was measured to pay: short blocks, and long warps.
+                    fold = xfull and (iterations >= 24 or -(-k // s) <= 4096)
                     if _plan_error(m, k, nwn, s, cluster, xfull, 0, fold) is None:
                         return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull, minb=1 if m <= 8 else 2,
-                                         fold=fold, prefetch=prefetch)
+                                         fold=fold)
     nwn = 1 if m <= 4 else (2 if m <= 8 else 4)
     tiles = -(-n // (32 * nwn))
     s = 1
