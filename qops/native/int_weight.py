@@ -297,7 +297,8 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     #   8-12% there, so the M <= 16 plans take none;
     # - folding the bias and zero point out of the loop gains 3-6% on blocks of <= 4096 rows of K
     #   (fp16 4096 x 4096, 6144 x 4096, 28672 x 4096) and, with the prefetch, on the long ones; alone
-    #   it loses 3-5% on the long ones.
+    #   it lost 3-5% there before xu. The long ones keep it without the prefetch (88% and 86% of the
+    #   roofline at 47d2a6e); folding off was not re-measured there.
     # - at M <= 8 the widest tile (nwn = 8: eight warps side by side, no K reduction in the block)
     #   where it alone makes one wave: 57344 x 8192 at M = 1 77.1 us against 85.9 for nwn = 4
     #   (`h200-2026-11-30-9cc0d6c-sweep-smem-joint.json`); it was not a candidate before.
