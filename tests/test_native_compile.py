@@ -643,7 +643,6 @@ def test_both_launches_of_a_split_call_follow_the_switch(env, monkeypatch):
     assert [(k_, p_, f_ & native._EARLY_DEPENDENTS) for k_, p_, f_ in launches] == [(native.GEMV, env == "1", early), (native.REDUCE, env == "1", 0)]
 
 
-
 def test_make_plan_promises_more_blocks_per_sm_only_with_the_smem_ring():
     """minb 3 and 4 (<= 80 / 64 registers a thread) fit the shared-memory ring, which holds no chunk
     in registers; the register ring would spill. An explicit plan may stage more than 48 KiB of x

@@ -410,6 +410,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
       for (int u = 0; u < QOPS_XU; ++u) {
         if (base0 + u * kThreads >= total) break;  // warp-uniform (the FOLD sums shuffle across lanes)
+        // The slot's row and word again, rather than 2 x QOPS_XU registers held across the loads.
         const int s = base0 + u * kThreads + lane;
         const bool in = s < total;
         const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
