@@ -9,6 +9,11 @@ register allocator (``minb``). For each (shape, M) this script times the plan
 descent: keep a value when it is faster, twice over all knobs), every variant checked against a
 float64 reference first. ``--joint`` first times every combination of a few knobs (for knobs that
 only pay together, such as a deep ring, which leaves one block per SM, with a wider tile).
+``cluster`` is a joint knob too (a split count of 2..8 summed in a thread-block cluster or through
+the workspace); outside ``--joint`` a new split count is tried both ways. ``--confirm N`` times the
+default and the N fastest plans of a case once more, their trials interleaved, and takes the best of
+that round: the minimum over dozens of single timings is biased towards a lucky one (the plan table
+``qops/native/plans/`` is built from confirmed cases, ``benchmarks/native_plan_table.py``).
 
 Method as ``common.py`` (CUDA-graph replays over rotated weight copies > 256 MB, median of
 trials). GPTQ v2, 4 bits, group 128, asymmetric, fp16 activations (``--dtype bfloat16``: bf16), as
@@ -56,7 +61,7 @@ KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_rin
 # minb 3, 4 (<= 80, 64 registers a thread) only with the shared-memory ring (the register ring spills).
 VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2, 3, 4), "xfull": (True, False),
           "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10),
-          "xu": (1, 2, 4, 8)}
+          "xu": (1, 2, 4, 8), "cluster": (True, False)}
 PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "xu")
 TOL = 2e-3
 
@@ -76,6 +81,10 @@ def parse_args(argv=None):
                     help="the values tried for a knob instead of VALUES' (repeatable; booleans as 0/1)")
     ap.add_argument("--jobs", type=int, default=8, help="processes compiling the --joint plans' kernels before timing (0: none)")
     ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="activation dtype (default float16)")
+    ap.add_argument("--confirm", type=int, default=0, metavar="N",
+                    help="re-time the default and the N fastest plans of each case, their trials interleaved, and pick the best "
+                         "of those (a sweep's minimum over many single timings favours a lucky one)")
+    ap.add_argument("--confirm-trials", type=int, default=11, help="trials of each plan in the --confirm round")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     return ap.parse_args(argv)
 
@@ -90,7 +99,12 @@ def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, smem_limit
         f["smem_ring"] = 0  # and so does the shared-memory ring
     if f["ring"] == 4 and m > 8:  # the M > 8 tile's accumulators leave no registers for a 4-deep ring
         return None
-    cluster = cluster_ok and base.cluster and 2 <= f["splits"] <= 8  # a new split count is tried both ways by the caller
+    if "cluster" in f:  # a joint knob: as asked, where the device and the split count allow it
+        cluster = f.pop("cluster")
+        if cluster and not (cluster_ok and 2 <= f["splits"] <= 8):
+            return None
+    else:
+        cluster = cluster_ok and base.cluster and 2 <= f["splits"] <= 8  # a new split count is tried both ways by the caller
     try:
         return native.make_plan(m, n, k, cluster=cluster, smem_limit=smem_limit, **f)
     except ValueError:
@@ -191,22 +205,24 @@ def run(args) -> int:
             ws = torch.empty(16 * m * n * 4, dtype=torch.uint8, device=dev)
             roof_us = (nbytes + 2 * m * (n + k)) / (copy_bw * 1e12) * 1e6
             seen: dict[tuple, float | None] = {}
+            plans: dict[tuple, object] = {}
+
+            def call(c, p):
+                with native.plan_override(lambda *a: p):
+                    return native.native_mm(x, c.qweight, c.scales, c.qzeros, None, None, 4, 128, c.zero_offset, out=out, workspace=ws)
 
             def measure(p):
                 kp = key(p)
                 if kp in seen:
                     return seen[kp]
+                plans[kp] = p
                 try:
-                    with native.plan_override(lambda *a: p):
-                        y = native.native_mm(x, iw.qweight, iw.scales, iw.qzeros, None, None, 4, 128, iw.zero_offset, out=out, workspace=ws)
-                        err = rel_err(y, ref)
-                        if err is None or err > TOL:
-                            print(f"  WRONG {kp}: rel err {err}", flush=True)
-                            seen[kp] = None
-                            return None
-                        fns = [lambda c=c: native.native_mm(x, c.qweight, c.scales, c.qzeros, None, None, 4, 128, c.zero_offset, out=out, workspace=ws)
-                               for c in copies]
-                        t = common.graph_time(fns, args.trials, args.target_ms).us
+                    err = rel_err(call(iw, p), ref)
+                    if err is None or err > TOL:
+                        print(f"  WRONG {kp}: rel err {err}", flush=True)
+                        seen[kp] = None
+                        return None
+                    t = common.graph_time([lambda c=c: call(c, p) for c in copies], args.trials, args.target_ms).us
                 except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
                     print(f"  FAILED {kp}: {common.short_err(e)}", flush=True)
                     seen[kp] = None
@@ -243,12 +259,25 @@ def run(args) -> int:
                         t = measure(c)
                         if t is not None and t < t_best:
                             best, t_best = c, t
+            confirmed = None
+            if args.confirm > 0 and t_def is not None:
+                # The default and the fastest plans again, trials interleaved (common.graph_times).
+                ranked = [kp for kp, t in sorted(((kp, t) for kp, t in seen.items() if t is not None), key=lambda e: e[1])]
+                picks = [key(default)] + [kp for kp in ranked if kp != key(default)][:args.confirm]
+                times = common.graph_times({kp: [lambda c=c, p=plans[kp]: call(c, p) for c in copies] for kp in picks},
+                                           args.confirm_trials, args.target_ms)
+                confirmed = [{"plan": dict(zip(PLAN_KEYS, kp)), "us": times[kp].us} for kp in picks]
+                t_def = times[key(default)].us
+                best_kp = min(picks, key=lambda kp: times[kp].us)
+                best, t_best = plans[best_kp], times[best_kp].us
             case = {"N": n, "K": k, "M": m, "roofline_us": round(roof_us, 2),
                     "default": {"plan": dataclasses.asdict(default), "us": t_def,
                                 "roof_pct": round(100 * roof_us / t_def, 1) if t_def else None},
                     "best": {"plan": dataclasses.asdict(best), "us": t_best,
                              "roof_pct": round(100 * roof_us / t_best, 1) if t_best < float("inf") else None},
                     "measured": [{"plan": dict(zip(PLAN_KEYS, kp)), "us": t} for kp, t in seen.items()]}
+            if confirmed is not None:
+                case["confirmed"] = confirmed
             res["cases"].append(case)
             common.write_json(res, paths)
             print(f"{n}x{k} M={m}: default {t_def} us ({case['default']['roof_pct']}%), best {t_best:.2f} us "
