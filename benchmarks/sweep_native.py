@@ -168,7 +168,7 @@ def run(args) -> int:
     copy_bw = common.copy_TBps(args.trials)
     res = {"gpu": common.device_name(True), "torch": torch.__version__, "qops_commit": common.git_commit(),
            "qops_dirty": common.git_dirty("qops"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "copy_TBps": round(copy_bw, 4), "sms": sms, "smem_optin": smem_limit, "joint": args.joint, "dtype": args.dtype, "method": "CUDA-graph replays over rotated weight copies, median of trials",
+           "copy_TBps": round(copy_bw, 4), "sms": sms, "smem_optin": smem_limit, "joint": args.joint, "default_plans": native._env_plans(), "dtype": args.dtype, "method": "CUDA-graph replays over rotated weight copies, median of trials",
            "cases": []}
     paths = common.output_paths("sweep_native.json", args.out)
     t0 = time.time()

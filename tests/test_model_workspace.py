@@ -222,6 +222,8 @@ def h200_facts(monkeypatch):
 
     monkeypatch.setattr(ws_mod, "_NEEDS", {})
     monkeypatch.setattr(native, "_device_facts", lambda index: (H200_SMS, True))
+    monkeypatch.setattr(native, "_device_name", lambda index: "NVIDIA H200")  # its measured plan table too
+    monkeypatch.setattr(native, "smem_optin_bytes", lambda index: 227 * 1024 - native.STATIC_SHMEM_BYTES)
     for mod in (int8_weight, blockwise4, fp8):
         monkeypatch.setattr(mod, "sm_count", lambda device, interpreter: H200_SMS)
     with tri.config_override({**tri.load_config("h200"), "num_sms": H200_SMS}):

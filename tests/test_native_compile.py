@@ -79,6 +79,17 @@ def _smem_ring_variants():
         yield {**native._plan(m, 4096, 4096, 132, False).defines(torch.float16, True), "QOPS_XFULL": 1, "QOPS_SMEM_RING": 4}
 
 
+def _table_variants():
+    """The kernels of every shipped plan table's entries (fp16, zeros; bf16 for the first entry)."""
+    for table in native.plan_tables().values():
+        for i, e in enumerate(table["plans"]):
+            for m in sorted({e["m_min"], e["m_max"]}):
+                p = native.make_plan(m, e["n"], e["k"], **e["plan"])
+                yield p.defines(torch.float16, True)
+                if i == 0:
+                    yield p.defines(torch.bfloat16, True)
+
+
 def test_the_compiled_variants_cover_every_tile_height():
     assert sorted({d["QOPS_MT"] for d in _gemv_variants()}) == [1, 2, 3, 4]
     assert all(d["QOPS_MINB"] == 1 for d in _gemv_variants() if d["QOPS_MT"] >= 3)
@@ -102,12 +113,12 @@ def _ptxas_report(log: str) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants], ids=["register-ring", "smem-ring"])
+@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants], ids=["register-ring", "smem-ring", "plan-tables"])
 def test_gemv_variants_compile_within_register_budget(arch, variants):
     seen = set()
     for defines in variants():
         key = tuple(sorted(defines.items()))
-        if key in seen:
+        if key in seen or (arch == "sm_80" and defines["QOPS_CLUSTER"] > 1):  # clusters are sm_90's
             continue
         seen.add(key)
         log: list[str] = []
@@ -331,10 +342,52 @@ def test_make_plan_refuses_smem_rings_outside_the_limits(kw, why):
 
 @pytest.fixture
 def h200(monkeypatch):
-    """plan() as on an H200 (132 SMs, clusters, 227 KiB opt-in), no GPU needed."""
+    """plan() as on an H200 (132 SMs, clusters, 227 KiB opt-in), no GPU needed; its plan table is
+    skipped (QOPS_NATIVE_PLANS=rule) unless a test sets the variable again."""
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, True))
+    monkeypatch.setattr(native, "_device_name", lambda idx: "NVIDIA H200")
     monkeypatch.setattr(native, "smem_optin_bytes", lambda idx: 227 * 1024 - native.STATIC_SHMEM_BYTES)
     monkeypatch.delenv(native.SMEM_RING_ENV, raising=False)
+    monkeypatch.setenv(native.PLANS_ENV, "rule")
+
+
+def test_plan_tables_are_valid_for_every_m_they_cover():
+    tables = native.plan_tables()
+    assert "NVIDIA H200" in tables
+    for gpu, table in tables.items():
+        assert table["sms"] > 0 and table["plans"], gpu
+        spans: dict = {}
+        for e in table["plans"]:
+            assert 1 <= e["m_min"] <= e["m_max"] <= native.MAX_M, e
+            assert e["us"] < e["rule_us"] and e["source"], e  # measured, and faster than the rule where it was
+            for lo, hi in spans.get((e["n"], e["k"]), []):
+                assert e["m_max"] < lo or e["m_min"] > hi, f"{gpu}: overlapping M ranges for {e['n']}x{e['k']}"
+            spans.setdefault((e["n"], e["k"]), []).append((e["m_min"], e["m_max"]))
+            for m in range(e["m_min"], e["m_max"] + 1):
+                p = native.make_plan(m, e["n"], e["k"], **e["plan"])  # raises if the kernel cannot run it
+                assert p.shmem <= native.SHMEM_OPTIN_MAX_BYTES
+
+
+def test_plan_takes_the_table_on_its_gpu_and_the_rule_elsewhere(h200, monkeypatch):
+    table = native.plan_tables()["NVIDIA H200"]
+    monkeypatch.setenv(native.PLANS_ENV, "table")
+    listed = set()
+    for e in table["plans"]:
+        for m in range(e["m_min"], e["m_max"] + 1):
+            p = native.plan(m, e["n"], e["k"], 0)
+            assert p == native.make_plan(m, e["n"], e["k"], **e["plan"]), (e, m)
+            listed.add((m, e["n"], e["k"]))
+    unlisted = [(m, n, k) for n, k in ((28672, 4096), (1000, 777), (4096, 14336)) for m in (1, 2, 3, 16, 24) if (m, n, k) not in listed]
+    assert unlisted and all(native.plan(m, n, k, 0) == native._plan(m, n, k, 132, True) for m, n, k in unlisted)
+    e = table["plans"][0]
+    for env, name, sms in (("rule", "NVIDIA H200", 132), ("table", "NVIDIA H100 80GB HBM3", 132), ("table", "NVIDIA H200", 114)):
+        monkeypatch.setenv(native.PLANS_ENV, env)
+        monkeypatch.setattr(native, "_device_name", lambda idx, name=name: name)
+        monkeypatch.setattr(native, "_device_facts", lambda idx, sms=sms: (sms, True))
+        assert native.plan(e["m_max"], e["n"], e["k"], 0) == native._plan(e["m_max"], e["n"], e["k"], sms, True), (env, name, sms)
+    monkeypatch.setenv(native.PLANS_ENV, "fastest")
+    with pytest.raises(ValueError, match="QOPS_NATIVE_PLANS"):
+        native.plan(1, 4096, 4096, 0)
 
 
 def test_plan_is_the_rule_unless_the_smem_ring_env_asks(h200, monkeypatch):
@@ -374,6 +427,7 @@ def test_workspace_covers_every_slice(monkeypatch):
     """Deterministic mode: above MAX_M rows the calls run as 32-row slices and a shorter last one on
     the same scratch; up to MAX_M rows, one launch in either mode."""
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
+    monkeypatch.setenv(native.PLANS_ENV, "rule")
     for deterministic, top in ((False, native.MAX_M), (True, 3 * native.MAX_M + 8)):
         monkeypatch.setattr(native, "_deterministic", deterministic)
         for n, k in [(4096, 4096), (1024, 8192), (28672, 4096), (100, 777)]:
@@ -627,6 +681,7 @@ def test_both_launches_of_a_split_call_follow_the_switch(env, monkeypatch):
     launches = []
     monkeypatch.setattr(native, "_sm90", lambda idx: True)
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
+    monkeypatch.setenv(native.PLANS_ENV, "rule")
     monkeypatch.setattr(compiler, "get_kernel", lambda dev, src, defines, name: name)
     monkeypatch.setattr(compiler, "max_active_blocks", lambda kernel, dev, threads, shmem: 2)
     monkeypatch.setattr(compiler, "launch", lambda kernel, *a, pdl=False: launches.append((kernel, pdl, int(a[-1]))))

@@ -16,6 +16,10 @@ sums meet: for S = 2 on sm_90 a thread-block cluster adds them through distribut
 (one kernel, no workspace); otherwise each block writes fp32 partials to a workspace of
 :func:`workspace_bytes` and a second kernel adds them. Both add in a fixed order, so results do
 not change from run to run; the choice of S depends only on the shape and the device.
+Where the device has a plan table (``qops/native/plans/<gpu>.json``: measured plans for listed
+(N, K) and ranges of M, built by ``benchmarks/native_plan_table.py`` from confirmed sweeps), its
+entry wins over the rule; on the H200 that covers the Llama-3 8B / 70B decode shapes at M = 1..16
+where the sweep beat the rule by 3% or more (``...-f4c8e4f-sweep-table.json``).
 
 Plans with x staged once may keep the weights in flight in a shared-memory ring (``smem_ring``
 stages a warp) instead of registers: more than 48 KiB of shared memory a block, which the launch
@@ -44,6 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -369,6 +375,53 @@ def _device_facts(index: int) -> tuple[int, bool]:
 
 
 @functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+# Measured plans (data): one JSON file a GPU in qops/native/plans/, built by
+# benchmarks/native_plan_table.py from confirmed sweeps. An entry names (N, K), a range of M and the
+# plan's knobs; it applies on a device of that name and SM count. Everything else takes the rule.
+PLAN_TABLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plans")
+PLANS_ENV = "QOPS_NATIVE_PLANS"  # "rule": ignore the tables (for sweeps that measure the rule)
+
+
+@functools.lru_cache(maxsize=None)
+def plan_tables() -> dict[str, dict]:
+    """GPU name -> its plan table (``qops/native/plans/*.json``)."""
+    tables = {}
+    for path in sorted(glob.glob(os.path.join(PLAN_TABLE_DIR, "*.json"))):
+        with open(path) as fh:
+            table = json.load(fh)
+        if table["gpu"] in tables:
+            raise ValueError(f"native_w4a16: two plan tables for {table['gpu']!r} ({path})")
+        tables[table["gpu"]] = table
+    return tables
+
+
+@functools.lru_cache(maxsize=4096)
+def measured_plan(m: int, n: int, k: int, gpu: str, sms: int, cluster_ok: bool, smem_limit: int) -> Plan | None:
+    """The plan table's plan for ``m`` rows of an (N, K) weight on a ``gpu`` with ``sms`` SMs, or None.
+
+    The shipped tables are checked against :func:`make_plan` for every M they cover (tests), so a
+    ValueError here means a table edited by hand."""
+    table = plan_tables().get(gpu)
+    if table is None or table["sms"] != sms:
+        return None
+    for e in table["plans"]:
+        if e["n"] == n and e["k"] == k and e["m_min"] <= m <= e["m_max"] and (cluster_ok or not e["plan"]["cluster"]):
+            return make_plan(m, n, k, smem_limit=smem_limit, **e["plan"])
+    return None
+
+
+def _env_plans() -> str:
+    raw = os.environ.get(PLANS_ENV, "").strip().lower()
+    if raw not in ("", "table", "rule"):
+        raise ValueError(f"{PLANS_ENV}={raw!r}: expected 'table' (the default) or 'rule'")
+    return raw or "table"
+
+
+@functools.lru_cache(maxsize=None)
 def smem_optin_bytes(index: int) -> int:
     """Dynamic shared memory a block of this kernel may opt in to on device ``index``: the device's
     opt-in maximum less the kernel's static shared memory (``STATIC_SHMEM_BYTES``)."""
@@ -395,16 +448,20 @@ def plan_override(fn):
 def plan(m: int, n: int, k: int, device: torch.device | int) -> Plan:
     """The launch plan for ``m`` rows (<= ``MAX_M``) of x against an (N, K) weight on ``device``.
 
+    The device's plan table where it has an entry (:func:`measured_plan`; ``QOPS_NATIVE_PLANS=rule``,
+    read at each call, skips the tables), else the rule (:func:`_plan`).
     ``QOPS_NATIVE_SMEM_RING=S`` (read at each call, for measurements: set it before warm-up) gives
     the default plans that stage x once an S-stage shared-memory ring where the device has the
-    shared memory for it; unset or 0, the plans are the measured rule's. A plan needing more shared
-    memory than the device allows raises ValueError.
+    shared memory for it; unset or 0, no ring. A plan needing more shared memory than the device
+    allows raises ValueError.
     """
     idx = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
     sms, cluster_ok = _device_facts(idx)
     p = _plan_override(m, n, k, sms, cluster_ok) if _plan_override is not None else None
     if p is None:
-        p = _plan(m, n, k, sms, cluster_ok)
+        if _env_plans() == "table":
+            p = measured_plan(m, n, k, _device_name(idx), sms, cluster_ok, smem_optin_bytes(idx))
+        p = p or _plan(m, n, k, sms, cluster_ok)
         stages = _env_smem_ring()
         if stages and p.xfull:
             p = _with_smem_ring(p, n, k, stages, smem_optin_bytes(idx)) or p

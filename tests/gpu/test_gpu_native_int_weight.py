@@ -138,6 +138,7 @@ def test_choose_picks_native_on_this_gpu():
 
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 8192), (6144, 4096)], ids=str)
 def test_cluster_and_workspace_reductions_agree_bitwise(shape, monkeypatch):
+    monkeypatch.setenv(native.PLANS_ENV, "rule")  # the rule's split counts, with and without clusters
     n, k = shape
     nw = native_weight("gptq", n, k, 128, False, version="v2")
     xs = {m: rand(m, k, dtype=torch.float16, seed=m) for m in (1, 7, 16, 24, 32)}
@@ -151,6 +152,54 @@ def test_cluster_and_workspace_reductions_agree_bitwise(shape, monkeypatch):
         check(y, x, nw.w64, bias, f"{shape} M={m} splits={p.splits}")
         if cluster_ok and native._plan(m, n, k, sms, True).splits == p.splits:
             assert torch.equal(y, first[m]), f"{shape} M={m}: cluster and workspace sums differ"
+
+
+def runtime_weight(n, k, seed):
+    """Random runtime-layout tensors made on the GPU (a 57344 x 8192 weight packs in seconds), and
+    their float64 (N, K) weight decoded as the layout is documented at the top of w4a16_gemv.cu:
+    W[n, k] = scale[k/128, n] * (nibble k%8 of qweight[k/8, n] - nibble n%8 of qzeros[k/128, n/8])."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=g, device="cuda", dtype=torch.uint8)
+    z = torch.randint(0, 16, (k // 128, n), generator=g, device="cuda", dtype=torch.uint8)
+    scales = (torch.rand(k // 128, n, generator=g, device="cuda") * 0.02 + 0.005).half()
+
+    def words(nib):  # eight nibbles along dim 1 -> one u32 word (kept as int32), nibble i at bits 4i
+        shifts = torch.arange(0, 32, 4, device="cuda", dtype=torch.int64)
+        w = (nib.to(torch.int64) << shifts.view(1, 8, 1)).sum(1)
+        return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).contiguous()
+
+    qweight = words(q.view(k // 8, 8, n))
+    qzeros = words(z.view(k // 128, n // 8, 8).transpose(1, 2))
+    w64 = (q.double().view(k // 128, 128, n) - z.double().view(k // 128, 1, n)) * scales.double().view(k // 128, 1, n)
+    return qweight, scales, qzeros, w64.view(k, n).t()
+
+
+def _table_entries():
+    if not torch.cuda.is_available():
+        return []
+    table = native.plan_tables().get(torch.cuda.get_device_name(0))
+    return table["plans"] if table else []
+
+
+def test_plan_table_entries_match_reference_on_their_own_shapes(monkeypatch):
+    """Every entry of this GPU's plan table (qops/native/plans/) is the plan the op takes, and gives
+    the right answer at the smallest and largest M it covers, in fp16 and bf16, at its real shape."""
+    entries = _table_entries()
+    if not entries:
+        pytest.skip(f"no plan table for {torch.cuda.get_device_name(0)}")
+    monkeypatch.delenv(native.PLANS_ENV, raising=False)
+    for (n, k) in sorted({(e["n"], e["k"]) for e in entries}):
+        qweight, scales, qzeros, w64 = runtime_weight(n, k, seed=n + k)
+        for e in (e for e in entries if (e["n"], e["k"]) == (n, k)):
+            for m in sorted({e["m_min"], e["m_max"]}):
+                p = native.plan(m, n, k, 0)
+                assert p == native.make_plan(m, n, k, **e["plan"]), (e, p)
+                for dtype in DTYPES:
+                    x = rand(m, k, dtype=dtype, seed=m)
+                    y = native.native_mm(x, qweight, scales.to(dtype), qzeros, None, None, 4, 128, 0)
+                    check(y, x, w64, None, f"table {n}x{k} M={m} {dtype} {p}")
+        del qweight, scales, qzeros, w64
+        torch.cuda.empty_cache()
 
 
 PLAN_VARIANTS = [  # (nwn, splits, cluster, xfull, ring, minb, fold, prefetch): every kernel knob the plans or the sweep use

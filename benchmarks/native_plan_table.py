@@ -1,0 +1,95 @@
+"""Build the native W4A16 plan table (``qops/native/plans/<gpu>.json``) from confirmed plan sweeps.
+
+``sweep_native.py --confirm N`` re-times, per (N, K, M), the plan the rule picks and the N fastest
+plans of its sweep with their trials interleaved. A case enters the table when its best confirmed
+plan is at least ``--min-gain`` faster than the rule's in that same round; every other shape and M
+keeps the rule (``qops.native.int_weight._plan``). An entry measured at M serves the rows from the
+previous measured M of that shape plus one up to M (measured at 1, 4, 8, 16: rows 1, 2-4, 5-8,
+9-16), and is kept only if ``make_plan`` accepts it for every M of that range within the device's
+shared memory. Runs anywhere (no GPU):
+
+    python benchmarks/native_plan_table.py benchmarks/results/h200-2026-11-30-f4c8e4f-sweep-table.json \\
+        --out qops/native/plans/h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+PLAN_FIELDS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "xu")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweeps", nargs="+", help="sweep_native.py JSON files with confirmed cases (later files win)")
+    ap.add_argument("--min-gain", type=float, default=0.03, help="fraction faster than the rule's plan an entry must be")
+    ap.add_argument("--out", required=True, help="the table to write")
+    return ap.parse_args(argv)
+
+
+def m_ranges(ms: list[int]) -> dict[int, tuple[int, int]]:
+    """Measured M -> the rows it serves: from the previous measured M + 1 (or 1) up to it."""
+    ms = sorted(set(ms))
+    return {m: ((ms[i - 1] + 1) if i else 1, m) for i, m in enumerate(ms)}
+
+
+def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
+    from qops.native import int_weight as native
+
+    gpus = {s["gpu"] for s in sweeps}
+    if len(gpus) != 1:
+        raise SystemExit(f"native_plan_table: sweeps of several GPUs ({sorted(gpus)}): one table is one GPU")
+    for sweep, name in zip(sweeps, names):
+        # Sweeps before the tables existed had no such field: their defaults were the rule's.
+        if sweep.get("default_plans", "rule") != "rule":
+            raise SystemExit(f"native_plan_table: {name} timed the table's plans as its defaults; sweep with QOPS_NATIVE_PLANS=rule")
+    cases = {}
+    for sweep, name in zip(sweeps, names):
+        for c in sweep["cases"]:
+            if "confirmed" in c:
+                cases[c["N"], c["K"], c["M"]] = (c, name)
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for n, k, m in cases:
+        by_shape.setdefault((n, k), []).append(m)
+    entries = []
+    for (n, k), ms in sorted(by_shape.items()):
+        for m, (lo, hi) in m_ranges(ms).items():
+            c, name = cases[n, k, m]
+            rule = c["confirmed"][0]  # sweep_native confirms the default (the rule's plan) first
+            best = min(c["confirmed"], key=lambda r: r["us"])
+            gain = 1 - best["us"] / rule["us"]
+            if gain < min_gain or best is rule:
+                continue
+            fields = {f: best["plan"][f] for f in PLAN_FIELDS}
+            limit = sweeps[names.index(name)].get("smem_optin")
+            for mm in range(lo, hi + 1):
+                try:
+                    native.make_plan(mm, n, k, smem_limit=limit, **fields)
+                except ValueError as e:
+                    raise SystemExit(f"native_plan_table: {n}x{k} M={m}'s plan does not serve M={mm}: {e}") from None
+            entries.append({"n": n, "k": k, "m_min": lo, "m_max": hi, "plan": fields, "us": round(best["us"], 2),
+                            "rule_us": round(rule["us"], 2), "measured_at_m": m, "source": os.path.basename(name)})
+    return {"gpu": gpus.pop(), "sms": sweeps[0]["sms"], "min_gain": min_gain,
+            "note": "built by benchmarks/native_plan_table.py from confirmed sweep_native.py cases (fp16 activations); "
+                    "shapes and M not listed take qops.native.int_weight's rule",
+            "plans": entries}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sweeps = [json.load(open(p)) for p in args.sweeps]
+    table = build(sweeps, args.sweeps, args.min_gain)
+    with open(args.out, "w") as fh:
+        json.dump(table, fh, indent=1)
+        fh.write("\n")
+    for e in table["plans"]:
+        print(f"{e['n']:>6}x{e['k']:<6} M {e['m_min']:>2}-{e['m_max']:<2} {e['rule_us']:>8.2f} -> {e['us']:>8.2f} us  {e['plan']}")
+    print(f"{len(table['plans'])} entries -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""``benchmarks/native_plan_table.py``: which confirmed sweep cases become plan-table entries, the M
+ranges they serve, and the refusals (no GPU needed); and that the shipped H200 table is what the
+committed sweep gives."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H200_SWEEP = os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-30-f4c8e4f-sweep-table.json")
+
+
+@pytest.fixture
+def tool(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import native_plan_table
+    return native_plan_table
+
+
+def _plan(**kw):
+    return {"nwn": 4, "splits": 1, "cluster": False, "xfull": True, "ring": 0, "minb": 1, "fold": False, "prefetch": 0,
+            "smem_ring": 0, "xu": 8} | kw
+
+
+def _case(n, k, m, rule_us, *others):
+    """A confirmed case: the rule's plan first (as sweep_native writes it), then (plan, us) pairs."""
+    confirmed = [{"plan": _plan(), "us": rule_us}] + [{"plan": p, "us": us} for p, us in others]
+    return {"N": n, "K": k, "M": m, "confirmed": confirmed}
+
+
+def _sweep(*cases, **extra):
+    return {"gpu": "NVIDIA H200", "sms": 132, "smem_optin": 227 * 1024 - 1024, "cases": list(cases)} | extra
+
+
+def test_m_ranges_start_after_the_previous_measured_m(tool):
+    assert tool.m_ranges([16, 1, 8, 4]) == {1: (1, 1), 4: (2, 4), 8: (5, 8), 16: (9, 16)}
+    assert tool.m_ranges([8]) == {8: (1, 8)}
+
+
+def test_only_cases_beating_the_rule_by_the_margin_become_entries(tool):
+    wide = _plan(nwn=8, splits=2, cluster=True)
+    sweep = _sweep(_case(28672, 4096, 1, 10.0, (wide, 9.8)),        # 2%: below the margin
+                   _case(28672, 4096, 8, 20.0, (wide, 15.0), (_plan(nwn=2), 16.0)),  # the fastest wins
+                   {"N": 28672, "K": 4096, "M": 16, "measured": []})  # never confirmed: ignored
+    table = tool.build([sweep], ["s.json"], 0.03)
+    assert table["gpu"] == "NVIDIA H200" and table["sms"] == 132
+    [e] = table["plans"]
+    assert (e["n"], e["k"], e["m_min"], e["m_max"], e["measured_at_m"]) == (28672, 4096, 2, 8, 8)
+    assert e["plan"] == wide and (e["us"], e["rule_us"], e["source"]) == (15.0, 20.0, "s.json")
+
+
+def test_refusals(tool):
+    with pytest.raises(SystemExit, match="several GPUs"):
+        tool.build([_sweep(), _sweep(gpu="NVIDIA H100")], ["a", "b"], 0.03)
+    with pytest.raises(SystemExit, match="QOPS_NATIVE_PLANS=rule"):
+        tool.build([_sweep(default_plans="table")], ["a"], 0.03)
+    folded = _plan(fold=True)  # folding needs M <= 8: an M = 16 entry cannot take it
+    with pytest.raises(SystemExit, match="does not serve M=9"):
+        tool.build([_sweep(_case(4096, 4096, 8, 10.0), _case(4096, 4096, 16, 10.0, (folded, 5.0)))], ["a"], 0.03)
+
+
+def test_the_shipped_h200_table_is_the_committed_sweeps(tool, tmp_path):
+    from qops.native import int_weight as native
+
+    shipped = json.load(open(os.path.join(ROOT, "qops", "native", "plans", "h200.json")))
+    sources = sorted({e["source"] for e in shipped["plans"]})
+    assert sources == [os.path.basename(H200_SWEEP)]
+    rebuilt = tool.build([json.load(open(H200_SWEEP))], [H200_SWEEP], shipped["min_gain"])
+    assert rebuilt == shipped
+    assert native.plan_tables()["NVIDIA H200"] == shipped
