@@ -3,6 +3,8 @@ splits in two, the sharded model's prefill and decode logits equal the single-pr
 eagerly; and compiled (``fullgraph=True``, one compilation for batch sizes 1, 3 and 4) for the
 default scheme."""
 
+import json
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -17,7 +19,6 @@ UNSPLITTABLE = {"fp8-block"}
 TOLERANCE = 1e-5  # fp32; the ranks' partial sums differ from the whole matmul only in summation order
 
 
-
 def test_every_scheme_but_the_unsplittable_ones_is_checked():
     assert UNSPLITTABLE <= set(QUANT_SCHEMES)
 
@@ -29,3 +30,18 @@ def test_tensor_parallel_model_equals_one_process_eagerly():
 
 def test_tensor_parallel_model_compiles_fullgraph():
     mp.spawn(tp_model_worker, args=(2, free_port(), "gloo", torch.float32, ("gptq",), ("compiled",), TOLERANCE), nprocs=2, join=True)
+
+
+def test_pairs_in_one_spawn_report_each_item(tmp_path):
+    """(scheme, lowering) items, as the two-GPU test runs every pair in one spawn: each rank reports
+    each item; a lowering the chooser refuses for the sharded layers is reported as refused, not compared."""
+    items = (("gptq", "reference_int_weight"), ("none", "dense"), ("gptq", "triton_int_weight"))
+    tols = {"gptq-reference_int_weight": TOLERANCE, "none-dense": TOLERANCE, "gptq-triton_int_weight": TOLERANCE}
+    report = tmp_path / "report"
+    mp.spawn(tp_model_worker, args=(2, free_port(), "gloo", torch.float32, items, ("eager",), tols, None, None, str(report)),
+             nprocs=2, join=True)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"report.{rank}").read_text())
+        assert got["gptq-reference_int_weight"] == got["none-dense"] == {"failures": [], "refused": None}
+        # triton serves fp16 / bf16 activations only; these ranks run fp32
+        assert got["gptq-triton_int_weight"]["failures"] == [] and "not triton_int_weight" in got["gptq-triton_int_weight"]["refused"]

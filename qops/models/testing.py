@@ -8,6 +8,7 @@ so ``scripts/guarantee_matrix.py`` can read a (format, lowering) cell off them.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 
@@ -134,50 +135,81 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch.dtype, schemes: tuple[str, ...], modes: tuple[str, ...],
-                    tolerance: float, lowerings: dict[str, str] | None = None, config: LlamaConfig | None = None) -> None:
+def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch.dtype, schemes: tuple, modes: tuple[str, ...],
+                    tolerance: float | dict[str, float], lowerings: dict[str, str] | None = None, config: LlamaConfig | None = None,
+                    report: str | None = None) -> None:
     """One rank: the model of each scheme (``config``, default ``LlamaConfig.tiny()``; a scheme is a
     QUANT_SCHEMES or TEST_SCHEMES name, or "none") sharded over ``world`` ranks against the whole
     model (world size 1, same process), on decode steps at batch sizes 1, 3 and 4.
 
+    An item of ``schemes`` is a name (its lowering forced by ``lowerings[name]`` where given) or a
+    (scheme, lowering) pair (that lowering forced; "dense" for "none"), so one spawn can run one
+    scheme through several lowerings. ``tolerance``: one bound, or one per item id (the name, or
+    "scheme-lowering" for a pair).
+
     Modes: "eager"; "compiled" (``fullgraph=True``, one compilation for all batch sizes, then
     ``fail_on_recompile``); "reduce_overhead" (CUDA graphs through cudagraph trees, a skipped
-    capture is an error). Mismatches are collected and raised together at the end so that every
-    rank runs the same collectives.
+    capture is an error). Mismatches, and errors while an item loads or compiles, are collected and
+    raised together at the end so that every rank runs the same collectives; with ``report`` (a
+    path) the rank writes ``<report>.<rank>`` as JSON instead of raising: item id -> {"failures":
+    [...], "refused": the chooser's reason where the forced lowering does not serve the sharded
+    layers (not compared; without ``report`` that is a failure)}.
     """
-    import torch.distributed as dist
-
     trace = rank_watchdog(rank)
     device = start_rank(backend, rank, world, port, 300)
     trace("process group up")
-    failures: list[str] = []
+    results: dict[str, dict] = {}
     try:
         torch._inductor.config.compile_threads = 1
         config = config or LlamaConfig.tiny()
-        for scheme in schemes:
-            trace(f"scheme {scheme}")
-            ctx = forced_lowering(scheme, lowerings[scheme]) if lowerings and scheme in lowerings else contextlib.nullcontext()
-            sch = scheme_by_name(scheme)
-            tensors = quantize_tensors(random_tensors(config, seed=3), config.linear_prefixes(), sch)
-            qc = None if sch is None else sch.config
-            with ctx:
-                sharded = LlamaForCausalLM.from_tensors(config, tensors, qc, device=device, dtype=dtype, max_batch=4, max_seq=16,
-                                                        process_group=dist.group.WORLD)
-                whole = LlamaForCausalLM.from_tensors(config, tensors, qc, device=device, dtype=dtype, max_batch=4, max_seq=16,
-                                                      process_group=None)
-            if lowerings and scheme in lowerings:
-                chosen = {m.choice.lowering.name for m in sharded.quantized_linears()}
-                if chosen != {lowerings[scheme]}:
-                    failures.append(f"{scheme}: layers prepared for {sorted(chosen)}, not {lowerings[scheme]}")
-            trace(f"{scheme} loaded")
-            for mode in modes:
-                _tp_compare(rank, scheme, mode, sharded, whole, device, tolerance, failures)
-                trace(f"{scheme} {mode} compared")
-        if failures:
-            raise AssertionError(f"rank {rank}: {len(failures)} mismatches:\n" + "\n".join(failures[:40]))
+        for item in schemes:
+            scheme, lowering = item if isinstance(item, tuple) else (item, (lowerings or {}).get(item))
+            item_id = f"{scheme}-{lowering}" if isinstance(item, tuple) else item
+            lowering = None if scheme == "none" else lowering
+            tol = tolerance[item_id] if isinstance(tolerance, dict) else tolerance
+            res = results[item_id] = {"failures": [], "refused": None}
+            trace(f"scheme {item_id}")
+            try:
+                res["refused"] = _tp_item(rank, scheme, lowering, modes, config, device, dtype, tol, res["failures"], trace)
+            except Exception as e:  # noqa: BLE001 - reported with the item; the next item still runs
+                res["failures"].append(f"{item_id}: {type(e).__name__}: {str(e)[:300]}")
+        if report is not None:
+            with open(f"{report}.{rank}", "w") as fh:
+                json.dump(results, fh)
+        else:
+            flat = [f for r in results.values() for f in r["failures"] + ([r["refused"]] if r["refused"] else [])]
+            if flat:
+                raise AssertionError(f"rank {rank}: {len(flat)} mismatches:\n" + "\n".join(flat[:40]))
     except BaseException as e:
         close_rank(backend, e)
     close_rank(backend, None)
+
+
+def _tp_item(rank, scheme, lowering, modes, config, device, dtype, tolerance, failures, trace) -> str | None:
+    """One scheme (with ``lowering`` forced, or the chooser's): sharded and whole models, each mode
+    compared. Returns the chooser's reason, without comparing, where the forced lowering does not
+    serve every sharded layer."""
+    import torch.distributed as dist
+
+    ctx = forced_lowering(scheme, lowering) if lowering else contextlib.nullcontext()
+    sch = scheme_by_name(scheme)
+    tensors = quantize_tensors(random_tensors(config, seed=3), config.linear_prefixes(), sch)
+    qc = None if sch is None else sch.config
+    with ctx:
+        sharded = LlamaForCausalLM.from_tensors(config, tensors, qc, device=device, dtype=dtype, max_batch=4, max_seq=16,
+                                                process_group=dist.group.WORLD)
+        whole = LlamaForCausalLM.from_tensors(config, tensors, qc, device=device, dtype=dtype, max_batch=4, max_seq=16,
+                                              process_group=None)
+    if lowering:
+        chosen = {m.choice.lowering.name for m in sharded.quantized_linears()}
+        if chosen != {lowering}:
+            why = next(m.choice.explain() for m in sharded.quantized_linears() if m.choice.lowering.name != lowering)
+            return f"{scheme}: layers prepared for {sorted(chosen)}, not {lowering}: {why}"
+    trace(f"{scheme} loaded")
+    for mode in modes:
+        _tp_compare(rank, scheme, mode, sharded, whole, device, tolerance, failures)
+        trace(f"{scheme} {mode} compared")
+    return None
 
 
 def _tp_compare(rank, scheme, mode, sharded, whole, device, tolerance, failures) -> None:
