@@ -291,18 +291,23 @@ def test_compiled_decode_runs_on_the_model_workspace(dense, scheme, lowering, mo
     assert model.workspace.buffer is buffer and buffer.data_ptr() == ptr
 
 
-@pytest.fixture(scope="module")
-def tp_two_gpus(tmp_path_factory):
-    """Every pair of PAIRS sharded over two GPUs in one spawn (NCCL starts and each rank's process
-    imports once, not once a pair): each rank's report, item id -> {"failures", "refused"}, and the
-    spawn's error if a rank died (the pairs after it then have no report)."""
+# 128 x 128 fp8 blocks: each rank's share of a split dimension must be whole blocks, which the tiny
+# model's k/v projections (N = 128) are not at world size 2. These schemes run on a model twice as wide.
+BLOCK_SCHEMES = {"fp8-block"}
+BLOCK_TP_CONFIG = LlamaConfig.tiny(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
+
+
+def _tp_spawn(tmp_path_factory, pairs, config):
+    """``pairs`` sharded over two GPUs in one spawn (NCCL starts and each rank's process imports
+    once, not once a pair): each rank's report, item id -> {"failures", "refused"}, and the spawn's
+    error if a rank died (the pairs after it then have no report)."""
     os.environ.update(NVLS_OFF)  # inherited by the spawned ranks (which set it again)
     report = tmp_path_factory.mktemp("tp") / "report"
-    tols = {i: tolerance(low, torch.bfloat16) for i, (_, low) in zip(IDS, PAIRS)}
+    tols = {f"{s}-{low}": tolerance(low, torch.bfloat16) for s, low in pairs}
     error = None
     try:
-        mp.spawn(tp_model_worker, args=(2, free_port(), "nccl", torch.bfloat16, tuple(PAIRS), ("eager", "reduce_overhead"), tols,
-                                        None, None, str(report)), nprocs=2, join=True)
+        mp.spawn(tp_model_worker, args=(2, free_port(), "nccl", torch.bfloat16, tuple(pairs), ("eager", "reduce_overhead"), tols,
+                                        None, config, str(report)), nprocs=2, join=True)
     except Exception as e:  # noqa: BLE001 - each test reports it for its own pair
         error = e
     reports = []
@@ -314,10 +319,20 @@ def tp_two_gpus(tmp_path_factory):
     return reports, error
 
 
+@pytest.fixture(scope="module")
+def tp_two_gpus(tmp_path_factory):
+    return _tp_spawn(tmp_path_factory, [p for p in PAIRS if p[0] not in BLOCK_SCHEMES], None)
+
+
+@pytest.fixture(scope="module")
+def tp_two_gpus_block(tmp_path_factory):
+    return _tp_spawn(tmp_path_factory, [p for p in PAIRS if p[0] in BLOCK_SCHEMES], BLOCK_TP_CONFIG)
+
+
 @needs_two_gpus
 @pytest.mark.parametrize("scheme,lowering", PAIRS, ids=IDS)
-def test_tensor_parallel_two_gpus_reduce_overhead(scheme, lowering, tp_two_gpus):
-    reports, error = tp_two_gpus
+def test_tensor_parallel_two_gpus_reduce_overhead(scheme, lowering, request):
+    reports, error = request.getfixturevalue("tp_two_gpus_block" if scheme in BLOCK_SCHEMES else "tp_two_gpus")
     key = f"{scheme}-{lowering}"
     done = [r[key] for r in reports if key in r]
     assert len(done) == 2, f"{key}: no report from {2 - len(done)} rank(s); the spawn: {error!r}"
