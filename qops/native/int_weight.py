@@ -18,8 +18,9 @@ sums meet: for S = 2 on sm_90 a thread-block cluster adds them through distribut
 not change from run to run; the choice of S depends only on the shape and the device.
 Where the device has a plan table (``qops/native/plans/<gpu>.json``: measured plans for listed
 (N, K) and ranges of M, built by ``benchmarks/native_plan_table.py`` from confirmed sweeps), its
-entry wins over the rule; on the H200 that covers the Llama-3 8B / 70B decode shapes at M = 1..16
-where the sweep beat the rule by 3% or more (``...-f4c8e4f-sweep-table.json``).
+entry wins over the rule. The H200's covers the decode shapes of Llama-3 8B and 70B (TP = 1 and 2),
+Llama-2 7B and Qwen2.5 7B at M = 1..16, wherever the sweep beat the rule by 3% or more (65 of 92
+cases: ``...-f4c8e4f-sweep-table.json``, ``...-1e6491f-sweep-table-{a,b}.json``).
 
 Plans with x staged once may keep the weights in flight in a shared-memory ring (``smem_ring``
 stages a warp) instead of registers: more than 48 KiB of shared memory a block, which the launch
