@@ -59,7 +59,7 @@ KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_rin
 # smem_ring: 2 KiB + 384 bytes of scales and zeros a warp a stage; up to 5 stages two blocks fit on
 # an H200 SM (<= 113 KiB a block with x), 6 and more take one block per SM, 11 is the most that fits.
 # minb 3, 4 (<= 80, 64 registers a thread) only with the shared-memory ring (the register ring spills).
-VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4), "minb": (1, 2, 3, 4), "xfull": (True, False),
+VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4, 5, 6, 8), "minb": (1, 2, 3, 4), "xfull": (True, False),
           "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10),
           "xu": (1, 2, 4, 8), "cluster": (True, False)}
 PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "xu")
@@ -97,7 +97,7 @@ def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, smem_limit
     if not f["xfull"]:
         f["fold"] = False  # folding needs x staged once
         f["smem_ring"] = 0  # and so does the shared-memory ring
-    if f["ring"] == 4 and m > 8:  # the M > 8 tile's accumulators leave no registers for a 4-deep ring
+    if f["ring"] >= 4 and m > 8 and f["minb"] > 1:  # two blocks an SM: no registers for a 4-deep ring beside M > 8's accumulators
         return None
     if "cluster" in f:  # a joint knob: as asked, where the device and the split count allow it
         cluster = f.pop("cluster")
