@@ -7,6 +7,7 @@ case, so that ``ncu --profile-from-start off`` profiles exactly those launches a
 Cases (``--cases``, comma separated, ``KIND:NxK:M``):
 
 - ``w4native``: GPTQ v2, 4 bits, group 128, asymmetric, fp16 x, the native W4A16 kernel;
+- ``w4nativebf16``: the same weight (fp16 scales) with bf16 x, as the decode benchmark's model runs it;
 - ``w4triton``: the same weight through the Triton lowering;
 - ``nf4native``: bitsandbytes NF4, blocksize 64, nested absmax, fp16 x, the native kernel.
 
@@ -34,7 +35,7 @@ from bench_bnb_int8 import call, decode_rows, nf4_weight  # noqa: E402
 from probe_early_pdl import gptq_native  # noqa: E402
 from qops.lowerings import LOWERINGS_BY_NAME  # noqa: E402
 
-KINDS = ("w4native", "w4triton", "nf4native")
+KINDS = ("w4native", "w4nativebf16", "w4triton", "nf4native")
 CHECK_ROWS = 64
 
 
@@ -55,12 +56,14 @@ def parse_cases(text: str) -> list[tuple[str, int, int, int]]:
 def make_case(kind: str, n: int, k: int, m: int, gen):
     """(zero-argument call, float64 reference of the first CHECK_ROWS output columns)."""
     x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
+    if kind == "w4nativebf16":
+        x = x.to(torch.bfloat16)
     if kind == "nf4native":
         w = nf4_weight(n, k, "cuda", gen)
         w = dataclasses.replace(w, kernel=LOWERINGS_BY_NAME["native_blockwise4"].kernel)
         want = x.double() @ decode_rows(w, CHECK_ROWS).T
         return (lambda: call(w, x)), want
-    w = gptq_native(n, k, "native_w4a16" if kind == "w4native" else "triton_int_weight")
+    w = gptq_native(n, k, "triton_int_weight" if kind == "w4triton" else "native_w4a16")
     want = x.double() @ w.dequantize(torch.float64)[:CHECK_ROWS].T
     return (lambda: w.mm(x)), want
 
