@@ -296,7 +296,7 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     # - x staged once (no barrier in the main loop) is 2-7% faster at M <= 8 wherever it fits; at
     #   M = 16 its serial prologue costs more than it saves on short blocks (measured before its
     #   loads overlapped, xu = 8: that made M = 1 another 4-16% faster, `...-0fd49bb-sweep-xu.json`;
-    #   M = 16 staging x once is now 6-7% faster on the two long-K shapes, not yet in this rule);
+    #   M = 16 staging x once is now 6-7% faster on the two long-K shapes: the plan table takes it there);
     # - two K splits sum faster inside a cluster than through the workspace, more do not;
     # - one block per SM promised to the register allocator (minb = 1) gains 1-2% at M <= 8;
     # - an L2 prefetch 2 iterations ahead gained 7-10% where each warp runs >= 24 iterations
