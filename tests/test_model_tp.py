@@ -38,7 +38,7 @@ def test_pairs_in_one_spawn_report_each_item(tmp_path):
     items = (("gptq", "reference_int_weight"), ("none", "dense"), ("gptq", "triton_int_weight"))
     tols = {"gptq-reference_int_weight": TOLERANCE, "none-dense": TOLERANCE, "gptq-triton_int_weight": TOLERANCE}
     report = tmp_path / "report"
-    mp.spawn(tp_model_worker, args=(2, free_port(), "gloo", torch.float32, items, ("eager",), tols, None, None, str(report)),
+    mp.spawn(tp_model_worker, args=(2, free_port(), "gloo", torch.float32, items, ("eager",), tols, None, str(report)),
              nprocs=2, join=True)
     for rank in range(2):
         got = json.loads((tmp_path / f"report.{rank}").read_text())

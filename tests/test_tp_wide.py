@@ -35,10 +35,10 @@ def test_config_has_llama3_70b_head_ratios():
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_tensor_parallel_model_equals_one_process_eagerly(world):
-    mp.spawn(tp_model_worker, args=(world, free_port(), "gloo", torch.float32, SCHEMES, ("eager",), TOLERANCE, None, CONFIG),
+    mp.spawn(tp_model_worker, args=(world, free_port(), "gloo", torch.float32, SCHEMES, ("eager",), TOLERANCE, CONFIG),
              nprocs=world, join=True)
 
 
 def test_tensor_parallel_act_order_model_compiles_fullgraph_at_world_size_4():
-    mp.spawn(tp_model_worker, args=(4, free_port(), "gloo", torch.float32, ("gptq-act-order",), ("compiled",), TOLERANCE, None, CONFIG),
+    mp.spawn(tp_model_worker, args=(4, free_port(), "gloo", torch.float32, ("gptq-act-order",), ("compiled",), TOLERANCE, CONFIG),
              nprocs=4, join=True)

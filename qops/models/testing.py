@@ -136,16 +136,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch.dtype, schemes: tuple, modes: tuple[str, ...],
-                    tolerance: float | dict[str, float], lowerings: dict[str, str] | None = None, config: LlamaConfig | None = None,
-                    report: str | None = None) -> None:
+                    tolerance: float | dict[str, float], config: LlamaConfig | None = None, report: str | None = None) -> None:
     """One rank: the model of each scheme (``config``, default ``LlamaConfig.tiny()``; a scheme is a
     QUANT_SCHEMES or TEST_SCHEMES name, or "none") sharded over ``world`` ranks against the whole
     model (world size 1, same process), on decode steps at batch sizes 1, 3 and 4.
 
-    An item of ``schemes`` is a name (its lowering forced by ``lowerings[name]`` where given) or a
-    (scheme, lowering) pair (that lowering forced; "dense" for "none"), so one spawn can run one
-    scheme through several lowerings. ``tolerance``: one bound, or one per item id (the name, or
-    "scheme-lowering" for a pair).
+    An item of ``schemes`` is a name (the chooser picks its lowering) or a (scheme, lowering) pair
+    (that lowering forced; "dense" for "none"), so one spawn can run one scheme through several
+    lowerings. ``tolerance``: one bound, or one per item id (the name, or "scheme-lowering" for a pair).
 
     Modes: "eager"; "compiled" (``fullgraph=True``, one compilation for all batch sizes, then
     ``fail_on_recompile``); "reduce_overhead" (CUDA graphs through cudagraph trees, a skipped
@@ -163,7 +161,7 @@ def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch
         torch._inductor.config.compile_threads = 1
         config = config or LlamaConfig.tiny()
         for item in schemes:
-            scheme, lowering = item if isinstance(item, tuple) else (item, (lowerings or {}).get(item))
+            scheme, lowering = item if isinstance(item, tuple) else (item, None)
             item_id = f"{scheme}-{lowering}" if isinstance(item, tuple) else item
             lowering = None if scheme == "none" else lowering
             tol = tolerance[item_id] if isinstance(tolerance, dict) else tolerance

@@ -307,7 +307,7 @@ def _tp_spawn(tmp_path_factory, pairs, config):
     error = None
     try:
         mp.spawn(tp_model_worker, args=(2, free_port(), "nccl", torch.bfloat16, tuple(pairs), ("eager", "reduce_overhead"), tols,
-                                        None, config, str(report)), nprocs=2, join=True)
+                                        config, str(report)), nprocs=2, join=True)
     except Exception as e:  # noqa: BLE001 - each test reports it for its own pair
         error = e
     reports = []

@@ -45,7 +45,7 @@ def test_tensor_parallel_70b_ratios_reduce_overhead(world, scheme, lowering):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices, found {torch.cuda.device_count()}")
     os.environ.update(NVLS_OFF)  # inherited by the spawned ranks (which set it again)
-    lowerings = None if lowering is None else {scheme: lowering}
+    item = scheme if lowering is None else (scheme, lowering)
     tol = TOLERANCE.get(scheme, DEFAULT_TOLERANCE)
-    mp.spawn(tp_model_worker, args=(world, free_port(), "nccl", torch.float16, (scheme,), ("eager", "reduce_overhead"), tol, lowerings, CONFIG),
+    mp.spawn(tp_model_worker, args=(world, free_port(), "nccl", torch.float16, (item,), ("eager", "reduce_overhead"), tol, CONFIG),
              nprocs=world, join=True)
