@@ -90,6 +90,15 @@ def _table_variants():
                     yield p.defines(torch.bfloat16, True)
 
 
+def _glu_variants():
+    """The gated output (QOPS_GLU): every tile height, the single-block, cluster and workspace sums,
+    both dtypes."""
+    for dt in (torch.float16, torch.bfloat16):
+        for m, n, k, cluster in ((1, 28672, 4096, False), (8, 28672, 4096, True), (16, 28672, 4096, False), (24, 4096, 4096, False),
+                                 (32, 28672, 4096, False), (8, 8192, 28672, False)):
+            yield native._plan(m, n, k, 132, cluster).defines(dt, True, glu=True)
+
+
 def test_the_compiled_variants_cover_every_tile_height():
     assert sorted({d["QOPS_MT"] for d in _gemv_variants()}) == [1, 2, 3, 4]
     assert all(d["QOPS_MINB"] == 1 for d in _gemv_variants() if d["QOPS_MT"] >= 3)
@@ -113,7 +122,8 @@ def _ptxas_report(log: str) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants], ids=["register-ring", "smem-ring", "plan-tables"])
+@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants, _glu_variants],
+                         ids=["register-ring", "smem-ring", "plan-tables", "glu"])
 def test_gemv_variants_compile_within_register_budget(arch, variants):
     seen = set()
     for defines in variants():
@@ -737,3 +747,10 @@ def test_x_staging_unroll_compiles_and_issues_its_loads_first(arch):
         compiler.compile(src, "sm_90", compiler.native_options({**base, "QOPS_XU": 9}))
     with pytest.raises(ValueError, match="xu=9 outside"):
         native.make_plan(1, 4096, 14336, nwn=1, splits=2, cluster=True, xfull=True, xu=9)
+
+
+def test_glu_refuses_the_shared_memory_ring_and_the_probe():
+    base = native._plan(1, 28672, 4096, 132, False).defines(torch.float16, True, glu=True)
+    for extra in ({"QOPS_SMEM_RING": 4}, {"QOPS_PROBE": 1}):
+        with pytest.raises(compiler.NativeCompileError, match="QOPS_GLU excludes"):
+            compiler.compile(compiler.native_source(native.SOURCE), "sm_90", compiler.native_options({**base, **extra}))

@@ -148,8 +148,9 @@ class Plan:
     probe: int = 0  # measurements only (benchmarks/probe_w4_tiled.py): 1 reads the weight bytes tile-major (wrong sums)
     xu: int = 8  # (x staged once) 16-byte x slots a thread loads before using any (1..8; 1: one round trip per 256 slots)
 
-    def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
+    def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False) -> dict[str, int]:
         return {
+            "QOPS_GLU": int(glu),
             "QOPS_DT": _DT[dtype],
             "QOPS_MT": self.mt,
             "QOPS_NWN": self.nwn,
@@ -548,28 +549,40 @@ def _refusal(x, qweight, scales, qzeros, bits, group_size, n) -> str | None:
     return None
 
 
-def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=None, workspace=None) -> torch.Tensor:
+def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=None, workspace=None,
+              glu: bool = False) -> torch.Tensor:
     """Lowering entry (contract of ``qops.ops.int_weight.reference_mm``): ``x (..., K) -> (..., N)``.
 
     Arguments are already validated. Returns a fresh tensor of x's dtype, or writes ``out`` and
     returns it. ``workspace`` (uint8, >= :func:`workspace_bytes`) is used for split partials when
     given, else they are allocated from torch's caching allocator. No host synchronisation.
+
+    ``glu``: the weight is a fused gate/up projection (gate rows of the checkpoint first, then up, N
+    even) and the result is ``silu(y[..., :N/2]) * y[..., N/2:]``, ``(..., N/2)``: computed in the
+    kernel's epilogue from the fp32 sums where the kernel serves the call (N % 8 == 0, no bias),
+    else from the unfused product.
     """
     k = x.shape[-1]
     n = qweight.shape[1]
     lead = x.shape[:-1]
     m = math.prod(lead)
-    if _refusal(x, qweight, scales, qzeros, bits, group_size, n) is not None:
-        return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
-    if m > MAX_M and not deterministic():
-        return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
+    if glu and (n % 2 or bias is not None):
+        raise ValueError(f"native_w4a16: the gated output needs an even N and no bias (got N={n}, bias {'given' if bias is not None else 'None'})")
+    nout = n // 2 if glu else n
+    if (_refusal(x, qweight, scales, qzeros, bits, group_size, n) is not None or (m > MAX_M and not deterministic())
+            or (glu and n % 8)):
+        if not glu:
+            return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
+        y = _delegate(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, None, workspace)
+        gated = torch.nn.functional.silu(y[..., :nout]) * y[..., nout:]
+        return gated if out is None else out.copy_(gated)
 
     if out is None:
-        result = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
-        o2 = result.view(m, n)
+        result = torch.empty((*lead, nout), dtype=x.dtype, device=x.device)
+        o2 = result.view(m, nout)
     else:
         result = out
-        o2 = out_view(out, m, n)
+        o2 = out_view(out, m, nout)
     if m == 0 or n == 0:
         return result
 
@@ -578,7 +591,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         x2 = x2.index_select(1, act_perm)
     elif k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
-    target = o2 if o2 is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    target = o2 if o2 is not None else torch.empty((m, nout), dtype=x.dtype, device=x.device)
 
     if bias is not None and bias.dtype not in (x.dtype, torch.float32):
         bias = bias.float()
@@ -598,7 +611,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         for r0 in range(0, m, MAX_M):
             rows = min(MAX_M, m - r0)
             _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,
-                    rows, n, k, chunks_per_group, zero_offset, flags, dev, stream)
+                    rows, n, k, chunks_per_group, zero_offset, flags, dev, stream, glu)
     finally:
         if guard:
             torch.cuda.set_device(prev)
@@ -616,24 +629,32 @@ def out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
     return o2 if (n <= 1 or o2.stride(1) == 1) else None
 
 
-def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_per_group, zero_offset, flags, dev, stream) -> None:
+def launch_shmem(p: Plan, glu: bool) -> int:
+    """Dynamic shared memory of a launch of plan ``p``: the gated output of a single block per column
+    tile pairs gate with up in shared memory after the K reduction (the cluster's buffer)."""
+    return max(p.shmem, _reduction_bytes(p.m, p.nwn, True)) if glu and p.splits == 1 else p.shmem
+
+
+def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_per_group, zero_offset, flags, dev, stream,
+            glu: bool = False) -> None:
     p = plan(m, n, k, dev)
     has_z = qzeros is not None
-    defines = p.defines(x2.dtype, has_z)
+    defines = p.defines(x2.dtype, has_z, glu)
+    shmem = launch_shmem(p, glu)
     gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
     ldx = x2.stride(0) if m > 1 else k
-    ldo = o2.stride(0) if m > 1 else n
+    ldo = o2.stride(0) if m > 1 else o2.shape[1]
     if x2.data_ptr() % 16 == 0 and ldx % 8 == 0 and k % 8 == 0:
         flags |= _X_VEC
     gemv_flags = flags
     if m <= 8:  # at M = 16 the W4A16 rows measured 0.99-1.03x: not taken
-        gemv_flags |= early_dependents_flag(gemv, dev, p.tiles * p.splits, THREADS, p.shmem)
+        gemv_flags |= early_dependents_flag(gemv, dev, p.tiles * p.splits, THREADS, shmem)
     ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
     ws_ptr = ws.data_ptr() if ws is not None else 0
     i32 = compiler.i32
     pdl = use_pdl(dev)
     compiler.launch(
-        gemv, (p.tiles, p.splits, 1), (THREADS, 1, 1), p.shmem, stream,
+        gemv, (p.tiles, p.splits, 1), (THREADS, 1, 1), shmem, stream,
         qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr() if has_z else 0, x2.data_ptr(),
         bias.data_ptr() if bias is not None else 0, o2.data_ptr(), ws_ptr,
         i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(gemv_flags),
@@ -642,7 +663,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     if p.workspace:
         reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
         compiler.launch(
-            reduce, (-(-m * n // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
+            reduce, (-(-m * o2.shape[1] // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
             ws_ptr, bias.data_ptr() if bias is not None else 0, o2.data_ptr(),
             i32(m), i32(n), i32(ldo), i32(p.splits), i32(flags),
             pdl=pdl,
@@ -673,8 +694,10 @@ def serves(n: int, k: int, bits: int, group_size: int, act_dtype: torch.dtype, s
     return bits == 4 and (group_size == -1 or group_size % CHUNK_K == 0) and n % 4 == 0 and act_dtype in _DT and scales_dtype in _DT
 
 
-def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: int, has_zeros: bool, max_m: int = MAX_M, *, deterministic: bool | None = None) -> int:
-    """Compile and load every kernel M = 1..max_m needs for an (N, K) weight; returns how many.
+def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: int, has_zeros: bool, max_m: int = MAX_M, *,
+                 deterministic: bool | None = None, glu: bool = False) -> int:
+    """Compile and load every kernel M = 1..max_m needs for an (N, K) weight (``glu``: its gated
+    output, see :func:`native_mm`); returns how many.
 
     Each kernel is launched once with no work, so the driver makes its code resident now and
     not during a later CUDA-graph capture. Reads the deterministic switch (or takes ``deterministic``).
@@ -690,15 +713,16 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
         stream = torch.cuda.current_stream()
         for m in range(1, min(max_m, MAX_M) + 1):
             p = plan(m, n, k, dev)
-            key = (p.splits, p.cluster, tuple(sorted(p.defines(act_dtype, has_zeros).items())))
+            defines = p.defines(act_dtype, has_zeros, glu)
+            shmem = launch_shmem(p, glu)
+            key = (p.splits, p.cluster, shmem, tuple(sorted(defines.items())))
             if key in seen:
                 continue
             seen.add(key)
-            defines = p.defines(act_dtype, has_zeros)
             gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
-            if p.shmem > SHMEM_MAX_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
-                compiler.allow_dynamic_shared(gemv, dev, p.shmem)
-            compiler.max_active_blocks(gemv, dev, THREADS, p.shmem)  # the early-release check's occupancy query, cached now
+            if shmem > SHMEM_MAX_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
+                compiler.allow_dynamic_shared(gemv, dev, shmem)
+            compiler.max_active_blocks(gemv, dev, THREADS, shmem)  # the early-release check's occupancy query, cached now
             i0 = compiler.i32(0)
             compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
             if p.workspace:
@@ -707,7 +731,8 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
     return len(seen)
 
 
-def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = MAX_M, *, deterministic: bool | None = None) -> int:
+def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = MAX_M, *, deterministic: bool | None = None,
+           glu: bool = False) -> int:
     """:func:`warmup_shape` for a prepared weight (``qops.IntWeight``); no-op when this kernel does not serve it.
 
     ``act_dtype`` defaults to the scales' dtype. Call after preparing weights and before capturing
@@ -716,4 +741,5 @@ def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = MAX_M, *, 
     act_dtype = act_dtype or weight.scales.dtype
     if weight.qweight.device.type != "cuda" or not serves(weight.out_features, weight.in_features, weight.bits, weight.group_size, act_dtype, weight.scales.dtype):
         return 0
-    return warmup_shape(weight.qweight.device, act_dtype, weight.out_features, weight.in_features, weight.qzeros is not None, max_m, deterministic=deterministic)
+    return warmup_shape(weight.qweight.device, act_dtype, weight.out_features, weight.in_features, weight.qzeros is not None, max_m,
+                        deterministic=deterministic, glu=glu)

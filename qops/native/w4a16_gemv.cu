@@ -70,6 +70,14 @@
 // 4096 x 14336, deeper rings slower as L1 and the blocks an SM shrink
 // (`benchmarks/results/h200-2026-11-30-822a60e-sweep-smem-ca.json`, `...-9cc0d6c-sweep-smem-joint.json`).
 //
+// Gated output (QOPS_GLU = 1): the weight is a fused gate/up projection, N = 2H columns (gate
+// columns 0..H-1, up columns H..2H-1), and the kernel writes y[m, j] = silu(g[m, j]) * u[m, j]
+// (H columns) from the fp32 sums, so no separate SiLU-and-multiply kernel reads the 2H-wide result.
+// A block takes NBLK / 2 gate columns j0 .. and the same up columns H + j0 ..: local column lc < NBLK/2
+// is gate column j0 + lc, the others up column H + j0 + lc - NBLK/2; a lane's four columns stay in
+// one half (H % 4 == 0). The pairs meet in shared memory after the K reduction (or in the cluster's
+// distributed shared memory, or in qops_w4a16_reduce for the workspace path). No bias.
+//
 // Programmatic dependent launch (sm_90, launched with programmatic stream serialization): the kernel
 // may start while the kernel ahead of it (which typically writes x) is still running. Weights, scales
 // and zeros are never written by an earlier kernel, so the first ring stages are loaded before
@@ -87,7 +95,8 @@
 // QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead), QOPS_PROBE
 // (measurement builds only),
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
-// replaces QOPS_RING), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8).
+// replaces QOPS_RING), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
+// QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING or QOPS_PROBE).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -128,6 +137,9 @@
 #endif
 #ifndef QOPS_XU
 #define QOPS_XU 8
+#endif
+#ifndef QOPS_GLU
+#define QOPS_GLU 0
 #endif
 
 #if QOPS_CLUSTER > 1
@@ -192,6 +204,38 @@ __device__ __forceinline__ uint4 load_x8_scalar(const u16* src, int k, int K) {
   return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
+// The weight column of block-local column lc (NBLK = 32 * NWN columns a block); QOPS_GLU: the first
+// half of a block's columns are gate columns, the second the same up columns, H = N / 2 on.
+template <int NWN>
+__device__ __forceinline__ int weight_column(int lc, int N) {
+  constexpr int NBLK = 32 * NWN;
+  if constexpr (QOPS_GLU) {
+    const int half = NBLK / 2, j = blockIdx.x * half + (lc < half ? lc : lc - half);
+    return lc < half ? j : (N >> 1) + j;
+  } else {
+    return blockIdx.x * NBLK + lc;
+  }
+}
+
+// Whether block-local column lc is a column of the weight (QOPS_GLU: its output column j < H).
+template <int NWN>
+__device__ __forceinline__ bool column_ok(int lc, int N) {
+  constexpr int NBLK = 32 * NWN;
+  if constexpr (QOPS_GLU) {
+    const int half = NBLK / 2;
+    return blockIdx.x * half + (lc < half ? lc : lc - half) < (N >> 1);
+  } else {
+    return blockIdx.x * NBLK + lc < N;
+  }
+}
+
+// y = silu(gate) * up, from fp32 sums, stored as one output value.
+template <int DT>
+__device__ __forceinline__ void store_glu(u16* out, int m, int j, int ldo, float gate, float up) {
+  const float y = gate / (1.f + __expf(-gate)) * up;
+  out[static_cast<size_t>(m) * ldo + j] = f32_to_bits<DT>(y);
+}
+
 template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF, bool FOLD, int SR>
 __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, const u16* __restrict__ scales,
                                            const u32* __restrict__ qzeros, const u16* __restrict__ x,
@@ -207,6 +251,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   static_assert(MT >= 1 && MT <= 4, "QOPS_MT is 1..4 (M <= 32)");
   static_assert(!FOLD || (XF && MT == 1), "QOPS_FOLD needs x staged once (QOPS_XFULL) and M <= 8");
   static_assert(SR == 0 || (SR >= 2 && SR <= 16 && XF), "QOPS_SMEM_RING is 0 or 2..16 and needs QOPS_XFULL");
+  // The ring's copies and the tiled probe address other lanes' columns as contiguous with this lane's.
+  static_assert(!QOPS_GLU || (SR == 0 && QOPS_PROBE == 0), "QOPS_GLU excludes QOPS_SMEM_RING and QOPS_PROBE");
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
     // Even with no work: a dependent launched after this grid waits only for this grid, so this grid
     // must not complete before the kernels ahead of it.
@@ -219,8 +265,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp % NWN, wk = warp / NWN;
   const int g = lane >> 2, c = lane & 3;
-  const int n0 = blockIdx.x * NBLK + wn * 32 + 4 * g;
-  const bool n_ok = n0 < N;
+  const int n0 = weight_column<NWN>(wn * 32 + 4 * g, N);
+  const bool n_ok = column_ok<NWN>(wn * 32 + 4 * g, N);
   const int KW = (K + 7) >> 3;
   const int C = (K + kChunkK - 1) / kChunkK;
   const int S = gridDim.y, split = blockIdx.y;
@@ -681,19 +727,31 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         if (m < M) red[wk * total + m * NBLK + col] = acc[mt][t][i];
       }
   __syncthreads();
-  float* part = red + NWK * total;  // [M][NBLK], read by the other blocks of the cluster
+  // [M][NBLK]: the block's sums, read by the other blocks of the cluster, or (QOPS_GLU, one block a
+  // column tile) paired gate with up below.
+  float* part = red + NWK * total;
+  constexpr bool kPairHere = QOPS_GLU && CL == 1;  // with S == 1: the pairs meet in this block
   for (int idx = tid; idx < total; idx += kThreads) {
     float v = red[idx];
 #pragma unroll
     for (int w = 1; w < NWK; ++w) v += red[w * total + idx];
-    const int m = idx / NBLK;
-    const int n = blockIdx.x * NBLK + (idx - m * NBLK);
-    if constexpr (CL > 1) {
+    const int m = idx / NBLK, lc = idx - m * NBLK;
+    if (CL > 1 || (kPairHere && S == 1)) {
       part[idx] = v;
-    } else {
-      if (n < N) {
-        if (S == 1) store_out<DT>(out, bias, flags, m, n, ldo, v);
-        else ws[(static_cast<size_t>(split) * M + m) * N + n] = v;
+    } else if (column_ok<NWN>(lc, N)) {
+      const int n = weight_column<NWN>(lc, N);
+      if (S == 1) store_out<DT>(out, bias, flags, m, n, ldo, v);
+      else ws[(static_cast<size_t>(split) * M + m) * N + n] = v;
+    }
+  }
+  constexpr int kHalf = NBLK / 2;
+  if constexpr (kPairHere) {
+    if (S == 1) {
+      __syncthreads();
+      for (int idx = tid; idx < M * kHalf; idx += kThreads) {
+        const int m = idx / kHalf, lc = idx - m * kHalf;
+        if (column_ok<NWN>(lc, N))
+          store_glu<DT>(out, m, blockIdx.x * kHalf + lc, ldo, part[m * NBLK + lc], part[m * NBLK + kHalf + lc]);
       }
     }
   }
@@ -701,14 +759,28 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   if constexpr (CL > 1) {
     cluster_sync();  // partials of every block of the cluster visible
     const int rank = static_cast<int>(cluster_rank());
-    for (int idx = rank * kThreads + tid; idx < total; idx += CL * kThreads) {
-      const u32 a = smem_addr(part + idx);
-      float v = ld_dsmem_f32(a, 0);
+    if constexpr (QOPS_GLU) {
+      for (int idx = rank * kThreads + tid; idx < M * kHalf; idx += CL * kThreads) {
+        const int m = idx / kHalf, lc = idx - m * kHalf;
+        const u32 a = smem_addr(part + m * NBLK + lc), b = smem_addr(part + m * NBLK + kHalf + lc);
+        float gate = ld_dsmem_f32(a, 0), up = ld_dsmem_f32(b, 0);
 #pragma unroll
-      for (int r = 1; r < CL; ++r) v += ld_dsmem_f32(a, r);
-      const int m = idx / NBLK;
-      const int n = blockIdx.x * NBLK + (idx - m * NBLK);
-      if (n < N) store_out<DT>(out, bias, flags, m, n, ldo, v);
+        for (int r = 1; r < CL; ++r) {
+          gate += ld_dsmem_f32(a, r);
+          up += ld_dsmem_f32(b, r);
+        }
+        if (column_ok<NWN>(lc, N)) store_glu<DT>(out, m, blockIdx.x * kHalf + lc, ldo, gate, up);
+      }
+    } else {
+      for (int idx = rank * kThreads + tid; idx < total; idx += CL * kThreads) {
+        const u32 a = smem_addr(part + idx);
+        float v = ld_dsmem_f32(a, 0);
+#pragma unroll
+        for (int r = 1; r < CL; ++r) v += ld_dsmem_f32(a, r);
+        const int m = idx / NBLK;
+        const int n = blockIdx.x * NBLK + (idx - m * NBLK);
+        if (n < N) store_out<DT>(out, bias, flags, m, n, ldo, v);
+      }
     }
     cluster_sync();  // no block leaves while another still reads its shared memory
   }
@@ -725,17 +797,26 @@ qops_w4a16_gemv(const unsigned* qweight, const unsigned short* scales, const uns
       qweight, scales, qzeros, x, bias, out, ws, M, N, K, ldx, ldo, chunks_per_group, zero_offset, flags);
 }
 
-// Split-K finish for the workspace path: out[m, n] = sum_s ws[s, m, n] (+ bias), s in order.
+// Split-K finish for the workspace path: out[m, n] = sum_s ws[s, m, n] (+ bias), s in order;
+// QOPS_GLU: out[m, j] = silu(sum_s ws[s, m, j]) * sum_s ws[s, m, H + j], H = N / 2, one thread a j.
 extern "C" __global__ void __launch_bounds__(qops::kThreads)
 qops_w4a16_reduce(const float* ws, const void* bias, unsigned short* out, int M, int N, int ldo, int S, int flags) {
   qops::grid_dep_wait();  // ws comes from the gemv just launched, which may still be storing it
   // Nothing here is worth overlapping with: a dependent launch may start its weight loads at once.
   qops::grid_dep_launch_dependents();
   const int idx = blockIdx.x * qops::kThreads + threadIdx.x;
-  if (idx >= M * N) return;
+  const int cols = QOPS_GLU ? N >> 1 : N;
+  if (idx >= M * cols) return;
   const size_t mn = static_cast<size_t>(M) * N;
-  float v = ws[idx];
-  for (int s = 1; s < S; ++s) v += ws[s * mn + idx];
-  const int m = idx / N;
-  qops::store_out<QOPS_DT>(out, bias, flags, m, idx - m * N, ldo, v);
+  const int m = idx / cols, j = idx - m * cols;
+  const size_t at = static_cast<size_t>(m) * N + j;
+  float v = ws[at];
+  for (int s = 1; s < S; ++s) v += ws[s * mn + at];
+  if constexpr (QOPS_GLU) {
+    float up = ws[at + cols];
+    for (int s = 1; s < S; ++s) up += ws[s * mn + at + cols];
+    qops::store_glu<QOPS_DT>(out, m, j, ldo, v, up);
+  } else {
+    qops::store_out<QOPS_DT>(out, bias, flags, m, j, ldo, v);
+  }
 }

@@ -505,3 +505,82 @@ def test_pdl_in_a_cuda_graph_right_after_the_kernel_writing_x(variant, monkeypat
         if pdl == "1":
             y0, z0 = outs["0", m, rep]
             assert torch.equal(y, y0) and torch.equal(z, z0), f"M={m} replay {rep}: PDL changed the result"
+
+
+def glu_reference(x, w64):
+    """silu(gate) * up in float64 from the unfused product (gate columns first, then up)."""
+    y = reference(x, w64)
+    h = y.shape[-1] // 2
+    return torch.nn.functional.silu(y[..., :h]) * y[..., h:]
+
+
+# (N, K) of fused gate/up weights: N % 8 == 0 (the kernel), N % 8 == 4 (the unfused fallback), K off
+# the tile grid; every reduction path is forced below.
+GLU_SHAPES = [(1024, 512), (2000, 777), (4096, 4096), (1028, 1280)]
+GLU_PLANS = [  # (nwn, splits, cluster, xfull): one block, a cluster of 2, the workspace of 3, the widest tile
+    (1, 1, False, True), (2, 2, True, True), (4, 3, False, False), (8, 1, False, True), (8, 4, False, True),
+]
+
+
+@pytest.mark.parametrize("shape", GLU_SHAPES, ids=str)
+def test_glu_matches_silu_times_up_of_the_reference(shape):
+    n, k = shape
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    w = nw.weight
+    for dtype in DTYPES:
+        for m in (1, 7, 16, 17, 32, 33):
+            x = rand(m, k, dtype=dtype, seed=m)
+            y = native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, glu=True)
+            want = glu_reference(x, nw.w64)
+            assert y.shape == want.shape and y.dtype == dtype
+            err = rel_err(y, want)
+            assert err < TOL[dtype], f"{shape} M={m} {dtype}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("variant", GLU_PLANS, ids=lambda v: "nwn{}-s{}-{}-{}".format(v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged"))
+def test_glu_every_reduction_path(variant):
+    nwn, splits, cluster, xfull = variant
+    if cluster and not native._device_facts(0)[1]:
+        pytest.skip("thread-block clusters need sm_90")
+    n, k = 2048, 1536
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    w = nw.weight
+    for m in (1, 8, 16, 24):
+        try:
+            p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, minb=1 if m > 16 else 2,
+                                 smem_limit=native.smem_optin_bytes(0))
+        except ValueError:
+            continue
+        for dtype in DTYPES:
+            x = rand(m, k, dtype=dtype, seed=m + 1)
+            with native.plan_override(lambda *a, p=p: p):
+                y = native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, glu=True)
+            err = rel_err(y, glu_reference(x, nw.w64))
+            assert err < TOL[dtype], f"{p} {dtype}: relative error {err:.2e}"
+
+
+def test_glu_in_a_cuda_graph_with_out_and_workspace():
+    n, k, m = 4096, 4096, 8
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    w = nw.weight
+    assert native.warmup_shape(0, torch.float16, n, k, True, glu=True) >= 1
+    x = rand(m, k, dtype=torch.float16, seed=4)
+    out = torch.empty(m, n // 2, dtype=torch.float16, device="cuda")
+    ws = torch.empty(max(native.workspace_bytes(m, n, k, 4, 128, 0), 16), dtype=torch.uint8, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, out=out, workspace=ws, glu=True)
+    for seed in (5, 6):
+        x.copy_(rand(m, k, dtype=torch.float16, seed=seed))
+        out.zero_()
+        g.replay()
+        err = rel_err(out, glu_reference(x, nw.w64))
+        assert err < TOL[torch.float16], f"replay seed {seed}: relative error {err:.2e}"
+
+
+def test_glu_refuses_a_bias():
+    nw = native_weight("gptq", 1024, 512, 128, False, version="v2")
+    w = nw.weight
+    x = rand(1, 512, dtype=torch.float16)
+    with pytest.raises(ValueError, match="no bias"):
+        native.native_mm(x, w.qweight, w.scales, w.qzeros, None, rand(1024, dtype=torch.float16), 4, 128, w.zero_offset, glu=True)
