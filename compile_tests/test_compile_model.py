@@ -27,6 +27,16 @@ PAIRS = [("none", "dense")] + scheme_lowerings("cpu")
 # The layers hold the model's workspace, so they call the _out ops (on CPU every fp8 layer is W8A16).
 OPS = {"int_weight": "mm_int_weight_out", "fp8": "mm_fp8_weight_out", "int8_weight": "mm_int8_weight_out",
        "blockwise4": "mm_blockwise4_out"}
+# The families with a gated op: the MLP's gate/up layer calls it instead of OPS' op.
+SWIGLU_OPS = {"int_weight": "mm_int_weight_swiglu_out"}
+
+
+def out_op_counts(family: str, with_out: int, mlps: int) -> dict[str, int]:
+    """Calls of each ``_out`` op in a decode step of ``mlps`` layers, ``with_out`` linears on the
+    workspace: the gate/up ones through the family's gated op where it has one."""
+    if family not in SWIGLU_OPS:
+        return {OPS[family]: with_out}
+    return {OPS[family]: with_out - mlps, SWIGLU_OPS[family]: mlps}
 
 
 def check_workspace_in_place(code: str, counts: dict[str, int]) -> None:
@@ -83,7 +93,7 @@ def test_decode_compiles_once_for_every_batch_size_and_step(scheme, lowering, dt
                 if i == 0 and s == 0:
                     got, (code, *_) = run_and_get_code(step, tok_c, pos_c)
                     if scheme != "none":
-                        check_workspace_in_place(code, {OPS[FORMATS[scheme].family]: 4 * CONFIG.num_hidden_layers})
+                        check_workspace_in_place(code, out_op_counts(FORMATS[scheme].family, 4 * CONFIG.num_hidden_layers, CONFIG.num_hidden_layers))
                     assert "dequantize" not in code
                 else:
                     with torch.compiler.set_stance("fail_on_recompile"):

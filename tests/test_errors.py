@@ -137,6 +137,39 @@ def test_mm_int_weight_out_bad_out(weight, out, pattern, mode):
     expect_error(torch.ops.qops.mm_int_weight_out, args, mode, pattern)
 
 
+def swiglu_args(w, **changes) -> dict:
+    """``mm_int_weight_swiglu``'s arguments: ``mm_int_weight``'s without the bias."""
+    args = mm_args(w, **changes)
+    del args["bias"]
+    return args
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", ["x-float64", "qweight-int64", "scales-meta", "K-misaligned", "act_perm-length", "bits-5", "kernel-unknown",
+                                 "kernel-cuda-only"])
+def test_mm_int_weight_swiglu_bad_input(weight, bad, mode):
+    changes, pattern = _bad_mm_inputs(weight)[bad]
+    expect_error(torch.ops.qops.mm_int_weight_swiglu, swiglu_args(weight, **changes), mode, pattern)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mm_int_weight_swiglu_needs_an_even_n(mode):
+    odd = build(Case("gptq", 4, 32, False, False, "v2", 23, 72)).weight
+    expect_error(torch.ops.qops.mm_int_weight_swiglu, swiglu_args(odd), mode,
+                 r"mm_int_weight_swiglu: qweight must have an even N \(gate columns, then as many up columns\), got N=23")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("out,pattern", [
+    (torch.empty(3, 24), r"out must have shape \(3, 12\), got \(3, 24\)"),
+    (torch.empty(3, 12, dtype=torch.bfloat16), r"out must have the dtype of x \(torch.float32\), got torch.bfloat16"),
+], ids=["full-width", "dtype"])
+def test_mm_int_weight_swiglu_out_bad_out(weight, out, pattern, mode):
+    args = swiglu_args(weight)
+    args.update(out=out, workspace=None)
+    expect_error(torch.ops.qops.mm_int_weight_swiglu_out, args, mode, pattern)
+
+
 def _deq_args(w, **changes):
     args = dict(qweight=w.qweight, scales=w.scales, qzeros=w.qzeros, act_perm=w.act_perm, in_features=w.in_features,
                 bits=w.bits, group_size=w.group_size, zero_offset=w.zero_offset, dtype=torch.float32)

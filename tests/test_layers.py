@@ -103,6 +103,39 @@ def test_from_checkpoint_is_the_reference_dequantization(ctype):
 
 
 @pytest.mark.parametrize("ctype", list(CHECKPOINTS), ids=lambda t: t.__name__)
+def test_forward_swiglu_is_silu_of_the_gate_half_times_the_up_half(ctype):
+    # The layer read as a fused [gate; up] projection: first half gate, second half up, in float64
+    # from the format's own dequantization; with a bias too (the gated op has none: the layer composes).
+    c = CHECKPOINTS[ctype]()
+    ref = FORMATS[FORMAT_OF[ctype]].dequantize(c).double()
+    n, k = ref.shape
+    x = torch.randn(3, 2, k)
+    bias = torch.randn(n)
+    for b in (None, bias):
+        lin = QuantLinear.from_checkpoint(c, b, dtype=torch.float32)
+        lin.prepare_swiglu()
+        y = x.double() @ ref.t() + (0 if b is None else b.double())
+        want = torch.nn.functional.silu(y[..., : n // 2]) * y[..., n // 2:]
+        torch.testing.assert_close(lin.forward_swiglu(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_column_layer_swiglu_for_dense_and_quantized_layers():
+    from qops.layers.tensor_parallel import TensorParallelColumnLinear
+
+    w = _w()
+    x = torch.randn(4, K)
+    y = x.double() @ w.double().t()
+    want = torch.nn.functional.silu(y[:, : N // 2]) * y[:, N // 2:]
+    dense = TensorParallelColumnLinear(FastLinear(w))
+    dense.prepare_swiglu()
+    torch.testing.assert_close(dense.forward_swiglu(x).double(), want, rtol=1e-5, atol=1e-5)
+    c = FORMATS["gptq"].quantize(w, bits=8, group_size=32, sym=False)
+    q = TensorParallelColumnLinear(QuantLinear.from_checkpoint(c, dtype=torch.float32))
+    yq = x.double() @ FORMATS["gptq"].dequantize(c).double().t()
+    torch.testing.assert_close(q.forward_swiglu(x).double(), torch.nn.functional.silu(yq[:, : N // 2]) * yq[:, N // 2:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ctype", list(CHECKPOINTS), ids=lambda t: t.__name__)
 def test_modules_hold_the_runtime_layout_as_buffers(ctype):
     c = CHECKPOINTS[ctype]()
     lin = QuantLinear.from_checkpoint(c, dtype=torch.float32)

@@ -80,6 +80,41 @@ def mm_int_weight_out_samples():
     return out
 
 
+def mm_int_weight_swiglu_samples():
+    ws = _weights()
+    g = torch.Generator().manual_seed(2)
+    out = {}
+    for name in ("gptq4sym", "gptq3v1act", "gptq4g128act", "awq4g128", "ct4g128act"):
+        w = ws[name]
+        k = w.in_features
+        variants = {
+            "fp32-grad": torch.randn(5, k, generator=g).requires_grad_(),
+            "fp16-3d-grad": torch.randn(2, 3, k, generator=g).half().requires_grad_(),
+            "bf16-m1": torch.randn(1, k, generator=g).bfloat16(),
+        }
+        if name == "gptq3v1act":
+            variants["fp32-m0-grad"] = torch.randn(0, k, generator=g).requires_grad_()
+        for vname, x in variants.items():
+            out[f"{name}-{vname}"] = (x, *_weight_args(w), w.in_features, *_static(w), int(w.kernel))
+    return out
+
+
+def mm_int_weight_swiglu_out_samples():
+    ws = _weights()
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for name in ("gptq4sym", "gptq4g128act", "ct4g128act"):
+        w = ws[name]
+        k, h = w.in_features, w.out_features // 2
+        for vname, (x, workspace) in {
+            "fp32-workspace": (torch.randn(5, k, generator=g), torch.empty(256, dtype=torch.uint8)),
+            "fp16-3d-grad": (torch.randn(2, 3, k, generator=g).half().requires_grad_(), None),
+        }.items():
+            o = torch.empty(*x.shape[:-1], h, dtype=x.dtype)
+            out[f"{name}-{vname}"] = (x, *_weight_args(w), w.in_features, *_static(w), int(w.kernel), o, workspace)
+    return out
+
+
 def dequantize_int_weight_samples():
     ws = _weights()
     out = {}
@@ -169,6 +204,8 @@ def dequantize_fp8_samples():
 SAMPLES = {
     "mm_int_weight": mm_int_weight_samples,
     "mm_int_weight_out": mm_int_weight_out_samples,
+    "mm_int_weight_swiglu": mm_int_weight_swiglu_samples,
+    "mm_int_weight_swiglu_out": mm_int_weight_swiglu_out_samples,
     "dequantize_int_weight": dequantize_int_weight_samples,
     "mm_fp8_weight": mm_fp8_weight_samples,
     "mm_fp8_weight_out": mm_fp8_weight_out_samples,

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..lowerings import silu_mul
 from ..workspace import Workspace
 from .layout import LinearScheme
 
@@ -54,17 +55,27 @@ class QuantLinear(nn.Module):
         # Not nn.Module.__setattr__: a submodule per layer would give the one buffer many owners.
         object.__setattr__(self, "_workspace", workspace)
 
-    def _out_args(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``(out, workspace)`` for the ``_out`` op, or None for the allocating op: no workspace, or
-        a call that needs gradients (the ``_out`` ops have no autograd)."""
+    def _out_args(self, x: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(out, workspace)`` for the ``_out`` op, ``out`` ``width`` wide (default
+        ``out_features``), or None for the allocating op: no workspace, or a call that needs
+        gradients (the ``_out`` ops have no autograd)."""
         ws = self._workspace
         if ws is None:
             return None
         bias = getattr(self, "bias", None)
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
             return None
-        out = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype, device=x.device)
+        out = torch.empty((*x.shape[:-1], width or self.out_features), dtype=x.dtype, device=x.device)
         return out, ws.scratch(math.prod(x.shape[:-1]))
+
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for a fused ``[gate; up]`` projection (gate rows first), ``(...,
+        out_features / 2)``: here the product, then SiLU-and-multiply; a family whose op computes
+        it in one kernel overrides this."""
+        return silu_mul(self(x))
+
+    def prepare_swiglu(self) -> None:
+        """Compile and load now what :meth:`forward_swiglu` runs (before any CUDA-graph capture)."""
 
     @classmethod
     def from_checkpoint(cls, checkpoint, bias: torch.Tensor | None = None, *, dtype: torch.dtype | None = None) -> "QuantLinear":

@@ -46,6 +46,7 @@ from ..formats.awq import AWQCheckpoint
 from ..formats.compressed_tensors import CompressedTensorsCheckpoint
 from ..formats.gptq import GPTQCheckpoint, version_from_config
 from ..formats.integer import n_groups_for
+from ..lowerings import Kernel, warm_up_swiglu
 from ..ops.int_weight import IntWeight, with_lowering
 from . import act_order
 from .base import InputPadded, LinearMethod, QuantConfig, QuantLinear
@@ -276,6 +277,31 @@ class IntWeightLinear(QuantLinear):
             return torch.ops.qops.mm_int_weight(*args)
         torch.ops.qops.mm_int_weight_out(*args, *out_args)
         return out_args[0]
+
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this fused ``[gate; up]`` layer through ``mm_int_weight_swiglu``
+        (``_out`` with a workspace): one kernel where the lowering has a gated one. With a bias, or
+        an odd ``out_features``, the product and then SiLU-and-multiply."""
+        if self.bias is not None or self.out_features % 2:
+            return super().forward_swiglu(x)
+        if self.input_pad:
+            x = F.pad(x, (0, self.input_pad))
+        args = (x, self.qweight, self.scales, self.qzeros, self.act_perm, self.in_features + self.input_pad,
+                self.bits, self.group_size, self.zero_offset, self.kernel)
+        out_args = self._out_args(x, self.out_features // 2)
+        if out_args is None:
+            return torch.ops.qops.mm_int_weight_swiglu(*args)
+        torch.ops.qops.mm_int_weight_swiglu_out(*args, *out_args)
+        return out_args[0]
+
+    def prepare_swiglu(self) -> None:
+        if self.choice is not None:
+            warm_up_swiglu(self.choice.lowering, self.prepared())
+
+    def prepared(self) -> IntWeight:
+        """The runtime weight this layer holds (its buffers, not copies), as ``prepare`` returned it."""
+        return IntWeight(self.qweight, self.scales, self.qzeros, self.act_perm, self.in_features + self.input_pad, self.out_features,
+                         self.bits, self.group_size, self.zero_offset, Kernel(self.kernel), self.choice)
 
     def extra_repr(self) -> str:
         low = self.choice.lowering.name if self.choice is not None else f"kernel={self.kernel}"

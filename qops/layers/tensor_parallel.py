@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_gather_last_dim, all_reduce_sum, group_rank, group_size
+from ..lowerings import silu_mul
+from .base import QuantLinear
 from .layout import ShardingError, join
 from .loader import Weights, qkv_sizes
 
@@ -68,6 +70,20 @@ class TensorParallelColumnLinear(SuperLayer):
         w = weights.get_weights_col_packed_gate_up(prefix)
         b = weights.get_bias_col_packed(prefix, 2) if bias else None
         return cls(weights.linear(w, b))
+
+
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a fused ``[gate; up]`` layer (:meth:`load_multi` of gate and up,
+        :meth:`load_gate_up`): the rank's gate and up slices are the two halves of its output. A
+        quantized layer may compute it in one kernel (:meth:`QuantLinear.forward_swiglu`)."""
+        if isinstance(self.linear, QuantLinear):
+            return self.linear.forward_swiglu(x)
+        return silu_mul(self.linear(x))
+
+    def prepare_swiglu(self) -> None:
+        """Load :meth:`forward_swiglu`'s kernels now, before any CUDA-graph capture."""
+        if isinstance(self.linear, QuantLinear):
+            self.linear.prepare_swiglu()
 
 
 class TensorParallelRowLinear(SuperLayer):

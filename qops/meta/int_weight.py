@@ -5,7 +5,7 @@ import torch
 
 from ..lowerings import lowering_for
 from ..ops._common import check_out
-from ..ops.int_weight import FAMILY, call_facts, check_int_weight, check_mm_int_weight
+from ..ops.int_weight import FAMILY, call_facts, check_int_weight, check_mm_int_weight, check_mm_int_weight_swiglu, swiglu_shape
 
 
 @torch.library.register_fake("qops::mm_int_weight")
@@ -26,3 +26,17 @@ def _mm_int_weight_out_fake(x, qweight, scales, qzeros, act_perm, bias, in_featu
     shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
     check_out("mm_int_weight_out", out, shape, x)
     lowering_for(FAMILY, kernel, x.device, "mm_int_weight_out", call_facts(x, shape, act_perm, in_features, bits, group_size))
+
+
+@torch.library.register_fake("qops::mm_int_weight_swiglu")
+def _mm_int_weight_swiglu_fake(x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset, kernel):
+    shape = check_mm_int_weight_swiglu("mm_int_weight_swiglu", x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset)
+    lowering_for(FAMILY, kernel, x.device, "mm_int_weight_swiglu", call_facts(x, shape, act_perm, in_features, bits, group_size))
+    return x.new_empty(swiglu_shape(shape))
+
+
+@torch.library.register_fake("qops::mm_int_weight_swiglu_out")
+def _mm_int_weight_swiglu_out_fake(x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset, kernel, out, workspace):
+    shape = check_mm_int_weight_swiglu("mm_int_weight_swiglu_out", x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset)
+    check_out("mm_int_weight_swiglu_out", out, swiglu_shape(shape), x)
+    lowering_for(FAMILY, kernel, x.device, "mm_int_weight_swiglu_out", call_facts(x, shape, act_perm, in_features, bits, group_size))

@@ -261,10 +261,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = TensorParallelColumnLinear.load_multi(config, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], weights, bias=False)
         self.down_proj = TensorParallelRowLinear.load(config, f"{prefix}.down_proj", weights, bias=False)
+        self.gate_up_proj.prepare_swiglu()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # One kernel where the gate/up lowering computes silu(gate) * up in its epilogue.
+        return self.down_proj(self.gate_up_proj.forward_swiglu(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -58,6 +58,7 @@ from typing import Optional
 
 import torch
 
+from ..lowerings import silu_mul
 from ..ops._common import DETERMINISTIC_ENV, deterministic_requested  # noqa: F401  (DETERMINISTIC_ENV: the switch's name, re-exported)
 from . import compiler
 
@@ -574,7 +575,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         if not glu:
             return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
         y = _delegate(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, None, workspace)
-        gated = torch.nn.functional.silu(y[..., :nout]) * y[..., nout:]
+        gated = silu_mul(y)
         return gated if out is None else out.copy_(gated)
 
     if out is None:
@@ -618,6 +619,11 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     if o2 is None:
         out.copy_(target.view(out.shape))
     return result
+
+
+def native_mm_swiglu(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=None, workspace=None) -> torch.Tensor:
+    """The gated lowering entry (``qops.lowerings.Lowering.swiglu_entry``): :func:`native_mm` with ``glu=True``."""
+    return native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace, glu=True)
 
 
 def out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
@@ -743,3 +749,8 @@ def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = MAX_M, *, 
         return 0
     return warmup_shape(weight.qweight.device, act_dtype, weight.out_features, weight.in_features, weight.qzeros is not None, max_m,
                         deterministic=deterministic, glu=glu)
+
+
+def warmup_swiglu(weight, act_dtype: torch.dtype | None = None, max_m: int = MAX_M, *, deterministic: bool | None = None) -> int:
+    """:func:`warmup` of the gated kernels (:func:`native_mm_swiglu`) for a fused gate/up weight."""
+    return warmup(weight, act_dtype, max_m, deterministic=deterministic, glu=True)

@@ -26,7 +26,7 @@ import torch
 
 from ..formats._packing import pack_bits, packed_length, unpack_bits
 from ..formats.integer import IntQuantized, default_g_idx, n_groups_for
-from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
+from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, swiglu_implementation, warm_up
 from ._common import check_act_dtype, check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "int_weight"
@@ -86,6 +86,14 @@ def check_mm_int_weight(who, x, qweight, scales, qzeros, act_perm, bias, in_feat
     return [*x.shape[:-1], n]
 
 
+def check_mm_int_weight_swiglu(who, x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset) -> list:
+    """Validate every argument of ``mm_int_weight_swiglu``; returns the shape of the full product
+    ``(..., N)`` (the output is ``(..., N/2)``)."""
+    shape = check_mm_int_weight(who, x, qweight, scales, qzeros, act_perm, None, in_features, bits, group_size, zero_offset)
+    torch._check_value(shape[-1] % 2 == 0, lambda: fail(who, f"qweight must have an even N (gate columns, then as many up columns), got N={shape[-1]}"))
+    return shape
+
+
 def call_facts(x, shape, act_perm, in_features, bits, group_size) -> CallFacts:
     """What a lowering must serve for this call (checked when the op names its kernel)."""
     return CallFacts(bits, group_size, x.dtype, shape[-1], in_features, act_perm is not None)
@@ -99,6 +107,14 @@ MM_SCHEMA = (
 )
 MM_OUT_SCHEMA = (
     "(Tensor x, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, Tensor? bias, "
+    "int in_features, int bits, int group_size, int zero_offset, int kernel, Tensor(a!) out, Tensor(b!)? workspace) -> ()"
+)
+SWIGLU_SCHEMA = (
+    "(Tensor x, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, "
+    "int in_features, int bits, int group_size, int zero_offset, int kernel) -> Tensor"
+)
+SWIGLU_OUT_SCHEMA = (
+    "(Tensor x, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, "
     "int in_features, int bits, int group_size, int zero_offset, int kernel, Tensor(a!) out, Tensor(b!)? workspace) -> ()"
 )
 DEQUANT_SCHEMA = (
@@ -146,6 +162,78 @@ def mm_int_weight_out(
     check_out("mm_int_weight_out", out, shape, x)
     impl = implementation(FAMILY, kernel, x.device, "mm_int_weight_out", call_facts(x, shape, act_perm, in_features, bits, group_size))
     impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=out, workspace=workspace)
+
+
+# The gated forms: a fused [gate; up] weight (N = 2H, the gate projection's rows first) and
+# y = silu(x @ W_gate.T) * (x @ W_up.T), (..., H): a SwiGLU MLP's first half in one op, which a
+# lowering with a gated kernel computes in its epilogue from the fp32 sums
+# (qops.lowerings.swiglu_implementation). No bias: SwiGLU MLPs have none.
+@torch.library.custom_op("qops::mm_int_weight_swiglu", mutates_args=(), schema=SWIGLU_SCHEMA)
+def mm_int_weight_swiglu(
+    x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
+    qweight: torch.Tensor,  # (ceil(K*bits/32), 2H) int32: gate columns 0..H-1, up columns H..2H-1
+    scales: torch.Tensor,  # (n_groups, 2H) float
+    qzeros: Optional[torch.Tensor],  # (n_groups, ceil(2H*bits/32)) int32 or None
+    act_perm: Optional[torch.Tensor],  # (K,) int32 or None
+    in_features: int,  # K
+    bits: int,
+    group_size: int,
+    zero_offset: int,
+    kernel: int,
+) -> torch.Tensor:  # (..., H), dtype of x
+    shape = check_mm_int_weight_swiglu("mm_int_weight_swiglu", x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset)
+    impl = swiglu_implementation(FAMILY, kernel, x.device, "mm_int_weight_swiglu", call_facts(x, shape, act_perm, in_features, bits, group_size))
+    return impl(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset)
+
+
+@torch.library.custom_op("qops::mm_int_weight_swiglu_out", mutates_args=("out", "workspace"), schema=SWIGLU_OUT_SCHEMA)
+def mm_int_weight_swiglu_out(
+    x: torch.Tensor,  # (..., K)
+    qweight: torch.Tensor,  # (ceil(K*bits/32), 2H) int32
+    scales: torch.Tensor,  # (n_groups, 2H) float
+    qzeros: Optional[torch.Tensor],
+    act_perm: Optional[torch.Tensor],
+    in_features: int,
+    bits: int,
+    group_size: int,
+    zero_offset: int,
+    kernel: int,
+    out: torch.Tensor,  # (..., H), dtype of x, caller-owned; written
+    workspace: Optional[torch.Tensor],  # caller-owned scratch (the need of the (..., 2H) product); clobbered
+) -> None:
+    shape = check_mm_int_weight_swiglu("mm_int_weight_swiglu_out", x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset)
+    check_out("mm_int_weight_swiglu_out", out, swiglu_shape(shape), x)
+    impl = swiglu_implementation(FAMILY, kernel, x.device, "mm_int_weight_swiglu_out", call_facts(x, shape, act_perm, in_features, bits, group_size))
+    impl(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, out=out, workspace=workspace)
+
+
+def swiglu_shape(shape: list) -> list:
+    """The gated output's shape from the full product's ``(..., 2H)``."""
+    return [*shape[:-1], shape[-1] // 2]
+
+
+def _swiglu_setup_context(ctx, inputs, output):
+    x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset, _ = inputs
+    ctx.save_for_backward(x, qweight, scales, qzeros, act_perm)
+    ctx.statics = (in_features, bits, group_size, zero_offset)
+
+
+def _swiglu_backward(ctx, grad):
+    """Frozen weight: the gradient of x only, from the fp32 product recomputed with the dequantized
+    weight: d gate = grad * up * silu'(gate), d up = grad * silu(gate), grad_x = [d gate, d up] @ W."""
+    x, qweight, scales, qzeros, act_perm = ctx.saved_tensors
+    grads = [None] * 10
+    if ctx.needs_input_grad[0]:
+        w = torch.ops.qops.dequantize_int_weight(qweight, scales, qzeros, act_perm, *ctx.statics, torch.float32)
+        gate, up = (x.float() @ w.t()).chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        g = grad.float()
+        d = torch.cat((g * up * sig * (1 + gate * (1 - sig)), g * gate * sig), dim=-1)
+        grads[0] = (d @ w).to(x.dtype)
+    return tuple(grads)
+
+
+mm_int_weight_swiglu.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
 
 
 @torch.library.custom_op("qops::dequantize_int_weight", mutates_args=(), schema=DEQUANT_SCHEMA)
@@ -220,6 +308,13 @@ class IntWeight:
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.qops.mm_int_weight(
             x, self.qweight, self.scales, self.qzeros, self.act_perm, bias, self.in_features,
+            self.bits, self.group_size, self.zero_offset, int(self.kernel),
+        )
+
+    def mm_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this fused ``[gate; up]`` weight (``mm_int_weight_swiglu``)."""
+        return torch.ops.qops.mm_int_weight_swiglu(
+            x, self.qweight, self.scales, self.qzeros, self.act_perm, self.in_features,
             self.bits, self.group_size, self.zero_offset, int(self.kernel),
         )
 

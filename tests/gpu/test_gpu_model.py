@@ -255,7 +255,7 @@ def test_compiled_decode_runs_on_the_model_workspace(dense, scheme, lowering, mo
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
-    from compile_tests.test_compile_model import OPS, check_workspace_in_place
+    from compile_tests.test_compile_model import check_workspace_in_place, out_op_counts
     from qops.formats import FORMATS
 
     monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
@@ -281,7 +281,7 @@ def test_compiled_decode_runs_on_the_model_workspace(dense, scheme, lowering, mo
             if i == 0:
                 got, (code, *_) = run_and_get_code(step, *args)
                 if with_out:
-                    check_workspace_in_place(code, {OPS[FORMATS[scheme].family]: with_out})
+                    check_workspace_in_place(code, out_op_counts(FORMATS[scheme].family, with_out, CONFIG.num_hidden_layers))
             else:
                 with torch.compiler.set_stance("fail_on_recompile"):
                     got = step(*args)

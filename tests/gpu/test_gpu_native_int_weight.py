@@ -584,3 +584,35 @@ def test_glu_refuses_a_bias():
     x = rand(1, 512, dtype=torch.float16)
     with pytest.raises(ValueError, match="no bias"):
         native.native_mm(x, w.qweight, w.scales, w.qzeros, None, rand(1024, dtype=torch.float16), 4, 128, w.zero_offset, glu=True)
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["plain", "act-order"])
+def test_swiglu_op_eager_compiled_replayed_and_out(act_order):
+    """``qops::mm_int_weight_swiglu`` (and ``_out``) through the native lowering's gated kernel:
+    eagerly on 3-D and strided x, under torch.compile(fullgraph=True), replayed from a CUDA graph,
+    and into a strided caller-owned out, against the float64 oracle."""
+    n, k = 2 * 1400, 1000  # N/2 off the 128-column block grid, K off the 128-row group grid
+    nw = native_weight("gptq", n, k, 128, False, act_order=act_order, version="v1")
+    w = nw.weight
+    args = (w.qweight, w.scales, w.qzeros, w.act_perm, w.in_features, w.bits, w.group_size, w.zero_offset, int(w.kernel))
+    compiled = torch.compile(lambda x: torch.ops.qops.mm_int_weight_swiglu(x, *args), fullgraph=True)
+    for dtype in DTYPES:
+        assert native.warmup_swiglu(w, dtype) >= 1  # every gated kernel loaded before the capture below
+        for x in (rand(2, 3, k, dtype=dtype, seed=1), rand(5, 2 * k, dtype=dtype, seed=2)[:, ::2], rand(1, k, dtype=dtype, seed=3)):
+            want = glu_reference(x, nw.w64)
+            for name, y in (("eager", torch.ops.qops.mm_int_weight_swiglu(x, *args)), ("compiled", compiled(x))):
+                assert y.shape == want.shape and y.dtype == dtype, name
+                assert rel_err(y, want) < TOL[dtype], f"{name} {dtype} {tuple(x.shape)}: {rel_err(y, want):.2e}"
+        x = rand(8, k, dtype=dtype, seed=4)
+        big = torch.full((8, n // 2 + 9), float("nan"), dtype=dtype, device="cuda")
+        out = big[:, 5:5 + n // 2]
+        ws = torch.empty(max(native.workspace_bytes(8, n, k, 4, 128), 16), dtype=torch.uint8, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            torch.ops.qops.mm_int_weight_swiglu_out(x, *args, out, ws)
+        for seed in (5, 6):
+            x.copy_(rand(8, k, dtype=dtype, seed=seed))
+            g.replay()
+            err = rel_err(out, glu_reference(x, nw.w64))
+            assert err < TOL[dtype], f"replay {dtype} seed {seed}: {err:.2e}"
+        assert bool(big[:, :5].isnan().all()) and bool(big[:, 5 + n // 2:].isnan().all()), "wrote outside out"

@@ -32,7 +32,7 @@ from tests.test_opcheck import SAMPLES, TEST_UTILS
 pytestmark = pytest.mark.gpu
 
 FAMILY_MM_OPS = {
-    "int_weight": ("mm_int_weight", "mm_int_weight_out"),
+    "int_weight": ("mm_int_weight", "mm_int_weight_out", "mm_int_weight_swiglu", "mm_int_weight_swiglu_out"),
     "fp8": ("mm_fp8_weight", "mm_fp8_weight_out", "scaled_mm_fp8"),
     "int8_weight": ("mm_int8_weight", "mm_int8_weight_out"),
     "blockwise4": ("mm_blockwise4", "mm_blockwise4_out"),
