@@ -123,9 +123,16 @@ def kernel_table(events, steps: int) -> dict:
         kinds[k][1] += n / steps
         rows.append({"name": name[:160], "kind": k, "us_per_step": us / steps, "launches_per_step": n / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
+    # The last step kernel by kernel: [name, start, duration] in us from its first kernel's start
+    # (with programmatic dependent launch a kernel starts before the one ahead ends and its
+    # duration includes that wait; without it, gaps and durations are the kernels' own).
+    last = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)))[-(len(spans) // max(steps, 1)):]
+    t0 = last[0][0] if last else 0.0
+    timeline = [[name[:60], round(s - t0, 2), round(e - s, 2)] for s, e, name in last]
     return {"kernels_per_step": len(spans) / steps, "busy_us_per_step": busy / steps, "span_us_per_step": span / steps,
             "kinds": {k: {"us_per_step": v[0], "launches_per_step": v[1]} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
-            "top": rows[:40]}
+            "top": rows[:40], "timeline": timeline}
 
 
 def set_options(opts) -> None:
