@@ -99,6 +99,21 @@ def _glu_variants():
             yield native._plan(m, n, k, 132, cluster).defines(dt, True, glu=True)
 
 
+def _f16mma_variants():
+    """bf16 x through f16 MMAs (QOPS_F16MMA): x staged once at every tile height, folded or not, with
+    zeros or not, the shared-memory ring, and the gated output."""
+    for has_z in (False, True):
+        for m, n, k in ((1, 28672, 4096), (1, 4096, 14336), (8, 6144, 4096), (16, 4096, 4096), (24, 4096, 4096), (32, 4096, 4096)):
+            for fold in ((False, True) if m <= 8 else (False,)):
+                p = native._plan(m, n, k, 132, False)
+                d = {**p.defines(torch.bfloat16, has_z), "QOPS_XFULL": 1, "QOPS_FOLD": int(fold), "QOPS_F16MMA": 1}
+                if m > 16:
+                    d["QOPS_MINB"] = 1
+                yield d
+    yield {**native._plan(1, 28672, 4096, 132, False).defines(torch.bfloat16, True), "QOPS_XFULL": 1, "QOPS_SMEM_RING": 4, "QOPS_F16MMA": 1}
+    yield {**native._plan(8, 28672, 4096, 132, True).defines(torch.bfloat16, True, glu=True), "QOPS_XFULL": 1, "QOPS_F16MMA": 1}
+
+
 def test_the_compiled_variants_cover_every_tile_height():
     assert sorted({d["QOPS_MT"] for d in _gemv_variants()}) == [1, 2, 3, 4]
     assert all(d["QOPS_MINB"] == 1 for d in _gemv_variants() if d["QOPS_MT"] >= 3)
@@ -122,8 +137,8 @@ def _ptxas_report(log: str) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants, _glu_variants],
-                         ids=["register-ring", "smem-ring", "plan-tables", "glu"])
+@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants, _glu_variants, _f16mma_variants],
+                         ids=["register-ring", "smem-ring", "plan-tables", "glu", "f16mma"])
 def test_gemv_variants_compile_within_register_budget(arch, variants):
     seen = set()
     for defines in variants():
@@ -754,3 +769,15 @@ def test_glu_refuses_the_shared_memory_ring_and_the_probe():
     for extra in ({"QOPS_SMEM_RING": 4}, {"QOPS_PROBE": 1}):
         with pytest.raises(compiler.NativeCompileError, match="QOPS_GLU excludes"):
             compiler.compile(compiler.native_source(native.SOURCE), "sm_90", compiler.native_options({**base, **extra}))
+
+
+def test_f16mma_is_a_bf16_option_of_x_staged_once():
+    p = native._plan(1, 28672, 4096, 132, False)
+    assert p.xfull
+    on = dataclasses.replace(p, f16mma=True)
+    assert on.defines(torch.bfloat16, True)["QOPS_F16MMA"] == 1
+    assert on.defines(torch.float16, True)["QOPS_F16MMA"] == 0  # f16 x: the same kernel as without it
+    assert dataclasses.replace(on, xfull=False).defines(torch.bfloat16, True)["QOPS_F16MMA"] == 0
+    base = {**p.defines(torch.bfloat16, True), "QOPS_XFULL": 0, "QOPS_FOLD": 0, "QOPS_F16MMA": 1}
+    with pytest.raises(compiler.NativeCompileError, match="QOPS_F16MMA converts x where it is staged once"):
+        compiler.compile(compiler.native_source(native.SOURCE), "sm_90", compiler.native_options(base))

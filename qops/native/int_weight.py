@@ -148,6 +148,9 @@ class Plan:
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
     probe: int = 0  # measurements only (benchmarks/probe_w4_tiled.py): 1 reads the weight bytes tile-major (wrong sums)
     xu: int = 8  # (x staged once) 16-byte x slots a thread loads before using any (1..8; 1: one round trip per 256 slots)
+    # (x staged once, bf16 x) x staged as f16 scaled by a power of two a row and the MMAs run in f16
+    # (w4a16_gemv.cu, QOPS_F16MMA); no effect on f16 x or on plans staging x per iteration.
+    f16mma: bool = False
 
     def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False) -> dict[str, int]:
         return {
@@ -165,6 +168,7 @@ class Plan:
             "QOPS_SMEM_RING": self.smem_ring,
             "QOPS_PROBE": self.probe,
             "QOPS_XU": self.xu,
+            "QOPS_F16MMA": int(self.f16mma and self.xfull and dtype == torch.bfloat16),
         }
 
 

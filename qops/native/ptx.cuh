@@ -146,6 +146,13 @@ __device__ __forceinline__ u16 f32_to_bf16_bits(float f) {
   return h;
 }
 
+// (lo, hi) rounded to f16 and packed, lo in the low half (cvt.rn.f16x2.f32 puts its first source high).
+__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 __device__ __forceinline__ float f16_bits_to_f32(u16 h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

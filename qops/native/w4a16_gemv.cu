@@ -96,7 +96,18 @@
 // (measurement builds only),
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
 // replaces QOPS_RING), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
-// QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING or QOPS_PROBE).
+// QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING or QOPS_PROBE),
+// QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL).
+//
+// bf16 x through f16 MMAs (QOPS_F16MMA, QOPS_DT = 1): the A operand (q - zero, or 1024 + q with fold)
+// is exact in either type and the scales apply in fp32, so only x decides the MMA's type. bf16's
+// 7-bit mantissa has no room for the 16 q trick, so its dequantization takes three more shifts a
+// word (12.7% more instructions at M = 1, 3-9% slower: benchmarks/NOTES.md, stop 20). Here x is
+// staged as f16 instead, each row scaled by a power of two 2^e that brings its largest magnitude in
+// the block's K range into [2^14, 2^15): no value overflows, every value within 2^-28 of the row's
+// largest converts exactly (f16 holds three more mantissa bits than bf16), and the sums are
+// multiplied by 2^-e in fp32 after the main loop (exact). A first pass over the block's x finds the
+// rows' largest magnitudes (kept in each row's padding slot of the staged x).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -140,6 +151,9 @@
 #endif
 #ifndef QOPS_GLU
 #define QOPS_GLU 0
+#endif
+#ifndef QOPS_F16MMA
+#define QOPS_F16MMA 0
 #endif
 
 #if QOPS_CLUSTER > 1
@@ -253,6 +267,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   static_assert(SR == 0 || (SR >= 2 && SR <= 16 && XF), "QOPS_SMEM_RING is 0 or 2..16 and needs QOPS_XFULL");
   // The ring's copies and the tiled probe address other lanes' columns as contiguous with this lane's.
   static_assert(!QOPS_GLU || (SR == 0 && QOPS_PROBE == 0), "QOPS_GLU excludes QOPS_SMEM_RING and QOPS_PROBE");
+  static_assert(!QOPS_F16MMA || XF, "QOPS_F16MMA converts x where it is staged once (QOPS_XFULL)");
+  constexpr bool kF16 = QOPS_F16MMA && DT == 1;  // bf16 x staged as scaled f16
+  constexpr int MDT = kF16 ? 0 : DT;             // the type of the MMAs' operands
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
     // Even with no work: a dependent launched after this grid waits only for this grid, so this grid
     // must not complete before the kernels ahead of it.
@@ -434,46 +451,91 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // Slot s of the M x nkw staged slots is row s / nkw, 8-value word s % nkw; 16 | nkw, so the 16 lanes
   // of a chunk's FOLD sums share one row.
   static_assert(QOPS_XU >= 1 && QOPS_XU <= 8, "QOPS_XU is 1..8");
-  auto stage_x_full = [&]() {
-    const int nkw = (ce - cb) * 16;
-    const int total = M * nkw;
-    for (int base0 = warp * 32; base0 < total; base0 += kThreads * QOPS_XU) {
+  const int nkw = (ce - cb) * 16;
+  const int xtotal = M * nkw;
+  // The x slots base0 + u * kThreads + lane (u < QOPS_XU) of the block's M x nkw, all loaded before
+  // any is used; slots past the end are zeros.
+  auto load_x_slots = [&](int base0, uint4 (&v)[QOPS_XU]) {
+#pragma unroll
+    for (int u = 0; u < QOPS_XU; ++u) {
+      // Warp-uniform: a short K range (a few slots a thread) does no more work than it needs.
+      if (base0 + u * kThreads >= xtotal) break;
+      const int s = base0 + u * kThreads + lane;
+      const bool in = s < xtotal;
+      const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
+      const int k = (cb * 16 + kwl) * 8;
+      const u16* src = x + (static_cast<size_t>(m) * ldx + k);
+      const bool vec = xvec && k + 8 <= K;
+      v[u] = make_uint4(0, 0, 0, 0);
+      ld_nc_v4_if(v[u], src, in && vec);
+      if (in && !vec) v[u] = load_x8_scalar(src, k, K);
+    }
+  };
+  // kF16: row m's largest |x| in the block's K range, as fp32 bits, in the first word of the row's
+  // padding slot (never written by the staging).
+  auto row_max_bits = [&](int m) -> u32* { return reinterpret_cast<u32*>(smem + m * RSF + RSF - 4); };
+  // kF16: 2^e (inverse: 2^-e) for row m, from its largest magnitude's exponent (e = 0 for a row of
+  // zeros, infinities or NaNs; clamped to +-100 so both stay normal).
+  auto row_scale = [&](int m, bool inverse) -> float {
+    const int ex = static_cast<int>(*row_max_bits(m) >> 23);
+    const int e = (ex == 0 && *row_max_bits(m) == 0) || ex == 255 ? 0 : max(-100, min(100, 14 - (ex - 127)));
+    return __uint_as_float(static_cast<u32>(127 + (inverse ? -e : e)) << 23);
+  };
+  auto find_row_max = [&]() {
+    if (tid < M) *row_max_bits(tid) = 0u;
+    __syncthreads();
+    for (int base0 = warp * 32; base0 < xtotal; base0 += kThreads * QOPS_XU) {
       uint4 v[QOPS_XU];
+      load_x_slots(base0, v);
 #pragma unroll
       for (int u = 0; u < QOPS_XU; ++u) {
-        // Warp-uniform: a short K range (a few slots a thread) does no more work than it needs.
-        if (base0 + u * kThreads >= total) break;
+        if (base0 + u * kThreads >= xtotal) break;  // warp-uniform (the shuffles below)
         const int s = base0 + u * kThreads + lane;
-        const bool in = s < total;
-        const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
-        const int k = (cb * 16 + kwl) * 8;
-        const u16* src = x + (static_cast<size_t>(m) * ldx + k);
-        const bool vec = xvec && k + 8 <= K;
-        v[u] = make_uint4(0, 0, 0, 0);
-        ld_nc_v4_if(v[u], src, in && vec);
-        if (in && !vec) v[u] = load_x8_scalar(src, k, K);
+        // |x| of 8 bf16 values as fp32 bits: the sign bits cleared, the largest of the words' halves.
+        const u32 a = v[u].x & 0x7fff7fffu, b = v[u].y & 0x7fff7fffu, cc = v[u].z & 0x7fff7fffu, d = v[u].w & 0x7fff7fffu;
+        u32 mx = max(max(max(a & 0xffffu, a >> 16), max(b & 0xffffu, b >> 16)), max(max(cc & 0xffffu, cc >> 16), max(d & 0xffffu, d >> 16)));
+        // 16 | nkw: the 16 lanes of a half warp hold one row's slots.
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if ((lane & 15) == 0 && s < xtotal) atomicMax(row_max_bits(M > 1 ? s / nkw : 0), mx << 16);
       }
+    }
+    __syncthreads();
+  };
+  // kF16: the 8 bf16 values of a slot times 2^e, as f16 (round to nearest).
+  auto to_scaled_f16 = [&](uint4 v, float sc) -> uint4 {
+    auto cv = [&](u32 w) {
+      return f32x2_to_f16x2(__uint_as_float(w << 16) * sc, __uint_as_float(w & 0xffff0000u) * sc);
+    };
+    return make_uint4(cv(v.x), cv(v.y), cv(v.z), cv(v.w));
+  };
+  auto stage_x_full = [&]() {
+    if constexpr (kF16) find_row_max();
+    for (int base0 = warp * 32; base0 < xtotal; base0 += kThreads * QOPS_XU) {
+      uint4 v[QOPS_XU];
+      load_x_slots(base0, v);
 #pragma unroll
       for (int u = 0; u < QOPS_XU; ++u) {
-        if (base0 + u * kThreads >= total) break;  // warp-uniform (the FOLD sums shuffle across lanes)
+        if (base0 + u * kThreads >= xtotal) break;  // warp-uniform (the FOLD sums shuffle across lanes)
         // The slot's row and word again, rather than 2 x QOPS_XU registers held across the loads.
         const int s = base0 + u * kThreads + lane;
-        const bool in = s < total;
+        const bool in = s < xtotal;
         const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
+        if constexpr (kF16) v[u] = to_scaled_f16(v[u], row_scale(m, false));
         uint4 f = make_uint4(prmt<0x5410>(v[u].x, v[u].z), prmt<0x7632>(v[u].x, v[u].z), prmt<0x5410>(v[u].y, v[u].w),
                              prmt<0x7632>(v[u].y, v[u].w));
         if constexpr (FOLD) {
           // f16: the odd nibbles dequantize without their shift as 1024 + 16 q, so their x is staged
           // divided by 16 (exact: a power of two) and the product is x * (64 + q).
           float sum_x, sum_staged;
-          if constexpr (DT == 0) {
+          if constexpr (MDT == 0) {
             f.y = fma_f16x2(f.y, 0x2c002c00u, 0x80008000u);  // * 1/16 (+ -0: exact)
             f.w = fma_f16x2(f.w, 0x2c002c00u, 0x80008000u);
-            const float even = sum2<DT>(f.x) + sum2<DT>(f.z), odd = sum2<DT>(f.y) + sum2<DT>(f.w);
+            const float even = sum2<MDT>(f.x) + sum2<MDT>(f.z), odd = sum2<MDT>(f.y) + sum2<MDT>(f.w);
             sum_x = even + 16.f * odd;
             sum_staged = even + odd;
           } else {
-            sum_x = sum2<DT>(f.x) + sum2<DT>(f.y) + sum2<DT>(f.z) + sum2<DT>(f.w);
+            sum_x = sum2<MDT>(f.x) + sum2<MDT>(f.y) + sum2<MDT>(f.z) + sum2<MDT>(f.w);
             sum_staged = sum_x;
           }
 #pragma unroll
@@ -481,7 +543,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
             sum_x += __shfl_xor_sync(0xffffffffu, sum_x, o);
             sum_staged += __shfl_xor_sync(0xffffffffu, sum_staged, o);
           }
-          if ((lane & 15) == 0 && in) xsum[(kwl >> 4) * 8 + m] = make_float2((DT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
+          if ((lane & 15) == 0 && in) xsum[(kwl >> 4) * 8 + m] = make_float2((MDT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
         }
         if (in) smem[m * RSF + kwl] = f;
       }
@@ -496,7 +558,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   //   f16:  (1024 + q) - (1024 + z) and (1024 + 16 q) / 16 - (64 + z); 1024 + z = 0x6400 + z,
   //         -(64 + z) = 0xD400 + 16 z (z <= 16)
   //   bf16: (128 + q) - (128 + z); -(128 + z) = 0xC300 + z
-  const u32 za0 = (DT == 0 ? 0x6400u : 0xC300u) + static_cast<u32>(HAS_Z ? zero_offset : 8);
+  const u32 za0 = (MDT == 0 ? 0x6400u : 0xC300u) + static_cast<u32>(HAS_Z ? zero_offset : 8);
   const u32 zb0 = 0xD400u + 16u * static_cast<u32>(HAS_Z ? zero_offset : 8);
 
   auto compute = [&](int it, const Chunk& ck, int stage) {
@@ -553,7 +615,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const u32 w = word(ck.w[j], jj);
-        if constexpr (FOLD && DT == 0) {
+        if constexpr (FOLD && MDT == 0) {
           // A = 1024 + q (even nibbles) and 1024 + 16 q (odd, against x / 16): bias and zero come off
           // after the MMA, from the staged x sums.
           const u32 w8 = w >> 8;
@@ -564,7 +626,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         } else if constexpr (FOLD) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) p[jj][r] = and_or(w >> (4 * r), 0x000f000fu, 0x43004300u);  // 128 + q
-        } else if constexpr (DT == 0) {
+        } else if constexpr (MDT == 0) {
           const u32 w8 = w >> 8;
           p[jj][0] = sub_f16x2(and_or(w, 0x000f000fu, 0x64006400u), za[jj]);
           p[jj][1] = fma_f16x2(and_or(w, 0x00f000f0u, 0x64006400u), 0x2c002c00u, zb[jj]);
@@ -584,7 +646,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         for (int t = 0; t < 2; ++t)
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
-            mma_16816<DT>(gacc[mt][t], p[2 * t][2 * s], p[2 * t + 1][2 * s], p[2 * t][2 * s + 1],
+            mma_16816<MDT>(gacc[mt][t], p[2 * t][2 * s], p[2 * t + 1][2 * s], p[2 * t][2 * s + 1],
                           p[2 * t + 1][2 * s + 1], xb[mt][2 * s], xb[mt][2 * s + 1]);
     }
 
@@ -612,6 +674,24 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         for (int t = 0; t < 2; ++t)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[mt][t][i] = fmaf(gacc[mt][t][i], sc[2 * t + (i >> 1)], acc[mt][t][i]);
+    }
+  };
+
+  // kF16: the sums of row m times 2^-e_m (exact), before the staged x (holding the rows' maxima) is reused.
+  auto unscale_rows = [&]() {
+    if constexpr (kF16) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int m = 8 * mt + 2 * c + i;
+          const float inv = m < M ? row_scale(m, true) : 1.f;
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            acc[mt][t][i] *= inv;
+            acc[mt][t][i + 2] *= inv;
+          }
+        }
     }
   };
 
@@ -645,6 +725,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       }
     }
     cp_async_wait<0>();  // nothing is left in flight (only empty groups) before shared memory is reused
+    unscale_rows();
     __syncthreads();
   } else if constexpr (XF) {
     // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then
@@ -666,6 +747,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         }
       }
     }
+    unscale_rows();
     __syncthreads();  // every warp is done with x before shared memory is reused below
   } else {
     // Prologue: iterations 0 .. D-1 in flight. On sm_90 all their weights go first, so that they

@@ -617,3 +617,47 @@ def test_swiglu_op_eager_compiled_replayed_and_out(act_order):
             err = rel_err(out, glu_reference(x, nw.w64))
             assert err < TOL[dtype], f"replay {dtype} seed {seed}: {err:.2e}"
         assert bool(big[:, :5].isnan().all()) and bool(big[:, 5 + n // 2:].isnan().all()), "wrote outside out"
+
+
+# (N, K, M) with x staged once: the decode shapes' M = 1 plans (folded), M = 8 and 16, a K off the
+# 128-row grid, and 32 rows (four x tiles, one block an SM).
+F16MMA_CASES = [(6144, 4096, 1), (4096, 14336, 1), (28672, 4096, 8), (1000, 777, 5), (4096, 4096, 16), (2048, 1536, 32)]
+
+
+def _x_rows_of_every_magnitude(m, k, seed):
+    """bf16 rows scaled by 1, 1e30, 1e-30, a row of zeros, a row with one value 1e6 times the rest, ..."""
+    x = rand(m, k, dtype=torch.float32, seed=seed)
+    scales = [1.0, 1e30, 1e-30, 0.0, 3e4, 1e-6, 70000.0]
+    for r in range(m):
+        x[r] *= scales[r % len(scales)]
+    if m > 7:
+        x[7, 3] *= 1e6  # one value far above its row's others
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", F16MMA_CASES, ids=lambda s: "{}x{}-m{}".format(*s))
+def test_bf16_through_f16_mma_matches_the_reference_at_every_magnitude(shape):
+    """QOPS_F16MMA: bf16 x staged as f16 with a power-of-two scale a row; rows from 1e-30 to 1e30 (far
+    outside f16's range), a row of zeros, and a row dominated by one value, against float64, each row
+    to its own scale; and the same results as the bf16 MMAs within the tolerance."""
+    n, k, m = shape
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    w = nw.weight
+    base = native.plan(m, n, k, 0)
+    p = dataclasses.replace(native.make_plan(m, n, k, nwn=base.nwn, splits=base.splits, cluster=base.cluster, xfull=True,
+                                             ring=base.ring, minb=base.minb, fold=base.fold and m <= 8,
+                                             smem_limit=native.smem_optin_bytes(0)), f16mma=True)
+    assert p.defines(torch.bfloat16, True)["QOPS_F16MMA"] == 1
+    x = _x_rows_of_every_magnitude(m, k, seed=m)
+    with native.plan_override(lambda *a: p):
+        y = w.mm(x)
+    with native.plan_override(lambda *a: dataclasses.replace(p, f16mma=False)):
+        y_bf16 = w.mm(x)
+    want = reference(x, nw.w64)
+    for r in range(m):
+        if not bool(want[r].abs().max() > 0):
+            assert bool((y[r] == 0).all()), f"row {r}: a row of zeros gives zeros"
+            continue
+        err = rel_err(y[r], want[r])
+        assert err < TOL[torch.bfloat16], f"{p} row {r} (|x| ~ {x[r].float().abs().max().item():.1e}): relative error {err:.2e}"
+        assert rel_err(y[r], y_bf16[r].double()) < TOL[torch.bfloat16], f"row {r}: f16 and bf16 MMAs disagree"
