@@ -162,14 +162,19 @@ class Plan:
             "QOPS_CLUSTER": self.splits if self.cluster else 1,
             "QOPS_XFULL": int(self.xfull),
             "QOPS_RING": self.ring,
-            "QOPS_MINB": self.minb,
+            # f16mma takes ~16 more registers a thread: promised two blocks an SM (MT <= 2), ptxas keeps
+            # the register ring's 128 (no spills at sm_90) instead of halving the blocks an SM.
+            "QOPS_MINB": max(self.minb, 2) if self._f16mma_on(dtype) and self.mt <= 2 else self.minb,
             "QOPS_FOLD": int(self.fold),
             "QOPS_PREFETCH": self.prefetch,
             "QOPS_SMEM_RING": self.smem_ring,
             "QOPS_PROBE": self.probe,
             "QOPS_XU": self.xu,
-            "QOPS_F16MMA": int(self.f16mma and self.xfull and dtype == torch.bfloat16),
+            "QOPS_F16MMA": int(self._f16mma_on(dtype)),
         }
+
+    def _f16mma_on(self, dtype: torch.dtype) -> bool:
+        return self.f16mma and self.xfull and dtype == torch.bfloat16
 
 
 def _mt(m: int) -> int:

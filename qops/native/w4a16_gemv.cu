@@ -481,26 +481,20 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     const int e = (ex == 0 && *row_max_bits(m) == 0) || ex == 255 ? 0 : max(-100, min(100, 14 - (ex - 127)));
     return __uint_as_float(static_cast<u32>(127 + (inverse ? -e : e)) << 23);
   };
-  auto find_row_max = [&]() {
-    if (tid < M) *row_max_bits(tid) = 0u;
-    __syncthreads();
-    for (int base0 = warp * 32; base0 < xtotal; base0 += kThreads * QOPS_XU) {
-      uint4 v[QOPS_XU];
-      load_x_slots(base0, v);
+  // kF16: the largest |x| of each row among the loaded slots, into the rows' maxima (shared atomics,
+  // one a half warp: 16 | nkw, so the 16 lanes of a half warp hold one row's slots).
+  auto max_slots = [&](int base0, const uint4 (&v)[QOPS_XU]) {
 #pragma unroll
-      for (int u = 0; u < QOPS_XU; ++u) {
-        if (base0 + u * kThreads >= xtotal) break;  // warp-uniform (the shuffles below)
-        const int s = base0 + u * kThreads + lane;
-        // |x| of 8 bf16 values as fp32 bits: the sign bits cleared, the largest of the words' halves.
-        const u32 a = v[u].x & 0x7fff7fffu, b = v[u].y & 0x7fff7fffu, cc = v[u].z & 0x7fff7fffu, d = v[u].w & 0x7fff7fffu;
-        u32 mx = max(max(max(a & 0xffffu, a >> 16), max(b & 0xffffu, b >> 16)), max(max(cc & 0xffffu, cc >> 16), max(d & 0xffffu, d >> 16)));
-        // 16 | nkw: the 16 lanes of a half warp hold one row's slots.
+    for (int u = 0; u < QOPS_XU; ++u) {
+      if (base0 + u * kThreads >= xtotal) break;  // warp-uniform (the shuffles below)
+      const int s = base0 + u * kThreads + lane;
+      // |x| of 8 bf16 values as bf16 bits (sign bits cleared; nonnegative floats order as integers).
+      const u32 a = v[u].x & 0x7fff7fffu, b = v[u].y & 0x7fff7fffu, cc = v[u].z & 0x7fff7fffu, d = v[u].w & 0x7fff7fffu;
+      u32 mx = max(max(max(a & 0xffffu, a >> 16), max(b & 0xffffu, b >> 16)), max(max(cc & 0xffffu, cc >> 16), max(d & 0xffffu, d >> 16)));
 #pragma unroll
-        for (int o = 8; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        if ((lane & 15) == 0 && s < xtotal) atomicMax(row_max_bits(M > 1 ? s / nkw : 0), mx << 16);
-      }
+      for (int o = 8; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      if ((lane & 15) == 0 && s < xtotal) atomicMax(row_max_bits(M > 1 ? s / nkw : 0), mx << 16);
     }
-    __syncthreads();
   };
   // kF16: the 8 bf16 values of a slot times 2^e, as f16 (round to nearest).
   auto to_scaled_f16 = [&](uint4 v, float sc) -> uint4 {
@@ -509,43 +503,71 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     };
     return make_uint4(cv(v.x), cv(v.y), cv(v.z), cv(v.w));
   };
-  auto stage_x_full = [&]() {
-    if constexpr (kF16) find_row_max();
-    for (int base0 = warp * 32; base0 < xtotal; base0 += kThreads * QOPS_XU) {
-      uint4 v[QOPS_XU];
-      load_x_slots(base0, v);
+  // The loaded slots permuted into B-fragment order and stored (kF16: scaled and converted first;
+  // FOLD: with their chunk sums).
+  auto stage_slots = [&](int base0, uint4 (&v)[QOPS_XU]) {
 #pragma unroll
-      for (int u = 0; u < QOPS_XU; ++u) {
-        if (base0 + u * kThreads >= xtotal) break;  // warp-uniform (the FOLD sums shuffle across lanes)
-        // The slot's row and word again, rather than 2 x QOPS_XU registers held across the loads.
-        const int s = base0 + u * kThreads + lane;
-        const bool in = s < xtotal;
-        const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
-        if constexpr (kF16) v[u] = to_scaled_f16(v[u], row_scale(m, false));
-        uint4 f = make_uint4(prmt<0x5410>(v[u].x, v[u].z), prmt<0x7632>(v[u].x, v[u].z), prmt<0x5410>(v[u].y, v[u].w),
-                             prmt<0x7632>(v[u].y, v[u].w));
-        if constexpr (FOLD) {
-          // f16: the odd nibbles dequantize without their shift as 1024 + 16 q, so their x is staged
-          // divided by 16 (exact: a power of two) and the product is x * (64 + q).
-          float sum_x, sum_staged;
-          if constexpr (MDT == 0) {
-            f.y = fma_f16x2(f.y, 0x2c002c00u, 0x80008000u);  // * 1/16 (+ -0: exact)
-            f.w = fma_f16x2(f.w, 0x2c002c00u, 0x80008000u);
-            const float even = sum2<MDT>(f.x) + sum2<MDT>(f.z), odd = sum2<MDT>(f.y) + sum2<MDT>(f.w);
-            sum_x = even + 16.f * odd;
-            sum_staged = even + odd;
-          } else {
-            sum_x = sum2<MDT>(f.x) + sum2<MDT>(f.y) + sum2<MDT>(f.z) + sum2<MDT>(f.w);
-            sum_staged = sum_x;
-          }
-#pragma unroll
-          for (int o = 8; o > 0; o >>= 1) {  // over the 16 slots (lanes) of one chunk
-            sum_x += __shfl_xor_sync(0xffffffffu, sum_x, o);
-            sum_staged += __shfl_xor_sync(0xffffffffu, sum_staged, o);
-          }
-          if ((lane & 15) == 0 && in) xsum[(kwl >> 4) * 8 + m] = make_float2((MDT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
+    for (int u = 0; u < QOPS_XU; ++u) {
+      if (base0 + u * kThreads >= xtotal) break;  // warp-uniform (the FOLD sums shuffle across lanes)
+      // The slot's row and word again, rather than 2 x QOPS_XU registers held across the loads.
+      const int s = base0 + u * kThreads + lane;
+      const bool in = s < xtotal;
+      const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
+      if constexpr (kF16) v[u] = to_scaled_f16(v[u], row_scale(m, false));
+      uint4 f = make_uint4(prmt<0x5410>(v[u].x, v[u].z), prmt<0x7632>(v[u].x, v[u].z), prmt<0x5410>(v[u].y, v[u].w),
+                           prmt<0x7632>(v[u].y, v[u].w));
+      if constexpr (FOLD) {
+        // f16: the odd nibbles dequantize without their shift as 1024 + 16 q, so their x is staged
+        // divided by 16 (exact: a power of two) and the product is x * (64 + q).
+        float sum_x, sum_staged;
+        if constexpr (MDT == 0) {
+          f.y = fma_f16x2(f.y, 0x2c002c00u, 0x80008000u);  // * 1/16 (+ -0: exact)
+          f.w = fma_f16x2(f.w, 0x2c002c00u, 0x80008000u);
+          const float even = sum2<MDT>(f.x) + sum2<MDT>(f.z), odd = sum2<MDT>(f.y) + sum2<MDT>(f.w);
+          sum_x = even + 16.f * odd;
+          sum_staged = even + odd;
+        } else {
+          sum_x = sum2<MDT>(f.x) + sum2<MDT>(f.y) + sum2<MDT>(f.z) + sum2<MDT>(f.w);
+          sum_staged = sum_x;
         }
-        if (in) smem[m * RSF + kwl] = f;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) {  // over the 16 slots (lanes) of one chunk
+          sum_x += __shfl_xor_sync(0xffffffffu, sum_x, o);
+          sum_staged += __shfl_xor_sync(0xffffffffu, sum_staged, o);
+        }
+        if ((lane & 15) == 0 && in) xsum[(kwl >> 4) * 8 + m] = make_float2((MDT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
+      }
+      if (in) smem[m * RSF + kwl] = f;
+    }
+  };
+  auto stage_x_full = [&]() {
+    bool staged = false;
+    if constexpr (kF16) {
+      // The rows' maxima first: from the slots held in registers when one round covers the block's
+      // x (at M = 1 a K range up to 256 x QOPS_XU x 8 values), else from a first pass of loads.
+      if (tid < M) *row_max_bits(tid) = 0u;
+      __syncthreads();
+      if (xtotal <= kThreads * QOPS_XU) {  // block-uniform
+        uint4 v[QOPS_XU];
+        load_x_slots(warp * 32, v);
+        max_slots(warp * 32, v);
+        __syncthreads();
+        stage_slots(warp * 32, v);
+        staged = true;
+      } else {
+        for (int base0 = warp * 32; base0 < xtotal; base0 += kThreads * QOPS_XU) {
+          uint4 v[QOPS_XU];
+          load_x_slots(base0, v);
+          max_slots(base0, v);
+        }
+        __syncthreads();
+      }
+    }
+    if (!staged) {
+      for (int base0 = warp * 32; base0 < xtotal; base0 += kThreads * QOPS_XU) {
+        uint4 v[QOPS_XU];
+        load_x_slots(base0, v);
+        stage_slots(base0, v);
       }
     }
     if constexpr (FOLD) {
