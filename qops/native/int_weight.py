@@ -258,13 +258,23 @@ def _reduction_bytes(m: int, nwn: int, cluster: bool) -> int:
     return nwk * m * nblk * 4 + (m * nblk * 4 if cluster else 0)
 
 
+# bf16 x through f16 MMAs (Plan.f16mma) at M = 1 from this many weights on: measured against the
+# bf16 MMAs with the same plans, 0.93x the time on 57344x8192, 0.98x on 28672x4096 and 8192x28672,
+# but 1.01-1.07x on the three smaller decode shapes and 1.02-1.26x at M = 4..16, where staging the
+# converted x costs more than the shorter dequantization saves
+# (benchmarks/results/h200-2026-11-30-e538c97-probe-f16mma.json).
+F16MMA_MIN_NK = 1 << 26
+
+
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
-              fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8) -> Plan:
+              fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8,
+              f16mma: bool | None = None) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
     (:func:`smem_optin_bytes`); None: the largest any served device allows (``SHMEM_OPTIN_MAX_BYTES``).
-    Only plans given here with x staged once or a shared-memory ring go above ``SHMEM_MAX_BYTES``
+    ``f16mma`` None: at M = 1 with x staged once on weights of at least ``F16MMA_MIN_NK`` values (the
+    rule's and the tables' plans alike). Only plans given here with x staged once or a shared-memory ring go above ``SHMEM_MAX_BYTES``
     (:func:`plan`'s rule keeps x within it). Raises ValueError for a
     combination the kernel cannot run.
     """
@@ -292,7 +302,9 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
                          f"memory a block (x {xs_bytes} + ring {smem_ring_bytes(smem_ring)}); the device allows {limit} "
                          f"(its opt-in maximum): take fewer stages or split K more")
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
-    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu)
+    if f16mma is None:
+        f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK
+    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma)
 
 
 @functools.lru_cache(maxsize=4096)

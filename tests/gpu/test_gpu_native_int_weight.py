@@ -661,3 +661,25 @@ def test_bf16_through_f16_mma_matches_the_reference_at_every_magnitude(shape):
         err = rel_err(y[r], want[r])
         assert err < TOL[torch.bfloat16], f"{p} row {r} (|x| ~ {x[r].float().abs().max().item():.1e}): relative error {err:.2e}"
         assert rel_err(y[r], y_bf16[r].double()) < TOL[torch.bfloat16], f"row {r}: f16 and bf16 MMAs disagree"
+
+
+def test_f16mma_with_the_gated_output_and_the_rule():
+    """The gated epilogue on sums from f16 MMAs (the decode model's gate/up at M = 1 takes both), and
+    the rule's choice: f16mma at M = 1 on weights of >= F16MMA_MIN_NK values, nowhere else."""
+    n, k = 2048, 1536
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    w = nw.weight
+    for m in (1, 8):
+        base = native.plan(m, n, k, 0)
+        p = dataclasses.replace(native.make_plan(m, n, k, nwn=base.nwn, splits=base.splits, cluster=base.cluster, xfull=True,
+                                                 minb=base.minb, smem_limit=native.smem_optin_bytes(0)), f16mma=True)
+        x = _x_rows_of_every_magnitude(m, k, seed=10 + m)
+        with native.plan_override(lambda *a: p):
+            y = native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, glu=True)
+        want = glu_reference(x, nw.w64)
+        for r in range(m):
+            if bool(want[r].abs().max() > 0) and bool(torch.isfinite(want[r]).all()):
+                assert rel_err(y[r], want[r]) < TOL[torch.bfloat16], f"M={m} row {r}: {rel_err(y[r], want[r]):.2e}"
+    big = native.plan(1, 28672, 4096, 0)
+    assert big.f16mma == big.xfull and 28672 * 4096 >= native.F16MMA_MIN_NK
+    assert not native.plan(1, 4096, 4096, 0).f16mma and not native.plan(4, 28672, 4096, 0).f16mma
