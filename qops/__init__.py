@@ -5,6 +5,7 @@ Importing qops registers every ``torch.ops.qops.*`` op, its fake kernel and its 
 from . import ops  # noqa: F401  (defines the ops)
 from . import meta  # noqa: F401  (registers their fakes)
 from .models import attention as _attention  # noqa: F401  (defines qops::decode_attention, the decoder's op)
+from .models import norm as _norm  # noqa: F401  (defines qops::add_rmsnorm)
 from .formats import FORMATS, get_format
 from .lowerings import LOWERINGS, Kernel, choose
 from .ops.int_weight import IntWeight, prepare_int_weight

@@ -11,6 +11,7 @@ import torch
 import qops  # noqa: F401  (registers the ops)
 
 from tests.bnb_cases import OPCHECK_SAMPLES as BNB_OPCHECK_SAMPLES
+from tests.test_add_rmsnorm import OPCHECK_SAMPLES as NORM_OPCHECK_SAMPLES
 from tests.test_decode_attention import OPCHECK_SAMPLES as ATTENTION_OPCHECK_SAMPLES
 from tests.int_weight_cases import Case, build, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
@@ -214,6 +215,7 @@ SAMPLES = {
 }
 SAMPLES.update(BNB_OPCHECK_SAMPLES)
 SAMPLES.update(ATTENTION_OPCHECK_SAMPLES)
+SAMPLES.update(NORM_OPCHECK_SAMPLES)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,43 @@
+"""``qops::add_rmsnorm`` on a CUDA device (the Triton kernel, launched with programmatic dependent
+launch on sm_90), against the float64 oracle of ``tests/test_add_rmsnorm.py``: the decoder's
+widths, odd K, strided x, all three dtypes, eagerly and replayed from a CUDA graph right behind the
+kernel that writes its input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_add_rmsnorm import EPS, TOL, check, inputs
+
+pytestmark = pytest.mark.gpu
+
+OP = torch.ops.qops.add_rmsnorm.default
+
+
+def _cuda(*ts):
+    return [t.cuda() for t in ts]
+
+
+@pytest.mark.parametrize("shape", [(1, 4096), (7, 8192), (33, 1000), (2, 3, 5120)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_matches_the_oracle(shape, dtype):
+    for strided in (False, True):
+        x, r, w = _cuda(*inputs(shape, dtype, seed=len(shape), strided=strided))
+        got = tuple(t.cpu() for t in OP(x, r, w, EPS))
+        check(got, x.cpu(), r.cpu(), w.cpu(), f"{shape} {dtype} strided={strided}")
+
+
+def test_replayed_behind_the_kernel_writing_its_input():
+    x0, r, w = _cuda(*inputs((4, 4096), torch.bfloat16, seed=5))
+    x = torch.empty_like(x0)
+    src = torch.empty_like(x0)
+    OP(x0, r, w, EPS)  # compiled before the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.copy_(src * 2)  # the kernel ahead writes x
+        out, summed = OP(x, r, w, EPS)
+    for seed in (6, 7):
+        src.copy_(inputs((4, 4096), torch.bfloat16, seed=seed)[0].cuda())
+        g.replay()
+        xs = (src * 2).cpu()
+        check((out.cpu(), summed.cpu()), xs, r.cpu(), w.cpu(), f"replay seed {seed}")
