@@ -19,6 +19,7 @@ Inference only: no autograd formula is registered (a backward through it raises)
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -54,7 +55,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
 @add_rmsnorm.register_kernel("cuda")
 def _add_rmsnorm_cuda(x, residual, weight, eps):
     check_add_rmsnorm(x, residual, weight)
-    if _triton_kernel() is None:
+    # The kernel's offsets are 32-bit: larger tensors take the reference kernel.
+    if _triton_kernel() is None or x.numel() >= 2**31 or residual.numel() >= 2**31:
         return reference_add_rmsnorm(x, residual, weight, eps)
     return triton_add_rmsnorm(x, residual, weight, eps)
 
@@ -110,9 +112,14 @@ def _triton_kernel():
 
 def _pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: sm_90+, not in Triton's interpreter (no grid dependencies there)."""
-    import os
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("TRITON_INTERPRET") != "1"
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def triton_add_rmsnorm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
