@@ -71,7 +71,6 @@ class TensorParallelColumnLinear(SuperLayer):
         b = weights.get_bias_col_packed(prefix, 2) if bias else None
         return cls(weights.linear(w, b))
 
-
     def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a fused ``[gate; up]`` layer (:meth:`load_multi` of gate and up,
         :meth:`load_gate_up`): the rank's gate and up slices are the two halves of its output. A
