@@ -40,7 +40,7 @@ import functools
 
 import torch
 
-from ..ops._common import ACT_DTYPES, fail
+from ..ops._common import ACT_DTYPES, fail, jit_if_triton
 
 OP = "decode_attention"
 SCHEMA = ("(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -152,7 +152,7 @@ def reference_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_h
 
 # The Triton kernel. Triton is imported on the first CUDA call, not with this module (as everywhere
 # in qops): the CPU tests choose Triton's interpreter before its first import.
-triton = tl = None  # set by _triton_kernel
+triton = tl = None  # bound by jit_if_triton
 
 def _decode_attention_kernel(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -230,13 +230,7 @@ def _decode_attention_kernel(
 @functools.cache
 def _triton_kernel():
     """The jitted kernel, or None when Triton cannot be imported."""
-    global triton, tl
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - any import failure means the reference kernel runs instead
-        return None
-    return triton.jit(_decode_attention_kernel)
+    return jit_if_triton(_decode_attention_kernel)
 
 
 def launch_config(head_dim: int, group: int) -> dict:

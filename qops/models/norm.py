@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from ..ops._common import ACT_DTYPES, fail
+from ..ops._common import ACT_DTYPES, fail, jit_if_triton
 
 OP = "add_rmsnorm"
 SCHEMA = "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)"
@@ -75,7 +75,7 @@ def reference_add_rmsnorm(x, residual, weight, eps) -> tuple[torch.Tensor, torch
     return (weight * normed).contiguous(), summed
 
 
-triton = tl = None  # set by _triton_kernel
+triton = tl = None  # bound by jit_if_triton
 
 
 def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_xk, stride_r, stride_rk, K, eps,
@@ -101,13 +101,7 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_
 @functools.cache
 def _triton_kernel():
     """The jitted kernel, or None when Triton cannot be imported."""
-    global triton, tl
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 - any import failure means the reference kernel runs instead
-        return None
-    return triton.jit(_add_rmsnorm_kernel)
+    return jit_if_triton(_add_rmsnorm_kernel)
 
 
 def _pdl(device: torch.device) -> bool:

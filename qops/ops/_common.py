@@ -129,3 +129,17 @@ def deterministic_requested() -> bool:
     do not split (no atomic adds)."""
     env = os.environ.get(DETERMINISTIC_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     return env or torch.are_deterministic_algorithms_enabled()
+
+
+def jit_if_triton(kernel: Callable):
+    """``triton.jit(kernel)``, or None when Triton cannot be imported (the caller then runs its
+    reference kernel). A kernel written in a module that must import without Triton reads
+    ``triton`` and ``tl`` from its module's globals (placeholders there until now): they are bound
+    here, before Triton parses the function."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001 - any import failure means the reference kernel runs instead
+        return None
+    kernel.__globals__.update(triton=triton, tl=tl)
+    return triton.jit(kernel)
