@@ -286,11 +286,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), config.rms_norm_eps)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", weights)
 
-    def forward(self, x, cos, sin, index, bias, rope=None):
-        # The residual add after attention and the norm before the MLP: one kernel, not Inductor's
-        # two or three (benchmarks/NOTES.md, stop 21).
-        h, x = self.post_attention_layernorm.forward_add(self.self_attn(self.input_layernorm(x), cos, sin, index, bias, rope), x)
-        return x + self.mlp(h)
+    def forward(self, x, cos, sin, index, bias, rope=None, delta=None):
+        """``x``: the residual stream; ``delta``: the previous layer's MLP output, not yet added to it
+        (None for the first layer). Returns ``(residual, mlp_out)`` for the caller to add: each
+        residual add happens with the norm after it, in one kernel (``RMSNorm.forward_add``), not as
+        Inductor's two or three (benchmarks/NOTES.md, stop 21)."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm.forward_add(delta, x)
+        h, x = self.post_attention_layernorm.forward_add(self.self_attn(h, cos, sin, index, bias, rope), x)
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -383,10 +389,10 @@ class LlamaForCausalLM(nn.Module):
             masked = (self.key_positions > positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
             masked = masked.unsqueeze(2).expand(b, hk, g, t, self.max_seq).reshape(1, b * hk, g * t, self.max_seq)
             bias = torch.where(masked, float("-inf"), 0.0).to(self.dtype)
-        x = self.embed_tokens(tokens)
+        x, delta = self.embed_tokens(tokens), None
         for layer in self.layers:
-            x = layer(x, cos, sin, index, bias, (self.rope_cos, self.rope_sin))
-        return self.lm_head(self.norm(x))
+            x, delta = layer(x, cos, sin, index, bias, (self.rope_cos, self.rope_sin), delta)
+        return self.lm_head(self.norm(x) if delta is None else self.norm.forward_add(delta, x)[0])
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step: ``tokens``, ``positions`` ``(B,)`` -> logits ``(B, vocab)``."""
