@@ -279,6 +279,13 @@ class Built:
     weight: object  # qops Int8Weight / Blockwise4Weight
 
 
+def as_tile16(w):
+    """The prepared 4-bit weight ``w`` again, its qweight in the tile16 byte order."""
+    from qops.ops.blockwise4 import LAYOUT_TILE16
+
+    return w.with_layout(LAYOUT_TILE16)
+
+
 def seed_of(case: Case) -> int:
     return zlib.crc32(case.id.encode())
 
@@ -307,6 +314,8 @@ def _opcheck_weights():
         # K % 128 == 0, blocksize 128: shapes the native lowering serves (16-bit x samples only)
         "nf4k256": build(BLOCKWISE4_CASES[4]).weight,  # nested
         "fp4k256": build(BLOCKWISE4_CASES[11]).weight,  # plain absmax
+        # the tile16 byte order (N % 16 == 0, K % 128 == 0), nested, two blocks a 128-wide chunk
+        "nf4tile16": as_tile16(build(Case("bitsandbytes-nf4", 32, 256, blocksize=64, nested=True)).weight),
     }
 
 
@@ -355,7 +364,8 @@ def _mm_out_samples(int8: bool):
 
 def _dequant_samples(int8: bool):
     out = {}
-    for (name, w), dtype in zip(_opcheck_weights().items(), (torch.float32, torch.bfloat16, torch.float16, torch.float32)):
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.float32, torch.bfloat16, torch.float16)
+    for (name, w), dtype in zip(_opcheck_weights().items(), dtypes):
         if hasattr(w, "scales") != int8:
             continue
         if int8:

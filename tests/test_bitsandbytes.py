@@ -279,7 +279,9 @@ BW4_BAD = [
     ("blocksize", lambda a: a.__setitem__(10, 0), "blocksize must be positive"),
     ("out_features", lambda a: a.__setitem__(8, a[8] + 1), r"qweight must have shape \("),
     ("in_features", lambda a: a.__setitem__(9, a[9] + 1), r"x must have in_features=97 in its last dimension, got shape \(3, 96\)"),
-    ("kernel", lambda a: a.__setitem__(12, 9), "kernel must be one of"),
+    ("layout", lambda a: a.__setitem__(12, 3), "layout must be one of"),
+    ("layout shape", lambda a: a.__setitem__(12, 1), r"layout=1 \(tile16\) needs N % 16 == 0 and K % 128 == 0"),
+    ("kernel", lambda a: a.__setitem__(13, 9), "kernel must be one of"),
 ]
 
 
@@ -323,7 +325,7 @@ def _triton_case(case, dtype, m, override, mod, gen):
         if hasattr(w, "scales"):
             y = mod.triton_mm(x, w.qweight, w.scales, bias)
         else:
-            y = mod.triton_mm(x, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize)
+            y = mod.triton_mm(x, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize, w.layout)
         p = mod.plan(m, case.n, case.k, x.device) if hasattr(w, "scales") else mod.plan(m, case.n, case.k, w.blocksize, x.device, dtype)
     return y, C.matmul(x, b.w64, bias), p
 
@@ -453,7 +455,7 @@ def test_triton_gemv_fma(case, cfg):
         for m in ms[name]:
             xm = x[:m]
             with tbw4.config_override(gemv_fma_max_m=4, gemv_fma=dict(cfg[0], **cfg[1])):
-                y = tbw4.triton_mm(xm, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize)
+                y = tbw4.triton_mm(xm, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize, w.layout)
                 p = tbw4.plan(m, case.n, case.k, w.blocksize, xm.device, xm.dtype)
             assert p["path"] == "gemv_fma" and p["XROWS"] * p["grid"][0] >= m and p["ROWS"] * p["XROWS"] <= 4, p
             if cfg[1] and (case.k // 2) // p["STEP"] >= 2:
@@ -623,7 +625,7 @@ DENSE_CASES = tuple(
 def _dense_mm(w, x, bias, **kw):
     from qops.ops.triton import blockwise4 as tbw4
 
-    return tbw4.triton_mm(x, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize, **kw)
+    return tbw4.triton_mm(x, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize, w.layout, **kw)
 
 
 @pytest.mark.interpreter

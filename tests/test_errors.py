@@ -363,7 +363,7 @@ def test_a_named_kernel_refuses_a_call_it_does_not_serve_under_fake_cuda_tensors
             op, pattern = torch.ops.qops.mm_int_weight, r"kernel=1 \(triton_int_weight\) does not serve this call: activation dtype torch.float32 not in"
         else:
             args = (_fake_cuda(2, k), _fake_cuda(n * k // 2, dtype=torch.uint8), _fake_cuda(16, dtype=torch.float32),
-                    _fake_cuda(n * k // 48 + 1, dtype=torch.float32), None, None, None, None, n, k, 48, 256, int(qops.Kernel.TRITON))
+                    _fake_cuda(n * k // 48 + 1, dtype=torch.float32), None, None, None, None, n, k, 48, 256, 0, int(qops.Kernel.TRITON))
             op, pattern = torch.ops.qops.mm_blockwise4, r"mm_blockwise4: kernel=1 \(triton_blockwise4\) does not serve this call: group_size=48 not in"
         with pytest.raises(ValueError, match=pattern):
             op(*args)

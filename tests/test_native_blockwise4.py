@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qops.lowerings import LOWERINGS_BY_NAME, Kernel, WeightSpec
+from qops.ops.blockwise4 import LAYOUT_FLAT, LAYOUT_TILE16
 from qops.native import blockwise4 as nbw4
 from qops.native import compiler
 
@@ -20,18 +21,19 @@ H200_SMS = 132
 
 def _variants():
     """(defines, promised blocks an SM) for each dtype x row tiles x N tiles x nesting, blocksizes 64
-    and 4096, and the warps / ring depths the sweep tries."""
+    and 4096, both byte orders of qweight, and the warps / ring depths the sweep tries."""
     for dt in (torch.float16, torch.bfloat16):
         for m in (1, 16):
             for n in (4096, 28672):  # (4096: one tile at M <= 8, the 216-register ring at M > 8)
                 for nested, bs in ((True, 64), (False, 4096)):
-                    yield nbw4.plan(m, n, 4096, H200_SMS, bs).defines(dt, nested, bs, 256)
+                    layout = LAYOUT_TILE16 if nested else LAYOUT_FLAT
+                    yield nbw4.plan(m, n, 4096, H200_SMS, bs).defines(dt, nested, bs, 256, layout)
     for m, fields in ((16, {"warps": 4, "minb": 2}), (1, {"warps": 16, "minb": 1, "tiles": 1}), (1, {"ring": 4, "tiles": 1}),
                       (16, {"ring": 4, "tiles": 1, "scale": "chains"}), (16, {"ring": 2, "minb": 1, "scale": "chains"}),
                       (1, {"scale": "chains", "lut_imm": False}), (1, {"scale": "chains", "tiles": 1}),
                       (1, {"scale": "cols"}), (8, {"scale": "cols", "tiles": 1}), (8, {"scale": "cols", "lut_imm": False})):
         with nbw4.plan_override(**fields):
-            yield nbw4.plan(m, 28672, 4096, H200_SMS, 64).defines(torch.float16, True, 64, 256)
+            yield nbw4.plan(m, 28672, 4096, H200_SMS, 64).defines(torch.float16, True, 64, 256, LAYOUT_TILE16)
 
 
 def _ptxas(log: str) -> tuple[int, int]:
@@ -135,6 +137,6 @@ def test_shared_memory_a_block_follows_the_table_layout():
     plan = nbw4.plan(1, 28672, 4096, H200_SMS, 64)
     assert plan.lut_imm and plan.shmem_bytes == 256 * 256 + 256 * 4
     assert nbw4.plan(16, 28672, 4096, H200_SMS, 64).shmem_bytes == 256 * 128 + 256 * 4
-    assert plan.defines(torch.float16, True, 64, 256, 1024)["QOPS_SMEM_BASE"] == 1024
+    assert plan.defines(torch.float16, True, 64, 256, LAYOUT_TILE16, 1024)["QOPS_SMEM_BASE"] == 1024
     with nbw4.plan_override(lut_imm=False):
-        assert nbw4.plan(1, 28672, 4096, H200_SMS, 64).defines(torch.float16, True, 64, 256, 1024)["QOPS_SMEM_BASE"] == 0
+        assert nbw4.plan(1, 28672, 4096, H200_SMS, 64).defines(torch.float16, True, 64, 256, LAYOUT_TILE16, 1024)["QOPS_SMEM_BASE"] == 0

@@ -24,7 +24,7 @@ import torch
 
 from ..formats import FORMATS
 from ..formats.bitsandbytes import Bnb4bitCheckpoint
-from ..ops.blockwise4 import Blockwise4Weight
+from ..ops.blockwise4 import LAYOUTS, Blockwise4Weight
 from .base import QuantConfig, QuantLinear
 from .int8 import BnbInt8Scheme, _QuantizeAtLoad
 from .layout import Dim, LinearLayout, LinearScheme, ShardingError, TensorLayout, WeightsError, join, read_pieces
@@ -151,7 +151,7 @@ class Blockwise4Linear(QuantLinear):
     """``y = x @ W.T + bias`` through ``torch.ops.qops.mm_blockwise4`` (bitsandbytes NF4 / FP4;
     ``mm_blockwise4_out`` with a workspace, :meth:`QuantLinear.use_workspace`).
 
-    Buffers: ``qweight`` (flat nibbles), ``code``, ``absmax``, ``nested_code``, ``nested_absmax``,
+    Buffers: ``qweight`` (nibbles in the byte order ``layout`` names), ``code``, ``absmax``, ``nested_code``, ``nested_absmax``,
     ``nested_offset`` (the last three None unless nested), ``bias``.
     """
 
@@ -161,6 +161,7 @@ class Blockwise4Linear(QuantLinear):
             raise ValueError(f"Blockwise4Linear: bias must have shape ({weight.out_features},), got {tuple(bias.shape)}")
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.blocksize, self.nested_blocksize = weight.blocksize, weight.nested_blocksize
+        self.layout = weight.layout
         self.kernel = int(weight.kernel)
         self.choice = weight.choice
         for name in ("qweight", "code", "absmax", "nested_code", "nested_absmax", "nested_offset"):
@@ -177,7 +178,7 @@ class Blockwise4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (x, self.qweight, self.code, self.absmax, self.nested_code, self.nested_absmax, self.nested_offset, self.bias,
-                self.out_features, self.in_features, self.blocksize, self.nested_blocksize, self.kernel)
+                self.out_features, self.in_features, self.blocksize, self.nested_blocksize, self.layout, self.kernel)
         out_args = self._out_args(x)
         if out_args is None:
             return torch.ops.qops.mm_blockwise4(*args)
@@ -187,7 +188,8 @@ class Blockwise4Linear(QuantLinear):
     def extra_repr(self) -> str:
         low = self.choice.lowering.name if self.choice is not None else f"kernel={self.kernel}"
         nested = f", nested_blocksize={self.nested_blocksize}" if self.nested_code is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, blocksize={self.blocksize}{nested}, {low}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, blocksize={self.blocksize}{nested}, "
+                f"layout={LAYOUTS[self.layout]}, {low}")
 
 
 class Bnb4bitMethod(_QuantizeAtLoad):

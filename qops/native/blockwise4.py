@@ -1,10 +1,11 @@
 """Native lowering of ``qops::mm_blockwise4`` (lowering ``native_blockwise4``): bitsandbytes NF4 / FP4
 at decode sizes.
 
-Serves the runtime layout of ``qops/ops/blockwise4.py`` unchanged (plain or nested absmax) with
-float16 / bfloat16 x, K % 128 == 0, a blocksize that is a multiple of 64, N*K < 2^31, and M =
-prod(x.shape[:-1]) <= 16 (``MAX_M``: one launch, the weight read once for all rows). Anything else
-goes to the Triton lowering (``qops.ops.triton.blockwise4.triton_mm``).
+Serves the runtime layout of ``qops/ops/blockwise4.py`` (plain or nested absmax; qweight flat or, what
+``prepare_blockwise4`` builds for this lowering, tile16) with float16 / bfloat16 x, K % 128 == 0, a
+blocksize that is a multiple of 64, N*K < 2^31, and M = prod(x.shape[:-1]) <= 16 (``MAX_M``: one
+launch, the weight read once for all rows); M up to ``SLICED_MAX_M`` in 16-row slices, one launch
+each. Anything else goes to the Triton lowering (``qops.ops.triton.blockwise4.triton_mm``).
 
 Kernel: ``blockwise4_gemv.cu`` (design notes at its top): the codes are looked up a byte (two codes)
 at a time in a bank-conflict-free shared-memory table and multiplied on the tensor cores; one block
@@ -24,11 +25,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import compiler
+from ..ops.blockwise4 import LAYOUT_TILE16
 from .int_weight import early_dependents_flag, out_view, use_pdl
 
 SOURCE = "blockwise4_gemv.cu"
 GEMV = "qops_blockwise4_gemv"
 MAX_M = 16  # rows one launch takes (two 8-row MMA tiles)
+# Rows served in MAX_M-row launches (the weight read once a slice). Above, Triton: its dequantized
+# N-slabs and cuBLAS from M = 33 (qops.ops.triton.blockwise4.TABLE["dense_above_m"]).
+SLICED_MAX_M = 32
 STEP_K = 128  # K values of a row a lane quad takes per step (kStepK in the kernel)
 NESTED_MAP_BYTES = 256 * 4  # the nested code, after the table
 SCALES = ("cols", "prescale", "chains")
@@ -60,9 +65,11 @@ class Plan:
         if self.scale not in SCALES:
             raise ValueError(f"native blockwise4 plan: scale={self.scale!r} is not one of {SCALES}")
 
-    def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int, smem_base: int = 0) -> dict[str, int]:
+    def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int, layout: int,
+                smem_base: int = 0) -> dict[str, int]:
         """``smem_base``: where the device puts a block's dynamic shared memory (used with ``lut_imm``)."""
         return {
+            "QOPS_TILE16": int(layout == LAYOUT_TILE16),
             "QOPS_DT": _DT[dtype],
             "QOPS_MT": self.mt,
             "QOPS_R": self.tiles,
@@ -151,6 +158,7 @@ def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype, nested_block
 
 
 def _call_refusal(x, qweight, absmax, n, blocksize, nested_blocksize) -> str | None:
+    """Why the kernel does not serve this call (the weight's facts and the tensors' placement), or None."""
     if x.device.type != "cuda":
         return "x is not on a CUDA device"
     why = refusal(n, x.shape[-1], blocksize, x.dtype, nested_blocksize if absmax.dtype == torch.uint8 else 0)
@@ -164,26 +172,26 @@ def _call_refusal(x, qweight, absmax, n, blocksize, nested_blocksize) -> str | N
 
 
 def _delegate(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
-              nested_blocksize, out, workspace):
+              nested_blocksize, layout, out, workspace):
     from ..ops.triton.blockwise4 import triton_mm
 
     return triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
-                     nested_blocksize, out=out, workspace=workspace)
+                     nested_blocksize, layout, out=out, workspace=workspace)
 
 
 def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
-              nested_blocksize, out=None, workspace=None) -> torch.Tensor:
+              nested_blocksize, layout, out=None, workspace=None) -> torch.Tensor:
     """Lowering entry (contract of ``qops.ops.blockwise4.reference_mm``): ``x (..., K) -> (..., N)``.
 
     Arguments are already validated. Returns a fresh tensor of x's dtype, or writes ``out`` and
-    returns it; M > 16 and calls the kernel does not serve go to Triton (which may use ``workspace``).
+    returns it; M > 32 and calls the kernel does not serve go to Triton (which may use ``workspace``).
     """
     args = (x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
-            nested_blocksize)
+            nested_blocksize, layout)
     n, k = out_features, x.shape[-1]
     lead = x.shape[:-1]
     m = math.prod(lead)
-    if m > MAX_M or _call_refusal(x, qweight, absmax, n, blocksize, nested_blocksize) is not None:
+    if m > SLICED_MAX_M or _call_refusal(x, qweight, absmax, n, blocksize, nested_blocksize) is not None:
         return _delegate(*args, out, workspace)
     result = out if out is not None else torch.empty((*lead, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -207,30 +215,44 @@ def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         flags = _BIAS_T if bias.dtype == x.dtype else _BIAS_F32
         bias = bias.contiguous()
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    tables = (code, absmax, nested_code if nested else None, nested_absmax if nested else None,
+              nested_offset if nested else None)
     with torch.cuda.device(dev):
-        p = plan(m, n, k, _sm_count(dev), blocksize)
-        gemv = _kernel(dev, p, x.dtype, nested, blocksize, nested_blocksize)
-        flags |= early_dependents_flag(gemv, dev, p.grid(n), 32 * p.warps, p.shmem_bytes)
-        i32 = compiler.i32
-        compiler.launch(
-            gemv, (p.grid(n), 1, 1), (32 * p.warps, 1, 1), p.shmem_bytes, torch.cuda.current_stream(),
-            qweight.data_ptr(), code.data_ptr(), absmax.data_ptr(),
-            nested_code.data_ptr() if nested else 0, nested_absmax.data_ptr() if nested else 0,
-            nested_offset.data_ptr() if nested else 0, x2.data_ptr(), bias.data_ptr() if bias is not None else 0,
-            target.data_ptr(), i32(m), i32(n), i32(k), i32(x2.stride(0) if m > 1 else k),
-            i32(target.stride(0) if m > 1 else n), i32(flags), pdl=use_pdl(dev))
+        for r0 in range(0, m, MAX_M):  # one launch up to MAX_M rows, then slices of it
+            rows = min(MAX_M, m - r0)
+            _launch(dev, x2[r0:r0 + rows], qweight, tables, bias, target[r0:r0 + rows], n, k, blocksize, nested_blocksize,
+                    layout, flags)
     if o2 is None:
         result.copy_(target.view(result.shape))
     return result
 
 
+def _launch(dev: int, x2, qweight, tables, bias, target, n: int, k: int, blocksize: int, nested_blocksize: int,
+            layout: int, flags: int) -> None:
+    """One kernel launch: ``target (M, N) = x2 (M, K) @ W.T`` (+ bias per ``flags``), M <= MAX_M."""
+    code, absmax, nested_code, nested_absmax, nested_offset = tables
+    nested = nested_code is not None
+    m = x2.shape[0]
+    p = plan(m, n, k, _sm_count(dev), blocksize)
+    gemv = _kernel(dev, p, x2.dtype, nested, blocksize, nested_blocksize, layout)
+    flags |= early_dependents_flag(gemv, dev, p.grid(n), 32 * p.warps, p.shmem_bytes)
+    i32 = compiler.i32
+    compiler.launch(
+        gemv, (p.grid(n), 1, 1), (32 * p.warps, 1, 1), p.shmem_bytes, torch.cuda.current_stream(),
+        qweight.data_ptr(), code.data_ptr(), absmax.data_ptr(),
+        nested_code.data_ptr() if nested else 0, nested_absmax.data_ptr() if nested else 0,
+        nested_offset.data_ptr() if nested else 0, x2.data_ptr(), bias.data_ptr() if bias is not None else 0,
+        target.data_ptr(), i32(m), i32(n), i32(k), i32(x2.stride(0) if m > 1 else k),
+        i32(target.stride(0) if m > 1 else n), i32(flags), pdl=use_pdl(dev))
+
+
 _sms: dict[int, int] = {}
 
 
-def _kernel(dev: int, p: Plan, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int):
+def _kernel(dev: int, p: Plan, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int, layout: int):
     """The compiled, loaded kernel of plan ``p`` (``compiler.launch`` opts it in to its shared memory)."""
     base = compiler.dynamic_shared_base(dev) if p.lut_imm else 0
-    return compiler.get_kernel(dev, SOURCE, p.defines(dtype, nested, blocksize, nested_blocksize, base), GEMV)
+    return compiler.get_kernel(dev, SOURCE, p.defines(dtype, nested, blocksize, nested_blocksize, layout, base), GEMV)
 
 
 def _sm_count(dev: int) -> int:
@@ -257,7 +279,7 @@ def warmup(weight, act_dtype: torch.dtype | None = None) -> int:
         stream = torch.cuda.current_stream()
         for m in range(1, MAX_M + 1):
             p = plan(m, n, k, _sm_count(dev), weight.blocksize)
-            key = (p, act_dtype, nested, weight.blocksize, weight.nested_blocksize)
+            key = (p, act_dtype, nested, weight.blocksize, weight.nested_blocksize, weight.layout)
             if key in seen:
                 continue
             seen.add(key)

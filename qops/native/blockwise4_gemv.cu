@@ -1,7 +1,10 @@
 // 4-bit codebook matmul for decode (bitsandbytes NF4 / FP4, M <= 16 rows of x), reading qops'
-// blockwise4 runtime layout (qops/ops/blockwise4.py) unchanged:
-//   qweight u8 (N*K/2,): flat element e = n*K + k has its code in the high nibble of byte e/2 when e
-//           is even, in the low nibble when odd; row n is the K/2 bytes from n*K/2;
+// blockwise4 runtime layout (qops/ops/blockwise4.py) in either byte order of qweight:
+//   qweight u8 (N*K/2,): flat element e = n*K + k has its code in the high nibble of its byte when e
+//           is even, in the low nibble when odd; flat (QOPS_TILE16 0): row n is the K/2 bytes from
+//           n*K/2; tile16 (QOPS_TILE16 1, N % 16 == 0): byte kb of row n sits at
+//           (n/16)*8K + (kb/64)*1024 + (n%16)*64 + kb%64, so a warp's 128-wide step of a 16-row
+//           tile (64 bytes of each row) is 1 KiB, contiguous, and the next step follows it;
 //   code    f32 (16,) codebook; absmax f32 (n_blocks,), or u8 (n_blocks,) when nested:
 //           absmax[b] = nested_code[u8[b]] * nested_absmax[b / NESTED_BS] + nested_offset[0];
 //   block b = e / BLOCKSIZE (flat: a block may straddle rows);
@@ -21,8 +24,10 @@
 // Math. The tensor cores compute W x^T with W as the 16x16 A operand (16 rows of N) and x^T as the
 // 16x8 B operand (8 rows of x per tile, QOPS_MT tiles). Per 128-wide step of K, lane (g = lane/4,
 // t = lane%4) loads 16 bytes of rows g and g+8 of a tile, bytes 16t..16t+15 of the row's 64 (one
-// 16-byte load a row: a warp's load covers 64 contiguous bytes of 8 rows; with 8 bytes a lane, the
-// first version's 32, the loads alone reached only 60-70% of the roofline). Slice j (0..7) of the
+// 16-byte load a row: a warp's load covers 64 contiguous bytes of 8 rows in the flat order, 512
+// contiguous bytes in tile16; with 8 bytes a lane, the first version's 32, the loads alone reached
+// only 60-70% of the roofline). Tile16 is the same kernel with 1 KiB-contiguous requests: measured
+// at M = 1 as 8-22% faster than the flat order on the four large shapes (benchmarks/NOTES.md, stop 17). Slice j (0..7) of the
 // step is one k16 MMA built from the lane's bytes 2j, 2j+1, so the MMA's k order is a permutation of
 // K (logical k 2t, 2t+1, 2t+8, 2t+9 <-> 32t+4j .. 32t+4j+3), and x is read in the same order: lane
 // (g, t) takes x[g][32t+4j .. 32t+4j+3] as its B registers, 32 contiguous values a step.
@@ -60,7 +65,7 @@
 // x each, 4 with QOPS_BLOCK_COLS), QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16),
 // QOPS_RING (2..8 slots), QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1),
 // QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1),
-// QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_PROBE (measurement builds only).
+// QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_TILE16 (0/1), QOPS_PROBE (measurement builds only).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -91,7 +96,10 @@
 #define QOPS_BLOCK_COLS 0  // 1: blocks A and B of a two-block step in separate MMA columns (4 rows of x a tile)
 #endif
 #ifndef QOPS_PROBE
-#define QOPS_PROBE 0  // measurements (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone, 3 tile-major reads
+#define QOPS_PROBE 0  // measurements (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
+#endif
+#ifndef QOPS_TILE16
+#define QOPS_TILE16 0  // qweight's byte order: 0 flat, 1 tile16 (above)
 #endif
 #ifndef QOPS_BLOCKSIZE
 #define QOPS_BLOCKSIZE 64
@@ -120,6 +128,8 @@ constexpr int kBlock = QOPS_BLOCKSIZE;
 constexpr int kProbe = QOPS_PROBE;
 constexpr int kNestedBS = QOPS_NESTED_BS;
 constexpr int kStepK = 128;                    // K values of a row a lane quad covers per step (64 bytes)
+constexpr bool kTile16 = QOPS_TILE16 != 0;
+constexpr int kStepStride = kTile16 ? 1024 : kStepK / 2;  // bytes from a lane's piece of a row in one step to the next
 constexpr bool kTwoBlocks = kBlock == 64;      // a step spans two absmax blocks (else one)
 // Two-block steps, pre-scaled: each lane multiplies its decoded words by its own block's absmax
 // (rounded to DT, as bitsandbytes' dequantization does), so one MMA chain over unmasked x serves
@@ -152,6 +162,7 @@ struct Slot {
   uint2 a[kR][2];
 };
 
+// wrow: step 0 of rows g and g + 8 of each tile (the lane's 16 bytes 16 t further).
 __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (&wrow)[kR][2], const u32 (&flat)[kR][2],
                                           const void* absmax, int q, int t, bool pred) {
   if constexpr (kProbe == 2) return;  // math alone: the slots keep what they were given
@@ -159,10 +170,7 @@ __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (
   for (int r = 0; r < kR; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if constexpr (kProbe == 3)  // tile-major reads: a tile's step is 1 KiB, contiguous, steps in a row
-        ld_stream_v4_if(sl.w[r][h], wrow[r][h] + q * 1024, pred);
-      else
-        ld_stream_v4_if(sl.w[r][h], wrow[r][h] + q * (kStepK / 2) + 16 * t, pred);
+      ld_stream_v4_if(sl.w[r][h], wrow[r][h] + q * kStepStride + 16 * t, pred);
       const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
       if constexpr (kNested) {
         if constexpr (kTwoBlocks) ld_nc_u16_if(sl.a[r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
@@ -379,9 +387,10 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int n = min(n_tile + 16 * r + 8 * h + g, N - 1);
-      wrow[r][h] = qweight + static_cast<size_t>(n) * (K / 2);
-      if constexpr (kProbe == 3)  // the same bytes as if stored tile by tile (shapes with N % 16 == 0 only)
-        wrow[r][h] = qweight + static_cast<size_t>(min(blockIdx.x * kR + r, N / 16 - 1)) * 8 * K + 512 * h + 16 * lane;
+      if constexpr (kTile16)
+        wrow[r][h] = qweight + static_cast<size_t>(n / 16) * (8 * K) + 64 * (n % 16);
+      else
+        wrow[r][h] = qweight + static_cast<size_t>(n) * (K / 2);
       flat[r][h] = static_cast<u32>(n) * static_cast<u32>(K);
     }
   const int steps = K / kStepK;

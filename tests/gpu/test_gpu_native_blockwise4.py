@@ -2,11 +2,13 @@
 ``qops/native/blockwise4_gemv.cu``) on a CUDA device, through the public ops.
 
 Each check is against float64 ``x @ W.T (+ bias)`` with W from the oracles of ``tests/bnb_cases.py``
-(written without qops), on fresh random x: every M the kernel takes (1..16, and 0) plus M = 17 and
-257 (delegated to Triton), fp16 and bf16, plain and nested absmax, blocksizes 64 to 4096 (blocks that
-straddle rows included), N off the 32-row tile grid, non-contiguous and misaligned x, bias in the
-activation dtype and in fp32, a caller-owned ``out`` poisoned with NaN, determinism, CUDA-graph
-capture after warm-up, and the chooser's refusals.
+(written without qops), on fresh random x: every M the kernel takes (1..16, and 0), M = 17 (two
+16-row slices) and 257 (delegated to Triton), fp16 and bf16, plain and nested absmax, blocksizes 64
+to 4096 (blocks that straddle rows included), N off the 32-row tile grid, both byte orders of qweight
+(tile16 where prepare builds it: N % 16 == 0; flat elsewhere, and the same weight in both orders
+bit for bit), non-contiguous and misaligned x, bias in the activation dtype and in fp32, a
+caller-owned ``out`` poisoned with NaN, determinism, CUDA-graph capture after warm-up, and the
+chooser's refusals.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from qops.formats import FORMATS
 from qops.lowerings import Kernel
 from qops.native import blockwise4 as nbw4
+from qops.ops.blockwise4 import LAYOUT_FLAT, LAYOUT_TILE16
 
 from tests import bnb_cases as C
 
@@ -105,6 +108,23 @@ def test_batched_leading_dims_and_agreement_with_triton():
     assert C.rel_err(y, tri.double()) < 2e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_tile16_is_prepared_for_the_kernel_and_equals_the_flat_order(dtype):
+    for case in (CASES[1], CASES[4]):
+        w, w64 = gpu_weight(case, dtype)
+        assert w.layout == LAYOUT_TILE16, case.id
+        flat = w.with_layout(LAYOUT_FLAT)
+        assert flat.kernel == Kernel.NATIVE and torch.equal(flat.with_layout(LAYOUT_TILE16).qweight, w.qweight)
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        for m in (1, 8, 16, 17, 40):
+            x = torch.randn(m, case.k, device="cuda", generator=gen).to(dtype)
+            y = w.mm(x)
+            assert torch.equal(y, flat.mm(x)) if m <= 32 else C.rel_err(y, flat.mm(x).double()) < TOL[dtype], (case.id, m)
+            check(y, x, w64, None, dtype, f"{case.id} tile16 M={m}")
+    for case in (CASES[0], CASES[2], CASES[3]):  # N % 16 != 0: no tile16 form
+        assert gpu_weight(case, dtype)[0].layout == LAYOUT_FLAT, case.id
+
+
 def test_deterministic_and_plans_agree():
     case = CASES[4]
     w, w64 = gpu_weight(case, torch.bfloat16)
@@ -165,7 +185,7 @@ def test_occupancy_is_known_before_the_first_launch():
 
     with nbw4.plan_override(warps=4, minb=4, ring=3):  # a variant no other test launches
         p = nbw4.plan(1, 4096, 1024, torch.cuda.get_device_properties(0).multi_processor_count, 64)
-    kernel = nbw4._kernel(0, p, torch.float16, True, 64, 256)
+    kernel = nbw4._kernel(0, p, torch.float16, True, 64, 256, LAYOUT_TILE16)
     assert p.shmem_bytes > 48 * 1024
     assert compiler.max_active_blocks(kernel, 0, 32 * p.warps, p.shmem_bytes) >= 2  # the table fits three blocks an SM
     if use_pdl(0):

@@ -88,6 +88,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..blockwise4 import LAYOUT_FLAT
 from .common import (ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k,
                      store_row, store_tile)
 
@@ -546,18 +547,26 @@ def _gemm_kernel(
 
 @triton.jit
 def _dequant_kernel(
-    w_ptr, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff_ptr, out_ptr, byte0, count,
+    w_ptr, code_ptr, am_ptr, ncode_ptr, nam_ptr, noff_ptr, out_ptr, byte0, count, row_bytes,
     BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, BLOCK_BYTES: tl.constexpr, NESTED: tl.constexpr,
+    TILE16: tl.constexpr,
 ):
     """``out[i] = code[nibble(e)] * absmax[e // BLOCKSIZE]`` with ``e = 2 * byte0 + i``, for ``i < count``.
 
     ``out`` is contiguous in x's dtype; a program decodes ``BLOCK_BYTES`` bytes of the nibble stream
     from ``byte0 + pid * BLOCK_BYTES`` (high nibble: element 2j, low: 2j + 1, one block for both).
+    With ``TILE16`` the stream's byte (row n, byte kb of its ``row_bytes``) is read where the tile16
+    layout keeps it (:mod:`qops.ops.blockwise4`).
     """
     local = tl.program_id(0) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
     bmask = 2 * local < count
     byte = byte0.to(tl.int64) + local
-    b = tl.load(w_ptr + byte, mask=bmask, other=0, eviction_policy="evict_first").to(tl.int32)
+    addr = byte
+    if TILE16:
+        n = byte // row_bytes
+        kb = byte % row_bytes
+        addr = (n // 16) * (16 * row_bytes) + (kb // 64) * 1024 + (n % 16) * 64 + kb % 64
+    b = tl.load(w_ptr + addr, mask=bmask, other=0, eviction_policy="evict_first").to(tl.int32)
     if NESTED:
         noff = tl.load(noff_ptr)
     else:
@@ -583,13 +592,14 @@ def gemv_step(step_bytes: int, blocks_per_step: int, half_block: int, row_bytes:
     return g * half_block
 
 
-def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: torch.dtype | None = None) -> dict:
+def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: torch.dtype | None = None,
+         dense: bool = False) -> dict:
     """Which path and launch parameters serve an (M, N, K, blocksize) problem with activations of
-    ``dtype`` (default float16): static facts only."""
+    ``dtype`` (default float16): static facts only. ``dense``: the dense path at every M."""
     sms = sm_count(device, INTERPRETER_SMS)
     row_bytes = k // 2
     half_block = blocksize // 2
-    if m <= TABLE["gemv_fma_max_m"] and k % blocksize == 0 and dtype in (None, torch.float16, torch.bfloat16):
+    if not dense and m <= TABLE["gemv_fma_max_m"] and k % blocksize == 0 and dtype in (None, torch.float16, torch.bfloat16):
         cfg = TABLE["gemv_fma"]
         step = gemv_step(cfg["STEP_BYTES"], max(1, cfg["STEP_BYTES"] // half_block), half_block, row_bytes)
         # Up to four products a program: all of M's rows of x (M <= 4) with as many weight rows as fit.
@@ -603,7 +613,7 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                     maxnreg={"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {},
                     grid=(triton.cdiv(m, xrows), triton.cdiv(n, rows), split))
-    if m <= TABLE["gemv_max_m"] and k % blocksize == 0:
+    if not dense and m <= TABLE["gemv_max_m"] and k % blocksize == 0:
         cfg = TABLE["gemv"]
         step = gemv_step(cfg["STEP_BYTES"], cfg.get("blocks_per_step", 1), half_block, row_bytes)
         bn = pow2_at_most(n, cfg["BLOCK_N"])
@@ -616,7 +626,7 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
                     split_bytes=per, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                     grid=(tiles, split))
     # K % blocksize != 0: blocks straddle rows, which only the dense path (flat stream) reads.
-    if m > TABLE["dense_above_m"] or k % blocksize:
+    if dense or m > TABLE["dense_above_m"] or k % blocksize:
         elt = (dtype or torch.float16).itemsize
         # Whole multiples of 8 rows: every slab starts on a byte of the nibble stream (n0 * K even)
         # and at a 16-byte aligned output column; at least 8 rows, at most N.
@@ -640,8 +650,11 @@ def plan(m: int, n: int, k: int, blocksize: int, device: torch.device, dtype: to
 
 
 def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
-              nested_blocksize, out=None, workspace=None):
-    """Lowering entry (contract of ``qops.ops.int_weight.reference_mm``); any K (see :func:`plan`)."""
+              nested_blocksize, layout, out=None, workspace=None):
+    """Lowering entry (contract of ``qops.ops.blockwise4.reference_mm``); any K (see :func:`plan`).
+
+    The tile16 layout (built for the native kernel, which delegates the calls it does not serve
+    here) takes the dense path at every M: only its dequantization kernel reads that byte order."""
     k = x.shape[-1]
     n = out_features
     x2 = rows_2d(x)
@@ -652,16 +665,16 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     if k == 0:
         y2.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(y2))
         return finish(y2, None, None, x, n, out)
-    p = plan(m, n, k, blocksize, x.device, x.dtype)
+    p = plan(m, n, k, blocksize, x.device, x.dtype, dense=layout != LAYOUT_FLAT)
     if p["path"] == "dense":
         _run_dense(p, x2, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, blocksize,
-                   nested_blocksize, y2, workspace)
+                   nested_blocksize, layout, y2, workspace)
         return finish(y2, None, None, x, n, out)
     if p["path"] == "gemv_slices":
         rows = TABLE["gemv_max_m"]
         for r0 in range(0, m, rows):
             triton_mm(x2[r0:r0 + rows], qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features,
-                      blocksize, nested_blocksize, out=y2[r0:r0 + rows], workspace=workspace)
+                      blocksize, nested_blocksize, layout, out=y2[r0:r0 + rows], workspace=workspace)
         return finish(y2, None, None, x, n, out)
     nested = absmax.dtype == torch.uint8
     atomic = p["split"] > 1
@@ -711,7 +724,7 @@ def slab_buffer(workspace: torch.Tensor | None, shape: tuple[int, int], dtype: t
 
 
 def _run_dense(p, x2, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, blocksize,
-               nested_blocksize, y2, workspace):
+               nested_blocksize, layout, y2, workspace):
     """Dequantize N-slabs of W (rows = output features) into a transient buffer and multiply with cuBLAS."""
     m, k = x2.shape
     n = y2.shape[1]
@@ -730,9 +743,9 @@ def _run_dense(p, x2, qweight, code, absmax, nested_code, nested_absmax, nested_
         count = rows * k
         # n0 is a multiple of 8: n0 * K is even, so the slab starts on byte n0 * K / 2.
         _dequant_kernel[(triton.cdiv(count, 2 * block),)](
-            qweight, code, absmax, *tables, w, n0 * k // 2, count,
+            qweight, code, absmax, *tables, w, n0 * k // 2, count, k // 2,
             BLOCKSIZE=blocksize, NESTED_BS=nested_blocksize if nested else 1, BLOCK_BYTES=block, NESTED=nested,
-            num_warps=p["num_warps"])
+            TILE16=layout != LAYOUT_FLAT, num_warps=p["num_warps"])
         wt = w[:rows].t()
         dst = y2[:, n0:n0 + rows]
         if b is not None:
