@@ -46,7 +46,7 @@ import qops  # noqa: E402,F401
 from qops.lowerings import LOWERINGS_BY_KERNEL, Kernel  # noqa: E402
 from qops.formats.bitsandbytes import codebook  # noqa: E402
 from qops.formats.blockwise4 import dynamic_map  # noqa: E402
-from qops.ops.blockwise4 import prepare_blockwise4  # noqa: E402
+from qops.ops.blockwise4 import LAYOUT_FLAT, LAYOUT_TILE16, prepare_blockwise4  # noqa: E402
 from qops.ops.int8_weight import prepare_int8_weight  # noqa: E402
 
 MS = [1, 16, 64, 256]
@@ -137,7 +137,8 @@ def int8_weight(n, k, dev, gen):
     return prepare_int8_weight(q, s, dtype=torch.float16, format_name="eetq")
 
 
-def nf4_weight(n, k, dev, gen):
+def nf4_weight(n, k, dev, gen, layout=None):
+    """A random nested NF4 weight prepared as qops would (``layout`` None: the chosen lowering's byte order)."""
     nb = n * k // BLOCKSIZE
     return prepare_blockwise4(
         qweight=torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, device=dev, generator=gen),
@@ -147,7 +148,7 @@ def nf4_weight(n, k, dev, gen):
         nested_absmax=(torch.rand(-(-nb // 256), device=dev, generator=gen) + 0.5) * 0.02,
         nested_offset=torch.tensor([0.03], device=dev),
         out_features=n, in_features=k, blocksize=BLOCKSIZE, nested_blocksize=256,
-        dtype=torch.float16, format_name="bitsandbytes-nf4",
+        dtype=torch.float16, format_name="bitsandbytes-nf4", layout=layout,
     )
 
 
@@ -156,7 +157,10 @@ def decode_rows(w, rows: int) -> torch.Tensor:
     if hasattr(w, "scales"):
         return w.qweight[:rows].double() * w.scales[:rows].double()[:, None]
     k = w.in_features
-    b = w.qweight[: rows * k // 2].long()
+    b = w.qweight[: rows * k // 2]
+    if w.layout == LAYOUT_TILE16:  # rows come in 16-row tiles of (K/128 chunks, 16 rows, 64 bytes)
+        b = b.reshape(rows // 16, k // 128, 16, 64).permute(0, 2, 1, 3).reshape(-1)
+    b = b.long()
     codes = torch.stack([b // 16, b % 16], dim=1).reshape(rows, k)
     u = w.absmax[: rows * k // BLOCKSIZE].long()
     blk = torch.arange(u.numel(), device=u.device)
