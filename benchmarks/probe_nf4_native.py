@@ -3,15 +3,13 @@ which plan is fastest?
 
 Times, per shape and M (``--ms``, default 1), over the same rotated weight copies with the method of ``common.py`` (CUDA-graph
 replays over copies > 256 MB, median of trials), the native kernel (``qops/native/blockwise4_gemv.cu``)
-at its plan and measurement builds of it (``QOPS_PROBE``):
+at its plan and two measurement builds of it (``QOPS_PROBE``):
 
 - ``op``: the kernel as it runs;
 - ``loads``: the same launch, ring and loads (weights and absmax), each loaded word folded into the
   output without decoding (so the loads stay);
 - ``math``: the same launch, table, x reads, lookups, MMAs and scaling, on register data (no weight
   or absmax loads);
-- ``absmax_by_tile``: the op with each step's absmax codes read as if stored by tile (the 8 rows of
-  a load side by side, one sector; wrong values): what an absmax layout like tile16 would save;
 
 each as a percentage of the roofline of the op's bytes, with the blocks an SM each build fits (the
 builds compile on their own, so a ``loads`` build may run at a higher occupancy than the op). If
@@ -41,10 +39,6 @@ from qops.native import blockwise4 as nbw4  # noqa: E402
 from qops.native import compiler  # noqa: E402
 
 
-# QOPS_PROBE builds: name, code.
-PROBES = (("op", 0), ("loads", 1), ("math", 2), ("absmax_by_tile", 3))
-
-
 def under(fields: dict, f):
     """``f`` called with the plan fields forced: a graph keeps the kernel its calls were captured with."""
     def g():
@@ -56,7 +50,7 @@ def under(fields: dict, f):
 def main(argv=None) -> int:
     p = common.probe_parser("probe_nf4_native.py", __doc__, LARGE_SHAPES, [1], 5)
     p.add_argument("--plans", type=json.loads, default=[{}], help="plan field overrides to probe (JSON list)")
-    p.add_argument("--probes", default="op,loads,math", help="which of " + ", ".join(n for n, _ in PROBES) + " to time (default the first three)")
+    p.add_argument("--probes", default="op,loads,math", help="which of op, loads, math to time (default all three)")
     p.add_argument("--layouts", default="tile16", help="qweight byte orders to time, comma-separated: flat, tile16 (default tile16)")
     a = p.parse_args(argv)
     res = common.probe_result("nf4_native")
@@ -65,7 +59,7 @@ def main(argv=None) -> int:
     bw = res["copy_TBps"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
-    probes = [(name, code) for name, code in PROBES if name in a.probes.split(",")]
+    probes = [(name, code) for name, code in (("op", 0), ("loads", 1), ("math", 2)) if name in a.probes.split(",")]
     layouts = [{v: k for k, v in LAYOUTS.items()}[name] for name in a.layouts.split(",")]
     # Every (plan, layout) pair of a shape and M is one candidate; a probe's candidates are timed
     # with interleaved trials (a drift of clocks moves all alike).
@@ -103,10 +97,9 @@ def main(argv=None) -> int:
         del w0, by_layout, ws
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_nf4_native.json", a.out))
-    names = [name for name, _ in probes]
-    print("\nN x K | M | plan | layout | " + " | ".join(f"{name} %" for name in names) + " (of the roofline; blocks an SM)")
+    print("\nN x K | M | plan | layout | op % | loads % | math % (of the roofline; blocks an SM)")
     for r in res["rows"]:
-        cells = [f"{r.get(p + '_roof_pct', '-')} ({r.get(p + '_blocks_per_sm', '-')})" for p in names]
+        cells = [f"{r.get(p + '_roof_pct', '-')} ({r.get(p + '_blocks_per_sm', '-')})" for p in ("op", "loads", "math")]
         print(f"{r['N']}x{r['K']} | {r['M']} | {r['plan'] or 'default'} | {r['layout']} | " + " | ".join(cells))
     return 0
 

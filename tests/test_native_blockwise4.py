@@ -31,8 +31,7 @@ def _variants():
     for m, fields in ((16, {"warps": 4, "minb": 2}), (1, {"warps": 16, "minb": 1, "tiles": 1}), (1, {"ring": 4, "tiles": 1}),
                       (16, {"ring": 4, "tiles": 1, "scale": "chains"}), (16, {"ring": 2, "minb": 1, "scale": "chains"}),
                       (1, {"scale": "chains", "lut_imm": False}), (1, {"scale": "chains", "tiles": 1}),
-                      (1, {"scale": "cols"}), (8, {"scale": "cols", "tiles": 1}), (8, {"scale": "cols", "lut_imm": False}),
-                      (1, {"keep_nested": False}), (1, {"probe": 3})):
+                      (1, {"scale": "cols"}), (8, {"scale": "cols", "tiles": 1}), (8, {"scale": "cols", "lut_imm": False})):
         with nbw4.plan_override(**fields):
             yield nbw4.plan(m, 28672, 4096, H200_SMS, 64).defines(torch.float16, True, 64, 256, LAYOUT_TILE16)
 

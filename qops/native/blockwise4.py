@@ -54,8 +54,7 @@ class Plan:
     # MMA chains over x masked to each block's lanes, scaled in fp32.
     scale: str = "prescale"
     lut_imm: bool = False  # table entries 256 bytes apart, addressed by one prmt and the window base as an immediate
-    keep_nested: bool = True  # nested scales kept in registers across steps (one x tile only); False for A/B measurements
-    probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone, 3 absmax by tile
+    probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
 
     @property
     def shmem_bytes(self) -> int:
@@ -78,7 +77,6 @@ class Plan:
             "QOPS_RING": self.ring,
             "QOPS_MINB": self.minb,
             "QOPS_PROBE": self.probe,
-            "QOPS_KEEP_NESTED": int(self.keep_nested),
             "QOPS_PRESCALE": int(self.scale == "prescale"),
             "QOPS_BLOCK_COLS": int(self.scale == "cols"),
             "QOPS_NESTED": int(nested),

@@ -65,8 +65,7 @@
 // x each, 4 with QOPS_BLOCK_COLS), QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16),
 // QOPS_RING (2..8 slots), QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1),
 // QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1),
-// QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_TILE16 (0/1), QOPS_KEEP_NESTED (0/1), QOPS_PROBE
-// (measurement builds only).
+// QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_TILE16 (0/1), QOPS_PROBE (measurement builds only).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -97,10 +96,7 @@
 #define QOPS_BLOCK_COLS 0  // 1: blocks A and B of a two-block step in separate MMA columns (4 rows of x a tile)
 #endif
 #ifndef QOPS_PROBE
-#define QOPS_PROBE 0  // measurements (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone, 3 absmax by tile
-#endif
-#ifndef QOPS_KEEP_NESTED
-#define QOPS_KEEP_NESTED 1  // 0: load the nested scale every step (the former kernel; for A/B measurements)
+#define QOPS_PROBE 0  // measurements (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
 #endif
 #ifndef QOPS_TILE16
 #define QOPS_TILE16 0  // qweight's byte order: 0 flat, 1 tile16 (above)
@@ -166,18 +162,16 @@ struct Slot {
   uint2 a[kR][2];
 };
 
-// wrow: step 0 of rows g and g + 8 of each tile (the lane's 16 bytes 16 t further). gk: g * K (probe 3).
+// wrow: step 0 of rows g and g + 8 of each tile (the lane's 16 bytes 16 t further).
 __device__ __forceinline__ void load_slot(Slot& sl, const unsigned char* const (&wrow)[kR][2], const u32 (&flat)[kR][2],
-                                          const void* absmax, int q, int t, bool pred, u32 gk) {
+                                          const void* absmax, int q, int t, bool pred) {
   if constexpr (kProbe == 2) return;  // math alone: the slots keep what they were given
 #pragma unroll
   for (int r = 0; r < kR; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       ld_stream_v4_if(sl.w[r][h], wrow[r][h] + q * kStepStride + 16 * t, pred);
-      u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
-      if constexpr (kProbe == 3)  // the 8 rows' codes of the step side by side (an absmax order by tile): wrong values, one sector
-        b = (flat[r][h] - gk + static_cast<u32>(q) * kStepK) / kBlock + (kTwoBlocks ? 2 : 1) * (threadIdx.x >> 2 & 7);
+      const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
       if constexpr (kNested) {
         if constexpr (kTwoBlocks) ld_nc_u16_if(sl.a[r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
         else ld_nc_u8_if(sl.a[r][h].x, static_cast<const unsigned char*>(absmax) + b, pred);
@@ -197,34 +191,11 @@ __device__ __forceinline__ float block_absmax(const uint2& a, const float* neste
   else return __uint_as_float(SECOND ? a.y : a.x);
 }
 
-// nested_absmax of the current step's blocks for rows g and g + 8 of each tile (1 when plain), kept in
-// registers while the block's nested group stays the same: a group holds 256 blocks (bitsandbytes),
-// so a row changes group once every 128+ steps, and the load (a dependent global load in front of
-// the step's math, and four load instructions a step in the LSU queue the table lookups use) is
-// issued only on the steps where a lane's row does. Blocks A and B of a two-block step share it: A
-// is even (K % 128 == 0) and a nested group holds an even number of blocks.
-struct NestedScales {
-  float v[kR][2];
-};
-
-// Kept at one x tile only: with two, the four registers push the 128-register plans into spills
-// (ptxas, sm_90), and every step loads as before.
-constexpr bool kKeepNested = kNested && kMT == 1 && QOPS_KEEP_NESTED != 0;
-
-// ``first``: the warp's first step (every lane loads). Otherwise a lane's row enters a new group on
-// the step whose block A is the group's first (b % kNestedBS == 0; A is even and so are group starts).
-__device__ __forceinline__ float nested_scale(NestedScales& ns, const float* nested_absmax, int r, int h, u32 b, bool first) {
-  if constexpr (!kNested) {
-    return 1.f;
-  } else if constexpr (!kKeepNested) {
-    return nested_absmax[b / kNestedBS];
-  } else {
-    const bool stale = first || b % kNestedBS == 0;
-    if (__any_sync(0xffffffffu, stale)) {  // warp-uniform: most steps skip the load instruction altogether
-      if (stale) ns.v[r][h] = nested_absmax[b / kNestedBS];
-    }
-    return ns.v[r][h];
-  }
+// nested_absmax of block b's group (1 when plain). Blocks A and B of a two-block step share it: A is
+// even (K % 128 == 0) and a nested group holds an even number of blocks.
+__device__ __forceinline__ float nested_scale_of(const float* nested_absmax, u32 b) {
+  if constexpr (kNested) return nested_absmax[b / kNestedBS];
+  else return 1.f;
 }
 
 // a * s for an f16x2 / bf16x2 word a and a DT pair s (fma with -0: exact sign, any sm_80+).
@@ -282,8 +253,7 @@ __device__ __forceinline__ void add_scaled(float (&acc)[kMT][4], const float (&d
 
 __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, XQuarter (&xq)[kMT],
                                          const u16* const (&xrow)[kMT], const u32 (&flat)[kR][2], const float* nested_code_s,
-                                         const float* nested_absmax, NestedScales& nsc, float nested_offset, int q, int t,
-                                         bool first) {
+                                         const float* nested_absmax, float nested_offset, int q, int t) {
   if constexpr (kProbe == 1) {  // loads alone: every loaded word reaches the output, nothing is decoded
 #pragma unroll
     for (int r = 0; r < kR; ++r)
@@ -298,7 +268,7 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const u32 b = (flat[r][h] + static_cast<u32>(q) * kStepK) / kBlock;
-        const float ns = nested_scale(nsc, nested_absmax, r, h, b, first);
+        const float ns = nested_scale_of(nested_absmax, b);
         const float sv = t < 2 ? block_absmax<false>(sl.a[r][h], nested_code_s, ns, nested_offset)
                                : block_absmax<true>(sl.a[r][h], nested_code_s, ns, nested_offset);
         const u32 bits = f32_to_bits<kDT>(sv);
@@ -367,7 +337,7 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
     if constexpr (kBlockCols) {  // columns 2t (block A) and 2t + 1 (block B) of x row t of each tile
       const u32 b0 = (flat[r][0] + static_cast<u32>(q) * kStepK) / kBlock;
       const u32 b1 = (flat[r][1] + static_cast<u32>(q) * kStepK) / kBlock;
-      const float ns0 = nested_scale(nsc, nested_absmax, r, 0, b0, first), ns1 = nested_scale(nsc, nested_absmax, r, 1, b1, first);
+      const float ns0 = nested_scale_of(nested_absmax, b0), ns1 = nested_scale_of(nested_absmax, b1);
       const float a0 = block_absmax<false>(sl.a[r][0], nested_code_s, ns0, nested_offset);
       const float b0s = block_absmax<true>(sl.a[r][0], nested_code_s, ns0, nested_offset);
       const float a1 = block_absmax<false>(sl.a[r][1], nested_code_s, ns1, nested_offset);
@@ -381,7 +351,7 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
     }
     const u32 b0 = (flat[r][0] + static_cast<u32>(q) * kStepK) / kBlock;  // row g's block A
     const u32 b1 = (flat[r][1] + static_cast<u32>(q) * kStepK) / kBlock;  // row g + 8's
-    const float ns0 = nested_scale(nsc, nested_absmax, r, 0, b0, first), ns1 = nested_scale(nsc, nested_absmax, r, 1, b1, first);
+    const float ns0 = nested_scale_of(nested_absmax, b0), ns1 = nested_scale_of(nested_absmax, b1);
     add_scaled(acc[r], da[r], block_absmax<false>(sl.a[r][0], nested_code_s, ns0, nested_offset),
                block_absmax<false>(sl.a[r][1], nested_code_s, ns1, nested_offset));
     if constexpr (kTwoBlocks)
@@ -449,7 +419,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
         }
   }
 #pragma unroll
-  for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1, g * K);
+  for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
 
   // The table: 32 copies of 256 words. Thread v builds word v once and stores its copies starting at
   // its own lane's bank, so a warp's 32 stores of one round fall in 32 different banks.
@@ -484,17 +454,14 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) acc[r][mt][0] = acc[r][mt][1] = acc[r][mt][2] = acc[r][mt][3] = 0.f;
 
-  NestedScales nsc;
-#pragma unroll
-  for (int r = 0; r < kR; ++r) nsc.v[r][0] = nsc.v[r][1] = 1.f;
   // Step q sits in slot (q - p0) % kRing; each step requests the one kRing - 1 ahead, then uses its own.
   for (int base = p0; base < p1; base += kRing) {
 #pragma unroll
     for (int s = 0; s < kRing; ++s) {
       const int ahead = base + s + kRing - 1;
-      load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1, g * K);
+      load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1);
       if (base + s < p1)
-        use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, nsc, noff, base + s, t, base + s == p0);
+        use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
     }
   }
   grid_dep_launch_dependents();

@@ -125,21 +125,6 @@ def test_tile16_is_prepared_for_the_kernel_and_equals_the_flat_order(dtype):
         assert gpu_weight(case, dtype)[0].layout == LAYOUT_FLAT, case.id
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_nested_scales_change_inside_a_warps_steps(dtype):
-    # 224 blocks a row, 256 a nested group: most rows enter a new group mid-row, inside a warp's 14
-    # steps, where the kept nested scale must be reloaded (and at each warp's first step).
-    case = C.Case("bitsandbytes-nf4", 64, 14336, blocksize=64, nested=True)
-    w, w64 = gpu_weight(case, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    for m in (1, 3, 8):
-        x = torch.randn(m, case.k, device="cuda", generator=gen).to(dtype)
-        y = w.mm(x)
-        check(y, x, w64, None, dtype, f"M={m}")
-        with nbw4.plan_override(keep_nested=False):
-            assert torch.equal(w.mm(x), y), m
-
-
 def test_deterministic_and_plans_agree():
     case = CASES[4]
     w, w64 = gpu_weight(case, torch.bfloat16)
@@ -150,7 +135,7 @@ def test_deterministic_and_plans_agree():
     for fields in ({"tiles": 1}, {"tiles": 2, "minb": 1}, {"warps": 4}, {"warps": 16, "minb": 1}, {"ring": 2}, {"ring": 4, "minb": 1},
                    {"scale": "prescale"}, {"scale": "chains", "minb": 1}, {"lut_imm": True}, {"lut_imm": False},
                    {"lut_imm": True, "tiles": 1, "ring": 3}, {"lut_imm": False, "scale": "chains", "tiles": 1},
-                   {"scale": "cols", "lut_imm": False}, {"scale": "cols", "tiles": 1, "ring": 3}, {"keep_nested": False}):
+                   {"scale": "cols", "lut_imm": False}, {"scale": "cols", "tiles": 1, "ring": 3}):
         with nbw4.plan_override(**fields):
             for m in ((1, 4, 5, 8) if fields.get("scale") == "cols" else (1, 16)):
                 check(w.mm(x[:m]), x[:m], w64, None, torch.bfloat16, f"{fields} M={m}")
