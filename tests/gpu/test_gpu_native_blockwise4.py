@@ -125,6 +125,18 @@ def test_tile16_is_prepared_for_the_kernel_and_equals_the_flat_order(dtype):
         assert gpu_weight(case, dtype)[0].layout == LAYOUT_FLAT, case.id
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_nested_groups_change_inside_a_warps_steps(dtype):
+    # 224 blocks a row, 256 a nested group: most rows enter a new group mid-row, inside a warp's 14
+    # steps (the other cases have at most one group a warp's range).
+    case = C.Case("bitsandbytes-nf4", 64, 14336, blocksize=64, nested=True)
+    w, w64 = gpu_weight(case, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for m in (1, 3, 8, 16):
+        x = torch.randn(m, case.k, device="cuda", generator=gen).to(dtype)
+        check(w.mm(x), x, w64, None, dtype, f"M={m}")
+
+
 def test_deterministic_and_plans_agree():
     case = CASES[4]
     w, w64 = gpu_weight(case, torch.bfloat16)
