@@ -31,7 +31,8 @@ def _variants():
     for m, fields in ((16, {"warps": 4, "minb": 2}), (1, {"warps": 16, "minb": 1, "tiles": 1}), (1, {"ring": 4, "tiles": 1}),
                       (16, {"ring": 4, "tiles": 1, "scale": "chains"}), (16, {"ring": 2, "minb": 1, "scale": "chains"}),
                       (1, {"scale": "chains", "lut_imm": False}), (1, {"scale": "chains", "tiles": 1}),
-                      (1, {"scale": "cols"}), (8, {"scale": "cols", "tiles": 1}), (8, {"scale": "cols", "lut_imm": False})):
+                      (1, {"scale": "cols"}), (8, {"scale": "cols", "tiles": 1}), (8, {"scale": "cols", "lut_imm": False}),
+                      (1, {"persistent": True}), (16, {"persistent": True}), (1, {"persistent": True, "tiles": 1, "ring": 3})):
         with nbw4.plan_override(**fields):
             yield nbw4.plan(m, 28672, 4096, H200_SMS, 64).defines(torch.float16, True, 64, 256, LAYOUT_TILE16)
 
@@ -77,7 +78,11 @@ def test_plan_rule():
     assert nbw4.plan(16, 8192, 4096, H200_SMS, 64) == P(mt=2, tiles=2, warps=8, ring=2, minb=2, scale="prescale")
     # One block a step: 8 rows of x a tile whatever the scale field says.
     assert nbw4.plan(8, 8192, 28672, H200_SMS, 128).mt == 1
-    assert nbw4.plan(1, 1000, 128, H200_SMS, 64).grid(1000) == 63
+    assert nbw4.plan(1, 1000, 128, H200_SMS, 64).grid(1000, 0) == 63
+    with nbw4.plan_override(persistent=True):
+        p = nbw4.plan(1, 28672, 4096, H200_SMS, 64)
+    assert p.grid(28672, 2 * H200_SMS) == 2 * H200_SMS and p.grid(4096, 2 * H200_SMS) == 128 and p.grid(28672, 0) == 896
+    assert p.shmem_bytes == 256 * 256 + 256 * 4 + 8 * 2 * 1 * 32 * 16  # the partials after the table
     with nbw4.plan_override(warps=16, ring=2, minb=1):
         assert nbw4.plan(1, 4096, 4096, H200_SMS, 64) == P(mt=1, tiles=1, warps=16, ring=2, minb=1, scale="prescale", lut_imm=True)
     assert nbw4.plan(1, 4096, 4096, H200_SMS, 64).warps == 8

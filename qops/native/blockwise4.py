@@ -54,12 +54,15 @@ class Plan:
     # MMA chains over x masked to each block's lanes, scaled in fp32.
     scale: str = "prescale"
     lut_imm: bool = False  # table entries 256 bytes apart, addressed by one prmt and the window base as an immediate
+    persistent: bool = False  # one wave of blocks, each taking every grid-th tile (QOPS_PERSISTENT)
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
 
     @property
     def shmem_bytes(self) -> int:
-        """Dynamic shared memory a block: the code table (kTableBytes in the kernel), then the nested map."""
-        return 256 * (256 if self.lut_imm else 128) + NESTED_MAP_BYTES
+        """Dynamic shared memory a block: the code table (kTableBytes in the kernel), then the nested
+        map, then (persistent) the warps' partials."""
+        partials = self.warps * self.tiles * self.mt * 32 * 16 if self.persistent else 0
+        return 256 * (256 if self.lut_imm else 128) + NESTED_MAP_BYTES + partials
 
     def __post_init__(self):
         if self.scale not in SCALES:
@@ -77,6 +80,7 @@ class Plan:
             "QOPS_RING": self.ring,
             "QOPS_MINB": self.minb,
             "QOPS_PROBE": self.probe,
+            "QOPS_PERSISTENT": int(self.persistent),
             "QOPS_PRESCALE": int(self.scale == "prescale"),
             "QOPS_BLOCK_COLS": int(self.scale == "cols"),
             "QOPS_NESTED": int(nested),
@@ -86,8 +90,14 @@ class Plan:
             "QOPS_SMEM_BASE": smem_base if self.lut_imm else 0,
         }
 
-    def grid(self, n: int) -> int:
+    def tiles_of(self, n: int) -> int:
+        """Block tiles (16 * ``tiles`` rows each) of an N-row weight."""
         return -(-n // (16 * self.tiles))
+
+    def grid(self, n: int, slots: int) -> int:
+        """Blocks to launch; ``slots``: how many of the kernel's blocks the device runs at once (0:
+        unknown, one block a tile then; the kernel's tile loop serves any grid)."""
+        return min(self.tiles_of(n), slots) if self.persistent and slots > 0 else self.tiles_of(n)
 
 
 _override: dict = {}
@@ -235,10 +245,11 @@ def _launch(dev: int, x2, qweight, tables, bias, target, n: int, k: int, blocksi
     m = x2.shape[0]
     p = plan(m, n, k, _sm_count(dev), blocksize)
     gemv = _kernel(dev, p, x2.dtype, nested, blocksize, nested_blocksize, layout)
-    flags |= early_dependents_flag(gemv, dev, p.grid(n), 32 * p.warps, p.shmem_bytes)
+    grid = p.grid(n, compiler.max_active_blocks(gemv, dev, 32 * p.warps, p.shmem_bytes) * _sm_count(dev) if p.persistent else 0)
+    flags |= early_dependents_flag(gemv, dev, grid, 32 * p.warps, p.shmem_bytes)
     i32 = compiler.i32
     compiler.launch(
-        gemv, (p.grid(n), 1, 1), (32 * p.warps, 1, 1), p.shmem_bytes, torch.cuda.current_stream(),
+        gemv, (grid, 1, 1), (32 * p.warps, 1, 1), p.shmem_bytes, torch.cuda.current_stream(),
         qweight.data_ptr(), code.data_ptr(), absmax.data_ptr(),
         nested_code.data_ptr() if nested else 0, nested_absmax.data_ptr() if nested else 0,
         nested_offset.data_ptr() if nested else 0, x2.data_ptr(), bias.data_ptr() if bias is not None else 0,

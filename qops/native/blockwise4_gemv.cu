@@ -54,7 +54,11 @@
 // flight at every step (the first version loaded a few steps and used them; ptxas interleaved the
 // loads with the uses and kept ~one in flight). x is read when a step is used (L1: every warp of the
 // SM reads the same few KiB). Rows of N past the end read row N-1 and rows of x past M read row 0
-// (valid memory, results discarded).
+// (valid memory, results discarded). Persistent (QOPS_PERSISTENT): the grid holds as many blocks as
+// the SMs run at once, and each takes tiles blockIdx.x, + gridDim.x, ...: the table is built once a
+// block, and the next tile's first steps are requested before the current tile's partials are
+// summed, so a short K (4 steps a warp at K = 4096) does not wait out a load's latency per tile.
+// The partials then sit after the table (kNestedMapBytes on), not in it.
 //
 // Programmatic dependent launch (sm_90): the ring's first steps are requested and the tables built
 // from weight tensors only (never written by the kernel ahead) before grid_dep_wait(); x and bias are
@@ -65,7 +69,8 @@
 // x each, 4 with QOPS_BLOCK_COLS), QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16),
 // QOPS_RING (2..8 slots), QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1),
 // QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1),
-// QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_TILE16 (0/1), QOPS_PROBE (measurement builds only).
+// QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_TILE16 (0/1), QOPS_PERSISTENT (0/1), QOPS_PROBE
+// (measurement builds only).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -97,6 +102,9 @@
 #endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0  // measurements (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
+#endif
+#ifndef QOPS_PERSISTENT
+#define QOPS_PERSISTENT 0  // 1: a block goes on to tile blockIdx.x + gridDim.x, ... (the grid fills the SMs once)
 #endif
 #ifndef QOPS_TILE16
 #define QOPS_TILE16 0  // qweight's byte order: 0 flat, 1 tile16 (above)
@@ -146,6 +154,8 @@ constexpr bool kLutImm = QOPS_LUT_IMM != 0;
 // M = 1: 1-4% faster, ~12% fewer instructions a step).
 constexpr int kTableStride = kLutImm ? 256 : 128;
 constexpr int kTableBytes = 256 * kTableStride;  // 256 byte values x 32 lane copies
+constexpr int kNestedMapBytes = 256 * 4;        // the nested code after the table (NESTED_MAP_BYTES on the host)
+constexpr bool kPersistent = QOPS_PERSISTENT != 0;
 static_assert(kMT == 1 || kMT == 2, "QOPS_MT is 1 or 2 (M <= 16)");
 static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
 static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "QOPS_WARPS is 4, 8 or 16");
@@ -360,6 +370,24 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
   }
 }
 
+// Row pointers (step 0 of rows g and g + 8 of each 16-row tile) and flat indices of block tile
+// ``tile`` (rows past N read row N - 1: valid memory, results discarded).
+__device__ __forceinline__ void tile_rows(const unsigned char* (&wrow)[kR][2], u32 (&flat)[kR][2], const unsigned char* qweight,
+                                          int tile, int N, int K, int g) {
+  const int n_tile = tile * (16 * kR);
+#pragma unroll
+  for (int r = 0; r < kR; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = min(n_tile + 16 * r + 8 * h + g, N - 1);
+      if constexpr (kTile16)
+        wrow[r][h] = qweight + static_cast<size_t>(n / 16) * (8 * K) + 64 * (n % 16);
+      else
+        wrow[r][h] = qweight + static_cast<size_t>(n) * (K / 2);
+      flat[r][h] = static_cast<u32>(n) * static_cast<u32>(K);
+    }
+}
+
 }  // namespace bw4
 }  // namespace qops
 
@@ -379,20 +407,9 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   }
   if (flags & kEarlyDependents) grid_dep_launch_dependents();
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int n_tile = blockIdx.x * (16 * kR);
+  const int n_tiles = (N + 16 * kR - 1) / (16 * kR);  // the grid covers them (one a block), or fills the SMs (persistent)
   const unsigned char* wrow[kR][2];
   u32 flat[kR][2];  // flat index n*K of the row's first element (N*K < 2^31)
-#pragma unroll
-  for (int r = 0; r < kR; ++r)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = min(n_tile + 16 * r + 8 * h + g, N - 1);
-      if constexpr (kTile16)
-        wrow[r][h] = qweight + static_cast<size_t>(n / 16) * (8 * K) + 64 * (n % 16);
-      else
-        wrow[r][h] = qweight + static_cast<size_t>(n) * (K / 2);
-      flat[r][h] = static_cast<u32>(n) * static_cast<u32>(K);
-    }
   const int steps = K / kStepK;
   const int p0 = static_cast<int>(static_cast<long long>(steps) * warp / kWarps);
   const int p1 = static_cast<int>(static_cast<long long>(steps) * (warp + 1) / kWarps);
@@ -418,6 +435,8 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
           ring[s].a[r][h] = kNested ? make_uint2((tid * 0x0101u + s) & 0xffffu, 0) : make_uint2(0x3c000000u, 0x3c800000u);
         }
   }
+  int tile = blockIdx.x;
+  tile_rows(wrow, flat, qweight, tile, N, K, g);
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
 
@@ -448,53 +467,69 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   XQuarter xq[kMT];  // the set of the other block's lanes stays zero (its loads are predicated off)
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) xq[mt].lo = xq[mt].hi = make_uint4(0, 0, 0, 0);
-  float acc[kR][kMT][4];
-#pragma unroll
-  for (int r = 0; r < kR; ++r)
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) acc[r][mt][0] = acc[r][mt][1] = acc[r][mt][2] = acc[r][mt][3] = 0.f;
-
-  // Step q sits in slot (q - p0) % kRing; each step requests the one kRing - 1 ahead, then uses its own.
-  for (int base = p0; base < p1; base += kRing) {
-#pragma unroll
-    for (int s = 0; s < kRing; ++s) {
-      const int ahead = base + s + kRing - 1;
-      load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1);
-      if (base + s < p1)
-        use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
-    }
-  }
-  grid_dep_launch_dependents();
-
-  // Partials of the warps, summed in warp order through the table's shared memory.
-  __syncthreads();  // every warp is done with the table
-  float4* part = reinterpret_cast<float4*>(table);
+  // Partials of the warps: in the table's shared memory when the block takes one tile, after the
+  // table and the nested map when it goes on to others.
+  float4* part = reinterpret_cast<float4*>(kPersistent ? table + kTableBytes + kNestedMapBytes : table);
   constexpr int kSlots = kR * kMT * 32;
+
+  while (true) {  // once, or (persistent) for tiles blockIdx.x, + gridDim.x, ...
+    const int n_tile = tile * (16 * kR);
+    float acc[kR][kMT][4];
 #pragma unroll
-  for (int r = 0; r < kR; ++r)
+    for (int r = 0; r < kR; ++r)
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-      part[warp * kSlots + (r * kMT + mt) * 32 + lane] = make_float4(acc[r][mt][0], acc[r][mt][1], acc[r][mt][2], acc[r][mt][3]);
-  __syncthreads();
-  for (int i = tid; i < kSlots; i += kThreads) {
-    float4 v = part[i];
-    for (int w = 1; w < kWarps; ++w) {
-      const float4 o = part[w * kSlots + i];
-      v.x += o.x;
-      v.y += o.y;
-      v.z += o.z;
-      v.w += o.w;
+      for (int mt = 0; mt < kMT; ++mt) acc[r][mt][0] = acc[r][mt][1] = acc[r][mt][2] = acc[r][mt][3] = 0.f;
+
+    // Step q sits in slot (q - p0) % kRing; each step requests the one kRing - 1 ahead, then uses its own.
+    for (int base = p0; base < p1; base += kRing) {
+#pragma unroll
+      for (int s = 0; s < kRing; ++s) {
+        const int ahead = base + s + kRing - 1;
+        load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1);
+        if (base + s < p1)
+          use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
+      }
     }
-    const int r = i / (kMT * 32), mt = (i / 32) % kMT, l = i & 31;
-    const int n0 = n_tile + 16 * r + (l >> 2);
-    const float vals[4] = {v.x, v.y, v.z, v.w};
+    grid_dep_launch_dependents();
+    const int next = tile + gridDim.x;
+    if (kPersistent && next < n_tiles) {
+      // The next tile's first steps are requested now: their latency runs under the sums below.
+      // (The ring is free: its last slots were consumed by the loop, whose loads past p1 were predicated off.)
+      tile_rows(wrow, flat, qweight, next, N, K, g);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      // block columns: x row 4 mt + t, rows g and g + 8 of N in values 0 and 2 (1 and 3 unused)
-      if (kBlockCols && (q & 1)) continue;
-      const int n = n0 + 8 * (q >> 1);
-      const int m = kBlockCols ? kRowsPerTile * mt + (l & 3) : 8 * mt + 2 * (l & 3) + (q & 1);
-      if (n < N && m < M) store_out<kDT>(out, bias, flags, m, n, ldo, vals[q]);
+      for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
     }
+
+    // Partials of the warps, summed in warp order through shared memory.
+    __syncthreads();  // every warp is done with the table (one tile), or with the last tile's partials
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+        part[warp * kSlots + (r * kMT + mt) * 32 + lane] = make_float4(acc[r][mt][0], acc[r][mt][1], acc[r][mt][2], acc[r][mt][3]);
+    __syncthreads();
+    for (int i = tid; i < kSlots; i += kThreads) {
+      float4 v = part[i];
+      for (int w = 1; w < kWarps; ++w) {
+        const float4 o = part[w * kSlots + i];
+        v.x += o.x;
+        v.y += o.y;
+        v.z += o.z;
+        v.w += o.w;
+      }
+      const int r = i / (kMT * 32), mt = (i / 32) % kMT, l = i & 31;
+      const int n0 = n_tile + 16 * r + (l >> 2);
+      const float vals[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        // block columns: x row 4 mt + t, rows g and g + 8 of N in values 0 and 2 (1 and 3 unused)
+        if (kBlockCols && (q & 1)) continue;
+        const int n = n0 + 8 * (q >> 1);
+        const int m = kBlockCols ? kRowsPerTile * mt + (l & 3) : 8 * mt + 2 * (l & 3) + (q & 1);
+        if (n < N && m < M) store_out<kDT>(out, bias, flags, m, n, ldo, vals[q]);
+      }
+    }
+    if (!kPersistent || next >= n_tiles) break;
+    tile = next;
   }
 }

@@ -137,6 +137,24 @@ def test_nested_groups_change_inside_a_warps_steps(dtype):
         check(w.mm(x), x, w64, None, dtype, f"M={m}")
 
 
+@pytest.mark.parametrize("n", [12304, 9000])  # tile16 with a last tile of 16 rows; flat, N % 16 != 0
+def test_persistent_blocks_take_several_tiles(n):
+    # More 32-row tiles than the SMs hold blocks: each block takes several, requesting the next
+    # tile's first steps before summing the current one. Bit for bit the one-tile-a-block result.
+    case = C.Case("bitsandbytes-nf4", n, 512, blocksize=64, nested=True)
+    w, w64 = gpu_weight(case, torch.float16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert nbw4.plan(1, n, 512, sms, 64).tiles_of(n) > 2 * sms
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for m in (1, 5, 16):
+        x = torch.randn(m, case.k, device="cuda", generator=gen).half()
+        y = w.mm(x)
+        with nbw4.plan_override(persistent=True):
+            yp = w.mm(x)
+        assert torch.equal(yp, y), m
+        check(yp, x, w64, None, torch.float16, f"persistent M={m}")
+
+
 def test_deterministic_and_plans_agree():
     case = CASES[4]
     w, w64 = gpu_weight(case, torch.bfloat16)
@@ -147,7 +165,8 @@ def test_deterministic_and_plans_agree():
     for fields in ({"tiles": 1}, {"tiles": 2, "minb": 1}, {"warps": 4}, {"warps": 16, "minb": 1}, {"ring": 2}, {"ring": 4, "minb": 1},
                    {"scale": "prescale"}, {"scale": "chains", "minb": 1}, {"lut_imm": True}, {"lut_imm": False},
                    {"lut_imm": True, "tiles": 1, "ring": 3}, {"lut_imm": False, "scale": "chains", "tiles": 1},
-                   {"scale": "cols", "lut_imm": False}, {"scale": "cols", "tiles": 1, "ring": 3}):
+                   {"scale": "cols", "lut_imm": False}, {"scale": "cols", "tiles": 1, "ring": 3}, {"persistent": True},
+                   {"persistent": True, "tiles": 1, "ring": 3}):
         with nbw4.plan_override(**fields):
             for m in ((1, 4, 5, 8) if fields.get("scale") == "cols" else (1, 16)):
                 check(w.mm(x[:m]), x[:m], w64, None, torch.bfloat16, f"{fields} M={m}")
@@ -201,4 +220,4 @@ def test_occupancy_is_known_before_the_first_launch():
     assert p.shmem_bytes > 48 * 1024
     assert compiler.max_active_blocks(kernel, 0, 32 * p.warps, p.shmem_bytes) >= 2  # the table fits three blocks an SM
     if use_pdl(0):
-        assert early_dependents_flag(kernel, 0, p.grid(4096), 32 * p.warps, p.shmem_bytes) != 0
+        assert early_dependents_flag(kernel, 0, p.grid(4096, 0), 32 * p.warps, p.shmem_bytes) != 0
