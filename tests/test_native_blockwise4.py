@@ -29,7 +29,7 @@ def _variants():
                     layout = LAYOUT_TILE16 if nested else LAYOUT_FLAT
                     yield nbw4.plan(m, n, 4096, H200_SMS, bs).defines(dt, nested, bs, 256, layout)
     for m, fields in ((16, {"warps": 4, "minb": 2}), (1, {"warps": 16, "minb": 1, "tiles": 1}), (1, {"ring": 4, "tiles": 1}),
-                      (16, {"ring": 4, "tiles": 1, "scale": "chains"}), (16, {"ring": 2, "minb": 1, "scale": "chains"}),
+                      (16, {"ring": 4, "tiles": 1, "scale": "chains", "persistent": False}), (16, {"ring": 2, "minb": 1, "scale": "chains"}),
                       (1, {"scale": "chains", "lut_imm": False}), (1, {"scale": "chains", "tiles": 1}),
                       (1, {"scale": "cols"}), (8, {"scale": "cols", "tiles": 1}), (8, {"scale": "cols", "lut_imm": False}),
                       (1, {"persistent": True}), (16, {"persistent": True}), (1, {"persistent": True, "tiles": 1, "ring": 3})):
@@ -73,7 +73,8 @@ def test_plan_rule():
     assert nbw4.plan(1, 4096, 14336, H200_SMS, 64).tiles == 1
     assert nbw4.plan(8, 8192, 28672, H200_SMS, 64) == P(mt=1, tiles=2, warps=8, ring=2, minb=2, scale="prescale", lut_imm=True)
     assert nbw4.plan(8, 4096, 14336, H200_SMS, 64) == P(mt=1, tiles=1, warps=8, ring=3, minb=2, scale="prescale", lut_imm=True)
-    assert nbw4.plan(9, 57344, 8192, H200_SMS, 64) == P(mt=2, tiles=2, warps=8, ring=2, minb=2, scale="prescale")
+    assert nbw4.plan(9, 57344, 8192, H200_SMS, 64) == P(mt=2, tiles=2, warps=8, ring=2, minb=2, scale="prescale", persistent=True)
+    assert not nbw4.plan(8, 57344, 8192, H200_SMS, 64).persistent and not nbw4.plan(16, 8192, 28672, H200_SMS, 64).persistent
     assert nbw4.plan(16, 4096, 4096, H200_SMS, 64) == P(mt=2, tiles=2, warps=8, ring=3, minb=1, scale="prescale")
     assert nbw4.plan(16, 8192, 4096, H200_SMS, 64) == P(mt=2, tiles=2, warps=8, ring=2, minb=2, scale="prescale")
     # One block a step: 8 rows of x a tile whatever the scale field says.
@@ -141,7 +142,7 @@ def test_the_shared_window_base_is_not_measured_during_capture(monkeypatch):
 def test_shared_memory_a_block_follows_the_table_layout():
     plan = nbw4.plan(1, 28672, 4096, H200_SMS, 64)
     assert plan.lut_imm and plan.shmem_bytes == 256 * 256 + 256 * 4
-    assert nbw4.plan(16, 28672, 4096, H200_SMS, 64).shmem_bytes == 256 * 128 + 256 * 4
+    assert nbw4.plan(16, 28672, 4096, H200_SMS, 64).shmem_bytes == 256 * 128 + 256 * 4 + 8 * 2 * 2 * 32 * 16  # persistent: + partials
     assert plan.defines(torch.float16, True, 64, 256, LAYOUT_TILE16, 1024)["QOPS_SMEM_BASE"] == 1024
     with nbw4.plan_override(lut_imm=False):
         assert nbw4.plan(1, 28672, 4096, H200_SMS, 64).defines(torch.float16, True, 64, 256, LAYOUT_TILE16, 1024)["QOPS_SMEM_BASE"] == 0

@@ -132,15 +132,20 @@ def plan(m: int, n: int, k: int, sm_count: int, blocksize: int) -> Plan:
     57344x8192, 0.93-0.96x on 8192x28672 and half the speed on 4096x14336, where its 80 registers
     let a third block onto each SM (...-68788f2-probe-nf4-scale.json, ...-a12f445-probe-nf4-tiled.json).
     At M <= 8 the table is addressed by one prmt (``lut_imm``: 1-4% faster at M = 1,
-    ...-5ed6f99-probe-nf4-chains.json). Fields forced by :func:`plan_override` win; the x tiles
+    ...-5ed6f99-probe-nf4-chains.json). At M > 8, where the two-tile blocks take more than two
+    waves (two blocks an SM), the grid is persistent (each block goes on to further tiles, the next
+    one's first steps requested before the current one's sums): M = 16 +8% on 28672x4096, +4% on
+    57344x8192, within 1.5% on the one-wave shapes; at M = 1 and 8 it is 0.95-1.02x, so not there
+    (...-cc2214d-probe-nf4-persistent.json). Fields forced by :func:`plan_override` win; the x tiles
     follow from them.
     """
-    fields = {"scale": "prescale", "lut_imm": m <= 8, **_override}
+    tiles_two = -(-n // 32)
+    fields = {"scale": "prescale", "lut_imm": m <= 8, "persistent": m > 8 and tiles_two > 2 * sm_count, **_override}
     rows = 4 if fields["scale"] == "cols" and blocksize == 64 else 8
     mt = max(1, -(-m // rows))
     if mt > 2:
         raise ValueError(f"native blockwise4 plan: M={m} needs {mt} x tiles of {rows} rows (at most 2)")
-    small_n = -(-n // 32) < sm_count
+    small_n = tiles_two < sm_count
     tiles = 2 if m > 8 or not small_n else 1
     if tiles == 1:
         ring, minb = 3, 2
