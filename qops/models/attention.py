@@ -40,7 +40,7 @@ import functools
 
 import torch
 
-from ..ops._common import ACT_DTYPES, fail, jit_if_triton
+from ..ops._common import ACT_DTYPES, fail, jit_if_triton, pdl_launch
 
 OP = "decode_attention"
 SCHEMA = ("(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -164,8 +164,14 @@ def _decode_attention_kernel(
     stride_ob,  # out (B, H * D), unit column stride
     scale_log2,  # scale * log2(e): the softmax runs on exp2
     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        # Programmatic dependent launch (sm_90): the next kernel (the output projection, whose weight
+        # loads need nothing of this one) may start now; every input here, positions included, may
+        # come from a kernel still running, so all of it is read after the wait.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     pos = tl.load(pos_ptr + b * stride_pos)  # int64
@@ -255,6 +261,7 @@ def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_head
     if b == 0:
         return out
     cfg = {**launch_config(d, g), **(config or {})}
+    pdl = pdl_launch(qkv.device)
     kernel[(b, num_kv_heads)](
         qkv, cos, sin, positions, k_cache, v_cache, out,
         qkv.stride(0), qkv.stride(1),
@@ -265,6 +272,6 @@ def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_head
         scale * 1.4426950408889634,
         H=num_heads, HKV=num_kv_heads, G=g, D=d,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"], IEEE=qkv.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
     return out

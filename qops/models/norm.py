@@ -19,11 +19,10 @@ Inference only: no autograd formula is registered (a backward through it raises)
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from ..ops._common import ACT_DTYPES, fail, jit_if_triton
+from ..ops._common import ACT_DTYPES, fail, jit_if_triton, pdl_launch
 
 OP = "add_rmsnorm"
 SCHEMA = "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)"
@@ -84,12 +83,14 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
     if PDL:
+        # The next kernel may start now: it is a matmul whose weight loads (its prologue) then run
+        # while this one waits. It reads what this kernel writes only after its own wait, which
+        # returns once this grid has completed.
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # x and residual come from the kernels ahead
     x = tl.load(x_ptr + row * stride_x + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs * stride_rk, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     s = (x + r).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * K + offs, s, mask=mask)
     sf = s.to(tl.float32)
@@ -102,18 +103,6 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_
 def _triton_kernel():
     """The jitted kernel, or None when Triton cannot be imported."""
     return jit_if_triton(_add_rmsnorm_kernel)
-
-
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: sm_90+, not in Triton's interpreter (no grid dependencies there)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
-
-
-@functools.cache
-def _capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
 
 
 def triton_add_rmsnorm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +118,7 @@ def triton_add_rmsnorm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Te
     if rows == 0 or k == 0:
         return out, summed
     block = triton.next_power_of_2(k)
-    pdl = _pdl(x.device)
+    pdl = pdl_launch(x.device)
     extra = {"launch_pdl": True} if pdl else {}
     kernel[(rows,)](x2, r2, weight, out, summed, x2.stride(0), x2.stride(1), r2.stride(0), r2.stride(1), k, eps,
                     BLOCK_K=block, PDL=pdl, num_warps=max(1, min(16, block // 512)), **extra)

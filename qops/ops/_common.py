@@ -5,6 +5,7 @@ may be involved, a plain raise for static facts), and every message begins ``qop
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, Optional, Sequence
 
@@ -129,6 +130,20 @@ def deterministic_requested() -> bool:
     do not split (no atomic adds)."""
     env = os.environ.get(DETERMINISTIC_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     return env or torch.are_deterministic_algorithms_enabled()
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether a Triton kernel of qops' decoder launches with programmatic dependent launch
+    (``launch_pdl=True``, and its ``gdc_*`` calls compiled in): on sm_90+, not in Triton's
+    interpreter (no grid dependencies there)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def jit_if_triton(kernel: Callable):
