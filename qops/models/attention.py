@@ -40,7 +40,7 @@ import functools
 
 import torch
 
-from ..ops._common import ACT_DTYPES, fail, jit_if_triton, pdl_launch
+from ..ops._common import ACT_DTYPES, fail, jit_if_triton
 
 OP = "decode_attention"
 SCHEMA = ("(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -164,13 +164,8 @@ def _decode_attention_kernel(
     stride_ob,  # out (B, H * D), unit column stride
     scale_log2,  # scale * log2(e): the softmax runs on exp2
     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
 ):
-    if PDL:
-        # Programmatic dependent launch (sm_90): this kernel may start while the one ahead drains;
-        # every input, positions included, may come from a kernel still running, so all of it is
-        # read after the wait.
-        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     pos = tl.load(pos_ptr + b * stride_pos)  # int64
@@ -227,11 +222,6 @@ def _decode_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
         m = m_new
-    if PDL:
-        # The next kernel (the output projection) may start its weight loads now. Released at the
-        # start instead, its blocks took the SMs while this one's few programs still ran, and this
-        # kernel took ~2.2 us longer for ~0.2 us off the projection (h200x2-...-609a5a0-profile-decode.json).
-        tl.extra.cuda.gdc_launch_dependents()
     o = acc / l_sum[:, None]
     out = out_ptr + b * stride_ob + (kvh * G + offs_h)[:, None] * D + offs_d[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -265,7 +255,6 @@ def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_head
     if b == 0:
         return out
     cfg = {**launch_config(d, g), **(config or {})}
-    pdl = pdl_launch(qkv.device)
     kernel[(b, num_kv_heads)](
         qkv, cos, sin, positions, k_cache, v_cache, out,
         qkv.stride(0), qkv.stride(1),
@@ -276,6 +265,6 @@ def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_head
         scale * 1.4426950408889634,
         H=num_heads, HKV=num_kv_heads, G=g, D=d,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"], IEEE=qkv.dtype == torch.float32,
-        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
