@@ -57,3 +57,17 @@ def test_backward_and_forward_graph(fmt):
     assert len(graphs) == 1
     dense = {(c.n, c.k) for c in LAYERS[fmt]} | {(c.k, c.n) for c in LAYERS[fmt]}
     H.assert_opaque_linears(graphs[0], *OPS[FORMATS[fmt].family], dense)
+
+
+def test_tile16_weights_compile_to_one_graph_and_eager_numbers():
+    # The layout argument is a static int of the op: one graph over batch sizes, as for the flat order.
+    cases = (C.Case("bitsandbytes-nf4", 128, 256, blocksize=64, nested=True), C.Case("bitsandbytes-fp4", 16, 128, blocksize=128))
+    first, second = (C.build(case, torch.float32) for case in cases)
+    w1, w2 = C.as_tile16(first.weight), C.as_tile16(second.weight)
+    b = torch.randn(128, generator=torch.Generator().manual_seed(1))
+    model = H.TwoLinear(w1, w2, b, first.w64, second.w64)
+    H.assert_one_graph(model, 256)
+    compiled = torch.compile(model, fullgraph=True)
+    for batch, x, y in H.over_batches(compiled, 256):
+        assert torch.equal(y, model(x)), f"batch {batch}: compiled differs from eager"
+        assert C.rel_err(y, model.oracle(x)) < 1e-5, f"batch {batch}"
