@@ -26,8 +26,9 @@
 // t = lane%4) loads 16 bytes of rows g and g+8 of a tile, bytes 16t..16t+15 of the row's 64 (one
 // 16-byte load a row: a warp's load covers 64 contiguous bytes of 8 rows in the flat order, 512
 // contiguous bytes in tile16; with 8 bytes a lane, the first version's 32, the loads alone reached
-// only 60-70% of the roofline). Tile16 is the same kernel with 1 KiB-contiguous requests: measured
-// at M = 1 as 8-22% faster than the flat order on the four large shapes (benchmarks/NOTES.md, stop 17). Slice j (0..7) of the
+// only 60-70% of the roofline). Tile16 is the same kernel with 1 KiB-contiguous requests: 7-12%
+// faster than the flat order at M = 1 on the four large shapes, 5-8% at M = 16
+// (benchmarks/results/h200-2026-11-30-4635f3f-probe-nf4-layout.json). Slice j (0..7) of the
 // step is one k16 MMA built from the lane's bytes 2j, 2j+1, so the MMA's k order is a permutation of
 // K (logical k 2t, 2t+1, 2t+8, 2t+9 <-> 32t+4j .. 32t+4j+3), and x is read in the same order: lane
 // (g, t) takes x[g][32t+4j .. 32t+4j+3] as its B registers, 32 contiguous values a step.

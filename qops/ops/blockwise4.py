@@ -24,9 +24,10 @@ nested tables are the same in both):
   row after row) follows the previous chunk: byte ``kb`` of row n (K values 2kb, 2kb + 1) sits at
   ``(n // 16) * 8K + (kb // 64) * 1024 + (n % 16) * 64 + kb % 64``. It is what a warp of the native
   kernel reads in one 128-wide step of K, so each of its requests is 1 KiB contiguous where the
-  flat order gives 64 bytes from each of 16 rows K/2 bytes apart (measured on the H200 at M = 1:
-  +8-22% for the same kernel, benchmarks/NOTES.md, stop 17). ``prepare_blockwise4`` builds it (one
-  copy, the same byte count) when the chosen lowering reads it; every lowering serves both.
+  flat order gives 64 bytes from each of 16 rows K/2 bytes apart (the same kernel on the H200 at
+  M = 1: 7-12% faster, ``benchmarks/results/h200-2026-11-30-4635f3f-probe-nf4-layout.json``).
+  ``prepare_blockwise4`` builds it (one copy, the same byte count) when the chosen lowering reads
+  it; every lowering serves both.
 
 Nested absmax stays nested at run time and is de-nested inside the kernels: de-nesting to float32
 would add 3 bytes per block (+9.4% over the checkpoint at B = 64), to float16 1 byte (+3.1%), both
