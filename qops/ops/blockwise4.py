@@ -57,7 +57,7 @@ def tile16_fits(n: int, k: int) -> bool:
 
 def to_tile16(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The ``LAYOUT_TILE16`` bytes of a ``LAYOUT_FLAT`` qweight (a new contiguous tensor)."""
-    rows = qweight.view(n // TILE_ROWS, TILE_ROWS, k // (2 * CHUNK_BYTES), CHUNK_BYTES)  # (tile, row, chunk, byte)
+    rows = qweight.reshape(n // TILE_ROWS, TILE_ROWS, k // (2 * CHUNK_BYTES), CHUNK_BYTES)  # (tile, row, chunk, byte)
     return rows.permute(0, 2, 1, 3).contiguous().view(-1)
 
 
