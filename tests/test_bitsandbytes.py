@@ -684,7 +684,7 @@ def test_triton_dense_slabs_are_the_reference_dequantization(case, dtype):
     from qops.ops.triton import blockwise4 as tbw4
 
     w = C.build(case).weight
-    want = reference_dequantize(*w._weight_args(), w.out_features, w.in_features, w.blocksize, w.nested_blocksize)
+    want = reference_dequantize(*w._weight_args(), w.out_features, w.in_features, w.blocksize, w.nested_blocksize, w.layout)
     with tbw4.config_override(slab_bytes=1):
         y = _dense_mm(w, torch.eye(case.k, dtype=dtype), None)
     assert torch.equal(y, want.t().to(dtype))

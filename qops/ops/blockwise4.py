@@ -241,7 +241,7 @@ def block_absmax(absmax, nested_code, nested_absmax, nested_offset, nested_block
 
 
 def reference_dequantize(qweight, code, absmax, nested_code, nested_absmax, nested_offset, n, k, blocksize,
-                         nested_blocksize, layout=LAYOUT_FLAT) -> torch.Tensor:
+                         nested_blocksize, layout) -> torch.Tensor:
     """fp32 ``(N, K)`` weight, straight from the layout's definition."""
     s = block_absmax(absmax, nested_code, nested_absmax, nested_offset, nested_blocksize)
     if layout == LAYOUT_TILE16:
