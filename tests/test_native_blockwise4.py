@@ -21,7 +21,7 @@ H200_SMS = 132
 
 def _variants():
     """(defines, promised blocks an SM) for each dtype x row tiles x N tiles x nesting, blocksizes 64
-    and 4096, both byte orders of qweight, and the warps / ring depths the sweep tries."""
+    and 4096, both byte orders of qweight, and the warps / ring depths / warp groups the sweep tries."""
     for dt in (torch.float16, torch.bfloat16):
         for m in (1, 16):
             for n in (4096, 28672):  # (4096: one tile at M <= 8, the 216-register ring at M > 8)
@@ -32,7 +32,9 @@ def _variants():
                       (16, {"ring": 4, "tiles": 1, "scale": "chains", "persistent": False}), (16, {"ring": 2, "minb": 1, "scale": "chains"}),
                       (1, {"scale": "chains", "lut_imm": False}), (1, {"scale": "chains", "tiles": 1}),
                       (1, {"scale": "cols"}), (8, {"scale": "cols", "tiles": 1}), (8, {"scale": "cols", "lut_imm": False}),
-                      (1, {"persistent": True}), (16, {"persistent": True}), (1, {"persistent": True, "tiles": 1, "ring": 3})):
+                      (1, {"persistent": True}), (16, {"persistent": True}), (1, {"persistent": True, "tiles": 1, "ring": 3}),
+                      (1, {"wn": 8, "tiles": 1, "ring": 3}), (1, {"wn": 4, "tiles": 1, "ring": 3}), (16, {"wn": 2, "tiles": 1}),
+                      (8, {"wn": 8, "tiles": 1, "ring": 3, "persistent": True})):
         with nbw4.plan_override(**fields):
             yield nbw4.plan(m, 28672, 4096, H200_SMS, 64).defines(torch.float16, True, 64, 256, LAYOUT_TILE16)
 

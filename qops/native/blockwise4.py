@@ -44,8 +44,8 @@ _BIAS_T, _BIAS_F32 = 2, 4  # kBiasT, kBiasF32 in ptx.cuh
 @dataclass(frozen=True)
 class Plan:
     mt: int  # 8-column MMA tiles of x, 1 or 2: 8 rows of x a tile, 4 with scale "cols" at blocksize 64
-    tiles: int  # 16-row tiles of N a block (QOPS_R)
-    warps: int  # warps a block, splitting K
+    tiles: int  # 16-row tiles of N a warp group (QOPS_R)
+    warps: int  # warps a block: ``wn`` groups side by side along N, each group's warps splitting K
     ring: int  # register ring slots a warp (ring - 1 steps of 128 K values in flight)
     minb: int  # blocks an SM promised to ptxas (__launch_bounds__): 3 caps at 80 registers, 2 at 128
     # How a step's two absmax blocks are applied (blocksize 64 only; one block a step is scaled after
@@ -55,6 +55,7 @@ class Plan:
     scale: str = "prescale"
     lut_imm: bool = False  # table entries 256 bytes apart, addressed by one prmt and the window base as an immediate
     persistent: bool = False  # one wave of blocks, each taking every grid-th tile (QOPS_PERSISTENT)
+    wn: int = 1  # warp groups a block side by side along N, each on ``tiles`` 16-row tiles (QOPS_WN)
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
 
     @property
@@ -67,6 +68,8 @@ class Plan:
     def __post_init__(self):
         if self.scale not in SCALES:
             raise ValueError(f"native blockwise4 plan: scale={self.scale!r} is not one of {SCALES}")
+        if self.wn < 1 or self.warps % self.wn:
+            raise ValueError(f"native blockwise4 plan: wn={self.wn} does not divide warps={self.warps}")
 
     def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int, layout: int,
                 smem_base: int = 0) -> dict[str, int]:
@@ -77,6 +80,7 @@ class Plan:
             "QOPS_MT": self.mt,
             "QOPS_R": self.tiles,
             "QOPS_WARPS": self.warps,
+            "QOPS_WN": self.wn,
             "QOPS_RING": self.ring,
             "QOPS_MINB": self.minb,
             "QOPS_PROBE": self.probe,
@@ -91,8 +95,8 @@ class Plan:
         }
 
     def tiles_of(self, n: int) -> int:
-        """Block tiles (16 * ``tiles`` rows each) of an N-row weight."""
-        return -(-n // (16 * self.tiles))
+        """Block tiles (16 * ``tiles`` * ``wn`` rows each) of an N-row weight."""
+        return -(-n // (16 * self.tiles * self.wn))
 
     def grid(self, n: int, slots: int) -> int:
         """Blocks to launch; ``slots``: how many of the kernel's blocks the device runs at once (0:

@@ -47,9 +47,13 @@
 // by side in fp32, each scaled by its absmax after the step: no multiply a lookup and no doubled MMA,
 // at the price of 4 rows of x an 8-column tile.
 //
-// Work split. A block is QOPS_WARPS warps on 16*QOPS_R rows of N (grid: ceil(N / (16 R))); its
-// warps split the row's steps evenly and sum their partials through shared memory at the end, in
-// warp order (deterministic, no atomics, no workspace). Each warp streams its steps through a
+// Work split. A block is QOPS_WARPS warps on 16*QOPS_R*QOPS_WN rows of N (grid: ceil(N / (16 R WN))):
+// QOPS_WN groups of warps side by side along N, each group on its own 16 R rows, and the
+// WK = WARPS / WN warps of a group splitting the rows' steps evenly; a group sums its warps' partials
+// through shared memory at the end, in warp order (deterministic, no atomics, no workspace). WN = 1
+// is one group of rows a block; WN = WARPS gives each warp whole rows (all of K): a block then builds
+// its table once for WN times the rows, and a short K (4 steps a warp at K = 4096 with WN = 1) is
+// not cut into warps that each wait out a load's latency per step of their few. Each warp streams its steps through a
 // register ring of QOPS_RING slots: a step requests the step QOPS_RING - 1 ahead (weights and
 // absmax, predicated off past the warp's range) and then uses its own, so QOPS_RING - 1 steps are in
 // flight at every step (the first version loaded a few steps and used them; ptxas interleaved the
@@ -68,7 +72,7 @@
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (x tiles, 1 or 2: 8 rows of
 // x each, 4 with QOPS_BLOCK_COLS), QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16),
-// QOPS_RING (2..8 slots), QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1),
+// QOPS_RING (2..8 slots), QOPS_WN (1, 2, 4, 8; divides QOPS_WARPS), QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1),
 // QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1),
 // QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_TILE16 (0/1), QOPS_PERSISTENT (0/1), QOPS_PROBE
 // (measurement builds only).
@@ -88,6 +92,9 @@
 #endif
 #ifndef QOPS_RING
 #define QOPS_RING 4
+#endif
+#ifndef QOPS_WN
+#define QOPS_WN 1  // warp groups side by side along N (each on 16 QOPS_R rows); QOPS_WARPS / QOPS_WN warps a group split K
 #endif
 #ifndef QOPS_NESTED
 #define QOPS_NESTED 0
@@ -131,6 +138,9 @@ constexpr int kMT = QOPS_MT;
 constexpr int kR = QOPS_R;
 constexpr int kWarps = QOPS_WARPS;
 constexpr int kThreads = 32 * kWarps;
+constexpr int kWN = QOPS_WN;
+constexpr int kWK = kWarps / kWN;  // warps of a group, splitting K
+constexpr int kBlockRows = 16 * kR * kWN;
 constexpr int kRing = QOPS_RING;
 constexpr bool kNested = QOPS_NESTED != 0;
 constexpr int kBlock = QOPS_BLOCKSIZE;
@@ -160,6 +170,7 @@ constexpr bool kPersistent = QOPS_PERSISTENT != 0;
 static_assert(kMT == 1 || kMT == 2, "QOPS_MT is 1 or 2 (M <= 16)");
 static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
 static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "QOPS_WARPS is 4, 8 or 16");
+static_assert(kWN >= 1 && kWarps % kWN == 0, "QOPS_WN divides QOPS_WARPS");
 static_assert(kRing >= 2 && kRing <= 8, "QOPS_RING is 2..8");
 static_assert(kBlock % 64 == 0, "QOPS_BLOCKSIZE must be a multiple of 64");
 static_assert(!kNested || !kTwoBlocks || kNestedBS % 2 == 0, "two-block steps need an even QOPS_NESTED_BS");
@@ -371,8 +382,8 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
   }
 }
 
-// Row pointers (step 0 of rows g and g + 8 of each 16-row tile) and flat indices of block tile
-// ``tile`` (rows past N read row N - 1: valid memory, results discarded).
+// Row pointers (step 0 of rows g and g + 8 of each 16-row tile) and flat indices of group tile
+// ``tile`` (16 kR rows; rows past N read row N - 1: valid memory, results discarded).
 __device__ __forceinline__ void tile_rows(const unsigned char* (&wrow)[kR][2], u32 (&flat)[kR][2], const unsigned char* qweight,
                                           int tile, int N, int K, int g) {
   const int n_tile = tile * (16 * kR);
@@ -408,12 +419,13 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   }
   if (flags & kEarlyDependents) grid_dep_launch_dependents();
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int n_tiles = (N + 16 * kR - 1) / (16 * kR);  // the grid covers them (one a block), or fills the SMs (persistent)
+  const int wn = warp % kWN, wk = warp / kWN;  // the warp's group (rows) and its place in the group's K split
+  const int n_tiles = (N + kBlockRows - 1) / kBlockRows;  // the grid covers them (one a block), or fills the SMs (persistent)
   const unsigned char* wrow[kR][2];
   u32 flat[kR][2];  // flat index n*K of the row's first element (N*K < 2^31)
   const int steps = K / kStepK;
-  const int p0 = static_cast<int>(static_cast<long long>(steps) * warp / kWarps);
-  const int p1 = static_cast<int>(static_cast<long long>(steps) * (warp + 1) / kWarps);
+  const int p0 = static_cast<int>(static_cast<long long>(steps) * wk / kWK);
+  const int p1 = static_cast<int>(static_cast<long long>(steps) * (wk + 1) / kWK);
 
   if constexpr (kLutImm) {
     // The lookups address the table with the window's base as an immediate: a launch where dynamic
@@ -436,8 +448,8 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
           ring[s].a[r][h] = kNested ? make_uint2((tid * 0x0101u + s) & 0xffffu, 0) : make_uint2(0x3c000000u, 0x3c800000u);
         }
   }
-  int tile = blockIdx.x;
-  tile_rows(wrow, flat, qweight, tile, N, K, g);
+  int tile = blockIdx.x;  // block tile: group wn's rows start at (tile * kWN + wn) * 16 kR
+  tile_rows(wrow, flat, qweight, tile * kWN + wn, N, K, g);
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
 
@@ -474,7 +486,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   constexpr int kSlots = kR * kMT * 32;
 
   while (true) {  // once, or (persistent) for tiles blockIdx.x, + gridDim.x, ...
-    const int n_tile = tile * (16 * kR);
+    const int n_tile = tile * kBlockRows;
     float acc[kR][kMT][4];
 #pragma unroll
     for (int r = 0; r < kR; ++r)
@@ -496,12 +508,12 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
     if (kPersistent && next < n_tiles) {
       // The next tile's first steps are requested now: their latency runs under the sums below.
       // (The ring is free: its last slots were consumed by the loop, whose loads past p1 were predicated off.)
-      tile_rows(wrow, flat, qweight, next, N, K, g);
+      tile_rows(wrow, flat, qweight, next * kWN + wn, N, K, g);
 #pragma unroll
       for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
     }
 
-    // Partials of the warps, summed in warp order through shared memory.
+    // Partials of each group's warps, summed in warp order through shared memory.
     __syncthreads();  // every warp is done with the table (one tile), or with the last tile's partials
 #pragma unroll
     for (int r = 0; r < kR; ++r)
@@ -509,17 +521,18 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
       for (int mt = 0; mt < kMT; ++mt)
         part[warp * kSlots + (r * kMT + mt) * 32 + lane] = make_float4(acc[r][mt][0], acc[r][mt][1], acc[r][mt][2], acc[r][mt][3]);
     __syncthreads();
-    for (int i = tid; i < kSlots; i += kThreads) {
-      float4 v = part[i];
-      for (int w = 1; w < kWarps; ++w) {
-        const float4 o = part[w * kSlots + i];
+    for (int i = tid; i < kWN * kSlots; i += kThreads) {
+      const int gi = kWN == 1 ? 0 : i / kSlots, j = i - gi * kSlots;  // group gi's slot j: warps gi, gi + kWN, ...
+      float4 v = part[gi * kSlots + j];
+      for (int w = 1; w < kWK; ++w) {
+        const float4 o = part[(w * kWN + gi) * kSlots + j];
         v.x += o.x;
         v.y += o.y;
         v.z += o.z;
         v.w += o.w;
       }
-      const int r = i / (kMT * 32), mt = (i / 32) % kMT, l = i & 31;
-      const int n0 = n_tile + 16 * r + (l >> 2);
+      const int r = j / (kMT * 32), mt = (j / 32) % kMT, l = j & 31;
+      const int n0 = n_tile + 16 * kR * gi + 16 * r + (l >> 2);
       const float vals[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int q = 0; q < 4; ++q) {

@@ -166,16 +166,24 @@ def test_deterministic_and_plans_agree():
                    {"scale": "prescale"}, {"scale": "chains", "minb": 1}, {"lut_imm": True}, {"lut_imm": False},
                    {"lut_imm": True, "tiles": 1, "ring": 3}, {"lut_imm": False, "scale": "chains", "tiles": 1},
                    {"scale": "cols", "lut_imm": False}, {"scale": "cols", "tiles": 1, "ring": 3}, {"persistent": True},
-                   {"persistent": True, "tiles": 1, "ring": 3}):
+                   {"persistent": True, "tiles": 1, "ring": 3}, {"wn": 8, "tiles": 1, "ring": 3}, {"wn": 4, "tiles": 1, "ring": 3},
+                   {"wn": 2}, {"wn": 8, "tiles": 1, "ring": 3, "persistent": True}, {"wn": 4, "warps": 16, "minb": 1}):
         with nbw4.plan_override(**fields):
             for m in ((1, 4, 5, 8) if fields.get("scale") == "cols" else (1, 16)):
                 check(w.mm(x[:m]), x[:m], w64, None, torch.bfloat16, f"{fields} M={m}")
     # 5 steps of K over 8 warps: warps with no step
     w5, w5_64 = gpu_weight(CASES[2], torch.float16)
     x5 = torch.randn(3, CASES[2].k, device="cuda", dtype=torch.float16)
-    for fields in ({}, {"lut_imm": False, "scale": "chains"}, {"warps": 4, "ring": 4, "tiles": 1}):
+    for fields in ({}, {"lut_imm": False, "scale": "chains"}, {"warps": 4, "ring": 4, "tiles": 1}, {"wn": 4, "tiles": 1, "ring": 3}):
         with nbw4.plan_override(**fields):
             check(w5.mm(x5), x5, w5_64, None, torch.float16, f"K=640 {fields}")
+    # Warp groups side by side along N: N = 1000 ends inside a group of the last block.
+    w0, w0_64 = gpu_weight(CASES[0], torch.float16)
+    x0 = torch.randn(9, CASES[0].k, device="cuda", dtype=torch.float16)
+    for fields in ({"wn": 8, "tiles": 1, "ring": 3}, {"wn": 2, "tiles": 2}):
+        with nbw4.plan_override(**fields):
+            for m in (1, 9):
+                check(w0.mm(x0[:m]), x0[:m], w0_64, None, torch.float16, f"N=1000 {fields} M={m}")
 
 
 @pytest.mark.parametrize("m", [1, 9])
