@@ -70,7 +70,17 @@ def test_plan_rule():
     # Wide tiles where every SM still gets a block, and always at M > 8. Pre-scaled everywhere; the
     # one-prmt table addresses at M <= 8.
     P = nbw4.Plan
-    assert nbw4.plan(1, 28672, 4096, H200_SMS, 64) == P(mt=1, tiles=2, warps=8, ring=2, minb=2, scale="prescale", lut_imm=True)
+    assert nbw4.plan(1, 28672, 4096, H200_SMS, 64) == P(mt=1, tiles=2, warps=8, ring=2, minb=2, scale="prescale", lut_imm=True, wn=4)
+    # Warp groups along N at M <= 8, 16 steps a warp, where 1.5 blocks an SM remain.
+    assert [nbw4.plan(m, 57344, 8192, H200_SMS, 64).wn for m in (1, 8, 9, 16)] == [2, 2, 1, 1]
+    assert nbw4.plan(1, 8192, 28672, H200_SMS, 64).wn == 1 and nbw4.plan(1, 4096, 14336, H200_SMS, 64).wn == 1
+    assert nbw4.plan(1, 14336, 4096, H200_SMS, 64).wn == 1  # 112 blocks of four groups: too few
+    with nbw4.plan_override(tiles=1, ring=3):
+        assert nbw4.plan(1, 28672, 4096, H200_SMS, 64).wn == 1
+    with nbw4.plan_override(wn=2):
+        assert nbw4.plan(1, 28672, 4096, H200_SMS, 64).wn == 2
+    with pytest.raises(ValueError, match="wn=3 does not divide warps=8"):
+        P(mt=1, tiles=2, warps=8, ring=2, minb=2, wn=3)
     assert nbw4.plan(8, 28672, 4096, H200_SMS, 64).mt == 1
     assert nbw4.plan(1, 4096, 14336, H200_SMS, 64).tiles == 1
     assert nbw4.plan(8, 8192, 28672, H200_SMS, 64) == P(mt=1, tiles=2, warps=8, ring=2, minb=2, scale="prescale", lut_imm=True)

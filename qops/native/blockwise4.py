@@ -140,8 +140,14 @@ def plan(m: int, n: int, k: int, sm_count: int, blocksize: int) -> Plan:
     waves (two blocks an SM), the grid is persistent (each block goes on to further tiles, the next
     one's first steps requested before the current one's sums): M = 16 +8% on 28672x4096, +4% on
     57344x8192, within 1.5% on the one-wave shapes; at M = 1 and 8 it is 0.95-1.02x, so not there
-    (...-cc2214d-probe-nf4-persistent.json). Fields forced by :func:`plan_override` win; the x tiles
-    follow from them.
+    (...-cc2214d-probe-nf4-persistent.json). At M <= 8, two-tile blocks on a K of 32 or 64 steps put
+    their warps in groups side by side along N (``wn``), so that each warp takes 16 steps, where
+    that still leaves 1.5 blocks an SM: 28672x4096 (wn 4) and 57344x8192 (wn 2) at M = 1 +3% and +4%,
+    at M = 8 +1% and +4%, in four interleaved runs (...-3fbc43a-probe-nf4-wn*.json); other splits were
+    slower (wn 4 on 57344x8192 -6%, any wn on the one-wave shapes 8192x28672 and 4096x14336 -10% or
+    worse, one-tile groups -11 to -21%), and at M = 16 wn 2 on 57344x8192 -10%. Fields forced by
+    :func:`plan_override` win (``wn`` follows the forced tiles and warps unless forced itself); the x
+    tiles follow from them.
     """
     tiles_two = -(-n // 32)
     fields = {"scale": "prescale", "lut_imm": m <= 8, "persistent": m > 8 and tiles_two > 2 * sm_count, **_override}
@@ -157,7 +163,20 @@ def plan(m: int, n: int, k: int, sm_count: int, blocksize: int) -> Plan:
         ring, minb = 3, 1
     else:
         ring, minb = 2, 2
-    return replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb), **fields)
+    p = replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb), **fields)
+    if "wn" in _override or m > 8 or p.tiles != 2 or p.persistent:
+        return p
+    return replace(p, wn=_warp_groups(n, k, p.warps, sm_count))
+
+
+def _warp_groups(n: int, k: int, warps: int, sm_count: int) -> int:
+    """Warp groups along N for a two-tile block at M <= 8 (:func:`plan`): 16 steps a warp where
+    that is 2 or 4 groups and the grid keeps 1.5 blocks an SM, else 1."""
+    steps = k // STEP_K
+    for wn in (4, 2):
+        if steps * wn == 16 * warps and -(-n // (32 * wn)) >= 1.5 * sm_count:
+            return wn
+    return 1
 
 
 def refusal(n: int, k: int, blocksize: int, act_dtype: torch.dtype, nested_blocksize: int = 0) -> str | None:

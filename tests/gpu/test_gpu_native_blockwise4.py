@@ -167,7 +167,7 @@ def test_deterministic_and_plans_agree():
                    {"lut_imm": True, "tiles": 1, "ring": 3}, {"lut_imm": False, "scale": "chains", "tiles": 1},
                    {"scale": "cols", "lut_imm": False}, {"scale": "cols", "tiles": 1, "ring": 3}, {"persistent": True},
                    {"persistent": True, "tiles": 1, "ring": 3}, {"wn": 8, "tiles": 1, "ring": 3}, {"wn": 4, "tiles": 1, "ring": 3},
-                   {"wn": 2}, {"wn": 8, "tiles": 1, "ring": 3, "persistent": True}, {"wn": 4, "warps": 16, "minb": 1}):
+                   {"wn": 2}, {"wn": 4}, {"wn": 8, "tiles": 1, "ring": 3, "persistent": True}, {"wn": 4, "warps": 16, "minb": 1}):
         with nbw4.plan_override(**fields):
             for m in ((1, 4, 5, 8) if fields.get("scale") == "cols" else (1, 16)):
                 check(w.mm(x[:m]), x[:m], w64, None, torch.bfloat16, f"{fields} M={m}")
