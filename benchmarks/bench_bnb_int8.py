@@ -207,7 +207,8 @@ def path_of(w, m, n, k, dev) -> str:
         if m > nbw4.MAX_M:
             return "native->triton/" + path_of(as_triton([w])[0], m, n, k, dev)
         p = nbw4.plan(m, n, k, torch.cuda.get_device_properties(dev).multi_processor_count, BLOCKSIZE)
-        return f"native/{p.scale}-mt{p.mt}-tiles{p.tiles}-warps{p.warps}-ring{p.ring}-minb{p.minb}"
+        return (f"native/{p.scale}-mt{p.mt}-tiles{p.tiles}-warps{p.warps}" + (f"-wn{p.wn}" if p.wn > 1 else "")
+                + f"-ring{p.ring}-minb{p.minb}" + ("-persistent" if p.persistent else ""))
     p = ti8.plan(m, n, k, dev) if hasattr(w, "scales") else tbw4.plan(m, n, k, BLOCKSIZE, dev)
     return f"{p['path']}/split{p['split']}"
 

@@ -70,7 +70,8 @@ def test_plan_rule():
     # Wide tiles where every SM still gets a block, and always at M > 8. Pre-scaled everywhere; the
     # one-prmt table addresses at M <= 8.
     P = nbw4.Plan
-    assert nbw4.plan(1, 28672, 4096, H200_SMS, 64) == P(mt=1, tiles=2, warps=8, ring=2, minb=2, scale="prescale", lut_imm=True, wn=4)
+    assert nbw4.plan(1, 28672, 4096, H200_SMS, 64) == P(mt=1, tiles=2, warps=8, ring=3, minb=2, scale="prescale", lut_imm=True, wn=4)
+    assert nbw4.plan(1, 57344, 8192, H200_SMS, 64).ring == 2
     # Warp groups along N at M <= 8, 16 steps a warp, where 1.5 blocks an SM remain.
     assert [nbw4.plan(m, 57344, 8192, H200_SMS, 64).wn for m in (1, 8, 9, 16)] == [2, 2, 1, 1]
     assert nbw4.plan(1, 8192, 28672, H200_SMS, 64).wn == 1 and nbw4.plan(1, 4096, 14336, H200_SMS, 64).wn == 1

@@ -142,7 +142,8 @@ def plan(m: int, n: int, k: int, sm_count: int, blocksize: int) -> Plan:
     57344x8192, within 1.5% on the one-wave shapes; at M = 1 and 8 it is 0.95-1.02x, so not there
     (...-cc2214d-probe-nf4-persistent.json). At M <= 8, two-tile blocks on a K of 32 or 64 steps put
     their warps in groups side by side along N (``wn``), so that each warp takes 16 steps, where
-    that still leaves 1.5 blocks an SM: 28672x4096 (wn 4) and 57344x8192 (wn 2) at M = 1 +3% and +4%,
+    that still leaves 1.5 blocks an SM (groups of two warps with two steps in flight: ring 3):
+    28672x4096 (wn 4) and 57344x8192 (wn 2) at M = 1 +3% and +4%,
     at M = 8 +1% and +4%, in four interleaved runs (...-3fbc43a-probe-nf4-wn*.json); other splits were
     slower (wn 4 on 57344x8192 -6%, any wn on the one-wave shapes 8192x28672 and 4096x14336 -10% or
     worse, one-tile groups -11 to -21%), and at M = 16 wn 2 on 57344x8192 -10%. Fields forced by
@@ -166,7 +167,13 @@ def plan(m: int, n: int, k: int, sm_count: int, blocksize: int) -> Plan:
     p = replace(Plan(mt=mt, tiles=tiles, warps=8, ring=ring, minb=minb), **fields)
     if "wn" in _override or m > 8 or p.tiles != 2 or p.persistent:
         return p
-    return replace(p, wn=_warp_groups(n, k, p.warps, sm_count))
+    p = replace(p, wn=_warp_groups(n, k, p.warps, sm_count))
+    if p.wn == 4 and p.scale == "prescale" and p.lut_imm and "ring" not in _override:
+        # Groups of two warps keep two steps in flight in 128 registers without spills (the pre-scaled
+        # one-prmt build; one group spills there): 28672x4096 +2.9% at M = 1, +0.8% at M = 8; on
+        # 57344x8192 (wn 2) it measured -1.2% (...-db8ab5f-probe-nf4-ring*.json).
+        p = replace(p, ring=3)
+    return p
 
 
 def _warp_groups(n: int, k: int, warps: int, sm_count: int) -> int:
