@@ -143,10 +143,10 @@ def plan(m: int, n: int, k: int, sm_count: int, blocksize: int) -> Plan:
     (...-cc2214d-probe-nf4-persistent.json). At M <= 8, two-tile blocks on a K of 32 or 64 steps put
     their warps in groups side by side along N (``wn``), so that each warp takes 16 steps, where
     that still leaves 1.5 blocks an SM (groups of two warps with two steps in flight: ring 3):
-    28672x4096 (wn 4) and 57344x8192 (wn 2) at M = 1 +3% and +4%,
-    at M = 8 +1% and +4%, in four interleaved runs (...-3fbc43a-probe-nf4-wn*.json); other splits were
-    slower (wn 4 on 57344x8192 -6%, any wn on the one-wave shapes 8192x28672 and 4096x14336 -10% or
-    worse, one-tile groups -11 to -21%), and at M = 16 wn 2 on 57344x8192 -10%. Fields forced by
+    28672x4096 (wn 4) and 57344x8192 (wn 2) at M = 1 +3% and +4%, at M = 8 +1% and +4%, in four
+    interleaved runs (h200-2026-12-01-3fbc43a-probe-nf4-wn*.json); other splits were slower (wn 4 on
+    57344x8192 -6%, any wn on the one-wave shapes 8192x28672 and 4096x14336 -10% or worse, one-tile
+    groups -11 to -21%), and at M = 16 wn 2 on 57344x8192 -10%. Fields forced by
     :func:`plan_override` win (``wn`` follows the forced tiles and warps unless forced itself); the x
     tiles follow from them.
     """

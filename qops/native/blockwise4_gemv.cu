@@ -51,9 +51,9 @@
 // QOPS_WN groups of warps side by side along N, each group on its own 16 R rows, and the
 // WK = WARPS / WN warps of a group splitting the rows' steps evenly; a group sums its warps' partials
 // through shared memory at the end, in warp order (deterministic, no atomics, no workspace). WN = 1
-// is one group of rows a block; WN = WARPS gives each warp whole rows (all of K): a block then builds
-// its table once for WN times the rows, and a short K (4 steps a warp at K = 4096 with WN = 1) is
-// not cut into warps that each wait out a load's latency per step of their few. Each warp streams its steps through a
+// is one group a block. More groups build the table once for more rows and give each warp more
+// steps: 16 steps a warp measured best (whole rows a warp, 32 steps at K = 4096, were 11% slower
+// than WN = 1: the plan rule in blockwise4.py). Each warp streams its steps through a
 // register ring of QOPS_RING slots: a step requests the step QOPS_RING - 1 ahead (weights and
 // absmax, predicated off past the warp's range) and then uses its own, so QOPS_RING - 1 steps are in
 // flight at every step (the first version loaded a few steps and used them; ptxas interleaved the
@@ -72,8 +72,8 @@
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (x tiles, 1 or 2: 8 rows of
 // x each, 4 with QOPS_BLOCK_COLS), QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16),
-// QOPS_RING (2..8 slots), QOPS_WN (1, 2, 4, 8; divides QOPS_WARPS), QOPS_MINB (blocks an SM promised to ptxas), QOPS_NESTED (0/1),
-// QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1),
+// QOPS_RING (2..8 slots), QOPS_WN (1, 2, 4, 8; divides QOPS_WARPS), QOPS_MINB (blocks an SM
+// promised to ptxas), QOPS_NESTED (0/1), QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1),
 // QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_TILE16 (0/1), QOPS_PERSISTENT (0/1), QOPS_PROBE
 // (measurement builds only).
 #include "ptx.cuh"
