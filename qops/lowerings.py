@@ -332,7 +332,7 @@ LOWERINGS: tuple[Lowering, ...] = (
         entry="qops.native.blockwise4:native_mm",
         warmup="qops.native.blockwise4:warmup",
         note="CUDA C++ via NVRTC: codes looked up a byte at a time in a shared-memory table, tensor-core GEMV "
-             "for M<=16 (N*K < 2^31), 16-row slices to M=32, larger M delegated to triton; reads the tile16 layout "
+             "for M<=16 (N*K < 2^31), 16-row slices to M=64, larger M delegated to triton; reads the tile16 layout "
              "prepared for it (1 KiB-contiguous steps) or the flat one",
         software=_native_missing,
     ),

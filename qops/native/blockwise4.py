@@ -32,8 +32,12 @@ SOURCE = "blockwise4_gemv.cu"
 GEMV = "qops_blockwise4_gemv"
 MAX_M = 16  # rows one launch takes (two 8-row MMA tiles)
 # Rows served in MAX_M-row launches (the weight read once a slice). Above, Triton: its dequantized
-# N-slabs and cuBLAS from M = 33 (qops.ops.triton.blockwise4.TABLE["dense_above_m"]).
-SLICED_MAX_M = 32
+# N-slabs and cuBLAS. At M = 64 four slices are predicted at 1.4-2.4x the dense path's speed on the
+# five benchmark shapes, from one run's M = 16 native and M = 64 dense times (4 x 41.5 against 317 us
+# on 28672x4096, 4 x 8.0 against 45.5 on 4096x4096: benchmarks/results/h200-2026-12-01-f28b309-bnb.json);
+# at M = 128 the two are even on 28672x4096 and 4096x14336 and dense wins on 4096x4096. Not yet
+# measured as slices past M = 32.
+SLICED_MAX_M = 64
 STEP_K = 128  # K values of a row a lane quad takes per step (kStepK in the kernel)
 NESTED_MAP_BYTES = 256 * 4  # the nested code, after the table
 SCALES = ("cols", "prescale", "chains")

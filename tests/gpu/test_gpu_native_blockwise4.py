@@ -2,8 +2,8 @@
 ``qops/native/blockwise4_gemv.cu``) on a CUDA device, through the public ops.
 
 Each check is against float64 ``x @ W.T (+ bias)`` with W from the oracles of ``tests/bnb_cases.py``
-(written without qops), on fresh random x: every M the kernel takes (1..16, and 0), M = 17 (two
-16-row slices) and 257 (delegated to Triton), fp16 and bf16, plain and nested absmax, blocksizes 64
+(written without qops), on fresh random x: every M the kernel takes (1..16, and 0), M = 17 and 64 (two
+and four 16-row slices), 65 and 257 (delegated to Triton), fp16 and bf16, plain and nested absmax, blocksizes 64
 to 4096 (blocks that straddle rows included), N off the 32-row tile grid, both byte orders of qweight
 (tile16 where prepare builds it: N % 16 == 0; flat elsewhere, and the same weight in both orders
 bit for bit), non-contiguous and misaligned x, bias in the activation dtype and in fp32, a
@@ -32,7 +32,7 @@ CASES = (
     C.Case("bitsandbytes-nf4", 72, 1024, blocksize=4096, nested=True),  # a block holds four rows
     C.Case("bitsandbytes-fp4", 4096, 4096, blocksize=64, nested=True),  # a decode-sized layer
 )
-MS = (1, 2, 7, 8, 9, 16, 17, 257, 0)
+MS = (1, 2, 7, 8, 9, 16, 17, 64, 65, 257, 0)
 _BUILT: dict = {}
 
 
@@ -116,10 +116,11 @@ def test_tile16_is_prepared_for_the_kernel_and_equals_the_flat_order(dtype):
         flat = w.with_layout(LAYOUT_FLAT)
         assert flat.kernel == Kernel.NATIVE and torch.equal(flat.with_layout(LAYOUT_TILE16).qweight, w.qweight)
         gen = torch.Generator(device="cuda").manual_seed(2)
-        for m in (1, 8, 16, 17, 40):
+        for m in (1, 8, 16, 17, 40, 80):  # 80: past the native slices, Triton's dense path reads tile16
             x = torch.randn(m, case.k, device="cuda", generator=gen).to(dtype)
             y = w.mm(x)
-            assert torch.equal(y, flat.mm(x)) if m <= 32 else C.rel_err(y, flat.mm(x).double()) < TOL[dtype], (case.id, m)
+            sliced = m <= nbw4.SLICED_MAX_M
+            assert torch.equal(y, flat.mm(x)) if sliced else C.rel_err(y, flat.mm(x).double()) < TOL[dtype], (case.id, m)
             check(y, x, w64, None, dtype, f"{case.id} tile16 M={m}")
     for case in (CASES[0], CASES[2], CASES[3]):  # N % 16 != 0: no tile16 form
         assert gpu_weight(case, dtype)[0].layout == LAYOUT_FLAT, case.id
