@@ -522,7 +522,9 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
         part[warp * kSlots + (r * kMT + mt) * 32 + lane] = make_float4(acc[r][mt][0], acc[r][mt][1], acc[r][mt][2], acc[r][mt][3]);
     __syncthreads();
     for (int i = tid; i < kWN * kSlots; i += kThreads) {
-      const int gi = kWN == 1 ? 0 : i / kSlots, j = i - gi * kSlots;  // group gi's slot j: warps gi, gi + kWN, ...
+      // group gi's slot j: warps gi, gi + kWN, ... (gi spelled 0 for one group: i < kSlots is not
+      // visible to ptxas, and the extra division made the 128-register persistent build spill)
+      const int gi = kWN == 1 ? 0 : i / kSlots, j = i - gi * kSlots;
       float4 v = part[gi * kSlots + j];
       for (int w = 1; w < kWK; ++w) {
         const float4 o = part[(w * kWN + gi) * kSlots + j];
