@@ -204,11 +204,13 @@ def path_of(w, m, n, k, dev) -> str:
     from qops.ops.triton import int8_weight as ti8
 
     if lowering_of(w) == "native_blockwise4":
-        if m > nbw4.MAX_M:
+        if m > nbw4.SLICED_MAX_M:
             return "native->triton/" + path_of(as_triton([w])[0], m, n, k, dev)
-        p = nbw4.plan(m, n, k, torch.cuda.get_device_properties(dev).multi_processor_count, BLOCKSIZE)
-        return (f"native/{p.scale}-mt{p.mt}-tiles{p.tiles}-warps{p.warps}" + (f"-wn{p.wn}" if p.wn > 1 else "")
-                + f"-ring{p.ring}-minb{p.minb}" + ("-persistent" if p.persistent else ""))
+        # Above MAX_M rows the op runs MAX_M-row launches (the last one shorter): label the first.
+        slices = -(-m // nbw4.MAX_M)
+        p = nbw4.plan(min(m, nbw4.MAX_M), n, k, torch.cuda.get_device_properties(dev).multi_processor_count, BLOCKSIZE)
+        return ((f"native/{slices}x" if slices > 1 else "native/") + f"{p.scale}-mt{p.mt}-tiles{p.tiles}-warps{p.warps}"
+                + (f"-wn{p.wn}" if p.wn > 1 else "") + f"-ring{p.ring}-minb{p.minb}" + ("-persistent" if p.persistent else ""))
     p = ti8.plan(m, n, k, dev) if hasattr(w, "scales") else tbw4.plan(m, n, k, BLOCKSIZE, dev)
     return f"{p['path']}/split{p['split']}"
 
