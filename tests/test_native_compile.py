@@ -15,6 +15,7 @@ import torch
 from qops.lowerings import LOWERINGS_BY_NAME, WeightSpec
 from qops.native import compiler
 from qops.native import int_weight as native
+from qops.native import int_weight_gemm as gemm
 
 NATIVE_SOURCES = sorted(p.name for p in compiler.NATIVE_DIR.glob("*.cu"))
 ARCHS = ("sm_80", "sm_90")
@@ -448,30 +449,42 @@ def test_plan_refuses_a_plan_above_the_devices_opt_in(h200, monkeypatch):
             native.plan(1, 28672, 4096, 0)
 
 
+def _slices(m: int) -> list[int]:
+    """Rows of each launch of an m-row call: one decode launch up to MAX_M, one GEMM launch up to
+    gemm.MAX_M, then (deterministic mode) gemm.MAX_M-row slices and a shorter last one."""
+    step = native.MAX_M if m <= native.MAX_M else gemm.MAX_M
+    return [min(step, m - r0) for r0 in range(0, m, step)]
+
+
 def test_workspace_covers_every_slice(monkeypatch):
-    """Deterministic mode: above MAX_M rows the calls run as 32-row slices and a shorter last one on
-    the same scratch; up to MAX_M rows, one launch in either mode."""
+    """The scratch of the largest launch a call makes; slices run one after another on the same scratch."""
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
+    monkeypatch.setattr(gemm, "_sm_count", lambda idx: 132)
     monkeypatch.setenv(native.PLANS_ENV, "rule")
-    for deterministic, top in ((False, native.MAX_M), (True, 3 * native.MAX_M + 8)):
+    for deterministic, top in ((False, gemm.MAX_M), (True, 3 * gemm.MAX_M + 8)):
         monkeypatch.setattr(native, "_deterministic", deterministic)
-        for n, k in [(4096, 4096), (1024, 8192), (28672, 4096), (100, 777)]:
+        for n, k in [(4096, 4096), (1024, 8192), (28672, 4096), (100, 776)]:
             for m in range(1, top + 1):
-                rows = [min(native.MAX_M, m - r0) for r0 in range(0, m, native.MAX_M)]
-                need = max(native._plan(r, n, k, 132, False).workspace for r in rows)
+                need = max(native._plan(r, n, k, 132, False).workspace if r <= native.MAX_M else gemm._rule(r, n, k, 132).workspace
+                           for r in _slices(m))
                 assert native.workspace_bytes(m, n, k, 4, 128, device=0) == need, (deterministic, n, k, m)
 
 
-def test_workspace_above_max_m_is_the_triton_need(monkeypatch):
-    """Outside deterministic mode, calls above MAX_M rows are handed to triton: its scratch need."""
+def test_workspace_above_the_gemm_is_the_triton_need(monkeypatch):
+    """Outside deterministic mode, calls above gemm.MAX_M rows (or above MAX_M with K % 8 != 0, which
+    the GEMM does not take) are handed to triton: its scratch need."""
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
+    monkeypatch.setattr(gemm, "_sm_count", lambda idx: 132)
     monkeypatch.setattr(native, "_deterministic", False)
     asked = []
     fake = type("tri", (), {"workspace_bytes": staticmethod(lambda m, n, k, bits, g, dev: asked.append((m, n, k, dev.type)) or 4096)})
     monkeypatch.setattr(native, "_triton_module", lambda: fake)
-    for m in (native.MAX_M + 1, 64, 65, 300):
+    for m in (gemm.MAX_M + 1, 300):
         assert native.workspace_bytes(m, 4096, 4096, 4, 128, device=0) == 4096
-    assert asked == [(m, 4096, 4096, "cuda") for m in (native.MAX_M + 1, 64, 65, 300)]
+    assert native.workspace_bytes(40, 4096, 777, 4, -1, device=0) == 4096
+    assert asked == [(m, 4096, 4096, "cuda") for m in (gemm.MAX_M + 1, 300)] + [(40, 4096, 777, "cuda")]
+    for m in (native.MAX_M + 1, gemm.MAX_M):
+        assert native.workspace_bytes(m, 4096, 4096, 4, 128, device=0) == gemm._rule(m, 4096, 4096, 132).workspace
 
 
 def test_workspace_bytes_without_a_gpu_is_an_upper_bound():

@@ -61,6 +61,7 @@ import torch
 from ..lowerings import silu_mul
 from ..ops._common import DETERMINISTIC_ENV, deterministic_requested  # noqa: F401  (DETERMINISTIC_ENV: the switch's name, re-exported)
 from . import compiler
+from . import int_weight_gemm as gemm
 
 SOURCE = "w4a16_gemv.cu"
 GEMV = "qops_w4a16_gemv"
@@ -521,23 +522,29 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
     """Scratch bytes ``native_mm`` needs for an (m, K) x (K, N) product on ``device``.
 
     The signature is the Triton lowering's, so callers size either the same way. 0 unless the plan
-    splits K in more than two (or in two, before sm_90). For m > ``MAX_M`` outside deterministic
-    mode, the Triton lowering's need, since those calls are handed to it.
+    splits K through the workspace. For m > ``gemm.MAX_M`` outside deterministic mode (or K % 8 != 0
+    above ``MAX_M``), the Triton lowering's need, since those calls are handed to it.
     """
     if m <= 0 or n <= 0:
         return 0
     if device is None:
         if not torch.cuda.is_available():
-            return 16 * min(m, MAX_M) * n * 4  # the most any plan asks for
+            # the most any plan asks for: 16 splits of 32 rows, or the GEMM's of 64 rows
+            return max(16 * min(m, MAX_M) * n * 4, 16 * min(m, gemm.MAX_M) * n * 4 if m > MAX_M else 0)
         device = torch.cuda.current_device()
+    dev = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
+    if m > MAX_M and (k % 8 or (m > gemm.MAX_M and not deterministic())):
+        return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, torch.device("cuda", dev)))
+    if m > gemm.MAX_M:
+        # gemm.MAX_M-row slices and a shorter last one, one after another on the same scratch.
+        rest = m % gemm.MAX_M
+        need = gemm.plan(gemm.MAX_M, n, k, dev).workspace
+        if rest:
+            need = max(need, plan(rest, n, k, dev).workspace if rest <= MAX_M else gemm.plan(rest, n, k, dev).workspace)
+        return need
     if m > MAX_M:
-        if deterministic():
-            # MAX_M-row slices and a shorter last one, one after another on the same scratch: the
-            # larger need of the two plans (the short slice's may split K more ways).
-            return max(plan(r, n, k, device).workspace for r in {MAX_M, m % MAX_M} if r)
-        dev = device if isinstance(device, torch.device) else torch.device("cuda", device)
-        return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, dev))
-    return plan(m, n, k, device).workspace
+        return gemm.plan(m, n, k, dev).workspace
+    return plan(m, n, k, dev).workspace
 
 
 def _triton_module():
@@ -591,13 +598,13 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     if glu and (n % 2 or bias is not None):
         raise ValueError(f"native_w4a16: the gated output needs an even N and no bias (got N={n}, bias {'given' if bias is not None else 'None'})")
     nout = n // 2 if glu else n
-    if (_refusal(x, qweight, scales, qzeros, bits, group_size, n) is not None or (m > MAX_M and not deterministic())
-            or (glu and n % 8)):
-        if not glu:
-            return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
-        y = _delegate(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, None, workspace)
+    refused = _refusal(x, qweight, scales, qzeros, bits, group_size, n) is not None
+    if glu and (refused or m > MAX_M or n % 8):  # the gated epilogue is the decode kernel's
+        y = native_mm(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, None, workspace)
         gated = silu_mul(y)
         return gated if out is None else out.copy_(gated)
+    if refused or (m > MAX_M and (k % 8 or (m > gemm.MAX_M and not deterministic()))):
+        return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
 
     if out is None:
         result = torch.empty((*lead, nout), dtype=x.dtype, device=x.device)
@@ -613,6 +620,8 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         x2 = x2.index_select(1, act_perm)
     elif k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
+    if m > MAX_M and (x2.data_ptr() % 16 or x2.stride(0) % 8 or x2.stride(1) != 1):
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # the GEMM copies x in aligned 16-byte pieces
     target = o2 if o2 is not None else torch.empty((m, nout), dtype=x.dtype, device=x.device)
 
     if bias is not None and bias.dtype not in (x.dtype, torch.float32):
@@ -630,10 +639,17 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         torch.cuda.set_device(dev)
     try:
         stream = torch.cuda.current_stream()
-        for r0 in range(0, m, MAX_M):
-            rows = min(MAX_M, m - r0)
-            _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,
-                    rows, n, k, chunks_per_group, zero_offset, flags, dev, stream, glu)
+        step = MAX_M if m <= MAX_M else gemm.MAX_M  # above gemm.MAX_M only in deterministic mode: slices
+        for r0 in range(0, m, step):
+            rows = min(step, m - r0)
+            if rows <= MAX_M:
+                _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,
+                        rows, n, k, chunks_per_group, zero_offset, flags, dev, stream, glu)
+            else:
+                p = gemm.plan(rows, n, k, dev)
+                ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
+                gemm.launch(p, x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], ws, n, k,
+                            chunks_per_group, zero_offset, flags, dev, stream, use_pdl(dev))
     finally:
         if guard:
             torch.cuda.set_device(prev)
@@ -721,7 +737,7 @@ def serves(n: int, k: int, bits: int, group_size: int, act_dtype: torch.dtype, s
     return bits == 4 and (group_size == -1 or group_size % CHUNK_K == 0) and n % 4 == 0 and act_dtype in _DT and scales_dtype in _DT
 
 
-def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: int, has_zeros: bool, max_m: int = MAX_M, *,
+def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: int, has_zeros: bool, max_m: int = gemm.MAX_M, *,
                  deterministic: bool | None = None, glu: bool = False) -> int:
     """Compile and load every kernel M = 1..max_m needs for an (N, K) weight (``glu``: its gated
     output, see :func:`native_mm`); returns how many.
@@ -755,10 +771,12 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
             if p.workspace:
                 reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
                 compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
+        if max_m > MAX_M and k % 8 == 0:  # the GEMM's rows (gated calls there run it unfused, then silu_mul)
+            return len(seen) + gemm.warmup(dev, act_dtype, n, k, has_zeros, MAX_M + 1, max_m, stream, pdl)
     return len(seen)
 
 
-def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = MAX_M, *, deterministic: bool | None = None,
+def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = gemm.MAX_M, *, deterministic: bool | None = None,
            glu: bool = False) -> int:
     """:func:`warmup_shape` for a prepared weight (``qops.IntWeight``); no-op when this kernel does not serve it.
 
@@ -772,6 +790,6 @@ def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = MAX_M, *, 
                         deterministic=deterministic, glu=glu)
 
 
-def warmup_swiglu(weight, act_dtype: torch.dtype | None = None, max_m: int = MAX_M, *, deterministic: bool | None = None) -> int:
+def warmup_swiglu(weight, act_dtype: torch.dtype | None = None, max_m: int = gemm.MAX_M, *, deterministic: bool | None = None) -> int:
     """:func:`warmup` of the gated kernels (:func:`native_mm_swiglu`) for a fused gate/up weight."""
     return warmup(weight, act_dtype, max_m, deterministic=deterministic, glu=True)

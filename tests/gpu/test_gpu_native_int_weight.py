@@ -18,6 +18,7 @@ from qops.formats import FORMATS
 from qops.lowerings import Kernel
 from qops.native import compiler
 from qops.native import int_weight as native
+from qops.native import int_weight_gemm as gemm
 from tests.int_weight_cases import Case, pack, random_int_quantized, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -26,8 +27,10 @@ DTYPES = (torch.float16, torch.bfloat16)
 # fp32 accumulation of exact products: the error is the output rounding (2^-11, 2^-8) and little else.
 TOL = {torch.float16: 1.5e-3, torch.bfloat16: 8e-3}
 M_VALUES = (1, 2, 7, 16)
-# One launch of three or four 8-row tiles (17..32), and the first M handed to triton (33).
+# One launch of three or four 8-row tiles (17..32), and the first M of the GEMM (33).
 TALL_M_VALUES = (17, 24, 25, 32, 33)
+# The GEMM (w4a16_gemm.cu): 5..8 tiles of 8 rows, the last partly filled or full.
+GEMM_M_VALUES = (40, 57, 64)
 
 
 @dataclasses.dataclass
@@ -105,7 +108,8 @@ def _x(m, k, dtype, layout, seed):
 
 # M <= 16: MT = 1, 2 (every x contiguous, as before the tall rows existed); M = 17..33: one launch
 # with MT = 3 or 4 up to 32 rows, triton above (MAX_M), x in every layout.
-M_GROUPS = {"small_m": (M_VALUES, ("contiguous",), 1, 10), "tall_m": (TALL_M_VALUES, ("contiguous", "strided", "offset"), 2, 20)}
+M_GROUPS = {"small_m": (M_VALUES, ("contiguous",), 1, 10), "tall_m": (TALL_M_VALUES, ("contiguous", "strided", "offset"), 2, 20),
+            "gemm_m": (GEMM_M_VALUES, ("offset", "contiguous", "strided"), 3, 30)}
 
 
 @pytest.mark.parametrize("group", sorted(M_GROUPS))
@@ -325,31 +329,75 @@ def test_deterministic_mode_serves_large_m(monkeypatch):
     monkeypatch.setenv(native.DETERMINISTIC_ENV, "1")
     assert native.warmup(nw.weight, torch.float16) >= 1
     try:
-        x = rand(72, 2048, dtype=torch.float16, seed=6)
-        y = nw.weight.mm(x)
-        check(y, x, nw.w64, None, "deterministic M=72")
-        assert torch.equal(nw.weight.mm(x), y)
-        assert torch.equal(y[32:64], nw.weight.mm(x[32:64])), "32-row slices are independent launches"
-        assert torch.equal(y[64:], nw.weight.mm(x[64:])), "the short last slice is a launch of its own"
+        for m in (150, 72):
+            x = rand(m, 2048, dtype=torch.float16, seed=6)
+            y = nw.weight.mm(x)
+            check(y, x, nw.w64, None, f"deterministic M={m}")
+            assert torch.equal(nw.weight.mm(x), y)
+            assert torch.equal(y[64:128], nw.weight.mm(x[64:128])), "64-row slices are independent GEMM launches"
+            assert torch.equal(y[128:], nw.weight.mm(x[128:])), "the short last slice is a launch of its own"
     finally:
         monkeypatch.delenv(native.DETERMINISTIC_ENV)
         native.read_deterministic()
 
 
 def test_large_m_is_delegated_to_triton(monkeypatch):
-    """Up to 32 rows one launch (the weight read once), above that triton (two 32-row launches lost
-    to it at M = 64 on every measured shape)."""
+    """Up to 32 rows one decode launch, 33..64 one GEMM launch (the weight read once either way),
+    above that triton."""
     nw = native_weight("gptq", 1024, 2048, 128, False, version="v2")
     launches = []
-    real = native._launch
-    monkeypatch.setattr(native, "_launch", lambda x2, *a: (launches.append(x2.shape[0]), real(x2, *a))[1])
+    real, real_gemm = native._launch, gemm.launch
+    monkeypatch.setattr(native, "_launch", lambda x2, *a: (launches.append(("gemv", x2.shape[0])), real(x2, *a))[1])
+    monkeypatch.setattr(gemm, "launch", lambda p, x2, *a: (launches.append(("gemm", x2.shape[0])), real_gemm(p, x2, *a))[1])
     bias = rand(1024, dtype=torch.float16, seed=8)
-    for m, want in ((17, [17]), (31, [31]), (32, [32]), (33, []), (64, []), (96, [])):
+    for m, want in ((17, [("gemv", 17)]), (32, [("gemv", 32)]), (33, [("gemm", 33)]), (64, [("gemm", 64)]), (65, []), (96, [])):
         launches.clear()
         x = rand(m, 2048, dtype=torch.float16, seed=7)
         y = nw.weight.mm(x, bias)
-        check(y, x, nw.w64, bias, f"M={m} ({'native' if m <= native.MAX_M else 'triton'})")
-        assert launches == want, f"M={m}: native launches of {launches} rows, expected {want}"
+        check(y, x, nw.w64, bias, f"M={m}")
+        assert launches == want, f"M={m}: native launches {launches}, expected {want}"
+
+
+GEMM_PLANS = [  # (nwn, splits, ring): the rule's tile, every other width, the workspace path, the deeper ring
+    (4, 1, 2), (1, 1, 2), (2, 2, 2), (8, 1, 2), (4, 3, 2), (4, 1, 3), (2, 5, 3),
+]
+
+
+@pytest.mark.parametrize("variant", GEMM_PLANS, ids=lambda v: "nwn{}-s{}-ring{}".format(*v))
+def test_every_gemm_plan_matches_reference(variant):
+    nwn, splits, ring = variant
+    for fmt, n, k, g, sym, act, ver in (("gptq", 1000, 1000, 128, False, True, "v2"), ("awq", 2048, 640, -1, False, False, None),
+                                        ("gptq", 4096, 4096, 128, True, False, "v1")):
+        nw = native_weight(fmt, n, k, g, sym, act, ver)
+        for dtype in DTYPES:
+            for m in (33, 64):
+                q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), ring=ring)
+                x = rand(m, k, dtype=dtype, seed=m + nwn)
+                bias = rand(n, dtype=torch.float32, seed=3) if m == 33 else None
+                with gemm.plan_override(lambda *_: q):
+                    y = nw.weight.mm(x, bias)
+                    assert torch.equal(nw.weight.mm(x, bias), y), f"{q}: not bit-identical run to run"
+                check(y, x, nw.w64, bias, f"{fmt} {n}x{k} g{g} {dtype} M={m} {q}")
+
+
+def test_gemm_out_with_workspace_and_strided_out():
+    nw = native_weight("gptq", 4096, 4096, 128, False, version="v2")
+    w = nw.weight
+    m = 48
+    x = rand(m, 4096, dtype=torch.bfloat16, seed=11)
+    q = gemm.make_plan(m, 4096, 4096, nwn=4, splits=3, ring=2)
+    with gemm.plan_override(lambda *_: q):
+        assert native.workspace_bytes(m, 4096, 4096, 4, 128, 0) == q.workspace > 0
+        ws = torch.empty(q.workspace + 16, dtype=torch.uint8, device="cuda")[16:]  # exactly the need, 16-byte aligned
+        big = torch.full((m, 2 * 4096 + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = big[:, 8:8 + 2 * 4096:2]  # column stride 2: written through a contiguous temporary
+        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits, w.group_size,
+                                         w.zero_offset, int(w.kernel), out, ws)
+        check(out, x, nw.w64, None, "GEMM into a strided out with a caller's workspace")
+        assert bool(big[:, :8].isnan().all()) and bool(big[:, 9::2].isnan().all()), "wrote outside out"
+        with pytest.raises(ValueError, match="workspace"):
+            torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits,
+                                             w.group_size, w.zero_offset, int(w.kernel), out, ws[: q.workspace - 16])
 
 
 def test_torch_compile_fullgraph():
@@ -391,8 +439,8 @@ def _check_graph_replays(nw, m, k, dtype, seeds, what):
 
 def test_cuda_graph_replay():
     nw = native_weight("gptq", 4096, 4096, 128, False, version="v2")
-    native.warmup(nw.weight, torch.float16)  # M = 1..32; M = 57 is triton's, captured as it comes
-    for m in (1, 16, 24, 32, 57):
+    native.warmup(nw.weight, torch.float16)  # M = 1..64; M = 96 is triton's, captured as it comes
+    for m in (1, 16, 24, 32, 40, 64, 96):
         _check_graph_replays(nw, m, 4096, torch.float16, (2, 3), f"graph M={m}")
 
 

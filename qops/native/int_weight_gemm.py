@@ -1,0 +1,196 @@
+"""The native W4A16 GEMM (``w4a16_gemm.cu``): rows of x past the decode kernel's one launch.
+
+:mod:`qops.native.int_weight` serves M <= ``int_weight.MAX_M`` (32) with its decode kernel and
+hands M up to :data:`MAX_M` (64) to this one: one launch, the weight read once for every row, the
+dequantized weight scaled in the activation dtype so the MMAs accumulate straight into the output
+(design notes at the top of ``w4a16_gemm.cu``). Split K goes through the decode kernel's workspace
+reduction (``qops_w4a16_reduce``: fixed order, bit-identical run to run).
+
+Plans. A block is 8 warps, ``nwn`` along N (32 columns each) and 8 / ``nwn`` along K; ``splits``
+blocks share one column tile's K range; ``ring`` weight chunks a warp in registers (and as many x
+stages in shared memory). The rule (:func:`plan`) takes the widest tile that still gives every SM a
+block, then the split that fills the SMs best (whole waves), and ``QOPS_W4_GEMM_PLAN`` (e.g.
+``"nwn=2,ring=3,splits=1"``) or :func:`plan_override` replace its fields for measurements.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import compiler
+
+SOURCE = "w4a16_gemm.cu"
+KERNEL = "qops_w4a16_gemm"
+REDUCE_SOURCE = "w4a16_gemv.cu"  # its qops_w4a16_reduce adds the (S, M, N) partials in order
+REDUCE = "qops_w4a16_reduce"
+MAX_M = 64  # 8 MMA tiles of 8 rows (QOPS_MT <= 8)
+THREADS = 256
+CHUNK_K = 128
+SHMEM_DEFAULT_BYTES = 48 * 1024
+SHMEM_OPTIN_MAX_BYTES = 226 * 1024  # sm_90's 227 KiB opt-in less 1 KiB of static shared memory
+PLAN_ENV = "QOPS_W4_GEMM_PLAN"
+_DT = {torch.float16: 0, torch.bfloat16: 1}
+
+
+@dataclass(frozen=True)
+class Plan:
+    m: int
+    mt: int  # 8-row MMA tiles of x: ceil(M / 8)
+    nwn: int  # warps along N; a block covers 32 * nwn columns with 8 / nwn warps along K
+    splits: int  # S: blocks sharing one column tile's K range (S > 1: fp32 partials in the workspace)
+    ring: int  # weight chunks in registers and x stages in shared memory (2..4)
+    minb: int  # resident blocks per SM promised to the register allocator
+    tiles: int
+    shmem: int
+    workspace: int
+
+    def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
+        return {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
+                "QOPS_RING": self.ring, "QOPS_MINB": self.minb}
+
+
+def shmem_bytes(m: int, nwn: int, ring: int) -> int:
+    """x stages (M rows of 8 / nwn chunks, rows padded by 4 slots), or the warps' partial sums if larger."""
+    nwk = 8 // nwn
+    stages = ring * m * (nwk * 16 + 4) * 16
+    partials = (nwk - 1) * nwn * (-(-m // 8)) * 2 * 32 * 16
+    return max(stages, partials)
+
+
+def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, ring: int, minb: int = 1) -> Plan:
+    """A plan with every choice given; raises ValueError naming the field the kernel cannot run."""
+    chunks = max(-(-k // CHUNK_K), 1)
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"native_w4a16 gemm: M={m} outside 1..{MAX_M}")
+    if nwn not in (1, 2, 4, 8):
+        raise ValueError(f"native_w4a16 gemm: nwn={nwn} is not 1, 2, 4 or 8")
+    if not 1 <= splits <= min(chunks, 16):
+        raise ValueError(f"native_w4a16 gemm: splits={splits} outside 1..min(chunks={chunks}, 16)")
+    if not 2 <= ring <= 4:
+        raise ValueError(f"native_w4a16 gemm: ring={ring} outside 2..4")
+    if not 1 <= minb <= 2:
+        raise ValueError(f"native_w4a16 gemm: minb={minb} outside 1..2")
+    shmem = shmem_bytes(m, nwn, ring)
+    if shmem > SHMEM_OPTIN_MAX_BYTES:
+        raise ValueError(f"native_w4a16 gemm: {ring} x stages of M={m} need {shmem} bytes of shared memory "
+                         f"(> {SHMEM_OPTIN_MAX_BYTES})")
+    tiles = -(-n // (32 * nwn))
+    return Plan(m, -(-m // 8), nwn, splits, ring, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rule(m: int, n: int, k: int, sms: int) -> Plan:
+    # One block an SM (the MT = 5..8 builds take 150-200 registers a thread). Column tiles of 128
+    # (nwn = 4: x is read once a column tile, so wider tiles read it less often), then the fewest
+    # splits of K that give every SM a block, as long as the partials (written and read back, fp32)
+    # stay within half the weight's bytes.
+    nwn = 4
+    tiles = -(-n // (32 * nwn))
+    chunks = max(-(-k // CHUNK_K), 1)
+    s_max = max(1, min(16, chunks // (2 * (8 // nwn)), (n * k // 2) // 2 // max(m * n * 8, 1)))
+    splits = min(s_max, max(1, -(-sms // tiles)))
+    return make_plan(m, n, k, nwn=nwn, splits=splits, ring=2)
+
+
+_override = None
+
+
+@contextlib.contextmanager
+def plan_override(fn):
+    """Inside the block, ``fn(m, n, k, rule_plan) -> Plan`` decides every plan (measurements, tests)."""
+    global _override
+    prev, _override = _override, fn
+    try:
+        yield
+    finally:
+        _override = prev
+
+
+def _env_fields() -> dict[str, int]:
+    raw = os.environ.get(PLAN_ENV, "").strip()
+    if not raw:
+        return {}
+    out = {}
+    for item in raw.split(","):
+        key, _, val = item.partition("=")
+        if key.strip() not in ("nwn", "splits", "ring", "minb"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, ring, minb)")
+        out[key.strip()] = int(val)
+    return out
+
+
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan(m: int, n: int, k: int, device: int) -> Plan:
+    """The plan for an (m, K) x (K, N) call on CUDA device ``device``."""
+    p = _rule(m, n, k, _sm_count(device))
+    fields = _env_fields()
+    if fields:
+        base = {"nwn": p.nwn, "splits": p.splits, "ring": p.ring, "minb": p.minb}
+        p = make_plan(m, n, k, **(base | fields))
+    if _override is not None:
+        p = _override(m, n, k, p)
+    return p
+
+
+def workspace_bytes(m: int, n: int, k: int, device: int) -> int:
+    return plan(m, n, k, device).workspace
+
+
+def _reduce_kernel(dev: int, dtype: torch.dtype):
+    return compiler.get_kernel(dev, REDUCE_SOURCE, {"QOPS_DT": _DT[dtype]}, REDUCE)
+
+
+def launch(p: Plan, x2, qweight, scales, qzeros, bias, o2, ws, n: int, k: int, chunks_per_group: int, zero_offset: int,
+           flags: int, dev: int, stream, pdl: bool) -> None:
+    """One GEMM launch of plan ``p`` (``ws``: fp32 scratch of ``p.workspace`` bytes when S > 1), and the
+    reduction of its partials. ``flags``: the bias and scale-dtype bits of ``w4a16_gemv.cu``."""
+    m = x2.shape[0]
+    has_z = qzeros is not None
+    kernel = compiler.get_kernel(dev, SOURCE, p.defines(x2.dtype, has_z), KERNEL)
+    i32 = compiler.i32
+    ws_ptr = ws.data_ptr() if ws is not None else 0
+    compiler.launch(
+        kernel, (p.tiles, p.splits, 1), (THREADS, 1, 1), p.shmem, stream,
+        qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr() if has_z else 0, x2.data_ptr(),
+        bias.data_ptr() if bias is not None else 0, o2.data_ptr(), ws_ptr,
+        i32(m), i32(n), i32(k), i32(x2.stride(0)), i32(o2.stride(0)), i32(chunks_per_group), i32(zero_offset), i32(flags),
+        pdl=pdl,
+    )
+    if p.splits > 1:
+        compiler.launch(
+            _reduce_kernel(dev, x2.dtype), (-(-m * n // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
+            ws_ptr, bias.data_ptr() if bias is not None else 0, o2.data_ptr(), i32(m), i32(n), i32(o2.stride(0)),
+            i32(p.splits), i32(flags), pdl=pdl,
+        )
+
+
+def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: int, m_hi: int, stream, pdl: bool) -> int:
+    """Compile, load and launch once with no work every GEMM kernel M = m_lo..m_hi needs; returns how many."""
+    seen = set()
+    i0 = compiler.i32(0)
+    for m in range(max(m_lo, 1), min(m_hi, MAX_M) + 1):
+        p = plan(m, n, k, dev)
+        key = (p.shmem, p.splits, tuple(sorted(p.defines(dtype, has_zeros).items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        kernel = compiler.get_kernel(dev, SOURCE, p.defines(dtype, has_zeros), KERNEL)
+        if p.shmem > SHMEM_DEFAULT_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
+            compiler.allow_dynamic_shared(kernel, dev, p.shmem)
+        compiler.launch(kernel, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
+        if p.splits > 1:
+            compiler.launch(_reduce_kernel(dev, dtype), (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
+    return len(seen)
+
+
+def with_fields(p: Plan, n: int, k: int, **fields) -> Plan:
+    """``p`` with some of nwn / splits / ring / minb replaced (validated, shared memory re-derived)."""
+    base = {"nwn": p.nwn, "splits": p.splits, "ring": p.ring, "minb": p.minb}
+    return make_plan(p.m, n, k, **(base | fields)) if fields else replace(p)

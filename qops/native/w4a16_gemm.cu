@@ -1,0 +1,307 @@
+// W4A16 matmul for small prefill and batched decode (33 <= M <= 64 rows of x: the rows the decode
+// kernel, w4a16_gemv.cu, does not take in one launch), reading the same runtime int-weight layout
+// (qops/ops/int_weight.py), 4-bit case:
+//   qweight u32 (ceil(K/8), N): word (kw, n) holds rows 8*kw .. 8*kw+7 of column n, nibble i = row 8*kw+i;
+//   scales  f16/bf16 (n_groups, N); group g covers rows [g*G, (g+1)*G), G a multiple of 128 or K
+//           (passed as chunks_per_group = G / 128, or 0 for a single group);
+//   qzeros  u32 (n_groups, ceil(N/8)) nibble stream along N, zero = nibble + zero_offset; or none (zero 8).
+//   y[m, n] = sum_k x[m, k] * scale[k/G, n] * (q[k, n] - zero[k/G, n]) (+ bias[n]), fp32 accumulation.
+// act_perm is applied by the caller (x gathered before the launch). The host guarantees K % 8 == 0
+// and x rows 16-byte aligned.
+//
+// Why a second kernel. At M = 64 the decode kernel's design (x staged once, per-chunk fp32 group
+// sums, up to 32 rows) runs out of registers, and two 32-row launches read the weight twice: they
+// lost to the Triton lowering, whose dense path (dequantized slabs, then cuBLAS) itself runs at
+// 0.56-0.81x cuBLAS fp16 (h200-2026-12-01-f28b309-int-weight.txt). Here one launch reads the weight
+// once for all rows: at M = 64 a 16x16 weight fragment feeds 16 MMAs, so the tensor cores, not the
+// weight stream, set the pace, and the work is to keep them fed.
+//
+// Work split. A block is 8 warps, NWN along N (32 columns each) by NWK = 8 / NWN along K; grid
+// (ceil(N / (32 NWN)), S), the S blocks of a column tile splitting the K chunks (128 rows each)
+// evenly. Iteration `it` of a block covers chunks cb + NWK it .. + NWK - 1, warp wk taking chunk
+// cb + NWK it + wk. A lane's weights per chunk are those of the decode kernel: word rows
+// 16 chunk + 4 j + lane % 4 (j = 0..3) of columns n0 .. n0 + 3, n0 = 4 (lane / 4) + the warp's
+// offset, 16-byte loads, held in a register ring QOPS_RING chunks deep (loaded RING - 1 iterations
+// ahead). x for an iteration (M rows x NWK 128-wide chunks) is copied into shared memory with
+// cp.async, QOPS_RING stages, one barrier an iteration: the stage refilled is the one every warp
+// finished reading before that barrier.
+//
+// Math. As in the decode kernel, W is the 16x16 A operand (rows: columns n0 + 2t, n0 + 2t + 1 of the
+// lane quads, K order inside a 32-row step permuted to match the nibble unpacking: pairs (q_i,
+// q_i+4)), x^T the 16x8 B operand (one B tile per 8 rows of x, the same permutation applied when a
+// lane reads its 16 bytes of x: 4 prmt). Unlike the decode kernel, the dequantized weight is
+// multiplied by its group's scale in the activation dtype before the MMAs (one f16x2 / bf16x2
+// multiply a register; the exact q - zero times the scale, rounded once, which is what a dequantized
+// dense weight holds), so the MMAs accumulate straight into the output sums: no per-chunk fp32
+// group sums, whose registers (MT x 8 a lane) the decode kernel pays at every M.
+//
+// Reduction, in a fixed order (no atomics: bit-identical from run to run): over the NWK warps of a
+// block through shared memory (after the last iteration), then S == 1 writes the output, S > 1 writes
+// fp32 partials to a workspace (S, M, N) that w4a16_gemv.cu's qops_w4a16_reduce adds in order.
+//
+// Programmatic dependent launch (sm_90): the ring's first chunks are loaded before grid_dep_wait()
+// (weights, scales and zeros are never written by the kernel ahead); x is copied, and anything
+// written, only after it. The next launch is released after the main loop.
+//
+// Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
+// M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_RING (2..4: weight
+// chunks in registers and x stages), QOPS_MINB (blocks an SM promised to ptxas).
+#include "ptx.cuh"
+
+#ifndef QOPS_DT
+#define QOPS_DT 0
+#endif
+#ifndef QOPS_MT
+#define QOPS_MT 8
+#endif
+#ifndef QOPS_NWN
+#define QOPS_NWN 4
+#endif
+#ifndef QOPS_HAS_Z
+#define QOPS_HAS_Z 0
+#endif
+#ifndef QOPS_RING
+#define QOPS_RING 2
+#endif
+#ifndef QOPS_MINB
+#define QOPS_MINB 1
+#endif
+
+namespace qops {
+namespace gemm {
+
+constexpr int kDT = QOPS_DT;
+constexpr int kMT = QOPS_MT;
+constexpr int kNWN = QOPS_NWN;
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kNWK = kWarps / kNWN;
+constexpr int kRing = QOPS_RING;
+constexpr bool kHasZ = QOPS_HAS_Z != 0;
+constexpr int kChunkK = 128;
+constexpr int kRow = kNWK * 16;  // 16-byte x slots (8 values) of one row in one stage
+constexpr int kRS = kRow + 4;    // padded: rows g, g + 1 of a quarter warp fall in disjoint banks
+constexpr int kScaleBf16 = 8;    // `flags` bit, as in w4a16_gemv.cu
+static_assert(kMT >= 1 && kMT <= 8, "QOPS_MT is 1..8 (M <= 64)");
+static_assert(kNWN == 1 || kNWN == 2 || kNWN == 4 || kNWN == 8, "QOPS_NWN is 1, 2, 4 or 8");
+static_assert(kRing >= 2 && kRing <= 4, "QOPS_RING is 2..4");
+
+struct Chunk {
+  uint4 w[4];  // step j: qweight row 16*chunk + 4*j + lane%4, columns n0 .. n0+3
+  uint2 s;     // scales of columns n0 .. n0+3
+  u32 z;       // qzeros word holding the zeros of columns n0 .. n0+3
+};
+
+// A scale (f16 or bf16 bits, per `flags`) as a DT pair.
+__device__ __forceinline__ u32 scale_pair(u32 bits16, int flags) {
+  const u16 h = static_cast<u16>(bits16);
+  const float f = (flags & kScaleBf16) ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
+  const u32 d = f32_to_bits<kDT>(f);
+  return d | (d << 16);
+}
+
+// a * s for DT pairs (fma with -0: exact sign, any sm_80+).
+__device__ __forceinline__ u32 mul2(u32 a, u32 s) {
+  if constexpr (kDT == 0) return fma_f16x2(a, s, 0x80008000u);
+  else return fma_bf16x2(a, s, 0x80008000u);
+}
+
+}  // namespace gemm
+}  // namespace qops
+
+extern "C" __global__ void __launch_bounds__(qops::gemm::kThreads, QOPS_MINB)
+qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __restrict__ scales,
+                const unsigned* __restrict__ qzeros, const unsigned short* __restrict__ x,
+                const void* __restrict__ bias, unsigned short* __restrict__ out, float* __restrict__ ws, int M,
+                int N, int K, int ldx, int ldo, int chunks_per_group, int zero_offset, int flags) {
+  using namespace qops;
+  using namespace qops::gemm;
+  if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
+    grid_dep_wait();
+    return;
+  }
+  extern __shared__ uint4 smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wn = warp % kNWN, wk = warp / kNWN;
+  const int g = lane >> 2, c = lane & 3;
+  const int n0 = blockIdx.x * (32 * kNWN) + wn * 32 + 4 * g;
+  const bool n_ok = n0 < N;  // N % 4 == 0: a lane's four columns are all in or all out
+  const int KW = (K + 7) >> 3;
+  const int C = (K + kChunkK - 1) / kChunkK;
+  const int S = gridDim.y, split = blockIdx.y;
+  const int cb = static_cast<int>(static_cast<long long>(split) * C / S);
+  const int ce = static_cast<int>(static_cast<long long>(split + 1) * C / S);
+  const int n_it = (ce - cb + kNWK - 1) / kNWK;
+  const int zw = (N + 7) >> 3;
+  const int xstage = M * kRS;  // 16-byte slots of one x stage
+
+  // This lane's weights for the chunks it = 0, 1, ...: the pointer advances by a constant stride.
+  const u32* wnext = qweight + static_cast<size_t>((cb + wk) * 16 + c) * N + n0;
+  const size_t wstride = static_cast<size_t>(kNWK * 16) * N;
+  int ch_next = cb + wk;
+  auto load_chunk = [&](Chunk& ck) {
+    const int ch = ch_next;
+    ch_next += kNWK;
+    const u32* p = wnext;
+    wnext += wstride;
+    const bool ok = n_ok && ch < ce;
+    const int rows_left = KW - (ch * 16 + c);
+    const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ld_stream_v4_if(ck.w[j], p + static_cast<size_t>(4 * j) * N, ok && 4 * j < rows_left);
+    ld_nc_v2_if(ck.s, scales + static_cast<size_t>(grp) * N + n0, ok);
+    if constexpr (kHasZ) ld_nc_u32_if(ck.z, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
+  };
+
+  // x slots of a stage: row m, 8 values from column k0 + 8 kk; threads take slots tid, tid + 256, ...
+  const int nslots = M * kRow;
+  auto load_x = [&](int it, int stage) {
+    const int k0 = (cb + it * kNWK) * kChunkK;
+    const u32 base = smem_addr(smem + stage * xstage);
+    for (int s = tid; s < nslots; s += kThreads) {
+      const int m = s / kRow, kk = s - m * kRow;
+      const int k = k0 + 8 * kk;
+      const bool in = k < K;  // K % 8 == 0: a slot is all in or all out
+      cp_async_16(base + (m * kRS + kk) * 16, in ? x + static_cast<size_t>(m) * ldx + k : x, in ? 16 : 0);
+    }
+  };
+
+  Chunk ring[kRing];
+#pragma unroll
+  for (int r = 0; r < kRing; ++r) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ring[r].w[j] = make_uint4(0, 0, 0, 0);
+    ring[r].s = make_uint2(0, 0);
+    ring[r].z = 0u;
+  }
+  float acc[kMT][2][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
+
+  // Weights first (never written by the kernel ahead), then x once that kernel is done.
+#pragma unroll
+  for (int r = 0; r < kRing - 1; ++r) load_chunk(ring[r]);
+  grid_dep_wait();
+#pragma unroll
+  for (int r = 0; r < kRing - 1; ++r) {
+    if (r < n_it) load_x(r, r);
+    cp_async_commit();  // one group a stage, empty or not, so the wait below counts stages
+  }
+
+  // Half2 constants removing the magic bias and the zero point (w4a16_gemv.cu derives them):
+  //   f16: (1024 + q) - (1024 + z) and (1024 + 16 q) / 16 - (64 + z); bf16: (128 + q) - (128 + z).
+  const u32 za0 = (kDT == 0 ? 0x6400u : 0xC300u) + static_cast<u32>(kHasZ ? zero_offset : 8);
+  const u32 zb0 = 0xD400u + 16u * static_cast<u32>(kHasZ ? zero_offset : 8);
+
+  auto compute = [&](int it, const Chunk& ck, int stage) {
+    if (cb + it * kNWK + wk >= ce) return;  // warp-uniform: no chunk for this warp in the last iteration
+    const uint4* xs = smem + stage * xstage;
+    u32 za[4], zb[4], sp[4];
+    const u32 zbits = kHasZ ? ck.z >> ((n0 & 7) * 4) : 0u;  // 4 nibbles: zeros of columns n0 .. n0+3
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const u32 nib = (zbits >> (4 * jj)) & 15u;
+      za[jj] = (za0 + nib) * 0x10001u;
+      zb[jj] = (zb0 + 16u * nib) * 0x10001u;
+      sp[jj] = scale_pair((jj & 1) ? (jj < 2 ? ck.s.x : ck.s.y) >> 16 : (jj < 2 ? ck.s.x : ck.s.y), flags);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // A fragments: p[jj][r] = scale * (q[r] - z, q[r+4] - z) of column n0 + jj.
+      u32 p[4][4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const u32 w = word(ck.w[j], jj);
+        if constexpr (kDT == 0) {
+          const u32 w8 = w >> 8;
+          p[jj][0] = sub_f16x2(and_or(w, 0x000f000fu, 0x64006400u), za[jj]);
+          p[jj][1] = fma_f16x2(and_or(w, 0x00f000f0u, 0x64006400u), 0x2c002c00u, zb[jj]);
+          p[jj][2] = sub_f16x2(and_or(w8, 0x000f000fu, 0x64006400u), za[jj]);
+          p[jj][3] = fma_f16x2(and_or(w8, 0x00f000f0u, 0x64006400u), 0x2c002c00u, zb[jj]);
+        } else {
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            p[jj][r] = fma_bf16x2(and_or(w >> (4 * r), 0x000f000fu, 0x43004300u), 0x3f803f80u, za[jj]);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) p[jj][r] = mul2(p[jj][r], sp[jj]);
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        // B fragments: x[m, 8 kw .. 8 kw + 7] as pairs (0,4) (1,5) (2,6) (3,7), the pairs the unpacking yields.
+        const int m = 8 * mt + g;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (m < M) v = xs[m * kRS + wk * 16 + 4 * j + c];
+        const u32 b0 = prmt<0x5410>(v.x, v.z), b1 = prmt<0x7632>(v.x, v.z);
+        const u32 b2 = prmt<0x5410>(v.y, v.w), b3 = prmt<0x7632>(v.y, v.w);
+        // Two 16-row k steps (nibbles 0,4,1,5 then 2,6,3,7) x two 16-column tiles: rows g and g + 8
+        // of tile t are columns n0 + 2t and n0 + 2t + 1.
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          mma_16816<kDT>(acc[mt][t], p[2 * t][0], p[2 * t + 1][0], p[2 * t][1], p[2 * t + 1][1], b0, b1);
+          mma_16816<kDT>(acc[mt][t], p[2 * t][2], p[2 * t + 1][2], p[2 * t][3], p[2 * t + 1][3], b2, b3);
+        }
+      }
+    }
+  };
+
+  // Iteration it: wait for its x stage (and make every warp's reads of the stage about to be refilled
+  // finished), refill that stage and the ring slot with iteration it + kRing - 1, then compute.
+  for (int base = 0; base < n_it; base += kRing) {
+#pragma unroll
+    for (int r = 0; r < kRing; ++r) {
+      const int it = base + r;
+      if (it >= n_it) break;  // block-uniform
+      cp_async_wait<kRing - 2>();
+      __syncthreads();
+      const int ahead = it + kRing - 1;
+      if (ahead < n_it) load_x(ahead, ahead % kRing);
+      cp_async_commit();
+      load_chunk(ring[(r + kRing - 1) % kRing]);  // predicated off past this warp's last chunk
+      compute(it, ring[r], it % kRing);
+    }
+  }
+  grid_dep_launch_dependents();
+
+  // Sums of the NWK warps of a column group, in warp order, through shared memory (the x stages).
+  cp_async_wait<0>();
+  __syncthreads();
+  float4* part = reinterpret_cast<float4*>(smem);
+  constexpr int kSlots = kMT * 2 * 32;  // float4 a lane per (mt, t)
+  if (wk > 0) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+        part[((wk - 1) * kNWN + wn) * kSlots + (mt * 2 + t) * 32 + lane] =
+            make_float4(acc[mt][t][0], acc[mt][t][1], acc[mt][t][2], acc[mt][t][3]);
+  }
+  __syncthreads();
+  if (wk > 0 || !n_ok) return;
+  const size_t mn = static_cast<size_t>(M) * N;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      float v[4] = {acc[mt][t][0], acc[mt][t][1], acc[mt][t][2], acc[mt][t][3]};
+      for (int w = 1; w < kNWK; ++w) {
+        const float4 o = part[((w - 1) * kNWN + wn) * kSlots + (mt * 2 + t) * 32 + lane];
+        v[0] += o.x;
+        v[1] += o.y;
+        v[2] += o.z;
+        v[3] += o.w;
+      }
+      // acc[mt][t][i]: x row 8 mt + 2 c + (i & 1), column n0 + 2 t + (i >> 1).
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = 8 * mt + 2 * c + (i & 1), n = n0 + 2 * t + (i >> 1);
+        if (m >= M) continue;
+        if (S == 1) store_out<kDT>(out, bias, flags, m, n, ldo, v[i]);
+        else ws[split * mn + static_cast<size_t>(m) * N + n] = v[i];
+      }
+    }
+}
