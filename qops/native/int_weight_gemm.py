@@ -7,10 +7,9 @@ dequantized weight scaled in the activation dtype so the MMAs accumulate straigh
 reduction (``qops_w4a16_reduce``: fixed order, bit-identical run to run).
 
 Plans. A block is 8 warps, ``nwn`` along N (32 columns each) and 8 / ``nwn`` along K; ``splits``
-blocks share one column tile's K range; ``ring`` weight chunks a warp in registers (and as many x
-stages in shared memory). The rule (:func:`plan`) takes the widest tile that still gives every SM a
-block, then the split that fills the SMs best (whole waves), and ``QOPS_W4_GEMM_PLAN`` (e.g.
-``"nwn=2,ring=3,splits=1"``) or :func:`plan_override` replace its fields for measurements.
+blocks share one column tile's K range; ``stages`` iterations of x and weights in flight through
+shared memory. The rule (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g.
+``"nwn=4,stages=3,splits=2"``) or :func:`plan_override` replace its fields for measurements.
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ MAX_M = 64  # 8 MMA tiles of 8 rows (QOPS_MT <= 8)
 THREADS = 256
 CHUNK_K = 128
 SHMEM_DEFAULT_BYTES = 48 * 1024
-SHMEM_OPTIN_MAX_BYTES = 226 * 1024  # sm_90's 227 KiB opt-in less 1 KiB of static shared memory
+SHMEM_SM_BYTES = 226 * 1024  # sm_90's 227 KiB a block (228 an SM) less 1 KiB of static shared memory a block
 PLAN_ENV = "QOPS_W4_GEMM_PLAN"
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 
@@ -42,7 +41,7 @@ class Plan:
     mt: int  # 8-row MMA tiles of x: ceil(M / 8)
     nwn: int  # warps along N; a block covers 32 * nwn columns with 8 / nwn warps along K
     splits: int  # S: blocks sharing one column tile's K range (S > 1: fp32 partials in the workspace)
-    ring: int  # weight chunks in registers and x stages in shared memory (2..4)
+    stages: int  # cp.async pipeline stages in shared memory (2..8)
     minb: int  # resident blocks per SM promised to the register allocator
     tiles: int
     shmem: int
@@ -50,18 +49,22 @@ class Plan:
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         return {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
-                "QOPS_RING": self.ring, "QOPS_MINB": self.minb}
+                "QOPS_STAGES": self.stages, "QOPS_MINB": self.minb}
 
 
-def shmem_bytes(m: int, nwn: int, ring: int) -> int:
-    """x stages (M rows of 8 / nwn chunks, rows padded by 4 slots), or the warps' partial sums if larger."""
+WARP_STAGE_BYTES = 4 * 32 * 16 + 32 * 8 + 32 * 4  # kWarpW in w4a16_gemm.cu: a warp's weights, scales, zeros
+
+
+def shmem_bytes(m: int, nwn: int, stages: int) -> int:
+    """Pipeline stages (x: M rows of 8 / nwn chunks, rows padded by 4 slots; the 8 warps' weights), or
+    the warps' partial sums if larger."""
     nwk = 8 // nwn
-    stages = ring * m * (nwk * 16 + 4) * 16
+    pipeline = stages * (m * (nwk * 16 + 4) * 16 + 8 * WARP_STAGE_BYTES)
     partials = (nwk - 1) * nwn * (-(-m // 8)) * 2 * 32 * 16
-    return max(stages, partials)
+    return max(pipeline, partials)
 
 
-def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, ring: int, minb: int = 1) -> Plan:
+def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run."""
     chunks = max(-(-k // CHUNK_K), 1)
     if not 1 <= m <= MAX_M:
@@ -70,16 +73,18 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, ring: int, minb:
         raise ValueError(f"native_w4a16 gemm: nwn={nwn} is not 1, 2, 4 or 8")
     if not 1 <= splits <= min(chunks, 16):
         raise ValueError(f"native_w4a16 gemm: splits={splits} outside 1..min(chunks={chunks}, 16)")
-    if not 2 <= ring <= 4:
-        raise ValueError(f"native_w4a16 gemm: ring={ring} outside 2..4")
+    if not 2 <= stages <= 8:
+        raise ValueError(f"native_w4a16 gemm: stages={stages} outside 2..8")
     if not 1 <= minb <= 2:
         raise ValueError(f"native_w4a16 gemm: minb={minb} outside 1..2")
-    shmem = shmem_bytes(m, nwn, ring)
-    if shmem > SHMEM_OPTIN_MAX_BYTES:
-        raise ValueError(f"native_w4a16 gemm: {ring} x stages of M={m} need {shmem} bytes of shared memory "
-                         f"(> {SHMEM_OPTIN_MAX_BYTES})")
+    if minb == 2 and m > 48:
+        raise ValueError(f"native_w4a16 gemm: minb=2 with M={m}: MT = {-(-m // 8)} takes ~160 registers a thread, two blocks an SM spill")
+    shmem = shmem_bytes(m, nwn, stages)
+    if shmem * minb > SHMEM_SM_BYTES:
+        raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
+                         f"a block, {minb} block(s) an SM: more than the {SHMEM_SM_BYTES} an SM has")
     tiles = -(-n // (32 * nwn))
-    return Plan(m, -(-m // 8), nwn, splits, ring, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0)
+    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -93,7 +98,7 @@ def _rule(m: int, n: int, k: int, sms: int) -> Plan:
     chunks = max(-(-k // CHUNK_K), 1)
     s_max = max(1, min(16, chunks // (2 * (8 // nwn)), (n * k // 2) // 2 // max(m * n * 8, 1)))
     splits = min(s_max, max(1, -(-sms // tiles)))
-    return make_plan(m, n, k, nwn=nwn, splits=splits, ring=2)
+    return make_plan(m, n, k, nwn=nwn, splits=splits, stages=4)
 
 
 _override = None
@@ -117,8 +122,8 @@ def _env_fields() -> dict[str, int]:
     out = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
-        if key.strip() not in ("nwn", "splits", "ring", "minb"):
-            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, ring, minb)")
+        if key.strip() not in ("nwn", "splits", "stages", "minb"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb)")
         out[key.strip()] = int(val)
     return out
 
@@ -132,8 +137,7 @@ def plan(m: int, n: int, k: int, device: int) -> Plan:
     p = _rule(m, n, k, _sm_count(device))
     fields = _env_fields()
     if fields:
-        base = {"nwn": p.nwn, "splits": p.splits, "ring": p.ring, "minb": p.minb}
-        p = make_plan(m, n, k, **(base | fields))
+        p = with_fields(p, n, k, **fields)
     if _override is not None:
         p = _override(m, n, k, p)
     return p
@@ -191,6 +195,6 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
 
 
 def with_fields(p: Plan, n: int, k: int, **fields) -> Plan:
-    """``p`` with some of nwn / splits / ring / minb replaced (validated, shared memory re-derived)."""
-    base = {"nwn": p.nwn, "splits": p.splits, "ring": p.ring, "minb": p.minb}
+    """``p`` with some of nwn / splits / stages / minb replaced (validated, shared memory re-derived)."""
+    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb}
     return make_plan(p.m, n, k, **(base | fields)) if fields else replace(p)

@@ -21,10 +21,17 @@
 // evenly. Iteration `it` of a block covers chunks cb + NWK it .. + NWK - 1, warp wk taking chunk
 // cb + NWK it + wk. A lane's weights per chunk are those of the decode kernel: word rows
 // 16 chunk + 4 j + lane % 4 (j = 0..3) of columns n0 .. n0 + 3, n0 = 4 (lane / 4) + the warp's
-// offset, 16-byte loads, held in a register ring QOPS_RING chunks deep (loaded RING - 1 iterations
-// ahead). x for an iteration (M rows x NWK 128-wide chunks) is copied into shared memory with
-// cp.async, QOPS_RING stages, one barrier an iteration: the stage refilled is the one every warp
-// finished reading before that barrier.
+// offset (a quarter warp reads 128 contiguous bytes of a row), with the chunk's 4 scales and zero word.
+//
+// Pipeline. Everything an iteration reads goes through shared memory with cp.async, QOPS_STAGES
+// stages deep (loads for iteration it + STAGES - 1 are issued at iteration it): the block's x for
+// the iteration (M rows x NWK chunks, shared by its warps) and each warp's weights, scales and zeros
+// (each lane copies its own pieces and reads back exactly those: no bank conflicts, nothing shared).
+// A first version kept the weights in a register ring: at 226 registers a thread (one block, 8 warps
+// an SM) that left one chunk in flight a warp and a barrier a chunk waiting on it, and M = 64 ran at
+// 17-18% of the roofline (h200-2026-12-01-6ade7e6-probe-gemm.json). In shared memory the chunks in
+// flight cost no registers. One barrier an iteration: after it, the stage refilled is the one every
+// warp finished reading in the previous iteration.
 //
 // Math. As in the decode kernel, W is the 16x16 A operand (rows: columns n0 + 2t, n0 + 2t + 1 of the
 // lane quads, K order inside a 32-row step permuted to match the nibble unpacking: pairs (q_i,
@@ -39,13 +46,13 @@
 // block through shared memory (after the last iteration), then S == 1 writes the output, S > 1 writes
 // fp32 partials to a workspace (S, M, N) that w4a16_gemv.cu's qops_w4a16_reduce adds in order.
 //
-// Programmatic dependent launch (sm_90): the ring's first chunks are loaded before grid_dep_wait()
-// (weights, scales and zeros are never written by the kernel ahead); x is copied, and anything
-// written, only after it. The next launch is released after the main loop.
+// Programmatic dependent launch (sm_90): the first stages' weights, scales and zeros are copied
+// before grid_dep_wait() (never written by the kernel ahead); x is copied, and anything written,
+// only after it. The next launch is released after the main loop.
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
-// M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_RING (2..4: weight
-// chunks in registers and x stages), QOPS_MINB (blocks an SM promised to ptxas).
+// M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
+// stages), QOPS_MINB (blocks an SM promised to ptxas).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -55,13 +62,13 @@
 #define QOPS_MT 8
 #endif
 #ifndef QOPS_NWN
-#define QOPS_NWN 4
+#define QOPS_NWN 8
 #endif
 #ifndef QOPS_HAS_Z
 #define QOPS_HAS_Z 0
 #endif
-#ifndef QOPS_RING
-#define QOPS_RING 2
+#ifndef QOPS_STAGES
+#define QOPS_STAGES 4
 #endif
 #ifndef QOPS_MINB
 #define QOPS_MINB 1
@@ -76,21 +83,21 @@ constexpr int kNWN = QOPS_NWN;
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kNWK = kWarps / kNWN;
-constexpr int kRing = QOPS_RING;
+constexpr int kStages = QOPS_STAGES;
 constexpr bool kHasZ = QOPS_HAS_Z != 0;
 constexpr int kChunkK = 128;
 constexpr int kRow = kNWK * 16;  // 16-byte x slots (8 values) of one row in one stage
 constexpr int kRS = kRow + 4;    // padded: rows g, g + 1 of a quarter warp fall in disjoint banks
-constexpr int kScaleBf16 = 8;    // `flags` bit, as in w4a16_gemv.cu
+// One warp's weights in a stage (w4a16_gemv.cu's kSmemStage): 4 steps x 32 lanes x 16 bytes, lane-major
+// within a step, then the lanes' scales (8 bytes each), then their zero words (4 bytes each).
+constexpr int kWarpW = 4 * 32 * 16 + 32 * 8 + 32 * 4;
+constexpr int kWScales = 4 * 32 * 16;
+constexpr int kWZeros = kWScales + 32 * 8;
+constexpr int kScaleBf16 = 8;  // `flags` bit, as in w4a16_gemv.cu
 static_assert(kMT >= 1 && kMT <= 8, "QOPS_MT is 1..8 (M <= 64)");
 static_assert(kNWN == 1 || kNWN == 2 || kNWN == 4 || kNWN == 8, "QOPS_NWN is 1, 2, 4 or 8");
-static_assert(kRing >= 2 && kRing <= 4, "QOPS_RING is 2..4");
-
-struct Chunk {
-  uint4 w[4];  // step j: qweight row 16*chunk + 4*j + lane%4, columns n0 .. n0+3
-  uint2 s;     // scales of columns n0 .. n0+3
-  u32 z;       // qzeros word holding the zeros of columns n0 .. n0+3
-};
+static_assert(kStages >= 2 && kStages <= 8, "QOPS_STAGES is 2..8");
+static_assert(kWarpW % 16 == 0, "stages must stay 16-byte aligned");
 
 // A scale (f16 or bf16 bits, per `flags`) as a DT pair.
 __device__ __forceinline__ u32 scale_pair(u32 bits16, int flags) {
@@ -133,31 +140,35 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   const int ce = static_cast<int>(static_cast<long long>(split + 1) * C / S);
   const int n_it = (ce - cb + kNWK - 1) / kNWK;
   const int zw = (N + 7) >> 3;
-  const int xstage = M * kRS;  // 16-byte slots of one x stage
+  // A stage: x (M rows of kRS slots), then the 8 warps' weights.
+  const int xslots = M * kRS;
+  const int stage_bytes = xslots * 16 + kWarps * kWarpW;
+  const u32 smem_a = smem_addr(smem);
+  const char* smem_c = reinterpret_cast<const char*>(smem);
 
-  // This lane's weights for the chunks it = 0, 1, ...: the pointer advances by a constant stride.
-  const u32* wnext = qweight + static_cast<size_t>((cb + wk) * 16 + c) * N + n0;
+  // This lane's weight pieces, scales and zero word for iteration `it` into stage `st`; nothing is
+  // copied past K, past N or past the block's chunks (the slots keep stale bytes: rows past K meet
+  // zeros in x, columns past N are never stored, and a warp without a chunk skips the math).
+  const u32* wbase = qweight + static_cast<size_t>((cb + wk) * 16 + c) * N + n0;
   const size_t wstride = static_cast<size_t>(kNWK * 16) * N;
-  int ch_next = cb + wk;
-  auto load_chunk = [&](Chunk& ck) {
-    const int ch = ch_next;
-    ch_next += kNWK;
-    const u32* p = wnext;
-    wnext += wstride;
+  auto load_w = [&](int it, int st) {
+    const int ch = cb + it * kNWK + wk;
     const bool ok = n_ok && ch < ce;
     const int rows_left = KW - (ch * 16 + c);
     const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
+    const u32 dst = smem_a + st * stage_bytes + xslots * 16 + warp * kWarpW;
+    const u32* src = wbase + static_cast<size_t>(it) * wstride;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) ld_stream_v4_if(ck.w[j], p + static_cast<size_t>(4 * j) * N, ok && 4 * j < rows_left);
-    ld_nc_v2_if(ck.s, scales + static_cast<size_t>(grp) * N + n0, ok);
-    if constexpr (kHasZ) ld_nc_u32_if(ck.z, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
+    for (int j = 0; j < 4; ++j) cp_async_16_if(dst + j * 512 + lane * 16, src + static_cast<size_t>(4 * j) * N, ok && 4 * j < rows_left);
+    cp_async_8_if(dst + kWScales + lane * 8, scales + static_cast<size_t>(grp) * N + n0, ok);
+    if constexpr (kHasZ) cp_async_4_if(dst + kWZeros + lane * 4, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
   };
-
-  // x slots of a stage: row m, 8 values from column k0 + 8 kk; threads take slots tid, tid + 256, ...
+  // x of iteration `it` into stage `st`: row m, 8 values from column k0 + 8 kk; threads take slots
+  // tid, tid + 256, ... (zeros from column K on).
   const int nslots = M * kRow;
-  auto load_x = [&](int it, int stage) {
+  auto load_x = [&](int it, int st) {
     const int k0 = (cb + it * kNWK) * kChunkK;
-    const u32 base = smem_addr(smem + stage * xstage);
+    const u32 base = smem_a + st * stage_bytes;
     for (int s = tid; s < nslots; s += kThreads) {
       const int m = s / kRow, kk = s - m * kRow;
       const int k = k0 + 8 * kk;
@@ -166,14 +177,6 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     }
   };
 
-  Chunk ring[kRing];
-#pragma unroll
-  for (int r = 0; r < kRing; ++r) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) ring[r].w[j] = make_uint4(0, 0, 0, 0);
-    ring[r].s = make_uint2(0, 0);
-    ring[r].z = 0u;
-  }
   float acc[kMT][2][4];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -182,13 +185,16 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
 
-  // Weights first (never written by the kernel ahead), then x once that kernel is done.
+  // The first stages: weights (never written by the kernel ahead), then x once that kernel is done.
+  // Group s is committed after stage s's x: group 0 also carries every first stage's weights (the
+  // first wait covers them all), later groups one stage whole.
 #pragma unroll
-  for (int r = 0; r < kRing - 1; ++r) load_chunk(ring[r]);
+  for (int st = 0; st < kStages - 1; ++st)
+    if (st < n_it) load_w(st, st);
   grid_dep_wait();
 #pragma unroll
-  for (int r = 0; r < kRing - 1; ++r) {
-    if (r < n_it) load_x(r, r);
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < n_it) load_x(st, st);
     cp_async_commit();  // one group a stage, empty or not, so the wait below counts stages
   }
 
@@ -197,25 +203,39 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   const u32 za0 = (kDT == 0 ? 0x6400u : 0xC300u) + static_cast<u32>(kHasZ ? zero_offset : 8);
   const u32 zb0 = 0xD400u + 16u * static_cast<u32>(kHasZ ? zero_offset : 8);
 
-  auto compute = [&](int it, const Chunk& ck, int stage) {
-    if (cb + it * kNWK + wk >= ce) return;  // warp-uniform: no chunk for this warp in the last iteration
-    const uint4* xs = smem + stage * xstage;
+  for (int it = 0; it < n_it; ++it) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of stage it have landed
+    __syncthreads();               // everyone's have; and every warp is done with the stage refilled below
+    const int ahead = it + kStages - 1;
+    if (ahead < n_it) {
+      load_w(ahead, ahead % kStages);
+      load_x(ahead, ahead % kStages);
+    }
+    cp_async_commit();
+    if (cb + it * kNWK + wk >= ce) continue;  // warp-uniform: no chunk for this warp in the last iteration
+
+    const int st = it % kStages;
+    const uint4* xs = reinterpret_cast<const uint4*>(smem_c + st * stage_bytes);
+    const char* wsm = smem_c + st * stage_bytes + xslots * 16 + warp * kWarpW;
+    const uint2 sc = *reinterpret_cast<const uint2*>(wsm + kWScales + lane * 8);
+    const u32 zbits = kHasZ ? *reinterpret_cast<const u32*>(wsm + kWZeros + lane * 4) >> ((n0 & 7) * 4) : 0u;
     u32 za[4], zb[4], sp[4];
-    const u32 zbits = kHasZ ? ck.z >> ((n0 & 7) * 4) : 0u;  // 4 nibbles: zeros of columns n0 .. n0+3
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
-      const u32 nib = (zbits >> (4 * jj)) & 15u;
+      const u32 nib = (zbits >> (4 * jj)) & 15u;  // zero of column n0 + jj
       za[jj] = (za0 + nib) * 0x10001u;
       zb[jj] = (zb0 + 16u * nib) * 0x10001u;
-      sp[jj] = scale_pair((jj & 1) ? (jj < 2 ? ck.s.x : ck.s.y) >> 16 : (jj < 2 ? ck.s.x : ck.s.y), flags);
+      const u32 sw = jj < 2 ? sc.x : sc.y;
+      sp[jj] = scale_pair((jj & 1) ? sw >> 16 : sw, flags);
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
+      const uint4 wv = *reinterpret_cast<const uint4*>(wsm + j * 512 + lane * 16);
       // A fragments: p[jj][r] = scale * (q[r] - z, q[r+4] - z) of column n0 + jj.
       u32 p[4][4];
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        const u32 w = word(ck.w[j], jj);
+        const u32 w = word(wv, jj);
         if constexpr (kDT == 0) {
           const u32 w8 = w >> 8;
           p[jj][0] = sub_f16x2(and_or(w, 0x000f000fu, 0x64006400u), za[jj]);
@@ -247,32 +267,15 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
         }
       }
     }
-  };
-
-  // Iteration it: wait for its x stage (and make every warp's reads of the stage about to be refilled
-  // finished), refill that stage and the ring slot with iteration it + kRing - 1, then compute.
-  for (int base = 0; base < n_it; base += kRing) {
-#pragma unroll
-    for (int r = 0; r < kRing; ++r) {
-      const int it = base + r;
-      if (it >= n_it) break;  // block-uniform
-      cp_async_wait<kRing - 2>();
-      __syncthreads();
-      const int ahead = it + kRing - 1;
-      if (ahead < n_it) load_x(ahead, ahead % kRing);
-      cp_async_commit();
-      load_chunk(ring[(r + kRing - 1) % kRing]);  // predicated off past this warp's last chunk
-      compute(it, ring[r], it % kRing);
-    }
   }
   grid_dep_launch_dependents();
 
-  // Sums of the NWK warps of a column group, in warp order, through shared memory (the x stages).
+  // Sums of the NWK warps of a column group, in warp order, through shared memory (the stages).
   cp_async_wait<0>();
   __syncthreads();
   float4* part = reinterpret_cast<float4*>(smem);
   constexpr int kSlots = kMT * 2 * 32;  // float4 a lane per (mt, t)
-  if (wk > 0) {
+  if (kNWK > 1 && wk > 0) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -280,7 +283,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
         part[((wk - 1) * kNWN + wn) * kSlots + (mt * 2 + t) * 32 + lane] =
             make_float4(acc[mt][t][0], acc[mt][t][1], acc[mt][t][2], acc[mt][t][3]);
   }
-  __syncthreads();
+  if (kNWK > 1) __syncthreads();
   if (wk > 0 || !n_ok) return;
   const size_t mn = static_cast<size_t>(M) * N;
 #pragma unroll

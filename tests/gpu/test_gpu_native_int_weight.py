@@ -358,26 +358,32 @@ def test_large_m_is_delegated_to_triton(monkeypatch):
         assert launches == want, f"M={m}: native launches {launches}, expected {want}"
 
 
-GEMM_PLANS = [  # (nwn, splits, ring): the rule's tile, every other width, the workspace path, the deeper ring
-    (4, 1, 2), (1, 1, 2), (2, 2, 2), (8, 1, 2), (4, 3, 2), (4, 1, 3), (2, 5, 3),
+GEMM_PLANS = [  # (nwn, splits, stages, minb): the rule's tile, every other width, the workspace path, pipeline depths, two blocks an SM
+    (8, 1, 4, 1), (1, 1, 2, 1), (2, 2, 3, 1), (4, 1, 4, 1), (8, 3, 4, 1), (8, 1, 2, 1), (4, 5, 6, 1), (8, 1, 3, 2),
 ]
 
 
-@pytest.mark.parametrize("variant", GEMM_PLANS, ids=lambda v: "nwn{}-s{}-ring{}".format(*v))
+@pytest.mark.parametrize("variant", GEMM_PLANS, ids=lambda v: "nwn{}-s{}-st{}-minb{}".format(*v))
 def test_every_gemm_plan_matches_reference(variant):
-    nwn, splits, ring = variant
+    nwn, splits, stages, minb = variant
+    ran = 0
     for fmt, n, k, g, sym, act, ver in (("gptq", 1000, 1000, 128, False, True, "v2"), ("awq", 2048, 640, -1, False, False, None),
                                         ("gptq", 4096, 4096, 128, True, False, "v1")):
         nw = native_weight(fmt, n, k, g, sym, act, ver)
         for dtype in DTYPES:
-            for m in (33, 64):
-                q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), ring=ring)
+            for m in (33, 48, 64):
+                try:
+                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb)
+                except ValueError:
+                    continue  # a combination the kernel cannot run (two blocks an SM at M > 48, shared memory)
                 x = rand(m, k, dtype=dtype, seed=m + nwn)
                 bias = rand(n, dtype=torch.float32, seed=3) if m == 33 else None
                 with gemm.plan_override(lambda *_: q):
                     y = nw.weight.mm(x, bias)
                     assert torch.equal(nw.weight.mm(x, bias), y), f"{q}: not bit-identical run to run"
                 check(y, x, nw.w64, bias, f"{fmt} {n}x{k} g{g} {dtype} M={m} {q}")
+                ran += 1
+    assert ran >= 6, f"only {ran} cases could run plan {variant}"
 
 
 def test_gemm_out_with_workspace_and_strided_out():
@@ -385,7 +391,7 @@ def test_gemm_out_with_workspace_and_strided_out():
     w = nw.weight
     m = 48
     x = rand(m, 4096, dtype=torch.bfloat16, seed=11)
-    q = gemm.make_plan(m, 4096, 4096, nwn=4, splits=3, ring=2)
+    q = gemm.make_plan(m, 4096, 4096, nwn=4, splits=3, stages=4)
     with gemm.plan_override(lambda *_: q):
         assert native.workspace_bytes(m, 4096, 4096, 4, 128, 0) == q.workspace > 0
         ws = torch.empty(q.workspace + 16, dtype=torch.uint8, device="cuda")[16:]  # exactly the need, 16-byte aligned
