@@ -228,14 +228,27 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       const u32 sw = jj < 2 ? sc.x : sc.y;
       sp[jj] = scale_pair((jj & 1) ? sw >> 16 : sw, flags);
     }
+    // The chunk's weight words first (4 loads in flight at once), then per 32-row step j: the x
+    // pieces of every tile (8 loads in flight), the dequantization (its ALU work covers their
+    // latency), and the MMAs ordered k step outer, tile inner, so the two MMAs into one accumulator
+    // sit 2 MT issues apart instead of back to back (Nsight Compute, 344420d: 2 warps a scheduler
+    // issued every 4.8 cycles each, stalled on fixed-latency dependencies and shared loads).
+    uint4 wv[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wv[j] = *reinterpret_cast<const uint4*>(wsm + j * 512 + lane * 16);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(wsm + j * 512 + lane * 16);
+      // x[m, 8 kw .. 8 kw + 7] of row m = 8 mt + g. Rows past M read whatever the stage holds there
+      // (inside the allocation: the stage's weights or the next stage); they only reach the
+      // accumulators of output rows past M, which are never stored.
+      uint4 xv[kMT];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) xv[mt] = xs[(8 * mt + g) * kRS + wk * 16 + 4 * j + c];
       // A fragments: p[jj][r] = scale * (q[r] - z, q[r+4] - z) of column n0 + jj.
       u32 p[4][4];
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        const u32 w = word(wv, jj);
+        const u32 w = word(wv[j], jj);
         if constexpr (kDT == 0) {
           const u32 w8 = w >> 8;
           p[jj][0] = sub_f16x2(and_or(w, 0x000f000fu, 0x64006400u), za[jj]);
@@ -250,22 +263,18 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 #pragma unroll
         for (int r = 0; r < 4; ++r) p[jj][r] = mul2(p[jj][r], sp[jj]);
       }
+      // Two 16-row k steps (s = 0: nibbles 0,4,1,5 against x pairs (0,4) (1,5); s = 1: 2,6,3,7 against
+      // (2,6) (3,7)) x two 16-column tiles: rows g and g + 8 of tile t are columns n0 + 2t and n0 + 2t + 1.
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        // B fragments: x[m, 8 kw .. 8 kw + 7] as pairs (0,4) (1,5) (2,6) (3,7), the pairs the unpacking yields.
-        const int m = 8 * mt + g;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (m < M) v = xs[m * kRS + wk * 16 + 4 * j + c];
-        const u32 b0 = prmt<0x5410>(v.x, v.z), b1 = prmt<0x7632>(v.x, v.z);
-        const u32 b2 = prmt<0x5410>(v.y, v.w), b3 = prmt<0x7632>(v.y, v.w);
-        // Two 16-row k steps (nibbles 0,4,1,5 then 2,6,3,7) x two 16-column tiles: rows g and g + 8
-        // of tile t are columns n0 + 2t and n0 + 2t + 1.
+      for (int s2 = 0; s2 < 2; ++s2)
 #pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          mma_16816<kDT>(acc[mt][t], p[2 * t][0], p[2 * t + 1][0], p[2 * t][1], p[2 * t + 1][1], b0, b1);
-          mma_16816<kDT>(acc[mt][t], p[2 * t][2], p[2 * t + 1][2], p[2 * t][3], p[2 * t + 1][3], b2, b3);
+        for (int mt = 0; mt < kMT; ++mt) {
+          const u32 lo = s2 ? xv[mt].y : xv[mt].x, hi = s2 ? xv[mt].w : xv[mt].z;
+          const u32 b0 = prmt<0x5410>(lo, hi), b1 = prmt<0x7632>(lo, hi);
+#pragma unroll
+          for (int t = 0; t < 2; ++t)
+            mma_16816<kDT>(acc[mt][t], p[2 * t][2 * s2], p[2 * t + 1][2 * s2], p[2 * t][2 * s2 + 1], p[2 * t + 1][2 * s2 + 1], b0, b1);
         }
-      }
     }
   }
   grid_dep_launch_dependents();
