@@ -460,6 +460,7 @@ def test_workspace_covers_every_slice(monkeypatch):
     """The scratch of the largest launch a call makes; slices run one after another on the same scratch."""
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
     monkeypatch.setattr(gemm, "_sm_count", lambda idx: 132)
+    monkeypatch.setattr(gemm, "_smem_limit", lambda idx: gemm.SHMEM_SM_BYTES)
     monkeypatch.setenv(native.PLANS_ENV, "rule")
     for deterministic, top in ((False, gemm.MAX_M), (True, 3 * gemm.MAX_M + 8)):
         monkeypatch.setattr(native, "_deterministic", deterministic)
@@ -475,6 +476,7 @@ def test_workspace_above_the_gemm_is_the_triton_need(monkeypatch):
     the GEMM does not take) are handed to triton: its scratch need."""
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
     monkeypatch.setattr(gemm, "_sm_count", lambda idx: 132)
+    monkeypatch.setattr(gemm, "_smem_limit", lambda idx: gemm.SHMEM_SM_BYTES)
     monkeypatch.setattr(native, "_deterministic", False)
     asked = []
     fake = type("tri", (), {"workspace_bytes": staticmethod(lambda m, n, k, bits, g, dev: asked.append((m, n, k, dev.type)) or 4096)})
@@ -794,3 +796,83 @@ def test_f16mma_is_a_bf16_option_of_x_staged_once():
     base = {**p.defines(torch.bfloat16, True), "QOPS_XFULL": 0, "QOPS_FOLD": 0, "QOPS_F16MMA": 1}
     with pytest.raises(compiler.NativeCompileError, match="QOPS_F16MMA converts x where it is staged once"):
         compiler.compile(compiler.native_source(native.SOURCE), "sm_90", compiler.native_options(base))
+
+
+def _gemm_variants():
+    """The GEMM builds the rule and the plan knobs can ask for: both dtypes, zeros or not, every tile
+    height (M = 33..64: MT = 5..8), the rule's two widths and the narrowest, two to seven stages,
+    and two blocks an SM where make_plan allows it (M <= 40)."""
+    for dt in (torch.float16, torch.bfloat16):
+        for has_z in (False, True):
+            for m in (33, 48, 56, 64):
+                for n, k in ((28672, 4096), (4096, 14336)):
+                    yield gemm._rule(m, n, k, 132).defines(dt, has_z) | {"QOPS_MINB": 1}
+            yield gemm.make_plan(64, 4096, 4096, nwn=2, splits=1, stages=2).defines(dt, has_z)
+            yield gemm.make_plan(33, 4096, 4096, nwn=8, splits=1, stages=7).defines(dt, has_z)
+            yield gemm.make_plan(40, 4096, 4096, nwn=8, splits=1, stages=3, minb=2).defines(dt, has_z)
+            yield gemm.make_plan(33, 4096, 4096, nwn=1, splits=1, stages=2).defines(dt, has_z)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemm_variants_compile_within_register_budget(arch):
+    assert sorted({d["QOPS_MT"] for d in _gemm_variants()}) == [5, 6, 7, 8]
+    seen = set()
+    for defines in _gemm_variants():
+        key = tuple(sorted(defines.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        log: list[str] = []
+        cubin = compiler.compile(compiler.native_source(gemm.SOURCE), arch, compiler.native_options(defines, ptxas_options=["-v"]), log=log)
+        assert cubin[:4] == ELF_MAGIC
+        regs, spills = _ptxas_report(log[0])[gemm.KERNEL]
+        assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])), (defines, log[0])
+        if arch == "sm_90":
+            assert spills == 0, (defines, log[0])
+
+
+def test_gemm_rule_is_the_measured_best_on_the_perf_shapes():
+    """h200-2026-12-01-8d70817-probe-gemm-plans.json: the fastest of the seven plans timed at M = 33, 48, 64."""
+    measured_best = {(4096, 4096): (4, 4), (28672, 4096): (8, 1), (4096, 14336): (4, 4), (57344, 8192): (8, 1),
+                     (8192, 28672): (8, 4)}
+    for (n, k), want in measured_best.items():
+        for m in (33, 48, 64):
+            p = gemm._rule(m, n, k, 132)
+            assert (p.nwn, p.splits) == want, ((n, k, m), p)
+            assert p.minb == 1 and p.stages == 4 and p.mt == -(-m // 8)
+            assert p.workspace == (p.splits * m * n * 4 if p.splits > 1 else 0)
+
+
+@pytest.mark.parametrize("n, k", [(256, 128), (1000, 1000), (4096, 4096), (100000, 8192), (4096, 131072)])
+def test_gemm_rule_plans_are_runnable(n, k):
+    for sms, limit in ((132, gemm.SHMEM_SM_BYTES), (108, 163 * 1024 - 1024)):  # H100/H200, A100
+        for m in (33, 40, 57, 64):
+            p = gemm._rule(m, n, k, sms, limit)
+            assert gemm.make_plan(m, n, k, nwn=p.nwn, splits=p.splits, stages=p.stages, minb=p.minb, smem_limit=limit) == p
+            assert p.shmem <= limit and 1 <= p.splits <= 16 and p.stages >= 2
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(m=65, nwn=8, splits=1, stages=4), "M=65 outside"),
+    (dict(m=64, nwn=3, splits=1, stages=4), "nwn=3"),
+    (dict(m=64, nwn=8, splits=40, stages=4), "splits=40"),
+    (dict(m=64, nwn=8, splits=1, stages=9), "stages=9"),
+    (dict(m=64, nwn=8, splits=1, stages=3, minb=2), "two blocks an SM spill"),
+    (dict(m=48, nwn=8, splits=1, stages=3, minb=2), "two blocks an SM spill"),
+    (dict(m=40, nwn=8, splits=1, stages=4, minb=2), "shared memory"),
+    (dict(m=64, nwn=1, splits=1, stages=2), "shared memory"),
+])
+def test_gemm_make_plan_refuses_what_the_kernel_cannot_run(kw, why):
+    with pytest.raises(ValueError, match=why):
+        gemm.make_plan(n=4096, k=4096, **kw)
+
+
+def test_gemm_plan_env_replaces_fields(monkeypatch):
+    monkeypatch.setattr(gemm, "_sm_count", lambda idx: 132)
+    monkeypatch.setattr(gemm, "_smem_limit", lambda idx: gemm.SHMEM_SM_BYTES)
+    monkeypatch.setenv(gemm.PLAN_ENV, "nwn=2,stages=3")
+    p = gemm.plan(40, 4096, 4096, 0)
+    assert (p.nwn, p.stages, p.splits) == (2, 3, gemm._rule(40, 4096, 4096, 132).splits)
+    monkeypatch.setenv(gemm.PLAN_ENV, "ring=3")
+    with pytest.raises(ValueError, match="unknown field 'ring'"):
+        gemm.plan(40, 4096, 4096, 0)

@@ -2,13 +2,14 @@
 
 Serves the runtime layout of ``qops/ops/int_weight.py`` with bits = 4, group_size -1 or a multiple
 of 128, float16/bfloat16 activations and scales, N % 4 == 0, a 16-byte aligned contiguous qweight,
-and M = prod(x.shape[:-1]) <= 32 (``MAX_M``; one launch, the weight read once for all rows).
-Anything else goes to the Triton lowering (``qops.ops.triton.int_weight.triton_mm``), except in
-deterministic mode, where any M runs this kernel over 32-row slices (bit-identical run to run;
-slower than Triton above 32 rows).
+and M = prod(x.shape[:-1]) <= 64: up to 32 rows (``MAX_M``) the decode kernel, 33..64 rows
+(``int_weight_gemm.MAX_M``, K % 8 == 0) the GEMM of :mod:`qops.native.int_weight_gemm`; one
+launch either way, the weight read once for all rows. Anything else goes to the Triton lowering
+(``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where any M runs the
+GEMM over 64-row slices (bit-identical run to run).
 
-Kernel: ``w4a16_gemv.cu`` (design notes at its top). act_perm is applied by gathering x once
-(``index_select``) before the launch.
+Kernels: ``w4a16_gemv.cu`` and ``w4a16_gemm.cu`` (design notes at their tops). act_perm is
+applied by gathering x once (``index_select``) before the launch.
 
 Plans. For (M, N, K) on a device, :func:`plan` fixes the tile shape (by M), the number S of blocks
 splitting K for one column tile (only when the column tiles leave SMs idle), and how the S partial
@@ -32,7 +33,7 @@ holds no chunk in registers) nor M = 16 plans staging x once beat the defaults
 (``...-ee2bf78-sweep-smem-minb.json``, ``...-5ea9ca4-sweep-m16-smem.json``; benchmarks/NOTES.md,
 stop 19). ``QOPS_NATIVE_SMEM_RING=S`` gives it to the rule's x-staged-once plans for measurements.
 
-Compilation and module loading happen in :func:`warmup` (which compiles every variant M = 1..32
+Compilation and module loading happen in :func:`warmup` (which compiles every variant M = 1..64
 needs for a weight) or, failing that, at the first eager call of a shape; never during CUDA-graph
 capture, where a missing kernel raises :class:`~qops.native.compiler.NativeNotReadyError`.
 
@@ -66,11 +67,11 @@ from . import int_weight_gemm as gemm
 SOURCE = "w4a16_gemv.cu"
 GEMV = "qops_w4a16_gemv"
 REDUCE = "qops_w4a16_reduce"
-MAX_M = 32  # rows one launch takes (four 8-row MMA tiles)
-# Above MAX_M rows the call goes to triton (outside deterministic mode). Measured on the H200 at
-# M = 64 (h200-2026-11-30-6f38b91-int-weight.json): two 32-row launches took 109.6 / 54.7 / 437 /
-# 190 / 22.4 us on 28672x4096, 4096x14336, 57344x8192, 8192x28672, 4096x4096, where triton took
-# 90.6 / 44.9 / 318 / 169 / 21.3 us (each launch reads the whole weight again).
+MAX_M = 32  # rows one launch of the decode kernel takes (four 8-row MMA tiles)
+# Above MAX_M rows the GEMM (int_weight_gemm, up to its MAX_M), then triton (outside deterministic
+# mode). Two 32-row decode launches lost to triton at M = 64 (h200-2026-11-30-6f38b91-int-weight.json:
+# each reads the whole weight again); the GEMM reads it once and beat triton on the five PERF.md
+# shapes at M = 33, 48, 64 with its rule's plans (h200-2026-12-01-8d70817-probe-gemm-plans.json).
 THREADS = 256
 CHUNK_K = 128
 PDL_ENV = "QOPS_NATIVE_PDL"

@@ -64,8 +64,10 @@ def shmem_bytes(m: int, nwn: int, stages: int) -> int:
     return max(pipeline, partials)
 
 
-def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1) -> Plan:
-    """A plan with every choice given; raises ValueError naming the field the kernel cannot run."""
+def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
+              smem_limit: int = SHMEM_SM_BYTES) -> Plan:
+    """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
+    ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default)."""
     chunks = max(-(-k // CHUNK_K), 1)
     if not 1 <= m <= MAX_M:
         raise ValueError(f"native_w4a16 gemm: M={m} outside 1..{MAX_M}")
@@ -77,28 +79,56 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
         raise ValueError(f"native_w4a16 gemm: stages={stages} outside 2..8")
     if not 1 <= minb <= 2:
         raise ValueError(f"native_w4a16 gemm: minb={minb} outside 1..2")
-    if minb == 2 and m > 48:
-        raise ValueError(f"native_w4a16 gemm: minb=2 with M={m}: MT = {-(-m // 8)} takes ~160 registers a thread, two blocks an SM spill")
+    if minb == 2 and m > 40:
+        raise ValueError(f"native_w4a16 gemm: minb=2 with M={m}: MT = {-(-m // 8)} needs more than 128 registers a thread, two blocks an SM spill")
     shmem = shmem_bytes(m, nwn, stages)
-    if shmem * minb > SHMEM_SM_BYTES:
+    if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
-                         f"a block, {minb} block(s) an SM: more than the {SHMEM_SM_BYTES} an SM has")
+                         f"a block, {minb} block(s) an SM: more than the device's {smem_limit}")
     tiles = -(-n // (32 * nwn))
     return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0)
 
 
-@functools.lru_cache(maxsize=1024)
-def _rule(m: int, n: int, k: int, sms: int) -> Plan:
-    # One block an SM (the MT = 5..8 builds take 150-200 registers a thread). Column tiles of 128
-    # (nwn = 4: x is read once a column tile, so wider tiles read it less often), then the fewest
-    # splits of K that give every SM a block, as long as the partials (written and read back, fp32)
-    # stay within half the weight's bytes.
-    nwn = 4
+# The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
+# PERF.md shapes (benchmarks/results/h200-2026-12-01-8d70817-probe-gemm-plans.json): the main loop
+# streams the weight at a rate that falls with M (the MMAs per byte grow), stretched by the share of
+# SM slots the grid leaves idle in its last wave; each column tile reads all of x from L2; split K
+# writes and reads back fp32 partials. It picks the measured best of the sweep's seven plans on
+# every shape (within 3% at 8192x28672, where 4 splits of 256 columns beat 2 of 128 by 3-10%).
+MAIN_US_PER_MB = (0.3, 0.009)  # a + b * M microseconds per MB of weight
+X_US_PER_MB = 0.17
+PARTIAL_US_PER_MB = 0.67
+
+
+def plan_cost_us(m: int, n: int, k: int, nwn: int, splits: int, sms: int) -> float:
+    """The rule's estimate of a plan's time (one block an SM)."""
     tiles = -(-n // (32 * nwn))
+    blocks = tiles * splits
+    fill = blocks / (-(-blocks // sms) * sms)
+    main = (n * k / 2 / 1e6) * (MAIN_US_PER_MB[0] + MAIN_US_PER_MB[1] * m) / fill
+    x_reads = tiles * m * k * 2 / 1e6
+    partials = splits * m * n * 8 / 1e6 if splits > 1 else 0.0
+    return main + X_US_PER_MB * x_reads + PARTIAL_US_PER_MB * partials
+
+
+@functools.lru_cache(maxsize=1024)
+def _rule(m: int, n: int, k: int, sms: int, smem_limit: int = SHMEM_SM_BYTES) -> Plan:
+    # One block an SM (the MT = 5..8 builds take 115-160 registers a thread; two blocks an SM were
+    # faster only where the column tiles alone make two waves: 57344x8192 at M = 33). Column tiles
+    # of 256 or 128 and 1..16 splits of K (each block at least two iterations), the cheapest by
+    # plan_cost_us. Four stages, or as many as the device's shared memory holds (sm_80: 163 KiB).
     chunks = max(-(-k // CHUNK_K), 1)
-    s_max = max(1, min(16, chunks // (2 * (8 // nwn)), (n * k // 2) // 2 // max(m * n * 8, 1)))
-    splits = min(s_max, max(1, -(-sms // tiles)))
-    return make_plan(m, n, k, nwn=nwn, splits=splits, stages=4)
+    best = None
+    for nwn in (8, 4):
+        for splits in range(1, 17):
+            if splits > 1 and chunks < splits * 2 * (8 // nwn):
+                break
+            cost = plan_cost_us(m, n, k, nwn, splits, sms)
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, nwn, splits)
+    nwn = best[1]
+    stages = max(2, min(4, smem_limit // shmem_bytes(m, nwn, 1)))
+    return make_plan(m, n, k, nwn=nwn, splits=best[2], stages=stages, smem_limit=smem_limit)
 
 
 _override = None
@@ -132,12 +162,17 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _smem_limit(device: int) -> int:
+    """Dynamic shared memory a block may opt in to: the device's maximum less 1 KiB of static."""
+    return min(compiler.max_shared_optin(device) - 1024, SHMEM_SM_BYTES)
+
+
 def plan(m: int, n: int, k: int, device: int) -> Plan:
     """The plan for an (m, K) x (K, N) call on CUDA device ``device``."""
-    p = _rule(m, n, k, _sm_count(device))
+    p = _rule(m, n, k, _sm_count(device), _smem_limit(device))
     fields = _env_fields()
     if fields:
-        p = with_fields(p, n, k, **fields)
+        p = with_fields(p, n, k, smem_limit=_smem_limit(device), **fields)
     if _override is not None:
         p = _override(m, n, k, p)
     return p
@@ -194,7 +229,7 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
     return len(seen)
 
 
-def with_fields(p: Plan, n: int, k: int, **fields) -> Plan:
+def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fields) -> Plan:
     """``p`` with some of nwn / splits / stages / minb replaced (validated, shared memory re-derived)."""
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb}
-    return make_plan(p.m, n, k, **(base | fields)) if fields else replace(p)
+    return make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else replace(p)

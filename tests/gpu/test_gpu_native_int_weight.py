@@ -107,7 +107,7 @@ def _x(m, k, dtype, layout, seed):
 
 
 # M <= 16: MT = 1, 2 (every x contiguous, as before the tall rows existed); M = 17..33: one launch
-# with MT = 3 or 4 up to 32 rows, triton above (MAX_M), x in every layout.
+# with MT = 3 or 4 up to 32 rows, the GEMM at 33; M = 40..64: the GEMM; x in every layout.
 M_GROUPS = {"small_m": (M_VALUES, ("contiguous",), 1, 10), "tall_m": (TALL_M_VALUES, ("contiguous", "strided", "offset"), 2, 20),
             "gemm_m": (GEMM_M_VALUES, ("offset", "contiguous", "strided"), 3, 30)}
 
@@ -375,7 +375,7 @@ def test_every_gemm_plan_matches_reference(variant):
                 try:
                     q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb)
                 except ValueError:
-                    continue  # a combination the kernel cannot run (two blocks an SM at M > 48, shared memory)
+                    continue  # a combination the kernel cannot run (two blocks an SM at M > 40, shared memory)
                 x = rand(m, k, dtype=dtype, seed=m + nwn)
                 bias = rand(n, dtype=torch.float32, seed=3) if m == 33 else None
                 with gemm.plan_override(lambda *_: q):
