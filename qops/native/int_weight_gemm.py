@@ -6,9 +6,7 @@ dequantized weight scaled in the activation dtype so the MMAs accumulate straigh
 (design notes at the top of ``w4a16_gemm.cu``). Split K goes through the decode kernel's workspace
 reduction (``qops_w4a16_reduce``: fixed order, bit-identical run to run).
 
-Plans. A block is 8 warps, ``nwn`` along N (32 columns each), ``wm`` along M (1, or 2: each warp
-half of the x tiles, so the accumulators halve and two blocks fit an SM; not measured yet) and
-8 / (``nwn`` ``wm``) along K; ``splits``
+Plans. A block is 8 warps, ``nwn`` along N (32 columns each) and 8 / ``nwn`` along K; ``splits``
 blocks share one column tile's K range; ``stages`` iterations of x and weights in flight through
 shared memory. The rule (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g.
 ``"nwn=4,stages=3,splits=2"``) or :func:`plan_override` replace its fields for measurements.
@@ -41,36 +39,32 @@ _DT = {torch.float16: 0, torch.bfloat16: 1}
 class Plan:
     m: int
     mt: int  # 8-row MMA tiles of x: ceil(M / 8)
-    nwn: int  # warps along N; a block covers 32 * nwn columns with 8 / (nwn * wm) warps along K
+    nwn: int  # warps along N; a block covers 32 * nwn columns with 8 / nwn warps along K
     splits: int  # S: blocks sharing one column tile's K range (S > 1: fp32 partials in the workspace)
     stages: int  # cp.async pipeline stages in shared memory (2..8)
     minb: int  # resident blocks per SM promised to the register allocator
     tiles: int
     shmem: int
     workspace: int
-    wm: int = 1  # warps along M (2: each takes half of the x tiles)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
-        return {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_WM": self.wm,
-                "QOPS_HAS_Z": int(has_zeros), "QOPS_STAGES": self.stages, "QOPS_MINB": self.minb}
+        return {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
+                "QOPS_STAGES": self.stages, "QOPS_MINB": self.minb}
 
 
 WARP_STAGE_BYTES = 4 * 32 * 16 + 32 * 8 + 32 * 4  # kWarpW in w4a16_gemm.cu: a warp's weights, scales, zeros
 
 
-def shmem_bytes(m: int, nwn: int, stages: int, wm: int = 1) -> int:
-    """Pipeline stages (x: M rows of 8 / (nwn wm) chunks, rows padded by 4 slots; the weights of the
-    nwn x nwk warp pairs) and the rows of the last x tiles past M that the warps read (never used), or
+def shmem_bytes(m: int, nwn: int, stages: int) -> int:
+    """Pipeline stages (x: M rows of 8 / nwn chunks, rows padded by 4 slots; the 8 warps' weights), or
     the warps' partial sums if larger."""
-    nwk = 8 // (nwn * wm)
-    row = (nwk * 16 + 4) * 16
-    mtw = -(-(-(-m // 8)) // wm)
-    pipeline = stages * (m * row + nwn * nwk * WARP_STAGE_BYTES) + (8 * mtw * wm - m) * row
-    partials = (nwk - 1) * nwn * wm * mtw * 2 * 32 * 16
+    nwk = 8 // nwn
+    pipeline = stages * (m * (nwk * 16 + 4) * 16 + 8 * WARP_STAGE_BYTES)
+    partials = (nwk - 1) * nwn * (-(-m // 8)) * 2 * 32 * 16
     return max(pipeline, partials)
 
 
-def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1, wm: int = 1,
+def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
               smem_limit: int = SHMEM_SM_BYTES) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
     ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default)."""
@@ -79,24 +73,20 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
         raise ValueError(f"native_w4a16 gemm: M={m} outside 1..{MAX_M}")
     if nwn not in (1, 2, 4, 8):
         raise ValueError(f"native_w4a16 gemm: nwn={nwn} is not 1, 2, 4 or 8")
-    if wm not in (1, 2) or nwn * wm > 8:
-        raise ValueError(f"native_w4a16 gemm: wm={wm} is not 1 or 2 with nwn * wm <= 8 (nwn={nwn})")
     if not 1 <= splits <= min(chunks, 16):
         raise ValueError(f"native_w4a16 gemm: splits={splits} outside 1..min(chunks={chunks}, 16)")
     if not 2 <= stages <= 8:
         raise ValueError(f"native_w4a16 gemm: stages={stages} outside 2..8")
     if not 1 <= minb <= 2:
         raise ValueError(f"native_w4a16 gemm: minb={minb} outside 1..2")
-    mtw = -(-(-(-m // 8)) // wm)  # x tiles a warp takes
-    if minb == 2 and mtw > 5:
-        raise ValueError(f"native_w4a16 gemm: minb=2 with M={m}, wm={wm}: {mtw} x tiles a warp need more than 128 registers a "
-                         f"thread, two blocks an SM spill")
-    shmem = shmem_bytes(m, nwn, stages, wm)
+    if minb == 2 and m > 40:
+        raise ValueError(f"native_w4a16 gemm: minb=2 with M={m}: MT = {-(-m // 8)} needs more than 128 registers a thread, two blocks an SM spill")
+    shmem = shmem_bytes(m, nwn, stages)
     if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
                          f"a block, {minb} block(s) an SM: more than the device's {smem_limit}")
     tiles = -(-n // (32 * nwn))
-    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0, wm)
+    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0)
 
 
 # The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
@@ -162,8 +152,8 @@ def _env_fields() -> dict[str, int]:
     out = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
-        if key.strip() not in ("nwn", "splits", "stages", "minb", "wm"):
-            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wm)")
+        if key.strip() not in ("nwn", "splits", "stages", "minb"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb)")
         out[key.strip()] = int(val)
     return out
 
@@ -240,6 +230,6 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
 
 
 def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fields) -> Plan:
-    """``p`` with some of nwn / splits / stages / minb / wm replaced (validated, shared memory re-derived)."""
-    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wm": p.wm}
+    """``p`` with some of nwn / splits / stages / minb replaced (validated, shared memory re-derived)."""
+    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb}
     return make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else replace(p)

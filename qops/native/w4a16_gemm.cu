@@ -16,11 +16,9 @@
 // once for all rows: at M = 64 a 16x16 weight fragment feeds 16 MMAs, so the tensor cores, not the
 // weight stream, set the pace, and the work is to keep them fed.
 //
-// Work split. A block is 8 warps, NWN along N (32 columns each) by WM along M (each WM-th of the
-// x tiles) by NWK = 8 / (NWN WM) along K; grid (ceil(N / (32 NWN)), S), the S blocks of a column
-// tile splitting the K chunks (128 rows each) evenly. With WM = 2 the two warps of a (column, chunk)
-// pair dequantize the same weights (each for half of the x tiles): twice the dequantization work
-// for half the accumulators a lane, so two blocks fit an SM. Iteration `it` of a block covers chunks cb + NWK it .. + NWK - 1, warp wk taking chunk
+// Work split. A block is 8 warps, NWN along N (32 columns each) by NWK = 8 / NWN along K; grid
+// (ceil(N / (32 NWN)), S), the S blocks of a column tile splitting the K chunks (128 rows each)
+// evenly. Iteration `it` of a block covers chunks cb + NWK it .. + NWK - 1, warp wk taking chunk
 // cb + NWK it + wk. A lane's weights per chunk are those of the decode kernel: word rows
 // 16 chunk + 4 j + lane % 4 (j = 0..3) of columns n0 .. n0 + 3, n0 = 4 (lane / 4) + the warp's
 // offset (a quarter warp reads 128 contiguous bytes of a row), with the chunk's 4 scales and zero word.
@@ -28,8 +26,7 @@
 // Pipeline. Everything an iteration reads goes through shared memory with cp.async, QOPS_STAGES
 // stages deep (loads for iteration it + STAGES - 1 are issued at iteration it): the block's x for
 // the iteration (M rows x NWK chunks, shared by its warps) and each warp's weights, scales and zeros
-// (each lane copies its own pieces, and reads back exactly those, or with WM = 2 also the pieces
-// the same lane of its twin warp copied: no bank conflicts; the iteration's barrier orders both).
+// (each lane copies its own pieces and reads back exactly those: no bank conflicts, nothing shared).
 // A first version kept the weights in a register ring: at 226 registers a thread (one block, 8 warps
 // an SM) that left one chunk in flight a warp and a barrier a chunk waiting on it, and M = 64 ran at
 // 17-18% of the roofline (h200-2026-12-01-6ade7e6-probe-gemm.json). In shared memory the chunks in
@@ -54,8 +51,8 @@
 // only after it. The next launch is released after the main loop.
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
-// M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_WM (1, 2: warps along M), QOPS_HAS_Z (0/1),
-// QOPS_STAGES (2..8: pipeline stages), QOPS_MINB (blocks an SM promised to ptxas).
+// M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
+// stages), QOPS_MINB (blocks an SM promised to ptxas).
 #include "ptx.cuh"
 
 #ifndef QOPS_DT
@@ -66,9 +63,6 @@
 #endif
 #ifndef QOPS_NWN
 #define QOPS_NWN 8
-#endif
-#ifndef QOPS_WM
-#define QOPS_WM 1
 #endif
 #ifndef QOPS_HAS_Z
 #define QOPS_HAS_Z 0
@@ -88,10 +82,7 @@ constexpr int kMT = QOPS_MT;
 constexpr int kNWN = QOPS_NWN;
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kWM = QOPS_WM;
-constexpr int kNWK = kWarps / (kNWN * kWM);
-constexpr int kMTW = (kMT + kWM - 1) / kWM;  // x tiles a warp takes
-constexpr int kWSlots = kNWN * kNWK;         // distinct weight pieces a stage holds (one a warp pair)
+constexpr int kNWK = kWarps / kNWN;
 constexpr int kStages = QOPS_STAGES;
 constexpr bool kHasZ = QOPS_HAS_Z != 0;
 constexpr int kChunkK = 128;
@@ -105,7 +96,6 @@ constexpr int kWZeros = kWScales + 32 * 8;
 constexpr int kScaleBf16 = 8;  // `flags` bit, as in w4a16_gemv.cu
 static_assert(kMT >= 1 && kMT <= 8, "QOPS_MT is 1..8 (M <= 64)");
 static_assert(kNWN == 1 || kNWN == 2 || kNWN == 4 || kNWN == 8, "QOPS_NWN is 1, 2, 4 or 8");
-static_assert((kWM == 1 || kWM == 2) && kNWN * kWM <= kWarps, "QOPS_WM is 1 or 2, QOPS_NWN * QOPS_WM <= 8");
 static_assert(kStages >= 2 && kStages <= 8, "QOPS_STAGES is 2..8");
 static_assert(kWarpW % 16 == 0, "stages must stay 16-byte aligned");
 
@@ -139,8 +129,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   }
   extern __shared__ uint4 smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wn = warp % kNWN, wm = (warp / kNWN) % kWM, wk = warp / (kNWN * kWM);
-  const int wslot = wk * kNWN + wn;  // this warp's weight pieces in a stage (shared by the WM warps)
+  const int wn = warp % kNWN, wk = warp / kNWN;
   const int g = lane >> 2, c = lane & 3;
   const int n0 = blockIdx.x * (32 * kNWN) + wn * 32 + 4 * g;
   const bool n_ok = n0 < N;  // N % 4 == 0: a lane's four columns are all in or all out
@@ -153,7 +142,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   const int zw = (N + 7) >> 3;
   // A stage: x (M rows of kRS slots), then the 8 warps' weights.
   const int xslots = M * kRS;
-  const int stage_bytes = xslots * 16 + kWSlots * kWarpW;
+  const int stage_bytes = xslots * 16 + kWarps * kWarpW;
   const u32 smem_a = smem_addr(smem);
   const char* smem_c = reinterpret_cast<const char*>(smem);
 
@@ -167,15 +156,12 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     const bool ok = n_ok && ch < ce;
     const int rows_left = KW - (ch * 16 + c);
     const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
-    const u32 dst = smem_a + st * stage_bytes + xslots * 16 + wslot * kWarpW;
+    const u32 dst = smem_a + st * stage_bytes + xslots * 16 + warp * kWarpW;
     const u32* src = wbase + static_cast<size_t>(it) * wstride;
 #pragma unroll
-    for (int j = 0; j < 4; ++j)  // steps j with j % WM == wm: the twin warps split the copies
-      if (j % kWM == wm) cp_async_16_if(dst + j * 512 + lane * 16, src + static_cast<size_t>(4 * j) * N, ok && 4 * j < rows_left);
-    if (wm == 0) {
-      cp_async_8_if(dst + kWScales + lane * 8, scales + static_cast<size_t>(grp) * N + n0, ok);
-      if constexpr (kHasZ) cp_async_4_if(dst + kWZeros + lane * 4, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
-    }
+    for (int j = 0; j < 4; ++j) cp_async_16_if(dst + j * 512 + lane * 16, src + static_cast<size_t>(4 * j) * N, ok && 4 * j < rows_left);
+    cp_async_8_if(dst + kWScales + lane * 8, scales + static_cast<size_t>(grp) * N + n0, ok);
+    if constexpr (kHasZ) cp_async_4_if(dst + kWZeros + lane * 4, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
   };
   // x of iteration `it` into stage `st`: row m, 8 values from column k0 + 8 kk; threads take slots
   // tid, tid + 256, ... (zeros from column K on).
@@ -191,9 +177,9 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     }
   };
 
-  float acc[kMTW][2][4];  // x tiles wm * kMTW + mt
+  float acc[kMT][2][4];
 #pragma unroll
-  for (int mt = 0; mt < kMTW; ++mt)
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -230,7 +216,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 
     const int st = it % kStages;
     const uint4* xs = reinterpret_cast<const uint4*>(smem_c + st * stage_bytes);
-    const char* wsm = smem_c + st * stage_bytes + xslots * 16 + wslot * kWarpW;
+    const char* wsm = smem_c + st * stage_bytes + xslots * 16 + warp * kWarpW;
     const uint2 sc = *reinterpret_cast<const uint2*>(wsm + kWScales + lane * 8);
     const u32 zbits = kHasZ ? *reinterpret_cast<const u32*>(wsm + kWZeros + lane * 4) >> ((n0 & 7) * 4) : 0u;
     u32 za[4], zb[4], sp[4];
@@ -252,12 +238,12 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     for (int j = 0; j < 4; ++j) wv[j] = *reinterpret_cast<const uint4*>(wsm + j * 512 + lane * 16);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      // x[m, 8 kw .. 8 kw + 7] of row m = 8 (wm kMTW + mt) + g. Rows past M (at most 15) read
-      // whatever the stage holds there (inside the allocation: the stage's weights, >= 9.5 KiB, or
-      // the next stage); they only reach the accumulators of output rows past M, never stored.
-      uint4 xv[kMTW];
+      // x[m, 8 kw .. 8 kw + 7] of row m = 8 mt + g. Rows past M read whatever the stage holds there
+      // (inside the allocation: the stage's weights or the next stage); they only reach the
+      // accumulators of output rows past M, which are never stored.
+      uint4 xv[kMT];
 #pragma unroll
-      for (int mt = 0; mt < kMTW; ++mt) xv[mt] = xs[(8 * (wm * kMTW + mt) + g) * kRS + wk * 16 + 4 * j + c];
+      for (int mt = 0; mt < kMT; ++mt) xv[mt] = xs[(8 * mt + g) * kRS + wk * 16 + 4 * j + c];
       // A fragments: p[jj][r] = scale * (q[r] - z, q[r+4] - z) of column n0 + jj.
       u32 p[4][4];
 #pragma unroll
@@ -282,7 +268,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 #pragma unroll
       for (int s2 = 0; s2 < 2; ++s2)
 #pragma unroll
-        for (int mt = 0; mt < kMTW; ++mt) {
+        for (int mt = 0; mt < kMT; ++mt) {
           const u32 lo = s2 ? xv[mt].y : xv[mt].x, hi = s2 ? xv[mt].w : xv[mt].z;
           const u32 b0 = prmt<0x5410>(lo, hi), b1 = prmt<0x7632>(lo, hi);
 #pragma unroll
@@ -297,35 +283,34 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   cp_async_wait<0>();
   __syncthreads();
   float4* part = reinterpret_cast<float4*>(smem);
-  constexpr int kSlots = kMTW * 2 * 32;  // float4 a lane per (mt, t)
-  const int pw = wm * kNWN + wn;         // the warps summed together: same columns, same x tiles
+  constexpr int kSlots = kMT * 2 * 32;  // float4 a lane per (mt, t)
   if (kNWK > 1 && wk > 0) {
 #pragma unroll
-    for (int mt = 0; mt < kMTW; ++mt)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int t = 0; t < 2; ++t)
-        part[((wk - 1) * kNWN * kWM + pw) * kSlots + (mt * 2 + t) * 32 + lane] =
+        part[((wk - 1) * kNWN + wn) * kSlots + (mt * 2 + t) * 32 + lane] =
             make_float4(acc[mt][t][0], acc[mt][t][1], acc[mt][t][2], acc[mt][t][3]);
   }
   if (kNWK > 1) __syncthreads();
   if (wk > 0 || !n_ok) return;
   const size_t mn = static_cast<size_t>(M) * N;
 #pragma unroll
-  for (int mt = 0; mt < kMTW; ++mt)
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       float v[4] = {acc[mt][t][0], acc[mt][t][1], acc[mt][t][2], acc[mt][t][3]};
       for (int w = 1; w < kNWK; ++w) {
-        const float4 o = part[((w - 1) * kNWN * kWM + pw) * kSlots + (mt * 2 + t) * 32 + lane];
+        const float4 o = part[((w - 1) * kNWN + wn) * kSlots + (mt * 2 + t) * 32 + lane];
         v[0] += o.x;
         v[1] += o.y;
         v[2] += o.z;
         v[3] += o.w;
       }
-      // acc[mt][t][i]: x row 8 (wm kMTW + mt) + 2 c + (i & 1), column n0 + 2 t + (i >> 1).
+      // acc[mt][t][i]: x row 8 mt + 2 c + (i & 1), column n0 + 2 t + (i >> 1).
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int m = 8 * (wm * kMTW + mt) + 2 * c + (i & 1), n = n0 + 2 * t + (i >> 1);
+        const int m = 8 * mt + 2 * c + (i & 1), n = n0 + 2 * t + (i >> 1);
         if (m >= M) continue;
         if (S == 1) store_out<kDT>(out, bias, flags, m, n, ldo, v[i]);
         else ws[split * mn + static_cast<size_t>(m) * N + n] = v[i];

@@ -358,16 +358,14 @@ def test_large_m_is_delegated_to_triton(monkeypatch):
         assert launches == want, f"M={m}: native launches {launches}, expected {want}"
 
 
-GEMM_PLANS = [  # (nwn, splits, stages, minb, wm): the rule's tiles, every other width, the workspace path, pipeline
-    # depths, two blocks an SM, warps splitting M (the twin warps' copies and partial sums)
-    (8, 1, 4, 1, 1), (1, 1, 2, 1, 1), (2, 2, 3, 1, 1), (4, 1, 4, 1, 1), (8, 3, 4, 1, 1), (8, 1, 2, 1, 1), (4, 5, 6, 1, 1),
-    (8, 1, 3, 2, 1), (4, 1, 3, 2, 2), (2, 3, 2, 2, 2), (1, 2, 2, 1, 2),
+GEMM_PLANS = [  # (nwn, splits, stages, minb): the rule's tile, every other width, the workspace path, pipeline depths, two blocks an SM
+    (8, 1, 4, 1), (1, 1, 2, 1), (2, 2, 3, 1), (4, 1, 4, 1), (8, 3, 4, 1), (8, 1, 2, 1), (4, 5, 6, 1), (8, 1, 3, 2),
 ]
 
 
-@pytest.mark.parametrize("variant", GEMM_PLANS, ids=lambda v: "nwn{}-s{}-st{}-minb{}-wm{}".format(*v))
+@pytest.mark.parametrize("variant", GEMM_PLANS, ids=lambda v: "nwn{}-s{}-st{}-minb{}".format(*v))
 def test_every_gemm_plan_matches_reference(variant):
-    nwn, splits, stages, minb, wm = variant
+    nwn, splits, stages, minb = variant
     ran = 0
     for fmt, n, k, g, sym, act, ver in (("gptq", 1000, 1000, 128, False, True, "v2"), ("awq", 2048, 640, -1, False, False, None),
                                         ("gptq", 4096, 4096, 128, True, False, "v1")):
@@ -375,7 +373,7 @@ def test_every_gemm_plan_matches_reference(variant):
         for dtype in DTYPES:
             for m in (33, 48, 64):
                 try:
-                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb, wm=wm)
+                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb)
                 except ValueError:
                     continue  # a combination the kernel cannot run (two blocks an SM at M > 40, shared memory)
                 x = rand(m, k, dtype=dtype, seed=m + nwn)
