@@ -876,3 +876,22 @@ def test_gemm_plan_env_replaces_fields(monkeypatch):
     monkeypatch.setenv(gemm.PLAN_ENV, "ring=3")
     with pytest.raises(ValueError, match="unknown field 'ring'"):
         gemm.plan(40, 4096, 4096, 0)
+
+
+@pytest.mark.parametrize("m, n, k", [(33, 28672, 4096), (64, 4096, 14336)], ids=["unsplit", "split"])
+def test_gemm_griddepcontrol_orders_the_accesses(m, n, k):
+    """The GEMM as the decode kernel: its first stages' weight copies (predicated cp.async of 16, 8 and
+    4 bytes) before griddepcontrol.wait, x's copies and every other global access after it, the
+    trigger after the main loop's last weight copy and before the first store; nothing of it on sm_80."""
+    defines = gemm._rule(m, n, k, 132).defines(torch.bfloat16, True)
+    src = compiler.native_source(gemm.SOURCE)
+    assert "griddepcontrol" not in _ptx(src, "sm_80", defines)
+    lines = _entries(_ptx(src, "sm_90", defines))[gemm.KERNEL]
+    dep = _first_dependent_access(lines, smem_ring=True)
+    waits = [i for i, l in enumerate(lines[:dep]) if "griddepcontrol.wait" in l]
+    assert waits, "x, bias, out or the workspace accessed before griddepcontrol.wait"
+    assert any(_weight_load(l, True) for l in lines[: waits[-1]]), "no weight copy is issued ahead of the wait"
+    trigger = [i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l]
+    last_weight = max(i for i, l in enumerate(lines) if _weight_load(l, True))
+    first_store = next(i for i, l in enumerate(lines) if re.search(r"\bst\.[\w.:]*global", l))
+    assert len(trigger) == 1 and last_weight < trigger[0] < first_store

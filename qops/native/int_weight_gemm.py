@@ -178,10 +178,6 @@ def plan(m: int, n: int, k: int, device: int) -> Plan:
     return p
 
 
-def workspace_bytes(m: int, n: int, k: int, device: int) -> int:
-    return plan(m, n, k, device).workspace
-
-
 def _reduce_kernel(dev: int, dtype: torch.dtype):
     return compiler.get_kernel(dev, REDUCE_SOURCE, {"QOPS_DT": _DT[dtype]}, REDUCE)
 
