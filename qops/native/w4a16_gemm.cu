@@ -53,7 +53,7 @@
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
 // stages), QOPS_MINB (blocks an SM promised to ptxas).
-#include "ptx.cuh"
+#include "w4.cuh"
 
 #ifndef QOPS_DT
 #define QOPS_DT 0
@@ -198,10 +198,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     cp_async_commit();  // one group a stage, empty or not, so the wait below counts stages
   }
 
-  // Half2 constants removing the magic bias and the zero point (w4a16_gemv.cu derives them):
-  //   f16: (1024 + q) - (1024 + z) and (1024 + 16 q) / 16 - (64 + z); bf16: (128 + q) - (128 + z).
-  const u32 za0 = (kDT == 0 ? 0x6400u : 0xC300u) + static_cast<u32>(kHasZ ? zero_offset : 8);
-  const u32 zb0 = 0xD400u + 16u * static_cast<u32>(kHasZ ? zero_offset : 8);
+  const W4ZeroBase zbase = w4_zero_base<kDT>(static_cast<u32>(kHasZ ? zero_offset : 8));  // w4.cuh
 
   for (int it = 0; it < n_it; ++it) {
     cp_async_wait<kStages - 2>();  // this thread's copies of stage it have landed
@@ -223,8 +220,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       const u32 nib = (zbits >> (4 * jj)) & 15u;  // zero of column n0 + jj
-      za[jj] = (za0 + nib) * 0x10001u;
-      zb[jj] = (zb0 + 16u * nib) * 0x10001u;
+      w4_zero_pairs(zbase, nib, za[jj], zb[jj]);
       const u32 sw = jj < 2 ? sc.x : sc.y;
       sp[jj] = scale_pair((jj & 1) ? sw >> 16 : sw, flags);
     }
@@ -248,18 +244,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       u32 p[4][4];
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
-        const u32 w = word(wv[j], jj);
-        if constexpr (kDT == 0) {
-          const u32 w8 = w >> 8;
-          p[jj][0] = sub_f16x2(and_or(w, 0x000f000fu, 0x64006400u), za[jj]);
-          p[jj][1] = fma_f16x2(and_or(w, 0x00f000f0u, 0x64006400u), 0x2c002c00u, zb[jj]);
-          p[jj][2] = sub_f16x2(and_or(w8, 0x000f000fu, 0x64006400u), za[jj]);
-          p[jj][3] = fma_f16x2(and_or(w8, 0x00f000f0u, 0x64006400u), 0x2c002c00u, zb[jj]);
-        } else {
-#pragma unroll
-          for (int r = 0; r < 4; ++r)
-            p[jj][r] = fma_bf16x2(and_or(w >> (4 * r), 0x000f000fu, 0x43004300u), 0x3f803f80u, za[jj]);
-        }
+        w4_dequant_word<kDT>(p[jj], word(wv[j], jj), za[jj], zb[jj]);
 #pragma unroll
         for (int r = 0; r < 4; ++r) p[jj][r] = mul2(p[jj][r], sp[jj]);
       }

@@ -108,7 +108,7 @@
 // largest converts exactly (f16 holds three more mantissa bits than bf16), and the sums are
 // multiplied by 2^-e in fp32 after the main loop (exact). A first pass over the block's x finds the
 // rows' largest magnitudes (kept in each row's padding slot of the staged x).
-#include "ptx.cuh"
+#include "w4.cuh"
 
 #ifndef QOPS_DT
 #define QOPS_DT 0
@@ -576,12 +576,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
   };
 
-  // Half2 constants removing the magic bias and the zero point: zero z sits in the mantissa.
-  //   f16:  (1024 + q) - (1024 + z) and (1024 + 16 q) / 16 - (64 + z); 1024 + z = 0x6400 + z,
-  //         -(64 + z) = 0xD400 + 16 z (z <= 16)
-  //   bf16: (128 + q) - (128 + z); -(128 + z) = 0xC300 + z
-  const u32 za0 = (MDT == 0 ? 0x6400u : 0xC300u) + static_cast<u32>(HAS_Z ? zero_offset : 8);
-  const u32 zb0 = 0xD400u + 16u * static_cast<u32>(HAS_Z ? zero_offset : 8);
+  const W4ZeroBase zbase = w4_zero_base<MDT>(static_cast<u32>(HAS_Z ? zero_offset : 8));  // w4.cuh
 
   auto compute = [&](int it, const Chunk& ck, int stage) {
     const int ch = cb + it * NWK + wk;
@@ -597,8 +592,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       if constexpr (FOLD) {
         zf[jj] = static_cast<float>(static_cast<int>(nib) + (HAS_Z ? zero_offset : 8));
       } else {
-        za[jj] = (za0 + nib) * 0x10001u;
-        zb[jj] = (zb0 + 16u * nib) * 0x10001u;
+        w4_zero_pairs(zbase, nib, za[jj], zb[jj]);
       }
     }
 
@@ -648,16 +642,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         } else if constexpr (FOLD) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) p[jj][r] = and_or(w >> (4 * r), 0x000f000fu, 0x43004300u);  // 128 + q
-        } else if constexpr (MDT == 0) {
-          const u32 w8 = w >> 8;
-          p[jj][0] = sub_f16x2(and_or(w, 0x000f000fu, 0x64006400u), za[jj]);
-          p[jj][1] = fma_f16x2(and_or(w, 0x00f000f0u, 0x64006400u), 0x2c002c00u, zb[jj]);
-          p[jj][2] = sub_f16x2(and_or(w8, 0x000f000fu, 0x64006400u), za[jj]);
-          p[jj][3] = fma_f16x2(and_or(w8, 0x00f000f0u, 0x64006400u), 0x2c002c00u, zb[jj]);
         } else {
-#pragma unroll
-          for (int r = 0; r < 4; ++r)
-            p[jj][r] = fma_bf16x2(and_or(w >> (4 * r), 0x000f000fu, 0x43004300u), 0x3f803f80u, za[jj]);
+          w4_dequant_word<MDT>(p[jj], w, za[jj], zb[jj]);
         }
       }
       // Two 16-row k steps (nibbles 0,1,4,5 then 2,3,6,7) x two 16-column tiles: rows g and g+8 of
