@@ -449,10 +449,11 @@ def test_plan_refuses_a_plan_above_the_devices_opt_in(h200, monkeypatch):
             native.plan(1, 28672, 4096, 0)
 
 
-def _slices(m: int) -> list[int]:
+def _slices(m: int, k: int) -> list[int]:
     """Rows of each launch of an m-row call: one decode launch up to MAX_M, one GEMM launch up to
-    gemm.MAX_M, then (deterministic mode) gemm.MAX_M-row slices and a shorter last one."""
-    step = native.MAX_M if m <= native.MAX_M else gemm.MAX_M
+    gemm.MAX_M, then (deterministic mode) gemm.MAX_M-row slices and a shorter last one; where the
+    GEMM cannot copy x (K % 8 != 0), MAX_M-row decode slices."""
+    step = native.MAX_M if m <= native.MAX_M or k % 8 else gemm.MAX_M
     return [min(step, m - r0) for r0 in range(0, m, step)]
 
 
@@ -464,10 +465,10 @@ def test_workspace_covers_every_slice(monkeypatch):
     monkeypatch.setenv(native.PLANS_ENV, "rule")
     for deterministic, top in ((False, gemm.MAX_M), (True, 3 * gemm.MAX_M + 8)):
         monkeypatch.setattr(native, "_deterministic", deterministic)
-        for n, k in [(4096, 4096), (1024, 8192), (28672, 4096), (100, 776)]:
+        for n, k in [(4096, 4096), (1024, 8192), (28672, 4096), (100, 776)] + ([(100, 777)] if deterministic else []):
             for m in range(1, top + 1):
                 need = max(native._plan(r, n, k, 132, False).workspace if r <= native.MAX_M else gemm._rule(r, n, k, 132).workspace
-                           for r in _slices(m))
+                           for r in _slices(m, k))
                 assert native.workspace_bytes(m, n, k, 4, 128, device=0) == need, (deterministic, n, k, m)
 
 

@@ -5,8 +5,8 @@ of 128, float16/bfloat16 activations and scales, N % 4 == 0, a 16-byte aligned c
 and M = prod(x.shape[:-1]) <= 64: up to 32 rows (``MAX_M``) the decode kernel, 33..64 rows
 (``int_weight_gemm.MAX_M``, K % 8 == 0) the GEMM of :mod:`qops.native.int_weight_gemm`; one
 launch either way, the weight read once for all rows. Anything else goes to the Triton lowering
-(``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where any M runs the
-GEMM over 64-row slices (bit-identical run to run).
+(``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where any M runs over
+64-row GEMM slices (32-row decode-kernel slices where K % 8 != 0): bit-identical run to run.
 
 Kernels: ``w4a16_gemv.cu`` and ``w4a16_gemm.cu`` (design notes at their tops). act_perm is
 applied by gathering x once (``index_select``) before the launch.
@@ -534,18 +534,22 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
             return max(16 * min(m, MAX_M) * n * 4, 16 * min(m, gemm.MAX_M) * n * 4 if m > MAX_M else 0)
         device = torch.cuda.current_device()
     dev = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
-    if m > MAX_M and (k % 8 or (m > gemm.MAX_M and not deterministic())):
+    if m > _rows_served(k) and not deterministic():
         return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, torch.device("cuda", dev)))
-    if m > gemm.MAX_M:
-        # gemm.MAX_M-row slices and a shorter last one, one after another on the same scratch.
-        rest = m % gemm.MAX_M
-        need = gemm.plan(gemm.MAX_M, n, k, dev).workspace
-        if rest:
-            need = max(need, plan(rest, n, k, dev).workspace if rest <= MAX_M else gemm.plan(rest, n, k, dev).workspace)
-        return need
-    if m > MAX_M:
-        return gemm.plan(m, n, k, dev).workspace
-    return plan(m, n, k, dev).workspace
+    # Slices of _slice_rows(m, k) rows and a shorter last one, one after another on the same scratch.
+    step = _slice_rows(m, k)
+    return max((plan(r, n, k, dev) if r <= MAX_M else gemm.plan(r, n, k, dev)).workspace for r in {min(step, m), m % step} if r)
+
+
+def _rows_served(k: int) -> int:
+    """Rows one native launch takes: the GEMM's up to gemm.MAX_M where it can copy x (K % 8 == 0), else
+    the decode kernel's."""
+    return gemm.MAX_M if k % 8 == 0 else MAX_M
+
+
+def _slice_rows(m: int, k: int) -> int:
+    """Rows of each launch of an m-row call (deterministic mode slices calls past _rows_served)."""
+    return MAX_M if m <= MAX_M else _rows_served(k)
 
 
 def _triton_module():
@@ -604,7 +608,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         y = native_mm(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, None, workspace)
         gated = silu_mul(y)
         return gated if out is None else out.copy_(gated)
-    if refused or (m > MAX_M and (k % 8 or (m > gemm.MAX_M and not deterministic()))):
+    if refused or (m > _rows_served(k) and not deterministic()):
         return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
 
     if out is None:
@@ -621,7 +625,8 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         x2 = x2.index_select(1, act_perm)
     elif k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if m > MAX_M and (x2.data_ptr() % 16 or x2.stride(0) % 8 or x2.stride(1) != 1):
+    step = _slice_rows(m, k)
+    if step > MAX_M and (x2.data_ptr() % 16 or x2.stride(0) % 8 or x2.stride(1) != 1):
         x2 = x2.clone(memory_format=torch.contiguous_format)  # the GEMM copies x in aligned 16-byte pieces
     target = o2 if o2 is not None else torch.empty((m, nout), dtype=x.dtype, device=x.device)
 
@@ -640,8 +645,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         torch.cuda.set_device(dev)
     try:
         stream = torch.cuda.current_stream()
-        step = MAX_M if m <= MAX_M else gemm.MAX_M  # above gemm.MAX_M only in deterministic mode: slices
-        for r0 in range(0, m, step):
+        for r0 in range(0, m, step):  # one launch, or (deterministic mode) slices
             rows = min(step, m - r0)
             if rows <= MAX_M:
                 _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,

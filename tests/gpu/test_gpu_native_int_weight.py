@@ -336,6 +336,11 @@ def test_deterministic_mode_serves_large_m(monkeypatch):
             assert torch.equal(nw.weight.mm(x), y)
             assert torch.equal(y[64:128], nw.weight.mm(x[64:128])), "64-row slices are independent GEMM launches"
             assert torch.equal(y[128:], nw.weight.mm(x[128:])), "the short last slice is a launch of its own"
+        odd = native_weight("gptq", 1000, 777, 128, False, version="v1")  # K % 8 != 0: no GEMM, 32-row decode slices
+        x = rand(72, 777, dtype=torch.bfloat16, seed=7)
+        y = odd.weight.mm(x)
+        check(y, x, odd.w64, None, "deterministic M=72, K=777")
+        assert torch.equal(odd.weight.mm(x), y) and torch.equal(y[32:64], odd.weight.mm(x[32:64]))
     finally:
         monkeypatch.delenv(native.DETERMINISTIC_ENV)
         native.read_deterministic()
