@@ -225,11 +225,14 @@ H200_SMS = 132
 @pytest.fixture
 def h200_facts(monkeypatch):
     from qops.native import int_weight as native
+    from qops.native import int_weight_gemm as gemm
     from qops.ops.triton import blockwise4, fp8, int8_weight
     from qops.ops.triton import int_weight as tri
 
     monkeypatch.setattr(ws_mod, "_NEEDS", {})
     monkeypatch.setattr(native, "_device_facts", lambda index: (H200_SMS, True))
+    monkeypatch.setattr(gemm, "_sm_count", lambda index: H200_SMS)  # the GEMM's plans (M = 33..64)
+    monkeypatch.setattr(gemm, "_smem_limit", lambda index: gemm.SHMEM_SM_BYTES)
     monkeypatch.setattr(native, "_device_name", lambda index: "NVIDIA H200")  # its measured plan table too
     monkeypatch.setattr(native, "smem_optin_bytes", lambda index: 227 * 1024 - native.STATIC_SHMEM_BYTES)
     for mod in (int8_weight, blockwise4, fp8):
