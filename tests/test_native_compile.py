@@ -800,18 +800,18 @@ def test_f16mma_is_a_bf16_option_of_x_staged_once():
 
 
 def _gemm_variants():
-    """The GEMM builds the rule and the plan knobs can ask for: both dtypes, zeros or not, every tile
-    height (M = 33..64: MT = 5..8), the rule's two widths and the narrowest, two to seven stages,
-    and two blocks an SM where make_plan allows it (M <= 40)."""
+    """The GEMM builds the rule and the plan knobs can ask for: the rule's at every tile height (M =
+    33..64: MT = 5..8) in both dtypes with and without zeros, then in fp16 with zeros the narrowest
+    and a middle width, two and seven stages, and two blocks an SM where make_plan allows it (M <= 40)."""
     for dt in (torch.float16, torch.bfloat16):
         for has_z in (False, True):
-            for m in (33, 48, 56, 64):
-                for n, k in ((28672, 4096), (4096, 14336)):
-                    yield gemm._rule(m, n, k, 132).defines(dt, has_z) | {"QOPS_MINB": 1}
-            yield gemm.make_plan(64, 4096, 4096, nwn=2, splits=1, stages=2).defines(dt, has_z)
-            yield gemm.make_plan(33, 4096, 4096, nwn=8, splits=1, stages=7).defines(dt, has_z)
-            yield gemm.make_plan(40, 4096, 4096, nwn=8, splits=1, stages=3, minb=2).defines(dt, has_z)
-            yield gemm.make_plan(33, 4096, 4096, nwn=1, splits=1, stages=2).defines(dt, has_z)
+            # the rule's two widths (256 columns on 28672x4096, 128 on 4096x14336) across MT = 5..8
+            for m, (n, k) in zip((33, 48, 56, 64), ((28672, 4096), (4096, 14336)) * 2):
+                yield gemm._rule(m, n, k, 132).defines(dt, has_z)
+    # the knobs once (fp16, zeros; the dtype and zeros only change the dequantization above)
+    for p in (gemm.make_plan(64, 4096, 4096, nwn=2, splits=1, stages=2), gemm.make_plan(33, 4096, 4096, nwn=8, splits=1, stages=7),
+              gemm.make_plan(40, 4096, 4096, nwn=8, splits=1, stages=3, minb=2), gemm.make_plan(33, 4096, 4096, nwn=1, splits=1, stages=2)):
+        yield p.defines(torch.float16, True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
