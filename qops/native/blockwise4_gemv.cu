@@ -220,12 +220,6 @@ __device__ __forceinline__ float nested_scale_of(const float* nested_absmax, u32
   else return 1.f;
 }
 
-// a * s for an f16x2 / bf16x2 word a and a DT pair s (fma with -0: exact sign, any sm_80+).
-__device__ __forceinline__ u32 mul2(u32 a, u32 s) {
-  if constexpr (kDT == 0) return fma_f16x2(a, s, 0x80008000u);
-  else return fma_bf16x2(a, s, 0x80008000u);
-}
-
 // The table word of byte SEL of w for this lane. lane_table: the lane's copy of entry 0 (a shared
 // address), or with kLutImm 4 * lane (the window's base is then the load's immediate).
 template <int SEL>
@@ -327,10 +321,10 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
           a3 = lookup<3>(lane_table, w1);
         }
         if constexpr (kPrescale) {
-          a0 = mul2(a0, pre[r][0]);
-          a2 = mul2(a2, pre[r][0]);
-          a1 = mul2(a1, pre[r][1]);
-          a3 = mul2(a3, pre[r][1]);
+          a0 = mul2<kDT>(a0, pre[r][0]);
+          a2 = mul2<kDT>(a2, pre[r][0]);
+          a1 = mul2<kDT>(a1, pre[r][1]);
+          a3 = mul2<kDT>(a3, pre[r][1]);
         }
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {

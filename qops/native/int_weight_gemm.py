@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -228,4 +228,4 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
 def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fields) -> Plan:
     """``p`` with some of nwn / splits / stages / minb replaced (validated, shared memory re-derived)."""
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb}
-    return make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else replace(p)
+    return make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p

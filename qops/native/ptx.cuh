@@ -134,6 +134,13 @@ __device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
   return r;
 }
 
+// a * s for f16x2 (DT 0) or bf16x2 (DT 1) pairs: fma with -0 (exact sign; there is no bf16x2 mul before sm_90).
+template <int DT>
+__device__ __forceinline__ u32 mul2(u32 a, u32 s) {
+  if constexpr (DT == 0) return fma_f16x2(a, s, 0x80008000u);
+  else return fma_bf16x2(a, s, 0x80008000u);
+}
+
 __device__ __forceinline__ u16 f32_to_f16_bits(float f) {
   u16 h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));

@@ -13,8 +13,9 @@
 // sums, up to 32 rows) runs out of registers, and two 32-row launches read the weight twice: they
 // lost to the Triton lowering, whose dense path (dequantized slabs, then cuBLAS) itself runs at
 // 0.56-0.81x cuBLAS fp16 (h200-2026-12-01-f28b309-int-weight.txt). Here one launch reads the weight
-// once for all rows: at M = 64 a 16x16 weight fragment feeds 16 MMAs, so the tensor cores, not the
-// weight stream, set the pace, and the work is to keep them fed.
+// once for all rows: at M = 64 a 16x16 weight fragment feeds 16 MMAs. Measured (Nsight Compute,
+// benchmarks/NOTES.md stop 24) neither the weight stream nor the tensor cores set the pace at M = 64:
+// the latency of each warp's instruction stream does, at 8 warps an SM.
 //
 // Work split. A block is 8 warps, NWN along N (32 columns each) by NWK = 8 / NWN along K; grid
 // (ceil(N / (32 NWN)), S), the S blocks of a column tile splitting the K chunks (128 rows each)
@@ -105,12 +106,6 @@ __device__ __forceinline__ u32 scale_pair(u32 bits16, int flags) {
   const float f = (flags & kScaleBf16) ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
   const u32 d = f32_to_bits<kDT>(f);
   return d | (d << 16);
-}
-
-// a * s for DT pairs (fma with -0: exact sign, any sm_80+).
-__device__ __forceinline__ u32 mul2(u32 a, u32 s) {
-  if constexpr (kDT == 0) return fma_f16x2(a, s, 0x80008000u);
-  else return fma_bf16x2(a, s, 0x80008000u);
 }
 
 }  // namespace gemm
@@ -246,7 +241,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       for (int jj = 0; jj < 4; ++jj) {
         w4_dequant_word<kDT>(p[jj], word(wv[j], jj), za[jj], zb[jj]);
 #pragma unroll
-        for (int r = 0; r < 4; ++r) p[jj][r] = mul2(p[jj][r], sp[jj]);
+        for (int r = 0; r < 4; ++r) p[jj][r] = mul2<kDT>(p[jj][r], sp[jj]);
       }
       // Two 16-row k steps (s = 0: nibbles 0,4,1,5 against x pairs (0,4) (1,5); s = 1: 2,6,3,7 against
       // (2,6) (3,7)) x two 16-column tiles: rows g and g + 8 of tile t are columns n0 + 2t and n0 + 2t + 1.
