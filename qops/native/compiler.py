@@ -284,12 +284,15 @@ def _defines_key(defines: Mapping[str, int | str]) -> tuple:
     return tuple(sorted((str(k), str(v)) for k, v in defines.items()))
 
 
-def is_loaded(device, source_name: str, defines: Mapping[str, int | str], kernel_name: str) -> bool:
-    return (_device_index(device), source_name, _defines_key(defines), kernel_name) in _kernels
+def is_loaded(device, source_name: str, defines: Mapping[str, int | str], kernel_name: str, *, arch_specific: bool = False) -> bool:
+    return (_device_index(device), source_name, _defines_key(defines), arch_specific, kernel_name) in _kernels
 
 
-def get_kernel(device: torch.device | int, source_name: str, defines: Mapping[str, int | str], kernel_name: str):
+def get_kernel(device: torch.device | int, source_name: str, defines: Mapping[str, int | str], kernel_name: str,
+               *, arch_specific: bool = False):
     """The loaded kernel ``kernel_name`` of ``qops/native/<source_name>`` built with ``defines``, for ``device``.
+    ``arch_specific``: compile for the architecture's feature set (``sm_90a``: wgmma, setmaxnreg), code
+    that loads on that exact architecture only; the caller has checked the device is one.
 
     Compiles (or reads the disk cache) and loads the module on first use per device. Raises
     :class:`NativeNotReadyError` instead when the current stream is capturing a CUDA graph. The
@@ -298,7 +301,7 @@ def get_kernel(device: torch.device | int, source_name: str, defines: Mapping[st
     """
     idx = _device_index(device)
     dkey = _defines_key(defines)
-    key = (idx, source_name, dkey, kernel_name)
+    key = (idx, source_name, dkey, arch_specific, kernel_name)
     k = _kernels.get(key)
     if k is not None:
         return k
@@ -312,11 +315,12 @@ def get_kernel(device: torch.device | int, source_name: str, defines: Mapping[st
         k = _kernels.get(key)
         if k is not None:
             return k
-        mkey = (idx, source_name, dkey)
+        mkey = (idx, source_name, dkey, arch_specific)
         obj = _modules.get(mkey)
         cc = core()
         if obj is None:
-            cubin = compile_cached(native_source(source_name), device_arch(idx), native_options(defines))
+            arch = device_arch(idx) + ("a" if arch_specific else "")
+            cubin = compile_cached(native_source(source_name), arch, native_options(defines))
             with torch.cuda.device(idx):
                 cc.Device(idx).set_current()
                 obj = cc.ObjectCode.from_cubin(cubin)

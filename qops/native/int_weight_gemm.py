@@ -46,28 +46,39 @@ class Plan:
     tiles: int
     shmem: int
     workspace: int
+    wgmma: bool = False  # warpgroup MMAs (sm_90a build; nwn 4 or 8)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
-        return {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
-                "QOPS_STAGES": self.stages, "QOPS_MINB": self.minb}
+        d = {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
+             "QOPS_STAGES": self.stages, "QOPS_MINB": self.minb}
+        if self.wgmma:  # only then: the mma.sync builds keep their cache keys
+            d["QOPS_WGMMA"] = 1
+        return d
 
 
 WARP_STAGE_BYTES = 4 * 32 * 16 + 32 * 8 + 32 * 4  # kWarpW in w4a16_gemm.cu: a warp's weights, scales, zeros
+WGMMA_X_BUFFERS = 3  # kXbufs in w4a16_gemm.cu
 
 
-def shmem_bytes(m: int, nwn: int, stages: int) -> int:
+def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False) -> int:
     """Pipeline stages (x: M rows of 8 / nwn chunks, rows padded by 4 slots; the 8 warps' weights), or
-    the warps' partial sums if larger."""
+    the warps' partial sums if larger. With wgmma the stages hold weights only, and three x buffers
+    (8 / nwn chunks of 128 rows by 8 MT rows of x, 2 bytes a value) follow them."""
     nwk = 8 // nwn
-    pipeline = stages * (m * (nwk * 16 + 4) * 16 + 8 * WARP_STAGE_BYTES)
-    partials = (nwk - 1) * nwn * (-(-m // 8)) * 2 * 32 * 16
+    mt = -(-m // 8)
+    if wgmma:
+        pipeline = stages * 8 * WARP_STAGE_BYTES + WGMMA_X_BUFFERS * nwk * CHUNK_K * 8 * mt * 2
+    else:
+        pipeline = stages * (m * (nwk * 16 + 4) * 16 + 8 * WARP_STAGE_BYTES)
+    partials = (nwk - 1) * nwn * mt * 2 * 32 * 16
     return max(pipeline, partials)
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
-              smem_limit: int = SHMEM_SM_BYTES) -> Plan:
+              smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
-    ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default)."""
+    ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default).
+    Whether the device runs wgmma (sm_90a) is :func:`plan`'s check, not this one's."""
     chunks = max(-(-k // CHUNK_K), 1)
     if not 1 <= m <= MAX_M:
         raise ValueError(f"native_w4a16 gemm: M={m} outside 1..{MAX_M}")
@@ -81,12 +92,16 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
         raise ValueError(f"native_w4a16 gemm: minb={minb} outside 1..2")
     if minb == 2 and m > 40:
         raise ValueError(f"native_w4a16 gemm: minb=2 with M={m}: MT = {-(-m // 8)} needs more than 128 registers a thread, two blocks an SM spill")
-    shmem = shmem_bytes(m, nwn, stages)
+    if wgmma and nwn not in (4, 8):
+        raise ValueError(f"native_w4a16 gemm: wgmma with nwn={nwn}: a warpgroup's four warps must share their K chunk (nwn 4 or 8)")
+    if wgmma and minb != 1:
+        raise ValueError(f"native_w4a16 gemm: wgmma with minb={minb}: its builds take 160-200 registers a thread (one block an SM)")
+    shmem = shmem_bytes(m, nwn, stages, wgmma)
     if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
                          f"a block, {minb} block(s) an SM: more than the device's {smem_limit}")
     tiles = -(-n // (32 * nwn))
-    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0)
+    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0, bool(wgmma))
 
 
 # The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
@@ -152,8 +167,8 @@ def _env_fields() -> dict[str, int]:
     out = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
-        if key.strip() not in ("nwn", "splits", "stages", "minb"):
-            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb)")
+        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma)")
         out[key.strip()] = int(val)
     return out
 
@@ -167,6 +182,19 @@ def _smem_limit(device: int) -> int:
     return min(compiler.max_shared_optin(device) - 1024, SHMEM_SM_BYTES)
 
 
+def wgmma_missing(device: int) -> str | None:
+    """Why the device cannot run the wgmma builds, or None: they are sm_90a code (Hopper, compute
+    capability 9.0 exactly; an sm_90a cubin loads on no other architecture)."""
+    cap = _capability(device)
+    if cap != (9, 0):
+        return f"wgmma builds are sm_90a code; cuda:{device} has compute capability {cap[0]}.{cap[1]}"
+    return None
+
+
+def _capability(device: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
 def plan(m: int, n: int, k: int, device: int) -> Plan:
     """The plan for an (m, K) x (K, N) call on CUDA device ``device``."""
     p = _rule(m, n, k, _sm_count(device), _smem_limit(device))
@@ -175,6 +203,8 @@ def plan(m: int, n: int, k: int, device: int) -> Plan:
         p = with_fields(p, n, k, smem_limit=_smem_limit(device), **fields)
     if _override is not None:
         p = _override(m, n, k, p)
+    if p.wgmma and (why := wgmma_missing(device)) is not None:
+        raise ValueError(f"native_w4a16 gemm: plan {p} asks for wgmma: {why}")
     return p
 
 
@@ -188,7 +218,7 @@ def launch(p: Plan, x2, qweight, scales, qzeros, bias, o2, ws, n: int, k: int, c
     reduction of its partials. ``flags``: the bias and scale-dtype bits of ``w4a16_gemv.cu``."""
     m = x2.shape[0]
     has_z = qzeros is not None
-    kernel = compiler.get_kernel(dev, SOURCE, p.defines(x2.dtype, has_z), KERNEL)
+    kernel = compiler.get_kernel(dev, SOURCE, p.defines(x2.dtype, has_z), KERNEL, arch_specific=p.wgmma)
     i32 = compiler.i32
     ws_ptr = ws.data_ptr() if ws is not None else 0
     compiler.launch(
@@ -216,7 +246,7 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
         if key in seen:
             continue
         seen.add(key)
-        kernel = compiler.get_kernel(dev, SOURCE, p.defines(dtype, has_zeros), KERNEL)
+        kernel = compiler.get_kernel(dev, SOURCE, p.defines(dtype, has_zeros), KERNEL, arch_specific=p.wgmma)
         if p.shmem > SHMEM_DEFAULT_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
             compiler.allow_dynamic_shared(kernel, dev, p.shmem)
         compiler.launch(kernel, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
@@ -226,6 +256,6 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
 
 
 def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fields) -> Plan:
-    """``p`` with some of nwn / splits / stages / minb replaced (validated, shared memory re-derived)."""
-    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb}
+    """``p`` with some of nwn / splits / stages / minb / wgmma replaced (validated, shared memory re-derived)."""
+    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma}
     return make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p

@@ -51,9 +51,26 @@
 // before grid_dep_wait() (never written by the kernel ahead); x is copied, and anything written,
 // only after it. The next launch is released after the main loop.
 //
+// Warpgroup MMAs (QOPS_WGMMA = 1, sm_90a only; NWN 4 or 8, so a warpgroup's four warps share their K
+// chunk). mma.sync peaks near half of Hopper's dense fp16 rate, and at M = 64 the MMAs alone at
+// that rate would take ~30 us on 28672 x 4096, the time #3's "2x cuBLAS" asks for the whole call;
+// the profile above also counts each warp's shared loads and permutes of x (8 of each a 32-row step)
+// among its stalls. Here the four warps of a warpgroup issue one wgmma m64 n(8 MT) k16 per 16-row
+// step and 16-column tile: A is the warps' dequantized weight fragments in registers, exactly the
+// mma.sync A fragments above (warp w of the group holds rows 16 w ..), and the tensor cores read x^T
+// from shared memory themselves; D is laid out like MT mma.sync C fragments, so the reduction and
+// the stores below are shared. The MMAs run asynchronously: a warp dequantizes the next 32-row step
+// while the previous step's wgmmas run (a wait_group 1 before its fragments are overwritten).
+// x cannot come through cp.async here, because the tensor cores read it in the weight fragments'
+// permuted K order (pairs (q_i, q_i+4) of a word): each thread loads its 64-byte pieces of the next
+// iteration's x into registers at the top of an iteration, permutes them (8 prmt) and stores them
+// at its end into one of three x buffers in the K-major core-matrix layout wgmma reads (three: the
+// buffer written in iteration it was last read by wgmmas of it - 2, which every warpgroup has waited
+// for before the barrier of it). Weights, scales and zeros keep the cp.async stages.
+//
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
-// stages), QOPS_MINB (blocks an SM promised to ptxas).
+// stages), QOPS_MINB (blocks an SM promised to ptxas), QOPS_WGMMA (0/1, above).
 #include "w4.cuh"
 
 #ifndef QOPS_DT
@@ -73,6 +90,15 @@
 #endif
 #ifndef QOPS_MINB
 #define QOPS_MINB 1
+#endif
+#ifndef QOPS_WGMMA
+#define QOPS_WGMMA 0
+#endif
+#if QOPS_WGMMA
+#ifndef __CUDA_ARCH_FEAT_SM90_ALL
+#error "QOPS_WGMMA needs arch sm_90a (wgmma)"
+#endif
+#include "wgmma.cuh"
 #endif
 
 namespace qops {
@@ -99,6 +125,15 @@ static_assert(kMT >= 1 && kMT <= 8, "QOPS_MT is 1..8 (M <= 64)");
 static_assert(kNWN == 1 || kNWN == 2 || kNWN == 4 || kNWN == 8, "QOPS_NWN is 1, 2, 4 or 8");
 static_assert(kStages >= 2 && kStages <= 8, "QOPS_STAGES is 2..8");
 static_assert(kWarpW % 16 == 0, "stages must stay 16-byte aligned");
+constexpr bool kWgmma = QOPS_WGMMA != 0;
+static_assert(!kWgmma || kNWN == 4 || kNWN == 8, "QOPS_WGMMA: a warpgroup's warps must share their chunk (NWN 4 or 8)");
+// wgmma's x buffer: per chunk of the iteration (NWK), 32-row step (4), 16-row k step (2) and K half
+// (2), MT core matrices of 8 rows x 16 bytes (x rows 8 i .. 8 i + 7 at 128 i bytes).
+constexpr int kCore = 128;
+constexpr int kXbBytes = kNWK * 4 * 2 * 2 * kMT * kCore;
+constexpr int kXbufs = 3;
+constexpr int kXUnits = (8 * kMT) * kNWK * 4;  // (x row, 32-row step) pieces of 64 bytes an iteration
+constexpr int kXUnitsPerThread = (kXUnits + kThreads - 1) / kThreads;
 
 // A scale (f16 or bf16 bits, per `flags`) as a DT pair.
 __device__ __forceinline__ u32 scale_pair(u32 bits16, int flags) {
@@ -135,8 +170,9 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   const int ce = static_cast<int>(static_cast<long long>(split + 1) * C / S);
   const int n_it = (ce - cb + kNWK - 1) / kNWK;
   const int zw = (N + 7) >> 3;
-  // A stage: x (M rows of kRS slots), then the 8 warps' weights.
-  const int xslots = M * kRS;
+  // A stage: x (M rows of kRS slots; none with wgmma, whose x buffers follow the stages), then the
+  // 8 warps' weights.
+  const int xslots = kWgmma ? 0 : M * kRS;
   const int stage_bytes = xslots * 16 + kWarps * kWarpW;
   const u32 smem_a = smem_addr(smem);
   const char* smem_c = reinterpret_cast<const char*>(smem);
@@ -158,6 +194,158 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     cp_async_8_if(dst + kWScales + lane * 8, scales + static_cast<size_t>(grp) * N + n0, ok);
     if constexpr (kHasZ) cp_async_4_if(dst + kWZeros + lane * 4, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
   };
+
+
+  float acc[kMT][2][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
+
+  const W4ZeroBase zbase = w4_zero_base<kDT>(static_cast<u32>(kHasZ ? zero_offset : 8));  // w4.cuh
+
+  // This warp's chunk of stage st, dequantized: the 4 weight words a lane holds for each 32-row step
+  // (wv), then per step j the A fragments p[jj][r] = scale * (q[r] - z, q[r+4] - z) of column n0 + jj.
+  struct Chunk {
+    uint4 wv[4];
+    u32 za[4], zb[4], sp[4];
+  };
+  auto read_chunk = [&](int st) {
+    Chunk ck;
+    const char* wsm = smem_c + st * stage_bytes + xslots * 16 + warp * kWarpW;
+    const uint2 sc = *reinterpret_cast<const uint2*>(wsm + kWScales + lane * 8);
+    const u32 zbits = kHasZ ? *reinterpret_cast<const u32*>(wsm + kWZeros + lane * 4) >> ((n0 & 7) * 4) : 0u;
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const u32 nib = (zbits >> (4 * jj)) & 15u;  // zero of column n0 + jj
+      w4_zero_pairs(zbase, nib, ck.za[jj], ck.zb[jj]);
+      const u32 sw = jj < 2 ? sc.x : sc.y;
+      ck.sp[jj] = scale_pair((jj & 1) ? sw >> 16 : sw, flags);
+    }
+    // All four words first: 4 shared loads in flight at once.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ck.wv[j] = *reinterpret_cast<const uint4*>(wsm + j * 512 + lane * 16);
+    return ck;
+  };
+  auto dequant_step = [&](const Chunk& ck, int j, u32 (&p)[4][4]) {
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      w4_dequant_word<kDT>(p[jj], word(ck.wv[j], jj), ck.za[jj], ck.zb[jj]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) p[jj][r] = mul2<kDT>(p[jj][r], ck.sp[jj]);
+    }
+  };
+
+#if QOPS_WGMMA
+  // x through registers into the wgmma buffers (header). Piece u of an iteration: x row
+  // m = u % (8 MT) (rows past M are zeros), chunk wkc and 32-row step j from u / (8 MT); consecutive
+  // threads take consecutive rows, so their 16-byte stores fill one core matrix's rows.
+  constexpr int kRows = 8 * kMT;
+  const u32 xb_a = smem_a + kStages * stage_bytes;
+  uint4 xr[kXUnitsPerThread][4];
+  auto load_x_regs = [&](int it) {
+    const int k0 = (cb + it * kNWK) * kChunkK;
+#pragma unroll
+    for (int i = 0; i < kXUnitsPerThread; ++i) {
+      const int u = tid + i * kThreads;
+      const int m = u % kRows, q = u / kRows;  // q = wkc * 4 + j
+#pragma unroll
+      for (int c4 = 0; c4 < 4; ++c4) {
+        const int k = k0 + 32 * q + 8 * c4;
+        const bool in = u < kXUnits && m < M && k < K;  // K % 8 == 0: 8 values all in or all out
+        xr[i][c4] = make_uint4(0u, 0u, 0u, 0u);
+        if (in) xr[i][c4] = *reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * ldx + k);
+      }
+    }
+  };
+  // Core matrix (wkc, j, s2, kc), row m: word c holds x values 8 c + i, 8 c + i + 4 with i = 2 s2 + kc,
+  // the K order of the A fragments (MMA k 8 kc + 2 c + e is row 8 c + 2 s2 + kc + 4 e of the step).
+  auto store_x_regs = [&](int buf) {
+    const u32 base = xb_a + buf * kXbBytes;
+#pragma unroll
+    for (int i = 0; i < kXUnitsPerThread; ++i) {
+      const int u = tid + i * kThreads;
+      if (u >= kXUnits) continue;
+      const int m = u % kRows, q = u / kRows;
+      const u32 row = base + (m >> 3) * kCore + (m & 7) * 16;
+#pragma unroll
+      for (int s2 = 0; s2 < 2; ++s2) {
+        u32 w0[4], w1[4];
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) {
+          const u32 lo = s2 ? xr[i][c4].y : xr[i][c4].x, hi = s2 ? xr[i][c4].w : xr[i][c4].z;
+          w0[c4] = prmt<0x5410>(lo, hi);
+          w1[c4] = prmt<0x7632>(lo, hi);
+        }
+        const u32 blk = ((q * 2 + s2) * 2) * (kMT * kCore);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row + blk), "r"(w0[0]), "r"(w0[1]), "r"(w0[2]), "r"(w0[3]) : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row + blk + kMT * kCore), "r"(w1[0]), "r"(w1[1]), "r"(w1[2]), "r"(w1[3]) : "memory");
+      }
+    }
+    // The tensor cores read these through the async proxy.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  };
+
+  float accw[2][4 * kMT];
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int i = 0; i < 4 * kMT; ++i) accw[t][i] = 0.f;
+
+  // The first stages' weights (never written by the kernel ahead), then x once that kernel is done.
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < n_it) load_w(st, st);
+    cp_async_commit();  // one group a stage, empty or not, so the wait below counts stages
+  }
+  grid_dep_wait();
+  if (n_it > 0) {
+    load_x_regs(0);
+    store_x_regs(0);
+  }
+
+  for (int it = 0; it < n_it; ++it) {
+    cp_async_wait<kStages - 2>();  // this thread's weight copies of stage it have landed
+    __syncthreads();               // x buffer it % 3 is complete; every warp is done with the stage refilled below
+    const int ahead = it + kStages - 1;
+    if (ahead < n_it) load_w(ahead, ahead % kStages);
+    cp_async_commit();
+    if (it + 1 < n_it) load_x_regs(it + 1);  // stored after this iteration's MMAs are issued
+    if (cb + it * kNWK + wk < ce) {          // warpgroup-uniform: the group's warps share wk
+      const Chunk ck = read_chunk(it % kStages);
+      const u32 xbuf = xb_a + (it % kXbufs) * kXbBytes;
+      u32 p[2][4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        dequant_step(ck, j, p[j & 1]);
+        wgmma_fence();
+#pragma unroll
+        for (int s2 = 0; s2 < 2; ++s2) {
+          const unsigned long long desc =
+              wgmma_desc(xbuf + ((wk * 4 + j) * 2 + s2) * 2 * (kMT * kCore), kMT * kCore, kCore);
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const u32(&q)[4][4] = p[j & 1];
+            Wgmma<kMT, kDT>::run(accw[t], q[2 * t][2 * s2], q[2 * t + 1][2 * s2], q[2 * t][2 * s2 + 1], q[2 * t + 1][2 * s2 + 1], desc);
+          }
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // step j - 1's MMAs are done: its fragments may be overwritten
+      }
+    }
+    if (it + 1 < n_it) store_x_regs((it + 1) % kXbufs);
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int i = 0; i < 4 * kMT; ++i) {
+      fence_reg(accw[t][i]);
+      acc[i >> 2][t][i & 3] = accw[t][i];
+    }
+#else
   // x of iteration `it` into stage `st`: row m, 8 values from column k0 + 8 kk; threads take slots
   // tid, tid + 256, ... (zeros from column K on).
   const int nslots = M * kRow;
@@ -171,15 +359,6 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       cp_async_16(base + (m * kRS + kk) * 16, in ? x + static_cast<size_t>(m) * ldx + k : x, in ? 16 : 0);
     }
   };
-
-  float acc[kMT][2][4];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
-
   // The first stages: weights (never written by the kernel ahead), then x once that kernel is done.
   // Group s is committed after stage s's x: group 0 also carries every first stage's weights (the
   // first wait covers them all), later groups one stage whole.
@@ -192,8 +371,6 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     if (st < n_it) load_x(st, st);
     cp_async_commit();  // one group a stage, empty or not, so the wait below counts stages
   }
-
-  const W4ZeroBase zbase = w4_zero_base<kDT>(static_cast<u32>(kHasZ ? zero_offset : 8));  // w4.cuh
 
   for (int it = 0; it < n_it; ++it) {
     cp_async_wait<kStages - 2>();  // this thread's copies of stage it have landed
@@ -208,25 +385,12 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 
     const int st = it % kStages;
     const uint4* xs = reinterpret_cast<const uint4*>(smem_c + st * stage_bytes);
-    const char* wsm = smem_c + st * stage_bytes + xslots * 16 + warp * kWarpW;
-    const uint2 sc = *reinterpret_cast<const uint2*>(wsm + kWScales + lane * 8);
-    const u32 zbits = kHasZ ? *reinterpret_cast<const u32*>(wsm + kWZeros + lane * 4) >> ((n0 & 7) * 4) : 0u;
-    u32 za[4], zb[4], sp[4];
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const u32 nib = (zbits >> (4 * jj)) & 15u;  // zero of column n0 + jj
-      w4_zero_pairs(zbase, nib, za[jj], zb[jj]);
-      const u32 sw = jj < 2 ? sc.x : sc.y;
-      sp[jj] = scale_pair((jj & 1) ? sw >> 16 : sw, flags);
-    }
-    // The chunk's weight words first (4 loads in flight at once), then per 32-row step j: the x
-    // pieces of every tile (8 loads in flight), the dequantization (its ALU work covers their
-    // latency), and the MMAs ordered k step outer, tile inner, so the two MMAs into one accumulator
-    // sit 2 MT issues apart instead of back to back (Nsight Compute, 344420d: 2 warps a scheduler
-    // issued every 4.8 cycles each, stalled on fixed-latency dependencies and shared loads).
-    uint4 wv[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) wv[j] = *reinterpret_cast<const uint4*>(wsm + j * 512 + lane * 16);
+    // The chunk's weight words first, then per 32-row step j: the x pieces of every tile (8 loads in
+    // flight), the dequantization (its ALU work covers their latency), and the MMAs ordered k step
+    // outer, tile inner, so the two MMAs into one accumulator sit 2 MT issues apart instead of back to
+    // back (Nsight Compute, 344420d: 2 warps a scheduler issued every 4.8 cycles each, stalled on
+    // fixed-latency dependencies and shared loads).
+    const Chunk ck = read_chunk(st);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       // x[m, 8 kw .. 8 kw + 7] of row m = 8 mt + g. Rows past M read whatever the stage holds there
@@ -235,14 +399,8 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       uint4 xv[kMT];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) xv[mt] = xs[(8 * mt + g) * kRS + wk * 16 + 4 * j + c];
-      // A fragments: p[jj][r] = scale * (q[r] - z, q[r+4] - z) of column n0 + jj.
       u32 p[4][4];
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        w4_dequant_word<kDT>(p[jj], word(wv[j], jj), za[jj], zb[jj]);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) p[jj][r] = mul2<kDT>(p[jj][r], sp[jj]);
-      }
+      dequant_step(ck, j, p);
       // Two 16-row k steps (s = 0: nibbles 0,4,1,5 against x pairs (0,4) (1,5); s = 1: 2,6,3,7 against
       // (2,6) (3,7)) x two 16-column tiles: rows g and g + 8 of tile t are columns n0 + 2t and n0 + 2t + 1.
 #pragma unroll
@@ -257,6 +415,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
         }
     }
   }
+#endif
   grid_dep_launch_dependents();
 
   // Sums of the NWK warps of a column group, in warp order, through shared memory (the stages).

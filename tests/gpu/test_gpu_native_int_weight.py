@@ -363,14 +363,18 @@ def test_large_m_is_delegated_to_triton(monkeypatch):
         assert launches == want, f"M={m}: native launches {launches}, expected {want}"
 
 
-GEMM_PLANS = [  # (nwn, splits, stages, minb): the rule's tile, every other width, the workspace path, pipeline depths, two blocks an SM
-    (8, 1, 4, 1), (1, 1, 2, 1), (2, 2, 3, 1), (4, 1, 4, 1), (8, 3, 4, 1), (8, 1, 2, 1), (4, 5, 6, 1), (8, 1, 3, 2),
+GEMM_PLANS = [  # (nwn, splits, stages, minb, wgmma): the rule's tile, every other width, the workspace path, pipeline
+    # depths, two blocks an SM; warpgroup MMAs at both widths they take, split and not, shallow and deep
+    (8, 1, 4, 1, 0), (1, 1, 2, 1, 0), (2, 2, 3, 1, 0), (4, 1, 4, 1, 0), (8, 3, 4, 1, 0), (8, 1, 2, 1, 0), (4, 5, 6, 1, 0), (8, 1, 3, 2, 0),
+    (8, 1, 4, 1, 1), (4, 1, 4, 1, 1), (4, 5, 2, 1, 1), (8, 3, 6, 1, 1),
 ]
 
 
-@pytest.mark.parametrize("variant", GEMM_PLANS, ids=lambda v: "nwn{}-s{}-st{}-minb{}".format(*v))
+@pytest.mark.parametrize("variant", GEMM_PLANS, ids=lambda v: "nwn{}-s{}-st{}-minb{}-wgmma{}".format(*v))
 def test_every_gemm_plan_matches_reference(variant):
-    nwn, splits, stages, minb = variant
+    nwn, splits, stages, minb, wgmma = variant
+    if wgmma and (why := gemm.wgmma_missing(torch.cuda.current_device())):
+        pytest.skip(why)
     ran = 0
     for fmt, n, k, g, sym, act, ver in (("gptq", 1000, 1000, 128, False, True, "v2"), ("awq", 2048, 640, -1, False, False, None),
                                         ("gptq", 4096, 4096, 128, True, False, "v1")):
@@ -378,7 +382,7 @@ def test_every_gemm_plan_matches_reference(variant):
         for dtype in DTYPES:
             for m in (33, 48, 64):
                 try:
-                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb)
+                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb, wgmma=bool(wgmma))
                 except ValueError:
                     continue  # a combination the kernel cannot run (two blocks an SM at M > 40, shared memory)
                 x = rand(m, k, dtype=dtype, seed=m + nwn)
