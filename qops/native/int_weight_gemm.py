@@ -39,7 +39,7 @@ _DT = {torch.float16: 0, torch.bfloat16: 1}
 class Plan:
     m: int
     mt: int  # 8-row MMA tiles of x: ceil(M / 8)
-    nwn: int  # warps along N; a block covers 32 * nwn columns with 8 / nwn warps along K
+    nwn: int  # warps along N; a block covers 16 * tw * nwn columns with 8 / nwn warps along K
     splits: int  # S: blocks sharing one column tile's K range (S > 1: fp32 partials in the workspace)
     stages: int  # cp.async pipeline stages in shared memory (2..8)
     minb: int  # resident blocks per SM promised to the register allocator
@@ -47,35 +47,45 @@ class Plan:
     shmem: int
     workspace: int
     wgmma: bool = False  # warpgroup MMAs (sm_90a build; nwn 4 or 8)
+    tw: int = 2  # 16-column MMA tiles a warp (1: half the accumulators, so two blocks an SM fit 128 registers)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         d = {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
              "QOPS_STAGES": self.stages, "QOPS_MINB": self.minb}
-        if self.wgmma:  # only then: the mma.sync builds keep their cache keys
+        if self.wgmma:  # only then: the builds of before keep their cache keys
             d["QOPS_WGMMA"] = 1
+        if self.tw != 2:
+            d["QOPS_TW"] = self.tw
         return d
 
 
-WARP_STAGE_BYTES = 4 * 32 * 16 + 32 * 8 + 32 * 4  # kWarpW in w4a16_gemm.cu: a warp's weights, scales, zeros
 WGMMA_X_BUFFERS = 3  # kXbufs in w4a16_gemm.cu
 
 
-def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False) -> int:
+def warp_stage_bytes(tw: int) -> int:
+    """kWarpW in w4a16_gemm.cu: a warp's weights (4 rows of 4 tw bytes a lane), scales, zero words."""
+    return 4 * 32 * 4 * 2 * tw + 32 * 2 * 2 * tw + 32 * 4
+
+
+WARP_STAGE_BYTES = warp_stage_bytes(2)
+
+
+def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2) -> int:
     """Pipeline stages (x: M rows of 8 / nwn chunks, rows padded by 4 slots; the 8 warps' weights), or
     the warps' partial sums if larger. With wgmma the stages hold weights only, and three x buffers
     (8 / nwn chunks of 128 rows by 8 MT rows of x, 2 bytes a value) follow them."""
     nwk = 8 // nwn
     mt = -(-m // 8)
     if wgmma:
-        pipeline = stages * 8 * WARP_STAGE_BYTES + WGMMA_X_BUFFERS * nwk * CHUNK_K * 8 * mt * 2
+        pipeline = stages * 8 * warp_stage_bytes(tw) + WGMMA_X_BUFFERS * nwk * CHUNK_K * 8 * mt * 2
     else:
-        pipeline = stages * (m * (nwk * 16 + 4) * 16 + 8 * WARP_STAGE_BYTES)
-    partials = (nwk - 1) * nwn * mt * 2 * 32 * 16
+        pipeline = stages * (m * (nwk * 16 + 4) * 16 + 8 * warp_stage_bytes(tw))
+    partials = (nwk - 1) * nwn * mt * tw * 32 * 16
     return max(pipeline, partials)
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
-              smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False) -> Plan:
+              smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
     ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default).
     Whether the device runs wgmma (sm_90a) is :func:`plan`'s check, not this one's."""
@@ -90,18 +100,20 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
         raise ValueError(f"native_w4a16 gemm: stages={stages} outside 2..8")
     if not 1 <= minb <= 2:
         raise ValueError(f"native_w4a16 gemm: minb={minb} outside 1..2")
-    if minb == 2 and m > 40:
+    if tw not in (1, 2):
+        raise ValueError(f"native_w4a16 gemm: tw={tw} is not 1 or 2")
+    if minb == 2 and m > 40 and tw == 2:
         raise ValueError(f"native_w4a16 gemm: minb=2 with M={m}: MT = {-(-m // 8)} needs more than 128 registers a thread, two blocks an SM spill")
     if wgmma and nwn not in (4, 8):
         raise ValueError(f"native_w4a16 gemm: wgmma with nwn={nwn}: a warpgroup's four warps must share their K chunk (nwn 4 or 8)")
-    if wgmma and minb != 1:
-        raise ValueError(f"native_w4a16 gemm: wgmma with minb={minb}: its builds take 160-200 registers a thread (one block an SM)")
-    shmem = shmem_bytes(m, nwn, stages, wgmma)
+    if wgmma and minb != 1 and tw == 2:
+        raise ValueError(f"native_w4a16 gemm: wgmma with minb={minb} and tw=2: those builds take 190-235 registers a thread (one block an SM)")
+    shmem = shmem_bytes(m, nwn, stages, wgmma, tw)
     if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
                          f"a block, {minb} block(s) an SM: more than the device's {smem_limit}")
-    tiles = -(-n // (32 * nwn))
-    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0, bool(wgmma))
+    tiles = -(-n // (16 * tw * nwn))
+    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0, bool(wgmma), tw)
 
 
 # The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
@@ -167,8 +179,8 @@ def _env_fields() -> dict[str, int]:
     out = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
-        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma"):
-            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma)")
+        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw)")
         out[key.strip()] = int(val)
     return out
 
@@ -256,6 +268,6 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
 
 
 def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fields) -> Plan:
-    """``p`` with some of nwn / splits / stages / minb / wgmma replaced (validated, shared memory re-derived)."""
-    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma}
+    """``p`` with some of nwn / splits / stages / minb / wgmma / tw replaced (validated, shared memory re-derived)."""
+    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw}
     return make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p

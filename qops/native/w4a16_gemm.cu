@@ -94,6 +94,9 @@
 #ifndef QOPS_WGMMA
 #define QOPS_WGMMA 0
 #endif
+#ifndef QOPS_TW
+#define QOPS_TW 2
+#endif
 #if QOPS_WGMMA
 #ifndef __CUDA_ARCH_FEAT_SM90_ALL
 #error "QOPS_WGMMA needs arch sm_90a (wgmma)"
@@ -107,6 +110,9 @@ namespace gemm {
 constexpr int kDT = QOPS_DT;
 constexpr int kMT = QOPS_MT;
 constexpr int kNWN = QOPS_NWN;
+constexpr int kTW = QOPS_TW;        // 16-column MMA tiles a warp
+constexpr int kCols = 2 * kTW;      // columns a lane (rows g and g + 8 of each tile)
+constexpr int kWarpCols = 16 * kTW;
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kNWK = kWarps / kNWN;
@@ -115,18 +121,22 @@ constexpr bool kHasZ = QOPS_HAS_Z != 0;
 constexpr int kChunkK = 128;
 constexpr int kRow = kNWK * 16;  // 16-byte x slots (8 values) of one row in one stage
 constexpr int kRS = kRow + 4;    // padded: rows g, g + 1 of a quarter warp fall in disjoint banks
-// One warp's weights in a stage (w4a16_gemv.cu's kSmemStage): 4 steps x 32 lanes x 16 bytes, lane-major
-// within a step, then the lanes' scales (8 bytes each), then their zero words (4 bytes each).
-constexpr int kWarpW = 4 * 32 * 16 + 32 * 8 + 32 * 4;
-constexpr int kWScales = 4 * 32 * 16;
-constexpr int kWZeros = kWScales + 32 * 8;
+// One warp's weights in a stage (w4a16_gemv.cu's kSmemStage at TW = 2): 4 steps x 32 lanes x 4 TW bytes
+// (a lane's words of one row), lane-major within a step, then the lanes' scales (2 TW bytes each),
+// then their zero words (4 bytes each).
+constexpr int kWPiece = 4 * kCols;
+constexpr int kWarpW = 4 * 32 * kWPiece + 32 * 2 * kCols + 32 * 4;
+constexpr int kWScales = 4 * 32 * kWPiece;
+constexpr int kWZeros = kWScales + 32 * 2 * kCols;
 constexpr int kScaleBf16 = 8;  // `flags` bit, as in w4a16_gemv.cu
 static_assert(kMT >= 1 && kMT <= 8, "QOPS_MT is 1..8 (M <= 64)");
 static_assert(kNWN == 1 || kNWN == 2 || kNWN == 4 || kNWN == 8, "QOPS_NWN is 1, 2, 4 or 8");
+static_assert(kTW == 1 || kTW == 2, "QOPS_TW is 1 or 2");
 static_assert(kStages >= 2 && kStages <= 8, "QOPS_STAGES is 2..8");
 static_assert(kWarpW % 16 == 0, "stages must stay 16-byte aligned");
 constexpr bool kWgmma = QOPS_WGMMA != 0;
 static_assert(!kWgmma || kNWN == 4 || kNWN == 8, "QOPS_WGMMA: a warpgroup's warps must share their chunk (NWN 4 or 8)");
+#if QOPS_WGMMA
 // wgmma's x buffer: per chunk of the iteration (NWK), 32-row step (4), 16-row k step (2) and K half
 // (2), MT core matrices of 8 rows x 16 bytes (x rows 8 i .. 8 i + 7 at 128 i bytes).
 constexpr int kCore = 128;
@@ -134,6 +144,7 @@ constexpr int kXbBytes = kNWK * 4 * 2 * 2 * kMT * kCore;
 constexpr int kXbufs = 3;
 constexpr int kXUnits = (8 * kMT) * kNWK * 4;  // (x row, 32-row step) pieces of 64 bytes an iteration
 constexpr int kXUnitsPerThread = (kXUnits + kThreads - 1) / kThreads;
+#endif
 
 // A scale (f16 or bf16 bits, per `flags`) as a DT pair.
 __device__ __forceinline__ u32 scale_pair(u32 bits16, int flags) {
@@ -161,8 +172,8 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp % kNWN, wk = warp / kNWN;
   const int g = lane >> 2, c = lane & 3;
-  const int n0 = blockIdx.x * (32 * kNWN) + wn * 32 + 4 * g;
-  const bool n_ok = n0 < N;  // N % 4 == 0: a lane's four columns are all in or all out
+  const int n0 = blockIdx.x * (kWarpCols * kNWN) + wn * kWarpCols + kCols * g;
+  const bool n_ok = n0 < N;  // N % 4 == 0: a lane's 2 TW columns are all in or all out
   const int KW = (K + 7) >> 3;
   const int C = (K + kChunkK - 1) / kChunkK;
   const int S = gridDim.y, split = blockIdx.y;
@@ -190,50 +201,76 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     const u32 dst = smem_a + st * stage_bytes + xslots * 16 + warp * kWarpW;
     const u32* src = wbase + static_cast<size_t>(it) * wstride;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) cp_async_16_if(dst + j * 512 + lane * 16, src + static_cast<size_t>(4 * j) * N, ok && 4 * j < rows_left);
-    cp_async_8_if(dst + kWScales + lane * 8, scales + static_cast<size_t>(grp) * N + n0, ok);
+    for (int j = 0; j < 4; ++j) {
+      const u32 d = dst + j * (32 * kWPiece) + lane * kWPiece;
+      const u32* sj = src + static_cast<size_t>(4 * j) * N;
+      if constexpr (kTW == 2) cp_async_16_if(d, sj, ok && 4 * j < rows_left);
+      else cp_async_8_if(d, sj, ok && 4 * j < rows_left);
+    }
+    if constexpr (kTW == 2) cp_async_8_if(dst + kWScales + lane * 8, scales + static_cast<size_t>(grp) * N + n0, ok);
+    else cp_async_4_if(dst + kWScales + lane * 4, scales + static_cast<size_t>(grp) * N + n0, ok);
     if constexpr (kHasZ) cp_async_4_if(dst + kWZeros + lane * 4, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3), ok);
   };
 
 
-  float acc[kMT][2][4];
+  float acc[kMT][kTW][4];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
+    for (int t = 0; t < kTW; ++t)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
 
   const W4ZeroBase zbase = w4_zero_base<kDT>(static_cast<u32>(kHasZ ? zero_offset : 8));  // w4.cuh
 
-  // This warp's chunk of stage st, dequantized: the 4 weight words a lane holds for each 32-row step
-  // (wv), then per step j the A fragments p[jj][r] = scale * (q[r] - z, q[r+4] - z) of column n0 + jj.
+  // This warp's chunk of stage st, dequantized: the 2 TW weight words a lane holds for each 32-row
+  // step (wv), then per step j the A fragments p[jj][r] = scale * (q[r] - z, q[r+4] - z) of column n0 + jj.
   struct Chunk {
-    uint4 wv[4];
-    u32 za[4], zb[4], sp[4];
+    u32 wv[4][kCols];
+    u32 za[kCols], zb[kCols], sp[kCols];
   };
   auto read_chunk = [&](int st) {
     Chunk ck;
     const char* wsm = smem_c + st * stage_bytes + xslots * 16 + warp * kWarpW;
     // Every shared load first (six in flight at once), then the scale and zero pairs: converting the
     // scales right after their load stalled on it (5% of the samples, Nsight Compute at a09a7cc).
-    const uint2 sc = *reinterpret_cast<const uint2*>(wsm + kWScales + lane * 8);
+    u32 sc[kTW];
+    if constexpr (kTW == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(wsm + kWScales + lane * 8);
+      sc[0] = v.x;
+      sc[kTW - 1] = v.y;
+    } else {
+      sc[0] = *reinterpret_cast<const u32*>(wsm + kWScales + lane * 4);
+    }
     const u32 zbits = kHasZ ? *reinterpret_cast<const u32*>(wsm + kWZeros + lane * 4) >> ((n0 & 7) * 4) : 0u;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) ck.wv[j] = *reinterpret_cast<const uint4*>(wsm + j * 512 + lane * 16);
+    for (int j = 0; j < 4; ++j) {
+      const char* pj = wsm + j * (32 * kWPiece) + lane * kWPiece;
+      if constexpr (kTW == 2) {
+        const uint4 v = *reinterpret_cast<const uint4*>(pj);
+        ck.wv[j][0] = v.x;
+        ck.wv[j][1] = v.y;
+        ck.wv[j][kCols - 2] = v.z;
+        ck.wv[j][kCols - 1] = v.w;
+      } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(pj);
+        ck.wv[j][0] = v.x;
+        ck.wv[j][1] = v.y;
+      }
+    }
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
+    for (int jj = 0; jj < kCols; ++jj) {
       const u32 nib = (zbits >> (4 * jj)) & 15u;  // zero of column n0 + jj
       w4_zero_pairs(zbase, nib, ck.za[jj], ck.zb[jj]);
-      const u32 sw = jj < 2 ? sc.x : sc.y;
+      const u32 sw = sc[jj >> 1];
       ck.sp[jj] = scale_pair((jj & 1) ? sw >> 16 : sw, flags);
     }
     return ck;
   };
-  auto dequant_step = [&](const Chunk& ck, int j, u32 (&p)[4][4]) {
+  auto dequant_step = [&](const Chunk& ck, int j, u32 (&p)[kCols][4]) {
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      w4_dequant_word<kDT>(p[jj], word(ck.wv[j], jj), ck.za[jj], ck.zb[jj]);
+    for (int jj = 0; jj < kCols; ++jj) {
+      w4_dequant_word<kDT>(p[jj], ck.wv[j][jj], ck.za[jj], ck.zb[jj]);
 #pragma unroll
       for (int r = 0; r < 4; ++r) p[jj][r] = mul2<kDT>(p[jj][r], ck.sp[jj]);
     }
@@ -289,9 +326,9 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   };
 
-  float accw[2][4 * kMT];
+  float accw[kTW][4 * kMT];
 #pragma unroll
-  for (int t = 0; t < 2; ++t)
+  for (int t = 0; t < kTW; ++t)
 #pragma unroll
     for (int i = 0; i < 4 * kMT; ++i) accw[t][i] = 0.f;
 
@@ -322,7 +359,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     if (cb + it * kNWK + wk < ce) {          // warpgroup-uniform: the group's warps share wk
       const Chunk ck = read_chunk(it % kStages);
       const u32 xbuf = xb_a + (it % kXbufs) * kXbBytes;
-      u32 p[2][4][4];
+      u32 p[2][kCols][4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         dequant_step(ck, j, p[j & 1]);
@@ -332,8 +369,8 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
           const unsigned long long desc =
               wgmma_desc(xbuf + ((wk * 4 + j) * 2 + s2) * 2 * (kMT * kCore), kMT * kCore, kCore);
 #pragma unroll
-          for (int t = 0; t < 2; ++t) {
-            const u32(&q)[4][4] = p[j & 1];
+          for (int t = 0; t < kTW; ++t) {
+            const u32(&q)[kCols][4] = p[j & 1];
             Wgmma<kMT, kDT>::run(accw[t], q[2 * t][2 * s2], q[2 * t + 1][2 * s2], q[2 * t][2 * s2 + 1], q[2 * t + 1][2 * s2 + 1], desc);
           }
         }
@@ -349,7 +386,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int t = 0; t < 2; ++t)
+  for (int t = 0; t < kTW; ++t)
 #pragma unroll
     for (int i = 0; i < 4 * kMT; ++i) {
       fence_reg(accw[t][i]);
@@ -409,7 +446,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       uint4 xv[kMT];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) xv[mt] = xs[(8 * mt + g) * kRS + wk * 16 + 4 * j + c];
-      u32 p[4][4];
+      u32 p[kCols][4];
       dequant_step(ck, j, p);
       // Two 16-row k steps (s = 0: nibbles 0,4,1,5 against x pairs (0,4) (1,5); s = 1: 2,6,3,7 against
       // (2,6) (3,7)) x two 16-column tiles: rows g and g + 8 of tile t are columns n0 + 2t and n0 + 2t + 1.
@@ -420,7 +457,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
           const u32 lo = s2 ? xv[mt].y : xv[mt].x, hi = s2 ? xv[mt].w : xv[mt].z;
           const u32 b0 = prmt<0x5410>(lo, hi), b1 = prmt<0x7632>(lo, hi);
 #pragma unroll
-          for (int t = 0; t < 2; ++t)
+          for (int t = 0; t < kTW; ++t)
             mma_16816<kDT>(acc[mt][t], p[2 * t][2 * s2], p[2 * t + 1][2 * s2], p[2 * t][2 * s2 + 1], p[2 * t + 1][2 * s2 + 1], b0, b1);
         }
     }
@@ -432,13 +469,13 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   cp_async_wait<0>();
   __syncthreads();
   float4* part = reinterpret_cast<float4*>(smem);
-  constexpr int kSlots = kMT * 2 * 32;  // float4 a lane per (mt, t)
+  constexpr int kSlots = kMT * kTW * 32;  // float4 a lane per (mt, t)
   if (kNWK > 1 && wk > 0) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int t = 0; t < 2; ++t)
-        part[((wk - 1) * kNWN + wn) * kSlots + (mt * 2 + t) * 32 + lane] =
+      for (int t = 0; t < kTW; ++t)
+        part[((wk - 1) * kNWN + wn) * kSlots + (mt * kTW + t) * 32 + lane] =
             make_float4(acc[mt][t][0], acc[mt][t][1], acc[mt][t][2], acc[mt][t][3]);
   }
   if (kNWK > 1) __syncthreads();
@@ -447,10 +484,10 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
+    for (int t = 0; t < kTW; ++t) {
       float v[4] = {acc[mt][t][0], acc[mt][t][1], acc[mt][t][2], acc[mt][t][3]};
       for (int w = 1; w < kNWK; ++w) {
-        const float4 o = part[((w - 1) * kNWN + wn) * kSlots + (mt * 2 + t) * 32 + lane];
+        const float4 o = part[((w - 1) * kNWN + wn) * kSlots + (mt * kTW + t) * 32 + lane];
         v[0] += o.x;
         v[1] += o.y;
         v[2] += o.z;

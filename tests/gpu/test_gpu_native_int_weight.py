@@ -363,16 +363,19 @@ def test_large_m_is_delegated_to_triton(monkeypatch):
         assert launches == want, f"M={m}: native launches {launches}, expected {want}"
 
 
-GEMM_PLANS = [  # (nwn, splits, stages, minb, wgmma): the rule's tile, every other width, the workspace path, pipeline
-    # depths, two blocks an SM; warpgroup MMAs at both widths they take, split and not, shallow and deep
-    (8, 1, 4, 1, 0), (1, 1, 2, 1, 0), (2, 2, 3, 1, 0), (4, 1, 4, 1, 0), (8, 3, 4, 1, 0), (8, 1, 2, 1, 0), (4, 5, 6, 1, 0), (8, 1, 3, 2, 0),
-    (8, 1, 4, 1, 1), (4, 1, 4, 1, 1), (4, 5, 2, 1, 1), (8, 3, 6, 1, 1),
+GEMM_PLANS = [  # (nwn, splits, stages, minb, wgmma, tw): the rule's tile, every other width, the workspace path, pipeline
+    # depths, two blocks an SM; warpgroup MMAs at both widths they take, split and not, shallow and deep; one
+    # 16-column tile a warp (two blocks an SM at any M), with and without warpgroup MMAs
+    (8, 1, 4, 1, 0, 2), (1, 1, 2, 1, 0, 2), (2, 2, 3, 1, 0, 2), (4, 1, 4, 1, 0, 2), (8, 3, 4, 1, 0, 2), (8, 1, 2, 1, 0, 2),
+    (4, 5, 6, 1, 0, 2), (8, 1, 3, 2, 0, 2),
+    (8, 1, 4, 1, 1, 2), (4, 1, 4, 1, 1, 2), (4, 5, 2, 1, 1, 2), (8, 3, 6, 1, 1, 2),
+    (8, 1, 3, 2, 0, 1), (4, 2, 2, 2, 0, 1), (2, 1, 2, 1, 0, 1), (8, 1, 4, 2, 1, 1), (8, 3, 2, 2, 1, 1), (4, 1, 4, 1, 1, 1),
 ]
 
 
-@pytest.mark.parametrize("variant", GEMM_PLANS, ids=lambda v: "nwn{}-s{}-st{}-minb{}-wgmma{}".format(*v))
+@pytest.mark.parametrize("variant", GEMM_PLANS, ids=lambda v: "nwn{}-s{}-st{}-minb{}-wgmma{}-tw{}".format(*v))
 def test_every_gemm_plan_matches_reference(variant):
-    nwn, splits, stages, minb, wgmma = variant
+    nwn, splits, stages, minb, wgmma, tw = variant
     if wgmma and (why := gemm.wgmma_missing(torch.cuda.current_device())):
         pytest.skip(why)
     ran = 0
@@ -382,7 +385,7 @@ def test_every_gemm_plan_matches_reference(variant):
         for dtype in DTYPES:
             for m in (33, 48, 64):
                 try:
-                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb, wgmma=bool(wgmma))
+                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb, wgmma=bool(wgmma), tw=tw)
                 except ValueError:
                     continue  # a combination the kernel cannot run (two blocks an SM at M > 40, shared memory)
                 x = rand(m, k, dtype=dtype, seed=m + nwn)
