@@ -14,6 +14,7 @@ shared memory. The rule (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class Plan:
     workspace: int
     wgmma: bool = False  # warpgroup MMAs (sm_90a build; nwn 4 or 8)
     tw: int = 2  # 16-column MMA tiles a warp (1: half the accumulators, so two blocks an SM fit 128 registers)
+    probe: int = 0  # measurements only (benchmarks/probe_w4_gemm.py, wgmma builds): 1 no MMAs, 2 no dequantization, 3 no x
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         d = {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
@@ -56,6 +58,8 @@ class Plan:
             d["QOPS_WGMMA"] = 1
         if self.tw != 2:
             d["QOPS_TW"] = self.tw
+        if self.probe:
+            d["QOPS_PROBE"] = self.probe
         return d
 
 
@@ -268,6 +272,11 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
 
 
 def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fields) -> Plan:
-    """``p`` with some of nwn / splits / stages / minb / wgmma / tw replaced (validated, shared memory re-derived)."""
+    """``p`` with some of nwn / splits / stages / minb / wgmma / tw replaced (validated, shared memory re-derived),
+    and the build-only ``probe``."""
+    probe = fields.pop("probe", p.probe)
+    if probe and not fields.get("wgmma", p.wgmma):
+        raise ValueError("native_w4a16 gemm: probe builds are wgmma builds")
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw}
-    return make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
+    q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
+    return dataclasses.replace(q, probe=probe) if probe != q.probe else q

@@ -97,6 +97,9 @@
 #ifndef QOPS_TW
 #define QOPS_TW 2
 #endif
+#ifndef QOPS_PROBE
+#define QOPS_PROBE 0  // measurements only, wgmma builds (wrong sums): 1 no MMAs, 2 no dequantization either, 3 nor x
+#endif
 #if QOPS_WGMMA
 #ifndef __CUDA_ARCH_FEAT_SM90_ALL
 #error "QOPS_WGMMA needs arch sm_90a (wgmma)"
@@ -355,11 +358,30 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     const int ahead = it + kStages - 1;
     if (ahead < n_it) load_w(ahead, ahead % kStages);
     cp_async_commit();
-    if (it + 2 < n_it) load_x_regs(it + 2, xn);
+    if (it + 2 < n_it && QOPS_PROBE != 3) load_x_regs(it + 2, xn);
     if (cb + it * kNWK + wk < ce) {          // warpgroup-uniform: the group's warps share wk
       const Chunk ck = read_chunk(it % kStages);
       const u32 xbuf = xb_a + (it % kXbufs) * kXbBytes;
       u32 p[2][kCols][4];
+#if QOPS_PROBE
+      // What the main loop costs without its MMAs (1), or its dequantization too (2, 3): the words
+      // still reach a register sum, so nothing is optimized away.
+      u32 sink = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int jj = 0; jj < kCols; ++jj) {
+          if (QOPS_PROBE == 1) {
+            dequant_step(ck, j, p[0]);
+            sink ^= p[0][jj][0] ^ p[0][jj][1] ^ p[0][jj][2] ^ p[0][jj][3];
+          } else {
+            sink ^= ck.wv[j][jj];
+          }
+        }
+      }
+      accw[0][0] += __uint_as_float(sink & 0x3FFFFFu);
+      if (false)
+#endif
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         dequant_step(ck, j, p[j & 1]);
@@ -378,7 +400,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
         wgmma_wait<1>();  // step j - 1's MMAs are done: its fragments may be overwritten
       }
     }
-    if (it + 1 < n_it) store_x_regs(xa, (it + 1) % kXbufs);  // after this iteration's MMAs are issued
+    if (it + 1 < n_it && QOPS_PROBE != 3) store_x_regs(xa, (it + 1) % kXbufs);  // after this iteration's MMAs are issued
 #pragma unroll
     for (int i = 0; i < kXUnitsPerThread; ++i)
 #pragma unroll
