@@ -145,8 +145,8 @@ static_assert(!kWgmma || kNWN == 4 || kNWN == 8, "QOPS_WGMMA: a warpgroup's warp
 constexpr int kCore = 128;
 constexpr int kXbBytes = kNWK * 4 * 2 * 2 * kMT * kCore;
 constexpr int kXbufs = 3;
-constexpr int kXUnits = (8 * kMT) * kNWK * 4;  // (x row, 32-row step) pieces of 64 bytes an iteration
-constexpr int kXUnitsPerThread = (kXUnits + kThreads - 1) / kThreads;
+constexpr int kXPieces = (8 * kMT) * kNWK * 4 * 4;  // 16-byte pieces of x an iteration
+constexpr int kXPiecesPerThread = (kXPieces + kThreads - 1) / kThreads;
 #endif
 
 // A scale (f16 or bf16 bits, per `flags`) as a DT pair.
@@ -280,25 +280,23 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   };
 
 #if QOPS_WGMMA
-  // x through registers into the wgmma buffers (header). Piece u of an iteration: x row
-  // m = u % (8 MT) (rows past M are zeros), chunk wkc and 32-row step j from u / (8 MT); consecutive
-  // threads take consecutive rows, so their 16-byte stores fill one core matrix's rows.
-  constexpr int kRows = 8 * kMT;
+  // x through registers into the wgmma buffers (header). Piece u of an iteration: 16 bytes (8 values,
+  // group c of a 32-row step) of one x row; a warp's 32 pieces are rows 8 mg .. 8 mg + 7 by the 4 groups
+  // of step q (= wkc * 4 + j): lane = 4 (row % 8) + c. Every load instruction then reads whole 32-byte
+  // sectors (the first build, a lane a row, asked the L2 for twice the sectors it needed), and every
+  // 4-byte store fills 128 contiguous bytes of a core matrix (no bank conflicts).
   const u32 xb_a = smem_a + kStages * stage_bytes;
-  using XRegs = uint4[kXUnitsPerThread][4];
+  using XRegs = uint4[kXPiecesPerThread];
   auto load_x_regs = [&](int it, XRegs& xr) {
     const int k0 = (cb + it * kNWK) * kChunkK;
 #pragma unroll
-    for (int i = 0; i < kXUnitsPerThread; ++i) {
+    for (int i = 0; i < kXPiecesPerThread; ++i) {
       const int u = tid + i * kThreads;
-      const int m = u % kRows, q = u / kRows;  // q = wkc * 4 + j
-#pragma unroll
-      for (int c4 = 0; c4 < 4; ++c4) {
-        const int k = k0 + 32 * q + 8 * c4;
-        const bool in = u < kXUnits && m < M && k < K;  // K % 8 == 0: 8 values all in or all out
-        xr[i][c4] = make_uint4(0u, 0u, 0u, 0u);
-        if (in) xr[i][c4] = *reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * ldx + k);
-      }
+      const int wu = u >> 5, q = wu / kMT, mg = wu - q * kMT;
+      const int m = 8 * mg + (lane >> 2), k = k0 + 32 * q + 8 * c;
+      const bool in = u < kXPieces && m < M && k < K;  // K % 8 == 0: 8 values all in or all out
+      xr[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (in) xr[i] = *reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * ldx + k);
     }
   };
   // Core matrix (wkc, j, s2, kc), row m: word c holds x values 8 c + i, 8 c + i + 4 with i = 2 s2 + kc,
@@ -306,23 +304,17 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   auto store_x_regs = [&](const XRegs& xr, int buf) {
     const u32 base = xb_a + buf * kXbBytes;
 #pragma unroll
-    for (int i = 0; i < kXUnitsPerThread; ++i) {
+    for (int i = 0; i < kXPiecesPerThread; ++i) {
       const int u = tid + i * kThreads;
-      if (u >= kXUnits) continue;
-      const int m = u % kRows, q = u / kRows;
-      const u32 row = base + (m >> 3) * kCore + (m & 7) * 16;
+      if (u >= kXPieces) continue;
+      const int wu = u >> 5, q = wu / kMT, mg = wu - q * kMT;
+      const u32 row = base + mg * kCore + (lane >> 2) * 16 + 4 * c;
 #pragma unroll
       for (int s2 = 0; s2 < 2; ++s2) {
-        u32 w0[4], w1[4];
-#pragma unroll
-        for (int c4 = 0; c4 < 4; ++c4) {
-          const u32 lo = s2 ? xr[i][c4].y : xr[i][c4].x, hi = s2 ? xr[i][c4].w : xr[i][c4].z;
-          w0[c4] = prmt<0x5410>(lo, hi);
-          w1[c4] = prmt<0x7632>(lo, hi);
-        }
+        const u32 lo = s2 ? xr[i].y : xr[i].x, hi = s2 ? xr[i].w : xr[i].z;
         const u32 blk = ((q * 2 + s2) * 2) * (kMT * kCore);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row + blk), "r"(w0[0]), "r"(w0[1]), "r"(w0[2]), "r"(w0[3]) : "memory");
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row + blk + kMT * kCore), "r"(w1[0]), "r"(w1[1]), "r"(w1[2]), "r"(w1[3]) : "memory");
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + blk), "r"(prmt<0x5410>(lo, hi)) : "memory");
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + blk + kMT * kCore), "r"(prmt<0x7632>(lo, hi)) : "memory");
       }
     }
     // The tensor cores read these through the async proxy.
@@ -402,9 +394,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     }
     if (it + 1 < n_it && QOPS_PROBE != 3) store_x_regs(xa, (it + 1) % kXbufs);  // after this iteration's MMAs are issued
 #pragma unroll
-    for (int i = 0; i < kXUnitsPerThread; ++i)
-#pragma unroll
-      for (int c4 = 0; c4 < 4; ++c4) xa[i][c4] = xn[i][c4];
+    for (int i = 0; i < kXPiecesPerThread; ++i) xa[i] = xn[i];
   }
   wgmma_wait<0>();
 #pragma unroll
