@@ -233,6 +233,7 @@ def h200_facts(monkeypatch):
     monkeypatch.setattr(native, "_device_facts", lambda index: (H200_SMS, True))
     monkeypatch.setattr(gemm, "_sm_count", lambda index: H200_SMS)  # the GEMM's plans (M = 33..64)
     monkeypatch.setattr(gemm, "_smem_limit", lambda index: gemm.SHMEM_SM_BYTES)
+    monkeypatch.setattr(gemm, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(native, "_device_name", lambda index: "NVIDIA H200")  # its measured plan table too
     monkeypatch.setattr(native, "smem_optin_bytes", lambda index: 227 * 1024 - native.STATIC_SHMEM_BYTES)
     for mod in (int8_weight, blockwise4, fp8):

@@ -460,8 +460,7 @@ def _slices(m: int, k: int) -> list[int]:
 def test_workspace_covers_every_slice(monkeypatch):
     """The scratch of the largest launch a call makes; slices run one after another on the same scratch."""
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
-    monkeypatch.setattr(gemm, "_sm_count", lambda idx: 132)
-    monkeypatch.setattr(gemm, "_smem_limit", lambda idx: gemm.SHMEM_SM_BYTES)
+    _h200_gemm(monkeypatch)
     monkeypatch.setenv(native.PLANS_ENV, "rule")
     for deterministic, top in ((False, gemm.MAX_M), (True, 3 * gemm.MAX_M + 8)):
         monkeypatch.setattr(native, "_deterministic", deterministic)
@@ -476,8 +475,7 @@ def test_workspace_above_the_gemm_is_the_triton_need(monkeypatch):
     """Outside deterministic mode, calls above gemm.MAX_M rows (or above MAX_M with K % 8 != 0, which
     the GEMM does not take) are handed to triton: its scratch need."""
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
-    monkeypatch.setattr(gemm, "_sm_count", lambda idx: 132)
-    monkeypatch.setattr(gemm, "_smem_limit", lambda idx: gemm.SHMEM_SM_BYTES)
+    _h200_gemm(monkeypatch)
     monkeypatch.setattr(native, "_deterministic", False)
     asked = []
     fake = type("tri", (), {"workspace_bytes": staticmethod(lambda m, n, k, bits, g, dev: asked.append((m, n, k, dev.type)) or 4096)})
@@ -799,6 +797,13 @@ def test_f16mma_is_a_bf16_option_of_x_staged_once():
         compiler.compile(compiler.native_source(native.SOURCE), "sm_90", compiler.native_options(base))
 
 
+def _h200_gemm(monkeypatch):
+    """The GEMM's device facts of one H200, so its plans need no GPU."""
+    monkeypatch.setattr(gemm, "_sm_count", lambda idx: 132)
+    monkeypatch.setattr(gemm, "_smem_limit", lambda idx: gemm.SHMEM_SM_BYTES)
+    monkeypatch.setattr(gemm, "_capability", lambda idx: (9, 0))
+
+
 def _gemm_variants():
     """The GEMM builds the rule and the plan knobs can ask for: the rule's at every tile height (M =
     33..64: MT = 5..8) in both dtypes with and without zeros, then in fp16 with zeros the narrowest
@@ -832,24 +837,70 @@ def test_gemm_variants_compile_within_register_budget(arch):
             assert spills == 0, (defines, log[0])
 
 
+def _gemm_wgmma_variants():
+    """The wgmma builds (sm_90a): the rule's at MT = 5..8 across both widths, dtypes and zero modes,
+    then the knobs: one tile a warp with two blocks an SM at both widths, two and eight stages."""
+    cases = ((33, 28672, 4096, torch.float16, True), (48, 4096, 14336, torch.bfloat16, False),
+             (56, 28672, 4096, torch.bfloat16, True), (64, 4096, 14336, torch.float16, False))
+    for m, n, k, dt, has_z in cases:
+        p = gemm._rule(m, n, k, 132, wgmma=True)
+        assert p.wgmma
+        yield p.defines(dt, has_z)
+    for kw in (dict(nwn=8, tw=1, minb=2, stages=4), dict(nwn=4, tw=1, minb=1, stages=2), dict(nwn=8, stages=8)):
+        yield gemm.make_plan(64, 4096, 4096, splits=1, wgmma=True, **kw).defines(torch.float16, True)
+
+
+def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
+    src = compiler.native_source(gemm.SOURCE)
+    for defines in _gemm_wgmma_variants():
+        log: list[str] = []
+        cubin = compiler.compile(src, "sm_90a", compiler.native_options(defines, ptxas_options=["-v"]), log=log)
+        assert cubin[:4] == ELF_MAGIC
+        regs, spills = _ptxas_report(log[0])[gemm.KERNEL]
+        assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])) and spills == 0, (defines, log[0])
+        assert "wgmma" not in log[0].lower(), f"ptxas serialized the warpgroup MMAs: {log[0]}"
+    # Without the arch-specific target there is no wgmma: the build says so instead of failing in ptxas.
+    with pytest.raises(compiler.NativeCompileError, match="QOPS_WGMMA needs arch sm_90a"):
+        compiler.compile(src, "sm_90", compiler.native_options(defines))
+
+
+def test_gemm_wgmma_only_where_the_device_runs_it(monkeypatch):
+    """The rule takes wgmma on compute capability 9.0 only (an sm_90a cubin loads nowhere else), and a
+    plan that asks for it elsewhere is refused with the reason."""
+    _h200_gemm(monkeypatch)
+    for cap, want in (((9, 0), True), ((8, 0), False), ((8, 9), False), ((10, 0), False)):
+        monkeypatch.setattr(gemm, "_capability", lambda idx, cap=cap: cap)
+        p = gemm.plan(64, 28672, 4096, 0)
+        assert p.wgmma is want and p == gemm._rule(64, 28672, 4096, 132, wgmma=want), (cap, p)
+        assert ("QOPS_WGMMA" in p.defines(torch.float16, False)) is want
+    monkeypatch.setenv(gemm.PLAN_ENV, "wgmma=1")
+    with pytest.raises(ValueError, match=r"asks for wgmma: wgmma builds are sm_90a code; cuda:0 has compute capability 10\.0"):
+        gemm.plan(64, 28672, 4096, 0)
+    monkeypatch.setattr(gemm, "_capability", lambda idx: (9, 0))
+    monkeypatch.setenv(gemm.PLAN_ENV, "wgmma=0")
+    assert not gemm.plan(64, 28672, 4096, 0).wgmma
+
+
 def test_gemm_rule_is_the_measured_best_on_the_perf_shapes():
     """h200-2026-12-01-8d70817-probe-gemm-plans.json: the fastest of the seven plans timed at M = 33, 48, 64."""
     measured_best = {(4096, 4096): (4, 4), (28672, 4096): (8, 1), (4096, 14336): (4, 4), (57344, 8192): (8, 1),
                      (8192, 28672): (8, 4)}
+    # With wgmma the same tiles stay the fastest: h200-2026-12-01-b0e9694-probe-wgmma-plans.json.
     for (n, k), want in measured_best.items():
         for m in (33, 48, 64):
-            p = gemm._rule(m, n, k, 132)
-            assert (p.nwn, p.splits) == want, ((n, k, m), p)
-            assert p.minb == 1 and p.stages == 4 and p.mt == -(-m // 8)
-            assert p.workspace == (p.splits * m * n * 4 if p.splits > 1 else 0)
+            for wgmma in (False, True):
+                p = gemm._rule(m, n, k, 132, wgmma=wgmma)
+                assert (p.nwn, p.splits, p.wgmma) == (*want, wgmma), ((n, k, m), p)
+                assert p.minb == 1 and p.stages == 4 and p.mt == -(-m // 8) and p.tw == 2
+                assert p.workspace == (p.splits * m * n * 4 if p.splits > 1 else 0)
 
 
 @pytest.mark.parametrize("n, k", [(256, 128), (1000, 1000), (4096, 4096), (100000, 8192), (4096, 131072)])
 def test_gemm_rule_plans_are_runnable(n, k):
-    for sms, limit in ((132, gemm.SHMEM_SM_BYTES), (108, 163 * 1024 - 1024)):  # H100/H200, A100
+    for sms, limit, wgmma in ((132, gemm.SHMEM_SM_BYTES, True), (132, gemm.SHMEM_SM_BYTES, False), (108, 163 * 1024 - 1024, False)):  # H100/H200, A100
         for m in (33, 40, 57, 64):
-            p = gemm._rule(m, n, k, sms, limit)
-            assert gemm.make_plan(m, n, k, nwn=p.nwn, splits=p.splits, stages=p.stages, minb=p.minb, smem_limit=limit) == p
+            p = gemm._rule(m, n, k, sms, limit, wgmma)
+            assert gemm.make_plan(m, n, k, nwn=p.nwn, splits=p.splits, stages=p.stages, minb=p.minb, smem_limit=limit, wgmma=wgmma) == p
             assert p.shmem <= limit and 1 <= p.splits <= 16 and p.stages >= 2
 
 
@@ -862,6 +913,10 @@ def test_gemm_rule_plans_are_runnable(n, k):
     (dict(m=48, nwn=8, splits=1, stages=3, minb=2), "two blocks an SM spill"),
     (dict(m=40, nwn=8, splits=1, stages=4, minb=2), "shared memory"),
     (dict(m=64, nwn=1, splits=1, stages=2), "shared memory"),
+    (dict(m=64, nwn=2, splits=1, stages=4, wgmma=True), "wgmma with nwn=2"),
+    (dict(m=40, nwn=8, splits=1, stages=2, minb=2, wgmma=True), "wgmma with minb=2 and tw=2"),
+    (dict(m=64, nwn=8, splits=1, stages=4, tw=3), "tw=3"),
+    (dict(m=64, nwn=4, splits=1, stages=8, wgmma=True), "shared memory"),
 ])
 def test_gemm_make_plan_refuses_what_the_kernel_cannot_run(kw, why):
     with pytest.raises(ValueError, match=why):
@@ -869,25 +924,27 @@ def test_gemm_make_plan_refuses_what_the_kernel_cannot_run(kw, why):
 
 
 def test_gemm_plan_env_replaces_fields(monkeypatch):
-    monkeypatch.setattr(gemm, "_sm_count", lambda idx: 132)
-    monkeypatch.setattr(gemm, "_smem_limit", lambda idx: gemm.SHMEM_SM_BYTES)
+    _h200_gemm(monkeypatch)
     monkeypatch.setenv(gemm.PLAN_ENV, "nwn=2,stages=3")
     p = gemm.plan(40, 4096, 4096, 0)
     assert (p.nwn, p.stages, p.splits) == (2, 3, gemm._rule(40, 4096, 4096, 132).splits)
+    assert not p.wgmma, "nwn = 2 is a width warpgroups cannot share: the mma.sync build"
     monkeypatch.setenv(gemm.PLAN_ENV, "ring=3")
     with pytest.raises(ValueError, match="unknown field 'ring'"):
         gemm.plan(40, 4096, 4096, 0)
 
 
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
 @pytest.mark.parametrize("m, n, k", [(33, 28672, 4096), (64, 4096, 14336)], ids=["unsplit", "split"])
-def test_gemm_griddepcontrol_orders_the_accesses(m, n, k):
+def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, wgmma):
     """The GEMM as the decode kernel: its first stages' weight copies (predicated cp.async of 16, 8 and
     4 bytes) before griddepcontrol.wait, x's copies and every other global access after it, the
     trigger after the main loop's last weight copy and before the first store; nothing of it on sm_80."""
-    defines = gemm._rule(m, n, k, 132).defines(torch.bfloat16, True)
+    defines = gemm._rule(m, n, k, 132, wgmma=wgmma).defines(torch.bfloat16, True)
     src = compiler.native_source(gemm.SOURCE)
-    assert "griddepcontrol" not in _ptx(src, "sm_80", defines)
-    lines = _entries(_ptx(src, "sm_90", defines))[gemm.KERNEL]
+    if not wgmma:
+        assert "griddepcontrol" not in _ptx(src, "sm_80", defines)
+    lines = _entries(_ptx(src, "sm_90a" if wgmma else "sm_90", defines))[gemm.KERNEL]
     dep = _first_dependent_access(lines, smem_ring=True)
     waits = [i for i, l in enumerate(lines[:dep]) if "griddepcontrol.wait" in l]
     assert waits, "x, bias, out or the workspace accessed before griddepcontrol.wait"

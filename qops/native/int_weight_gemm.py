@@ -8,8 +8,10 @@ reduction (``qops_w4a16_reduce``: fixed order, bit-identical run to run).
 
 Plans. A block is 8 warps, ``nwn`` along N (32 columns each) and 8 / ``nwn`` along K; ``splits``
 blocks share one column tile's K range; ``stages`` iterations of x and weights in flight through
-shared memory. The rule (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g.
-``"nwn=4,stages=3,splits=2"``) or :func:`plan_override` replace its fields for measurements.
+shared memory; ``wgmma``: Hopper's warpgroup MMAs (an sm_90a build, taken wherever the device is
+one). The rule (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g.
+``"nwn=4,stages=3,splits=2"``, ``"wgmma=0"``) or :func:`plan_override` replace its fields for
+measurements.
 """
 from __future__ import annotations
 
@@ -143,11 +145,14 @@ def plan_cost_us(m: int, n: int, k: int, nwn: int, splits: int, sms: int) -> flo
 
 
 @functools.lru_cache(maxsize=1024)
-def _rule(m: int, n: int, k: int, sms: int, smem_limit: int = SHMEM_SM_BYTES) -> Plan:
+def _rule(m: int, n: int, k: int, sms: int, smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False) -> Plan:
     # One block an SM (the MT = 5..8 builds take 115-160 registers a thread; two blocks an SM were
     # faster only where the column tiles alone make two waves: 57344x8192 at M = 33). Column tiles
     # of 256 or 128 and 1..16 splits of K (each block at least two iterations), the cheapest by
     # plan_cost_us. Four stages, or as many as the device's shared memory holds (sm_80: 163 KiB).
+    # wgmma (Hopper) wherever the device runs it: 1.02-1.41x faster than the mma.sync build at every
+    # M = 33 / 48 / 64 case of the five PERF.md shapes, and the same tiles stay the fastest with it
+    # (h200-2026-12-01-b0e9694-probe-wgmma-plans.json: six tiles and six stages timed).
     chunks = max(-(-k // CHUNK_K), 1)
     best = None
     for nwn in (8, 4):
@@ -158,8 +163,8 @@ def _rule(m: int, n: int, k: int, sms: int, smem_limit: int = SHMEM_SM_BYTES) ->
             if best is None or cost < best[0] - 1e-9:
                 best = (cost, nwn, splits)
     nwn = best[1]
-    stages = max(2, min(4, smem_limit // shmem_bytes(m, nwn, 1)))
-    return make_plan(m, n, k, nwn=nwn, splits=best[2], stages=stages, smem_limit=smem_limit)
+    stages = max([s for s in (2, 3, 4) if shmem_bytes(m, nwn, s, wgmma) <= smem_limit], default=2)
+    return make_plan(m, n, k, nwn=nwn, splits=best[2], stages=stages, smem_limit=smem_limit, wgmma=wgmma)
 
 
 _override = None
@@ -213,7 +218,7 @@ def _capability(device: int) -> tuple[int, int]:
 
 def plan(m: int, n: int, k: int, device: int) -> Plan:
     """The plan for an (m, K) x (K, N) call on CUDA device ``device``."""
-    p = _rule(m, n, k, _sm_count(device), _smem_limit(device))
+    p = _rule(m, n, k, _sm_count(device), _smem_limit(device), wgmma_missing(device) is None)
     fields = _env_fields()
     if fields:
         p = with_fields(p, n, k, smem_limit=_smem_limit(device), **fields)
@@ -273,8 +278,10 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
 
 def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fields) -> Plan:
     """``p`` with some of nwn / splits / stages / minb / wgmma / tw replaced (validated, shared memory re-derived),
-    and the build-only ``probe``."""
+    and the build-only ``probe``. ``nwn`` 1 or 2 without ``wgmma`` given turns wgmma off."""
     probe = fields.pop("probe", p.probe)
+    if "wgmma" not in fields and fields.get("nwn", p.nwn) not in (4, 8):
+        fields["wgmma"] = False  # a width warpgroups cannot share (nwn 1, 2) asks for the mma.sync build
     if probe and not fields.get("wgmma", p.wgmma):
         raise ValueError("native_w4a16 gemm: probe builds are wgmma builds")
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw}
