@@ -16,6 +16,7 @@ from qops.lowerings import LOWERINGS_BY_NAME, WeightSpec
 from qops.native import compiler
 from qops.native import int_weight as native
 from qops.native import int_weight_gemm as gemm
+from tests.native_builds import compile_reports, ptxas_report
 
 NATIVE_SOURCES = sorted(p.name for p in compiler.NATIVE_DIR.glob("*.cu"))
 ARCHS = ("sm_80", "sm_90")
@@ -120,44 +121,19 @@ def test_the_compiled_variants_cover_every_tile_height():
     assert all(d["QOPS_MINB"] == 1 for d in _gemv_variants() if d["QOPS_MT"] >= 3)
 
 
-def _ptxas_report(log: str) -> dict[str, tuple[int, int]]:
-    """kernel name -> (registers, spill store bytes) from ptxas -v output."""
-    out, name = {}, None
-    spills = 0
-    for line in log.splitlines():
-        m = re.search(r"Function properties for (\w+)", line)
-        if m:
-            name = m.group(1)
-        m = re.search(r"(\d+) bytes spill stores", line)
-        if m:
-            spills = int(m.group(1))
-        m = re.search(r"Used (\d+) registers", line)
-        if m and name:
-            out[name] = (int(m.group(1)), spills)
-    return out
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants, _glu_variants, _f16mma_variants],
                          ids=["register-ring", "smem-ring", "plan-tables", "glu", "f16mma"])
 def test_gemv_variants_compile_within_register_budget(arch, variants):
-    seen = set()
-    for defines in variants():
-        key = tuple(sorted(defines.items()))
-        if key in seen or (arch == "sm_80" and defines["QOPS_CLUSTER"] > 1):  # clusters are sm_90's
-            continue
-        seen.add(key)
-        log: list[str] = []
-        cubin = compiler.compile(compiler.native_source(native.SOURCE), arch,
-                                 compiler.native_options(defines, ptxas_options=["-v"]), log=log)
-        assert cubin[:4] == ELF_MAGIC
-        report = _ptxas_report(log[0])
-        assert native.GEMV in report and native.REDUCE in report, log[0]
+    wanted = [d for d in variants() if not (arch == "sm_80" and d["QOPS_CLUSTER"] > 1)]  # clusters are sm_90's
+    for defines, log in compile_reports(native.SOURCE, arch, wanted):
+        report = ptxas_report(log)
+        assert native.GEMV in report and native.REDUCE in report, log
         regs, spills = report[native.GEMV]
         # __launch_bounds__(256, QOPS_MINB): the promised blocks fit on an SM (65536 registers).
-        assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])), (defines, log[0])
+        assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])), (defines, log)
         if arch == "sm_90":
-            assert spills == 0, (defines, log[0])
+            assert spills == 0, (defines, log)
 
 
 @pytest.mark.parametrize("m", [16, 32])
@@ -822,19 +798,11 @@ def _gemm_variants():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gemm_variants_compile_within_register_budget(arch):
     assert sorted({d["QOPS_MT"] for d in _gemm_variants()}) == [5, 6, 7, 8]
-    seen = set()
-    for defines in _gemm_variants():
-        key = tuple(sorted(defines.items()))
-        if key in seen:
-            continue
-        seen.add(key)
-        log: list[str] = []
-        cubin = compiler.compile(compiler.native_source(gemm.SOURCE), arch, compiler.native_options(defines, ptxas_options=["-v"]), log=log)
-        assert cubin[:4] == ELF_MAGIC
-        regs, spills = _ptxas_report(log[0])[gemm.KERNEL]
-        assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])), (defines, log[0])
+    for defines, log in compile_reports(gemm.SOURCE, arch, _gemm_variants()):
+        regs, spills = ptxas_report(log)[gemm.KERNEL]
+        assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])), (defines, log)
         if arch == "sm_90":
-            assert spills == 0, (defines, log[0])
+            assert spills == 0, (defines, log)
 
 
 def _gemm_wgmma_variants():
@@ -852,13 +820,10 @@ def _gemm_wgmma_variants():
 
 def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
     src = compiler.native_source(gemm.SOURCE)
-    for defines in _gemm_wgmma_variants():
-        log: list[str] = []
-        cubin = compiler.compile(src, "sm_90a", compiler.native_options(defines, ptxas_options=["-v"]), log=log)
-        assert cubin[:4] == ELF_MAGIC
-        regs, spills = _ptxas_report(log[0])[gemm.KERNEL]
-        assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])) and spills == 0, (defines, log[0])
-        assert "wgmma" not in log[0].lower(), f"ptxas serialized the warpgroup MMAs: {log[0]}"
+    for defines, log in compile_reports(gemm.SOURCE, "sm_90a", _gemm_wgmma_variants()):
+        regs, spills = ptxas_report(log)[gemm.KERNEL]
+        assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])) and spills == 0, (defines, log)
+        assert "wgmma" not in log.lower(), f"ptxas serialized the warpgroup MMAs: {log}"
     # Without the arch-specific target there is no wgmma: the build says so instead of failing in ptxas.
     with pytest.raises(compiler.NativeCompileError, match="QOPS_WGMMA needs arch sm_90a"):
         compiler.compile(src, "sm_90", compiler.native_options(defines))
