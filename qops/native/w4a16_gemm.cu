@@ -14,11 +14,12 @@
 // lost to the Triton lowering, whose dense path (dequantized slabs, then cuBLAS) itself runs at
 // 0.56-0.81x cuBLAS fp16 (h200-2026-12-01-f28b309-int-weight.txt). Here one launch reads the weight
 // once for all rows: at M = 64 a 16x16 weight fragment feeds 16 MMAs. Measured (Nsight Compute,
-// benchmarks/NOTES.md stop 24) neither the weight stream nor the tensor cores set the pace at M = 64:
-// the latency of each warp's instruction stream does, at 8 warps an SM.
+// benchmarks/NOTES.md stop 24) neither the weight stream nor the tensor cores set the pace of the
+// mma.sync build at M = 64: the latency of each warp's instruction stream does, at 8 warps an SM.
+// On Hopper the wgmma build below replaces it (1.02-1.41x faster, stop 25).
 //
-// Work split. A block is 8 warps, NWN along N (32 columns each) by NWK = 8 / NWN along K; grid
-// (ceil(N / (32 NWN)), S), the S blocks of a column tile splitting the K chunks (128 rows each)
+// Work split. A block is 8 warps, NWN along N (16 TW columns each: TW = 2 unless QOPS_TW says 1) by
+// NWK = 8 / NWN along K; grid (ceil(N / (16 TW NWN)), S), the S blocks of a column tile splitting the K chunks (128 rows each)
 // evenly. Iteration `it` of a block covers chunks cb + NWK it .. + NWK - 1, warp wk taking chunk
 // cb + NWK it + wk. A lane's weights per chunk are those of the decode kernel: word rows
 // 16 chunk + 4 j + lane % 4 (j = 0..3) of columns n0 .. n0 + 3, n0 = 4 (lane / 4) + the warp's
@@ -62,11 +63,19 @@
 // the stores below are shared. The MMAs run asynchronously: a warp dequantizes the next 32-row step
 // while the previous step's wgmmas run (a wait_group 1 before its fragments are overwritten).
 // x cannot come through cp.async here, because the tensor cores read it in the weight fragments'
-// permuted K order (pairs (q_i, q_i+4) of a word): each thread loads its 64-byte pieces of the next
-// iteration's x into registers at the top of an iteration, permutes them (8 prmt) and stores them
-// at its end into one of three x buffers in the K-major core-matrix layout wgmma reads (three: the
-// buffer written in iteration it was last read by wgmmas of it - 2, which every warpgroup has waited
-// for before the barrier of it). Weights, scales and zeros keep the cp.async stages.
+// permuted K order (pairs (q_i, q_i+4) of a word): each thread loads 16-byte pieces of x into
+// registers two iterations ahead, permutes them (4 prmt a piece) and stores them as 4-byte words into
+// one of three x buffers in the K-major core-matrix layout wgmma reads (three: the buffer written in
+// iteration it was last read by wgmmas of it - 2, which every warpgroup has waited for before the
+// barrier of it). Weights, scales and zeros keep the cp.async stages.
+// Measured on the H200 (benchmarks/NOTES.md stop 25): x decides this build's speed. Without its x
+// (QOPS_PROBE 3) the loop ran 2.3-3.3x faster at M = 64, without its MMAs or its dequantization
+// only ~1.25x; each column tile reads all of x from L2, as many bytes as its weights at 256
+// columns and M = 64. Loads that asked the L2 for twice the sectors they used were the first
+// build's cost (a lane a row: 1.04-1.10x the mma.sync build; whole sectors: 1.02-1.41x). Loading
+// two iterations ahead instead of one measured the same (before the loads read whole sectors).
+// One 16-column tile a warp (TW = 1: two blocks an SM in 125 registers) was 1.1-1.9x slower: the
+// block's x is read for half the columns.
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
