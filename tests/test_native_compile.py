@@ -816,6 +816,9 @@ def _gemm_wgmma_variants():
         yield p.defines(dt, has_z)
     for kw in (dict(nwn=8, tw=1, minb=2, stages=4), dict(nwn=4, tw=1, minb=1, stages=2), dict(nwn=8, stages=8)):
         yield gemm.make_plan(64, 4096, 4096, splits=1, wgmma=True, **kw).defines(torch.float16, True)
+    # x through cp.async with the weight in natural K order (xnat): both widths, dtypes and zero modes
+    for m, nwn, stages, dt, has_z in ((64, 8, 6, torch.float16, True), (64, 4, 4, torch.bfloat16, False), (33, 8, 4, torch.bfloat16, True)):
+        yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=1, stages=stages, wgmma=True, xnat=True).defines(dt, has_z)
 
 
 def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
@@ -882,6 +885,8 @@ def test_gemm_rule_plans_are_runnable(n, k):
     (dict(m=40, nwn=8, splits=1, stages=2, minb=2, wgmma=True), "wgmma with minb=2 and tw=2"),
     (dict(m=64, nwn=8, splits=1, stages=4, tw=3), "tw=3"),
     (dict(m=64, nwn=4, splits=1, stages=8, wgmma=True), "shared memory"),
+    (dict(m=64, nwn=8, splits=1, stages=4, xnat=True), "xnat with wgmma=False"),
+    (dict(m=64, nwn=4, splits=1, stages=5, wgmma=True, xnat=True), "shared memory"),
 ])
 def test_gemm_make_plan_refuses_what_the_kernel_cannot_run(kw, why):
     with pytest.raises(ValueError, match=why):
@@ -899,13 +904,17 @@ def test_gemm_plan_env_replaces_fields(monkeypatch):
         gemm.plan(40, 4096, 4096, 0)
 
 
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("build", ["mma", "wgmma", "xnat"])
 @pytest.mark.parametrize("m, n, k", [(33, 28672, 4096), (64, 4096, 14336)], ids=["unsplit", "split"])
-def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, wgmma):
+def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, build):
     """The GEMM as the decode kernel: its first stages' weight copies (predicated cp.async of 16, 8 and
     4 bytes) before griddepcontrol.wait, x's copies and every other global access after it, the
     trigger after the main loop's last weight copy and before the first store; nothing of it on sm_80."""
-    defines = gemm._rule(m, n, k, 132, wgmma=wgmma).defines(torch.bfloat16, True)
+    wgmma = build != "mma"
+    p = gemm._rule(m, n, k, 132, wgmma=wgmma)
+    if build == "xnat":
+        p = gemm.with_fields(p, n, k, xnat=True)
+    defines = p.defines(torch.bfloat16, True)
     src = compiler.native_source(gemm.SOURCE)
     if not wgmma:
         assert "griddepcontrol" not in _ptx(src, "sm_80", defines)

@@ -52,6 +52,7 @@ class Plan:
     wgmma: bool = False  # warpgroup MMAs (sm_90a build; nwn 4 or 8)
     tw: int = 2  # 16-column MMA tiles a warp (1: half the accumulators, so two blocks an SM fit 128 registers)
     probe: int = 0  # measurements only (benchmarks/probe_w4_gemm.py, wgmma builds): 1 no MMAs, 2 no dequantization, 3 no x
+    xnat: bool = False  # wgmma builds: weight fragments in natural K order, x through cp.async in the stages (not measured yet)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         d = {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
@@ -62,6 +63,8 @@ class Plan:
             d["QOPS_TW"] = self.tw
         if self.probe:
             d["QOPS_PROBE"] = self.probe
+        if self.xnat:
+            d["QOPS_XNAT"] = 1
         return d
 
 
@@ -76,14 +79,18 @@ def warp_stage_bytes(tw: int) -> int:
 WARP_STAGE_BYTES = warp_stage_bytes(2)
 
 
-def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2) -> int:
+def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2, xnat: bool = False) -> int:
     """Pipeline stages (x: M rows of 8 / nwn chunks, rows padded by 4 slots; the 8 warps' weights), or
     the warps' partial sums if larger. With wgmma the stages hold weights only, and three x buffers
-    (8 / nwn chunks of 128 rows by 8 MT rows of x, 2 bytes a value) follow them."""
+    (8 / nwn chunks of 128 rows by 8 MT rows of x, 2 bytes a value) follow them; with xnat each stage
+    holds its weights and one such x buffer."""
     nwk = 8 // nwn
     mt = -(-m // 8)
-    if wgmma:
-        pipeline = stages * 8 * warp_stage_bytes(tw) + WGMMA_X_BUFFERS * nwk * CHUNK_K * 8 * mt * 2
+    x_buffer = nwk * CHUNK_K * 8 * mt * 2
+    if xnat:
+        pipeline = stages * (8 * warp_stage_bytes(tw) + x_buffer)
+    elif wgmma:
+        pipeline = stages * 8 * warp_stage_bytes(tw) + WGMMA_X_BUFFERS * x_buffer
     else:
         pipeline = stages * (m * (nwk * 16 + 4) * 16 + 8 * warp_stage_bytes(tw))
     partials = (nwk - 1) * nwn * mt * tw * 32 * 16
@@ -91,7 +98,7 @@ def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2)
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
-              smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2) -> Plan:
+              smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2, xnat: bool = False) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
     ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default).
     Whether the device runs wgmma (sm_90a) is :func:`plan`'s check, not this one's."""
@@ -114,12 +121,15 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
         raise ValueError(f"native_w4a16 gemm: wgmma with nwn={nwn}: a warpgroup's four warps must share their K chunk (nwn 4 or 8)")
     if wgmma and minb != 1 and tw == 2:
         raise ValueError(f"native_w4a16 gemm: wgmma with minb={minb} and tw=2: those builds take 190-235 registers a thread (one block an SM)")
-    shmem = shmem_bytes(m, nwn, stages, wgmma, tw)
+    if xnat and not (wgmma and tw == 2):
+        raise ValueError(f"native_w4a16 gemm: xnat with wgmma={wgmma}, tw={tw}: a wgmma build with two tiles a warp")
+    shmem = shmem_bytes(m, nwn, stages, wgmma, tw, xnat)
     if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
                          f"a block, {minb} block(s) an SM: more than the device's {smem_limit}")
     tiles = -(-n // (16 * tw * nwn))
-    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0, bool(wgmma), tw)
+    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0, bool(wgmma), tw,
+                xnat=bool(xnat))
 
 
 # The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
@@ -188,8 +198,8 @@ def _env_fields() -> dict[str, int]:
     out = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
-        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw"):
-            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw)")
+        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat)")
         out[key.strip()] = int(val)
     return out
 
@@ -282,8 +292,10 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
     probe = fields.pop("probe", p.probe)
     if "wgmma" not in fields and fields.get("nwn", p.nwn) not in (4, 8):
         fields["wgmma"] = False  # a width warpgroups cannot share (nwn 1, 2) asks for the mma.sync build
+    if not fields.get("wgmma", p.wgmma) and "xnat" not in fields:
+        fields["xnat"] = False
     if probe and not fields.get("wgmma", p.wgmma):
         raise ValueError("native_w4a16 gemm: probe builds are wgmma builds")
-    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw}
+    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
     return dataclasses.replace(q, probe=probe) if probe != q.probe else q

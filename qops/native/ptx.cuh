@@ -115,6 +115,13 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b) {
   return r;
 }
 
+// prmt with a selector known only at run time (a lane's own byte).
+__device__ __forceinline__ u32 prmt_r(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
 __device__ __forceinline__ u32 sub_f16x2(u32 a, u32 b) {
   u32 r;
   asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));

@@ -76,10 +76,18 @@
 // two iterations ahead instead of one measured the same (before the loads read whole sectors).
 // One 16-column tile a warp (TW = 1: two blocks an SM in 125 registers) was 1.1-1.9x slower: the
 // block's x is read for half the columns.
+// QOPS_XNAT = 1 (not measured yet, stop 25): the weight fragments in natural K order instead, so x
+// needs no permutation and goes through cp.async in each pipeline stage like the weights (whole
+// sectors, no registers, no prmt). A lane then needs rows 2c, 2c + 1 of every word row of a step: it
+// reads the four 16-byte slots of its quad (4x the shared loads) and takes byte c of each word (one
+// prmt with a per-lane selector, an and-or, one fma that removes bias and zero: f16 keeps the odd
+// row's nibble in bits 4..7 and divides by 16 in the same fma; bf16 takes it from the word shifted
+// by 4). Each iteration waits for its own MMAs (the next barrier lets the stage be refilled).
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
-// stages), QOPS_MINB (blocks an SM promised to ptxas), QOPS_WGMMA (0/1, above).
+// stages), QOPS_MINB (blocks an SM promised to ptxas), QOPS_WGMMA (0/1, above), QOPS_TW (1, 2: 16-column
+// tiles a warp), QOPS_XNAT (0/1, above), QOPS_PROBE (measurement builds).
 #include "w4.cuh"
 
 #ifndef QOPS_DT
@@ -105,6 +113,9 @@
 #endif
 #ifndef QOPS_TW
 #define QOPS_TW 2
+#endif
+#ifndef QOPS_XNAT
+#define QOPS_XNAT 0  // wgmma builds: weight fragments in natural K order, x through cp.async (header)
 #endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0  // measurements only, wgmma builds (wrong sums): 1 no MMAs, 2 no dequantization either, 3 nor x
@@ -148,12 +159,16 @@ static_assert(kStages >= 2 && kStages <= 8, "QOPS_STAGES is 2..8");
 static_assert(kWarpW % 16 == 0, "stages must stay 16-byte aligned");
 constexpr bool kWgmma = QOPS_WGMMA != 0;
 static_assert(!kWgmma || kNWN == 4 || kNWN == 8, "QOPS_WGMMA: a warpgroup's warps must share their chunk (NWN 4 or 8)");
-#if QOPS_WGMMA
+constexpr bool kXNat = QOPS_XNAT != 0;
+static_assert(!kXNat || (kWgmma && kTW == 2 && QOPS_PROBE == 0), "QOPS_XNAT is a wgmma build with two tiles a warp");
 // wgmma's x buffer: per chunk of the iteration (NWK), 32-row step (4), 16-row k step (2) and K half
 // (2), MT core matrices of 8 rows x 16 bytes (x rows 8 i .. 8 i + 7 at 128 i bytes).
 constexpr int kCore = 128;
 constexpr int kXbBytes = kNWK * 4 * 2 * 2 * kMT * kCore;
-constexpr int kXbufs = 3;
+#if QOPS_WGMMA
+#if !QOPS_XNAT
+constexpr int kXbufs = 3;  // the register-staged x's buffers
+#endif
 constexpr int kXPieces = (8 * kMT) * kNWK * 4 * 4;  // 16-byte pieces of x an iteration
 constexpr int kXPiecesPerThread = (kXPieces + kThreads - 1) / kThreads;
 #endif
@@ -195,8 +210,9 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   const int zw = (N + 7) >> 3;
   // A stage: x (M rows of kRS slots; none with wgmma, whose x buffers follow the stages), then the
   // 8 warps' weights.
-  const int xslots = kWgmma ? 0 : M * kRS;
-  const int stage_bytes = xslots * 16 + kWarps * kWarpW;
+  // With QOPS_XNAT the stage's x is the wgmma core-matrix image of the iteration's chunks.
+  const int xstage = kWgmma ? (kXNat ? kXbBytes : 0) : M * kRS * 16;
+  const int stage_bytes = xstage + kWarps * kWarpW;
   const u32 smem_a = smem_addr(smem);
   const char* smem_c = reinterpret_cast<const char*>(smem);
 
@@ -210,7 +226,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     const bool ok = n_ok && ch < ce;
     const int rows_left = KW - (ch * 16 + c);
     const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
-    const u32 dst = smem_a + st * stage_bytes + xslots * 16 + warp * kWarpW;
+    const u32 dst = smem_a + st * stage_bytes + xstage + warp * kWarpW;
     const u32* src = wbase + static_cast<size_t>(it) * wstride;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -243,7 +259,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   };
   auto read_chunk = [&](int st) {
     Chunk ck;
-    const char* wsm = smem_c + st * stage_bytes + xslots * 16 + warp * kWarpW;
+    const char* wsm = smem_c + st * stage_bytes + xstage + warp * kWarpW;
     // Every shared load first (six in flight at once), then the scale and zero pairs: converting the
     // scales right after their load stalled on it (5% of the samples, Nsight Compute at a09a7cc).
     u32 sc[kTW];
@@ -279,7 +295,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     }
     return ck;
   };
-  auto dequant_step = [&](const Chunk& ck, int j, u32 (&p)[kCols][4]) {
+  [[maybe_unused]] auto dequant_step = [&](const Chunk& ck, int j, u32 (&p)[kCols][4]) {
 #pragma unroll
     for (int jj = 0; jj < kCols; ++jj) {
       w4_dequant_word<kDT>(p[jj], ck.wv[j][jj], ck.za[jj], ck.zb[jj]);
@@ -289,6 +305,103 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   };
 
 #if QOPS_WGMMA
+  float accw[kTW][4 * kMT];
+#pragma unroll
+  for (int t = 0; t < kTW; ++t)
+#pragma unroll
+    for (int i = 0; i < 4 * kMT; ++i) accw[t][i] = 0.f;
+
+#if QOPS_XNAT
+  // x through cp.async, in natural K order (header). Piece u of an iteration: 16 bytes (8 values, group
+  // c of a 32-row step) of one x row into its core matrix; a warp's 32 pieces are rows 8 mg .. 8 mg + 7
+  // by the 4 groups of step q (= wkc * 4 + j), lane = 4 (row % 8) + c: whole sectors read, 128
+  // contiguous bytes written a group. Rows past M and columns past K are zero-filled.
+  auto load_x_nat = [&](int it, int st) {
+    const int k0 = (cb + it * kNWK) * kChunkK;
+    const u32 base = smem_a + st * stage_bytes;
+#pragma unroll
+    for (int i = 0; i < kXPiecesPerThread; ++i) {
+      const int u = tid + i * kThreads;  // u % 32 == lane
+      if (u >= kXPieces) break;
+      const int wu = u >> 5, q = wu / kMT, mg = wu - q * kMT;
+      const int m = 8 * mg + (lane >> 2), k = k0 + 32 * q + 8 * c;
+      const bool in = m < M && k < K;  // K % 8 == 0: 8 values all in or all out
+      cp_async_16(base + ((4 * q + c) * kMT + mg) * kCore + (lane >> 2) * 16, in ? x + static_cast<size_t>(m) * ldx + k : x,
+                  in ? 16 : 0);
+    }
+  };
+  // A lane's pair of rows 2c, 2c + 1 of a word (its k columns of the A fragment in natural order):
+  // byte c of the word twice, the low nibble kept in the low half and the high one in the high half
+  // (f16: in its bits 4..7, removed with the 16 q trick; bf16, whose mantissa has no room for that:
+  // the word shifted by 4 supplies the high half's nibble), then one fma removes bias and zero.
+  const u32 nat_sel = kDT == 0 ? (c | (c << 8)) : (c | ((4 + c) << 8));
+  auto nat_pair = [&](u32 w, u32 zn) {
+    if constexpr (kDT == 0) {
+      return fma_f16x2(and_or(prmt_r(w, w, nat_sel), 0x00F0000Fu, 0x64006400u), 0x2C003C00u, zn);  // (1, 1/16)
+    } else {
+      return fma_bf16x2(and_or(prmt_r(w, w >> 4, nat_sel), 0x000F000Fu, 0x43004300u), 0x3F803F80u, zn);
+    }
+  };
+
+  // The first stages: weights (never written by the kernel ahead), then x once that kernel is done.
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st)
+    if (st < n_it) load_w(st, st);
+  grid_dep_wait();
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < n_it) load_x_nat(st, st);
+    cp_async_commit();  // one group a stage, empty or not, so the wait below counts stages
+  }
+
+  for (int it = 0; it < n_it; ++it) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of stage it have landed
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // x, copied in the generic proxy, is read by wgmma
+    __syncthreads();  // everyone's copies have landed; every warpgroup's MMAs of the stage refilled below are done
+    const int ahead = it + kStages - 1;
+    if (ahead < n_it) {
+      load_w(ahead, ahead % kStages);
+      load_x_nat(ahead, ahead % kStages);
+    }
+    cp_async_commit();
+    if (cb + it * kNWK + wk < ce) {  // warpgroup-uniform: the group's warps share wk
+      const int st = it % kStages;
+      const Chunk ck = read_chunk(st);  // scales and zeros (its own words go unused here)
+      const char* wsm = smem_c + st * stage_bytes + xstage + warp * kWarpW;
+      const u32 xst = smem_a + st * stage_bytes;
+      u32 zn[kCols];  // the fma's addends: -(1024 + z), -(64 + z) (f16); -(128 + z) twice (bf16)
+#pragma unroll
+      for (int jj = 0; jj < kCols; ++jj) zn[jj] = kDT == 0 ? prmt<0x7610>(ck.za[jj] ^ 0x80008000u, ck.zb[jj]) : ck.za[jj];
+      u32 p[2][kCols][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // Step j's four word rows 4 j + r of the lane's columns, from the slots of lanes 4 g + r (the quad
+        // copied them; the barrier above made them visible): p[jj][r] = rows 8 r + 2 c, + 1 of column n0 + jj.
+        uint4 wr[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) wr[r] = *reinterpret_cast<const uint4*>(wsm + j * (32 * kWPiece) + (4 * g + r) * kWPiece);
+#pragma unroll
+        for (int jj = 0; jj < kCols; ++jj)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) p[j & 1][jj][r] = mul2<kDT>(nat_pair(word(wr[r], jj), zn[jj]), ck.sp[jj]);
+        wgmma_fence();
+#pragma unroll
+        for (int s2 = 0; s2 < 2; ++s2) {
+          const unsigned long long desc =
+              wgmma_desc(xst + ((wk * 4 + j) * 2 + s2) * 2 * (kMT * kCore), kMT * kCore, kCore);
+#pragma unroll
+          for (int t = 0; t < kTW; ++t) {
+            const u32(&q)[kCols][4] = p[j & 1];
+            Wgmma<kMT, kDT>::run(accw[t], q[2 * t][2 * s2], q[2 * t + 1][2 * s2], q[2 * t][2 * s2 + 1], q[2 * t + 1][2 * s2 + 1], desc);
+          }
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // step j - 1's MMAs are done: its fragments may be overwritten
+      }
+    }
+    wgmma_wait<0>();  // this stage's x is refilled after the next barrier
+  }
+#else
   // x through registers into the wgmma buffers (header). Piece u of an iteration: 16 bytes (8 values,
   // group c of a 32-row step) of one x row; a warp's 32 pieces are rows 8 mg .. 8 mg + 7 by the 4 groups
   // of step q (= wkc * 4 + j): lane = 4 (row % 8) + c. Every load instruction then reads whole 32-byte
@@ -329,12 +442,6 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     // The tensor cores read these through the async proxy.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   };
-
-  float accw[kTW][4 * kMT];
-#pragma unroll
-  for (int t = 0; t < kTW; ++t)
-#pragma unroll
-    for (int i = 0; i < 4 * kMT; ++i) accw[t][i] = 0.f;
 
   // The first stages' weights (never written by the kernel ahead), then x once that kernel is done.
 #pragma unroll
@@ -405,6 +512,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 #pragma unroll
     for (int i = 0; i < kXPiecesPerThread; ++i) xa[i] = xn[i];
   }
+#endif
   wgmma_wait<0>();
 #pragma unroll
   for (int t = 0; t < kTW; ++t)

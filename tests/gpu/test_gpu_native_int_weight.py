@@ -370,6 +370,8 @@ GEMM_PLANS = [  # (nwn, splits, stages, minb, wgmma, tw): the rule's tile, every
     (4, 5, 6, 1, 0, 2), (8, 1, 3, 2, 0, 2),
     (8, 1, 4, 1, 1, 2), (4, 1, 4, 1, 1, 2), (4, 5, 2, 1, 1, 2), (8, 3, 6, 1, 1, 2),
     (8, 1, 3, 2, 0, 1), (4, 2, 2, 2, 0, 1), (2, 1, 2, 1, 0, 1), (8, 1, 4, 2, 1, 1), (8, 3, 2, 2, 1, 1), (4, 1, 4, 1, 1, 1),
+    # wgmma = 2: x through cp.async with the weight in natural K order (xnat), split and not, both widths
+    (8, 1, 4, 1, 2, 2), (4, 5, 4, 1, 2, 2), (8, 3, 6, 1, 2, 2), (4, 1, 2, 1, 2, 2),
 ]
 
 
@@ -385,7 +387,8 @@ def test_every_gemm_plan_matches_reference(variant):
         for dtype in DTYPES:
             for m in (33, 48, 64):
                 try:
-                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb, wgmma=bool(wgmma), tw=tw)
+                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb, wgmma=bool(wgmma), tw=tw,
+                                       xnat=wgmma == 2)
                 except ValueError:
                     continue  # a combination the kernel cannot run (two blocks an SM at M > 40, shared memory)
                 x = rand(m, k, dtype=dtype, seed=m + nwn)
