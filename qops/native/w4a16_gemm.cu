@@ -310,6 +310,21 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   for (int t = 0; t < kTW; ++t)
 #pragma unroll
     for (int i = 0; i < 4 * kMT; ++i) accw[t][i] = 0.f;
+  // The wgmmas of 32-row step j of the warpgroup's chunk (x's core matrices at xbase), its fragments q:
+  // two 16-row k steps x the warp's tiles, one commit group; then wait until the previous step's
+  // group is done, so its fragments may be overwritten.
+  auto issue_step = [&](u32 xbase, int j, const u32 (&q)[kCols][4]) {
+    wgmma_fence();
+#pragma unroll
+    for (int s2 = 0; s2 < 2; ++s2) {
+      const unsigned long long desc = wgmma_desc(xbase + ((wk * 4 + j) * 2 + s2) * 2 * (kMT * kCore), kMT * kCore, kCore);
+#pragma unroll
+      for (int t = 0; t < kTW; ++t)
+        Wgmma<kMT, kDT>::run(accw[t], q[2 * t][2 * s2], q[2 * t + 1][2 * s2], q[2 * t][2 * s2 + 1], q[2 * t + 1][2 * s2 + 1], desc);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+  };
 
 #if QOPS_XNAT
   // x through cp.async, in natural K order (header). Piece u of an iteration: 16 bytes (8 values, group
@@ -384,19 +399,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
         for (int jj = 0; jj < kCols; ++jj)
 #pragma unroll
           for (int r = 0; r < 4; ++r) p[j & 1][jj][r] = mul2<kDT>(nat_pair(word(wr[r], jj), zn[jj]), ck.sp[jj]);
-        wgmma_fence();
-#pragma unroll
-        for (int s2 = 0; s2 < 2; ++s2) {
-          const unsigned long long desc =
-              wgmma_desc(xst + ((wk * 4 + j) * 2 + s2) * 2 * (kMT * kCore), kMT * kCore, kCore);
-#pragma unroll
-          for (int t = 0; t < kTW; ++t) {
-            const u32(&q)[kCols][4] = p[j & 1];
-            Wgmma<kMT, kDT>::run(accw[t], q[2 * t][2 * s2], q[2 * t + 1][2 * s2], q[2 * t][2 * s2 + 1], q[2 * t + 1][2 * s2 + 1], desc);
-          }
-        }
-        wgmma_commit();
-        wgmma_wait<1>();  // step j - 1's MMAs are done: its fragments may be overwritten
+        issue_step(xst, j, p[j & 1]);
       }
     }
     wgmma_wait<0>();  // this stage's x is refilled after the next barrier
@@ -493,19 +496,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         dequant_step(ck, j, p[j & 1]);
-        wgmma_fence();
-#pragma unroll
-        for (int s2 = 0; s2 < 2; ++s2) {
-          const unsigned long long desc =
-              wgmma_desc(xbuf + ((wk * 4 + j) * 2 + s2) * 2 * (kMT * kCore), kMT * kCore, kCore);
-#pragma unroll
-          for (int t = 0; t < kTW; ++t) {
-            const u32(&q)[kCols][4] = p[j & 1];
-            Wgmma<kMT, kDT>::run(accw[t], q[2 * t][2 * s2], q[2 * t + 1][2 * s2], q[2 * t][2 * s2 + 1], q[2 * t + 1][2 * s2 + 1], desc);
-          }
-        }
-        wgmma_commit();
-        wgmma_wait<1>();  // step j - 1's MMAs are done: its fragments may be overwritten
+        issue_step(xbuf, j, p[j & 1]);
       }
     }
     if (it + 1 < n_it && QOPS_PROBE != 3) store_x_regs(xa, (it + 1) % kXbufs);  // after this iteration's MMAs are issued
