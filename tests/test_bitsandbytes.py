@@ -445,7 +445,6 @@ def _fma_pairs():
 def test_triton_gemv_fma(case, cfg):
     from qops.ops.triton import blockwise4 as tbw4
 
-
     b = C.build(case)
     w = b.weight
     gen = torch.Generator().manual_seed(C.seed_of(case))

@@ -6,7 +6,8 @@ dequantized weight scaled in the activation dtype so the MMAs accumulate straigh
 (design notes at the top of ``w4a16_gemm.cu``). Split K goes through the decode kernel's workspace
 reduction (``qops_w4a16_reduce``: fixed order, bit-identical run to run).
 
-Plans. A block is 8 warps, ``nwn`` along N (32 columns each) and 8 / ``nwn`` along K; ``splits``
+Plans. A block is 8 warps, ``nwn`` along N (16 ``tw`` columns each: 32, or 16 in measurements) and
+8 / ``nwn`` along K; ``splits``
 blocks share one column tile's K range; ``stages`` iterations of x and weights in flight through
 shared memory; ``wgmma``: Hopper's warpgroup MMAs (an sm_90a build, taken wherever the device is
 one). The rule (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g.
@@ -222,6 +223,7 @@ def wgmma_missing(device: int) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _capability(device: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device))
 

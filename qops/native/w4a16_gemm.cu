@@ -454,8 +454,9 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   }
   grid_dep_wait();
   // x of iteration it + 1 waits in xa for the end of iteration it; the loads of it + 2 are issued at
-  // the top of it (xn), so each piece has a whole iteration to arrive (loaded one iteration ahead, the
-  // permutes waited on them: 28% of the stall samples, Nsight Compute at a09a7cc).
+  // the top of it (xn), so each piece has a whole iteration to arrive. (Loaded one iteration ahead,
+  // the permutes waited on them: 28% of the stall samples, Nsight Compute at a09a7cc; but two ahead
+  // timed the same, f1baac6: the stall moved, the cost was the loads' doubled sectors.)
   XRegs xa, xn;
   if (n_it > 0) {
     load_x_regs(0, xa);
