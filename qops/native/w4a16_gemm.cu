@@ -181,6 +181,24 @@ __device__ __forceinline__ u32 scale_pair(u32 bits16, int flags) {
   return d | (d << 16);
 }
 
+// The first stages when x goes through cp.async too: weights (never written by the kernel ahead),
+// then x (load_x) once that kernel is done. Group s is committed after stage s's x: group 0 also
+// carries every first stage's weights (the first wait covers them all), later groups one stage
+// whole. A template, not a generic lambda: NVRTC 12 takes a generic lambda's call operator for a
+// host function.
+template <int Stages, class LoadW, class LoadX>
+__device__ __forceinline__ void load_first_stages(int n_it, const LoadW& load_w, const LoadX& load_x) {
+#pragma unroll
+  for (int st = 0; st < Stages - 1; ++st)
+    if (st < n_it) load_w(st, st);
+  grid_dep_wait();
+#pragma unroll
+  for (int st = 0; st < Stages - 1; ++st) {
+    if (st < n_it) load_x(st, st);
+    cp_async_commit();  // one group a stage, empty or not, so the wait below counts stages
+  }
+}
+
 }  // namespace gemm
 }  // namespace qops
 
@@ -250,22 +268,6 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
 
   const W4ZeroBase zbase = w4_zero_base<kDT>(static_cast<u32>(kHasZ ? zero_offset : 8));  // w4.cuh
-
-  // The first stages when x goes through cp.async too: weights (never written by the kernel ahead),
-  // then x (load_x_stage) once that kernel is done. Group s is committed after stage s's x: group 0
-  // also carries every first stage's weights (the first wait covers them all), later groups one
-  // stage whole.
-  [[maybe_unused]] auto load_first_stages = [&](auto&& load_x_stage) {
-#pragma unroll
-    for (int st = 0; st < kStages - 1; ++st)
-      if (st < n_it) load_w(st, st);
-    grid_dep_wait();
-#pragma unroll
-    for (int st = 0; st < kStages - 1; ++st) {
-      if (st < n_it) load_x_stage(st, st);
-      cp_async_commit();  // one group a stage, empty or not, so the wait below counts stages
-    }
-  };
 
   // This warp's chunk of stage st, dequantized: the 2 TW weight words a lane holds for each 32-row
   // step (wv), then per step j the A fragments p[jj][r] = scale * (q[r] - z, q[r+4] - z) of column n0 + jj.
@@ -374,7 +376,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     }
   };
 
-  load_first_stages(load_x_nat);
+  load_first_stages<kStages>(n_it, load_w, load_x_nat);
 
   for (int it = 0; it < n_it; ++it) {
     cp_async_wait<kStages - 2>();  // this thread's copies of stage it have landed
@@ -534,7 +536,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       cp_async_16(base + (m * kRS + kk) * 16, in ? x + static_cast<size_t>(m) * ldx + k : x, in ? 16 : 0);
     }
   };
-  load_first_stages(load_x);
+  load_first_stages<kStages>(n_it, load_w, load_x);
 
   for (int it = 0; it < n_it; ++it) {
     cp_async_wait<kStages - 2>();  // this thread's copies of stage it have landed
