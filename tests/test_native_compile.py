@@ -801,7 +801,8 @@ def _gemm_variants():
                 yield gemm._rule(m, n, k, 132).defines(dt, has_z)
     # the knobs once (fp16, zeros; the dtype and zeros only change the dequantization above)
     for p in (gemm.make_plan(64, 4096, 4096, nwn=2, splits=1, stages=2), gemm.make_plan(33, 4096, 4096, nwn=8, splits=1, stages=7),
-              gemm.make_plan(40, 4096, 4096, nwn=8, splits=1, stages=3, minb=2), gemm.make_plan(33, 4096, 4096, nwn=1, splits=1, stages=2)):
+              gemm.make_plan(40, 4096, 4096, nwn=8, splits=1, stages=3, minb=2), gemm.make_plan(33, 4096, 4096, nwn=1, splits=1, stages=2),
+              gemm.make_plan(64, 4096, 4096, nwn=8, splits=3, stages=3, krot=True)):
         yield p.defines(torch.float16, True)
 
 
@@ -829,6 +830,9 @@ def _gemm_wgmma_variants():
     # x through cp.async with the weight in natural K order (xnat): both widths, dtypes and zero modes
     for m, nwn, stages, dt, has_z in ((64, 8, 6, torch.float16, True), (64, 4, 4, torch.bfloat16, False), (33, 8, 4, torch.bfloat16, True)):
         yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=1, stages=stages, wgmma=True, xnat=True).defines(dt, has_z)
+    # the K loop rotated by column tile, register-staged x and xnat
+    for xnat in (False, True):
+        yield gemm.make_plan(64, 28672, 4096, nwn=8, splits=1, stages=4, wgmma=True, xnat=xnat, krot=True).defines(torch.bfloat16, True)
 
 
 def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():

@@ -54,6 +54,7 @@ class Plan:
     tw: int = 2  # 16-column MMA tiles a warp (1: half the accumulators, so two blocks an SM fit 128 registers)
     probe: int = 0  # measurements only (benchmarks/probe_w4_gemm.py, wgmma builds): 1 no MMAs, 2 no dequantization, 3 no x
     xnat: bool = False  # wgmma builds: weight fragments in natural K order, x through cp.async in the stages (not measured yet)
+    krot: bool = False  # each column tile starts its K loop at a different chunk group (x's L2 lines not all asked at once)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         d = {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
@@ -66,6 +67,8 @@ class Plan:
             d["QOPS_PROBE"] = self.probe
         if self.xnat:
             d["QOPS_XNAT"] = 1
+        if self.krot:
+            d["QOPS_KROT"] = 1
         return d
 
 
@@ -99,7 +102,7 @@ def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2,
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
-              smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2, xnat: bool = False) -> Plan:
+              smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2, xnat: bool = False, krot: bool = False) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
     ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default).
     Whether the device runs wgmma (sm_90a) is :func:`plan`'s check, not this one's."""
@@ -130,7 +133,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
                          f"a block, {minb} block(s) an SM: more than the device's {smem_limit}")
     tiles = -(-n // (16 * tw * nwn))
     return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0, bool(wgmma), tw,
-                xnat=bool(xnat))
+                xnat=bool(xnat), krot=bool(krot))
 
 
 # The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
@@ -199,8 +202,8 @@ def _env_fields() -> dict[str, int]:
     out = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
-        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat"):
-            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat)")
+        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat", "krot"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat, krot)")
         out[key.strip()] = int(val)
     return out
 
@@ -298,6 +301,6 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
         fields["xnat"] = False
     if probe and not fields.get("wgmma", p.wgmma):
         raise ValueError("native_w4a16 gemm: probe builds are wgmma builds")
-    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat}
+    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
     return dataclasses.replace(q, probe=probe) if probe != q.probe else q

@@ -87,7 +87,7 @@
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
 // stages), QOPS_MINB (blocks an SM promised to ptxas), QOPS_WGMMA (0/1, above), QOPS_TW (1, 2: 16-column
-// tiles a warp), QOPS_XNAT (0/1, above), QOPS_PROBE (measurement builds).
+// tiles a warp), QOPS_XNAT (0/1, above), QOPS_KROT (0/1: rotated K order), QOPS_PROBE (measurement builds).
 #include "w4.cuh"
 
 #ifndef QOPS_DT
@@ -116,6 +116,9 @@
 #endif
 #ifndef QOPS_XNAT
 #define QOPS_XNAT 0  // wgmma builds: weight fragments in natural K order, x through cp.async (header)
+#endif
+#ifndef QOPS_KROT
+#define QOPS_KROT 0  // 1: each column tile starts its K loop at a different chunk group (kit below)
 #endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0  // measurements only, wgmma builds (wrong sums): 1 no MMAs, 2 no dequantization either, 3 nor x
@@ -225,6 +228,11 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   const int cb = static_cast<int>(static_cast<long long>(split) * C / S);
   const int ce = static_cast<int>(static_cast<long long>(split + 1) * C / S);
   const int n_it = (ce - cb + kNWK - 1) / kNWK;
+  // Iteration it reads the block's chunk group kit(it): with QOPS_KROT the blocks of a grid start at
+  // different groups (rotated by the column tile), so they do not all ask the L2 for the same lines of
+  // x at once. The order of a block's sums is fixed either way (bit-identical run to run).
+  const int rot = (QOPS_KROT && n_it > 0) ? static_cast<int>(blockIdx.x % n_it) : 0;
+  auto kit = [&](int it) { return it + rot < n_it ? it + rot : it + rot - n_it; };
   const int zw = (N + 7) >> 3;
   // A stage: x (M rows of kRS slots; none with wgmma, whose x buffers follow the stages), then the
   // 8 warps' weights.
@@ -240,12 +248,12 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   const u32* wbase = qweight + static_cast<size_t>((cb + wk) * 16 + c) * N + n0;
   const size_t wstride = static_cast<size_t>(kNWK * 16) * N;
   auto load_w = [&](int it, int st) {
-    const int ch = cb + it * kNWK + wk;
+    const int ch = cb + kit(it) * kNWK + wk;
     const bool ok = n_ok && ch < ce;
     const int rows_left = KW - (ch * 16 + c);
     const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
     const u32 dst = smem_a + st * stage_bytes + xstage + warp * kWarpW;
-    const u32* src = wbase + static_cast<size_t>(it) * wstride;
+    const u32* src = wbase + static_cast<size_t>(kit(it)) * wstride;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const u32 d = dst + j * (32 * kWPiece) + lane * kWPiece;
@@ -350,7 +358,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   // by the 4 groups of step q (= wkc * 4 + j), lane = 4 (row % 8) + c: whole sectors read, 128
   // contiguous bytes written a group. Rows past M and columns past K are zero-filled.
   auto load_x_nat = [&](int it, int st) {
-    const int k0 = (cb + it * kNWK) * kChunkK;
+    const int k0 = (cb + kit(it) * kNWK) * kChunkK;
     const u32 base = smem_a + st * stage_bytes;
 #pragma unroll
     for (int i = 0; i < kXPiecesPerThread; ++i) {
@@ -388,7 +396,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       load_x_nat(ahead, ahead % kStages);
     }
     cp_async_commit();
-    if (cb + it * kNWK + wk < ce) {  // warpgroup-uniform: the group's warps share wk
+    if (cb + kit(it) * kNWK + wk < ce) {  // warpgroup-uniform: the group's warps share wk
       const int st = it % kStages;
       const Chunk ck = read_chunk(st);  // scales and zeros (its own words go unused here)
       const char* wsm = smem_c + st * stage_bytes + xstage + warp * kWarpW;
@@ -422,7 +430,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   const u32 xb_a = smem_a + kStages * stage_bytes;
   using XRegs = uint4[kXPiecesPerThread];
   auto load_x_regs = [&](int it, XRegs& xr) {
-    const int k0 = (cb + it * kNWK) * kChunkK;
+    const int k0 = (cb + kit(it) * kNWK) * kChunkK;
 #pragma unroll
     for (int i = 0; i < kXPiecesPerThread; ++i) {
       const int u = tid + i * kThreads;
@@ -480,7 +488,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     if (ahead < n_it) load_w(ahead, ahead % kStages);
     cp_async_commit();
     if (it + 2 < n_it && QOPS_PROBE != 3) load_x_regs(it + 2, xn);
-    if (cb + it * kNWK + wk < ce) {          // warpgroup-uniform: the group's warps share wk
+    if (cb + kit(it) * kNWK + wk < ce) {          // warpgroup-uniform: the group's warps share wk
       const Chunk ck = read_chunk(it % kStages);
       const u32 xbuf = xb_a + (it % kXbufs) * kXbBytes;
       u32 p[2][kCols][4];
@@ -527,7 +535,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   // tid, tid + 256, ... (zeros from column K on).
   const int nslots = M * kRow;
   auto load_x = [&](int it, int st) {
-    const int k0 = (cb + it * kNWK) * kChunkK;
+    const int k0 = (cb + kit(it) * kNWK) * kChunkK;
     const u32 base = smem_a + st * stage_bytes;
     for (int s = tid; s < nslots; s += kThreads) {
       const int m = s / kRow, kk = s - m * kRow;
@@ -547,7 +555,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       load_x(ahead, ahead % kStages);
     }
     cp_async_commit();
-    if (cb + it * kNWK + wk >= ce) continue;  // warp-uniform: no chunk for this warp in the last iteration
+    if (cb + kit(it) * kNWK + wk >= ce) continue;  // warp-uniform: no chunk for this warp in the last iteration
 
     const int st = it % kStages;
     const uint4* xs = reinterpret_cast<const uint4*>(smem_c + st * stage_bytes);

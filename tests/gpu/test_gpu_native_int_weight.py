@@ -378,6 +378,21 @@ GEMM_PLANS = [  # (nwn, splits, stages, minb, wgmma, tw): the rule's tile, every
 @pytest.mark.parametrize("variant", GEMM_PLANS, ids=lambda v: "nwn{}-s{}-st{}-minb{}-wgmma{}-tw{}".format(*v))
 def test_every_gemm_plan_matches_reference(variant):
     nwn, splits, stages, minb, wgmma, tw = variant
+    _check_gemm_plan(variant, nwn=nwn, splits=splits, stages=stages, minb=minb, wgmma=bool(wgmma), tw=tw, xnat=wgmma == 2)
+
+
+# K loops rotated by column tile: mma.sync and wgmma, split (the rotation inside each split's range,
+# whose last group is partial at K = 1000) and not.
+KROT_PLANS = [dict(nwn=8, splits=1, stages=4, wgmma=True), dict(nwn=4, splits=5, stages=4, wgmma=True),
+              dict(nwn=8, splits=3, stages=3, wgmma=False), dict(nwn=8, splits=1, stages=4, wgmma=True, xnat=True)]
+
+
+@pytest.mark.parametrize("fields", KROT_PLANS, ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
+def test_rotated_k_gemm_plans_match_reference(fields):
+    _check_gemm_plan(fields, krot=True, **fields)
+
+
+def _check_gemm_plan(name, wgmma=False, splits=1, **fields):
     if wgmma and (why := gemm.wgmma_missing(torch.cuda.current_device())):
         pytest.skip(why)
     ran = 0
@@ -387,18 +402,17 @@ def test_every_gemm_plan_matches_reference(variant):
         for dtype in DTYPES:
             for m in (33, 48, 64):
                 try:
-                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=stages, minb=minb, wgmma=bool(wgmma), tw=tw,
-                                       xnat=wgmma == 2)
+                    q = gemm.make_plan(m, n, k, splits=min(splits, -(-k // 128)), wgmma=wgmma, **fields)
                 except ValueError:
                     continue  # a combination the kernel cannot run (two blocks an SM at M > 40, shared memory)
-                x = rand(m, k, dtype=dtype, seed=m + nwn)
+                x = rand(m, k, dtype=dtype, seed=m + q.nwn)
                 bias = rand(n, dtype=torch.float32, seed=3) if m == 33 else None
                 with gemm.plan_override(lambda *_: q):
                     y = nw.weight.mm(x, bias)
                     assert torch.equal(nw.weight.mm(x, bias), y), f"{q}: not bit-identical run to run"
                 check(y, x, nw.w64, bias, f"{fmt} {n}x{k} g{g} {dtype} M={m} {q}")
                 ran += 1
-    assert ran >= 6, f"only {ran} cases could run plan {variant}"
+    assert ran >= 6, f"only {ran} cases could run plan {name}"
 
 
 def test_gemm_out_with_workspace_and_strided_out():
