@@ -3,7 +3,8 @@
 Per shape and M: the op through the native lowering at the rule's GEMM plan, the same weight through
 the Triton lowering (its plan: the tiled GEMM or the dense path), cuBLAS fp16 on a dense copy, and
 the GEMM at each plan of ``--plans`` (JSON list of field overrides, e.g. '[{"nwn": 2}, {"splits": 2},
-{"ring": 3}]'), each checked against the op's output. Timed with interleaved trials over rotated weight
+{"ring": 3}]'), each checked against the op's output. At M <= 32 (the decode kernel's rows) the GEMM serves
+a plan only when it says ``"gemm": 1``: the op's routing is then pointed at the GEMM for that call. Timed with interleaved trials over rotated weight
 copies (method of ``common.py``), GPTQ v2, 4 bits, group 128, asymmetric, fp16 x.
 
     PYTHONPATH=. python benchmarks/probe_w4_gemm.py [--shapes 28672x4096,...] [--ms 33,48,64] [--plans JSON] [--out F]
@@ -23,6 +24,7 @@ common.add_repo_to_path()
 
 from probe_early_pdl import gptq_native  # noqa: E402
 from qops.lowerings import LOWERINGS_BY_NAME  # noqa: E402
+from qops.native import int_weight as native  # noqa: E402
 from qops.native import int_weight_gemm as gemm  # noqa: E402
 
 
@@ -52,11 +54,18 @@ def main(argv=None) -> int:
             row["triton_rel_err"] = common.rel_err(wt[0].mm(x), want)
 
             def under(fields, f, m=m, n=n, k=k):
+                fields = dict(fields)
+                decode_rows = 0 if fields.pop("gemm", 0) else native.MAX_M
                 q = gemm.with_fields(gemm.plan(m, n, k, dev), n, k, **fields)
 
                 def g():
-                    with gemm.plan_override(lambda *_: q):
-                        return f()
+                    kept = native.MAX_M
+                    native.MAX_M = decode_rows  # the rows the decode kernel takes; 0: every call to the GEMM
+                    try:
+                        with gemm.plan_override(lambda *_: q):
+                            return f()
+                    finally:
+                        native.MAX_M = kept
                 return g
 
             cands = {"op": [lambda v=v: v.mm(x) for v in ws], "triton": [lambda v=v: v.mm(x) for v in wt],
