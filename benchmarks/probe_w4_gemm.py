@@ -3,8 +3,9 @@
 Per shape and M: the op through the native lowering at the rule's GEMM plan, the same weight through
 the Triton lowering (its plan: the tiled GEMM or the dense path), cuBLAS fp16 on a dense copy, and
 the GEMM at each plan of ``--plans`` (JSON list of field overrides, e.g. '[{"nwn": 2}, {"splits": 2},
-{"ring": 3}]'), each checked against the op's output. At M <= 32 (the decode kernel's rows) the GEMM serves
-a plan only when it says ``"gemm": 1``: the op's routing is then pointed at the GEMM for that call. Timed with interleaved trials over rotated weight
+{"ring": 3}]'), each checked against the op's output. ``"gemm": 1`` in a plan sends every row to the GEMM
+(the op's routing pointed there for that call), ``"gemm": 0`` rows up to 32 to the decode kernel; without
+it, the op's own routing (``int_weight.decode_rows``). Timed with interleaved trials over rotated weight
 copies (method of ``common.py``), GPTQ v2, 4 bits, group 128, asymmetric, fp16 x.
 
     PYTHONPATH=. python benchmarks/probe_w4_gemm.py [--shapes 28672x4096,...] [--ms 33,48,64] [--plans JSON] [--out F]
@@ -55,17 +56,18 @@ def main(argv=None) -> int:
 
             def under(fields, f, m=m, n=n, k=k):
                 fields = dict(fields)
-                decode_rows = 0 if fields.pop("gemm", 0) else native.MAX_M
+                route = fields.pop("gemm", None)
+                rows = native.decode_rows if route is None else (lambda *_: 0 if route else native.MAX_M)
                 q = gemm.with_fields(gemm.plan(m, n, k, dev), n, k, **fields)
 
                 def g():
-                    kept = native.MAX_M
-                    native.MAX_M = decode_rows  # the rows the decode kernel takes; 0: every call to the GEMM
+                    kept = native.decode_rows
+                    native.decode_rows = rows  # the rows the decode kernel takes; 0: every call to the GEMM
                     try:
                         with gemm.plan_override(lambda *_: q):
                             return f()
                     finally:
-                        native.MAX_M = kept
+                        native.decode_rows = kept
                 return g
 
             cands = {"op": [lambda v=v: v.mm(x) for v in ws], "triton": [lambda v=v: v.mm(x) for v in wt],

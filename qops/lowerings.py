@@ -215,11 +215,12 @@ LOWERINGS: tuple[Lowering, ...] = (
         # Ranked above triton from measurement: faster at every M <= 16 on the five shapes measured
         # side by side (H200, benchmarks/results/h200-2026-11-30-26b1d5b-int-weight.json); one launch
         # of the decode kernel serves up to 32 rows (the Llama-3-8B-shaped decode at batch 32: 1.04x
-        # bf16, ...-36b2c80-decode-b32-b8.json), one of the GEMM 33..64 rows (1.09-2.0x triton on the
+        # bf16, ...-36b2c80-decode-b32-b8.json; on Hopper 16 or 23: int_weight.decode_rows), one of the
+        # GEMM the rows above to 64 (1.09-2.0x triton on the
         # five shapes at M = 33, 48, 64: ...-8d70817-probe-gemm-plans.json; with Hopper's wgmma
         # 1.02-1.41x faster again, 1.07-1.23x cuBLAS fp16 at M = 64 on the four large shapes:
         # ...-531f5ae-int-weight.json); above that it delegates to triton, so the times match.
-        note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=32 and GEMM for M<=64, deterministic split-K; larger M delegated to triton",
+        note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=32 (Hopper: M<=16 or 23) and GEMM for M<=64, deterministic split-K; larger M delegated to triton",
         software=_native_missing,
     ),
     Lowering(

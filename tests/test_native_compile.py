@@ -452,9 +452,24 @@ def test_workspace_covers_every_slice(monkeypatch):
         monkeypatch.setattr(native, "_deterministic", deterministic)
         for n, k in [(4096, 4096), (1024, 8192), (28672, 4096), (100, 776)] + ([(100, 777)] if deterministic else []):
             for m in range(1, top + 1):
-                need = max(native._plan(r, n, k, 132, False).workspace if r <= native.MAX_M else gemm._rule(r, n, k, 132).workspace
+                last = native.decode_rows(n, k, 0)  # test_decode_rows_on_hopper_and_elsewhere
+                need = max(native._plan(r, n, k, 132, False).workspace if r <= last else gemm._rule(r, n, k, 132).workspace
                            for r in _slices(m, k))
                 assert native.workspace_bytes(m, n, k, 4, 128, device=0) == need, (deterministic, n, k, m)
+
+
+def test_decode_rows_on_hopper_and_elsewhere(monkeypatch):
+    """Hopper's wgmma GEMM takes calls from 17 rows on weights of >= 2^25 elements, from 24 below
+    that; other devices, K % 8 != 0 (the GEMM cannot copy x) and an active decode plan override keep
+    the decode kernel up to MAX_M."""
+    _h200_gemm(monkeypatch)
+    want = {(28672, 4096): 16, (4096, 14336): 16, (8192, 4096): 16, (6144, 4096): 23, (4096, 4096): 23, (100, 776): 23,
+            (4096, 777): native.MAX_M, (28672, 4100): native.MAX_M, (28672, 4104): 16}
+    assert {nk: native.decode_rows(*nk, 0) for nk in want} == want
+    with native.plan_override(lambda *a: None):
+        assert native.decode_rows(28672, 4096, 0) == native.MAX_M
+    monkeypatch.setattr(gemm, "_capability", lambda idx: (8, 0))
+    assert native.decode_rows(28672, 4096, 0) == native.MAX_M
 
 
 def test_workspace_above_the_gemm_is_the_triton_need(monkeypatch):

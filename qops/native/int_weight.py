@@ -3,8 +3,8 @@
 Serves the runtime layout of ``qops/ops/int_weight.py`` with bits = 4, group_size -1 or a multiple
 of 128, float16/bfloat16 activations and scales, N % 4 == 0, a 16-byte aligned contiguous qweight,
 and M = prod(x.shape[:-1]) <= 64: up to 32 rows (``MAX_M``) the decode kernel, 33..64 rows
-(``int_weight_gemm.MAX_M``, K % 8 == 0) the GEMM of :mod:`qops.native.int_weight_gemm`; one
-launch either way, the weight read once for all rows. Anything else goes to the Triton lowering
+(``int_weight_gemm.MAX_M``, K % 8 == 0) the GEMM of :mod:`qops.native.int_weight_gemm` (on Hopper,
+whose GEMM build runs warpgroup MMAs, from 17 or 24 rows: :func:`decode_rows`); one launch either way, the weight read once for all rows. Anything else goes to the Triton lowering
 (``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where any M runs over
 64-row GEMM slices (32-row decode-kernel slices where K % 8 != 0): bit-identical run to run.
 
@@ -72,6 +72,12 @@ MAX_M = 32  # rows one launch of the decode kernel takes (four 8-row MMA tiles)
 # mode). Two 32-row decode launches lost to triton at M = 64 (h200-2026-11-30-6f38b91-int-weight.json:
 # each reads the whole weight again); the GEMM reads it once and beat triton on the five PERF.md
 # shapes at M = 33, 48, 64 with its rule's plans (h200-2026-12-01-8d70817-probe-gemm-plans.json).
+# On Hopper the GEMM's wgmma build also beats the decode kernel below 33 rows: side by side on the
+# five shapes it was 1.04-1.32x faster at M = 32, 1.02-1.25x at 24 and 1.04-1.29x at 20 on the four
+# of >= 2^25 weights, but 0.93x at 20 on 4096x4096 and slower on all five at 16
+# (h200-2026-12-01-0c22849-probe-gemm-small-m.json, ...-probe-gemm-m20-28.json). There the decode
+# kernel keeps (smallest N*K, rows): the first entry the weight reaches applies.
+WGMMA_DECODE_ROWS = ((1 << 25, 16), (0, 23))
 THREADS = 256
 CHUNK_K = 128
 PDL_ENV = "QOPS_NATIVE_PDL"
@@ -538,7 +544,20 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
         return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, torch.device("cuda", dev)))
     # Slices of _slice_rows(m, k) rows and a shorter last one, one after another on the same scratch.
     step = _slice_rows(m, k)
-    return max((plan(r, n, k, dev) if r <= MAX_M else gemm.plan(r, n, k, dev)).workspace for r in {min(step, m), m % step} if r)
+    return max((plan(r, n, k, dev) if r <= decode_rows(n, k, dev) else gemm.plan(r, n, k, dev)).workspace
+               for r in {min(step, m), m % step} if r)
+
+
+def decode_rows(n: int, k: int, device: int) -> int:
+    """Most rows of a call the decode kernel serves; the GEMM takes those above (up to gemm.MAX_M).
+
+    MAX_M, except where the GEMM can copy x (K % 8 == 0) and runs its wgmma build (compute
+    capability 9.0): WGMMA_DECODE_ROWS. While a decode plan override is active (benchmarks and tests
+    of the decode kernel's own plans) the decode kernel keeps all MAX_M rows.
+    """
+    if k % 8 or _plan_override is not None or gemm.wgmma_missing(device) is not None:
+        return MAX_M
+    return next(rows for size, rows in WGMMA_DECODE_ROWS if n * k >= size)
 
 
 def _rows_served(k: int) -> int:
@@ -604,7 +623,8 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         raise ValueError(f"native_w4a16: the gated output needs an even N and no bias (got N={n}, bias {'given' if bias is not None else 'None'})")
     nout = n // 2 if glu else n
     refused = _refusal(x, qweight, scales, qzeros, bits, group_size, n) is not None
-    if glu and (refused or m > MAX_M or n % 8):  # the gated epilogue is the decode kernel's
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if glu and (refused or m > decode_rows(n, k, dev) or n % 8):  # the gated epilogue is the decode kernel's
         y = native_mm(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, None, workspace)
         gated = silu_mul(y)
         return gated if out is None else out.copy_(gated)
@@ -626,7 +646,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     elif k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     step = _slice_rows(m, k)
-    if step > MAX_M and (x2.data_ptr() % 16 or x2.stride(0) % 8 or x2.stride(1) != 1):
+    if m > decode_rows(n, k, dev) and (x2.data_ptr() % 16 or x2.stride(0) % 8 or x2.stride(1) != 1):
         x2 = x2.clone(memory_format=torch.contiguous_format)  # the GEMM copies x in aligned 16-byte pieces
     target = o2 if o2 is not None else torch.empty((m, nout), dtype=x.dtype, device=x.device)
 
@@ -638,7 +658,6 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         if not bias.is_contiguous():
             bias = bias.contiguous()
     chunks_per_group = 0 if group_size == -1 else group_size // CHUNK_K
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     guard = dev != torch.cuda.current_device()
     if guard:
         prev = torch.cuda.current_device()
@@ -647,7 +666,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         stream = torch.cuda.current_stream()
         for r0 in range(0, m, step):  # one launch, or (deterministic mode) slices
             rows = min(step, m - r0)
-            if rows <= MAX_M:
+            if rows <= decode_rows(n, k, dev):
                 _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,
                         rows, n, k, chunks_per_group, zero_offset, flags, dev, stream, glu)
             else:
@@ -759,7 +778,8 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
     pdl = use_pdl(dev)  # the launch path the calls will take, exercised before any capture
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream()
-        for m in range(1, min(max_m, MAX_M) + 1):
+        last = decode_rows(n, k, dev)
+        for m in range(1, min(max_m, last) + 1):
             p = plan(m, n, k, dev)
             defines = p.defines(act_dtype, has_zeros, glu)
             shmem = launch_shmem(p, glu)
@@ -776,8 +796,8 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
             if p.workspace:
                 reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
                 compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
-        if max_m > MAX_M and k % 8 == 0:  # the GEMM's rows (gated calls there run it unfused, then silu_mul)
-            return len(seen) + gemm.warmup(dev, act_dtype, n, k, has_zeros, MAX_M + 1, max_m, stream, pdl)
+        if max_m > last and k % 8 == 0:  # the GEMM's rows (gated calls there run it unfused, then silu_mul)
+            return len(seen) + gemm.warmup(dev, act_dtype, n, k, has_zeros, last + 1, max_m, stream, pdl)
     return len(seen)
 
 

@@ -1,6 +1,7 @@
 """The native W4A16 GEMM (``w4a16_gemm.cu``): rows of x past the decode kernel's one launch.
 
-:mod:`qops.native.int_weight` serves M <= ``int_weight.MAX_M`` (32) with its decode kernel and
+:mod:`qops.native.int_weight` serves M <= ``int_weight.MAX_M`` (32) with its decode kernel (on
+Hopper up to ``int_weight.decode_rows``: 16 or 23, where this kernel's wgmma build measured faster) and
 hands M up to :data:`MAX_M` (64) to this one: one launch, the weight read once for every row, the
 dequantized weight scaled in the activation dtype so the MMAs accumulate straight into the output
 (design notes at the top of ``w4a16_gemm.cu``). Split K goes through the decode kernel's workspace

@@ -107,7 +107,8 @@ def _x(m, k, dtype, layout, seed):
 
 
 # M <= 16: MT = 1, 2 (every x contiguous, as before the tall rows existed); M = 17..33: one launch
-# with MT = 3 or 4 up to 32 rows, the GEMM at 33; M = 40..64: the GEMM; x in every layout.
+# with MT = 3 or 4 up to 32 rows, the GEMM at 33 (on Hopper from 24 rows on these weights:
+# decode_rows); M = 40..64: the GEMM; x in every layout.
 M_GROUPS = {"small_m": (M_VALUES, ("contiguous",), 1, 10), "tall_m": (TALL_M_VALUES, ("contiguous", "strided", "offset"), 2, 20),
             "gemm_m": (GEMM_M_VALUES, ("offset", "contiguous", "strided"), 3, 30)}
 
@@ -347,20 +348,25 @@ def test_deterministic_mode_serves_large_m(monkeypatch):
 
 
 def test_large_m_is_delegated_to_triton(monkeypatch):
-    """Up to 32 rows one decode launch, 33..64 one GEMM launch (the weight read once either way),
-    above that triton."""
-    nw = native_weight("gptq", 1024, 2048, 128, False, version="v2")
+    """One decode launch up to decode_rows (32; on Hopper 23 for this weight, 16 for one of 2^25
+    elements), one GEMM launch from there to 64 rows (the weight read once either way), above that
+    triton."""
     launches = []
     real, real_gemm = native._launch, gemm.launch
     monkeypatch.setattr(native, "_launch", lambda x2, *a: (launches.append(("gemv", x2.shape[0])), real(x2, *a))[1])
     monkeypatch.setattr(gemm, "launch", lambda p, x2, *a: (launches.append(("gemm", x2.shape[0])), real_gemm(p, x2, *a))[1])
-    bias = rand(1024, dtype=torch.float16, seed=8)
-    for m, want in ((17, [("gemv", 17)]), (32, [("gemv", 32)]), (33, [("gemm", 33)]), (64, [("gemm", 64)]), (65, []), (96, [])):
-        launches.clear()
-        x = rand(m, 2048, dtype=torch.float16, seed=7)
-        y = nw.weight.mm(x, bias)
-        check(y, x, nw.w64, bias, f"M={m}")
-        assert launches == want, f"M={m}: native launches {launches}, expected {want}"
+    hopper = gemm.wgmma_missing(0) is None
+    for n, k, last in ((1024, 2048, 23 if hopper else 32), (8192, 4096, 16 if hopper else 32)):
+        assert native.decode_rows(n, k, 0) == last
+        nw = native_weight("gptq", n, k, 128, False, version="v2")
+        bias = rand(n, dtype=torch.float16, seed=8)
+        for m in (16, 17, 23, 24, 32, 33, 64, 65, 96):
+            want = [("gemv" if m <= last else "gemm", m)] if m <= gemm.MAX_M else []
+            launches.clear()
+            x = rand(m, k, dtype=torch.float16, seed=7)
+            y = nw.weight.mm(x, bias)
+            check(y, x, nw.w64, bias, f"{n}x{k} M={m}")
+            assert launches == want, f"{n}x{k} M={m}: native launches {launches}, expected {want}"
 
 
 GEMM_PLANS = [  # (nwn, splits, stages, minb, wgmma, tw): the rule's tile, every other width, the workspace path, pipeline
