@@ -34,6 +34,26 @@ def ptxas_report(log: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+# Builds that NVRTC 13.0 (the H200 machine's, and CI's since stop 26) compiles with a few spilled
+# bytes where 13.5 spills none: (source, the defines that single them out, bytes). The H200's timings
+# of these builds always included the spills.
+NVRTC_13_0_SPILLS = (
+    # NF4 at M 9..16, two-tile persistent blocks with a 2-slot ring (a rule plan): 16 bytes of stack
+    ("blockwise4_gemv.cu", {"QOPS_MT": 2, "QOPS_R": 2, "QOPS_RING": 2, "QOPS_MINB": 2, "QOPS_PERSISTENT": 1, "QOPS_LUT_IMM": 0}, 16),
+    # the W4A16 GEMM with two blocks an SM at M = 33..40 (a measurement knob, not in the rule)
+    ("w4a16_gemm.cu", {"QOPS_MT": 5, "QOPS_MINB": 2, "QOPS_STAGES": 3}, 8),
+)
+
+
+def spills_allowed(source_name: str, defines: Mapping[str, int]) -> int:
+    """Spill-store bytes the sm_90 budget tests accept for one build: 0 except the listed ones under
+    an NVRTC older than 13.5."""
+    if compiler.nvrtc_version() >= (13, 5):
+        return 0
+    return max((b for src, sub, b in NVRTC_13_0_SPILLS if src == source_name and all(defines.get(k) == v for k, v in sub.items())),
+               default=0)
+
+
 def unique(defines: Iterable[Mapping[str, int]]) -> list[dict[str, int]]:
     """The distinct define sets, in first-seen order."""
     seen, out = set(), []

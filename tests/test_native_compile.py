@@ -16,7 +16,7 @@ from qops.lowerings import LOWERINGS_BY_NAME, WeightSpec
 from qops.native import compiler
 from qops.native import int_weight as native
 from qops.native import int_weight_gemm as gemm
-from tests.native_builds import compile_reports, ptxas_report
+from tests.native_builds import compile_reports, ptxas_report, spills_allowed
 
 NATIVE_SOURCES = sorted(p.name for p in compiler.NATIVE_DIR.glob("*.cu"))
 ARCHS = ("sm_80", "sm_90")
@@ -36,7 +36,7 @@ def test_there_are_sources():
 
 
 def test_sources_have_no_generic_lambdas():
-    # CI compiles with the newest NVRTC; the H200 machine's NVRTC 12 rejects a lambda with an `auto`
+    # CI compiles with NVRTC 13.5; the H200 machine's NVRTC 13.0 rejects a lambda with an `auto`
     # parameter in device code ("host functions are not allowed in JIT mode"), which broke every GEMM
     # build there once (2d2d9d1). A device template function does the same job on both.
     generic = re.compile(r"\[[^\]]*\]\s*\([^)]*\bauto\b")
@@ -828,7 +828,7 @@ def test_gemm_variants_compile_within_register_budget(arch):
         regs, spills = ptxas_report(log)[gemm.KERNEL]
         assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])), (defines, log)
         if arch == "sm_90":
-            assert spills == 0, (defines, log)
+            assert spills <= spills_allowed(gemm.SOURCE, defines), (defines, log)
 
 
 def _gemm_wgmma_variants():
