@@ -73,7 +73,7 @@ MAX_M = 32  # rows one launch of the decode kernel takes (four 8-row MMA tiles)
 # each reads the whole weight again); the GEMM reads it once and beat triton on the five PERF.md
 # shapes at M = 33, 48, 64 with its rule's plans (h200-2026-12-01-8d70817-probe-gemm-plans.json).
 # On Hopper the GEMM's wgmma build also beats the decode kernel below 33 rows: side by side on the
-# five shapes it was 1.04-1.32x faster at M = 32, 1.02-1.25x at 24 and 1.04-1.29x at 20 on the four
+# five shapes it was 1.04-1.32x faster at M = 32, 1.02-1.29x at 24 and 1.04-1.29x at 20 on the four
 # of >= 2^25 weights, but 0.93x at 20 on 4096x4096 and slower on all five at 16
 # (h200-2026-12-01-0c22849-probe-gemm-small-m.json, ...-probe-gemm-m20-28.json). There the decode
 # kernel keeps (smallest N*K, rows): the first entry the weight reaches applies.

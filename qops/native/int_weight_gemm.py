@@ -54,8 +54,8 @@ class Plan:
     wgmma: bool = False  # warpgroup MMAs (sm_90a build; nwn 4 or 8)
     tw: int = 2  # 16-column MMA tiles a warp (1: half the accumulators, so two blocks an SM fit 128 registers)
     probe: int = 0  # measurements only (benchmarks/probe_w4_gemm.py, wgmma builds): 1 no MMAs, 2 no dequantization, 3 no x
-    xnat: bool = False  # wgmma builds: weight fragments in natural K order, x through cp.async in the stages (not measured yet)
-    krot: bool = False  # each column tile starts its K loop at a different chunk group (x's L2 lines not all asked at once)
+    xnat: bool = False  # wgmma builds: weight fragments in natural K order, x through cp.async in the stages (measured slower)
+    krot: bool = False  # each column tile starts its K loop at a different chunk group (measured: no change)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         d = {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),

@@ -76,13 +76,20 @@
 // two iterations ahead instead of one measured the same (before the loads read whole sectors).
 // One 16-column tile a warp (TW = 1: two blocks an SM in 125 registers) was 1.1-1.9x slower: the
 // block's x is read for half the columns.
-// QOPS_XNAT = 1 (not measured yet, stop 25): the weight fragments in natural K order instead, so x
+// QOPS_XNAT = 1: the weight fragments in natural K order instead, so x
 // needs no permutation and goes through cp.async in each pipeline stage like the weights (whole
 // sectors, no registers, no prmt). A lane then needs rows 2c, 2c + 1 of every word row of a step: it
 // reads the four 16-byte slots of its quad (4x the shared loads) and takes byte c of each word (one
 // prmt with a per-lane selector, an and-or, one fma that removes bias and zero: f16 keeps the odd
 // row's nibble in bits 4..7 and divides by 16 in the same fma; bf16 takes it from the word shifted
 // by 4). Each iteration waits for its own MMAs (the next barrier lets the stage be refilled).
+// Measured 1.07-1.35x *slower* than the register-staged x on the five PERF.md shapes at M = 33..64
+// (h200-2026-12-01-f4e4b54-probe-xnat.json): so the register staging was not what x costs; off in
+// the rule. Nor is the L2 asked for the same lines of x by every block at once: QOPS_KROT (each
+// column tile starting at its own K chunk) timed within 2% of the rule (...-57ab254-probe-krot.json).
+// Nsight Compute of the rule's build at 28672x4096, M = 64 (...-57ab254-ncu-gemm64-gemv16-*): 112
+// blocks on 132 SMs, 8 warps an SM (227 registers), issue slots 32% busy, no dominant stall (fixed
+// latency 24%, long scoreboard 12%: the permutes waiting on x's loads; short scoreboard 7%).
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
@@ -187,8 +194,8 @@ __device__ __forceinline__ u32 scale_pair(u32 bits16, int flags) {
 // The first stages when x goes through cp.async too: weights (never written by the kernel ahead),
 // then x (load_x) once that kernel is done. Group s is committed after stage s's x: group 0 also
 // carries every first stage's weights (the first wait covers them all), later groups one stage
-// whole. A template, not a generic lambda: NVRTC 12 takes a generic lambda's call operator for a
-// host function.
+// whole. A template, not a generic lambda: NVRTC 13.0 (the H200 machine's) takes a generic lambda's
+// call operator for a host function.
 template <int Stages, class LoadW, class LoadX>
 __device__ __forceinline__ void load_first_stages(int n_it, const LoadW& load_w, const LoadX& load_x) {
 #pragma unroll
@@ -232,7 +239,10 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   // different groups (rotated by the column tile), so they do not all ask the L2 for the same lines of
   // x at once. The order of a block's sums is fixed either way (bit-identical run to run).
   const int rot = (QOPS_KROT && n_it > 0) ? static_cast<int>(blockIdx.x % n_it) : 0;
-  auto kit = [&](int it) { return it + rot < n_it ? it + rot : it + rot - n_it; };
+  auto kit = [&](int it) {
+    if constexpr (!QOPS_KROT) return it;  // the builds without it: the code of before, select-free
+    return it + rot < n_it ? it + rot : it + rot - n_it;
+  };
   const int zw = (N + 7) >> 3;
   // A stage: x (M rows of kRS slots; none with wgmma, whose x buffers follow the stages), then the
   // 8 warps' weights.
