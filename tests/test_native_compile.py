@@ -234,6 +234,23 @@ def test_cache_key_covers_everything_it_should(tmp_path):
     assert compiler.compile(src, "sm_90", opts)[:4] == ELF_MAGIC
 
 
+def test_cache_key_does_not_depend_on_where_qops_is_installed(tmp_path, monkeypatch):
+    """Two checkouts of the same sources at different paths share cache entries (so a cache filled on
+    one machine serves another with the same NVRTC); a changed header still changes the key."""
+    src = compiler.native_source("w4a16_gemv.cu")
+    keys = []
+    for where in ("a/qops/native", "b/elsewhere/native"):
+        d = tmp_path / where
+        d.mkdir(parents=True)
+        for h in compiler.NATIVE_DIR.glob("*.cuh"):
+            (d / h.name).write_text(h.read_text())
+        monkeypatch.setattr(compiler, "NATIVE_DIR", d)
+        keys.append(compiler.cache_key(src, "sm_90", compiler.native_options({"QOPS_MT": 2})))
+    assert keys[0] == keys[1]
+    (d / "ptx.cuh").write_text((d / "ptx.cuh").read_text() + "\n// changed\n")
+    assert compiler.cache_key(src, "sm_90", compiler.native_options({"QOPS_MT": 2})) != keys[0]
+
+
 def test_native_kernel_cache_dir_default(monkeypatch):
     monkeypatch.delenv(compiler.CACHE_ENV, raising=False)
     assert compiler.cache_dir() == Path.home() / ".cache" / "qops" / "nvrtc"

@@ -103,24 +103,6 @@ def runtime_missing() -> str | None:
     return None
 
 
-@functools.cache
-def cuda_include_dirs() -> tuple[str, ...]:
-    """Directories holding the CUDA runtime headers (``cuda_fp16.h``, ...), for sources that want them."""
-    dirs: list[str] = []
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-
-        d = find_nvidia_header_directory("cudart")
-        if d:
-            dirs.append(str(d))
-    except Exception:  # noqa: BLE001 - older cuda-pathfinder, or no wheel: fall back to a toolkit
-        pass
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
-            dirs.append(str(Path(root) / "include"))
-    return tuple(dict.fromkeys(dirs))
-
-
 # --- compilation ----------------------------------------------------------------------------------
 
 
@@ -194,9 +176,15 @@ def cache_dir() -> Path:
 
 
 def cache_key(source: str, arch: str, options: Mapping[str, Any] | None = None) -> str:
-    """sha256 over the source and the local headers it includes, the options, the arch and NVRTC's version."""
+    """sha256 over the source and the local headers it includes, the options, the arch and NVRTC's version.
+
+    qops/native in ``include_path`` is keyed by name, not by where this checkout sits (its headers'
+    text is in the key): a cache filled on one machine serves another with the same NVRTC.
+    """
     opts = dict(options or {})
     dirs = [NATIVE_DIR, *(_as_list(opts.get("include_path")))]
+    if "include_path" in opts:
+        opts["include_path"] = ["<qops/native>" if _same_dir(d, NATIVE_DIR) else os.fspath(d) for d in _as_list(opts["include_path"])]
     payload = {
         "source": source,
         "headers": sorted(local_headers(source, dirs).items()),
@@ -206,6 +194,10 @@ def cache_key(source: str, arch: str, options: Mapping[str, Any] | None = None) 
     }
     blob = json.dumps(payload, sort_keys=True, default=_json_default).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+def _same_dir(a, b) -> bool:
+    return os.path.normpath(os.fspath(a)) == os.path.normpath(os.fspath(b))
 
 
 def _as_list(v) -> list:
@@ -254,7 +246,9 @@ def native_source(name: str) -> str:
 
 def native_options(defines: Mapping[str, int | str] | None = None, **extra) -> dict[str, Any]:
     """ProgramOptions fields for a source under qops/native with the given macro definitions."""
-    opts: dict[str, Any] = {"include_path": [str(NATIVE_DIR), *cuda_include_dirs()]}
+    # qops/native only: its sources include no CUDA toolkit header (ptx.cuh spells out what they use),
+    # so a build depends on no install path and its cache key (cache_key) is the same on every machine.
+    opts: dict[str, Any] = {"include_path": [str(NATIVE_DIR)]}
     if defines:
         opts["define_macro"] = [(str(k), str(v)) for k, v in sorted(defines.items())]
     opts.update(extra)
