@@ -25,6 +25,9 @@
 #   QOPS_DECODE_TIMEOUT=300 the same for the end-to-end decode benchmark; QOPS_DECODE_ARGS="..." its extra arguments
 #   QOPS_SWEEP_TIMEOUT=300  the same for the native launch-plan sweep (benchmarks/sweep_native.py)
 #   QOPS_COMMIT=<sha>       recorded in the JSON when git is not available here
+#   QOPS_CACHE_DIR=<dir>    the NVRTC cache (default: .nvrtc-cache in the repo, so a carried copy is used);
+#                           QOPS_RETURN_CACHE=1 also packs it into $OUT/nvrtc-cache.tgz (bring it back into
+#                           the repo's .nvrtc-cache and carry it: the next cold machine skips the compiles)
 #   PYTHON=python3          the interpreter
 #   OUT=<dir>               where files go (default: ./gpu_out)
 set -u -o pipefail
@@ -38,6 +41,7 @@ if [ -d "$ROOT/.whl/site" ]; then
     export PYTHONPATH=$PYTHONPATH:$ROOT/.whl/site
 fi
 export PYTHONUNBUFFERED=1
+export QOPS_CACHE_DIR=${QOPS_CACHE_DIR:-$ROOT/.nvrtc-cache}
 PY=${PYTHON:-python3}
 TEST_TIMEOUT=${QOPS_TEST_TIMEOUT:-600}
 BENCH_TIMEOUT=${QOPS_BENCH_TIMEOUT:-240}
@@ -111,6 +115,9 @@ main() {
         step bench_fp8_sweep 150 "$PY" benchmarks/bench_fp8.py --sweep ;;
     esac
 
+    if [ "${QOPS_RETURN_CACHE:-0}" = 1 ] && [ -d "$QOPS_CACHE_DIR" ]; then
+        tar czf "$OUT/nvrtc-cache.tgz" -C "$QOPS_CACHE_DIR" . && echo "NVRTC cache: $(du -h "$OUT/nvrtc-cache.tgz" | cut -f1) in nvrtc-cache.tgz"
+    fi
     echo
     echo "== summary:$RCS; $((SECONDS - t0))s; files in \$OUT:"
     ls -la "$OUT"
