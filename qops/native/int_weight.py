@@ -4,7 +4,8 @@ Serves the runtime layout of ``qops/ops/int_weight.py`` with bits = 4, group_siz
 of 128, float16/bfloat16 activations and scales, N % 4 == 0, a 16-byte aligned contiguous qweight,
 and M = prod(x.shape[:-1]) <= 64: up to 32 rows (``MAX_M``) the decode kernel, 33..64 rows
 (``int_weight_gemm.MAX_M``, K % 8 == 0) the GEMM of :mod:`qops.native.int_weight_gemm` (on Hopper,
-whose GEMM build runs warpgroup MMAs, from 17 or 24 rows: :func:`decode_rows`); one launch either way, the weight read once for all rows. Anything else goes to the Triton lowering
+whose GEMM build runs warpgroup MMAs, from 17 or 24 rows: :func:`decode_rows`); one launch either
+way, the weight read once for all rows. Anything else goes to the Triton lowering
 (``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where any M runs over
 64-row GEMM slices (32-row decode-kernel slices where K % 8 != 0): bit-identical run to run.
 
@@ -623,7 +624,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         raise ValueError(f"native_w4a16: the gated output needs an even N and no bias (got N={n}, bias {'given' if bias is not None else 'None'})")
     nout = n // 2 if glu else n
     refused = _refusal(x, qweight, scales, qzeros, bits, group_size, n) is not None
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    dev = None if refused else (x.device.index if x.device.index is not None else torch.cuda.current_device())
     if glu and (refused or m > decode_rows(n, k, dev) or n % 8):  # the gated epilogue is the decode kernel's
         y = native_mm(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, None, workspace)
         gated = silu_mul(y)
