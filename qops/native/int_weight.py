@@ -625,7 +625,8 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     nout = n // 2 if glu else n
     refused = _refusal(x, qweight, scales, qzeros, bits, group_size, n) is not None
     dev = None if refused else (x.device.index if x.device.index is not None else torch.cuda.current_device())
-    if glu and (refused or m > decode_rows(n, k, dev) or n % 8):  # the gated epilogue is the decode kernel's
+    last = 0 if refused else decode_rows(n, k, dev)  # rows above it go to the GEMM
+    if glu and (refused or m > last or n % 8):  # the gated epilogue is the decode kernel's
         y = native_mm(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, None, workspace)
         gated = silu_mul(y)
         return gated if out is None else out.copy_(gated)
@@ -647,7 +648,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     elif k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     step = _slice_rows(m, k)
-    if m > decode_rows(n, k, dev) and (x2.data_ptr() % 16 or x2.stride(0) % 8 or x2.stride(1) != 1):
+    if m > last and (x2.data_ptr() % 16 or x2.stride(0) % 8 or x2.stride(1) != 1):
         x2 = x2.clone(memory_format=torch.contiguous_format)  # the GEMM copies x in aligned 16-byte pieces
     target = o2 if o2 is not None else torch.empty((m, nout), dtype=x.dtype, device=x.device)
 
@@ -667,7 +668,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         stream = torch.cuda.current_stream()
         for r0 in range(0, m, step):  # one launch, or (deterministic mode) slices
             rows = min(step, m - r0)
-            if rows <= decode_rows(n, k, dev):
+            if rows <= last:
                 _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,
                         rows, n, k, chunks_per_group, zero_offset, flags, dev, stream, glu)
             else:
