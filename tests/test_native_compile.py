@@ -862,6 +862,11 @@ def _gemm_wgmma_variants():
     # x through cp.async with the weight in natural K order (xnat): both widths, dtypes and zero modes
     for m, nwn, stages, dt, has_z in ((64, 8, 6, torch.float16, True), (64, 4, 4, torch.bfloat16, False), (33, 8, 4, torch.bfloat16, True)):
         yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=1, stages=stages, wgmma=True, xnat=True).defines(dt, has_z)
+    # two blocks an SM (minb 2) where make_plan allows it: M <= 16 at both widths, 17..32 at nwn 8 or with xnat
+    for m, nwn, st, xnat, dt, has_z in ((16, 4, 4, False, torch.bfloat16, True), (8, 8, 4, False, torch.float16, False),
+                                        (32, 8, 4, False, torch.bfloat16, True), (24, 4, 3, True, torch.float16, True),
+                                        (32, 8, 4, True, torch.bfloat16, False)):
+        yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=2, stages=st, minb=2, wgmma=True, xnat=xnat).defines(dt, has_z)
     # the K loop rotated by column tile, register-staged x and xnat
     for xnat in (False, True):
         yield gemm.make_plan(64, 28672, 4096, nwn=8, splits=1, stages=4, wgmma=True, xnat=xnat, krot=True).defines(torch.bfloat16, True)
@@ -928,7 +933,8 @@ def test_gemm_rule_plans_are_runnable(n, k):
     (dict(m=40, nwn=8, splits=1, stages=4, minb=2), "shared memory"),
     (dict(m=64, nwn=1, splits=1, stages=2), "shared memory"),
     (dict(m=64, nwn=2, splits=1, stages=4, wgmma=True), "wgmma with nwn=2"),
-    (dict(m=40, nwn=8, splits=1, stages=2, minb=2, wgmma=True), "wgmma with minb=2 and tw=2"),
+    (dict(m=40, nwn=8, splits=1, stages=2, minb=2, wgmma=True), "wgmma with minb=2, tw=2, nwn=8 at M=40"),
+    (dict(m=24, nwn=4, splits=1, stages=2, minb=2, wgmma=True), "wgmma with minb=2, tw=2, nwn=4 at M=24"),
     (dict(m=64, nwn=8, splits=1, stages=4, tw=3), "tw=3"),
     (dict(m=64, nwn=4, splits=1, stages=8, wgmma=True), "shared memory"),
     (dict(m=64, nwn=8, splits=1, stages=4, xnat=True), "xnat with wgmma=False"),

@@ -398,7 +398,20 @@ def test_rotated_k_gemm_plans_match_reference(fields):
     _check_gemm_plan(fields, krot=True, **fields)
 
 
-def _check_gemm_plan(name, wgmma=False, splits=1, **fields):
+# The GEMM below 33 rows (every row routed to it, as Hopper's routing does from 17 or 24), with two
+# blocks an SM where the build fits 128 registers (make_plan), split and not, both widths, xnat.
+SMALL_M_GEMM_PLANS = [dict(nwn=8, splits=1, stages=4, wgmma=True), dict(nwn=8, splits=2, stages=4, minb=2, wgmma=True),
+                      dict(nwn=4, splits=1, stages=4, minb=2, wgmma=True), dict(nwn=8, splits=3, stages=3, minb=2, wgmma=True, xnat=True),
+                      dict(nwn=8, splits=2, stages=3, wgmma=False)]
+
+
+@pytest.mark.parametrize("fields", SMALL_M_GEMM_PLANS, ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
+def test_gemm_below_33_rows_matches_reference(fields, monkeypatch):
+    monkeypatch.setattr(native, "decode_rows", lambda *a: 0)  # every row to the GEMM
+    _check_gemm_plan(fields, ms=(1, 8, 16, 17, 32), **fields)
+
+
+def _check_gemm_plan(name, wgmma=False, splits=1, ms=(33, 48, 64), **fields):
     if wgmma and (why := gemm.wgmma_missing(torch.cuda.current_device())):
         pytest.skip(why)
     ran = 0
@@ -406,7 +419,7 @@ def _check_gemm_plan(name, wgmma=False, splits=1, **fields):
                                         ("gptq", 4096, 4096, 128, True, False, "v1")):
         nw = native_weight(fmt, n, k, g, sym, act, ver)
         for dtype in DTYPES:
-            for m in (33, 48, 64):
+            for m in ms:
                 try:
                     q = gemm.make_plan(m, n, k, splits=min(splits, -(-k // 128)), wgmma=wgmma, **fields)
                 except ValueError:
