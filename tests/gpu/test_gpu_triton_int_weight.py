@@ -210,6 +210,37 @@ def test_out_variant_workspace_and_reductions():
                 assert bool(big[:, :4].isnan().all()) and bool(big[:, 4 + case.n:].isnan().all()), "wrote outside out"
 
 
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_dense_slabs_overlapped_and_captured(overlap):
+    """The dense path over several N-slabs (the last one partial), with and without the side-stream
+    overlap of dequantization and GEMM, eagerly and replayed from a CUDA graph (output poisoned)."""
+    case, dtype = SWEEP[0]  # act-order: the dequantization scatters rows
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=6)
+    table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
+    dense = {"impl": "dense", "DQ_BLOCK_K": 64, "DQ_BLOCK_N": 128, "slab_bytes": 1000 * 2 * 1024, "overlap": overlap}
+    table["gemm"] = {str(bits): {"1000000": dense} for bits in (2, 3, 4, 8)}
+    with T.config_override(table):
+        m = 257
+        plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
+        assert plan["path"] == "dense" and case.n % plan["slab"] and case.n // plan["slab"] >= 4, plan
+        x = rand(m, case.k, dtype=dtype, seed=60)
+        check(b.weight.mm(x, bias), x, b.w64, bias, f"dense overlap={overlap} eager")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            b.weight.mm(x, bias)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = b.weight.mm(x, bias)
+        y.fill_(float("nan"))
+        x.copy_(rand(m, case.k, dtype=dtype, seed=61))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(y, x, b.w64, bias, f"dense overlap={overlap} graph")
+
+
 def test_activation_layouts():
     case, dtype = SWEEP[0]
     b = built(case, dtype)

@@ -753,7 +753,7 @@ def _plan(m: int, n: int, k: int, bits: int, group_size: int, device: torch.devi
         slab = max(64, min(n, int(cfg.get("slab_bytes", 128 << 20)) // max(1, k * elt)))
         slab = min(n, -(-slab // 64) * 64)
         return dict(path="dense", cfg=cfg, dq_block_k=bk, dq_block_n=int(cfg.get("DQ_BLOCK_N", 128)),
-                    tile_group=tile_group, slab=slab)
+                    dq_warps=int(cfg.get("DQ_WARPS", 4)), tile_group=tile_group, slab=slab)
     bm, bn, bk = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"]), int(cfg["BLOCK_K"])
     vpw = 32 // bits if 32 % bits == 0 else 1
     bk = max(bk, 16 * vpw if 32 % bits == 0 else 16)
@@ -900,25 +900,75 @@ def _launch_within_shared_memory(kernel, grid, args, constexprs: dict, launch: d
 
 
 def _run_dense(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2):
-    """Dequantize N-slabs of W.T into a transient buffer and multiply with cuBLAS (largest M)."""
+    """Dequantize N-slabs of W.T into a transient buffer and multiply with cuBLAS (largest M).
+
+    With the config's ``overlap`` set (CUDA only), slab i + 1 is dequantized on a side stream into a
+    second buffer while cuBLAS multiplies slab i: the memory-bound dequantization under the
+    compute-bound GEMM. The side stream forks from and joins the caller's stream with events inside
+    the call, so it captures into a CUDA graph as one fork-join.
+    """
     m, k = x2.shape
     n = o2.shape[1]
     slab = plan["slab"]
-    bk, bn = plan["dq_block_k"], plan["dq_block_n"]
-    w = torch.empty((k, slab), dtype=x2.dtype, device=x2.device)
+    starts = range(0, n, slab)
+    overlap = bool(plan["cfg"].get("overlap", 0)) and x2.is_cuda and len(starts) > 1
+    bufs = [torch.empty((k, slab), dtype=x2.dtype, device=x2.device) for _ in range(2 if overlap else 1)]
     b = bias.to(x2.dtype) if bias is not None and bias.dtype != x2.dtype else bias
-    for n0 in range(0, n, slab):
+
+    def dequant(n0, w):
+        _dequant_slab(plan, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, k, n, n0, w)
+
+    def multiply(n0, w):
         width = min(slab, n - n0)
-        _dequant_kernel[(-(-k // bk), -(-width // bn))](
-            qweight, scales, qzeros if qzeros is not None else qweight, act_perm if act_perm is not None else qweight, w,
-            k, n, n0, slab, qweight.shape[0], qweight.stride(0), scales.stride(0),
-            qzeros.stride(0) if qzeros is not None else 0, group_size if group_size != -1 else k, zero_offset,
-            MAGIC_ARG, BITS=bits, BLOCK_K=bk, BLOCK_N=bn, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None,
-            TILE_GROUP=plan["tile_group"], num_warps=4,
-        )
-        wv = w[:, :width]
-        dst = o2[:, n0:n0 + width]
+        wv, dst = w[:, :width], o2[:, n0:n0 + width]
         if b is not None:
             torch.addmm(b[n0:n0 + width], x2, wv, out=dst)
         else:
             torch.mm(x2, wv, out=dst)
+
+    if not overlap:
+        for n0 in starts:
+            dequant(n0, bufs[0])
+            multiply(n0, bufs[0])
+        return
+    main = torch.cuda.current_stream(x2.device)
+    side = _side_stream(x2.device)
+    side.wait_stream(main)  # x, the weight and both buffers are ready on the caller's stream
+    freed: list = [None, None]  # per buffer: the event after the GEMM that last read it
+    for i, n0 in enumerate(starts):
+        w = bufs[i % 2]
+        with torch.cuda.stream(side):
+            if freed[i % 2] is not None:
+                side.wait_event(freed[i % 2])
+            dequant(n0, w)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        main.wait_event(ready)  # also joins the side stream: its last work is the last slab's dequant
+        multiply(n0, w)
+        freed[i % 2] = torch.cuda.Event()
+        freed[i % 2].record(main)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for the dense path's overlapped dequantization (from torch's pool)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
+
+
+def _dequant_slab(plan, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, k, n, n0, w):
+    """Columns ``[n0, n0 + slab)`` of W.T, dequantized into ``w`` ``(K, slab)``."""
+    slab = plan["slab"]
+    bk, bn = plan["dq_block_k"], plan["dq_block_n"]
+    width = min(slab, n - n0)
+    _dequant_kernel[(-(-k // bk), -(-width // bn))](
+        qweight, scales, qzeros if qzeros is not None else qweight, act_perm if act_perm is not None else qweight, w,
+        k, n, n0, slab, qweight.shape[0], qweight.stride(0), scales.stride(0),
+        qzeros.stride(0) if qzeros is not None else 0, group_size if group_size != -1 else k, zero_offset,
+        MAGIC_ARG, BITS=bits, BLOCK_K=bk, BLOCK_N=bn, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None,
+        TILE_GROUP=plan["tile_group"], num_warps=plan["dq_warps"],
+    )
