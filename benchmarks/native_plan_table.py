@@ -35,6 +35,17 @@ def m_ranges(ms: list[int]) -> dict[int, tuple[int, int]]:
     return {m: ((ms[i - 1] + 1) if i else 1, m) for i, m in enumerate(ms)}
 
 
+def measured_minb(plan, sms: int) -> int:
+    """The blocks an SM to promise the register allocator for a swept plan: at least two where its grid
+    has more blocks than the GPU has SMs. The sweeps ran such plans with ``minb`` 1 at two blocks an SM
+    because ptxas then kept the kernel within 128 registers; later builds of the same plan took 131-152
+    (the gated epilogue of stop 21), one block an SM, and ran up to 1.46x slower (28672x4096 at M = 8,
+    34.4 us against the table's 23.6: ``h200-2026-12-01-dc80d9b-probe-minb.json``). Promising two keeps
+    the occupancy that was measured."""
+    grid = plan.tiles * plan.splits
+    return max(plan.minb, 2) if grid > sms and plan.mt <= 2 else plan.minb
+
+
 def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
     from qops.native import int_weight as native
 
@@ -69,6 +80,7 @@ def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
                     native.make_plan(mm, n, k, smem_limit=limit, **fields)
                 except ValueError as e:
                     raise SystemExit(f"native_plan_table: {n}x{k} M={m}'s plan does not serve M={mm}: {e}") from None
+            fields["minb"] = measured_minb(native.make_plan(m, n, k, smem_limit=limit, **fields), sweeps[0]["sms"])
             entries.append({"n": n, "k": k, "m_min": lo, "m_max": hi, "plan": fields, "us": round(best["us"], 2),
                             "rule_us": round(rule["us"], 2), "measured_at_m": m, "source": os.path.basename(name)})
     return {"gpu": gpus.pop(), "sms": sweeps[0]["sms"], "min_gain": min_gain,

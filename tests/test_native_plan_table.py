@@ -48,7 +48,32 @@ def test_only_cases_beating_the_rule_by_the_margin_become_entries(tool):
     assert table["gpu"] == "NVIDIA H200" and table["sms"] == 132
     [e] = table["plans"]
     assert (e["n"], e["k"], e["m_min"], e["m_max"], e["measured_at_m"]) == (28672, 4096, 2, 8, 8)
-    assert e["plan"] == wide and (e["us"], e["rule_us"], e["source"]) == (15.0, 20.0, "s.json")
+    # 224 blocks on 132 SMs: swept at two blocks an SM, so two are promised (measured_minb)
+    assert e["plan"] == wide | {"minb": 2} and (e["us"], e["rule_us"], e["source"]) == (15.0, 20.0, "s.json")
+
+
+def test_grids_of_more_blocks_than_sms_promise_two_blocks_an_sm(tool):
+    from qops.native import int_weight as native
+
+    one_wave = native.make_plan(1, 4096, 4096, nwn=4, splits=4, cluster=False, xfull=True, minb=1)  # 32 tiles x 4
+    assert one_wave.tiles * one_wave.splits <= 132 and tool.measured_minb(one_wave, 132) == 1
+    two = native.make_plan(8, 28672, 4096, nwn=8, splits=2, cluster=True, xfull=True, minb=1)  # 112 tiles x 2
+    assert tool.measured_minb(two, 132) == 2 and tool.measured_minb(two, 264) == 1
+    tall = native.make_plan(24, 28672, 4096, nwn=8, splits=2, cluster=True, xfull=False, minb=1)  # MT 3: one block an SM
+    assert tool.measured_minb(tall, 132) == 1
+
+
+def test_the_shipped_tables_promise_two_blocks_an_sm_where_their_grids_need_them():
+    """A table plan was measured at two blocks an SM wherever its grid has more blocks than SMs; a build
+    taking more than 128 registers would run at one (the compile test holds minb = 2 builds to 128)."""
+    from qops.native import int_weight as native
+
+    for table in native.plan_tables().values():
+        for e in table["plans"]:
+            for m in range(e["m_min"], e["m_max"] + 1):
+                p = native.make_plan(m, e["n"], e["k"], **e["plan"])
+                if p.tiles * p.splits > table["sms"] and p.mt <= 2:
+                    assert p.minb >= 2, (e, m)
 
 
 def test_refusals(tool):

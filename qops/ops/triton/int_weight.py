@@ -751,6 +751,9 @@ def _plan(m: int, n: int, k: int, bits: int, group_size: int, device: torch.devi
         elt = 2
         # Slabs of whole 64-column blocks bound the transient dense weight to about slab_bytes.
         slab = max(64, min(n, int(cfg.get("slab_bytes", 128 << 20)) // max(1, k * elt)))
+        if cfg.get("equal", 0):
+            # As many slabs, all of one width: no narrow last slab whose GEMM fills few SMs.
+            slab = -(-n // -(-n // slab))
         slab = min(n, -(-slab // 64) * 64)
         return dict(path="dense", cfg=cfg, dq_block_k=bk, dq_block_n=int(cfg.get("DQ_BLOCK_N", 128)),
                     dq_warps=int(cfg.get("DQ_WARPS", 4)), tile_group=tile_group, slab=slab)
