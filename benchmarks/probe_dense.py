@@ -2,7 +2,7 @@
 to cuBLAS fp16, and which dense config wins back the most (H200)?
 
 Per shape and M, with interleaved trials over rotated weight copies (method of ``common.py``), GPTQ
-v2, 4 bits, group 128, asymmetric, fp16 x:
+v2, 4 bits (``--bits 8``: 8), group 128, asymmetric, fp16 x:
 
 - ``op``: ``triton_mm`` at the shipped config;
 - each config of ``--configs`` (JSON list of dense-config fields merged into the shipped bucket, e.g.
@@ -27,8 +27,15 @@ from common import PERF_SHAPES, clone_tensors, n_copies
 
 common.add_repo_to_path()
 
-from probe_early_pdl import gptq_native  # noqa: E402
+from qops.formats import FORMATS  # noqa: E402
 from qops.ops.triton import int_weight as T  # noqa: E402
+
+
+def gptq_weight(n: int, k: int, bits: int):
+    """A GPTQ ``bits``-bit g128 asymmetric (N, K) weight on the GPU, prepared for fp16 x."""
+    fmt = FORMATS["gptq"]
+    w = torch.randn(n, k, dtype=torch.float16, device="cuda") * 0.02
+    return fmt.prepare(fmt.quantize(w, bits=bits, group_size=128, sym=False), dtype=torch.float16)
 
 
 def table_with(base: dict, bits: int, m: int, fields: dict) -> dict:
@@ -43,6 +50,7 @@ def table_with(base: dict, bits: int, m: int, fields: dict) -> dict:
 def main(argv=None) -> int:
     p = common.probe_parser("probe_dense.py", __doc__, PERF_SHAPES, [256, 2048], 7)
     p.add_argument("--configs", type=json.loads, default=[], help="dense config field overrides (JSON list)")
+    p.add_argument("--bits", type=int, choices=(4, 8), default=4)
     a = p.parse_args(argv)
     res = common.probe_result("dense")
     if res is None:
@@ -51,27 +59,27 @@ def main(argv=None) -> int:
     base = T.config_for(dev)
     bw = res["copy_TBps"]
     for n, k in a.shapes:
-        w = gptq_native(n, k)
+        w = gptq_weight(n, k, a.bits)
         ws = [w] + [clone_tensors(w) for _ in range(n_copies(w.nbytes()) - 1)]
         dense = w.dequantize(torch.float16)
         ds = [dense] + [dense.clone() for _ in range(n_copies(dense.numel() * 2) - 1)]
         for m in a.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            plan = T._plan(m, n, k, 4, 128, dev, "dense")
+            plan = T._plan(m, n, k, a.bits, 128, dev, "dense")
             roof = common.roofline_us(w.nbytes() + 2 * m * (k + n), bw, 2.0 * m * n * k, res.setdefault("bf16_TFLOPs", common.bf16_TFLOPs(5)))
-            row = {"N": n, "K": k, "M": m, "slab": plan["slab"], "cfg": plan["cfg"], "roofline_us": round(roof, 2)}
+            row = {"N": n, "K": k, "M": m, "bits": a.bits, "slab": plan["slab"], "cfg": plan["cfg"], "roofline_us": round(roof, 2)}
 
             def op(v, table):
                 def f():
                     with T.config_override(table):
-                        return T.triton_mm(x, v.qweight, v.scales, v.qzeros, v.act_perm, None, 4, 128, v.zero_offset, force_path="dense")
+                        return T.triton_mm(x, v.qweight, v.scales, v.qzeros, v.act_perm, None, a.bits, 128, v.zero_offset, force_path="dense")
                 return f
 
             want = op(w, base)()
             cands = {"op": [op(v, base) for v in ws]}
             for fields in a.configs:
                 name = json.dumps(fields, sort_keys=True)
-                t = table_with(base, 4, m, fields)
+                t = table_with(base, a.bits, m, fields)
                 row[name + "_rel_err_vs_op"] = common.rel_err(op(w, t)(), want)
                 cands[name] = [op(v, t) for v in ws]
             buf = torch.empty((k, plan["slab"]), dtype=torch.float16, device="cuda")
@@ -80,7 +88,7 @@ def main(argv=None) -> int:
             def dequant(v):
                 def f():
                     for n0 in range(0, n, plan["slab"]):
-                        T._dequant_slab(plan, v.qweight, v.scales, v.qzeros, v.act_perm, 4, 128, v.zero_offset, k, n, n0, buf)
+                        T._dequant_slab(plan, v.qweight, v.scales, v.qzeros, v.act_perm, a.bits, 128, v.zero_offset, k, n, n0, buf)
                 return f
 
             def gemms():

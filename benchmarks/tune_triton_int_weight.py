@@ -83,7 +83,10 @@ def gemm_candidates(m: int) -> list[dict]:
     out = [{"impl": "triton", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w, "num_stages": s,
             "max_split": 32, "reduce": "partials"} for bm, bn, bk, w, s in tiles]
     if m >= DENSE_FROM:
-        out.append({"impl": "dense", "DQ_BLOCK_K": 64, "DQ_BLOCK_N": 128, "slab_bytes": 64 << 20})
+        # Two 128 MB slab buffers of equal widths, slab i + 1 dequantized under slab i's GEMM: 1.03-1.29x
+        # the single 64 MB buffer on the PERF.md shapes at M = 256..2048 (benchmarks/probe_dense.py,
+        # h200-2026-12-01-e985209-probe-dense2.json).
+        out.append({"impl": "dense", "DQ_BLOCK_K": 64, "DQ_BLOCK_N": 128, "slab_bytes": 128 << 20, "overlap": 1, "equal": 1})
     return out
 
 

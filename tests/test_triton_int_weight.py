@@ -450,3 +450,16 @@ def test_split_k_does_not_split_when_determinism_is_requested(monkeypatch):
         assert split_k(4096, 64, 4, 132, 16) == (1, 4096)
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_dense_slabs_of_equal_width_on_request():
+    """``equal``: as many slabs as slab_bytes gives, all of one width (64-column multiples), so no narrow
+    last slab; without it, slab_bytes' width and a shorter last slab."""
+    k, n = 1000, 4104
+    dense = {"impl": "dense", "DQ_BLOCK_K": 64, "DQ_BLOCK_N": 128, "slab_bytes": 1024 * 2 * k}
+    for equal, want in ((0, 1024), (1, 832)):  # 5 slabs: 1024 x 4 + 8, or ceil(4104 / 5) = 821 -> 832
+        t = table(dense_from=64)
+        t["gemm"]["default"]["1000000"] = {**dense, "equal": equal}
+        with T.config_override(t):
+            plan = T._plan(300, n, k, 4, 128, torch.device("cpu"), "dense")
+        assert plan["slab"] == want and -(-n // plan["slab"]) == 5, plan
