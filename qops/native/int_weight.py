@@ -22,7 +22,9 @@ Where the device has a plan table (``qops/native/plans/<gpu>.json``: measured pl
 (N, K) and ranges of M, built by ``benchmarks/native_plan_table.py`` from confirmed sweeps), its
 entry wins over the rule. The H200's covers the decode shapes of Llama-3 8B and 70B (TP = 1 and 2),
 Llama-2 7B and Qwen2.5 7B at M = 1..16, wherever the sweep beat the rule by 3% or more (65 of 92
-cases: ``...-f4c8e4f-sweep-table.json``, ``...-1e6491f-sweep-table-{a,b}.json``).
+cases: ``...-f4c8e4f-sweep-table.json``, ``...-1e6491f-sweep-table-{a,b}.json``). Entries whose grid
+has more blocks than SMs promise two blocks an SM (the occupancy they were swept at; see
+``benchmarks/native_plan_table.py``'s ``measured_minb``).
 
 Plans with x staged once may keep the weights in flight in a shared-memory ring (``smem_ring``
 stages a warp) instead of registers: more than 48 KiB of shared memory a block, which the launch
