@@ -164,6 +164,26 @@ def test_torch_compile_fullgraph(item):
     torch._dynamo.reset()
 
 
+def replay_captured(call, x, fresh):
+    """``call()`` captured into a CUDA graph (after two warm-up calls on a side stream, which compile
+    and load every kernel), its output poisoned, ``fresh`` copied into the input buffer ``x``, then
+    replayed: returns the replayed output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = call()
+    y.fill_(float("nan"))
+    x.copy_(fresh)  # new inputs, same buffer
+    graph.replay()
+    torch.cuda.synchronize()
+    return y
+
+
 @pytest.mark.parametrize("item", SWEEP[:2], ids=_id)
 def test_cuda_graph_replay(item):
     case, dtype = item
@@ -171,19 +191,7 @@ def test_cuda_graph_replay(item):
     bias = rand(case.n, dtype=dtype, seed=4)
     for m in (1, 2, 16, 64, 2048):
         x = rand(m, case.k, dtype=dtype, seed=30 + m)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile and load every kernel before capture
-                b.weight.mm(x, bias)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = b.weight.mm(x, bias)
-        y.fill_(float("nan"))
-        x.copy_(rand(m, case.k, dtype=dtype, seed=40 + m))  # new inputs, same buffer
-        graph.replay()
-        torch.cuda.synchronize()
+        y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=40 + m))
         check(y, x, b.w64, bias, f"graph {_id(item)} M={m}")
 
 
@@ -226,18 +234,7 @@ def test_dense_slabs_overlapped_and_captured(overlap):
         assert plan["path"] == "dense" and case.n % plan["slab"] and case.n // plan["slab"] >= 4, plan
         x = rand(m, case.k, dtype=dtype, seed=60)
         check(b.weight.mm(x, bias), x, b.w64, bias, f"dense overlap={overlap} eager")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            b.weight.mm(x, bias)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = b.weight.mm(x, bias)
-        y.fill_(float("nan"))
-        x.copy_(rand(m, case.k, dtype=dtype, seed=61))
-        graph.replay()
-        torch.cuda.synchronize()
+        y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=61))
         check(y, x, b.w64, bias, f"dense overlap={overlap} graph")
 
 
