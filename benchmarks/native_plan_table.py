@@ -39,9 +39,9 @@ def measured_minb(plan, sms: int) -> int:
     """The blocks an SM to promise the register allocator for a swept plan: at least two where its grid
     has more blocks than the GPU has SMs. The sweeps ran such plans with ``minb`` 1 at two blocks an SM
     because ptxas then kept the kernel within 128 registers; later builds of the same plan took 131-152
-    (the gated epilogue of stop 21), one block an SM, and ran up to 1.46x slower (28672x4096 at M = 8,
-    34.4 us against the table's 23.6: ``h200-2026-12-01-dc80d9b-probe-minb.json``). Promising two keeps
-    the occupancy that was measured."""
+    (the gated epilogue of stop 21), one block an SM, and ran up to 1.64x slower (28672x4096 at M = 8
+    34.4 us against the table's 23.6; ``h200-2026-12-01-e985209-probe-plan-table.json``). Promising two
+    keeps the occupancy that was measured."""
     grid = plan.tiles * plan.splits
     return max(plan.minb, 2) if grid > sms and plan.mt <= 2 else plan.minb
 
