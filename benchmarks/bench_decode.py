@@ -9,7 +9,10 @@ Models (``qops.models.llama``, random weights, one GPU, no tensor parallelism):
   the GPU from random integers (qweight and qzeros uniform, fp16 scales sized so that weights have
   std ~ 1/sqrt(K)) -- no 8B-float quantization on the CPU -- then loaded through ``qops.layers``
   (sharding, preparation, lowering choice and warm-up as for a real checkpoint);
-- bf16: random ``N(0, 1/K)`` weights, ``FastLinear`` (cuBLAS).
+- bf16: random ``N(0, 1/K)`` weights, ``FastLinear`` (cuBLAS);
+- variants timed in the same run where ``--models`` names them: ``w4-nopf`` / ``bf16-nopf`` without
+  the L2 prefetch of ``o_proj`` under the attention (``l2_prefetch=False``), ``w4-qhead`` with the
+  head quantized as well (checkpoints that quantize ``lm_head``; not the model the targets name).
 
 Method: ``qops.models.compile_decode`` (``torch.compile(fullgraph=True)``, batch dimension
 unbacked: one compilation per model). Per (model, batch): a random prompt of ``--prompt-len`` tokens
@@ -57,6 +60,16 @@ TARGET_SPEEDUP_B1 = 2.8
 TARGET_SCRATCH = 64 << 20
 
 
+# --models: the W4 and bf16 models the targets compare, and variants of them timed in the same run.
+MODEL_KINDS = {
+    "w4": "every decoder linear GPTQ 4-bit g128; lm_head bf16 (the model the targets name)",
+    "bf16": "every linear bf16 (cuBLAS)",
+    "w4-nopf": "w4 without the L2 prefetch of o_proj during attention (LlamaForCausalLM l2_prefetch=False)",
+    "bf16-nopf": "bf16 without the L2 prefetch",
+    "w4-qhead": "w4 with lm_head GPTQ 4-bit g128 too (a checkpoint that quantizes the head)",
+}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="tiny model on the CPU: checks the plumbing, numbers mean nothing")
@@ -65,7 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=None, help="trials per (model, batch), median reported (default 3; dry run 2)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens prefilled before decoding (default 16)")
     p.add_argument("--max-seq", type=int, default=None, help="KV cache positions per row (default prompt + steps + 8)")
-    p.add_argument("--models", default="w4,bf16", help="which models: w4, bf16 or both (default w4,bf16)")
+    p.add_argument("--models", default="w4,bf16",
+                   help="which models (default w4,bf16): " + "; ".join(f"{k}: {v}" for k, v in MODEL_KINDS.items()))
     p.add_argument("--loop", choices=("captured", "reduce-overhead"), default="captured",
                    help="captured (default): the step compiled fullgraph, captured with argmax and position update into one "
                         "torch.cuda.graph per batch (qops.models.CapturedDecode), replays timed with CUDA events; "
@@ -82,8 +96,8 @@ def parse_args(argv=None):
     args.trials = args.trials or (2 if dry else 3)
     args.max_seq = args.max_seq or args.prompt_len + args.steps + 8
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
-    if not set(args.model_list) <= {"w4", "bf16"}:
-        p.error(f"--models takes w4 and/or bf16, got {args.models!r}")
+    if not set(args.model_list) <= set(MODEL_KINDS):
+        p.error(f"--models takes {', '.join(MODEL_KINDS)}; got {args.models!r}")
     return args
 
 
@@ -96,7 +110,7 @@ def model_config(dry: bool):
 
 
 def shared_tensors(config, device, dtype, seed):
-    """Embeddings, norms and lm_head (dense in both models)."""
+    """Embeddings, norms and lm_head (dense in every model; w4-qhead replaces lm_head)."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -123,13 +137,17 @@ def linear_shapes(config) -> dict[str, tuple[int, int]]:
     return {f"model.layers.{i}.{name}": shape for i in range(c.num_hidden_layers) for name, shape in per.items()}
 
 
-def random_gptq_checkpoint(config, device, seed):
-    """GPTQ v2 tensors (4 bits, group 128, asymmetric) of every decoder linear, from random integers."""
+def random_gptq_checkpoint(config, device, seed, head: bool = False):
+    """GPTQ v2 tensors (4 bits, group 128, asymmetric) of every decoder linear (and ``lm_head`` with
+    ``head``), from random integers."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(seed + 1)
     t = {}
-    for prefix, (n, k) in linear_shapes(config).items():
+    shapes = linear_shapes(config)
+    if head:
+        shapes["lm_head"] = (config.vocab_size, config.hidden_size)
+    for prefix, (n, k) in shapes.items():
         groups = -(-k // GROUP)
         t[f"{prefix}.qweight"] = torch.randint(-2**31, 2**31, (k // 8, n), dtype=torch.int32, device=device, generator=g)
         t[f"{prefix}.qzeros"] = torch.randint(-2**31, 2**31, (groups, n // 8), dtype=torch.int32, device=device, generator=g)
@@ -152,12 +170,15 @@ def build(kind, config, device, dtype, args, attention="fused"):
     from qops.models import LlamaForCausalLM
 
     shared = shared_tensors(config, device, dtype, args.seed)
-    if kind == "w4":
-        linears, qc = random_gptq_checkpoint(config, device, args.seed)
+    if kind.startswith("w4"):
+        linears, qc = random_gptq_checkpoint(config, device, args.seed, head=kind == "w4-qhead")
+        if kind == "w4-qhead":
+            del shared["lm_head.weight"]
     else:
         linears, qc = random_dense_linears(config, device, dtype, args.seed), None
     model = LlamaForCausalLM.from_tensors(config, {**shared, **linears}, qc, device=device, dtype=dtype, max_batch=max(args.batch_list),
-                                          max_seq=args.max_seq, process_group=None, attention=attention)
+                                          max_seq=args.max_seq, process_group=None, attention=attention,
+                                          l2_prefetch=False if kind.endswith("-nopf") else None)
     del shared, linears
     gc.collect()
     return model
@@ -236,7 +257,7 @@ def run(args) -> int:
 
     models, steps_fn = {}, {}
     for kind in args.model_list:
-        label = "w4" if kind == "w4" else ("bf16" if not dry else "dense")
+        label = kind if kind != "bf16" or not dry else "dense"
         t = time.time()
         model = build(kind, config, device, dtype, args, attention=args.attention)
         sync(device)
@@ -244,7 +265,8 @@ def run(args) -> int:
                 "weights_bytes": model.weight_bytes(), "scratch_bytes": model.workspace.nbytes,
                 "scratch_needs_max": max(model.workspace.needs.values(), default=0),
                 "scratch_used_by_layers": False,  # qops.layers calls the functional ops; see qops/workspace.py
-                "kv_cache_bytes": model.cache_bytes(), "lowerings": model.lowerings()}
+                "kv_cache_bytes": model.cache_bytes(), "lowerings": model.lowerings(), "l2_prefetch": model.l2_prefetch,
+                "describe": MODEL_KINDS[kind]}
         if device.type == "cuda":
             info["allocated_after_build_bytes"] = torch.cuda.memory_allocated()
         res["models"][label] = info
@@ -292,7 +314,7 @@ def run(args) -> int:
                 if device.type == "cuda":
                     row["peak_bytes"] = torch.cuda.max_memory_allocated()
                 res["rows"].append(row)
-                print(f"{label:5s} batch {b:3d}: {row['tokens_per_s']:10.1f} tok/s  {row['step_ms']:7.3f} ms/step  "
+                print(f"{label:9s} batch {b:3d}: {row['tokens_per_s']:10.1f} tok/s  {row['step_ms']:7.3f} ms/step  "
                       f"(warm-up {warm_s:.1f} s)", flush=True)
                 common.write_json(res, out_paths)
     res["targets"] = targets(res, dry)
