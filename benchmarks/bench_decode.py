@@ -10,9 +10,8 @@ Models (``qops.models.llama``, random weights, one GPU, no tensor parallelism):
   std ~ 1/sqrt(K)) -- no 8B-float quantization on the CPU -- then loaded through ``qops.layers``
   (sharding, preparation, lowering choice and warm-up as for a real checkpoint);
 - bf16: random ``N(0, 1/K)`` weights, ``FastLinear`` (cuBLAS);
-- variants timed in the same run where ``--models`` names them: ``w4-nopf`` / ``bf16-nopf`` without
-  the L2 prefetch of ``o_proj`` under the attention (``l2_prefetch=False``), ``w4-qhead`` with the
-  head quantized as well (checkpoints that quantize ``lm_head``; not the model the targets name).
+- ``w4-qhead`` (timed in the same run where ``--models`` names it): w4 with ``lm_head`` a GPTQ
+  4-bit g128 layer too, as in checkpoints that quantize the head; not the model the targets name.
 
 Method: ``qops.models.compile_decode`` (``torch.compile(fullgraph=True)``, batch dimension
 unbacked: one compilation per model). Per (model, batch): a random prompt of ``--prompt-len`` tokens
@@ -60,13 +59,11 @@ TARGET_SPEEDUP_B1 = 2.8
 TARGET_SCRATCH = 64 << 20
 
 
-# --models: the W4 and bf16 models the targets compare, and variants of them timed in the same run.
+# --models: the W4 and bf16 models the targets compare, and a variant timed in the same run.
 MODEL_KINDS = {
     "w4": "every decoder linear GPTQ 4-bit g128; lm_head bf16 (the model the targets name)",
     "bf16": "every linear bf16 (cuBLAS)",
-    "w4-nopf": "w4 without the L2 prefetch of o_proj during attention (LlamaForCausalLM l2_prefetch=False)",
-    "bf16-nopf": "bf16 without the L2 prefetch",
-    "w4-qhead": "w4 with lm_head GPTQ 4-bit g128 too (a checkpoint that quantizes the head)",
+    "w4-qhead": "w4 with lm_head GPTQ 4-bit g128 too (checkpoints that quantize the head)",
 }
 
 
@@ -170,15 +167,14 @@ def build(kind, config, device, dtype, args, attention="fused"):
     from qops.models import LlamaForCausalLM
 
     shared = shared_tensors(config, device, dtype, args.seed)
-    if kind.startswith("w4"):
+    if kind in ("w4", "w4-qhead"):
         linears, qc = random_gptq_checkpoint(config, device, args.seed, head=kind == "w4-qhead")
         if kind == "w4-qhead":
-            del shared["lm_head.weight"]
+            del shared["lm_head.weight"]  # the loader then reads lm_head as the GPTQ layer it now is
     else:
         linears, qc = random_dense_linears(config, device, dtype, args.seed), None
     model = LlamaForCausalLM.from_tensors(config, {**shared, **linears}, qc, device=device, dtype=dtype, max_batch=max(args.batch_list),
-                                          max_seq=args.max_seq, process_group=None, attention=attention,
-                                          l2_prefetch=False if kind.endswith("-nopf") else None)
+                                          max_seq=args.max_seq, process_group=None, attention=attention)
     del shared, linears
     gc.collect()
     return model
@@ -265,8 +261,7 @@ def run(args) -> int:
                 "weights_bytes": model.weight_bytes(), "scratch_bytes": model.workspace.nbytes,
                 "scratch_needs_max": max(model.workspace.needs.values(), default=0),
                 "scratch_used_by_layers": False,  # qops.layers calls the functional ops; see qops/workspace.py
-                "kv_cache_bytes": model.cache_bytes(), "lowerings": model.lowerings(), "l2_prefetch": model.l2_prefetch,
-                "describe": MODEL_KINDS[kind]}
+                "kv_cache_bytes": model.cache_bytes(), "lowerings": model.lowerings(), "describe": MODEL_KINDS[kind]}
         if device.type == "cuda":
             info["allocated_after_build_bytes"] = torch.cuda.memory_allocated()
         res["models"][label] = info
@@ -314,7 +309,7 @@ def run(args) -> int:
                 if device.type == "cuda":
                     row["peak_bytes"] = torch.cuda.max_memory_allocated()
                 res["rows"].append(row)
-                print(f"{label:9s} batch {b:3d}: {row['tokens_per_s']:10.1f} tok/s  {row['step_ms']:7.3f} ms/step  "
+                print(f"{label:8s} batch {b:3d}: {row['tokens_per_s']:10.1f} tok/s  {row['step_ms']:7.3f} ms/step  "
                       f"(warm-up {warm_s:.1f} s)", flush=True)
                 common.write_json(res, out_paths)
     res["targets"] = targets(res, dry)

@@ -11,7 +11,6 @@ A variant is ``model[:option+option...]``:
 - ``nopdl``: Inductor's kernels without programmatic dependent launch (``compile_decode(pdl=False)``;
   on by default on sm_90);
 - ``nonativepdl``: the native W4A16 kernel launched without PDL (``QOPS_NATIVE_PDL=0``);
-- ``nopf``: without the L2 prefetch of ``o_proj`` under the attention (``l2_prefetch=False``);
 - ``ro``: also time the ``mode="reduce-overhead"`` loop of ``bench_decode.py`` (one more compile).
 
 Per variant: ``compile_decode(cuda_graphs=False)`` captured by ``qops.models.CapturedDecode``
@@ -42,7 +41,7 @@ from collections import defaultdict
 import bench_decode  # the model builders (this script's folder is on sys.path)
 import common
 
-OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "nopf", "ro")
+OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro")
 # Kernel kinds, first match wins: (kind, substrings of the kernel name).
 KINDS = (
     ("qops native", ("w4a16",)),
@@ -155,7 +154,7 @@ def run_variant(label, kind, opts, config, device, dtype, args, ref_logits):
     attention = next((a for a in ("matmul", "sdpa") if a in opts), "fused")
     row = {"variant": label, "model": kind, "options": opts, "attention": attention}
     t = time.time()
-    model = bench_decode.build(kind + ("-nopf" if "nopf" in opts else ""), config, device, dtype, args, attention=attention)
+    model = bench_decode.build(kind, config, device, dtype, args, attention=attention)
     row["build_s"] = round(time.time() - t, 1)
     row["lowerings"] = model.lowerings()
     gen = torch.Generator().manual_seed(args.seed)

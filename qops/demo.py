@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     formats = ", ".join(f"{name} ({s.describe})" for name, s in QUANT_SCHEMES.items())
     p.add_argument("--format", default=DEFAULT_SCHEME, choices=list(QUANT_SCHEMES), metavar="NAME",
                    help=f"quantization scheme of the linear layers (default: {DEFAULT_SCHEME}): {formats}")
+    p.add_argument("--quantize-head", action="store_true",
+                   help="quantize lm_head to --format as well (by default it stays in --dtype, as in most checkpoints; "
+                        "the vocabulary must then be a multiple of the format's tile, 128 for the int4 formats)")
     p.add_argument("--checkpoint", metavar="PATH", default=None,
                    help="a Hugging Face Llama-style checkpoint directory (config.json + *.safetensors) instead of random "
                         "weights; an unquantized one is quantized to --format, a quantized one is loaded as it is "
@@ -159,7 +162,12 @@ def run(args: argparse.Namespace) -> int:
         prog.done()
         reference = None
     else:
-        prefixes = config.linear_prefixes()
+        if args.quantize_head and config.vocab_size % scheme.multiple:
+            raise SystemExit(f"qops demo: --quantize-head needs a vocabulary that is a multiple of {scheme.multiple} for "
+                             f"{scheme.name}; this model's is {config.vocab_size}")
+        if args.quantize_head and config.tie_word_embeddings:
+            dense = {**dense, "lm_head.weight": dense.get("lm_head.weight", dense["model.embed_tokens.weight"])}
+        prefixes = config.linear_prefixes(head=args.quantize_head)
         prog.start(f"quantizing {len(prefixes)} linears to {scheme.name} with qops' reference quantizer")
         qtensors = quantize_tensors(dense, prefixes, scheme, progress=prog.count)
         prog.done()

@@ -184,9 +184,6 @@ def decode_attention_samples() -> dict[str, tuple]:
         "bf16-b0": (0, 2, 64, torch.bfloat16, []),
     }.items():
         out[name] = tuple(make_case(b, g, d, dtype, positions, sliced=name.endswith("sliced"), device="cpu").values())
-    # The prefetch hint: a list of tensors the op never reads (ignored on CPU), one a column slice.
-    ahead = [torch.randn(96, 40)[:, 3:35], torch.randint(-9, 9, (7,), dtype=torch.int32)]
-    out["fp16-b2-g2-prefetch"] = (*make_case(2, 2, 64, torch.float16, [4, 0], device="cpu").values(), ahead)
     # NaN garbage in the caches would make opcheck's before/after comparisons fail on NaN != NaN.
     for args in out.values():
         for cache in args[4:6]:
@@ -254,26 +251,6 @@ def test_errors_name_the_argument(name, mode):
                 OP(*[m.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values])
     assert re.search(pattern, str(info.value)), str(info.value)
     assert str(info.value).startswith("qops.decode_attention: "), str(info.value)
-
-
-def test_prefetch_is_only_a_hint():
-    """The same output and caches with or without tensors to prefetch (CPU ignores the hint)."""
-    args = make_case(3, 4, 64, torch.float32, [11, 0, 5], device="cpu")
-    plain, hinted = clone_args(args), clone_args(args)
-    want = OP(**plain)
-    got = OP(**hinted, prefetch=[torch.randn(64, 64), torch.zeros(0)])
-    assert torch.equal(_bits(got), _bits(want))
-    for name in ("k_cache", "v_cache"):
-        assert torch.equal(_bits(hinted[name]), _bits(plain[name]))
-
-
-def test_prefetch_devices_must_match():
-    args = make_case(1, 1, 64, torch.float32, [2], device="cpu")
-    with FakeTensorMode() as m:
-        fakes = {k: m.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-        ahead = [m.from_tensor(torch.empty(8)), m.from_tensor(torch.empty(8, device="meta"))]
-        with pytest.raises(ValueError, match=r"prefetch\[1\] must be on cpu \(the device of qkv\), got meta"):
-            OP(**fakes, prefetch=ahead)
 
 
 def test_devices_must_match():
@@ -350,36 +327,6 @@ def test_fused_model_compiles_once_with_the_caches_in_place(dense):
         torch._dynamo.reset()
     assert counter.frame_count == 1, f"{counter.frame_count} compilations"
     assert all(t is layer.self_attn.k_cache and t.data_ptr() == p for (t, p), layer in zip(caches, fused.layers))
-
-
-def test_l2_prefetch_model_compiles_once_and_equals_without(dense):
-    """``l2_prefetch=True`` passes each layer's o_proj tensors to decode_attention; compiled
-    fullgraph once for batch 1..4 and equal to the model without the hint."""
-    kw = dict(dtype=torch.float32, max_batch=4, max_seq=16, process_group=None, attention="fused")
-    models = {flag: LlamaForCausalLM.from_tensors(CONFIG, dense, l2_prefetch=flag, **kw) for flag in (True, False)}
-    assert models[True].l2_prefetch and not models[False].l2_prefetch
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
-    step = compile_decode(models[True], backend=counter)
-    gen = torch.Generator().manual_seed(2)
-    try:
-        with torch.no_grad():
-            for i, b in enumerate((1, 4, 2)):
-                prompts = torch.randint(0, CONFIG.vocab_size, (b, 3), generator=gen)
-                tok = {k: m.prefill(prompts).argmax(-1) for k, m in models.items()}
-                pos = torch.arange(3, 3 + b)
-                want = models[False].decode(tok[False], pos)
-                if i == 0:
-                    got, (code, *_) = run_and_get_code(step, tok[True].clone(), pos.clone())
-                    calls = re.findall(r"torch\.ops\.qops\.decode_attention\.default\((.*)\)", code)
-                    assert len(calls) == CONFIG.num_hidden_layers and all(re.search(r", \[arg\d+_1\]$", c) for c in calls), calls
-                else:
-                    with torch.compiler.set_stance("fail_on_recompile"):
-                        got = step(tok[True].clone(), pos.clone())
-                assert relative_error(got, want) < 1e-5, b
-    finally:
-        torch._dynamo.reset()
-    assert counter.frame_count == 1
 
 
 def check_code(code: str) -> None:

@@ -167,6 +167,55 @@ def test_tied_embeddings_use_the_embedding_as_head():
     assert relative_error(got, reference_logits(tensors, cfg, tokens)) < 1e-5
 
 
+@pytest.mark.parametrize("scheme", ["gptq", "bitsandbytes-nf4", "fp8"])
+def test_quantized_head(dense_tensors, scheme, tmp_path):
+    """``linear_prefixes(head=True)``: lm_head quantized too, read back as a quantized layer from memory
+    and from a checkpoint directory; decode steps equal the whole sequence, close to the dense model."""
+    sch = get_scheme(scheme)
+    tensors = quantize_tensors(dense_tensors, CONFIG.linear_prefixes(head=True), sch)
+    assert CONFIG.linear_prefixes(head=True)[-1] == "lm_head"
+    stored = tensors.get("lm_head.weight")  # GPTQ: none; bnb: packed uint8; fp8: float8
+    assert stored is None or stored.dtype != dense_tensors["lm_head.weight"].dtype
+    kw = dict(dtype=torch.float32, max_batch=3, max_seq=16, process_group=None)
+    model = LlamaForCausalLM.from_tensors(CONFIG, tensors, sch.config, **kw)
+    assert isinstance(model.lm_head.linear, QuantLinear)
+    assert len(model.quantized_linears()) == 4 * CONFIG.num_hidden_layers + 1
+    save_pretrained(str(tmp_path), tensors, CONFIG.to_dict(), sch.config)
+    loaded = LlamaForCausalLM.from_pretrained(str(tmp_path), **kw)
+    assert isinstance(loaded.lm_head.linear, QuantLinear)
+    prompts = _prompts(3, 4, seed=5)
+    with torch.no_grad():
+        g = generate(model, prompts, 5, keep_logits=True)
+        seq = torch.cat([prompts, g.tokens[:, :-1]], dim=1)
+        whole = model(seq, torch.arange(seq.shape[1]).expand_as(seq))[:, 3:]
+        assert torch.equal(loaded(seq, torch.arange(seq.shape[1]).expand_as(seq))[:, 3:], whole)
+        ref = _model(dense_tensors, None)(seq, torch.arange(seq.shape[1]).expand_as(seq))[:, 3:]
+        body_only = _model(dense_tensors, scheme)(seq, torch.arange(seq.shape[1]).expand_as(seq))[:, 3:]
+    assert relative_error(g.logits, whole) < 1e-5
+    err = relative_error(whole, ref)
+    # The head's own quantization error adds to the body's (independent errors: a sum of squares).
+    bound = QUANT_ERROR[sch.tags[0]] * 1.5
+    assert relative_error(body_only, ref) < err < bound, f"{scheme}: logit error {err:.3g} (bound {bound})"
+
+
+def test_quantized_head_of_tied_embeddings_keeps_the_embedding_dense():
+    cfg = LlamaConfig.tiny(tie_word_embeddings=True)
+    dense = random_tensors(cfg, seed=2)
+    sch = get_scheme("gptq")
+    tensors = quantize_tensors({**dense, "lm_head.weight": dense["model.embed_tokens.weight"]}, cfg.linear_prefixes(head=True), sch)
+    model = LlamaForCausalLM.from_tensors(cfg, tensors, sch.config, dtype=torch.float32, max_batch=1, max_seq=8, process_group=None)
+    assert isinstance(model.lm_head.linear, QuantLinear)
+    assert torch.equal(model.embed_tokens.weight[:-1], dense["model.embed_tokens.weight"])
+    tokens = _prompts(1, 5)
+    with torch.no_grad():
+        got = model(tokens, torch.arange(5).expand(1, 5))
+    body = LlamaForCausalLM.from_tensors(cfg, quantize_tensors(dense, cfg.linear_prefixes(), sch), sch.config, dtype=torch.float32,
+                                         max_batch=1, max_seq=8, process_group=None)
+    with torch.no_grad():
+        want = body(tokens, torch.arange(5).expand(1, 5))
+    assert 0 < relative_error(got, want) < 0.3  # only the head's quantization differs
+
+
 def test_rows_keep_their_own_positions(dense_tensors):
     """Batch rows at different positions: each row's step equals that row run alone."""
     model = _model(dense_tensors, "gptq")

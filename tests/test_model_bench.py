@@ -93,3 +93,20 @@ def test_profile_decode_dry_run_and_kernel_table(tmp_path, monkeypatch):
     assert t["kinds"]["qops native"] == {"us_per_step": 10, "launches_per_step": 1}
     assert t["kinds"]["cublas"]["us_per_step"] == 5 and t["kinds"]["inductor triton"]["us_per_step"] == 1
     assert t["top"][0]["name"] == "w4a16_gemv"
+
+
+def test_dry_run_quantized_head_variant(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.delenv("OUT", raising=False)
+    import bench_decode
+
+    torch._dynamo.reset()
+    out = tmp_path / "d.json"
+    assert bench_decode.main(["--dry-run", "--models", "w4,w4-qhead", "--batches", "1", "--steps", "2", "--trials", "1",
+                              "--out", str(out)]) == 0
+    torch._dynamo.reset()
+    res = json.loads(out.read_text())
+    layers = res["config"]["num_hidden_layers"]
+    assert res["models"]["w4-qhead"]["lowerings"] == {"reference_int_weight": 4 * layers + 1}
+    assert res["models"]["w4-qhead"]["weights_bytes"] < res["models"]["w4"]["weights_bytes"]
+    assert [r["model"] for r in res["rows"]] == ["w4", "w4-qhead"] and all(r["finite"] for r in res["rows"])

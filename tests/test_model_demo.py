@@ -92,3 +92,18 @@ def test_checkpoint_directory(tmp_path, scheme):
         assert used and set(used) <= cuda and sum(map(int, used.values())) == 4, out
     else:
         assert "lowerings: reference_int_weight x4" in out, out
+
+
+def test_quantize_head():
+    out = _demo(*TINY, "--no-compile", "--quantize-head")
+    # One decoder layer's four linears and the head.
+    used = dict(re.findall(r"(\S+) x(\d+)", re.search(r"^lowerings: (.*)$", out, re.M).group(1)))
+    assert sum(map(int, used.values())) == 5, out
+    assert 0 < _logit_error(out) < 0.5
+
+
+def test_quantize_head_refuses_a_vocabulary_off_the_tile():
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    args = [*TINY[:4], "--vocab", "250", "--quantize-head", "--no-compile"]
+    r = subprocess.run([sys.executable, "-m", "qops", "demo", *args], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert r.returncode != 0 and "--quantize-head needs a vocabulary that is a multiple of 128 for gptq; this model's is 250" in r.stderr, r.stderr

@@ -1,6 +1,6 @@
 """The reference decoder sharded over two processes (gloo, CPU): for every scheme whose tiny model
 splits in two, the sharded model's prefill and decode logits equal the single-process model's,
-eagerly; and compiled (``fullgraph=True``, one compilation for batch sizes 1, 3 and 4) for the
+eagerly (and with lm_head quantized for GPTQ and NF4); and compiled (``fullgraph=True``, one compilation for batch sizes 1, 3 and 4) for the
 default scheme."""
 
 import json
@@ -24,7 +24,8 @@ def test_every_scheme_but_the_unsplittable_ones_is_checked():
 
 
 def test_tensor_parallel_model_equals_one_process_eagerly():
-    schemes = ("none", *(s for s in QUANT_SCHEMES if s not in UNSPLITTABLE))
+    # "+head": lm_head quantized as well, so the vocabulary-parallel head shards a quantized weight.
+    schemes = ("none", *(s for s in QUANT_SCHEMES if s not in UNSPLITTABLE), "gptq+head", "bitsandbytes-nf4+head")
     mp.spawn(tp_model_worker, args=(2, free_port(), "gloo", torch.float32, schemes, ("eager",), TOLERANCE), nprocs=2, join=True)
 
 

@@ -15,12 +15,6 @@ Arguments (B rows of one token each; H query heads, Hkv KV heads, G = H / Hkv, h
   row ``b < B`` and KV head, position ``positions[b]`` receives the token's rotated k and its v.
   Nothing else of the caches is written; rows ``b >= B`` are neither read nor written.
 - ``num_heads``, ``num_kv_heads``: H and Hkv; ``scale``: the softmax scale (``D ** -0.5`` in Llama).
-- ``prefetch`` (optional) tensors on the device of ``qkv``, read by nothing here: on CUDA their bytes
-  are requested into L2 while the attention runs (``qops.native.l2_prefetch``, on a side stream
-  forked from and joined back to the caller's stream within the op). A hint for the kernel after
-  this one, typically the output projection's weight: the attention of a decode token reads little,
-  so DRAM would otherwise idle under it. It never changes the result; it is ignored on CPU and
-  where the native runtime is missing.
 
 Returns ``(B, H * D)`` in the dtype of ``qkv``: query head ``h`` (KV head ``h // G``) of row ``b``
 attends to cache positions ``0 .. positions[b]`` inclusive (the position just written included;
@@ -46,20 +40,18 @@ import functools
 
 import torch
 
-from ..ops._common import ACT_DTYPES, fail, jit_if_triton, side_stream
+from ..ops._common import ACT_DTYPES, fail, jit_if_triton
 
 OP = "decode_attention"
 SCHEMA = ("(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-          "int num_heads, int num_kv_heads, float scale, Tensor[]? prefetch=None) -> Tensor")
+          "int num_heads, int num_kv_heads, float scale) -> Tensor")
 
 
-def check_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads: int, num_kv_heads: int, prefetch=None) -> list:
+def check_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads: int, num_kv_heads: int) -> list:
     """Validate every argument of ``decode_attention``; returns the output shape ``[B, H * D]``.
     Shared by the kernels and the fake, so works on fake tensors (symbolic B)."""
     who = OP
-    named = [("cos", cos), ("sin", sin), ("positions", positions), ("k_cache", k_cache), ("v_cache", v_cache)]
-    named += [(f"prefetch[{i}]", t) for i, t in enumerate(prefetch or ())]
-    for name, t in named:
+    for name, t in (("cos", cos), ("sin", sin), ("positions", positions), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.device != qkv.device:
             raise ValueError(fail(who, f"{name} must be on {qkv.device} (the device of qkv), got {t.device}"))
     torch._check_type(qkv.dtype in ACT_DTYPES, lambda: fail(who, f"qkv must be float32, float16 or bfloat16, got {qkv.dtype}"))
@@ -111,37 +103,22 @@ def decode_attention(
     num_heads: int,
     num_kv_heads: int,
     scale: float,
-    prefetch: list[torch.Tensor] | None = None,  # requested into L2 beside the kernel (CUDA), never read
 ) -> torch.Tensor:  # (B, H * D), dtype of qkv
-    check_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, prefetch)
+    check_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads)
     return reference_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale)
 
 
 @decode_attention.register_kernel("cuda")
-def _decode_attention_cuda(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale, prefetch=None):
-    check_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, prefetch)
+def _decode_attention_cuda(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale):
+    check_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads)
     if _triton_kernel() is None:
         return reference_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale)
-    done = _prefetch_beside(qkv.device, prefetch) if prefetch else None
-    out = triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale)
-    if done is not None:
-        torch.cuda.current_stream(qkv.device).wait_event(done)  # the side branch rejoins the caller's stream
-    return out
-
-
-def _prefetch_beside(device: torch.device, tensors):
-    """Launch the L2 prefetch of ``tensors`` on the device's side stream; the event to join on, or
-    None where the native runtime is missing (the hint is dropped)."""
-    from ..native import l2_prefetch
-
-    if l2_prefetch.refusal(device) is not None:
-        return None
-    return l2_prefetch.request_beside(tensors, side_stream(device))
+    return triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale)
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale, prefetch=None):
-    shape = check_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, prefetch)
+def _decode_attention_fake(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale):
+    shape = check_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads)
     return qkv.new_empty(shape)
 
 

@@ -21,10 +21,6 @@ Static shapes for CUDA graphs. Every tensor a step touches lives at a fixed addr
   writes the cache with ``index_put_`` and attends with one ``F.scaled_dot_product_attention`` call
   per layer under an additive mask computed once per step; ``"matmul"`` spells that out (two
   batched matmuls around a masked softmax, fp32 scores).
-  ``l2_prefetch`` (default on CUDA, ``QOPS_L2_PREFETCH=0`` turns it off): the fused decode step
-  passes ``o_proj``'s tensors to ``decode_attention`` as a prefetch hint, so their bytes come into
-  L2 while the attention (which reads little) runs and the output projection reads them from there
-  (``qops.native.l2_prefetch``; never a different result).
 - Rotary tables: buffers ``(max_seq, head_dim)``, gathered at the step's positions.
 - Scratch: ``model.workspace`` (:class:`qops.workspace.Workspace`), sized once from the layers'
   lowerings for ``max_batch`` rows and attached to every quantized linear, which then calls its
@@ -64,7 +60,6 @@ from ..layers import (
 )
 from ..layers.loader import read_quantization_config
 from ..workspace import Workspace, attach_workspace
-from ..native import l2_prefetch as l2_prefetch_mod
 from . import attention as _attention  # noqa: F401  (registers qops::decode_attention)
 from .checkpoint import QuantScheme, TensorWeights, get_scheme, quantize_tensors, save_pretrained
 
@@ -136,14 +131,16 @@ class LlamaConfig:
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8192})
 
-    def linear_prefixes(self) -> list[str]:
-        """Every linear layer of the decoder blocks (what a quantized checkpoint quantizes)."""
+    def linear_prefixes(self, head: bool = False) -> list[str]:
+        """Every linear layer of the decoder blocks (what a quantized checkpoint quantizes), and
+        ``lm_head`` last with ``head`` (checkpoints that quantize the head too; the loader reads a
+        layer as quantized wherever the checkpoint holds the scheme's tensors for it)."""
         out = []
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}"
             out += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
             out += [f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
-        return out
+        return out + (["lm_head"] if head else [])
 
 
 def default_process_group():
@@ -205,32 +202,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 ATTENTION_KINDS = ("sdpa", "matmul", "fused")
-L2_PREFETCH_ENV = "QOPS_L2_PREFETCH"
-
-
-def default_l2_prefetch(device: torch.device) -> bool:
-    """Whether a model on ``device`` requests each layer's ``o_proj`` weight into L2 during its
-    decode attention: on CUDA unless ``QOPS_L2_PREFETCH=0`` (``=1`` forces it where it can run)."""
-    env = os.environ.get(L2_PREFETCH_ENV, "").strip().lower()
-    if env in ("0", "1", "false", "true", "off", "on", "no", "yes"):
-        return env in ("1", "true", "on", "yes")
-    return torch.device(device).type == "cuda"
-
-
-def read_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """The tensors ``module``'s forward reads from memory: its parameters and buffers (a layer's
-    prepared weight, scales, zeros, bias)."""
-    return [*module.parameters(), *(b for b in module.buffers() if b is not None)]
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, prefix: str, weights: Weights, *, max_batch: int, max_seq: int,
-                 attention: str = "fused", l2_prefetch: bool = False) -> None:
+                 attention: str = "fused") -> None:
         super().__init__()
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"{prefix}: attention={attention!r} is not one of {ATTENTION_KINDS}")
         self.attention = attention
-        self.l2_prefetch = l2_prefetch
         world = weights.world_size
         for what, h in (("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", config.num_key_value_heads)):
             if h % world:
@@ -255,10 +235,7 @@ class LlamaAttention(nn.Module):
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.attention == "fused" and t == 1:
             qkv = self.qkv_proj(x).view(b, (h + 2 * hk) * d)
-            # With l2_prefetch, o_proj's weight is requested into L2 while the attention runs (DRAM idles under it).
-            ahead = read_tensors(self.o_proj) if self.l2_prefetch else None
-            o = torch.ops.qops.decode_attention(qkv, rope[0], rope[1], index[2].reshape(b), self.k_cache, self.v_cache, h, hk,
-                                                self.scale, ahead)
+            o = torch.ops.qops.decode_attention(qkv, rope[0], rope[1], index[2].reshape(b), self.k_cache, self.v_cache, h, hk, self.scale)
             return self.o_proj(o.view(b, 1, h * d))
         q, k, v = self.qkv_proj(x).split([h * d, hk * d, hk * d], dim=-1)
         q = apply_rotary(q.view(b, t, h, d), cos, sin)
@@ -303,11 +280,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, prefix: str, weights: Weights, *, max_batch: int, max_seq: int,
-                 attention: str = "fused", l2_prefetch: bool = False) -> None:
+                 attention: str = "fused") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.input_layernorm.weight"), config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", weights, max_batch=max_batch, max_seq=max_seq,
-                                        attention=attention, l2_prefetch=l2_prefetch)
+                                        attention=attention)
         self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), config.rms_norm_eps)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", weights)
 
@@ -330,8 +307,7 @@ class LlamaForCausalLM(nn.Module):
     :func:`generate`."""
 
     def __init__(self, config: LlamaConfig, weights: Weights, *, max_batch: int = 8, max_seq: int = 256,
-                 attention: str = "fused", l2_prefetch: bool | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 attention: str = "fused", progress: Callable[[int, int], None] | None = None) -> None:
         super().__init__()
         if max_batch < 1 or max_seq < 1:
             raise ValueError(f"LlamaForCausalLM: max_batch and max_seq must be positive, got {max_batch}, {max_seq}")
@@ -339,17 +315,12 @@ class LlamaForCausalLM(nn.Module):
         self.max_batch, self.max_seq = max_batch, max_seq
         self.attention = attention
         self.dtype, self.device = weights.dtype, weights.device
-        # The prefetch is a hint the op drops on CPU and without the native runtime; the kernel is
-        # compiled and loaded here, before any capture.
-        self.l2_prefetch = default_l2_prefetch(self.device) if l2_prefetch is None else bool(l2_prefetch)
-        if self.l2_prefetch:
-            l2_prefetch_mod.warmup(self.device)
         self.world_size = weights.world_size
         self.embed_tokens = TensorParallelEmbedding("model.embed_tokens", weights)
         layers = []
         for i in range(config.num_hidden_layers):
             layers.append(LlamaDecoderLayer(config, f"model.layers.{i}", weights, max_batch=max_batch, max_seq=max_seq,
-                                            attention=attention, l2_prefetch=self.l2_prefetch))
+                                            attention=attention))
             if progress is not None:
                 progress(i + 1, config.num_hidden_layers)
         self.layers = nn.ModuleList(layers)

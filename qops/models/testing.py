@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..formats import FORMATS
 from ..formats.integer import act_order_g_idx
 from ..lowerings import LOWERINGS
+from ..layers import QuantLinear
 from .checkpoint import QUANT_SCHEMES, QuantScheme, get_scheme, quantize_tensors
 from .llama import LlamaConfig, LlamaForCausalLM, inv_freq, random_tensors
 
@@ -183,15 +184,20 @@ def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch
     close_rank(backend, None)
 
 
+HEAD_SUFFIX = "+head"
+
+
 def _tp_item(rank, scheme, lowering, modes, config, device, dtype, tolerance, failures, trace) -> str | None:
     """One scheme (with ``lowering`` forced, or the chooser's): sharded and whole models, each mode
     compared. Returns the chooser's reason, without comparing, where the forced lowering does not
     serve every sharded layer."""
     import torch.distributed as dist
 
-    ctx = forced_lowering(scheme, lowering) if lowering else contextlib.nullcontext()
-    sch = scheme_by_name(scheme)
-    tensors = quantize_tensors(random_tensors(config, seed=3), config.linear_prefixes(), sch)
+    # "<scheme>+head": lm_head quantized too (the vocabulary-parallel head then shards a quantized layer).
+    base, head = (scheme[:-len(HEAD_SUFFIX)], True) if scheme.endswith(HEAD_SUFFIX) else (scheme, False)
+    ctx = forced_lowering(base, lowering) if lowering else contextlib.nullcontext()
+    sch = scheme_by_name(base)
+    tensors = quantize_tensors(random_tensors(config, seed=3), config.linear_prefixes(head=head), sch)
     qc = None if sch is None else sch.config
     with ctx:
         sharded = LlamaForCausalLM.from_tensors(config, tensors, qc, device=device, dtype=dtype, max_batch=4, max_seq=16,
@@ -203,6 +209,8 @@ def _tp_item(rank, scheme, lowering, modes, config, device, dtype, tolerance, fa
         if chosen != {lowering}:
             why = next(m.choice.explain() for m in sharded.quantized_linears() if m.choice.lowering.name != lowering)
             return f"{scheme}: layers prepared for {sorted(chosen)}, not {lowering}: {why}"
+    if head and not (isinstance(sharded.lm_head.linear, QuantLinear) and sharded.lm_head.should_gather):
+        failures.append(f"{scheme}: lm_head is {type(sharded.lm_head.linear).__name__}, gathered: {sharded.lm_head.should_gather}")
     trace(f"{scheme} loaded")
     for mode in modes:
         _tp_compare(rank, scheme, mode, sharded, whole, device, tolerance, failures)

@@ -141,18 +141,6 @@ def pdl_launch(device: torch.device) -> bool:
     return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
-_SIDE_STREAMS: dict = {}
-
-
-def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One side stream per CUDA device, for work an op runs beside its main kernel (forked from and
-    joined back to the caller's stream inside the op, so CUDA-graph capture records both branches)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return _SIDE_STREAMS[idx]
-
-
 @functools.cache
 def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]

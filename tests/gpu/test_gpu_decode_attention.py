@@ -10,10 +10,7 @@
 - captured into a ``torch.cuda.graph`` (kernel compiled before, on a side stream), replayed on new
   inputs and positions written into the static buffers, the output poisoned between replays;
 - the tiny Llama model with ``attention="fused"`` under ``compile_decode`` (reduce-overhead, no
-  skipped capture) equal to eager ``"sdpa"`` (with its default ``l2_prefetch`` on);
-- the ``prefetch`` hint (``qops.native.l2_prefetch`` on a side stream): output and caches bit for bit
-  those of the call without it, eagerly and replayed from a captured graph; direct requests of
-  sliced and odd-sized tensors.
+  skipped capture) equal to eager ``"sdpa"``.
 
 Run with ``pytest -m gpu tests/gpu/test_gpu_decode_attention.py``.
 """
@@ -146,54 +143,3 @@ def test_fused_model_reduce_overhead_equals_sdpa(monkeypatch):
                 assert err < 3e-2, f"batch {b} step {s}: relative error {err:.3g}"
                 tok = {k: want.argmax(-1) for k in models}
     assert counters["inductor"]["cudagraph_skips"] == 0
-
-
-def _ahead(seed: int) -> list[torch.Tensor]:
-    """Tensors to prefetch: 24 MB of int32 (bigger than a chunk grid of one block), a column slice of
-    fp16 (odd offset and span) and a few bytes (trimmed to nothing)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randint(-2**31, 2**31, (6 << 20,), dtype=torch.int32, device="cuda", generator=g),
-            torch.randn(1000, 130, device="cuda", generator=g).half()[:, 3:67], torch.zeros(3, dtype=torch.uint8, device="cuda")]
-
-
-@pytest.mark.parametrize("b", [1, 7])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_prefetch_hint_changes_nothing_eager_and_replayed(dtype, b):
-    from qops.native import l2_prefetch
-
-    ahead = _ahead(b)
-    assert l2_prefetch.warmup(torch.device("cuda"))
-    args = case(b, dtype, 4096, seed=40 + b)
-    plain, hinted = clone_args(args), clone_args(args)
-    want = OP(**plain)
-    got = OP(**hinted, prefetch=ahead)
-    torch.cuda.synchronize()
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    for name in ("k_cache", "v_cache"):
-        assert torch.equal(hinted[name].view(torch.int16), plain[name].view(torch.int16))
-    check(hinted, got, args)  # args: the state before either call (both ran on clones)
-
-    static = case(b, dtype, 4096, seed=50 + b)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = OP(**static, prefetch=ahead)
-    for seed in (60, 61):
-        fresh = case(b, dtype, 4096, seed=seed + b)
-        for name in ("qkv", "positions", "k_cache", "v_cache"):
-            static[name].copy_(fresh[name])
-        before = clone_args(static)
-        out.fill_(float("nan"))
-        graph.replay()
-        check(static, out, before)
-
-
-def test_prefetch_requests_the_trimmed_spans():
-    from qops.native import l2_prefetch
-
-    ahead = _ahead(3)
-    n = l2_prefetch.request(ahead)
-    spans = l2_prefetch.ranges(ahead)
-    assert n == sum(s for _, s in spans) and len(spans) == 2 and n >= (24 << 20)
-    done = l2_prefetch.request_beside(ahead, torch.cuda.Stream())
-    torch.cuda.current_stream().wait_event(done)
-    torch.cuda.synchronize()

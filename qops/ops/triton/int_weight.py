@@ -52,7 +52,6 @@ import triton
 import triton.language as tl
 
 from .common import HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket, sm_count, split_k
-from .._common import side_stream
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
@@ -939,7 +938,7 @@ def _run_dense(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_si
             multiply(n0, bufs[0])
         return
     main = torch.cuda.current_stream(x2.device)
-    side = side_stream(x2.device)
+    side = _side_stream(x2.device)
     side.wait_stream(main)  # x, the weight and both buffers are ready on the caller's stream
     freed: list = [None, None]  # per buffer: the event after the GEMM that last read it
     for i, n0 in enumerate(starts):
@@ -955,6 +954,16 @@ def _run_dense(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_si
         freed[i % 2] = torch.cuda.Event()
         freed[i % 2].record(main)
 
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for the dense path's overlapped dequantization (from torch's pool)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
 
 
 def _dequant_slab(plan, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, k, n, n0, w):
