@@ -69,9 +69,10 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _model(dense, scheme, lowering, dtype=torch.bfloat16, max_batch=MAX_BATCH):
+def _model(dense, scheme, lowering, dtype=torch.bfloat16, max_batch=MAX_BATCH, head=False):
+    """The tiny model in ``scheme`` with ``lowering`` forced (``head``: lm_head quantized too)."""
     sch = get_scheme(scheme)
-    tensors = quantize_tensors(dense, CONFIG.linear_prefixes(), sch)
+    tensors = quantize_tensors(dense, CONFIG.linear_prefixes(head=head), sch)
     ctx = forced_lowering(scheme, lowering) if sch is not None else _nothing()
     with ctx:
         model = LlamaForCausalLM.from_tensors(CONFIG, tensors, None if sch is None else sch.config, device="cuda", dtype=dtype,
@@ -184,6 +185,37 @@ def test_captured_greedy_decode_chains_compiled_steps(dense, scheme, lowering):
             assert relative_error(cap.logits, want) < TOLERANCE[torch.bfloat16], f"step {s}"
             assert torch.equal(cap.tokens, cap.logits.argmax(-1))
             assert torch.equal(cap.positions, pos + 1)
+
+
+HEAD_PAIRS = [("gptq", "native_w4a16"), ("bitsandbytes-nf4", "native_blockwise4"), ("gptq", "triton_int_weight")]
+
+
+@pytest.mark.parametrize("scheme,lowering", HEAD_PAIRS, ids=[f"{s}-{low}" for s, low in HEAD_PAIRS])
+def test_quantized_head_captured_decode(dense, scheme, lowering):
+    """lm_head quantized too (``linear_prefixes(head=True)``): the captured compiled greedy step equals
+    eager steps, and stays near the model whose head is dense."""
+    from qops.layers import QuantLinear
+    from qops.models import CapturedDecode, compile_decode
+
+    model = _model(dense, scheme, lowering, head=True)
+    assert isinstance(model.lm_head.linear, QuantLinear) and model.lm_head.linear.choice.lowering.name == lowering
+    body = _model(dense, scheme, lowering)
+    b = 3
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        prompts = torch.randint(0, CONFIG.vocab_size, (b, 4), generator=gen).cuda()
+        first = model.prefill(prompts).argmax(-1)
+        body.prefill(prompts)
+        cap = CapturedDecode(model, compile_decode(model, cuda_graphs=False, greedy=True), b, start_position=4)
+        cap.start(first, torch.full((b,), 4, dtype=torch.long, device="cuda"))
+        for s in range(3):
+            tok, pos = cap.tokens.clone(), cap.positions.clone()
+            cap.replay()
+            want = model.decode(tok, pos)
+            assert relative_error(cap.logits, want) < TOLERANCE[torch.bfloat16], f"step {s}"
+            assert torch.equal(cap.tokens, cap.logits.argmax(-1))
+            near = relative_error(cap.logits, body.decode(tok, pos))
+            assert 0 < near < 0.3, f"step {s}: {near:.3g} from the dense-head model"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
