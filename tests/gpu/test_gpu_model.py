@@ -374,3 +374,25 @@ def test_tensor_parallel_two_gpus_reduce_overhead(scheme, lowering, request):
     failures = done[0]["failures"] + done[1]["failures"]
     assert not failures, "\n".join(failures[:20])
 
+
+
+# lm_head quantized too ("<scheme>+head", qops.models.testing): the vocabulary-parallel head shards a
+# quantized weight and all-gathers its logits inside the captured graph.
+HEAD_TP_PAIRS = [("gptq+head", "native_w4a16"), ("bitsandbytes-nf4+head", "native_blockwise4")]
+
+
+@pytest.fixture(scope="module")
+def tp_two_gpus_head(tmp_path_factory):
+    return _tp_spawn(tmp_path_factory, HEAD_TP_PAIRS, None)
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("scheme,lowering", HEAD_TP_PAIRS, ids=[f"{s}-{low}" for s, low in HEAD_TP_PAIRS])
+def test_tensor_parallel_two_gpus_quantized_head(scheme, lowering, tp_two_gpus_head):
+    reports, error = tp_two_gpus_head
+    key = f"{scheme}-{lowering}"
+    done = [r[key] for r in reports if key in r]
+    assert len(done) == 2, f"{key}: no report from {2 - len(done)} rank(s); the spawn: {error!r}"
+    assert {r["refused"] for r in done} == {None}, done
+    failures = done[0]["failures"] + done[1]["failures"]
+    assert not failures, "\n".join(failures[:20])
