@@ -32,17 +32,30 @@ fp32; the probabilities are rounded to the cache dtype for the ``p @ v`` product
 ``"matmul"`` kind and flash attention do. No allocation besides the output, no host
 synchronization: CUDA-graph capture safe once the kernel is compiled.
 
+On sm_90 the kernel (launched as an ordinary kernel: it waits for the projection that wrote ``qkv``)
+executes ``griddepcontrol.launch_dependents`` as it starts, so the kernel after it, when launched with
+programmatic dependent launch (the native output projection), is scheduled at once and streams its
+weight while the attention runs; every such kernel in qops, and Inductor's, waits
+(``griddepcontrol.wait``) before it reads what the attention writes or writes what it reads.
+Measured at batch 1 on the Llama-3-8B-shaped W4 model: 516.9 -> 529.7 tok/s (two A/B pairs,
+``benchmarks/results/h200-2026-12-01-054d64f-attn-release-*.json``). Launched as a PDL dependent
+itself (waiting on the projection), the same release had made it slower (benchmarks/NOTES.md, stop 22).
+
 Inference only: no autograd formula is registered (a backward through it raises).
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-from ..ops._common import ACT_DTYPES, fail, jit_if_triton
+from ..ops._common import ACT_DTYPES, fail, jit_if_triton, pdl_launch
 
 OP = "decode_attention"
+# The kernel lets the kernel after it be scheduled as it starts (sm_90, see the module docstring);
+# QOPS_ATTN_RELEASE=0 turns that off (read at launch: a captured graph keeps what it was captured with).
+RELEASE_ENV = "QOPS_ATTN_RELEASE"
 SCHEMA = ("(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
           "int num_heads, int num_kv_heads, float scale) -> Tensor")
 
@@ -164,8 +177,12 @@ def _decode_attention_kernel(
     stride_ob,  # out (B, H * D), unit column stride
     scale_log2,  # scale * log2(e): the softmax runs on exp2
     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, RELEASE: tl.constexpr,
 ):
+    if RELEASE:
+        # Let the kernel after this one (launched with PDL: the output projection) be scheduled now;
+        # it reads what this kernel writes only after its own griddepcontrol.wait.
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     pos = tl.load(pos_ptr + b * stride_pos)  # int64
@@ -265,6 +282,7 @@ def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_head
         scale * 1.4426950408889634,
         H=num_heads, HKV=num_kv_heads, G=g, D=d,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"], IEEE=qkv.dtype == torch.float32,
+        RELEASE=pdl_launch(qkv.device) and os.environ.get(RELEASE_ENV, "1") != "0",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
