@@ -11,9 +11,10 @@ model built from random weights is sharded, converted and prepared by exactly th
 checkpoint from files (``qops.layers.Weights.from_pretrained``); :func:`save_pretrained` writes the
 same tensors as a checkpoint directory.
 
-Which layers a scheme quantizes is :func:`quantized_prefixes`: every linear of the decoder layers.
-Embeddings, norms and ``lm_head`` stay dense, as in GPTQ/AWQ/compressed-tensors releases (the
-loader reads a layer without the scheme's tensors as dense).
+Which layers a scheme quantizes is the caller's list of prefixes (:func:`quantize_tensors`), usually
+``LlamaConfig.linear_prefixes()``: every linear of the decoder layers, with ``lm_head`` too when
+``head=True``. Embeddings and norms stay dense, and by default ``lm_head`` too, as in most GPTQ/AWQ/
+compressed-tensors releases (the loader reads a layer without the scheme's tensors as dense).
 """
 from __future__ import annotations
 

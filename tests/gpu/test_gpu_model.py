@@ -163,28 +163,37 @@ CAPTURED_PAIRS = [("none", "dense"), ("gptq", "native_w4a16"), ("gptq", "triton_
                   ("bitsandbytes-nf4", "triton_blockwise4"), ("bitsandbytes-nf4", "native_blockwise4")]
 
 
-@pytest.mark.parametrize("scheme,lowering", CAPTURED_PAIRS, ids=[f"{s}-{low}" for s, low in CAPTURED_PAIRS])
-def test_captured_greedy_decode_chains_compiled_steps(dense, scheme, lowering):
-    """qops.models.CapturedDecode over the compiled greedy step (what bench_decode times): each
+def _check_captured_greedy(model, steps: int, seed: int, after_step=None, also_prefilled=()) -> None:
+    """qops.models.CapturedDecode over ``model``'s compiled greedy step, 3 prompts of 4 tokens: each
     replay equals an eager step on the same inputs, feeds its argmax to the next and advances the
-    positions."""
+    positions. ``also_prefilled`` models get the same prompts prefilled; ``after_step(s, tok, pos,
+    logits)`` checks more after each step (tok, pos: the step's inputs)."""
     from qops.models import CapturedDecode, compile_decode
 
-    model = _model(dense, scheme, lowering)
     b = 3
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         prompts = torch.randint(0, CONFIG.vocab_size, (b, 4), generator=gen).cuda()
         first = model.prefill(prompts).argmax(-1)
+        for other in also_prefilled:
+            other.prefill(prompts)
         cap = CapturedDecode(model, compile_decode(model, cuda_graphs=False, greedy=True), b, start_position=4)
         cap.start(first, torch.full((b,), 4, dtype=torch.long, device="cuda"))
-        for s in range(4):
+        for s in range(steps):
             tok, pos = cap.tokens.clone(), cap.positions.clone()
             cap.replay()
             want = model.decode(tok, pos)
             assert relative_error(cap.logits, want) < TOLERANCE[torch.bfloat16], f"step {s}"
             assert torch.equal(cap.tokens, cap.logits.argmax(-1))
             assert torch.equal(cap.positions, pos + 1)
+            if after_step is not None:
+                after_step(s, tok, pos, cap.logits)
+
+
+@pytest.mark.parametrize("scheme,lowering", CAPTURED_PAIRS, ids=[f"{s}-{low}" for s, low in CAPTURED_PAIRS])
+def test_captured_greedy_decode_chains_compiled_steps(dense, scheme, lowering):
+    """What bench_decode times: see _check_captured_greedy."""
+    _check_captured_greedy(_model(dense, scheme, lowering), steps=4, seed=2)
 
 
 HEAD_PAIRS = [("gptq", "native_w4a16"), ("bitsandbytes-nf4", "native_blockwise4"), ("gptq", "triton_int_weight")]
@@ -195,27 +204,16 @@ def test_quantized_head_captured_decode(dense, scheme, lowering):
     """lm_head quantized too (``linear_prefixes(head=True)``): the captured compiled greedy step equals
     eager steps, and stays near the model whose head is dense."""
     from qops.layers import QuantLinear
-    from qops.models import CapturedDecode, compile_decode
 
     model = _model(dense, scheme, lowering, head=True)
     assert isinstance(model.lm_head.linear, QuantLinear) and model.lm_head.linear.choice.lowering.name == lowering
     body = _model(dense, scheme, lowering)
-    b = 3
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        prompts = torch.randint(0, CONFIG.vocab_size, (b, 4), generator=gen).cuda()
-        first = model.prefill(prompts).argmax(-1)
-        body.prefill(prompts)
-        cap = CapturedDecode(model, compile_decode(model, cuda_graphs=False, greedy=True), b, start_position=4)
-        cap.start(first, torch.full((b,), 4, dtype=torch.long, device="cuda"))
-        for s in range(3):
-            tok, pos = cap.tokens.clone(), cap.positions.clone()
-            cap.replay()
-            want = model.decode(tok, pos)
-            assert relative_error(cap.logits, want) < TOLERANCE[torch.bfloat16], f"step {s}"
-            assert torch.equal(cap.tokens, cap.logits.argmax(-1))
-            near = relative_error(cap.logits, body.decode(tok, pos))
-            assert 0 < near < 0.3, f"step {s}: {near:.3g} from the dense-head model"
+
+    def near_the_dense_head(s, tok, pos, logits):
+        near = relative_error(logits, body.decode(tok, pos))
+        assert 0 < near < 0.3, f"step {s}: {near:.3g} from the dense-head model"
+
+    _check_captured_greedy(model, steps=3, seed=4, after_step=near_the_dense_head, also_prefilled=(body,))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -364,16 +362,21 @@ def tp_two_gpus_block(tmp_path_factory):
 @needs_two_gpus
 @pytest.mark.parametrize("scheme,lowering", PAIRS, ids=IDS)
 def test_tensor_parallel_two_gpus_reduce_overhead(scheme, lowering, request):
-    reports, error = request.getfixturevalue("tp_two_gpus_block" if scheme in BLOCK_SCHEMES else "tp_two_gpus")
-    key = f"{scheme}-{lowering}"
-    done = [r[key] for r in reports if key in r]
-    assert len(done) == 2, f"{key}: no report from {2 - len(done)} rank(s); the spawn: {error!r}"
+    done = _rank_reports(request.getfixturevalue("tp_two_gpus_block" if scheme in BLOCK_SCHEMES else "tp_two_gpus"), scheme, lowering)
     refused = {r["refused"] for r in done}
     if refused != {None}:
         pytest.skip(f"{lowering} does not serve the sharded {scheme} model's layers: {sorted(x for x in refused if x)[0]}")
     failures = done[0]["failures"] + done[1]["failures"]
     assert not failures, "\n".join(failures[:20])
 
+
+def _rank_reports(spawned, scheme: str, lowering: str) -> list[dict]:
+    """Both ranks' reports of one (scheme, lowering) item of a :func:`_tp_spawn`."""
+    reports, error = spawned
+    key = f"{scheme}-{lowering}"
+    done = [r[key] for r in reports if key in r]
+    assert len(done) == 2, f"{key}: no report from {2 - len(done)} rank(s); the spawn: {error!r}"
+    return done
 
 
 # lm_head quantized too ("<scheme>+head", qops.models.testing): the vocabulary-parallel head shards a
@@ -389,10 +392,7 @@ def tp_two_gpus_head(tmp_path_factory):
 @needs_two_gpus
 @pytest.mark.parametrize("scheme,lowering", HEAD_TP_PAIRS, ids=[f"{s}-{low}" for s, low in HEAD_TP_PAIRS])
 def test_tensor_parallel_two_gpus_quantized_head(scheme, lowering, tp_two_gpus_head):
-    reports, error = tp_two_gpus_head
-    key = f"{scheme}-{lowering}"
-    done = [r[key] for r in reports if key in r]
-    assert len(done) == 2, f"{key}: no report from {2 - len(done)} rank(s); the spawn: {error!r}"
+    done = _rank_reports(tp_two_gpus_head, scheme, lowering)
     assert {r["refused"] for r in done} == {None}, done
     failures = done[0]["failures"] + done[1]["failures"]
     assert not failures, "\n".join(failures[:20])
