@@ -11,7 +11,11 @@ A variant is ``model[:option+option...]``:
 - ``nopdl``: Inductor's kernels without programmatic dependent launch (``compile_decode(pdl=False)``;
   on by default on sm_90);
 - ``nonativepdl``: the native W4A16 kernel launched without PDL (``QOPS_NATIVE_PDL=0``);
-- ``ro``: also time the ``mode="reduce-overhead"`` loop of ``bench_decode.py`` (one more compile).
+- ``ro``: also time the ``mode="reduce-overhead"`` loop of ``bench_decode.py`` (one more compile);
+- ``prewait``: at M = 1, every native W4A16 plan that stages x once takes a shared-memory weight ring
+  deep enough that a warp's whole share of the weight (or as much as keeps the grid's blocks resident)
+  is requested before ``griddepcontrol.wait``, i.e. while the kernel ahead still runs
+  (:func:`prewait_plan`; a measurement: the plans are otherwise the shipped ones).
 
 Per variant: ``compile_decode(cuda_graphs=False)`` captured by ``qops.models.CapturedDecode``
 (step, argmax and position update in one graph), ``--steps`` replays between CUDA events, median of
@@ -41,7 +45,7 @@ from collections import defaultdict
 import bench_decode  # the model builders (this script's folder is on sys.path)
 import common
 
-OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro")
+OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "prewait")
 # Kernel kinds, first match wins: (kind, substrings of the kernel name).
 KINDS = (
     ("qops native", ("w4a16",)),
@@ -135,6 +139,45 @@ def kernel_table(events, steps: int) -> dict:
             "top": rows[:40], "timeline": timeline}
 
 
+SMEM_PER_SM = 228 * 1024  # sm_90: shared memory of one SM (blocks also carry 1 KiB of static shared memory each)
+
+
+def prewait_plan(m: int, n: int, k: int, sms: int, cluster_ok: bool):
+    """The ``prewait`` option's plan for ``m`` rows of an (N, K) weight, or None (the usual plan).
+
+    The register ring requests two chunks a warp before the wait; the rest of a warp's chunks are
+    requested only after x is staged, so a projection of four chunks a warp (6144x4096, 4096x4096 at
+    M = 1) still waits one DRAM round trip after the kernel ahead ends. Here the shared-memory ring
+    holds every chunk (stages = chunks + 1) where that keeps as many blocks an SM as the grid needs
+    (else the deepest ring that does, if deeper than the register ring's two chunks). Plans that fold
+    the zero point or take f16 MMAs are left as they are: the gated gate/up projection (28672x4096 in
+    the 8B model) is one, and the kernel's gated build has no shared-memory ring (the override cannot
+    tell a gated call from a plain one).
+    """
+    import torch
+    from qops.native import int_weight as niw
+
+    if m != 1:
+        return None
+    idx = torch.cuda.current_device()
+    base = niw.measured_plan(m, n, k, niw._device_name(idx), sms, cluster_ok, niw.smem_optin_bytes(idx)) or niw._plan(m, n, k, sms, cluster_ok)
+    if not base.xfull or base.smem_ring or base.nwn == 8 or base.fold or base.f16mma:
+        return None
+    chunks = max(-(-k // niw.CHUNK_K), 1)
+    per_warp = -(-(-(-chunks // base.splits)) // (8 // base.nwn))
+    per_sm = -(-base.tiles * base.splits // sms)
+    for stages in range(min(per_warp + 1, niw.SMEM_RING_MAX), 3, -1):  # > 3: more than the register ring's two ahead
+        try:
+            p = niw.make_plan(m, n, k, nwn=base.nwn, splits=base.splits, cluster=base.cluster, xfull=True, ring=base.ring,
+                              minb=base.minb, fold=base.fold, prefetch=base.prefetch, smem_ring=stages, xu=base.xu,
+                              f16mma=base.f16mma, smem_limit=niw.smem_optin_bytes(idx))
+        except ValueError:
+            continue
+        if per_sm * (p.shmem + niw.STATIC_SHMEM_BYTES) <= SMEM_PER_SM:
+            return p
+    return None
+
+
 def set_options(opts) -> None:
     import torch
 
@@ -146,11 +189,20 @@ def set_options(opts) -> None:
 
 
 def run_variant(label, kind, opts, config, device, dtype, args, ref_logits):
+    set_options(opts)
+    if "prewait" in opts:
+        from qops.native import int_weight as niw
+
+        with niw.plan_override(prewait_plan):  # warm-up (in build) and capture both see the plans
+            return _run_variant(label, kind, opts, config, device, dtype, args, ref_logits)
+    return _run_variant(label, kind, opts, config, device, dtype, args, ref_logits)
+
+
+def _run_variant(label, kind, opts, config, device, dtype, args, ref_logits):
     import torch
 
     from qops.models import CapturedDecode, compile_decode, generate
 
-    set_options(opts)
     attention = next((a for a in ("matmul", "sdpa") if a in opts), "fused")
     row = {"variant": label, "model": kind, "options": opts, "attention": attention}
     t = time.time()
