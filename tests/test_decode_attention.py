@@ -8,7 +8,9 @@ kernel for fp32 / fp16 / bf16, B in {0, 1, 3}, G in {1, 4}, D 64 and 128, positi
 max_seq - 1 and mixed per row, a column slice as ``qkv``; the caches after the call (the rotated k
 and the v at each row's position, every other element bit for bit untouched); the Triton kernel
 under ``TRITON_INTERPRET=1`` (fp32 / fp16: the interpreter computes bf16 wrongly) against the same
-oracle, with small tiles so its loop runs several blocks, a partial one and none; ``opcheck``;
+oracle, with small tiles so its loop runs several blocks, a partial one and none, and split over
+several programs merged by the second kernel (split-KV), empty splits included; the split rule;
+``opcheck``;
 errors naming the argument, eagerly and under ``FakeTensorMode``; the Llama model with
 ``attention="fused"`` equal to ``"sdpa"``, eagerly and through ``compile_decode`` (fullgraph, one
 compilation for batch sizes 1..4, the op called once per layer on the caches in place).
@@ -174,6 +176,48 @@ def test_triton_kernel_matches_the_oracle(dtype, case):
     args = make_case(b, g, d, dtype, positions, max_seq=max_seq, sliced=True, seed=len(positions) + g)
     assert b == 0 or args["qkv"].stride(0) == args["qkv"].shape[1] + 7
     run_and_check(args, lambda **a: A.triton_decode_attention(**a, config=config), dtype)
+
+
+# Split-KV (several programs per (row, KV head), merged by a second kernel): splits whose positions
+# all lie past a row's token (empty), a split boundary inside a block's range and at the token, the
+# token in the first split only, more splits than blocks of positions.
+SPLIT_CASES = {
+    # id: (b, g, d, positions, max_seq, BLOCK_S, splits)
+    "b3-g4-s3": (3, 4, 64, [0, 17, 39], 40, 8, 3),
+    "b2-g1-d32-s5": (2, 1, 32, [16, 31], 40, 8, 5),
+    "b1-g3-s4-first-only": (1, 3, 64, [5], 40, 8, 4),
+    "b2-g16-s9": (2, 16, 32, [9, 40], 41, 16, 9),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_triton_split_kernels_match_the_oracle(dtype, case):
+    b, g, d, positions, max_seq, block_s, splits = SPLIT_CASES[case]
+    args = make_case(b, g, d, dtype, positions, max_seq=max_seq, sliced=True, seed=len(positions) + 3 * g)
+    run_and_check(args, lambda **a: A.triton_decode_attention(**a, config={"BLOCK_S": block_s}, splits=splits), dtype)
+
+
+def test_split_rule(monkeypatch):
+    monkeypatch.delenv(A.SPLIT_ENV, raising=False)
+    sms = 132
+    assert A.attention_splits(1, 8, 88, 64, sms) == 1  # short caches: one program per (row, KV head)
+    assert A.attention_splits(1, 8, A.SPLIT_MIN_SEQ, 64, sms) == 1
+    assert A.attention_splits(1, 8, 4096, 64, sms) == 32  # ~2 programs an SM, >= 2 blocks each
+    assert A.attention_splits(1, 8, 1024, 64, sms) == 8  # 1024 / (64 * 2)
+    assert A.attention_splits(7, 8, 4096, 64, sms) == 5
+    assert A.attention_splits(32, 8, 4096, 64, sms) == 1  # 256 programs already fill the SMs
+    assert A.attention_splits(1, 1, 10 ** 6, 64, sms) == A.SPLIT_MAX
+    for max_seq, splits, block_s in ((4096, 32, 64), (4095, 32, 64), (41, 9, 16), (100, 3, 64)):
+        chunk = A.split_chunk(max_seq, splits, block_s)
+        assert chunk % block_s == 0 and chunk * splits >= max_seq and chunk * (-(-max_seq // chunk) - 1) < max_seq
+    monkeypatch.setenv(A.SPLIT_ENV, "1")
+    assert A.attention_splits(1, 8, 4096, 64, sms) == 1
+    monkeypatch.setenv(A.SPLIT_ENV, "3")
+    assert A.attention_splits(32, 8, 88, 64, sms) == 2  # no more splits than blocks of positions
+    monkeypatch.setenv(A.SPLIT_ENV, "many")
+    with pytest.raises(ValueError, match=A.SPLIT_ENV):
+        A.attention_splits(1, 8, 4096, 64, sms)
 
 
 def decode_attention_samples() -> dict[str, tuple]:

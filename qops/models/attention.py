@@ -169,6 +169,7 @@ triton = tl = None  # bound by jit_if_triton
 
 def _decode_attention_kernel(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_ptr,  # split partials (SPLITS > 1): fp32 (B, HKV, SPLITS, BLOCK_H, BLOCK_D + 2) [acc | m | l]
     stride_xb, stride_xc,  # qkv
     stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
     stride_pos,
@@ -178,6 +179,7 @@ def _decode_attention_kernel(
     scale_log2,  # scale * log2(e): the softmax runs on exp2
     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, RELEASE: tl.constexpr,
+    SPLITS: tl.constexpr, CHUNK: tl.constexpr,  # cache positions [sp * CHUNK, (sp + 1) * CHUNK) go to split sp
 ):
     if RELEASE:
         # Let the kernel after this one (launched with PDL: the output projection) be scheduled now;
@@ -185,6 +187,7 @@ def _decode_attention_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
+    sp = tl.program_id(2)
     pos = tl.load(pos_ptr + b * stride_pos)  # int64
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -203,25 +206,32 @@ def _decode_attention_kernel(
     q = tl.load(row + (q_col + offs_d[None, :]) * stride_xc, mask=qmask, other=0.0)
     q_pair = tl.load(row + (q_col + partner[None, :]) * stride_xc, mask=qmask, other=0.0)
     q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * q_pair.to(tl.float32) * sin[None, :]).to(q_pair.dtype)
-    k_col = H * D + kvh * D
-    k = tl.load(row + (k_col + offs_d) * stride_xc, mask=dmask, other=0.0)
-    k_pair = tl.load(row + (k_col + partner) * stride_xc, mask=dmask, other=0.0)
-    k = (k.to(tl.float32) * cos + sign * k_pair.to(tl.float32) * sin).to(k_pair.dtype)
-    v = tl.load(row + ((H + HKV) * D + kvh * D + offs_d) * stride_xc, mask=dmask, other=0.0)
-
     k_base = k_cache_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_cache_ptr + b * stride_vb + kvh * stride_vh
-    tl.store(k_base + pos * stride_ks + offs_d * stride_kd, k.to(k_cache_ptr.dtype.element_ty), mask=dmask)
-    tl.store(v_base + pos * stride_vs + offs_d * stride_vd, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
-
-    # The online softmax starts from the current token (a finite running max from the start, so a
-    # fully masked block cannot produce inf - inf).
-    m = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale_log2  # (BLOCK_H,)
-    l_sum = tl.full([BLOCK_H], 1.0, tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32) + v.to(tl.float32)[None, :]
-    for start in range(0, pos, BLOCK_S):
+    if sp == 0:
+        # The token's own k and v: written to the cache and, held in registers, the start of the online
+        # softmax (a finite running max from the start, so a fully masked block cannot give inf - inf).
+        k_col = H * D + kvh * D
+        k = tl.load(row + (k_col + offs_d) * stride_xc, mask=dmask, other=0.0)
+        k_pair = tl.load(row + (k_col + partner) * stride_xc, mask=dmask, other=0.0)
+        k = (k.to(tl.float32) * cos + sign * k_pair.to(tl.float32) * sin).to(k_pair.dtype)
+        v = tl.load(row + ((H + HKV) * D + kvh * D + offs_d) * stride_xc, mask=dmask, other=0.0)
+        tl.store(k_base + pos * stride_ks + offs_d * stride_kd, k.to(k_cache_ptr.dtype.element_ty), mask=dmask)
+        tl.store(v_base + pos * stride_vs + offs_d * stride_vd, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
+        m = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale_log2  # (BLOCK_H,)
+        l_sum = tl.full([BLOCK_H], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32) + v.to(tl.float32)[None, :]
+    else:
+        # Another split's share starts empty: weight 0 under a finite floor (exp2(floor - m) is 0 for any
+        # real score, and a split with no position left below pos stays (floor, 0, 0) for the combine).
+        m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+        l_sum = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    lo = (sp * CHUNK).to(tl.int64)
+    hi = tl.minimum(pos, lo + CHUNK)  # the cache positions below the token's, this split's share of them
+    for start in range(lo, hi, BLOCK_S):
         offs_s = start + tl.arange(0, BLOCK_S)
-        smask = offs_s < pos
+        smask = offs_s < hi
         kvmask = smask[:, None] & dmask[None, :]
         kb = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kvmask, other=0.0)
         if IEEE:
@@ -239,6 +249,47 @@ def _decode_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
         m = m_new
+    if SPLITS == 1:
+        o = acc / l_sum[:, None]
+        out = out_ptr + b * stride_ob + (kvh * G + offs_h)[:, None] * D + offs_d[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        # Unnormalized: the combine kernel weighs each split by 2^(m_split - max m).
+        W: tl.constexpr = BLOCK_D + 2
+        part = part_ptr + ((b * HKV + kvh) * SPLITS + sp) * (BLOCK_H * W) + offs_h * W
+        tl.store(part[:, None] + offs_d[None, :], acc, mask=qmask)
+        tl.store(part + BLOCK_D, m, mask=hmask)
+        tl.store(part + BLOCK_D + 1, l_sum, mask=hmask)
+
+
+def _decode_attention_combine_kernel(
+    part_ptr, out_ptr, stride_ob,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr, RELEASE: tl.constexpr,
+):
+    """The splits of one (row, KV head) merged in split order (a fixed order: the same bits every run)."""
+    if RELEASE:
+        tl.extra.cuda.gdc_launch_dependents()  # as the split kernel's release above, for the projection after
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    hmask = offs_h < G
+    qmask = hmask[:, None] & (offs_d < D)[None, :]
+    W: tl.constexpr = BLOCK_D + 2
+    base = part_ptr + (b * HKV + kvh) * SPLITS * (BLOCK_H * W) + offs_h * W
+    m = tl.load(base + BLOCK_D, mask=hmask, other=0.0)  # split 0 always holds the token itself: l >= 1
+    l_sum = tl.load(base + BLOCK_D + 1, mask=hmask, other=1.0)
+    acc = tl.load(base[:, None] + offs_d[None, :], mask=qmask, other=0.0)
+    for sp in range(1, SPLITS):
+        part = base + sp * (BLOCK_H * W)
+        m_sp = tl.load(part + BLOCK_D, mask=hmask, other=-1.0e30)
+        m_new = tl.maximum(m, m_sp)
+        alpha = tl.math.exp2(m - m_new)
+        beta = tl.math.exp2(m_sp - m_new)
+        l_sum = l_sum * alpha + tl.load(part + BLOCK_D + 1, mask=hmask, other=0.0) * beta
+        acc = acc * alpha[:, None] + tl.load(part[:, None] + offs_d[None, :], mask=qmask, other=0.0) * beta[:, None]
+        m = m_new
     o = acc / l_sum[:, None]
     out = out_ptr + b * stride_ob + (kvh * G + offs_h)[:, None] * D + offs_d[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -250,6 +301,11 @@ def _triton_kernel():
     return jit_if_triton(_decode_attention_kernel)
 
 
+@functools.cache
+def _triton_combine_kernel():
+    return jit_if_triton(_decode_attention_combine_kernel)
+
+
 def launch_config(head_dim: int, group: int) -> dict:
     """Tile sizes and launch parameters for head dim D and G query heads per KV head. ``BLOCK_H``
     pads G to a tensor-core tile (16 rows); ``BLOCK_S`` cache positions per loop step keep a k and a
@@ -259,10 +315,52 @@ def launch_config(head_dim: int, group: int) -> dict:
             "num_warps": 4, "num_stages": 2}
 
 
+# Splitting the cache positions over more programs (split-KV, "flash decoding"). One program per
+# (row, KV head) reads its whole history alone: 8 programs at batch 1 on an 8B-shaped model, each
+# looping over max_seq / 64 blocks, so a long cache leaves the GPU idle. With SPLITS > 1 each program
+# takes CHUNK positions and writes its unnormalized partial (acc, running max, sum) to a scratch tensor,
+# and a second kernel merges them. The split count is static (a captured graph keeps its grid), taken
+# from the cache length, the programs already there and the SMs; positions past a row's token cost a
+# program that does nothing. Short caches keep one split: the merge is one more launch on the path.
+SPLIT_ENV = "QOPS_ATTN_SPLITS"  # "1": never split; an integer n > 1: n splits (measurements); unset: the rule
+SPLIT_MIN_SEQ = 512  # caches this long or shorter are not split
+SPLIT_MIN_BLOCKS = 2  # each split takes at least this many BLOCK_S blocks of positions
+SPLIT_MAX = 64
+
+
+def attention_splits(b: int, num_kv_heads: int, max_seq: int, block_s: int, sms: int) -> int:
+    """How many programs share one (row, KV head)'s cache positions: about two programs an SM in all,
+    each with at least ``SPLIT_MIN_BLOCKS`` blocks, none for caches of ``SPLIT_MIN_SEQ`` positions or
+    fewer (``QOPS_ATTN_SPLITS`` overrides, read at each launch)."""
+    raw = os.environ.get(SPLIT_ENV, "").strip()
+    if raw:
+        try:
+            forced = int(raw)
+        except ValueError:
+            raise ValueError(f"{SPLIT_ENV}={raw!r}: expected a split count (1 = never split)") from None
+        return max(1, min(forced, -(-max_seq // block_s), SPLIT_MAX))
+    programs = max(b * num_kv_heads, 1)
+    if max_seq <= SPLIT_MIN_SEQ or programs >= sms:
+        return 1
+    want = -(-2 * sms // programs)
+    return max(1, min(want, max_seq // (block_s * SPLIT_MIN_BLOCKS), SPLIT_MAX))
+
+
+def split_chunk(max_seq: int, splits: int, block_s: int) -> int:
+    """Positions per split: a multiple of ``block_s`` so that only a split's last block is partial."""
+    return -(-(-(-max_seq // splits)) // block_s) * block_s
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale, *,
-                            config: dict | None = None) -> torch.Tensor:
-    """The Triton kernel's launcher (arguments as the op's, already checked). ``config`` overrides
-    :func:`launch_config` (the interpreter tests use small tiles)."""
+                            config: dict | None = None, splits: int | None = None) -> torch.Tensor:
+    """The Triton kernels' launcher (arguments as the op's, already checked). ``config`` overrides
+    :func:`launch_config` (the interpreter tests use small tiles); ``splits`` overrides
+    :func:`attention_splits` (tests)."""
     kernel = _triton_kernel()
     if kernel is None:
         raise RuntimeError(fail(OP, "triton is not importable"))
@@ -272,8 +370,17 @@ def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_head
     if b == 0:
         return out
     cfg = {**launch_config(d, g), **(config or {})}
-    kernel[(b, num_kv_heads)](
-        qkv, cos, sin, positions, k_cache, v_cache, out,
+    max_seq = k_cache.shape[2]
+    if splits is None:
+        sms = _sm_count(qkv.device.index if qkv.device.index is not None else torch.cuda.current_device()) if qkv.is_cuda else 132
+        splits = attention_splits(b, num_kv_heads, max_seq, cfg["BLOCK_S"], sms)
+    chunk = split_chunk(max_seq, splits, cfg["BLOCK_S"])
+    splits = -(-max_seq // chunk)  # no split without positions
+    release = pdl_launch(qkv.device) and os.environ.get(RELEASE_ENV, "1") != "0"
+    part = (torch.empty((b, num_kv_heads, splits, cfg["BLOCK_H"], cfg["BLOCK_D"] + 2), dtype=torch.float32, device=qkv.device)
+            if splits > 1 else out)  # (unused with one split)
+    kernel[(b, num_kv_heads, splits)](
+        qkv, cos, sin, positions, k_cache, v_cache, out, part,
         qkv.stride(0), qkv.stride(1),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         positions.stride(0),
@@ -282,7 +389,13 @@ def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_head
         scale * 1.4426950408889634,
         H=num_heads, HKV=num_kv_heads, G=g, D=d,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"], IEEE=qkv.dtype == torch.float32,
-        RELEASE=pdl_launch(qkv.device) and os.environ.get(RELEASE_ENV, "1") != "0",
+        RELEASE=release and splits == 1, SPLITS=splits, CHUNK=chunk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if splits > 1:
+        _triton_combine_kernel()[(b, num_kv_heads)](
+            part, out, out.stride(0),
+            HKV=num_kv_heads, G=g, D=d, BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], SPLITS=splits, RELEASE=release,
+            num_warps=cfg["num_warps"],
+        )
     return out

@@ -5,6 +5,9 @@
   profile's) and 4096, positions 0, max_seq - 1 and random ones mixed per row, ``qkv`` a column
   slice, the caches holding NaN past each row's position (never read) and checked after the call;
 - other head dims (64, 256) and group sizes (1, 16): each compiles its own kernel;
+- split-KV: the rule splits max_seq 4096 at B = 1 and 7 (32 and 5 programs per row and KV head,
+  merged by the second kernel); split counts forced through ``QOPS_ATTN_SPLITS`` (2, 3, 64 and 1 on a
+  cache the rule splits), positions in the first split only and at the last;
 - under ``torch.compile(fullgraph=True)`` with the batch dimension unbacked: one compilation for
   B = 7, 0, 1, 32, then ``fail_on_recompile``;
 - captured into a ``torch.cuda.graph`` (kernel compiled before, on a side stream), replayed on new
@@ -20,6 +23,7 @@ import pytest
 import torch
 
 from qops.models import LlamaConfig, LlamaForCausalLM, compile_decode, random_tensors
+from qops.models import attention as A
 from qops.models.testing import relative_error
 from tests.test_decode_attention import OP, TOL, check_caches, clone_args, make_case, oracle
 
@@ -66,6 +70,19 @@ def test_eager_matches_the_oracle(dtype, b, max_seq):
     check(args, got, before)
 
 
+@pytest.mark.parametrize("splits", ["1", "2", "3", "64"])
+@pytest.mark.parametrize("b,max_seq", [(1, 4096), (7, 300)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_forced_splits_match_the_oracle(dtype, b, max_seq, splits, monkeypatch):
+    monkeypatch.setenv(A.SPLIT_ENV, splits)
+    pos = positions(b, max_seq, seed=40 + b)
+    if b == 7:
+        pos[2:4] = [3, max_seq // 3]  # one in the first split only, one past a split boundary
+    args = make_case(b, G, D, dtype, pos, hkv=HKV, max_batch=MAX_BATCH, max_seq=max_seq, sliced=True, seed=40 + b, device="cuda")
+    before = clone_args(args)
+    check(args, OP(**args), before)
+
+
 @pytest.mark.parametrize("d,g", [(64, 1), (64, 16), (256, 4), (256, 1)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_other_head_dims_and_groups(dtype, d, g):
@@ -96,7 +113,7 @@ def test_compiled_with_an_unbacked_batch(dtype):
         check(args, got, before)
 
 
-@pytest.mark.parametrize("b", [7, 32])
+@pytest.mark.parametrize("b", [1, 7, 32])  # max_seq 4096: 32, 5 and 1 split(s) by the rule
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_graph_capture_replays(dtype, b):
     static = case(b, dtype, 4096, seed=20 + b)
@@ -118,9 +135,12 @@ def test_cuda_graph_capture_replays(dtype, b):
         check(static, out, before)
 
 
-def test_fused_model_reduce_overhead_equals_sdpa(monkeypatch):
+@pytest.mark.parametrize("splits", [None, "3"])
+def test_fused_model_reduce_overhead_equals_sdpa(splits, monkeypatch):
     from torch._dynamo.utils import counters
 
+    if splits:
+        monkeypatch.setenv(A.SPLIT_ENV, splits)  # the two-kernel path inside the compiled, captured model
     monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
     config = LlamaConfig.tiny()
     dense = random_tensors(config, seed=6)
