@@ -29,11 +29,15 @@ over the cache positions ``[0, positions[b])`` in blocks (never the masked tail)
 current token's k and v held in registers (the program never reads back the position it has just
 written: nothing orders that store before a load of the same program). Scores and the softmax are
 fp32; the probabilities are rounded to the cache dtype for the ``p @ v`` product, as the
-``"matmul"`` kind and flash attention do. No allocation besides the output, no host
-synchronization: CUDA-graph capture safe once the kernel is compiled.
+``"matmul"`` kind and flash attention do. On long caches with few (row, KV head) pairs (batch 1 at a
+few thousand positions) the positions below each row's token are split over several programs
+(split-KV: :func:`attention_splits` picks the count from the cache length, statically) and a second
+kernel merges their partial softmax sums in split order, so results are the same bits run to run.
+No allocation besides the output (and the splits' fp32 partials), no host synchronization:
+CUDA-graph capture safe once the kernels are compiled.
 
-On sm_90 the kernel (launched as an ordinary kernel: it waits for the projection that wrote ``qkv``)
-executes ``griddepcontrol.launch_dependents`` as it starts, so the kernel after it, when launched with
+On sm_90 the kernel (launched as an ordinary kernel: it waits for the projection that wrote ``qkv``;
+with splits, the merging kernel) executes ``griddepcontrol.launch_dependents`` as it starts, so the kernel after it, when launched with
 programmatic dependent launch (the native output projection), is scheduled at once and streams its
 weight while the attention runs; every such kernel in qops, and Inductor's, waits
 (``griddepcontrol.wait``) before it reads what the attention writes or writes what it reads.
@@ -179,7 +183,7 @@ def _decode_attention_kernel(
     scale_log2,  # scale * log2(e): the softmax runs on exp2
     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, RELEASE: tl.constexpr,
-    SPLITS: tl.constexpr, CHUNK: tl.constexpr,  # cache positions [sp * CHUNK, (sp + 1) * CHUNK) go to split sp
+    SPLITS: tl.constexpr,  # programs sharing one (row, KV head): split sp takes its share of [0, pos)
 ):
     if RELEASE:
         # Let the kernel after this one (launched with PDL: the output projection) be scheduled now;
@@ -227,8 +231,11 @@ def _decode_attention_kernel(
         m = tl.full([BLOCK_H], -1.0e30, tl.float32)
         l_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    lo = (sp * CHUNK).to(tl.int64)
-    hi = tl.minimum(pos, lo + CHUNK)  # the cache positions below the token's, this split's share of them
+    # The row's own positions below its token, in SPLITS shares of whole blocks: the work follows the
+    # position, not the cache length (early in a long cache the splits stay balanced, the later ones empty).
+    chunk = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_S) * BLOCK_S
+    lo = sp * chunk
+    hi = tl.minimum(pos, lo + chunk)
     for start in range(lo, hi, BLOCK_S):
         offs_s = start + tl.arange(0, BLOCK_S)
         smask = offs_s < hi
@@ -317,14 +324,19 @@ def launch_config(head_dim: int, group: int) -> dict:
 
 # Splitting the cache positions over more programs (split-KV, "flash decoding"). One program per
 # (row, KV head) reads its whole history alone: 8 programs at batch 1 on an 8B-shaped model, each
-# looping over max_seq / 64 blocks, so a long cache leaves the GPU idle. With SPLITS > 1 each program
-# takes CHUNK positions and writes its unnormalized partial (acc, running max, sum) to a scratch tensor,
-# and a second kernel merges them. The split count is static (a captured graph keeps its grid), taken
-# from the cache length, the programs already there and the SMs; positions past a row's token cost a
-# program that does nothing. Short caches keep one split: the merge is one more launch on the path.
+# looping over its positions 64 at a time, so a long cache leaves the GPU idle. With SPLITS > 1 each
+# program takes a share of them and writes its unnormalized partial (acc, running max, sum) to a
+# scratch tensor, and a second kernel merges them. The split count is static (a captured graph keeps its grid), taken
+# from the cache length, the programs already there and the SMs; each split takes an equal share of
+# the row's positions below its token, computed in the kernel, so the work follows the position.
+# Short caches keep one split: the merge is one more launch on the path (~3 us).
+# Measured (benchmarks/results/h200-2026-12-01-bd2a6b9-probe-attention.json, shares of the cache
+# length then): B = 1, full caches of 1024 / 4096 / 32768 positions 25.0 -> 9.1, 91.3 -> 17.4,
+# 711 -> 49.2 us; a 4000-token context decoded at 212 -> 433 tok/s (batch 1) and 1481 -> 2327 (batch 8)
+# (`...-bd2a6b9-decode-4k-{1,rule}.json`).
 SPLIT_ENV = "QOPS_ATTN_SPLITS"  # "1": never split; an integer n > 1: n splits (measurements); unset: the rule
 SPLIT_MIN_SEQ = 512  # caches this long or shorter are not split
-SPLIT_MIN_BLOCKS = 2  # each split takes at least this many BLOCK_S blocks of positions
+SPLIT_MIN_BLOCKS = 2  # no more splits than a full cache has pairs of BLOCK_S blocks
 SPLIT_MAX = 64
 
 
@@ -344,11 +356,6 @@ def attention_splits(b: int, num_kv_heads: int, max_seq: int, block_s: int, sms:
         return 1
     want = -(-2 * sms // programs)
     return max(1, min(want, max_seq // (block_s * SPLIT_MIN_BLOCKS), SPLIT_MAX))
-
-
-def split_chunk(max_seq: int, splits: int, block_s: int) -> int:
-    """Positions per split: a multiple of ``block_s`` so that only a split's last block is partial."""
-    return -(-(-(-max_seq // splits)) // block_s) * block_s
 
 
 @functools.cache
@@ -374,8 +381,7 @@ def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_head
     if splits is None:
         sms = _sm_count(qkv.device.index if qkv.device.index is not None else torch.cuda.current_device()) if qkv.is_cuda else 132
         splits = attention_splits(b, num_kv_heads, max_seq, cfg["BLOCK_S"], sms)
-    chunk = split_chunk(max_seq, splits, cfg["BLOCK_S"])
-    splits = -(-max_seq // chunk)  # no split without positions
+    splits = max(1, min(splits, -(-max_seq // cfg["BLOCK_S"])))  # no more splits than blocks of positions
     release = pdl_launch(qkv.device) and os.environ.get(RELEASE_ENV, "1") != "0"
     part = (torch.empty((b, num_kv_heads, splits, cfg["BLOCK_H"], cfg["BLOCK_D"] + 2), dtype=torch.float32, device=qkv.device)
             if splits > 1 else out)  # (unused with one split)
@@ -389,7 +395,7 @@ def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_head
         scale * 1.4426950408889634,
         H=num_heads, HKV=num_kv_heads, G=g, D=d,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"], IEEE=qkv.dtype == torch.float32,
-        RELEASE=release and splits == 1, SPLITS=splits, CHUNK=chunk,
+        RELEASE=release and splits == 1, SPLITS=splits,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
