@@ -191,7 +191,10 @@ def _decode_attention_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    sp = tl.program_id(2)
+    if SPLITS > 1:
+        sp = tl.program_id(2)
+    else:
+        sp = 0  # a constant: the branch on sp below is resolved at compile time, as before splits existed
     pos = tl.load(pos_ptr + b * stride_pos)  # int64
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
