@@ -77,5 +77,8 @@ def compile_reports(source_name: str, arch: str, defines: Iterable[Mapping[str, 
         return d, log[0]
 
     todo = unique(defines)
+    # cuda.core imported here, once: threads importing it for the first time at once can see the
+    # package half-initialized (seen on the CPU box: "cuda.core: lacks Program, ...").
+    compiler.core()
     with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 1))) as pool:
         return list(pool.map(one, todo))

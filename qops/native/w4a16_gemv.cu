@@ -97,7 +97,9 @@
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
 // replaces QOPS_RING), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING or QOPS_PROBE),
-// QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL).
+// QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
+// QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
+// timer stamps to ws, so the launch must pass a buffer there and use no split-K workspace; below).
 //
 // bf16 x through f16 MMAs (QOPS_F16MMA, QOPS_DT = 1): the A operand (q - zero, or 1024 + q with fold)
 // is exact in either type and the scales apply in fp32, so only x decides the MMA's type. bf16's
@@ -155,6 +157,9 @@
 #ifndef QOPS_F16MMA
 #define QOPS_F16MMA 0
 #endif
+#ifndef QOPS_STAMPS
+#define QOPS_STAMPS 0
+#endif
 
 #if QOPS_CLUSTER > 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -166,6 +171,22 @@
 #endif
 
 namespace qops {
+
+#if QOPS_STAMPS
+// Measurement builds only: the global timer in nanoseconds (one clock for every SM, so stamps of
+// different blocks compare) and the SM's own cycle counter (finer, for spans inside a block).
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ long long sm_cycles() {
+  long long t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+  return t;
+}
+#endif
 
 constexpr int kThreads = 256;
 constexpr int kWarps = 8;
@@ -278,6 +299,24 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   }
   if (flags & kEarlyDependents) grid_dep_launch_dependents();
   extern __shared__ uint4 smem[];
+  // QOPS_STAMPS: block b's eight 64-bit slots at ws + 16 b bytes: [0..4] the global timer (ns) at entry,
+  // after griddepcontrol.wait, x staged, main loop done, end; [5..7] SM cycles of the three spans after
+  // the wait (x staging, main loop, reduction and stores). Compiled out otherwise.
+  long long cyc = 0;
+  auto stamp = [&](int i) {
+#if QOPS_STAMPS
+    {
+      if (threadIdx.x == 0) {
+        unsigned long long* slot = reinterpret_cast<unsigned long long*>(ws) + (static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x) * 8;
+        slot[i] = global_timer_ns();
+        const long long now = sm_cycles();
+        if (i >= 2) slot[3 + i] = static_cast<unsigned long long>(now - cyc);
+        cyc = now;
+      }
+    }
+#endif
+  };
+  stamp(0);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp % NWN, wk = warp / NWN;
@@ -716,8 +755,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
     for (int q = SR - 1; q < QOPS_PREFETCH; ++q) prefetch_it(q);
     grid_dep_wait();  // x may still be being written by the kernel ahead
+    stamp(1);
     stage_x_full();
     __syncthreads();
+    stamp(2);
     for (int it0 = 0; it0 < n_it; it0 += SR) {
 #pragma unroll
       for (int b = 0; b < SR; ++b) {
@@ -735,6 +776,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     cp_async_wait<0>();  // nothing is left in flight (only empty groups) before shared memory is reused
     unscale_rows();
     __syncthreads();
+    stamp(3);
   } else if constexpr (XF) {
     // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then
     // every warp streams its chunks with no further barrier.
@@ -743,8 +785,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       if (d < n_it) load_chunk(ring[d]);
     for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
     grid_dep_wait();  // x may still be being written by the kernel ahead
+    stamp(1);
     stage_x_full();
     __syncthreads();
+    stamp(2);
     for (int it0 = 0; it0 < n_it; it0 += kRing) {
 #pragma unroll
       for (int b = 0; b < kRing; ++b) {
@@ -757,6 +801,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
     unscale_rows();
     __syncthreads();  // every warp is done with x before shared memory is reused below
+    stamp(3);
   } else {
     // Prologue: iterations 0 .. D-1 in flight. On sm_90 all their weights go first, so that they
     // stream while the kernel ahead may still be writing x; before sm_90 each iteration's weights
@@ -774,13 +819,14 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
     if constexpr (kGridDep) {
       grid_dep_wait();
+      stamp(1);
 #pragma unroll
       for (int d = 0; d < D; ++d) {
         if (d < n_it) load_x(d, d);
         cp_async_commit();
       }
     }
-
+    stamp(2);  // x is staged per iteration here: this span only issues the first iterations' copies
     for (int it0 = 0; it0 < n_it; it0 += kRing) {
 #pragma unroll
       for (int b = 0; b < kRing; ++b) {
@@ -799,6 +845,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
     cp_async_wait<0>();
     __syncthreads();
+    stamp(3);
   }
   // Only the reduction and the stores are left: the next dependent launch may start its weight loads.
   grid_dep_launch_dependents();
@@ -875,6 +922,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     cluster_sync();  // no block leaves while another still reads its shared memory
   }
 #endif
+  stamp(4);
 }
 
 }  // namespace qops

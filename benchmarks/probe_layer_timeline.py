@@ -1,0 +1,169 @@
+"""Where a batch-1 decode layer's time goes inside its native W4A16 matmuls (H200).
+
+The Llama-3-8B-shaped W4 model of ``bench_decode.py`` with ``--layers`` decoder layers, compiled and
+captured as ``CapturedDecode`` (batch 1), but with every M = 1 launch of the native decode kernel
+built with ``QOPS_STAMPS`` (``qops/native/w4a16_gemv.cu``): thread 0 of each block writes the global
+timer when the block starts, when its ``griddepcontrol.wait`` returns (the kernel ahead has completed),
+when x is staged, when the main loop ends and when the block ends, plus the SM cycles of the last
+three spans. The stamps go to a probe-owned buffer passed as the kernel's workspace pointer (the M = 1
+plans of these shapes use none: one block per column tile, or a cluster). The launches are the model's
+own, with programmatic dependent launch as in ``bench_decode.py``; the builds differ from the shipped
+ones only by the stamps (a few instructions in thread 0).
+
+Per matmul launch of the last replay (a "site": qkv, o, gate_up, down of each layer), in microseconds
+from the step's first stamp: the first block's start, the earliest and latest return from the wait
+(the earliest ~ the kernel ahead completing), the median block's x staging, main loop and epilogue
+(reduction and stores), the last block's end; ``post_wait`` = end - earliest wait return (what the
+step waits for after the kernel ahead), ``gap_before`` = this site's earliest wait return - the
+previous site's end (the attention or a norm between them, and the releases).
+
+    PYTHONPATH=. python benchmarks/probe_layer_timeline.py [--layers 4] [--replays 20] [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import types
+
+import bench_decode
+import common
+
+SLOTS = 8  # 64-bit stamp slots a block (w4a16_gemv.cu, QOPS_STAMPS)
+
+
+class Stamper:
+    """Wraps ``compiler.get_kernel`` and ``compiler.launch`` while ``on``: M = 1 decode-kernel builds
+    get ``QOPS_STAMPS``, and each launch of one writes its stamps to a fresh region of ``buf``."""
+
+    def __init__(self, compiler, niw, buf):
+        self.compiler, self.niw, self.buf = compiler, niw, buf
+        self.on = False
+        self.stamped = {}  # id(kernel) -> defines
+        self.sites = []  # per launch while on: dict(defines, grid, offset)
+        self._get, self._launch = compiler.get_kernel, compiler.launch
+
+    def get_kernel(self, device, source_name, defines, kernel_name, **kw):
+        if not (self.on and source_name == self.niw.SOURCE and kernel_name == self.niw.GEMV and int(defines["QOPS_MT"]) == 1):
+            return self._get(device, source_name, defines, kernel_name, **kw)
+        d = {**defines, "QOPS_STAMPS": 1}
+        k = self._get(device, source_name, d, kernel_name, **kw)
+        self.stamped[id(k)] = d
+        return k
+
+    def launch(self, kernel, grid, block, shmem, stream, *args, **kw):
+        d = self.stamped.get(id(kernel))
+        if d is None:
+            return self._launch(kernel, grid, block, shmem, stream, *args, **kw)
+        blocks = grid[0] * grid[1]
+        if grid[1] > 1 and int(d["QOPS_CLUSTER"]) == 1:
+            raise RuntimeError(f"a stamped plan with {grid[1]} splits through the workspace: the stamps would overwrite its partials")
+        offset = sum(s["blocks"] for s in self.sites) * SLOTS
+        if (offset + blocks * SLOTS) * 8 > self.buf.numel() * self.buf.element_size():
+            raise RuntimeError("stamp buffer full")
+        self.sites.append({"defines": d, "grid": list(grid), "blocks": blocks, "offset": offset})
+        args = list(args)
+        args[6] = self.buf.data_ptr() + offset * 8  # ws
+        return self._launch(kernel, grid, block, shmem, stream, *args, **kw)
+
+
+def site_rows(stamps, sites) -> list[dict]:
+    """Per site (launch order): its spans in us, relative to the first stamp of the step."""
+    import torch
+
+    per = []
+    for s in sites:
+        v = stamps[s["offset"]: s["offset"] + s["blocks"] * SLOTS].view(s["blocks"], SLOTS).cpu()
+        per.append(v)
+    t_origin = min(int(v[:, 0].min()) for v in per)
+    rows, prev_end = [], None
+    for s, v in zip(sites, per):
+        t = v[:, :5].double()
+        cyc = v[:, 5:8].double()
+        d = s["defines"]
+        us = lambda a: round(float(a) / 1e3, 2)  # noqa: E731
+        wait_min, end = t[:, 1].min(), t[:, 4].max()
+        row = {
+            "site": s.get("name"), "grid": s["grid"], "nwn": int(d["QOPS_NWN"]), "cluster": int(d["QOPS_CLUSTER"]), "glu": int(d["QOPS_GLU"]),
+            "start": us(t[:, 0].min() - t_origin), "wait_min": us(wait_min - t_origin), "wait_max": us(t[:, 1].max() - t_origin),
+            "pre_wait_med": us(torch.median(t[:, 1] - t[:, 0])),
+            "x_med": us(torch.median(t[:, 2] - t[:, 1])), "loop_med": us(torch.median(t[:, 3] - t[:, 2])), "loop_max": us((t[:, 3] - t[:, 2]).max()),
+            "epi_med": us(torch.median(t[:, 4] - t[:, 3])), "end": us(end - t_origin), "post_wait": us(end - wait_min),
+            "cycles_med": [int(torch.median(cyc[:, i])) for i in range(3)],
+            "gap_before": None if prev_end is None else us(wait_min - prev_end),
+        }
+        rows.append(row)
+        prev_end = end
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--max-seq", type=int, default=88)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    common.add_repo_to_path()
+    from qops.models import CapturedDecode, LlamaConfig, compile_decode
+    from qops.native import compiler
+    from qops.native import int_weight as niw
+
+    config = dataclasses.replace(LlamaConfig.llama3_8b(), num_hidden_layers=a.layers)
+    bargs = types.SimpleNamespace(batch_list=[1], max_seq=a.max_seq, seed=a.seed)
+    model = bench_decode.build("w4", config, torch.device("cuda"), torch.bfloat16, bargs)
+    buf = torch.zeros(64 * 1024 * SLOTS, dtype=torch.int64, device="cuda")
+    st = Stamper(compiler, niw, buf)
+    compiler.get_kernel, compiler.launch = st.get_kernel, st.launch
+    res = {"probe": "layer_timeline", "device": common.device_name(True), "commit": common.git_commit(), "layers": a.layers,
+           "replays": a.replays, "max_seq": a.max_seq, "rows": []}
+    try:
+        gen = torch.Generator().manual_seed(a.seed)
+        prompts = torch.randint(0, config.vocab_size, (1, a.prompt_len), generator=gen).cuda()
+        with torch.no_grad():
+            tok = model.prefill(prompts).argmax(-1)
+            step = compile_decode(model, cuda_graphs=False, greedy=True)
+            pos = torch.full((1,), a.prompt_len, dtype=torch.long, device="cuda")
+            st.on = True
+            step(tok, pos)  # compiles and loads the stamped builds, outside any capture
+            torch.cuda.synchronize()
+            st.sites.clear()
+            cap = CapturedDecode(model, step, 1, start_position=a.prompt_len)
+            captured = list(st.sites)
+            st.on = False
+            step_ms = bench_decode.time_captured(cap, tok, pos, a.replays, 3)
+            cap.start(tok, pos)
+            for _ in range(a.replays):
+                cap.replay()
+            torch.cuda.synchronize()
+    finally:
+        compiler.get_kernel, compiler.launch = st._get, st._launch
+    # CapturedDecode may run the step more than once while capturing (warm-up): keep the last step's launches.
+    per_step = 4 * a.layers
+    sites = captured[-per_step:]
+    for i, s in enumerate(sites):
+        layer, role = divmod(i, 4)
+        s["name"] = f"L{layer}.{('qkv', 'o', 'gate_up', 'down')[role]}"
+    res["captured_launches"] = len(captured)
+    res["step_ms"] = statistics.median(step_ms)
+    res["rows"] = site_rows(buf, sites)
+    common.write_json(res, common.output_paths("probe_layer_timeline.json", a.out))
+    print(f"step {res['step_ms'] * 1e3:.1f} us ({a.layers} layers + head), {len(captured)} stamped launches captured")
+    print("site | grid | start | wait min..max | pre-wait | x | loop med/max | epi | end | post-wait | gap before")
+    for r in res["rows"]:
+        print(f"{r['site']} | {r['grid']} | {r['start']} | {r['wait_min']}..{r['wait_max']} | {r['pre_wait_med']} | {r['x_med']} | "
+              f"{r['loop_med']}/{r['loop_max']} | {r['epi_med']} | {r['end']} | {r['post_wait']} | {r['gap_before']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
