@@ -10,6 +10,11 @@ plans of these shapes use none: one block per column tile, or a cluster). The la
 own, with programmatic dependent launch as in ``bench_decode.py``; the builds differ from the shipped
 ones only by the stamps (a few instructions in thread 0).
 
+Variants (``--variants``): the shipped plans (``base``) and the M = 1 plan options of
+``profile_decode.py`` (``l2pf``, ``bf16mma``, ``prewait``, joined by ``+``), all on one model and one
+compiled step; each is captured twice, with and without stamps, and the unstamped graphs are timed
+with interleaved trials (the step time the variant would give).
+
 Per matmul launch of the last replay (a "site": qkv, o, gate_up, down of each layer), in microseconds
 from the step's first stamp: the first block's start, the earliest and latest return from the wait
 (the earliest ~ the kernel ahead completing), the median block's x staging, main loop and epilogue
@@ -22,14 +27,17 @@ previous site's end (the attention or a norm between them, and the releases).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import json
 import statistics
 import sys
 import types
 
+import torch
+
 import bench_decode
 import common
+import profile_decode
 
 SLOTS = 8  # 64-bit stamp slots a block (w4a16_gemv.cu, QOPS_STAMPS)
 
@@ -43,6 +51,7 @@ class Stamper:
         self.on = False
         self.stamped = {}  # id(kernel) -> defines
         self.sites = []  # per launch while on: dict(defines, grid, offset)
+        self.used = 0  # slots handed out (never reused: every captured launch keeps its own region)
         self._get, self._launch = compiler.get_kernel, compiler.launch
 
     def get_kernel(self, device, source_name, defines, kernel_name, **kw):
@@ -60,8 +69,9 @@ class Stamper:
         blocks = grid[0] * grid[1]
         if grid[1] > 1 and int(d["QOPS_CLUSTER"]) == 1:
             raise RuntimeError(f"a stamped plan with {grid[1]} splits through the workspace: the stamps would overwrite its partials")
-        offset = sum(s["blocks"] for s in self.sites) * SLOTS
-        if (offset + blocks * SLOTS) * 8 > self.buf.numel() * self.buf.element_size():
+        offset = self.used
+        self.used += blocks * SLOTS
+        if self.used * 8 > self.buf.numel() * self.buf.element_size():
             raise RuntimeError("stamp buffer full")
         self.sites.append({"defines": d, "grid": list(grid), "blocks": blocks, "offset": offset})
         args = list(args)
@@ -71,8 +81,6 @@ class Stamper:
 
 def site_rows(stamps, sites) -> list[dict]:
     """Per site (launch order): its spans in us, relative to the first stamp of the step."""
-    import torch
-
     per = []
     for s in sites:
         v = stamps[s["offset"]: s["offset"] + s["blocks"] * SLOTS].view(s["blocks"], SLOTS).cpu()
@@ -99,33 +107,57 @@ def site_rows(stamps, sites) -> list[dict]:
     return rows
 
 
+def capture_variant(model, step, st, stamped: bool, override, prompt_len: int, tok, pos, layers: int):
+    """A ``CapturedDecode`` of ``step`` under the plan ``override`` (None: the shipped plans), with the
+    M = 1 launches stamped or not; returns it with its stamped sites (the last step's, launch order)."""
+    from qops.models import CapturedDecode
+    from qops.native import int_weight as niw
+
+    with niw.plan_override(override) if override is not None else contextlib.nullcontext():
+        st.on = stamped
+        try:
+            step(tok, pos)  # compiles and loads the builds this variant launches, outside any capture
+            torch.cuda.synchronize()
+            st.sites.clear()
+            cap = CapturedDecode(model, step, 1, start_position=prompt_len)
+        finally:
+            st.on = False
+    sites = st.sites[-4 * layers:] if stamped else []  # CapturedDecode may run the step before capturing
+    for i, s in enumerate(sites):
+        layer, role = divmod(i, 4)
+        s["name"] = f"L{layer}.{('qkv', 'o', 'gate_up', 'down')[role]}"
+    return cap, [dict(s) for s in sites]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--trials", type=int, default=5, help="interleaved timing trials of the unstamped graphs")
+    p.add_argument("--variants", default="base", help="comma-separated: base, or profile_decode plan options joined by + (l2pf+bf16mma)")
+    p.add_argument("--stamp-slots", type=int, default=1 << 22, help="64-bit stamp slots on the GPU")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-seq", type=int, default=88)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
     a = p.parse_args(argv)
-    import torch
-
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     common.add_repo_to_path()
-    from qops.models import CapturedDecode, LlamaConfig, compile_decode
+    from qops.models import LlamaConfig, compile_decode
     from qops.native import compiler
     from qops.native import int_weight as niw
 
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_hidden_layers=a.layers)
     bargs = types.SimpleNamespace(batch_list=[1], max_seq=a.max_seq, seed=a.seed)
     model = bench_decode.build("w4", config, torch.device("cuda"), torch.bfloat16, bargs)
-    buf = torch.zeros(64 * 1024 * SLOTS, dtype=torch.int64, device="cuda")
+    buf = torch.zeros(a.stamp_slots, dtype=torch.int64, device="cuda")
     st = Stamper(compiler, niw, buf)
     compiler.get_kernel, compiler.launch = st.get_kernel, st.launch
     res = {"probe": "layer_timeline", "device": common.device_name(True), "commit": common.git_commit(), "layers": a.layers,
-           "replays": a.replays, "max_seq": a.max_seq, "rows": []}
+           "replays": a.replays, "max_seq": a.max_seq, "variants": {}}
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     try:
         gen = torch.Generator().manual_seed(a.seed)
         prompts = torch.randint(0, config.vocab_size, (1, a.prompt_len), generator=gen).cuda()
@@ -133,35 +165,35 @@ def main(argv=None) -> int:
             tok = model.prefill(prompts).argmax(-1)
             step = compile_decode(model, cuda_graphs=False, greedy=True)
             pos = torch.full((1,), a.prompt_len, dtype=torch.long, device="cuda")
-            st.on = True
-            step(tok, pos)  # compiles and loads the stamped builds, outside any capture
-            torch.cuda.synchronize()
-            st.sites.clear()
-            cap = CapturedDecode(model, step, 1, start_position=a.prompt_len)
-            captured = list(st.sites)
-            st.on = False
-            step_ms = bench_decode.time_captured(cap, tok, pos, a.replays, 3)
-            cap.start(tok, pos)
-            for _ in range(a.replays):
-                cap.replay()
-            torch.cuda.synchronize()
+            caps = {}
+            for v in variants:
+                override = profile_decode.plan_override_for([] if v == "base" else v.split("+"))
+                plain, _ = capture_variant(model, step, st, False, override, a.prompt_len, tok, pos, a.layers)
+                stamped, sites = capture_variant(model, step, st, True, override, a.prompt_len, tok, pos, a.layers)
+                caps[v] = (plain, stamped, sites)
+            times = {v: [] for v in variants}
+            for _ in range(a.trials):  # interleaved: a drift moves every variant alike
+                for v in variants:
+                    times[v] += bench_decode.time_captured(caps[v][0], tok, pos, a.replays, 1)
+            for v in variants:
+                plain, stamped, sites = caps[v]
+                stamped_ms = statistics.median(bench_decode.time_captured(stamped, tok, pos, a.replays, 3))
+                stamped.start(tok, pos)
+                for _ in range(a.replays):
+                    stamped.replay()
+                torch.cuda.synchronize()
+                res["variants"][v] = {"step_ms": statistics.median(times[v]), "trials_ms": times[v], "stamped_step_ms": stamped_ms,
+                                      "sites": site_rows(buf, sites)}
     finally:
         compiler.get_kernel, compiler.launch = st._get, st._launch
-    # CapturedDecode may run the step more than once while capturing (warm-up): keep the last step's launches.
-    per_step = 4 * a.layers
-    sites = captured[-per_step:]
-    for i, s in enumerate(sites):
-        layer, role = divmod(i, 4)
-        s["name"] = f"L{layer}.{('qkv', 'o', 'gate_up', 'down')[role]}"
-    res["captured_launches"] = len(captured)
-    res["step_ms"] = statistics.median(step_ms)
-    res["rows"] = site_rows(buf, sites)
     common.write_json(res, common.output_paths("probe_layer_timeline.json", a.out))
-    print(f"step {res['step_ms'] * 1e3:.1f} us ({a.layers} layers + head), {len(captured)} stamped launches captured")
-    print("site | grid | start | wait min..max | pre-wait | x | loop med/max | epi | end | post-wait | gap before")
-    for r in res["rows"]:
-        print(f"{r['site']} | {r['grid']} | {r['start']} | {r['wait_min']}..{r['wait_max']} | {r['pre_wait_med']} | {r['x_med']} | "
-              f"{r['loop_med']}/{r['loop_max']} | {r['epi_med']} | {r['end']} | {r['post_wait']} | {r['gap_before']}")
+    for v, r in res["variants"].items():
+        print(f"== {v}: step {r['step_ms'] * 1e3:.1f} us ({a.layers} layers + head; {r['stamped_step_ms'] * 1e3:.1f} with stamps)")
+        print("site | grid | start | wait min..max | pre-wait | x | loop med/max | epi | end | post-wait | gap before")
+        shown = r["sites"] if a.layers <= 4 else r["sites"][8:16]  # two middle layers of a long model
+        for s in shown:
+            print(f"{s['site']} | {s['grid']} | {s['start']} | {s['wait_min']}..{s['wait_max']} | {s['pre_wait_med']} | {s['x_med']} | "
+                  f"{s['loop_med']}/{s['loop_max']} | {s['epi_med']} | {s['end']} | {s['post_wait']} | {s['gap_before']}")
     return 0
 
 

@@ -12,10 +12,9 @@ A variant is ``model[:option+option...]``:
   on by default on sm_90);
 - ``nonativepdl``: the native W4A16 kernel launched without PDL (``QOPS_NATIVE_PDL=0``);
 - ``ro``: also time the ``mode="reduce-overhead"`` loop of ``bench_decode.py`` (one more compile);
-- ``prewait``: at M = 1, every native W4A16 plan that stages x once takes a shared-memory weight ring
-  deep enough that a warp's whole share of the weight (or as much as keeps the grid's blocks resident)
-  is requested before ``griddepcontrol.wait``, i.e. while the kernel ahead still runs
-  (:func:`prewait_plan`; a measurement: the plans are otherwise the shipped ones).
+- ``prewait``, ``l2pf``, ``bf16mma``: measurements of M = 1 launch plans of the native W4A16 kernel
+  (the shipped plans changed as :func:`prewait_plan`, :func:`l2pf_plan`, :func:`bf16mma_plan` say, through
+  ``qops.native.int_weight.plan_override``; the options compose).
 
 Per variant: ``compile_decode(cuda_graphs=False)`` captured by ``qops.models.CapturedDecode``
 (step, argmax and position update in one graph), ``--steps`` replays between CUDA events, median of
@@ -45,7 +44,7 @@ from collections import defaultdict
 import bench_decode  # the model builders (this script's folder is on sys.path)
 import common
 
-OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "prewait")
+OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "prewait", "l2pf", "bf16mma")
 # Kernel kinds, first match wins: (kind, substrings of the kernel name).
 KINDS = (
     ("qops native", ("w4a16",)),
@@ -142,40 +141,89 @@ def kernel_table(events, steps: int) -> dict:
 SMEM_PER_SM = 228 * 1024  # sm_90: shared memory of one SM (blocks also carry 1 KiB of static shared memory each)
 
 
-def prewait_plan(m: int, n: int, k: int, sms: int, cluster_ok: bool):
-    """The ``prewait`` option's plan for ``m`` rows of an (N, K) weight, or None (the usual plan).
-
-    The register ring requests two chunks a warp before the wait; the rest of a warp's chunks are
-    requested only after x is staged, so a projection of four chunks a warp (6144x4096, 4096x4096 at
-    M = 1) still waits one DRAM round trip after the kernel ahead ends. Here the shared-memory ring
-    holds every chunk (stages = chunks + 1) where that keeps as many blocks an SM as the grid needs
-    (else the deepest ring that does, if deeper than the register ring's two chunks). Plans that fold
-    the zero point or take f16 MMAs are left as they are: the gated gate/up projection (28672x4096 in
-    the 8B model) is one, and the kernel's gated build has no shared-memory ring (the override cannot
-    tell a gated call from a plain one).
-    """
+def _base_plan(m: int, n: int, k: int, sms: int, cluster_ok: bool):
+    """The plan the op would take (table, else rule) on the current device."""
     import torch
     from qops.native import int_weight as niw
 
-    if m != 1:
-        return None
     idx = torch.cuda.current_device()
-    base = niw.measured_plan(m, n, k, niw._device_name(idx), sms, cluster_ok, niw.smem_optin_bytes(idx)) or niw._plan(m, n, k, sms, cluster_ok)
-    if not base.xfull or base.smem_ring or base.nwn == 8 or base.fold or base.f16mma:
-        return None
-    chunks = max(-(-k // niw.CHUNK_K), 1)
-    per_warp = -(-(-(-chunks // base.splits)) // (8 // base.nwn))
-    per_sm = -(-base.tiles * base.splits // sms)
-    for stages in range(min(per_warp + 1, niw.SMEM_RING_MAX), 3, -1):  # > 3: more than the register ring's two ahead
+    return niw.measured_plan(m, n, k, niw._device_name(idx), sms, cluster_ok, niw.smem_optin_bytes(idx)) or niw._plan(m, n, k, sms, cluster_ok)
+
+
+def _chunks_per_warp(k: int, p) -> int:
+    from qops.native import int_weight as niw
+
+    return -(-(-(-max(-(-k // niw.CHUNK_K), 1) // p.splits)) // (8 // p.nwn))
+
+
+def _remade(p, m: int, n: int, k: int, **changes):
+    import torch
+    from qops.native import int_weight as niw
+
+    fields = dict(nwn=p.nwn, splits=p.splits, cluster=p.cluster, xfull=p.xfull, ring=p.ring, minb=p.minb, fold=p.fold,
+                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma)
+    return niw.make_plan(m, n, k, smem_limit=niw.smem_optin_bytes(torch.cuda.current_device()), **{**fields, **changes})
+
+
+def prewait_plan(p, m: int, n: int, k: int, sms: int):
+    """``prewait``: the shared-memory ring holds every chunk of a warp (stages = chunks + 1) where that
+    keeps as many blocks an SM as the grid needs (else the deepest ring that does, if deeper than the
+    register ring's two chunks). Plans that fold the zero point or take f16 MMAs are left as they are:
+    the gated gate/up projection (28672x4096 in the 8B model) is one, and the kernel's gated build has
+    no shared-memory ring (an override cannot tell a gated call from a plain one).
+    Measured at 6713cae: 664 -> 754 us an 8-layer step (`h200-2026-12-01-6713cae-profile-prewait.json`).
+    """
+    from qops.native import int_weight as niw
+
+    if not p.xfull or p.smem_ring or p.nwn == 8 or p.fold or p.f16mma:
+        return p
+    per_sm = -(-p.tiles * p.splits // sms)
+    for stages in range(min(_chunks_per_warp(k, p) + 1, niw.SMEM_RING_MAX), 3, -1):  # > 3: deeper than the register ring
         try:
-            p = niw.make_plan(m, n, k, nwn=base.nwn, splits=base.splits, cluster=base.cluster, xfull=True, ring=base.ring,
-                              minb=base.minb, fold=base.fold, prefetch=base.prefetch, smem_ring=stages, xu=base.xu,
-                              f16mma=base.f16mma, smem_limit=niw.smem_optin_bytes(idx))
+            q = _remade(p, m, n, k, smem_ring=stages)
         except ValueError:
             continue
-        if per_sm * (p.shmem + niw.STATIC_SHMEM_BYTES) <= SMEM_PER_SM:
-            return p
-    return None
+        if per_sm * (q.shmem + niw.STATIC_SHMEM_BYTES) <= SMEM_PER_SM:
+            return q
+    return p
+
+
+def l2pf_plan(p, m: int, n: int, k: int, sms: int):
+    """``l2pf``: a warp of at most four chunks (6144x4096, 4096x4096 at M = 1) prefetches into L2, before
+    griddepcontrol.wait, the chunks its register ring does not request then (QOPS_PREFETCH = its chunks:
+    no prefetch is left for the main loop). The stamps (`h200-2026-12-01-4aa6c01-probe-layer-timeline.json`)
+    put 2.6-3.3 us of these projections' time after the wait in their main loops, streaming those chunks."""
+    if not p.xfull or p.smem_ring or p.prefetch or _chunks_per_warp(k, p) > 4:
+        return p
+    return _remade(p, m, n, k, prefetch=_chunks_per_warp(k, p))
+
+
+def bf16mma_plan(p, m: int, n: int, k: int, sms: int):
+    """``bf16mma``: no f16 MMAs for bf16 x (``Plan.f16mma`` off). The stamps put 2.6 us of the gated
+    28672x4096 projection's time after the wait in staging x, against 0.5-1 us for the plans without:
+    the f16 path finds each row's largest magnitude first."""
+    return _remade(p, m, n, k, f16mma=False) if p.f16mma else p
+
+
+PLAN_OPTIONS = {"prewait": prewait_plan, "l2pf": l2pf_plan, "bf16mma": bf16mma_plan}
+
+
+def plan_override_for(opts):
+    """A ``qops.native.int_weight.plan_override`` function applying the plan options in ``opts`` at
+    M = 1 (None where there are none: the shipped plans)."""
+    chosen = [PLAN_OPTIONS[o] for o in opts if o in PLAN_OPTIONS]
+    if not chosen:
+        return None
+
+    def override(m: int, n: int, k: int, sms: int, cluster_ok: bool):
+        if m != 1:
+            return None
+        p = base = _base_plan(m, n, k, sms, cluster_ok)
+        for f in chosen:
+            p = f(p, m, n, k, sms)
+        return None if p is base else p
+
+    return override
 
 
 def set_options(opts) -> None:
@@ -190,10 +238,11 @@ def set_options(opts) -> None:
 
 def run_variant(label, kind, opts, config, device, dtype, args, ref_logits):
     set_options(opts)
-    if "prewait" in opts:
+    override = plan_override_for(opts)
+    if override is not None:
         from qops.native import int_weight as niw
 
-        with niw.plan_override(prewait_plan):  # warm-up (in build) and capture both see the plans
+        with niw.plan_override(override):  # warm-up (in build) and capture both see the plans
             return _run_variant(label, kind, opts, config, device, dtype, args, ref_logits)
     return _run_variant(label, kind, opts, config, device, dtype, args, ref_logits)
 
