@@ -12,8 +12,9 @@ A variant is ``model[:option+option...]``:
   on by default on sm_90);
 - ``nonativepdl``: the native W4A16 kernel launched without PDL (``QOPS_NATIVE_PDL=0``);
 - ``ro``: also time the ``mode="reduce-overhead"`` loop of ``bench_decode.py`` (one more compile);
-- ``prewait``, ``l2pf``, ``bf16mma``: measurements of M = 1 launch plans of the native W4A16 kernel
-  (the shipped plans changed as :func:`prewait_plan`, :func:`l2pf_plan`, :func:`bf16mma_plan` say, through
+- ``prewait``, ``l2pf``, ``bf16mma``, ``fold``: measurements of M = 1 launch plans of the native W4A16 kernel
+  (the shipped plans changed as :func:`prewait_plan`, :func:`l2pf_plan`, :func:`bf16mma_plan`, :func:`fold_plan`
+  say, through
   ``qops.native.int_weight.plan_override``; the options compose).
 
 Per variant: ``compile_decode(cuda_graphs=False)`` captured by ``qops.models.CapturedDecode``
@@ -44,7 +45,7 @@ from collections import defaultdict
 import bench_decode  # the model builders (this script's folder is on sys.path)
 import common
 
-OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "prewait", "l2pf", "bf16mma")
+OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "prewait", "l2pf", "bf16mma", "fold")
 # Kernel kinds, first match wins: (kind, substrings of the kernel name).
 KINDS = (
     ("qops native", ("w4a16",)),
@@ -205,7 +206,17 @@ def bf16mma_plan(p, m: int, n: int, k: int, sms: int):
     return _remade(p, m, n, k, f16mma=False) if p.f16mma else p
 
 
-PLAN_OPTIONS = {"prewait": prewait_plan, "l2pf": l2pf_plan, "bf16mma": bf16mma_plan}
+def fold_plan(p, m: int, n: int, k: int, sms: int):
+    """``fold``: the bias and zero point taken off after the MMA (``Plan.fold``) where x is staged once:
+    half the dequantization instructions for bf16 x (one and-or per two values, no subtraction). The
+    stamps put the main loop of the 4-chunk projections at 1100-1350 SM cycles a chunk after the wait,
+    unchanged with the chunks L2-hot (``l2pf``): the dequantization's issue, not the loads."""
+    if not p.xfull or p.fold or p.smem_ring or p.mt != 1:
+        return p
+    return _remade(p, m, n, k, fold=True)
+
+
+PLAN_OPTIONS = {"prewait": prewait_plan, "l2pf": l2pf_plan, "bf16mma": bf16mma_plan, "fold": fold_plan}
 
 
 def plan_override_for(opts):
