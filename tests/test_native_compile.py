@@ -210,6 +210,22 @@ def test_smem_ring_streams_the_weights_with_cp_async_only(arch):
     assert not any("cp.async" in l for l in plain)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stamps_builds_compile_and_only_they_read_the_timer(arch):
+    """QOPS_STAMPS (benchmarks/probe_layer_timeline.py) in each x staging path, the shared-memory ring
+    and (sm_90) a cluster: five global-timer reads a build; the shipped builds read no timer."""
+    src = compiler.native_source(native.SOURCE)
+    builds = [native._plan(1, 4096, 4096, 132, False).defines(torch.bfloat16, True),
+              native._plan(16, 4096, 4096, 132, False).defines(torch.float16, True),
+              {**native._plan(1, 28672, 4096, 132, False).defines(torch.float16, True), "QOPS_SMEM_RING": 4}]
+    if arch == "sm_90":
+        builds.append(native._plan(1, 4096, 14336, 132, True).defines(torch.bfloat16, True))
+    for d in builds:
+        stamped = "\n".join(_entries(_ptx(src, arch, {**d, "QOPS_STAMPS": 1}))[native.GEMV])
+        assert stamped.count("%globaltimer") == 5, d
+        assert "%globaltimer" not in _ptx(src, arch, d)
+
+
 def test_smem_ring_stage_size_matches_the_kernel():
     src = compiler.native_source(native.SOURCE)
     expr = re.search(r"constexpr int kSmemStage = ([0-9 *+]+);", src).group(1)

@@ -817,6 +817,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       if constexpr (!kGridDep) cp_async_commit();
     }
     for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
+    if constexpr (!kGridDep) stamp(1);  // no wait before sm_90: the span after it starts here
     if constexpr (kGridDep) {
       grid_dep_wait();
       stamp(1);
