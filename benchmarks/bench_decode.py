@@ -22,7 +22,11 @@ step, its argmax and the position update captured into one ``torch.cuda.graph`` 
 each step; argmax and position update eager), wall clock around the loop between two device
 synchronizations; it adds the per-step host cost of guards and input copies. Median of
 ``--trials``; tokens/s = batch x steps / time.
-Every step attends over all ``--max-seq`` cache positions (static shapes), masked past its own.
+Attention (``--attention``): ``fused`` (default, ``qops::decode_attention``) reads each row's cache
+positions up to its own token only, split over several programs per KV head on caches longer than
+512 positions (split-KV); ``sdpa`` / ``matmul`` attend over all ``--max-seq`` positions (static
+shapes), masked past the token. ``--prompt-len 4000`` measures decode at a long context (the cache
+is then ``--max-seq`` = prompt + steps + 8 positions).
 Memory per model: weight bytes, the workspace (scratch) it preallocated, its KV cache; peak
 allocated bytes per (model, batch) run (``torch.cuda.max_memory_allocated`` after a reset; both
 models are resident). The 8B weights (~16 GB bf16, ~4.6 GB W4) are far larger than the 60 MB L2.
@@ -241,7 +245,9 @@ def run(args) -> int:
                       ("wall clock around the decode loop between device synchronizations, median of trials; "
                        "argmax and position update eager each step"),
             "tokens_per_s": "batch * steps / median time",
-            "attention": f"every step attends over max_seq={args.max_seq} cache positions (masked)",
+            "attention": (f"{args.attention}: positions up to each row's token of max_seq={args.max_seq} (split-KV past 512)"
+                          if args.attention == "fused" else
+                          f"{args.attention}: every step attends over max_seq={args.max_seq} cache positions (masked)"),
             "w4": "GPTQ v2 4-bit g128 asymmetric from random integers, loaded through qops.layers",
             "bf16": "random N(0, 1/K) weights, FastLinear",
         },
