@@ -209,7 +209,7 @@ def bf16mma_plan(p, m: int, n: int, k: int, sms: int):
 def fold_plan(p, m: int, n: int, k: int, sms: int):
     """``fold``: the bias and zero point taken off after the MMA (``Plan.fold``) where x is staged once:
     half the dequantization instructions for bf16 x (one and-or per two values, no subtraction). The
-    stamps put the main loop of the 4-chunk projections at 1100-1350 SM cycles a chunk after the wait,
+    stamps put the main loop of the 4-chunk projections at 1100-1360 SM cycles a chunk after the wait,
     unchanged with the chunks L2-hot (``l2pf``): the dequantization's issue, not the loads."""
     if not p.xfull or p.fold or p.smem_ring or p.mt != 1:
         return p
