@@ -110,3 +110,26 @@ def test_dry_run_quantized_head_variant(tmp_path, monkeypatch):
     assert res["models"]["w4-qhead"]["lowerings"] == {"reference_int_weight": 4 * layers + 1}
     assert res["models"]["w4-qhead"]["weights_bytes"] < res["models"]["w4"]["weights_bytes"]
     assert [r["model"] for r in res["rows"]] == ["w4", "w4-qhead"] and all(r["finite"] for r in res["rows"])
+
+
+def test_layer_timeline_spans_from_stamps(monkeypatch):
+    """``probe_layer_timeline.site_rows`` (the analysis behind benchmarks/NOTES.md's stop-29 table) on
+    hand-written stamps: two launches of two blocks each, nanoseconds."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import probe_layer_timeline as plt
+
+    d = {"QOPS_NWN": 1, "QOPS_CLUSTER": 1, "QOPS_GLU": 0}
+    sites = [{"defines": d, "grid": [2, 1, 1], "blocks": 2, "offset": 0, "name": "a"},
+             {"defines": d, "grid": [2, 1, 1], "blocks": 2, "offset": 2 * plt.SLOTS, "name": "b"}]
+    # entry, wait returned, x staged, loop done, end; then cycles of the three spans
+    stamps = torch.tensor([
+        [1000, 3000, 3500, 6500, 7000, 10, 20, 30],
+        [1500, 3100, 3600, 7600, 8000, 11, 21, 31],
+        [2000, 9000, 9200, 9800, 9900, 12, 22, 32],
+        [2500, 9000, 9300, 9500, 9600, 13, 23, 33],
+    ], dtype=torch.int64).flatten()
+    a, b = plt.site_rows(stamps, sites)
+    assert (a["start"], a["wait_min"], a["wait_max"], a["end"], a["post_wait"]) == (0.0, 2.0, 2.1, 7.0, 5.0)
+    assert (a["x_med"], a["loop_max"], a["gap_before"]) == (0.5, 4.0, None)
+    assert (b["start"], b["wait_min"], b["end"], b["post_wait"], b["gap_before"]) == (1.0, 8.0, 8.9, 0.9, 1.0)
+    assert b["loop_max"] == 0.6 and b["cycles_med"][0] in (12, 13)
