@@ -234,6 +234,22 @@ def add_time(row: dict, name: str, us: float, roof_us: float) -> None:
     row[name + "_roof_pct"] = round(100 * roof_us / us, 1)
 
 
+def time_row(res: dict, row: dict, cands: dict, trials: int, roof_us: float, target_ms: float = 5.0,
+             ratio: tuple[str, str, str] | None = None) -> dict:
+    """A probe row's timing: ``cands`` (name -> callables) timed with interleaved trials
+    (:func:`graph_times`) into ``row`` (:func:`add_time`), then ``ratio`` = (key, numerator, denominator)
+    names adds ``row[key]`` = numerator time / denominator time; the row is appended to ``res["rows"]``
+    and printed as one JSON line. Returns the row."""
+    for name, t in graph_times(cands, trials, target_ms).items():
+        add_time(row, name, t.us, roof_us)
+    if ratio is not None:
+        key, num, den = ratio
+        row[key] = round(row[num + "_us"] / row[den + "_us"], 3)
+    res["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def device_name(gpu: bool) -> str:
     return torch.cuda.get_device_name() if gpu else "cpu (dry run)"
 

@@ -14,7 +14,6 @@ outputs.
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -69,11 +68,7 @@ def main(argv=None) -> int:
                 row = {"B": b, "max_seq": max_seq, "pos": pos, "rule_splits": rule, "roofline_us": round(roof, 2),
                        "rule_rel_err_vs_one": common.rel_err(attend(*caches[0], rule).float(), attend(*caches[0], 1).float())}
                 cands = {"one": [lambda c=c: attend(*c, 1) for c in caches], "rule": [lambda c=c: attend(*c, rule) for c in caches]}
-                for name, t in common.graph_times(cands, a.trials, 5.0).items():
-                    common.add_time(row, name, t.us, roof)
-                row["rule_over_one"] = round(row["rule_us"] / row["one_us"], 3)
-                res["rows"].append(row)
-                print(json.dumps(row), flush=True)
+                common.time_row(res, row, cands, a.trials, roof, ratio=("rule_over_one", "rule", "one"))
             del caches
             torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_attention.json", a.out))

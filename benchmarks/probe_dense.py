@@ -100,11 +100,7 @@ def main(argv=None) -> int:
             cands["dequant"] = [dequant(v) for v in ws]
             cands["gemms"] = [gemms]
             cands["cublas"] = [lambda d=d: F.linear(x, d) for d in ds]
-            for name, t in common.graph_times(cands, a.trials, 20.0).items():
-                common.add_time(row, name, t.us, roof)
-            row["op_x_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
-            res["rows"].append(row)
-            print(json.dumps(row), flush=True)
+            common.time_row(res, row, cands, a.trials, roof, 20.0, ratio=("op_x_cublas", "cublas", "op"))
         del w, ws, dense, ds
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_dense.json", a.out))

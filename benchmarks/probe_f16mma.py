@@ -65,11 +65,7 @@ def main(argv=None) -> int:
             cands = {"fp16": [under(p, lambda w=w: w.mm(x16)) for w in copies["fp16"]],
                      "bf16": [under(p, lambda w=w: w.mm(xb)) for w in copies["bf16"]],
                      "bf16_f16mma": [under(on, lambda w=w: w.mm(xb)) for w in copies["bf16"]]}
-            for name, t in common.graph_times(cands, a.trials, 5.0).items():
-                common.add_time(row, name, t.us, roof)
-            row["f16mma_over_bf16"] = round(row["bf16_f16mma_us"] / row["bf16_us"], 3)
-            res["rows"].append(row)
-            print(json.dumps(row), flush=True)
+            common.time_row(res, row, cands, a.trials, roof, ratio=("f16mma_over_bf16", "bf16_f16mma", "bf16"))
         del copies, w16, wb
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_f16mma.json", a.out))

@@ -82,10 +82,7 @@ def main(argv=None) -> int:
                 if name not in ("table", "rule"):
                     row[name + "_rel_err_vs_op"] = common.rel_err(under(plan, lambda: w.mm(x))(), want)
             cands = {name: [under(plan, lambda v=v: v.mm(x)) for v in ws] for name, plan in variants.items()}
-            for name, t in common.graph_times(cands, a.trials, 5.0).items():
-                common.add_time(row, name, t.us, roof)
-            res["rows"].append(row)
-            print(json.dumps(row), flush=True)
+            common.time_row(res, row, cands, a.trials, roof)
         del w, ws
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_plan_table.json", a.out))

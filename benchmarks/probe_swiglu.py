@@ -12,7 +12,6 @@ row also checks the fused output against the unfused one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 
 import torch
@@ -62,11 +61,7 @@ def main(argv=None) -> int:
                 row = {"N": n, "K": k, "M": m, "dtype": dname, "plan": str(niw.plan(m, n, k, 0)), "roofline_us": round(roof, 2),
                        "fused_rel_err_vs_unfused": common.rel_err(mm(w, True), want.float())}
                 cands = {"unfused": [lambda w=w: compiled(mm(w, False)) for w in ws], "fused": [lambda w=w: mm(w, True) for w in ws]}
-                for name, t in common.graph_times(cands, a.trials, 5.0).items():
-                    common.add_time(row, name, t.us, roof)
-                row["fused_over_unfused"] = round(row["fused_us"] / row["unfused_us"], 3)
-                res["rows"].append(row)
-                print(json.dumps(row), flush=True)
+                common.time_row(res, row, cands, a.trials, roof, ratio=("fused_over_unfused", "fused", "unfused"))
             del ws
         del w16
         torch.cuda.empty_cache()

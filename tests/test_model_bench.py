@@ -133,3 +133,17 @@ def test_layer_timeline_spans_from_stamps(monkeypatch):
     assert (a["x_med"], a["loop_max"], a["gap_before"]) == (0.5, 4.0, None)
     assert (b["start"], b["wait_min"], b["end"], b["post_wait"], b["gap_before"]) == (1.0, 8.0, 8.9, 0.9, 1.0)
     assert b["loop_max"] == 0.6 and b["cycles_med"][0] in (12, 13)
+
+
+def test_probe_time_row_adds_times_ratio_and_prints(monkeypatch, capsys):
+    """``common.time_row`` (every probe's timing step) with the CUDA-graph timer stubbed out."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import common
+
+    fake = {"a": common.Timing(2.0, {}), "b": common.Timing(8.0, {})}
+    monkeypatch.setattr(common, "graph_times", lambda cands, trials, target_ms: {k: fake[k] for k in cands})
+    res = {"rows": []}
+    row = common.time_row(res, {"N": 1}, {"a": [], "b": []}, 3, roof_us=1.0, ratio=("a_over_b", "a", "b"))
+    assert res["rows"] == [row]
+    assert (row["a_us"], row["a_roof_pct"], row["b_us"], row["b_roof_pct"], row["a_over_b"]) == (2.0, 50.0, 8.0, 12.5, 0.25)
+    assert json.loads(capsys.readouterr().out) == row
