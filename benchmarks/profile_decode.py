@@ -12,10 +12,9 @@ A variant is ``model[:option+option...]``:
   on by default on sm_90);
 - ``nonativepdl``: the native W4A16 kernel launched without PDL (``QOPS_NATIVE_PDL=0``);
 - ``ro``: also time the ``mode="reduce-overhead"`` loop of ``bench_decode.py`` (one more compile);
-- ``prewait``, ``l2pf``, ``bf16mma``, ``fold``: measurements of M = 1 launch plans of the native W4A16 kernel
-  (the shipped plans changed as :func:`prewait_plan`, :func:`l2pf_plan`, :func:`bf16mma_plan`, :func:`fold_plan`
-  say, through
-  ``qops.native.int_weight.plan_override``; the options compose).
+- ``prewait``, ``l2pf``, ``bf16mma``, ``fold``: measurements of M = 1 launch plans of the native W4A16
+  kernel (the shipped plans changed as :func:`prewait_plan`, :func:`l2pf_plan`, :func:`bf16mma_plan`,
+  :func:`fold_plan` say, through ``qops.native.int_weight.plan_override``; the options compose).
 
 Per variant: ``compile_decode(cuda_graphs=False)`` captured by ``qops.models.CapturedDecode``
 (step, argmax and position update in one graph), ``--steps`` replays between CUDA events, median of
@@ -142,28 +141,18 @@ def kernel_table(events, steps: int) -> dict:
 SMEM_PER_SM = 228 * 1024  # sm_90: shared memory of one SM (blocks also carry 1 KiB of static shared memory each)
 
 
-def _base_plan(m: int, n: int, k: int, sms: int, cluster_ok: bool):
-    """The plan the op would take (table, else rule) on the current device."""
-    import torch
-    from qops.native import int_weight as niw
-
-    idx = torch.cuda.current_device()
-    return niw.measured_plan(m, n, k, niw._device_name(idx), sms, cluster_ok, niw.smem_optin_bytes(idx)) or niw._plan(m, n, k, sms, cluster_ok)
-
-
 def _chunks_per_warp(k: int, p) -> int:
     from qops.native import int_weight as niw
 
     return -(-(-(-max(-(-k // niw.CHUNK_K), 1) // p.splits)) // (8 // p.nwn))
 
 
-def _remade(p, m: int, n: int, k: int, **changes):
+def _remade(p, n: int, k: int, **changes):
+    """``p`` with ``changes``, within the current device's shared memory."""
     import torch
     from qops.native import int_weight as niw
 
-    fields = dict(nwn=p.nwn, splits=p.splits, cluster=p.cluster, xfull=p.xfull, ring=p.ring, minb=p.minb, fold=p.fold,
-                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma)
-    return niw.make_plan(m, n, k, smem_limit=niw.smem_optin_bytes(torch.cuda.current_device()), **{**fields, **changes})
+    return niw.remake_plan(p, n, k, niw.smem_optin_bytes(torch.cuda.current_device()), **changes)
 
 
 def prewait_plan(p, m: int, n: int, k: int, sms: int):
@@ -181,7 +170,7 @@ def prewait_plan(p, m: int, n: int, k: int, sms: int):
     per_sm = -(-p.tiles * p.splits // sms)
     for stages in range(min(_chunks_per_warp(k, p) + 1, niw.SMEM_RING_MAX), 3, -1):  # > 3: deeper than the register ring
         try:
-            q = _remade(p, m, n, k, smem_ring=stages)
+            q = _remade(p, n, k, smem_ring=stages)
         except ValueError:
             continue
         if per_sm * (q.shmem + niw.STATIC_SHMEM_BYTES) <= SMEM_PER_SM:
@@ -198,7 +187,7 @@ def l2pf_plan(p, m: int, n: int, k: int, sms: int):
     the loops do not wait for those loads."""
     if not p.xfull or p.smem_ring or p.prefetch or _chunks_per_warp(k, p) > 4:
         return p
-    return _remade(p, m, n, k, prefetch=_chunks_per_warp(k, p))
+    return _remade(p, n, k, prefetch=_chunks_per_warp(k, p))
 
 
 def bf16mma_plan(p, m: int, n: int, k: int, sms: int):
@@ -206,7 +195,7 @@ def bf16mma_plan(p, m: int, n: int, k: int, sms: int):
     28672x4096 projection's time after the wait in staging x, against 0.5-1 us for the plans without:
     the f16 path finds each row's largest magnitude first. Measured (`...-8593935-probe-layer-timeline.json`):
     x 1.0 us, the loop 15.6 -> 11.5 us, but the blocks entered it over 14 us; the step 1877 against 1883 us."""
-    return _remade(p, m, n, k, f16mma=False) if p.f16mma else p
+    return _remade(p, n, k, f16mma=False) if p.f16mma else p
 
 
 def fold_plan(p, m: int, n: int, k: int, sms: int):
@@ -216,7 +205,7 @@ def fold_plan(p, m: int, n: int, k: int, sms: int):
     unchanged with the chunks L2-hot (``l2pf``): the dequantization's issue, not the loads."""
     if not p.xfull or p.fold or p.smem_ring or p.mt != 1:
         return p
-    return _remade(p, m, n, k, fold=True)
+    return _remade(p, n, k, fold=True)
 
 
 PLAN_OPTIONS = {"prewait": prewait_plan, "l2pf": l2pf_plan, "bf16mma": bf16mma_plan, "fold": fold_plan}
@@ -232,7 +221,10 @@ def plan_override_for(opts):
     def override(m: int, n: int, k: int, sms: int, cluster_ok: bool):
         if m != 1:
             return None
-        p = base = _base_plan(m, n, k, sms, cluster_ok)
+        import torch
+        from qops.native import int_weight as niw
+
+        p = base = niw.shipped_plan(m, n, k, torch.cuda.current_device())
         for f in chosen:
             p = f(p, m, n, k, sms)
         return None if p is base else p

@@ -494,9 +494,7 @@ def plan(m: int, n: int, k: int, device: torch.device | int) -> Plan:
     sms, cluster_ok = _device_facts(idx)
     p = _plan_override(m, n, k, sms, cluster_ok) if _plan_override is not None else None
     if p is None:
-        if _env_plans() == "table":
-            p = measured_plan(m, n, k, _device_name(idx), sms, cluster_ok, smem_optin_bytes(idx))
-        p = p or _plan(m, n, k, sms, cluster_ok)
+        p = shipped_plan(m, n, k, idx)
         stages = _env_smem_ring()
         if stages and p.xfull:
             p = _with_smem_ring(p, n, k, stages, smem_optin_bytes(idx)) or p
@@ -504,6 +502,22 @@ def plan(m: int, n: int, k: int, device: torch.device | int) -> Plan:
         raise ValueError(f"native_w4a16: the plan {p} needs {p.shmem} bytes of shared memory a block; "
                          f"cuda:{idx} allows {smem_optin_bytes(idx)} (its opt-in maximum)")
     return p
+
+
+def shipped_plan(m: int, n: int, k: int, idx: int) -> Plan:
+    """The device's plan table entry, else the rule's plan (what :func:`plan` takes without an override
+    or ``QOPS_NATIVE_SMEM_RING``; ``QOPS_NATIVE_PLANS=rule`` skips the tables)."""
+    sms, cluster_ok = _device_facts(idx)
+    p = measured_plan(m, n, k, _device_name(idx), sms, cluster_ok, smem_optin_bytes(idx)) if _env_plans() == "table" else None
+    return p or _plan(m, n, k, sms, cluster_ok)
+
+
+def remake_plan(p: Plan, n: int, k: int, smem_limit: int | None = None, **changes) -> Plan:
+    """``p`` with the choices named in ``changes`` (``make_plan``'s keywords) replaced, its shared
+    memory and workspace derived again; ValueError for a combination the kernel cannot run."""
+    fields = dict(nwn=p.nwn, splits=p.splits, cluster=p.cluster, xfull=p.xfull, ring=p.ring, minb=p.minb, fold=p.fold,
+                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma)
+    return make_plan(p.m, n, k, smem_limit=smem_limit, **{**fields, **changes})
 
 
 def _env_smem_ring() -> int:
@@ -520,8 +534,7 @@ def _env_smem_ring() -> int:
 def _with_smem_ring(p: Plan, n: int, k: int, stages: int, limit: int) -> Plan | None:
     """``p`` with an ``stages``-deep shared-memory ring, or None where the device lacks the memory."""
     try:
-        return make_plan(p.m, n, k, nwn=p.nwn, splits=p.splits, cluster=p.cluster, xfull=p.xfull, ring=p.ring, minb=p.minb,
-                         fold=p.fold, prefetch=p.prefetch, smem_ring=stages, smem_limit=limit)
+        return remake_plan(p, n, k, limit, smem_ring=stages)
     except ValueError:
         if not 2 <= stages <= SMEM_RING_MAX:
             raise
