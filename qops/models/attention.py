@@ -329,9 +329,10 @@ def launch_config(head_dim: int, group: int) -> dict:
 # (row, KV head) reads its whole history alone: 8 programs at batch 1 on an 8B-shaped model, each
 # looping over its positions 64 at a time, so a long cache leaves the GPU idle. With SPLITS > 1 each
 # program takes a share of them and writes its unnormalized partial (acc, running max, sum) to a
-# scratch tensor, and a second kernel merges them. The split count is static (a captured graph keeps its grid), taken
-# from the cache length, the programs already there and the SMs; each split takes an equal share of
-# the row's positions below its token, computed in the kernel, so the work follows the position.
+# scratch tensor, and a second kernel merges them. The split count is static (a captured graph keeps
+# its grid), taken from the cache length, the programs already there and the SMs; each split takes an
+# equal share of the row's positions below its token, computed in the kernel, so the work follows
+# the position.
 # Short caches keep one split: the merge is one more launch on the path (~3 us).
 # Measured (benchmarks/results/h200-2026-12-01-bd2a6b9-probe-attention.json, shares of the cache
 # length then): B = 1, full caches of 1024 / 4096 / 32768 positions 25.0 -> 9.1, 91.3 -> 17.4,
@@ -361,11 +362,6 @@ def attention_splits(b: int, num_kv_heads: int, max_seq: int, block_s: int, sms:
     return max(1, min(want, max_seq // (block_s * SPLIT_MIN_BLOCKS), SPLIT_MAX))
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale, *,
                             config: dict | None = None, splits: int | None = None) -> torch.Tensor:
     """The Triton kernels' launcher (arguments as the op's, already checked). ``config`` overrides
@@ -382,8 +378,10 @@ def triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_head
     cfg = {**launch_config(d, g), **(config or {})}
     max_seq = k_cache.shape[2]
     if splits is None:
-        sms = _sm_count(qkv.device.index if qkv.device.index is not None else torch.cuda.current_device()) if qkv.is_cuda else 132
-        splits = attention_splits(b, num_kv_heads, max_seq, cfg["BLOCK_S"], sms)
+        from ..ops.triton.common import sm_count  # imports Triton, as this launcher may
+
+        # Under Triton's interpreter (CPU tensors) one "SM": no split unless the caller asks for one.
+        splits = attention_splits(b, num_kv_heads, max_seq, cfg["BLOCK_S"], sm_count(qkv.device, 1))
     splits = max(1, min(splits, -(-max_seq // cfg["BLOCK_S"])))  # no more splits than blocks of positions
     release = pdl_launch(qkv.device) and os.environ.get(RELEASE_ENV, "1") != "0"
     part = (torch.empty((b, num_kv_heads, splits, cfg["BLOCK_H"], cfg["BLOCK_D"] + 2), dtype=torch.float32, device=qkv.device)
