@@ -715,8 +715,9 @@ NORM_MAX_XU = 4
 def norm_plan(m: int, n: int, k: int, dev: int) -> Plan | None:
     """The decode plan of an m-row call with the residual add and RMSNorm computed while x is staged
     (w4a16_gemv.cu, QOPS_NORM), or None where that plan cannot: x must be staged once, by one block per
-    column tile (the whole row in each block), in one round of at most NORM_MAX_XU slots a thread."""
-    if m < 1 or k % 8 or m > decode_rows(n, k, dev):
+    column tile (the whole row in each block), in one round of at most NORM_MAX_XU slots a thread, for
+    at most 8 rows (a warp reduces each row's sum of squares)."""
+    if m < 1 or m > 8 or k % 8 or m > decode_rows(n, k, dev):
         return None
     p = plan(m, n, k, dev)
     xu = -(-m * (-(-k // CHUNK_K)) * 16 // THREADS)
