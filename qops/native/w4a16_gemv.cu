@@ -907,13 +907,15 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   } else if constexpr (XF) {
     // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then
     // every warp streams its chunks with no further barrier.
+#if QOPS_NORM
+    // No kernel ahead writes the norm weight. Requested before the weights: it is waited for right
+    // after the wait, and behind the chunks' loads it came from DRAM as late as they did.
+    load_norm_weight();
+#endif
 #pragma unroll
     for (int d = 0; d < D; ++d)
       if (d < n_it) load_chunk(ring[d]);
     for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
-#if QOPS_NORM
-    load_norm_weight();  // no kernel ahead writes it
-#endif
     grid_dep_wait();  // x may still be being written by the kernel ahead
     stamp(1);
     stage_x_full();
