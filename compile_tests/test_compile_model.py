@@ -27,20 +27,16 @@ PAIRS = [("none", "dense")] + scheme_lowerings("cpu")
 # The layers hold the model's workspace, so they call the _out ops (on CPU every fp8 layer is W8A16).
 OPS = {"int_weight": "mm_int_weight_out", "fp8": "mm_fp8_weight_out", "int8_weight": "mm_int8_weight_out",
        "blockwise4": "mm_blockwise4_out"}
-# The families with a pre-norm op (qops::add_rmsnorm, then the matmul or its gated form, in one op):
-# every layer's gate/up projection and every qkv projection after the first layer's call it instead
-# of OPS' op (the first layer's input norm has no residual add before it); none calls the gated op.
-NORM_OPS = {"int_weight": "add_rmsnorm_mm_int_weight_out"}
+# The families with a gated op: the MLP's gate/up layer calls it instead of OPS' op.
 SWIGLU_OPS = {"int_weight": "mm_int_weight_swiglu_out"}
 
 
-def out_op_counts(family: str, with_out: int, layers: int) -> dict[str, int]:
-    """Calls of each ``_out`` op in a decode step of ``layers`` decoder layers, ``with_out`` linears on
-    the workspace: the ones after a norm through the family's pre-norm op where it has one."""
-    if family not in NORM_OPS:
+def out_op_counts(family: str, with_out: int, mlps: int) -> dict[str, int]:
+    """Calls of each ``_out`` op in a decode step of ``mlps`` layers, ``with_out`` linears on the
+    workspace: the gate/up ones through the family's gated op where it has one."""
+    if family not in SWIGLU_OPS:
         return {OPS[family]: with_out}
-    fused = 2 * layers - 1
-    return {OPS[family]: with_out - fused, NORM_OPS[family]: fused, SWIGLU_OPS[family]: 0}
+    return {OPS[family]: with_out - mlps, SWIGLU_OPS[family]: mlps}
 
 
 def check_workspace_in_place(code: str, counts: dict[str, int]) -> None:

@@ -110,12 +110,6 @@ class Lowering:
     # ``entry`` and then SiLU-and-multiply (:func:`swiglu_implementation`).
     swiglu_entry: str | None = None
     swiglu_warmup: str | None = None
-    # "module:function" computing qops::add_rmsnorm and then this lowering's matmul (or, with its
-    # ``glu`` keyword, its gated form) in fewer kernels: ``(x, residual, norm_weight, eps, <the entry's
-    # arguments after x>, *, glu, out=None, summed=None, workspace=None) -> (y, summed)``. None:
-    # add_rmsnorm, then the entry (:func:`norm_implementation`).
-    norm_entry: str | None = None
-    norm_warmup: str | None = None  # "module:function(weight, glu)": loads norm_entry's kernels
     note: str = ""
     software: Callable[[], str | None] = field(default=_nothing_missing, compare=False)
 
@@ -218,10 +212,6 @@ LOWERINGS: tuple[Lowering, ...] = (
         # time at M <= 16 on five gate/up shapes (h200-2026-11-30-cdcd80d-probe-swiglu.json).
         swiglu_entry="qops.native.int_weight:native_mm_swiglu",
         swiglu_warmup="qops.native.int_weight:warmup_swiglu",
-        # The residual add and RMSNorm computed while x is staged (w4a16_gemv.cu, QOPS_NORM) where the
-        # decode plan stages x once in one block per column tile, else add_rmsnorm and the matmul.
-        norm_entry="qops.native.int_weight:native_add_rmsnorm_mm",
-        norm_warmup="qops.native.int_weight:warmup_norm",
         # Ranked above triton from measurement: faster at every M <= 16 on the five shapes measured
         # side by side (H200, benchmarks/results/h200-2026-11-30-26b1d5b-int-weight.json); one launch
         # of the decode kernel serves up to 32 rows (the Llama-3-8B-shaped decode at batch 32: 1.04x
@@ -435,28 +425,6 @@ def swiglu_implementation(family: str, kernel: int, device: torch.device, who: s
     return functools.partial(_matmul_then_silu_mul, _entry(low.entry))
 
 
-def norm_implementation(family: str, kernel: int, device: torch.device, who: str, facts: CallFacts | None = None,
-                        glu: bool = False):
-    """The function computing ``qops::add_rmsnorm`` and then the matmul of lowering id ``kernel`` (its
-    gated form when ``glu``; checked as in :func:`lowering_for`): the lowering's own fused kernels where
-    it declares them (:attr:`Lowering.norm_entry`), else the two ops one after the other. Returns
-    ``(y, summed)``; contract as :attr:`Lowering.norm_entry` without ``glu``."""
-    low = lowering_for(family, kernel, device, who, facts)
-    if low.norm_entry is not None:
-        return functools.partial(_entry(low.norm_entry), glu=glu)
-    mm = swiglu_implementation(family, kernel, device, who, facts) if glu else _entry(low.entry)
-    return functools.partial(add_rmsnorm_then, mm)
-
-
-def add_rmsnorm_then(mm, x, residual, norm_weight, eps, *args, out=None, summed=None, workspace=None):
-    """``qops::add_rmsnorm``'s kernel (writing the sum into ``summed`` when given) and then ``mm`` (a
-    lowering entry) on its output: ``(y, summed)``."""
-    from .models.norm import add_rmsnorm_kernels  # qops.models imports the layers, which import this module
-
-    normed, s = add_rmsnorm_kernels(x, residual, norm_weight, eps, summed)
-    return mm(normed, *args, out=out, workspace=workspace), s
-
-
 def silu_mul(y: torch.Tensor) -> torch.Tensor:
     """``silu(y[..., :H]) * y[..., H:]`` for ``y (..., 2H)``, in fp32, returned in y's dtype."""
     h = y.shape[-1] // 2
@@ -473,12 +441,6 @@ def warm_up(lowering: Lowering, weight) -> None:
     """Run the lowering's warm-up (kernel compile and load) for a freshly prepared weight."""
     if lowering.warmup is not None:
         _entry(lowering.warmup)(weight)
-
-
-def warm_up_norm(lowering: Lowering, weight, glu: bool = False) -> None:
-    """Run the warm-up of the lowering's fused pre-norm kernels (:attr:`Lowering.norm_entry`) for ``weight``."""
-    if lowering.norm_warmup is not None:
-        _entry(lowering.norm_warmup)(weight, glu)
 
 
 def warm_up_swiglu(lowering: Lowering, weight) -> None:

@@ -147,18 +147,16 @@ def test_every_layer_kind_hands_the_model_workspace_to_its_out_op(scheme, monkey
         with _QopsCalls() as log:
             got = model.decode(tok, pos)
         mm_calls = [(name, args) for name, args in log.calls if name not in NO_SCRATCH]
-        # A layer's qkv, o, gate/up and down projections; where the family has a pre-norm op, the
-        # projections after a residual add and norm through it (every one but the first layer's qkv).
-        normed = "add_rmsnorm_mm_int_weight" if family == "int_weight" else op
-        per_layer = [normed, op, normed, op]
-        want_names = [op, *per_layer[1:]] + per_layer * (CONFIG.num_hidden_layers - 1)
-        assert [name for name, _ in mm_calls] == [f"{n}_out" for n in want_names]
+        # A layer's qkv, o, gate/up and down projections; the gate/up one through the gated op where the family has one.
+        gated = f"{op}_swiglu" if family == "int_weight" else op
+        per_layer = [f"{op}_out", f"{op}_out", f"{gated}_out", f"{op}_out"]
+        assert [name for name, _ in mm_calls] == per_layer * CONFIG.num_hidden_layers
         assert all(args[-1] is ws.buffer for _, args in mm_calls), "every layer passes the model's buffer"
         # The same logits as the allocating ops (the layers without a workspace).
         attach_workspace(model, None)
         with _QopsCalls() as plain:
             want = model.decode(tok, pos)
-        assert [name for name, _ in plain.calls if name not in NO_SCRATCH] == want_names
+        assert [name for name, _ in plain.calls if name not in NO_SCRATCH] == [op, op, gated, op] * CONFIG.num_hidden_layers
     assert torch.equal(got, want)
 
 
@@ -179,7 +177,7 @@ def test_never_reallocated_across_batch_sizes_and_longer_calls_allocate(monkeypa
         with _QopsCalls() as log:
             model.prefill(torch.arange(12).view(3, 4))
         mm_calls = [(name, args) for name, args in log.calls if name not in NO_SCRATCH]
-        assert {name for name, _ in mm_calls} == {"mm_int_weight_out", "add_rmsnorm_mm_int_weight_out"}
+        assert {name for name, _ in mm_calls} == {"mm_int_weight_out", "mm_int_weight_swiglu_out"}
         assert all(args[-1] is None for _, args in mm_calls)
     assert model.workspace.buffer is buffer and buffer.data_ptr() == ptr
 

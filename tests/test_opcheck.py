@@ -116,44 +116,6 @@ def mm_int_weight_swiglu_out_samples():
     return out
 
 
-def _norm_inputs(shape, k, dtype, g):
-    """(x, residual, norm weight) of one dtype for the pre-norm ops."""
-    return (torch.randn(*shape, generator=g).to(dtype), torch.randn(*shape, generator=g).to(dtype),
-            (1 + 0.1 * torch.randn(k, generator=g)).to(dtype))
-
-
-def add_rmsnorm_mm_int_weight_samples():
-    """Inference only (no autograd formula, as add_rmsnorm): no input requires grad."""
-    ws = _weights()
-    g = torch.Generator().manual_seed(4)
-    out = {}
-    for name, glu in (("gptq4sym", False), ("gptq3v1act", False), ("gptq4g128act", True), ("awq4g128", True)):
-        w = ws[name]
-        k, n = w.in_features, w.out_features
-        for vname, shape, dtype, with_bias in (("fp32-bias", (5, k), torch.float32, not glu), ("fp16-3d", (2, 3, k), torch.float16, False),
-                                               ("bf16-m1", (1, k), torch.bfloat16, False), ("fp32-m0", (0, k), torch.float32, False)):
-            bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
-            out[f"{name}-{'glu-' if glu else ''}{vname}"] = (*_norm_inputs(shape, k, dtype, g), 1e-5, *_weight_args(w), bias, w.in_features,
-                                                           *_static(w), int(w.kernel), glu)
-    return out
-
-
-def add_rmsnorm_mm_int_weight_out_samples():
-    ws = _weights()
-    g = torch.Generator().manual_seed(5)
-    out = {}
-    for name, glu in (("gptq4sym", False), ("ct4g128act", True)):
-        w = ws[name]
-        k, n = w.in_features, w.out_features
-        for vname, shape, workspace in (("fp32-workspace", (5, k), torch.empty(256, dtype=torch.uint8)), ("fp16-3d", (2, 3, k), None)):
-            dtype = torch.float32 if workspace is not None else torch.float16
-            x, r, nw = _norm_inputs(shape, k, dtype, g)
-            o = torch.empty(*shape[:-1], n // 2 if glu else n, dtype=dtype)
-            out[f"{name}-{vname}"] = (x, r, nw, 1e-5, *_weight_args(w), None, w.in_features, *_static(w), int(w.kernel), glu, o,
-                                      torch.empty(shape, dtype=dtype), workspace)
-    return out
-
-
 def dequantize_int_weight_samples():
     ws = _weights()
     out = {}
@@ -245,8 +207,6 @@ SAMPLES = {
     "mm_int_weight_out": mm_int_weight_out_samples,
     "mm_int_weight_swiglu": mm_int_weight_swiglu_samples,
     "mm_int_weight_swiglu_out": mm_int_weight_swiglu_out_samples,
-    "add_rmsnorm_mm_int_weight": add_rmsnorm_mm_int_weight_samples,
-    "add_rmsnorm_mm_int_weight_out": add_rmsnorm_mm_int_weight_out_samples,
     "dequantize_int_weight": dequantize_int_weight_samples,
     "mm_fp8_weight": mm_fp8_weight_samples,
     "mm_fp8_weight_out": mm_fp8_weight_out_samples,

@@ -77,17 +77,6 @@ class QuantLinear(nn.Module):
     def prepare_swiglu(self) -> None:
         """Compile and load now what :meth:`forward_swiglu` runs (before any CUDA-graph capture)."""
 
-    def forward_add_rmsnorm(self, delta: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(h), summed)`` (``glu``: :meth:`forward_swiglu` of h) with ``summed = residual + delta``
-        and ``h`` its RMSNorm times ``norm_weight`` (``qops::add_rmsnorm``, then this layer): a
-        family whose op computes the norm in the matmul's kernel overrides this."""
-        h, summed = torch.ops.qops.add_rmsnorm(delta, residual, norm_weight, eps)
-        return (self.forward_swiglu(h) if glu else self(h)), summed
-
-    def prepare_norm(self, glu: bool = False) -> None:
-        """Compile and load now what :meth:`forward_add_rmsnorm` runs (before any CUDA-graph capture)."""
-
     @classmethod
     def from_checkpoint(cls, checkpoint, bias: torch.Tensor | None = None, *, dtype: torch.dtype | None = None) -> "QuantLinear":
         """The module serving ``checkpoint`` (a format's checkpoint dataclass, e.g.

@@ -46,7 +46,7 @@ from ..formats.awq import AWQCheckpoint
 from ..formats.compressed_tensors import CompressedTensorsCheckpoint
 from ..formats.gptq import GPTQCheckpoint, version_from_config
 from ..formats.integer import n_groups_for
-from ..lowerings import Kernel, warm_up_norm, warm_up_swiglu
+from ..lowerings import Kernel, warm_up_swiglu
 from ..ops.int_weight import IntWeight, with_lowering
 from . import act_order
 from .base import InputPadded, LinearMethod, QuantConfig, QuantLinear
@@ -297,25 +297,6 @@ class IntWeightLinear(QuantLinear):
     def prepare_swiglu(self) -> None:
         if self.choice is not None:
             warm_up_swiglu(self.choice.lowering, self.prepared())
-
-    def forward_add_rmsnorm(self, delta: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`QuantLinear.forward_add_rmsnorm` through ``add_rmsnorm_mm_int_weight`` (``_out`` with a
-        workspace): one kernel where the lowering computes the norm while it stages x."""
-        if self.input_pad or (glu and (self.bias is not None or self.out_features % 2)):
-            return super().forward_add_rmsnorm(delta, residual, norm_weight, eps, glu)
-        args = (delta, residual, norm_weight, eps, self.qweight, self.scales, self.qzeros, self.act_perm, None if glu else self.bias,
-                self.in_features, self.bits, self.group_size, self.zero_offset, self.kernel, glu)
-        out_args = self._out_args(delta, self.out_features // 2 if glu else None)
-        if out_args is None:
-            return torch.ops.qops.add_rmsnorm_mm_int_weight(*args)
-        summed = torch.empty(delta.shape, dtype=delta.dtype, device=delta.device)
-        torch.ops.qops.add_rmsnorm_mm_int_weight_out(*args, out_args[0], summed, out_args[1])
-        return out_args[0], summed
-
-    def prepare_norm(self, glu: bool = False) -> None:
-        if self.choice is not None:
-            warm_up_norm(self.choice.lowering, self.prepared(), glu)
 
     def prepared(self) -> IntWeight:
         """The runtime weight this layer holds (its buffers, not copies), as ``prepare`` returned it."""

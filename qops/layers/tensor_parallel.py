@@ -84,20 +84,6 @@ class TensorParallelColumnLinear(SuperLayer):
         if isinstance(self.linear, QuantLinear):
             self.linear.prepare_swiglu()
 
-    def forward_add_rmsnorm(self, delta: torch.Tensor, residual: torch.Tensor, norm, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(norm(residual + delta)), residual + delta)`` (``glu``: :meth:`forward_swiglu` of the
-        normalized sum) for an RMSNorm module ``norm`` (``weight``, ``eps``): a quantized layer may
-        compute the norm in its matmul's kernel (:meth:`QuantLinear.forward_add_rmsnorm`)."""
-        if isinstance(self.linear, QuantLinear) and norm.weight.dtype == delta.dtype:
-            return self.linear.forward_add_rmsnorm(delta, residual, norm.weight, norm.eps, glu)
-        h, summed = norm.forward_add(delta, residual)
-        return (self.forward_swiglu(h) if glu else self(h)), summed
-
-    def prepare_norm(self, glu: bool = False) -> None:
-        """Load :meth:`forward_add_rmsnorm`'s kernels now, before any CUDA-graph capture."""
-        if isinstance(self.linear, QuantLinear):
-            self.linear.prepare_norm(glu)
-
 
 class TensorParallelRowLinear(SuperLayer):
     def __init__(self, linear: nn.Module, process_group) -> None:

@@ -5,8 +5,7 @@ import torch
 
 from ..lowerings import lowering_for
 from ..ops._common import check_out
-from ..ops.int_weight import (FAMILY, call_facts, check_add_rmsnorm_mm_int_weight, check_int_weight, check_mm_int_weight,
-                              check_mm_int_weight_swiglu, check_summed_out, swiglu_shape)
+from ..ops.int_weight import FAMILY, call_facts, check_int_weight, check_mm_int_weight, check_mm_int_weight_swiglu, swiglu_shape
 
 
 @torch.library.register_fake("qops::mm_int_weight")
@@ -41,24 +40,3 @@ def _mm_int_weight_swiglu_out_fake(x, qweight, scales, qzeros, act_perm, in_feat
     shape = check_mm_int_weight_swiglu("mm_int_weight_swiglu_out", x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset)
     check_out("mm_int_weight_swiglu_out", out, swiglu_shape(shape), x)
     lowering_for(FAMILY, kernel, x.device, "mm_int_weight_swiglu_out", call_facts(x, shape, act_perm, in_features, bits, group_size))
-
-
-@torch.library.register_fake("qops::add_rmsnorm_mm_int_weight")
-def _add_rmsnorm_mm_int_weight_fake(x, residual, norm_weight, eps, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size,
-                                    zero_offset, kernel, glu):
-    who = "add_rmsnorm_mm_int_weight"
-    shape = check_add_rmsnorm_mm_int_weight(who, x, residual, norm_weight, qweight, scales, qzeros, act_perm, bias, in_features, bits,
-                                            group_size, zero_offset, glu)
-    lowering_for(FAMILY, kernel, x.device, who, call_facts(x, shape, act_perm, in_features, bits, group_size))
-    return x.new_empty(swiglu_shape(shape) if glu else shape), x.new_empty(x.shape)
-
-
-@torch.library.register_fake("qops::add_rmsnorm_mm_int_weight_out")
-def _add_rmsnorm_mm_int_weight_out_fake(x, residual, norm_weight, eps, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size,
-                                        zero_offset, kernel, glu, out, summed, workspace):
-    who = "add_rmsnorm_mm_int_weight_out"
-    shape = check_add_rmsnorm_mm_int_weight(who, x, residual, norm_weight, qweight, scales, qzeros, act_perm, bias, in_features, bits,
-                                            group_size, zero_offset, glu)
-    check_out(who, out, swiglu_shape(shape) if glu else shape, x)
-    check_summed_out(who, summed, x)
-    lowering_for(FAMILY, kernel, x.device, who, call_facts(x, shape, act_perm, in_features, bits, group_size))

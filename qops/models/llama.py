@@ -222,7 +222,6 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = TensorParallelColumnLinear.load_multi(
             config, [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")], weights, bias=config.attention_bias)
         self.o_proj = TensorParallelRowLinear.load(config, f"{prefix}.o_proj", weights, bias=False)
-        self.qkv_proj.prepare_norm()
         shape = (max_batch, self.num_kv_heads, max_seq, d)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=weights.dtype, device=weights.device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=weights.dtype, device=weights.device), persistent=False)
@@ -232,24 +231,13 @@ class LlamaAttention(nn.Module):
         """``bias``: ``(1, B*Hkv, G*T, S)`` additive mask, 0 where a query row sees a key, -inf elsewhere.
         ``rope``: the model's rotary tables ``(rope_cos, rope_sin)`` ``(max_seq, D)``, which the
         ``"fused"`` decode step reads at the positions ``index[2]`` itself."""
-        return self.attend(self.qkv_proj(x), cos, sin, index, bias, rope)
-
-    def forward_add(self, delta: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, cos, sin, index, bias,
-                    rope=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(norm(residual + delta), ...), residual + delta)``: the residual add and the norm in
-        the qkv projection's kernel where its lowering can (``TensorParallelColumnLinear.forward_add_rmsnorm``)."""
-        qkv, summed = self.qkv_proj.forward_add_rmsnorm(delta, residual, norm)
-        return self.attend(qkv, cos, sin, index, bias, rope), summed
-
-    def attend(self, qkv: torch.Tensor, cos, sin, index, bias, rope=None) -> torch.Tensor:
-        """The attention and output projection of the qkv projection's output ``(B, T, (H + 2 Hkv) D)``."""
-        b, t, _ = qkv.shape
+        b, t, _ = x.shape
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.attention == "fused" and t == 1:
-            qkv = qkv.view(b, (h + 2 * hk) * d)
+            qkv = self.qkv_proj(x).view(b, (h + 2 * hk) * d)
             o = torch.ops.qops.decode_attention(qkv, rope[0], rope[1], index[2].reshape(b), self.k_cache, self.v_cache, h, hk, self.scale)
             return self.o_proj(o.view(b, 1, h * d))
-        q, k, v = qkv.split([h * d, hk * d, hk * d], dim=-1)
+        q, k, v = self.qkv_proj(x).split([h * d, hk * d, hk * d], dim=-1)
         q = apply_rotary(q.view(b, t, h, d), cos, sin)
         k = apply_rotary(k.view(b, t, hk, d), cos, sin)
         # In place at (row, kv head, position): the cache keeps its address across steps. The
@@ -284,17 +272,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = TensorParallelColumnLinear.load_multi(config, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], weights, bias=False)
         self.down_proj = TensorParallelRowLinear.load(config, f"{prefix}.down_proj", weights, bias=False)
         self.gate_up_proj.prepare_swiglu()
-        self.gate_up_proj.prepare_norm(glu=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One kernel where the gate/up lowering computes silu(gate) * up in its epilogue.
         return self.down_proj(self.gate_up_proj.forward_swiglu(x))
-
-    def forward_add(self, delta: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(norm(residual + delta)), residual + delta)``, the residual add and the norm in the
-        gated gate/up kernel where its lowering can."""
-        gated, summed = self.gate_up_proj.forward_add_rmsnorm(delta, residual, norm, glu=True)
-        return self.down_proj(gated), summed
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -310,15 +291,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, cos, sin, index, bias, rope=None, delta=None):
         """``x``: the residual stream; ``delta``: the previous layer's MLP output, not yet added to it
         (None for the first layer). Returns ``(residual, mlp_out)`` for the caller to add: each
-        residual add happens with the norm after it, in one kernel (``qops::add_rmsnorm``), not as
-        Inductor's two or three (benchmarks/NOTES.md, stop 21), and where the projection after the
-        norm can, inside that projection's kernel (``qops::add_rmsnorm_mm_int_weight``; stop 30)."""
+        residual add happens with the norm after it, in one kernel (``RMSNorm.forward_add``), not as
+        Inductor's two or three (benchmarks/NOTES.md, stop 21)."""
         if delta is None:
-            attn = self.self_attn(self.input_layernorm(x), cos, sin, index, bias, rope)
+            h = self.input_layernorm(x)
         else:
-            attn, x = self.self_attn.forward_add(delta, x, self.input_layernorm, cos, sin, index, bias, rope)
-        mlp_out, x = self.mlp.forward_add(attn, x, self.post_attention_layernorm)
-        return x, mlp_out
+            h, x = self.input_layernorm.forward_add(delta, x)
+        h, x = self.post_attention_layernorm.forward_add(self.self_attn(h, cos, sin, index, bias, rope), x)
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -29,20 +29,19 @@ SCHEMA = "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tens
 MAX_K = 65536  # one program holds a row in registers
 
 
-def check_add_rmsnorm(x, residual, weight, who: str = OP, weight_name: str = "weight") -> list:
-    """Validate the arguments (eagerly and under fake tensors; errors name ``who``, the op called, and
-    the norm weight as ``weight_name``); returns the outputs' shape."""
-    torch._check_type(x.dtype in ACT_DTYPES, lambda: fail(who, f"x must be float32, float16 or bfloat16, got {x.dtype}"))
-    torch._check_value(x.dim() >= 1, lambda: fail(who, "x must have at least one dimension (..., K)"))
-    for name, t in (("residual", residual), (weight_name, weight)):
+def check_add_rmsnorm(x, residual, weight) -> list:
+    """Validate the arguments (eagerly and under fake tensors); returns the outputs' shape."""
+    torch._check_type(x.dtype in ACT_DTYPES, lambda: fail(OP, f"x must be float32, float16 or bfloat16, got {x.dtype}"))
+    torch._check_value(x.dim() >= 1, lambda: fail(OP, "x must have at least one dimension (..., K)"))
+    for name, t in (("residual", residual), ("weight", weight)):
         if t.device != x.device:
-            raise ValueError(fail(who, f"{name} must be on {x.device} (the device of x), got {t.device}"))
-        torch._check_type(t.dtype == x.dtype, lambda name=name, t=t: fail(who, f"{name} must have the dtype of x ({x.dtype}), got {t.dtype}"))
+            raise ValueError(fail(OP, f"{name} must be on {x.device} (the device of x), got {t.device}"))
+        torch._check_type(t.dtype == x.dtype, lambda name=name, t=t: fail(OP, f"{name} must have the dtype of x ({x.dtype}), got {t.dtype}"))
     torch._check_value(residual.shape == x.shape,
-                       lambda: fail(who, f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"))
+                       lambda: fail(OP, f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"))
     k = x.shape[-1]
-    torch._check_value(weight.dim() == 1 and weight.shape[0] == k, lambda: fail(who, f"{weight_name} must have shape ({k},) (K), got {tuple(weight.shape)}"))
-    torch._check_value(k <= MAX_K, lambda: fail(who, f"K={k} is above {MAX_K} (a row is held in one program)"))
+    torch._check_value(weight.dim() == 1 and weight.shape[0] == k, lambda: fail(OP, f"weight must have shape ({k},) (K), got {tuple(weight.shape)}"))
+    torch._check_value(k <= MAX_K, lambda: fail(OP, f"K={k} is above {MAX_K} (a row is held in one program)"))
     return list(x.shape)
 
 
@@ -55,18 +54,10 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
 @add_rmsnorm.register_kernel("cuda")
 def _add_rmsnorm_cuda(x, residual, weight, eps):
     check_add_rmsnorm(x, residual, weight)
-    return add_rmsnorm_kernels(x, residual, weight, eps)
-
-
-def add_rmsnorm_kernels(x, residual, weight, eps, summed=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's kernel for x's device (arguments already checked), writing the sum into ``summed``
-    (x's shape and dtype) when given: for ops that run add_rmsnorm before a kernel of their own
-    (``qops.lowerings.add_rmsnorm_then``) and hand the caller's buffer through."""
-    # The Triton kernel's offsets are 32-bit: larger tensors take the reference kernel.
-    if x.device.type != "cuda" or _triton_kernel() is None or x.numel() >= 2**31 or residual.numel() >= 2**31:
-        out, s = reference_add_rmsnorm(x, residual, weight, eps)
-        return out, (s if summed is None else summed.copy_(s))
-    return triton_add_rmsnorm(x, residual, weight, eps, summed)
+    # The kernel's offsets are 32-bit: larger tensors take the reference kernel.
+    if _triton_kernel() is None or x.numel() >= 2**31 or residual.numel() >= 2**31:
+        return reference_add_rmsnorm(x, residual, weight, eps)
+    return triton_add_rmsnorm(x, residual, weight, eps)
 
 
 @add_rmsnorm.register_fake
@@ -114,28 +105,21 @@ def _triton_kernel():
     return jit_if_triton(_add_rmsnorm_kernel)
 
 
-def triton_add_rmsnorm(x, residual, weight, eps, summed=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel's launcher (arguments as the op's, already checked); ``summed``: as
-    :func:`add_rmsnorm_kernels` (written in place when contiguous; a program reads its row of the
-    residual before it writes the row's sum, so it may be the residual itself)."""
+def triton_add_rmsnorm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel's launcher (arguments as the op's, already checked)."""
     kernel = _triton_kernel()
     if kernel is None:
         raise RuntimeError(fail(OP, "triton is not importable"))
     k = x.shape[-1]
     x2, r2 = x.reshape(-1, k), residual.reshape(-1, k)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    given = summed
-    if summed is None or not summed.is_contiguous():
-        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
     if rows == 0 or k == 0:
-        return out, summed if given is None else given
+        return out, summed
     block = triton.next_power_of_2(k)
     pdl = pdl_launch(x.device)
     extra = {"launch_pdl": True} if pdl else {}
     kernel[(rows,)](x2, r2, weight, out, summed, x2.stride(0), x2.stride(1), r2.stride(0), r2.stride(1), k, eps,
                     BLOCK_K=block, PDL=pdl, num_warps=max(1, min(16, block // 512)), **extra)
-    if given is not None and given is not summed:
-        given.copy_(summed)
-        summed = given
     return out, summed

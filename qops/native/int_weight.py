@@ -62,9 +62,7 @@ from typing import Optional
 
 import torch
 
-import numpy as np
-
-from ..lowerings import add_rmsnorm_then, silu_mul
+from ..lowerings import silu_mul
 from ..ops._common import DETERMINISTIC_ENV, deterministic_requested  # noqa: F401  (DETERMINISTIC_ENV: the switch's name, re-exported)
 from . import compiler
 from . import int_weight_gemm as gemm
@@ -669,7 +667,13 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         x2 = x2.clone(memory_format=torch.contiguous_format)  # the GEMM copies x in aligned 16-byte pieces
     target = o2 if o2 is not None else torch.empty((m, nout), dtype=x.dtype, device=x.device)
 
-    bias, flags = _epilogue(x, scales, bias)
+    if bias is not None and bias.dtype not in (x.dtype, torch.float32):
+        bias = bias.float()
+    flags = _SCALE_BF16 if scales.dtype == torch.bfloat16 else 0
+    if bias is not None:
+        flags |= _BIAS_T if bias.dtype == x.dtype else _BIAS_F32
+        if not bias.is_contiguous():
+            bias = bias.contiguous()
     chunks_per_group = 0 if group_size == -1 else group_size // CHUNK_K
     guard = dev != torch.cuda.current_device()
     if guard:
@@ -695,110 +699,6 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     return result
 
 
-def _epilogue(x, scales, bias):
-    """The bias as the kernels read it (x's dtype or fp32, contiguous) and the flags naming the types."""
-    if bias is not None and bias.dtype not in (x.dtype, torch.float32):
-        bias = bias.float()
-    flags = _SCALE_BF16 if scales.dtype == torch.bfloat16 else 0
-    if bias is not None:
-        flags |= _BIAS_T if bias.dtype == x.dtype else _BIAS_F32
-        if not bias.is_contiguous():
-            bias = bias.contiguous()
-    return bias, flags
-
-
-# QOPS_NORM builds hold the slots of x and of the residual in registers for one round (2 x 4 x
-# QOPS_XU a thread besides the ring): up to 4 slots a thread, M x K <= 8192 (batch 1-2 decode).
-NORM_MAX_XU = 4
-
-
-def norm_plan(m: int, n: int, k: int, dev: int) -> Plan | None:
-    """The decode plan of an m-row call with the residual add and RMSNorm computed while x is staged
-    (w4a16_gemv.cu, QOPS_NORM), or None where that plan cannot: x must be staged once, by one block per
-    column tile (the whole row in each block), in one round of at most NORM_MAX_XU slots a thread, for
-    at most 8 rows (a warp reduces each row's sum of squares)."""
-    if m < 1 or m > 8 or k % 8 or m > decode_rows(n, k, dev):
-        return None
-    p = plan(m, n, k, dev)
-    xu = -(-m * (-(-k // CHUNK_K)) * 16 // THREADS)
-    if not p.xfull or p.splits != 1 or p.smem_ring or p.probe or xu > NORM_MAX_XU:
-        return None
-    return remake_plan(p, n, k, xu=xu)
-
-
-def norm_shmem_bytes(m: int, k: int) -> int:
-    """Shared memory a QOPS_NORM launch adds: the norm weight, then a sum of squares per 16 x slots."""
-    return -(-(2 * k + 4 * m * -(-k // CHUNK_K)) // 16) * 16
-
-
-def _rows_view(t: torch.Tensor, m: int, k: int) -> torch.Tensor | None:
-    """``t`` as (m, k) rows the kernel reads in 16-byte pieces (unit column stride, 8-value row stride,
-    16-byte aligned), or None."""
-    try:
-        t2 = t.view(m, k)
-    except RuntimeError:
-        return None
-    ok = (k <= 1 or t2.stride(1) == 1) and (m <= 1 or t2.stride(0) % 8 == 0) and t2.data_ptr() % 16 == 0
-    return t2 if ok else None
-
-
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _norm_refusal(x, residual, norm_weight, qweight, scales, qzeros, act_perm, bits, group_size, out, summed, glu) -> str | None:
-    """Why the fused kernel does not serve this call (it then runs add_rmsnorm and the matmul), or None."""
-    n, k = qweight.shape[1], x.shape[-1]
-    m = math.prod(x.shape[:-1])
-    why = _refusal(x, qweight, scales, qzeros, bits, group_size, n)
-    if why is not None:
-        return why
-    if act_perm is not None:
-        return "act-order weights gather x after the norm"
-    if glu and n % 8:
-        return f"the gated output needs N % 8 == 0 (got N={n})"
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if norm_plan(m, n, k, dev) is None:
-        return f"no decode plan stages x once in one round for M={m}, N={n}, K={k}"
-    if _rows_view(x, m, k) is None or _rows_view(residual, m, k) is None:
-        return "x and residual need 16-byte aligned rows"
-    if not norm_weight.is_contiguous() or norm_weight.data_ptr() % 16:
-        return "norm_weight is not contiguous and 16-byte aligned"
-    if out is not None and out_view(out, m, n // 2 if glu else n) is None:
-        return "out has no (M, N) view with unit column stride"
-    if summed is not None and (not summed.is_contiguous() or _shares_storage(summed, x) or _shares_storage(summed, residual)):
-        return "summed is not contiguous, or shares memory with x or residual"
-    return None
-
-
-def native_add_rmsnorm_mm(x, residual, norm_weight, eps, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset,
-                          out=None, summed=None, workspace=None, *, glu: bool = False):
-    """Lowering entry of the pre-norm ops (``qops.lowerings.Lowering.norm_entry``): ``(y, summed)`` with
-    ``summed = x + residual`` and y the matmul (``glu``: gated) of ``rmsnorm(summed) * norm_weight``.
-
-    One decode-kernel launch that computes the norm while staging x where :func:`_norm_refusal` finds
-    nothing against it; otherwise ``qops::add_rmsnorm`` and then :func:`native_mm`. Arguments are
-    already validated; ``out`` / ``summed`` are written when given, else allocated.
-    """
-    mm = native_mm_swiglu if glu else native_mm
-    if _norm_refusal(x, residual, norm_weight, qweight, scales, qzeros, act_perm, bits, group_size, out, summed, glu) is not None:
-        return add_rmsnorm_then(mm, x, residual, norm_weight, eps, qweight, scales, qzeros, act_perm, bias, bits, group_size,
-                                zero_offset, out=out, summed=summed, workspace=workspace)
-    k, n = x.shape[-1], qweight.shape[1]
-    lead = x.shape[:-1]
-    m = math.prod(lead)
-    nout = n // 2 if glu else n
-    y = out if out is not None else torch.empty((*lead, nout), dtype=x.dtype, device=x.device)
-    s = summed if summed is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    bias, flags = _epilogue(x, scales, bias)
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    with torch.cuda.device(dev):
-        _launch(_rows_view(x, m, k), qweight, scales, qzeros, bias, out_view(y, m, nout), workspace, m, n, k,
-                0 if group_size == -1 else group_size // CHUNK_K, zero_offset, flags, dev, torch.cuda.current_stream(), glu,
-                norm=(_rows_view(residual, m, k), norm_weight, s.view(m, k), eps))
-    return y, s
-
-
 def native_mm_swiglu(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=None, workspace=None) -> torch.Tensor:
     """The gated lowering entry (``qops.lowerings.Lowering.swiglu_entry``): :func:`native_mm` with ``glu=True``."""
     return native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace, glu=True)
@@ -813,24 +713,18 @@ def out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
     return o2 if (n <= 1 or o2.stride(1) == 1) else None
 
 
-def launch_shmem(p: Plan, glu: bool, norm_k: int = 0) -> int:
+def launch_shmem(p: Plan, glu: bool) -> int:
     """Dynamic shared memory of a launch of plan ``p``: the gated output of a single block per column
-    tile pairs gate with up in shared memory after the K reduction (the cluster's buffer); a QOPS_NORM
-    launch (``norm_k`` = K) adds the norm weight and the sums of squares after x."""
-    need = p.shmem + (norm_shmem_bytes(p.m, norm_k) if norm_k else 0)
-    return max(need, _reduction_bytes(p.m, p.nwn, True)) if glu and p.splits == 1 else need
+    tile pairs gate with up in shared memory after the K reduction (the cluster's buffer)."""
+    return max(p.shmem, _reduction_bytes(p.m, p.nwn, True)) if glu and p.splits == 1 else p.shmem
 
 
 def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_per_group, zero_offset, flags, dev, stream,
-            glu: bool = False, norm: tuple | None = None) -> None:
-    """One decode-kernel launch; ``norm``: (residual rows, norm weight, summed rows, eps) for a
-    QOPS_NORM build with :func:`norm_plan` (the caller has checked that it serves the call)."""
-    p = plan(m, n, k, dev) if norm is None else norm_plan(m, n, k, dev)
+            glu: bool = False) -> None:
+    p = plan(m, n, k, dev)
     has_z = qzeros is not None
     defines = p.defines(x2.dtype, has_z, glu)
-    if norm is not None:
-        defines["QOPS_NORM"] = 1
-    shmem = launch_shmem(p, glu, k if norm is not None else 0)
+    shmem = launch_shmem(p, glu)
     gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
     ldx = x2.stride(0) if m > 1 else k
     ldo = o2.stride(0) if m > 1 else o2.shape[1]
@@ -848,7 +742,6 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
         qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr() if has_z else 0, x2.data_ptr(),
         bias.data_ptr() if bias is not None else 0, o2.data_ptr(), ws_ptr,
         i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(gemv_flags),
-        *_norm_args(norm, m, k),
         pdl=pdl,
     )
     if p.workspace:
@@ -859,14 +752,6 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
             i32(m), i32(n), i32(ldo), i32(p.splits), i32(flags),
             pdl=pdl,
         )
-
-
-def _norm_args(norm: tuple | None, m: int, k: int) -> tuple:
-    """The QOPS_NORM build's extra kernel arguments (none for the others)."""
-    if norm is None:
-        return ()
-    r2, w, s2, eps = norm
-    return (r2.data_ptr(), w.data_ptr(), s2.data_ptr(), compiler.i32(r2.stride(0) if m > 1 else k), np.float32(eps))
 
 
 def _workspace(workspace: Optional[torch.Tensor], need: int, device: torch.device) -> torch.Tensor:
@@ -894,10 +779,9 @@ def serves(n: int, k: int, bits: int, group_size: int, act_dtype: torch.dtype, s
 
 
 def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: int, has_zeros: bool, max_m: int = gemm.MAX_M, *,
-                 deterministic: bool | None = None, glu: bool = False, norm: bool = False) -> int:
+                 deterministic: bool | None = None, glu: bool = False) -> int:
     """Compile and load every kernel M = 1..max_m needs for an (N, K) weight (``glu``: its gated
-    output, see :func:`native_mm`; ``norm``: also the QOPS_NORM builds of :func:`native_add_rmsnorm_mm`);
-    returns how many.
+    output, see :func:`native_mm`); returns how many.
 
     Each kernel is launched once with no work, so the driver makes its code resident now and
     not during a later CUDA-graph capture. Reads the deterministic switch (or takes ``deterministic``).
@@ -912,16 +796,10 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream()
         last = decode_rows(n, k, dev)
-        i0 = compiler.i32(0)
-        builds = []  # (plan, defines, shared memory, the QOPS_NORM arguments)
         for m in range(1, min(max_m, last) + 1):
             p = plan(m, n, k, dev)
-            builds.append((p, p.defines(act_dtype, has_zeros, glu), launch_shmem(p, glu), ()))
-            q = norm_plan(m, n, k, dev) if norm else None
-            if q is not None:
-                builds.append((q, {**q.defines(act_dtype, has_zeros, glu), "QOPS_NORM": 1}, launch_shmem(q, glu, k),
-                               (0, 0, 0, i0, np.float32(0))))
-        for p, defines, shmem, norm_args in builds:
+            defines = p.defines(act_dtype, has_zeros, glu)
+            shmem = launch_shmem(p, glu)
             key = (p.splits, p.cluster, shmem, tuple(sorted(defines.items())))
             if key in seen:
                 continue
@@ -930,7 +808,8 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
             if shmem > SHMEM_MAX_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
                 compiler.allow_dynamic_shared(gemv, dev, shmem)
             compiler.max_active_blocks(gemv, dev, THREADS, shmem)  # the early-release check's occupancy query, cached now
-            compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), *norm_args, pdl=pdl)
+            i0 = compiler.i32(0)
+            compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
             if p.workspace:
                 reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
                 compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
@@ -940,7 +819,7 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
 
 
 def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = gemm.MAX_M, *, deterministic: bool | None = None,
-           glu: bool = False, norm: bool = False) -> int:
+           glu: bool = False) -> int:
     """:func:`warmup_shape` for a prepared weight (``qops.IntWeight``); no-op when this kernel does not serve it.
 
     ``act_dtype`` defaults to the scales' dtype. Call after preparing weights and before capturing
@@ -950,14 +829,7 @@ def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = gemm.MAX_M
     if weight.qweight.device.type != "cuda" or not serves(weight.out_features, weight.in_features, weight.bits, weight.group_size, act_dtype, weight.scales.dtype):
         return 0
     return warmup_shape(weight.qweight.device, act_dtype, weight.out_features, weight.in_features, weight.qzeros is not None, max_m,
-                        deterministic=deterministic, glu=glu, norm=norm)
-
-
-def warmup_norm(weight, glu: bool = False, act_dtype: torch.dtype | None = None, max_m: int = gemm.MAX_M, *,
-                deterministic: bool | None = None) -> int:
-    """:func:`warmup` with the fused residual add + RMSNorm builds (:func:`native_add_rmsnorm_mm`;
-    ``glu``: of the gated output) for a weight the pre-norm ops will take."""
-    return warmup(weight, act_dtype, max_m, deterministic=deterministic, glu=glu, norm=True)
+                        deterministic=deterministic, glu=glu)
 
 
 def warmup_swiglu(weight, act_dtype: torch.dtype | None = None, max_m: int = gemm.MAX_M, *, deterministic: bool | None = None) -> int:

@@ -99,20 +99,7 @@
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING or QOPS_PROBE),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
-// timer stamps to ws, so the launch must pass a buffer there and use no split-K workspace; below),
-// QOPS_NORM (0/1: x is the residual add and RMSNorm of two inputs, computed while it is staged; below).
-//
-// Residual add + RMSNorm prologue (QOPS_NORM = 1; M <= 8, x staged once, one block per column tile (S = 1),
-// one round of QOPS_XU slots a thread covering the block's M x K, K % 8 == 0, x and the residual in
-// 16-byte rows: the host launches it only then). The kernel reads h (the x argument) and the residual
-// r, and stages x = w * (s * rsqrt(mean(s^2) + eps)) with s = h + r, each step rounded to the
-// activation dtype as qops::add_rmsnorm rounds it (s, then s * rstd, then the product by the norm
-// weight w); block 0 also writes s (the new residual stream, M x K contiguous). So a decoder layer's
-// norm is not a kernel of its own between two matmuls: on a batch-1 decode step each norm kernel
-// cost ~2 us between the matmul ahead completing and this one's wait returning (benchmarks/NOTES.md,
-// stop 29). The norm weight goes to shared memory with cp.async before grid_dep_wait (nothing ahead
-// writes it); each row's sum of squares is reduced in a fixed order (half-warp partials in shared
-// memory, then one thread a row), so results stay bit-identical from run to run.
+// timer stamps to ws, so the launch must pass a buffer there and use no split-K workspace; below).
 //
 // bf16 x through f16 MMAs (QOPS_F16MMA, QOPS_DT = 1): the A operand (q - zero, or 1024 + q with fold)
 // is exact in either type and the scales apply in fp32, so only x decides the MMA's type. bf16's
@@ -173,9 +160,6 @@
 #ifndef QOPS_STAMPS
 #define QOPS_STAMPS 0
 #endif
-#ifndef QOPS_NORM
-#define QOPS_NORM 0
-#endif
 
 #if QOPS_CLUSTER > 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -225,15 +209,6 @@ constexpr int kXVec = 1;       // x rows 16-byte aligned and K % 8 == 0: x stage
 // kBiasT = 2, kBiasF32 = 4: ptx.cuh (store_out)
 constexpr int kScaleBf16 = 8;  // scales are bfloat16 (else float16)
 // kEarlyDependents = 16: ptx.cuh
-
-// QOPS_NORM's inputs and its second output (unused otherwise).
-struct NormArgs {
-  const u16* res;  // residual r, rows ldr apart
-  const u16* w;    // the norm weight, K values, 16-byte aligned
-  u16* sum;        // s = h + r, M x K contiguous (written by block 0)
-  int ldr;
-  float eps;
-};
 
 struct Chunk {
   uint4 w[4];  // step j: qweight row 16*chunk + 4*j + lane%4, columns n0 .. n0+3
@@ -301,7 +276,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
                                            const u32* __restrict__ qzeros, const u16* __restrict__ x,
                                            const void* __restrict__ bias, u16* __restrict__ out,
                                            float* __restrict__ ws, int M, int N, int K, int ldx, int ldo,
-                                           int chunks_per_group, int zero_offset, int flags, const NormArgs& na) {
+                                           int chunks_per_group, int zero_offset, int flags) {
   constexpr int NWK = kWarps / NWN;
   constexpr int NBLK = 32 * NWN;
   constexpr int ROW = NWK * 16;  // 16-byte x slots (8 values) per row of one stage
@@ -314,7 +289,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // The ring's copies and the tiled probe address other lanes' columns as contiguous with this lane's.
   static_assert(!QOPS_GLU || (SR == 0 && QOPS_PROBE == 0), "QOPS_GLU excludes QOPS_SMEM_RING and QOPS_PROBE");
   static_assert(!QOPS_F16MMA || XF, "QOPS_F16MMA converts x where it is staged once (QOPS_XFULL)");
-  static_assert(!QOPS_NORM || (XF && SR == 0 && QOPS_PROBE == 0), "QOPS_NORM needs QOPS_XFULL, no QOPS_SMEM_RING or QOPS_PROBE");
   constexpr bool kF16 = QOPS_F16MMA && DT == 1;  // bf16 x staged as scaled f16
   constexpr int MDT = kF16 ? 0 : DT;             // the type of the MMAs' operands
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
@@ -519,8 +493,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int xtotal = M * nkw;
   // The x slots base0 + u * kThreads + lane (u < QOPS_XU) of the block's M x nkw, all loaded before
   // any is used; slots past the end are zeros.
-  // (QOPS_NORM: the residual's slots too, from `rows` with its own stride.)
-  auto load_rows_slots = [&](int base0, uint4 (&v)[QOPS_XU], const u16* rows, int ld) {
+  auto load_x_slots = [&](int base0, uint4 (&v)[QOPS_XU]) {
 #pragma unroll
     for (int u = 0; u < QOPS_XU; ++u) {
       // Warp-uniform: a short K range (a few slots a thread) does no more work than it needs.
@@ -529,14 +502,13 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       const bool in = s < xtotal;
       const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
       const int k = (cb * 16 + kwl) * 8;
-      const u16* src = rows + (static_cast<size_t>(m) * ld + k);
+      const u16* src = x + (static_cast<size_t>(m) * ldx + k);
       const bool vec = xvec && k + 8 <= K;
       v[u] = make_uint4(0, 0, 0, 0);
       ld_nc_v4_if(v[u], src, in && vec);
       if (in && !vec) v[u] = load_x8_scalar(src, k, K);
     }
   };
-  auto load_x_slots = [&](int base0, uint4 (&v)[QOPS_XU]) { load_rows_slots(base0, v, x, ldx); };
   // kF16: row m's largest |x| in the block's K range, as fp32 bits, in the first word of the row's
   // padding slot (never written by the staging).
   auto row_max_bits = [&](int m) -> u32* { return reinterpret_cast<u32*>(smem + m * RSF + RSF - 4); };
@@ -606,107 +578,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       if (in) smem[m * RSF + kwl] = f;
     }
   };
-#if QOPS_NORM
-  // The norm weight's K values after x (and FOLD's sums), then a sum of squares per 16-slot group of
-  // x (at most kThreads * QOPS_XU / 16); each row's 1 / rms in the second word of its padding slot.
-  u16* norm_w = reinterpret_cast<u16*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0));
-  float* sq_part = reinterpret_cast<float*>(norm_w + K);  // K % 8 == 0: 16-byte aligned
-  auto row_rstd = [&](int m) -> float* { return reinterpret_cast<float*>(smem + m * RSF + RSF - 4) + 1; };
-  auto load_norm_weight = [&]() {
-    for (int i = tid; i < (K >> 3); i += kThreads) cp_async_16(smem_addr(norm_w + 8 * i), na.w + 8 * i, 16);
-    cp_async_commit();
-  };
-  // s = h + r into v, rounded to DT (block 0 stores it); each half warp's fp32 sum of squares of s
-  // into sq_part (16 | nkw: a half warp's slots are one row's).
-  auto add_slots = [&](int base0, uint4 (&v)[QOPS_XU], const uint4 (&rv)[QOPS_XU]) {
-    const bool store = blockIdx.x == 0;
-#pragma unroll
-    for (int u = 0; u < QOPS_XU; ++u) {
-      if (base0 + u * kThreads >= xtotal) break;  // warp-uniform (the shuffles below)
-      const int s = base0 + u * kThreads + lane;
-      const bool in = s < xtotal;
-      const int m = (M > 1 && in) ? s / nkw : 0, k = (s - m * nkw) * 8;
-      u32 hw[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-      const u32 rw[4] = {rv[u].x, rv[u].y, rv[u].z, rv[u].w};
-      float sq = 0.f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const u16 lo = f32_to_bits<DT>(bits_to_f32<DT>(static_cast<u16>(hw[e] & 0xffffu)) + bits_to_f32<DT>(static_cast<u16>(rw[e] & 0xffffu)));
-        const u16 hi = f32_to_bits<DT>(bits_to_f32<DT>(static_cast<u16>(hw[e] >> 16)) + bits_to_f32<DT>(static_cast<u16>(rw[e] >> 16)));
-        const float a = bits_to_f32<DT>(lo), b = bits_to_f32<DT>(hi);
-        sq = fmaf(a, a, fmaf(b, b, sq));
-        hw[e] = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
-      }
-      v[u] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-      if (store && in && k < K) *reinterpret_cast<uint4*>(na.sum + (static_cast<size_t>(m) * K + k)) = v[u];
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      if ((lane & 15) == 0 && in) sq_part[s >> 4] = sq;
-    }
-  };
-  // Warp m sums row m's partials (M <= 8 warps): lane-strided, then a butterfly, a fixed order (the
-  // same bits every run); then 1 / rms. (One thread summing them in turn took ~0.5 us at K = 4096.)
-  auto row_norm_scales = [&]() {
-    if (warp < M) {
-      const int per_row = nkw >> 4;
-      float t = 0.f;
-      for (int j = lane; j < per_row; j += 32) t += sq_part[warp * per_row + j];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-      if (lane == 0) *row_rstd(warp) = 1.f / sqrtf(t / static_cast<float>(K) + na.eps);
-    }
-  };
-  // v = w * (s * rstd), each product rounded to DT as qops::add_rmsnorm rounds it.
-  auto norm_slots = [&](int base0, uint4 (&v)[QOPS_XU]) {
-#pragma unroll
-    for (int u = 0; u < QOPS_XU; ++u) {
-      if (base0 + u * kThreads >= xtotal) break;
-      const int s = base0 + u * kThreads + lane;
-      const int m = (M > 1 && s < xtotal) ? s / nkw : 0, k = (s - m * nkw) * 8;
-      if (s >= xtotal || k >= K) continue;  // zeros past the row (K % 128 != 0) stay zeros
-      const float rs = *row_rstd(m);
-      const uint4 wv = *reinterpret_cast<const uint4*>(norm_w + k);
-      u32 xw[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-      const u32 ww[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float nlo = bits_to_f32<DT>(f32_to_bits<DT>(bits_to_f32<DT>(static_cast<u16>(xw[e] & 0xffffu)) * rs));
-        const float nhi = bits_to_f32<DT>(f32_to_bits<DT>(bits_to_f32<DT>(static_cast<u16>(xw[e] >> 16)) * rs));
-        const u16 lo = f32_to_bits<DT>(bits_to_f32<DT>(static_cast<u16>(ww[e] & 0xffffu)) * nlo);
-        const u16 hi = f32_to_bits<DT>(bits_to_f32<DT>(static_cast<u16>(ww[e] >> 16)) * nhi);
-        xw[e] = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
-      }
-      v[u] = make_uint4(xw[0], xw[1], xw[2], xw[3]);
-    }
-  };
-#endif
   auto stage_x_full = [&]() {
     bool staged = false;
-#if QOPS_NORM
-    {
-      uint4 v[QOPS_XU];
-      {
-        uint4 rv[QOPS_XU];
-        load_x_slots(warp * 32, v);
-        load_rows_slots(warp * 32, rv, na.res, na.ldr);
-        add_slots(warp * 32, v, rv);
-      }
-      if constexpr (kF16) {
-        if (tid < M) *row_max_bits(tid) = 0u;
-      }
-      cp_async_wait<0>();  // the norm weight
-      __syncthreads();
-      row_norm_scales();
-      __syncthreads();
-      norm_slots(warp * 32, v);
-      if constexpr (kF16) {
-        max_slots(warp * 32, v);
-        __syncthreads();
-      }
-      stage_slots(warp * 32, v);
-      staged = true;
-    }
-#else
     if constexpr (kF16) {
       // The rows' maxima first: from the slots held in registers when one round covers the block's
       // x (at M = 1 a K range up to 256 x QOPS_XU x 8 values), else from a first pass of loads.
@@ -728,7 +601,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         __syncthreads();
       }
     }
-#endif
     if (!staged) {
       for (int base0 = warp * 32; base0 < xtotal; base0 += kThreads * QOPS_XU) {
         uint4 v[QOPS_XU];
@@ -907,11 +779,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   } else if constexpr (XF) {
     // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then
     // every warp streams its chunks with no further barrier.
-#if QOPS_NORM
-    // No kernel ahead writes the norm weight. Requested before the weights: it is waited for right
-    // after the wait, and behind the chunks' loads it came from DRAM as late as they did.
-    load_norm_weight();
-#endif
 #pragma unroll
     for (int d = 0; d < D; ++d)
       if (d < n_it) load_chunk(ring[d]);
@@ -1063,18 +930,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 extern "C" __global__ void __launch_bounds__(qops::kThreads, QOPS_MINB) QOPS_CLUSTER_ATTR
 qops_w4a16_gemv(const unsigned* qweight, const unsigned short* scales, const unsigned* qzeros,
                 const unsigned short* x, const void* bias, unsigned short* out, float* ws, int M, int N, int K,
-                int ldx, int ldo, int chunks_per_group, int zero_offset, int flags
-#if QOPS_NORM
-                , const unsigned short* res, const unsigned short* norm_w, unsigned short* sum, int ldr, float eps
-#endif
-) {
-#if QOPS_NORM
-  const qops::NormArgs na{res, norm_w, sum, ldr, eps};
-#else
-  const qops::NormArgs na{};
-#endif
+                int ldx, int ldo, int chunks_per_group, int zero_offset, int flags) {
   qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER, QOPS_XFULL != 0, QOPS_FOLD != 0, QOPS_SMEM_RING>(
-      qweight, scales, qzeros, x, bias, out, ws, M, N, K, ldx, ldo, chunks_per_group, zero_offset, flags, na);
+      qweight, scales, qzeros, x, bias, out, ws, M, N, K, ldx, ldo, chunks_per_group, zero_offset, flags);
 }
 
 // Split-K finish for the workspace path: out[m, n] = sum_s ws[s, m, n] (+ bias), s in order;

@@ -26,7 +26,7 @@ import torch
 
 from ..formats._packing import pack_bits, packed_length, unpack_bits
 from ..formats.integer import IntQuantized, default_g_idx, n_groups_for
-from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, norm_implementation, swiglu_implementation, warm_up
+from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, swiglu_implementation, warm_up
 from ._common import check_act_dtype, check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "int_weight"
@@ -94,28 +94,6 @@ def check_mm_int_weight_swiglu(who, x, qweight, scales, qzeros, act_perm, in_fea
     return shape
 
 
-def check_add_rmsnorm_mm_int_weight(who, x, residual, norm_weight, qweight, scales, qzeros, act_perm, bias, in_features, bits,
-                                    group_size, zero_offset, glu) -> list:
-    """Validate every argument of ``add_rmsnorm_mm_int_weight``; returns the shape of the full product
-    ``(..., N)`` (``(..., N/2)`` is the output when ``glu``)."""
-    # Imported here: qops.models imports the layers, which import this module.
-    from ..models.norm import check_add_rmsnorm
-
-    check_add_rmsnorm(x, residual, norm_weight, who, "norm_weight")
-    if glu:
-        torch._check_value(bias is None, lambda: fail(who, "bias must be None with glu=True (SwiGLU projections have none)"))
-        return check_mm_int_weight_swiglu(who, x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset)
-    return check_mm_int_weight(who, x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
-
-
-def check_summed_out(who: str, summed: torch.Tensor, x: torch.Tensor) -> None:
-    """The caller-owned buffer of the new residual stream: x's device, dtype and shape."""
-    if summed.device != x.device:
-        raise ValueError(fail(who, f"summed must be on {x.device} (the device of x), got {summed.device}"))
-    torch._check_type(summed.dtype == x.dtype, lambda: fail(who, f"summed must have the dtype of x ({x.dtype}), got {summed.dtype}"))
-    torch._check_value(summed.shape == x.shape, lambda: fail(who, f"summed must have the shape of x {tuple(x.shape)}, got {tuple(summed.shape)}"))
-
-
 def call_facts(x, shape, act_perm, in_features, bits, group_size) -> CallFacts:
     """What a lowering must serve for this call (checked when the op names its kernel)."""
     return CallFacts(bits, group_size, x.dtype, shape[-1], in_features, act_perm is not None)
@@ -138,16 +116,6 @@ SWIGLU_SCHEMA = (
 SWIGLU_OUT_SCHEMA = (
     "(Tensor x, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, "
     "int in_features, int bits, int group_size, int zero_offset, int kernel, Tensor(a!) out, Tensor(b!)? workspace) -> ()"
-)
-NORM_MM_SCHEMA = (
-    "(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor qweight, Tensor scales, Tensor? qzeros, "
-    "Tensor? act_perm, Tensor? bias, int in_features, int bits, int group_size, int zero_offset, int kernel, bool glu) "
-    "-> (Tensor, Tensor)"
-)
-NORM_MM_OUT_SCHEMA = (
-    "(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor qweight, Tensor scales, Tensor? qzeros, "
-    "Tensor? act_perm, Tensor? bias, int in_features, int bits, int group_size, int zero_offset, int kernel, bool glu, "
-    "Tensor(a!) out, Tensor(b!) summed, Tensor(c!)? workspace) -> ()"
 )
 DEQUANT_SCHEMA = (
     "(Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? act_perm, int in_features, "
@@ -266,68 +234,6 @@ def _swiglu_backward(ctx, grad):
 
 
 mm_int_weight_swiglu.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
-
-
-# The pre-norm forms: a decoder's residual add and RMSNorm (``qops::add_rmsnorm``) followed by this
-# matmul, or by its gated form (``glu``), in one op, so that a lowering can compute the norm while it
-# stages x instead of in a kernel of its own (qops.lowerings.Lowering.norm_entry; the others run
-# add_rmsnorm and then the matmul). Returns ``(y, summed)``: y of ``w * rmsnorm(x + residual)``, and
-# ``summed = x + residual`` (the new residual stream), rounded as add_rmsnorm rounds them. Inference
-# only: no autograd formula (as add_rmsnorm).
-@torch.library.custom_op("qops::add_rmsnorm_mm_int_weight", mutates_args=(), schema=NORM_MM_SCHEMA)
-def add_rmsnorm_mm_int_weight(
-    x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16: the block's output, not yet added
-    residual: torch.Tensor,  # (..., K), x's dtype: the residual stream
-    norm_weight: torch.Tensor,  # (K,), x's dtype
-    eps: float,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    qzeros: Optional[torch.Tensor],
-    act_perm: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],  # None when glu
-    in_features: int,
-    bits: int,
-    group_size: int,
-    zero_offset: int,
-    kernel: int,
-    glu: bool,  # the weight is a fused [gate; up] projection and y = silu(gate) * up, (..., N/2)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    who = "add_rmsnorm_mm_int_weight"
-    shape = check_add_rmsnorm_mm_int_weight(who, x, residual, norm_weight, qweight, scales, qzeros, act_perm, bias, in_features, bits,
-                                            group_size, zero_offset, glu)
-    impl = norm_implementation(FAMILY, kernel, x.device, who, call_facts(x, shape, act_perm, in_features, bits, group_size), glu)
-    return impl(x, residual, norm_weight, eps, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset)
-
-
-@torch.library.custom_op("qops::add_rmsnorm_mm_int_weight_out", mutates_args=("out", "summed", "workspace"), schema=NORM_MM_OUT_SCHEMA)
-def add_rmsnorm_mm_int_weight_out(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    qzeros: Optional[torch.Tensor],
-    act_perm: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    in_features: int,
-    bits: int,
-    group_size: int,
-    zero_offset: int,
-    kernel: int,
-    glu: bool,
-    out: torch.Tensor,  # (..., N) or (..., N/2) with glu, x's dtype, caller-owned; written
-    summed: torch.Tensor,  # x's shape and dtype, caller-owned; written (may not overlap x or residual)
-    workspace: Optional[torch.Tensor],  # caller-owned scratch (the matmul's need); clobbered
-) -> None:
-    who = "add_rmsnorm_mm_int_weight_out"
-    shape = check_add_rmsnorm_mm_int_weight(who, x, residual, norm_weight, qweight, scales, qzeros, act_perm, bias, in_features, bits,
-                                            group_size, zero_offset, glu)
-    check_out(who, out, swiglu_shape(shape) if glu else shape, x)
-    check_summed_out(who, summed, x)
-    impl = norm_implementation(FAMILY, kernel, x.device, who, call_facts(x, shape, act_perm, in_features, bits, group_size), glu)
-    impl(x, residual, norm_weight, eps, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=out, summed=summed,
-         workspace=workspace)
 
 
 @torch.library.custom_op("qops::dequantize_int_weight", mutates_args=(), schema=DEQUANT_SCHEMA)
