@@ -164,16 +164,20 @@ def test_plans_measured_at_two_blocks_an_sm_still_fit_two():
     every input it serves: fp16 / bf16 x, zeros or symmetric, plain or gated. A build above that runs at
     one block an SM: the table's minb 1 plans did so unnoticed from stop 21 to 27 (up to 1.64x slower,
     benchmarks/NOTES.md). The rule keeps minb 1 where it measured 1.6-3% faster than minb 2 (57344x8192
-    and 8192x28672 at M = 1, h200-2026-12-01-7a721d2-probe-rule-minb.json), so its builds are held here."""
+    and 8192x28672 at M = 1, h200-2026-12-01-7a721d2-probe-rule-minb.json), so its builds are held here.
+    Only the builds promising one block (QOPS_MINB 1) can exceed 128: the others are held to it by
+    __launch_bounds__ (ptxas spills instead), and their spills are checked on the representative
+    variants and the plan tables' own plans above. (All 248 builds took 150 s of CI's 2 cores.)"""
     wanted, where = [], {}
     for n, k, m, p in _two_block_plans_on_the_h200():
         for dt in (torch.float16, torch.bfloat16):
             for has_z in (False, True):
                 for glu in ((False, True) if n % 2 == 0 else (False,)):
                     d = p.defines(dt, has_z, glu)
-                    wanted.append(d)
-                    where.setdefault(tuple(sorted(d.items())), (n, k, m))
-    assert len(wanted) > 100
+                    if d["QOPS_MINB"] == 1:
+                        wanted.append(d)
+                        where.setdefault(tuple(sorted(d.items())), (n, k, m))
+    assert len(wanted) > 30
     for defines, log in compile_reports(native.SOURCE, "sm_90", wanted):
         regs, spills = ptxas_report(log)[native.GEMV]
         assert regs <= 128 and spills == 0, (where[tuple(sorted(defines.items()))], defines, regs, spills)
