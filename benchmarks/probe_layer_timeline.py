@@ -11,9 +11,11 @@ own, with programmatic dependent launch as in ``bench_decode.py``; the builds di
 ones only by the stamps (a few instructions in thread 0).
 
 Variants (``--variants``): the shipped plans (``base``) and the M = 1 plan options of
-``profile_decode.py`` (``l2pf``, ``bf16mma``, ``prewait``, joined by ``+``), all on one model and one
-compiled step; each is captured twice, with and without stamps, and the unstamped graphs are timed
-with interleaved trials (the step time the variant would give).
+``profile_decode.py`` (``l2pf``, ``bf16mma``, ``prewait``, ``fold``, joined by ``+``), all on one model
+and one compiled step; each is captured twice, with and without stamps, and the unstamped graphs are
+timed with interleaved trials (the step time the variant would give). ``late`` (joined like an option)
+keeps the gated gate/up launches from releasing the next launch as they start
+(``qops.native.int_weight.early_dependents_flag``): they release it after their main loop.
 
 Per matmul launch of the last replay (a "site": qkv, o, gate_up, down of each layer), in microseconds
 from the step's first stamp: the first block's start, the earliest and latest return from the wait
@@ -50,17 +52,35 @@ class Stamper:
         self.compiler, self.niw, self.buf = compiler, niw, buf
         self.on = False
         self.stamped = {}  # id(kernel) -> defines
+        self.defines_of = {}  # id(kernel) -> defines, every decode-kernel build handed out (``late``)
         self.sites = []  # per launch while on: dict(defines, grid, offset)
         self.used = 0  # slots handed out (never reused: every captured launch keeps its own region)
         self._get, self._launch = compiler.get_kernel, compiler.launch
 
     def get_kernel(self, device, source_name, defines, kernel_name, **kw):
         if not (self.on and source_name == self.niw.SOURCE and kernel_name == self.niw.GEMV and int(defines["QOPS_MT"]) == 1):
-            return self._get(device, source_name, defines, kernel_name, **kw)
+            k = self._get(device, source_name, defines, kernel_name, **kw)
+            if source_name == self.niw.SOURCE and kernel_name == self.niw.GEMV:
+                self.defines_of[id(k)] = dict(defines)
+            return k
         d = {**defines, "QOPS_STAMPS": 1}
         k = self._get(device, source_name, d, kernel_name, **kw)
         self.stamped[id(k)] = d
+        self.defines_of[id(k)] = d
         return k
+
+    @contextlib.contextmanager
+    def late_gated_release(self, on: bool):
+        """While ``on``: no early release for gated (QOPS_GLU) decode-kernel launches."""
+        early = self.niw.early_dependents_flag
+        if on:
+            def flag(kernel, *a):
+                return 0 if int(self.defines_of.get(id(kernel), {}).get("QOPS_GLU", 0)) else early(kernel, *a)
+            self.niw.early_dependents_flag = flag
+        try:
+            yield
+        finally:
+            self.niw.early_dependents_flag = early
 
     def launch(self, kernel, grid, block, shmem, stream, *args, **kw):
         d = self.stamped.get(id(kernel))
@@ -107,13 +127,14 @@ def site_rows(stamps, sites) -> list[dict]:
     return rows
 
 
-def capture_variant(model, step, st, stamped: bool, override, prompt_len: int, tok, pos, layers: int):
+def capture_variant(model, step, st, stamped: bool, override, prompt_len: int, tok, pos, layers: int, late: bool = False):
     """A ``CapturedDecode`` of ``step`` under the plan ``override`` (None: the shipped plans), with the
-    M = 1 launches stamped or not; returns it with its stamped sites (the last step's, launch order)."""
+    M = 1 launches stamped or not (``late``: :meth:`Stamper.late_gated_release`); returns it with its
+    stamped sites (the last step's, launch order)."""
     from qops.models import CapturedDecode
     from qops.native import int_weight as niw
 
-    with niw.plan_override(override) if override is not None else contextlib.nullcontext():
+    with niw.plan_override(override) if override is not None else contextlib.nullcontext(), st.late_gated_release(late):
         st.on = stamped
         try:
             step(tok, pos)  # compiles and loads the builds this variant launches, outside any capture
@@ -167,9 +188,12 @@ def main(argv=None) -> int:
             pos = torch.full((1,), a.prompt_len, dtype=torch.long, device="cuda")
             caps = {}
             for v in variants:
-                override = profile_decode.plan_override_for([] if v == "base" else v.split("+"))
-                plain, _ = capture_variant(model, step, st, False, override, a.prompt_len, tok, pos, a.layers)
-                stamped, sites = capture_variant(model, step, st, True, override, a.prompt_len, tok, pos, a.layers)
+                opts = [] if v == "base" else v.split("+")
+                late = "late" in opts
+                opts = [o for o in opts if o != "late"]
+                override = profile_decode.plan_override_for(opts) if opts else None
+                plain, _ = capture_variant(model, step, st, False, override, a.prompt_len, tok, pos, a.layers, late)
+                stamped, sites = capture_variant(model, step, st, True, override, a.prompt_len, tok, pos, a.layers, late)
                 caps[v] = (plain, stamped, sites)
             times = {v: [] for v in variants}
             for _ in range(a.trials):  # interleaved: a drift moves every variant alike
