@@ -135,6 +135,28 @@ def test_layer_timeline_spans_from_stamps(monkeypatch):
     assert b["loop_max"] == 0.6 and b["cycles_med"][0] in (12, 13)
 
 
+def test_layer_timeline_late_release_only_for_gated_builds(monkeypatch):
+    """``probe_layer_timeline``'s ``late`` variants: while on, the early-release flag is 0 for the gated
+    decode-kernel builds the Stamper handed out and unchanged for the others; restored after."""
+    import types
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import probe_layer_timeline as plt
+
+    niw = types.SimpleNamespace(SOURCE="w4a16_gemv.cu", GEMV="gemv", early_dependents_flag=lambda kernel, *a: 16)
+    compiler = types.SimpleNamespace(get_kernel=lambda device, source, defines, name, **kw: object(), launch=None)
+    st = plt.Stamper(compiler, niw, None)
+    gated = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 1, "QOPS_GLU": 1}, "gemv")
+    plain = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 1, "QOPS_GLU": 0}, "gemv")
+    original = niw.early_dependents_flag
+    with st.late_gated_release(False):
+        assert niw.early_dependents_flag is original
+    with st.late_gated_release(True):
+        assert niw.early_dependents_flag(gated, 0, 224, 256, 0) == 0
+        assert niw.early_dependents_flag(plain, 0, 192, 256, 0) == 16
+    assert niw.early_dependents_flag is original
+
+
 def test_probe_time_row_adds_times_ratio_and_prints(monkeypatch, capsys):
     """``common.time_row`` (every probe's timing step) with the CUDA-graph timer stubbed out."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
