@@ -51,8 +51,7 @@ class Stamper:
     def __init__(self, compiler, niw, buf):
         self.compiler, self.niw, self.buf = compiler, niw, buf
         self.on = False
-        self.stamped = {}  # id(kernel) -> defines
-        self.defines_of = {}  # id(kernel) -> defines, every decode-kernel build handed out (``late``)
+        self.defines_of = {}  # id(kernel) -> defines of every decode-kernel build handed out (QOPS_STAMPS: stamped)
         self.sites = []  # per launch while on: dict(defines, grid, offset)
         self.used = 0  # slots handed out (never reused: every captured launch keeps its own region)
         self._get, self._launch = compiler.get_kernel, compiler.launch
@@ -65,7 +64,6 @@ class Stamper:
             return k
         d = {**defines, "QOPS_STAMPS": 1}
         k = self._get(device, source_name, d, kernel_name, **kw)
-        self.stamped[id(k)] = d
         self.defines_of[id(k)] = d
         return k
 
@@ -83,8 +81,8 @@ class Stamper:
             self.niw.early_dependents_flag = early
 
     def launch(self, kernel, grid, block, shmem, stream, *args, **kw):
-        d = self.stamped.get(id(kernel))
-        if d is None:
+        d = self.defines_of.get(id(kernel))
+        if d is None or not d.get("QOPS_STAMPS"):
             return self._launch(kernel, grid, block, shmem, stream, *args, **kw)
         blocks = grid[0] * grid[1]
         if grid[1] > 1 and int(d["QOPS_CLUSTER"]) == 1:

@@ -141,12 +141,6 @@ def kernel_table(events, steps: int) -> dict:
 SMEM_PER_SM = 228 * 1024  # sm_90: shared memory of one SM (blocks also carry 1 KiB of static shared memory each)
 
 
-def _chunks_per_warp(k: int, p) -> int:
-    from qops.native import int_weight as niw
-
-    return -(-(-(-max(-(-k // niw.CHUNK_K), 1) // p.splits)) // (8 // p.nwn))
-
-
 def _remade(p, n: int, k: int, **changes):
     """``p`` with ``changes``, within the current device's shared memory."""
     import torch
@@ -168,7 +162,7 @@ def prewait_plan(p, m: int, n: int, k: int, sms: int):
     if not p.xfull or p.smem_ring or p.nwn == 8 or p.fold or p.f16mma:
         return p
     per_sm = -(-p.tiles * p.splits // sms)
-    for stages in range(min(_chunks_per_warp(k, p) + 1, niw.SMEM_RING_MAX), 3, -1):  # > 3: deeper than the register ring
+    for stages in range(min(niw.warp_chunks(k, p.nwn, p.splits) + 1, niw.SMEM_RING_MAX), 3, -1):  # > 3: deeper than the register ring
         try:
             q = _remade(p, n, k, smem_ring=stages)
         except ValueError:
@@ -185,9 +179,12 @@ def l2pf_plan(p, m: int, n: int, k: int, sms: int):
     put 2.6-3.3 us of these projections' time after the wait in their main loops. Measured
     (`...-8593935-probe-layer-timeline.json`): the loops unchanged, the 32-layer step 1900 against 1883 us:
     the loops do not wait for those loads."""
-    if not p.xfull or p.smem_ring or p.prefetch or _chunks_per_warp(k, p) > 4:
+    from qops.native import int_weight as niw
+
+    chunks = niw.warp_chunks(k, p.nwn, p.splits)
+    if not p.xfull or p.smem_ring or p.prefetch or chunks > 4:
         return p
-    return _remade(p, n, k, prefetch=_chunks_per_warp(k, p))
+    return _remade(p, n, k, prefetch=chunks)
 
 
 def bf16mma_plan(p, m: int, n: int, k: int, sms: int):

@@ -319,6 +319,13 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
 
 
 @functools.lru_cache(maxsize=4096)
+def warp_chunks(k: int, nwn: int, splits: int) -> int:
+    """Iterations (128-row chunks) each warp of a decode-kernel block runs: the K chunks split over the
+    S blocks of a column tile, then over the block's 8 / nwn warps along K."""
+    chunks = max(-(-k // CHUNK_K), 1)
+    return -(-(-(-chunks // splits)) // (8 // nwn))
+
+
 def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     # From the H200 launch-plan sweeps (benchmarks/results/h200-2026-11-30-sweep-native-*.json):
     # - the plan that wins has about 1.5-2 blocks per SM, and wider column tiles (nwn = 4, 512
@@ -359,11 +366,10 @@ def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
                     if not low <= blocks <= high or (s > 1 and s > chunks // (8 // nwn)):
                         continue
                     cluster = cluster_ok and s == 2
-                    iterations = -(-(-(-chunks // s)) // (8 // nwn))  # per warp
                     # The L2 prefetch no longer pays since x's loads overlap (xu): 57344 x 8192 and
                     # 8192 x 28672 at M = 1 run 8-12% faster without it (`...-1560c6f-sweep-m1-joint.json`).
                     # Folding stays where it was measured to pay: short blocks, and long warps.
-                    fold = xfull and (iterations >= 24 or -(-k // s) <= 4096)
+                    fold = xfull and (warp_chunks(k, nwn, s) >= 24 or -(-k // s) <= 4096)
                     if _plan_error(m, k, nwn, s, cluster, xfull, 0, fold) is None:
                         return make_plan(m, n, k, nwn=nwn, splits=s, cluster=cluster, xfull=xfull, minb=1 if m <= 8 else 2,
                                          fold=fold)
