@@ -91,7 +91,12 @@ class Stamper:
         self.used += blocks * SLOTS
         if self.used * 8 > self.buf.numel() * self.buf.element_size():
             raise RuntimeError("stamp buffer full")
-        self.sites.append({"defines": d, "grid": list(grid), "blocks": blocks, "offset": offset})
+        # Why a grid runs in one wave or two: the driver's blocks per SM for this launch, and whether
+        # it released the next launch at its start (the flags argument, index 14 of the decode kernel's).
+        per_sm = self.compiler.max_active_blocks(kernel, stream.device_index, block[0] * block[1] * block[2], shmem)
+        early = bool(int(args[14]) & self.niw._EARLY_DEPENDENTS)
+        self.sites.append({"defines": d, "grid": list(grid), "blocks": blocks, "offset": offset, "per_sm": per_sm, "early": early,
+                           "shmem": shmem})
         args = list(args)
         args[6] = self.buf.data_ptr() + offset * 8  # ws
         return self._launch(kernel, grid, block, shmem, stream, *args, **kw)
@@ -113,7 +118,8 @@ def site_rows(stamps, sites) -> list[dict]:
         wait_min, end = t[:, 1].min(), t[:, 4].max()
         row = {
             "site": s.get("name"), "grid": s["grid"], "nwn": int(d["QOPS_NWN"]), "cluster": int(d["QOPS_CLUSTER"]), "glu": int(d["QOPS_GLU"]),
-            "start": us(t[:, 0].min() - t_origin), "wait_min": us(wait_min - t_origin), "wait_max": us(t[:, 1].max() - t_origin),
+            "per_sm": s.get("per_sm"), "early": s.get("early"), "shmem": s.get("shmem"),
+            "start": us(t[:, 0].min() - t_origin), "start_max": us(t[:, 0].max() - t_origin), "wait_min": us(wait_min - t_origin), "wait_max": us(t[:, 1].max() - t_origin),
             "pre_wait_med": us(torch.median(t[:, 1] - t[:, 0])),
             "x_med": us(torch.median(t[:, 2] - t[:, 1])), "loop_med": us(torch.median(t[:, 3] - t[:, 2])), "loop_max": us((t[:, 3] - t[:, 2]).max()),
             "epi_med": us(torch.median(t[:, 4] - t[:, 3])), "end": us(end - t_origin), "post_wait": us(end - wait_min),
@@ -211,10 +217,10 @@ def main(argv=None) -> int:
     common.write_json(res, common.output_paths("probe_layer_timeline.json", a.out))
     for v, r in res["variants"].items():
         print(f"== {v}: step {r['step_ms'] * 1e3:.1f} us ({a.layers} layers + head; {r['stamped_step_ms'] * 1e3:.1f} with stamps)")
-        print("site | grid | start | wait min..max | pre-wait | x | loop med/max | epi | end | post-wait | gap before")
+        print("site | grid | per SM | early | start first..last | wait min..max | pre-wait | x | loop med/max | epi | end | post-wait | gap before")
         shown = r["sites"] if a.layers <= 4 else r["sites"][8:16]  # two middle layers of a long model
         for s in shown:
-            print(f"{s['site']} | {s['grid']} | {s['start']} | {s['wait_min']}..{s['wait_max']} | {s['pre_wait_med']} | {s['x_med']} | "
+            print(f"{s['site']} | {s['grid']} | {s['per_sm']} | {int(bool(s['early']))} | {s['start']}..{s['start_max']} | {s['wait_min']}..{s['wait_max']} | {s['pre_wait_med']} | {s['x_med']} | "
                   f"{s['loop_med']}/{s['loop_max']} | {s['epi_med']} | {s['end']} | {s['post_wait']} | {s['gap_before']}")
     return 0
 

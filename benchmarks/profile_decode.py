@@ -12,9 +12,9 @@ A variant is ``model[:option+option...]``:
   on by default on sm_90);
 - ``nonativepdl``: the native W4A16 kernel launched without PDL (``QOPS_NATIVE_PDL=0``);
 - ``ro``: also time the ``mode="reduce-overhead"`` loop of ``bench_decode.py`` (one more compile);
-- ``prewait``, ``l2pf``, ``bf16mma``, ``fold``: measurements of M = 1 launch plans of the native W4A16
+- ``prewait``, ``l2pf``, ``bf16mma``, ``fold``, ``minb2``: measurements of M = 1 launch plans of the native W4A16
   kernel (the shipped plans changed as :func:`prewait_plan`, :func:`l2pf_plan`, :func:`bf16mma_plan`,
-  :func:`fold_plan` say, through ``qops.native.int_weight.plan_override``; the options compose).
+  :func:`fold_plan`, :func:`minb2_plan` say, through ``qops.native.int_weight.plan_override``; the options compose).
 
 Per variant: ``compile_decode(cuda_graphs=False)`` captured by ``qops.models.CapturedDecode``
 (step, argmax and position update in one graph), ``--steps`` replays between CUDA events, median of
@@ -44,7 +44,7 @@ from collections import defaultdict
 import bench_decode  # the model builders (this script's folder is on sys.path)
 import common
 
-OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "prewait", "l2pf", "bf16mma", "fold")
+OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "prewait", "l2pf", "bf16mma", "fold", "minb2")
 # Kernel kinds, first match wins: (kind, substrings of the kernel name).
 KINDS = (
     ("qops native", ("w4a16",)),
@@ -205,7 +205,14 @@ def fold_plan(p, m: int, n: int, k: int, sms: int):
     return _remade(p, n, k, fold=True)
 
 
-PLAN_OPTIONS = {"prewait": prewait_plan, "l2pf": l2pf_plan, "bf16mma": bf16mma_plan, "fold": fold_plan}
+def minb2_plan(p, m: int, n: int, k: int, sms: int):
+    """``minb2``: builds promising two blocks an SM (``__launch_bounds__(256, 2)``) for grids of more
+    blocks than SMs. For the question of stop 29 / 30: the gated projection's bf16mma build (minb 1,
+    127 registers) ran its 224 blocks in two waves where the f16mma build (held to minb 2) ran one."""
+    return _remade(p, n, k, minb=2) if p.minb < 2 and p.tiles * p.splits > sms else p
+
+
+PLAN_OPTIONS = {"prewait": prewait_plan, "l2pf": l2pf_plan, "bf16mma": bf16mma_plan, "fold": fold_plan, "minb2": minb2_plan}
 
 
 def plan_override_for(opts):

@@ -131,6 +131,7 @@ def test_layer_timeline_spans_from_stamps(monkeypatch):
     a, b = plt.site_rows(stamps, sites)
     assert (a["start"], a["wait_min"], a["wait_max"], a["end"], a["post_wait"]) == (0.0, 2.0, 2.1, 7.0, 5.0)
     assert (a["x_med"], a["loop_max"], a["gap_before"]) == (0.5, 4.0, None)
+    assert (a["start_max"], b["start_max"]) == (0.5, 1.5)  # the last block's entry: a second wave shows here
     assert (b["start"], b["wait_min"], b["end"], b["post_wait"], b["gap_before"]) == (1.0, 8.0, 8.9, 0.9, 1.0)
     assert b["loop_max"] == 0.6 and b["cycles_med"][0] in (12, 13)
 
