@@ -923,14 +923,22 @@ def _gemm_wgmma_variants():
     # the K loop rotated by column tile, register-staged x and xnat
     for xnat in (False, True):
         yield gemm.make_plan(64, 28672, 4096, nwn=8, splits=1, stages=4, wgmma=True, xnat=xnat, krot=True).defines(torch.bfloat16, True)
+    # x from the per-call image (xpre): both widths, dtypes and zero modes, the fewest and most stages
+    for m, nwn, stages, dt, has_z in ((64, 8, 6, torch.float16, True), (64, 4, 4, torch.bfloat16, False), (33, 8, 3, torch.bfloat16, True),
+                                      (24, 4, 3, torch.float16, False)):
+        yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=1, stages=stages, wgmma=True, xpre=True).defines(dt, has_z)
 
 
 def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
     src = compiler.native_source(gemm.SOURCE)
     for defines, log in compile_reports(gemm.SOURCE, "sm_90a", _gemm_wgmma_variants()):
-        regs, spills = ptxas_report(log)[gemm.KERNEL]
+        report = ptxas_report(log)
+        regs, spills = report[gemm.KERNEL]
         assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])) and spills == 0, (defines, log)
         assert "wgmma" not in log.lower(), f"ptxas serialized the warpgroup MMAs: {log}"
+        assert (gemm.X_IMAGE in report) == bool(defines.get("QOPS_XPRE")), (defines, log)  # the image kernel: xpre builds only
+        if gemm.X_IMAGE in report:
+            assert report[gemm.X_IMAGE][1] == 0, (defines, log)
     # Without the arch-specific target there is no wgmma: the build says so instead of failing in ptxas.
     with pytest.raises(compiler.NativeCompileError, match="QOPS_WGMMA needs arch sm_90a"):
         compiler.compile(src, "sm_90", compiler.native_options(defines))
@@ -992,6 +1000,11 @@ def test_gemm_rule_plans_are_runnable(n, k):
     (dict(m=64, nwn=4, splits=1, stages=8, wgmma=True), "shared memory"),
     (dict(m=64, nwn=8, splits=1, stages=4, xnat=True), "xnat with wgmma=False"),
     (dict(m=64, nwn=4, splits=1, stages=5, wgmma=True, xnat=True), "shared memory"),
+    (dict(m=64, nwn=8, splits=1, stages=4, xpre=True), "xpre with wgmma=False"),
+    (dict(m=64, nwn=8, splits=1, stages=4, wgmma=True, xnat=True, xpre=True), "xpre with wgmma=True, tw=2, xnat=True"),
+    (dict(m=64, nwn=8, splits=1, stages=4, wgmma=True, krot=True, xpre=True), "krot=True"),
+    (dict(m=64, nwn=8, splits=1, stages=2, wgmma=True, xpre=True), "stages=2"),
+    (dict(m=64, nwn=4, splits=1, stages=5, wgmma=True, xpre=True), "shared memory"),
 ])
 def test_gemm_make_plan_refuses_what_the_kernel_cannot_run(kw, why):
     with pytest.raises(ValueError, match=why):
@@ -1009,7 +1022,7 @@ def test_gemm_plan_env_replaces_fields(monkeypatch):
         gemm.plan(40, 4096, 4096, 0)
 
 
-@pytest.mark.parametrize("build", ["mma", "wgmma", "xnat"])
+@pytest.mark.parametrize("build", ["mma", "wgmma", "xnat", "xpre"])
 @pytest.mark.parametrize("m, n, k", [(33, 28672, 4096), (64, 4096, 14336)], ids=["unsplit", "split"])
 def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, build):
     """The GEMM as the decode kernel: its first stages' weight copies (predicated cp.async of 16, 8 and
@@ -1017,8 +1030,8 @@ def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, build):
     trigger after the main loop's last weight copy and before the first store; nothing of it on sm_80."""
     wgmma = build != "mma"
     p = gemm._rule(m, n, k, 132, wgmma=wgmma)
-    if build == "xnat":
-        p = gemm.with_fields(p, n, k, xnat=True)
+    if build in ("xnat", "xpre"):
+        p = gemm.with_fields(p, n, k, **{build: True})
     defines = p.defines(torch.bfloat16, True)
     src = compiler.native_source(gemm.SOURCE)
     if not wgmma:
@@ -1032,3 +1045,19 @@ def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, build):
     last_weight = max(i for i, l in enumerate(lines) if _weight_load(l, True))
     first_store = next(i for i, l in enumerate(lines) if re.search(r"\bst\.[\w.:]*global", l))
     assert len(trigger) == 1 and last_weight < trigger[0] < first_store
+
+
+def test_gemm_x_image_waits_before_any_global_access():
+    """The xpre plans' image kernel: its trigger first (the GEMM behind may copy weights), then the
+    wait, then every global access (x is the kernel ahead's output; the workspace may still be read
+    by the launch before); it is in the xpre builds only."""
+    p = gemm.make_plan(64, 4096, 4096, nwn=8, splits=2, stages=4, wgmma=True, xpre=True)
+    src = compiler.native_source(gemm.SOURCE)
+    entries = _entries(_ptx(src, "sm_90a", p.defines(torch.float16, True)))
+    lines = entries[gemm.X_IMAGE]
+    trigger = next(i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l)
+    wait = next(i for i, l in enumerate(lines) if "griddepcontrol.wait" in l)
+    first = next(i for i, l in enumerate(lines) if _GLOBAL_ACCESS.search(l))
+    assert trigger < wait < first
+    rule = gemm._rule(64, 4096, 4096, 132, wgmma=True)
+    assert gemm.X_IMAGE not in _entries(_ptx(src, "sm_90a", rule.defines(torch.float16, True)))

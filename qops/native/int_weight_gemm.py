@@ -29,6 +29,7 @@ from . import compiler
 
 SOURCE = "w4a16_gemm.cu"
 KERNEL = "qops_w4a16_gemm"
+X_IMAGE = "qops_w4a16_x_image"  # the xpre plans' x permuted once per call (w4a16_gemm.cu)
 REDUCE_SOURCE = "w4a16_gemv.cu"  # its qops_w4a16_reduce adds the (S, M, N) partials in order
 REDUCE = "qops_w4a16_reduce"
 MAX_M = 64  # 8 MMA tiles of 8 rows (QOPS_MT <= 8)
@@ -56,6 +57,8 @@ class Plan:
     probe: int = 0  # measurements only (benchmarks/probe_w4_gemm.py, wgmma builds): 1 no MMAs, 2 no dequantization, 3 no x
     xnat: bool = False  # wgmma builds: weight fragments in natural K order, x through cp.async in the stages (measured slower)
     krot: bool = False  # each column tile starts its K loop at a different chunk group (measured: no change)
+    xpre: bool = False  # wgmma builds: x permuted once per call into the workspace (X_IMAGE), copied by cp.async
+    x_image: int = 0  # xpre: bytes of that image, the workspace's last part (after a split-K plan's fp32 partials)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         d = {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
@@ -70,10 +73,18 @@ class Plan:
             d["QOPS_XNAT"] = 1
         if self.krot:
             d["QOPS_KROT"] = 1
+        if self.xpre:
+            d["QOPS_XPRE"] = 1
         return d
 
 
 WGMMA_X_BUFFERS = 3  # kXbufs in w4a16_gemm.cu
+
+
+def x_image_bytes(m: int, k: int) -> int:
+    """The xpre plans' image of x: per 128-row chunk of K, 16 core matrices of 128 bytes per 8 rows of x
+    (kChunkImg in w4a16_gemm.cu), i.e. x padded to 8 ceil(M / 8) rows and whole chunks, 2 bytes a value."""
+    return max(-(-k // CHUNK_K), 1) * 16 * 128 * -(-m // 8)
 
 
 def warp_stage_bytes(tw: int) -> int:
@@ -84,15 +95,15 @@ def warp_stage_bytes(tw: int) -> int:
 WARP_STAGE_BYTES = warp_stage_bytes(2)
 
 
-def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2, xnat: bool = False) -> int:
+def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2, xnat: bool = False, xpre: bool = False) -> int:
     """Pipeline stages (x: M rows of 8 / nwn chunks, rows padded by 4 slots; the 8 warps' weights), or
     the warps' partial sums if larger. With wgmma the stages hold weights only, and three x buffers
-    (8 / nwn chunks of 128 rows by 8 MT rows of x, 2 bytes a value) follow them; with xnat each stage
-    holds its weights and one such x buffer."""
+    (8 / nwn chunks of 128 rows by 8 MT rows of x, 2 bytes a value) follow them; with xnat or xpre each
+    stage holds its weights and one such x buffer."""
     nwk = 8 // nwn
     mt = -(-m // 8)
     x_buffer = nwk * CHUNK_K * 8 * mt * 2
-    if xnat:
+    if xnat or xpre:
         pipeline = stages * (8 * warp_stage_bytes(tw) + x_buffer)
     elif wgmma:
         pipeline = stages * 8 * warp_stage_bytes(tw) + WGMMA_X_BUFFERS * x_buffer
@@ -103,7 +114,8 @@ def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2,
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
-              smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2, xnat: bool = False, krot: bool = False) -> Plan:
+              smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2, xnat: bool = False, krot: bool = False,
+              xpre: bool = False) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
     ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default).
     Whether the device runs wgmma (sm_90a) is :func:`plan`'s check, not this one's."""
@@ -131,13 +143,20 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
                          "or spills (two blocks an SM: M <= 16, or M <= 32 at nwn 8 or with xnat)")
     if xnat and not (wgmma and tw == 2):
         raise ValueError(f"native_w4a16 gemm: xnat with wgmma={wgmma}, tw={tw}: a wgmma build with two tiles a warp")
-    shmem = shmem_bytes(m, nwn, stages, wgmma, tw, xnat)
+    if xpre and not (wgmma and tw == 2 and not xnat and not krot and stages >= 3):
+        raise ValueError(f"native_w4a16 gemm: xpre with wgmma={wgmma}, tw={tw}, xnat={xnat}, krot={krot}, stages={stages}: "
+                         "a wgmma build with two tiles a warp, the weight's own K order, chunks in order and at least 3 stages")
+    shmem = shmem_bytes(m, nwn, stages, wgmma, tw, xnat, xpre)
     if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
                          f"a block, {minb} block(s) an SM: more than the device's {smem_limit}")
     tiles = -(-n // (16 * tw * nwn))
-    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, splits * m * n * 4 if splits > 1 else 0, bool(wgmma), tw,
-                xnat=bool(xnat), krot=bool(krot))
+    image = x_image_bytes(m, k) if xpre else 0
+    partials = splits * m * n * 4 if splits > 1 else 0
+    if image:
+        partials = -(-partials // 256) * 256  # the image starts 256-byte aligned (w4a16_gemm.cu's ximg)
+    return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, partials + image, bool(wgmma), tw,
+                xnat=bool(xnat), krot=bool(krot), xpre=bool(xpre), x_image=image)
 
 
 # The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
@@ -206,8 +225,8 @@ def _env_fields() -> dict[str, int]:
     out = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
-        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat", "krot"):
-            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat, krot)")
+        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat", "krot", "xpre"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat, krot, xpre)")
         out[key.strip()] = int(val)
     return out
 
@@ -254,13 +273,19 @@ def _reduce_kernel(dev: int, dtype: torch.dtype):
 
 def launch(p: Plan, x2, qweight, scales, qzeros, bias, o2, ws, n: int, k: int, chunks_per_group: int, zero_offset: int,
            flags: int, dev: int, stream, pdl: bool) -> None:
-    """One GEMM launch of plan ``p`` (``ws``: fp32 scratch of ``p.workspace`` bytes when S > 1), and the
-    reduction of its partials. ``flags``: the bias and scale-dtype bits of ``w4a16_gemv.cu``."""
+    """One GEMM launch of plan ``p`` (``ws``: scratch of ``p.workspace`` bytes when it needs any: a
+    split-K plan's fp32 partials, then an xpre plan's x image), the x image's launch before it and the
+    reduction of its partials after it. ``flags``: the bias and scale-dtype bits of ``w4a16_gemv.cu``."""
     m = x2.shape[0]
     has_z = qzeros is not None
-    kernel = compiler.get_kernel(dev, SOURCE, p.defines(x2.dtype, has_z), KERNEL, arch_specific=p.wgmma)
+    defines = p.defines(x2.dtype, has_z)
+    kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL, arch_specific=p.wgmma)
     i32 = compiler.i32
     ws_ptr = ws.data_ptr() if ws is not None else 0
+    if p.xpre:
+        image = compiler.get_kernel(dev, SOURCE, defines, X_IMAGE, arch_specific=True)
+        compiler.launch(image, (-(-p.x_image // 16 // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
+                        x2.data_ptr(), ws_ptr + p.workspace - p.x_image, i32(m), i32(k), i32(x2.stride(0)), pdl=pdl)
     compiler.launch(
         kernel, (p.tiles, p.splits, 1), (THREADS, 1, 1), p.shmem, stream,
         qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr() if has_z else 0, x2.data_ptr(),
@@ -290,6 +315,9 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
         if p.shmem > SHMEM_DEFAULT_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
             compiler.allow_dynamic_shared(kernel, dev, p.shmem)
         compiler.launch(kernel, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
+        if p.xpre:
+            image = compiler.get_kernel(dev, SOURCE, p.defines(dtype, has_zeros), X_IMAGE, arch_specific=True)
+            compiler.launch(image, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, i0, i0, i0, pdl=pdl)
         if p.splits > 1:
             compiler.launch(_reduce_kernel(dev, dtype), (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
     return len(seen)
@@ -305,6 +333,9 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
         fields["xnat"] = False
     if probe and not fields.get("wgmma", p.wgmma):
         raise ValueError("native_w4a16 gemm: probe builds are wgmma builds")
-    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot}
+    if not fields.get("wgmma", p.wgmma) and "xpre" not in fields:
+        fields["xpre"] = False
+    base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
+            "xpre": p.xpre}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
     return dataclasses.replace(q, probe=probe) if probe != q.probe else q

@@ -90,11 +90,24 @@
 // Nsight Compute of the rule's build at 28672x4096, M = 64 (...-57ab254-ncu-gemm64-gemv16-*): 112
 // blocks on 132 SMs, 8 warps an SM (227 registers), issue slots 32% busy, no dominant stall (fixed
 // latency 24%, long scoreboard 12%: the permutes waiting on x's loads; short scoreboard 7%).
+// QOPS_XPRE = 1: x permuted once per call instead of once per column tile. A small kernel in this
+// file (qops_w4a16_x_image, launched just before the GEMM, PDL) writes x into the workspace as the
+// exact shared-memory image the wgmma builds read: chunk by chunk (128 rows of K), each chunk 16 MT
+// core matrices of 128 bytes in the permuted K order above, rows past M and K zero. Iteration it's
+// x is then kXbBytes contiguous bytes of that image, copied into its pipeline stage by cp.async
+// beside the weights (16-byte pieces, whole sectors, no registers, no permutes in the GEMM), while
+// the weight path (fragments, dequantization, wgmma) is the register-staged build's. Without x
+// (QOPS_PROBE 3) that build's loop ran 2.3-3.3x faster (stop 25), and xnat, which moved x to cp.async
+// but the permutation onto the weight (4x its shared loads, a drain an iteration), measured slower.
+// The stage of iteration it - 2 is the one refilled at iteration it (loads run kStages - 2 ahead), so
+// no iteration waits for its own MMAs: by the barrier of it every warpgroup has issued a step of
+// it - 1 and waited (wait_group 1) for everything of it - 2.
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
 // stages), QOPS_MINB (blocks an SM promised to ptxas), QOPS_WGMMA (0/1, above), QOPS_TW (1, 2: 16-column
-// tiles a warp), QOPS_XNAT (0/1, above), QOPS_KROT (0/1: rotated K order), QOPS_PROBE (measurement builds).
+// tiles a warp), QOPS_XNAT (0/1, above), QOPS_XPRE (0/1, above), QOPS_KROT (0/1: rotated K order), QOPS_PROBE
+// (measurement builds).
 #include "w4.cuh"
 
 #ifndef QOPS_DT
@@ -123,6 +136,9 @@
 #endif
 #ifndef QOPS_XNAT
 #define QOPS_XNAT 0  // wgmma builds: weight fragments in natural K order, x through cp.async (header)
+#endif
+#ifndef QOPS_XPRE
+#define QOPS_XPRE 0  // wgmma builds: x from the image qops_w4a16_x_image wrote, through cp.async (header)
 #endif
 #ifndef QOPS_KROT
 #define QOPS_KROT 0  // 1: each column tile starts its K loop at a different chunk group (kit below)
@@ -171,10 +187,14 @@ constexpr bool kWgmma = QOPS_WGMMA != 0;
 static_assert(!kWgmma || kNWN == 4 || kNWN == 8, "QOPS_WGMMA: a warpgroup's warps must share their chunk (NWN 4 or 8)");
 constexpr bool kXNat = QOPS_XNAT != 0;
 static_assert(!kXNat || (kWgmma && kTW == 2 && QOPS_PROBE == 0), "QOPS_XNAT is a wgmma build with two tiles a warp");
+constexpr bool kXPre = QOPS_XPRE != 0;
+static_assert(!kXPre || (kWgmma && kTW == 2 && !kXNat && QOPS_PROBE == 0 && QOPS_KROT == 0 && kStages >= 3),
+              "QOPS_XPRE is a wgmma build with two tiles a warp, natural chunk order and at least 3 stages");
 // wgmma's x buffer: per chunk of the iteration (NWK), 32-row step (4), 16-row k step (2) and K half
 // (2), MT core matrices of 8 rows x 16 bytes (x rows 8 i .. 8 i + 7 at 128 i bytes).
 constexpr int kCore = 128;
-constexpr int kXbBytes = kNWK * 4 * 2 * 2 * kMT * kCore;
+constexpr int kChunkImg = 4 * 2 * 2 * kMT * kCore;  // one chunk's part of it (QOPS_XPRE: the image's unit)
+constexpr int kXbBytes = kNWK * kChunkImg;
 #if QOPS_WGMMA
 #if !QOPS_XNAT
 constexpr int kXbufs = 3;  // the register-staged x's buffers
@@ -247,7 +267,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   // A stage: x (M rows of kRS slots; none with wgmma, whose x buffers follow the stages), then the
   // 8 warps' weights.
   // With QOPS_XNAT the stage's x is the wgmma core-matrix image of the iteration's chunks.
-  const int xstage = kWgmma ? (kXNat ? kXbBytes : 0) : M * kRS * 16;
+  const int xstage = kWgmma ? ((kXNat || kXPre) ? kXbBytes : 0) : M * kRS * 16;
   const int stage_bytes = xstage + kWarps * kWarpW;
   const u32 smem_a = smem_addr(smem);
   const char* smem_c = reinterpret_cast<const char*>(smem);
@@ -430,6 +450,52 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       }
     }
     wgmma_wait<0>();  // this stage's x is refilled after the next barrier
+  }
+#elif QOPS_XPRE
+  // x from the image (header): partials of a split-K plan first in the workspace, the image after them.
+  // (int_weight_gemm.make_plan: the partials' bytes rounded up to 256.)
+  const char* ximg = reinterpret_cast<const char*>(ws) + (S > 1 ? (static_cast<size_t>(S) * M * N * 4 + 255) / 256 * 256 : 0);
+  // Iteration it's NWK chunks are kXbBytes contiguous bytes of the image, copied as they lie; chunks
+  // past K (the last iteration of a split may name some) are zero-filled, never read.
+  auto load_x_pre = [&](int it, int st) {
+    constexpr int kPieces = kXbBytes / 16;
+    const int ch0 = cb + it * kNWK;
+    const u32 base = smem_a + st * stage_bytes;
+    const char* src = ximg + static_cast<size_t>(ch0) * kChunkImg;
+#pragma unroll
+    for (int i = 0; i < (kPieces + kThreads - 1) / kThreads; ++i) {
+      const int u = tid + i * kThreads;
+      if (kPieces % kThreads != 0 && u >= kPieces) break;
+      const bool in = ch0 + u / (kChunkImg / 16) < C;
+      cp_async_16(base + u * 16, in ? src + static_cast<size_t>(u) * 16 : ximg, in ? 16 : 0);
+    }
+  };
+
+  load_first_stages<kStages - 1>(n_it, load_w, load_x_pre);  // stages 0 .. kStages - 3
+
+  for (int it = 0; it < n_it; ++it) {
+    cp_async_wait<kStages - 3>();  // this thread's copies of stage it have landed
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // x, copied in the generic proxy, is read by wgmma
+    __syncthreads();  // everyone's copies have landed; the MMAs of it - 2, whose stage is refilled below, are done
+    const int ahead = it + kStages - 2;
+    if (ahead < n_it) {
+      load_w(ahead, ahead % kStages);
+      load_x_pre(ahead, ahead % kStages);
+    }
+    cp_async_commit();
+    if (cb + it * kNWK + wk < ce) {  // warpgroup-uniform: the group's warps share wk
+      const int st = it % kStages;
+      const Chunk ck = read_chunk(st);
+      const u32 xst = smem_a + st * stage_bytes;
+      u32 p[2][kCols][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        dequant_step(ck, j, p[j & 1]);
+        issue_step(xst, j, p[j & 1]);
+      }
+    } else {
+      wgmma_wait<0>();  // no step issued here: the stage of this iteration's earlier MMAs may be refilled next
+    }
   }
 #else
   // x through registers into the wgmma buffers (header). Piece u of an iteration: 16 bytes (8 values,
@@ -640,3 +706,39 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       }
     }
 }
+
+#if QOPS_XPRE
+// x as the image the QOPS_XPRE GEMM copies (header), written to `img` (chunks of kChunkImg bytes,
+// ceil(K / 128) of them). Thread u: 16 bytes of x (8 values, group c of 32-row step Q) of row
+// 8 mg + r, with lane = 4 r + c and u / 32 = Q MT + mg, stored as the four 4-byte words
+// store_x_regs writes: a warp's stores fill 128 contiguous bytes each. Rows past M and columns past K
+// are written as zeros (the GEMM's MMAs read them).
+extern "C" __global__ void __launch_bounds__(qops::gemm::kThreads)
+qops_w4a16_x_image(const unsigned short* __restrict__ x, unsigned* __restrict__ img, int M, int K, int ldx) {
+  using namespace qops;
+  using namespace qops::gemm;
+  // The GEMM behind may start (and copy its first weights); it reads the image only after its own
+  // grid_dep_wait, which waits for this grid to finish.
+  grid_dep_launch_dependents();
+  grid_dep_wait();  // x is written by the kernel ahead; and the launch before may still read the workspace
+  if (M <= 0) return;  // also the warm-up launch
+  const int C = (K + kChunkK - 1) / kChunkK;
+  const int u = blockIdx.x * kThreads + threadIdx.x;
+  if (u >= C * 4 * kMT * 32) return;
+  const int lane = u & 31, wu = u >> 5;
+  const int mg = wu % kMT, Q = wu / kMT;
+  const int r = lane >> 2, c = lane & 3;
+  const int m = 8 * mg + r, k = 32 * Q + 8 * c;
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (m < M && k < K) v = *reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * ldx + k);  // K % 8 == 0
+  char* row = reinterpret_cast<char*>(img) + static_cast<size_t>(Q >> 2) * kChunkImg + mg * kCore + r * 16 + 4 * c;
+  const int q = Q & 3;
+#pragma unroll
+  for (int s2 = 0; s2 < 2; ++s2) {
+    const u32 lo = s2 ? v.y : v.x, hi = s2 ? v.w : v.z;
+    const size_t blk = static_cast<size_t>((q * 2 + s2) * 2) * (kMT * kCore);
+    *reinterpret_cast<u32*>(row + blk) = prmt<0x5410>(lo, hi);
+    *reinterpret_cast<u32*>(row + blk + kMT * kCore) = prmt<0x7632>(lo, hi);
+  }
+}
+#endif

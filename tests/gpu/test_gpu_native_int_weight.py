@@ -411,6 +411,63 @@ def test_gemm_below_33_rows_matches_reference(fields, monkeypatch):
     _check_gemm_plan(fields, ms=(1, 8, 16, 17, 32), **fields)
 
 
+# x permuted once per call into the workspace (xpre): one tile width's and the other's, split (the
+# image after the partials) and not, the fewest stages (one ahead) and the most that fit at M = 64.
+XPRE_PLANS = [dict(nwn=8, splits=1, stages=4), dict(nwn=8, splits=1, stages=6), dict(nwn=4, splits=5, stages=4),
+              dict(nwn=8, splits=3, stages=3), dict(nwn=4, splits=1, stages=3)]
+
+
+@pytest.mark.parametrize("fields", XPRE_PLANS, ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
+def test_gemm_x_image_plans_match_reference(fields):
+    _check_gemm_plan(fields, wgmma=True, xpre=True, **fields)
+
+
+@pytest.mark.parametrize("fields", XPRE_PLANS[:3], ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
+def test_gemm_x_image_below_33_rows_matches_reference(fields, monkeypatch):
+    monkeypatch.setattr(native, "decode_rows", lambda *a: 0)  # every row to the GEMM
+    _check_gemm_plan(fields, ms=(1, 8, 17, 32), wgmma=True, xpre=True, **fields)
+
+
+def test_gemm_x_image_chain_in_a_cuda_graph_on_one_workspace():
+    """Two xpre GEMMs back to back in a CUDA graph on one caller's workspace, the second's x computed
+    from the first's output: the second image may be written only after the first GEMM has read its
+    own (the image kernel waits for the launch before it), and must see the x the op before it wrote."""
+    if why := gemm.wgmma_missing(torch.cuda.current_device()):
+        pytest.skip(why)
+    n = k = 2048
+    a, b = native_weight("gptq", n, k, 128, False, version="v2"), native_weight("awq", n, k, 128, False)
+    m = 64
+    q = gemm.make_plan(m, n, k, nwn=8, splits=2, stages=4, wgmma=True, xpre=True)
+    x = rand(m, k, dtype=torch.float16, seed=5)
+    with gemm.plan_override(lambda *_: q):
+        need = native.workspace_bytes(m, n, k, 4, 128, 0)
+        assert need == q.workspace and need >= q.x_image > 0
+        ws = torch.empty(need, dtype=torch.uint8, device="cuda")
+        y1, y2 = (torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(2))
+
+        def step():
+            torch.ops.qops.mm_int_weight_out(x, a.weight.qweight, a.weight.scales, a.weight.qzeros, a.weight.act_perm, None,
+                                             k, 4, 128, a.weight.zero_offset, int(a.weight.kernel), y1, ws)
+            torch.ops.qops.mm_int_weight_out(y1 * 0.25, b.weight.qweight, b.weight.scales, b.weight.qzeros, b.weight.act_perm, None,
+                                             k, 4, 128, b.weight.zero_offset, int(b.weight.kernel), y2, ws)
+
+        step()
+        torch.cuda.synchronize()
+        check(y1, x, a.w64, None, "first xpre GEMM")
+        want2 = y2.clone()
+        check(y2, y1 * 0.25, b.w64, None, "second xpre GEMM, x from the first")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        for seed in (6, 7):
+            x.copy_(rand(m, k, dtype=torch.float16, seed=seed))
+            g.replay()
+            torch.cuda.synchronize()
+            check(y1, x, a.w64, None, f"replayed first xpre GEMM, seed {seed}")
+            check(y2, y1 * 0.25, b.w64, None, f"replayed second xpre GEMM, seed {seed}")
+            assert not torch.equal(y2, want2)
+
+
 def _check_gemm_plan(name, wgmma=False, splits=1, ms=(33, 48, 64), **fields):
     if wgmma and (why := gemm.wgmma_missing(torch.cuda.current_device())):
         pytest.skip(why)
