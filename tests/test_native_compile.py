@@ -523,7 +523,7 @@ def test_workspace_covers_every_slice(monkeypatch):
         for n, k in [(4096, 4096), (1024, 8192), (28672, 4096), (100, 776)] + ([(100, 777)] if deterministic else []):
             for m in range(1, top + 1):
                 last = native.decode_rows(n, k, 0)  # test_decode_rows_on_hopper_and_elsewhere
-                need = max(native._plan(r, n, k, 132, False).workspace if r <= last else gemm._rule(r, n, k, 132).workspace
+                need = max(native._plan(r, n, k, 132, False).workspace if r <= last else gemm._rule(r, n, k, 132, wgmma=True).workspace
                            for r in _slices(m, k))
                 assert native.workspace_bytes(m, n, k, 4, 128, device=0) == need, (deterministic, n, k, m)
 
@@ -556,7 +556,7 @@ def test_workspace_above_the_gemm_is_the_triton_need(monkeypatch):
     assert native.workspace_bytes(40, 4096, 777, 4, -1, device=0) == 4096
     assert asked == [(m, 4096, 4096, "cuda") for m in (gemm.MAX_M + 1, 300)] + [(40, 4096, 777, "cuda")]
     for m in (native.MAX_M + 1, gemm.MAX_M):
-        assert native.workspace_bytes(m, 4096, 4096, 4, 128, device=0) == gemm._rule(m, 4096, 4096, 132).workspace
+        assert native.workspace_bytes(m, 4096, 4096, 4, 128, device=0) == gemm._rule(m, 4096, 4096, 132, wgmma=True).workspace
 
 
 def test_workspace_bytes_without_a_gpu_is_an_upper_bound():
@@ -972,7 +972,9 @@ def test_gemm_rule_is_the_measured_best_on_the_perf_shapes():
                 p = gemm._rule(m, n, k, 132, wgmma=wgmma)
                 assert (p.nwn, p.splits, p.wgmma) == (*want, wgmma), ((n, k, m), p)
                 assert p.minb == 1 and p.stages == 4 and p.mt == -(-m // 8) and p.tw == 2
-                assert p.workspace == (p.splits * m * n * 4 if p.splits > 1 else 0)
+                # x permuted once per call with wgmma (h200-2026-12-02-a03ced7-probe-xpre.json), its image after the partials
+                assert p.xpre is wgmma and p.x_image == (gemm.x_image_bytes(m, k) if wgmma else 0)
+                assert p.workspace == (p.splits * m * n * 4 if p.splits > 1 else 0) + p.x_image
 
 
 @pytest.mark.parametrize("n, k", [(256, 128), (1000, 1000), (4096, 4096), (100000, 8192), (4096, 131072)])
@@ -980,7 +982,9 @@ def test_gemm_rule_plans_are_runnable(n, k):
     for sms, limit, wgmma in ((132, gemm.SHMEM_SM_BYTES, True), (132, gemm.SHMEM_SM_BYTES, False), (108, 163 * 1024 - 1024, False)):  # H100/H200, A100
         for m in (33, 40, 57, 64):
             p = gemm._rule(m, n, k, sms, limit, wgmma)
-            assert gemm.make_plan(m, n, k, nwn=p.nwn, splits=p.splits, stages=p.stages, minb=p.minb, smem_limit=limit, wgmma=wgmma) == p
+            assert gemm.make_plan(m, n, k, nwn=p.nwn, splits=p.splits, stages=p.stages, minb=p.minb, smem_limit=limit, wgmma=wgmma,
+                                  xpre=p.xpre) == p
+            assert p.xpre is wgmma
             assert p.shmem <= limit and 1 <= p.splits <= 16 and p.stages >= 2
 
 
@@ -1059,5 +1063,5 @@ def test_gemm_x_image_waits_before_any_global_access():
     wait = next(i for i, l in enumerate(lines) if "griddepcontrol.wait" in l)
     first = next(i for i, l in enumerate(lines) if _GLOBAL_ACCESS.search(l))
     assert trigger < wait < first
-    rule = gemm._rule(64, 4096, 4096, 132, wgmma=True)
-    assert gemm.X_IMAGE not in _entries(_ptx(src, "sm_90a", rule.defines(torch.float16, True)))
+    staged = gemm.make_plan(64, 4096, 4096, nwn=8, splits=2, stages=4, wgmma=True)  # x through registers
+    assert gemm.X_IMAGE not in _entries(_ptx(src, "sm_90a", staged.defines(torch.float16, True)))

@@ -558,8 +558,11 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
         return 0
     if device is None:
         if not torch.cuda.is_available():
-            # the most any plan asks for: 16 splits of 32 rows, or the GEMM's of 64 rows
-            return max(16 * min(m, MAX_M) * n * 4, 16 * min(m, gemm.MAX_M) * n * 4 if m > MAX_M else 0)
+            # the most any plan asks for: 16 splits of 32 rows, or the GEMM's (Hopper's from 17 rows) of
+            # up to 64 rows with its x image
+            rows = min(m, gemm.MAX_M)
+            gemm_need = -(-16 * rows * n * 4 // 256) * 256 + gemm.x_image_bytes(rows, k)
+            return max(16 * min(m, MAX_M) * n * 4, gemm_need if m > min(r for _, r in WGMMA_DECODE_ROWS) else 0)
         device = torch.cuda.current_device()
     dev = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
     if m > _rows_served(k) and not deterministic():

@@ -199,9 +199,13 @@ def _rule(m: int, n: int, k: int, sms: int, smem_limit: int = SHMEM_SM_BYTES, wg
             cost = plan_cost_us(m, n, k, nwn, splits, sms)
             if best is None or cost < best[0] - 1e-9:
                 best = (cost, nwn, splits)
+    # With wgmma, x permuted once per call (xpre) where three stages fit: 1.06-1.32x faster than the
+    # register-staged x at M = 33 / 48 / 64 on all five shapes, 4, 5 or 6 stages alike, 3 slower
+    # (h200-2026-12-02-a03ced7-probe-xpre.json). The tiles were fitted before it (x's cost changed).
     nwn = best[1]
-    stages = max([s for s in (2, 3, 4) if shmem_bytes(m, nwn, s, wgmma) <= smem_limit], default=2)
-    return make_plan(m, n, k, nwn=nwn, splits=best[2], stages=stages, smem_limit=smem_limit, wgmma=wgmma)
+    xpre = wgmma and shmem_bytes(m, nwn, 3, wgmma, xpre=True) <= smem_limit
+    stages = max([s for s in (2, 3, 4) if shmem_bytes(m, nwn, s, wgmma, xpre=xpre) <= smem_limit], default=2)
+    return make_plan(m, n, k, nwn=nwn, splits=best[2], stages=stages, smem_limit=smem_limit, wgmma=wgmma, xpre=xpre)
 
 
 _override = None
@@ -324,8 +328,9 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
 
 
 def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fields) -> Plan:
-    """``p`` with some of nwn / splits / stages / minb / wgmma / tw replaced (validated, shared memory re-derived),
-    and the build-only ``probe``. ``nwn`` 1 or 2 without ``wgmma`` given turns wgmma off."""
+    """``p`` with some of nwn / splits / stages / minb / wgmma / tw / xnat / krot / xpre replaced (validated, shared
+    memory and workspace re-derived), and the build-only ``probe``. ``nwn`` 1 or 2 without ``wgmma`` given
+    turns wgmma off; a choice xpre cannot serve without ``xpre`` given turns xpre off."""
     probe = fields.pop("probe", p.probe)
     if "wgmma" not in fields and fields.get("nwn", p.nwn) not in (4, 8):
         fields["wgmma"] = False  # a width warpgroups cannot share (nwn 1, 2) asks for the mma.sync build
@@ -333,8 +338,10 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
         fields["xnat"] = False
     if probe and not fields.get("wgmma", p.wgmma):
         raise ValueError("native_w4a16 gemm: probe builds are wgmma builds")
-    if not fields.get("wgmma", p.wgmma) and "xpre" not in fields:
-        fields["xpre"] = False
+    if "xpre" not in fields:  # a build xpre cannot be (the mma.sync one, xnat, krot, tw 1, 2 stages, probes) asks for the other x path
+        merged = {"wgmma": p.wgmma, "xnat": p.xnat, "krot": p.krot, "tw": p.tw, "stages": p.stages} | fields
+        if not merged["wgmma"] or merged["xnat"] or merged["krot"] or merged["tw"] != 2 or merged["stages"] < 3 or probe:
+            fields["xpre"] = False
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
             "xpre": p.xpre}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
