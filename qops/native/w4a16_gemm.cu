@@ -188,7 +188,7 @@ static_assert(!kWgmma || kNWN == 4 || kNWN == 8, "QOPS_WGMMA: a warpgroup's warp
 constexpr bool kXNat = QOPS_XNAT != 0;
 static_assert(!kXNat || (kWgmma && kTW == 2 && QOPS_PROBE == 0), "QOPS_XNAT is a wgmma build with two tiles a warp");
 constexpr bool kXPre = QOPS_XPRE != 0;
-static_assert(!kXPre || (kWgmma && kTW == 2 && !kXNat && QOPS_PROBE == 0 && QOPS_KROT == 0 && kStages >= 3),
+static_assert(!kXPre || (kWgmma && kTW == 2 && !kXNat && QOPS_KROT == 0 && kStages >= 3),
               "QOPS_XPRE is a wgmma build with two tiles a warp, natural chunk order and at least 3 stages");
 // wgmma's x buffer: per chunk of the iteration (NWK), 32-row step (4), 16-row k step (2) and K half
 // (2), MT core matrices of 8 rows x 16 bytes (x rows 8 i .. 8 i + 7 at 128 i bytes).
@@ -381,6 +381,27 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     wgmma_commit();
     wgmma_wait<1>();
   };
+#if QOPS_PROBE
+  // What the main loop costs without its MMAs (1), or its dequantization too (2, 3): the words
+  // still reach a register sum, so nothing is optimized away.
+  auto probe_chunk = [&](const Chunk& ck) {
+    u32 sink = 0;
+    u32 p[kCols][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int jj = 0; jj < kCols; ++jj) {
+        if (QOPS_PROBE == 1) {
+          dequant_step(ck, j, p);
+          sink ^= p[jj][0] ^ p[jj][1] ^ p[jj][2] ^ p[jj][3];
+        } else {
+          sink ^= ck.wv[j][jj];
+        }
+      }
+    }
+    accw[0][0] += __uint_as_float(sink & 0x3FFFFFu);
+  };
+#endif
 
 #if QOPS_XNAT
   // x through cp.async, in natural K order (header). Piece u of an iteration: 16 bytes (8 values, group
@@ -458,6 +479,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   // Iteration it's NWK chunks are kXbBytes contiguous bytes of the image, copied as they lie; chunks
   // past K (the last iteration of a split may name some) are zero-filled, never read.
   auto load_x_pre = [&](int it, int st) {
+    if constexpr (QOPS_PROBE == 3) return;  // the measurement without x
     constexpr int kPieces = kXbBytes / 16;
     const int ch0 = cb + it * kNWK;
     const u32 base = smem_a + st * stage_bytes;
@@ -487,11 +509,17 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       const int st = it % kStages;
       const Chunk ck = read_chunk(st);
       const u32 xst = smem_a + st * stage_bytes;
-      u32 p[2][kCols][4];
+#if QOPS_PROBE
+      probe_chunk(ck);
+      if (false)
+#endif
+      {
+        u32 p[2][kCols][4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        dequant_step(ck, j, p[j & 1]);
-        issue_step(xst, j, p[j & 1]);
+        for (int j = 0; j < 4; ++j) {
+          dequant_step(ck, j, p[j & 1]);
+          issue_step(xst, j, p[j & 1]);
+        }
       }
     } else {
       wgmma_wait<0>();  // no step issued here: the stage of this iteration's earlier MMAs may be refilled next
@@ -569,22 +597,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       const u32 xbuf = xb_a + (it % kXbufs) * kXbBytes;
       u32 p[2][kCols][4];
 #if QOPS_PROBE
-      // What the main loop costs without its MMAs (1), or its dequantization too (2, 3): the words
-      // still reach a register sum, so nothing is optimized away.
-      u32 sink = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-#pragma unroll
-        for (int jj = 0; jj < kCols; ++jj) {
-          if (QOPS_PROBE == 1) {
-            dequant_step(ck, j, p[0]);
-            sink ^= p[0][jj][0] ^ p[0][jj][1] ^ p[0][jj][2] ^ p[0][jj][3];
-          } else {
-            sink ^= ck.wv[j][jj];
-          }
-        }
-      }
-      accw[0][0] += __uint_as_float(sink & 0x3FFFFFu);
+      probe_chunk(ck);
       if (false)
 #endif
 #pragma unroll
