@@ -927,7 +927,6 @@ def _gemm_wgmma_variants():
     for m, nwn, stages, dt, has_z in ((64, 8, 6, torch.float16, True), (64, 4, 4, torch.bfloat16, False), (33, 8, 3, torch.bfloat16, True),
                                       (24, 4, 3, torch.float16, False)):
         yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=1, stages=stages, wgmma=True, xpre=True).defines(dt, has_z)
-        yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=1, stages=stages, wgmma=True, xpre=True, xroll=True).defines(dt, has_z)
 
 
 def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
@@ -1010,7 +1009,6 @@ def test_gemm_rule_plans_are_runnable(n, k):
     (dict(m=64, nwn=8, splits=1, stages=4, wgmma=True, krot=True, xpre=True), "krot=True"),
     (dict(m=64, nwn=8, splits=1, stages=2, wgmma=True, xpre=True), "stages=2"),
     (dict(m=64, nwn=4, splits=1, stages=5, wgmma=True, xpre=True), "shared memory"),
-    (dict(m=64, nwn=8, splits=1, stages=4, wgmma=True, xroll=True), "xroll without xpre"),
 ])
 def test_gemm_make_plan_refuses_what_the_kernel_cannot_run(kw, why):
     with pytest.raises(ValueError, match=why):
@@ -1028,7 +1026,7 @@ def test_gemm_plan_env_replaces_fields(monkeypatch):
         gemm.plan(40, 4096, 4096, 0)
 
 
-@pytest.mark.parametrize("build", ["mma", "wgmma", "xnat", "xpre", "xroll"])
+@pytest.mark.parametrize("build", ["mma", "wgmma", "xnat", "xpre"])
 @pytest.mark.parametrize("m, n, k", [(33, 28672, 4096), (64, 4096, 14336)], ids=["unsplit", "split"])
 def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, build):
     """The GEMM as the decode kernel: its first stages' weight copies (predicated cp.async of 16, 8 and
@@ -1036,7 +1034,7 @@ def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, build):
     trigger after the main loop's last weight copy and before the first store; nothing of it on sm_80."""
     wgmma = build != "mma"
     p = gemm._rule(m, n, k, 132, wgmma=wgmma)
-    if build in ("xnat", "xpre", "xroll"):
+    if build in ("xnat", "xpre"):
         p = gemm.with_fields(p, n, k, **{build: True})
     defines = p.defines(torch.bfloat16, True)
     src = compiler.native_source(gemm.SOURCE)

@@ -59,7 +59,6 @@ class Plan:
     krot: bool = False  # each column tile starts its K loop at a different chunk group (measured: no change)
     xpre: bool = False  # wgmma builds: x permuted once per call into the workspace (X_IMAGE), copied by cp.async
     x_image: int = 0  # xpre: bytes of that image, the workspace's last part (after a split-K plan's fp32 partials)
-    xroll: bool = False  # xpre: each iteration's barrier and shared loads under the previous one's last MMAs
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         d = {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
@@ -76,8 +75,6 @@ class Plan:
             d["QOPS_KROT"] = 1
         if self.xpre:
             d["QOPS_XPRE"] = 1
-        if self.xroll:
-            d["QOPS_XROLL"] = 1
         return d
 
 
@@ -118,7 +115,7 @@ def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2,
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
               smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2, xnat: bool = False, krot: bool = False,
-              xpre: bool = False, xroll: bool = False) -> Plan:
+              xpre: bool = False) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
     ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default).
     Whether the device runs wgmma (sm_90a) is :func:`plan`'s check, not this one's."""
@@ -149,8 +146,6 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
     if xpre and not (wgmma and tw == 2 and not xnat and not krot and stages >= 3):
         raise ValueError(f"native_w4a16 gemm: xpre with wgmma={wgmma}, tw={tw}, xnat={xnat}, krot={krot}, stages={stages}: "
                          "a wgmma build with two tiles a warp, the weight's own K order, chunks in order and at least 3 stages")
-    if xroll and not xpre:
-        raise ValueError("native_w4a16 gemm: xroll without xpre: it is the xpre loop's order")
     shmem = shmem_bytes(m, nwn, stages, wgmma, tw, xnat, xpre)
     if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
@@ -161,7 +156,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
     if image:
         partials = -(-partials // 256) * 256  # the image starts 256-byte aligned (w4a16_gemm.cu's ximg)
     return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, partials + image, bool(wgmma), tw,
-                xnat=bool(xnat), krot=bool(krot), xpre=bool(xpre), x_image=image, xroll=bool(xroll))
+                xnat=bool(xnat), krot=bool(krot), xpre=bool(xpre), x_image=image)
 
 
 # The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
@@ -234,8 +229,8 @@ def _env_fields() -> dict[str, int]:
     out = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
-        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat", "krot", "xpre", "xroll"):
-            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat, krot, xpre, xroll)")
+        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat", "krot", "xpre"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat, krot, xpre)")
         out[key.strip()] = int(val)
     return out
 
@@ -347,9 +342,7 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
         merged = {"wgmma": p.wgmma, "xnat": p.xnat, "krot": p.krot, "tw": p.tw, "stages": p.stages} | fields
         if not merged["wgmma"] or merged["xnat"] or merged["krot"] or merged["tw"] != 2 or merged["stages"] < 3 or probe:
             fields["xpre"] = False
-    if not fields.get("xpre", p.xpre) and "xroll" not in fields:
-        fields["xroll"] = False
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
-            "xpre": p.xpre, "xroll": p.xroll}
+            "xpre": p.xpre}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
     return dataclasses.replace(q, probe=probe) if probe != q.probe else q

@@ -106,8 +106,7 @@
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
 // stages), QOPS_MINB (blocks an SM promised to ptxas), QOPS_WGMMA (0/1, above), QOPS_TW (1, 2: 16-column
-// tiles a warp), QOPS_XNAT (0/1, above), QOPS_XPRE (0/1, above), QOPS_XROLL (0/1, xpre's loop), QOPS_KROT (0/1:
-// rotated K order), QOPS_PROBE
+// tiles a warp), QOPS_XNAT (0/1, above), QOPS_XPRE (0/1, above), QOPS_KROT (0/1: rotated K order), QOPS_PROBE
 // (measurement builds).
 #include "w4.cuh"
 
@@ -140,9 +139,6 @@
 #endif
 #ifndef QOPS_XPRE
 #define QOPS_XPRE 0  // wgmma builds: x from the image qops_w4a16_x_image wrote, through cp.async (header)
-#endif
-#ifndef QOPS_XROLL
-#define QOPS_XROLL 0  // QOPS_XPRE builds: the next iteration's stage opened under the last step's MMAs (below)
 #endif
 #ifndef QOPS_KROT
 #define QOPS_KROT 0  // 1: each column tile starts its K loop at a different chunk group (kit below)
@@ -192,8 +188,6 @@ static_assert(!kWgmma || kNWN == 4 || kNWN == 8, "QOPS_WGMMA: a warpgroup's warp
 constexpr bool kXNat = QOPS_XNAT != 0;
 static_assert(!kXNat || (kWgmma && kTW == 2 && QOPS_PROBE == 0), "QOPS_XNAT is a wgmma build with two tiles a warp");
 constexpr bool kXPre = QOPS_XPRE != 0;
-constexpr bool kXRoll = QOPS_XROLL != 0;
-static_assert(!kXRoll || kXPre, "QOPS_XROLL is an xpre build");
 static_assert(!kXPre || (kWgmma && kTW == 2 && !kXNat && QOPS_KROT == 0 && kStages >= 3),
               "QOPS_XPRE is a wgmma build with two tiles a warp, natural chunk order and at least 3 stages");
 // wgmma's x buffer: per chunk of the iteration (NWK), 32-row step (4), 16-row k step (2) and K half
@@ -501,8 +495,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 
   load_first_stages<kStages - 1>(n_it, load_w, load_x_pre);  // stages 0 .. kStages - 3
 
-  // Stage it ready for every warp, the stage of it - 2 refilled, this warp's words of it read.
-  auto open_stage = [&](int it, Chunk& ck) {
+  for (int it = 0; it < n_it; ++it) {
     cp_async_wait<kStages - 3>();  // this thread's copies of stage it have landed
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // x, copied in the generic proxy, is read by wgmma
     __syncthreads();  // everyone's copies have landed; the MMAs of it - 2, whose stage is refilled below, are done
@@ -512,18 +505,10 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       load_x_pre(ahead, ahead % kStages);
     }
     cp_async_commit();
-    if (cb + it * kNWK + wk < ce) ck = read_chunk(it % kStages);
-  };
-  // QOPS_XROLL: iteration it + 1's stage is opened right after it's last step is issued, so the
-  // barrier and the shared loads run under that step's MMAs instead of with the tensor cores idle.
-  // Still safe: by then every warp has waited (issue_step's wait_group 1 at its step 0) for all of
-  // it - 1's MMAs, whose stage the opening refills.
-  Chunk ck;
-  if (kXRoll && n_it > 0) open_stage(0, ck);
-  for (int it = 0; it < n_it; ++it) {
-    if (!kXRoll) open_stage(it, ck);
     if (cb + it * kNWK + wk < ce) {  // warpgroup-uniform: the group's warps share wk
-      const u32 xst = smem_a + (it % kStages) * stage_bytes;
+      const int st = it % kStages;
+      const Chunk ck = read_chunk(st);
+      const u32 xst = smem_a + st * stage_bytes;
 #if QOPS_PROBE
       probe_chunk(ck);
       if (false)
@@ -539,7 +524,6 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     } else {
       wgmma_wait<0>();  // no step issued here: the stage of this iteration's earlier MMAs may be refilled next
     }
-    if (kXRoll && it + 1 < n_it) open_stage(it + 1, ck);
   }
 #else
   // x through registers into the wgmma buffers (header). Piece u of an iteration: 16 bytes (8 values,
