@@ -11,7 +11,8 @@ Plans. A block is 8 warps, ``nwn`` along N (16 ``tw`` columns each: 32, or 16 in
 8 / ``nwn`` along K; ``splits``
 blocks share one column tile's K range; ``stages`` iterations of x and weights in flight through
 shared memory; ``wgmma``: Hopper's warpgroup MMAs (an sm_90a build, taken wherever the device is
-one). The rule (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g.
+one); ``xpre`` (with wgmma): x permuted once per call by a small kernel into the workspace, after a
+split-K plan's partials (:func:`x_image_bytes`), and copied into the stages as it lies. The rule (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g.
 ``"nwn=4,stages=3,splits=2"``, ``"wgmma=0"``) or :func:`plan_override` replace its fields for
 measurements.
 """

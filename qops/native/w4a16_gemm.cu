@@ -102,6 +102,12 @@
 // The stage of iteration it - 2 is the one refilled at iteration it (loads run kStages - 2 ahead), so
 // no iteration waits for its own MMAs: by the barrier of it every warpgroup has issued a step of
 // it - 1 and waited (wait_group 1) for everything of it - 2.
+// Measured (benchmarks/NOTES.md stop 31): 1.13-1.32x faster than the register-staged x at M = 64 on
+// the five PERF.md shapes, 1.04-1.27x at 17..48 rows; the rule takes it with wgmma. Without its MMAs
+// the loop runs 1.4x faster and x now costs ~1 us over the weight stream alone (28672x4096): the
+// MMAs and the dequantization, issued by the same two warpgroups, are what remains (Nsight Compute:
+// issue slots ~21% busy, fixed-latency and HGMMA-dispatch stalls). Opening each stage under the
+// previous iteration's last MMAs instead measured 1-5% slower.
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
