@@ -1026,6 +1026,24 @@ def test_gemm_plan_env_replaces_fields(monkeypatch):
         gemm.plan(40, 4096, 4096, 0)
 
 
+def test_gemm_with_fields_keeps_or_drops_xpre(monkeypatch):
+    """The rule's wgmma plans take xpre; a field change xpre cannot serve (the mma.sync build, xnat,
+    krot, one tile a warp, two stages) drops it unless asked for, a probe keeps it, and the env can
+    turn it off; the workspace follows (the image after a split plan's partials, 256-byte aligned)."""
+    _h200_gemm(monkeypatch)
+    n, k = 4096, 14336
+    p = gemm.plan(64, n, k, 0)
+    assert p.xpre and p.splits > 1 and p.workspace == -(-p.splits * 64 * n * 4 // 256) * 256 + gemm.x_image_bytes(64, k)
+    for fields in (dict(wgmma=False), dict(xnat=True), dict(krot=True), dict(tw=1), dict(stages=2)):
+        q = gemm.with_fields(p, n, k, **fields)
+        assert not q.xpre and q.x_image == 0 and q.workspace == q.splits * 64 * n * 4, fields
+    assert gemm.with_fields(p, n, k, probe=3).xpre
+    with pytest.raises(ValueError, match="xpre with wgmma=True, tw=2, xnat=True"):
+        gemm.with_fields(p, n, k, xnat=True, xpre=True)
+    monkeypatch.setenv(gemm.PLAN_ENV, "xpre=0")
+    assert not gemm.plan(64, n, k, 0).xpre
+
+
 @pytest.mark.parametrize("build", ["mma", "wgmma", "xnat", "xpre"])
 @pytest.mark.parametrize("m, n, k", [(33, 28672, 4096), (64, 4096, 14336)], ids=["unsplit", "split"])
 def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, build):

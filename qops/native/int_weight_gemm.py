@@ -12,9 +12,9 @@ Plans. A block is 8 warps, ``nwn`` along N (16 ``tw`` columns each: 32, or 16 in
 blocks share one column tile's K range; ``stages`` iterations of x and weights in flight through
 shared memory; ``wgmma``: Hopper's warpgroup MMAs (an sm_90a build, taken wherever the device is
 one); ``xpre`` (with wgmma): x permuted once per call by a small kernel into the workspace, after a
-split-K plan's partials (:func:`x_image_bytes`), and copied into the stages as it lies. The rule (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g.
-``"nwn=4,stages=3,splits=2"``, ``"wgmma=0"``) or :func:`plan_override` replace its fields for
-measurements.
+split-K plan's partials (:func:`x_image_bytes`), and copied into the stages as it lies. The rule
+(:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g. ``"nwn=4,stages=3,splits=2"``,
+``"wgmma=0"``, ``"xpre=0"``) or :func:`plan_override` replace its fields for measurements.
 """
 from __future__ import annotations
 
@@ -339,9 +339,9 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
         fields["xnat"] = False
     if probe and not fields.get("wgmma", p.wgmma):
         raise ValueError("native_w4a16 gemm: probe builds are wgmma builds")
-    if "xpre" not in fields:  # a build xpre cannot be (the mma.sync one, xnat, krot, tw 1, 2 stages, probes) asks for the other x path
+    if "xpre" not in fields:  # a build xpre cannot be (the mma.sync one, xnat, krot, tw 1, 2 stages) asks for the other x path
         merged = {"wgmma": p.wgmma, "xnat": p.xnat, "krot": p.krot, "tw": p.tw, "stages": p.stages} | fields
-        if not merged["wgmma"] or merged["xnat"] or merged["krot"] or merged["tw"] != 2 or merged["stages"] < 3 or probe:
+        if not merged["wgmma"] or merged["xnat"] or merged["krot"] or merged["tw"] != 2 or merged["stages"] < 3:
             fields["xpre"] = False
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
             "xpre": p.xpre}
