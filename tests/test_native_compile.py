@@ -927,6 +927,9 @@ def _gemm_wgmma_variants():
     for m, nwn, stages, dt, has_z in ((64, 8, 6, torch.float16, True), (64, 4, 4, torch.bfloat16, False), (33, 8, 3, torch.bfloat16, True),
                                       (24, 4, 3, torch.float16, False)):
         yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=1, stages=stages, wgmma=True, xpre=True).defines(dt, has_z)
+    # and one 16-column tile a warp, two blocks an SM (80-119 registers at MT = 3..8: x takes none)
+    for m, nwn, stages, dt in ((64, 8, 4, torch.bfloat16), (48, 4, 3, torch.float16), (24, 8, 4, torch.float16)):
+        yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=2, stages=stages, minb=2, tw=1, wgmma=True, xpre=True).defines(dt, True)
 
 
 def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
@@ -1005,7 +1008,7 @@ def test_gemm_rule_plans_are_runnable(n, k):
     (dict(m=64, nwn=8, splits=1, stages=4, xnat=True), "xnat with wgmma=False"),
     (dict(m=64, nwn=4, splits=1, stages=5, wgmma=True, xnat=True), "shared memory"),
     (dict(m=64, nwn=8, splits=1, stages=4, xpre=True), "xpre with wgmma=False"),
-    (dict(m=64, nwn=8, splits=1, stages=4, wgmma=True, xnat=True, xpre=True), "xpre with wgmma=True, tw=2, xnat=True"),
+    (dict(m=64, nwn=8, splits=1, stages=4, wgmma=True, xnat=True, xpre=True), "xpre with wgmma=True, xnat=True"),
     (dict(m=64, nwn=8, splits=1, stages=4, wgmma=True, krot=True, xpre=True), "krot=True"),
     (dict(m=64, nwn=8, splits=1, stages=2, wgmma=True, xpre=True), "stages=2"),
     (dict(m=64, nwn=4, splits=1, stages=5, wgmma=True, xpre=True), "shared memory"),
@@ -1028,17 +1031,17 @@ def test_gemm_plan_env_replaces_fields(monkeypatch):
 
 def test_gemm_with_fields_keeps_or_drops_xpre(monkeypatch):
     """The rule's wgmma plans take xpre; a field change xpre cannot serve (the mma.sync build, xnat,
-    krot, one tile a warp, two stages) drops it unless asked for, a probe keeps it, and the env can
+    krot, two stages) drops it unless asked for, a probe or one tile a warp keeps it, and the env can
     turn it off; the workspace follows (the image after a split plan's partials, 256-byte aligned)."""
     _h200_gemm(monkeypatch)
     n, k = 4096, 14336
     p = gemm.plan(64, n, k, 0)
     assert p.xpre and p.splits > 1 and p.workspace == -(-p.splits * 64 * n * 4 // 256) * 256 + gemm.x_image_bytes(64, k)
-    for fields in (dict(wgmma=False), dict(xnat=True), dict(krot=True), dict(tw=1), dict(stages=2)):
+    for fields in (dict(wgmma=False), dict(xnat=True), dict(krot=True), dict(stages=2)):
         q = gemm.with_fields(p, n, k, **fields)
         assert not q.xpre and q.x_image == 0 and q.workspace == q.splits * 64 * n * 4, fields
-    assert gemm.with_fields(p, n, k, probe=3).xpre
-    with pytest.raises(ValueError, match="xpre with wgmma=True, tw=2, xnat=True"):
+    assert gemm.with_fields(p, n, k, probe=3).xpre and gemm.with_fields(p, n, k, tw=1).xpre
+    with pytest.raises(ValueError, match="xpre with wgmma=True, xnat=True"):
         gemm.with_fields(p, n, k, xnat=True, xpre=True)
     monkeypatch.setenv(gemm.PLAN_ENV, "xpre=0")
     assert not gemm.plan(64, n, k, 0).xpre

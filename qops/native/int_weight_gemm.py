@@ -144,9 +144,9 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
                          "or spills (two blocks an SM: M <= 16, or M <= 32 at nwn 8 or with xnat)")
     if xnat and not (wgmma and tw == 2):
         raise ValueError(f"native_w4a16 gemm: xnat with wgmma={wgmma}, tw={tw}: a wgmma build with two tiles a warp")
-    if xpre and not (wgmma and tw == 2 and not xnat and not krot and stages >= 3):
-        raise ValueError(f"native_w4a16 gemm: xpre with wgmma={wgmma}, tw={tw}, xnat={xnat}, krot={krot}, stages={stages}: "
-                         "a wgmma build with two tiles a warp, the weight's own K order, chunks in order and at least 3 stages")
+    if xpre and not (wgmma and not xnat and not krot and stages >= 3):
+        raise ValueError(f"native_w4a16 gemm: xpre with wgmma={wgmma}, xnat={xnat}, krot={krot}, stages={stages}: "
+                         "a wgmma build with the weight's own K order, chunks in order and at least 3 stages")
     shmem = shmem_bytes(m, nwn, stages, wgmma, tw, xnat, xpre)
     if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
@@ -339,9 +339,9 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
         fields["xnat"] = False
     if probe and not fields.get("wgmma", p.wgmma):
         raise ValueError("native_w4a16 gemm: probe builds are wgmma builds")
-    if "xpre" not in fields:  # a build xpre cannot be (the mma.sync one, xnat, krot, tw 1, 2 stages) asks for the other x path
-        merged = {"wgmma": p.wgmma, "xnat": p.xnat, "krot": p.krot, "tw": p.tw, "stages": p.stages} | fields
-        if not merged["wgmma"] or merged["xnat"] or merged["krot"] or merged["tw"] != 2 or merged["stages"] < 3:
+    if "xpre" not in fields:  # a build xpre cannot be (the mma.sync one, xnat, krot, 2 stages) asks for the other x path
+        merged = {"wgmma": p.wgmma, "xnat": p.xnat, "krot": p.krot, "stages": p.stages} | fields
+        if not merged["wgmma"] or merged["xnat"] or merged["krot"] or merged["stages"] < 3:
             fields["xpre"] = False
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
             "xpre": p.xpre}

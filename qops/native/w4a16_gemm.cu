@@ -194,8 +194,8 @@ static_assert(!kWgmma || kNWN == 4 || kNWN == 8, "QOPS_WGMMA: a warpgroup's warp
 constexpr bool kXNat = QOPS_XNAT != 0;
 static_assert(!kXNat || (kWgmma && kTW == 2 && QOPS_PROBE == 0), "QOPS_XNAT is a wgmma build with two tiles a warp");
 constexpr bool kXPre = QOPS_XPRE != 0;
-static_assert(!kXPre || (kWgmma && kTW == 2 && !kXNat && QOPS_KROT == 0 && kStages >= 3),
-              "QOPS_XPRE is a wgmma build with two tiles a warp, natural chunk order and at least 3 stages");
+static_assert(!kXPre || (kWgmma && !kXNat && QOPS_KROT == 0 && kStages >= 3),
+              "QOPS_XPRE is a wgmma build with the weight's own K order, natural chunk order and at least 3 stages");
 // wgmma's x buffer: per chunk of the iteration (NWK), 32-row step (4), 16-row k step (2) and K half
 // (2), MT core matrices of 8 rows x 16 bytes (x rows 8 i .. 8 i + 7 at 128 i bytes).
 constexpr int kCore = 128;

@@ -412,9 +412,12 @@ def test_gemm_below_33_rows_matches_reference(fields, monkeypatch):
 
 
 # x permuted once per call into the workspace (xpre): one tile width's and the other's, split (the
-# image after the partials) and not, the fewest stages (one ahead) and the most that fit at M = 64.
+# image after the partials) and not, the fewest stages (one ahead) and the most that fit at M = 64,
+# and one 16-column tile a warp.
 XPRE_PLANS = [dict(nwn=8, splits=1, stages=4), dict(nwn=8, splits=1, stages=6), dict(nwn=4, splits=5, stages=4),
-              dict(nwn=8, splits=3, stages=3), dict(nwn=4, splits=1, stages=3)]
+              dict(nwn=8, splits=3, stages=3), dict(nwn=4, splits=1, stages=3),
+              # one 16-column tile a warp, two blocks an SM (not run on a GPU yet: stop 31's last change)
+              dict(nwn=8, splits=1, stages=4, minb=2, tw=1), dict(nwn=4, splits=3, stages=3, minb=2, tw=1)]
 
 
 @pytest.mark.parametrize("fields", XPRE_PLANS, ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
@@ -422,7 +425,7 @@ def test_gemm_x_image_plans_match_reference(fields):
     _check_gemm_plan(fields, wgmma=True, xpre=True, **fields)
 
 
-@pytest.mark.parametrize("fields", XPRE_PLANS[:3], ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
+@pytest.mark.parametrize("fields", XPRE_PLANS[:3] + XPRE_PLANS[5:], ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
 def test_gemm_x_image_below_33_rows_matches_reference(fields, monkeypatch):
     monkeypatch.setattr(native, "decode_rows", lambda *a: 0)  # every row to the GEMM
     _check_gemm_plan(fields, ms=(1, 8, 17, 32), wgmma=True, xpre=True, **fields)
