@@ -318,7 +318,6 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma)
 
 
-@functools.lru_cache(maxsize=4096)
 def warp_chunks(k: int, nwn: int, splits: int) -> int:
     """Iterations (128-row chunks) each warp of a decode-kernel block runs: the K chunks split over the
     S blocks of a column tile, then over the block's 8 / nwn warps along K."""
@@ -326,6 +325,7 @@ def warp_chunks(k: int, nwn: int, splits: int) -> int:
     return -(-(-(-chunks // splits)) // (8 // nwn))
 
 
+@functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, sms: int, cluster_ok: bool) -> Plan:
     # From the H200 launch-plan sweeps (benchmarks/results/h200-2026-11-30-sweep-native-*.json):
     # - the plan that wins has about 1.5-2 blocks per SM, and wider column tiles (nwn = 4, 512

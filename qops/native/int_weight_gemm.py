@@ -288,7 +288,7 @@ def launch(p: Plan, x2, qweight, scales, qzeros, bias, o2, ws, n: int, k: int, c
     i32 = compiler.i32
     ws_ptr = ws.data_ptr() if ws is not None else 0
     if p.xpre:
-        image = compiler.get_kernel(dev, SOURCE, defines, X_IMAGE, arch_specific=True)
+        image = compiler.get_kernel(dev, SOURCE, defines, X_IMAGE, arch_specific=p.wgmma)  # the GEMM's module
         compiler.launch(image, (-(-p.x_image // 16 // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
                         x2.data_ptr(), ws_ptr + p.workspace - p.x_image, i32(m), i32(k), i32(x2.stride(0)), pdl=pdl)
     compiler.launch(
@@ -312,16 +312,17 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
     i0 = compiler.i32(0)
     for m in range(max(m_lo, 1), min(m_hi, MAX_M) + 1):
         p = plan(m, n, k, dev)
-        key = (p.shmem, p.splits, tuple(sorted(p.defines(dtype, has_zeros).items())))
+        defines = p.defines(dtype, has_zeros)
+        key = (p.shmem, p.splits, tuple(sorted(defines.items())))
         if key in seen:
             continue
         seen.add(key)
-        kernel = compiler.get_kernel(dev, SOURCE, p.defines(dtype, has_zeros), KERNEL, arch_specific=p.wgmma)
+        kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL, arch_specific=p.wgmma)
         if p.shmem > SHMEM_DEFAULT_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
             compiler.allow_dynamic_shared(kernel, dev, p.shmem)
         compiler.launch(kernel, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
         if p.xpre:
-            image = compiler.get_kernel(dev, SOURCE, p.defines(dtype, has_zeros), X_IMAGE, arch_specific=True)
+            image = compiler.get_kernel(dev, SOURCE, defines, X_IMAGE, arch_specific=p.wgmma)
             compiler.launch(image, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, i0, i0, i0, pdl=pdl)
         if p.splits > 1:
             compiler.launch(_reduce_kernel(dev, dtype), (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
