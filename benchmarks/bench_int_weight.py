@@ -271,6 +271,7 @@ def run(args) -> int:
     import qops  # noqa: F401  (registers torch.ops.qops.*)
     from qops.formats import FORMATS
     from qops.lowerings import WeightSpec
+    from qops.ops.int_weight import preferred_qweight_form, with_qweight_form
 
     torch.manual_seed(args.seed)
     res = {
@@ -351,7 +352,8 @@ def run(args) -> int:
             if low is None:
                 lowering_notes[name] = f"skipped: {why}"
                 continue
-            base = dataclasses.replace(iw, kernel=low.kernel)
+            # each lowering on the qweight form its own preparation gives (column slabs for the native one)
+            base = dataclasses.replace(with_qweight_form(iw, preferred_qweight_form(low.kernel, BITS, N)), kernel=low.kernel)
             variants[name] = [base] + [clone_tensors(base) for _ in range(n_copies(base.nbytes(), gpu) - 1)]
             lowering_notes[name] = f"forced kernel={int(low.kernel)}, {len(variants[name])} copies"
         info["lowerings"] = lowering_notes

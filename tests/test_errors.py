@@ -76,12 +76,12 @@ def _bad_mm_inputs(w):
         "bias-meta": (dict(bias=torch.randn(n, device=META)), r"bias must be on cpu \(the device of x\), got meta"),
         "x-meta": (dict(x=torch.randn(3, k, device=META)), r"qweight must be on meta \(the device of x\), got cpu"),
         # shapes
-        "K-misaligned": (dict(x=torch.randn(3, k - 8), in_features=k - 8), r"qweight must have 8 rows \(ceil\(K\*bits/32\) with K=64, bits=4\), got 9"),
-        "K-too-large": (dict(x=torch.randn(3, k + 8), in_features=k + 8), r"qweight must have 10 rows \(ceil\(K\*bits/32\) with K=80, bits=4\), got 9"),
+        "K-misaligned": (dict(x=torch.randn(3, k - 8), in_features=k - 8), r"qweight must have 8 word rows \(ceil\(K\*bits/32\) with K=64, bits=4\), got 9"),
+        "K-too-large": (dict(x=torch.randn(3, k + 8), in_features=k + 8), r"qweight must have 10 word rows \(ceil\(K\*bits/32\) with K=80, bits=4\), got 9"),
         # 71 features pack into the same 9 rows as 72: only in_features tells them apart.
         "x-K-within-a-word": (dict(x=torch.randn(3, k - 1)), r"x must have in_features=72 in its last dimension, got shape \(3, 71\)"),
         "x-K-vs-in_features": (dict(x=torch.randn(3, k + 8)), r"x must have in_features=72 in its last dimension, got shape \(3, 80\)"),
-        "qweight-1d": (dict(qweight=w.qweight.flatten()), r"qweight must be 2-D \(ceil\(K\*bits/32\), N\), got 1-D"),
+        "qweight-1d": (dict(qweight=w.qweight.flatten()), r"qweight must be 2-D \(ceil\(K\*bits/32\), N\) or column slabs \(N/32, ceil\(K\*bits/32\), 32\), got 1-D"),
         "scales-groups": (dict(scales=w.scales[:2]), r"scales must have shape \(3, 24\) .*got \(2, 24\)"),
         "scales-N": (dict(scales=torch.cat([w.scales, w.scales[:, :1]], 1)), r"scales must have shape \(3, 24\) .*got \(3, 25\)"),
         "qzeros-shape": (dict(qzeros=w.qzeros[:, :2]), r"qzeros must have shape \(3, 3\) .*got \(3, 2\)"),
@@ -181,7 +181,7 @@ def _deq_args(w, **changes):
 @pytest.mark.parametrize(
     "changes,pattern",
     [
-        (dict(in_features=80), r"qweight must have 10 rows \(ceil\(K\*bits/32\) with K=80, bits=4\), got 9"),
+        (dict(in_features=80), r"qweight must have 10 word rows \(ceil\(K\*bits/32\) with K=80, bits=4\), got 9"),
         (dict(bits=5), r"bits must be one of \[2, 3, 4, 8\], got 5"),
         (dict(group_size=0), r"group_size must be -1 or positive, got 0"),
         (dict(zero_offset=2), r"zero_offset must be 0 or 1, got 2"),

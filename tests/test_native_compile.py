@@ -849,11 +849,10 @@ def test_x_staging_unroll_compiles_and_issues_its_loads_first(arch):
         native.make_plan(1, 4096, 14336, nwn=1, splits=2, cluster=True, xfull=True, xu=9)
 
 
-def test_glu_refuses_the_shared_memory_ring_and_the_probe():
+def test_glu_refuses_the_shared_memory_ring():
     base = native._plan(1, 28672, 4096, 132, False).defines(torch.float16, True, glu=True)
-    for extra in ({"QOPS_SMEM_RING": 4}, {"QOPS_PROBE": 1}):
-        with pytest.raises(compiler.NativeCompileError, match="QOPS_GLU excludes"):
-            compiler.compile(compiler.native_source(native.SOURCE), "sm_90", compiler.native_options({**base, **extra}))
+    with pytest.raises(compiler.NativeCompileError, match="QOPS_GLU excludes"):
+        compiler.compile(compiler.native_source(native.SOURCE), "sm_90", compiler.native_options({**base, "QOPS_SMEM_RING": 4}))
 
 
 def test_f16mma_is_a_bf16_option_of_x_staged_once():

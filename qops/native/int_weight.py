@@ -64,6 +64,7 @@ import torch
 
 from ..lowerings import silu_mul
 from ..ops._common import DETERMINISTIC_ENV, deterministic_requested  # noqa: F401  (DETERMINISTIC_ENV: the switch's name, re-exported)
+from ..ops.int_weight import qweight_columns
 from . import compiler
 from . import int_weight_gemm as gemm
 
@@ -85,8 +86,8 @@ THREADS = 256
 CHUNK_K = 128
 PDL_ENV = "QOPS_NATIVE_PDL"
 
-# `flags` bits, as in w4a16_gemv.cu
-_X_VEC, _BIAS_T, _BIAS_F32, _SCALE_BF16 = 1, 2, 4, 8
+# `flags` bits, as in w4a16_gemv.cu (and w4.cuh: kQSlabs, qweight in 32-column slabs)
+_X_VEC, _BIAS_T, _BIAS_F32, _SCALE_BF16, _Q_SLABS = 1, 2, 4, 8, 32
 _DT = {torch.float16: 0, torch.bfloat16: 1}
 
 _deterministic: bool | None = None
@@ -157,7 +158,6 @@ class Plan:
     fold: bool = False  # (x staged once, M <= 8) magic bias and zero point subtracted after the MMA, from x sums
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
-    probe: int = 0  # measurements only (benchmarks/probe_w4_tiled.py): 1 reads the weight bytes tile-major (wrong sums)
     xu: int = 8  # (x staged once) 16-byte x slots a thread loads before using any (1..8; 1: one round trip per 256 slots)
     # (x staged once, bf16 x) x staged as f16 scaled by a power of two a row and the MMAs run in f16
     # (w4a16_gemv.cu, QOPS_F16MMA); no effect on f16 x or on plans staging x per iteration.
@@ -179,7 +179,6 @@ class Plan:
             "QOPS_FOLD": int(self.fold),
             "QOPS_PREFETCH": self.prefetch,
             "QOPS_SMEM_RING": self.smem_ring,
-            "QOPS_PROBE": self.probe,
             "QOPS_XU": self.xu,
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
         }
@@ -641,7 +640,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     else from the unfused product.
     """
     k = x.shape[-1]
-    n = qweight.shape[1]
+    n = qweight_columns(qweight)
     lead = x.shape[:-1]
     m = math.prod(lead)
     if glu and (n % 2 or bias is not None):
@@ -679,6 +678,8 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     if bias is not None and bias.dtype not in (x.dtype, torch.float32):
         bias = bias.float()
     flags = _SCALE_BF16 if scales.dtype == torch.bfloat16 else 0
+    if qweight.dim() == 3:
+        flags |= _Q_SLABS
     if bias is not None:
         flags |= _BIAS_T if bias.dtype == x.dtype else _BIAS_F32
         if not bias.is_contiguous():

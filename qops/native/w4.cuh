@@ -9,6 +9,20 @@
 
 namespace qops {
 
+// `flags` bit of the W4A16 kernels: qweight is in 32-column slabs (qops/ops/int_weight.py), word
+// (kw, n) at (n / 32) * 32 KW + 32 kw + n % 32, instead of kw N + n. A lane's columns n0 .. n0 + 3
+// (n0 % 4 == 0) lie in one slab either way, so only its base and the word-row stride change; a warp's
+// 4 word rows x 32 columns are then 512 contiguous bytes.
+constexpr int kQSlabs = 32;
+
+// Words from one qweight word row to the next.
+__device__ __forceinline__ int qweight_row_stride(int N, int flags) { return (flags & kQSlabs) ? 32 : N; }
+
+// Word (0, n0) of qweight (KW word rows).
+__device__ __forceinline__ const u32* qweight_column(const u32* qweight, int n0, int KW, int flags) {
+  return (flags & kQSlabs) ? qweight + static_cast<size_t>(n0 >> 5) * KW * 32 + (n0 & 31) : qweight + n0;
+}
+
 // The DT pairs that remove the magic bias and the zero point z (<= 16, in the mantissa):
 //   f16:  (1024 + q) - (1024 + z) and (1024 + 16 q) / 16 - (64 + z); 1024 + z = 0x6400 + z,
 //         -(64 + z) = 0xD400 + 16 z;

@@ -2,6 +2,7 @@
 // kernel, w4a16_gemv.cu, does not take in one launch), reading the same runtime int-weight layout
 // (qops/ops/int_weight.py), 4-bit case:
 //   qweight u32 (ceil(K/8), N): word (kw, n) holds rows 8*kw .. 8*kw+7 of column n, nibble i = row 8*kw+i;
+//           or the same words in 32-column slabs (N/32, ceil(K/8), 32) with flags & kQSlabs (w4.cuh);
 //   scales  f16/bf16 (n_groups, N); group g covers rows [g*G, (g+1)*G), G a multiple of 128 or K
 //           (passed as chunks_per_group = G / 128, or 0 for a single group);
 //   qzeros  u32 (n_groups, ceil(N/8)) nibble stream along N, zero = nibble + zero_offset; or none (zero 8).
@@ -281,8 +282,10 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   // This lane's weight pieces, scales and zero word for iteration `it` into stage `st`; nothing is
   // copied past K, past N or past the block's chunks (the slots keep stale bytes: rows past K meet
   // zeros in x, columns past N are never stored, and a warp without a chunk skips the math).
-  const u32* wbase = qweight + static_cast<size_t>((cb + wk) * 16 + c) * N + n0;
-  const size_t wstride = static_cast<size_t>(kNWK * 16) * N;
+  // Either qweight form (kQSlabs in w4.cuh): a lane's columns n0 .. n0 + 2 TW - 1 lie in one slab.
+  const int ldq = qweight_row_stride(N, flags);
+  const u32* wbase = qweight_column(qweight, n0, KW, flags) + static_cast<size_t>((cb + wk) * 16 + c) * ldq;
+  const size_t wstride = static_cast<size_t>(kNWK * 16) * ldq;
   auto load_w = [&](int it, int st) {
     const int ch = cb + kit(it) * kNWK + wk;
     const bool ok = n_ok && ch < ce;
@@ -293,7 +296,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const u32 d = dst + j * (32 * kWPiece) + lane * kWPiece;
-      const u32* sj = src + static_cast<size_t>(4 * j) * N;
+      const u32* sj = src + static_cast<size_t>(4 * j) * ldq;
       if constexpr (kTW == 2) cp_async_16_if(d, sj, ok && 4 * j < rows_left);
       else cp_async_8_if(d, sj, ok && 4 * j < rows_left);
     }

@@ -1,6 +1,7 @@
 // W4A16 matmul for decode (M <= 32 rows of x), reading qops' runtime int-weight layout
 // (qops/ops/int_weight.py), 4-bit case:
 //   qweight u32 (ceil(K/8), N): word (kw, n) holds rows 8*kw .. 8*kw+7 of column n, nibble i = row 8*kw+i;
+//           or the same words in 32-column slabs (N/32, ceil(K/8), 32) with flags & kQSlabs (w4.cuh);
 //   scales  f16/bf16 (n_groups, N); group g covers rows [g*G, (g+1)*G), G a multiple of 128 or K
 //           (passed as chunks_per_group = G / 128, or 0 for a single group);
 //   qzeros  u32 (n_groups, ceil(N/8)) nibble stream along N, zero = nibble + zero_offset; or none (zero 8).
@@ -92,11 +93,10 @@
 // QOPS_XFULL (0/1), QOPS_RING (register ring depth; 0: 3 for MT = 1, 2 for MT >= 2),
 // QOPS_MINB (minimum resident blocks per SM promised to the register allocator; default 2; 1 for MT >= 3),
 // QOPS_FOLD (0/1: bias and zero point subtracted after the MMA; needs QOPS_XFULL and MT = 1),
-// QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead), QOPS_PROBE
-// (measurement builds only),
+// QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead),
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
 // replaces QOPS_RING), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
-// QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING or QOPS_PROBE),
+// QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
 // timer stamps to ws, so the launch must pass a buffer there and use no split-K workspace; below).
@@ -138,9 +138,6 @@
 #endif
 #ifndef QOPS_FOLD
 #define QOPS_FOLD 0
-#endif
-#ifndef QOPS_PROBE
-#define QOPS_PROBE 0  // measurements only: 1 tile-major weight reads (benchmarks/probe_w4_tiled.py)
 #endif
 #ifndef QOPS_PREFETCH
 #define QOPS_PREFETCH 0
@@ -286,8 +283,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   static_assert(MT >= 1 && MT <= 4, "QOPS_MT is 1..4 (M <= 32)");
   static_assert(!FOLD || (XF && MT == 1), "QOPS_FOLD needs x staged once (QOPS_XFULL) and M <= 8");
   static_assert(SR == 0 || (SR >= 2 && SR <= 16 && XF), "QOPS_SMEM_RING is 0 or 2..16 and needs QOPS_XFULL");
-  // The ring's copies and the tiled probe address other lanes' columns as contiguous with this lane's.
-  static_assert(!QOPS_GLU || (SR == 0 && QOPS_PROBE == 0), "QOPS_GLU excludes QOPS_SMEM_RING and QOPS_PROBE");
+  // The ring's copies address other lanes' columns as contiguous with this lane's.
+  static_assert(!QOPS_GLU || SR == 0, "QOPS_GLU excludes QOPS_SMEM_RING");
   static_assert(!QOPS_F16MMA || XF, "QOPS_F16MMA converts x where it is staged once (QOPS_XFULL)");
   constexpr bool kF16 = QOPS_F16MMA && DT == 1;  // bf16 x staged as scaled f16
   constexpr int MDT = kF16 ? 0 : DT;             // the type of the MMAs' operands
@@ -334,14 +331,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // rows a quarter warp reads in disjoint banks.
   const int RSF = ((C + S - 1) / S) * 16 + 4;
 
-  // This lane's qweight words for iteration `it`, step j: wbase + it * wstride + j * 4 * N.
-  // QOPS_PROBE 1 (a measurement build, N % 32 == 0): the same bytes read as if each 32 columns were
-  // stored as one (KW, 32) slab, so a warp's step is 512 contiguous bytes and its chunks follow
-  // one another; the sums are meaningless.
-  constexpr bool kTiled = QOPS_PROBE == 1;
-  const int ldq = kTiled ? 32 : N;  // words from one qweight row to the next
-  const u32* wbase = qweight + (kTiled ? static_cast<size_t>(n0 >> 5) * KW * 32 + (n0 & 31) : n0) +
-                     static_cast<size_t>((cb + wk) * 16 + c) * ldq;
+  // This lane's qweight words for iteration `it`, step j: wbase + it * wstride + j * 4 * ldq (either
+  // qweight form, kQSlabs in w4.cuh).
+  const int ldq = qweight_row_stride(N, flags);
+  const u32* wbase = qweight_column(qweight, n0, KW, flags) + static_cast<size_t>((cb + wk) * 16 + c) * ldq;
   const size_t wstride = static_cast<size_t>(NWK * 16) * ldq;
   const u32 wstep = 4u * ldq;
 

@@ -6,6 +6,13 @@ N = out_features, b = bits, G = group_size (K when -1), n_groups = ceil(K / G):
 
 - ``qweight`` int32 ``(ceil(K*b/32), N)``: column n is a little-endian bit stream along the runtime
   K order, row j at stream bits ``[j*b, (j+1)*b)`` (GPTQ's packing; 3-bit values may straddle words).
+  Or the same words in column slabs, int32 ``(N/32, ceil(K*b/32), 32)``: ``slabs[s, j, i]`` is word
+  ``(j, 32*s + i)``, so each 32 columns' whole K stream is contiguous (N % 32 == 0). The shape says
+  which form a tensor is in, so neither can be read as the other. Weights prepared for the native
+  lowering get slabs (:func:`preferred_qweight_form`): a warp's 4 word rows x 32 columns are then 512
+  contiguous bytes instead of four 128-byte pieces 4N bytes apart, which measured 1.9-3.8% faster at
+  M = 1 on the four large PERF.md shapes with the decode kernel's plans unchanged
+  (``benchmarks/results/h200-2026-12-01-2743492-probe-w4-tiled.json``, a reads-only probe).
 - ``scales`` float ``(n_groups, N)``: runtime rows ``[g*G, (g+1)*G)`` form group g (the last group
   may be partial), so groups are contiguous in K.
 - ``qzeros`` int32 ``(n_groups, ceil(N*b/32))``, a bit stream along N, the zero being the stored
@@ -31,6 +38,49 @@ from ._common import check_act_dtype, check_bias, check_devices, check_out, chec
 
 FAMILY = "int_weight"
 SUPPORTED_BITS = (2, 3, 4, 8)
+SLAB_COLUMNS = 32  # columns of one slab of the column-slab qweight form
+
+
+def qweight_columns(qweight: torch.Tensor) -> int:
+    """N of a qweight in either form (the 2-D one's columns, or 32 per slab)."""
+    return qweight.shape[0] * SLAB_COLUMNS if qweight.dim() == 3 else qweight.shape[1]
+
+
+def qweight_word_rows(qweight: torch.Tensor) -> int:
+    """ceil(K*bits/32): the word rows of a qweight in either form."""
+    return qweight.shape[-2]
+
+
+def qweight_strides(qweight: torch.Tensor) -> tuple[int, int]:
+    """(words from one word row to the next, words from one 32-column slab to the next), so that word
+    ``(j, n)`` is at ``j * row + (n // 32) * slab + n % 32`` in either form (the flat form's slab
+    stride is 32). Needs unit stride along the columns."""
+    if qweight.dim() == 3:
+        return qweight.stride(1), qweight.stride(0)
+    return qweight.stride(0), SLAB_COLUMNS
+
+
+def to_column_slabs(qweight: torch.Tensor) -> torch.Tensor:
+    """A flat ``(rows, N)`` qweight in column slabs ``(N/32, rows, 32)`` (a copy)."""
+    rows, n = qweight.shape
+    if n % SLAB_COLUMNS:
+        raise ValueError(f"to_column_slabs: qweight needs N % {SLAB_COLUMNS} == 0, got N={n}")
+    return qweight.reshape(rows, n // SLAB_COLUMNS, SLAB_COLUMNS).permute(1, 0, 2).contiguous()
+
+
+def flat_qweight(qweight: torch.Tensor) -> torch.Tensor:
+    """The flat ``(rows, N)`` qweight of either form (a copy for slabs, qweight itself when flat)."""
+    if qweight.dim() == 2:
+        return qweight
+    slabs, rows, _ = qweight.shape
+    return qweight.permute(1, 0, 2).reshape(rows, slabs * SLAB_COLUMNS)
+
+
+def preferred_qweight_form(kernel: Kernel, bits: int, n: int) -> str:
+    """``"slabs"`` or ``"flat"``: the qweight form a weight prepared for lowering ``kernel`` gets. Slabs
+    for the native 4-bit kernels, which read them (and the Triton kernels they delegate to read either
+    form); the Triton lowering's own tuned configurations were measured on the flat form."""
+    return "slabs" if kernel == Kernel.NATIVE and bits == 4 and n % SLAB_COLUMNS == 0 else "flat"
 
 def check_int_weight(
     who: str,
@@ -53,10 +103,12 @@ def check_int_weight(
         raise ValueError(fail(who, f"zero_offset must be 0 or 1, got {zero_offset}"))
     check_devices(who, (("qweight", qweight), ("scales", scales), ("qzeros", qzeros), ("act_perm", act_perm)), device)
     torch._check_type(qweight.dtype == torch.int32, lambda: fail(who, f"qweight must be torch.int32, got {qweight.dtype}"))
-    torch._check_value(qweight.dim() == 2, lambda: fail(who, f"qweight must be 2-D (ceil(K*bits/32), N), got {qweight.dim()}-D"))
-    n = qweight.shape[1]
+    torch._check_value(qweight.dim() in (2, 3), lambda: fail(who, f"qweight must be 2-D (ceil(K*bits/32), N) or column slabs (N/32, ceil(K*bits/32), 32), got {qweight.dim()}-D"))
+    if qweight.dim() == 3:
+        torch._check_value(qweight.shape[2] == SLAB_COLUMNS, lambda: fail(who, f"qweight in column slabs must have shape (N/32, ceil(K*bits/32), {SLAB_COLUMNS}), got {tuple(qweight.shape)}"))
+    n = qweight_columns(qweight)
     rows = (k * bits + 31) // 32
-    torch._check_value(qweight.shape[0] == rows, lambda: fail(who, f"qweight must have {rows} rows (ceil(K*bits/32) with K={k}, bits={bits}), got {qweight.shape[0]}"))
+    torch._check_value(qweight_word_rows(qweight) == rows, lambda: fail(who, f"qweight must have {rows} word rows (ceil(K*bits/32) with K={k}, bits={bits}), got {qweight_word_rows(qweight)}"))
     n_groups = 1 if group_size == -1 else (k + group_size - 1) // group_size
     check_act_dtype(who, "scales", scales)
     torch._check_value(
@@ -126,7 +178,7 @@ DEQUANT_SCHEMA = (
 @torch.library.custom_op("qops::mm_int_weight", mutates_args=(), schema=MM_SCHEMA)
 def mm_int_weight(
     x: torch.Tensor,  # (..., K) float32 / float16 / bfloat16
-    qweight: torch.Tensor,  # (ceil(K*bits/32), N) int32, bit stream along K
+    qweight: torch.Tensor,  # (ceil(K*bits/32), N) int32, bit stream along K, or its column slabs (N/32, ., 32)
     scales: torch.Tensor,  # (n_groups, N) float
     qzeros: Optional[torch.Tensor],  # (n_groups, ceil(N*bits/32)) int32 or None (symmetric)
     act_perm: Optional[torch.Tensor],  # (K,) int32 or None
@@ -258,6 +310,7 @@ def dequantize_int_weight(
 
 def reference_dequantize(qweight, scales, qzeros, k, bits, group_size, zero_offset) -> torch.Tensor:
     """fp32 ``(N, K)`` weight in runtime K order, straight from the layout's definition."""
+    qweight = flat_qweight(qweight)
     n = qweight.shape[1]
     g = k if group_size == -1 else group_size
     q = unpack_bits(qweight, bits, k, dim=0).float()  # (K, N)
@@ -395,6 +448,16 @@ def prepare_int_weight(
     return with_lowering(weight, format_name, dtype) if choose_lowering else weight
 
 
+def with_qweight_form(weight: IntWeight, form: str) -> IntWeight:
+    """``weight`` with its qweight in ``form`` ("flat" or "slabs"), copied only when the form changes."""
+    if form not in ("flat", "slabs"):
+        raise ValueError(f"with_qweight_form: form must be 'flat' or 'slabs', got {form!r}")
+    if (weight.qweight.dim() == 3) == (form == "slabs"):
+        return weight
+    q = to_column_slabs(weight.qweight) if form == "slabs" else flat_qweight(weight.qweight).contiguous()
+    return replace(weight, qweight=q)
+
+
 def with_lowering(weight: IntWeight, format_name: str, dtype: torch.dtype | None = None) -> IntWeight:
     """``weight`` with the lowering the chooser picks for its device, warmed up (kernels loaded)."""
     spec = WeightSpec(
@@ -404,6 +467,7 @@ def with_lowering(weight: IntWeight, format_name: str, dtype: torch.dtype | None
         act_dtype=dtype if dtype is not None else weight.scales.dtype,
     )
     choice = choose(spec)
+    weight = with_qweight_form(weight, preferred_qweight_form(choice.lowering.kernel, weight.bits, weight.out_features))
     weight = replace(weight, kernel=choice.lowering.kernel, choice=choice)
     warm_up(choice.lowering, weight)
     return weight

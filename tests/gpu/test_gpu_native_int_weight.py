@@ -19,6 +19,7 @@ from qops.lowerings import Kernel
 from qops.native import compiler
 from qops.native import int_weight as native
 from qops.native import int_weight_gemm as gemm
+from qops.ops.int_weight import flat_qweight, to_column_slabs
 from tests.int_weight_cases import Case, pack, random_int_quantized, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -42,8 +43,13 @@ class Native:
 _BUILT: dict = {}
 
 
-def native_weight(fmt, n, k, group_size, sym, act_order=False, version=None, seed=0) -> Native:
-    key = (fmt, n, k, group_size, sym, act_order, version, seed)
+def native_weight(fmt, n, k, group_size, sym, act_order=False, version=None, seed=0, slabs=False) -> Native:
+    """The weight with its qweight flat (as prepared on the CPU) or, ``slabs``, in column slabs (as
+    prepared for the native lowering on a GPU)."""
+    key = (fmt, n, k, group_size, sym, act_order, version, seed, slabs)
+    if slabs and key not in _BUILT:
+        nw = native_weight(fmt, n, k, group_size, sym, act_order, version, seed)
+        _BUILT[key] = Native(dataclasses.replace(nw.weight, qweight=to_column_slabs(nw.weight.qweight)), nw.w64)
     if key not in _BUILT:
         case = Case(fmt, 4, group_size, sym, act_order, version, n, k)
         gen = torch.Generator().manual_seed(seed)
@@ -113,12 +119,16 @@ M_GROUPS = {"small_m": (M_VALUES, ("contiguous",), 1, 10), "tall_m": (TALL_M_VAL
             "gemm_m": (GEMM_M_VALUES, ("offset", "contiguous", "strided"), 3, 30)}
 
 
+# Each case with its qweight flat, and in column slabs where N allows (what a GPU's prepare gives).
+FORM_CASES = [(c, f) for c in CASES for f in ("flat", "slabs") if f == "flat" or c[1] % 32 == 0]
+
+
 @pytest.mark.parametrize("group", sorted(M_GROUPS))
-@pytest.mark.parametrize("case", CASES, ids=_id)
-def test_eager_matches_reference(case, group):
+@pytest.mark.parametrize("case, form", FORM_CASES, ids=[f"{_id(c)}-{f}" for c, f in FORM_CASES])
+def test_eager_matches_reference(case, form, group):
     ms, layouts, bias_seed, x_seed = M_GROUPS[group]
     fmt, n, k, g, sym, act, ver = case
-    nw = native_weight(fmt, n, k, g, sym, act, ver)
+    nw = native_weight(fmt, n, k, g, sym, act, ver, slabs=form == "slabs")
     w = nw.weight
     for dtype in DTYPES:
         bias = rand(n, dtype=dtype, seed=bias_seed)
@@ -139,6 +149,82 @@ def test_choose_picks_native_on_this_gpu():
     assert native.warmup(w) >= 1
     x = rand(3, 512, dtype=torch.float16)
     check(w.mm(x), x, iq.dequantize().double().cuda(), None, "chosen")
+
+
+def test_prepare_on_this_gpu_gives_column_slabs():
+    case = Case("gptq", 4, 128, False, False, "v2", 256, 512)
+    iq = random_int_quantized(case, torch.Generator().manual_seed(0))
+    c = pack(case, iq)
+    c = dataclasses.replace(c, **{f.name: getattr(c, f.name).cuda() for f in dataclasses.fields(c) if isinstance(getattr(c, f.name), torch.Tensor)})
+    w = FORMATS["gptq"].prepare(c, dtype=torch.float16)
+    assert w.qweight.shape == (8, 64, 32) and torch.equal(flat_qweight(w.qweight), c.qweight)
+
+
+def _decode_plans(m, n, k):
+    """The rule's decode plan at m rows and, at m <= 16, its shared-memory ring and a split through the workspace."""
+    plans = [native.plan(m, n, k, 0)]
+    if m <= 16:
+        for fields in (dict(nwn=4, splits=1, cluster=False, xfull=True, smem_ring=4), dict(nwn=2, splits=3, cluster=False, xfull=False)):
+            try:
+                plans.append(native.make_plan(m, n, k, minb=1 if m > 8 else 2, smem_limit=native.smem_optin_bytes(0), **fields))
+            except ValueError:
+                pass
+    return plans
+
+
+# GEMM builds at 33..64 rows: mma.sync, wgmma with x per tile and with x permuted once (one and two
+# 16-column tiles a warp), x in natural K order, the rotated K order, a split through the workspace.
+SLAB_GEMM_PLANS = [dict(nwn=8, splits=1, stages=4), dict(nwn=8, splits=1, stages=4, wgmma=True),
+                   dict(nwn=8, splits=1, stages=4, wgmma=True, xpre=True), dict(nwn=8, splits=1, stages=4, minb=2, tw=1, wgmma=True, xpre=True),
+                   dict(nwn=8, splits=1, stages=4, wgmma=True, xnat=True), dict(nwn=4, splits=3, stages=4, wgmma=True, krot=True)]
+
+
+@pytest.mark.parametrize("case", [("gptq", 4096, 4096, 128, False, False, "v2"), ("gptq", 1024, 1000, 128, True, True, "v1"),
+                                  ("awq", 2048, 640, -1, False, False, None)], ids=_id)
+def test_column_slabs_give_the_flat_forms_bits_on_every_kernel(case):
+    """The same words in the other order: every kernel (decode plans, the gated epilogue, each GEMM
+    build, the Triton lowering above 64 rows) must give the flat form's output bit for bit, and the
+    float64 oracle's within tolerance."""
+    fmt, n, k, g, sym, act, ver = case
+    flat = native_weight(fmt, n, k, g, sym, act, ver)
+    slabs = native_weight(fmt, n, k, g, sym, act, ver, slabs=True)
+    wgmma_ok = gemm.wgmma_missing(0) is None
+    ran = 0
+
+    def same(what, f, m, dtype, bias=None):
+        nonlocal ran
+        x = rand(m, k, dtype=dtype, seed=m + 17)
+        y = f(slabs.weight, x, bias)
+        assert torch.equal(y, f(flat.weight, x, bias)), f"{_id(case)} {dtype} M={m} {what}: slabs differ from flat"
+        ran += 1
+        return x, y
+
+    for dtype in DTYPES:
+        bias = rand(n, dtype=dtype, seed=5)
+        for m in (1, 7, 16, 17, 32):
+            for p in _decode_plans(m, n, k):
+                with native.plan_override(lambda *a, p=p: p):
+                    x, y = same(p, lambda w, x, b: w.mm(x, b), m, dtype, bias)
+                check(y, x, flat.w64, bias, f"{_id(case)} slabs {dtype} M={m} {p}")
+        for m in (1, 16):
+            x, y = same("glu", lambda w, x, b: native.native_mm(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, 4, g, w.zero_offset, glu=True),
+                        m, dtype)
+        if k % 8 == 0:
+            for fields in SLAB_GEMM_PLANS:
+                if fields.get("wgmma") and not wgmma_ok:
+                    continue
+                for m in (33, 64):
+                    try:
+                        q = gemm.make_plan(m, n, k, **fields)
+                    except ValueError:
+                        continue
+                    with gemm.plan_override(lambda *_, q=q: q):
+                        x, y = same(q, lambda w, x, b: w.mm(x, b), m, dtype, bias if m == 33 else None)
+                    check(y, x, flat.w64, bias if m == 33 else None, f"{_id(case)} slabs {dtype} M={m} {q}")
+        for m in (65, 257):  # the Triton lowering (the native one delegates)
+            x, y = same("triton", lambda w, x, b: w.mm(x, b), m, dtype, bias)
+            check(y, x, flat.w64, bias, f"{_id(case)} slabs {dtype} M={m} triton")
+    assert ran >= 20
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 8192), (6144, 4096)], ids=str)

@@ -1,7 +1,7 @@
 """Triton lowering of ``qops::mm_int_weight``: integer weight-only matmul on CUDA.
 
 Reads the runtime layout of :mod:`qops.ops.int_weight` (qweight ``(ceil(K*b/32), N)`` int32, a bit
-stream along K with consecutive N contiguous; scales ``(n_groups, N)``; qzeros ``(n_groups,
+stream along K with consecutive N contiguous, or the same words in 32-column slabs; scales ``(n_groups, N)``; qzeros ``(n_groups,
 ceil(N*b/32))`` a bit stream along N, or None for the symmetric zero ``2**(b-1)``; act_perm
 ``(K,)``). Three ways to compute ``y = x[:, act_perm] @ W.T + bias``, chosen per call from the
 number of rows M and the shipped config table (never from tensor values, never with a host sync):
@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from .common import HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket, sm_count, split_k
+from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
@@ -180,10 +181,20 @@ def _x_value(xrow_ptr, pk_ptr, I: tl.constexpr, stride_xk, kmask, HAS_PERM: tl.c
 
 
 @triton.jit
+def _word_columns(offs_n, stride_qslab, BLOCK_N: tl.constexpr):
+    """Where columns ``offs_n`` (a run of BLOCK_N from a multiple of it) start in a qweight word row:
+    ``(n // 32) * stride_qslab + n % 32`` serves both forms (flat: stride_qslab = 32, so n itself;
+    column slabs: the slab's offset), contiguous in runs of 32 columns."""
+    RUN: tl.constexpr = 32 if BLOCK_N > 32 else BLOCK_N
+    qcol = (offs_n // 32) * stride_qslab + offs_n % 32
+    return tl.max_contiguous(tl.multiple_of(qcol, RUN), RUN)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, perm_ptr, bias_ptr, y_ptr,
     M, N, K, n_wrows,
-    stride_xm, stride_xk, stride_qw, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_qw, stride_qslab, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
     split_len, group_size, zero_offset, magic,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -197,6 +208,7 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     nmask = offs_n < N
+    qcol = _word_columns(offs_n, stride_qslab, BLOCK_N)
     chunk = tl.arange(0, CHUNKS)
     STEP: tl.constexpr = 32 * CHUNKS
     k_lo = pid_k * split_len
@@ -224,7 +236,7 @@ def _gemv_kernel(
             pk1 = x1_ptr + kbase * stride_xk
             pk2 = x2_ptr + kbase * stride_xk
             pk3 = x3_ptr + kbase * stride_xk
-        w_ptrs = qw_ptr + ((k0 // 32 + chunk) * BITS)[:, None] * stride_qw + offs_n[None, :]
+        w_ptrs = qw_ptr + ((k0 // 32 + chunk) * BITS)[:, None] * stride_qw + qcol[None, :]
         wrow = (k0 // 32 + chunk) * BITS
         p0 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
         p1 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
@@ -383,7 +395,7 @@ def _half_tile(w, zf, BITS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.const
 
 @triton.jit
 def _tc_weight_tile(
-    qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+    qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
     group_size, zero_offset, zf_tile, magic,
     BITS: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
     TILE_GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, DEQUANT: tl.constexpr = 0,
@@ -395,7 +407,7 @@ def _tc_weight_tile(
         VPW: tl.constexpr = 32 // BITS
         R: tl.constexpr = BLOCK_K // VPW
         wrow = (k0 * BITS) // 32 + tl.arange(0, R)
-        ptrs = qw_ptr + wrow[:, None] * stride_qw + offs_n[None, :]
+        ptrs = qw_ptr + wrow[:, None] * stride_qw + qcol[None, :]
         if EVEN_K:
             w = tl.load(ptrs, mask=nmask[None, :], other=0)
         else:
@@ -446,11 +458,11 @@ def _tc_weight_tile(
         bit = offs_k * BITS
         word = bit // 32
         off = (bit % 32).to(tl.uint32)
-        lo = tl.load(qw_ptr + word[:, None] * stride_qw + offs_n[None, :], mask=kmask[:, None] & nmask[None, :], other=0)
+        lo = tl.load(qw_ptr + word[:, None] * stride_qw + qcol[None, :], mask=kmask[:, None] & nmask[None, :], other=0)
         q = (lo.to(tl.uint32, bitcast=True) >> off[:, None]) & ((1 << BITS) - 1)
         if 32 % BITS != 0:
             spill = (kmask & (off > 32 - BITS)) & ((word + 1) < n_wrows)
-            hi = tl.load(qw_ptr + (word + 1)[:, None] * stride_qw + offs_n[None, :], mask=spill[:, None] & nmask[None, :], other=0)
+            hi = tl.load(qw_ptr + (word + 1)[:, None] * stride_qw + qcol[None, :], mask=spill[:, None] & nmask[None, :], other=0)
             q = q | ((hi.to(tl.uint32, bitcast=True) << ((32 - off) % 32)[:, None]) & ((1 << BITS) - 1))
         f = (q.to(tl.int32, bitcast=True) | magic).to(tl.float32, bitcast=True) - TWO23
         if TILE_GROUP:
@@ -479,7 +491,7 @@ def _tc_weight_tile(
 def _tc_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, perm_ptr, bias_ptr, y_ptr,
     M, N, K, n_wrows,
-    stride_xm, stride_xk, stride_qw, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_qw, stride_qslab, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
     split_len, group_size, zero_offset, magic,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -493,6 +505,7 @@ def _tc_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     nmask = offs_n < N
+    qcol = _word_columns(offs_n, stride_qslab, BLOCK_N)
     mmask = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * split_len
@@ -517,7 +530,7 @@ def _tc_kernel(
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
         if TILE_GROUP:
             zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
-            b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+            b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
                                 group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE,
                                 DEQUANT)
             s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
@@ -533,7 +546,7 @@ def _tc_kernel(
             g = tl.where(left == 0, g + 1, g)
             left = tl.where(left == 0, group_size, left)
         else:
-            b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+            b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
                                 group_size, zero_offset, 0.0, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE)
             acc = tl.dot(a, b, acc, input_precision="ieee")
     rmask = mmask[:, None] & nmask[None, :]
@@ -568,7 +581,7 @@ def _reduce_kernel(p_ptr, bias_ptr, y_ptr, M, N, S, stride_ps, stride_pm, stride
 @triton.jit
 def _dequant_kernel(
     qw_ptr, s_ptr, qz_ptr, perm_ptr, w_ptr,
-    K, N, n0, slab, n_wrows, stride_qw, stride_s, stride_qz,
+    K, N, n0, slab, n_wrows, stride_qw, stride_qslab, stride_s, stride_qz,
     group_size, zero_offset, magic,
     BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, TILE_GROUP: tl.constexpr,
@@ -582,15 +595,16 @@ def _dequant_kernel(
     offs_n = n0 + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     nmask = offs_n < tl.minimum(N, n0 + slab)
+    qcol = _word_columns(offs_n, stride_qslab, BLOCK_N)
     if TILE_GROUP:
         g = k0 // group_size
         zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
         s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
-        w_tile = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, K, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+        w_tile = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, K, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
                                  group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, True, False,
                                  tl.float32) * s[None, :]
     else:
-        w_tile = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, K, offs_n, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+        w_tile = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, K, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
                                  group_size, zero_offset, 0.0, magic, BITS, BLOCK_K, HAS_ZEROS, False, False,
                                  tl.float32)
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -808,7 +822,7 @@ def triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     "gemm", "dense") overrides the table's choice (tests, tuner).
     """
     k = x.shape[-1]
-    n = qweight.shape[1]
+    n = qweight_columns(qweight)
     lead = x.shape[:-1]
     m = math.prod(lead)
     if out is None:
@@ -817,7 +831,7 @@ def triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         return out
     if k == 0:
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
-    if qweight.stride(1) != 1:
+    if qweight.stride(-1) != 1:
         qweight = qweight.contiguous()
     if scales.stride(1) != 1:
         scales = scales.contiguous()
@@ -850,8 +864,8 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     common = (
         x2, qweight, scales, qzeros if qzeros is not None else qweight, act_perm if act_perm is not None else qweight,
         bias if bias is not None else scales, y,
-        m, n, k, qweight.shape[0],
-        x2.stride(0), x2.stride(1), qweight.stride(0), scales.stride(0),
+        m, n, k, qweight_word_rows(qweight),
+        x2.stride(0), x2.stride(1), *qweight_strides(qweight), scales.stride(0),
         qzeros.stride(0) if qzeros is not None else 0, *sy,
         # group_size -1 is passed as K: k // K == 0 for every row, so one division serves both.
         plan["split_len"], group_size if group_size != -1 else k, zero_offset, MAGIC_ARG,
@@ -973,7 +987,7 @@ def _dequant_slab(plan, qweight, scales, qzeros, act_perm, bits, group_size, zer
     width = min(slab, n - n0)
     _dequant_kernel[(-(-k // bk), -(-width // bn))](
         qweight, scales, qzeros if qzeros is not None else qweight, act_perm if act_perm is not None else qweight, w,
-        k, n, n0, slab, qweight.shape[0], qweight.stride(0), scales.stride(0),
+        k, n, n0, slab, qweight_word_rows(qweight), *qweight_strides(qweight), scales.stride(0),
         qzeros.stride(0) if qzeros is not None else 0, group_size if group_size != -1 else k, zero_offset,
         MAGIC_ARG, BITS=bits, BLOCK_K=bk, BLOCK_N=bn, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None,
         TILE_GROUP=plan["tile_group"], num_warps=plan["dq_warps"],
