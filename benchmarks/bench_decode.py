@@ -11,7 +11,9 @@ Models (``qops.models.llama``, random weights, one GPU, no tensor parallelism):
   (sharding, preparation, lowering choice and warm-up as for a real checkpoint);
 - bf16: random ``N(0, 1/K)`` weights, ``FastLinear`` (cuBLAS);
 - ``w4-qhead`` (timed in the same run where ``--models`` names it): w4 with ``lm_head`` a GPTQ
-  4-bit g128 layer too, as in checkpoints that quantize the head; not the model the targets name.
+  4-bit g128 layer too, as in checkpoints that quantize the head; not the model the targets name;
+- ``w4-flat``: w4 with every qweight kept flat instead of the column slabs that preparation gives
+  the native lowering (``qops.ops.int_weight.preferred_qweight_form``): the slabs' effect, same run.
 
 Method: ``qops.models.compile_decode`` (``torch.compile(fullgraph=True)``, batch dimension
 unbacked: one compilation per model). Per (model, batch): a random prompt of ``--prompt-len`` tokens
@@ -46,6 +48,7 @@ Exit status: 0 (targets are reported, not enforced), 2 without a CUDA device (an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import math
@@ -68,6 +71,7 @@ MODEL_KINDS = {
     "w4": "every decoder linear GPTQ 4-bit g128; lm_head bf16 (the model the targets name)",
     "bf16": "every linear bf16 (cuBLAS)",
     "w4-qhead": "w4 with lm_head GPTQ 4-bit g128 too (checkpoints that quantize the head)",
+    "w4-flat": "w4 with every qweight flat instead of in the column slabs prepared for the native lowering",
 }
 
 
@@ -171,17 +175,32 @@ def build(kind, config, device, dtype, args, attention="fused"):
     from qops.models import LlamaForCausalLM
 
     shared = shared_tensors(config, device, dtype, args.seed)
-    if kind in ("w4", "w4-qhead"):
+    if kind in ("w4", "w4-qhead", "w4-flat"):
         linears, qc = random_gptq_checkpoint(config, device, args.seed, head=kind == "w4-qhead")
         if kind == "w4-qhead":
             del shared["lm_head.weight"]  # the loader then reads lm_head as the GPTQ layer it now is
     else:
         linears, qc = random_dense_linears(config, device, dtype, args.seed), None
-    model = LlamaForCausalLM.from_tensors(config, {**shared, **linears}, qc, device=device, dtype=dtype, max_batch=max(args.batch_list),
-                                          max_seq=args.max_seq, process_group=None, attention=attention)
+    with _flat_qweights(kind == "w4-flat"):
+        model = LlamaForCausalLM.from_tensors(config, {**shared, **linears}, qc, device=device, dtype=dtype, max_batch=max(args.batch_list),
+                                              max_seq=args.max_seq, process_group=None, attention=attention)
     del shared, linears
     gc.collect()
     return model
+
+
+@contextlib.contextmanager
+def _flat_qweights(on: bool):
+    """While on, preparation keeps every qweight flat (the form choice is read at each preparation)."""
+    import qops.ops.int_weight as iw
+
+    chosen = iw.preferred_qweight_form
+    if on:
+        iw.preferred_qweight_form = lambda kernel, bits, n: "flat"
+    try:
+        yield
+    finally:
+        iw.preferred_qweight_form = chosen
 
 
 def time_captured(cap, tokens, positions, steps: int, trials: int) -> list[float]:

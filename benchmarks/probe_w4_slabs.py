@@ -26,6 +26,7 @@ common.add_repo_to_path()
 
 from probe_early_pdl import gptq_native  # noqa: E402
 from qops.native import int_weight as niw  # noqa: E402
+from qops.native import int_weight_gemm as gemm  # noqa: E402
 from qops.ops.int_weight import with_qweight_form  # noqa: E402
 
 
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
         flats = [with_qweight_form(v, "flat") for v in ws]
         for m in a.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            used = niw.plan(m, n, k, 0)
+            used = niw.plan(m, n, k, 0) if m <= niw.decode_rows(n, k, 0) else gemm.plan(m, n, k, 0)  # --plans: decode plans only
             roof = common.roofline_us(w.nbytes() + 2 * m * (k + n), bw)
 
             def variant(fields, used=used, m=m, n=n, k=k):

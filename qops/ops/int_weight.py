@@ -10,9 +10,10 @@ N = out_features, b = bits, G = group_size (K when -1), n_groups = ceil(K / G):
   ``(j, 32*s + i)``, so each 32 columns' whole K stream is contiguous (N % 32 == 0). The shape says
   which form a tensor is in, so neither can be read as the other. Weights prepared for the native
   lowering get slabs (:func:`preferred_qweight_form`): a warp's 4 word rows x 32 columns are then 512
-  contiguous bytes instead of four 128-byte pieces 4N bytes apart, which measured 1.9-3.8% faster at
-  M = 1 on the four large PERF.md shapes with the decode kernel's plans unchanged
-  (``benchmarks/results/h200-2026-12-01-2743492-probe-w4-tiled.json``, a reads-only probe).
+  contiguous bytes instead of four 128-byte pieces 4N bytes apart. Measured against the flat form in
+  one run, same plans, bit-identical outputs: M = 1 1.9-5.3% faster on the four large PERF.md shapes,
+  M = 16 -0.4..+3.5%, M = 64 (the GEMM) +0.4-0.8%, 4096x4096 within 1%
+  (``benchmarks/results/h200-2026-12-02-e08906c-probe-slabs.json``).
 - ``scales`` float ``(n_groups, N)``: runtime rows ``[g*G, (g+1)*G)`` form group g (the last group
   may be partial), so groups are contiguous in K.
 - ``qzeros`` int32 ``(n_groups, ceil(N*b/32))``, a bit stream along N, the zero being the stored
