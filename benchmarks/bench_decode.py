@@ -23,7 +23,11 @@ step, its argmax and the position update captured into one ``torch.cuda.graph`` 
 ``--loop reduce-overhead``: ``mode="reduce-overhead"`` (``torch.compiler.cudagraph_mark_step_begin()``
 each step; argmax and position update eager), wall clock around the loop between two device
 synchronizations; it adds the per-step host cost of guards and input copies. Median of
-``--trials``; tokens/s = batch x steps / time.
+``--trials``; tokens/s = batch x steps / time. Every (model, batch) is prepared (prefilled, captured,
+warmed) first; then (``--loop captured``) the trials run interleaved, one trial of each in turn, the
+order rotated from one round to the next, so no model is measured earlier or later than another
+(measured one after the other, the second model of a run was 1.1-1.6% faster whichever it was:
+benchmarks/NOTES.md, stop 32).
 Attention (``--attention``): ``fused`` (default, ``qops::decode_attention``) reads each row's cache
 positions up to its own token only, split over several programs per KV head on caches longer than
 512 positions (split-KV); ``sdpa`` / ``matmul`` attend over all ``--max-seq`` positions (static
@@ -221,6 +225,19 @@ def time_captured(cap, tokens, positions, steps: int, trials: int) -> list[float
     return out
 
 
+def interleaved_trials(runners: dict, trials: int) -> dict:
+    """``trials`` timings of each runner (key -> zero-argument callable returning seconds), run one of
+    each per round with the order rotated every round (round r starts at runner r mod n): a drift of the
+    machine over the run (clocks, temperature) reaches every runner alike instead of the later ones."""
+    keys = list(runners)
+    out = {k: [] for k in keys}
+    for r in range(trials):
+        for i in range(len(keys)):
+            k = keys[(r + i) % len(keys)]
+            out[k].append(runners[k]())
+    return out
+
+
 def sync(device):
     import torch
 
@@ -298,6 +315,8 @@ def run(args) -> int:
 
     gen = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
+        # Prepare every (model, batch) first: prefill, capture (or record the reduce-overhead graph), warm.
+        prepared = {}  # (label, batch) -> (one timed trial in seconds, its final tokens, warm-up seconds)
         for label, model in models.items():
             step = steps_fn[label]
             for b in args.batch_list:
@@ -311,32 +330,59 @@ def run(args) -> int:
                     first = model.prefill(prompts).argmax(-1)
                     cap = CapturedDecode(model, step, b, start_position=args.prompt_len)  # compiles on the first batch
                     start = (first, torch.full((b,), args.prompt_len, dtype=torch.long, device=device))
+
+                    def trial(cap=cap, start=start):
+                        return time_captured(cap, *start, args.steps, 1)[0] * args.steps / 1e3
+
+                    def final(cap=cap):
+                        return cap.tokens.clone()
                 else:
                     generate(model, prompts, 4, step=step, cuda_graphs=cuda_graphs)  # compile (first batch) + record this batch's graph
-                sync(device)
-                warm_s = time.time() - t
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                if captured:
-                    times = [ms * args.steps / 1e3 for ms in time_captured(cap, *start, args.steps, args.trials)]
-                    last = cap.tokens.clone()
-                    del cap
-                else:
-                    times = []
-                    for _ in range(args.trials):
+                    last = {}
+
+                    def trial(model=model, step=step, prompts=prompts, last=last):
                         g = generate(model, prompts, args.steps + 1, step=step, cuda_graphs=cuda_graphs)
-                        times.append(g.decode_s)
-                    last = g.tokens[:, -1]
-                med = statistics.median(times)
-                row = {"model": label, "batch": b, "loop": args.loop, "steps": args.steps, "tokens_per_s": b * args.steps / med,
-                       "step_ms": 1e3 * med / args.steps, "trials_s": times, "warmup_s": round(warm_s, 2),
-                       "finite": bool(torch.isfinite(model.decode(last, torch.full((b,), args.prompt_len, device=device))).all())}
-                if device.type == "cuda":
-                    row["peak_bytes"] = torch.cuda.max_memory_allocated()
-                res["rows"].append(row)
-                print(f"{label:8s} batch {b:3d}: {row['tokens_per_s']:10.1f} tok/s  {row['step_ms']:7.3f} ms/step  "
-                      f"(warm-up {warm_s:.1f} s)", flush=True)
-                common.write_json(res, out_paths)
+                        last["tokens"] = g.tokens[:, -1]
+                        return g.decode_s
+
+                    def final(last=last):
+                        return last["tokens"]
+                sync(device)
+                prepared[(label, b)] = (trial, final, time.time() - t)
+
+        # The trials, interleaved; each runner's peak memory from its first trial (after a reset).
+        peaks = {}
+
+        def with_peak(key, trial):
+            def run_one():
+                first = key not in peaks
+                if first and device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                t = trial()
+                if first:
+                    peaks[key] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+                return t
+            return run_one
+
+        runners = {key: with_peak(key, p[0]) for key, p in prepared.items()}
+        if captured:
+            times_of = interleaved_trials(runners, args.trials)
+        else:  # torch.compile's graph trees re-record when other models' graphs run in between: one at a time
+            times_of = {key: interleaved_trials({key: run}, args.trials)[key] for key, run in runners.items()}
+        for (label, b), (_, final, warm_s) in prepared.items():
+            model, times = models[label], times_of[(label, b)]
+            last = final()
+            med = statistics.median(times)
+            row = {"model": label, "batch": b, "loop": args.loop, "steps": args.steps, "tokens_per_s": b * args.steps / med,
+                   "step_ms": 1e3 * med / args.steps, "trials_s": times, "warmup_s": round(warm_s, 2),
+                   "finite": bool(torch.isfinite(model.decode(last, torch.full((b,), args.prompt_len, device=device))).all())}
+            if peaks.get((label, b)) is not None:
+                row["peak_bytes"] = peaks[(label, b)]
+            res["rows"].append(row)
+            print(f"{label:8s} batch {b:3d}: {row['tokens_per_s']:10.1f} tok/s  {row['step_ms']:7.3f} ms/step  "
+                  f"(warm-up {warm_s:.1f} s)", flush=True)
+            common.write_json(res, out_paths)
+        prepared.clear()
     res["targets"] = targets(res, dry)
     res["elapsed_s"] = round(time.time() - t_start, 1)
     common.write_json(res, out_paths)

@@ -170,3 +170,16 @@ def test_probe_time_row_adds_times_ratio_and_prints(monkeypatch, capsys):
     assert res["rows"] == [row]
     assert (row["a_us"], row["a_roof_pct"], row["b_us"], row["b_roof_pct"], row["a_over_b"]) == (2.0, 50.0, 8.0, 12.5, 0.25)
     assert json.loads(capsys.readouterr().out) == row
+
+
+def test_interleaved_trials_rotate_the_order_every_round(monkeypatch):
+    """``bench_decode.interleaved_trials``: each runner timed once a round, round r starting at runner
+    r mod n, so over n rounds every runner is measured first once."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_decode
+
+    calls = []
+    runners = {k: (lambda k=k: calls.append(k) or float(len(calls))) for k in ("a", "b", "c")}
+    times = bench_decode.interleaved_trials(runners, 3)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert times == {"a": [1.0, 6.0, 8.0], "b": [2.0, 4.0, 9.0], "c": [3.0, 5.0, 7.0]}
