@@ -146,18 +146,11 @@ def test_choose_picks_native_on_this_gpu():
     c = dataclasses.replace(c, **{f.name: getattr(c, f.name).cuda() for f in dataclasses.fields(c) if isinstance(getattr(c, f.name), torch.Tensor)})
     w = FORMATS["gptq"].prepare(c, dtype=torch.float16)
     assert w.choice.lowering.name == "native_w4a16", w.choice.explain()
+    # prepared for the native lowering: qweight in column slabs (the checkpoint's words reordered)
+    assert w.qweight.shape == (8, 64, 32) and torch.equal(flat_qweight(w.qweight), c.qweight)
     assert native.warmup(w) >= 1
     x = rand(3, 512, dtype=torch.float16)
     check(w.mm(x), x, iq.dequantize().double().cuda(), None, "chosen")
-
-
-def test_prepare_on_this_gpu_gives_column_slabs():
-    case = Case("gptq", 4, 128, False, False, "v2", 256, 512)
-    iq = random_int_quantized(case, torch.Generator().manual_seed(0))
-    c = pack(case, iq)
-    c = dataclasses.replace(c, **{f.name: getattr(c, f.name).cuda() for f in dataclasses.fields(c) if isinstance(getattr(c, f.name), torch.Tensor)})
-    w = FORMATS["gptq"].prepare(c, dtype=torch.float16)
-    assert w.qweight.shape == (8, 64, 32) and torch.equal(flat_qweight(w.qweight), c.qweight)
 
 
 def _decode_plans(m, n, k):
