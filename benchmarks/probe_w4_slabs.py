@@ -5,9 +5,11 @@ own plan. Stops 17 and 23 timed a reads-only build of the decode kernel that way
 sums): +1.9-3.8% at M = 1 (h200-2026-12-01-2743492-probe-w4-tiled.json). Per shape and M both forms
 are timed with interleaved trials over rotated weight copies (method of ``common.py``), GPTQ v2,
 4 bits, group 128, asymmetric, fp16 x, and their outputs must be bit-identical (the same sums in the
-same order). ``--plans`` adds the slab form at its plan with other fields (JSON list, e.g.
-'[{"smem_ring": 4}]'), each checked against the op's output. The same question for the NF4 kernel
-is ``probe_nf4_native.py --probes op,tiled``. Needs N % 32 == 0.
+same order). ``--plans`` adds, on the decode kernel's rows, the slab form at its plan with other
+fields (JSON list, e.g. '[{"smem_ring": 4, "smem_bulk": true}]': the ring filled by whole-chunk
+bulk copies), each checked against the op's output; a plan the kernel refuses is recorded as
+``<plan>_refused``. The same question for the NF4 kernel is ``probe_nf4_native.py --probes
+op,tiled``. Needs N % 32 == 0.
 
     PYTHONPATH=. python benchmarks/probe_w4_slabs.py [--shapes 28672x4096,...] [--ms 1,16,64] [--plans JSON] [--out F]
 """
@@ -53,7 +55,8 @@ def main(argv=None) -> int:
         flats = [with_qweight_form(v, "flat") for v in ws]
         for m in a.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            used = niw.plan(m, n, k, 0) if m <= niw.decode_rows(n, k, 0) else gemm.plan(m, n, k, 0)  # --plans: decode plans only
+            decode = m <= niw.decode_rows(n, k, 0)
+            used = niw.plan(m, n, k, 0) if decode else gemm.plan(m, n, k, 0)  # --plans: decode plans only
             roof = common.roofline_us(w.nbytes() + 2 * m * (k + n), bw)
 
             def variant(fields, used=used, m=m, n=n, k=k):
@@ -74,8 +77,14 @@ def main(argv=None) -> int:
                         return f()
                 return g
 
-            variants = {json.dumps(f, sort_keys=True): f for f in a.plans}
             row = {"N": n, "K": k, "M": m, "plan": str(used), "roofline_us": round(roof, 2)}
+            variants = {}
+            for f in a.plans if decode else []:  # a plan the kernel cannot run is recorded, not timed
+                try:
+                    variant(f)
+                    variants[json.dumps(f, sort_keys=True)] = f
+                except ValueError as e:
+                    row[json.dumps(f, sort_keys=True) + "_refused"] = str(e)
             want = w.mm(x)
             row["slabs_bit_identical_to_flat"] = bool(torch.equal(flats[0].mm(x), want))
             for name, fields in variants.items():

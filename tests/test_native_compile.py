@@ -230,6 +230,28 @@ def test_stamps_builds_compile_and_only_they_read_the_timer(arch):
         assert "%globaltimer" not in _ptx(src, arch, d)
 
 
+def test_smem_bulk_compiles_for_sm90_only_without_spills():
+    """The ring filled by whole-chunk bulk copies (QOPS_SMEM_BULK, measurements): the decode plans it is
+    meant for, both dtypes, zeros or not, with and without a cluster, within the register budget and
+    no spills; its PTX moves qweight, scales and zeros by bulk copies waited on through mbarriers (no
+    cp.async of them is left); refused for sm_80 and without the ring."""
+    variants = [{**native._plan(1, n, k, 132, cluster).defines(dt, has_z), "QOPS_SMEM_RING": 4, "QOPS_SMEM_BULK": 1}
+                for n, k, cluster, dt, has_z in ((28672, 4096, False, torch.float16, False), (28672, 4096, False, torch.bfloat16, True),
+                                                 (4096, 14336, True, torch.float16, True))]
+    variants.append({**native._plan(16, 4096, 4096, 132, False).defines(torch.float16, True), "QOPS_XFULL": 1, "QOPS_SMEM_RING": 8,
+                     "QOPS_SMEM_BULK": 1})
+    for defines, log in compile_reports(native.SOURCE, "sm_90", variants):
+        regs, spills = ptxas_report(log)[native.GEMV]
+        assert spills == 0 and regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])), (defines, log)
+    src = compiler.native_source(native.SOURCE)
+    text = "\n".join(_entries(_ptx(src, "sm_90", variants[2]))[native.GEMV])
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text  # (one call site per unrolled fill)
+    assert "mbarrier.try_wait.parity" in text and "cp.async.ca.shared.global" not in text
+    for arch, bad in (("sm_80", variants[0]), ("sm_90", {**variants[0], "QOPS_SMEM_RING": 0})):
+        with pytest.raises(compiler.NativeCompileError, match="QOPS_SMEM_BULK"):
+            compiler.compile(src, arch, compiler.native_options(bad))
+
+
 def test_smem_ring_stage_size_matches_the_kernel():
     src = compiler.native_source(native.SOURCE)
     expr = re.search(r"constexpr int kSmemStage = ([0-9 *+]+);", src).group(1)

@@ -158,6 +158,7 @@ class Plan:
     fold: bool = False  # (x staged once, M <= 8) magic bias and zero point subtracted after the MMA, from x sums
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
+    smem_bulk: bool = False  # measurements: that ring filled by whole-chunk bulk copies (sm_90, qweight in column slabs)
     xu: int = 8  # (x staged once) 16-byte x slots a thread loads before using any (1..8; 1: one round trip per 256 slots)
     # (x staged once, bf16 x) x staged as f16 scaled by a power of two a row and the MMAs run in f16
     # (w4a16_gemv.cu, QOPS_F16MMA); no effect on f16 x or on plans staging x per iteration.
@@ -179,6 +180,7 @@ class Plan:
             "QOPS_FOLD": int(self.fold),
             "QOPS_PREFETCH": self.prefetch,
             "QOPS_SMEM_RING": self.smem_ring,
+            "QOPS_SMEM_BULK": int(self.smem_bulk),
             "QOPS_XU": self.xu,
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
         }
@@ -732,6 +734,12 @@ def launch_shmem(p: Plan, glu: bool) -> int:
 def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_per_group, zero_offset, flags, dev, stream,
             glu: bool = False) -> None:
     p = plan(m, n, k, dev)
+    if p.smem_bulk:  # only measurement overrides set it: one bulk copy moves a warp's whole chunk
+        needs = [why for bad, why in ((not flags & _Q_SLABS, "qweight in column slabs"), (not p.smem_ring, "a shared-memory ring"),
+                                      (not _sm90(dev), "sm_90"), (scales.data_ptr() % 16, "16-byte aligned scales"),
+                                      (qzeros is not None and qzeros.data_ptr() % 16, "16-byte aligned qzeros")) if bad]
+        if needs:
+            raise ValueError(f"native_w4a16: a plan with smem_bulk needs {', '.join(needs)} (N={n}, cuda:{dev})")
     has_z = qzeros is not None
     defines = p.defines(x2.dtype, has_z, glu)
     shmem = launch_shmem(p, glu)

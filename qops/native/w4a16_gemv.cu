@@ -95,7 +95,8 @@
 // QOPS_FOLD (0/1: bias and zero point subtracted after the MMA; needs QOPS_XFULL and MT = 1),
 // QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead),
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
-// replaces QOPS_RING), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
+// replaces QOPS_RING), QOPS_SMEM_BULK (0/1: that ring filled by whole-chunk bulk copies, sm_90 and qweight in
+// slabs; measurements), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
@@ -144,6 +145,12 @@
 #endif
 #ifndef QOPS_SMEM_RING
 #define QOPS_SMEM_RING 0
+#endif
+#ifndef QOPS_SMEM_BULK
+#define QOPS_SMEM_BULK 0  // measurements: the smem ring filled by whole-chunk bulk copies (sm_90, qweight in slabs)
+#endif
+#if QOPS_SMEM_BULK && (QOPS_SMEM_RING == 0 || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900))
+#error "QOPS_SMEM_BULK needs QOPS_SMEM_RING > 0 and sm_90 (bulk copies)"
 #endif
 #ifndef QOPS_XU
 #define QOPS_XU 8
@@ -427,6 +434,43 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     cp_async_8_if(dst + kSmemScales + lane * 8, src.s, src.ok);
     if constexpr (HAS_Z) cp_async_4_if(dst + kSmemZeros + lane * 4, src.z, src.ok);
   };
+#if QOPS_SMEM_BULK
+  // QOPS_SMEM_BULK (measurements; qweight in column slabs, which the host checks): a stage is the
+  // warp's chunk as it lies in memory -- its 16 word rows of 32 columns, 2 KiB contiguous in the slab
+  // form, so one bulk copy (lane 0) -- then its 32 scales (64 bytes, lane 16), its 4 zero words (16
+  // bytes, lane 17) and the stage's mbarrier. Stop 18's version copied one 128-byte row a lane (the
+  // flat form's rows lie 4N bytes apart) and ran at 0.64-0.74x the op: requests that small did not pay
+  // (h200-2026-11-30-c9b8957-probe-w4-bulk.json). A lane reads row c + 4j at column group g (16
+  // bytes; a 4-way bank conflict, lanes of one g reading four rows 128 bytes apart), scales at 8g,
+  // zeros at word g / 2.
+  constexpr int kBulkScales = 16 * 128, kBulkZeros = kBulkScales + 64, kBulkBar = kBulkZeros + 16;
+  static_assert(kBulkBar + 8 <= kSmemStage && kBulkBar % 8 == 0, "the bulk stage fits the ring's stage");
+  const int wn0 = n0 - 4 * g;  // the warp's first column (a multiple of 32)
+  auto bulk_load = [&](int stage) {
+    const Src src = next_src();
+    const u32 dst = sring_a + stage * kSmemStage, bar = dst + kBulkBar;
+    const int rows = src.chunk_ok ? max(0, min(16, src.rows_left + c)) : 0;  // word rows of this chunk inside K
+    const bool cols = src.chunk_ok && wn0 < N;
+    const u32 bytes = cols ? rows * 128u + 64u + (HAS_Z ? 16u : 0u) : 0u;
+    if (lane == 0) mbar_arrive_expect_tx(bar, bytes);
+    __syncwarp();
+    if (cols) {
+      if (lane == 0 && rows > 0) bulk_copy_g2s(dst, src.w - c * ldq - 4 * g, rows * 128u, bar);  // word row 16 chunk, column wn0
+      if (lane == 16) bulk_copy_g2s(dst + kBulkScales, src.s - 4 * g, 64, bar);
+      if (HAS_Z && lane == 17) bulk_copy_g2s(dst + kBulkZeros, src.z - (g >> 1), 16, bar);
+    }
+  };
+  auto bulk_read = [&](int stage, int use) {
+    const char* base = sring + stage * kSmemStage;
+    mbar_wait_parity(sring_a + stage * kSmemStage + kBulkBar, static_cast<u32>(use & 1));
+    Chunk ck;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) ck.w[j] = *reinterpret_cast<const uint4*>(base + (c + 4 * j) * 128 + 16 * g);
+    ck.s = *reinterpret_cast<const uint2*>(base + kBulkScales + 8 * g);
+    ck.z = HAS_Z ? *reinterpret_cast<const u32*>(base + kBulkZeros + 4 * (g >> 1)) : 0u;
+    return ck;
+  };
+#endif
   auto read_chunk_smem = [&](int stage) {
     const char* src = sring + stage * kSmemStage;
     Chunk ck;
@@ -740,6 +784,43 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     // iteration) with iteration it+SR-1, then waits for its own group: SR chunks in flight while it
     // computes. One group per iteration (maybe empty), so wait_group<SR-1> always means "the group
     // of `it` has landed".
+#if QOPS_SMEM_BULK
+    // The bulk-copy fill: each stage's mbarrier completes a phase per fill (one arrival announcing the
+    // bytes, the copies' bytes landing), so chunk `it` waits for phase it / SR of stage it % SR. Before
+    // a stage is refilled, every lane's reads of it are done (warp sync) and ordered before the copy
+    // engine's writes (proxy fence).
+    if (lane == 0) {
+      for (int st = 0; st < SR; ++st) mbar_init(sring_a + st * kSmemStage + kBulkBar, 1);
+      mbar_init_fence();
+    }
+    __syncwarp();
+#pragma unroll
+    for (int d = 0; d < SR - 1; ++d)
+      if (d < n_it) bulk_load(d);
+    for (int q = SR - 1; q < QOPS_PREFETCH; ++q) prefetch_it(q);
+    grid_dep_wait();  // x may still be being written by the kernel ahead
+    stamp(1);
+    stage_x_full();
+    __syncthreads();
+    stamp(2);
+    for (int it0 = 0; it0 < n_it; it0 += SR) {
+#pragma unroll
+      for (int b = 0; b < SR; ++b) {
+        const int it = it0 + b;
+        if (it < n_it) {
+          __syncwarp();  // every lane has read the stage of it - 1, refilled next
+          fence_proxy_async_smem();
+          if (it + SR - 1 < n_it) bulk_load((b + SR - 1) % SR);
+          compute(it, bulk_read(b, it / SR), 0);
+        }
+      }
+    }
+    __syncwarp();  // every lane is past its last wait before the barriers go (their memory is reused below)
+    if (lane == 0)
+      for (int st = 0; st < SR; ++st) mbar_inval(sring_a + st * kSmemStage + kBulkBar);
+    unscale_rows();
+    __syncthreads();
+#else
 #pragma unroll
     for (int d = 0; d < SR - 1; ++d) {
       if (d < n_it) load_chunk_smem(d);
@@ -768,6 +849,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     cp_async_wait<0>();  // nothing is left in flight (only empty groups) before shared memory is reused
     unscale_rows();
     __syncthreads();
+#endif
     stamp(3);
   } else if constexpr (XF) {
     // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then

@@ -220,6 +220,34 @@ def test_column_slabs_give_the_flat_forms_bits_on_every_kernel(case):
     assert ran >= 20
 
 
+@pytest.mark.parametrize("case", [("gptq", 4096, 4096, 128, False, False, "v2"), ("gptq", 1024, 1000, 128, True, True, "v1"),
+                                  ("awq", 2048, 640, -1, False, False, None)], ids=_id)
+def test_smem_bulk_ring_matches_the_cp_async_ring_bitwise(case):
+    """QOPS_SMEM_BULK (measurements): the shared-memory ring filled by one bulk copy a warp and chunk
+    on slab weights (K = 1000: the last chunk's copy is short) gives the cp.async ring's bits, and the
+    oracle's values, eagerly and replayed from a CUDA graph; a flat weight is refused naming the form."""
+    fmt, n, k, g, sym, act, ver = case
+    flat = native_weight(fmt, n, k, g, sym, act, ver)
+    slabs = native_weight(fmt, n, k, g, sym, act, ver, slabs=True)
+    for dtype in DTYPES:
+        for m in (1, 7, 16):
+            for stages in (2, 4):
+                ring = native.make_plan(m, n, k, nwn=4 if m <= 8 else 2, splits=1, cluster=False, xfull=True, smem_ring=stages,
+                                        minb=2 if m <= 8 else 1, smem_limit=native.smem_optin_bytes(0))
+                bulk = dataclasses.replace(ring, smem_bulk=True)
+                x = rand(m, k, dtype=dtype, seed=m + stages)
+                with native.plan_override(lambda *a: ring):
+                    want = slabs.weight.mm(x)
+                with native.plan_override(lambda *a: bulk):
+                    y = slabs.weight.mm(x)
+                    assert torch.equal(y, want), f"{_id(case)} {dtype} M={m} stages={stages}: bulk ring differs from the cp.async ring"
+                    check(y, x, flat.w64, None, f"{_id(case)} {dtype} M={m} bulk")
+                    if m == 7 and dtype == torch.float16:
+                        _check_graph_replays(slabs, m, k, dtype, (2, 3), f"{_id(case)} bulk ring graph")
+                        with pytest.raises(ValueError, match="smem_bulk needs qweight in column slabs"):
+                            flat.weight.mm(x)
+
+
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 8192), (6144, 4096)], ids=str)
 def test_cluster_and_workspace_reductions_agree_bitwise(shape, monkeypatch):
     monkeypatch.setenv(native.PLANS_ENV, "rule")  # the rule's split counts, with and without clusters
