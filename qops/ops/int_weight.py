@@ -83,6 +83,7 @@ def preferred_qweight_form(kernel: Kernel, bits: int, n: int) -> str:
     form); the Triton lowering's own tuned configurations were measured on the flat form."""
     return "slabs" if kernel == Kernel.NATIVE and bits == 4 and n % SLAB_COLUMNS == 0 else "flat"
 
+
 def check_int_weight(
     who: str,
     k,

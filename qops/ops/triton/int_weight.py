@@ -1,9 +1,9 @@
 """Triton lowering of ``qops::mm_int_weight``: integer weight-only matmul on CUDA.
 
 Reads the runtime layout of :mod:`qops.ops.int_weight` (qweight ``(ceil(K*b/32), N)`` int32, a bit
-stream along K with consecutive N contiguous, or the same words in 32-column slabs; scales ``(n_groups, N)``; qzeros ``(n_groups,
-ceil(N*b/32))`` a bit stream along N, or None for the symmetric zero ``2**(b-1)``; act_perm
-``(K,)``). Three ways to compute ``y = x[:, act_perm] @ W.T + bias``, chosen per call from the
+stream along K with consecutive N contiguous, or the same words in 32-column slabs; scales
+``(n_groups, N)``; qzeros ``(n_groups, ceil(N*b/32))`` a bit stream along N, or None for the
+symmetric zero ``2**(b-1)``; act_perm ``(K,)``). Three ways to compute ``y = x[:, act_perm] @ W.T + bias``, chosen per call from the
 number of rows M and the shipped config table (never from tensor values, never with a host sync):
 
 - **decode** (M <= ``decode_max_m``): a split-K GEMV on CUDA cores. Each thread owns ``VEC``
