@@ -784,19 +784,34 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     // iteration) with iteration it+SR-1, then waits for its own group: SR chunks in flight while it
     // computes. One group per iteration (maybe empty), so wait_group<SR-1> always means "the group
     // of `it` has landed".
-#if QOPS_SMEM_BULK
-    // The bulk-copy fill: each stage's mbarrier completes a phase per fill (one arrival announcing the
-    // bytes, the copies' bytes landing), so chunk `it` waits for phase it / SR of stage it % SR. Before
+    // With QOPS_SMEM_BULK each stage's mbarrier completes a phase per fill (one arrival announcing the
+    // bytes, the copies' bytes landing), so chunk `it` waits for phase it / SR of stage it % SR; before
     // a stage is refilled, every lane's reads of it are done (warp sync) and ordered before the copy
     // engine's writes (proxy fence).
+#if QOPS_SMEM_BULK
     if (lane == 0) {
       for (int st = 0; st < SR; ++st) mbar_init(sring_a + st * kSmemStage + kBulkBar, 1);
       mbar_init_fence();
     }
     __syncwarp();
+    auto ring_fill = [&](int stage, bool any) {
+      fence_proxy_async_smem();
+      if (any) bulk_load(stage);
+    };
+    auto ring_take = [&](int stage, int it) { return bulk_read(stage, it / SR); };
+#else
+    auto ring_fill = [&](int stage, bool any) {
+      if (any) load_chunk_smem(stage);
+      cp_async_commit();
+    };
+    auto ring_take = [&](int stage, int) {
+      cp_async_wait<SR - 1>();
+      __syncwarp();  // the pieces other lanes copied for this lane have landed
+      return read_chunk_smem(stage);
+    };
+#endif
 #pragma unroll
-    for (int d = 0; d < SR - 1; ++d)
-      if (d < n_it) bulk_load(d);
+    for (int d = 0; d < SR - 1; ++d) ring_fill(d, d < n_it);
     for (int q = SR - 1; q < QOPS_PREFETCH; ++q) prefetch_it(q);
     grid_dep_wait();  // x may still be being written by the kernel ahead
     stamp(1);
@@ -809,47 +824,20 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         const int it = it0 + b;
         if (it < n_it) {
           __syncwarp();  // every lane has read the stage of it - 1, refilled next
-          fence_proxy_async_smem();
-          if (it + SR - 1 < n_it) bulk_load((b + SR - 1) % SR);
-          compute(it, bulk_read(b, it / SR), 0);
+          ring_fill((b + SR - 1) % SR, it + SR - 1 < n_it);
+          compute(it, ring_take(b, it), 0);
         }
       }
     }
+#if QOPS_SMEM_BULK
     __syncwarp();  // every lane is past its last wait before the barriers go (their memory is reused below)
     if (lane == 0)
       for (int st = 0; st < SR; ++st) mbar_inval(sring_a + st * kSmemStage + kBulkBar);
-    unscale_rows();
-    __syncthreads();
 #else
-#pragma unroll
-    for (int d = 0; d < SR - 1; ++d) {
-      if (d < n_it) load_chunk_smem(d);
-      cp_async_commit();
-    }
-    for (int q = SR - 1; q < QOPS_PREFETCH; ++q) prefetch_it(q);
-    grid_dep_wait();  // x may still be being written by the kernel ahead
-    stamp(1);
-    stage_x_full();
-    __syncthreads();
-    stamp(2);
-    for (int it0 = 0; it0 < n_it; it0 += SR) {
-#pragma unroll
-      for (int b = 0; b < SR; ++b) {
-        const int it = it0 + b;
-        if (it < n_it) {
-          __syncwarp();  // every lane has read the stage of it - 1, refilled next
-          if (it + SR - 1 < n_it) load_chunk_smem((b + SR - 1) % SR);
-          cp_async_commit();
-          cp_async_wait<SR - 1>();
-          __syncwarp();  // the pieces other lanes copied for this lane have landed
-          compute(it, read_chunk_smem(b), 0);
-        }
-      }
-    }
     cp_async_wait<0>();  // nothing is left in flight (only empty groups) before shared memory is reused
+#endif
     unscale_rows();
     __syncthreads();
-#endif
     stamp(3);
   } else if constexpr (XF) {
     // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then
