@@ -12,8 +12,8 @@ Models (``qops.models.llama``, random weights, one GPU, no tensor parallelism):
 - bf16: random ``N(0, 1/K)`` weights, ``FastLinear`` (cuBLAS);
 - ``w4-qhead`` (timed in the same run where ``--models`` names it): w4 with ``lm_head`` a GPTQ
   4-bit g128 layer too, as in checkpoints that quantize the head; not the model the targets name;
-- ``w4-flat``: w4 with every qweight kept flat instead of the column slabs that preparation gives
-  the native lowering (``qops.ops.int_weight.preferred_qweight_form``): the slabs' effect, same run.
+- ``w4-flat``: w4 with every qweight put back in the flat form after preparation gave the native
+  lowering column slabs (``qops.ops.int_weight.preferred_qweight_form``): the slabs' effect, same run.
 
 Method: ``qops.models.compile_decode`` (``torch.compile(fullgraph=True)``, batch dimension
 unbacked: one compilation per model). Per (model, batch): a random prompt of ``--prompt-len`` tokens
@@ -52,7 +52,6 @@ Exit status: 0 (targets are reported, not enforced), 2 without a CUDA device (an
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import math
@@ -185,26 +184,23 @@ def build(kind, config, device, dtype, args, attention="fused"):
             del shared["lm_head.weight"]  # the loader then reads lm_head as the GPTQ layer it now is
     else:
         linears, qc = random_dense_linears(config, device, dtype, args.seed), None
-    with _flat_qweights(kind == "w4-flat"):
-        model = LlamaForCausalLM.from_tensors(config, {**shared, **linears}, qc, device=device, dtype=dtype, max_batch=max(args.batch_list),
-                                              max_seq=args.max_seq, process_group=None, attention=attention)
+    model = LlamaForCausalLM.from_tensors(config, {**shared, **linears}, qc, device=device, dtype=dtype, max_batch=max(args.batch_list),
+                                          max_seq=args.max_seq, process_group=None, attention=attention)
+    if kind == "w4-flat":
+        _flatten_qweights(model)
     del shared, linears
     gc.collect()
     return model
 
 
-@contextlib.contextmanager
-def _flat_qweights(on: bool):
-    """While on, preparation keeps every qweight flat (the form choice is read at each preparation)."""
-    import qops.ops.int_weight as iw
+def _flatten_qweights(model) -> None:
+    """Every integer layer's qweight back to the flat form (the same kernels read it: a flag, not a build)."""
+    from qops.layers.int_weight import IntWeightLinear
+    from qops.ops.int_weight import flat_qweight
 
-    chosen = iw.preferred_qweight_form
-    if on:
-        iw.preferred_qweight_form = lambda kernel, bits, n: "flat"
-    try:
-        yield
-    finally:
-        iw.preferred_qweight_form = chosen
+    for layer in model.modules():
+        if isinstance(layer, IntWeightLinear) and layer.qweight.dim() == 3:
+            layer.qweight = flat_qweight(layer.qweight).contiguous()
 
 
 def time_captured(cap, tokens, positions, steps: int, trials: int) -> list[float]:
