@@ -164,3 +164,30 @@ def test_with_qweight_form_copies_only_on_a_change():
     assert back.is_contiguous() and torch.equal(back, flat.qweight)
     with pytest.raises(ValueError, match="form must be 'flat' or 'slabs', got 'tiles'"):
         iw.with_qweight_form(flat, "tiles")
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["plain", "act-order"])
+def test_chunked_preparation_writes_slabs_directly(monkeypatch, act_order):
+    """``qops.layers.int_weight.prepare`` over column chunks (N = 2048, K = 128: four chunks of 512
+    columns), chosen for the native lowering: the qweight is assembled in slabs chunk by chunk and
+    equals the flat preparation's words; scales and zeros unchanged."""
+    from qops.layers.int_weight import _chunk_columns, prepare
+
+    n, k = 2048, 128
+    assert _chunk_columns(k, n, k) < n
+    c = Case("gptq", 4, 64, False, act_order, "v1", n, k)
+    ckpt = pack(c, random_int_quantized(c, torch.Generator().manual_seed(7)))
+    flat = prepare(ckpt)
+    assert flat.qweight.dim() == 2
+    native = LOWERINGS_BY_NAME["native_w4a16"]
+    monkeypatch.setattr(iw, "choose", lambda spec: Choice(native, ()))
+    monkeypatch.setattr(iw, "warm_up", lambda lowering, weight: None)
+    copies = []
+    real = iw.to_column_slabs
+    monkeypatch.setattr(iw, "to_column_slabs", lambda q: copies.append(q.shape) or real(q))
+    slabs = prepare(ckpt)
+    assert slabs.kernel == Kernel.NATIVE and slabs.qweight.shape == (n // 32, k // 8, 32)
+    assert not copies, "with_lowering copied the whole layer into slabs after the chunks"
+    assert torch.equal(iw.flat_qweight(slabs.qweight), flat.qweight)
+    assert torch.equal(slabs.scales, flat.scales) and torch.equal(slabs.qzeros, flat.qzeros)
+    assert (slabs.act_perm is None) == (not act_order)

@@ -47,7 +47,7 @@ from ..formats.compressed_tensors import CompressedTensorsCheckpoint
 from ..formats.gptq import GPTQCheckpoint, version_from_config
 from ..formats.integer import n_groups_for
 from ..lowerings import Kernel, warm_up_swiglu
-from ..ops.int_weight import IntWeight, with_lowering
+from ..ops.int_weight import SLAB_COLUMNS, IntWeight, qweight_form_for, to_column_slabs, with_lowering
 from . import act_order
 from .base import InputPadded, LinearMethod, QuantConfig, QuantLinear
 from .layout import FLOAT, INT, Dim, DictSource, LinearLayout, LinearScheme, Piece, TensorLayout, WeightsError, join, read_pieces, require
@@ -185,7 +185,9 @@ def prepare(checkpoint, *, dtype: torch.dtype | None = None, input_pad: int = 0)
     """``FORMATS[format].prepare(checkpoint)``, run over column chunks of large layers.
 
     The result is the same runtime weight (bit for bit) as one whole preparation; a layer whose
-    chunks disagree on the zero encoding (some symmetric, some not) is prepared whole instead.
+    chunks disagree on the zero encoding (some symmetric, some not) is prepared whole instead. The
+    chunks are written in the qweight form the lowering will read (column slabs for the native one:
+    chunks are whole slabs), so no second whole-layer copy is made to change the form.
     """
     scheme, k, n = CHECKPOINT_SCHEMES[type(checkpoint)](checkpoint)
     fmt = FORMATS[scheme.format]
@@ -196,6 +198,7 @@ def prepare(checkpoint, *, dtype: torch.dtype | None = None, input_pad: int = 0)
     source = DictSource(fields, origin=f"the {type(checkpoint).__name__}")
     first = qweight = scales = None
     shared = None  # the checkpoint tensor the runtime qweight is (GPTQ without act-order), if any
+    slabs = False  # qweight assembled in column slabs (chunks of whole 32-column slabs)
     zeros = []
     for n0 in range(0, n, cols):
         n1 = min(n, n0 + cols)
@@ -203,15 +206,20 @@ def prepare(checkpoint, *, dtype: torch.dtype | None = None, input_pad: int = 0)
         w = fmt.prepare(scheme.make(t, k, n1 - n0, scheme.group_size), dtype=dtype, choose_lowering=False)
         if first is None:
             first = w
-            shared = next((v for v in fields.values() if v.shape == (w.qweight.shape[0], n) and w.qweight.data_ptr() == v[:, n0:n1].data_ptr()), None)
+            rows = w.qweight.shape[0]
+            slabs = qweight_form_for(dataclasses.replace(w, out_features=n), scheme.format, dtype) == "slabs"
+            if not slabs:
+                shared = next((v for v in fields.values() if v.shape == (rows, n) and w.qweight.data_ptr() == v[:, n0:n1].data_ptr()), None)
             if shared is None:
-                qweight = w.qweight.new_empty((w.qweight.shape[0], n))
+                qweight = w.qweight.new_empty((n // SLAB_COLUMNS, rows, SLAB_COLUMNS) if slabs else (rows, n))
             scales = w.scales.new_empty((w.scales.shape[0], n))
         elif not _same_encoding(first, w):
             return fmt.prepare(checkpoint, dtype=dtype)
         if shared is not None:
             if w.qweight.data_ptr() != shared[:, n0:n1].data_ptr():
                 return fmt.prepare(checkpoint, dtype=dtype)
+        elif slabs:
+            qweight[n0 // SLAB_COLUMNS : n1 // SLAB_COLUMNS] = to_column_slabs(w.qweight)
         else:
             qweight[:, n0:n1] = w.qweight
         scales[:, n0:n1] = w.scales

@@ -460,15 +460,25 @@ def with_qweight_form(weight: IntWeight, form: str) -> IntWeight:
     return replace(weight, qweight=q)
 
 
-def with_lowering(weight: IntWeight, format_name: str, dtype: torch.dtype | None = None) -> IntWeight:
-    """``weight`` with the lowering the chooser picks for its device, warmed up (kernels loaded)."""
-    spec = WeightSpec(
+def _weight_spec(weight: IntWeight, format_name: str, dtype: torch.dtype | None) -> WeightSpec:
+    return WeightSpec(
         family=FAMILY, format=format_name, bits=weight.bits, group_size=weight.group_size,
         n=weight.out_features, k=weight.in_features, act_order=weight.act_perm is not None,
         symmetric=weight.qzeros is None, device=weight.qweight.device,
         act_dtype=dtype if dtype is not None else weight.scales.dtype,
     )
-    choice = choose(spec)
+
+
+def qweight_form_for(weight: IntWeight, format_name: str, dtype: torch.dtype | None = None) -> str:
+    """The qweight form :func:`with_lowering` will give ``weight`` (from the chooser's pick), for
+    callers assembling a weight from pieces that can write them in that form straight away."""
+    return preferred_qweight_form(choose(_weight_spec(weight, format_name, dtype)).lowering.kernel, weight.bits, weight.out_features)
+
+
+def with_lowering(weight: IntWeight, format_name: str, dtype: torch.dtype | None = None) -> IntWeight:
+    """``weight`` with the lowering the chooser picks for its device, in the qweight form that lowering
+    reads fastest, warmed up (kernels loaded)."""
+    choice = choose(_weight_spec(weight, format_name, dtype))
     weight = with_qweight_form(weight, preferred_qweight_form(choice.lowering.kernel, weight.bits, weight.out_features))
     weight = replace(weight, kernel=choice.lowering.kernel, choice=choice)
     warm_up(choice.lowering, weight)
