@@ -20,7 +20,8 @@ trials). GPTQ v2, 4 bits, group 128, asymmetric, fp16 activations (``--dtype bfl
 bench_int_weight.py.
 
 Writes ``$OUT/sweep_native.json`` (and ``--out``) after every case; prints per case the default
-plan, the best plan found and their times, then a table last.
+plan, the best plan found and their times, then a table last. qweight in 32-column slabs where N % 32 == 0
+(what `prepare` gives this kernel; `--qweight-form flat`: the checkpoint-like form).
 
     PYTHONPATH=. python benchmarks/sweep_native.py                    # ~2-3 min on an H200
     PYTHONPATH=. python benchmarks/sweep_native.py --shapes 28672x4096 --ms 1
@@ -85,6 +86,8 @@ def parse_args(argv=None):
                     help="re-time the default and the N fastest plans of each case, their trials interleaved, and pick the best "
                          "of those (a sweep's minimum over many single timings favours a lucky one)")
     ap.add_argument("--confirm-trials", type=int, default=11, help="trials of each plan in the --confirm round")
+    ap.add_argument("--qweight-form", choices=("slabs", "flat"), default="slabs",
+                    help="qweight as the op gives it to this kernel (slabs: 32-column slabs where N %% 32 == 0, the default) or flat")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     return ap.parse_args(argv)
 
@@ -160,6 +163,7 @@ def run(args) -> int:
     import qops  # noqa: F401
     from qops.formats import FORMATS
     from qops.native import int_weight as native
+    from qops.ops.int_weight import SLAB_COLUMNS, with_qweight_form
 
     dev = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
@@ -168,7 +172,7 @@ def run(args) -> int:
     copy_bw = common.copy_TBps(args.trials)
     res = {"gpu": common.device_name(True), "torch": torch.__version__, "qops_commit": common.git_commit(),
            "qops_dirty": common.git_dirty("qops"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "copy_TBps": round(copy_bw, 4), "sms": sms, "smem_optin": smem_limit, "joint": args.joint, "default_plans": native._env_plans(), "dtype": args.dtype, "method": "CUDA-graph replays over rotated weight copies, median of trials",
+           "copy_TBps": round(copy_bw, 4), "sms": sms, "smem_optin": smem_limit, "joint": args.joint, "default_plans": native._env_plans(), "dtype": args.dtype, "qweight_form": args.qweight_form, "method": "CUDA-graph replays over rotated weight copies, median of trials",
            "cases": []}
     paths = common.output_paths("sweep_native.json", args.out)
     t0 = time.time()
@@ -193,6 +197,8 @@ def run(args) -> int:
         ckpt = fmt.quantize(w, bits=4, group_size=128, sym=False)
         del w
         iw = fmt.prepare(ckpt, dtype=dtype, choose_lowering=False)
+        if args.qweight_form == "slabs" and n % SLAB_COLUMNS == 0:  # what prepare gives the native lowering
+            iw = with_qweight_form(iw, "slabs")
         w64 = decode_gptq4_f64(ckpt)
         nbytes = n * k / 2 + 4 * n * k / 128
         copies = [iw] + [clone_tensors(iw) for _ in range(n_copies(nbytes) - 1)]
