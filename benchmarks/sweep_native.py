@@ -56,14 +56,16 @@ import common
 from bench_int_weight import decode_gptq4_f64
 from common import PERF_SHAPES, clone_tensors, n_copies, rel_err
 
-KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring", "xu")
+KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring", "smem_bulk", "xu")
 # smem_ring: 2 KiB + 384 bytes of scales and zeros a warp a stage; up to 5 stages two blocks fit on
 # an H200 SM (<= 113 KiB a block with x), 6 and more take one block per SM, 11 is the most that fits.
 # minb 3, 4 (<= 80, 64 registers a thread) only with the shared-memory ring (the register ring spills).
 VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4, 5, 6, 8), "minb": (1, 2, 3, 4), "xfull": (True, False),
           "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10),
-          "xu": (1, 2, 4, 8), "cluster": (True, False)}
-PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "xu")
+          "xu": (1, 2, 4, 8), "cluster": (True, False), "smem_bulk": (False, True)}
+# smem_bulk: the shared-memory ring filled by one bulk copy a warp's chunk (sm_90, qweight in slabs;
+# the host refuses it otherwise, and the sweep records the refusal).
+PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "smem_bulk", "xu")
 TOL = 2e-3
 
 
@@ -96,10 +98,13 @@ def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, smem_limit
     """``base`` with ``change`` applied, or None when the kernel cannot run it (``smem_limit``: the
     device's opt-in maximum of shared memory a block)."""
     f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb, "fold": base.fold,
-         "prefetch": base.prefetch, "smem_ring": base.smem_ring, "xu": base.xu} | change
+         "prefetch": base.prefetch, "smem_ring": base.smem_ring, "xu": base.xu, "smem_bulk": base.smem_bulk} | change
     if not f["xfull"]:
         f["fold"] = False  # folding needs x staged once
         f["smem_ring"] = 0  # and so does the shared-memory ring
+    bulk = f.pop("smem_bulk")
+    if bulk and not f["smem_ring"]:  # a build-only field of the shared-memory ring
+        return None
     if f["ring"] >= 4 and m > 8 and f["minb"] > 1:  # two blocks an SM: no registers for a 4-deep ring beside M > 8's accumulators
         return None
     if "cluster" in f:  # a joint knob: as asked, where the device and the split count allow it
@@ -109,7 +114,7 @@ def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, smem_limit
     else:
         cluster = cluster_ok and base.cluster and 2 <= f["splits"] <= 8  # a new split count is tried both ways by the caller
     try:
-        return native.make_plan(m, n, k, cluster=cluster, smem_limit=smem_limit, **f)
+        return dataclasses.replace(native.make_plan(m, n, k, cluster=cluster, smem_limit=smem_limit, **f), smem_bulk=bulk)
     except ValueError:
         return None
 
@@ -256,6 +261,7 @@ def run(args) -> int:
                                     cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb,
                                                           fold=c.fold, prefetch=c.prefetch, smem_ring=c.smem_ring, smem_limit=smem_limit,
                                                           xu=c.xu)
+                                    cc = dataclasses.replace(cc, smem_bulk=c.smem_bulk)
                                 except ValueError:
                                     continue
                                 t = measure(cc)
