@@ -528,16 +528,41 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   static_assert(QOPS_XU >= 1 && QOPS_XU <= 8, "QOPS_XU is 1..8");
   const int nkw = (ce - cb) * 16;
   const int xtotal = M * nkw;
+  // A thread's slots are tid, tid + kThreads, tid + 2 kThreads, ... (rounds of QOPS_XU), so their
+  // rows and words are found by one division a thread and then stepped by (kThreads / nkw,
+  // kThreads % nkw): a division by the runtime nkw is ~20 integer instructions, and with two a slot
+  // (loads, then stores) they made the M = 16 prologue ~120 of a warp's ~480 instructions a chunk
+  // (Nsight Compute, benchmarks/NOTES.md stop 33). M = 1 needs none (row 0, word s).
+  struct SlotPos {
+    int m, kwl;
+  };
+  const int step_m = (M > 1 && nkw > 0) ? kThreads / nkw : 0;
+  const int step_w = M > 1 ? kThreads - step_m * nkw : kThreads;
+  auto first_slot = [&]() -> SlotPos {
+    if (M == 1 || nkw == 0) return SlotPos{0, tid};
+    const int m = tid / nkw;
+    return SlotPos{m, tid - m * nkw};
+  };
+  auto next_slot = [&](SlotPos& q) {
+    q.m += step_m;
+    q.kwl += step_w;
+    if (M > 1 && q.kwl >= nkw) {
+      q.kwl -= nkw;
+      ++q.m;
+    }
+  };
   // The x slots base0 + u * kThreads + lane (u < QOPS_XU) of the block's M x nkw, all loaded before
-  // any is used; slots past the end are zeros.
-  auto load_x_slots = [&](int base0, uint4 (&v)[QOPS_XU]) {
+  // any is used; slots past the end are zeros. `pos` is the first one's row and word on entry, the
+  // next round's on return.
+  auto load_x_slots = [&](int base0, uint4 (&v)[QOPS_XU], SlotPos& pos) {
 #pragma unroll
     for (int u = 0; u < QOPS_XU; ++u) {
       // Warp-uniform: a short K range (a few slots a thread) does no more work than it needs.
       if (base0 + u * kThreads >= xtotal) break;
       const int s = base0 + u * kThreads + lane;
       const bool in = s < xtotal;
-      const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
+      const int m = in ? pos.m : 0, kwl = pos.kwl;
+      next_slot(pos);
       const int k = (cb * 16 + kwl) * 8;
       const u16* src = x + (static_cast<size_t>(m) * ldx + k);
       const bool vec = xvec && k + 8 <= K;
@@ -558,17 +583,19 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   };
   // kF16: the largest |x| of each row among the loaded slots, into the rows' maxima (shared atomics,
   // one a half warp: 16 | nkw, so the 16 lanes of a half warp hold one row's slots).
-  auto max_slots = [&](int base0, const uint4 (&v)[QOPS_XU]) {
+  auto max_slots = [&](int base0, const uint4 (&v)[QOPS_XU], SlotPos pos) {
 #pragma unroll
     for (int u = 0; u < QOPS_XU; ++u) {
       if (base0 + u * kThreads >= xtotal) break;  // warp-uniform (the shuffles below)
       const int s = base0 + u * kThreads + lane;
+      const int m = pos.m;
+      next_slot(pos);
       // |x| of 8 bf16 values as bf16 bits (sign bits cleared; nonnegative floats order as integers).
       const u32 a = v[u].x & 0x7fff7fffu, b = v[u].y & 0x7fff7fffu, cc = v[u].z & 0x7fff7fffu, d = v[u].w & 0x7fff7fffu;
       u32 mx = max(max(max(a & 0xffffu, a >> 16), max(b & 0xffffu, b >> 16)), max(max(cc & 0xffffu, cc >> 16), max(d & 0xffffu, d >> 16)));
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      if ((lane & 15) == 0 && s < xtotal) atomicMax(row_max_bits(M > 1 ? s / nkw : 0), mx << 16);
+      if ((lane & 15) == 0 && s < xtotal) atomicMax(row_max_bits(m), mx << 16);
     }
   };
   // kF16: the 8 bf16 values of a slot times 2^e, as f16 (round to nearest).
@@ -580,14 +607,16 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   };
   // The loaded slots permuted into B-fragment order and stored (kF16: scaled and converted first;
   // FOLD: with their chunk sums).
-  auto stage_slots = [&](int base0, uint4 (&v)[QOPS_XU]) {
+  auto stage_slots = [&](int base0, uint4 (&v)[QOPS_XU], SlotPos pos) {
 #pragma unroll
     for (int u = 0; u < QOPS_XU; ++u) {
       if (base0 + u * kThreads >= xtotal) break;  // warp-uniform (the FOLD sums shuffle across lanes)
-      // The slot's row and word again, rather than 2 x QOPS_XU registers held across the loads.
+      // The slots' rows and words stepped again from the round's first (`pos`), rather than
+      // 2 x QOPS_XU registers held across the loads.
       const int s = base0 + u * kThreads + lane;
       const bool in = s < xtotal;
-      const int m = (M > 1 && in) ? s / nkw : 0, kwl = s - m * nkw;
+      const int m = in ? pos.m : 0, kwl = pos.kwl;
+      next_slot(pos);
       if constexpr (kF16) v[u] = to_scaled_f16(v[u], row_scale(m, false));
       uint4 f = make_uint4(prmt<0x5410>(v[u].x, v[u].z), prmt<0x7632>(v[u].x, v[u].z), prmt<0x5410>(v[u].y, v[u].w),
                            prmt<0x7632>(v[u].y, v[u].w));
@@ -624,25 +653,31 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       __syncthreads();
       if (xtotal <= kThreads * QOPS_XU) {  // block-uniform
         uint4 v[QOPS_XU];
-        load_x_slots(warp * 32, v);
-        max_slots(warp * 32, v);
+        SlotPos pos = first_slot();
+        const SlotPos start = pos;
+        load_x_slots(warp * 32, v, pos);
+        max_slots(warp * 32, v, start);
         __syncthreads();
-        stage_slots(warp * 32, v);
+        stage_slots(warp * 32, v, start);
         staged = true;
       } else {
+        SlotPos pos = first_slot();
         for (int base0 = warp * 32; base0 < xtotal; base0 += kThreads * QOPS_XU) {
           uint4 v[QOPS_XU];
-          load_x_slots(base0, v);
-          max_slots(base0, v);
+          const SlotPos start = pos;
+          load_x_slots(base0, v, pos);
+          max_slots(base0, v, start);
         }
         __syncthreads();
       }
     }
     if (!staged) {
+      SlotPos pos = first_slot();
       for (int base0 = warp * 32; base0 < xtotal; base0 += kThreads * QOPS_XU) {
         uint4 v[QOPS_XU];
-        load_x_slots(base0, v);
-        stage_slots(base0, v);
+        const SlotPos start = pos;
+        load_x_slots(base0, v, pos);
+        stage_slots(base0, v, start);
       }
     }
     if constexpr (FOLD) {
