@@ -8,7 +8,7 @@
 # happens, so a run cut off by a time limit still returns what it did. Files in $OUT (<= 8):
 #   gpu_run.log (everything, in order), pytest_gpu.xml, bench_int_weight.json, bench_int_weight.txt,
 #   bench_fp8.json, bench_bnb_int8.json, bench_decode.json, sweep_native.json, probe_layout_bw.json, profile_decode.json,
-#   bench_fp8_sweep.json (only 8 come back from one device call: choose the steps per call)
+#   bench_fp8_sweep.json, nvrtc-builds.jsonl (only 8 come back from one device call: choose the steps per call)
 #
 # Environment:
 #   QOPS_STEPS=a,b,...      the steps to run, in this order: sweep_native, profile_decode, probe_layout_bw, bench_int_weight,
@@ -28,6 +28,8 @@
 #   QOPS_CACHE_DIR=<dir>    the NVRTC cache (default: .nvrtc-cache in the repo, so a carried copy is used);
 #                           QOPS_RETURN_CACHE=1 also packs it into $OUT/nvrtc-cache.tgz (bring it back into
 #                           the repo's .nvrtc-cache and carry it: the next cold machine skips the compiles)
+#   QOPS_NVRTC_RECORD=<file> where every native build the run loads is recorded (default $OUT/nvrtc-builds.jsonl):
+#                           commit it, and benchmarks/prefill_nvrtc_cache.py fills a cache from it on a CPU box
 #   PYTHON=python3          the interpreter
 #   OUT=<dir>               where files go (default: ./gpu_out)
 set -u -o pipefail
@@ -42,6 +44,7 @@ if [ -d "$ROOT/.whl/site" ]; then
 fi
 export PYTHONUNBUFFERED=1
 export QOPS_CACHE_DIR=${QOPS_CACHE_DIR:-$ROOT/.nvrtc-cache}
+export QOPS_NVRTC_RECORD=${QOPS_NVRTC_RECORD:-$OUT/nvrtc-builds.jsonl}
 PY=${PYTHON:-python3}
 TEST_TIMEOUT=${QOPS_TEST_TIMEOUT:-600}
 BENCH_TIMEOUT=${QOPS_BENCH_TIMEOUT:-240}

@@ -17,6 +17,11 @@ itself; local headers (``#include "x.cuh"``) are found beside them. Three layers
   (:func:`pdl_missing` says why not), and opts the kernel in to dynamic shared memory above the
   default 48 KiB when a launch asks for more (:func:`allow_dynamic_shared`).
 
+With ``$QOPS_NVRTC_RECORD`` set to a file, :func:`get_kernel` appends one JSON line per module it
+builds or reads from the cache (source name, arch, defines): a record of what a run needed, from
+which ``benchmarks/prefill_nvrtc_cache.py`` fills a cache on a machine without a GPU (any NVRTC of the
+same version: the key holds no device facts), for the current sources, before a GPU run carries it.
+
 ``cuda.core`` moved out of ``cuda.core.experimental`` in 1.0; both locations are accepted.
 """
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 
 NATIVE_DIR = Path(__file__).resolve().parent
 CACHE_ENV = "QOPS_CACHE_DIR"
+RECORD_ENV = "QOPS_NVRTC_RECORD"
 DEFAULT_STD = "c++17"
 
 
@@ -240,6 +246,20 @@ def compile_cached(source: str, arch: str, options: Mapping[str, Any] | None = N
     return data
 
 
+def record_build(source_name: str, arch: str, defines: Mapping[str, int | str]) -> None:
+    """Append (source name, arch, defines) to ``$QOPS_NVRTC_RECORD`` as one JSON line, when it is set.
+    One short write in append mode: lines from concurrent processes do not interleave."""
+    path = os.environ.get(RECORD_ENV)
+    if not path:
+        return
+    line = json.dumps({"source": source_name, "arch": arch, "defines": dict(defines)}, sort_keys=True) + "\n"
+    try:
+        with open(path, "a") as f:
+            f.write(line)
+    except OSError:
+        pass  # a record is a convenience for the next run; never a reason to fail this one
+
+
 def native_source(name: str) -> str:
     return (NATIVE_DIR / name).read_text()
 
@@ -314,6 +334,7 @@ def get_kernel(device: torch.device | int, source_name: str, defines: Mapping[st
         cc = core()
         if obj is None:
             arch = device_arch(idx) + ("a" if arch_specific else "")
+            record_build(source_name, arch, defines)
             cubin = compile_cached(native_source(source_name), arch, native_options(defines))
             with torch.cuda.device(idx):
                 cc.Device(idx).set_current()
