@@ -77,8 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--keep-only", action="store_true", help="then delete cache entries that no recorded build needs")
     a = p.parse_args(argv)
     from qops.native import compiler
-    if not _nvrtc_available(compiler):
-        print("prefill_nvrtc_cache: NVRTC is not available here", file=sys.stderr)
+    if compiler.runtime_missing():
+        print(f"prefill_nvrtc_cache: cannot compile here: {compiler.runtime_missing()}", file=sys.stderr)
         return 2
     builds = read_builds(a.records)
     t0 = time.time()
@@ -103,14 +103,6 @@ def main(argv=None) -> int:
           f"{len(errors)} skipped) in {time.time() - t0:.1f} s; {removed} entries removed; cache {compiler.cache_dir()} "
           f"{size / 2**20:.1f} MiB", flush=True)
     return 0
-
-
-def _nvrtc_available(compiler) -> bool:
-    try:
-        compiler.nvrtc_version()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 if __name__ == "__main__":

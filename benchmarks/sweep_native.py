@@ -257,12 +257,8 @@ def run(args) -> int:
                             continue
                         if knob == "splits" and cluster_ok and 2 <= v <= 8:
                             for cl in (True, False):  # both reductions for a split count
-                                try:
-                                    cc = native.make_plan(m, n, k, nwn=c.nwn, splits=v, cluster=cl, xfull=c.xfull, ring=c.ring, minb=c.minb,
-                                                          fold=c.fold, prefetch=c.prefetch, smem_ring=c.smem_ring, smem_limit=smem_limit,
-                                                          xu=c.xu)
-                                    cc = dataclasses.replace(cc, smem_bulk=c.smem_bulk)
-                                except ValueError:
+                                cc = candidate(native, best, m, n, k, cluster_ok, smem_limit, splits=v, cluster=cl)
+                                if cc is None:
                                     continue
                                 t = measure(cc)
                                 if t is not None and t < t_best:
