@@ -59,8 +59,7 @@ def _gemv_variants():
         for m in (1, 8, 16, 24, 32):
             for has_z in (False, True):
                 for xfull in (False, True):
-                    # folding needs x staged once and MT <= 2 (M = 16's fold builds: with zeros only, to keep CI short)
-                    for fold in ((False, True) if xfull and (m <= 8 or (m <= 16 and has_z)) else (False,)):
+                    for fold in ((False, True) if xfull and m <= 8 else (False,)):  # folding needs x staged once
                         p = native._plan(m, 4096, 4096, 132, False)
                         yield {**p.defines(dt, has_z), "QOPS_XFULL": int(xfull), "QOPS_FOLD": int(fold), "QOPS_PREFETCH": 4 * has_z}
                 if m > 16:
@@ -117,7 +116,7 @@ def _f16mma_variants():
     zeros or not, the shared-memory ring, and the gated output."""
     for has_z in (False, True):
         for m, n, k in ((1, 28672, 4096), (1, 4096, 14336), (8, 6144, 4096), (16, 4096, 4096), (24, 4096, 4096), (32, 4096, 4096)):
-            for fold in ((False, True) if m <= 8 or (m <= 16 and has_z) else (False,)):
+            for fold in ((False, True) if m <= 8 else (False,)):
                 p = native._plan(m, n, k, 132, False)
                 d = {**p.defines(torch.bfloat16, has_z), "QOPS_XFULL": 1, "QOPS_FOLD": int(fold), "QOPS_F16MMA": 1}
                 if m > 16:

@@ -155,7 +155,7 @@ class Plan:
     xfull: bool = False  # x of the block's K range staged once (no barrier in the main loop)
     ring: int = 0  # register ring depth (0: the kernel's default for mt)
     minb: int = 2  # resident blocks per SM promised to the register allocator
-    fold: bool = False  # (x staged once, M <= 16) magic bias and zero point subtracted after the MMA, from x sums
+    fold: bool = False  # (x staged once, M <= 8) magic bias and zero point subtracted after the MMA, from x sums
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
     smem_bulk: bool = False  # measurements: that ring filled by whole-chunk bulk copies (sm_90, qweight in column slabs)
@@ -222,9 +222,9 @@ def staged_x_slots(mt: int, nwk: int) -> int:
 
 def xfull_bytes(m: int, k: int, splits: int, fold: bool = False) -> int:
     """Shared memory the x-staged-once mode needs: M rows of the block's K range, padded rows (and
-    with ``fold`` two fp32 sums per chunk for each of the 8 MT rows)."""
+    with ``fold`` two fp32 sums per chunk for 8 rows)."""
     chunks = -(-max(-(-k // CHUNK_K), 1) // splits)
-    return m * (chunks * 16 + 4) * 16 + (chunks * 8 * 8 * _mt(m) if fold else 0)
+    return m * (chunks * 16 + 4) * 16 + (chunks * 8 * 8 if fold else 0)
 
 
 def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: bool = False,
@@ -250,8 +250,8 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
         return f"minb={minb} with M={m}: MT = {mt} needs 150-240 registers a thread, two blocks per SM would spill"
     if mt >= 3 and _ring(mt, ring) > 3:
         return f"a register ring {_ring(mt, ring)} deep with M={m} (MT = {mt} keeps spill-free up to 3)"
-    if fold and not (xfull and m <= 16):
-        return f"fold needs x staged once (xfull) and M <= 16 (got xfull={xfull}, M={m})"
+    if fold and not (xfull and m <= 8):
+        return f"fold needs x staged once (xfull) and M <= 8 (got xfull={xfull}, M={m})"
     x_limit = SHMEM_OPTIN_MAX_BYTES if opt_in else SHMEM_MAX_BYTES
     if xfull and xfull_bytes(m, k, splits, fold) > x_limit:
         return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold)} bytes of shared memory (> {x_limit})"

@@ -92,7 +92,7 @@
 // QOPS_CLUSTER (1: no cluster; 2..8 needs sm_90),
 // QOPS_XFULL (0/1), QOPS_RING (register ring depth; 0: 3 for MT = 1, 2 for MT >= 2),
 // QOPS_MINB (minimum resident blocks per SM promised to the register allocator; default 2; 1 for MT >= 3),
-// QOPS_FOLD (0/1: bias and zero point subtracted after the MMA; needs QOPS_XFULL and MT <= 2),
+// QOPS_FOLD (0/1: bias and zero point subtracted after the MMA; needs QOPS_XFULL and MT = 1),
 // QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead),
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
 // replaces QOPS_RING), QOPS_SMEM_BULK (0/1: that ring filled by whole-chunk bulk copies, sm_90 and qweight in
@@ -288,7 +288,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   constexpr int kRing = ring_depth<MT>();
   constexpr int D = kRing - 1;  // prefetch distance in iterations
   static_assert(MT >= 1 && MT <= 4, "QOPS_MT is 1..4 (M <= 32)");
-  static_assert(!FOLD || (XF && MT <= 2), "QOPS_FOLD needs x staged once (QOPS_XFULL) and M <= 16");
+  static_assert(!FOLD || (XF && MT == 1), "QOPS_FOLD needs x staged once (QOPS_XFULL) and M <= 8");
   static_assert(SR == 0 || (SR >= 2 && SR <= 16 && XF), "QOPS_SMEM_RING is 0 or 2..16 and needs QOPS_XFULL");
   // The ring's copies address other lanes' columns as contiguous with this lane's.
   static_assert(!QOPS_GLU || SR == 0, "QOPS_GLU excludes QOPS_SMEM_RING");
@@ -418,7 +418,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // did, and was measured with this mapping.) A lane then reads bytes other lanes copied, so the
   // warp syncs after its waits and before it overwrites a stage; scales and zeros stay per lane.
   const int chunks_blk = (C + S - 1) / S;
-  char* sring = reinterpret_cast<char*>(smem + M * RSF + (FOLD ? chunks_blk * 4 * MT : 0)) + warp * SR * kSmemStage;
+  char* sring = reinterpret_cast<char*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0)) + warp * SR * kSmemStage;
   const u32 sring_a = smem_addr(sring);
   auto load_chunk_smem = [&](int stage) {
     const Src src = next_src();
@@ -517,10 +517,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   };
 
   // XF: the block's x, read once and stored in B-fragment order (x0 x4 x1 x5 x2 x6 x3 x7).
-  // FOLD: per (block-local chunk, row m < 8 MT) the sums the correction needs, after the staged x:
-  // xsum[chunk * 8 MT + m] = (bias * sum of the staged values, sum of x); rows m >= M hold zeros.
-  // (MT = 2 since stop 33: the 16-row plans spend ~9 instructions a word on the exact dequantization
-  // against fold's 5, in a loop Nsight Compute found bound by its instruction count.)
+  // FOLD: per (block-local chunk, row m < 8) the sums the correction needs, after the staged x:
+  // xsum[chunk * 8 + m] = (bias * sum of the staged values, sum of x); rows m >= M hold zeros.
   float2* xsum = reinterpret_cast<float2*>(smem + M * RSF);
   // The loads come first, QOPS_XU slots a thread, then their permutes and stores: one global round
   // trip for every QOPS_XU x 256 slots instead of one per 256 (Nsight Compute put 10-17% of the M = 1
@@ -641,7 +639,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           sum_x += __shfl_xor_sync(0xffffffffu, sum_x, o);
           sum_staged += __shfl_xor_sync(0xffffffffu, sum_staged, o);
         }
-        if ((lane & 15) == 0 && in) xsum[(kwl >> 4) * (8 * MT) + m] = make_float2((MDT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
+        if ((lane & 15) == 0 && in) xsum[(kwl >> 4) * 8 + m] = make_float2((MDT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
       }
       if (in) smem[m * RSF + kwl] = f;
     }
@@ -683,8 +681,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       }
     }
     if constexpr (FOLD) {
-      for (int i = tid; i < (ce - cb) * 8 * MT; i += kThreads)
-        if ((i & (8 * MT - 1)) >= M) xsum[i] = make_float2(0.f, 0.f);
+      for (int i = tid; i < (ce - cb) * 8; i += kThreads)
+        if ((i & 7) >= M) xsum[i] = make_float2(0.f, 0.f);
     }
   };
 
@@ -777,20 +775,16 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       sc[jj] = (flags & kScaleBf16) ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
     }
     if constexpr (FOLD) {
-      // (C1, S) of rows 8 mt + 2c and 8 mt + 2c + 1, the rows of this lane's accumulators in x tile mt;
-      // y = sum - C1 - z * S.
+      // (C1, S) of rows 2c and 2c + 1, the rows of this lane's accumulators; y = sum - C1 - z * S.
+      const float4 cs = *reinterpret_cast<const float4*>(xsum + (ch - cb) * 8 + 2 * c);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const float4 cs = *reinterpret_cast<const float4*>(xsum + (ch - cb) * (8 * MT) + 8 * mt + 2 * c);
+      for (int t = 0; t < 2; ++t)
 #pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int jj = 2 * t + (i >> 1);
-            const float c1 = (i & 1) ? cs.z : cs.x, sx = (i & 1) ? cs.w : cs.y;
-            acc[mt][t][i] = fmaf(fmaf(-zf[jj], sx, gacc[mt][t][i] - c1), sc[jj], acc[mt][t][i]);
-          }
-      }
+        for (int i = 0; i < 4; ++i) {
+          const int jj = 2 * t + (i >> 1);
+          const float c1 = (i & 1) ? cs.z : cs.x, sx = (i & 1) ? cs.w : cs.y;
+          acc[0][t][i] = fmaf(fmaf(-zf[jj], sx, gacc[0][t][i] - c1), sc[jj], acc[0][t][i]);
+        }
     } else {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
