@@ -19,6 +19,9 @@
 #   QOPS_BENCH_ARGS="..."   extra arguments for benchmarks/bench_int_weight.py (e.g. "--quick")
 #   QOPS_PROFILE_ARGS="..." arguments for benchmarks/profile_decode.py (e.g. "--variants w4:sdpa,w4:matmul");
 #                           QOPS_PROFILE_TIMEOUT=480 its time limit
+#   QOPS_TEST_JOBS=N        (without QOPS_TESTS) run the suite as scripts/gpu_test_groups.txt's groups, N pytest
+#                           processes at once, their XMLs merged into one (the suite is mostly host-side compiles);
+#                           QOPS_TEST_GROUPS=<file> another groups file
 #   QOPS_TEST_TIMEOUT=600   seconds before the tests are killed (coreutils timeout; no pytest-timeout needed)
 #   QOPS_BENCH_TIMEOUT=240  seconds before the W4A16 benchmark is killed (its JSON is rewritten after every shape)
 #   QOPS_FAMILY_BENCH_TIMEOUT=90  the same for each of the fp8 and int8/NF4 benchmarks
@@ -64,6 +67,38 @@ with_timeout() {
     fi
 }
 
+# pytest_groups JOBS TIMEOUT XML: the GPU suite as the groups of scripts/gpu_test_groups.txt (or $QOPS_TEST_GROUPS), JOBS
+# pytest processes at once (each SIGINTed at TIMEOUT, so it still writes its XML); each group's output
+# is printed whole when it ends (no interleaving) and the XMLs are merged into XML. Fails if a group
+# failed or its XML is missing.
+pytest_groups() {
+    local jobs=$1 s=$2 xml=$3 work i=0 line rc=0 running=0 n
+    work=$(mktemp -d)
+    local -a names=()
+    while IFS= read -r line; do
+        case "$line" in ''|'#'*) continue ;; esac
+        i=$((i + 1))
+        names+=("$work/group-$i")
+        if [ "$running" -ge "$jobs" ]; then wait -n || rc=1; running=$((running - 1)); fi
+        (
+            eval "set -- $line"
+            TIMEOUT_SIGNAL=INT with_timeout "$s" "$PY" -m pytest -m gpu "$@" -q -rfE -p no:cacheprovider \
+                --junitxml="$work/group-$i.xml" > "$work/group-$i.log" 2>&1
+            r=$?
+            { echo "-- group $i (rc $r): $line"; tail -n 40 "$work/group-$i.log"; } > "$work/group-$i.done"
+            cat "$work/group-$i.done"
+            exit "$r"
+        ) &
+        running=$((running + 1))
+    done < "${QOPS_TEST_GROUPS:-scripts/gpu_test_groups.txt}"
+    while [ "$running" -gt 0 ]; do wait -n || rc=1; running=$((running - 1)); done
+    n=${#names[@]}
+    "$PY" scripts/merge_junit.py "$xml" "${names[@]/%/.xml}" || rc=1
+    echo "pytest_groups: $n groups, rc $rc"
+    rm -rf "$work"
+    return "$rc"
+}
+
 # step NAME TIMEOUT CMD...: one step, its output in the log; its exit code is remembered in RCS.
 step() {
     local name=$1 s=$2; shift 2
@@ -100,9 +135,16 @@ main() {
         step bench_int_weight "$BENCH_TIMEOUT" "$PY" benchmarks/bench_int_weight.py ${QOPS_BENCH_ARGS:-} ;;
     esac
     case ",$steps," in *,pytest_gpu,*)
-        # shellcheck disable=SC2086  # QOPS_TESTS is split on purpose
-        TIMEOUT_SIGNAL=INT step pytest_gpu "$TEST_TIMEOUT" "$PY" -m pytest -m gpu ${QOPS_TESTS:-tests/gpu} -q -rfE -p no:cacheprovider \
-            --junitxml="$OUT/${QOPS_JUNIT:-pytest_gpu.xml}" ;;
+        if [ "${QOPS_TEST_JOBS:-1}" -gt 1 ] && [ -z "${QOPS_TESTS:-}" ]; then
+            echo
+            echo "== pytest_gpu (scripts/gpu_test_groups.txt, $QOPS_TEST_JOBS groups at once, timeout ${TEST_TIMEOUT}s each)"
+            pytest_groups "$QOPS_TEST_JOBS" "$TEST_TIMEOUT" "$OUT/${QOPS_JUNIT:-pytest_gpu.xml}" 2>&1
+            RCS="$RCS pytest_gpu=$?"
+        else
+            # shellcheck disable=SC2086  # QOPS_TESTS is split on purpose
+            TIMEOUT_SIGNAL=INT step pytest_gpu "$TEST_TIMEOUT" "$PY" -m pytest -m gpu ${QOPS_TESTS:-tests/gpu} -q -rfE -p no:cacheprovider \
+                --junitxml="$OUT/${QOPS_JUNIT:-pytest_gpu.xml}"
+        fi ;;
     esac
     case ",$steps," in *,bench_fp8,*)
         step bench_fp8 "$FAMILY_TIMEOUT" "$PY" benchmarks/bench_fp8.py --quick --out "$OUT/bench_fp8.json" ;;
