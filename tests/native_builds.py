@@ -65,6 +65,20 @@ def unique(defines: Iterable[Mapping[str, int]]) -> list[dict[str, int]]:
     return out
 
 
+def covering(defines: Iterable[Mapping[str, int]]) -> list[dict[str, int]]:
+    """A subset of the distinct define sets in which every (define, value) pair of the whole list occurs
+    at least once (greedy set cover, first-seen order among equals): each value's code path compiled
+    once, without every combination."""
+    todo = unique(defines)
+    missing = {kv for d in todo for kv in d.items()}
+    out = []
+    while missing:
+        best = max(todo, key=lambda d: len(missing.intersection(d.items())))
+        out.append(best)
+        missing -= set(best.items())
+    return out
+
+
 def compile_reports(source_name: str, arch: str, defines: Iterable[Mapping[str, int]]) -> list[tuple[dict, str]]:
     """(defines, ptxas log) for every distinct define set of ``source_name`` under qops/native, compiled
     for ``arch`` in parallel threads; each cubin is checked to be an ELF image."""
