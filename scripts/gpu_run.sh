@@ -68,33 +68,32 @@ with_timeout() {
 }
 
 # pytest_groups JOBS TIMEOUT XML: the GPU suite as the groups of scripts/gpu_test_groups.txt (or $QOPS_TEST_GROUPS), JOBS
-# pytest processes at once (each SIGINTed at TIMEOUT, so it still writes its XML); each group's output
-# is printed whole when it ends (no interleaving) and the XMLs are merged into XML. Fails if a group
+# pytest processes at once (each SIGINTed at TIMEOUT, so it still writes its XML); each group's log
+# tail is printed when it ends and the XMLs are merged into XML. Fails if a group
 # failed or its XML is missing.
 pytest_groups() {
-    local jobs=$1 s=$2 xml=$3 work i=0 line rc=0 running=0 n
+    local jobs=$1 s=$2 xml=$3 work i=0 line rc=0 running=0
     work=$(mktemp -d)
-    local -a names=()
+    local -a xmls=()
     while IFS= read -r line; do
         case "$line" in ''|'#'*) continue ;; esac
         i=$((i + 1))
-        names+=("$work/group-$i")
+        xmls+=("$work/group-$i.xml")
         if [ "$running" -ge "$jobs" ]; then wait -n || rc=1; running=$((running - 1)); fi
         (
             eval "set -- $line"
             TIMEOUT_SIGNAL=INT with_timeout "$s" "$PY" -m pytest -m gpu "$@" -q -rfE -p no:cacheprovider \
                 --junitxml="$work/group-$i.xml" > "$work/group-$i.log" 2>&1
             r=$?
-            { echo "-- group $i (rc $r): $line"; tail -n 40 "$work/group-$i.log"; } > "$work/group-$i.done"
-            cat "$work/group-$i.done"
+            echo "-- group $i (rc $r): $line"
+            tail -n 40 "$work/group-$i.log"
             exit "$r"
         ) &
         running=$((running + 1))
     done < "${QOPS_TEST_GROUPS:-scripts/gpu_test_groups.txt}"
     while [ "$running" -gt 0 ]; do wait -n || rc=1; running=$((running - 1)); done
-    n=${#names[@]}
-    "$PY" scripts/merge_junit.py "$xml" "${names[@]/%/.xml}" || rc=1
-    echo "pytest_groups: $n groups, rc $rc"
+    "$PY" scripts/merge_junit.py "$xml" "${xmls[@]}" || rc=1
+    echo "pytest_groups: $i groups, rc $rc"
     rm -rf "$work"
     return "$rc"
 }

@@ -13,7 +13,7 @@ from qops.lowerings import LOWERINGS_BY_NAME, Kernel, WeightSpec
 from qops.ops.blockwise4 import LAYOUT_FLAT, LAYOUT_TILE16
 from qops.native import blockwise4 as nbw4
 from qops.native import compiler
-from tests.native_builds import compile_reports, covering, spills_allowed
+from tests.native_builds import builds_for, compile_reports, spills_allowed
 
 pytestmark = pytest.mark.skipif(compiler.runtime_missing() is not None, reason=f"NVRTC unusable: {compiler.runtime_missing()}")
 
@@ -48,10 +48,7 @@ def _ptxas(log: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_planned_variant_compiles_without_spills(arch):
-    # sm_80: each define's every value once (tests/native_builds.covering); the budget holds by
-    # __launch_bounds__ and spills are checked on sm_90, for every variant.
-    wanted = covering(_variants()) if arch == "sm_80" else list(_variants())
-    for defines, log in compile_reports(nbw4.SOURCE, arch, wanted):
+    for defines, log in compile_reports(nbw4.SOURCE, arch, builds_for(arch, _variants())):
         regs, spills = _ptxas(log)
         assert regs <= 65536 // (32 * defines["QOPS_WARPS"] * defines["QOPS_MINB"]), (defines, log)  # the promised blocks fit an SM
         if arch == "sm_90":

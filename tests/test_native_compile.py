@@ -16,7 +16,7 @@ from qops.lowerings import LOWERINGS_BY_NAME, WeightSpec
 from qops.native import compiler
 from qops.native import int_weight as native
 from qops.native import int_weight_gemm as gemm
-from tests.native_builds import compile_reports, covering, ptxas_report, spills_allowed, unique
+from tests.native_builds import builds_for, compile_reports, covering, ptxas_report, spills_allowed, unique
 
 NATIVE_SOURCES = sorted(p.name for p in compiler.NATIVE_DIR.glob("*.cu"))
 ARCHS = ("sm_80", "sm_90")
@@ -143,13 +143,7 @@ def test_the_compiled_variants_cover_every_tile_height():
 @pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants, _glu_variants, _f16mma_variants],
                          ids=["register-ring", "smem-ring", "plan-tables", "glu", "f16mma"])
 def test_gemv_variants_compile_within_register_budget(arch, variants):
-    wanted = [d for d in variants() if not (arch == "sm_80" and d["QOPS_CLUSTER"] > 1)]  # clusters are sm_90's
-    if arch == "sm_80":
-        # __launch_bounds__ holds every build to its budget (ptxas spills instead) and spills are the
-        # H200's question (sm_90, every variant): on sm_80 what can fail is a code path that does not
-        # compile there, so each define's every value is compiled once (a third of CI's time was
-        # sm_80 builds of every combination).
-        wanted = covering(wanted)
+    wanted = builds_for(arch, (d for d in variants() if not (arch == "sm_80" and d["QOPS_CLUSTER"] > 1)))  # clusters are sm_90's
     for defines, log in compile_reports(native.SOURCE, arch, wanted):
         report = ptxas_report(log)
         assert native.GEMV in report and native.REDUCE in report, log
@@ -929,8 +923,7 @@ def _gemm_variants():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gemm_variants_compile_within_register_budget(arch):
     assert sorted({d["QOPS_MT"] for d in _gemm_variants()}) == [5, 6, 7, 8]
-    wanted = covering(_gemm_variants()) if arch == "sm_80" else list(_gemm_variants())  # as the GEMV's above
-    for defines, log in compile_reports(gemm.SOURCE, arch, wanted):
+    for defines, log in compile_reports(gemm.SOURCE, arch, builds_for(arch, _gemm_variants())):
         regs, spills = ptxas_report(log)[gemm.KERNEL]
         assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])), (defines, log)
         if arch == "sm_90":
