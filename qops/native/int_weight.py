@@ -155,10 +155,7 @@ class Plan:
     xfull: bool = False  # x of the block's K range staged once (no barrier in the main loop)
     ring: int = 0  # register ring depth (0: the kernel's default for mt)
     minb: int = 2  # resident blocks per SM promised to the register allocator
-    # (x staged once) magic bias and zero point taken off after the dequantization, from x sums
-    # (w4a16_gemv.cu, QOPS_FOLD): 0 (False) exact; 1 (True) in fp32 after the MMAs, M <= 8; 2 by one
-    # more MMA a chunk, any M.
-    fold: int = 0
+    fold: bool = False  # (x staged once, M <= 8) magic bias and zero point subtracted after the MMA, from x sums
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
     smem_bulk: bool = False  # measurements: that ring filled by whole-chunk bulk copies (sm_90, qweight in column slabs)
@@ -223,15 +220,14 @@ def staged_x_slots(mt: int, nwk: int) -> int:
     return THREADS * (2 if mt <= 2 else -(-8 * mt * nwk * 16 // THREADS))
 
 
-def xfull_bytes(m: int, k: int, splits: int, fold: int = 0) -> int:
-    """Shared memory the x-staged-once mode needs: M rows of the block's K range, padded rows, and the
-    fold sums per chunk (fold 1: two fp32 for 8 rows; fold 2: four words for each of 8 * MT rows)."""
+def xfull_bytes(m: int, k: int, splits: int, fold: bool = False) -> int:
+    """Shared memory the x-staged-once mode needs: M rows of the block's K range, padded rows (and
+    with ``fold`` two fp32 sums per chunk for 8 rows)."""
     chunks = -(-max(-(-k // CHUNK_K), 1) // splits)
-    sums = {0: 0, 1: 8 * 8, 2: 8 * _mt(m) * 16}[int(fold)]
-    return m * (chunks * 16 + 4) * 16 + chunks * sums
+    return m * (chunks * 16 + 4) * 16 + (chunks * 8 * 8 if fold else 0)
 
 
-def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: int = 0,
+def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: bool = False,
                 minb: int = 2, opt_in: bool = False) -> str | None:
     """Why the kernel cannot run this combination (its compile-time and launch limits), or None.
 
@@ -254,12 +250,8 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
         return f"minb={minb} with M={m}: MT = {mt} needs 150-240 registers a thread, two blocks per SM would spill"
     if mt >= 3 and _ring(mt, ring) > 3:
         return f"a register ring {_ring(mt, ring)} deep with M={m} (MT = {mt} keeps spill-free up to 3)"
-    if int(fold) not in (0, 1, 2):
-        return f"fold={fold} is not 0, 1 or 2"
-    if fold == 1 and not (xfull and m <= 8):
-        return f"fold=1 needs x staged once (xfull) and M <= 8 (got xfull={xfull}, M={m})"
-    if fold == 2 and not xfull:
-        return "fold=2 needs x staged once (xfull)"
+    if fold and not (xfull and m <= 8):
+        return f"fold needs x staged once (xfull) and M <= 8 (got xfull={xfull}, M={m})"
     x_limit = SHMEM_OPTIN_MAX_BYTES if opt_in else SHMEM_MAX_BYTES
     if xfull and xfull_bytes(m, k, splits, fold) > x_limit:
         return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold)} bytes of shared memory (> {x_limit})"
@@ -287,7 +279,7 @@ F16MMA_MIN_NK = 1 << 26
 
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
-              fold: int = 0, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8,
+              fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8,
               f16mma: bool | None = None) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
@@ -324,8 +316,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
     if f16mma is None:
         f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK
-    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, int(fold), prefetch, smem_ring, xu=xu,
-                f16mma=f16mma)
+    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma)
 
 
 def warp_chunks(k: int, nwn: int, splits: int) -> int:

@@ -92,8 +92,7 @@
 // QOPS_CLUSTER (1: no cluster; 2..8 needs sm_90),
 // QOPS_XFULL (0/1), QOPS_RING (register ring depth; 0: 3 for MT = 1, 2 for MT >= 2),
 // QOPS_MINB (minimum resident blocks per SM promised to the register allocator; default 2; 1 for MT >= 3),
-// QOPS_FOLD (0: exact dequantization; 1: bias and zero point subtracted after the MMA in fp32, needs
-// QOPS_XFULL and MT = 1; 2: subtracted by one more MMA a chunk, needs QOPS_XFULL; below),
+// QOPS_FOLD (0/1: bias and zero point subtracted after the MMA; needs QOPS_XFULL and MT = 1),
 // QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead),
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
 // replaces QOPS_RING), QOPS_SMEM_BULK (0/1: that ring filled by whole-chunk bulk copies, sm_90 and qweight in
@@ -112,21 +111,6 @@
 // largest converts exactly (f16 holds three more mantissa bits than bf16), and the sums are
 // multiplied by 2^-e in fp32 after the main loop (exact). A first pass over the block's x finds the
 // rows' largest magnitudes (kept in each row's padding slot of the staged x).
-//
-// Folding (QOPS_FOLD, x staged once). The exact dequantization costs 9 instructions a word (f16:
-// the and-or, then a subtraction or FMA per pair to remove the magic bias and the zero point);
-// folded, A is the biased 1024 + q (f16; odd nibbles 1024 + 16 q against x / 16) or 128 + q (bf16),
-// 5 instructions a word, and the chunk's sum over k of A x is off by bias * (sum of the staged x) +
-// z * (sum of x) for each row of x, sums the prologue computes once per (chunk, row).
-//   1: the correction is subtracted from each accumulator in fp32 (three instructions an accumulator
-//      a chunk against the exact path's one; MT = 1: at MT = 2 it cost what it saved, stop 34).
-//   2: the correction is one more bf16 MMA a chunk and x tile, before the chunk's eight: its B holds,
-//      for k slots 0..5, the rows' sums split exactly into three bf16 pieces each (a truncation split:
-//      8 + 8 + 8 bits, so the products are exact and the fp32 accumulation does the rest), and its A
-//      the constants -bias and -(128 + z) (bf16's magic number, exact for z < 128); the staged sum's
-//      pieces are of P = sum of staged x - (128 / bias) sum of x, so -bias P - (128 + z) sum x =
-//      -bias (sum of staged x) - z (sum of x). One MMA a tile instead of 16 subtractions a chunk,
-//      at any MT. bf16 MMAs whatever the x type: their range holds sums that would overflow f16.
 #include "w4.cuh"
 
 #ifndef QOPS_DT
@@ -244,18 +228,6 @@ __device__ __forceinline__ float sum2(u32 v) {
   return bits_to_f32<DT>(static_cast<u16>(v & 0xffffu)) + bits_to_f32<DT>(static_cast<u16>(v >> 16));
 }
 
-// v as three bf16 values (bits in the low halves) that sum to it exactly: each piece is the top 8
-// significant bits of what the earlier ones left (truncation, so every remainder is exact in fp32).
-__device__ __forceinline__ void split_bf16x3(float v, u32 (&p)[3]) {
-  const u32 hi = __float_as_uint(v) & 0xffff0000u;
-  const float r = v - __uint_as_float(hi);
-  const u32 mid = __float_as_uint(r) & 0xffff0000u;
-  const float lo = r - __uint_as_float(mid);
-  p[0] = hi >> 16;
-  p[1] = mid >> 16;
-  p[2] = __float_as_uint(lo) >> 16;
-}
-
 __device__ __forceinline__ u32 pack2(u16 h) { return static_cast<u32>(h) | (static_cast<u32>(h) << 16); }
 
 // x[k .. k+7] of one row (src = &row[k]) read a value at a time, zeros from column K on: for rows
@@ -303,7 +275,7 @@ __device__ __forceinline__ void store_glu(u16* out, int m, int j, int ldo, float
   out[static_cast<size_t>(m) * ldo + j] = f32_to_bits<DT>(y);
 }
 
-template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF, int FOLD, int SR>
+template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF, bool FOLD, int SR>
 __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, const u16* __restrict__ scales,
                                            const u32* __restrict__ qzeros, const u16* __restrict__ x,
                                            const void* __restrict__ bias, u16* __restrict__ out,
@@ -316,9 +288,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   constexpr int kRing = ring_depth<MT>();
   constexpr int D = kRing - 1;  // prefetch distance in iterations
   static_assert(MT >= 1 && MT <= 4, "QOPS_MT is 1..4 (M <= 32)");
-  static_assert(FOLD >= 0 && FOLD <= 2, "QOPS_FOLD is 0, 1 or 2");
-  static_assert(FOLD != 1 || (XF && MT == 1), "QOPS_FOLD 1 needs x staged once (QOPS_XFULL) and M <= 8");
-  static_assert(FOLD != 2 || XF, "QOPS_FOLD 2 needs x staged once (QOPS_XFULL)");
+  static_assert(!FOLD || (XF && MT == 1), "QOPS_FOLD needs x staged once (QOPS_XFULL) and M <= 8");
   static_assert(SR == 0 || (SR >= 2 && SR <= 16 && XF), "QOPS_SMEM_RING is 0 or 2..16 and needs QOPS_XFULL");
   // The ring's copies address other lanes' columns as contiguous with this lane's.
   static_assert(!QOPS_GLU || SR == 0, "QOPS_GLU excludes QOPS_SMEM_RING");
@@ -448,8 +418,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // did, and was measured with this mapping.) A lane then reads bytes other lanes copied, so the
   // warp syncs after its waits and before it overwrites a stage; scales and zeros stay per lane.
   const int chunks_blk = (C + S - 1) / S;
-  constexpr int kSumSlots = FOLD == 1 ? 4 : (FOLD == 2 ? 8 * MT : 0);  // 16-byte slots of fold sums a chunk
-  char* sring = reinterpret_cast<char*>(smem + M * RSF + chunks_blk * kSumSlots) + warp * SR * kSmemStage;
+  char* sring = reinterpret_cast<char*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0)) + warp * SR * kSmemStage;
   const u32 sring_a = smem_addr(sring);
   auto load_chunk_smem = [&](int stage) {
     const Src src = next_src();
@@ -548,13 +517,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   };
 
   // XF: the block's x, read once and stored in B-fragment order (x0 x4 x1 x5 x2 x6 x3 x7).
-  // FOLD 1: per (block-local chunk, row m < 8) the sums the correction needs, after the staged x:
+  // FOLD: per (block-local chunk, row m < 8) the sums the correction needs, after the staged x:
   // xsum[chunk * 8 + m] = (bias * sum of the staged values, sum of x); rows m >= M hold zeros.
   float2* xsum = reinterpret_cast<float2*>(smem + M * RSF);
-  // FOLD 2: per (block-local chunk, row m < 8 MT) the correction MMA's B words, word c for the lanes
-  // of k slots 2c, 2c + 1: (P0, P1), (P2, X0), (X1, X2), (0, 0), P and X the bf16 pieces of P and
-  // sum x (head comment); rows m >= M hold zeros.
-  uint4* xcorr = smem + M * RSF;
   // The loads come first, QOPS_XU slots a thread, then their permutes and stores: one global round
   // trip for every QOPS_XU x 256 slots instead of one per 256 (Nsight Compute put 10-17% of the M = 1
   // kernel's stall samples on this prologue's loads, each waited for before the next was issued).
@@ -655,7 +620,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       if constexpr (kF16) v[u] = to_scaled_f16(v[u], row_scale(m, false));
       uint4 f = make_uint4(prmt<0x5410>(v[u].x, v[u].z), prmt<0x7632>(v[u].x, v[u].z), prmt<0x5410>(v[u].y, v[u].w),
                            prmt<0x7632>(v[u].y, v[u].w));
-      if constexpr (FOLD != 0) {
+      if constexpr (FOLD) {
         // f16: the odd nibbles dequantize without their shift as 1024 + 16 q, so their x is staged
         // divided by 16 (exact: a power of two) and the product is x * (64 + q).
         float sum_x, sum_staged;
@@ -674,17 +639,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           sum_x += __shfl_xor_sync(0xffffffffu, sum_x, o);
           sum_staged += __shfl_xor_sync(0xffffffffu, sum_staged, o);
         }
-        if constexpr (FOLD == 1) {
-          if ((lane & 15) == 0 && in) xsum[(kwl >> 4) * 8 + m] = make_float2((MDT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
-        } else {
-          if ((lane & 15) == 0 && in) {
-            const float pv = sum_staged - (MDT == 0 ? 0.125f : 1.f) * sum_x;  // P: (128 / bias) sum x off
-            u32 pp[3], xp[3];
-            split_bf16x3(pv, pp);
-            split_bf16x3(sum_x, xp);
-            xcorr[(kwl >> 4) * (8 * MT) + m] = make_uint4(pp[0] | (pp[1] << 16), pp[2] | (xp[0] << 16), xp[1] | (xp[2] << 16), 0u);
-          }
-        }
+        if ((lane & 15) == 0 && in) xsum[(kwl >> 4) * 8 + m] = make_float2((MDT == 0 ? 1024.f : 128.f) * sum_staged, sum_x);
       }
       if (in) smem[m * RSF + kwl] = f;
     }
@@ -725,23 +680,13 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         stage_slots(base0, v, start);
       }
     }
-    if constexpr (FOLD == 1) {
+    if constexpr (FOLD) {
       for (int i = tid; i < (ce - cb) * 8; i += kThreads)
         if ((i & 7) >= M) xsum[i] = make_float2(0.f, 0.f);
-    } else if constexpr (FOLD == 2) {
-      for (int i = tid; i < (ce - cb) * 8 * MT; i += kThreads)
-        if (i % (8 * MT) >= M) xcorr[i] = make_uint4(0, 0, 0, 0);
     }
   };
 
   const W4ZeroBase zbase = w4_zero_base<MDT>(static_cast<u32>(HAS_Z ? zero_offset : 8));  // w4.cuh
-  // FOLD 2: this lane's A words of the correction MMA (k slots 2c, 2c + 1; head comment) are
-  // corr_bias | ((-(128 + z) as bf16) in the halves corr_mask keeps): c = 0 (-bias, -bias),
-  // 1 (-bias, -(128 + z)), 2 (-(128 + z), -(128 + z)), 3 zeros. -(128 + z) in bf16 is 0xC300 + z.
-  const u32 neg_bias = MDT == 0 ? 0xC480u : 0xC300u;  // -1024 / -128 in bf16
-  const u32 corr_bias = c == 0 ? neg_bias * 0x10001u : (c == 1 ? neg_bias : 0u);
-  const u32 corr_mask = c == 1 ? 0xffff0000u : (c == 2 ? 0xffffffffu : 0u);
-  const u32 corr_z = 0xC300u + static_cast<u32>(HAS_Z ? zero_offset : 8);
 
   auto compute = [&](int it, const Chunk& ck, int stage) {
     const int ch = cb + it * NWK + wk;
@@ -749,16 +694,13 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     const uint4* xs = XF ? smem : smem + stage * xstage;
 
     u32 za[4], zb[4];
-    float zf[4];    // FOLD 1: the zeros, subtracted after the MMA
-    u32 acorr[4];  // FOLD 2: the correction MMA's A word of column n0 + jj (this lane's k slots 2c, 2c + 1)
+    float zf[4];  // FOLD: the zeros, subtracted after the MMA
     const u32 zbits = HAS_Z ? ck.z >> ((n0 & 7) * 4) : 0u;  // 4 nibbles: zeros of columns n0 .. n0+3
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       const u32 nib = (zbits >> (4 * jj)) & 15u;
-      if constexpr (FOLD == 1) {
+      if constexpr (FOLD) {
         zf[jj] = static_cast<float>(static_cast<int>(nib) + (HAS_Z ? zero_offset : 8));
-      } else if constexpr (FOLD == 2) {
-        acorr[jj] = corr_bias | (((corr_z + nib) * 0x10001u) & corr_mask);
       } else {
         w4_zero_pairs(zbase, nib, za[jj], zb[jj]);
       }
@@ -771,16 +713,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       for (int t = 0; t < 2; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) gacc[mt][t][i] = 0.f;
-    if constexpr (FOLD == 2) {
-      // The correction first (k slots 0..5 of one more k step; A's rows g, g + 8 of tile t are columns
-      // n0 + 2t, n0 + 2t + 1, B's column g is row 8 mt + g of x).
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const u32 bc = reinterpret_cast<const u32*>(xcorr + (ch - cb) * (8 * MT) + 8 * mt + g)[c];
-#pragma unroll
-        for (int t = 0; t < 2; ++t) mma_16816<1>(gacc[mt][t], acorr[2 * t], acorr[2 * t + 1], 0u, 0u, bc, 0u);
-      }
-    }
 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -809,7 +741,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const u32 w = word(ck.w[j], jj);
-        if constexpr (FOLD != 0 && MDT == 0) {
+        if constexpr (FOLD && MDT == 0) {
           // A = 1024 + q (even nibbles) and 1024 + 16 q (odd, against x / 16): bias and zero come off
           // after the MMA, from the staged x sums.
           const u32 w8 = w >> 8;
@@ -817,7 +749,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           p[jj][1] = and_or(w, 0x00f000f0u, 0x64006400u);
           p[jj][2] = and_or(w8, 0x000f000fu, 0x64006400u);
           p[jj][3] = and_or(w8, 0x00f000f0u, 0x64006400u);
-        } else if constexpr (FOLD != 0) {
+        } else if constexpr (FOLD) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) p[jj][r] = and_or(w >> (4 * r), 0x000f000fu, 0x43004300u);  // 128 + q
         } else {
@@ -842,7 +774,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       const u16 h = static_cast<u16>((jj & 1) ? (word2(ck.s, jj >> 1) >> 16) : (word2(ck.s, jj >> 1) & 0xffffu));
       sc[jj] = (flags & kScaleBf16) ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
     }
-    if constexpr (FOLD == 1) {
+    if constexpr (FOLD) {
       // (C1, S) of rows 2c and 2c + 1, the rows of this lane's accumulators; y = sum - C1 - z * S.
       const float4 cs = *reinterpret_cast<const float4*>(xsum + (ch - cb) * 8 + 2 * c);
 #pragma unroll
@@ -1097,7 +1029,7 @@ extern "C" __global__ void __launch_bounds__(qops::kThreads, QOPS_MINB) QOPS_CLU
 qops_w4a16_gemv(const unsigned* qweight, const unsigned short* scales, const unsigned* qzeros,
                 const unsigned short* x, const void* bias, unsigned short* out, float* ws, int M, int N, int K,
                 int ldx, int ldo, int chunks_per_group, int zero_offset, int flags) {
-  qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER, QOPS_XFULL != 0, QOPS_FOLD, QOPS_SMEM_RING>(
+  qops::w4a16_gemv<QOPS_DT, QOPS_MT, QOPS_NWN, QOPS_HAS_Z != 0, QOPS_CLUSTER, QOPS_XFULL != 0, QOPS_FOLD != 0, QOPS_SMEM_RING>(
       qweight, scales, qzeros, x, bias, out, ws, M, N, K, ldx, ldo, chunks_per_group, zero_offset, flags);
 }
 
