@@ -45,11 +45,14 @@ SLOTS = 8  # 64-bit stamp slots a block (w4a16_gemv.cu, QOPS_STAMPS)
 
 
 class Stamper:
-    """Wraps ``compiler.get_kernel`` and ``compiler.launch`` while ``on``: M = 1 decode-kernel builds
-    get ``QOPS_STAMPS``, and each launch of one writes its stamps to a fresh region of ``buf``."""
+    """Wraps ``compiler.get_kernel`` and ``compiler.launch`` while ``on``: decode-kernel builds of the
+    tile heights ``mts`` (M = 1 by default) get ``QOPS_STAMPS``, and each launch of one writes its stamps
+    to a fresh region of ``buf`` (after room for its fp32 partials where it sums through the workspace;
+    the split-K finish launched next then reads them there, so the output stays right)."""
 
-    def __init__(self, compiler, niw, buf):
-        self.compiler, self.niw, self.buf = compiler, niw, buf
+    def __init__(self, compiler, niw, buf, mts=(1,)):
+        self.compiler, self.niw, self.buf, self.mts = compiler, niw, buf, set(mts)
+        self.reduce_ws = None  # the workspace the next split-K finish reads (set by a stamped launch)
         self.on = False
         self.defines_of = {}  # id(kernel) -> defines of every decode-kernel build handed out (QOPS_STAMPS: stamped)
         self.sites = []  # per launch while on: dict(defines, grid, offset)
@@ -57,10 +60,10 @@ class Stamper:
         self._get, self._launch = compiler.get_kernel, compiler.launch
 
     def get_kernel(self, device, source_name, defines, kernel_name, **kw):
-        if not (self.on and source_name == self.niw.SOURCE and kernel_name == self.niw.GEMV and int(defines["QOPS_MT"]) == 1):
+        if not (self.on and source_name == self.niw.SOURCE and kernel_name == self.niw.GEMV and int(defines["QOPS_MT"]) in self.mts):
             k = self._get(device, source_name, defines, kernel_name, **kw)
-            if source_name == self.niw.SOURCE and kernel_name == self.niw.GEMV:
-                self.defines_of[id(k)] = dict(defines)
+            if source_name == self.niw.SOURCE and kernel_name in (self.niw.GEMV, getattr(self.niw, "REDUCE", None)):
+                self.defines_of[id(k)] = dict(defines, kernel=kernel_name)
             return k
         d = {**defines, "QOPS_STAMPS": 1}
         k = self._get(device, source_name, d, kernel_name, **kw)
@@ -82,11 +85,16 @@ class Stamper:
 
     def launch(self, kernel, grid, block, shmem, stream, *args, **kw):
         d = self.defines_of.get(id(kernel))
+        if d is not None and d.get("kernel") == getattr(self.niw, "REDUCE", None) and self.reduce_ws is not None:
+            args = list(args)
+            args[0], self.reduce_ws = self.reduce_ws, None  # ws: where the stamped launch put its partials
+            return self._launch(kernel, grid, block, shmem, stream, *args, **kw)
         if d is None or not d.get("QOPS_STAMPS"):
             return self._launch(kernel, grid, block, shmem, stream, *args, **kw)
         blocks = grid[0] * grid[1]
-        if grid[1] > 1 and int(d["QOPS_CLUSTER"]) == 1:
-            raise RuntimeError(f"a stamped plan with {grid[1]} splits through the workspace: the stamps would overwrite its partials")
+        start = self.used
+        if grid[1] > 1 and int(d["QOPS_CLUSTER"]) == 1:  # the kernel's stamps follow its S x M x N fp32 partials
+            self.used += -(-grid[1] * int(args[7]) * int(args[8]) // 2)
         offset = self.used
         self.used += blocks * SLOTS
         if self.used * 8 > self.buf.numel() * self.buf.element_size():
@@ -98,7 +106,9 @@ class Stamper:
         self.sites.append({"defines": d, "grid": list(grid), "blocks": blocks, "offset": offset, "per_sm": per_sm, "early": early,
                            "shmem": shmem})
         args = list(args)
-        args[6] = self.buf.data_ptr() + offset * 8  # ws
+        args[6] = self.buf.data_ptr() + start * 8  # ws
+        if offset != start:
+            self.reduce_ws = args[6]
         return self._launch(kernel, grid, block, shmem, stream, *args, **kw)
 
 

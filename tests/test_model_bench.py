@@ -158,6 +158,41 @@ def test_layer_timeline_late_release_only_for_gated_builds(monkeypatch):
     assert niw.early_dependents_flag is original
 
 
+def test_stamper_puts_stamps_after_the_workspace_partials_and_points_the_finish_there(monkeypatch):
+    """``Stamper.launch`` on the split-K workspace path: the stamped launch's ws leaves S x M x N fp32
+    partials before its stamps (as w4a16_gemv.cu's QOPS_STAMPS places them), the split-K finish launched
+    next reads that ws, and the site records where the stamps are; other launches pass through."""
+    import types
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import probe_layer_timeline as plt
+
+    launched = []
+    niw = types.SimpleNamespace(SOURCE="w4a16_gemv.cu", GEMV="gemv", REDUCE="reduce", _EARLY_DEPENDENTS=16)
+    compiler = types.SimpleNamespace(get_kernel=lambda device, source, defines, name, **kw: object(),
+                                     launch=lambda kernel, grid, block, shmem, stream, *args, **kw: launched.append(args),
+                                     max_active_blocks=lambda *a: 2)
+    buf = torch.zeros(4096, dtype=torch.int64)
+    st = plt.Stamper(compiler, niw, buf, mts=(2,))
+    st.on = True
+    gemv = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 2, "QOPS_CLUSTER": 1}, "gemv")
+    reduce = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 2, "QOPS_CLUSTER": 1}, "reduce")
+    other = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 1, "QOPS_CLUSTER": 1}, "gemv")  # not a stamped height
+    stream = types.SimpleNamespace(device_index=0)
+    m, n, splits = 3, 64, 4
+    gemv_args = ["qw", "s", "z", "x", "b", "out", 12345, m, n, 256, 256, n, 1, 0, 0]
+    st.launch(gemv, (2, splits, 1), (256, 1, 1), 0, stream, *gemv_args)
+    partial_slots = splits * m * n // 2  # 64-bit slots the fp32 partials take
+    assert launched[-1][6] == buf.data_ptr() and st.sites[-1]["offset"] == partial_slots
+    assert st.used == partial_slots + 2 * splits * plt.SLOTS
+    st.launch(reduce, (1, 1, 1), (256, 1, 1), 0, stream, 999, "b", "out", m, n, n, splits, 0)
+    assert launched[-1][0] == buf.data_ptr() and st.reduce_ws is None
+    st.launch(reduce, (1, 1, 1), (256, 1, 1), 0, stream, 999, "b", "out", m, n, n, splits, 0)
+    assert launched[-1][0] == 999  # only the finish right after a stamped launch is redirected
+    st.launch(other, (2, splits, 1), (256, 1, 1), 0, stream, *gemv_args)
+    assert launched[-1][6] == 12345 and len(st.sites) == 1
+
+
 def test_probe_time_row_adds_times_ratio_and_prints(monkeypatch, capsys):
     """``common.time_row`` (every probe's timing step) with the CUDA-graph timer stubbed out."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))

@@ -303,14 +303,17 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   }
   if (flags & kEarlyDependents) grid_dep_launch_dependents();
   extern __shared__ uint4 smem[];
-  // QOPS_STAMPS: block b's eight 64-bit slots at ws + 64 b bytes: [0..4] the global timer (ns) at entry,
+  // QOPS_STAMPS: block b's eight 64-bit slots at ws + 64 b bytes (after the S x M x N fp32 partials on the
+  // workspace path: its sums stay intact): [0..4] the global timer (ns) at entry,
   // after griddepcontrol.wait, x staged, main loop done, end; [5..7] SM cycles of the three spans after
   // the wait (x staging, main loop, reduction and stores). Compiled out otherwise.
 #if QOPS_STAMPS
   long long cyc = 0;
   auto stamp = [&](int i) {
     if (threadIdx.x != 0) return;
-    unsigned long long* slot = reinterpret_cast<unsigned long long*>(ws) + (static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x) * 8;
+    // After the fp32 partials where the S blocks of a tile sum through the workspace (S x M x N).
+    float* base = ws + (CL == 1 && gridDim.y > 1 ? static_cast<size_t>(gridDim.y) * M * N : 0);
+    unsigned long long* slot = reinterpret_cast<unsigned long long*>(base) + (static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x) * 8;
     slot[i] = global_timer_ns();
     const long long now = sm_cycles();
     if (i >= 2) slot[3 + i] = static_cast<unsigned long long>(now - cyc);

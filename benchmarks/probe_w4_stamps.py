@@ -1,0 +1,90 @@
+"""Where one native W4A16 decode-kernel launch spends its time, per M (H200): the op alone.
+
+Each (shape, M) runs the op's own plan with the decode kernel built with ``QOPS_STAMPS``
+(``qops/native/w4a16_gemv.cu``; the builds differ from the shipped ones only by the stamps, a few
+instructions in thread 0): each block's thread 0 stamps the global timer at entry, after the wait,
+after x is staged, after the main loop and at its end, with the SM cycles of the last three spans
+(``probe_layer_timeline.Stamper``, here for every tile height; on the workspace path the stamps
+follow the partials, which the split-K finish still reads). Launches are plain stream launches with
+the op's programmatic dependent launch, ``--trials`` in a row; per launch the median block's spans,
+then the median over launches. The question it answers: what M = 16 adds to M = 1 -- x staging (the
+prologue each block runs before its loop), the loop, or the epilogue -- and the loop's SM cycles a
+warp-chunk (128 K rows x 32 columns). Outputs are checked against the unstamped op.
+
+    PYTHONPATH=. python benchmarks/probe_w4_stamps.py [--shapes 28672x4096,...] [--ms 1,8,16] [--trials 10] [--out F]
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+import common
+from common import LARGE_SHAPES
+
+common.add_repo_to_path()
+
+from probe_early_pdl import gptq_native  # noqa: E402
+from probe_layer_timeline import SLOTS, Stamper, site_rows  # noqa: E402
+from qops.native import compiler  # noqa: E402
+from qops.native import int_weight as niw  # noqa: E402
+
+SPANS = ("pre_wait_med", "x_med", "loop_med", "loop_max", "epi_med", "post_wait")
+
+
+def main(argv=None) -> int:
+    p = common.probe_parser("probe_w4_stamps.py", __doc__, LARGE_SHAPES, [1, 8, 16], 10)  # trials: stamped launches
+    a = p.parse_args(argv)
+    res = common.probe_result("w4_stamps")
+    if res is None:
+        return 2
+    buf = torch.zeros(1 << 25, dtype=torch.int64, device="cuda")
+    st = Stamper(compiler, niw, buf, mts=(1, 2, 3, 4))
+    compiler.get_kernel, compiler.launch = st.get_kernel, st.launch
+    try:
+        for n, k in a.shapes:
+            w = gptq_native(n, k)
+            for m in a.ms:
+                if m > niw.decode_rows(n, k, 0):
+                    continue
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                want = w.mm(x)
+                plan = niw.plan(m, n, k, 0)
+                st.on = True
+                try:
+                    got = w.mm(x)  # compiles and loads the stamped build
+                    torch.cuda.synchronize()
+                    st.sites.clear()
+                    st.used = 0
+                    for _ in range(a.trials):
+                        w.mm(x)
+                    torch.cuda.synchronize()
+                finally:
+                    st.on = False
+                rows = [site_rows(buf, [s])[0] for s in st.sites]
+                row = {"N": n, "K": k, "M": m, "plan": str(plan), "launches": len(rows),
+                       "warp_chunks": niw.warp_chunks(k, plan.nwn, plan.splits),
+                       "rel_err_vs_unstamped": common.rel_err(got, want.float())}
+                for f in SPANS:
+                    row[f] = round(statistics.median(r[f] for r in rows), 2)
+                row["span"] = round(statistics.median(r["end"] - r["start"] for r in rows), 2)
+                cyc = [statistics.median(r["cycles_med"][i] for r in rows) for i in range(3)]
+                row["cycles_x_loop_epi"] = cyc
+                row["loop_cycles_a_warp_chunk"] = round(cyc[1] / max(row["warp_chunks"], 1), 1)
+                res["rows"].append(row)
+                print(row, flush=True)
+            del w
+            torch.cuda.empty_cache()
+    finally:
+        compiler.get_kernel, compiler.launch = st._get, st._launch
+    common.write_json(res, common.output_paths("probe_w4_stamps.json", a.out))
+    print("\nN x K | M | chunks a warp | launch span | pre-wait | x | loop med / max | epilogue | loop cycles a warp-chunk")
+    for r in res["rows"]:
+        print(f"{r['N']}x{r['K']} | {r['M']} | {r['warp_chunks']} | {r['span']} | {r['pre_wait_med']} | {r['x_med']} | "
+              f"{r['loop_med']} / {r['loop_max']} | {r['epi_med']} | {r['loop_cycles_a_warp_chunk']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
