@@ -297,10 +297,10 @@ __device__ __forceinline__ u32 dsmem_map(u32 local_addr, u32 rank) {
   return remote;
 }
 
-// Four floats at a 16-byte aligned address of dsmem_map.
-__device__ __forceinline__ float4 ld_dsmem_v4(u32 remote_addr) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote_addr) : "memory");
+// The float at an address of dsmem_map.
+__device__ __forceinline__ float ld_dsmem_f32(u32 remote_addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote_addr) : "memory");
   return v;
 }
 #endif

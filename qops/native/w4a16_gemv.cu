@@ -222,8 +222,6 @@ struct Chunk {
 
 __device__ __forceinline__ u32 word2(const uint2& v, int i) { return i == 0 ? v.x : v.y; }
 
-__device__ __forceinline__ float4 add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
-
 // fp32 sum of the two halves of a f16x2 / bf16x2 word.
 template <int DT>
 __device__ __forceinline__ float sum2(u32 v) {
@@ -999,61 +997,53 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   if constexpr (CL > 1) {
     cluster_sync();  // partials of every block of the cluster visible
     const int rank = static_cast<int>(cluster_rank());
-    // A thread sums groups of 4 columns of one row (NBLK and NBLK / 2 are multiples of 4), kPer of them,
-    // requesting every group from every block of the cluster before it adds any: one distributed
-    // shared memory round trip, where a loop over single outputs waited for one per output it took
-    // (M = 8..16 spent 2.3-3.6 us after the main loop on 28672 x 4096: benchmarks/NOTES.md, stop 35).
+    // A thread sums kPer outputs (idx = rank * kThreads + tid + u * CL * kThreads), requesting each from
+    // every block of the cluster before it adds any: one distributed shared memory round trip, where a
+    // loop over the outputs waited for one per output (28672 x 4096 at M = 8..16 spent 2.3-3.6 us
+    // after its main loop: benchmarks/NOTES.md, stop 35). Scalar, so every thread has work and the
+    // stores stay coalesced (float4 groups left 3/4 of the threads idle in a cluster of 8: +2-5%).
     const u32 part_a = smem_addr(part);
     if constexpr (QOPS_GLU) {
-      constexpr int kPer = (8 * MT * kHalf / 4 + CL * kThreads - 1) / (CL * kThreads);
-      const int groups = M * kHalf / 4;
-      float4 gate[kPer], up[kPer];
+      constexpr int kPer = (8 * MT * kHalf + CL * kThreads - 1) / (CL * kThreads);
+      const int outs = M * kHalf;
+      float gate[kPer], up[kPer];
 #pragma unroll
       for (int r = 0; r < CL; ++r) {
         const u32 base = dsmem_map(part_a, r);
 #pragma unroll
         for (int u = 0; u < kPer; ++u) {
-          const int q = (u * CL + rank) * kThreads + tid, m = 4 * q / kHalf, lc = 4 * q - m * kHalf;
-          if (q < groups) {
-            const float4 g4 = ld_dsmem_v4(base + 4 * (m * NBLK + lc)), u4 = ld_dsmem_v4(base + 4 * (m * NBLK + kHalf + lc));
-            gate[u] = r == 0 ? g4 : add4(gate[u], g4);
-            up[u] = r == 0 ? u4 : add4(up[u], u4);
+          const int idx = (u * CL + rank) * kThreads + tid, m = idx / kHalf, lc = idx - m * kHalf;
+          if (idx < outs) {
+            const float g1 = ld_dsmem_f32(base + 4 * (m * NBLK + lc)), u1 = ld_dsmem_f32(base + 4 * (m * NBLK + kHalf + lc));
+            gate[u] = r == 0 ? g1 : gate[u] + g1;
+            up[u] = r == 0 ? u1 : up[u] + u1;
           }
         }
       }
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {
-        const int q = (u * CL + rank) * kThreads + tid, m = 4 * q / kHalf, lc = 4 * q - m * kHalf;
-        if (q >= groups) continue;
-        const float gs[4] = {gate[u].x, gate[u].y, gate[u].z, gate[u].w}, us[4] = {up[u].x, up[u].y, up[u].z, up[u].w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (column_ok<NWN>(lc + e, N)) store_glu<DT>(out, m, blockIdx.x * kHalf + lc + e, ldo, gs[e], us[e]);
+        const int idx = (u * CL + rank) * kThreads + tid, m = idx / kHalf, lc = idx - m * kHalf;
+        if (idx < outs && column_ok<NWN>(lc, N)) store_glu<DT>(out, m, blockIdx.x * kHalf + lc, ldo, gate[u], up[u]);
       }
     } else {
-      constexpr int kPer = (8 * MT * NBLK / 4 + CL * kThreads - 1) / (CL * kThreads);
-      const int groups = total / 4;
-      float4 v[kPer];
+      constexpr int kPer = (8 * MT * NBLK + CL * kThreads - 1) / (CL * kThreads);
+      float v[kPer];
 #pragma unroll
       for (int r = 0; r < CL; ++r) {
         const u32 base = dsmem_map(part_a, r);
 #pragma unroll
         for (int u = 0; u < kPer; ++u) {
-          const int q = (u * CL + rank) * kThreads + tid;
-          if (q < groups) {
-            const float4 w4 = ld_dsmem_v4(base + 16 * q);
-            v[u] = r == 0 ? w4 : add4(v[u], w4);
+          const int idx = (u * CL + rank) * kThreads + tid;
+          if (idx < total) {
+            const float w1 = ld_dsmem_f32(base + 4 * idx);
+            v[u] = r == 0 ? w1 : v[u] + w1;
           }
         }
       }
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {
-        const int q = (u * CL + rank) * kThreads + tid, m = 4 * q / NBLK, n = blockIdx.x * NBLK + 4 * q - m * NBLK;
-        if (q >= groups) continue;
-        const float vs[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (n + e < N) store_out<DT>(out, bias, flags, m, n + e, ldo, vs[e]);
+        const int idx = (u * CL + rank) * kThreads + tid, m = idx / NBLK, n = blockIdx.x * NBLK + idx - m * NBLK;
+        if (idx < total && n < N) store_out<DT>(out, bias, flags, m, n, ldo, v[u]);
       }
     }
     cluster_sync();  // no block leaves while another still reads its shared memory
