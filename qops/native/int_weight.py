@@ -163,7 +163,6 @@ class Plan:
     # (x staged once, bf16 x) x staged as f16 scaled by a power of two a row and the MMAs run in f16
     # (w4a16_gemv.cu, QOPS_F16MMA); no effect on f16 x or on plans staging x per iteration.
     f16mma: bool = False
-    chains: int = 1  # measurements: MMA accumulator chains a chunk (w4a16_gemv.cu, QOPS_CHAINS: 1 or 2)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False) -> dict[str, int]:
         return {
@@ -184,7 +183,6 @@ class Plan:
             "QOPS_SMEM_BULK": int(self.smem_bulk),
             "QOPS_XU": self.xu,
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
-            "QOPS_CHAINS": self.chains,
         }
 
     def _f16mma_on(self, dtype: torch.dtype) -> bool:

@@ -99,7 +99,6 @@
 // slabs; measurements), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
-// QOPS_CHAINS (1/2: MMA accumulator chains a chunk; measurements),
 // QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
 // timer stamps to ws, so the launch must pass a buffer there and use no split-K workspace; below).
 //
@@ -165,10 +164,6 @@
 #ifndef QOPS_STAMPS
 #define QOPS_STAMPS 0
 #endif
-#ifndef QOPS_CHAINS
-#define QOPS_CHAINS 1
-#endif
-static_assert(QOPS_CHAINS == 1 || QOPS_CHAINS == 2, "QOPS_CHAINS is 1 or 2");
 
 #if QOPS_CLUSTER > 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -714,17 +709,13 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       }
     }
 
-    // QOPS_CHAINS accumulator sets a chunk (the two k steps of a 32-row step alternate between two): each
-    // MMA chain 8 / QOPS_CHAINS deep instead of 8, summed after the chunk's MMAs.
-    float gacc[QOPS_CHAINS][MT][2][4];
+    float gacc[MT][2][4];
 #pragma unroll
-    for (int h = 0; h < QOPS_CHAINS; ++h)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int t = 0; t < 2; ++t)
 #pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) gacc[h][mt][t][i] = 0.f;
+        for (int i = 0; i < 4; ++i) gacc[mt][t][i] = 0.f;
 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -776,18 +767,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         for (int t = 0; t < 2; ++t)
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
-            mma_16816<MDT>(gacc[s % QOPS_CHAINS][mt][t], p[2 * t][2 * s], p[2 * t + 1][2 * s], p[2 * t][2 * s + 1],
+            mma_16816<MDT>(gacc[mt][t], p[2 * t][2 * s], p[2 * t + 1][2 * s], p[2 * t][2 * s + 1],
                           p[2 * t + 1][2 * s + 1], xb[mt][2 * s], xb[mt][2 * s + 1]);
     }
 
-#pragma unroll
-    for (int h = 1; h < QOPS_CHAINS; ++h)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) gacc[0][mt][t][i] += gacc[h][mt][t][i];
     float sc[4];
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
@@ -803,7 +786,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         for (int i = 0; i < 4; ++i) {
           const int jj = 2 * t + (i >> 1);
           const float c1 = (i & 1) ? cs.z : cs.x, sx = (i & 1) ? cs.w : cs.y;
-          acc[0][t][i] = fmaf(fmaf(-zf[jj], sx, gacc[0][0][t][i] - c1), sc[jj], acc[0][t][i]);
+          acc[0][t][i] = fmaf(fmaf(-zf[jj], sx, gacc[0][t][i] - c1), sc[jj], acc[0][t][i]);
         }
     } else {
 #pragma unroll
@@ -811,7 +794,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc[mt][t][i] = fmaf(gacc[0][mt][t][i], sc[2 * t + (i >> 1)], acc[mt][t][i]);
+          for (int i = 0; i < 4; ++i) acc[mt][t][i] = fmaf(gacc[mt][t][i], sc[2 * t + (i >> 1)], acc[mt][t][i]);
     }
   };
 
