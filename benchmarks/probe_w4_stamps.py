@@ -6,8 +6,10 @@ instructions in thread 0): each block's thread 0 stamps the global timer at entr
 after x is staged, after the main loop and at its end, with the SM cycles of the last three spans
 (``probe_layer_timeline.Stamper``, here for every tile height; on the workspace path the stamps
 follow the partials, which the split-K finish still reads). Launches are plain stream launches with
-the op's programmatic dependent launch, ``--trials`` in a row; per launch the median block's spans,
-then the median over launches. The question it answers: what M = 16 adds to M = 1 -- x staging (the
+the op's programmatic dependent launch, ``--trials`` in a row over rotated weight copies totalling
+> 256 MB (``common.n_copies``), so the weights come from DRAM as in the benchmarks (0f300c6's run,
+``h200-2026-12-02-0f300c6-probe-stamps.json``, used one weight: partly L2-hot); per launch the median
+block's spans, then the median over launches. The question it answers: what M = 16 adds to M = 1 -- x staging (the
 prologue each block runs before its loop), the loop, or the epilogue -- and the loop's SM cycles a
 warp-chunk (128 K rows x 32 columns). Outputs are checked against the unstamped op.
 
@@ -21,7 +23,7 @@ import sys
 import torch
 
 import common
-from common import LARGE_SHAPES
+from common import LARGE_SHAPES, clone_tensors, n_copies
 
 common.add_repo_to_path()
 
@@ -45,6 +47,7 @@ def main(argv=None) -> int:
     try:
         for n, k in a.shapes:
             w = gptq_native(n, k)
+            copies = [w] + [clone_tensors(w) for _ in range(n_copies(w.nbytes()) - 1)]
             for m in a.ms:
                 if m > niw.decode_rows(n, k, 0):
                     continue
@@ -57,13 +60,13 @@ def main(argv=None) -> int:
                     torch.cuda.synchronize()
                     st.sites.clear()
                     st.used = 0
-                    for _ in range(a.trials):
-                        w.mm(x)
+                    for i in range(max(a.trials, len(copies))):
+                        copies[i % len(copies)].mm(x)
                     torch.cuda.synchronize()
                 finally:
                     st.on = False
                 rows = [site_rows(buf, [s])[0] for s in st.sites]
-                row = {"N": n, "K": k, "M": m, "plan": str(plan), "launches": len(rows),
+                row = {"N": n, "K": k, "M": m, "plan": str(plan), "launches": len(rows), "weight_copies": len(copies),
                        "warp_chunks": niw.warp_chunks(k, plan.nwn, plan.splits),
                        "rel_err_vs_unstamped": common.rel_err(got, want.float())}
                 for f in SPANS:
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
                 row["loop_cycles_a_warp_chunk"] = round(cyc[1] / max(row["warp_chunks"], 1), 1)
                 res["rows"].append(row)
                 print(row, flush=True)
-            del w
+            del w, copies
             torch.cuda.empty_cache()
     finally:
         compiler.get_kernel, compiler.launch = st._get, st._launch
