@@ -62,7 +62,7 @@ class Stamper:
     def get_kernel(self, device, source_name, defines, kernel_name, **kw):
         if not (self.on and source_name == self.niw.SOURCE and kernel_name == self.niw.GEMV and int(defines["QOPS_MT"]) in self.mts):
             k = self._get(device, source_name, defines, kernel_name, **kw)
-            if source_name == self.niw.SOURCE and kernel_name in (self.niw.GEMV, getattr(self.niw, "REDUCE", None)):
+            if source_name == self.niw.SOURCE and kernel_name in (self.niw.GEMV, self.niw.REDUCE):
                 self.defines_of[id(k)] = dict(defines, kernel=kernel_name)
             return k
         d = {**defines, "QOPS_STAMPS": 1}
@@ -85,7 +85,7 @@ class Stamper:
 
     def launch(self, kernel, grid, block, shmem, stream, *args, **kw):
         d = self.defines_of.get(id(kernel))
-        if d is not None and d.get("kernel") == getattr(self.niw, "REDUCE", None) and self.reduce_ws is not None:
+        if d is not None and d.get("kernel") == self.niw.REDUCE and self.reduce_ws is not None:
             args = list(args)
             args[0], self.reduce_ws = self.reduce_ws, None  # ws: where the stamped launch put its partials
             return self._launch(kernel, grid, block, shmem, stream, *args, **kw)

@@ -144,7 +144,7 @@ def test_layer_timeline_late_release_only_for_gated_builds(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import probe_layer_timeline as plt
 
-    niw = types.SimpleNamespace(SOURCE="w4a16_gemv.cu", GEMV="gemv", early_dependents_flag=lambda kernel, *a: 16)
+    niw = types.SimpleNamespace(SOURCE="w4a16_gemv.cu", GEMV="gemv", REDUCE="reduce", early_dependents_flag=lambda kernel, *a: 16)
     compiler = types.SimpleNamespace(get_kernel=lambda device, source, defines, name, **kw: object(), launch=None)
     st = plt.Stamper(compiler, niw, None)
     gated = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 1, "QOPS_GLU": 1}, "gemv")
