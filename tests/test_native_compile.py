@@ -154,6 +154,54 @@ def test_gemv_variants_compile_within_register_budget(arch, variants):
             assert spills == 0, (defines, log)
 
 
+def _gemv_wgmma_variants():
+    """The decode kernel's warpgroup-MMA builds (sm_90a, x staged once): every tile height in both
+    dtypes and zero modes at the rule's M <= 16 tile (nwn 8) and at nwn 4 (two warpgroups along K),
+    a cluster, the gated output without zeros, one block an SM for MT = 1, 3, 4. (The gated output
+    with zeros spills 4-12 bytes at two blocks an SM: not built here, not in a plan.)"""
+    for dt in (torch.float16, torch.bfloat16):
+        for has_z in (False, True):
+            for m, nwn, splits, minb in ((8, 8, 1, 1), (16, 8, 2, 2), (16, 4, 2, 2), (24, 8, 2, 1), (32, 4, 4, 1)):
+                yield native.make_plan(m, 4096, 4096, nwn=nwn, splits=splits, cluster=False, xfull=True, minb=minb,
+                                       wgmma=True).defines(dt, has_z)
+    yield native.make_plan(16, 28672, 4096, nwn=8, splits=2, cluster=True, xfull=True, wgmma=True).defines(torch.float16, True)
+    yield native.make_plan(16, 28672, 4096, nwn=8, splits=2, cluster=True, xfull=True, wgmma=True).defines(torch.float16, False, glu=True)
+    yield native.make_plan(16, 8192, 28672, nwn=8, splits=8, cluster=False, xfull=True, wgmma=True).defines(torch.bfloat16, False, glu=True)
+    yield native.make_plan(1, 28672, 4096, nwn=8, splits=1, cluster=False, xfull=True, minb=1, wgmma=True).defines(torch.float16, False)
+
+
+def test_gemv_wgmma_builds_compile_for_sm90a_without_serialized_mmas():
+    """No spills within the promised blocks' registers, and no wgmma that ptxas serialized or fenced on
+    its own (C7510-C7520: a zero-initialization scheduled between the MMAs, or a branch ptxas cannot
+    tell is uniform over the warpgroup, did both)."""
+    for defines, log in compile_reports(native.SOURCE, "sm_90a", _gemv_wgmma_variants()):
+        report = ptxas_report(log)
+        regs, spills = report[native.GEMV]
+        assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])) and spills == 0, (defines, log)
+        assert "wgmma" not in log.lower() and "(C75" not in log, f"ptxas serialized or fenced the warpgroup MMAs: {log}"
+    with pytest.raises(compiler.NativeCompileError, match="QOPS_WGMMA needs arch sm_90a"):
+        compiler.compile(compiler.native_source(native.SOURCE), "sm_90", compiler.native_options(defines))
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(nwn=2, xfull=True), "nwn 4 or 8"), (dict(nwn=8, xfull=False), "x staged once"),
+    (dict(nwn=8, xfull=True, fold=True), "no fold"), (dict(nwn=8, xfull=True, smem_ring=4), "register ring"),
+    (dict(nwn=8, xfull=True, f16mma=True), "f16mma"),
+])
+def test_make_plan_refuses_wgmma_outside_the_kernel_limits(kw, why):
+    with pytest.raises(ValueError, match=why):
+        native.make_plan(8, 4096, 4096, splits=1, cluster=False, wgmma=True, **kw)
+
+
+def test_wgmma_plans_stage_x_as_the_core_matrix_image():
+    """8 MT rows of 2 KiB a 128-row chunk (kChunkImg in w4a16_gemv.cu), against M padded rows otherwise;
+    the build define only where asked (the other builds keep their cache keys)."""
+    p = native.make_plan(12, 4096, 4096, nwn=8, splits=2, cluster=True, xfull=True, wgmma=True)
+    assert p.shmem == max(16 * 2 * 16 * 128, native._reduction_bytes(12, 8, True)) and p.defines(torch.float16, True)["QOPS_WGMMA"] == 1
+    assert "QOPS_WGMMA" not in native.remake_plan(p, 4096, 4096, wgmma=False).defines(torch.float16, True)
+    assert not native.make_plan(1, 28672, 4096, nwn=8, splits=1, cluster=False, xfull=True, wgmma=True).f16mma
+
+
 def _two_block_plans_on_the_h200():
     """Every plan the H200 runs at M <= 16 on the plan table's and PERF.md's shapes (its table's where it
     has an entry, else the rule's) whose grid has more blocks than its 132 SMs: each was measured at two

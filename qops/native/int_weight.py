@@ -163,6 +163,8 @@ class Plan:
     # (x staged once, bf16 x) x staged as f16 scaled by a power of two a row and the MMAs run in f16
     # (w4a16_gemv.cu, QOPS_F16MMA); no effect on f16 x or on plans staging x per iteration.
     f16mma: bool = False
+    # (x staged once, nwn 4 or 8) Hopper's warpgroup MMAs (w4a16_gemv.cu, QOPS_WGMMA; an sm_90a build)
+    wgmma: bool = False
 
     def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False) -> dict[str, int]:
         return {
@@ -183,7 +185,7 @@ class Plan:
             "QOPS_SMEM_BULK": int(self.smem_bulk),
             "QOPS_XU": self.xu,
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
-        }
+        } | ({"QOPS_WGMMA": 1} if self.wgmma else {})  # only then: the other builds keep their cache keys
 
     def _f16mma_on(self, dtype: torch.dtype) -> bool:
         return self.f16mma and self.xfull and dtype == torch.bfloat16
@@ -220,15 +222,17 @@ def staged_x_slots(mt: int, nwk: int) -> int:
     return THREADS * (2 if mt <= 2 else -(-8 * mt * nwk * 16 // THREADS))
 
 
-def xfull_bytes(m: int, k: int, splits: int, fold: bool = False) -> int:
+def xfull_bytes(m: int, k: int, splits: int, fold: bool = False, wgmma: bool = False) -> int:
     """Shared memory the x-staged-once mode needs: M rows of the block's K range, padded rows (and
-    with ``fold`` two fp32 sums per chunk for 8 rows)."""
+    with ``fold`` two fp32 sums per chunk for 8 rows); with ``wgmma`` the core-matrix image of 8 MT rows."""
     chunks = -(-max(-(-k // CHUNK_K), 1) // splits)
+    if wgmma:
+        return chunks * 16 * _mt(m) * 128
     return m * (chunks * 16 + 4) * 16 + (chunks * 8 * 8 if fold else 0)
 
 
 def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: bool = False,
-                minb: int = 2, opt_in: bool = False) -> str | None:
+                minb: int = 2, opt_in: bool = False, wgmma: bool = False) -> str | None:
     """Why the kernel cannot run this combination (its compile-time and launch limits), or None.
 
     ``opt_in``: the launch may opt in to more than 48 KiB of shared memory, so x staged once may
@@ -252,9 +256,12 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
         return f"a register ring {_ring(mt, ring)} deep with M={m} (MT = {mt} keeps spill-free up to 3)"
     if fold and not (xfull and m <= 8):
         return f"fold needs x staged once (xfull) and M <= 8 (got xfull={xfull}, M={m})"
+    if wgmma and not (xfull and nwn in (4, 8) and not fold):
+        return (f"wgmma needs x staged once (xfull), nwn 4 or 8 (a warpgroup's four warps share their K chunk) and no fold "
+                f"(got xfull={xfull}, nwn={nwn}, fold={fold})")
     x_limit = SHMEM_OPTIN_MAX_BYTES if opt_in else SHMEM_MAX_BYTES
-    if xfull and xfull_bytes(m, k, splits, fold) > x_limit:
-        return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold)} bytes of shared memory (> {x_limit})"
+    if xfull and xfull_bytes(m, k, splits, fold, wgmma) > x_limit:
+        return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold, wgmma)} bytes of shared memory (> {x_limit})"
     if not xfull and m * nwk * 16 > staged_x_slots(mt, nwk):
         return f"per-iteration x staging of M={m} rows with {nwk} warps along K exceeds {staged_x_slots(mt, nwk)} slots"
     if not xfull and _ring(mt, ring) * m * (nwk * 16 + 4) * 16 > SHMEM_MAX_BYTES:
@@ -280,7 +287,7 @@ F16MMA_MIN_NK = 1 << 26
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
               fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8,
-              f16mma: bool | None = None) -> Plan:
+              f16mma: bool | None = None, wgmma: bool = False) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
@@ -290,11 +297,13 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     (:func:`plan`'s rule keeps x within it). Raises ValueError for a
     combination the kernel cannot run.
     """
-    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb, opt_in=xfull)
+    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb, opt_in=xfull, wgmma=wgmma)
     if why is None and not 0 <= prefetch <= 16:
         why = f"prefetch={prefetch} outside 0..16"
     if why is None and smem_ring and not 2 <= smem_ring <= SMEM_RING_MAX:
         why = f"smem_ring={smem_ring} is not 0 or 2..{SMEM_RING_MAX}"
+    if why is None and wgmma and smem_ring:
+        why = f"wgmma with smem_ring={smem_ring}: the wgmma build keeps its weights in the register ring"
     if why is None and smem_ring and not xfull:
         why = f"smem_ring={smem_ring} needs x staged once (xfull): the per-iteration x stages share the barrier the ring avoids"
     if why is None and not 1 <= xu <= 8:
@@ -306,7 +315,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     mt = _mt(m)
     nblk, nwk = 32 * nwn, 8 // nwn
     tiles = -(-n // nblk)
-    xs_bytes = xfull_bytes(m, k, splits, fold) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
+    xs_bytes = xfull_bytes(m, k, splits, fold, wgmma) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
     shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster))
     limit = SHMEM_OPTIN_MAX_BYTES if smem_limit is None else smem_limit
     if shmem > limit:
@@ -315,8 +324,11 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
                          f"(its opt-in maximum): take fewer stages or split K more")
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
     if f16mma is None:
-        f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK
-    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma)
+        f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK and not wgmma
+    if f16mma and wgmma:
+        raise ValueError("native_w4a16: wgmma with f16mma: the wgmma build stages x in its own type (no bf16-through-f16 staging)")
+    return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma,
+                wgmma=wgmma)
 
 
 def warp_chunks(k: int, nwn: int, splits: int) -> int:
@@ -505,6 +517,8 @@ def plan(m: int, n: int, k: int, device: torch.device | int) -> Plan:
         stages = _env_smem_ring()
         if stages and p.xfull:
             p = _with_smem_ring(p, n, k, stages, smem_optin_bytes(idx)) or p
+    if p.wgmma and (why := gemm.wgmma_missing(idx)) is not None:
+        raise ValueError(f"native_w4a16: the plan {p} is a wgmma build: {why}")
     if p.shmem > SHMEM_MAX_BYTES and p.shmem > smem_optin_bytes(idx):
         raise ValueError(f"native_w4a16: the plan {p} needs {p.shmem} bytes of shared memory a block; "
                          f"cuda:{idx} allows {smem_optin_bytes(idx)} (its opt-in maximum)")
@@ -523,7 +537,7 @@ def remake_plan(p: Plan, n: int, k: int, smem_limit: int | None = None, **change
     """``p`` with the choices named in ``changes`` (``make_plan``'s keywords) replaced, its shared
     memory and workspace derived again; ValueError for a combination the kernel cannot run."""
     fields = dict(nwn=p.nwn, splits=p.splits, cluster=p.cluster, xfull=p.xfull, ring=p.ring, minb=p.minb, fold=p.fold,
-                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma)
+                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma, wgmma=p.wgmma)
     return make_plan(p.m, n, k, smem_limit=smem_limit, **{**fields, **changes})
 
 
@@ -743,7 +757,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     has_z = qzeros is not None
     defines = p.defines(x2.dtype, has_z, glu)
     shmem = launch_shmem(p, glu)
-    gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
+    gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV, arch_specific=p.wgmma)
     ldx = x2.stride(0) if m > 1 else k
     ldo = o2.stride(0) if m > 1 else o2.shape[1]
     if x2.data_ptr() % 16 == 0 and ldx % 8 == 0 and k % 8 == 0:
@@ -763,7 +777,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
         pdl=pdl,
     )
     if p.workspace:
-        reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
+        reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=p.wgmma)
         compiler.launch(
             reduce, (-(-m * o2.shape[1] // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
             ws_ptr, bias.data_ptr() if bias is not None else 0, o2.data_ptr(),
@@ -822,14 +836,14 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
             if key in seen:
                 continue
             seen.add(key)
-            gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV)
+            gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV, arch_specific=p.wgmma)
             if shmem > SHMEM_MAX_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
                 compiler.allow_dynamic_shared(gemv, dev, shmem)
             compiler.max_active_blocks(gemv, dev, THREADS, shmem)  # the early-release check's occupancy query, cached now
             i0 = compiler.i32(0)
             compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
             if p.workspace:
-                reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE)
+                reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=p.wgmma)
                 compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
         if max_m > last and k % 8 == 0:  # the GEMM's rows (gated calls there run it unfused, then silu_mul)
             return len(seen) + gemm.warmup(dev, act_dtype, n, k, has_zeros, last + 1, max_m, stream, pdl)

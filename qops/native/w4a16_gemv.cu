@@ -99,6 +99,7 @@
 // slabs; measurements), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
+// QOPS_WGMMA (0/1: warpgroup MMAs, below; sm_90a, x staged once, NWN 4 or 8),
 // QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
 // timer stamps to ws, so the launch must pass a buffer there and use no split-K workspace; below).
 //
@@ -111,6 +112,20 @@
 // largest converts exactly (f16 holds three more mantissa bits than bf16), and the sums are
 // multiplied by 2^-e in fp32 after the main loop (exact). A first pass over the block's x finds the
 // rows' largest magnitudes (kept in each row's padding slot of the staged x).
+//
+// Warpgroup MMAs (QOPS_WGMMA = 1, sm_90a; x staged once, NWN 4 or 8 so the four warps of a warpgroup
+// work on the same chunk of K, side by side along N). At M = 9..16 the main loop issues 32 mma.sync
+// a warp-chunk, and Nsight Compute put the HMMA dependency waits and the tensor pipe's throttle among
+// its largest stalls (benchmarks/NOTES.md, stops 33-35). Here a warpgroup issues one wgmma
+// m64 n(8 MT) k16 per 16-row k step and 16-column tile: A is the four warps' dequantized fragments in
+// registers (exactly the mma.sync A fragments; warp w of the group holds rows 16 w ..), B is x read by
+// the tensor cores from shared memory, staged once in the K-major core-matrix image of
+// w4a16_gemm.cu (per 32-row step, 16-row k step and K half, MT core matrices of 8 rows x 16 bytes, in
+// the fragments' permuted K order), and D is laid out like the mma.sync C fragments, so the scaling,
+// reduction and stores are shared. The MMAs run asynchronously: a warp dequantizes the next 32-row
+// step while the previous step's run (fragments double-buffered, a wait_group 1 before a buffer is
+// rewritten); each chunk's sums are waited for (wait_group 0) and scaled in fp32 as above, so A stays
+// the exact q - z. No fold, no bf16-through-f16 staging, no shared-memory ring.
 #include "w4.cuh"
 
 #ifndef QOPS_DT
@@ -163,6 +178,15 @@
 #endif
 #ifndef QOPS_STAMPS
 #define QOPS_STAMPS 0
+#endif
+#ifndef QOPS_WGMMA
+#define QOPS_WGMMA 0
+#endif
+#if QOPS_WGMMA
+#ifndef __CUDA_ARCH_FEAT_SM90_ALL
+#error "QOPS_WGMMA needs arch sm_90a (wgmma)"
+#endif
+#include "wgmma.cuh"
 #endif
 
 #if QOPS_CLUSTER > 1
@@ -295,6 +319,12 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   static_assert(!QOPS_F16MMA || XF, "QOPS_F16MMA converts x where it is staged once (QOPS_XFULL)");
   constexpr bool kF16 = QOPS_F16MMA && DT == 1;  // bf16 x staged as scaled f16
   constexpr int MDT = kF16 ? 0 : DT;             // the type of the MMAs' operands
+  constexpr bool kWG = QOPS_WGMMA != 0;
+  static_assert(!kWG || (XF && SR == 0 && !FOLD && !kF16 && (NWN == 4 || NWN == 8)),
+                "QOPS_WGMMA needs x staged once, NWN 4 or 8 (a warpgroup's warps share their chunk), no fold, "
+                "no bf16-through-f16 staging and no shared-memory ring");
+  [[maybe_unused]] constexpr int kCore = 128;                  // QOPS_WGMMA: one core matrix of x, 8 rows x 16 bytes
+  [[maybe_unused]] constexpr int kChunkImg = 16 * MT * kCore;  // QOPS_WGMMA: one 128-row chunk of the x image
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
     // Even with no work: a dependent launched after this grid waits only for this grid, so this grid
     // must not complete before the kernels ahead of it.
@@ -647,6 +677,45 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       if (in) smem[m * RSF + kwl] = f;
     }
   };
+  // QOPS_WGMMA: the block's x as wgmma's core-matrix image, chunk after chunk (w4a16_gemm.cu's layout;
+  // rows M .. 8 MT - 1 and K on zero). Piece pc (16 bytes: 8 values of one row) belongs to 32-row step
+  // q = pc / (32 MT) of the block's K range and 8-row group mg; a warp's 32 pieces are rows
+  // 8 mg + g by value groups c, so each load reads whole sectors and each store fills 128 contiguous
+  // bytes of a core matrix. Loads of QOPS_XU pieces a thread are issued before any is stored.
+  auto stage_x_image = [&]() {
+    const int pieces = (ce - cb) * 4 * MT * 32;
+    const u32 img = smem_addr(smem);
+    for (int base0 = warp * 32; base0 < pieces; base0 += kThreads * QOPS_XU) {
+      uint4 v[QOPS_XU];
+#pragma unroll
+      for (int u = 0; u < QOPS_XU; ++u) {
+        if (base0 + u * kThreads >= pieces) break;  // warp-uniform (pieces is a multiple of 32)
+        const int wu = (base0 + u * kThreads) >> 5, q = wu / MT, m = 8 * (wu - q * MT) + g;
+        const int k = (cb * 16 + 4 * q + c) * 8;
+        const u16* src = x + (static_cast<size_t>(m < M ? m : 0) * ldx + k);
+        const bool vec = xvec && k + 8 <= K;
+        v[u] = make_uint4(0, 0, 0, 0);
+        ld_nc_v4_if(v[u], src, m < M && vec);
+        if (m < M && !vec) v[u] = load_x8_scalar(src, k, K);
+      }
+#pragma unroll
+      for (int u = 0; u < QOPS_XU; ++u) {
+        if (base0 + u * kThreads >= pieces) break;
+        const int wu = (base0 + u * kThreads) >> 5, q = wu / MT, mg = wu - q * MT;
+        const u32 row = img + q * 4 * MT * kCore + mg * kCore + g * 16 + 4 * c;
+#pragma unroll
+        for (int s2 = 0; s2 < 2; ++s2) {  // core matrix (q, s2, kc) row m, word c: values 8 c + 2 s2 + kc + 4 e
+          const u32 lo = s2 ? v[u].y : v[u].x, hi = s2 ? v[u].w : v[u].z;
+          const u32 at = row + s2 * 2 * MT * kCore;
+          asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(prmt<0x5410>(lo, hi)) : "memory");
+          asm volatile("st.shared.u32 [%0], %1;" ::"r"(at + MT * kCore), "r"(prmt<0x7632>(lo, hi)) : "memory");
+        }
+      }
+    }
+#if QOPS_WGMMA
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // written in the generic proxy, read by wgmma
+#endif
+  };
   auto stage_x_full = [&]() {
     bool staged = false;
     if constexpr (kF16) {
@@ -693,8 +762,11 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 
   auto compute = [&](int it, const Chunk& ck, int stage) {
     const int ch = cb + it * NWK + wk;
-    if (ch >= ce) return;  // warp-uniform: this warp has no chunk in the block's last iteration
-    const uint4* xs = XF ? smem : smem + stage * xstage;
+    // Warp-uniform: this warp has no chunk in the block's last iteration. A wgmma build runs its MMAs
+    // anyway (on x's last chunk, the sums dropped below): ptxas cannot tell that the branch is uniform
+    // over the warpgroup and serializes every wgmma of a branch it takes for divergent (C7520).
+    const bool have = ch < ce;
+    if (!kWG && !have) return;
 
     u32 za[4], zb[4];
     float zf[4];  // FOLD: the zeros, subtracted after the MMA
@@ -717,6 +789,48 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
         for (int i = 0; i < 4; ++i) gacc[mt][t][i] = 0.f;
 
+#if QOPS_WGMMA
+    {
+      // A step's fragments in one of two buffers: the wgmmas of step j - 1 may still read the other.
+      // The zeros are tied to the asm stream: left to the compiler, they were materialized between the
+      // first wgmmas, and ptxas then serialized them with an arrive and a wait of its own (C7519, C7517).
+      float gw[2][4 * MT];
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int i = 0; i < 4 * MT; ++i) {
+          gw[t][i] = 0.f;
+          fence_reg(gw[t][i]);
+        }
+      u32 pq[2][4][4];
+      const u32 xchunk = smem_addr(smem) + (have ? ch - cb : 0) * kChunkImg;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        u32 (&p)[4][4] = pq[j & 1];
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) w4_dequant_word<MDT>(p[jj], word(ck.w[j], jj), za[jj], zb[jj]);
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const unsigned long long desc = wgmma_desc(xchunk + (j * 2 + s) * 2 * (MT * kCore), MT * kCore, kCore);
+#pragma unroll
+          for (int t = 0; t < 2; ++t)
+            Wgmma<MT, MDT>::run(gw[t], p[2 * t][2 * s], p[2 * t + 1][2 * s], p[2 * t][2 * s + 1], p[2 * t + 1][2 * s + 1], desc);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+      }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int i = 0; i < 4 * MT; ++i) {
+          fence_reg(gw[t][i]);
+          gacc[i >> 2][t][i & 3] = gw[t][i];
+        }
+    }
+#else
+    const uint4* xs = XF ? smem : smem + stage * xstage;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       // B fragments: x[m, 8*kw .. 8*kw+7] as pairs (0,4) (1,5) (2,6) (3,7), the pairs the unpacking yields.
@@ -770,6 +884,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
             mma_16816<MDT>(gacc[mt][t], p[2 * t][2 * s], p[2 * t + 1][2 * s], p[2 * t][2 * s + 1],
                           p[2 * t + 1][2 * s + 1], xb[mt][2 * s], xb[mt][2 * s + 1]);
     }
+#endif
 
     float sc[4];
 #pragma unroll
@@ -788,7 +903,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           const float c1 = (i & 1) ? cs.z : cs.x, sx = (i & 1) ? cs.w : cs.y;
           acc[0][t][i] = fmaf(fmaf(-zf[jj], sx, gacc[0][t][i] - c1), sc[jj], acc[0][t][i]);
         }
-    } else {
+    } else if (have) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -886,7 +1001,11 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
     grid_dep_wait();  // x may still be being written by the kernel ahead
     stamp(1);
-    stage_x_full();
+    if constexpr (kWG) {
+      stage_x_image();
+    } else {
+      stage_x_full();
+    }
     __syncthreads();
     stamp(2);
     for (int it0 = 0; it0 < n_it; it0 += kRing) {

@@ -362,6 +362,76 @@ def test_every_plan_variant_matches_reference(variant):
                 check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {p}")
 
 
+# The decode kernel's warpgroup-MMA builds (QOPS_WGMMA): (nwn, splits, cluster). The widest tile (the
+# M <= 16 plans'), two warpgroups along K (nwn 4: on K = 777, 7 chunks, the second warpgroup has no
+# chunk in the last iteration and runs its MMAs on the first chunk's x, its sums dropped), a cluster,
+# the workspace.
+WGMMA_PLANS = [(8, 1, False), (4, 1, False), (8, 2, True), (4, 3, False), (8, 2, False)]
+
+
+def _wgmma_plan(m, n, k, nwn, splits, cluster):
+    return native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=True, minb=1 if m > 16 else 2, wgmma=True,
+                            smem_limit=native.smem_optin_bytes(0))
+
+
+@pytest.mark.parametrize("variant", WGMMA_PLANS, ids=lambda v: "nwn{}-s{}-{}".format(v[0], v[1], "cl" if v[2] else "ws"))
+def test_wgmma_plans_match_reference(variant):
+    """Every tile height (M = 1 .. 32), both dtypes, zeros or not, act-order, a bias, K off the chunk grid,
+    and x rows that are not 16-byte aligned (the scalar x path of the image staging)."""
+    if (why := gemm.wgmma_missing(0)) is not None:
+        pytest.skip(why)
+    nwn, splits, cluster = variant
+    for fmt, n, k, g, sym, act, ver in [("gptq", 1000, 777, 128, False, False, "v1"), ("gptq", 512, 2048, 128, True, False, "v2"),
+                                        ("awq", 640, 1280, -1, False, False, None), ("gptq", 1024, 2048, 128, False, True, "v1")]:
+        nw = native_weight(fmt, n, k, g, sym, act, ver)
+        for m in (1, 7, 9, 16, 17, 24, 32):
+            try:
+                p = _wgmma_plan(m, n, k, nwn, splits, cluster)
+            except ValueError:  # outside the kernel's limits for this M (make_plan says which)
+                continue
+            for dtype in DTYPES:
+                for layout in (("contiguous", "offset") if m in (9, 16) else ("contiguous",)):
+                    x = _x(m, k, dtype, layout, seed=m)
+                    bias = rand(n, dtype=dtype, seed=5) if m in (7, 16) else None
+                    with native.plan_override(lambda *a, p=p: p):
+                        y = nw.weight.mm(x, bias)
+                    check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {layout} {p}")
+
+
+def test_wgmma_cluster_and_workspace_agree_bitwise_and_repeat():
+    """The two split-K sums of the wgmma build agree bit for bit, and a second run gives the same bits."""
+    if (why := gemm.wgmma_missing(0)) is not None:
+        pytest.skip(why)
+    n, k = 4096, 4096
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    for m in (9, 16):
+        x = rand(m, k, dtype=torch.bfloat16, seed=m)
+        ys = []
+        for cluster in (True, False, True):
+            p = _wgmma_plan(m, n, k, 8, 2, cluster)
+            with native.plan_override(lambda *a, p=p: p):
+                ys.append(nw.weight.mm(x))
+        check(ys[0], x, nw.w64, None, f"wgmma M={m}")
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), f"M={m}: wgmma sums differ between reductions or runs"
+
+
+def test_wgmma_gated_output_and_cuda_graph():
+    """The gated output (silu(gate) * up, no zeros) and a CUDA-graph replay of a wgmma build after warm-up."""
+    if (why := gemm.wgmma_missing(0)) is not None:
+        pytest.skip(why)
+    n, k = 2048, 1024
+    nw = native_weight("gptq", n, k, 128, True, version="v1")
+    p = _wgmma_plan(16, n, k, 8, 2, True)
+    x = rand(16, k, dtype=torch.float16, seed=2)
+    with native.plan_override(lambda *a, p=p: p):
+        w = nw.weight
+        y = native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, glu=True)
+        want = glu_reference(x, nw.w64)
+        assert rel_err(y, want) < TOL[torch.float16], rel_err(y, want)
+        native.warmup(nw.weight, torch.float16, max_m=16)
+        _check_graph_replays(nw, 16, k, torch.float16, (3, 4), f"wgmma graph {p}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fold_keeps_the_precision_of_the_exact_path_on_offset_activations(dtype):
     """Folding subtracts the dequantization bias (1024 or 128 times the x sums) after the MMA: the
