@@ -299,6 +299,31 @@ __device__ __forceinline__ void store_glu(u16* out, int m, int j, int ldo, float
   out[static_cast<size_t>(m) * ldo + j] = f32_to_bits<DT>(y);
 }
 
+#if __CUDA_ARCH__ >= 900
+// v[e][u] = the sum over the cluster's CL blocks, in rank order, of the float at byte `offset(u, e)` of
+// each block's `part` (offset < 0: none). Every block's values are requested before any is added: one
+// distributed shared memory round trip, where a loop over the outputs waited for one each (28672 x 4096
+// at M = 8..16 spent 2.3-3.6 us after its main loop: benchmarks/NOTES.md, stop 35). A template rather
+// than a generic lambda: NVRTC 13.0 takes a generic lambda's call operator for a host function.
+template <int CL, int E, int P, class Offset>
+__device__ __forceinline__ void cluster_sum(float (&v)[E][P], u32 part_a, const Offset& offset) {
+#pragma unroll
+  for (int r = 0; r < CL; ++r) {
+    const u32 base = dsmem_map(part_a, r);
+#pragma unroll
+    for (int u = 0; u < P; ++u)
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const int o = offset(u, e);
+        if (o >= 0) {
+          const float w = ld_dsmem_f32(base + o);
+          v[e][u] = r == 0 ? w : v[e][u] + w;
+        }
+      }
+  }
+}
+#endif
+
 template <int DT, int MT, int NWN, bool HAS_Z, int CL, bool XF, bool FOLD, int SR>
 __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, const u16* __restrict__ scales,
                                            const u32* __restrict__ qzeros, const u16* __restrict__ x,
@@ -1174,53 +1199,34 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   if constexpr (CL > 1) {
     cluster_sync();  // partials of every block of the cluster visible
     const int rank = static_cast<int>(cluster_rank());
-    // A thread sums kPer outputs (idx = rank * kThreads + tid + u * CL * kThreads), requesting each from
-    // every block of the cluster before it adds any: one distributed shared memory round trip, where a
-    // loop over the outputs waited for one per output (28672 x 4096 at M = 8..16 spent 2.3-3.6 us
-    // after its main loop: benchmarks/NOTES.md, stop 35). Scalar, so every thread has work and the
-    // stores stay coalesced (float4 groups left 3/4 of the threads idle in a cluster of 8: +2-5%).
+    // A thread sums kPer outputs (idx = rank * kThreads + tid + u * CL * kThreads) with cluster_sum.
+    // Scalar, so every thread has work and the stores stay coalesced (float4 groups left 3/4 of the
+    // threads idle in a cluster of 8: +2-5%, stop 35).
     const u32 part_a = smem_addr(part);
     if constexpr (QOPS_GLU) {
       constexpr int kPer = (8 * MT * kHalf + CL * kThreads - 1) / (CL * kThreads);
       const int outs = M * kHalf;
-      float gate[kPer], up[kPer];
-#pragma unroll
-      for (int r = 0; r < CL; ++r) {
-        const u32 base = dsmem_map(part_a, r);
-#pragma unroll
-        for (int u = 0; u < kPer; ++u) {
-          const int idx = (u * CL + rank) * kThreads + tid, m = idx / kHalf, lc = idx - m * kHalf;
-          if (idx < outs) {
-            const float g1 = ld_dsmem_f32(base + 4 * (m * NBLK + lc)), u1 = ld_dsmem_f32(base + 4 * (m * NBLK + kHalf + lc));
-            gate[u] = r == 0 ? g1 : gate[u] + g1;
-            up[u] = r == 0 ? u1 : up[u] + u1;
-          }
-        }
-      }
+      float v[2][kPer];  // gate, up
+      cluster_sum<CL>(v, part_a, [&](int u, int e) {
+        const int idx = (u * CL + rank) * kThreads + tid, m = idx / kHalf, lc = idx - m * kHalf;
+        return idx < outs ? 4 * (m * NBLK + e * kHalf + lc) : -1;
+      });
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {
         const int idx = (u * CL + rank) * kThreads + tid, m = idx / kHalf, lc = idx - m * kHalf;
-        if (idx < outs && column_ok<NWN>(lc, N)) store_glu<DT>(out, m, blockIdx.x * kHalf + lc, ldo, gate[u], up[u]);
+        if (idx < outs && column_ok<NWN>(lc, N)) store_glu<DT>(out, m, blockIdx.x * kHalf + lc, ldo, v[0][u], v[1][u]);
       }
     } else {
       constexpr int kPer = (8 * MT * NBLK + CL * kThreads - 1) / (CL * kThreads);
-      float v[kPer];
-#pragma unroll
-      for (int r = 0; r < CL; ++r) {
-        const u32 base = dsmem_map(part_a, r);
-#pragma unroll
-        for (int u = 0; u < kPer; ++u) {
-          const int idx = (u * CL + rank) * kThreads + tid;
-          if (idx < total) {
-            const float w1 = ld_dsmem_f32(base + 4 * idx);
-            v[u] = r == 0 ? w1 : v[u] + w1;
-          }
-        }
-      }
+      float v[1][kPer];
+      cluster_sum<CL>(v, part_a, [&](int u, int) {
+        const int idx = (u * CL + rank) * kThreads + tid;
+        return idx < total ? 4 * idx : -1;
+      });
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {
         const int idx = (u * CL + rank) * kThreads + tid, m = idx / NBLK, n = blockIdx.x * NBLK + idx - m * NBLK;
-        if (idx < total && n < N) store_out<DT>(out, bias, flags, m, n, ldo, v[u]);
+        if (idx < total && n < N) store_out<DT>(out, bias, flags, m, n, ldo, v[0][u]);
       }
     }
     cluster_sync();  // no block leaves while another still reads its shared memory
