@@ -168,12 +168,6 @@ def _gemv_wgmma_variants():
     yield native.make_plan(16, 28672, 4096, nwn=8, splits=2, cluster=True, xfull=True, wgmma=True).defines(torch.float16, False, glu=True)
     yield native.make_plan(16, 8192, 28672, nwn=8, splits=8, cluster=False, xfull=True, wgmma=True).defines(torch.bfloat16, False, glu=True)
     yield native.make_plan(1, 28672, 4096, nwn=8, splits=1, cluster=False, xfull=True, minb=1, wgmma=True).defines(torch.float16, False)
-    # the scales in A (wgmma 2): every tile height, both dtypes, zeros or not, a cluster
-    for dt in (torch.float16, torch.bfloat16):
-        for has_z in (False, True):
-            for m, nwn, splits, cluster, minb in ((8, 8, 1, False, 1), (16, 8, 2, True, 2), (16, 4, 3, False, 2), (32, 8, 2, False, 1)):
-                yield native.make_plan(m, 4096, 4096, nwn=nwn, splits=splits, cluster=cluster, xfull=True, minb=minb,
-                                       wgmma=2).defines(dt, has_z)
 
 
 def test_gemv_wgmma_builds_compile_for_sm90a_without_serialized_mmas():

@@ -163,9 +163,8 @@ class Plan:
     # (x staged once, bf16 x) x staged as f16 scaled by a power of two a row and the MMAs run in f16
     # (w4a16_gemv.cu, QOPS_F16MMA); no effect on f16 x or on plans staging x per iteration.
     f16mma: bool = False
-    # (x staged once, nwn 4 or 8) Hopper's warpgroup MMAs (w4a16_gemv.cu, QOPS_WGMMA; an sm_90a build):
-    # 0 off, 1 each chunk's sums scaled in fp32, 2 the scales in A (sums across chunks in the MMAs)
-    wgmma: int = 0
+    # (x staged once, nwn 4 or 8) Hopper's warpgroup MMAs (w4a16_gemv.cu, QOPS_WGMMA; an sm_90a build)
+    wgmma: bool = False
 
     def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False) -> dict[str, int]:
         return {
@@ -186,7 +185,7 @@ class Plan:
             "QOPS_SMEM_BULK": int(self.smem_bulk),
             "QOPS_XU": self.xu,
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
-        } | ({"QOPS_WGMMA": int(self.wgmma)} if self.wgmma else {})  # only then: the other builds keep their cache keys
+        } | ({"QOPS_WGMMA": 1} if self.wgmma else {})  # only then: the other builds keep their cache keys
 
     def _f16mma_on(self, dtype: torch.dtype) -> bool:
         return self.f16mma and self.xfull and dtype == torch.bfloat16
@@ -223,7 +222,7 @@ def staged_x_slots(mt: int, nwk: int) -> int:
     return THREADS * (2 if mt <= 2 else -(-8 * mt * nwk * 16 // THREADS))
 
 
-def xfull_bytes(m: int, k: int, splits: int, fold: bool = False, wgmma: int = 0) -> int:
+def xfull_bytes(m: int, k: int, splits: int, fold: bool = False, wgmma: bool = False) -> int:
     """Shared memory the x-staged-once mode needs: M rows of the block's K range, padded rows (and
     with ``fold`` two fp32 sums per chunk for 8 rows); with ``wgmma`` the core-matrix image of 8 MT rows."""
     chunks = -(-max(-(-k // CHUNK_K), 1) // splits)
@@ -233,7 +232,7 @@ def xfull_bytes(m: int, k: int, splits: int, fold: bool = False, wgmma: int = 0)
 
 
 def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: bool = False,
-                minb: int = 2, opt_in: bool = False, wgmma: int = 0) -> str | None:
+                minb: int = 2, opt_in: bool = False, wgmma: bool = False) -> str | None:
     """Why the kernel cannot run this combination (its compile-time and launch limits), or None.
 
     ``opt_in``: the launch may opt in to more than 48 KiB of shared memory, so x staged once may
@@ -257,8 +256,6 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
         return f"a register ring {_ring(mt, ring)} deep with M={m} (MT = {mt} keeps spill-free up to 3)"
     if fold and not (xfull and m <= 8):
         return f"fold needs x staged once (xfull) and M <= 8 (got xfull={xfull}, M={m})"
-    if wgmma not in (0, 1, 2):
-        return f"wgmma={wgmma} is not 0, 1 or 2"
     if wgmma and not (xfull and nwn in (4, 8) and not fold):
         return (f"wgmma needs x staged once (xfull), nwn 4 or 8 (a warpgroup's four warps share their K chunk) and no fold "
                 f"(got xfull={xfull}, nwn={nwn}, fold={fold})")
@@ -290,7 +287,7 @@ F16MMA_MIN_NK = 1 << 26
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
               fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8,
-              f16mma: bool | None = None, wgmma: int = 0) -> Plan:
+              f16mma: bool | None = None, wgmma: bool = False) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
@@ -331,7 +328,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     if f16mma and wgmma:
         raise ValueError("native_w4a16: wgmma with f16mma: the wgmma build stages x in its own type (no bf16-through-f16 staging)")
     return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma,
-                wgmma=int(wgmma))
+                wgmma=wgmma)
 
 
 def warp_chunks(k: int, nwn: int, splits: int) -> int:
@@ -760,7 +757,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     has_z = qzeros is not None
     defines = p.defines(x2.dtype, has_z, glu)
     shmem = launch_shmem(p, glu)
-    gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV, arch_specific=bool(p.wgmma))
+    gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV, arch_specific=p.wgmma)
     ldx = x2.stride(0) if m > 1 else k
     ldo = o2.stride(0) if m > 1 else o2.shape[1]
     if x2.data_ptr() % 16 == 0 and ldx % 8 == 0 and k % 8 == 0:
@@ -780,7 +777,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
         pdl=pdl,
     )
     if p.workspace:
-        reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=bool(p.wgmma))
+        reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=p.wgmma)
         compiler.launch(
             reduce, (-(-m * o2.shape[1] // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
             ws_ptr, bias.data_ptr() if bias is not None else 0, o2.data_ptr(),
@@ -839,14 +836,14 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
             if key in seen:
                 continue
             seen.add(key)
-            gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV, arch_specific=bool(p.wgmma))
+            gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV, arch_specific=p.wgmma)
             if shmem > SHMEM_MAX_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
                 compiler.allow_dynamic_shared(gemv, dev, shmem)
             compiler.max_active_blocks(gemv, dev, THREADS, shmem)  # the early-release check's occupancy query, cached now
             i0 = compiler.i32(0)
             compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
             if p.workspace:
-                reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=bool(p.wgmma))
+                reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=p.wgmma)
                 compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
         if max_m > last and k % 8 == 0:  # the GEMM's rows (gated calls there run it unfused, then silu_mul)
             return len(seen) + gemm.warmup(dev, act_dtype, n, k, has_zeros, last + 1, max_m, stream, pdl)

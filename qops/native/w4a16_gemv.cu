@@ -419,18 +419,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     for (int t = 0; t < 2; ++t)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
-#if QOPS_WGMMA == 2
-  // The block's sums, accumulated by the wgmmas over every chunk (the scales are in A); tied to the
-  // asm stream so the zeros are not materialized between the MMAs.
-  float accw[2][4 * MT];
-#pragma unroll
-  for (int t = 0; t < 2; ++t)
-#pragma unroll
-    for (int i = 0; i < 4 * MT; ++i) {
-      accw[t][i] = 0.f;
-      fence_reg(accw[t][i]);
-    }
-#endif
 
   // Loads that fall outside the weight are skipped, leaving stale registers: rows past K meet zeros
   // in x, columns past N are never stored, and a warp without a chunk skips the math.
@@ -826,43 +814,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
         for (int i = 0; i < 4; ++i) gacc[mt][t][i] = 0.f;
 
-#if QOPS_WGMMA == 2
-    {
-      // Scales in A: (q - z) * s rounded to the MMA type, the products summed across chunks by the
-      // tensor cores (no wait and no fp32 scaling a chunk). A warpgroup without a chunk multiplies
-      // its stale fragments (finite: any word dequantizes to small integers) by zero.
-      u32 spair[4];
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        const u16 h = static_cast<u16>((jj & 1) ? (word2(ck.s, jj >> 1) >> 16) : (word2(ck.s, jj >> 1) & 0xffffu));
-        const float f = (flags & kScaleBf16) ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
-        spair[jj] = have ? pack2(f32_to_bits<MDT>(f)) : 0u;
-      }
-      u32 pq[2][4][4];
-      const u32 xchunk = smem_addr(smem) + (have ? ch - cb : 0) * kChunkImg;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        u32 (&p)[4][4] = pq[j & 1];
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          w4_dequant_word<MDT>(p[jj], word(ck.w[j], jj), za[jj], zb[jj]);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) p[jj][r] = mul2<MDT>(p[jj][r], spair[jj]);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          const unsigned long long desc = wgmma_desc(xchunk + (j * 2 + s) * 2 * (MT * kCore), MT * kCore, kCore);
-#pragma unroll
-          for (int t = 0; t < 2; ++t)
-            Wgmma<MT, MDT>::run(accw[t], p[2 * t][2 * s], p[2 * t + 1][2 * s], p[2 * t][2 * s + 1], p[2 * t + 1][2 * s + 1], desc);
-        }
-        wgmma_commit();
-        wgmma_wait<1>();
-      }
-      return;
-    }
-#elif QOPS_WGMMA
+#if QOPS_WGMMA
     {
       // A step's fragments in one of two buffers: the wgmmas of step j - 1 may still read the other.
       // The zeros are tied to the asm stream: left to the compiler, they were materialized between the
@@ -1091,16 +1043,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         }
       }
     }
-#if QOPS_WGMMA == 2
-    wgmma_wait<0>();
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int i = 0; i < 4 * MT; ++i) {
-        fence_reg(accw[t][i]);
-        acc[i >> 2][t][i & 3] = accw[t][i];
-      }
-#endif
     unscale_rows();
     __syncthreads();  // every warp is done with x before shared memory is reused below
     stamp(3);

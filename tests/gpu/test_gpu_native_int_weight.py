@@ -362,32 +362,31 @@ def test_every_plan_variant_matches_reference(variant):
                 check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {p}")
 
 
-# The decode kernel's warpgroup-MMA builds (QOPS_WGMMA): (nwn, splits, cluster, mode). The widest tile
-# (the M <= 16 plans'), two warpgroups along K (nwn 4: on K = 777, 7 chunks, the second warpgroup has no
+# The decode kernel's warpgroup-MMA builds (QOPS_WGMMA): (nwn, splits, cluster). The widest tile (the
+# M <= 16 plans'), two warpgroups along K (nwn 4: on K = 777, 7 chunks, the second warpgroup has no
 # chunk in the last iteration and runs its MMAs on the first chunk's x, its sums dropped), a cluster,
-# the workspace; mode 1 scales each chunk's sums in fp32, mode 2 puts the scales in A.
-WGMMA_PLANS = [(8, 1, False, 1), (4, 1, False, 1), (8, 2, True, 1), (4, 3, False, 1), (8, 2, False, 1),
-               (8, 1, False, 2), (4, 3, False, 2), (8, 2, True, 2)]
+# the workspace.
+WGMMA_PLANS = [(8, 1, False), (4, 1, False), (8, 2, True), (4, 3, False), (8, 2, False)]
 
 
-def _wgmma_plan(m, n, k, nwn, splits, cluster, mode=1):
-    return native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=True, minb=1 if m > 16 or m <= 8 else 2, wgmma=mode,
+def _wgmma_plan(m, n, k, nwn, splits, cluster):
+    return native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=True, minb=1 if m > 16 else 2, wgmma=True,
                             smem_limit=native.smem_optin_bytes(0))
 
 
-@pytest.mark.parametrize("variant", WGMMA_PLANS, ids=lambda v: "nwn{}-s{}-{}-mode{}".format(v[0], v[1], "cl" if v[2] else "ws", v[3]))
+@pytest.mark.parametrize("variant", WGMMA_PLANS, ids=lambda v: "nwn{}-s{}-{}".format(v[0], v[1], "cl" if v[2] else "ws"))
 def test_wgmma_plans_match_reference(variant):
     """Every tile height (M = 1 .. 32), both dtypes, zeros or not, act-order, a bias, K off the chunk grid,
     and x rows that are not 16-byte aligned (the scalar x path of the image staging)."""
     if (why := gemm.wgmma_missing(0)) is not None:
         pytest.skip(why)
-    nwn, splits, cluster, mode = variant
+    nwn, splits, cluster = variant
     for fmt, n, k, g, sym, act, ver in [("gptq", 1000, 777, 128, False, False, "v1"), ("gptq", 512, 2048, 128, True, False, "v2"),
                                         ("awq", 640, 1280, -1, False, False, None), ("gptq", 1024, 2048, 128, False, True, "v1")]:
         nw = native_weight(fmt, n, k, g, sym, act, ver)
         for m in (1, 7, 9, 16, 17, 24, 32):
             try:
-                p = _wgmma_plan(m, n, k, nwn, splits, cluster, mode)
+                p = _wgmma_plan(m, n, k, nwn, splits, cluster)
             except ValueError:  # outside the kernel's limits for this M (make_plan says which)
                 continue
             for dtype in DTYPES:
