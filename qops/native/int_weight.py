@@ -163,7 +163,8 @@ class Plan:
     # (x staged once, bf16 x) x staged as f16 scaled by a power of two a row and the MMAs run in f16
     # (w4a16_gemv.cu, QOPS_F16MMA); no effect on f16 x or on plans staging x per iteration.
     f16mma: bool = False
-    # (x staged once, nwn 4 or 8) Hopper's warpgroup MMAs (w4a16_gemv.cu, QOPS_WGMMA; an sm_90a build)
+    # (x staged once, nwn 4 or 8) Hopper's warpgroup MMAs (w4a16_gemv.cu, QOPS_WGMMA; an sm_90a build;
+    # measured slower than the mma.sync build on the large shapes: measurements only, in no plan)
     wgmma: bool = False
 
     def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False) -> dict[str, int]:
