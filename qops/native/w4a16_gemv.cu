@@ -127,12 +127,12 @@
 // rewritten); each chunk's sums are waited for (wait_group 0) and scaled in fp32 as above, so A stays
 // the exact q - z. No fold, no bf16-through-f16 staging, no shared-memory ring.
 // Measured on the H200 (benchmarks/NOTES.md, stop 36; h200-2026-12-03-1cfb1a4-probe-wgmma2.json): the
-// same bits as the mma.sync build, but 7-10% slower at M = 16 and 25-40% at M = 8 on the four large
-// shapes, and as slow at M = 8 as at 16 (28672 x 4096: 30.2 / 29.7 us against 21.1 / 27.4): the
+// same bits as the mma.sync build, but 4-9% slower at M = 16 and 23-43% at M = 8 on the four large
+// shapes, and as slow at M = 8 as at 16 (28672 x 4096: 30.2 / 29.7 us against 21.1 / 27.4). Read: the
 // warpgroup moves in lockstep, every step waiting for the slowest of four warps' weight loads, where
-// the mma.sync warps each stream on their own. With the scales in A instead (no wait a chunk) it was
-// 4-7% slower still. Only 4096 x 4096 at M = 16 gained (8.38 us against 8.53 with x staged once): a
-// measurement knob (plan field wgmma), in no plan.
+// the mma.sync warps each stream on their own (not profiled). With the scales in A instead (no wait
+// a chunk) it was 3-7% slower still. Only 4096 x 4096 at M = 16 gained (8.38 us against 8.53 with x
+// staged once): a measurement knob (plan field wgmma), in no plan.
 #include "w4.cuh"
 
 #ifndef QOPS_DT
