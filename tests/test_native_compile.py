@@ -870,7 +870,7 @@ def test_both_launches_of_a_split_call_follow_the_switch(env, monkeypatch):
     monkeypatch.setattr(native, "_sm90", lambda idx: True)
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
     monkeypatch.setenv(native.PLANS_ENV, "rule")
-    monkeypatch.setattr(compiler, "get_kernel", lambda dev, src, defines, name: name)
+    monkeypatch.setattr(compiler, "get_kernel", lambda dev, src, defines, name, **kw: name)
     monkeypatch.setattr(compiler, "max_active_blocks", lambda kernel, dev, threads, shmem: 2)
     monkeypatch.setattr(compiler, "launch", lambda kernel, *a, pdl=False: launches.append((kernel, pdl, int(a[-1]))))
     monkeypatch.setenv(native.PDL_ENV, env)
