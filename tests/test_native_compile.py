@@ -583,6 +583,17 @@ def test_plan_refuses_a_plan_above_the_devices_opt_in(h200, monkeypatch):
             native.plan(1, 28672, 4096, 0)
 
 
+def test_plan_refuses_a_wgmma_plan_where_sm90a_code_does_not_load(h200, monkeypatch):
+    """A wgmma plan (measurements only) runs on compute capability 9.0; elsewhere plan() names why."""
+    p = native.make_plan(16, 28672, 4096, nwn=8, splits=2, cluster=True, xfull=True, wgmma=True)
+    with native.plan_override(lambda *a: p):
+        monkeypatch.setattr(gemm, "_capability", lambda idx: (9, 0))
+        assert native.plan(16, 28672, 4096, 0) == p
+        monkeypatch.setattr(gemm, "_capability", lambda idx: (10, 0))
+        with pytest.raises(ValueError, match=r"is a wgmma build: wgmma builds are sm_90a code; cuda:0 has compute capability 10\.0"):
+            native.plan(16, 28672, 4096, 0)
+
+
 def _slices(m: int, k: int) -> list[int]:
     """Rows of each launch of an m-row call: one decode launch up to MAX_M, one GEMM launch up to
     gemm.MAX_M, then (deterministic mode) gemm.MAX_M-row slices and a shorter last one; where the
