@@ -154,10 +154,7 @@
 #define QOPS_PROBE 0  // measurements only, wgmma builds (wrong sums): 1 no MMAs, 2 no dequantization either, 3 nor x
 #endif
 #if QOPS_WGMMA
-#ifndef __CUDA_ARCH_FEAT_SM90_ALL
-#error "QOPS_WGMMA needs arch sm_90a (wgmma)"
-#endif
-#include "wgmma.cuh"
+#include "wgmma.cuh"  // sm_90a only: the header says so otherwise
 #endif
 
 namespace qops {
@@ -563,14 +560,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       const int u = tid + i * kThreads;
       if (u >= kXPieces) continue;
       const int wu = u >> 5, q = wu / kMT, mg = wu - q * kMT;
-      const u32 row = base + mg * kCore + (lane >> 2) * 16 + 4 * c;
-#pragma unroll
-      for (int s2 = 0; s2 < 2; ++s2) {
-        const u32 lo = s2 ? xr[i].y : xr[i].x, hi = s2 ? xr[i].w : xr[i].z;
-        const u32 blk = ((q * 2 + s2) * 2) * (kMT * kCore);
-        asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + blk), "r"(prmt<0x5410>(lo, hi)) : "memory");
-        asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + blk + kMT * kCore), "r"(prmt<0x7632>(lo, hi)) : "memory");
-      }
+      st_x_piece<kMT>(base + q * 4 * kMT * kCore + mg * kCore + (lane >> 2) * 16 + 4 * c, xr[i]);
     }
     // The tensor cores read these through the async proxy.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

@@ -190,10 +190,7 @@
 #define QOPS_WGMMA 0
 #endif
 #if QOPS_WGMMA
-#ifndef __CUDA_ARCH_FEAT_SM90_ALL
-#error "QOPS_WGMMA needs arch sm_90a (wgmma)"
-#endif
-#include "wgmma.cuh"
+#include "wgmma.cuh"  // sm_90a only: the header says so otherwise
 #endif
 
 #if QOPS_CLUSTER > 1
@@ -714,6 +711,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // q = pc / (32 MT) of the block's K range and 8-row group mg; a warp's 32 pieces are rows
   // 8 mg + g by value groups c, so each load reads whole sectors and each store fills 128 contiguous
   // bytes of a core matrix. Loads of QOPS_XU pieces a thread are issued before any is stored.
+#if QOPS_WGMMA
   auto stage_x_image = [&]() {
     const int pieces = (ce - cb) * 4 * MT * 32;
     const u32 img = smem_addr(smem);
@@ -734,20 +732,12 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       for (int u = 0; u < QOPS_XU; ++u) {
         if (base0 + u * kThreads >= pieces) break;
         const int wu = (base0 + u * kThreads) >> 5, q = wu / MT, mg = wu - q * MT;
-        const u32 row = img + q * 4 * MT * kCore + mg * kCore + g * 16 + 4 * c;
-#pragma unroll
-        for (int s2 = 0; s2 < 2; ++s2) {  // core matrix (q, s2, kc) row m, word c: values 8 c + 2 s2 + kc + 4 e
-          const u32 lo = s2 ? v[u].y : v[u].x, hi = s2 ? v[u].w : v[u].z;
-          const u32 at = row + s2 * 2 * MT * kCore;
-          asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(prmt<0x5410>(lo, hi)) : "memory");
-          asm volatile("st.shared.u32 [%0], %1;" ::"r"(at + MT * kCore), "r"(prmt<0x7632>(lo, hi)) : "memory");
-        }
+        st_x_piece<MT>(img + q * 4 * MT * kCore + mg * kCore + g * 16 + 4 * c, v[u]);
       }
     }
-#if QOPS_WGMMA
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // written in the generic proxy, read by wgmma
-#endif
   };
+#endif
   auto stage_x_full = [&]() {
     bool staged = false;
     if constexpr (kF16) {
@@ -795,7 +785,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   auto compute = [&](int it, const Chunk& ck, int stage) {
     const int ch = cb + it * NWK + wk;
     // Warp-uniform: this warp has no chunk in the block's last iteration. A wgmma build runs its MMAs
-    // anyway (on x's last chunk, the sums dropped below): ptxas cannot tell that the branch is uniform
+    // anyway (on x's first chunk, the sums dropped below): ptxas cannot tell that the branch is uniform
     // over the warpgroup and serializes every wgmma of a branch it takes for divergent (C7520).
     const bool have = ch < ce;
     if (!kWG && !have) return;
@@ -1033,11 +1023,11 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
     grid_dep_wait();  // x may still be being written by the kernel ahead
     stamp(1);
-    if constexpr (kWG) {
-      stage_x_image();
-    } else {
-      stage_x_full();
-    }
+#if QOPS_WGMMA
+    stage_x_image();
+#else
+    stage_x_full();
+#endif
     __syncthreads();
     stamp(2);
     for (int it0 = 0; it0 < n_it; it0 += kRing) {

@@ -13,9 +13,27 @@
 // matrix's address, the byte distance between the two core matrices along K (LBO) and between
 // consecutive 8-row groups (SBO).
 #pragma once
+#ifndef __CUDA_ARCH_FEAT_SM90_ALL
+#error "QOPS_WGMMA needs arch sm_90a (wgmma)"
+#endif
 #include "ptx.cuh"
 
 namespace qops {
+
+// One 16-byte piece of x (8 values, value group c of a 32-row step, one row) stored into the step's
+// four core matrices (s2, kc), MT 8-row groups each, in the A fragments' K order: core matrix
+// (s2, kc), row m, word c holds values 8 c + 2 s2 + kc + 4 e, e = 0, 1. `row` is the piece's word in
+// core matrix (0, 0): the step's image + 128 (m / 8) + 16 (m % 8) + 4 c.
+template <int MT>
+__device__ __forceinline__ void st_x_piece(u32 row, const uint4& v) {
+#pragma unroll
+  for (int s2 = 0; s2 < 2; ++s2) {
+    const u32 lo = s2 ? v.y : v.x, hi = s2 ? v.w : v.z;
+    const u32 at = row + s2 * 2 * MT * 128;
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(prmt<0x5410>(lo, hi)) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at + MT * 128), "r"(prmt<0x7632>(lo, hi)) : "memory");
+  }
+}
 
 // The 64-bit shared-memory matrix descriptor: start address, LBO and SBO in 16-byte units,
 // base offset 0, layout type 0 (no swizzle).
