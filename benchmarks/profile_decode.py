@@ -12,6 +12,7 @@ A variant is ``model[:option+option...]``:
   on by default on sm_90);
 - ``nonativepdl``: the native W4A16 kernel launched without PDL (``QOPS_NATIVE_PDL=0``);
 - ``ro``: also time the ``mode="reduce-overhead"`` loop of ``bench_decode.py`` (one more compile);
+- ``fp16``: the model in fp16 instead of bf16 (``bench_decode.py``'s ``w4-fp16``);
 - ``prewait``, ``l2pf``, ``bf16mma``, ``fold``, ``minb2``: measurements of M = 1 launch plans of the native W4A16
   kernel (the shipped plans changed as :func:`prewait_plan`, :func:`l2pf_plan`, :func:`bf16mma_plan`,
   :func:`fold_plan`, :func:`minb2_plan` say, through ``qops.native.int_weight.plan_override``; the options compose).
@@ -44,7 +45,7 @@ from collections import defaultdict
 import bench_decode  # the model builders (this script's folder is on sys.path)
 import common
 
-OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "prewait", "l2pf", "bf16mma", "fold", "minb2")
+OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "fp16", "prewait", "l2pf", "bf16mma", "fold", "minb2")
 # Kernel kinds, first match wins: (kind, substrings of the kernel name).
 KINDS = (
     ("qops native", ("w4a16",)),
@@ -263,7 +264,9 @@ def _run_variant(label, kind, opts, config, device, dtype, args, ref_logits):
     from qops.models import CapturedDecode, compile_decode, generate
 
     attention = next((a for a in ("matmul", "sdpa") if a in opts), "fused")
-    row = {"variant": label, "model": kind, "options": opts, "attention": attention}
+    if "fp16" in opts:
+        dtype = bench_decode.model_dtype("w4-fp16", dtype)
+    row = {"variant": label, "model": kind, "options": opts, "attention": attention, "dtype": str(dtype).replace("torch.", "")}
     t = time.time()
     model = bench_decode.build(kind, config, device, dtype, args, attention=attention)
     row["build_s"] = round(time.time() - t, 1)

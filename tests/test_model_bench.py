@@ -46,6 +46,22 @@ def test_batch_one_alone_keeps_its_speedup_target(monkeypatch):
     assert t["w4_over_bf16_batch1"]["ok"] is False
 
 
+def test_w4_fp16_runs_in_fp16_and_gets_its_own_targets(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_decode
+
+    assert bench_decode.model_dtype("w4-fp16", torch.bfloat16) == torch.float16
+    assert bench_decode.model_dtype("w4", torch.bfloat16) == torch.bfloat16
+    assert bench_decode.model_dtype("w4-fp16", torch.float32) == torch.float32  # the dry run stays fp32
+    res = {"args": {"batches": [1]}, "models": {"w4": {"scratch_bytes": 0}},
+           "rows": [{"model": "w4", "batch": 1, "tokens_per_s": 500.0}, {"model": "w4-fp16", "batch": 1, "tokens_per_s": 660.0},
+                    {"model": "bf16", "batch": 1, "tokens_per_s": 220.0}]}
+    t = bench_decode.targets(res, dry=False)
+    assert t["w4_batch1_tok_s"]["value"] == 500.0  # the model the targets name stays w4
+    assert t["w4_fp16_batch1_tok_s"]["ok"] is False
+    assert t["w4_fp16_over_bf16_batch1"]["value"] == 3.0 and t["w4_fp16_over_bf16_batch1"]["ok"] is True
+
+
 def test_random_gptq_checkpoint_is_a_valid_checkpoint(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import bench_decode
