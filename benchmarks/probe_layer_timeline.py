@@ -174,6 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-seq", type=int, default=88)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="the model's dtype (float16: bench_decode's w4-fp16)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -186,11 +187,11 @@ def main(argv=None) -> int:
 
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_hidden_layers=a.layers)
     bargs = types.SimpleNamespace(batch_list=[1], max_seq=a.max_seq, seed=a.seed)
-    model = bench_decode.build("w4", config, torch.device("cuda"), torch.bfloat16, bargs)
+    model = bench_decode.build("w4", config, torch.device("cuda"), getattr(torch, a.dtype), bargs)
     buf = torch.zeros(a.stamp_slots, dtype=torch.int64, device="cuda")
     st = Stamper(compiler, niw, buf)
     compiler.get_kernel, compiler.launch = st.get_kernel, st.launch
-    res = {"probe": "layer_timeline", "device": common.device_name(True), "commit": common.git_commit(), "layers": a.layers,
+    res = {"probe": "layer_timeline", "device": common.device_name(True), "commit": common.git_commit(), "dtype": a.dtype, "layers": a.layers,
            "replays": a.replays, "max_seq": a.max_seq, "variants": {}}
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     try:
