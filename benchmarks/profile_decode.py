@@ -13,9 +13,9 @@ A variant is ``model[:option+option...]``:
 - ``nonativepdl``: the native W4A16 kernel launched without PDL (``QOPS_NATIVE_PDL=0``);
 - ``ro``: also time the ``mode="reduce-overhead"`` loop of ``bench_decode.py`` (one more compile);
 - ``fp16``: the model in fp16 instead of bf16 (``bench_decode.py``'s ``w4-fp16``);
-- ``prewait``, ``l2pf``, ``bf16mma``, ``fold``, ``minb2``: measurements of M = 1 launch plans of the native W4A16
+- ``prewait``, ``l2pf``, ``bf16mma``, ``f16mma``, ``fold``, ``minb2``: measurements of M = 1 launch plans of the native W4A16
   kernel (the shipped plans changed as :func:`prewait_plan`, :func:`l2pf_plan`, :func:`bf16mma_plan`,
-  :func:`fold_plan`, :func:`minb2_plan` say, through ``qops.native.int_weight.plan_override``; the options compose).
+  :func:`f16mma_plan`, :func:`fold_plan`, :func:`minb2_plan` say, through ``qops.native.int_weight.plan_override``; the options compose).
 
 Per variant: ``compile_decode(cuda_graphs=False)`` captured by ``qops.models.CapturedDecode``
 (step, argmax and position update in one graph), ``--steps`` replays between CUDA events, median of
@@ -45,7 +45,7 @@ from collections import defaultdict
 import bench_decode  # the model builders (this script's folder is on sys.path)
 import common
 
-OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "fp16", "prewait", "l2pf", "bf16mma", "fold", "minb2")
+OPTIONS = ("matmul", "sdpa", "fused", "nopdl", "nonativepdl", "ro", "fp16", "prewait", "l2pf", "bf16mma", "f16mma", "fold", "minb2")
 # Kernel kinds, first match wins: (kind, substrings of the kernel name).
 KINDS = (
     ("qops native", ("w4a16",)),
@@ -196,6 +196,13 @@ def bf16mma_plan(p, m: int, n: int, k: int, sms: int):
     return _remade(p, n, k, f16mma=False) if p.f16mma else p
 
 
+def f16mma_plan(p, m: int, n: int, k: int, sms: int):
+    """``f16mma``: f16 MMAs for bf16 x (``Plan.f16mma`` on) in every plan that stages x once, not only from
+    ``F16MMA_MIN_NK`` weights on. The bf16 and fp16 timelines of e4000e9 (`f1afed9-timeline-*.json`) put the
+    bf16 model's o projection loop at 3.6 us against 2.6 in fp16 (the f16 dequantization is shorter)."""
+    return _remade(p, n, k, f16mma=True) if p.xfull and not (p.f16mma or p.wgmma or p.smem_ring) else p
+
+
 def fold_plan(p, m: int, n: int, k: int, sms: int):
     """``fold``: the bias and zero point taken off after the MMA (``Plan.fold``) where x is staged once:
     half the dequantization instructions for bf16 x (one and-or per two values, no subtraction). The
@@ -213,7 +220,8 @@ def minb2_plan(p, m: int, n: int, k: int, sms: int):
     return _remade(p, n, k, minb=2) if p.minb < 2 and p.tiles * p.splits > sms else p
 
 
-PLAN_OPTIONS = {"prewait": prewait_plan, "l2pf": l2pf_plan, "bf16mma": bf16mma_plan, "fold": fold_plan, "minb2": minb2_plan}
+PLAN_OPTIONS = {"prewait": prewait_plan, "l2pf": l2pf_plan, "bf16mma": bf16mma_plan, "f16mma": f16mma_plan, "fold": fold_plan,
+                "minb2": minb2_plan}
 
 
 def plan_override_for(opts):
