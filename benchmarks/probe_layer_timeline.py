@@ -44,6 +44,15 @@ import profile_decode
 SLOTS = 8  # 64-bit stamp slots a block (w4a16_gemv.cu, QOPS_STAMPS)
 
 
+STAMP_REG_LIMIT = 128  # registers a thread that leave two 256-thread blocks an SM (64K registers)
+
+
+def _registers(kernel) -> int:
+    """Registers a thread of a loaded kernel (cuda.core: an attribute, or a method in older releases)."""
+    v = kernel.attributes.num_regs
+    return int(v() if callable(v) else v)
+
+
 class Stamper:
     """Wraps ``compiler.get_kernel`` and ``compiler.launch`` while ``on``: decode-kernel builds of the
     tile heights ``mts`` (M = 1 by default) get ``QOPS_STAMPS``, and each launch of one writes its stamps
@@ -67,6 +76,13 @@ class Stamper:
             return k
         d = {**defines, "QOPS_STAMPS": 1}
         k = self._get(device, source_name, d, kernel_name, **kw)
+        # The stamps cost a few registers: a build at 126-128 (two blocks an SM of 256 threads) can cross
+        # 128 and lose its second block an SM (28672x4096 at M = 1, fp16: 128 -> 133), so the stamped grid
+        # would run in two waves where the shipped one runs in one. Hold such a build to two blocks an SM.
+        plain = self._get(device, source_name, defines, kernel_name, **kw)
+        if _registers(plain) <= STAMP_REG_LIMIT < _registers(k):
+            d = {**d, "QOPS_MINB": max(int(d["QOPS_MINB"]), 2)}
+            k = self._get(device, source_name, d, kernel_name, **kw)
         self.defines_of[id(k)] = d
         return k
 

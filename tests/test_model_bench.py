@@ -152,6 +152,42 @@ def test_layer_timeline_spans_from_stamps(monkeypatch):
     assert b["loop_max"] == 0.6 and b["cycles_med"][0] in (12, 13)
 
 
+def _fake_kernel(registers: int):
+    import types
+
+    return types.SimpleNamespace(attributes=types.SimpleNamespace(num_regs=registers))
+
+
+def test_stamper_keeps_two_blocks_an_sm_where_the_stamps_would_cost_it(monkeypatch):
+    """A stamped build whose registers cross 128 where the shipped build's do not is rebuilt with
+    QOPS_MINB 2 (the fp16 28672x4096 M = 1 build: 128 -> 133 registers with the stamps, one block an SM);
+    one already above 128 (a plan that runs one block an SM) keeps its defines."""
+    import types
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import probe_layer_timeline as plt
+
+    def regs(defines):
+        base = defines["base"] + 5 * defines.get("QOPS_STAMPS", 0)
+        return min(base, 128) if defines["QOPS_MINB"] >= 2 else base
+
+    asked = []
+
+    def get_kernel(device, source, defines, name, **kw):
+        asked.append(dict(defines))
+        return _fake_kernel(regs(defines))
+
+    niw = types.SimpleNamespace(SOURCE="w4a16_gemv.cu", GEMV="gemv", REDUCE="reduce")
+    st = plt.Stamper(types.SimpleNamespace(get_kernel=get_kernel, launch=None), niw, None)
+    st.on = True
+    k = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 1, "QOPS_MINB": 1, "base": 128}, "gemv")
+    assert k.attributes.num_regs == 128 and st.defines_of[id(k)]["QOPS_MINB"] == 2 and st.defines_of[id(k)]["QOPS_STAMPS"] == 1
+    k = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 1, "QOPS_MINB": 1, "base": 140}, "gemv")
+    assert k.attributes.num_regs == 145 and st.defines_of[id(k)]["QOPS_MINB"] == 1
+    k = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 1, "QOPS_MINB": 1, "base": 110}, "gemv")
+    assert k.attributes.num_regs == 115 and st.defines_of[id(k)]["QOPS_MINB"] == 1
+
+
 def test_layer_timeline_late_release_only_for_gated_builds(monkeypatch):
     """``probe_layer_timeline``'s ``late`` variants: while on, the early-release flag is 0 for the gated
     decode-kernel builds the Stamper handed out and unchanged for the others; restored after."""
@@ -161,7 +197,7 @@ def test_layer_timeline_late_release_only_for_gated_builds(monkeypatch):
     import probe_layer_timeline as plt
 
     niw = types.SimpleNamespace(SOURCE="w4a16_gemv.cu", GEMV="gemv", REDUCE="reduce", early_dependents_flag=lambda kernel, *a: 16)
-    compiler = types.SimpleNamespace(get_kernel=lambda device, source, defines, name, **kw: object(), launch=None)
+    compiler = types.SimpleNamespace(get_kernel=lambda device, source, defines, name, **kw: _fake_kernel(120), launch=None)
     st = plt.Stamper(compiler, niw, None)
     gated = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 1, "QOPS_GLU": 1}, "gemv")
     plain = st.get_kernel(0, "w4a16_gemv.cu", {"QOPS_MT": 1, "QOPS_GLU": 0}, "gemv")
@@ -185,7 +221,7 @@ def test_stamper_puts_stamps_after_the_workspace_partials_and_points_the_finish_
 
     launched = []
     niw = types.SimpleNamespace(SOURCE="w4a16_gemv.cu", GEMV="gemv", REDUCE="reduce", _EARLY_DEPENDENTS=16)
-    compiler = types.SimpleNamespace(get_kernel=lambda device, source, defines, name, **kw: object(),
+    compiler = types.SimpleNamespace(get_kernel=lambda device, source, defines, name, **kw: _fake_kernel(120),
                                      launch=lambda kernel, grid, block, shmem, stream, *args, **kw: launched.append(args),
                                      max_active_blocks=lambda *a: 2)
     buf = torch.zeros(4096, dtype=torch.int64)
