@@ -8,8 +8,9 @@ is 13.0, what `scripts/install.py` installs here; a different version fills keys
 the summary line prints it). What to build comes
 from a record: run the GPU job with ``QOPS_NVRTC_RECORD=$OUT/nvrtc-builds.jsonl`` (``scripts/gpu_run.sh``
 sets it) and commit the file that comes back; each line names a source, an arch and the defines of one
-module. The record names builds, not cache keys, so it stays useful after the sources change: this
-script compiles the *current* sources with those defines.
+module (``benchmarks/record_native_builds.py`` writes the same records without a GPU, for weights a
+device run has not warmed up yet). The record names builds, not cache keys, so it stays useful after
+the sources change: this script compiles the *current* sources with those defines.
 
     QOPS_CACHE_DIR=.snap/nvrtc-cache python benchmarks/prefill_nvrtc_cache.py \\
         benchmarks/results/h200-...-nvrtc-builds.jsonl --jobs 2

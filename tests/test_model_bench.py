@@ -270,3 +270,24 @@ def test_interleaved_trials_rotate_the_order_every_round(monkeypatch):
     times = bench_decode.interleaved_trials(runners, 3)
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert times == {"a": [1.0, 6.0, 8.0], "b": [2.0, 4.0, 9.0], "c": [3.0, 5.0, 7.0]}
+
+
+def test_record_native_builds_lists_what_the_warm_up_of_an_h200_asks_for(monkeypatch):
+    """``record_native_builds``: the decode-kernel builds of the pretended H200's plans (the gated one for
+    ``:glu``), the GEMM's sm_90a builds above the decode rows, no duplicates, and torch.cuda restored."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import record_native_builds as rnb
+
+    from qops.native import int_weight as niw
+
+    capability = torch.cuda.get_device_capability
+    builds = rnb.record_builds([rnb.parse_weight("28672x4096:glu")], torch.float16, 1)
+    with rnb.pretend_device():
+        want = niw.plan(1, 28672, 4096, 0).defines(torch.float16, True, True)
+    assert builds == [{"source": niw.SOURCE, "arch": "sm_90", "defines": want}]
+    assert want["QOPS_GLU"] == 1 and want["QOPS_DT"] == 0
+    builds = rnb.record_builds([rnb.parse_weight("4096x4096")], torch.bfloat16, 64)
+    assert len({json.dumps(b, sort_keys=True) for b in builds}) == len(builds)
+    assert any(b["source"] == "w4a16_gemm.cu" and b["arch"] == "sm_90a" for b in builds)
+    assert all(b["defines"]["QOPS_DT"] == 1 for b in builds)
+    assert torch.cuda.get_device_capability is capability
