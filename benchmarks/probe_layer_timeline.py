@@ -42,6 +42,19 @@ import common
 import profile_decode
 
 SLOTS = 8  # 64-bit stamp slots a block (w4a16_gemv.cu, QOPS_STAMPS)
+CYCLE_MASK = (1 << 48) - 1  # the cycle counts' bits of slots 5..7 (slot 5: the SM id above them)
+
+
+def block_sms(stamps, site) -> torch.Tensor:
+    """The SM each block of a stamped launch ran on (slot 5's bits 48..63), block order."""
+    v = stamps[site["offset"]: site["offset"] + site["blocks"] * SLOTS].view(site["blocks"], SLOTS).cpu()
+    return v[:, 5] >> 48
+
+
+def block_loops_us(stamps, site) -> torch.Tensor:
+    """Each block's main-loop span (x staged -> loop done) in us, block order."""
+    v = stamps[site["offset"]: site["offset"] + site["blocks"] * SLOTS].view(site["blocks"], SLOTS).cpu()
+    return (v[:, 3] - v[:, 2]).double() / 1e3
 
 
 STAMP_REG_LIMIT = 128  # registers a thread that leave two 256-thread blocks an SM (64K registers)
@@ -138,7 +151,7 @@ def site_rows(stamps, sites) -> list[dict]:
     rows, prev_end = [], None
     for s, v in zip(sites, per):
         t = v[:, :5].double()
-        cyc = v[:, 5:8].double()
+        cyc = (v[:, 5:8] & CYCLE_MASK).double()  # slot 5 carries the SM id in bits 48..63
         d = s["defines"]
         us = lambda a: round(float(a) / 1e3, 2)  # noqa: E731
         wait_min, end = t[:, 1].min(), t[:, 4].max()

@@ -28,11 +28,38 @@ from common import LARGE_SHAPES, clone_tensors, n_copies
 common.add_repo_to_path()
 
 from probe_early_pdl import gptq_native  # noqa: E402
-from probe_layer_timeline import SLOTS, Stamper, site_rows  # noqa: E402
+from probe_layer_timeline import SLOTS, Stamper, block_loops_us, block_sms, site_rows  # noqa: E402
 from qops.native import compiler  # noqa: E402
 from qops.native import int_weight as niw  # noqa: E402
 
 SPANS = ("pre_wait_med", "x_med", "loop_med", "loop_max", "epi_med", "post_wait")
+
+
+def sm_spread(buf, sites) -> dict:
+    """Whether the slow blocks' loops belong to particular SMs: per SM the mean main-loop span of the
+    blocks it ran, in the first and the second half of the launches, and their correlation across SMs
+    (near 1: the same SMs are slow launch after launch; near 0: the spread moves); the loop span by how
+    many of the launch's blocks shared the SM; the five slowest SMs."""
+    halves = [{}, {}]
+    by_share: dict[int, list[float]] = {}
+    for i, site in enumerate(sites):
+        loops, sms = block_loops_us(buf, site).tolist(), block_sms(buf, site).tolist()
+        share = {sm: sms.count(sm) for sm in set(sms)}
+        for lp, sm in zip(loops, sms):
+            halves[0 if i < len(sites) // 2 else 1].setdefault(sm, []).append(lp)
+            by_share.setdefault(share[sm], []).append(lp)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    common_sms = sorted(set(halves[0]) & set(halves[1]))
+    a = torch.tensor([mean(halves[0][sm]) for sm in common_sms], dtype=torch.float64)
+    b = torch.tensor([mean(halves[1][sm]) for sm in common_sms], dtype=torch.float64)
+    corr = float(torch.corrcoef(torch.stack([a, b]))[0, 1]) if len(common_sms) > 2 else None
+    overall = {sm: mean(halves[0].get(sm, []) + halves[1].get(sm, [])) for sm in set(halves[0]) | set(halves[1])}
+    slowest = sorted(overall, key=overall.get, reverse=True)[:5]
+    return {"sms_seen": len(overall), "sm_loop_corr_halves": None if corr is None else round(corr, 3),
+            "loop_us_by_blocks_on_sm": {k: round(mean(v), 2) for k, v in sorted(by_share.items())},
+            "slowest_sms_loop_us": {int(sm): round(overall[sm], 2) for sm in slowest},
+            "sm_loop_us_min_med_max": [round(min(overall.values()), 2), round(statistics.median(overall.values()), 2),
+                                       round(max(overall.values()), 2)]}
 
 
 def main(argv=None) -> int:
@@ -75,6 +102,7 @@ def main(argv=None) -> int:
                 cyc = [statistics.median(r["cycles_med"][i] for r in rows) for i in range(3)]
                 row["cycles_x_loop_epi"] = cyc
                 row["loop_cycles_a_warp_chunk"] = round(cyc[1] / max(row["warp_chunks"], 1), 1)
+                row.update(sm_spread(buf, list(st.sites)))
                 res["rows"].append(row)
                 print(row, flush=True)
             del w, copies

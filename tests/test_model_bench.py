@@ -291,3 +291,29 @@ def test_record_native_builds_lists_what_the_warm_up_of_an_h200_asks_for(monkeyp
     assert any(b["source"] == "w4a16_gemm.cu" and b["arch"] == "sm_90a" for b in builds)
     assert all(b["defines"]["QOPS_DT"] == 1 for b in builds)
     assert torch.cuda.get_device_capability is capability
+
+
+def test_stamps_sm_spread_reads_the_sm_ids_and_finds_a_slow_sm(monkeypatch):
+    """``probe_w4_stamps.sm_spread``: slot 5's bits 48..63 are the block's SM (its cycles below them); an SM
+    slow in every launch shows as the slowest and as a correlation of 1 between the two halves of the launches."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import probe_layer_timeline as plt
+    import probe_w4_stamps as pws
+
+    blocks, launches = 6, 4
+    buf = torch.zeros(blocks * launches * plt.SLOTS, dtype=torch.int64)
+    sites = []
+    for i in range(launches):
+        off = i * blocks * plt.SLOTS
+        v = buf[off: off + blocks * plt.SLOTS].view(blocks, plt.SLOTS)
+        sms = torch.tensor([0, 1, 2, 3, 4, 4])  # SM 4 holds two blocks
+        loop_ns = 1000 + 100 * sms + 10 * i  # SM k runs its loop in 1 + 0.1 k us
+        v[:, 2] = 5000
+        v[:, 3] = 5000 + loop_ns
+        v[:, 5] = 777 | (sms << 48)
+        sites.append({"offset": off, "blocks": blocks})
+    assert plt.block_sms(buf, sites[0]).tolist() == [0, 1, 2, 3, 4, 4]
+    out = pws.sm_spread(buf, sites)
+    assert out["sms_seen"] == 5 and out["sm_loop_corr_halves"] == 1.0
+    assert list(out["slowest_sms_loop_us"])[0] == 4 and set(out["loop_us_by_blocks_on_sm"]) == {1, 2}
+    assert out["sm_loop_us_min_med_max"][0] < out["sm_loop_us_min_med_max"][2]

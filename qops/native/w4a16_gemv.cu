@@ -218,6 +218,12 @@ __device__ __forceinline__ long long sm_cycles() {
   asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
   return t;
 }
+
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
+}
 #endif
 
 constexpr int kThreads = 256;
@@ -365,7 +371,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // QOPS_STAMPS: block b's eight 64-bit slots at ws + 64 b bytes (after the S x M x N fp32 partials on the
   // workspace path: its sums stay intact): [0..4] the global timer (ns) at entry,
   // after griddepcontrol.wait, x staged, main loop done, end; [5..7] SM cycles of the three spans after
-  // the wait (x staging, main loop, reduction and stores). Compiled out otherwise.
+  // the wait (x staging, main loop, reduction and stores), slot 5 with the block's SM id in bits 48..63
+  // (which SMs the slow blocks ran on). Compiled out otherwise.
 #if QOPS_STAMPS
   long long cyc = 0;
   auto stamp = [&](int i) {
@@ -375,7 +382,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     unsigned long long* slot = reinterpret_cast<unsigned long long*>(base) + (static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x) * 8;
     slot[i] = global_timer_ns();
     const long long now = sm_cycles();
-    if (i >= 2) slot[3 + i] = static_cast<unsigned long long>(now - cyc);
+    if (i >= 2) slot[3 + i] = static_cast<unsigned long long>(now - cyc) | (i == 2 ? static_cast<unsigned long long>(sm_id()) << 48 : 0ull);
     cyc = now;
   };
 #else
