@@ -403,14 +403,18 @@ def _row(res, label, b):
     return next((r for r in res["rows"] if r["model"] == label and r["batch"] == b), None)
 
 
+def _batch1_targets(prefix: str, w1, d1) -> dict:
+    """The two batch-1 targets (tokens/s, and the ratio over the bf16 model's row ``d1``) of the W4 row ``w1``."""
+    sp = w1["tokens_per_s"] / d1["tokens_per_s"] if w1 and d1 else None
+    return {f"{prefix}_batch1_tok_s": {"value": w1 and w1["tokens_per_s"], "target": f">= {TARGET_TOK_S_B1}",
+                                       "ok": None if w1 is None else w1["tokens_per_s"] >= TARGET_TOK_S_B1},
+            f"{prefix}_over_bf16_batch1": {"value": sp, "target": f">= {TARGET_SPEEDUP_B1}", "ok": None if sp is None else sp >= TARGET_SPEEDUP_B1}}
+
+
 def targets(res, dry) -> dict:
     base = "dense" if dry else "bf16"
-    out = {}
-    w1, d1 = _row(res, "w4", 1), _row(res, base, 1)
-    out["w4_batch1_tok_s"] = {"value": w1 and w1["tokens_per_s"], "target": f">= {TARGET_TOK_S_B1}",
-                              "ok": None if w1 is None else w1["tokens_per_s"] >= TARGET_TOK_S_B1}
-    sp = w1["tokens_per_s"] / d1["tokens_per_s"] if w1 and d1 else None
-    out["w4_over_bf16_batch1"] = {"value": sp, "target": f">= {TARGET_SPEEDUP_B1}", "ok": None if sp is None else sp >= TARGET_SPEEDUP_B1}
+    d1 = _row(res, base, 1)
+    out = _batch1_targets("w4", _row(res, "w4", 1), d1)
     bmax = max(res["args"]["batches"])
     if bmax > 1:  # the large-batch target (PERF.md: batch 32 faster than bf16); at bmax 1 it would overwrite batch 1's
         wm, dm = _row(res, "w4", bmax), _row(res, base, bmax)
@@ -418,10 +422,7 @@ def targets(res, dry) -> dict:
         out[f"w4_over_bf16_batch{bmax}"] = {"value": spm, "target": "> 1", "ok": None if spm is None else spm > 1}
     f1 = _row(res, "w4-fp16", 1)
     if f1 is not None:  # the same targets for the W4 model run in fp16 (a variant the targets do not name)
-        out["w4_fp16_batch1_tok_s"] = {"value": f1["tokens_per_s"], "target": f">= {TARGET_TOK_S_B1}",
-                                       "ok": f1["tokens_per_s"] >= TARGET_TOK_S_B1}
-        spf = f1["tokens_per_s"] / d1["tokens_per_s"] if d1 else None
-        out["w4_fp16_over_bf16_batch1"] = {"value": spf, "target": f">= {TARGET_SPEEDUP_B1}", "ok": None if spf is None else spf >= TARGET_SPEEDUP_B1}
+        out |= _batch1_targets("w4_fp16", f1, d1)
     scratch = res["models"].get("w4", {}).get("scratch_bytes")
     out["w4_scratch_bytes"] = {"value": scratch, "target": f"<= {TARGET_SCRATCH}", "ok": None if scratch is None else scratch <= TARGET_SCRATCH}
     return out

@@ -45,15 +45,18 @@ SLOTS = 8  # 64-bit stamp slots a block (w4a16_gemv.cu, QOPS_STAMPS)
 CYCLE_MASK = (1 << 48) - 1  # the cycle counts' bits of slots 5..7 (slot 5: the SM id above them)
 
 
-def block_sms(stamps, site) -> torch.Tensor:
-    """The SM each block of a stamped launch ran on (slot 5's bits 48..63), block order."""
-    v = stamps[site["offset"]: site["offset"] + site["blocks"] * SLOTS].view(site["blocks"], SLOTS).cpu()
+def block_stamps(stamps, site) -> torch.Tensor:
+    """One stamped launch's slots on the CPU, ``(blocks, SLOTS)``, block order."""
+    return stamps[site["offset"]: site["offset"] + site["blocks"] * SLOTS].view(site["blocks"], SLOTS).cpu()
+
+
+def block_sms(v: torch.Tensor) -> torch.Tensor:
+    """The SM each block ran on (slot 5's bits 48..63) from :func:`block_stamps`."""
     return v[:, 5] >> 48
 
 
-def block_loops_us(stamps, site) -> torch.Tensor:
-    """Each block's main-loop span (x staged -> loop done) in us, block order."""
-    v = stamps[site["offset"]: site["offset"] + site["blocks"] * SLOTS].view(site["blocks"], SLOTS).cpu()
+def block_loops_us(v: torch.Tensor) -> torch.Tensor:
+    """Each block's main-loop span (x staged -> loop done) in us from :func:`block_stamps`."""
     return (v[:, 3] - v[:, 2]).double() / 1e3
 
 
@@ -143,10 +146,7 @@ class Stamper:
 
 def site_rows(stamps, sites) -> list[dict]:
     """Per site (launch order): its spans in us, relative to the first stamp of the step."""
-    per = []
-    for s in sites:
-        v = stamps[s["offset"]: s["offset"] + s["blocks"] * SLOTS].view(s["blocks"], SLOTS).cpu()
-        per.append(v)
+    per = [block_stamps(stamps, s) for s in sites]
     t_origin = min(int(v[:, 0].min()) for v in per)
     rows, prev_end = [], None
     for s, v in zip(sites, per):

@@ -28,7 +28,7 @@ from common import LARGE_SHAPES, clone_tensors, n_copies
 common.add_repo_to_path()
 
 from probe_early_pdl import gptq_native  # noqa: E402
-from probe_layer_timeline import SLOTS, Stamper, block_loops_us, block_sms, site_rows  # noqa: E402
+from probe_layer_timeline import Stamper, block_loops_us, block_sms, block_stamps, site_rows  # noqa: E402
 from qops.native import compiler  # noqa: E402
 from qops.native import int_weight as niw  # noqa: E402
 
@@ -43,7 +43,8 @@ def sm_spread(buf, sites) -> dict:
     halves = [{}, {}]
     by_share: dict[int, list[float]] = {}
     for i, site in enumerate(sites):
-        loops, sms = block_loops_us(buf, site).tolist(), block_sms(buf, site).tolist()
+        v = block_stamps(buf, site)
+        loops, sms = block_loops_us(v).tolist(), block_sms(v).tolist()
         share = {sm: sms.count(sm) for sm in set(sms)}
         for lp, sm in zip(loops, sms):
             halves[0 if i < len(sites) // 2 else 1].setdefault(sm, []).append(lp)

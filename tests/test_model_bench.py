@@ -312,7 +312,7 @@ def test_stamps_sm_spread_reads_the_sm_ids_and_finds_a_slow_sm(monkeypatch):
         v[:, 3] = 5000 + loop_ns
         v[:, 5] = 777 | (sms << 48)
         sites.append({"offset": off, "blocks": blocks})
-    assert plt.block_sms(buf, sites[0]).tolist() == [0, 1, 2, 3, 4, 4]
+    assert plt.block_sms(plt.block_stamps(buf, sites[0])).tolist() == [0, 1, 2, 3, 4, 4]
     out = pws.sm_spread(buf, sites)
     assert out["sms_seen"] == 5 and out["sm_loop_corr_halves"] == 1.0
     assert list(out["slowest_sms_loop_us"])[0] == 4 and set(out["loop_us_by_blocks_on_sm"]) == {1, 2}

@@ -303,6 +303,8 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
         why = f"prefetch={prefetch} outside 0..16"
     if why is None and smem_ring and not 2 <= smem_ring <= SMEM_RING_MAX:
         why = f"smem_ring={smem_ring} is not 0 or 2..{SMEM_RING_MAX}"
+    if why is None and wgmma and f16mma:
+        why = "wgmma with f16mma: the wgmma build stages x in its own type (no bf16-through-f16 staging)"
     if why is None and wgmma and smem_ring:
         why = f"wgmma with smem_ring={smem_ring}: the wgmma build keeps its weights in the register ring"
     if why is None and smem_ring and not xfull:
@@ -326,8 +328,6 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
     if f16mma is None:
         f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK and not wgmma
-    if f16mma and wgmma:
-        raise ValueError("native_w4a16: wgmma with f16mma: the wgmma build stages x in its own type (no bf16-through-f16 staging)")
     return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma,
                 wgmma=wgmma)
 
