@@ -166,6 +166,11 @@ class Plan:
     # (x staged once, nwn 4 or 8) Hopper's warpgroup MMAs (w4a16_gemv.cu, QOPS_WGMMA; an sm_90a build;
     # measured slower than the mma.sync build on the large shapes: measurements only, in no plan)
     wgmma: bool = False
+    # Stream-K (w4a16_gemv.cu, QOPS_STREAMK): a cluster of ``splits`` blocks shares ``streamk`` column
+    # tiles (streamk < splits), each block taking an equal run of the tiles' (tile, K chunk) units, so
+    # every block has the same work where whole tiles would leave some SMs one tile and others two;
+    # ``tiles`` is then the number of clusters (the grid's x). 0: off.
+    streamk: int = 0
 
     def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False) -> dict[str, int]:
         return {
@@ -186,7 +191,8 @@ class Plan:
             "QOPS_SMEM_BULK": int(self.smem_bulk),
             "QOPS_XU": self.xu,
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
-        } | ({"QOPS_WGMMA": 1} if self.wgmma else {})  # only then: the other builds keep their cache keys
+        } | ({"QOPS_WGMMA": 1} if self.wgmma else {}) | ({"QOPS_STREAMK": self.streamk} if self.streamk else {})
+        # (only when set: the other builds keep their cache keys)
 
     def _f16mma_on(self, dtype: torch.dtype) -> bool:
         return self.f16mma and self.xfull and dtype == torch.bfloat16
@@ -223,17 +229,32 @@ def staged_x_slots(mt: int, nwk: int) -> int:
     return THREADS * (2 if mt <= 2 else -(-8 * mt * nwk * 16 // THREADS))
 
 
-def xfull_bytes(m: int, k: int, splits: int, fold: bool = False, wgmma: bool = False) -> int:
+def staged_chunks(k: int, splits: int, streamk: int = 0) -> int:
+    """128-row chunks of x a block stages at most (x staged once): its share of K, or with stream-K its
+    share of the cluster's ``streamk`` tiles' units (chunks_blk in w4a16_gemv.cu)."""
+    chunks = max(-(-k // CHUNK_K), 1)
+    return -(-streamk * chunks // splits) if streamk else -(-chunks // splits)
+
+
+def xfull_bytes(m: int, k: int, splits: int, fold: bool = False, wgmma: bool = False, streamk: int = 0) -> int:
     """Shared memory the x-staged-once mode needs: M rows of the block's K range, padded rows (and
-    with ``fold`` two fp32 sums per chunk for 8 rows); with ``wgmma`` the core-matrix image of 8 MT rows."""
-    chunks = -(-max(-(-k // CHUNK_K), 1) // splits)
+    with ``fold`` two fp32 sums per chunk for 8 rows); with ``wgmma`` the core-matrix image of 8 MT rows.
+    (Stream-K's reduction buffers come after it: :func:`streamk_bytes`.)"""
+    chunks = staged_chunks(k, splits, streamk)
     if wgmma:
         return chunks * 16 * _mt(m) * 128
     return m * (chunks * 16 + 4) * 16 + (chunks * 8 * 8 if fold else 0)
 
 
+def streamk_bytes(m: int, nwn: int) -> int:
+    """Stream-K's reduction buffers after x: fp32 [NWK][M][NBLK] for each of a block's two tiles, then
+    the block's [2][M][NBLK] sums that its cluster reads."""
+    nblk, nwk = 32 * nwn, 8 // nwn
+    return (2 * nwk + 2) * m * nblk * 4
+
+
 def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: bool = False,
-                minb: int = 2, opt_in: bool = False, wgmma: bool = False) -> str | None:
+                minb: int = 2, opt_in: bool = False, wgmma: bool = False, streamk: int = 0) -> str | None:
     """Why the kernel cannot run this combination (its compile-time and launch limits), or None.
 
     ``opt_in``: the launch may opt in to more than 48 KiB of shared memory, so x staged once may
@@ -242,7 +263,7 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
     nwk = 8 // nwn
     if nwn not in (1, 2, 4, 8):
         return f"nwn={nwn} is not 1, 2, 4 or 8"
-    if not 1 <= splits <= min(max(-(-k // CHUNK_K), 1), 16):
+    if not 1 <= splits <= min(max(-(-k // CHUNK_K), 1), 16) and not streamk:  # (stream-K: blocks share tiles' units)
         return f"splits={splits} outside 1..min(chunks, 16)"
     if cluster and not 2 <= splits <= 8:
         return f"a cluster of {splits} blocks (2..8 supported)"
@@ -260,9 +281,17 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
     if wgmma and not (xfull and nwn in (4, 8) and not fold):
         return (f"wgmma needs x staged once (xfull), nwn 4 or 8 (a warpgroup's four warps share their K chunk) and no fold "
                 f"(got xfull={xfull}, nwn={nwn}, fold={fold})")
+    if streamk and not (xfull and cluster and 1 <= streamk < splits and not wgmma):
+        return (f"streamk={streamk} needs x staged once (xfull), a cluster of more blocks than the tiles it shares "
+                f"(1 <= streamk < splits) and no wgmma (got xfull={xfull}, cluster={cluster}, splits={splits}, wgmma={wgmma})")
+    if streamk and (mt > 2 or minb != 2):
+        # The grid is sized for two blocks an SM (the point of it); ptxas keeps those builds to 128
+        # registers without spills at M <= 16 (tests/test_native_compile.py).
+        return f"streamk={streamk} needs M <= 16 and minb=2 (got M={m}, minb={minb})"
     x_limit = SHMEM_OPTIN_MAX_BYTES if opt_in else SHMEM_MAX_BYTES
-    if xfull and xfull_bytes(m, k, splits, fold, wgmma) > x_limit:
-        return f"x of M={m}, K={k} split {splits} ways needs {xfull_bytes(m, k, splits, fold, wgmma)} bytes of shared memory (> {x_limit})"
+    x_bytes = xfull_bytes(m, k, splits, fold, wgmma, streamk) + (streamk_bytes(m, nwn) if streamk else 0)
+    if xfull and x_bytes > x_limit:
+        return f"x of M={m}, K={k} split {splits} ways{f' (stream-K over {streamk} tiles)' if streamk else ''} needs {x_bytes} bytes of shared memory (> {x_limit})"
     if not xfull and m * nwk * 16 > staged_x_slots(mt, nwk):
         return f"per-iteration x staging of M={m} rows with {nwk} warps along K exceeds {staged_x_slots(mt, nwk)} slots"
     if not xfull and _ring(mt, ring) * m * (nwk * 16 + 4) * 16 > SHMEM_MAX_BYTES:
@@ -288,7 +317,7 @@ F16MMA_MIN_NK = 1 << 26
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
               fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8,
-              f16mma: bool | None = None, wgmma: bool = False) -> Plan:
+              f16mma: bool | None = None, wgmma: bool = False, streamk: int = 0) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
@@ -298,7 +327,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     (:func:`plan`'s rule keeps x within it). Raises ValueError for a
     combination the kernel cannot run.
     """
-    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb, opt_in=xfull, wgmma=wgmma)
+    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb, opt_in=xfull, wgmma=wgmma, streamk=streamk)
     if why is None and not 0 <= prefetch <= 16:
         why = f"prefetch={prefetch} outside 0..16"
     if why is None and smem_ring and not 2 <= smem_ring <= SMEM_RING_MAX:
@@ -307,6 +336,8 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
         why = "wgmma with f16mma: the wgmma build stages x in its own type (no bf16-through-f16 staging)"
     if why is None and wgmma and smem_ring:
         why = f"wgmma with smem_ring={smem_ring}: the wgmma build keeps its weights in the register ring"
+    if why is None and streamk and (prefetch or smem_ring):
+        why = f"streamk={streamk} with prefetch={prefetch} / smem_ring={smem_ring}: stream-K runs the register ring without prefetches"
     if why is None and smem_ring and not xfull:
         why = f"smem_ring={smem_ring} needs x staged once (xfull): the per-iteration x stages share the barrier the ring avoids"
     if why is None and not 1 <= xu <= 8:
@@ -318,8 +349,11 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     mt = _mt(m)
     nblk, nwk = 32 * nwn, 8 // nwn
     tiles = -(-n // nblk)
-    xs_bytes = xfull_bytes(m, k, splits, fold, wgmma) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
+    xs_bytes = xfull_bytes(m, k, splits, fold, wgmma, streamk) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
     shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster))
+    if streamk:
+        tiles = -(-tiles // streamk)  # clusters: the grid's x
+        shmem = xs_bytes + streamk_bytes(m, nwn)
     limit = SHMEM_OPTIN_MAX_BYTES if smem_limit is None else smem_limit
     if shmem > limit:
         raise ValueError(f"native_w4a16: x staged once and a {smem_ring}-stage shared-memory ring need {shmem} bytes of shared "
@@ -329,7 +363,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     if f16mma is None:
         f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK and not wgmma
     return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma,
-                wgmma=wgmma)
+                wgmma=wgmma, streamk=streamk)
 
 
 def warp_chunks(k: int, nwn: int, splits: int) -> int:
@@ -538,7 +572,7 @@ def remake_plan(p: Plan, n: int, k: int, smem_limit: int | None = None, **change
     """``p`` with the choices named in ``changes`` (``make_plan``'s keywords) replaced, its shared
     memory and workspace derived again; ValueError for a combination the kernel cannot run."""
     fields = dict(nwn=p.nwn, splits=p.splits, cluster=p.cluster, xfull=p.xfull, ring=p.ring, minb=p.minb, fold=p.fold,
-                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma, wgmma=p.wgmma)
+                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma, wgmma=p.wgmma, streamk=p.streamk)
     return make_plan(p.m, n, k, smem_limit=smem_limit, **{**fields, **changes})
 
 

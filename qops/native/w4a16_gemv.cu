@@ -36,6 +36,20 @@
 //     the S blocks form a thread-block cluster and sum through distributed shared memory; otherwise
 //     each block writes fp32 partials to a workspace (S, M, N) and qops_w4a16_reduce finishes.
 //
+// Stream-K (QOPS_STREAMK = SK, with x staged once and a cluster of CL = QOPS_CLUSTER > SK blocks, sm_90).
+// A grid of whole column tiles leaves SMs unevenly loaded when it is not a multiple of the block slots:
+// 224 tiles on 132 SMs x 2 give 92 SMs two tiles and 40 one, and those 40 idle for the last ~20% of
+// the loop (stamps by SM, benchmarks/NOTES.md stop 37); a 264-tile grid of the same kernel ran only
+// 1.05 us longer than the 224-tile one for 18% more bytes (`...-2026-12-03-903a0f3-grid-fill.json`).
+// Here a cluster shares SK tiles: their SK x C (tile, chunk) units, tile-major, are cut into CL equal
+// runs, one a block (28 chunks a block for 7 tiles of 32 chunks over 8 blocks, so 224 tiles run as 256
+// equal blocks). A run is shorter than a tile, so it touches at most two tiles: the warps stream it as
+// one loop (x staged for the run, wrapping from the end of K to its start at the tile boundary); a
+// warp reaching its first chunk of the second tile sets its sums of the first aside in shared memory.
+// After the loop each block sums its two tiles over its warps, and the cluster's tiles are summed
+// across the blocks that share them, reading their sums through distributed shared memory in rank
+// order: deterministic, no workspace, no atomics, one kernel.
+//
 // x staging, two modes (QOPS_XFULL):
 //   0: per iteration, as above: cp.async stages of the K range the block works on next, one barrier
 //      per iteration (all warps of a block advance together).
@@ -100,6 +114,7 @@
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_WGMMA (0/1: warpgroup MMAs, below; sm_90a, x staged once, NWN 4 or 8),
+// QOPS_STREAMK (0: off; SK > 0: stream-K over SK tiles a cluster, above; needs QOPS_CLUSTER > SK),
 // QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
 // timer stamps to ws, so the launch must pass a buffer there and use no split-K workspace; below).
 //
@@ -188,6 +203,9 @@
 #endif
 #ifndef QOPS_WGMMA
 #define QOPS_WGMMA 0
+#endif
+#ifndef QOPS_STREAMK
+#define QOPS_STREAMK 0
 #endif
 #if QOPS_WGMMA
 #include "wgmma.cuh"  // sm_90a only: the header says so otherwise
@@ -280,26 +298,33 @@ __device__ __forceinline__ uint4 load_x8_scalar(const u16* src, int k, int K) {
 // The weight column of block-local column lc (NBLK = 32 * NWN columns a block); QOPS_GLU: the first
 // half of a block's columns are gate columns, the second the same up columns, H = N / 2 on.
 template <int NWN>
-__device__ __forceinline__ int weight_column(int lc, int N) {
+__device__ __forceinline__ int weight_column(int tile, int lc, int N) {
   constexpr int NBLK = 32 * NWN;
   if constexpr (QOPS_GLU) {
-    const int half = NBLK / 2, j = blockIdx.x * half + (lc < half ? lc : lc - half);
+    const int half = NBLK / 2, j = tile * half + (lc < half ? lc : lc - half);
     return lc < half ? j : (N >> 1) + j;
   } else {
-    return blockIdx.x * NBLK + lc;
+    return tile * NBLK + lc;
   }
 }
 
 // Whether block-local column lc is a column of the weight (QOPS_GLU: its output column j < H).
 template <int NWN>
-__device__ __forceinline__ bool column_ok(int lc, int N) {
+__device__ __forceinline__ bool column_ok(int tile, int lc, int N) {
   constexpr int NBLK = 32 * NWN;
   if constexpr (QOPS_GLU) {
     const int half = NBLK / 2;
-    return blockIdx.x * half + (lc < half ? lc : lc - half) < (N >> 1);
+    return tile * half + (lc < half ? lc : lc - half) < (N >> 1);
   } else {
-    return blockIdx.x * NBLK + lc < N;
+    return tile * NBLK + lc < N;
   }
+}
+
+// Column tiles of the weight (QOPS_GLU: NBLK / 2 output columns a tile).
+template <int NWN>
+__device__ __forceinline__ int column_tiles(int N) {
+  constexpr int NBLK = 32 * NWN;
+  return QOPS_GLU ? ((N >> 1) + NBLK / 2 - 1) / (NBLK / 2) : (N + NBLK - 1) / NBLK;
 }
 
 // y = silu(gate) * up, from fp32 sums, stored as one output value.
@@ -358,6 +383,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   static_assert(!kWG || (XF && SR == 0 && !FOLD && !kF16 && (NWN == 4 || NWN == 8)),
                 "QOPS_WGMMA needs x staged once, NWN 4 or 8 (a warpgroup's warps share their chunk), no fold, "
                 "no bf16-through-f16 staging and no shared-memory ring");
+  constexpr int SK = QOPS_STREAMK;  // stream-K: column tiles a cluster shares (0: off)
+  static_assert(SK == 0 || (XF && SR == 0 && !kWG && QOPS_PREFETCH == 0 && CL >= 2 && SK < CL),
+                "QOPS_STREAMK needs x staged once, the register ring, no wgmma, no prefetch, and a cluster of "
+                "more blocks than the tiles it shares (QOPS_CLUSTER > QOPS_STREAMK)");
   [[maybe_unused]] constexpr int kCore = 128;                  // QOPS_WGMMA: one core matrix of x, 8 rows x 16 bytes
   [[maybe_unused]] constexpr int kChunkImg = 16 * MT * kCore;  // QOPS_WGMMA: one 128-row chunk of the x image
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
@@ -393,24 +422,43 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp % NWN, wk = warp / NWN;
   const int g = lane >> 2, c = lane & 3;
-  const int n0 = weight_column<NWN>(wn * 32 + 4 * g, N);
-  const bool n_ok = column_ok<NWN>(wn * 32 + 4 * g, N);
   const int KW = (K + 7) >> 3;
   const int C = (K + kChunkK - 1) / kChunkK;
   const int S = gridDim.y, split = blockIdx.y;
-  const int cb = static_cast<int>(static_cast<long long>(split) * C / S);
-  const int ce = static_cast<int>(static_cast<long long>(split + 1) * C / S);
+  // The block's work: column tile `tile`, chunks [cb, ce) of K. Stream-K (SK > 0, see the top): units
+  // [cb, ce) of its cluster's Tq x C (tile, chunk) units, tile-major; units from ux on belong to
+  // tile + 1, and the block's first unit is chunk kfirst of `tile`.
+  int tile = blockIdx.x, cb, ce, kfirst, ux = 0, tile0 = 0, Tq = 1;
+  if constexpr (SK > 0) {
+    tile0 = blockIdx.x * SK;
+    Tq = min(SK, column_tiles<NWN>(N) - tile0);
+    const int Uq = Tq * C;
+    cb = static_cast<int>(static_cast<long long>(split) * Uq / CL);
+    ce = static_cast<int>(static_cast<long long>(split + 1) * Uq / CL);
+    tile = tile0 + cb / C;
+    kfirst = cb - (cb / C) * C;
+    ux = cb - kfirst + C;
+  } else {
+    cb = static_cast<int>(static_cast<long long>(split) * C / S);
+    ce = static_cast<int>(static_cast<long long>(split + 1) * C / S);
+    kfirst = cb;
+  }
+  // (n0 & 7, the nibble of n0 in its zeros word, is the same in every tile: tiles are 16k columns)
+  const int n0 = weight_column<NWN>(tile, wn * 32 + 4 * g, N);
+  const bool n_ok = column_ok<NWN>(tile, wn * 32 + 4 * g, N);
   const int n_it = (ce - cb + NWK - 1) / NWK;
   const int zw = (N + 7) >> 3;
   const int xstage = M * RS;
+  // Chunks of x a block stages at most (XF).
+  const int chunks_blk = SK > 0 ? (SK * C + CL - 1) / CL : (C + S - 1) / S;
   // XF: x row m of the block's K range at xs[m * RSF + local 8-value row]; RSF = 4 (mod 8) keeps the
   // rows a quarter warp reads in disjoint banks.
-  const int RSF = ((C + S - 1) / S) * 16 + 4;
+  const int RSF = chunks_blk * 16 + 4;
 
   // This lane's qweight words for iteration `it`, step j: wbase + it * wstride + j * 4 * ldq (either
   // qweight form, kQSlabs in w4.cuh).
   const int ldq = qweight_row_stride(N, flags);
-  const u32* wbase = qweight_column(qweight, n0, KW, flags) + static_cast<size_t>((cb + wk) * 16 + c) * ldq;
+  const u32* wbase = qweight_column(qweight, n0, KW, flags) + static_cast<size_t>((kfirst + wk) * 16 + c) * ldq;
   const size_t wstride = static_cast<size_t>(NWK * 16) * ldq;
   const u32 wstep = 4u * ldq;
 
@@ -437,6 +485,11 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // being recomputed (integer work in the main loop costs issue slots the dequantization needs).
   const u32* wnext = wbase;
   int ch_next = cb + wk;
+  // Stream-K: the chunk (within its tile) of the next load and the columns of that tile; the first
+  // load past the tile's last chunk moves them to tile + 1 (once: a block's range is shorter than C).
+  int kc_next = kfirst + wk;
+  int n0_next = n0;
+  bool nok_next = n_ok;
   // L2 prefetch QOPS_PREFETCH iterations ahead of the loads. The register ring keeps only D chunks
   // in flight per warp; the weight stream needs more bytes in flight than registers can hold (DRAM
   // latency under load x bandwidth), and a prefetch holds no register: the later load then waits
@@ -465,13 +518,27 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   auto next_src = [&]() {
     prefetch_it(it_next + QOPS_PREFETCH);
     ++it_next;
-    const int ch = ch_next;
+    const int ch = ch_next;  // the unit: the chunk, or (stream-K) the block-range position
     ch_next += NWK;
+    int kc = ch;  // the chunk within its tile
+    if constexpr (SK > 0) {
+      kc = kc_next;
+      kc_next += NWK;
+      if (kc >= C) {  // warp-uniform, at most once a warp for loads inside the range
+        kc -= C;
+        kc_next -= C;
+        n0_next = weight_column<NWN>(tile + 1, wn * 32 + 4 * g, N);
+        nok_next = column_ok<NWN>(tile + 1, wn * 32 + 4 * g, N);
+        wnext = qweight_column(qweight, n0_next, KW, flags) + static_cast<size_t>(kc * 16 + c) * ldq;
+      }
+    }
     const u32* p = wnext;
     wnext += wstride;
-    const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
-    return Src{p, scales + static_cast<size_t>(grp) * N + n0, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3),
-               n_ok && ch < ce, ch < ce, KW - (ch * 16 + c)};
+    const int grp = chunks_per_group == 1 ? kc : (chunks_per_group == 0 ? 0 : kc / chunks_per_group);
+    const int nc = SK > 0 ? n0_next : n0;
+    const bool nok = SK > 0 ? nok_next : n_ok;
+    return Src{p, scales + static_cast<size_t>(grp) * N + nc, qzeros + static_cast<size_t>(grp) * zw + (nc >> 3),
+               nok && ch < ce, ch < ce, KW - (kc * 16 + c)};
   };
   auto load_chunk = [&](Chunk& ck) {
     const Src src = next_src();
@@ -486,7 +553,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // (Tried against the doubled L2 sectors of the .cg copies, which it did not cure; the .ca form
   // did, and was measured with this mapping.) A lane then reads bytes other lanes copied, so the
   // warp syncs after its waits and before it overwrites a stage; scales and zeros stay per lane.
-  const int chunks_blk = (C + S - 1) / S;
   char* sring = reinterpret_cast<char*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0)) + warp * SR * kSmemStage;
   const u32 sring_a = smem_addr(sring);
   auto load_chunk_smem = [&](int stage) {
@@ -632,7 +698,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       const bool in = s < xtotal;
       const int m = in ? pos.m : 0, kwl = pos.kwl;
       next_slot(pos);
-      const int k = (cb * 16 + kwl) * 8;
+      // Stream-K: staged word kwl is word kfirst * 16 + kwl of its tile's K, wrapping into the next tile.
+      int kword = kfirst * 16 + kwl;
+      if (SK > 0 && kword >= C * 16) kword -= C * 16;
+      const int k = kword * 8;
       const u16* src = x + (static_cast<size_t>(m) * ldx + k);
       const bool vec = xvec && k + 8 <= K;
       v[u] = make_uint4(0, 0, 0, 0);
@@ -787,6 +856,55 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
   };
 
+  // kF16: the sums of row m times 2^-e_m (exact), before the staged x (holding the rows' maxima) is reused.
+  auto unscale_rows = [&]() {
+    if constexpr (kF16) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int m = 8 * mt + 2 * c + i;
+          const float inv = m < M ? row_scale(m, true) : 1.f;
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            acc[mt][t][i] *= inv;
+            acc[mt][t][i + 2] *= inv;
+          }
+        }
+    }
+  };
+
+  // This warp's sums into dst[wk][m][NBLK] (the block-local column), M rows, fp32.
+  const int total = M * NBLK;
+  auto store_acc = [&](float* dst) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = 8 * mt + 2 * c + (i & 1);
+          const int col = wn * 32 + 4 * g + 2 * t + (i >> 1);
+          if (m < M) dst[wk * total + m * NBLK + col] = acc[mt][t][i];
+        }
+  };
+  // Stream-K: the first tile's per-warp sums (red0) and the second's (red1), [NWK][M][NBLK] each, then
+  // the block's two sums [2][M][NBLK] (part) that the cluster reads; after x (red0 is written while
+  // other warps still read x).
+  float* red0 = reinterpret_cast<float*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0));
+  bool crossed = false;  // stream-K: this warp has moved on to tile + 1, its first tile's sums in red0
+  auto finish_first_tile = [&]() {
+    unscale_rows();
+    store_acc(red0);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
+    crossed = true;
+  };
+
   const W4ZeroBase zbase = w4_zero_base<MDT>(static_cast<u32>(HAS_Z ? zero_offset : 8));  // w4.cuh
 
   auto compute = [&](int it, const Chunk& ck, int stage) {
@@ -796,6 +914,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     // over the warpgroup and serializes every wgmma of a branch it takes for divergent (C7520).
     const bool have = ch < ce;
     if (!kWG && !have) return;
+    if constexpr (SK > 0) {
+      if (!crossed && ch >= ux) finish_first_tile();  // warp-uniform; the chunks ahead are tile + 1's
+    }
 
     u32 za[4], zb[4];
     float zf[4];  // FOLD: the zeros, subtracted after the MMA
@@ -942,24 +1063,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
   };
 
-  // kF16: the sums of row m times 2^-e_m (exact), before the staged x (holding the rows' maxima) is reused.
-  auto unscale_rows = [&]() {
-    if constexpr (kF16) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int m = 8 * mt + 2 * c + i;
-          const float inv = m < M ? row_scale(m, true) : 1.f;
-#pragma unroll
-          for (int t = 0; t < 2; ++t) {
-            acc[mt][t][i] *= inv;
-            acc[mt][t][i + 2] *= inv;
-          }
-        }
-    }
-  };
-
   if constexpr (SR > 0) {
     // As below, with the chunks in the shared-memory ring: iterations 0 .. SR-2 in flight before x is
     // staged. Iteration `it` first refills the stage of it-1 (read by this thread in the previous
@@ -1099,19 +1202,69 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // Only the reduction and the stores are left: the next dependent launch may start its weight loads.
   grid_dep_launch_dependents();
 
+  constexpr int kHalf = NBLK / 2;
+#if __CUDA_ARCH__ >= 900
+  if constexpr (SK > 0) {
+    // Stream-K: the block's sums of its (up to) two tiles, each over its NWK warps in order, then the
+    // cluster's Tq tiles summed over the blocks that share each, in rank order (deterministic).
+    float* red1 = red0 + NWK * total;
+    float* part = red1 + NWK * total;  // [2][M][NBLK]
+    store_acc(crossed ? red1 : red0);
+    if (!crossed) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
+      store_acc(red1);
+    }
+    __syncthreads();
+    for (int idx = tid; idx < total; idx += kThreads) {
+      float v0 = red0[idx], v1 = red1[idx];
+#pragma unroll
+      for (int w = 1; w < NWK; ++w) {
+        v0 += red0[w * total + idx];
+        v1 += red1[w * total + idx];
+      }
+      part[idx] = v0;
+      part[total + idx] = v1;
+    }
+    cluster_sync();  // every block's sums visible
+    const u32 part_a = smem_addr(part);
+    const int Uq = Tq * C;
+    constexpr int kCols = QOPS_GLU ? kHalf : NBLK;  // output columns a tile
+    const int per_tile = M * kCols;
+    for (int o = split * kThreads + tid; o < Tq * per_tile; o += CL * kThreads) {
+      const int j = o / per_tile, rem = o - j * per_tile, m = rem / kCols, lc = rem - m * kCols;
+      const int lo = j * C, hi = lo + C;  // the tile's units
+      float v = 0.f, vu = 0.f;
+#pragma unroll
+      for (int r = 0; r < CL; ++r) {
+        const int rb = static_cast<int>(static_cast<long long>(r) * Uq / CL);
+        const int re = static_cast<int>(static_cast<long long>(r + 1) * Uq / CL);
+        if (rb < hi && re > lo) {  // block r has units of tile j: its first tile's (rb in it) or its second's
+          const u32 at = dsmem_map(part_a, r) + 4u * ((rb >= lo ? 0 : total) + m * NBLK + lc);
+          v += ld_dsmem_f32(at);
+          if constexpr (QOPS_GLU) vu += ld_dsmem_f32(at + 4u * kHalf);
+        }
+      }
+      const int tg = tile0 + j;
+      if constexpr (QOPS_GLU) {
+        if (column_ok<NWN>(tg, lc, N)) store_glu<DT>(out, m, tg * kHalf + lc, ldo, v, vu);
+      } else {
+        const int n = tg * NBLK + lc;
+        if (n < N) store_out<DT>(out, bias, flags, m, n, ldo, v);
+      }
+    }
+    cluster_sync();  // no block leaves while another still reads its shared memory
+    stamp(4);
+    return;
+  }
+#endif
   // Reduction over the NWK warps sharing a column tile (shared memory reused), fixed order.
   float* red = reinterpret_cast<float*>(smem);  // [NWK][M][NBLK]
-  const int total = M * NBLK;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = 8 * mt + 2 * c + (i & 1);
-        const int col = wn * 32 + 4 * g + 2 * t + (i >> 1);
-        if (m < M) red[wk * total + m * NBLK + col] = acc[mt][t][i];
-      }
+  store_acc(red);
   __syncthreads();
   // [M][NBLK]: the block's sums, read by the other blocks of the cluster, or (QOPS_GLU, one block a
   // column tile) paired gate with up below.
@@ -1124,19 +1277,18 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     const int m = idx / NBLK, lc = idx - m * NBLK;
     if (CL > 1 || (kPairHere && S == 1)) {
       part[idx] = v;
-    } else if (column_ok<NWN>(lc, N)) {
-      const int n = weight_column<NWN>(lc, N);
+    } else if (column_ok<NWN>(blockIdx.x, lc, N)) {
+      const int n = weight_column<NWN>(blockIdx.x, lc, N);
       if (S == 1) store_out<DT>(out, bias, flags, m, n, ldo, v);
       else ws[(static_cast<size_t>(split) * M + m) * N + n] = v;
     }
   }
-  constexpr int kHalf = NBLK / 2;
   if constexpr (kPairHere) {
     if (S == 1) {
       __syncthreads();
       for (int idx = tid; idx < M * kHalf; idx += kThreads) {
         const int m = idx / kHalf, lc = idx - m * kHalf;
-        if (column_ok<NWN>(lc, N))
+        if (column_ok<NWN>(blockIdx.x, lc, N))
           store_glu<DT>(out, m, blockIdx.x * kHalf + lc, ldo, part[m * NBLK + lc], part[m * NBLK + kHalf + lc]);
       }
     }
@@ -1160,7 +1312,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {
         const int idx = (u * CL + rank) * kThreads + tid, m = idx / kHalf, lc = idx - m * kHalf;
-        if (idx < outs && column_ok<NWN>(lc, N)) store_glu<DT>(out, m, blockIdx.x * kHalf + lc, ldo, v[0][u], v[1][u]);
+        if (idx < outs && column_ok<NWN>(blockIdx.x, lc, N)) store_glu<DT>(out, m, blockIdx.x * kHalf + lc, ldo, v[0][u], v[1][u]);
       }
     } else {
       constexpr int kPer = (8 * MT * NBLK + CL * kThreads - 1) / (CL * kThreads);
