@@ -9,12 +9,17 @@ fp16 weight quantized per channel (``FORMATS["fp8"]``):
 - ``mm_fp8_weight`` rows (W8A16, fp16 activations): ``qops_us`` is ``Fp8Weight.mm`` with the lowering
   the chooser picked (Triton on CUDA); ``cublas_fp16_us`` / ``cublas_bf16_us`` are ``F.linear`` on the
   dense weight.
-- ``scaled_mm_fp8`` rows (W8A8, bf16 output), two scalings: ``rowwise`` (per-token activations x
-  per-channel weight, what dynamic quantization produces) and ``tensorwise`` (static input scale,
-  per-tensor weight). ``qops_us`` is ``torch.ops.qops.scaled_mm_fp8`` on already-quantized activations;
-  ``scaled_mm_us`` is ``torch._scaled_mm`` on the same tensors, called directly (no M padding; None
-  where it raises); ``qops_e2e_us`` adds the activation quantization run eagerly (under
-  torch.compile it fuses into the producer of x).
+- ``scaled_mm_fp8`` rows (W8A8, bf16 output), three scalings: ``rowwise`` (per-token activations x
+  per-channel weight, what dynamic quantization produces), ``tensorwise`` (static input scale,
+  per-tensor weight) and ``block`` (the same weight quantized in DeepSeek's 128 x 128 blocks,
+  ``FORMATS["fp8-block"]``, with the activation scales the prepared weight asks for: per token and
+  128 K values where the scaled_mm lowering serves it). ``qops_us`` is
+  ``torch.ops.qops.scaled_mm_fp8`` on already-quantized activations; ``scaled_mm_us`` is the raw
+  cuBLASLt call on the same tensors, called directly (no M padding; None where it raises):
+  ``torch._scaled_mm`` for the first two, ``F.scaled_mm`` with ``BlockWise1x128`` / ``BlockWise128x128``
+  for ``block`` (its scale layouts made outside the timed call; qops makes them inside);
+  ``qops_e2e_us`` adds the activation quantization run eagerly (under torch.compile it fuses into the
+  producer of x).
 - ``roofline_us`` = ``(N*K + 2*M*(N+K))`` bytes / measured copy bandwidth.
 
 Writes ``$OUT/bench_fp8.json`` (and ``--out``); prints rows as they come, then a table and the
@@ -80,13 +85,15 @@ def bench_shape(n, k, args, timer, dev, bw, rows):
     fmt = FORMATS["fp8"]
     ckpt = fmt.quantize(w16, granularity="channel")
     ckpt_t = fmt.quantize(w16, granularity="tensor", input_scale=4.0 / 448)
+    ckpt_b = FORMATS["fp8-block"].quantize(w16)
     w_deq = fmt.dequantize(ckpt).double()
-    w_deq_t = fmt.dequantize(ckpt_t).double()
+    deq = {"rowwise": w_deq, "tensorwise": fmt.dequantize(ckpt_t).double(), "block": FORMATS["fp8-block"].dequantize(ckpt_b).double()}
     a16 = fmt.prepare(ckpt, dtype=torch.float16, activations="none")
     w8 = {"rowwise": fmt.prepare(ckpt, dtype=torch.bfloat16, activations="dynamic"),
-          "tensorwise": fmt.prepare(ckpt_t, dtype=torch.bfloat16, activations="static")}
-    print(f"== {n}x{k}: W8A16 {a16.choice.lowering.name}; W8A8 rowwise {w8['rowwise'].choice.lowering.name}, "
-          f"tensorwise {w8['tensorwise'].choice.lowering.name}", flush=True)
+          "tensorwise": fmt.prepare(ckpt_t, dtype=torch.bfloat16, activations="static"),
+          "block": FORMATS["fp8-block"].prepare(ckpt_b, dtype=torch.bfloat16, activations="dynamic")}
+    print(f"== {n}x{k}: W8A16 {a16.choice.lowering.name}; W8A8 " + ", ".join(f"{s} {w.choice.lowering.name}" for s, w in w8.items())
+          + f" (block activation groups {w8['block'].x_group_size})", flush=True)
     gpu = torch.device(dev).type == "cuda"
     r8, r16 = n_copies(n * k, gpu), n_copies(2 * n * k, gpu)
     a16s = [clone_tensors(a16) for _ in range(r8)]
@@ -113,23 +120,31 @@ def bench_shape(n, k, args, timer, dev, bw, rows):
         # W8A8
         for scaling, ws in w8s.items():
             w = w8[scaling]
-            x_fp8, x_scale = quantize_fp8_activations(xb, w.input_scale if w.activations == "static" else None)
-            want = (x_fp8.double() * x_scale.double()) @ (w_deq if scaling == "rowwise" else w_deq_t).t()
+            x_fp8, x_scale = quantize_fp8_activations(xb, w.input_scale if w.activations == "static" else None, w.x_group_size)
+            xs64 = x_scale.double()
+            if w.x_group_size != -1:
+                xs64 = xs64.repeat_interleave(w.x_group_size, dim=-1)[..., :k]
+            want = (x_fp8.double() * xs64) @ deq[scaling].t()
 
             def op(w):
                 return torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, w.weight, w.weight_scale, None, w.block_n, w.block_k,
                                                     torch.bfloat16, int(w.kernel))
 
-            if scaling == "rowwise":
-                sa, sb = x_scale.reshape(m, 1), w.weight_scale.reshape(1, n)
+            if scaling == "block":
+                peer = block_peer(x_fp8, x_scale, ws)
             else:
-                sa, sb = x_scale.reshape(()), w.weight_scale.reshape(())
+                if scaling == "rowwise":
+                    sa, sb = x_scale.reshape(m, 1), w.weight_scale.reshape(1, n)
+                else:
+                    sa, sb = x_scale.reshape(()), w.weight_scale.reshape(())
+                peer = [lambda w=w: torch._scaled_mm(x_fp8, w.weight.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16) for w in ws]
             # The op and its peer with interleaved trials (common.graph_times): their ratio is the target.
-            paired = safe(lambda: timer({
-                "qops": [lambda w=w: op(w) for w in ws],
-                "scaled_mm": [lambda w=w: torch._scaled_mm(x_fp8, w.weight.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-                              for w in ws]})) or {}
-            row = dict(op="scaled_mm_fp8", format="fp8", scaling=scaling, N=n, K=k, M=m, dtype="bfloat16",
+            # A peer that refuses the shape (cuBLASLt's block recipe at M = 1) leaves the op timed alone.
+            cands = {"qops": [lambda w=w: op(w) for w in ws]}
+            if safe(peer[0]) is not None:
+                cands["scaled_mm"] = peer
+            paired = safe(lambda: timer(cands)) or {}
+            row = dict(op="scaled_mm_fp8", format="fp8-block" if scaling == "block" else "fp8", scaling=scaling, N=n, K=k, M=m, dtype="bfloat16",
                        lowering=w.choice.lowering.name, rel_err=rel_err(op(w), want), roofline_us=round(roof, 2),
                        qops_us=paired.get("qops"),
                        qops_e2e_us=safe(lambda: timer([lambda w=w: w.mm(xb) for w in ws])),
@@ -139,6 +154,17 @@ def bench_shape(n, k, args, timer, dev, bw, rows):
             print(json.dumps(row), flush=True)
     del a16s, w8s, dense16, dense_bf
     torch.cuda.empty_cache()
+
+
+def block_peer(x_fp8, x_scale, ws):
+    """The raw ``F.scaled_mm`` DeepSeek-recipe call on each weight copy (benchmarks/probe_blockfp8.py's
+    ``v2_padT``), its scale layouts made here, outside the timed call: activation scales outer-dim-major,
+    the weight's grid padded along K/128 to a multiple of 4 and transposed."""
+    f = torch.nn.functional
+    sa = x_scale.t().contiguous().t()
+    sbs = [f.pad(w.weight_scale, (0, -w.weight_scale.shape[1] % 4)).t() for w in ws]
+    return [lambda w=w, sb=sb: f.scaled_mm(x_fp8, w.weight.t(), sa, f.ScalingType.BlockWise1x128, sb, f.ScalingType.BlockWise128x128,
+                                           output_dtype=torch.bfloat16) for w, sb in zip(ws, sbs)]
 
 
 def sweep(args, dev):

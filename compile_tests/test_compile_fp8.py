@@ -111,3 +111,44 @@ def test_out_op_takes_the_workspace_in_place():
     with torch.no_grad():
         for batch, x, y in H.over_batches(compiled, K1, first=first):
             torch.testing.assert_close(y, model.inner(x), rtol=1e-5, atol=1e-5, msg=f"batch {batch}")
+
+
+# DeepSeek-style blocks: x (B, 256) -> 128 x 128-block linear -> (B, 256) -> relu -> (B, 128), with
+# per-token-group (1x128) activation scales, on the reference here (the scaled_mm lowering on sm_90).
+BK1, BN1, BN2 = 256, 256, 128
+
+
+def block_two_linear() -> H.TwoLinear:
+    g = torch.Generator().manual_seed(1)
+    fmt = FORMATS["fp8-block"]
+    w1 = fmt.prepare(fmt.quantize(torch.randn(BN1, BK1, generator=g)), activations="dynamic")
+    w2 = fmt.prepare(fmt.quantize(torch.randn(BN2, BN1, generator=g)), activations="dynamic")
+    assert w1.x_group_size == w2.x_group_size == 128, w1.choice.explain()
+    return H.TwoLinear(w1, w2, torch.randn(BN1, generator=g))
+
+
+def test_group_scaled_w8a8_compiles_into_one_graph_with_the_quantization_fused():
+    model = block_two_linear()
+    H.assert_one_graph(model, BK1)
+    compiled = torch.compile(model, fullgraph=True)
+
+    def first(fn, x):
+        y, code = run_and_get_code(fn, x)
+        code = "\n".join(code)
+        calls = re.findall(r"torch\.ops\.qops\.(\w+)\.default\(", code)
+        assert calls == ["scaled_mm_fp8", "scaled_mm_fp8"], calls
+        # The second layer's groups: amax and rounding in the kernel that computes the relu.
+        kernels = re.findall(r"^(\w*fused\w*) = ", code, flags=re.M)
+        assert any("relu" in k and "amax" in k and "_to_copy" in k for k in kernels), kernels
+        return y
+
+    for batch, x, y in H.over_batches(compiled, BK1, first=first):
+        eager = model(x)
+        assert y.shape == (batch, BN2)
+        assert torch.allclose(y, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item()), f"batch {batch}"
+
+
+def test_group_scaled_w8a8_backward_compiles():
+    model = block_two_linear()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    H.check_backward(model, compiled, BK1, same=lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))

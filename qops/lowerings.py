@@ -28,7 +28,7 @@ class Kernel(enum.IntEnum):
     REFERENCE = 0
     TRITON = 1
     NATIVE = 2
-    SCALED_MM = 3  # torch._scaled_mm (cuBLASLt FP8 GEMM)
+    SCALED_MM = 3  # torch's cuBLASLt FP8 GEMM (torch._scaled_mm; F.scaled_mm for block scales)
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,17 @@ class WeightSpec:
     symmetric: bool
     device: torch.device
     act_dtype: torch.dtype
+    # fp8 family: rows per weight-scale block (-1: all of N, 1: per channel), and the dtype a W8A8
+    # GEMM writes (None: the activation dtype is not fp8, or not known).
+    block_n: int = -1
+    out_dtype: torch.dtype | None = None
+
+
+# fp8 W8A8 activation-scale layouts (``qops::scaled_mm_fp8``'s ``x_scale``): one scale for the
+# tensor, one per token, or one per token and group of X_SCALE_GROUP consecutive K values (DeepSeek-V3's
+# 1x128 activation quantization).
+X_SCALE_LAYOUTS = ("tensor", "token", "group")
+X_SCALE_GROUP = 128
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,9 @@ class CallFacts:
     n: int
     k: int
     act_order: bool = False
+    block_n: int = -1  # as WeightSpec.block_n
+    out_dtype: torch.dtype | None = None  # as WeightSpec.out_dtype
+    x_scale: str | None = None  # fp8 W8A8: one of X_SCALE_LAYOUTS; None: not known (when preparing) or not W8A8
 
 
 def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
@@ -78,12 +92,57 @@ def _nothing_missing() -> str | None:
     return None
 
 
+def _blockwise_scaled_mm_missing() -> str | None:
+    f = torch.nn.functional
+    if not hasattr(f, "scaled_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (block-scaled FP8 GEMM)"
+    if not hasattr(getattr(f, "ScalingType", None), "BlockWise1x128"):
+        return f"torch {torch.__version__}'s torch.nn.functional.ScalingType has no BlockWise1x128 / BlockWise128x128"
+    return None
+
+
 def _native_missing() -> str | None:
     try:
         from .native.compiler import runtime_missing
     except Exception as e:  # noqa: BLE001 - numpy or the module itself failing to import
         return f"qops.native is not importable ({type(e).__name__}: {e})"
     return runtime_missing()
+
+
+@dataclass(frozen=True)
+class BlockScaling:
+    """What a lowering needs of weights whose scales vary along K (``group_size != -1``) where that
+    differs from its general capabilities: a library recipe for block scales can have stricter
+    shapes, GPUs and output dtypes than the same library's tensor- or row-wise GEMM."""
+
+    blocks: frozenset[tuple[int, int]]  # (block_n, group_size) served
+    n_multiple: int
+    k_multiple: int
+    capability_majors: frozenset[int]  # compute capability majors it runs on (exactly)
+    out_dtypes: frozenset[torch.dtype]  # W8A8 output dtypes
+    x_scales: frozenset[str]  # activation-scale layouts (X_SCALE_LAYOUTS) it reads with these weights
+    recipe: str  # names the library recipe in refusals
+    software: Callable[[], str | None] = field(default=_nothing_missing, compare=False)
+
+    def call_refusal(self, facts: CallFacts) -> str | None:
+        if (facts.block_n, facts.group_size) not in self.blocks:
+            shapes = " or ".join(f"{bn} x {bk}" for bn, bk in sorted(self.blocks))
+            return f"{self.recipe} takes {shapes} weight blocks, not {facts.block_n} x {facts.group_size}"
+        if not guard_or_true(facts.n % self.n_multiple == 0):
+            return f"{self.recipe} needs N a multiple of {self.n_multiple}, got N={facts.n}"
+        if not guard_or_true(facts.k % self.k_multiple == 0):
+            return f"{self.recipe} needs K a multiple of {self.k_multiple}, got K={facts.k}"
+        if facts.out_dtype is not None and facts.out_dtype not in self.out_dtypes:
+            return (f"{self.recipe} writes {sorted(str(d) for d in self.out_dtypes)}, not {facts.out_dtype} "
+                    "(fp32 output of cuBLASLt's block-scaled FP8 GEMM is not verified here)")
+        if facts.x_scale is not None and facts.x_scale not in self.x_scales:
+            return f"{self.recipe} reads {sorted(self.x_scales)} activation scales, not {facts.x_scale}"
+        return None
+
+    def device_refusal(self, capability: tuple[int, int] | None) -> str | None:
+        if capability is not None and capability[0] not in self.capability_majors:
+            return f"{self.recipe} needs compute capability {' or '.join(f'{c}.x' for c in sorted(self.capability_majors))}, device has {capability}"
+        return self.software()
 
 
 @dataclass(frozen=True)
@@ -102,6 +161,10 @@ class Lowering:
     n_multiple: int = 1
     k_multiple: int = 1
     act_order: bool = True
+    # fp8 W8A8: the activation-scale layouts (X_SCALE_LAYOUTS) the entry reads.
+    x_scales: frozenset[str] = frozenset({"tensor", "token"})
+    # Stricter needs for weights with scales along K (None: the general ones above hold for them too).
+    block_scaling: BlockScaling | None = None
     # "module:function(weight)" run once when a weight is prepared for this lowering: compiles and
     # loads its kernels then, never later during CUDA-graph capture.
     warmup: str | None = None
@@ -119,7 +182,8 @@ class Lowering:
             return f"serves op family {self.family}, not {spec.family}"
         if spec.format not in self.formats:
             return f"format {spec.format} not in {sorted(self.formats)}"
-        return self.call_refusal(CallFacts(spec.bits, spec.group_size, spec.act_dtype, spec.n, spec.k, spec.act_order))
+        return self.call_refusal(CallFacts(spec.bits, spec.group_size, spec.act_dtype, spec.n, spec.k, spec.act_order,
+                                           block_n=spec.block_n, out_dtype=spec.out_dtype))
 
     def call_refusal(self, facts: CallFacts) -> str | None:
         """Why this lowering cannot serve a call with these facts, or None: the part of
@@ -137,6 +201,10 @@ class Lowering:
             return f"K={facts.k} is not a multiple of {self.k_multiple}"
         if facts.act_order and not self.act_order:
             return "act-order weights are not served"
+        if self.block_scaling is not None and facts.group_size != -1:
+            return self.block_scaling.call_refusal(facts)
+        if facts.x_scale is not None and facts.x_scale not in self.x_scales:
+            return f"{facts.x_scale} activation scales not in {sorted(self.x_scales)}"
         return None
 
     def device_refusal(self, device: torch.device) -> str | None:
@@ -151,10 +219,16 @@ class Lowering:
                 return f"needs compute capability >= {self.min_capability}, device has {cap}"
         return self.software()
 
+    def block_device_refusal(self, spec: WeightSpec) -> str | None:
+        """Why this lowering's block-scale recipe cannot run on ``spec.device``, for weights that use it."""
+        if self.block_scaling is None or spec.group_size == -1 or spec.device.type != "cuda":
+            return None
+        return self.block_scaling.device_refusal(_cuda_capability(spec.device))
+
     def refusal(self, spec: WeightSpec) -> str | None:
         if self.name in disabled_lowerings():
             return f"disabled by {DISABLE_ENV}"
-        return self.static_refusal(spec) or self.device_refusal(spec.device)
+        return self.static_refusal(spec) or self.device_refusal(spec.device) or self.block_device_refusal(spec)
 
 
 INT_WEIGHT_FORMATS = frozenset({"gptq", "awq", "compressed-tensors"})
@@ -231,6 +305,7 @@ LOWERINGS: tuple[Lowering, ...] = (
         formats=FP8_FORMATS,
         bits=frozenset({8}),
         act_dtypes=FLOAT_ACTS | {torch.float8_e4m3fn},
+        x_scales=frozenset(X_SCALE_LAYOUTS),
         priority=0,
         entry="qops.ops.fp8:reference_mm",
         note="pure torch: fp8 weight times its scales in fp32, then matmul (fp32 accumulation)",
@@ -259,12 +334,26 @@ LOWERINGS: tuple[Lowering, ...] = (
         formats=FP8_FORMATS,
         bits=frozenset({8}),
         act_dtypes=frozenset({torch.float8_e4m3fn}),
-        group_sizes=frozenset({-1}),
+        group_sizes=frozenset({-1, 128}),
         n_multiple=16,
         k_multiple=16,
+        # DeepSeek-style blocks go through torch's other cuBLASLt recipe, with its own limits. Declared
+        # conservatively: what benchmarks/probe_blockfp8.py verified on the H200 with torch 2.11 (bf16
+        # output; N, K multiples of 128); torch itself refuses it off sm_90 and needs N, K % 16.
+        block_scaling=BlockScaling(
+            blocks=frozenset({(128, 128)}),
+            n_multiple=128,
+            k_multiple=128,
+            capability_majors=frozenset({9}),
+            out_dtypes=frozenset({torch.float16, torch.bfloat16}),
+            x_scales=frozenset(X_SCALE_LAYOUTS),
+            recipe="F.scaled_mm's BlockWise1x128 x BlockWise128x128 recipe",
+            software=_blockwise_scaled_mm_missing,
+        ),
         priority=20,
         entry="qops.ops.fp8:scaled_mm_lowering",
-        note="torch._scaled_mm (cuBLASLt) W8A8: tensor-wise or row-wise scales; M padded to 16",
+        note="cuBLASLt W8A8: torch._scaled_mm with tensor-wise or row-wise scales; F.scaled_mm with 1x128 activation "
+             "and 128x128 weight block scales (sm_90); M padded to 16",
     ),
     Lowering(
         name="reference_int8_weight",

@@ -36,7 +36,7 @@ FAMILY_OPS = {
 }
 OPCHECK_SAMPLES = {
     "gptq": ("gptq4sym", "gptq3v1act", "gptq4g128"), "awq": ("awq",), "compressed-tensors": ("ct8act", "ct4g128"),
-    "fp8": ("tensor", "channel"), "compressed-tensors-fp8": ("tensor", "channel", "block"), "fp8-block": ("block",),
+    "fp8": ("tensor", "channel"), "compressed-tensors-fp8": ("tensor", "channel", "block", "block128"), "fp8-block": ("block", "block128"),
     "eetq": ("eetq",), "bitsandbytes-int8": ("bnb8",), "bitsandbytes-nf4": ("nf4nested", "nf4k256"), "bitsandbytes-fp4": ("fp4plain", "fp4k256"),
 }
 

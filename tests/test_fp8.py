@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import qops  # noqa: F401  (registers the ops)
 from qops.formats import FORMATS, get_format
 from qops.formats.fp8 import Fp8BlockCheckpoint, Fp8Checkpoint, quantize_rtn
-from qops.lowerings import DISABLE_ENV, LOWERINGS_BY_NAME, Kernel, WeightSpec
+from qops.lowerings import DISABLE_ENV, LOWERINGS_BY_NAME, Kernel, WeightSpec, choose
 from qops.ops.fp8 import check_kernel, prepare_fp8_weight, quantize_fp8_activations
 
 FP8 = torch.float8_e4m3fn
@@ -103,7 +103,12 @@ def oracle_mm(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
 
 
 def oracle_x(x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(e4m3_decode(_u8(x_fp8)) * _f64(x_scale))
+    """float64 activations: per-tensor ``(1,)`` and per-token ``(..., 1)`` scales broadcast; per-token-group
+    scales ``(..., ceil(K/128))`` each cover 128 consecutive K values (the last group what is left)."""
+    v, s = e4m3_decode(_u8(x_fp8)), _f64(x_scale)
+    if s.ndim == v.ndim and s.shape[-1] > 1:
+        s = np.repeat(s, 128, axis=-1)[..., : v.shape[-1]]
+    return torch.from_numpy(v * s)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -316,8 +321,9 @@ def test_mm_fp8_weight_out_writes_what_mm_fp8_weight_returns(case):
 
 
 @pytest.mark.parametrize("case", ["fp8-tensor", "ct-channel", "ct-block", "block128"])
-@pytest.mark.parametrize("per_token", [False, True], ids=["per-tensor", "per-token"])
-def test_scaled_mm_fp8_matches_oracle(case, per_token):
+@pytest.mark.parametrize("x_scales", ["per-tensor", "per-token", "per-group"])
+def test_scaled_mm_fp8_matches_oracle(case, x_scales):
+    """Per-group scales: K = 200 and 328 end in a partial group, K = 24 is one group (a token)."""
     w, c = weight_of(case, activations="dynamic")
     assert w.activations == "dynamic" and w.kernel == Kernel.REFERENCE
     want_w = oracle_weight(WEIGHTS[case][0], c)
@@ -326,7 +332,8 @@ def test_scaled_mm_fp8_matches_oracle(case, per_token):
     for m in MS:
         codes = torch.randint(0, 126, (m, k), generator=g, dtype=torch.uint8) | (torch.randint(0, 2, (m, k), generator=g, dtype=torch.uint8) << 7)
         x_fp8 = codes.view(FP8)
-        x_scale = torch.rand(m, 1, generator=g) + 0.01 if per_token else torch.tensor([0.03])
+        x_scale = {"per-tensor": lambda: torch.tensor([0.03]), "per-token": lambda: torch.rand(m, 1, generator=g) + 0.01,
+                   "per-group": lambda: torch.rand(m, -(-k // 128), generator=g) + 0.01}[x_scales]()
         for out_dtype in DTYPES:
             bias = torch.randn(n).to(out_dtype) if m % 2 else None
             y = torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, w.weight, w.weight_scale, bias, w.block_n, w.block_k, out_dtype, int(w.kernel))
@@ -347,6 +354,50 @@ def test_dynamic_activation_quantization_matches_oracle(dtype):
     assert np.all(np.abs(s - amax / 448) <= amax / 448 * 2.0**-23 + (amax == 0))
     assert np.array_equal(e4m3_round(fp32_quotient(x64, s)), _u8(x_fp8))
     assert not torch.isnan(x_fp8.float()).any()
+
+
+@pytest.mark.parametrize("k", [200, 256, 24])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_group_activation_quantization_matches_oracle(dtype, k):
+    """One scale per token and 128 K values: amax of the group / 448, the last group partial; the
+    codes round x / scale (in fp32) to nearest even; dequantized, within an fp8 step of x."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(2, 5, k, generator=g) * torch.logspace(-3, 3, k)).to(dtype)  # groups of different magnitude
+    x[0, 1] = 0  # an all-zero token
+    x[1, 2, :min(k, 128)] = 0  # an all-zero group
+    x_fp8, x_scale = quantize_fp8_activations(x, group_size=128)
+    groups = -(-k // 128)
+    assert x_fp8.dtype == FP8 and tuple(x_fp8.shape) == (2, 5, k)
+    assert x_scale.dtype == torch.float32 and tuple(x_scale.shape) == (2, 5, groups)
+    x64 = _f64(x)
+    padded = np.zeros((2, 5, groups * 128))
+    padded[..., :k] = np.abs(x64)
+    amax = padded.reshape(2, 5, groups, 128).max(axis=-1)
+    s = _f64(x_scale)
+    assert np.all(np.abs(s - amax / 448) <= amax / 448 * 2.0**-23 + (amax == 0) * 2.0**-100)
+    assert np.all(s > 0) and np.all(np.isfinite(s))
+    s_k = np.repeat(s, 128, axis=-1)[..., :k]
+    assert np.array_equal(e4m3_round(fp32_quotient(x64, s_k)), _u8(x_fp8))
+    back = oracle_x(x_fp8, x_scale).numpy()
+    # e4m3 keeps 3 mantissa bits (half a step: 2^-4 relative); below 2^-6 * scale its subnormal step is 2^-9.
+    assert np.all(np.abs(back - x64) <= np.abs(x64) * 2.0**-4 + s_k * 2.0**-10)
+    assert not torch.isnan(x_fp8.float()).any() and torch.equal(x_fp8[0, 1].float(), torch.zeros(k))
+
+
+def test_group_activation_quantization_refuses_other_groups():
+    with pytest.raises(ValueError, match=r"qops.quantize_fp8_activations: group_size must be -1 \(per token\) or 128, got 64"):
+        quantize_fp8_activations(torch.randn(2, 256), group_size=64)
+    with pytest.raises(ValueError, match=r"qops.quantize_fp8_activations: group_size goes with dynamic scales"):
+        quantize_fp8_activations(torch.randn(2, 256), torch.tensor([0.1]), group_size=128)
+
+
+@pytest.mark.parametrize("case,want", [("block128", 128), ("ct-block", -1), ("fp8-channel", -1)])
+def test_prepare_gives_block128_weights_group_activation_scales_where_the_lowering_reads_them(case, want):
+    """The activation-scale layout is a static fact of the prepared weight: groups of 128 for 128 x 128
+    blocks whose lowering declares it reads them (the reference does), one scale per token otherwise."""
+    w, _ = weight_of(case, activations="dynamic")
+    assert w.x_group_size == want and w.kernel == Kernel.REFERENCE
+    assert weight_of(case, activations="none")[0].x_group_size == -1
 
 
 def test_static_activation_quantization_saturates():
@@ -393,7 +444,7 @@ def test_mm_fp8_end_to_end(case, activations, dtype):
         x = _x(m, k, dtype, m, transposed=m == 3)
         bias = torch.randn(n).to(dtype)
         y = w.mm(x, bias)
-        x_fp8, x_scale = quantize_fp8_activations(x, w.input_scale if activations == "static" else None)
+        x_fp8, x_scale = quantize_fp8_activations(x, w.input_scale if activations == "static" else None, w.x_group_size)
         # The composition exactly, and the math within the activations' fp8 rounding (<= 2**-4 each).
         assert torch.equal(y, torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, w.weight, w.weight_scale, bias, w.block_n, w.block_k, dtype, int(w.kernel)))
         assert rel_err(y, oracle_mm(oracle_x(x_fp8, x_scale), want_w, bias)) <= TOL[dtype]
@@ -454,7 +505,9 @@ def test_lowerings_state_why_they_refuse():
     assert smm.static_refusal(_spec()) is None
     assert "N=72 is not a multiple of 16" in smm.static_refusal(_spec(n=72))
     assert "K=200 is not a multiple of 16" in smm.static_refusal(_spec(k=200))
-    assert "group_size=128" in smm.static_refusal(_spec(group_size=128))
+    assert "recipe takes 128 x 128 weight blocks, not -1 x 128" in smm.static_refusal(_spec(group_size=128))
+    assert smm.static_refusal(_spec(group_size=128, block_n=128, out_dtype=torch.bfloat16)) is None
+    assert "group_size=64 not in [-1, 128]" in smm.static_refusal(_spec(group_size=64, block_n=128))
     assert "activation dtype torch.float16" in smm.static_refusal(_spec(act_dtype=torch.float16))
     assert smm.min_capability == (8, 9) and tri.min_capability == (8, 0)
     assert tri.static_refusal(_spec(group_size=128, n=72, k=200)) is None
@@ -464,6 +517,52 @@ def test_lowerings_state_why_they_refuse():
     assert "runs on ['cuda'], not cpu" in smm.device_refusal(torch.device("cpu"))
     if not torch.cuda.is_available():
         assert smm.device_refusal(torch.device("cuda")) == "no CUDA device is available"
+
+
+def _block_spec(**kw) -> WeightSpec:
+    base = dict(group_size=128, block_n=128, n=4096, k=7168, out_dtype=torch.bfloat16)
+    base.update(kw)
+    return _spec(**base)
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (10, 0), (8, 9)])
+def test_chooser_takes_the_cublas_block_recipe_on_sm90_only(monkeypatch, cap):
+    """On a pretend GPU of each compute capability (no CUDA here): 128 x 128 blocks go to the
+    scaled_mm lowering on 9.x only, and the refusal says why elsewhere."""
+    from qops import lowerings
+
+    monkeypatch.setattr(lowerings, "_cuda_capability", lambda device: cap)
+    smm = LOWERINGS_BY_NAME["scaled_mm_fp8"]
+    if cap[0] == 9:
+        assert smm.refusal(_block_spec()) is None
+        assert choose(_block_spec()).lowering.name == "scaled_mm_fp8"
+    else:
+        assert smm.refusal(_block_spec()) == f"F.scaled_mm's BlockWise1x128 x BlockWise128x128 recipe needs compute capability 9.x, device has {cap}"
+        assert "refused scaled_mm_fp8: F.scaled_mm's" in choose(_block_spec()).explain()
+    # Tensor- and channel-wise weights keep the torch._scaled_mm path on every FP8 GPU.
+    assert smm.refusal(_spec()) is None
+
+
+def test_chooser_explains_every_block_recipe_refusal(monkeypatch):
+    from qops import lowerings
+
+    monkeypatch.setattr(lowerings, "_cuda_capability", lambda device: (9, 0))
+    smm = LOWERINGS_BY_NAME["scaled_mm_fp8"]
+    recipe = "F.scaled_mm's BlockWise1x128 x BlockWise128x128 recipe"
+    assert smm.refusal(_block_spec(out_dtype=torch.float32)) == (
+        f"{recipe} writes ['torch.bfloat16', 'torch.float16'], not torch.float32 "
+        "(fp32 output of cuBLASLt's block-scaled FP8 GEMM is not verified here)")
+    assert smm.refusal(_block_spec(n=4000)) == f"{recipe} needs N a multiple of 128, got N=4000"
+    assert smm.refusal(_block_spec(k=7200)) == f"{recipe} needs K a multiple of 128, got K=7200"
+    assert smm.refusal(_block_spec(block_n=64)) == f"{recipe} takes 128 x 128 weight blocks, not 64 x 128"
+    assert smm.refusal(_block_spec(n=72)) == "N=72 is not a multiple of 16"
+    monkeypatch.delattr(torch.nn.functional, "scaled_mm")
+    assert "has no torch.nn.functional.scaled_mm" in smm.refusal(_block_spec())
+    assert smm.refusal(_spec()) is None  # torch._scaled_mm needs none of it
+    # The Triton lowering serves the same weights with per-token activation scales (declared).
+    tri = LOWERINGS_BY_NAME["triton_fp8"]
+    assert tri.static_refusal(_block_spec()) is None and tri.x_scales == frozenset({"tensor", "token"})
+    assert LOWERINGS_BY_NAME["reference_fp8"].x_scales == frozenset({"tensor", "token", "group"})
 
 
 def test_prepare_on_cpu_explains_the_choice():
@@ -553,7 +652,10 @@ def _bad_inputs():
         "out-out-shape": (mmo, _mm_out_args(w, out=torch.empty(3, 71)), r"out must have shape \(3, 72\), got \(3, 71\)"),
         "out-out-device": (mmo, _mm_out_args(w, out=torch.empty(3, 72, device="meta")), r"out must be on cpu \(the device of x\), got meta"),
         "x_fp8-dtype": (smm, _smm_args(w, x_fp8=torch.randn(3, k)), r"x_fp8 must be torch\.float8_e4m3fn"),
-        "x_scale-shape": (smm, _smm_args(w, x_scale=torch.ones(3, 2)), r"x_scale must have shape \(1,\) \(per tensor\) or \(3, 1\)"),
+        "x_scale-shape": (smm, _smm_args(w, x_scale=torch.ones(3, 3)),
+                          r"x_scale must have shape \(1,\) \(per tensor\), \(3, 1\) \(per token\) or \(3, 2\) \(per token and group of 128 K values, K=200\), got \(3, 3\)"),
+        "x_scale-lead": (smm, _smm_args(w, x_scale=torch.ones(2, 2)), r"x_scale must have shape .* got \(2, 2\)"),
+        "x_scale-3d": (smm, _smm_args(w, x_scale=torch.ones(3, 2, 1)), r"x_scale must have shape .* got \(3, 2, 1\)"),
         "x_scale-tensor": (smm, _smm_args(w, x_scale=torch.ones(2)), r"x_scale must have shape"),
         "x_scale-dtype": (smm, _smm_args(w, x_scale=torch.ones(3, 1, dtype=torch.float16)), r"x_scale must be torch\.float32"),
         "out_dtype": (smm, _smm_args(w, out_dtype=torch.int32), r"out_dtype must be float32"),
@@ -712,19 +814,36 @@ def test_triton_configs_fit_the_shapes():
     assert gemm_config(16, 4096, 4096, 128, 132)["BLOCK_K"] == 128
 
 
-@pytest.mark.parametrize("n,k,block,what", [(40, 64, (-1, -1), "weight N a multiple of 16"), (48, 72, (1, -1), "weight K a multiple of 16"),
-                                            (48, 64, (16, 32), "per-tensor or per-channel weight scales")])
-def test_scaled_mm_kernel_refuses_what_cublaslt_cannot_run_under_fake_cuda_tensors(n, k, block, what):
-    """Asked for directly, kernel 3 (torch._scaled_mm) names the limit it does not meet, at trace
+@pytest.mark.parametrize("n,k,block,x_scale,out_dtype,what", [
+    (40, 64, (-1, -1), (1,), torch.float16, r"N=40 is not a multiple of 16"),
+    (48, 72, (1, -1), (1,), torch.float16, r"K=72 is not a multiple of 16"),
+    (48, 64, (16, 32), (1,), torch.float16, r"group_size=32 not in \[-1, 128\]"),
+    (48, 256, (1, -1), (4, 2), torch.float16, r"group activation scales not in \['tensor', 'token'\]"),
+    (208, 256, (128, 128), (4, 2), torch.float16, r"F.scaled_mm's BlockWise1x128 x BlockWise128x128 recipe needs N a multiple of 128, got N=208"),
+    (256, 320, (128, 128), (4, 3), torch.bfloat16, r"recipe needs K a multiple of 128, got K=320"),
+    (256, 256, (64, 128), (4, 2), torch.bfloat16, r"recipe takes 128 x 128 weight blocks, not 64 x 128"),
+    (256, 256, (128, 128), (4, 2), torch.float32, r"recipe writes \['torch.bfloat16', 'torch.float16'\], not torch.float32"),
+])
+def test_scaled_mm_kernel_refuses_what_cublaslt_cannot_run_under_fake_cuda_tensors(n, k, block, x_scale, out_dtype, what):
+    """Asked for directly, kernel 3 (cuBLASLt) names the declared limit it does not meet, at trace
     time, instead of failing inside cuBLASLt (the chooser never picks it for these weights)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     block_n, block_k = block
     s_n = 1 if block_n == -1 else (n if block_n == 1 else -(-n // block_n))
     s_k = 1 if block_k == -1 else -(-k // block_k)
     with FakeTensorMode():
         x = torch.empty(4, k, dtype=torch.float8_e4m3fn, device="cuda")
         w = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="cuda")
-        args = (x, torch.empty(1, device="cuda"), w, torch.empty(s_n, s_k, device="cuda"), None, block_n, block_k, torch.float16, 3)
-        with pytest.raises(ValueError, match=f"qops.scaled_mm_fp8: kernel=3 \\(scaled_mm_fp8\\) needs {what}"):
+        args = (x, torch.empty(*x_scale, device="cuda"), w, torch.empty(s_n, s_k, device="cuda"), None, block_n, block_k, out_dtype, 3)
+        with pytest.raises(ValueError, match=f"qops.scaled_mm_fp8: kernel=3 \\(scaled_mm_fp8\\) does not serve this call: .*{what}"):
+            torch.ops.qops.scaled_mm_fp8(*args)
+
+
+def test_triton_kernel_refuses_group_activation_scales_under_fake_cuda_tensors():
+    """The Triton W8A8 kernel reads per-tensor or per-token scales only (declared): asked for
+    directly with per-token-group scales it says so."""
+    with FakeTensorMode():
+        x = torch.empty(4, 256, dtype=torch.float8_e4m3fn, device="cuda")
+        w = torch.empty(256, 256, dtype=torch.float8_e4m3fn, device="cuda")
+        args = (x, torch.empty(4, 2, device="cuda"), w, torch.empty(2, 2, device="cuda"), None, 128, 128, torch.bfloat16, 1)
+        with pytest.raises(ValueError, match=r"kernel=1 \(triton_fp8\) does not serve this call: group activation scales not in \['tensor', 'token'\]"):
             torch.ops.qops.scaled_mm_fp8(*args)

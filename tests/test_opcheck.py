@@ -130,10 +130,12 @@ def _fp8_weights():
     from qops.ops.fp8 import prepare_fp8_weight
 
     g = torch.Generator().manual_seed(2)
-    # (N, K) off every tile grid; the "16" pair meets torch._scaled_mm's multiples of 16 (the GPU suite's
-    # scaled_mm_fp8 lowering serves only those).
+    # (N, K) off every tile grid; the "16" pair meets torch._scaled_mm's multiples of 16 and "block128"
+    # (DeepSeek's 128 x 128 blocks, two along K) F.scaled_mm's block recipe (the GPU suite's scaled_mm_fp8
+    # lowering serves only those).
     specs = {"tensor": ("tensor", None, (40, 72)), "channel": ("channel", None, (40, 72)), "block": ("block", (16, 32), (40, 72)),
-             "tensor16": ("tensor", None, (48, 64)), "channel16": ("channel", None, (48, 64))}
+             "tensor16": ("tensor", None, (48, 64)), "channel16": ("channel", None, (48, 64)),
+             "block128": ("block", (128, 128), (128, 256))}
     return {name: prepare_fp8_weight(quantize_rtn(torch.randn(*shape, generator=g), gran, block or (128, 128)), activations="none")
             for name, (gran, block, shape) in specs.items()}
 
@@ -191,6 +193,10 @@ def scaled_mm_fp8_samples():
             "per-token-fp16-bias-grad": (*per_token, torch.randn(n, generator=g).half().requires_grad_(), torch.float16),
             "per-tensor-fp32": (*per_tensor, None, torch.float32),
             "per-token-m0-bf16-bias": (*quantize_fp8_activations(torch.randn(0, k)), torch.randn(n, generator=g), torch.bfloat16),
+            # one scale per token and 128 K values: (2, 3, ceil(K/128))
+            "per-group-bf16-bias-grad": (*quantize_fp8_activations(x, group_size=128), torch.randn(n, generator=g).bfloat16().requires_grad_(),
+                                         torch.bfloat16),
+            "per-group-fp16": (*quantize_fp8_activations(x, group_size=128), None, torch.float16),
         }
         for vname, (x_fp8, x_scale, bias, out_dtype) in variants.items():
             out[f"{name}-{vname}"] = (x_fp8, x_scale, *_fp8_static(w), bias, w.block_n, w.block_k, out_dtype, int(w.kernel))

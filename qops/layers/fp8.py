@@ -21,8 +21,9 @@ stored ``weight_scale`` shape, since the config does not give it.
 ``get_linear(weight, bias, "fp8", weight_scale=..., input_scale=...)`` takes a float8_e4m3fn weight
 with its scale, or a floating weight, quantized here per channel. ``"fp8-kv"`` (fp8 weights with an
 fp8 KV cache in LoRAX) loads its linear layers the same way; the KV cache is not a layer concern.
-Activations: the format's ``prepare`` chooses W8A8 (static or dynamic per token) where a native FP8
-GEMM serves the weight and W8A16 otherwise (CPU, block scales).
+Activations: the format's ``prepare`` chooses W8A8 (static, or dynamic per token -- per token and 128
+K values for 128 x 128 blocks where the lowering reads that) where a native FP8 GEMM serves the weight
+and W8A16 otherwise (CPU, shapes or block scales the GEMM does not take).
 """
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ class Fp8Linear(QuantLinear):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.block_n, self.block_k = weight.block_n, weight.block_k
         self.activations = weight.activations
+        self.x_group_size = weight.x_group_size  # static: the quantization's shape is fixed per weight
         self.kernel = int(weight.kernel)
         self.choice = weight.choice
         self.register_buffer("weight", weight.weight)
@@ -160,11 +162,13 @@ class Fp8Linear(QuantLinear):
                 return torch.ops.qops.mm_fp8_weight(*args)
             torch.ops.qops.mm_fp8_weight_out(*args, *out_args)
             return out_args[0]
-        return mm_fp8(x, self.weight, self.weight_scale, self.bias, self.block_n, self.block_k, self.input_scale, self.kernel)
+        return mm_fp8(x, self.weight, self.weight_scale, self.bias, self.block_n, self.block_k, self.input_scale, self.kernel,
+                      self.x_group_size)
 
     def extra_repr(self) -> str:
         low = self.choice.lowering.name if self.choice is not None else f"kernel={self.kernel}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, blocks=({self.block_n}, {self.block_k}), activations={self.activations}, {low}"
+        acts = self.activations if self.x_group_size == -1 else f"{self.activations} (groups of {self.x_group_size})"
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks=({self.block_n}, {self.block_k}), activations={acts}, {low}"
 
 
 class Fp8Method(LinearMethod):

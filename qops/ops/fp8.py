@@ -18,12 +18,16 @@ Two mathematical contracts, two ops:
   ``qops::mm_fp8_weight_out`` writes the same into a caller-owned ``out`` and takes the caller's
   scratch (``workspace``) for the Triton GEMV's split-K accumulator.
 - ``qops::scaled_mm_fp8`` (W8A8 GEMM): ``y = (x_fp8 * x_scale) @ W.T + bias`` for activations already
-  quantized, ``x_scale`` per tensor ``(1,)`` or per token ``(..., 1)``.
+  quantized, ``x_scale`` per tensor ``(1,)``, per token ``(..., 1)`` or per token and group of 128
+  consecutive K values ``(..., ceil(K / 128))`` (the last group partial when K % 128 != 0): DeepSeek-V3's
+  1x128 activation quantization, which pairs with 128 x 128 weight blocks.
 
 W8A8 with run-time activation quantization is :func:`mm_fp8`: :func:`quantize_fp8_activations` (plain
 torch ops, so Inductor fuses them into whatever produces ``x``) followed by the opaque
 ``qops::scaled_mm_fp8``. Hiding the quantization inside the GEMM op would cost an extra read and write
-of the activations that compilation could not remove.
+of the activations that compilation could not remove. Whether the activations get one scale per token
+or per token and group is fixed when the weight is prepared (``Fp8Weight.x_group_size``): groups for
+128 x 128 blocks where the chosen lowering reads them (declared in ``qops.lowerings``).
 """
 from __future__ import annotations
 
@@ -31,10 +35,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from ..formats.fp8 import FP8_DTYPE, FP8_MAX, Fp8Quantized, dequantize_reference, expand_scale, scale_shape
-from ..lowerings import LOWERINGS_BY_KERNEL, LOWERINGS_BY_NAME, Choice, Kernel, WeightSpec, choose, implementation
+from ..lowerings import (LOWERINGS_BY_KERNEL, LOWERINGS_BY_NAME, X_SCALE_GROUP, CallFacts, Choice, Kernel, WeightSpec, choose,
+                         implementation)
 from ._common import (ACT_DTYPES, bias_grad, check_bias, check_devices, check_out, check_x, fail, frozen_weight_grads,
                       register_frozen_weight_autograd, save_frozen_weight)
 
@@ -69,11 +73,11 @@ def check_fp8_weight(who: str, k, weight: torch.Tensor, weight_scale: torch.Tens
 
 
 def check_kernel(who: str, kernel: int, device: torch.device, act_dtype: torch.dtype, weight: torch.Tensor | None = None,
-                 block_n: int = -1, block_k: int = -1) -> None:
+                 block_n: int = -1, block_k: int = -1, x_scale: str | None = None, out_dtype: torch.dtype | None = None) -> None:
     """``kernel`` names an fp8 lowering that runs on ``device`` and reads ``act_dtype`` activations
-    (and, given the weight, whose declared N / K multiples and scale layouts it fits: the chooser
-    never picks a lowering otherwise, a direct caller gets this error instead of one from inside
-    the kernel)."""
+    (and, given the weight, whose declared capabilities -- N / K multiples, weight-scale blocks,
+    activation-scale layout ``x_scale``, output dtype -- serve the call: the chooser never picks a
+    lowering otherwise, a direct caller gets this error instead of one from inside the kernel)."""
     low = LOWERINGS_BY_KERNEL.get((FAMILY, kernel))
     if low is None:
         known = sorted(int(kid) for fam, kid in LOWERINGS_BY_KERNEL if fam == FAMILY)
@@ -85,11 +89,10 @@ def check_kernel(who: str, kernel: int, device: torch.device, act_dtype: torch.d
     if weight is None:
         return
     n, k = weight.shape
-    for dim, size, multiple in (("N", n, low.n_multiple), ("K", k, low.k_multiple)):
-        if multiple > 1 and not guard_or_true(size % multiple == 0):
-            raise ValueError(fail(who, f"kernel={kernel} ({low.name}) needs weight {dim} a multiple of {multiple}, got {dim}={size}"))
-    if low.kernel == Kernel.SCALED_MM and (block_k != -1 or block_n not in (-1, 1)):
-        raise ValueError(fail(who, f"kernel={kernel} ({low.name}) needs per-tensor or per-channel weight scales, got block_n={block_n}, block_k={block_k}"))
+    facts = CallFacts(bits=8, group_size=block_k, act_dtype=act_dtype, n=n, k=k, block_n=block_n, out_dtype=out_dtype, x_scale=x_scale)
+    why = low.call_refusal(facts)
+    if why is not None:
+        raise ValueError(fail(who, f"kernel={kernel} ({low.name}) does not serve this call: {why}"))
 
 
 def check_mm_fp8_weight(who, x, weight, weight_scale, bias, block_n, block_k, kernel) -> list:
@@ -101,18 +104,30 @@ def check_mm_fp8_weight(who, x, weight, weight_scale, bias, block_n, block_k, ke
     return [*x.shape[:-1], n]
 
 
-def check_x_scale(who: str, x_scale: torch.Tensor, x: torch.Tensor) -> None:
-    """``x_scale`` is ``(1,)`` (per tensor) or ``(*x.shape[:-1], 1)`` (per token), float32."""
+def x_scale_groups(k) -> int:
+    """Number of per-token-group activation scales for ``k`` input features: ``ceil(K / 128)``."""
+    return -(-k // X_SCALE_GROUP)
+
+
+def check_x_scale(who: str, x_scale: torch.Tensor, x: torch.Tensor) -> str:
+    """``x_scale`` is float32 ``(1,)`` (per tensor), ``(*x.shape[:-1], 1)`` (per token) or
+    ``(*x.shape[:-1], ceil(K / 128))`` (per token and group of 128 K values); returns which
+    (``qops.lowerings.X_SCALE_LAYOUTS``). With K <= 128 a group is the whole token: "token"."""
     if x_scale.device != x.device:
         raise ValueError(fail(who, f"x_scale must be on {x.device} (the device of x_fp8), got {x_scale.device}"))
     torch._check_type(x_scale.dtype == torch.float32, lambda: fail(who, f"x_scale must be torch.float32, got {x_scale.dtype}"))
-    want = f"(1,) (per tensor) or {(*x.shape[:-1], 1)} (per token)"
-    if x_scale.dim() == x.dim():
-        for i in range(x.dim() - 1):
-            torch._check_value(x_scale.shape[i] == x.shape[i], lambda: fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
-        torch._check_value(x_scale.shape[-1] == 1, lambda: fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
-    else:
+    lead = tuple(x.shape[:-1])
+    groups = x_scale_groups(x.shape[-1])
+    want = (f"(1,) (per tensor), {(*lead, 1)} (per token) or {(*lead, groups)} (per token and group of "
+            f"{X_SCALE_GROUP} K values, K={x.shape[-1]})")
+    if x_scale.dim() != x.dim():
         torch._check_value(x_scale.dim() == 1 and x_scale.shape[0] == 1, lambda: fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
+        return "tensor"
+    for i in range(x.dim() - 1):
+        torch._check_value(x_scale.shape[i] == x.shape[i], lambda: fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
+    last = x_scale.shape[-1]
+    torch._check_value(last == 1 or last == groups, lambda: fail(who, f"x_scale must have shape {want}, got {tuple(x_scale.shape)}"))
+    return "token" if last == 1 else "group"
 
 
 def check_scaled_mm_fp8(who, x_fp8, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype, kernel) -> list:
@@ -121,10 +136,10 @@ def check_scaled_mm_fp8(who, x_fp8, x_scale, weight, weight_scale, bias, block_n
     torch._check_value(x_fp8.dim() >= 1, lambda: fail(who, "x_fp8 must have at least one dimension (..., K)"))
     if out_dtype not in ACT_DTYPES:
         raise TypeError(fail(who, f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}"))
-    check_x_scale(who, x_scale, x_fp8)
+    layout = check_x_scale(who, x_scale, x_fp8)
     n = check_fp8_weight(who, x_fp8.shape[-1], weight, weight_scale, block_n, block_k, x_fp8.device)
     check_bias(who, bias, n, x_fp8.device)
-    check_kernel(who, kernel, x_fp8.device, x_fp8.dtype, weight, block_n, block_k)
+    check_kernel(who, kernel, x_fp8.device, x_fp8.dtype, weight, block_n, block_k, layout, out_dtype)
     return [*x_fp8.shape[:-1], n]
 
 
@@ -178,7 +193,7 @@ def mm_fp8_weight_out(
 @torch.library.custom_op("qops::scaled_mm_fp8", mutates_args=(), schema=SCALED_MM_SCHEMA)
 def scaled_mm_fp8(
     x_fp8: torch.Tensor,  # (..., K) float8_e4m3fn
-    x_scale: torch.Tensor,  # (1,) or (..., 1) float32
+    x_scale: torch.Tensor,  # (1,), (..., 1) or (..., ceil(K/128)) float32
     weight: torch.Tensor,  # (N, K) float8_e4m3fn
     weight_scale: torch.Tensor,  # (S_n, S_k) float32
     bias: Optional[torch.Tensor],  # (N,) or None
@@ -204,18 +219,34 @@ def dequantize_fp8(
     return dequantize_reference(weight, weight_scale, block_n, block_k).to(dtype)
 
 
+def expand_x_scale_groups(x_scale: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-token-group scales ``(..., ceil(K / 128))`` -> the scale of every activation ``(..., K)``."""
+    return x_scale.repeat_interleave(X_SCALE_GROUP, dim=-1)[..., :k]
+
+
+def is_group_x_scale(x_scale: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether an ``x_scale`` already checked by :func:`check_x_scale` holds a scale per group of K
+    (more than one per token)."""
+    return x_scale.dim() == x.dim() and x_scale.shape[-1] > 1
+
+
 def reference_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype, out=None, workspace=None) -> torch.Tensor:
     """The CPU kernel (and the GPU fallback): dequantize in fp32, matmul with fp32 accumulation.
 
     Lowering entry contract (every fp8 lowering's entry has it): arguments already validated; ``x``
-    is float with ``x_scale`` None (W8A16) or float8_e4m3fn with its ``x_scale`` (W8A8); any strides;
-    returns a fresh ``(..., N)`` tensor of ``out_dtype``. No host synchronisation. Entries of
-    lowerings that serve W8A16 (``mm_fp8_weight_out``) also take ``out`` (``(..., N)`` of
-    ``out_dtype``, written and returned) and ``workspace`` (caller-owned uint8 scratch, clobbered,
-    used instead of allocating when large enough; None: allocate).
+    is float with ``x_scale`` None (W8A16) or float8_e4m3fn with its ``x_scale`` (W8A8: per tensor,
+    per token or per token and group, as the lowering declares it reads); any strides; returns a
+    fresh ``(..., N)`` tensor of ``out_dtype``. No host synchronisation. Entries of lowerings that
+    serve W8A16 (``mm_fp8_weight_out``) also take ``out`` (``(..., N)`` of ``out_dtype``, written and
+    returned) and ``workspace`` (caller-owned uint8 scratch, clobbered, used instead of allocating
+    when large enough; None: allocate).
     """
     w = dequantize_reference(weight, weight_scale, block_n, block_k)
-    y = x.float() @ w.t()
+    xf = x.float()
+    if x_scale is not None and is_group_x_scale(x_scale, x):
+        # Scales that vary along K cannot be factored out of the sum: dequantize x first.
+        xf, x_scale = xf * expand_x_scale_groups(x_scale, x.shape[-1]), None
+    y = xf @ w.t()
     if x_scale is not None:
         y = y * x_scale
     if bias is not None:
@@ -225,17 +256,34 @@ def reference_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_d
     return y.to(out_dtype)
 
 
-# M is padded up to a multiple of this before torch._scaled_mm: cuBLASLt's FP8 heuristics have refused
-# other M in some versions; the padding costs a copy of the (small) quantized activations only.
+# M is padded up to a multiple of this before cuBLASLt: its FP8 heuristics have refused other M in
+# some versions (and the block-scaled recipe refuses M = 1, 17, 257 on the H200 with torch 2.11); the
+# padding costs a copy of the (small) quantized activations only.
 SCALED_MM_M_MULTIPLE = 16
+# cuBLASLt's 128 x 128 weight-scale grid has its K/128 axis padded to a multiple of this (torch checks
+# the shape (round_up(ceil(K/128), 4), ceil(N/128)) with strides (1, round_up(ceil(K/128), 4))).
+BLOCK_SCALE_K_MULTIPLE = 4
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` (M, C) with ``rows`` zero rows appended (fp8 through its bytes: no fp8 pad kernel)."""
+    if t.dtype == FP8_DTYPE:
+        return torch.nn.functional.pad(t.view(torch.uint8), (0, 0, 0, rows)).view(FP8_DTYPE)
+    return torch.nn.functional.pad(t, (0, 0, 0, rows))
 
 
 def scaled_mm_lowering(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype) -> torch.Tensor:
-    """W8A8 through ``torch._scaled_mm`` (cuBLASLt): tensor-wise scales, or row-wise (per token x
-    per channel). The chooser only picks it for K and N multiples of 16 and scales constant along K.
+    """W8A8 through cuBLASLt: ``torch._scaled_mm`` for tensor-wise or row-wise (per token x per
+    channel) scales, :func:`blockwise_scaled_mm` for 128 x 128 weight blocks. The chooser only picks
+    it for what ``qops.lowerings`` declares (N, K multiples of 16; blocks 128 x 128 with N, K multiples
+    of 128 on sm_90, fp16 / bf16 output).
     """
-    if block_k != -1 or block_n not in (-1, 1):
-        raise ValueError(fail("scaled_mm_fp8", f"kernel={int(Kernel.SCALED_MM)} (torch._scaled_mm) needs per-tensor or per-channel weight scales, got block_n={block_n}, block_k={block_k}"))
+    if block_k != -1:
+        return blockwise_scaled_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype)
+    if block_n not in (-1, 1) or is_group_x_scale(x_scale, x):
+        raise ValueError(fail("scaled_mm_fp8", f"kernel={int(Kernel.SCALED_MM)} (torch._scaled_mm) needs per-tensor or per-channel weight "
+                                               f"scales and per-tensor or per-token x_scale, got block_n={block_n}, block_k={block_k}, "
+                                               f"x_scale {tuple(x_scale.shape)}"))
     n, k = weight.shape
     lead = x.shape[:-1]
     a = x.reshape(-1, k).contiguous()
@@ -250,14 +298,66 @@ def scaled_mm_lowering(x, x_scale, weight, weight_scale, bias, block_n, block_k,
         scale_a, scale_b = x_scale.reshape(1, 1), weight_scale.reshape(1, 1)
     pad = -m % SCALED_MM_M_MULTIPLE
     if pad:
-        a = torch.nn.functional.pad(a.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
+        a = _pad_rows(a, pad)
         if rowwise:
-            scale_a = torch.nn.functional.pad(scale_a, (0, 0, 0, pad))
+            scale_a = _pad_rows(scale_a, pad)
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
     y = torch._scaled_mm(a, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused_bias else None, out_dtype=out_dtype)
     if pad:
         y = y[:m]
     if bias is not None and not fused_bias:
+        y = (y.float() + bias.float()).to(out_dtype)
+    return y.reshape(*lead, n)
+
+
+def _x_scale_per_group(x_scale: torch.Tensor, m: int, groups: int) -> torch.Tensor:
+    """Any accepted ``x_scale`` (per tensor, token or group) as per-group scales ``(M, groups)``: a
+    tensor's or a token's one scale is its every group's."""
+    if x_scale.numel() == 1:
+        return x_scale.reshape(1, 1).expand(m, groups)
+    return x_scale.reshape(m, -1).expand(m, groups)
+
+
+def blockwise_scaled_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype) -> torch.Tensor:
+    """DeepSeek-style W8A8 through ``torch.nn.functional.scaled_mm``'s cuBLASLt recipe: activations
+    with 1x128 scales (``BlockWise1x128``: per token and 128 K values), the weight with 128 x 128
+    scales (``BlockWise128x128``). Recipe and layouts as ``benchmarks/probe_blockfp8.py`` verified on
+    the H200 (torch 2.11: rel. error 1.7e-3 against float64). ``torch._scaled_mm`` does not infer this
+    recipe from the scale shapes: it is not used here.
+
+    The weight-scale grid is padded and transposed per call rather than stored so once: the op's
+    ``weight_scale`` is the checkpoint's ``(ceil(N/128), ceil(K/128))`` grid, which every lowering and
+    the fake check, and the transform is a view unless ceil(K/128) % 4 != 0 (then a copy of N*K/16384
+    floats).
+    """
+    if (block_n, block_k) != (X_SCALE_GROUP, X_SCALE_GROUP):
+        raise ValueError(fail("scaled_mm_fp8", f"kernel={int(Kernel.SCALED_MM)} (F.scaled_mm block recipe) needs 128 x 128 weight blocks, "
+                                               f"got block_n={block_n}, block_k={block_k}"))
+    f = torch.nn.functional
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    a = x.reshape(-1, k).contiguous()
+    m = a.shape[0]
+    if m == 0:
+        return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
+    xs = _x_scale_per_group(x_scale, m, x_scale_groups(k))
+    pad = -m % SCALED_MM_M_MULTIPLE
+    if pad:
+        a, xs = _pad_rows(a, pad), _pad_rows(xs, pad)  # zero rows: their results are sliced off
+    scale_a = xs.t().contiguous().t()  # (M, K/128), outer-dim-major: strides (1, M)
+    ws = weight_scale.contiguous()
+    k_pad = -ws.shape[1] % BLOCK_SCALE_K_MULTIPLE
+    if k_pad:
+        ws = f.pad(ws, (0, k_pad))
+    scale_b = ws.t()  # (round_up(K/128, 4), N/128), strides (1, round_up(K/128, 4))
+    # Positional scale and recipe arguments: torch 2.11 and 2.13 agree on their order, not (all) on
+    # their keyword names. Bias is added after the GEMM: whether cuBLASLt's block-scaled kernels fuse
+    # a bias epilogue is not verified.
+    y = f.scaled_mm(a, weight.t(), scale_a, f.ScalingType.BlockWise1x128, scale_b, f.ScalingType.BlockWise128x128,
+                    output_dtype=out_dtype)
+    if pad:
+        y = y[:m]
+    if bias is not None:
         y = (y.float() + bias.float()).to(out_dtype)
     return y.reshape(*lead, n)
 
@@ -285,24 +385,46 @@ def _scaled_backward(ctx, grad):
 scaled_mm_fp8.register_autograd(_scaled_backward, setup_context=_scaled_setup_context)
 
 
-def quantize_fp8_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None,
+                             group_size: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x (..., K)`` -> ``(x_fp8, x_scale)`` with ``x ~= x_fp8 * x_scale``, in plain torch ops.
 
-    Dynamic (``input_scale`` None): one scale per token, ``amax(|x[..., :]|) / 448``, shape ``(..., 1)``.
+    Dynamic (``input_scale`` None): ``group_size`` -1, one scale per token, ``amax(|x[..., :]|) / 448``,
+    shape ``(..., 1)``; ``group_size`` 128, one per token and group of 128 consecutive K values (the
+    last group partial when K % 128 != 0), ``amax`` over the group, shape ``(..., ceil(K / 128))``.
+    Scales are at least ``MIN_X_SCALE``, so an all-zero token or group stays zero.
     Static: ``x_scale = input_scale`` ``(1,)``; values beyond ``448 * input_scale`` saturate.
     Rounding is to nearest even, in fp32.
     """
+    if group_size not in (-1, X_SCALE_GROUP):
+        raise ValueError(fail("quantize_fp8_activations", f"group_size must be -1 (per token) or {X_SCALE_GROUP}, got {group_size}"))
     xf = x.float()
-    if input_scale is None:
+    if input_scale is not None:
+        if group_size != -1:
+            raise ValueError(fail("quantize_fp8_activations", "group_size goes with dynamic scales; a static input_scale is one per tensor"))
+        scale = input_scale.float()
+    elif group_size == -1:
         scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_X_SCALE)
     else:
-        scale = input_scale.float()
+        return _quantize_fp8_groups(xf, group_size)
     x_fp8 = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return x_fp8, scale
 
 
-def _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel):
-    x_fp8, x_scale = quantize_fp8_activations(x, input_scale)
+def _quantize_fp8_groups(xf: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group dynamic quantization of fp32 ``xf`` (..., K): each group's values divided by
+    that group's ``amax / 448``."""
+    k = xf.shape[-1]
+    groups = -(-k // group_size)
+    # Zeros pad K to whole groups: they change no group's amax and are sliced off after rounding.
+    grouped = torch.nn.functional.pad(xf, (0, groups * group_size - k)).unflatten(-1, (groups, group_size))
+    scale = (grouped.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_X_SCALE)
+    q = (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.flatten(-2)[..., :k], scale
+
+
+def _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel, x_group_size):
+    x_fp8, x_scale = quantize_fp8_activations(x, input_scale, x_group_size)
     return torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, weight, weight_scale, bias, block_n, block_k, x.dtype, kernel)
 
 
@@ -311,14 +433,14 @@ class _Fp8ActivationMM(torch.autograd.Function):
     multiplies by the dequantized weight."""
 
     @staticmethod
-    def forward(ctx, x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel):
+    def forward(ctx, x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel, x_group_size):
         save_frozen_weight(ctx, x, bias, (weight, weight_scale), (block_n, block_k))
-        return _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel)
+        return _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel, x_group_size)
 
     @staticmethod
     def backward(ctx, grad):
         grad_x, grad_bias = frozen_weight_grads(ctx, grad, torch.ops.qops.dequantize_fp8, 3, fp32_bias_grad=True)
-        return grad_x, None, None, grad_bias, None, None, None, None
+        return grad_x, None, None, grad_bias, None, None, None, None, None
 
 
 def mm_fp8(
@@ -328,14 +450,17 @@ def mm_fp8(
     bias: Optional[torch.Tensor],  # (N,) or None
     block_n: int,
     block_k: int,
-    input_scale: Optional[torch.Tensor],  # (1,) float32 (static) or None (dynamic, per token)
+    input_scale: Optional[torch.Tensor],  # (1,) float32 (static) or None (dynamic)
     kernel: int,
+    x_group_size: int = -1,  # dynamic: -1 one scale per token, 128 per token and group of 128 K values
 ) -> torch.Tensor:  # (..., N), dtype of x
-    """W8A8: quantize ``x`` to fp8 (per token, or with the static ``input_scale``), then
-    ``qops::scaled_mm_fp8``. Differentiable in ``x`` and ``bias``."""
+    """W8A8: quantize ``x`` to fp8 (per token, per token and group, or with the static
+    ``input_scale``), then ``qops::scaled_mm_fp8``. Differentiable in ``x`` and ``bias``.
+    ``x_group_size`` is a static fact of the prepared weight (``Fp8Weight.x_group_size``), never a
+    per-call decision."""
     if torch.is_grad_enabled() and x.requires_grad:
-        return _Fp8ActivationMM.apply(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel)
-    return _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel)
+        return _Fp8ActivationMM.apply(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel, x_group_size)
+    return _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel, x_group_size)
 
 
 @dataclass
@@ -352,12 +477,14 @@ class Fp8Weight:
     activations: str  # "none" (W8A16), "dynamic" or "static" (W8A8)
     kernel: Kernel
     choice: Choice | None = None
+    x_group_size: int = -1  # dynamic W8A8: -1 one activation scale per token, 128 per token and group
 
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.activations == "none":
             return torch.ops.qops.mm_fp8_weight(x, self.weight, self.weight_scale, bias, self.block_n, self.block_k, int(self.kernel))
         input_scale = self.input_scale if self.activations == "static" else None
-        return mm_fp8(x, self.weight, self.weight_scale, bias, self.block_n, self.block_k, input_scale, int(self.kernel))
+        return mm_fp8(x, self.weight, self.weight_scale, bias, self.block_n, self.block_k, input_scale, int(self.kernel),
+                      self.x_group_size)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.ops.qops.dequantize_fp8(self.weight, self.weight_scale, self.block_n, self.block_k, dtype)
@@ -377,10 +504,15 @@ def prepare_fp8_weight(
     """Build the runtime layout and choose the lowering for its device.
 
     ``dtype`` is the activation dtype the weight will see (default float32). ``activations``:
-    ``"none"`` weight-only (W8A16); ``"dynamic"`` per-token fp8 activations; ``"static"`` fp8
-    activations with the checkpoint's ``input_scale``; ``"auto"`` W8A8 (static when the checkpoint
-    has an input scale) where a native FP8 GEMM serves the weight, W8A16 otherwise -- GPUs without FP8
-    units (compute capability < 8.9), CPU, block scales, N or K not multiples of 16.
+    ``"none"`` weight-only (W8A16); ``"dynamic"`` fp8 activations with scales computed per call;
+    ``"static"`` fp8 activations with the checkpoint's ``input_scale``; ``"auto"`` W8A8 (static when
+    the checkpoint has an input scale) where a native FP8 GEMM serves the weight, W8A16 otherwise --
+    GPUs without FP8 units (compute capability < 8.9), CPU, N or K not multiples of 16, block scales
+    other than 128 x 128 on sm_90 with N and K multiples of 128 and fp16 / bf16 activations.
+
+    Dynamic activations of a 128 x 128-block weight get one scale per token and group of 128 K
+    values (DeepSeek-V3's 1x128 recipe, which the block GEMM reads) where the chosen lowering
+    declares it reads them; one per token otherwise.
     """
     if activations not in ACTIVATIONS:
         raise ValueError(f"prepare_fp8_weight: activations must be one of {list(ACTIVATIONS)}, got {activations!r}")
@@ -399,6 +531,7 @@ def prepare_fp8_weight(
         return WeightSpec(
             family=FAMILY, format=format_name, bits=8, group_size=block_k, n=n, k=k,
             act_order=False, symmetric=True, device=weight.device, act_dtype=a_dtype,
+            block_n=block_n, out_dtype=act_dtype if a_dtype == FP8_DTYPE else None,
         )
 
     if activations == "none":
@@ -419,6 +552,11 @@ def prepare_fp8_weight(
         # Per-token activation scales need row-wise weight scales in _scaled_mm: expand once, here.
         scale, block_n = scale.expand(n, 1).contiguous(), 1
     input_scale = None if fq.input_scale is None else fq.input_scale.float().reshape(1).to(weight.device)
+    x_group_size = -1
+    if activations == "dynamic" and (block_n, block_k) == (X_SCALE_GROUP, X_SCALE_GROUP):
+        facts = CallFacts(bits=8, group_size=block_k, act_dtype=FP8_DTYPE, n=n, k=k, block_n=block_n, out_dtype=act_dtype, x_scale="group")
+        if choice.lowering.call_refusal(facts) is None:
+            x_group_size = X_SCALE_GROUP
     return Fp8Weight(
         weight=weight,
         weight_scale=scale,
@@ -430,4 +568,5 @@ def prepare_fp8_weight(
         activations=activations,
         kernel=choice.lowering.kernel,
         choice=choice,
+        x_group_size=x_group_size,
     )

@@ -1,6 +1,8 @@
-"""The fp8 family on a CUDA device: W8A16 through Triton, W8A8 through torch._scaled_mm and through the
-Triton fallback (odd N/K, block scales), every scale granularity, fp16 and bf16, against the float64
-oracle of tests/test_fp8.py; eagerly, under torch.compile(fullgraph=True) and in CUDA-graph replay.
+"""The fp8 family on a CUDA device: W8A16 through Triton, W8A8 through torch._scaled_mm, through
+F.scaled_mm's DeepSeek block recipe (128 x 128 weight blocks, 1x128 activation groups, sm_90) and
+through the Triton fallback (odd N/K, other block scales), every scale granularity, fp16 and bf16,
+against the float64 oracle of tests/test_fp8.py; eagerly, under torch.compile(fullgraph=True) and in
+CUDA-graph replay.
 
 Weights are quantized on the GPU and prepared there, so the chooser picks the lowering; the tests
 assert which one it picked.
@@ -23,6 +25,11 @@ DTYPES = (torch.float16, torch.bfloat16)
 MS = (1, 2, 7, 16, 64, 257, 2048)
 # fp32 accumulation, output rounded to fp16 / bf16.
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+# cuBLASLt's block recipe: Hopper's FP8 tensor cores sum each 128-K block's products in fewer than
+# fp32's bits before the block's scales are applied in fp32; benchmarks/probe_blockfp8.py measured
+# 1.7e-3 in bf16, about bf16's own rounding. fp16 gets margin for that inner sum.
+BLOCK_TOL = {torch.float16: 4e-3, torch.bfloat16: 1.2e-2}
+BLOCK_MS = (0, 1, 16, 17, 64, 257)
 # (format, granularity, N, K, block): aligned shapes go to torch._scaled_mm for W8A8; odd N/K and
 # block scales to the Triton fallback.
 CASES = {
@@ -31,7 +38,16 @@ CASES = {
     "channel-odd": ("fp8", "channel", 72, 200, None),
     "block128-odd": ("fp8-block", "block", 200, 328, (128, 128)),
     "channel-wide": ("fp8", "channel", 1024, 4096, None),
+    # DeepSeek blocks for F.scaled_mm: ceil(K/128) = 5 (its scale grid padded to 8 along K), and 32.
+    "block128-aligned": ("fp8-block", "block", 384, 640, (128, 128)),
+    "block128-wide": ("fp8-block", "block", 1024, 4096, (128, 128)),
 }
+
+
+def _needs_sm90():
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        pytest.skip(f"F.scaled_mm's block recipe runs on compute capability 9.x only; this GPU is {cap}")
 
 _BUILT: dict = {}
 
@@ -59,17 +75,17 @@ def _x(m: int, k: int, dtype, seed: int = 0) -> torch.Tensor:
 def _want(w, w64, x, bias):
     if w.activations == "none":
         return oracle_mm(x, w64, bias)
-    x_fp8, x_scale = quantize_fp8_activations(x, w.input_scale if w.activations == "static" else None)
+    x_fp8, x_scale = quantize_fp8_activations(x, w.input_scale if w.activations == "static" else None, w.x_group_size)
     return oracle_mm(oracle_x(x_fp8, x_scale).cuda(), w64, bias)
 
 
-def check(w, w64, x, bias, what):
+def check(w, w64, x, bias, what, tol=TOL):
     y = w.mm(x, bias)
     torch.cuda.synchronize()
-    assert y.dtype == x.dtype and tuple(y.shape) == (x.shape[0], w.out_features), what
+    assert y.dtype == x.dtype and tuple(y.shape) == (*x.shape[:-1], w.out_features), what
     assert torch.isfinite(y).all(), what
     err = rel_err(y, _want(w, w64, x, bias))
-    assert err <= TOL[x.dtype], f"{what}: relative error {err:.2e}"
+    assert err <= tol[x.dtype], f"{what}: relative error {err:.2e}"
     return y
 
 
@@ -107,7 +123,70 @@ def test_auto_takes_w8a8_where_scaled_mm_serves_it():
     assert (w.activations, w.kernel) == ("static", Kernel.SCALED_MM), w.choice.explain()
     w, _ = build("block128-odd", "auto", torch.bfloat16)
     assert (w.activations, w.kernel) == ("none", Kernel.TRITON), w.choice.explain()
-    assert "group_size=128 not in [-1]" in w.choice.explain()
+    assert "N=200 is not a multiple of 16" in w.choice.explain()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["block128-aligned", "block128-wide"])
+def test_chooser_takes_the_cublas_block_recipe_on_sm90(case, dtype):
+    """128 x 128 blocks with N, K multiples of 128: auto is W8A8 through the scaled_mm lowering with
+    per-token-group activation scales; fp32 activations are refused with the reason (W8A16 instead)."""
+    _needs_sm90()
+    w, _ = build(case, "auto", dtype)
+    assert (w.activations, w.kernel, w.x_group_size) == ("dynamic", Kernel.SCALED_MM, 128), w.choice.explain()
+    assert w.choice.explain().startswith("chose scaled_mm_fp8")
+    w32, _ = build(case, "auto", torch.float32)
+    assert (w32.activations, w32.kernel) == ("none", Kernel.TRITON), w32.choice.explain()
+    assert "not torch.float32" in w32.choice.explain()
+    tw, _ = build(case, "dynamic", torch.float32)  # W8A8 kept: Triton reads per-token scales only
+    assert (tw.kernel, tw.x_group_size) == (Kernel.TRITON, -1), tw.choice.explain()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["block128-aligned", "block128-wide"])
+def test_block_w8a8_through_cublas(case, dtype):
+    _needs_sm90()
+    w, w64 = build(case, "dynamic", dtype)
+    assert (w.kernel, w.x_group_size) == (Kernel.SCALED_MM, 128), w.choice.explain()
+    bias = torch.randn(w.out_features, device="cuda").to(dtype)
+    for m in BLOCK_MS:
+        for b in (None, bias):
+            check(w, w64, _x(m, w.in_features, dtype), b, f"{case} M={m} bias={b is not None}", BLOCK_TOL)
+    x3 = _x(6, w.in_features, dtype, seed=3).reshape(2, 3, w.in_features)
+    check(w, w64, x3, bias, f"{case} (2, 3, K)", BLOCK_TOL)
+
+
+@pytest.mark.parametrize("x_scales", ["per-tensor", "per-token", "per-group"])
+def test_block_lowering_reads_every_x_scale_layout(x_scales):
+    """qops::scaled_mm_fp8 on kernel 3 with 128 x 128 blocks takes any x_scale layout (a tensor's or a
+    token's scale is each of its groups'), odd M padded to 16, a strided x."""
+    _needs_sm90()
+    w, w64 = build("block128-aligned", "dynamic", torch.bfloat16)
+    n, k = w.out_features, w.in_features
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for m in (1, 17, 257):
+        x = torch.randn(k, m, device="cuda", generator=g).t()  # transposed: not contiguous
+        x_fp8, x_scale = quantize_fp8_activations(x, torch.tensor([0.02], device="cuda") if x_scales == "per-tensor" else None,
+                                                  128 if x_scales == "per-group" else -1)
+        for out_dtype in DTYPES:
+            bias = torch.randn(n, device="cuda").to(out_dtype)
+            y = torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, w.weight, w.weight_scale, bias, w.block_n, w.block_k, out_dtype, int(Kernel.SCALED_MM))
+            assert y.dtype == out_dtype and tuple(y.shape) == (m, n)
+            err = rel_err(y, oracle_mm(oracle_x(x_fp8, x_scale).cuda(), w64, bias))
+            assert err <= BLOCK_TOL[out_dtype], (m, out_dtype, err)
+
+
+def test_block_lowering_agrees_with_the_raw_f_scaled_mm_call():
+    """The lowering is the recipe benchmarks/probe_blockfp8.py verified, nothing more: at M = 16
+    (no padding) and K/128 = 32 (no scale padding) it returns the raw call's bits."""
+    _needs_sm90()
+    f = torch.nn.functional
+    w, _ = build("block128-wide", "dynamic", torch.bfloat16)
+    x_fp8, xs = quantize_fp8_activations(_x(16, w.in_features, torch.bfloat16), group_size=128)
+    raw = f.scaled_mm(x_fp8, w.weight.t(), xs.t().contiguous().t(), f.ScalingType.BlockWise1x128, w.weight_scale.t(),
+                      f.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    ours = torch.ops.qops.scaled_mm_fp8(x_fp8, xs, w.weight, w.weight_scale, None, 128, 128, torch.bfloat16, int(Kernel.SCALED_MM))
+    assert torch.equal(ours, raw)
 
 
 def test_without_fp8_units_weight_only_still_works(monkeypatch):
@@ -156,11 +235,18 @@ def _graph(fn, x):
     return g, out
 
 
-@pytest.mark.parametrize("case,activations", [("block128-odd", "none"), ("channel-aligned", "dynamic"),
-                                              ("channel-odd", "dynamic")])
-def test_compile_and_cuda_graph(case, activations):
-    dtype = torch.bfloat16
+@pytest.mark.parametrize("case,activations,dtype", [("block128-odd", "none", torch.bfloat16), ("channel-aligned", "dynamic", torch.bfloat16),
+                                                    ("channel-odd", "dynamic", torch.bfloat16),
+                                                    ("block128-aligned", "dynamic", torch.bfloat16), ("block128-aligned", "dynamic", torch.float16)],
+                         ids=str)
+def test_compile_and_cuda_graph(case, activations, dtype):
+    if case == "block128-aligned":
+        _needs_sm90()
     w, w64 = build(case, activations, dtype)
+    tol = TOL
+    if case == "block128-aligned":
+        assert (w.kernel, w.x_group_size) == (Kernel.SCALED_MM, 128), w.choice.explain()
+        tol = BLOCK_TOL
     bias = torch.randn(w.out_features, device="cuda").to(dtype)
 
     def f(x):
@@ -177,7 +263,7 @@ def test_compile_and_cuda_graph(case, activations):
         else:
             with torch.compiler.set_stance("fail_on_recompile"):
                 got = compiled(x)
-        assert rel_err(got, eager.double()) <= TOL[dtype], (m, "compiled")
+        assert rel_err(got, eager.double()) <= tol[dtype], (m, "compiled")
         for fn in (f, compiled):
             static_x = x.clone()
             g, out = _graph(fn, static_x)
@@ -186,5 +272,5 @@ def test_compile_and_cuda_graph(case, activations):
             g.replay()
             torch.cuda.synchronize()
             want = f(static_x)
-            assert rel_err(out, want.double()) <= TOL[dtype], (m, "graph replay")
+            assert rel_err(out, want.double()) <= tol[dtype], (m, "graph replay")
     torch._dynamo.reset()

@@ -86,10 +86,6 @@ def _has_fp8(args) -> bool:
 def test_gpu_opcheck(fmt, low, _deterministic):
     if low.device_refusal(torch.device("cuda")) is not None:
         pytest.skip(low.device_refusal(torch.device("cuda")))
-    if fmt == "fp8-block" and low.name == "scaled_mm_fp8":
-        pytest.skip("fp8-block weights have 2-D block scales; this lowering (torch._scaled_mm, tensor- or row-wise) "
-                    "declares group_sizes {-1}, so the chooser sends them to triton_fp8. A block-scaled cuBLAS lowering "
-                    "through F.scaled_mm (torch >= 2.11, sm_90) is not built yet: benchmarks/NOTES.md, stop 37")
     tags = FORMAT_SAMPLES[fmt]
     with_samples = set()
     checked: dict[str, int] = {}
@@ -114,6 +110,8 @@ def test_gpu_opcheck(fmt, low, _deterministic):
             assert result == {t: "SUCCESS" for t in utils}, (op_name, sample_id, result)
             checked[op_name] = checked.get(op_name, 0) + 1
     if low.name == "scaled_mm_fp8":
+        # fp8-block: the "block128" samples (128 x 128 blocks, per-token and per-token-group scales)
+        # through F.scaled_mm's block recipe; the 16 x 32 "block" samples are refused.
         assert checked.get("scaled_mm_fp8", 0) >= 1, f"no scaled_mm_fp8 sample served on {low.name}: {checked}"
     else:
         ops = [o for o in FAMILY_MM_OPS[low.family] if o in with_samples and o != "scaled_mm_fp8"]

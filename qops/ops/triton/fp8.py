@@ -1,6 +1,7 @@
 """Triton lowering of the fp8 op family on CUDA: ``qops::mm_fp8_weight`` (W8A16) and
-``qops::scaled_mm_fp8`` (W8A8 where ``torch._scaled_mm`` cannot serve: odd N or K, block scales,
-GPUs without FP8 GEMM support).
+``qops::scaled_mm_fp8`` (W8A8 where cuBLASLt cannot serve: odd N or K, block scales other than 128 x 128
+with N, K multiples of 128 on sm_90, GPUs without FP8 GEMM support), with per-tensor or per-token
+activation scales only (per-token-group scales are declared not served: ``qops.lowerings``).
 
 Reads the runtime layout of :mod:`qops.ops.fp8`: ``weight`` float8_e4m3fn ``(N, K)`` row-major (read
 as bytes), ``weight_scale`` fp32 ``(S_n, S_k)`` with blocks ``block_n x block_k`` (-1: whole dim).
@@ -263,6 +264,10 @@ def triton_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtyp
     k_blocked = block_k != -1
     if k_blocked and (block_k & (block_k - 1) or block_k < 32):
         raise ValueError(f"qops.triton_fp8: block_k must be -1 or a power of two >= 32, got {block_k}")
+    if x_scale is not None and x_scale.numel() not in (1, m):
+        # Per-token-group scales vary along K; the kernels multiply the accumulator by one scale a row
+        # (qops.lowerings declares it: the chooser and the op never send them here).
+        raise ValueError(f"qops.triton_fp8: x_scale must be per tensor or per token ({m} rows), got shape {tuple(x_scale.shape)}")
     xs = x_scale.reshape(-1) if x_scale is not None else weight_scale
     stride_xsm = xs.stride(0) if xs.numel() > 1 else 0
     post = (1.0 if native else 256.0) * (1.0 if native or not x_fp8 else 256.0)
