@@ -48,7 +48,8 @@
 // warp reaching its first chunk of the second tile sets its sums of the first aside in shared memory.
 // After the loop each block sums its two tiles over its warps, and the cluster's tiles are summed
 // across the blocks that share them, reading their sums through distributed shared memory in rank
-// order: deterministic, no workspace, no atomics, one kernel.
+// order: deterministic, no workspace, no atomics, one kernel. Its code sits under #if QOPS_STREAMK, so
+// every other build compiles to the PTX it had before (checked for the 124 builds a device run records).
 //
 // x staging, two modes (QOPS_XFULL):
 //   0: per iteration, as above: cp.async stages of the K range the block works on next, one barrier
@@ -295,10 +296,11 @@ __device__ __forceinline__ uint4 load_x8_scalar(const u16* src, int k, int K) {
   return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
-// The weight column of block-local column lc (NBLK = 32 * NWN columns a block); QOPS_GLU: the first
-// half of a block's columns are gate columns, the second the same up columns, H = N / 2 on.
+// The weight column of block-local column lc of column tile `tile` (NBLK = 32 * NWN columns a tile);
+// QOPS_GLU: the first half of a tile's columns are gate columns, the second the same up columns, H =
+// N / 2 on. (`tile` unsigned, as blockIdx.x: the same compares as when these read blockIdx.x.)
 template <int NWN>
-__device__ __forceinline__ int weight_column(int tile, int lc, int N) {
+__device__ __forceinline__ int weight_column(unsigned tile, int lc, int N) {
   constexpr int NBLK = 32 * NWN;
   if constexpr (QOPS_GLU) {
     const int half = NBLK / 2, j = tile * half + (lc < half ? lc : lc - half);
@@ -310,7 +312,7 @@ __device__ __forceinline__ int weight_column(int tile, int lc, int N) {
 
 // Whether block-local column lc is a column of the weight (QOPS_GLU: its output column j < H).
 template <int NWN>
-__device__ __forceinline__ bool column_ok(int tile, int lc, int N) {
+__device__ __forceinline__ bool column_ok(unsigned tile, int lc, int N) {
   constexpr int NBLK = 32 * NWN;
   if constexpr (QOPS_GLU) {
     const int half = NBLK / 2;
@@ -422,6 +424,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp % NWN, wk = warp / NWN;
   const int g = lane >> 2, c = lane & 3;
+#if QOPS_STREAMK
   const int KW = (K + 7) >> 3;
   const int C = (K + kChunkK - 1) / kChunkK;
   const int S = gridDim.y, split = blockIdx.y;
@@ -455,6 +458,21 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // rows a quarter warp reads in disjoint banks.
   const int RSF = chunks_blk * 16 + 4;
 
+#else
+  const int n0 = weight_column<NWN>(blockIdx.x, wn * 32 + 4 * g, N);
+  const bool n_ok = column_ok<NWN>(blockIdx.x, wn * 32 + 4 * g, N);
+  const int KW = (K + 7) >> 3;
+  const int C = (K + kChunkK - 1) / kChunkK;
+  const int S = gridDim.y, split = blockIdx.y;
+  const int cb = static_cast<int>(static_cast<long long>(split) * C / S);
+  const int ce = static_cast<int>(static_cast<long long>(split + 1) * C / S);
+  const int n_it = (ce - cb + NWK - 1) / NWK;
+  const int zw = (N + 7) >> 3;
+  const int xstage = M * RS;
+  const int chunks_blk = (C + S - 1) / S;
+  const int RSF = chunks_blk * 16 + 4;
+  const int kfirst = cb;  // the block's first chunk (stream-K: of its first tile)
+#endif
   // This lane's qweight words for iteration `it`, step j: wbase + it * wstride + j * 4 * ldq (either
   // qweight form, kQSlabs in w4.cuh).
   const int ldq = qweight_row_stride(N, flags);
@@ -485,11 +503,13 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // being recomputed (integer work in the main loop costs issue slots the dequantization needs).
   const u32* wnext = wbase;
   int ch_next = cb + wk;
-  // Stream-K: the chunk (within its tile) of the next load and the columns of that tile; the first
-  // load past the tile's last chunk moves them to tile + 1 (once: a block's range is shorter than C).
+#if QOPS_STREAMK
+  // The chunk (within its tile) of the next load and the columns of that tile; the first load past
+  // the tile's last chunk moves them to tile + 1 (once: a block's range is shorter than C).
   int kc_next = kfirst + wk;
   int n0_next = n0;
   bool nok_next = n_ok;
+#endif
   // L2 prefetch QOPS_PREFETCH iterations ahead of the loads. The register ring keeps only D chunks
   // in flight per warp; the weight stream needs more bytes in flight than registers can hold (DRAM
   // latency under load x bandwidth), and a prefetch holds no register: the later load then waits
@@ -518,27 +538,30 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   auto next_src = [&]() {
     prefetch_it(it_next + QOPS_PREFETCH);
     ++it_next;
-    const int ch = ch_next;  // the unit: the chunk, or (stream-K) the block-range position
+    const int ch = ch_next;  // the chunk, or (stream-K) the unit: the position in the block's range
     ch_next += NWK;
-    int kc = ch;  // the chunk within its tile
-    if constexpr (SK > 0) {
-      kc = kc_next;
-      kc_next += NWK;
-      if (kc >= C) {  // warp-uniform, at most once a warp for loads inside the range
-        kc -= C;
-        kc_next -= C;
-        n0_next = weight_column<NWN>(tile + 1, wn * 32 + 4 * g, N);
-        nok_next = column_ok<NWN>(tile + 1, wn * 32 + 4 * g, N);
-        wnext = qweight_column(qweight, n0_next, KW, flags) + static_cast<size_t>(kc * 16 + c) * ldq;
-      }
+#if QOPS_STREAMK
+    int kc = kc_next;  // the chunk within its tile
+    kc_next += NWK;
+    if (kc >= C) {  // warp-uniform, at most once a warp for loads inside the range
+      kc -= C;
+      kc_next -= C;
+      n0_next = weight_column<NWN>(tile + 1, wn * 32 + 4 * g, N);
+      nok_next = column_ok<NWN>(tile + 1, wn * 32 + 4 * g, N);
+      wnext = qweight_column(qweight, n0_next, KW, flags) + static_cast<size_t>(kc * 16 + c) * ldq;
     }
     const u32* p = wnext;
     wnext += wstride;
     const int grp = chunks_per_group == 1 ? kc : (chunks_per_group == 0 ? 0 : kc / chunks_per_group);
-    const int nc = SK > 0 ? n0_next : n0;
-    const bool nok = SK > 0 ? nok_next : n_ok;
-    return Src{p, scales + static_cast<size_t>(grp) * N + nc, qzeros + static_cast<size_t>(grp) * zw + (nc >> 3),
-               nok && ch < ce, ch < ce, KW - (kc * 16 + c)};
+    return Src{p, scales + static_cast<size_t>(grp) * N + n0_next, qzeros + static_cast<size_t>(grp) * zw + (n0_next >> 3),
+               nok_next && ch < ce, ch < ce, KW - (kc * 16 + c)};
+#else
+    const u32* p = wnext;
+    wnext += wstride;
+    const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
+    return Src{p, scales + static_cast<size_t>(grp) * N + n0, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3),
+               n_ok && ch < ce, ch < ce, KW - (ch * 16 + c)};
+#endif
   };
   auto load_chunk = [&](Chunk& ck) {
     const Src src = next_src();
@@ -698,10 +721,14 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       const bool in = s < xtotal;
       const int m = in ? pos.m : 0, kwl = pos.kwl;
       next_slot(pos);
-      // Stream-K: staged word kwl is word kfirst * 16 + kwl of its tile's K, wrapping into the next tile.
+#if QOPS_STREAMK
+      // Staged word kwl is word kfirst * 16 + kwl of its tile's K, wrapping into the next tile.
       int kword = kfirst * 16 + kwl;
-      if (SK > 0 && kword >= C * 16) kword -= C * 16;
+      if (kword >= C * 16) kword -= C * 16;
       const int k = kword * 8;
+#else
+      const int k = (cb * 16 + kwl) * 8;
+#endif
       const u16* src = x + (static_cast<size_t>(m) * ldx + k);
       const bool vec = xvec && k + 8 <= K;
       v[u] = make_uint4(0, 0, 0, 0);
@@ -874,8 +901,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
   };
 
+#if QOPS_STREAMK
   // This warp's sums into dst[wk][m][NBLK] (the block-local column), M rows, fp32.
-  const int total = M * NBLK;
+  const int mn = M * NBLK;  // values of one warp's (or block's) sums
   auto store_acc = [&](float* dst) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -885,7 +913,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         for (int i = 0; i < 4; ++i) {
           const int m = 8 * mt + 2 * c + (i & 1);
           const int col = wn * 32 + 4 * g + 2 * t + (i >> 1);
-          if (m < M) dst[wk * total + m * NBLK + col] = acc[mt][t][i];
+          if (m < M) dst[wk * mn + m * NBLK + col] = acc[mt][t][i];
         }
   };
   // Stream-K: the first tile's per-warp sums (red0) and the second's (red1), [NWK][M][NBLK] each, then
@@ -893,17 +921,21 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // other warps still read x).
   float* red0 = reinterpret_cast<float*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0));
   bool crossed = false;  // stream-K: this warp has moved on to tile + 1, its first tile's sums in red0
-  auto finish_first_tile = [&]() {
-    unscale_rows();
-    store_acc(red0);
+  auto zero_acc = [&]() {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int t = 0; t < 2; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
+  };
+  auto finish_first_tile = [&]() {
+    unscale_rows();
+    store_acc(red0);
+    zero_acc();
     crossed = true;
   };
+#endif
 
   const W4ZeroBase zbase = w4_zero_base<MDT>(static_cast<u32>(HAS_Z ? zero_offset : 8));  // w4.cuh
 
@@ -914,9 +946,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     // over the warpgroup and serializes every wgmma of a branch it takes for divergent (C7520).
     const bool have = ch < ce;
     if (!kWG && !have) return;
-    if constexpr (SK > 0) {
-      if (!crossed && ch >= ux) finish_first_tile();  // warp-uniform; the chunks ahead are tile + 1's
-    }
+#if QOPS_STREAMK
+    if (!crossed && ch >= ux) finish_first_tile();  // warp-uniform; the chunks ahead are tile + 1's
+#endif
 
     u32 za[4], zb[4];
     float zf[4];  // FOLD: the zeros, subtracted after the MMA
@@ -1202,33 +1234,28 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // Only the reduction and the stores are left: the next dependent launch may start its weight loads.
   grid_dep_launch_dependents();
 
-  constexpr int kHalf = NBLK / 2;
-#if __CUDA_ARCH__ >= 900
-  if constexpr (SK > 0) {
+#if QOPS_STREAMK && __CUDA_ARCH__ >= 900
+  {
+    constexpr int kHalf = NBLK / 2;
     // Stream-K: the block's sums of its (up to) two tiles, each over its NWK warps in order, then the
     // cluster's Tq tiles summed over the blocks that share each, in rank order (deterministic).
-    float* red1 = red0 + NWK * total;
-    float* part = red1 + NWK * total;  // [2][M][NBLK]
+    float* red1 = red0 + NWK * mn;
+    float* part = red1 + NWK * mn;  // [2][M][NBLK]
     store_acc(crossed ? red1 : red0);
-    if (!crossed) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
+    if (!crossed) {  // no second tile: its sums are zeros
+      zero_acc();
       store_acc(red1);
     }
     __syncthreads();
-    for (int idx = tid; idx < total; idx += kThreads) {
+    for (int idx = tid; idx < mn; idx += kThreads) {
       float v0 = red0[idx], v1 = red1[idx];
 #pragma unroll
       for (int w = 1; w < NWK; ++w) {
-        v0 += red0[w * total + idx];
-        v1 += red1[w * total + idx];
+        v0 += red0[w * mn + idx];
+        v1 += red1[w * mn + idx];
       }
       part[idx] = v0;
-      part[total + idx] = v1;
+      part[mn + idx] = v1;
     }
     cluster_sync();  // every block's sums visible
     const u32 part_a = smem_addr(part);
@@ -1244,7 +1271,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         const int rb = static_cast<int>(static_cast<long long>(r) * Uq / CL);
         const int re = static_cast<int>(static_cast<long long>(r + 1) * Uq / CL);
         if (rb < hi && re > lo) {  // block r has units of tile j: its first tile's (rb in it) or its second's
-          const u32 at = dsmem_map(part_a, r) + 4u * ((rb >= lo ? 0 : total) + m * NBLK + lc);
+          const u32 at = dsmem_map(part_a, r) + 4u * ((rb >= lo ? 0 : mn) + m * NBLK + lc);
           v += ld_dsmem_f32(at);
           if constexpr (QOPS_GLU) vu += ld_dsmem_f32(at + 4u * kHalf);
         }
@@ -1264,7 +1291,17 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #endif
   // Reduction over the NWK warps sharing a column tile (shared memory reused), fixed order.
   float* red = reinterpret_cast<float*>(smem);  // [NWK][M][NBLK]
-  store_acc(red);
+  const int total = M * NBLK;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = 8 * mt + 2 * c + (i & 1);
+        const int col = wn * 32 + 4 * g + 2 * t + (i >> 1);
+        if (m < M) red[wk * total + m * NBLK + col] = acc[mt][t][i];
+      }
   __syncthreads();
   // [M][NBLK]: the block's sums, read by the other blocks of the cluster, or (QOPS_GLU, one block a
   // column tile) paired gate with up below.
@@ -1283,6 +1320,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       else ws[(static_cast<size_t>(split) * M + m) * N + n] = v;
     }
   }
+  constexpr int kHalf = NBLK / 2;
   if constexpr (kPairHere) {
     if (S == 1) {
       __syncthreads();
