@@ -127,15 +127,19 @@ def _f16mma_variants():
 
 
 def _streamk_variants():
-    """Stream-K builds (QOPS_STREAMK, sm_90: clusters): every tile width at M = 1 and 8 with its cluster
-    and tiles, folded or not, both dtypes (bf16 through f16 MMAs at M = 1), zeros or not, the gated
-    output, and both tile heights up to 16 rows (two blocks an SM promised, as the plans require)."""
-    for nwn, splits, streamk in ((1, 4, 3), (2, 3, 2), (4, 8, 7), (8, 8, 7)):
+    """Stream-K builds (QOPS_STREAMK): every tile width at M = 1 and 8 with its cluster and tiles, and
+    groups meeting in global memory (no cluster: sm_80 too), folded or not, both dtypes (bf16 through
+    f16 MMAs at M = 1), zeros or not, the gated output, and both tile heights up to 16 rows (two blocks
+    an SM promised, as the plans require)."""
+    for nwn, splits, streamk, cluster in ((1, 4, 3, True), (2, 3, 2, True), (4, 8, 7, True), (8, 8, 7, True), (4, 33, 28, False),
+                                          (1, 11, 8, False)):
         for m in (1, 8, 16):
             for fold in ((False, True) if m <= 8 else (False,)):
                 for dt in (torch.float16, torch.bfloat16):
-                    p = native.make_plan(m, 28672, 4096, nwn=nwn, splits=splits, cluster=True, xfull=True, fold=fold, streamk=streamk,
-                                         f16mma=m == 1)
+                    # bf16 through f16 MMAs with the fold, as the M = 1 plans take it (the gated build without
+                    # the fold spills 16-20 bytes at 128 registers: a combination no plan makes)
+                    p = native.make_plan(m, 28672, 4096, nwn=nwn, splits=splits, cluster=cluster, xfull=True, fold=fold, streamk=streamk,
+                                         f16mma=fold)
                     yield p.defines(dt, fold or m == 8)
                     if nwn == 4:
                         yield p.defines(dt, True, glu=True)
@@ -512,12 +516,17 @@ def test_make_plan_shapes_a_streamk_grid():
     assert "QOPS_STREAMK" not in native.make_plan(1, 28672, 4096, nwn=4, splits=1, cluster=False, xfull=True).defines(torch.float16, True)
     q = native.make_plan(1, 6144, 4096, nwn=1, splits=4, cluster=True, xfull=True, streamk=3)
     assert q.tiles == 64 and q.tiles * q.splits == 256  # 192 tiles of 32 columns
+    # Without a cluster: 8 groups of 33 blocks over 28 tiles (264 blocks); the workspace holds each
+    # block's two tiles' sums and an arrival count a column tile.
+    r = native.make_plan(1, 28672, 4096, nwn=4, splits=33, cluster=False, xfull=True, fold=True, streamk=28)
+    assert (r.tiles, r.tiles * r.splits) == (8, 264) and r.workspace == 264 * 2 * 128 * 4 + 224 * 4
     assert native.remake_plan(p, 28672, 4096, fold=False).streamk == 7
 
 
 @pytest.mark.parametrize("kw,why", [
     (dict(streamk=8), "1 <= streamk < splits"),
-    (dict(streamk=7, cluster=False), "a cluster"),
+    (dict(streamk=7, splits=9), "a cluster of 9 blocks"),
+    (dict(streamk=28, splits=65, cluster=False), "<= 64 without"),
     (dict(streamk=7, xfull=False, fold=False), "x staged once"),
     (dict(streamk=7, minb=1), "minb=2"),
     (dict(streamk=7, m=17, fold=False, minb=1), "M <= 16"),

@@ -166,10 +166,12 @@ class Plan:
     # (x staged once, nwn 4 or 8) Hopper's warpgroup MMAs (w4a16_gemv.cu, QOPS_WGMMA; an sm_90a build;
     # measured slower than the mma.sync build on the large shapes: measurements only, in no plan)
     wgmma: bool = False
-    # Stream-K (w4a16_gemv.cu, QOPS_STREAMK): a cluster of ``splits`` blocks shares ``streamk`` column
+    # Stream-K (w4a16_gemv.cu, QOPS_STREAMK): a group of ``splits`` blocks shares ``streamk`` column
     # tiles (streamk < splits), each block taking an equal run of the tiles' (tile, K chunk) units, so
     # every block has the same work where whole tiles would leave some SMs one tile and others two;
-    # ``tiles`` is then the number of clusters (the grid's x). 0: off.
+    # ``tiles`` is then the number of groups (the grid's x). A group is a cluster (``cluster``), or
+    # (measurements) blocks that meet in global memory with arrival counts the launch takes from a
+    # zeroed qops-owned buffer (:func:`_streamk_scratch`), not the caller's workspace. 0: off.
     streamk: int = 0
 
     def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False) -> dict[str, int]:
@@ -281,9 +283,10 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
     if wgmma and not (xfull and nwn in (4, 8) and not fold):
         return (f"wgmma needs x staged once (xfull), nwn 4 or 8 (a warpgroup's four warps share their K chunk) and no fold "
                 f"(got xfull={xfull}, nwn={nwn}, fold={fold})")
-    if streamk and not (xfull and cluster and 1 <= streamk < splits and not wgmma):
-        return (f"streamk={streamk} needs x staged once (xfull), a cluster of more blocks than the tiles it shares "
-                f"(1 <= streamk < splits) and no wgmma (got xfull={xfull}, cluster={cluster}, splits={splits}, wgmma={wgmma})")
+    if streamk and not (xfull and 1 <= streamk < splits <= (8 if cluster else 64) and not wgmma):
+        return (f"streamk={streamk} needs x staged once (xfull), a group of more blocks than the tiles it shares "
+                f"(1 <= streamk < splits, splits <= 8 in a cluster, <= 64 without) and no wgmma (got xfull={xfull}, "
+                f"cluster={cluster}, splits={splits}, wgmma={wgmma})")
     if streamk and (mt > 2 or minb != 2):
         # The grid is sized for two blocks an SM (the point of it); ptxas keeps those builds to 128
         # registers without spills at M <= 16 (tests/test_native_compile.py).
@@ -352,14 +355,18 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     xs_bytes = xfull_bytes(m, k, splits, fold, wgmma, streamk) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
     shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster))
     if streamk:
-        tiles = -(-tiles // streamk)  # clusters: the grid's x
+        groups = -(-tiles // streamk)  # the grid's x
         shmem = xs_bytes + streamk_bytes(m, nwn)
+        # Without a cluster: the blocks' two tiles' sums, then an arrival count a column tile (ints).
+        ws = 0 if cluster else groups * splits * 2 * m * nblk * 4 + tiles * 4
+        tiles = groups
     limit = SHMEM_OPTIN_MAX_BYTES if smem_limit is None else smem_limit
     if shmem > limit:
         raise ValueError(f"native_w4a16: x staged once and a {smem_ring}-stage shared-memory ring need {shmem} bytes of shared "
                          f"memory a block (x {xs_bytes} + ring {smem_ring_bytes(smem_ring)}); the device allows {limit} "
                          f"(its opt-in maximum): take fewer stages or split K more")
-    ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
+    if not streamk:
+        ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
     if f16mma is None:
         f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK and not wgmma
     return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma,
@@ -800,7 +807,10 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     gemv_flags = flags
     if m <= 8:  # at M = 16 the W4A16 rows measured 0.99-1.03x: not taken
         gemv_flags |= early_dependents_flag(gemv, dev, p.tiles * p.splits, THREADS, shmem)
-    ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
+    if p.streamk and p.workspace:
+        ws = _streamk_scratch(x2.device, p.workspace)
+    else:
+        ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
     ws_ptr = ws.data_ptr() if ws is not None else 0
     i32 = compiler.i32
     pdl = use_pdl(dev)
@@ -811,7 +821,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
         i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(gemv_flags),
         pdl=pdl,
     )
-    if p.workspace:
+    if p.workspace and not p.streamk:
         reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=p.wgmma)
         compiler.launch(
             reduce, (-(-m * o2.shape[1] // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
@@ -830,6 +840,21 @@ def _workspace(workspace: Optional[torch.Tensor], need: int, device: torch.devic
             return workspace
     # From torch's caching allocator; freed after the launches, reused only in stream order.
     return torch.empty(need // 4, dtype=torch.float32, device=device)
+
+
+_STREAMK_SCRATCH: dict = {}
+
+
+def _streamk_scratch(device: torch.device, need: int) -> torch.Tensor:
+    """The scratch of stream-K plans without a cluster (measurements only, in no plan): their arrival
+    counts must be zero when a launch starts, and each launch leaves them zero, which a caller's
+    workspace (clobbered by any op) cannot promise. One zeroed buffer a device, grown as needed: two
+    such launches running at once on different streams would share it, so this is not a shipped path."""
+    buf = _STREAMK_SCRATCH.get(device)
+    if buf is None or buf.numel() * 4 < need:
+        buf = torch.zeros(-(-need // 4), dtype=torch.float32, device=device)
+        _STREAMK_SCRATCH[device] = buf
+    return buf
 
 
 def _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace):
@@ -877,7 +902,9 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
             compiler.max_active_blocks(gemv, dev, THREADS, shmem)  # the early-release check's occupancy query, cached now
             i0 = compiler.i32(0)
             compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
-            if p.workspace:
+            if p.streamk and p.workspace:  # its zeroed scratch, allocated now rather than inside a capture
+                _streamk_scratch(torch.device("cuda", dev), p.workspace)
+            elif p.workspace:
                 reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=p.wgmma)
                 compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
         if max_m > last and k % 8 == 0:  # the GEMM's rows (gated calls there run it unfused, then silu_mul)

@@ -50,6 +50,12 @@
 // across the blocks that share them, reading their sums through distributed shared memory in rank
 // order: deterministic, no workspace, no atomics, one kernel. Its code sits under #if QOPS_STREAMK, so
 // every other build compiles to the PTX it had before (checked for the 124 builds a device run records).
+// Measured on the H200 it is 1.6-1.8x *slower*: the driver fits only 30 clusters of 8 (62 of 4) at once,
+// 240-248 blocks, so 256-block grids run in two waves (`...-0301e3e-cluster-occupancy.json`). With
+// QOPS_CLUSTER 1 (measurements) the S blocks of a group meet in global memory instead: each writes its
+// two tiles' sums to ws, and a per-tile arrival count (atomicAdd after a fence) picks the last block to
+// arrive, which adds the sharers' sums in rank order (still deterministic) and stores; the counts must
+// be zero when a launch starts and are left zero, which the host's scratch for these plans provides.
 //
 // x staging, two modes (QOPS_XFULL):
 //   0: per iteration, as above: cp.async stages of the K range the block works on next, one barrier
@@ -115,7 +121,7 @@
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_WGMMA (0/1: warpgroup MMAs, below; sm_90a, x staged once, NWN 4 or 8),
-// QOPS_STREAMK (0: off; SK > 0: stream-K over SK tiles a cluster, above; needs QOPS_CLUSTER > SK),
+// QOPS_STREAMK (0: off; SK > 0: stream-K over SK tiles a group of blocks, above; a cluster needs QOPS_CLUSTER > SK),
 // QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
 // timer stamps to ws, so the launch must pass a buffer there and use no split-K workspace; below).
 //
@@ -329,6 +335,16 @@ __device__ __forceinline__ int column_tiles(int N) {
   return QOPS_GLU ? ((N >> 1) + NBLK / 2 - 1) / (NBLK / 2) : (N + NBLK - 1) / NBLK;
 }
 
+#if QOPS_STREAMK && QOPS_CLUSTER == 1
+// A float from global memory through L2 only (.cg): written by another SM in this launch, so never
+// from this SM's L1.
+__device__ __forceinline__ float ld_cg_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+#endif
+
 // y = silu(gate) * up, from fp32 sums, stored as one output value.
 template <int DT>
 __device__ __forceinline__ void store_glu(u16* out, int m, int j, int ldo, float gate, float up) {
@@ -386,9 +402,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
                 "QOPS_WGMMA needs x staged once, NWN 4 or 8 (a warpgroup's warps share their chunk), no fold, "
                 "no bf16-through-f16 staging and no shared-memory ring");
   constexpr int SK = QOPS_STREAMK;  // stream-K: column tiles a cluster shares (0: off)
-  static_assert(SK == 0 || (XF && SR == 0 && !kWG && QOPS_PREFETCH == 0 && CL >= 2 && SK < CL),
-                "QOPS_STREAMK needs x staged once, the register ring, no wgmma, no prefetch, and a cluster of "
-                "more blocks than the tiles it shares (QOPS_CLUSTER > QOPS_STREAMK)");
+  static_assert(SK == 0 || (XF && SR == 0 && !kWG && QOPS_PREFETCH == 0 && (CL == 1 || SK < CL)),
+                "QOPS_STREAMK needs x staged once, the register ring, no wgmma, no prefetch, and (in a cluster) "
+                "more blocks than the tiles they share (QOPS_CLUSTER > QOPS_STREAMK)");
   [[maybe_unused]] constexpr int kCore = 128;                  // QOPS_WGMMA: one core matrix of x, 8 rows x 16 bytes
   [[maybe_unused]] constexpr int kChunkImg = 16 * MT * kCore;  // QOPS_WGMMA: one 128-row chunk of the x image
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
@@ -428,24 +444,13 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int KW = (K + 7) >> 3;
   const int C = (K + kChunkK - 1) / kChunkK;
   const int S = gridDim.y, split = blockIdx.y;
-  // The block's work: column tile `tile`, chunks [cb, ce) of K. Stream-K (SK > 0, see the top): units
-  // [cb, ce) of its cluster's Tq x C (tile, chunk) units, tile-major; units from ux on belong to
-  // tile + 1, and the block's first unit is chunk kfirst of `tile`.
-  int tile = blockIdx.x, cb, ce, kfirst, ux = 0, tile0 = 0, Tq = 1;
-  if constexpr (SK > 0) {
-    tile0 = blockIdx.x * SK;
-    Tq = min(SK, column_tiles<NWN>(N) - tile0);
-    const int Uq = Tq * C;
-    cb = static_cast<int>(static_cast<long long>(split) * Uq / CL);
-    ce = static_cast<int>(static_cast<long long>(split + 1) * Uq / CL);
-    tile = tile0 + cb / C;
-    kfirst = cb - (cb / C) * C;
-    ux = cb - kfirst + C;
-  } else {
-    cb = static_cast<int>(static_cast<long long>(split) * C / S);
-    ce = static_cast<int>(static_cast<long long>(split + 1) * C / S);
-    kfirst = cb;
-  }
+  // The block's work (see the top): units [cb, ce) of its group's Tq x C (tile, chunk) units, tile-major,
+  // the group being the S blocks of blockIdx.x (a cluster, or with QOPS_CLUSTER 1 blocks that meet in
+  // global memory); units from ux on belong to tile + 1, and the first unit is chunk kfirst of `tile`.
+  const int tile0 = blockIdx.x * SK, Tq = min(SK, column_tiles<NWN>(N) - tile0), Uq = Tq * C;
+  const int cb = static_cast<int>(static_cast<long long>(split) * Uq / S);
+  const int ce = static_cast<int>(static_cast<long long>(split + 1) * Uq / S);
+  const int tile = tile0 + cb / C, kfirst = cb - (cb / C) * C, ux = cb - kfirst + C;
   // (n0 & 7, the nibble of n0 in its zeros word, is the same in every tile: tiles are 16k columns)
   const int n0 = weight_column<NWN>(tile, wn * 32 + 4 * g, N);
   const bool n_ok = column_ok<NWN>(tile, wn * 32 + 4 * g, N);
@@ -453,7 +458,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int zw = (N + 7) >> 3;
   const int xstage = M * RS;
   // Chunks of x a block stages at most (XF).
-  const int chunks_blk = SK > 0 ? (SK * C + CL - 1) / CL : (C + S - 1) / S;
+  const int chunks_blk = (SK * C + S - 1) / S;
   // XF: x row m of the block's K range at xs[m * RSF + local 8-value row]; RSF = 4 (mod 8) keeps the
   // rows a quarter warp reads in disjoint banks.
   const int RSF = chunks_blk * 16 + 4;
@@ -1234,11 +1239,11 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // Only the reduction and the stores are left: the next dependent launch may start its weight loads.
   grid_dep_launch_dependents();
 
-#if QOPS_STREAMK && __CUDA_ARCH__ >= 900
+#if QOPS_STREAMK && (QOPS_CLUSTER == 1 || __CUDA_ARCH__ >= 900)
   {
     constexpr int kHalf = NBLK / 2;
-    // Stream-K: the block's sums of its (up to) two tiles, each over its NWK warps in order, then the
-    // cluster's Tq tiles summed over the blocks that share each, in rank order (deterministic).
+    // Stream-K: the block's sums of its (up to) two tiles, each over its NWK warps in order, then each
+    // of the group's Tq tiles summed over the blocks that share it, in rank order (deterministic).
     float* red1 = red0 + NWK * mn;
     float* part = red1 + NWK * mn;  // [2][M][NBLK]
     store_acc(crossed ? red1 : red0);
@@ -1257,25 +1262,17 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       part[idx] = v0;
       part[mn + idx] = v1;
     }
-    cluster_sync();  // every block's sums visible
-    const u32 part_a = smem_addr(part);
-    const int Uq = Tq * C;
+    // Which of block r's sums hold group tile j: 0 (its first tile), 1 (its second), or -1 (none).
+    auto seg_of = [&](int r, int j) {
+      const int rb = static_cast<int>(static_cast<long long>(r) * Uq / S);
+      const int re = static_cast<int>(static_cast<long long>(r + 1) * Uq / S);
+      const int j0 = rb / C;
+      return j0 == j ? 0 : (j0 + 1 == j && re > (j0 + 1) * C ? 1 : -1);
+    };
     constexpr int kCols = QOPS_GLU ? kHalf : NBLK;  // output columns a tile
     const int per_tile = M * kCols;
-    for (int o = split * kThreads + tid; o < Tq * per_tile; o += CL * kThreads) {
-      const int j = o / per_tile, rem = o - j * per_tile, m = rem / kCols, lc = rem - m * kCols;
-      const int lo = j * C, hi = lo + C;  // the tile's units
-      float v = 0.f, vu = 0.f;
-#pragma unroll
-      for (int r = 0; r < CL; ++r) {
-        const int rb = static_cast<int>(static_cast<long long>(r) * Uq / CL);
-        const int re = static_cast<int>(static_cast<long long>(r + 1) * Uq / CL);
-        if (rb < hi && re > lo) {  // block r has units of tile j: its first tile's (rb in it) or its second's
-          const u32 at = dsmem_map(part_a, r) + 4u * ((rb >= lo ? 0 : mn) + m * NBLK + lc);
-          v += ld_dsmem_f32(at);
-          if constexpr (QOPS_GLU) vu += ld_dsmem_f32(at + 4u * kHalf);
-        }
-      }
+    // Output (m, lc) of group tile j from its fp32 sum (and the up half's, QOPS_GLU).
+    auto store_tile_out = [&](int j, int m, int lc, float v, float vu) {
       const int tg = tile0 + j;
       if constexpr (QOPS_GLU) {
         if (column_ok<NWN>(tg, lc, N)) store_glu<DT>(out, m, tg * kHalf + lc, ldo, v, vu);
@@ -1283,8 +1280,66 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         const int n = tg * NBLK + lc;
         if (n < N) store_out<DT>(out, bias, flags, m, n, ldo, v);
       }
+    };
+#if QOPS_CLUSTER > 1
+    // The cluster's blocks read each other's sums through distributed shared memory.
+    cluster_sync();  // every block's sums visible
+    const u32 part_a = smem_addr(part);
+    for (int o = split * kThreads + tid; o < Tq * per_tile; o += S * kThreads) {
+      const int j = o / per_tile, rem = o - j * per_tile, m = rem / kCols, lc = rem - m * kCols;
+      float v = 0.f, vu = 0.f;
+#pragma unroll
+      for (int r = 0; r < CL; ++r) {
+        const int sg = seg_of(r, j);
+        if (sg >= 0) {
+          const u32 at = dsmem_map(part_a, r) + 4u * (sg * mn + m * NBLK + lc);
+          v += ld_dsmem_f32(at);
+          if constexpr (QOPS_GLU) vu += ld_dsmem_f32(at + 4u * kHalf);
+        }
+      }
+      store_tile_out(j, m, lc, v, vu);
     }
     cluster_sync();  // no block leaves while another still reads its shared memory
+#else
+    // Without a cluster (measurements): the sums go to ws [group][rank][2][M][NBLK], then a per-tile
+    // arrival count (T ints after them, zero on entry and left zero) picks the last block to arrive at
+    // a tile, which adds every sharer's sums in rank order and stores the tile.
+    float* mine = ws + (static_cast<size_t>(blockIdx.x) * S + split) * 2 * mn;
+    for (int idx = tid; idx < 2 * mn; idx += kThreads) mine[idx] = part[idx];
+    int* arrivals = reinterpret_cast<int*>(ws + static_cast<size_t>(gridDim.x) * S * 2 * mn);
+    __shared__ int last[2];
+    __threadfence();  // the sums are visible to every SM before the arrival is
+    __syncthreads();
+    if (tid < 2) {
+      const int j = tile - tile0 + tid;  // this block's first and second tile
+      last[tid] = 0;
+      if (j < Tq && seg_of(split, j) == tid) {
+        int sharers = 0;
+        for (int r = 0; r < S; ++r) sharers += seg_of(r, j) >= 0;
+        last[tid] = atomicAdd(arrivals + tile0 + j, 1) == sharers - 1;
+      }
+    }
+    __syncthreads();
+    for (int sgm = 0; sgm < 2; ++sgm) {
+      if (!last[sgm]) continue;  // block-uniform
+      __threadfence();  // the other sharers' sums, published before their arrivals, are read after ours
+      const int j = tile - tile0 + sgm;
+      for (int o = tid; o < per_tile; o += kThreads) {
+        const int m = o / kCols, lc = o - m * kCols;
+        float v = 0.f, vu = 0.f;
+        for (int r = 0; r < S; ++r) {
+          const int sg = seg_of(r, j);
+          if (sg >= 0) {
+            const float* at = ws + ((static_cast<size_t>(blockIdx.x) * S + r) * 2 + sg) * mn + m * NBLK + lc;
+            v += ld_cg_f32(at);
+            if constexpr (QOPS_GLU) vu += ld_cg_f32(at + kHalf);
+          }
+        }
+        store_tile_out(j, m, lc, v, vu);
+      }
+      if (tid == 0) arrivals[tile0 + j] = 0;  // every sharer has arrived: ready for the next launch
+    }
+#endif
     stamp(4);
     return;
   }

@@ -342,9 +342,13 @@ def blockwise_scaled_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k
         return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
     xs = _x_scale_per_group(x_scale, m, x_scale_groups(k))
     pad = -m % SCALED_MM_M_MULTIPLE
-    if pad:
-        a, xs = _pad_rows(a, pad), _pad_rows(xs, pad)  # zero rows: their results are sliced off
-    scale_a = xs.t().contiguous().t()  # (M, K/128), outer-dim-major: strides (1, M)
+    if pad:  # zero rows (their results are sliced off), the scales padded in their (K/128, M) image
+        a = _pad_rows(a, pad)
+        scale_a = f.pad(xs.t(), (0, pad)).t()
+    elif xs.stride(0) == 1 and xs.stride(1) == m:
+        scale_a = xs  # already outer-dim-major, as quantize_fp8_activations makes group scales
+    else:
+        scale_a = xs.t().contiguous().t()  # (M, K/128), outer-dim-major: strides (1, M)
     ws = weight_scale.contiguous()
     k_pad = -ws.shape[1] % BLOCK_SCALE_K_MULTIPLE
     if k_pad:
@@ -414,13 +418,18 @@ def quantize_fp8_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor
 def _quantize_fp8_groups(xf: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token-group dynamic quantization of fp32 ``xf`` (..., K): each group's values divided by
     that group's ``amax / 448``."""
-    k = xf.shape[-1]
+    k, lead = xf.shape[-1], xf.shape[:-1]
     groups = -(-k // group_size)
     # Zeros pad K to whole groups: they change no group's amax and are sliced off after rounding.
-    grouped = torch.nn.functional.pad(xf, (0, groups * group_size - k)).unflatten(-1, (groups, group_size))
-    scale = (grouped.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_X_SCALE)
+    grouped = torch.nn.functional.pad(xf.reshape(-1, k), (0, groups * group_size - k)).unflatten(-1, (groups, group_size))
+    # The scales are made group-major, (groups, tokens) contiguous, and handed out transposed: (tokens,
+    # groups) with strides (1, tokens), the layout cuBLAS's 1x128 recipe reads (blockwise_scaled_mm then
+    # passes them as they are instead of copying them; under torch.compile this is the reduction's own
+    # store). Elementwise ops keep the layout.
+    amax = grouped.transpose(0, 1).abs().amax(dim=-1).contiguous().t()
+    scale = (amax / FP8_MAX).clamp(min=MIN_X_SCALE)
     q = (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.flatten(-2)[..., :k], scale
+    return q.flatten(-2)[..., :k].reshape(*lead, k), scale.reshape(*lead, groups)
 
 
 def _mm_fp8(x, weight, weight_scale, bias, block_n, block_k, input_scale, kernel, x_group_size):

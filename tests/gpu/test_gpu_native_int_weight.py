@@ -432,38 +432,39 @@ def test_wgmma_gated_output_and_cuda_graph():
         _check_graph_replays(nw, 16, k, torch.float16, (3, 4), f"wgmma graph {p}")
 
 
-# Stream-K (QOPS_STREAMK, thread-block clusters): (nwn, blocks a cluster, tiles a cluster). Block ranges
-# that start and end inside tiles and wrap x into the next tile, a last cluster with fewer tiles than the
-# others, and blocks with no units at all (1000x777: 8 tiles of 7 chunks, the last cluster one tile over
-# 8 blocks).
-STREAMK_PLANS = [(4, 8, 7), (1, 4, 3), (8, 8, 7), (2, 3, 2), (4, 2, 1)]
+# Stream-K (QOPS_STREAMK): (nwn, blocks a group, tiles a group, a cluster or global memory). Block
+# ranges that start and end inside tiles and wrap x into the next tile, a last group with fewer tiles
+# than the others, and blocks with no units at all (1000x777: 8 tiles of 7 chunks, the last cluster of
+# 8 one tile; the groups of 33 blocks over 28 tiles, one group there).
+STREAMK_PLANS = [(4, 8, 7, True), (1, 4, 3, True), (8, 8, 7, True), (2, 3, 2, True), (4, 2, 1, True), (4, 33, 28, False),
+                 (1, 11, 8, False), (4, 3, 2, False)]
 STREAMK_CASES = [("gptq", 1000, 777, 128, False, False, "v1"), ("gptq", 4096, 4096, 128, False, False, "v2"),
                  ("awq", 2048, 640, -1, False, False, None), ("gptq", 1024, 2048, 128, False, True, "v1"),
                  ("compressed-tensors", 1536, 1280, 128, True, True, None)]
 
 
-def _streamk_plan(m, n, k, nwn, splits, streamk, **kw):
-    return native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=True, xfull=True, streamk=streamk,
+def _streamk_plan(m, n, k, nwn, splits, streamk, cluster=True, **kw):
+    return native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=True, streamk=streamk,
                             smem_limit=native.smem_optin_bytes(0), **kw)
 
 
-def _need_clusters():
-    if not native._device_facts(0)[1]:
+def _need_clusters(cluster=True):
+    if cluster and not native._device_facts(0)[1]:
         pytest.skip("stream-K sums in thread-block clusters (sm_90)")
 
 
-@pytest.mark.parametrize("variant", STREAMK_PLANS, ids=lambda v: "nwn{}-cl{}-sk{}".format(*v))
+@pytest.mark.parametrize("variant", STREAMK_PLANS, ids=lambda v: "nwn{}-g{}-sk{}-{}".format(v[0], v[1], v[2], "cl" if v[3] else "gmem"))
 def test_streamk_plans_match_reference(variant):
     """Both tile heights (M <= 16), folded or not, both dtypes, zeros or not, act-order, a bias, K off the
     chunk grid, x rows not 16-byte aligned, qweight flat and in column slabs."""
-    _need_clusters()
-    nwn, splits, streamk = variant
+    nwn, splits, streamk, cluster = variant
+    _need_clusters(cluster)
     for fmt, n, k, g, sym, act, ver in STREAMK_CASES:
         for slabs in ((False, True) if (n, k) == (4096, 4096) else (False,)):
             nw = native_weight(fmt, n, k, g, sym, act, ver, slabs=slabs)
             for m in (1, 5, 9, 16):
                 for fold in ((False, True) if m == 1 else (False,)):
-                    p = _streamk_plan(m, n, k, nwn, splits, streamk, fold=fold)
+                    p = _streamk_plan(m, n, k, nwn, splits, streamk, cluster, fold=fold)
                     for dtype in DTYPES:
                         x = _x(m, k, dtype, "offset" if m == 5 else "contiguous", seed=m)
                         bias = rand(n, dtype=dtype, seed=5) if m in (5, 16) else None
@@ -472,14 +473,17 @@ def test_streamk_plans_match_reference(variant):
                         check(y, x, nw.w64, bias, f"{fmt} {n}x{k} slabs={slabs} M={m} {dtype} {p}")
 
 
+@pytest.mark.parametrize("group", [(8, 7, True), (33, 28, False)], ids=["cluster", "gmem"])
 @pytest.mark.parametrize("m", [1, 8])
-def test_streamk_bf16_through_f16_mma_and_the_perf_shape(m):
-    """The shipped candidate (28672 x 4096: 224 tiles, 32 clusters of 8 blocks over 7 tiles) in both
-    dtypes, bf16 through f16 MMAs at M = 1, against the oracle and bit for bit run to run."""
-    _need_clusters()
+def test_streamk_bf16_through_f16_mma_and_the_perf_shape(m, group):
+    """The measured candidates on 28672 x 4096 (224 tiles: 32 clusters of 8 blocks over 7 tiles, or 8
+    groups of 33 blocks over 28 tiles meeting in global memory) in both dtypes, bf16 through f16 MMAs
+    at M = 1, against the oracle and bit for bit run to run."""
+    splits, streamk, cluster = group
+    _need_clusters(cluster)
     n, k = 28672, 4096
     nw = native_weight("gptq", n, k, 128, False, version="v2", slabs=True)
-    p = _streamk_plan(m, n, k, 4, 8, 7, fold=m == 1, f16mma=m == 1)
+    p = _streamk_plan(m, n, k, 4, splits, streamk, cluster, fold=m == 1, f16mma=m == 1)
     for dtype in DTYPES:
         x = rand(m, k, dtype=dtype, seed=m + 3)
         with native.plan_override(lambda *a, p=p: p):
@@ -488,22 +492,24 @@ def test_streamk_bf16_through_f16_mma_and_the_perf_shape(m):
         assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), f"{p} {dtype}: stream-K sums differ run to run"
 
 
-def test_streamk_gated_output_and_cuda_graph():
-    """The gated output through stream-K (gate and up of a tile summed in the cluster, then silu * up),
-    and CUDA-graph replays of a stream-K build after warm-up."""
-    _need_clusters()
-    n, k = 4096, 4096  # 32 tiles: four clusters of 7 tiles and one of 4
+@pytest.mark.parametrize("group", [(8, 7, True), (11, 8, False)], ids=["cluster", "gmem"])
+def test_streamk_gated_output_and_cuda_graph(group):
+    """The gated output through stream-K (gate and up of a tile summed across its blocks, then silu *
+    up), and CUDA-graph replays of a stream-K build after warm-up."""
+    splits, streamk, cluster = group
+    _need_clusters(cluster)
+    n, k = 4096, 4096  # 32 tiles: four clusters of 7 tiles and one of 4 (or four groups of 8)
     nw = native_weight("gptq", n, k, 128, False, version="v2", slabs=True)
     w = nw.weight
     for m in (1, 8, 16):
-        p = _streamk_plan(m, n, k, 4, 8, 7, fold=m == 1)
+        p = _streamk_plan(m, n, k, 4, splits, streamk, cluster, fold=m == 1)
         for dtype in DTYPES:
             x = rand(m, k, dtype=dtype, seed=m + 7)
             with native.plan_override(lambda *a, p=p: p):
                 y = native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, glu=True)
             err = rel_err(y, glu_reference(x, nw.w64))
             assert err < TOL[dtype], f"{p} {dtype}: relative error {err:.2e}"
-    p = _streamk_plan(8, n, k, 4, 8, 7)
+    p = _streamk_plan(8, n, k, 4, splits, streamk, cluster)
     with native.plan_override(lambda *a, p=p: p):
         native.warmup(w, torch.float16, max_m=8)
         _check_graph_replays(nw, 8, k, torch.float16, (3, 4), f"stream-K graph {p}")
