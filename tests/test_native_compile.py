@@ -516,10 +516,10 @@ def test_make_plan_shapes_a_streamk_grid():
     assert "QOPS_STREAMK" not in native.make_plan(1, 28672, 4096, nwn=4, splits=1, cluster=False, xfull=True).defines(torch.float16, True)
     q = native.make_plan(1, 6144, 4096, nwn=1, splits=4, cluster=True, xfull=True, streamk=3)
     assert q.tiles == 64 and q.tiles * q.splits == 256  # 192 tiles of 32 columns
-    # Without a cluster: 8 groups of 33 blocks over 28 tiles (264 blocks); the workspace holds each
-    # block's two tiles' sums and an arrival count a column tile.
+    # Without a cluster: 8 groups of 33 blocks over 28 tiles (264 blocks); the scratch holds the arrival
+    # counts (a fixed number, first) and each block's two tiles' sums.
     r = native.make_plan(1, 28672, 4096, nwn=4, splits=33, cluster=False, xfull=True, fold=True, streamk=28)
-    assert (r.tiles, r.tiles * r.splits) == (8, 264) and r.workspace == 264 * 2 * 128 * 4 + 224 * 4
+    assert (r.tiles, r.tiles * r.splits) == (8, 264) and r.workspace == native.STREAMK_ARRIVALS * 4 + 264 * 2 * 128 * 4
     assert native.remake_plan(p, 28672, 4096, fold=False).streamk == 7
 
 

@@ -231,6 +231,9 @@ def staged_x_slots(mt: int, nwk: int) -> int:
     return THREADS * (2 if mt <= 2 else -(-8 * mt * nwk * 16 // THREADS))
 
 
+STREAMK_ARRIVALS = 1 << 16  # kArrivals in w4a16_gemv.cu: column tiles a stream-K plan without a cluster may have
+
+
 def staged_chunks(k: int, splits: int, streamk: int = 0) -> int:
     """128-row chunks of x a block stages at most (x staged once): its share of K, or with stream-K its
     share of the cluster's ``streamk`` tiles' units (chunks_blk in w4a16_gemv.cu)."""
@@ -354,11 +357,15 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     tiles = -(-n // nblk)
     xs_bytes = xfull_bytes(m, k, splits, fold, wgmma, streamk) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
     shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster))
+    if streamk and not cluster and tiles > STREAMK_ARRIVALS:
+        raise ValueError(f"native_w4a16: streamk without a cluster counts arrivals for up to {STREAMK_ARRIVALS} column tiles, N={n} has {tiles}")
     if streamk:
         groups = -(-tiles // streamk)  # the grid's x
         shmem = xs_bytes + streamk_bytes(m, nwn)
-        # Without a cluster: the blocks' two tiles' sums, then an arrival count a column tile (ints).
-        ws = 0 if cluster else groups * splits * 2 * m * nblk * 4 + tiles * 4
+        # Without a cluster: STREAMK_ARRIVALS arrival counts (ints, one a column tile, at a fixed place so
+        # that plans sharing the scratch never write sums over another plan's counts), then the blocks'
+        # two tiles' sums.
+        ws = 0 if cluster else STREAMK_ARRIVALS * 4 + groups * splits * 2 * m * nblk * 4
         tiles = groups
     limit = SHMEM_OPTIN_MAX_BYTES if smem_limit is None else smem_limit
     if shmem > limit:

@@ -1252,6 +1252,14 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       store_acc(red1);
     }
     __syncthreads();
+#if QOPS_CLUSTER == 1
+    // Without a cluster the block's sums go straight to its slot of ws [group][rank][2][M][NBLK], after
+    // the arrival counts (kArrivals ints at ws's start, zero on entry and left zero).
+    constexpr int kArrivals = 1 << 16;
+    int* arrivals = reinterpret_cast<int*>(ws);
+    float* sums = ws + kArrivals;
+    part = sums + (static_cast<size_t>(blockIdx.x) * S + split) * 2 * mn;
+#endif
     for (int idx = tid; idx < mn; idx += kThreads) {
       float v0 = red0[idx], v1 = red1[idx];
 #pragma unroll
@@ -1301,36 +1309,37 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
     cluster_sync();  // no block leaves while another still reads its shared memory
 #else
-    // Without a cluster (measurements): the sums go to ws [group][rank][2][M][NBLK], then a per-tile
-    // arrival count (T ints after them, zero on entry and left zero) picks the last block to arrive at
-    // a tile, which adds every sharer's sums in rank order and stores the tile.
-    float* mine = ws + (static_cast<size_t>(blockIdx.x) * S + split) * 2 * mn;
-    for (int idx = tid; idx < 2 * mn; idx += kThreads) mine[idx] = part[idx];
-    int* arrivals = reinterpret_cast<int*>(ws + static_cast<size_t>(gridDim.x) * S * 2 * mn);
+    // Without a cluster (measurements): a per-tile arrival count picks the last block to arrive at a
+    // tile, which adds every sharer's sums in rank order and stores the tile. segs[t][r]: which sums of
+    // block r hold this block's tile t (seg_of, computed once, one rank a thread).
     __shared__ int last[2];
+    __shared__ signed char segs[2][64];
+    for (int t = 0; t < 2; ++t)
+      if (tid < S) segs[t][tid] = static_cast<signed char>(tile - tile0 + t < Tq ? seg_of(tid, tile - tile0 + t) : -1);
     __threadfence();  // the sums are visible to every SM before the arrival is
     __syncthreads();
     if (tid < 2) {
       const int j = tile - tile0 + tid;  // this block's first and second tile
       last[tid] = 0;
-      if (j < Tq && seg_of(split, j) == tid) {
+      if (segs[tid][split] == tid) {
         int sharers = 0;
-        for (int r = 0; r < S; ++r) sharers += seg_of(r, j) >= 0;
+        for (int r = 0; r < S; ++r) sharers += segs[tid][r] >= 0;
         last[tid] = atomicAdd(arrivals + tile0 + j, 1) == sharers - 1;
       }
     }
     __syncthreads();
     for (int sgm = 0; sgm < 2; ++sgm) {
       if (!last[sgm]) continue;  // block-uniform
-      __threadfence();  // the other sharers' sums, published before their arrivals, are read after ours
+      __threadfence();  // the other sharers' sums, published before their arrivals, are read after
       const int j = tile - tile0 + sgm;
+      const float* group = sums + static_cast<size_t>(blockIdx.x) * S * 2 * mn;
       for (int o = tid; o < per_tile; o += kThreads) {
         const int m = o / kCols, lc = o - m * kCols;
         float v = 0.f, vu = 0.f;
         for (int r = 0; r < S; ++r) {
-          const int sg = seg_of(r, j);
+          const int sg = segs[sgm][r];
           if (sg >= 0) {
-            const float* at = ws + ((static_cast<size_t>(blockIdx.x) * S + r) * 2 + sg) * mn + m * NBLK + lc;
+            const float* at = group + (2 * r + sg) * mn + m * NBLK + lc;
             v += ld_cg_f32(at);
             if constexpr (QOPS_GLU) vu += ld_cg_f32(at + kHalf);
           }
