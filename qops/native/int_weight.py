@@ -357,23 +357,22 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     tiles = -(-n // nblk)
     xs_bytes = xfull_bytes(m, k, splits, fold, wgmma, streamk) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
     shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster))
-    if streamk and not cluster and tiles > STREAMK_ARRIVALS:
-        raise ValueError(f"native_w4a16: streamk without a cluster counts arrivals for up to {STREAMK_ARRIVALS} column tiles, N={n} has {tiles}")
+    ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
     if streamk:
-        groups = -(-tiles // streamk)  # the grid's x
+        if not cluster and tiles > STREAMK_ARRIVALS:
+            raise ValueError(f"native_w4a16: streamk without a cluster counts arrivals for up to {STREAMK_ARRIVALS} column tiles, "
+                             f"N={n} has {tiles}")
+        tiles = -(-tiles // streamk)  # groups: the grid's x
         shmem = xs_bytes + streamk_bytes(m, nwn)
         # Without a cluster: STREAMK_ARRIVALS arrival counts (ints, one a column tile, at a fixed place so
         # that plans sharing the scratch never write sums over another plan's counts), then the blocks'
         # two tiles' sums.
-        ws = 0 if cluster else STREAMK_ARRIVALS * 4 + groups * splits * 2 * m * nblk * 4
-        tiles = groups
+        ws = 0 if cluster else STREAMK_ARRIVALS * 4 + tiles * splits * 2 * m * nblk * 4
     limit = SHMEM_OPTIN_MAX_BYTES if smem_limit is None else smem_limit
     if shmem > limit:
         raise ValueError(f"native_w4a16: x staged once and a {smem_ring}-stage shared-memory ring need {shmem} bytes of shared "
                          f"memory a block (x {xs_bytes} + ring {smem_ring_bytes(smem_ring)}); the device allows {limit} "
                          f"(its opt-in maximum): take fewer stages or split K more")
-    if not streamk:
-        ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
     if f16mma is None:
         f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK and not wgmma
     return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma,

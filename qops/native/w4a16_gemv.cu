@@ -906,10 +906,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
   };
 
-#if QOPS_STREAMK
-  // This warp's sums into dst[wk][m][NBLK] (the block-local column), M rows, fp32.
-  const int mn = M * NBLK;  // values of one warp's (or block's) sums
-  auto store_acc = [&](float* dst) {
+  // This warp's sums into dst[wk][m][NBLK] (the block-local column; mn = M * NBLK), M rows, fp32.
+  auto store_acc = [&](float* dst, int mn) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -921,6 +919,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           if (m < M) dst[wk * mn + m * NBLK + col] = acc[mt][t][i];
         }
   };
+#if QOPS_STREAMK
+  const int mn = M * NBLK;  // values of one warp's (or block's) sums
   // Stream-K: the first tile's per-warp sums (red0) and the second's (red1), [NWK][M][NBLK] each, then
   // the block's two sums [2][M][NBLK] (part) that the cluster reads; after x (red0 is written while
   // other warps still read x).
@@ -936,7 +936,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   };
   auto finish_first_tile = [&]() {
     unscale_rows();
-    store_acc(red0);
+    store_acc(red0, mn);
     zero_acc();
     crossed = true;
   };
@@ -1246,10 +1246,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     // of the group's Tq tiles summed over the blocks that share it, in rank order (deterministic).
     float* red1 = red0 + NWK * mn;
     float* part = red1 + NWK * mn;  // [2][M][NBLK]
-    store_acc(crossed ? red1 : red0);
+    store_acc(crossed ? red1 : red0, mn);
     if (!crossed) {  // no second tile: its sums are zeros
       zero_acc();
-      store_acc(red1);
+      store_acc(red1, mn);
     }
     __syncthreads();
 #if QOPS_CLUSTER == 1
@@ -1356,16 +1356,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // Reduction over the NWK warps sharing a column tile (shared memory reused), fixed order.
   float* red = reinterpret_cast<float*>(smem);  // [NWK][M][NBLK]
   const int total = M * NBLK;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = 8 * mt + 2 * c + (i & 1);
-        const int col = wn * 32 + 4 * g + 2 * t + (i >> 1);
-        if (m < M) red[wk * total + m * NBLK + col] = acc[mt][t][i];
-      }
+  store_acc(red, total);
   __syncthreads();
   // [M][NBLK]: the block's sums, read by the other blocks of the cluster, or (QOPS_GLU, one block a
   // column tile) paired gate with up below.

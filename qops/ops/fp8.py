@@ -266,10 +266,32 @@ BLOCK_SCALE_K_MULTIPLE = 4
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` (M, C) with ``rows`` zero rows appended (fp8 through its bytes: no fp8 pad kernel)."""
+    """``t`` (M, C) with ``rows`` zero rows appended (fp8 through its bytes: no fp8 pad kernel); ``t``
+    itself when ``rows`` is 0."""
+    if rows == 0:
+        return t
     if t.dtype == FP8_DTYPE:
         return torch.nn.functional.pad(t.view(torch.uint8), (0, 0, 0, rows)).view(FP8_DTYPE)
     return torch.nn.functional.pad(t, (0, 0, 0, rows))
+
+
+def _padded_rows_gemm(x, weight, bias, out_dtype, gemm, bias_in_gemm: bool = False) -> torch.Tensor:
+    """The frame both cuBLASLt paths share: ``x (..., K)`` as M rows, zero rows up to a multiple of
+    ``SCALED_MM_M_MULTIPLE``, ``gemm(a, m, pad)`` -> ``(M + pad, N)``, the padding sliced off, ``bias``
+    added in fp32 unless the GEMM fused it (``bias_in_gemm``), and the lead dimensions restored."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    a = x.reshape(-1, k).contiguous()
+    m = a.shape[0]
+    if m == 0:
+        return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
+    pad = -m % SCALED_MM_M_MULTIPLE
+    y = gemm(_pad_rows(a, pad), m, pad)
+    if pad:
+        y = y[:m]
+    if bias is not None and not bias_in_gemm:
+        y = (y.float() + bias.float()).to(out_dtype)
+    return y.reshape(*lead, n)
 
 
 def scaled_mm_lowering(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtype) -> torch.Tensor:
@@ -284,30 +306,19 @@ def scaled_mm_lowering(x, x_scale, weight, weight_scale, bias, block_n, block_k,
         raise ValueError(fail("scaled_mm_fp8", f"kernel={int(Kernel.SCALED_MM)} (torch._scaled_mm) needs per-tensor or per-channel weight "
                                                f"scales and per-tensor or per-token x_scale, got block_n={block_n}, block_k={block_k}, "
                                                f"x_scale {tuple(x_scale.shape)}"))
-    n, k = weight.shape
-    lead = x.shape[:-1]
-    a = x.reshape(-1, k).contiguous()
-    m = a.shape[0]
-    if m == 0:
-        return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
+    n = weight.shape[0]
     rowwise = x_scale.numel() != 1 or block_n != -1
-    if rowwise:
-        scale_a = x_scale.reshape(-1, 1).expand(m, 1).contiguous()
-        scale_b = weight_scale.expand(n, 1).reshape(1, n).contiguous()
-    else:
-        scale_a, scale_b = x_scale.reshape(1, 1), weight_scale.reshape(1, 1)
-    pad = -m % SCALED_MM_M_MULTIPLE
-    if pad:
-        a = _pad_rows(a, pad)
-        if rowwise:
-            scale_a = _pad_rows(scale_a, pad)
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
-    y = torch._scaled_mm(a, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused_bias else None, out_dtype=out_dtype)
-    if pad:
-        y = y[:m]
-    if bias is not None and not fused_bias:
-        y = (y.float() + bias.float()).to(out_dtype)
-    return y.reshape(*lead, n)
+
+    def gemm(a, m, pad):
+        if rowwise:
+            scale_a = _pad_rows(x_scale.reshape(-1, 1).expand(m, 1).contiguous(), pad)
+            scale_b = weight_scale.expand(n, 1).reshape(1, n).contiguous()
+        else:
+            scale_a, scale_b = x_scale.reshape(1, 1), weight_scale.reshape(1, 1)
+        return torch._scaled_mm(a, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused_bias else None, out_dtype=out_dtype)
+
+    return _padded_rows_gemm(x, weight, bias, out_dtype, gemm, bias_in_gemm=fused_bias)
 
 
 def _x_scale_per_group(x_scale: torch.Tensor, m: int, groups: int) -> torch.Tensor:
@@ -328,42 +339,34 @@ def blockwise_scaled_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k
     The weight-scale grid is padded and transposed per call rather than stored so once: the op's
     ``weight_scale`` is the checkpoint's ``(ceil(N/128), ceil(K/128))`` grid, which every lowering and
     the fake check, and the transform is a view unless ceil(K/128) % 4 != 0 (then a copy of N*K/16384
-    floats).
+    floats). Bias is added after the GEMM: whether cuBLASLt's block-scaled kernels fuse a bias
+    epilogue is not verified.
     """
     if (block_n, block_k) != (X_SCALE_GROUP, X_SCALE_GROUP):
         raise ValueError(fail("scaled_mm_fp8", f"kernel={int(Kernel.SCALED_MM)} (F.scaled_mm block recipe) needs 128 x 128 weight blocks, "
                                                f"got block_n={block_n}, block_k={block_k}"))
     f = torch.nn.functional
-    n, k = weight.shape
-    lead = x.shape[:-1]
-    a = x.reshape(-1, k).contiguous()
-    m = a.shape[0]
-    if m == 0:
-        return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
-    xs = _x_scale_per_group(x_scale, m, x_scale_groups(k))
-    pad = -m % SCALED_MM_M_MULTIPLE
-    if pad:  # zero rows (their results are sliced off), the scales padded in their (K/128, M) image
-        a = _pad_rows(a, pad)
-        scale_a = f.pad(xs.t(), (0, pad)).t()
-    elif xs.stride(0) == 1 and xs.stride(1) == m:
-        scale_a = xs  # already outer-dim-major, as quantize_fp8_activations makes group scales
-    else:
-        scale_a = xs.t().contiguous().t()  # (M, K/128), outer-dim-major: strides (1, M)
-    ws = weight_scale.contiguous()
-    k_pad = -ws.shape[1] % BLOCK_SCALE_K_MULTIPLE
-    if k_pad:
-        ws = f.pad(ws, (0, k_pad))
-    scale_b = ws.t()  # (round_up(K/128, 4), N/128), strides (1, round_up(K/128, 4))
-    # Positional scale and recipe arguments: torch 2.11 and 2.13 agree on their order, not (all) on
-    # their keyword names. Bias is added after the GEMM: whether cuBLASLt's block-scaled kernels fuse
-    # a bias epilogue is not verified.
-    y = f.scaled_mm(a, weight.t(), scale_a, f.ScalingType.BlockWise1x128, scale_b, f.ScalingType.BlockWise128x128,
-                    output_dtype=out_dtype)
-    if pad:
-        y = y[:m]
-    if bias is not None:
-        y = (y.float() + bias.float()).to(out_dtype)
-    return y.reshape(*lead, n)
+    k = weight.shape[1]
+
+    def gemm(a, m, pad):
+        xs = _x_scale_per_group(x_scale, m, x_scale_groups(k))
+        if pad:  # the scales of the zero rows, padded in their (K/128, M) image
+            scale_a = f.pad(xs.t(), (0, pad)).t()
+        elif xs.stride(0) == 1 and xs.stride(1) == m:
+            scale_a = xs  # already outer-dim-major, as quantize_fp8_activations makes group scales
+        else:
+            scale_a = xs.t().contiguous().t()  # (M, K/128), outer-dim-major: strides (1, M)
+        ws = weight_scale.contiguous()
+        k_pad = -ws.shape[1] % BLOCK_SCALE_K_MULTIPLE
+        if k_pad:
+            ws = f.pad(ws, (0, k_pad))
+        scale_b = ws.t()  # (round_up(K/128, 4), N/128), strides (1, round_up(K/128, 4))
+        # Positional scale and recipe arguments: torch 2.11 and 2.13 agree on their order, not (all) on
+        # their keyword names.
+        return f.scaled_mm(a, weight.t(), scale_a, f.ScalingType.BlockWise1x128, scale_b, f.ScalingType.BlockWise128x128,
+                           output_dtype=out_dtype)
+
+    return _padded_rows_gemm(x, weight, bias, out_dtype, gemm)
 
 
 # Inputs (x, weight, weight_scale, bias, block_n, block_k, kernel).

@@ -505,10 +505,7 @@ def test_streamk_gated_output_and_cuda_graph(group):
         p = _streamk_plan(m, n, k, 4, splits, streamk, cluster, fold=m == 1)
         for dtype in DTYPES:
             x = rand(m, k, dtype=dtype, seed=m + 7)
-            with native.plan_override(lambda *a, p=p: p):
-                y = native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, glu=True)
-            err = rel_err(y, glu_reference(x, nw.w64))
-            assert err < TOL[dtype], f"{p} {dtype}: relative error {err:.2e}"
+            check_glu_plan(nw, p, x)
     p = _streamk_plan(8, n, k, 4, splits, streamk, cluster)
     with native.plan_override(lambda *a, p=p: p):
         native.warmup(w, torch.float16, max_m=8)
@@ -931,6 +928,15 @@ def test_pdl_in_a_cuda_graph_right_after_the_kernel_writing_x(variant, monkeypat
             assert torch.equal(y, y0) and torch.equal(z, z0), f"M={m} replay {rep}: PDL changed the result"
 
 
+def check_glu_plan(nw, p, x):
+    """The gated output (silu(gate) * up, no bias) of ``nw`` under plan ``p``, against the float64 oracle."""
+    w = nw.weight
+    with native.plan_override(lambda *a, p=p: p):
+        y = native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, glu=True)
+    err = rel_err(y, glu_reference(x, nw.w64))
+    assert err < TOL[x.dtype], f"{p} {x.dtype}: relative error {err:.2e}"
+
+
 def glu_reference(x, w64):
     """silu(gate) * up in float64 from the unfused product (gate columns first, then up)."""
     y = reference(x, w64)
@@ -968,7 +974,6 @@ def test_glu_every_reduction_path(variant):
         pytest.skip("thread-block clusters need sm_90")
     n, k = 2048, 1536
     nw = native_weight("gptq", n, k, 128, False, version="v2")
-    w = nw.weight
     for m in (1, 8, 16, 24):
         try:
             p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, minb=1 if m > 16 else 2,
@@ -977,10 +982,7 @@ def test_glu_every_reduction_path(variant):
             continue
         for dtype in DTYPES:
             x = rand(m, k, dtype=dtype, seed=m + 1)
-            with native.plan_override(lambda *a, p=p: p):
-                y = native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, glu=True)
-            err = rel_err(y, glu_reference(x, nw.w64))
-            assert err < TOL[dtype], f"{p} {dtype}: relative error {err:.2e}"
+            check_glu_plan(nw, p, x)
 
 
 def test_glu_in_a_cuda_graph_with_out_and_workspace():
