@@ -76,7 +76,7 @@
 // promised to ptxas), QOPS_NESTED (0/1), QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1),
 // QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_TILE16 (0/1), QOPS_PERSISTENT (0/1), QOPS_PROBE
 // (measurement builds only).
-#include "ptx.cuh"
+#include "codebook4.cuh"
 
 #ifndef QOPS_DT
 #define QOPS_DT 0
@@ -164,7 +164,7 @@ constexpr bool kLutImm = QOPS_LUT_IMM != 0;
 // builds v * 256 + 4 l outright and the load adds the window's base as its immediate (measured at
 // M = 1: 1-4% faster, ~12% fewer instructions a step).
 constexpr int kTableStride = kLutImm ? 256 : 128;
-constexpr int kTableBytes = 256 * kTableStride;  // 256 byte values x 32 lane copies
+constexpr int kTableBytes = codebook_table_bytes<kTableStride>();  // 256 byte values x 32 lane copies
 constexpr int kNestedMapBytes = 256 * 4;        // the nested code after the table (NESTED_MAP_BYTES on the host)
 constexpr bool kPersistent = QOPS_PERSISTENT != 0;
 static_assert(kMT == 1 || kMT == 2, "QOPS_MT is 1 or 2 (M <= 16)");
@@ -220,19 +220,11 @@ __device__ __forceinline__ float nested_scale_of(const float* nested_absmax, u32
   else return 1.f;
 }
 
-// The table word of byte SEL of w for this lane. lane_table: the lane's copy of entry 0 (a shared
-// address), or with kLutImm 4 * lane (the window's base is then the load's immediate).
+// The table word of byte SEL of w for this lane (codebook4.cuh). lane_table: the lane's copy of entry 0
+// (a shared address), or with kLutImm 4 * lane (the window's base is then the load's immediate).
 template <int SEL>
 __device__ __forceinline__ u32 lookup(u32 lane_table, u32 w) {
-  u32 v;
-  if constexpr (kLutImm) {
-    // one prmt: byte 0 from lane_table (4 * lane < 256), byte 1 = byte SEL of w, bytes 2, 3 zero
-    asm volatile("ld.shared.u32 %0, [%1+%2];" : "=r"(v) : "r"(prmt<0x5504 | (SEL << 4)>(w, lane_table)), "n"(QOPS_SMEM_BASE));
-  } else {
-    // prmt isolates byte v; one integer multiply-add makes the address
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(prmt<0x4440 | SEL>(w, 0u) * 128u + lane_table));
-  }
-  return v;
+  return codebook_lookup<SEL, kTableStride, kLutImm ? QOPS_SMEM_BASE : -1>(lane_table, w);
 }
 
 // x for a quarter of a step (8 values of the lane's 32) and one x tile: with two blocks a step, in the
@@ -447,16 +439,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
 #pragma unroll
   for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
 
-  // The table: 32 copies of 256 words. Thread v builds word v once and stores its copies starting at
-  // its own lane's bank, so a warp's 32 stores of one round fall in 32 different banks.
-  for (int v = tid; v < 256; v += kThreads) {
-    const u32 lo = f32_to_bits<kDT>(code[v >> 4]);
-    const u32 hi = f32_to_bits<kDT>(code[v & 15]);
-    const u32 word2 = lo | (hi << 16);
-    u32* entry = reinterpret_cast<u32*>(table + v * kTableStride);
-#pragma unroll 8
-    for (int c = 0; c < 32; ++c) entry[(c + tid) & 31] = word2;
-  }
+  codebook_table_build<kDT, kTableStride>(table, code, tid, kThreads);  // codebook4.cuh
   float* nested_code_s = reinterpret_cast<float*>(table + kTableBytes);
   if constexpr (kNested)
     for (int v = tid; v < 256; v += kThreads) nested_code_s[v] = nested_code[v];
