@@ -327,6 +327,40 @@ def test_smem_bulk_compiles_for_sm90_only_without_spills():
             compiler.compile(src, arch, compiler.native_options(bad))
 
 
+def _lut_builds():
+    """The codebook-table builds (QOPS_LUT; qops.native.codebook_w4) at the int weights' plans of the
+    perf shapes, M = 1, 8 and 16, both dtypes: two blocks an SM promised (as codebook_w4 launches them)."""
+    for m, n, k in ((1, 28672, 4096), (1, 4096, 14336), (1, 57344, 8192), (8, 28672, 4096), (16, 4096, 14336), (16, 28672, 4096)):
+        p = native.measured_plan(m, n, k, "NVIDIA H200", 132, True, native.SHMEM_OPTIN_MAX_BYTES) or native._plan(m, n, k, 132, True)
+        yield native.remake_plan(p, n, k, None, lut=True, xfull=True, fold=False, minb=2)
+
+
+@pytest.mark.parametrize("arch,base", [("sm_90", 1024), ("sm_80", 0)])
+def test_lut_builds_compile_within_two_blocks_an_sm(arch, base):
+    """No spills within 128 registers; the lookups read the table with its window address as the load's
+    immediate (ld.shared [r+BASE]); sm_80 builds only for plans without a cluster."""
+    builds = [p for p in _lut_builds() if arch == "sm_90" or not p.cluster]
+    variants = [p.defines(dt, False, False, base) for p in builds for dt in (torch.float16, torch.bfloat16)]
+    assert all(v["QOPS_LUT"] == 1 and v["QOPS_HAS_Z"] == 0 and v["QOPS_FOLD"] == 0 for v in variants)
+    for defines, log in compile_reports(native.SOURCE, arch, variants):
+        regs, spills = ptxas_report(log)[native.GEMV]
+        assert regs <= 128 and spills == 0 and regs > 64, (defines, regs, spills)
+    src = compiler.native_source(native.SOURCE)
+    text = "\n".join(_entries(_ptx(src, arch, variants[0]))[native.GEMV])
+    assert len(re.findall(rf"ld\.shared\.u32\s+%r\d+, \[%r\d+\+{base}\]", text)) >= 16
+
+
+def test_lut_plans_carry_the_table_and_refuse_what_it_excludes():
+    base = native.make_plan(1, 4096, 14336, nwn=1, splits=2, cluster=True, xfull=True, minb=2)
+    p = native.remake_plan(base, 4096, 14336, lut=True)
+    assert p.lut and p.shmem == base.shmem + native.LUT_TABLE_BYTES
+    assert "QOPS_LUT" not in base.defines(torch.float16, True) and p.defines(torch.float16, False, False, 1024)["QOPS_SMEM_BASE"] == 1024
+    assert native.launch_shmem(dataclasses.replace(p, splits=1), True) >= native.LUT_TABLE_BYTES
+    for kw in (dict(xfull=False), dict(fold=True), dict(smem_ring=2), dict(streamk=1, splits=2)):
+        with pytest.raises(ValueError, match="lut needs x staged once"):
+            native.make_plan(1, 4096, 14336, **(dict(nwn=1, splits=2, cluster=True, xfull=True, minb=2, lut=True) | kw))
+
+
 def test_smem_ring_stage_size_matches_the_kernel():
     src = compiler.native_source(native.SOURCE)
     expr = re.search(r"constexpr int kSmemStage = ([0-9 *+]+);", src).group(1)

@@ -173,8 +173,13 @@ class Plan:
     # (measurements) blocks that meet in global memory with arrival counts the launch takes from a
     # zeroed qops-owned buffer (:func:`_streamk_scratch`), not the caller's workspace. 0: off.
     streamk: int = 0
+    # (x staged once) 4-bit codebook weights (w4a16_gemv.cu, QOPS_LUT; :mod:`qops.native.codebook_w4`):
+    # the codes decoded through a table of the codebook in shared memory (LUT_TABLE_BYTES more a block),
+    # scales a column and 64 rows; no zeros, no fold. Measurements: in no plan table.
+    lut: bool = False
 
-    def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False) -> dict[str, int]:
+    def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False, smem_base: int = 0) -> dict[str, int]:
+        """``smem_base``: where the device puts a block's dynamic shared memory (read by ``lut`` builds)."""
         return {
             "QOPS_GLU": int(glu),
             "QOPS_DT": _DT[dtype],
@@ -193,7 +198,8 @@ class Plan:
             "QOPS_SMEM_BULK": int(self.smem_bulk),
             "QOPS_XU": self.xu,
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
-        } | ({"QOPS_WGMMA": 1} if self.wgmma else {}) | ({"QOPS_STREAMK": self.streamk} if self.streamk else {})
+        } | ({"QOPS_WGMMA": 1} if self.wgmma else {}) | ({"QOPS_STREAMK": self.streamk} if self.streamk else {}) \
+          | ({"QOPS_LUT": 1, "QOPS_SMEM_BASE": smem_base} if self.lut else {})
         # (only when set: the other builds keep their cache keys)
 
     def _f16mma_on(self, dtype: torch.dtype) -> bool:
@@ -218,6 +224,9 @@ SMEM_RING_MAX = 16  # stages (QOPS_SMEM_RING <= 16 in the kernel)
 STATIC_SHMEM_BYTES = 1024
 SHMEM_OPTIN_MAX_BYTES = 227 * 1024 - STATIC_SHMEM_BYTES
 SMEM_RING_ENV = "QOPS_NATIVE_SMEM_RING"
+# The codebook table of lut plans (codebook4.cuh with 256-byte entries: 256 byte values x 32 lane copies),
+# before everything else in a block's dynamic shared memory.
+LUT_TABLE_BYTES = 256 * 256
 
 
 def smem_ring_bytes(stages: int) -> int:
@@ -323,7 +332,7 @@ F16MMA_MIN_NK = 1 << 26
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
               fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8,
-              f16mma: bool | None = None, wgmma: bool = False, streamk: int = 0) -> Plan:
+              f16mma: bool | None = None, wgmma: bool = False, streamk: int = 0, lut: bool = False) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
@@ -348,6 +357,9 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
         why = f"smem_ring={smem_ring} needs x staged once (xfull): the per-iteration x stages share the barrier the ring avoids"
     if why is None and not 1 <= xu <= 8:
         why = f"xu={xu} outside 1..8"
+    if why is None and lut and not (xfull and not fold and not smem_ring and not wgmma and not streamk):
+        why = (f"lut needs x staged once (xfull) and no fold, smem_ring, wgmma or streamk (got xfull={xfull}, fold={fold}, "
+               f"smem_ring={smem_ring}, wgmma={wgmma}, streamk={streamk})")
     if why is None and minb > 2 and not smem_ring:
         why = f"minb={minb} leaves <= {65536 // (THREADS * minb)} registers a thread: only the shared-memory ring fits (the register ring spills)"
     if why is not None:
@@ -356,7 +368,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     nblk, nwk = 32 * nwn, 8 // nwn
     tiles = -(-n // nblk)
     xs_bytes = xfull_bytes(m, k, splits, fold, wgmma, streamk) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
-    shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster))
+    shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster)) + (LUT_TABLE_BYTES if lut else 0)
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
     if streamk:
         if not cluster and tiles > STREAMK_ARRIVALS:
@@ -370,13 +382,14 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
         ws = 0 if cluster else STREAMK_ARRIVALS * 4 + tiles * splits * 2 * m * nblk * 4
     limit = SHMEM_OPTIN_MAX_BYTES if smem_limit is None else smem_limit
     if shmem > limit:
-        raise ValueError(f"native_w4a16: x staged once and a {smem_ring}-stage shared-memory ring need {shmem} bytes of shared "
-                         f"memory a block (x {xs_bytes} + ring {smem_ring_bytes(smem_ring)}); the device allows {limit} "
-                         f"(its opt-in maximum): take fewer stages or split K more")
+        raise ValueError(f"native_w4a16: x staged once, a {smem_ring}-stage shared-memory ring{' and the codebook table' if lut else ''} "
+                         f"need {shmem} bytes of shared memory a block (x {xs_bytes} + ring {smem_ring_bytes(smem_ring)}"
+                         f"{f' + table {LUT_TABLE_BYTES}' if lut else ''}); the device allows {limit} (its opt-in maximum): "
+                         f"take fewer stages or split K more")
     if f16mma is None:
         f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK and not wgmma
     return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma,
-                wgmma=wgmma, streamk=streamk)
+                wgmma=wgmma, streamk=streamk, lut=lut)
 
 
 def warp_chunks(k: int, nwn: int, splits: int) -> int:
@@ -585,7 +598,7 @@ def remake_plan(p: Plan, n: int, k: int, smem_limit: int | None = None, **change
     """``p`` with the choices named in ``changes`` (``make_plan``'s keywords) replaced, its shared
     memory and workspace derived again; ValueError for a combination the kernel cannot run."""
     fields = dict(nwn=p.nwn, splits=p.splits, cluster=p.cluster, xfull=p.xfull, ring=p.ring, minb=p.minb, fold=p.fold,
-                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma, wgmma=p.wgmma, streamk=p.streamk)
+                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma, wgmma=p.wgmma, streamk=p.streamk, lut=p.lut)
     return make_plan(p.m, n, k, smem_limit=smem_limit, **{**fields, **changes})
 
 
@@ -790,20 +803,27 @@ def out_view(out: torch.Tensor, m: int, n: int) -> torch.Tensor | None:
 def launch_shmem(p: Plan, glu: bool) -> int:
     """Dynamic shared memory of a launch of plan ``p``: the gated output of a single block per column
     tile pairs gate with up in shared memory after the K reduction (the cluster's buffer)."""
-    return max(p.shmem, _reduction_bytes(p.m, p.nwn, True)) if glu and p.splits == 1 else p.shmem
+    table = LUT_TABLE_BYTES if p.lut else 0  # (the buffer comes after the codebook table)
+    return max(p.shmem, table + _reduction_bytes(p.m, p.nwn, True)) if glu and p.splits == 1 else p.shmem
 
 
 def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_per_group, zero_offset, flags, dev, stream,
-            glu: bool = False) -> None:
+            glu: bool = False, codebook: torch.Tensor | None = None) -> None:
+    """``codebook`` (fp32, 16 values; :mod:`qops.native.codebook_w4`): qweight holds codes of it, scales a
+    column and 64 rows, no qzeros; the plan is the int weights' with ``lut`` (and no fold)."""
     p = plan(m, n, k, dev)
+    if codebook is not None and not p.lut:
+        # The table's lookups take ~20 more registers a thread: two blocks an SM promised (128, no spills
+        # at M <= 16, tests/test_native_compile.py), where minb 1 let the M = 1 builds take ~150 and one block.
+        p = remake_plan(p, n, k, smem_optin_bytes(dev), lut=True, xfull=True, fold=False, minb=2 if p.mt <= 2 else p.minb)
     if p.smem_bulk:  # only measurement overrides set it: one bulk copy moves a warp's whole chunk
         needs = [why for bad, why in ((not flags & _Q_SLABS, "qweight in column slabs"), (not p.smem_ring, "a shared-memory ring"),
                                       (not _sm90(dev), "sm_90"), (scales.data_ptr() % 16, "16-byte aligned scales"),
                                       (qzeros is not None and qzeros.data_ptr() % 16, "16-byte aligned qzeros")) if bad]
         if needs:
             raise ValueError(f"native_w4a16: a plan with smem_bulk needs {', '.join(needs)} (N={n}, cuda:{dev})")
-    has_z = qzeros is not None
-    defines = p.defines(x2.dtype, has_z, glu)
+    has_z = qzeros is not None and codebook is None
+    defines = p.defines(x2.dtype, has_z, glu, compiler.dynamic_shared_base(dev) if p.lut else 0)
     shmem = launch_shmem(p, glu)
     gemv = compiler.get_kernel(dev, SOURCE, defines, GEMV, arch_specific=p.wgmma)
     ldx = x2.stride(0) if m > 1 else k
@@ -822,7 +842,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     pdl = use_pdl(dev)
     compiler.launch(
         gemv, (p.tiles, p.splits, 1), (THREADS, 1, 1), shmem, stream,
-        qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr() if has_z else 0, x2.data_ptr(),
+        qweight.data_ptr(), scales.data_ptr(), codebook.data_ptr() if codebook is not None else (qzeros.data_ptr() if has_z else 0), x2.data_ptr(),
         bias.data_ptr() if bias is not None else 0, o2.data_ptr(), ws_ptr,
         i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(gemv_flags),
         pdl=pdl,

@@ -156,6 +156,7 @@
 // a chunk) it was 3-7% slower still. Only 4096 x 4096 at M = 16 gained (8.38 us against 8.53 with x
 // staged once): a measurement knob (plan field wgmma), in no plan.
 #include "w4.cuh"
+#include "codebook4.cuh"
 
 #ifndef QOPS_DT
 #define QOPS_DT 0
@@ -213,6 +214,12 @@
 #endif
 #ifndef QOPS_STREAMK
 #define QOPS_STREAMK 0
+#endif
+#ifndef QOPS_LUT
+#define QOPS_LUT 0  // 1: 4-bit codebook weights (qzeros: the fp32 codebook), absmax a column and 64 rows (below)
+#endif
+#ifndef QOPS_SMEM_BASE
+#define QOPS_SMEM_BASE 0  // QOPS_LUT: the shared-window address of dynamic shared memory (compiler.dynamic_shared_base)
 #endif
 #if QOPS_WGMMA
 #include "wgmma.cuh"  // sm_90a only: the header says so otherwise
@@ -275,11 +282,38 @@ constexpr int kScaleBf16 = 8;  // scales are bfloat16 (else float16)
 
 struct Chunk {
   uint4 w[4];  // step j: qweight row 16*chunk + 4*j + lane%4, columns n0 .. n0+3
-  uint2 s;     // scales of columns n0 .. n0+3
+  uint2 s;     // scales of columns n0 .. n0+3 (QOPS_LUT: of the chunk's first 64 rows)
   u32 z;       // qzeros word holding the zeros of columns n0 .. n0+3
+#if QOPS_LUT
+  uint2 s2;    // QOPS_LUT: the scales of the chunk's last 64 rows
+#endif
 };
 
 __device__ __forceinline__ u32 word2(const uint2& v, int i) { return i == 0 ? v.x : v.y; }
+
+// QOPS_LUT: the 4-bit codes are looked up in a table of the codebook (codebook4.cuh) at the start of
+// dynamic shared memory, entries 256 bytes apart, its window address QOPS_SMEM_BASE the loads' immediate.
+constexpr bool kLut = QOPS_LUT != 0;
+constexpr int kLutStride = 256;
+constexpr int kLutBytes = kLut ? codebook_table_bytes<kLutStride>() : 0;
+
+// The scales of a chunk's last 64 rows (QOPS_LUT; otherwise the chunk's, which cover all of it).
+__device__ __forceinline__ const uint2& chunk_s2(const Chunk& ck) {
+#if QOPS_LUT
+  return ck.s2;
+#else
+  return ck.s;
+#endif
+}
+
+// The four columns' scales of a chunk (or half-chunk) as fp32, from their f16 / bf16 bits.
+__device__ __forceinline__ void column_scales(float (&sc)[4], const uint2& s, int flags) {
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    const u16 h = static_cast<u16>((jj & 1) ? (word2(s, jj >> 1) >> 16) : (word2(s, jj >> 1) & 0xffffu));
+    sc[jj] = (flags & kScaleBf16) ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
+  }
+}
 
 // fp32 sum of the two halves of a f16x2 / bf16x2 word.
 template <int DT>
@@ -405,6 +439,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   static_assert(SK == 0 || (XF && SR == 0 && !kWG && QOPS_PREFETCH == 0 && (CL == 1 || SK < CL)),
                 "QOPS_STREAMK needs x staged once, the register ring, no wgmma, no prefetch, and (in a cluster) "
                 "more blocks than the tiles they share (QOPS_CLUSTER > QOPS_STREAMK)");
+  static_assert(!kLut || (XF && SR == 0 && !FOLD && !kWG && SK == 0 && !HAS_Z),
+                "QOPS_LUT needs x staged once, the register ring, no fold, no wgmma, no stream-K and no zeros");
   [[maybe_unused]] constexpr int kCore = 128;                  // QOPS_WGMMA: one core matrix of x, 8 rows x 16 bytes
   [[maybe_unused]] constexpr int kChunkImg = 16 * MT * kCore;  // QOPS_WGMMA: one 128-row chunk of the x image
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
@@ -414,7 +450,16 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     return;
   }
   if (flags & kEarlyDependents) grid_dep_launch_dependents();
+#if QOPS_LUT
+  // The codebook's table first (its address is the lookups' immediate), then what the other builds
+  // keep at the start of dynamic shared memory.
+  extern __shared__ uint4 smem_lut[];
+  uint4* const smem = smem_lut + kLutBytes / 16;
+  // A launch where dynamic shared memory starts elsewhere must fail, not read the wrong bytes.
+  if (smem_addr(smem_lut) != QOPS_SMEM_BASE) __trap();
+#else
   extern __shared__ uint4 smem[];
+#endif
   // QOPS_STAMPS: block b's eight 64-bit slots at ws + 64 b bytes (after the S x M x N fp32 partials on the
   // workspace path: its sums stay intact): [0..4] the global timer (ns) at entry,
   // after griddepcontrol.wait, x staged, main loop done, end; [5..7] SM cycles of the three spans after
@@ -493,6 +538,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     for (int j = 0; j < 4; ++j) ring[r].w[j] = make_uint4(0, 0, 0, 0);
     ring[r].s = make_uint2(0, 0);
     ring[r].z = 0u;
+#if QOPS_LUT
+    ring[r].s2 = make_uint2(0, 0);
+#endif
   }
   float acc[MT][2][4];
 #pragma unroll
@@ -563,7 +611,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #else
     const u32* p = wnext;
     wnext += wstride;
-    const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
+    // (QOPS_LUT: two groups of 64 rows a chunk, scale rows 2 ch and 2 ch + 1)
+    const int grp = kLut ? 2 * ch : (chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group));
     return Src{p, scales + static_cast<size_t>(grp) * N + n0, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3),
                n_ok && ch < ce, ch < ce, KW - (ch * 16 + c)};
 #endif
@@ -574,6 +623,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     for (int j = 0; j < 4; ++j) ld_stream_v4_if(ck.w[j], src.w + j * wstep, src.ok && 4 * j < src.rows_left);
     ld_nc_v2_if(ck.s, src.s, src.ok);
     if constexpr (HAS_Z) ld_nc_u32_if(ck.z, src.z, src.ok);
+#if QOPS_LUT
+    ld_nc_v2_if(ck.s2, src.s + N, src.ok);
+#endif
   };
   // The shared-memory ring (SR > 0): this warp's SR stages of kSmemStage bytes after x (and the FOLD
   // sums). Copy lane L fetches the qweight piece that lane 4 * (L % 8) + L / 8 reads (row L / 8 of
@@ -1056,6 +1108,14 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         } else if constexpr (FOLD) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) p[jj][r] = and_or(w >> (4 * r), 0x000f000fu, 0x43004300u);  // 128 + q
+        } else if constexpr (kLut) {
+          // Byte r of the word holds the codes of rows r (high nibble) and r + 4 (low): the table word is
+          // (code of row r, code of row r + 4), the pair the MMA wants (the prepared layout's order).
+          const u32 lt = 4u * lane;
+          p[jj][0] = codebook_lookup<0, kLutStride, QOPS_SMEM_BASE>(lt, w);
+          p[jj][1] = codebook_lookup<1, kLutStride, QOPS_SMEM_BASE>(lt, w);
+          p[jj][2] = codebook_lookup<2, kLutStride, QOPS_SMEM_BASE>(lt, w);
+          p[jj][3] = codebook_lookup<3, kLutStride, QOPS_SMEM_BASE>(lt, w);
         } else {
           w4_dequant_word<MDT>(p[jj], w, za[jj], zb[jj]);
         }
@@ -1070,15 +1130,26 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           for (int mt = 0; mt < MT; ++mt)
             mma_16816<MDT>(gacc[mt][t], p[2 * t][2 * s], p[2 * t + 1][2 * s], p[2 * t][2 * s + 1],
                           p[2 * t + 1][2 * s + 1], xb[mt][2 * s], xb[mt][2 * s + 1]);
+      if constexpr (kLut) {
+        if (j == 1) {  // steps 0, 1 are the chunk's first 64 rows (an absmax group): scaled here, in fp32
+          float sa[4];
+          column_scales(sa, ck.s, flags);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                acc[mt][t][i] = fmaf(gacc[mt][t][i], sa[2 * t + (i >> 1)], acc[mt][t][i]);
+                gacc[mt][t][i] = 0.f;
+              }
+        }
+      }
     }
 #endif
 
     float sc[4];
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const u16 h = static_cast<u16>((jj & 1) ? (word2(ck.s, jj >> 1) >> 16) : (word2(ck.s, jj >> 1) & 0xffffu));
-      sc[jj] = (flags & kScaleBf16) ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
-    }
+    column_scales(sc, kLut ? chunk_s2(ck) : ck.s, flags);
     if constexpr (FOLD) {
       // (C1, S) of rows 2c and 2c + 1, the rows of this lane's accumulators; y = sum - C1 - z * S.
       const float4 cs = *reinterpret_cast<const float4*>(xsum + (ch - cb) * 8 + 2 * c);
@@ -1168,6 +1239,12 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     for (int d = 0; d < D; ++d)
       if (d < n_it) load_chunk(ring[d]);
     for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
+#if QOPS_LUT
+    // The codebook is a weight (never written by the kernel ahead): its table is built under the
+    // prologue's loads; the barrier after x's staging orders it before every lookup.
+    codebook_table_build<MDT, kLutStride>(reinterpret_cast<unsigned char*>(smem_lut), reinterpret_cast<const float*>(qzeros),
+                                          tid, kThreads);
+#endif
     grid_dep_wait();  // x may still be being written by the kernel ahead
     stamp(1);
 #if QOPS_WGMMA
