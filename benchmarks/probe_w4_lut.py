@@ -100,6 +100,7 @@ def main(argv=None) -> int:
                                                   minb=2 if base.mt <= 2 else base.minb))
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
+            common.write_json(res, common.output_paths("probe_w4_lut.json", a.out))  # a run cut short keeps its rows
         del lws, nfs, w4s, lw, nf, w4
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_w4_lut.json", a.out))
