@@ -292,9 +292,12 @@ struct Chunk {
 __device__ __forceinline__ u32 word2(const uint2& v, int i) { return i == 0 ? v.x : v.y; }
 
 // QOPS_LUT: the 4-bit codes are looked up in a table of the codebook (codebook4.cuh) at the start of
-// dynamic shared memory, entries 256 bytes apart, its window address QOPS_SMEM_BASE the loads' immediate.
+// dynamic shared memory, entries 256 bytes apart, its window address QOPS_SMEM_BASE the loads' immediate
+// -- except in a cluster, whose launches place dynamic shared memory elsewhere (an H200 run trapped on
+// the check below): there the lane's base is a register and each lookup adds it (one more instruction).
 constexpr bool kLut = QOPS_LUT != 0;
 constexpr int kLutStride = 256;
+constexpr int kLutBase = QOPS_CLUSTER > 1 ? -1 : QOPS_SMEM_BASE;
 constexpr int kLutBytes = kLut ? codebook_table_bytes<kLutStride>() : 0;
 
 // The scales of a chunk's last 64 rows (QOPS_LUT; otherwise the chunk's, which cover all of it).
@@ -456,9 +459,11 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   extern __shared__ uint4 smem_lut[];
   uint4* const smem = smem_lut + kLutBytes / 16;
   // A launch where dynamic shared memory starts elsewhere must fail, not read the wrong bytes.
-  if (smem_addr(smem_lut) != QOPS_SMEM_BASE) __trap();
+  if (kLutBase >= 0 && smem_addr(smem_lut) != QOPS_SMEM_BASE) __trap();
+  const u32 lut_lane = (kLutBase >= 0 ? 0u : smem_addr(smem_lut)) + 4u * (threadIdx.x & 31);
 #else
   extern __shared__ uint4 smem[];
+  [[maybe_unused]] constexpr u32 lut_lane = 0;
 #endif
   // QOPS_STAMPS: block b's eight 64-bit slots at ws + 64 b bytes (after the S x M x N fp32 partials on the
   // workspace path: its sums stay intact): [0..4] the global timer (ns) at entry,
@@ -1111,11 +1116,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         } else if constexpr (kLut) {
           // Byte r of the word holds the codes of rows r (high nibble) and r + 4 (low): the table word is
           // (code of row r, code of row r + 4), the pair the MMA wants (the prepared layout's order).
-          const u32 lt = 4u * lane;
-          p[jj][0] = codebook_lookup<0, kLutStride, QOPS_SMEM_BASE>(lt, w);
-          p[jj][1] = codebook_lookup<1, kLutStride, QOPS_SMEM_BASE>(lt, w);
-          p[jj][2] = codebook_lookup<2, kLutStride, QOPS_SMEM_BASE>(lt, w);
-          p[jj][3] = codebook_lookup<3, kLutStride, QOPS_SMEM_BASE>(lt, w);
+          p[jj][0] = codebook_lookup<0, kLutStride, kLutBase>(lut_lane, w);
+          p[jj][1] = codebook_lookup<1, kLutStride, kLutBase>(lut_lane, w);
+          p[jj][2] = codebook_lookup<2, kLutStride, kLutBase>(lut_lane, w);
+          p[jj][3] = codebook_lookup<3, kLutStride, kLutBase>(lut_lane, w);
         } else {
           w4_dequant_word<MDT>(p[jj], w, za[jj], zb[jj]);
         }
