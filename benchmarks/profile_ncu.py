@@ -9,7 +9,8 @@ Cases (``--cases``, comma separated, ``KIND:NxK:M``):
 - ``w4native``: GPTQ v2, 4 bits, group 128, asymmetric, fp16 x, the native W4A16 kernel;
 - ``w4nativebf16``: the same weight (fp16 scales) with bf16 x, as the decode benchmark's model runs it;
 - ``w4triton``: the same weight through the Triton lowering;
-- ``nf4native``: bitsandbytes NF4, blocksize 64, nested absmax, fp16 x, the native kernel.
+- ``nf4native``: bitsandbytes NF4, blocksize 64, nested absmax, fp16 x, the native kernel;
+- ``nf4lut``: NF4 codes through the W4A16 kernel's codebook table (``qops.native.codebook_w4``, f16 absmax).
 
 Under ``ncu`` (the device's image has it; ``--clock-control none`` leaves the clocks as found):
 
@@ -33,9 +34,11 @@ common.add_repo_to_path()
 
 from bench_bnb_int8 import call, decode_rows, nf4_weight  # noqa: E402
 from probe_early_pdl import gptq_native  # noqa: E402
+from probe_w4_lut import lut_weight  # noqa: E402
+from qops.native import codebook_w4 as cw  # noqa: E402
 from qops.lowerings import LOWERINGS_BY_NAME  # noqa: E402
 
-KINDS = ("w4native", "w4nativebf16", "w4triton", "nf4native")
+KINDS = ("w4native", "w4nativebf16", "w4triton", "nf4native", "nf4lut")
 CHECK_ROWS = 64
 
 
@@ -63,6 +66,10 @@ def make_case(kind: str, n: int, k: int, m: int, gen):
         w = dataclasses.replace(w, kernel=LOWERINGS_BY_NAME["native_blockwise4"].kernel)
         want = x.double() @ decode_rows(w, CHECK_ROWS).T
         return (lambda: call(w, x)), want
+    if kind == "nf4lut":
+        lw = lut_weight(n, k, gen)
+        want = cw.reference_mm(x, lw["qweight"][: CHECK_ROWS // 32], lw["scales"][:, :CHECK_ROWS], lw["codebook"])
+        return (lambda: cw.codebook_mm(x, lw["qweight"], lw["scales"], lw["codebook"])), want
     w = gptq_native(n, k, "triton_int_weight" if kind == "w4triton" else "native_w4a16")
     want = x.double() @ w.dequantize(torch.float64)[:CHECK_ROWS].T
     return (lambda: w.mm(x)), want
