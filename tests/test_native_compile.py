@@ -268,6 +268,19 @@ def test_cluster_variants_compile_for_sm90_only(cluster, m):
         compiler.compile(src, "sm_80", compiler.native_options(defines))
 
 
+def test_cluster_exit_barrier_is_relaxed_unless_asked():
+    """A cluster's last barrier arrives .relaxed (no wait for the output stores first); the first, which
+    publishes the partials, keeps .release; QOPS_EXIT_FENCE (Plan.exit_fence, measurements) restores the
+    release arrive at the exit."""
+    src = compiler.native_source(native.SOURCE)
+    p = native.make_plan(1, 4096, 14336, nwn=1, splits=2, cluster=True, xfull=True)
+    text = "\n".join(_entries(_ptx(src, "sm_90", p.defines(torch.float16, True)))[native.GEMV])
+    assert text.count("barrier.cluster.arrive.release") == 1 and text.count("barrier.cluster.arrive.relaxed") == 1
+    fenced = "\n".join(_entries(_ptx(src, "sm_90", dataclasses.replace(p, exit_fence=True).defines(torch.float16, True)))[native.GEMV])
+    assert fenced.count("barrier.cluster.arrive.release") == 2 and "arrive.relaxed" not in fenced
+    assert "QOPS_EXIT_FENCE" not in p.defines(torch.float16, True)
+
+
 def test_smem_ring_with_a_cluster_compiles():
     defines = {**native._plan(1, 4096, 14336, 132, True).defines(torch.float16, True), "QOPS_SMEM_RING": 4}
     assert defines["QOPS_CLUSTER"] == 2 and defines["QOPS_XFULL"] == 1

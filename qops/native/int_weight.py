@@ -177,6 +177,9 @@ class Plan:
     # the codes decoded through a table of the codebook in shared memory (LUT_TABLE_BYTES more a block),
     # scales a column and 64 rows; no zeros, no fold. Measurements: in no plan table.
     lut: bool = False
+    # (a cluster) measurements: the cluster's exit barrier with the release arrive it had until stop 39
+    # (every thread waiting for its output stores first); the kernel's own is relaxed (ptx.cuh cluster_exit_sync).
+    exit_fence: bool = False
 
     def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False, smem_base: int = 0) -> dict[str, int]:
         """``smem_base``: where the device puts a block's dynamic shared memory (read by ``lut`` builds)."""
@@ -199,7 +202,8 @@ class Plan:
             "QOPS_XU": self.xu,
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
         } | ({"QOPS_WGMMA": 1} if self.wgmma else {}) | ({"QOPS_STREAMK": self.streamk} if self.streamk else {}) \
-          | ({"QOPS_LUT": 1, "QOPS_SMEM_BASE": smem_base} if self.lut else {})
+          | ({"QOPS_LUT": 1, "QOPS_SMEM_BASE": smem_base} if self.lut else {}) \
+          | ({"QOPS_EXIT_FENCE": 1} if self.exit_fence else {})
         # (only when set: the other builds keep their cache keys)
 
     def _f16mma_on(self, dtype: torch.dtype) -> bool:

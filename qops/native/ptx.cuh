@@ -284,6 +284,15 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// The last cluster barrier of a kernel whose blocks read each other's shared memory: no block may leave
+// while another still reads it. Those reads have all returned by then (their values were summed and
+// stored before the barrier, in program order), so the arrive need order nothing (.relaxed). With
+// cluster_sync's .release arrive every thread first waits for its output stores to be acknowledged
+// (MEMBAR.ALL.GPU ahead of the arrive in the SASS): a memory round trip on the launch's tail.
+__device__ __forceinline__ void cluster_exit_sync() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
 __device__ __forceinline__ u32 cluster_rank() {
   u32 r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));

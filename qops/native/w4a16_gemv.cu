@@ -215,6 +215,9 @@
 #ifndef QOPS_STREAMK
 #define QOPS_STREAMK 0
 #endif
+#ifndef QOPS_EXIT_FENCE
+#define QOPS_EXIT_FENCE 0  // measurements: the cluster's exit barrier with a release arrive (ptx.cuh cluster_exit_sync)
+#endif
 #ifndef QOPS_LUT
 #define QOPS_LUT 0  // 1: 4-bit codebook weights (qzeros: the fp32 codebook), absmax a column and 64 rows (below)
 #endif
@@ -390,6 +393,12 @@ __device__ __forceinline__ void store_glu(u16* out, int m, int j, int ldo, float
 }
 
 #if __CUDA_ARCH__ >= 900
+// The cluster's last barrier (ptx.cuh): relaxed, or with QOPS_EXIT_FENCE the release arrive it had before.
+__device__ __forceinline__ void exit_sync() {
+  if constexpr (QOPS_EXIT_FENCE) cluster_sync();
+  else cluster_exit_sync();
+}
+
 // v[e][u] = the sum over the cluster's CL blocks, in rank order, of the float at byte `offset(u, e)` of
 // each block's `part` (offset < 0: none). Every block's values are requested before any is added: one
 // distributed shared memory round trip, where a loop over the outputs waited for one each (28672 x 4096
@@ -1388,7 +1397,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       }
       store_tile_out(j, m, lc, v, vu);
     }
-    cluster_sync();  // no block leaves while another still reads its shared memory
+    exit_sync();  // no block leaves while another still reads its shared memory
 #else
     // Without a cluster (measurements): a per-tile arrival count picks the last block to arrive at a
     // tile, which adds every sharer's sums in rank order and stores the tile. segs[t][r]: which sums of
@@ -1501,7 +1510,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         if (idx < total && n < N) store_out<DT>(out, bias, flags, m, n, ldo, v[0][u]);
       }
     }
-    cluster_sync();  // no block leaves while another still reads its shared memory
+    exit_sync();  // no block leaves while another still reads its shared memory
   }
 #endif
   stamp(4);
