@@ -4,7 +4,8 @@
 //           or the same words in 32-column slabs (N/32, ceil(K/8), 32) with flags & kQSlabs (w4.cuh);
 //   scales  f16/bf16 (n_groups, N); group g covers rows [g*G, (g+1)*G), G a multiple of 128 or K
 //           (passed as chunks_per_group = G / 128, or 0 for a single group);
-//   qzeros  u32 (n_groups, ceil(N/8)) nibble stream along N, zero = nibble + zero_offset; or none (zero 8).
+//   qzeros  u32 (n_groups, ceil(N/8)) nibble stream along N, zero = nibble + zero_offset; or none (zero 8);
+//           with QOPS_LUT the fp32 codebook (16 values) instead (below).
 //   y[m, n] = sum_k x[m, k] * scale[k/G, n] * (q[k, n] - zero[k/G, n]) (+ bias[n]), fp32 accumulation.
 // act_perm is applied by the caller (x gathered before the launch).
 //
@@ -122,6 +123,8 @@
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_WGMMA (0/1: warpgroup MMAs, below; sm_90a, x staged once, NWN 4 or 8),
 // QOPS_STREAMK (0: off; SK > 0: stream-K over SK tiles a group of blocks, above; a cluster needs QOPS_CLUSTER > SK),
+// QOPS_LUT (0/1: 4-bit codebook weights, below) with QOPS_SMEM_BASE, QOPS_EXIT_FENCE (0/1, measurements: the
+// cluster's last barrier with a release arrive, ptx.cuh cluster_exit_sync),
 // QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
 // timer stamps to ws, so the launch must pass a buffer there and use no split-K workspace; below).
 //
@@ -134,6 +137,15 @@
 // largest converts exactly (f16 holds three more mantissa bits than bf16), and the sums are
 // multiplied by 2^-e in fp32 after the main loop (exact). A first pass over the block's x finds the
 // rows' largest magnitudes (kept in each row's padding slot of the staged x).
+//
+// 4-bit codebook weights (QOPS_LUT = 1; bitsandbytes NF4 / FP4 codes, qops.native.codebook_w4, measurements):
+// qweight holds codes, byte r of a word the codes of rows r (high nibble) and r + 4 (low), so one lookup in
+// a table of the codebook (codebook4.cuh, built at the start of dynamic shared memory under the prologue's
+// loads) gives the A register the magic-number decode would; scales are absmax a column and 64 rows,
+// (K/64, N), applied in fp32 after each half-chunk's MMAs; no zeros, no fold. Measured on the H200 it runs
+// at the NF4 kernel's speed, not this kernel's (28672 x 4096 at M = 1: 25.4 us against 24.9 for the NF4
+// kernel and 18.6 for GPTQ W4 here): the table's shared loads (mio and short-scoreboard stalls in Nsight
+// Compute) are what 4-bit codebooks cost, whatever the structure around them (benchmarks/NOTES.md, stop 39).
 //
 // Warpgroup MMAs (QOPS_WGMMA = 1, sm_90a; x staged once, NWN 4 or 8 so the four warps of a warpgroup
 // work on the same chunk of K, side by side along N). At M = 9..16 the main loop issues 32 mma.sync
