@@ -96,8 +96,7 @@ def main(argv=None) -> int:
                 roofs[name] = roofs["lut"]
             for name, t in common.graph_times(cands, a.trials, 5.0).items():
                 common.add_time(row, name, t.us, roofs[name])
-            row["lut_plan"] = str(niw.remake_plan(base, n, k, niw.smem_optin_bytes(0), lut=True, xfull=True, fold=False,
-                                                  minb=2 if base.mt <= 2 else base.minb))
+            row["lut_plan"] = str(niw.lut_plan(base, n, k, niw.smem_optin_bytes(0)))
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             common.write_json(res, common.output_paths("probe_w4_lut.json", a.out))  # a run cut short keeps its rows

@@ -342,10 +342,10 @@ def test_smem_bulk_compiles_for_sm90_only_without_spills():
 
 def _lut_builds():
     """The codebook-table builds (QOPS_LUT; qops.native.codebook_w4) at the int weights' plans of the
-    perf shapes, M = 1, 8 and 16, both dtypes: two blocks an SM promised (as codebook_w4 launches them)."""
+    perf shapes, M = 1, 8 and 16, both dtypes, as codebook_w4 launches them (native.lut_plan)."""
     for m, n, k in ((1, 28672, 4096), (1, 4096, 14336), (1, 57344, 8192), (8, 28672, 4096), (16, 4096, 14336), (16, 28672, 4096)):
         p = native.measured_plan(m, n, k, "NVIDIA H200", 132, True, native.SHMEM_OPTIN_MAX_BYTES) or native._plan(m, n, k, 132, True)
-        yield native.remake_plan(p, n, k, None, lut=True, xfull=True, fold=False, minb=2)
+        yield native.lut_plan(p, n, k)
 
 
 @pytest.mark.parametrize("arch,base", [("sm_90", 1024), ("sm_80", 0)])

@@ -606,6 +606,14 @@ def remake_plan(p: Plan, n: int, k: int, smem_limit: int | None = None, **change
     return make_plan(p.m, n, k, smem_limit=smem_limit, **{**fields, **changes})
 
 
+def lut_plan(p: Plan, n: int, k: int, smem_limit: int | None = None) -> Plan:
+    """The plan of 4-bit codebook weights (:mod:`qops.native.codebook_w4`) from the int weights' plan ``p``
+    for the shape: the codebook table (``lut``), x staged once, no fold, and two blocks an SM promised
+    where M <= 16 -- the table's lookups take ~20 more registers a thread, and minb 1 let the M = 1
+    builds take ~150 and one block an SM (128 without spills with two: tests/test_native_compile.py)."""
+    return remake_plan(p, n, k, smem_limit, lut=True, xfull=True, fold=False, minb=2 if p.mt <= 2 else p.minb)
+
+
 def _env_smem_ring() -> int:
     raw = os.environ.get(SMEM_RING_ENV, "").strip()
     if not raw:
@@ -817,9 +825,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     column and 64 rows, no qzeros; the plan is the int weights' with ``lut`` (and no fold)."""
     p = plan(m, n, k, dev)
     if codebook is not None and not p.lut:
-        # The table's lookups take ~20 more registers a thread: two blocks an SM promised (128, no spills
-        # at M <= 16, tests/test_native_compile.py), where minb 1 let the M = 1 builds take ~150 and one block.
-        p = remake_plan(p, n, k, smem_optin_bytes(dev), lut=True, xfull=True, fold=False, minb=2 if p.mt <= 2 else p.minb)
+        p = lut_plan(p, n, k, smem_optin_bytes(dev))
     if p.smem_bulk:  # only measurement overrides set it: one bulk copy moves a warp's whole chunk
         needs = [why for bad, why in ((not flags & _Q_SLABS, "qweight in column slabs"), (not p.smem_ring, "a shared-memory ring"),
                                       (not _sm90(dev), "sm_90"), (scales.data_ptr() % 16, "16-byte aligned scales"),

@@ -1053,6 +1053,15 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       for (int t = 0; t < 2; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) gacc[mt][t][i] = 0.f;
+    // acc += gacc x the columns' scales sc, in fp32 (the unfolded paths; QOPS_LUT: once a half-chunk).
+    auto add_scaled = [&](const float (&sc)[4]) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][t][i] = fmaf(gacc[mt][t][i], sc[2 * t + (i >> 1)], acc[mt][t][i]);
+    };
 
 #if QOPS_WGMMA
     {
@@ -1159,22 +1168,20 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         if (j == 1) {  // steps 0, 1 are the chunk's first 64 rows (an absmax group): scaled here, in fp32
           float sa[4];
           column_scales(sa, ck.s, flags);
+          add_scaled(sa);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int t = 0; t < 2; ++t)
 #pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                acc[mt][t][i] = fmaf(gacc[mt][t][i], sa[2 * t + (i >> 1)], acc[mt][t][i]);
-                gacc[mt][t][i] = 0.f;
-              }
+              for (int i = 0; i < 4; ++i) gacc[mt][t][i] = 0.f;
         }
       }
     }
 #endif
 
     float sc[4];
-    column_scales(sc, kLut ? chunk_s2(ck) : ck.s, flags);
+    column_scales(sc, chunk_s2(ck), flags);
     if constexpr (FOLD) {
       // (C1, S) of rows 2c and 2c + 1, the rows of this lane's accumulators; y = sum - C1 - z * S.
       const float4 cs = *reinterpret_cast<const float4*>(xsum + (ch - cb) * 8 + 2 * c);
@@ -1187,12 +1194,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           acc[0][t][i] = fmaf(fmaf(-zf[jj], sx, gacc[0][t][i] - c1), sc[jj], acc[0][t][i]);
         }
     } else if (have) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[mt][t][i] = fmaf(gacc[mt][t][i], sc[2 * t + (i >> 1)], acc[mt][t][i]);
+      add_scaled(sc);
     }
   };
 
