@@ -33,9 +33,6 @@ from qops.formats.bitsandbytes import codebook  # noqa: E402
 from qops.native import codebook_w4 as cw  # noqa: E402
 from qops.native import int_weight as niw  # noqa: E402
 
-PLAN_FIELDS = ("nwn", "splits", "cluster", "ring", "minb", "xu", "f16mma")
-
-
 def lut_weight(n: int, k: int, gen: torch.Generator) -> dict:
     """Random NF4 codes in the table path's layout, absmax in f16 (about bitsandbytes' 0.01-0.03 range)."""
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda", generator=gen)
@@ -70,14 +67,15 @@ def main(argv=None) -> int:
                      "w4": common.roofline_us(w4.nbytes() + io, bw),
                      "lut": common.roofline_us(lut_bytes(n, k) + io, bw)}
             base = niw.plan(m, n, k, 0)
-            row = {"N": n, "K": k, "M": m, "w4_plan": str(base)}
+            limit = niw.smem_optin_bytes(0)
+            lut = niw.lut_plan(base, n, k, limit)  # what codebook_mm launches
+            row = {"N": n, "K": k, "M": m, "w4_plan": str(base), "lut_plan": str(lut)}
             cands = {"nf4": [lambda w=w: nf4_call(w, x) for w in nfs], "w4": [lambda w=w: w.mm(x) for w in w4s]}
             variants = {"lut": None}
             for f in a.plans:
                 name = "lut " + json.dumps(f, sort_keys=True)
-                fields = {g: getattr(base, g) for g in PLAN_FIELDS} | {"xfull": True} | f
                 try:
-                    variants[name] = niw.make_plan(m, n, k, **fields, lut=True, fold=False, smem_limit=niw.smem_optin_bytes(0))
+                    variants[name] = niw.remake_plan(lut, n, k, limit, **f)
                 except ValueError as e:
                     row[name + "_refused"] = str(e)
 
@@ -96,7 +94,6 @@ def main(argv=None) -> int:
                 roofs[name] = roofs["lut"]
             for name, t in common.graph_times(cands, a.trials, 5.0).items():
                 common.add_time(row, name, t.us, roofs[name])
-            row["lut_plan"] = str(niw.lut_plan(base, n, k, niw.smem_optin_bytes(0)))
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             common.write_json(res, common.output_paths("probe_w4_lut.json", a.out))  # a run cut short keeps its rows
