@@ -1275,3 +1275,50 @@ def test_gemm_x_image_waits_before_any_global_access():
     assert trigger < wait < first
     staged = gemm.make_plan(64, 4096, 4096, nwn=8, splits=2, stages=4, wgmma=True)  # x through registers
     assert gemm.X_IMAGE not in _entries(_ptx(src, "sm_90a", staged.defines(torch.float16, True)))
+
+
+def _varw_units(b: int, blocks: int, n: int, nwn: int, first: int) -> tuple[int, int]:
+    """varw_units in w4a16_gemv.cu, written again: block b's 32-column units."""
+    units, p = n // 32, min(first, blocks)
+    if b < p:
+        return b * nwn, (b + 1) * nwn
+    j, left, rest = b - p, units - p * nwn, blocks - p
+    return p * nwn + j * left // rest, p * nwn + (j + 1) * left // rest
+
+
+@pytest.mark.parametrize("n,nwn,blocks,first", [(28672, 4, 264, 132), (28672, 4, 264, 0), (57344, 8, 264, 132), (4096 + 96, 2, 70, 60)])
+def test_varw_plans_cover_every_column_once_within_a_tile(n, nwn, blocks, first):
+    """Variable-width tiles (Plan.varw, measurements): the blocks' unit ranges tile N exactly, none wider
+    than nwn units or empty, and the host accepts the plan; where the first wave puts block b and b + 132
+    on one SM, those pairs hold 6 or 7 units of 28672's 896 (whole tiles: 8 or 4)."""
+    p = dataclasses.replace(native.make_plan(1, n, 4096, nwn=nwn, splits=1, cluster=False, xfull=True), varw=blocks, varw_first=first)
+    assert native.varw_error(p, n) is None
+    ranges = [_varw_units(b, blocks, n, nwn, first) for b in range(blocks)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == n // 32
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(1 <= u1 - u0 <= nwn for u0, u1 in ranges)
+    if (n, first) == (28672, 132):
+        assert {ranges[b][1] - ranges[b][0] + ranges[b + 132][1] - ranges[b + 132][0] for b in range(132)} == {6, 7}
+
+
+@pytest.mark.parametrize("change,why", [({"splits": 2}, "splits 1"), ({"varw": 100}, "leave"), ({"varw_first": 300}, "leave"),
+                                        ({"xfull": False}, "x staged once")])
+def test_varw_refuses_what_the_kernel_does_not_run(change, why):
+    p = dataclasses.replace(native.make_plan(1, 28672, 4096, nwn=4, splits=1, cluster=False, xfull=True), varw=264, varw_first=132)
+    assert native.varw_error(dataclasses.replace(p, **change), 28672) is not None
+    assert why in native.varw_error(dataclasses.replace(p, **change), 28672)
+    assert "varw" in native.varw_error(p, 28672, glu=True) and native.varw_error(p, 28680) is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_varw_builds_compile_within_two_blocks_an_sm(arch):
+    """The variable-width builds keep the register budget of the plans they vary (two blocks an SM, no
+    spills at sm_90), and only they carry the define."""
+    for n, nwn in ((28672, 4), (57344, 8)):
+        base = native.make_plan(1, n, 4096, nwn=nwn, splits=1, cluster=False, xfull=True)
+        assert "QOPS_VARW" not in base.defines(torch.float16, True)
+        for dt in (torch.float16, torch.bfloat16):
+            defines = dataclasses.replace(base, varw=264, varw_first=132).defines(dt, True)
+            (_, log), = compile_reports(native.SOURCE, arch, [defines])
+            regs, spills = ptxas_report(log)[native.GEMV]
+            assert regs <= 128 and (arch == "sm_80" or spills == 0), (defines, log)
