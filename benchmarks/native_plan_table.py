@@ -10,6 +10,14 @@ shared memory. Runs anywhere (no GPU):
 
     python benchmarks/native_plan_table.py benchmarks/results/h200-2026-11-30-f4c8e4f-sweep-table.json \\
         --out qops/native/plans/h200.json
+
+A sweep run with the table in force (``default_plans`` "table": its confirmed default is the plan the
+table gave, or the rule where it gave none) refreshes the table built from the sweeps before it: a case
+whose best confirmed plan beats that default by the margin replaces the entry measured at its M (or adds
+one); every other entry stays. Kernels change after a table is swept, and this re-times the shipped plans
+against new candidates in one interleaved round without throwing away entries a narrower sweep did not
+find again. Such sweeps come after the rule sweeps on the command line. The table lists its input files
+in order (``sweeps``), so it can be rebuilt from them.
 """
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ PLAN_FIELDS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "pre
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sweeps", nargs="+", help="sweep_native.py JSON files with confirmed cases (later files win)")
+    ap.add_argument("sweeps", nargs="+", help="sweep_native.py JSON files with confirmed cases (later files win; "
+                    "sweeps of the table's plans last)")
     ap.add_argument("--min-gain", type=float, default=0.03, help="fraction faster than the rule's plan an entry must be")
     ap.add_argument("--out", required=True, help="the table to write")
     return ap.parse_args(argv)
@@ -46,47 +55,77 @@ def measured_minb(plan, sms: int) -> int:
     return max(plan.minb, 2) if grid > sms and plan.mt <= 2 else plan.minb
 
 
+def _entry(native, c: dict, best: dict, lo: int, hi: int, name: str, limit, sms: int, rule_us: float) -> dict:
+    """The entry of confirmed case ``c`` taking ``best``, serving rows lo..hi (refused if the plan cannot)."""
+    n, k, m = c["N"], c["K"], c["M"]
+    fields = {f: best["plan"][f] for f in PLAN_FIELDS}
+    for mm in range(lo, hi + 1):
+        try:
+            native.make_plan(mm, n, k, smem_limit=limit, **fields)
+        except ValueError as e:
+            raise SystemExit(f"native_plan_table: {n}x{k} M={m}'s plan does not serve M={mm}: {e}") from None
+    fields["minb"] = measured_minb(native.make_plan(m, n, k, smem_limit=limit, **fields), sms)
+    return {"n": n, "k": k, "m_min": lo, "m_max": hi, "plan": fields, "us": round(best["us"], 2),
+            "rule_us": round(rule_us, 2), "measured_at_m": m, "source": os.path.basename(name)}
+
+
 def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
     from qops.native import int_weight as native
 
     gpus = {s["gpu"] for s in sweeps}
     if len(gpus) != 1:
         raise SystemExit(f"native_plan_table: sweeps of several GPUs ({sorted(gpus)}): one table is one GPU")
-    for sweep, name in zip(sweeps, names):
-        # Sweeps before the tables existed had no such field: their defaults were the rule's.
-        if sweep.get("default_plans", "rule") != "rule":
-            raise SystemExit(f"native_plan_table: {name} timed the table's plans as its defaults; sweep with QOPS_NATIVE_PLANS=rule")
+    # Sweeps before the tables existed had no such field: their defaults were the rule's.
+    kinds = [sweep.get("default_plans", "rule") for sweep in sweeps]
+    n_rule = kinds.index("table") if "table" in kinds else len(kinds)
+    if n_rule == 0 or any(kind != "table" for kind in kinds[n_rule:]):
+        raise SystemExit("native_plan_table: a sweep that timed the table's plans as its defaults refreshes a table built from "
+                         "sweeps of the rule (QOPS_NATIVE_PLANS=rule) given before it")
+    sms = sweeps[0]["sms"]
     cases = {}
+    measured: dict[tuple[int, int], set[int]] = {}  # every confirmed M of a shape, in any sweep
     for sweep, name in zip(sweeps, names):
         for c in sweep["cases"]:
             if "confirmed" in c:
-                cases[c["N"], c["K"], c["M"]] = (c, name)
+                measured.setdefault((c["N"], c["K"]), set()).add(c["M"])
+                if sweep.get("default_plans", "rule") == "rule":
+                    cases[c["N"], c["K"], c["M"]] = (c, name)
     by_shape: dict[tuple[int, int], list[int]] = {}
     for n, k, m in cases:
         by_shape.setdefault((n, k), []).append(m)
-    entries = []
+    entries = {}
     for (n, k), ms in sorted(by_shape.items()):
         for m, (lo, hi) in m_ranges(ms).items():
             c, name = cases[n, k, m]
             rule = c["confirmed"][0]  # sweep_native confirms the default (the rule's plan) first
             best = min(c["confirmed"], key=lambda r: r["us"])
-            gain = 1 - best["us"] / rule["us"]
-            if gain < min_gain or best is rule:
+            if best is rule or 1 - best["us"] / rule["us"] < min_gain:
                 continue
-            fields = {f: best["plan"][f] for f in PLAN_FIELDS}
             limit = sweeps[names.index(name)].get("smem_optin")
-            for mm in range(lo, hi + 1):
-                try:
-                    native.make_plan(mm, n, k, smem_limit=limit, **fields)
-                except ValueError as e:
-                    raise SystemExit(f"native_plan_table: {n}x{k} M={m}'s plan does not serve M={mm}: {e}") from None
-            fields["minb"] = measured_minb(native.make_plan(m, n, k, smem_limit=limit, **fields), sweeps[0]["sms"])
-            entries.append({"n": n, "k": k, "m_min": lo, "m_max": hi, "plan": fields, "us": round(best["us"], 2),
-                            "rule_us": round(rule["us"], 2), "measured_at_m": m, "source": os.path.basename(name)})
-    return {"gpu": gpus.pop(), "sms": sweeps[0]["sms"], "min_gain": min_gain,
+            entries[n, k, m] = _entry(native, c, best, lo, hi, name, limit, sms, rule["us"])
+    for sweep, name in zip(sweeps[n_rule:], names[n_rule:]):
+        for c in sweep["cases"]:
+            if "confirmed" not in c:
+                continue
+            n, k, m = c["N"], c["K"], c["M"]
+            default = c["confirmed"][0]  # the table's plan at this M (or the rule's where it had none)
+            best = min(c["confirmed"], key=lambda r: r["us"])
+            if best is default or 1 - best["us"] / default["us"] < min_gain:
+                continue
+            lo = max((mm for mm in measured[n, k] if mm < m), default=0) + 1
+            old = entries.get((n, k, m))
+            if old is not None and (old["m_min"], old["m_max"]) != (lo, m):
+                raise SystemExit(f"native_plan_table: {n}x{k} M={m} in {name} serves rows {lo}..{m}, the entry it replaces "
+                                 f"{old['m_min']}..{old['m_max']}: sweep the table at the Ms it was built at")
+            if any(key[:2] == (n, k) and key[2] != m and e["m_min"] <= m and lo <= e["m_max"] for key, e in entries.items()):
+                raise SystemExit(f"native_plan_table: {n}x{k} M={m} in {name} would serve rows {lo}..{m}, which another entry serves")
+            entries[n, k, m] = _entry(native, c, best, lo, m, name, sweep.get("smem_optin"), sms,
+                                      old["rule_us"] if old is not None else default["us"])
+    return {"gpu": gpus.pop(), "sms": sms, "min_gain": min_gain,
             "note": "built by benchmarks/native_plan_table.py from confirmed sweep_native.py cases (fp16 activations); "
                     "shapes and M not listed take qops.native.int_weight's rule",
-            "plans": entries}
+            "sweeps": [os.path.basename(nm) for nm in names],
+            "plans": [entries[key] for key in sorted(entries)]}
 
 
 def main(argv=None) -> int:

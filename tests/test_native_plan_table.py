@@ -80,7 +80,9 @@ def test_refusals(tool):
     with pytest.raises(SystemExit, match="several GPUs"):
         tool.build([_sweep(), _sweep(gpu="NVIDIA H100")], ["a", "b"], 0.03)
     with pytest.raises(SystemExit, match="QOPS_NATIVE_PLANS=rule"):
-        tool.build([_sweep(default_plans="table")], ["a"], 0.03)
+        tool.build([_sweep(default_plans="table")], ["a"], 0.03)  # a refresh with nothing to refresh
+    with pytest.raises(SystemExit, match="QOPS_NATIVE_PLANS=rule"):
+        tool.build([_sweep(), _sweep(default_plans="table"), _sweep()], ["a", "b", "c"], 0.03)  # rule sweeps first
     folded = _plan(fold=True)  # folding needs M <= 8: an M = 16 entry cannot take it
     with pytest.raises(SystemExit, match="does not serve M=9"):
         tool.build([_sweep(_case(4096, 4096, 8, 10.0), _case(4096, 4096, 16, 10.0, (folded, 5.0)))], ["a"], 0.03)
@@ -90,9 +92,35 @@ def test_the_shipped_h200_table_is_the_committed_sweeps(tool):
     from qops.native import int_weight as native
 
     shipped = json.load(open(os.path.join(ROOT, "qops", "native", "plans", "h200.json")))
-    sources = sorted({e["source"] for e in shipped["plans"]})
-    paths = [os.path.join(RESULTS, s) for s in sources]
-    assert all(os.path.exists(p) for p in paths), sources
+    assert {e["source"] for e in shipped["plans"]} <= set(shipped["sweeps"])
+    paths = [os.path.join(RESULTS, s) for s in shipped["sweeps"]]
+    assert all(os.path.exists(p) for p in paths), shipped["sweeps"]
     rebuilt = tool.build([json.load(open(p)) for p in paths], paths, shipped["min_gain"])
     assert rebuilt == shipped
     assert native.plan_tables()["NVIDIA H200"] == shipped
+
+
+def test_a_sweep_of_the_table_replaces_only_what_it_beats(tool):
+    """A sweep timed with the table in force (its default the table's plan) replaces an entry where its best
+    beats that plan by the margin, adds one where the rule served, and leaves every other entry; the new
+    entries serve the rows from the shape's previous measured M."""
+    wide, narrow, split = _plan(nwn=8, splits=2, cluster=True), _plan(nwn=2), _plan(nwn=4, splits=4, cluster=True)
+    rule = _sweep(_case(28672, 4096, 1, 10.0), _case(28672, 4096, 4, 20.0, (narrow, 15.0)),
+                  _case(28672, 4096, 8, 30.0, (wide, 20.0)))
+    first = tool.build([rule], ["r.json"], 0.03)
+    assert [(e["m_min"], e["m_max"]) for e in first["plans"]] == [(2, 4), (5, 8)]
+
+    def table_case(m, default, us, *others):
+        return {"N": 28672, "K": 4096, "M": m, "confirmed": [{"plan": default, "us": us}] + [{"plan": p, "us": t} for p, t in others]}
+
+    refresh = _sweep(table_case(1, _plan(), 10.0, (split, 9.0)),       # the rule served M = 1: a new entry
+                     table_case(4, narrow, 15.0, (split, 14.8)),       # 1.3%: the entry stays
+                     table_case(8, wide, 20.0, (split, 18.0)),         # 10%: replaced
+                     default_plans="table")
+    table = tool.build([rule, refresh], ["r.json", "t.json"], 0.03)
+    got = {e["measured_at_m"]: e for e in table["plans"]}
+    assert sorted(got) == [1, 4, 8] and table["sweeps"] == ["r.json", "t.json"]
+    assert (got[1]["m_min"], got[1]["m_max"], got[1]["source"], got[1]["rule_us"]) == (1, 1, "t.json", 10.0)
+    assert got[4] == first["plans"][0]
+    assert got[8]["plan"]["nwn"] == 4 and (got[8]["m_min"], got[8]["m_max"], got[8]["us"]) == (5, 8, 18.0)
+    assert got[8]["rule_us"] == 30.0  # the rule's time from the sweep that first made the entry
