@@ -180,13 +180,6 @@ class Plan:
     # (a cluster) measurements: the cluster's exit barrier with the release arrive it had until stop 39
     # (every thread waiting for its output stores first); the kernel's own is relaxed (ptx.cuh cluster_exit_sync).
     exit_fence: bool = False
-    # Measurements: variable-width column tiles (w4a16_gemv.cu, QOPS_VARW): a grid of ``varw`` blocks over
-    # the N / 32 column units, the first ``varw_first`` a whole tile (nwn units) each and the rest sharing
-    # what is left evenly, so that where the first wave puts one block on every SM, each SM's two blocks
-    # hold about equal columns (224 whole tiles on 132 SMs leave 40 SMs one). One block a tile's K
-    # (no split), x staged once; see :func:`varw_error`. 0: off (grid of ``tiles``).
-    varw: int = 0
-    varw_first: int = 0
 
     def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False, smem_base: int = 0) -> dict[str, int]:
         """``smem_base``: where the device puts a block's dynamic shared memory (read by ``lut`` builds)."""
@@ -210,8 +203,7 @@ class Plan:
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
         } | ({"QOPS_WGMMA": 1} if self.wgmma else {}) | ({"QOPS_STREAMK": self.streamk} if self.streamk else {}) \
           | ({"QOPS_LUT": 1, "QOPS_SMEM_BASE": smem_base} if self.lut else {}) \
-          | ({"QOPS_EXIT_FENCE": 1} if self.exit_fence else {}) \
-          | ({"QOPS_VARW": 1, "QOPS_VARW_FIRST": self.varw_first} if self.varw else {})
+          | ({"QOPS_EXIT_FENCE": 1} if self.exit_fence else {})
         # (only when set: the other builds keep their cache keys)
 
     def _f16mma_on(self, dtype: torch.dtype) -> bool:
@@ -827,21 +819,6 @@ def launch_shmem(p: Plan, glu: bool) -> int:
     return max(p.shmem, table + _reduction_bytes(p.m, p.nwn, True)) if glu and p.splits == 1 else p.shmem
 
 
-def varw_error(p: Plan, n: int, glu: bool = False) -> str | None:
-    """Why variable-width tiles (``Plan.varw``) cannot run this plan on N columns, or None."""
-    if not p.varw:
-        return None
-    if n % 32 or glu or p.splits != 1 or p.cluster or not p.xfull or p.smem_ring or p.wgmma or p.streamk or p.lut:
-        return (f"varw needs N % 32 == 0, one block a tile's K (splits 1, no cluster), x staged once and none of gated output, "
-                f"smem_ring, wgmma, streamk, lut (got N={n}, glu={glu}, {p})")
-    units, first = n // 32, min(p.varw_first, p.varw)
-    rest, left = p.varw - first, units - first * p.nwn
-    if left < 0 or (rest == 0 and left) or (rest and -(-left // rest) > p.nwn) or (rest and left < rest):
-        return (f"varw={p.varw} blocks, varw_first={p.varw_first} whole tiles of {p.nwn} units: {units} units of 32 columns "
-                f"leave {left} for {rest} blocks (each needs 1..{p.nwn})")
-    return None
-
-
 def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_per_group, zero_offset, flags, dev, stream,
             glu: bool = False, codebook: torch.Tensor | None = None) -> None:
     """``codebook`` (fp32, 16 values; :mod:`qops.native.codebook_w4`): qweight holds codes of it, scales a
@@ -855,9 +832,6 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
                                       (qzeros is not None and qzeros.data_ptr() % 16, "16-byte aligned qzeros")) if bad]
         if needs:
             raise ValueError(f"native_w4a16: a plan with smem_bulk needs {', '.join(needs)} (N={n}, cuda:{dev})")
-    why = varw_error(p, n, glu)
-    if why:
-        raise ValueError(f"native_w4a16: {why}")
     has_z = qzeros is not None and codebook is None
     defines = p.defines(x2.dtype, has_z, glu, compiler.dynamic_shared_base(dev) if p.lut else 0)
     shmem = launch_shmem(p, glu)
@@ -868,7 +842,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
         flags |= _X_VEC
     gemv_flags = flags
     if m <= 8:  # at M = 16 the W4A16 rows measured 0.99-1.03x: not taken
-        gemv_flags |= early_dependents_flag(gemv, dev, (p.varw or p.tiles) * p.splits, THREADS, shmem)
+        gemv_flags |= early_dependents_flag(gemv, dev, p.tiles * p.splits, THREADS, shmem)
     if p.streamk and p.workspace:
         ws = _streamk_scratch(x2.device, p.workspace)
     else:
@@ -877,7 +851,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     i32 = compiler.i32
     pdl = use_pdl(dev)
     compiler.launch(
-        gemv, (p.varw or p.tiles, p.splits, 1), (THREADS, 1, 1), shmem, stream,
+        gemv, (p.tiles, p.splits, 1), (THREADS, 1, 1), shmem, stream,
         qweight.data_ptr(), scales.data_ptr(), codebook.data_ptr() if codebook is not None else (qzeros.data_ptr() if has_z else 0), x2.data_ptr(),
         bias.data_ptr() if bias is not None else 0, o2.data_ptr(), ws_ptr,
         i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(gemv_flags),

@@ -58,14 +58,6 @@
 // arrive, which adds the sharers' sums in rank order (still deterministic) and stores; the counts must
 // be zero when a launch starts and are left zero, which the host's scratch for these plans provides.
 //
-// Variable-width tiles (QOPS_VARW, measurements; x staged once, one block a tile's K, no cluster, gated
-// output, stream-K, codebook or wgmma): the same question without cross-block sums. The grid is B blocks
-// over the N / 32 column units (varw_units); the first QOPS_VARW_FIRST take a whole tile (NWN units) and
-// the others share what is left, so if the first wave puts blocks 0..131 one an SM, block b and b + 132
-// hold 6 or 7 units of 28672's 896 together where whole tiles give SMs 8 or 4. A warp past its block's
-// units skips the main loop (it has no barrier); the host (int_weight.varw_error) keeps every block at
-// 1..NWN units.
-//
 // x staging, two modes (QOPS_XFULL):
 //   0: per iteration, as above: cp.async stages of the K range the block works on next, one barrier
 //      per iteration (all warps of a block advance together).
@@ -131,7 +123,6 @@
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_WGMMA (0/1: warpgroup MMAs, below; sm_90a, x staged once, NWN 4 or 8),
 // QOPS_STREAMK (0: off; SK > 0: stream-K over SK tiles a group of blocks, above; a cluster needs QOPS_CLUSTER > SK),
-// QOPS_VARW (0/1, measurements: variable-width tiles, above) with QOPS_VARW_FIRST,
 // QOPS_LUT (0/1: 4-bit codebook weights, below) with QOPS_SMEM_BASE, QOPS_EXIT_FENCE (0/1, measurements: the
 // cluster's last barrier with a release arrive, ptx.cuh cluster_exit_sync),
 // QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
@@ -238,15 +229,6 @@
 #endif
 #ifndef QOPS_EXIT_FENCE
 #define QOPS_EXIT_FENCE 0  // measurements: the cluster's exit barrier with a release arrive (ptx.cuh cluster_exit_sync)
-#endif
-#ifndef QOPS_VARW
-#define QOPS_VARW 0  // measurements: variable-width column tiles (below, varw_units), one block a tile, no split
-#endif
-#ifndef QOPS_VARW_FIRST
-#define QOPS_VARW_FIRST 0
-#endif
-#if QOPS_VARW && (QOPS_GLU || QOPS_STREAMK || QOPS_LUT || QOPS_WGMMA || QOPS_CLUSTER > 1 || !QOPS_XFULL || QOPS_SMEM_RING)
-#error "QOPS_VARW: x staged once, the register ring, no cluster, gated output, stream-K, codebook or wgmma"
 #endif
 #ifndef QOPS_LUT
 #define QOPS_LUT 0  // 1: 4-bit codebook weights (qzeros: the fp32 codebook), absmax a column and 64 rows (below)
@@ -405,24 +387,6 @@ __device__ __forceinline__ int column_tiles(int N) {
   return QOPS_GLU ? ((N >> 1) + NBLK / 2 - 1) / (NBLK / 2) : (N + NBLK - 1) / NBLK;
 }
 
-#if QOPS_VARW
-// Variable-width tiles: block b of B's 32-column units [u0, u1) of the N / 32. The first QOPS_VARW_FIRST
-// blocks take NWN units each (a whole tile); the rest share the remaining units as evenly as integers
-// allow (0 first: all B blocks share them so). The host checks that no block gets more than NWN.
-template <int NWN>
-__device__ __forceinline__ void varw_units(int b, int B, int N, int& u0, int& u1) {
-  const int U = N >> 5, P = min(QOPS_VARW_FIRST, B), R = U - P * NWN, Q = B - P;
-  if (b < P) {
-    u0 = b * NWN;
-    u1 = u0 + NWN;
-  } else {
-    const int j = b - P;
-    u0 = P * NWN + static_cast<int>(static_cast<long long>(j) * R / Q);
-    u1 = P * NWN + static_cast<int>(static_cast<long long>(j + 1) * R / Q);
-  }
-}
-#endif
-
 #if QOPS_STREAMK && QOPS_CLUSTER == 1
 // A float from global memory through L2 only (.cg): written by another SM in this launch, so never
 // from this SM's L1.
@@ -571,28 +535,14 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int RSF = chunks_blk * 16 + 4;
 
 #else
-#if QOPS_VARW
-  // Variable-width tiles (measurements, see the top): this block's 32-column units [vu0, vu1); warps
-  // past them have no columns and skip the main loop (x staged once: it has no barrier).
-  int vu0, vu1;
-  varw_units<NWN>(blockIdx.x, gridDim.x, N, vu0, vu1);
-  const bool w_on = vu0 + wn < vu1;
-  const int n0 = 32 * (w_on ? vu0 + wn : vu0) + 4 * g;
-  const bool n_ok = w_on;
-#else
   const int n0 = weight_column<NWN>(blockIdx.x, wn * 32 + 4 * g, N);
   const bool n_ok = column_ok<NWN>(blockIdx.x, wn * 32 + 4 * g, N);
-#endif
   const int KW = (K + 7) >> 3;
   const int C = (K + kChunkK - 1) / kChunkK;
   const int S = gridDim.y, split = blockIdx.y;
   const int cb = static_cast<int>(static_cast<long long>(split) * C / S);
   const int ce = static_cast<int>(static_cast<long long>(split + 1) * C / S);
-#if QOPS_VARW
-  const int n_it = w_on ? (ce - cb + NWK - 1) / NWK : 0;
-#else
   const int n_it = (ce - cb + NWK - 1) / NWK;
-#endif
   const int zw = (N + 7) >> 3;
   const int xstage = M * RS;
   const int chunks_blk = (C + S - 1) / S;
@@ -1523,15 +1473,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     const int m = idx / NBLK, lc = idx - m * NBLK;
     if (CL > 1 || (kPairHere && S == 1)) {
       part[idx] = v;
-#if QOPS_VARW
-    } else if (lc < 32 * (vu1 - vu0)) {
-      store_out<DT>(out, bias, flags, m, 32 * vu0 + lc, ldo, v);
-#else
     } else if (column_ok<NWN>(blockIdx.x, lc, N)) {
       const int n = weight_column<NWN>(blockIdx.x, lc, N);
       if (S == 1) store_out<DT>(out, bias, flags, m, n, ldo, v);
       else ws[(static_cast<size_t>(split) * M + m) * N + n] = v;
-#endif
     }
   }
   constexpr int kHalf = NBLK / 2;
