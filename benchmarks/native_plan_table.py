@@ -33,7 +33,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweeps", nargs="+", help="sweep_native.py JSON files with confirmed cases (later files win; "
                     "sweeps of the table's plans last)")
-    ap.add_argument("--min-gain", type=float, default=0.03, help="fraction faster than the rule's plan an entry must be")
+    ap.add_argument("--min-gain", type=float, default=0.03, help="fraction faster than the rule's plan (in a refresh: the shipped plan) an entry must be")
     ap.add_argument("--out", required=True, help="the table to write")
     return ap.parse_args(argv)
 
