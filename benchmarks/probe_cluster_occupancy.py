@@ -1,9 +1,9 @@
 """How many thread-block clusters of the native W4A16 decode kernel the driver lets run at once, against
 the blocks an SM it fits (the occupancy calculator; cuOccupancyMaxActiveClusters through cuda.core).
 
-Stream-K plans (Plan.streamk: 256 blocks in clusters of 4 or 8) ran 1.6-1.8x slower than the whole-tile
-grids they were to even out (h200-2026-12-03-3196cf9-streamk-probe.json); a grid whose clusters do not
-all fit at once runs in waves. Each row: the plan, its blocks, the blocks an SM, the clusters that fit
+Stream-K plans (256 blocks in clusters of 4 or 8; built in stop 38, since removed) ran 1.6-1.8x slower
+than the whole-tile grids they were to even out (h200-2026-12-03-3196cf9-streamk-probe.json): a grid whose
+clusters do not all fit at once runs in waves (h200-2026-12-03-0301e3e-cluster-occupancy.json). Each row: the plan, its blocks, the blocks an SM, the clusters that fit
 and the waves that makes.
 
     PYTHONPATH=. python benchmarks/probe_cluster_occupancy.py [--out F]
@@ -23,12 +23,9 @@ common.add_repo_to_path()
 from qops.native import compiler  # noqa: E402
 from qops.native import int_weight as niw  # noqa: E402
 
-# (N, K, M, plan fields): stream-K in clusters of 8 and 4, the shipped split-2 cluster plans, and plain
-# K splits in clusters of 2..8 on one shape (the cluster size alone).
+# (N, K, M, plan fields): the shipped split-2 cluster plans, and plain K splits in clusters of 2..8 on
+# one shape (the cluster size alone).
 CASES = [
-    (28672, 4096, 1, dict(nwn=4, splits=8, cluster=True, xfull=True, fold=True, streamk=7)),
-    (6144, 4096, 1, dict(nwn=1, splits=4, cluster=True, xfull=True, streamk=3)),
-    (6144, 4096, 1, dict(nwn=1, splits=8, cluster=True, xfull=True, streamk=6)),
     (4096, 14336, 1, dict(nwn=1, splits=2, cluster=True, xfull=True, minb=1)),
     (8192, 28672, 1, dict(nwn=2, splits=2, cluster=True, xfull=True, minb=1, fold=True)),
 ] + [(4096, 4096, 1, dict(nwn=4, splits=s, cluster=True, xfull=True)) for s in (2, 3, 4, 6, 8)]

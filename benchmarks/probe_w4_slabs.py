@@ -32,7 +32,7 @@ from qops.native import int_weight_gemm as gemm  # noqa: E402
 from qops.ops.int_weight import with_qweight_form  # noqa: E402
 
 
-PLAN_KNOBS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "wgmma", "streamk")
+PLAN_KNOBS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "wgmma")
 
 
 def main(argv=None) -> int:

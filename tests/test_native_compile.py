@@ -126,25 +126,6 @@ def _f16mma_variants():
     yield {**native._plan(8, 28672, 4096, 132, True).defines(torch.bfloat16, True, glu=True), "QOPS_XFULL": 1, "QOPS_F16MMA": 1}
 
 
-def _streamk_variants():
-    """Stream-K builds (QOPS_STREAMK): every tile width at M = 1 and 8 with its cluster and tiles, and
-    groups meeting in global memory (no cluster: sm_80 too), folded or not, both dtypes (bf16 through
-    f16 MMAs at M = 1), zeros or not, the gated output, and both tile heights up to 16 rows (two blocks
-    an SM promised, as the plans require)."""
-    for nwn, splits, streamk, cluster in ((1, 4, 3, True), (2, 3, 2, True), (4, 8, 7, True), (8, 8, 7, True), (4, 33, 28, False),
-                                          (1, 11, 8, False)):
-        for m in (1, 8, 16):
-            for fold in ((False, True) if m <= 8 else (False,)):
-                for dt in (torch.float16, torch.bfloat16):
-                    # bf16 through f16 MMAs with the fold, as the M = 1 plans take it (the gated build without
-                    # the fold spills 16-20 bytes at 128 registers: a combination no plan makes)
-                    p = native.make_plan(m, 28672, 4096, nwn=nwn, splits=splits, cluster=cluster, xfull=True, fold=fold, streamk=streamk,
-                                         f16mma=fold)
-                    yield p.defines(dt, fold or m == 8)
-                    if nwn == 4:
-                        yield p.defines(dt, True, glu=True)
-
-
 @pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _f16mma_variants], ids=["register-ring", "smem-ring", "f16mma"])
 def test_the_sm80_subset_compiles_every_define_value(variants):
     every = [d for d in variants() if d["QOPS_CLUSTER"] <= 1]
@@ -159,8 +140,8 @@ def test_the_compiled_variants_cover_every_tile_height():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants, _glu_variants, _f16mma_variants,
-                                      _streamk_variants], ids=["register-ring", "smem-ring", "plan-tables", "glu", "f16mma", "streamk"])
+@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants, _glu_variants, _f16mma_variants],
+                         ids=["register-ring", "smem-ring", "plan-tables", "glu", "f16mma"])
 def test_gemv_variants_compile_within_register_budget(arch, variants):
     wanted = builds_for(arch, (d for d in variants() if not (arch == "sm_80" and d["QOPS_CLUSTER"] > 1)))  # clusters are sm_90's
     for defines, log in compile_reports(native.SOURCE, arch, wanted):
@@ -369,7 +350,7 @@ def test_lut_plans_carry_the_table_and_refuse_what_it_excludes():
     assert p.lut and p.shmem == base.shmem + native.LUT_TABLE_BYTES
     assert "QOPS_LUT" not in base.defines(torch.float16, True) and p.defines(torch.float16, False, False, 1024)["QOPS_SMEM_BASE"] == 1024
     assert native.launch_shmem(dataclasses.replace(p, splits=1), True) >= native.LUT_TABLE_BYTES
-    for kw in (dict(xfull=False), dict(fold=True), dict(smem_ring=2), dict(streamk=1, splits=2)):
+    for kw in (dict(xfull=False), dict(fold=True), dict(smem_ring=2)):
         with pytest.raises(ValueError, match="lut needs x staged once"):
             native.make_plan(1, 4096, 14336, **(dict(nwn=1, splits=2, cluster=True, xfull=True, minb=2, lut=True) | kw))
 
@@ -550,41 +531,6 @@ def test_make_plan_honours_the_smem_ring():
         assert dataclasses.replace(p, smem_ring=0, shmem=base.shmem) == base, "nothing else changes"
     p = native.make_plan(16, 4096, 2048, nwn=4, splits=2, cluster=True, xfull=True, smem_ring=6)  # MT = 2
     assert p.shmem == native.xfull_bytes(16, 2048, 2) + 6 * 8 * 2432
-
-
-def test_make_plan_shapes_a_streamk_grid():
-    """Stream-K: the grid's x counts clusters of ``streamk`` tiles, and shared memory holds the block's
-    share of x (its units, which wrap into the next tile) and then the two tiles' reduction buffers."""
-    p = native.make_plan(1, 28672, 4096, nwn=4, splits=8, cluster=True, xfull=True, fold=True, streamk=7)
-    assert (p.tiles, p.splits, p.workspace) == (32, 8, 0), p  # 224 tiles: 32 clusters of 8 blocks, 256 blocks
-    assert native.staged_chunks(4096, 8, 7) == 28  # 7 x 32 units over 8 blocks
-    assert p.shmem == 1 * (28 * 16 + 4) * 16 + 28 * 64 + (2 * 2 + 2) * 1 * 128 * 4
-    assert p.defines(torch.float16, True)["QOPS_STREAMK"] == 7 and p.defines(torch.float16, True)["QOPS_CLUSTER"] == 8
-    assert "QOPS_STREAMK" not in native.make_plan(1, 28672, 4096, nwn=4, splits=1, cluster=False, xfull=True).defines(torch.float16, True)
-    q = native.make_plan(1, 6144, 4096, nwn=1, splits=4, cluster=True, xfull=True, streamk=3)
-    assert q.tiles == 64 and q.tiles * q.splits == 256  # 192 tiles of 32 columns
-    # Without a cluster: 8 groups of 33 blocks over 28 tiles (264 blocks); the scratch holds the arrival
-    # counts (a fixed number, first) and each block's two tiles' sums.
-    r = native.make_plan(1, 28672, 4096, nwn=4, splits=33, cluster=False, xfull=True, fold=True, streamk=28)
-    assert (r.tiles, r.tiles * r.splits) == (8, 264) and r.workspace == native.STREAMK_ARRIVALS * 4 + 264 * 2 * 128 * 4
-    assert native.remake_plan(p, 28672, 4096, fold=False).streamk == 7
-
-
-@pytest.mark.parametrize("kw,why", [
-    (dict(streamk=8), "1 <= streamk < splits"),
-    (dict(streamk=7, splits=9), "a cluster of 9 blocks"),
-    (dict(streamk=28, splits=65, cluster=False), "<= 64 without"),
-    (dict(streamk=7, xfull=False, fold=False), "x staged once"),
-    (dict(streamk=7, minb=1), "minb=2"),
-    (dict(streamk=7, m=17, fold=False, minb=1), "M <= 16"),
-    (dict(streamk=7, prefetch=2), "without prefetches"),
-    (dict(streamk=7, smem_ring=2), "without prefetches"),
-    (dict(streamk=7, wgmma=True, fold=False), "no wgmma"),
-])
-def test_make_plan_refuses_streamk_outside_the_kernel_limits(kw, why):
-    args = dict(m=1, nwn=4, splits=8, cluster=True, xfull=True, fold=True) | kw
-    with pytest.raises(ValueError, match=why):
-        native.make_plan(n=28672, k=4096, **args)
 
 
 @pytest.mark.parametrize("kw,why", [

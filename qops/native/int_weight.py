@@ -166,13 +166,6 @@ class Plan:
     # (x staged once, nwn 4 or 8) Hopper's warpgroup MMAs (w4a16_gemv.cu, QOPS_WGMMA; an sm_90a build;
     # measured slower than the mma.sync build on the large shapes: measurements only, in no plan)
     wgmma: bool = False
-    # Stream-K (w4a16_gemv.cu, QOPS_STREAMK): a group of ``splits`` blocks shares ``streamk`` column
-    # tiles (streamk < splits), each block taking an equal run of the tiles' (tile, K chunk) units, so
-    # every block has the same work where whole tiles would leave some SMs one tile and others two;
-    # ``tiles`` is then the number of groups (the grid's x). A group is a cluster (``cluster``), or
-    # (measurements) blocks that meet in global memory with arrival counts the launch takes from a
-    # zeroed qops-owned buffer (:func:`_streamk_scratch`), not the caller's workspace. 0: off.
-    streamk: int = 0
     # (x staged once) 4-bit codebook weights (w4a16_gemv.cu, QOPS_LUT; :mod:`qops.native.codebook_w4`):
     # the codes decoded through a table of the codebook in shared memory (LUT_TABLE_BYTES more a block),
     # scales a column and 64 rows; no zeros, no fold. Measurements: in no plan table.
@@ -201,7 +194,7 @@ class Plan:
             "QOPS_SMEM_BULK": int(self.smem_bulk),
             "QOPS_XU": self.xu,
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
-        } | ({"QOPS_WGMMA": 1} if self.wgmma else {}) | ({"QOPS_STREAMK": self.streamk} if self.streamk else {}) \
+        } | ({"QOPS_WGMMA": 1} if self.wgmma else {}) \
           | ({"QOPS_LUT": 1, "QOPS_SMEM_BASE": smem_base} if self.lut else {}) \
           | ({"QOPS_EXIT_FENCE": 1} if self.exit_fence else {})
         # (only when set: the other builds keep their cache keys)
@@ -244,35 +237,17 @@ def staged_x_slots(mt: int, nwk: int) -> int:
     return THREADS * (2 if mt <= 2 else -(-8 * mt * nwk * 16 // THREADS))
 
 
-STREAMK_ARRIVALS = 1 << 16  # kArrivals in w4a16_gemv.cu: column tiles a stream-K plan without a cluster may have
-
-
-def staged_chunks(k: int, splits: int, streamk: int = 0) -> int:
-    """128-row chunks of x a block stages at most (x staged once): its share of K, or with stream-K its
-    share of the cluster's ``streamk`` tiles' units (chunks_blk in w4a16_gemv.cu)."""
-    chunks = max(-(-k // CHUNK_K), 1)
-    return -(-streamk * chunks // splits) if streamk else -(-chunks // splits)
-
-
-def xfull_bytes(m: int, k: int, splits: int, fold: bool = False, wgmma: bool = False, streamk: int = 0) -> int:
+def xfull_bytes(m: int, k: int, splits: int, fold: bool = False, wgmma: bool = False) -> int:
     """Shared memory the x-staged-once mode needs: M rows of the block's K range, padded rows (and
-    with ``fold`` two fp32 sums per chunk for 8 rows); with ``wgmma`` the core-matrix image of 8 MT rows.
-    (Stream-K's reduction buffers come after it: :func:`streamk_bytes`.)"""
-    chunks = staged_chunks(k, splits, streamk)
+    with ``fold`` two fp32 sums per chunk for 8 rows); with ``wgmma`` the core-matrix image of 8 MT rows."""
+    chunks = -(-max(-(-k // CHUNK_K), 1) // splits)
     if wgmma:
         return chunks * 16 * _mt(m) * 128
     return m * (chunks * 16 + 4) * 16 + (chunks * 8 * 8 if fold else 0)
 
 
-def streamk_bytes(m: int, nwn: int) -> int:
-    """Stream-K's reduction buffers after x: fp32 [NWK][M][NBLK] for each of a block's two tiles, then
-    the block's [2][M][NBLK] sums that its cluster reads."""
-    nblk, nwk = 32 * nwn, 8 // nwn
-    return (2 * nwk + 2) * m * nblk * 4
-
-
 def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int, fold: bool = False,
-                minb: int = 2, opt_in: bool = False, wgmma: bool = False, streamk: int = 0) -> str | None:
+                minb: int = 2, opt_in: bool = False, wgmma: bool = False) -> str | None:
     """Why the kernel cannot run this combination (its compile-time and launch limits), or None.
 
     ``opt_in``: the launch may opt in to more than 48 KiB of shared memory, so x staged once may
@@ -281,7 +256,7 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
     nwk = 8 // nwn
     if nwn not in (1, 2, 4, 8):
         return f"nwn={nwn} is not 1, 2, 4 or 8"
-    if not 1 <= splits <= min(max(-(-k // CHUNK_K), 1), 16) and not streamk:  # (stream-K: blocks share tiles' units)
+    if not 1 <= splits <= min(max(-(-k // CHUNK_K), 1), 16):
         return f"splits={splits} outside 1..min(chunks, 16)"
     if cluster and not 2 <= splits <= 8:
         return f"a cluster of {splits} blocks (2..8 supported)"
@@ -299,18 +274,10 @@ def _plan_error(m: int, k: int, nwn: int, splits: int, cluster: bool, xfull: boo
     if wgmma and not (xfull and nwn in (4, 8) and not fold):
         return (f"wgmma needs x staged once (xfull), nwn 4 or 8 (a warpgroup's four warps share their K chunk) and no fold "
                 f"(got xfull={xfull}, nwn={nwn}, fold={fold})")
-    if streamk and not (xfull and 1 <= streamk < splits <= (8 if cluster else 64) and not wgmma):
-        return (f"streamk={streamk} needs x staged once (xfull), a group of more blocks than the tiles it shares "
-                f"(1 <= streamk < splits, splits <= 8 in a cluster, <= 64 without) and no wgmma (got xfull={xfull}, "
-                f"cluster={cluster}, splits={splits}, wgmma={wgmma})")
-    if streamk and (mt > 2 or minb != 2):
-        # The grid is sized for two blocks an SM (the point of it); ptxas keeps those builds to 128
-        # registers without spills at M <= 16 (tests/test_native_compile.py).
-        return f"streamk={streamk} needs M <= 16 and minb=2 (got M={m}, minb={minb})"
     x_limit = SHMEM_OPTIN_MAX_BYTES if opt_in else SHMEM_MAX_BYTES
-    x_bytes = xfull_bytes(m, k, splits, fold, wgmma, streamk) + (streamk_bytes(m, nwn) if streamk else 0)
+    x_bytes = xfull_bytes(m, k, splits, fold, wgmma)
     if xfull and x_bytes > x_limit:
-        return f"x of M={m}, K={k} split {splits} ways{f' (stream-K over {streamk} tiles)' if streamk else ''} needs {x_bytes} bytes of shared memory (> {x_limit})"
+        return f"x of M={m}, K={k} split {splits} ways needs {x_bytes} bytes of shared memory (> {x_limit})"
     if not xfull and m * nwk * 16 > staged_x_slots(mt, nwk):
         return f"per-iteration x staging of M={m} rows with {nwk} warps along K exceeds {staged_x_slots(mt, nwk)} slots"
     if not xfull and _ring(mt, ring) * m * (nwk * 16 + 4) * 16 > SHMEM_MAX_BYTES:
@@ -336,7 +303,7 @@ F16MMA_MIN_NK = 1 << 26
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
               fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8,
-              f16mma: bool | None = None, wgmma: bool = False, streamk: int = 0, lut: bool = False) -> Plan:
+              f16mma: bool | None = None, wgmma: bool = False, lut: bool = False) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
@@ -346,7 +313,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     (:func:`plan`'s rule keeps x within it). Raises ValueError for a
     combination the kernel cannot run.
     """
-    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb, opt_in=xfull, wgmma=wgmma, streamk=streamk)
+    why = _plan_error(m, k, nwn, splits, cluster, xfull, ring, fold, minb, opt_in=xfull, wgmma=wgmma)
     if why is None and not 0 <= prefetch <= 16:
         why = f"prefetch={prefetch} outside 0..16"
     if why is None and smem_ring and not 2 <= smem_ring <= SMEM_RING_MAX:
@@ -355,15 +322,13 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
         why = "wgmma with f16mma: the wgmma build stages x in its own type (no bf16-through-f16 staging)"
     if why is None and wgmma and smem_ring:
         why = f"wgmma with smem_ring={smem_ring}: the wgmma build keeps its weights in the register ring"
-    if why is None and streamk and (prefetch or smem_ring):
-        why = f"streamk={streamk} with prefetch={prefetch} / smem_ring={smem_ring}: stream-K runs the register ring without prefetches"
     if why is None and smem_ring and not xfull:
         why = f"smem_ring={smem_ring} needs x staged once (xfull): the per-iteration x stages share the barrier the ring avoids"
     if why is None and not 1 <= xu <= 8:
         why = f"xu={xu} outside 1..8"
-    if why is None and lut and not (xfull and not fold and not smem_ring and not wgmma and not streamk):
-        why = (f"lut needs x staged once (xfull) and no fold, smem_ring, wgmma or streamk (got xfull={xfull}, fold={fold}, "
-               f"smem_ring={smem_ring}, wgmma={wgmma}, streamk={streamk})")
+    if why is None and lut and not (xfull and not fold and not smem_ring and not wgmma):
+        why = (f"lut needs x staged once (xfull) and no fold, smem_ring or wgmma (got xfull={xfull}, fold={fold}, "
+               f"smem_ring={smem_ring}, wgmma={wgmma})")
     if why is None and minb > 2 and not smem_ring:
         why = f"minb={minb} leaves <= {65536 // (THREADS * minb)} registers a thread: only the shared-memory ring fits (the register ring spills)"
     if why is not None:
@@ -371,19 +336,9 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     mt = _mt(m)
     nblk, nwk = 32 * nwn, 8 // nwn
     tiles = -(-n // nblk)
-    xs_bytes = xfull_bytes(m, k, splits, fold, wgmma, streamk) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
+    xs_bytes = xfull_bytes(m, k, splits, fold, wgmma) if xfull else _ring(mt, ring) * m * (nwk * 16 + 4) * 16
     shmem = max(xs_bytes + smem_ring_bytes(smem_ring), _reduction_bytes(m, nwn, cluster)) + (LUT_TABLE_BYTES if lut else 0)
     ws = splits * m * n * 4 if (splits > 1 and not cluster) else 0
-    if streamk:
-        if not cluster and tiles > STREAMK_ARRIVALS:
-            raise ValueError(f"native_w4a16: streamk without a cluster counts arrivals for up to {STREAMK_ARRIVALS} column tiles, "
-                             f"N={n} has {tiles}")
-        tiles = -(-tiles // streamk)  # groups: the grid's x
-        shmem = xs_bytes + streamk_bytes(m, nwn)
-        # Without a cluster: STREAMK_ARRIVALS arrival counts (ints, one a column tile, at a fixed place so
-        # that plans sharing the scratch never write sums over another plan's counts), then the blocks'
-        # two tiles' sums.
-        ws = 0 if cluster else STREAMK_ARRIVALS * 4 + tiles * splits * 2 * m * nblk * 4
     limit = SHMEM_OPTIN_MAX_BYTES if smem_limit is None else smem_limit
     if shmem > limit:
         raise ValueError(f"native_w4a16: x staged once, a {smem_ring}-stage shared-memory ring{' and the codebook table' if lut else ''} "
@@ -393,7 +348,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     if f16mma is None:
         f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK and not wgmma
     return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma,
-                wgmma=wgmma, streamk=streamk, lut=lut)
+                wgmma=wgmma, lut=lut)
 
 
 def warp_chunks(k: int, nwn: int, splits: int) -> int:
@@ -602,7 +557,7 @@ def remake_plan(p: Plan, n: int, k: int, smem_limit: int | None = None, **change
     """``p`` with the choices named in ``changes`` (``make_plan``'s keywords) replaced, its shared
     memory and workspace derived again; ValueError for a combination the kernel cannot run."""
     fields = dict(nwn=p.nwn, splits=p.splits, cluster=p.cluster, xfull=p.xfull, ring=p.ring, minb=p.minb, fold=p.fold,
-                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma, wgmma=p.wgmma, streamk=p.streamk, lut=p.lut)
+                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma, wgmma=p.wgmma, lut=p.lut)
     return make_plan(p.m, n, k, smem_limit=smem_limit, **{**fields, **changes})
 
 
@@ -843,10 +798,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     gemv_flags = flags
     if m <= 8:  # at M = 16 the W4A16 rows measured 0.99-1.03x: not taken
         gemv_flags |= early_dependents_flag(gemv, dev, p.tiles * p.splits, THREADS, shmem)
-    if p.streamk and p.workspace:
-        ws = _streamk_scratch(x2.device, p.workspace)
-    else:
-        ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
+    ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
     ws_ptr = ws.data_ptr() if ws is not None else 0
     i32 = compiler.i32
     pdl = use_pdl(dev)
@@ -857,7 +809,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
         i32(m), i32(n), i32(k), i32(ldx), i32(ldo), i32(chunks_per_group), i32(zero_offset), i32(gemv_flags),
         pdl=pdl,
     )
-    if p.workspace and not p.streamk:
+    if p.workspace:
         reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=p.wgmma)
         compiler.launch(
             reduce, (-(-m * o2.shape[1] // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
@@ -876,21 +828,6 @@ def _workspace(workspace: Optional[torch.Tensor], need: int, device: torch.devic
             return workspace
     # From torch's caching allocator; freed after the launches, reused only in stream order.
     return torch.empty(need // 4, dtype=torch.float32, device=device)
-
-
-_STREAMK_SCRATCH: dict = {}
-
-
-def _streamk_scratch(device: torch.device, need: int) -> torch.Tensor:
-    """The scratch of stream-K plans without a cluster (measurements only, in no plan): their arrival
-    counts must be zero when a launch starts, and each launch leaves them zero, which a caller's
-    workspace (clobbered by any op) cannot promise. One zeroed buffer a device, grown as needed: two
-    such launches running at once on different streams would share it, so this is not a shipped path."""
-    buf = _STREAMK_SCRATCH.get(device)
-    if buf is None or buf.numel() * 4 < need:
-        buf = torch.zeros(-(-need // 4), dtype=torch.float32, device=device)
-        _STREAMK_SCRATCH[device] = buf
-    return buf
 
 
 def _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace):
@@ -938,9 +875,7 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
             compiler.max_active_blocks(gemv, dev, THREADS, shmem)  # the early-release check's occupancy query, cached now
             i0 = compiler.i32(0)
             compiler.launch(gemv, (1, p.splits, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
-            if p.streamk and p.workspace:  # its zeroed scratch, allocated now rather than inside a capture
-                _streamk_scratch(torch.device("cuda", dev), p.workspace)
-            elif p.workspace:
+            if p.workspace:
                 reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=p.wgmma)
                 compiler.launch(reduce, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, *([i0] * 5), pdl=pdl)
         if max_m > last and k % 8 == 0:  # the GEMM's rows (gated calls there run it unfused, then silu_mul)

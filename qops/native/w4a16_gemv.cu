@@ -37,26 +37,10 @@
 //     the S blocks form a thread-block cluster and sum through distributed shared memory; otherwise
 //     each block writes fp32 partials to a workspace (S, M, N) and qops_w4a16_reduce finishes.
 //
-// Stream-K (QOPS_STREAMK = SK, with x staged once and a cluster of CL = QOPS_CLUSTER > SK blocks, sm_90).
-// A grid of whole column tiles leaves SMs unevenly loaded when it is not a multiple of the block slots:
-// 224 tiles on 132 SMs x 2 give 92 SMs two tiles and 40 one, and those 40 idle for the last ~20% of
-// the loop (stamps by SM, benchmarks/NOTES.md stop 37); a 264-tile grid of the same kernel ran only
-// 1.05 us longer than the 224-tile one for 18% more bytes (`...-2026-12-03-903a0f3-grid-fill.json`).
-// Here a cluster shares SK tiles: their SK x C (tile, chunk) units, tile-major, are cut into CL equal
-// runs, one a block (28 chunks a block for 7 tiles of 32 chunks over 8 blocks, so 224 tiles run as 256
-// equal blocks). A run is shorter than a tile, so it touches at most two tiles: the warps stream it as
-// one loop (x staged for the run, wrapping from the end of K to its start at the tile boundary); a
-// warp reaching its first chunk of the second tile sets its sums of the first aside in shared memory.
-// After the loop each block sums its two tiles over its warps, and the cluster's tiles are summed
-// across the blocks that share them, reading their sums through distributed shared memory in rank
-// order: deterministic, no workspace, no atomics, one kernel. Its code sits under #if QOPS_STREAMK, so
-// every other build compiles to the PTX it had before (checked for the 124 builds a device run records).
-// Measured on the H200 it is 1.6-1.8x *slower*: the driver fits only 30 clusters of 8 (62 of 4) at once,
-// 240-248 blocks, so 256-block grids run in two waves (`...-0301e3e-cluster-occupancy.json`). With
-// QOPS_CLUSTER 1 (measurements) the S blocks of a group meet in global memory instead: each writes its
-// two tiles' sums to ws, and a per-tile arrival count (atomicAdd after a fence) picks the last block to
-// arrive, which adds the sharers' sums in rank order (still deterministic) and stores; the counts must
-// be zero when a launch starts and are left zero, which the host's scratch for these plans provides.
+// Stream-K (a block's run of (tile, K chunk) units crossing a tile boundary, its tiles summed across
+// the blocks sharing them in a cluster or through arrival counts in global memory) was built and measured
+// 1.6-1.8x and 3-5 us slower than these whole-tile grids on the H200 (benchmarks/NOTES.md stop 38), and
+// removed; so were tiles of unequal width (no gain, stop 40).
 //
 // x staging, two modes (QOPS_XFULL):
 //   0: per iteration, as above: cp.async stages of the K range the block works on next, one barrier
@@ -122,7 +106,6 @@
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_WGMMA (0/1: warpgroup MMAs, below; sm_90a, x staged once, NWN 4 or 8),
-// QOPS_STREAMK (0: off; SK > 0: stream-K over SK tiles a group of blocks, above; a cluster needs QOPS_CLUSTER > SK),
 // QOPS_LUT (0/1: 4-bit codebook weights, below) with QOPS_SMEM_BASE, QOPS_EXIT_FENCE (0/1, measurements: the
 // cluster's last barrier with a release arrive, ptx.cuh cluster_exit_sync),
 // QOPS_STAMPS (measurement builds, benchmarks/probe_layer_timeline.py: thread 0 of each block writes
@@ -223,9 +206,6 @@
 #endif
 #ifndef QOPS_WGMMA
 #define QOPS_WGMMA 0
-#endif
-#ifndef QOPS_STREAMK
-#define QOPS_STREAMK 0
 #endif
 #ifndef QOPS_EXIT_FENCE
 #define QOPS_EXIT_FENCE 0  // measurements: the cluster's exit barrier with a release arrive (ptx.cuh cluster_exit_sync)
@@ -387,15 +367,17 @@ __device__ __forceinline__ int column_tiles(int N) {
   return QOPS_GLU ? ((N >> 1) + NBLK / 2 - 1) / (NBLK / 2) : (N + NBLK - 1) / NBLK;
 }
 
-#if QOPS_STREAMK && QOPS_CLUSTER == 1
-// A float from global memory through L2 only (.cg): written by another SM in this launch, so never
-// from this SM's L1.
-__device__ __forceinline__ float ld_cg_f32(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
+
+// MT x 2 MMA C fragments (4 fp32 a lane each) set to zero.
+template <int MT>
+__device__ __forceinline__ void zero_frags(float (&a)[MT][2][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[mt][t][i] = 0.f;
 }
-#endif
 
 // y = silu(gate) * up, from fp32 sums, stored as one output value.
 template <int DT>
@@ -459,12 +441,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   static_assert(!kWG || (XF && SR == 0 && !FOLD && !kF16 && (NWN == 4 || NWN == 8)),
                 "QOPS_WGMMA needs x staged once, NWN 4 or 8 (a warpgroup's warps share their chunk), no fold, "
                 "no bf16-through-f16 staging and no shared-memory ring");
-  constexpr int SK = QOPS_STREAMK;  // stream-K: column tiles a cluster shares (0: off)
-  static_assert(SK == 0 || (XF && SR == 0 && !kWG && QOPS_PREFETCH == 0 && (CL == 1 || SK < CL)),
-                "QOPS_STREAMK needs x staged once, the register ring, no wgmma, no prefetch, and (in a cluster) "
-                "more blocks than the tiles they share (QOPS_CLUSTER > QOPS_STREAMK)");
-  static_assert(!kLut || (XF && SR == 0 && !FOLD && !kWG && SK == 0 && !HAS_Z),
-                "QOPS_LUT needs x staged once, the register ring, no fold, no wgmma, no stream-K and no zeros");
+  static_assert(!kLut || (XF && SR == 0 && !FOLD && !kWG && !HAS_Z),
+                "QOPS_LUT needs x staged once, the register ring, no fold, no wgmma and no zeros");
   [[maybe_unused]] constexpr int kCore = 128;                  // QOPS_WGMMA: one core matrix of x, 8 rows x 16 bytes
   [[maybe_unused]] constexpr int kChunkImg = 16 * MT * kCore;  // QOPS_WGMMA: one 128-row chunk of the x image
   if (M <= 0 || N <= 0) {  // also the warm-up launch that only makes the module resident
@@ -511,30 +489,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp % NWN, wk = warp / NWN;
   const int g = lane >> 2, c = lane & 3;
-#if QOPS_STREAMK
-  const int KW = (K + 7) >> 3;
-  const int C = (K + kChunkK - 1) / kChunkK;
-  const int S = gridDim.y, split = blockIdx.y;
-  // The block's work (see the top): units [cb, ce) of its group's Tq x C (tile, chunk) units, tile-major,
-  // the group being the S blocks of blockIdx.x (a cluster, or with QOPS_CLUSTER 1 blocks that meet in
-  // global memory); units from ux on belong to tile + 1, and the first unit is chunk kfirst of `tile`.
-  const int tile0 = blockIdx.x * SK, Tq = min(SK, column_tiles<NWN>(N) - tile0), Uq = Tq * C;
-  const int cb = static_cast<int>(static_cast<long long>(split) * Uq / S);
-  const int ce = static_cast<int>(static_cast<long long>(split + 1) * Uq / S);
-  const int tile = tile0 + cb / C, kfirst = cb - (cb / C) * C, ux = cb - kfirst + C;
-  // (n0 & 7, the nibble of n0 in its zeros word, is the same in every tile: tiles are 16k columns)
-  const int n0 = weight_column<NWN>(tile, wn * 32 + 4 * g, N);
-  const bool n_ok = column_ok<NWN>(tile, wn * 32 + 4 * g, N);
-  const int n_it = (ce - cb + NWK - 1) / NWK;
-  const int zw = (N + 7) >> 3;
-  const int xstage = M * RS;
-  // Chunks of x a block stages at most (XF).
-  const int chunks_blk = (SK * C + S - 1) / S;
-  // XF: x row m of the block's K range at xs[m * RSF + local 8-value row]; RSF = 4 (mod 8) keeps the
-  // rows a quarter warp reads in disjoint banks.
-  const int RSF = chunks_blk * 16 + 4;
-
-#else
   const int n0 = weight_column<NWN>(blockIdx.x, wn * 32 + 4 * g, N);
   const bool n_ok = column_ok<NWN>(blockIdx.x, wn * 32 + 4 * g, N);
   const int KW = (K + 7) >> 3;
@@ -547,12 +501,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   const int xstage = M * RS;
   const int chunks_blk = (C + S - 1) / S;
   const int RSF = chunks_blk * 16 + 4;
-  const int kfirst = cb;  // the block's first chunk (stream-K: of its first tile)
-#endif
   // This lane's qweight words for iteration `it`, step j: wbase + it * wstride + j * 4 * ldq (either
   // qweight form, kQSlabs in w4.cuh).
   const int ldq = qweight_row_stride(N, flags);
-  const u32* wbase = qweight_column(qweight, n0, KW, flags) + static_cast<size_t>((kfirst + wk) * 16 + c) * ldq;
+  const u32* wbase = qweight_column(qweight, n0, KW, flags) + static_cast<size_t>((cb + wk) * 16 + c) * ldq;
   const size_t wstride = static_cast<size_t>(NWK * 16) * ldq;
   const u32 wstep = 4u * ldq;
 
@@ -569,12 +521,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #endif
   }
   float acc[MT][2][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
+  zero_frags(acc);
 
   // Loads that fall outside the weight are skipped, leaving stale registers: rows past K meet zeros
   // in x, columns past N are never stored, and a warp without a chunk skips the math.
@@ -582,13 +529,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // being recomputed (integer work in the main loop costs issue slots the dequantization needs).
   const u32* wnext = wbase;
   int ch_next = cb + wk;
-#if QOPS_STREAMK
-  // The chunk (within its tile) of the next load and the columns of that tile; the first load past
-  // the tile's last chunk moves them to tile + 1 (once: a block's range is shorter than C).
-  int kc_next = kfirst + wk;
-  int n0_next = n0;
-  bool nok_next = n_ok;
-#endif
   // L2 prefetch QOPS_PREFETCH iterations ahead of the loads. The register ring keeps only D chunks
   // in flight per warp; the weight stream needs more bytes in flight than registers can hold (DRAM
   // latency under load x bandwidth), and a prefetch holds no register: the later load then waits
@@ -617,31 +557,14 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   auto next_src = [&]() {
     prefetch_it(it_next + QOPS_PREFETCH);
     ++it_next;
-    const int ch = ch_next;  // the chunk, or (stream-K) the unit: the position in the block's range
+    const int ch = ch_next;
     ch_next += NWK;
-#if QOPS_STREAMK
-    int kc = kc_next;  // the chunk within its tile
-    kc_next += NWK;
-    if (kc >= C) {  // warp-uniform, at most once a warp for loads inside the range
-      kc -= C;
-      kc_next -= C;
-      n0_next = weight_column<NWN>(tile + 1, wn * 32 + 4 * g, N);
-      nok_next = column_ok<NWN>(tile + 1, wn * 32 + 4 * g, N);
-      wnext = qweight_column(qweight, n0_next, KW, flags) + static_cast<size_t>(kc * 16 + c) * ldq;
-    }
-    const u32* p = wnext;
-    wnext += wstride;
-    const int grp = chunks_per_group == 1 ? kc : (chunks_per_group == 0 ? 0 : kc / chunks_per_group);
-    return Src{p, scales + static_cast<size_t>(grp) * N + n0_next, qzeros + static_cast<size_t>(grp) * zw + (n0_next >> 3),
-               nok_next && ch < ce, ch < ce, KW - (kc * 16 + c)};
-#else
     const u32* p = wnext;
     wnext += wstride;
     // (QOPS_LUT: two groups of 64 rows a chunk, scale rows 2 ch and 2 ch + 1)
     const int grp = kLut ? 2 * ch : (chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group));
     return Src{p, scales + static_cast<size_t>(grp) * N + n0, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3),
                n_ok && ch < ce, ch < ce, KW - (ch * 16 + c)};
-#endif
   };
   auto load_chunk = [&](Chunk& ck) {
     const Src src = next_src();
@@ -804,14 +727,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       const bool in = s < xtotal;
       const int m = in ? pos.m : 0, kwl = pos.kwl;
       next_slot(pos);
-#if QOPS_STREAMK
-      // Staged word kwl is word kfirst * 16 + kwl of its tile's K, wrapping into the next tile.
-      int kword = kfirst * 16 + kwl;
-      if (kword >= C * 16) kword -= C * 16;
-      const int k = kword * 8;
-#else
       const int k = (cb * 16 + kwl) * 8;
-#endif
       const u16* src = x + (static_cast<size_t>(m) * ldx + k);
       const bool vec = xvec && k + 8 <= K;
       v[u] = make_uint4(0, 0, 0, 0);
@@ -997,28 +913,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           if (m < M) dst[wk * mn + m * NBLK + col] = acc[mt][t][i];
         }
   };
-#if QOPS_STREAMK
-  const int mn = M * NBLK;  // values of one warp's (or block's) sums
-  // Stream-K: the first tile's per-warp sums (red0) and the second's (red1), [NWK][M][NBLK] each, then
-  // the block's two sums [2][M][NBLK] (part) that the cluster reads; after x (red0 is written while
-  // other warps still read x).
-  float* red0 = reinterpret_cast<float*>(smem + M * RSF + (FOLD ? chunks_blk * 4 : 0));
-  bool crossed = false;  // stream-K: this warp has moved on to tile + 1, its first tile's sums in red0
-  auto zero_acc = [&]() {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int t = 0; t < 2; ++t)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[mt][t][i] = 0.f;
-  };
-  auto finish_first_tile = [&]() {
-    unscale_rows();
-    store_acc(red0, mn);
-    zero_acc();
-    crossed = true;
-  };
-#endif
 
   const W4ZeroBase zbase = w4_zero_base<MDT>(static_cast<u32>(HAS_Z ? zero_offset : 8));  // w4.cuh
 
@@ -1029,9 +923,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     // over the warpgroup and serializes every wgmma of a branch it takes for divergent (C7520).
     const bool have = ch < ce;
     if (!kWG && !have) return;
-#if QOPS_STREAMK
-    if (!crossed && ch >= ux) finish_first_tile();  // warp-uniform; the chunks ahead are tile + 1's
-#endif
 
     u32 za[4], zb[4];
     float zf[4];  // FOLD: the zeros, subtracted after the MMA
@@ -1047,12 +938,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
 
     float gacc[MT][2][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int t = 0; t < 2; ++t)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) gacc[mt][t][i] = 0.f;
+    zero_frags(gacc);
     // acc += gacc x the columns' scales sc, in fp32 (the unfolded paths; QOPS_LUT: once a half-chunk).
     auto add_scaled = [&](const float (&sc)[4]) {
 #pragma unroll
@@ -1169,12 +1055,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           float sa[4];
           column_scales(sa, ck.s, flags);
           add_scaled(sa);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int t = 0; t < 2; ++t)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) gacc[mt][t][i] = 0.f;
+          zero_frags(gacc);
         }
       }
     }
@@ -1343,120 +1224,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // Only the reduction and the stores are left: the next dependent launch may start its weight loads.
   grid_dep_launch_dependents();
 
-#if QOPS_STREAMK && (QOPS_CLUSTER == 1 || __CUDA_ARCH__ >= 900)
-  {
-    constexpr int kHalf = NBLK / 2;
-    // Stream-K: the block's sums of its (up to) two tiles, each over its NWK warps in order, then each
-    // of the group's Tq tiles summed over the blocks that share it, in rank order (deterministic).
-    float* red1 = red0 + NWK * mn;
-    float* part = red1 + NWK * mn;  // [2][M][NBLK]
-    store_acc(crossed ? red1 : red0, mn);
-    if (!crossed) {  // no second tile: its sums are zeros
-      zero_acc();
-      store_acc(red1, mn);
-    }
-    __syncthreads();
-#if QOPS_CLUSTER == 1
-    // Without a cluster the block's sums go straight to its slot of ws [group][rank][2][M][NBLK], after
-    // the arrival counts (kArrivals ints at ws's start, zero on entry and left zero).
-    constexpr int kArrivals = 1 << 16;
-    int* arrivals = reinterpret_cast<int*>(ws);
-    float* sums = ws + kArrivals;
-    part = sums + (static_cast<size_t>(blockIdx.x) * S + split) * 2 * mn;
-#endif
-    for (int idx = tid; idx < mn; idx += kThreads) {
-      float v0 = red0[idx], v1 = red1[idx];
-#pragma unroll
-      for (int w = 1; w < NWK; ++w) {
-        v0 += red0[w * mn + idx];
-        v1 += red1[w * mn + idx];
-      }
-      part[idx] = v0;
-      part[mn + idx] = v1;
-    }
-    // Which of block r's sums hold group tile j: 0 (its first tile), 1 (its second), or -1 (none).
-    auto seg_of = [&](int r, int j) {
-      const int rb = static_cast<int>(static_cast<long long>(r) * Uq / S);
-      const int re = static_cast<int>(static_cast<long long>(r + 1) * Uq / S);
-      const int j0 = rb / C;
-      return j0 == j ? 0 : (j0 + 1 == j && re > (j0 + 1) * C ? 1 : -1);
-    };
-    constexpr int kCols = QOPS_GLU ? kHalf : NBLK;  // output columns a tile
-    const int per_tile = M * kCols;
-    // Output (m, lc) of group tile j from its fp32 sum (and the up half's, QOPS_GLU).
-    auto store_tile_out = [&](int j, int m, int lc, float v, float vu) {
-      const int tg = tile0 + j;
-      if constexpr (QOPS_GLU) {
-        if (column_ok<NWN>(tg, lc, N)) store_glu<DT>(out, m, tg * kHalf + lc, ldo, v, vu);
-      } else {
-        const int n = tg * NBLK + lc;
-        if (n < N) store_out<DT>(out, bias, flags, m, n, ldo, v);
-      }
-    };
-#if QOPS_CLUSTER > 1
-    // The cluster's blocks read each other's sums through distributed shared memory.
-    cluster_sync();  // every block's sums visible
-    const u32 part_a = smem_addr(part);
-    for (int o = split * kThreads + tid; o < Tq * per_tile; o += S * kThreads) {
-      const int j = o / per_tile, rem = o - j * per_tile, m = rem / kCols, lc = rem - m * kCols;
-      float v = 0.f, vu = 0.f;
-#pragma unroll
-      for (int r = 0; r < CL; ++r) {
-        const int sg = seg_of(r, j);
-        if (sg >= 0) {
-          const u32 at = dsmem_map(part_a, r) + 4u * (sg * mn + m * NBLK + lc);
-          v += ld_dsmem_f32(at);
-          if constexpr (QOPS_GLU) vu += ld_dsmem_f32(at + 4u * kHalf);
-        }
-      }
-      store_tile_out(j, m, lc, v, vu);
-    }
-    exit_sync();  // no block leaves while another still reads its shared memory
-#else
-    // Without a cluster (measurements): a per-tile arrival count picks the last block to arrive at a
-    // tile, which adds every sharer's sums in rank order and stores the tile. segs[t][r]: which sums of
-    // block r hold this block's tile t (seg_of, computed once, one rank a thread).
-    __shared__ int last[2];
-    __shared__ signed char segs[2][64];
-    for (int t = 0; t < 2; ++t)
-      if (tid < S) segs[t][tid] = static_cast<signed char>(tile - tile0 + t < Tq ? seg_of(tid, tile - tile0 + t) : -1);
-    __threadfence();  // the sums are visible to every SM before the arrival is
-    __syncthreads();
-    if (tid < 2) {
-      const int j = tile - tile0 + tid;  // this block's first and second tile
-      last[tid] = 0;
-      if (segs[tid][split] == tid) {
-        int sharers = 0;
-        for (int r = 0; r < S; ++r) sharers += segs[tid][r] >= 0;
-        last[tid] = atomicAdd(arrivals + tile0 + j, 1) == sharers - 1;
-      }
-    }
-    __syncthreads();
-    for (int sgm = 0; sgm < 2; ++sgm) {
-      if (!last[sgm]) continue;  // block-uniform
-      __threadfence();  // the other sharers' sums, published before their arrivals, are read after
-      const int j = tile - tile0 + sgm;
-      const float* group = sums + static_cast<size_t>(blockIdx.x) * S * 2 * mn;
-      for (int o = tid; o < per_tile; o += kThreads) {
-        const int m = o / kCols, lc = o - m * kCols;
-        float v = 0.f, vu = 0.f;
-        for (int r = 0; r < S; ++r) {
-          const int sg = segs[sgm][r];
-          if (sg >= 0) {
-            const float* at = group + (2 * r + sg) * mn + m * NBLK + lc;
-            v += ld_cg_f32(at);
-            if constexpr (QOPS_GLU) vu += ld_cg_f32(at + kHalf);
-          }
-        }
-        store_tile_out(j, m, lc, v, vu);
-      }
-      if (tid == 0) arrivals[tile0 + j] = 0;  // every sharer has arrived: ready for the next launch
-    }
-#endif
-    stamp(4);
-    return;
-  }
-#endif
   // Reduction over the NWK warps sharing a column tile (shared memory reused), fixed order.
   float* red = reinterpret_cast<float*>(smem);  // [NWK][M][NBLK]
   const int total = M * NBLK;
