@@ -27,20 +27,21 @@ __device__ __forceinline__ const u32* qweight_column(const u32* qweight, int n0,
 //   f16:  (1024 + q) - (1024 + z) and (1024 + 16 q) / 16 - (64 + z); 1024 + z = 0x6400 + z,
 //         -(64 + z) = 0xD400 + 16 z;
 //   bf16: (128 + q) - (128 + z); -(128 + z) = 0xC300 + z.
-// A column's z is z0 + its zero nibble: the halves for z0 come once a kernel (w4_zero_base), the
-// pairs once a column and group (w4_zero_pairs).
+// A column's z is z0 + its zero nibble: the pairs for z0 come once a kernel (w4_zero_base), a column's
+// pairs once a column and group (w4_zero_pairs), one integer multiply-add each: every half stays below
+// 0x10000, so (h + nib) * 0x10001 = h * 0x10001 + nib * 0x10001 exactly.
 struct W4ZeroBase {
-  u32 a, b;
+  u32 a, b;  // the z0 pairs: (0x6400 + z0 or 0xC300 + z0) and 0xD400 + 16 z0, in both halves
 };
 
 template <int DT>
 __device__ __forceinline__ W4ZeroBase w4_zero_base(u32 z0) {
-  return W4ZeroBase{(DT == 0 ? 0x6400u : 0xC300u) + z0, 0xD400u + 16u * z0};
+  return W4ZeroBase{((DT == 0 ? 0x6400u : 0xC300u) + z0) * 0x10001u, (0xD400u + 16u * z0) * 0x10001u};
 }
 
 __device__ __forceinline__ void w4_zero_pairs(const W4ZeroBase& base, u32 nib, u32& za, u32& zb) {
-  za = (base.a + nib) * 0x10001u;
-  zb = (base.b + 16u * nib) * 0x10001u;
+  za = nib * 0x10001u + base.a;
+  zb = nib * 0x100010u + base.b;
 }
 
 // p[r] = (q[r] - z, q[r + 4] - z) of word w as a DT pair, r = 0..3 (za, zb: w4_zero_pairs of z).

@@ -533,17 +533,27 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // in flight per warp; the weight stream needs more bytes in flight than registers can hold (DRAM
   // latency under load x bandwidth), and a prefetch holds no register: the later load then waits
   // for L2 instead of DRAM.
+  int it_next = 0;  // the iteration the next chunk load serves
+  // (Iteration q's addresses from the next load's, not from wbase: one pointer fewer held across the loop.)
   auto prefetch_it = [&](int q) {
     if constexpr (QOPS_PREFETCH > 0) {
-      const int ch = cb + wk + q * NWK;
+      const int ahead = q - it_next;
+      const int ch = ch_next + ahead * NWK;
       const bool ok = n_ok && ch < ce;
       const int rows_left = KW - (ch * 16 + c);
-      const u32* p = wbase + static_cast<size_t>(q) * wstride;
+      const u32* p = wnext + static_cast<ptrdiff_t>(ahead) * static_cast<ptrdiff_t>(wstride);
 #pragma unroll
       for (int j = 0; j < 4; ++j) prefetch_l2_if(p + j * wstep, ok && 4 * j < rows_left);
     }
   };
-  int it_next = 0;  // the iteration the next chunk load serves
+  // The scale row (group) of chunk ch: ch / chunks_per_group (QOPS_LUT: two rows a chunk, 2 ch and
+  // 2 ch + 1; a single group: 0), the division behind a uniform branch that groups of 128 rows
+  // (chunks_per_group 1) never take. The ternary chain it replaces ran two branches and their
+  // reconvergence every chunk, issue slots the instruction-bound M = 16 loop (benchmarks/NOTES.md,
+  // stop 33) needs. (Scale and zero offsets stepped across the loop
+  // instead cost 2-10 registers and pushed the M = 1 fold builds past 128: one block an SM.)
+  const int g_per = kLut ? 0 : chunks_per_group;
+  auto scale_row = [&](int ch) { return kLut ? 2 * ch : (g_per > 1 ? ch / g_per : ch * g_per); };
   // Where the next chunk of this lane comes from (both rings load the same pieces): prefetches
   // ahead, then advances the iteration, chunk and weight pointer.
   struct Src {
@@ -561,8 +571,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     ch_next += NWK;
     const u32* p = wnext;
     wnext += wstride;
-    // (QOPS_LUT: two groups of 64 rows a chunk, scale rows 2 ch and 2 ch + 1)
-    const int grp = kLut ? 2 * ch : (chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group));
+    const int grp = scale_row(ch);
     return Src{p, scales + static_cast<size_t>(grp) * N + n0, qzeros + static_cast<size_t>(grp) * zw + (n0 >> 3),
                n_ok && ch < ce, ch < ce, KW - (ch * 16 + c)};
   };
@@ -915,6 +924,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   };
 
   const W4ZeroBase zbase = w4_zero_base<MDT>(static_cast<u32>(HAS_Z ? zero_offset : 8));  // w4.cuh
+  // x staged once: the staged row each B tile's lane reads (rows M .. 8 MT - 1: row M - 1, see compute).
+  int xrow[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) xrow[mt] = min(8 * mt + g, M - 1) * RSF;
 
   auto compute = [&](int it, const Chunk& ck, int stage) {
     const int ch = cb + it * NWK + wk;
@@ -994,18 +1007,20 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       // B fragments: x[m, 8*kw .. 8*kw+7] as pairs (0,4) (1,5) (2,6) (3,7), the pairs the unpacking yields.
+      // x staged once: rows m >= M read row M - 1 (xrow), whose sums are never stored; an unconditional
+      // load saves the zeroing and the predicate a conditional one costs (16 instructions a chunk at M = 16).
       u32 xb[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const int m = 8 * mt + g;
-        uint4 v = make_uint4(0, 0, 0, 0);
         if constexpr (XF) {
-          if (m < M) v = xs[m * RSF + (ch - cb) * 16 + 4 * j + c];
+          const uint4 v = xs[xrow[mt] + (ch - cb) * 16 + 4 * j + c];
           xb[mt][0] = v.x;
           xb[mt][1] = v.y;
           xb[mt][2] = v.z;
           xb[mt][3] = v.w;
-        } else {
+        } else {  // (the conditional load: one register a B tile fewer, which the gated M = 9..16 build needs)
+          const int m = 8 * mt + g;
+          uint4 v = make_uint4(0, 0, 0, 0);
           if (m < M) v = xs[m * RS + wk * 16 + 4 * j + c];
           xb[mt][0] = prmt<0x5410>(v.x, v.z);
           xb[mt][1] = prmt<0x7632>(v.x, v.z);
