@@ -75,6 +75,12 @@ def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
     gpus = {s["gpu"] for s in sweeps}
     if len(gpus) != 1:
         raise SystemExit(f"native_plan_table: sweeps of several GPUs ({sorted(gpus)}): one table is one GPU")
+    # One table serves both activation dtypes from fp16 sweeps (sweeps before the field were fp16). A bf16
+    # sweep is a measurement: it found the fp16 plans within 2.4% of its best in 11 of 12 cases of the
+    # Llama shapes at M = 4..16 (benchmarks/NOTES.md, stop 41), too few to give the table a dtype dimension.
+    dtypes = sorted({s.get("dtype", "float16") for s in sweeps})
+    if dtypes != ["float16"]:
+        raise SystemExit(f"native_plan_table: the table is built from float16 sweeps; got {dtypes}")
     # Sweeps before the tables existed had no such field: their defaults were the rule's.
     kinds = [sweep.get("default_plans", "rule") for sweep in sweeps]
     n_rule = kinds.index("table") if "table" in kinds else len(kinds)

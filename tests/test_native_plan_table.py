@@ -79,6 +79,8 @@ def test_the_shipped_tables_promise_two_blocks_an_sm_where_their_grids_need_them
 def test_refusals(tool):
     with pytest.raises(SystemExit, match="several GPUs"):
         tool.build([_sweep(), _sweep(gpu="NVIDIA H100")], ["a", "b"], 0.03)
+    with pytest.raises(SystemExit, match="float16 sweeps; got \\['bfloat16', 'float16'\\]"):
+        tool.build([_sweep(), _sweep(dtype="bfloat16", default_plans="table")], ["a", "b"], 0.03)
     with pytest.raises(SystemExit, match="QOPS_NATIVE_PLANS=rule"):
         tool.build([_sweep(default_plans="table")], ["a"], 0.03)  # a refresh with nothing to refresh
     with pytest.raises(SystemExit, match="QOPS_NATIVE_PLANS=rule"):
