@@ -549,9 +549,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // The scale row (group) of chunk ch: ch / chunks_per_group (QOPS_LUT: two rows a chunk, 2 ch and
   // 2 ch + 1; a single group: 0), the division behind a uniform branch that groups of 128 rows
   // (chunks_per_group 1) never take. The ternary chain it replaces ran two branches and their
-  // reconvergence every chunk, issue slots the instruction-bound M = 16 loop (benchmarks/NOTES.md,
-  // stop 33) needs. (Scale and zero offsets stepped across the loop
-  // instead cost 2-10 registers and pushed the M = 1 fold builds past 128: one block an SM.)
+  // reconvergence every chunk. (Scale and zero offsets stepped across the loop took fewer
+  // instructions still but 2-10 more registers, which pushed the M = 1 fold builds past 128: one
+  // block an SM.) With the unconditional x loads and the one-instruction zero pairs below, the loop
+  // lost ~15% of its instructions and ran 2-2.5% faster at M = 16 (benchmarks/NOTES.md, stop 41).
   const int g_per = kLut ? 0 : chunks_per_group;
   auto scale_row = [&](int ch) { return kLut ? 2 * ch : (g_per > 1 ? ch / g_per : ch * g_per); };
   // Where the next chunk of this lane comes from (both rings load the same pieces): prefetches
