@@ -69,6 +69,14 @@ def _entry(native, c: dict, best: dict, lo: int, hi: int, name: str, limit, sms:
             "rule_us": round(rule_us, 2), "measured_at_m": m, "source": os.path.basename(name)}
 
 
+def _winner(c: dict, min_gain: float) -> dict | None:
+    """Case ``c``'s fastest confirmed plan if it beats the default (confirmed first: the rule's plan, or in a
+    refresh the table's) by at least ``min_gain``, else None."""
+    default = c["confirmed"][0]
+    best = min(c["confirmed"], key=lambda r: r["us"])
+    return None if best is default or 1 - best["us"] / default["us"] < min_gain else best
+
+
 def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
     from qops.native import int_weight as native
 
@@ -103,20 +111,18 @@ def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
     for (n, k), ms in sorted(by_shape.items()):
         for m, (lo, hi) in m_ranges(ms).items():
             c, name = cases[n, k, m]
-            rule = c["confirmed"][0]  # sweep_native confirms the default (the rule's plan) first
-            best = min(c["confirmed"], key=lambda r: r["us"])
-            if best is rule or 1 - best["us"] / rule["us"] < min_gain:
+            best = _winner(c, min_gain)
+            if best is None:
                 continue
             limit = sweeps[names.index(name)].get("smem_optin")
-            entries[n, k, m] = _entry(native, c, best, lo, hi, name, limit, sms, rule["us"])
+            entries[n, k, m] = _entry(native, c, best, lo, hi, name, limit, sms, c["confirmed"][0]["us"])
     for sweep, name in zip(sweeps[n_rule:], names[n_rule:]):
         for c in sweep["cases"]:
             if "confirmed" not in c:
                 continue
             n, k, m = c["N"], c["K"], c["M"]
-            default = c["confirmed"][0]  # the table's plan at this M (or the rule's where it had none)
-            best = min(c["confirmed"], key=lambda r: r["us"])
-            if best is default or 1 - best["us"] / default["us"] < min_gain:
+            best = _winner(c, min_gain)
+            if best is None:
                 continue
             lo = max((mm for mm in measured[n, k] if mm < m), default=0) + 1
             old = entries.get((n, k, m))
@@ -126,7 +132,7 @@ def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
             if any(key[:2] == (n, k) and key[2] != m and e["m_min"] <= m and lo <= e["m_max"] for key, e in entries.items()):
                 raise SystemExit(f"native_plan_table: {n}x{k} M={m} in {name} would serve rows {lo}..{m}, which another entry serves")
             entries[n, k, m] = _entry(native, c, best, lo, m, name, sweep.get("smem_optin"), sms,
-                                      old["rule_us"] if old is not None else default["us"])
+                                      old["rule_us"] if old is not None else c["confirmed"][0]["us"])
     return {"gpu": gpus.pop(), "sms": sms, "min_gain": min_gain,
             "note": "built by benchmarks/native_plan_table.py from confirmed sweep_native.py cases (fp16 activations); "
                     "shapes and M not listed take qops.native.int_weight's rule",

@@ -11,7 +11,6 @@ inputs. M covers the decode kernel's tiles (1..16) and the GEMM above it.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import sys
@@ -26,19 +25,15 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def digests(shapes, ms, dtypes) -> list[dict]:
-    from qops.formats import FORMATS
-    from qops.lowerings import LOWERINGS_BY_NAME
+    from probe_early_pdl import gptq_native
     from qops.native import int_weight as niw
 
-    fmt = FORMATS["gptq"]
     rows = []
     for name in dtypes:
         dt = DTYPES[name]
         for n, k in shapes:
             gen = torch.Generator(device="cuda").manual_seed(n * 7 + k)
-            w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(dt)
-            iw = fmt.prepare(fmt.quantize(w, bits=4, group_size=128, sym=False), dtype=dt)
-            iw = dataclasses.replace(iw, kernel=LOWERINGS_BY_NAME["native_w4a16"].kernel)
+            iw = gptq_native(n, k, dtype=dt, generator=gen)
             for m in ms:
                 x = torch.randn(m, k, generator=gen, device="cuda").to(dt)
                 y = iw.mm(x)
@@ -47,7 +42,7 @@ def digests(shapes, ms, dtypes) -> list[dict]:
                              "plan": str(niw.plan(m, n, k, 0)) if m <= niw.decode_rows(n, k, 0) else "gemm",
                              "sha256": hashlib.sha256(y.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()})
                 print(json.dumps(rows[-1]), flush=True)
-            del w, iw
+            del iw
             torch.cuda.empty_cache()
     return rows
 
