@@ -102,7 +102,8 @@
 // QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead),
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
 // replaces QOPS_RING), QOPS_SMEM_BULK (0/1: that ring filled by whole-chunk bulk copies, sm_90 and qweight in
-// slabs; measurements), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
+// slabs; measurements), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..16),
+// QOPS_XLEAD (x staged once, register ring: prologue chunks loaded before x, 0 = all; measurements),
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_WGMMA (0/1: warpgroup MMAs, below; sm_90a, x staged once, NWN 4 or 8),
@@ -194,6 +195,9 @@
 #endif
 #ifndef QOPS_XU
 #define QOPS_XU 8
+#endif
+#ifndef QOPS_XLEAD
+#define QOPS_XLEAD 0  // x staged once, register ring: chunks loaded before x (0: every prologue chunk; below)
 #endif
 #ifndef QOPS_GLU
 #define QOPS_GLU 0
@@ -699,7 +703,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // kernel's stall samples on this prologue's loads, each waited for before the next was issued).
   // Slot s of the M x nkw staged slots is row s / nkw, 8-value word s % nkw; 16 | nkw, so the 16 lanes
   // of a chunk's FOLD sums share one row.
-  static_assert(QOPS_XU >= 1 && QOPS_XU <= 8, "QOPS_XU is 1..8");
+  static_assert(QOPS_XU >= 1 && QOPS_XU <= 16, "QOPS_XU is 1..16");
   const int nkw = (ce - cb) * 16;
   const int xtotal = M * nkw;
   // A thread's slots are tid, tid + kThreads, tid + 2 kThreads, ... (rounds of QOPS_XU), so their
@@ -850,6 +854,18 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // written in the generic proxy, read by wgmma
   };
 #endif
+  // QOPS_XLEAD = L (0 < L < D): only the first L prologue chunks are loaded before grid_dep_wait(); the
+  // others once the first round of x's loads is issued, so x's requests queue behind L chunks a warp
+  // rather than all D (measurements: benchmarks/NOTES.md, stop 42).
+  constexpr int kLead = (QOPS_XLEAD > 0 && QOPS_XLEAD < D && SR == 0) ? QOPS_XLEAD : D;
+  bool lead_rest = false;  // set by the register-ring prologue when chunks kLead .. D-1 are still to load
+  auto load_lead_rest = [&]() {
+    if (!lead_rest) return;
+    lead_rest = false;
+#pragma unroll
+    for (int d = kLead; d < D; ++d)
+      if (d < n_it) load_chunk(ring[d]);
+  };
   auto stage_x_full = [&]() {
     bool staged = false;
     if constexpr (kF16) {
@@ -862,6 +878,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         SlotPos pos = first_slot();
         const SlotPos start = pos;
         load_x_slots(warp * 32, v, pos);
+        load_lead_rest();
         max_slots(warp * 32, v, start);
         __syncthreads();
         stage_slots(warp * 32, v, start);
@@ -872,6 +889,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           uint4 v[QOPS_XU];
           const SlotPos start = pos;
           load_x_slots(base0, v, pos);
+          load_lead_rest();
           max_slots(base0, v, start);
         }
         __syncthreads();
@@ -883,9 +901,11 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         uint4 v[QOPS_XU];
         const SlotPos start = pos;
         load_x_slots(base0, v, pos);
+        load_lead_rest();
         stage_slots(base0, v, start);
       }
     }
+    load_lead_rest();  // a block with no x slots (an empty K range) still loads its chunks
     if constexpr (FOLD) {
       for (int i = tid; i < (ce - cb) * 8; i += kThreads)
         if ((i & 7) >= M) xsum[i] = make_float2(0.f, 0.f);
@@ -1160,8 +1180,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then
     // every warp streams its chunks with no further barrier.
 #pragma unroll
-    for (int d = 0; d < D; ++d)
+    for (int d = 0; d < kLead; ++d)
       if (d < n_it) load_chunk(ring[d]);
+    lead_rest = kLead < D;  // the rest go out behind x's first loads (QOPS_XLEAD)
     for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
 #if QOPS_LUT
     // The codebook is a weight (never written by the kernel ahead): its table is built under the
@@ -1176,6 +1197,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #else
     stage_x_full();
 #endif
+    load_lead_rest();
     __syncthreads();
     stamp(2);
     for (int it0 = 0; it0 < n_it; it0 += kRing) {
