@@ -1000,6 +1000,23 @@ def test_xlead_issues_x_before_the_remaining_prologue_chunks(arch):
         assert sum(i < first_x for i in weights) == before, (lead, weights[:12], first_x)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prologue_prefetch_requests_its_chunks_before_x_and_none_in_the_loop(arch):
+    """QOPS_PFP = P: P more chunks a warp (4 lines a lane each) prefetched into L2 in the prologue, all
+    before x's first load, and no prefetch anywhere else; refused without x staged once."""
+    src = compiler.native_source(native.SOURCE)
+    p = native._plan(1, 4096, 14336, 132, False)
+    assert p.xfull and "QOPS_PFP" not in p.defines(torch.float16, True)
+    for pfp in (0, 2, 4):
+        text = _entries(_ptx(src, arch, dataclasses.replace(p, pfp=pfp).defines(torch.float16, True)))[native.GEMV]
+        prefetches = [i for i, line in enumerate(text) if "prefetch.global.L2" in line]
+        first_x = next(i for i, line in enumerate(text) if re.search(r"ld\.global\.nc\.v4\.u32", line))
+        assert len(prefetches) == 4 * pfp and all(i < first_x for i in prefetches), (pfp, prefetches, first_x)
+    off = dataclasses.replace(native._plan(16, 4096, 14336, 132, False), xfull=False, pfp=2).defines(torch.float16, True)
+    with pytest.raises(compiler.NativeCompileError, match="QOPS_PFP"):
+        compiler.compile(src, "sm_90", compiler.native_options(off))
+
+
 def test_glu_refuses_the_shared_memory_ring():
     base = native._plan(1, 28672, 4096, 132, False).defines(torch.float16, True, glu=True)
     with pytest.raises(compiler.NativeCompileError, match="QOPS_GLU excludes"):

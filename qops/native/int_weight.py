@@ -163,6 +163,9 @@ class Plan:
     # (x staged once, register ring) prologue chunks a warp loads before x (0: all of them; 1: one, the
     # rest behind x's first loads). Measurements (w4a16_gemv.cu, QOPS_XLEAD).
     xlead: int = 0
+    # (x staged once, register ring) chunks a warp prefetches into L2 before the wait, after the ring's
+    # prologue loads, with no prefetch in the loop (w4a16_gemv.cu, QOPS_PFP; 0..16).
+    pfp: int = 0
     # (x staged once, bf16 x) x staged as f16 scaled by a power of two a row and the MMAs run in f16
     # (w4a16_gemv.cu, QOPS_F16MMA); no effect on f16 x or on plans staging x per iteration.
     f16mma: bool = False
@@ -200,7 +203,8 @@ class Plan:
         } | ({"QOPS_WGMMA": 1} if self.wgmma else {}) \
           | ({"QOPS_LUT": 1, "QOPS_SMEM_BASE": smem_base} if self.lut else {}) \
           | ({"QOPS_EXIT_FENCE": 1} if self.exit_fence else {}) \
-          | ({"QOPS_XLEAD": self.xlead} if self.xlead else {})
+          | ({"QOPS_XLEAD": self.xlead} if self.xlead else {}) \
+          | ({"QOPS_PFP": self.pfp} if self.pfp else {})
         # (only when set: the other builds keep their cache keys)
 
     def _f16mma_on(self, dtype: torch.dtype) -> bool:

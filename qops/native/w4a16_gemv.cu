@@ -104,6 +104,7 @@
 // replaces QOPS_RING), QOPS_SMEM_BULK (0/1: that ring filled by whole-chunk bulk copies, sm_90 and qweight in
 // slabs; measurements), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..16),
 // QOPS_XLEAD (x staged once, register ring: prologue chunks loaded before x, 0 = all; measurements),
+// QOPS_PFP (x staged once, register ring: chunks prefetched into L2 in the prologue, 0..16),
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_WGMMA (0/1: warpgroup MMAs, below; sm_90a, x staged once, NWN 4 or 8),
@@ -195,6 +196,9 @@
 #endif
 #ifndef QOPS_XU
 #define QOPS_XU 8
+#endif
+#ifndef QOPS_PFP
+#define QOPS_PFP 0  // x staged once, register ring: chunks a warp prefetches into L2 in the prologue only (below)
 #endif
 #ifndef QOPS_XLEAD
 #define QOPS_XLEAD 0  // x staged once, register ring: chunks loaded before x (0: every prologue chunk; below)
@@ -436,6 +440,8 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   static_assert(MT >= 1 && MT <= 4, "QOPS_MT is 1..4 (M <= 32)");
   static_assert(!FOLD || (XF && MT == 1), "QOPS_FOLD needs x staged once (QOPS_XFULL) and M <= 8");
   static_assert(SR == 0 || (SR >= 2 && SR <= 16 && XF), "QOPS_SMEM_RING is 0 or 2..16 and needs QOPS_XFULL");
+  static_assert(QOPS_PFP >= 0 && QOPS_PFP <= 16 && (QOPS_PFP == 0 || (XF && SR == 0)),
+                "QOPS_PFP is 0..16 and needs QOPS_XFULL with the register ring");
   // The ring's copies address other lanes' columns as contiguous with this lane's.
   static_assert(!QOPS_GLU || SR == 0, "QOPS_GLU excludes QOPS_SMEM_RING");
   static_assert(!QOPS_F16MMA || XF, "QOPS_F16MMA converts x where it is staged once (QOPS_XFULL)");
@@ -540,7 +546,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   int it_next = 0;  // the iteration the next chunk load serves
   // (Iteration q's addresses from the next load's, not from wbase: one pointer fewer held across the loop.)
   auto prefetch_it = [&](int q) {
-    if constexpr (QOPS_PREFETCH > 0) {
+    if constexpr (QOPS_PREFETCH > 0 || QOPS_PFP > 0) {
       const int ahead = q - it_next;
       const int ch = ch_next + ahead * NWK;
       const bool ok = n_ok && ch < ce;
@@ -570,7 +576,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     int rows_left;
   };
   auto next_src = [&]() {
-    prefetch_it(it_next + QOPS_PREFETCH);
+    if constexpr (QOPS_PREFETCH > 0) prefetch_it(it_next + QOPS_PREFETCH);
     ++it_next;
     const int ch = ch_next;
     ch_next += NWK;
@@ -1184,6 +1190,10 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
       if (d < n_it) load_chunk(ring[d]);
     lead_rest = kLead < D;  // the rest go out behind x's first loads (QOPS_XLEAD)
     for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
+    // QOPS_PFP = P: chunks D .. D+P-1 requested into L2 as well, before the wait, so that DRAM keeps
+    // streaming while the kernel ahead finishes and x is staged; the loop then finds them in L2. No
+    // prefetch in the loop (QOPS_PREFETCH's in-loop prefetches cost 8-12% on the long shapes).
+    for (int q = D; q < D + QOPS_PFP; ++q) prefetch_it(q);
 #if QOPS_LUT
     // The codebook is a weight (never written by the kernel ahead): its table is built under the
     // prologue's loads; the barrier after x's staging orders it before every lookup.
