@@ -969,52 +969,20 @@ def test_make_plan_promises_more_blocks_per_sm_only_with_the_smem_ring():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_x_staging_unroll_compiles_and_issues_its_loads_first(arch):
     """QOPS_XU: x staged once is read QOPS_XU 16-byte slots a thread at a time, every load of a round
-    issued before the first is used (1..16; the plans' default 8); 17 is refused."""
+    issued before the first is used (1..8; the plans' default 8); 9 is refused."""
     src = compiler.native_source(native.SOURCE)
     base = native._plan(1, 4096, 14336, 132, False).defines(torch.float16, True)
     assert base["QOPS_XFULL"] == 1 and base["QOPS_XU"] == 8
-    for xu in (1, 4, 8, 16):
+    for xu in (1, 4, 8):
         assert compiler.compile(src, arch, compiler.native_options({**base, "QOPS_XU": xu}))[:4] == ELF_MAGIC
     text = _entries(_ptx(src, arch, base))[native.GEMV]
     loads = [i for i, line in enumerate(text) if re.search(r"ld\.global\.nc\.v4\.u32", line)]
     first_use = next(i for i, line in enumerate(text) if "prmt.b32" in line)
     assert sum(i < first_use for i in loads) >= 8, "the round's eight x loads precede its first permute"
     with pytest.raises(compiler.NativeCompileError, match="QOPS_XU"):
-        compiler.compile(src, "sm_90", compiler.native_options({**base, "QOPS_XU": 17}))
-    with pytest.raises(ValueError, match="xu=17 outside"):
-        native.make_plan(1, 4096, 14336, nwn=1, splits=2, cluster=True, xfull=True, xu=17)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_xlead_issues_x_before_the_remaining_prologue_chunks(arch):
-    """QOPS_XLEAD = 1 (M <= 8: two prologue chunks a warp): one chunk's four 16-byte weight loads go out
-    before x's first load and the other's after it; without it both precede x. Outputs do not change
-    (the same chunks, summed in the same order: the GPU probe checks it)."""
-    src = compiler.native_source(native.SOURCE)
-    p = native._plan(1, 4096, 14336, 132, False)
-    assert p.xfull and "QOPS_XLEAD" not in p.defines(torch.float16, True)  # 0: the builds keep their cache keys
-    for lead, before in ((0, 8), (1, 4)):
-        text = _entries(_ptx(src, arch, dataclasses.replace(p, xlead=lead).defines(torch.float16, True)))[native.GEMV]
-        weights = [i for i, line in enumerate(text) if "ld.global.nc.L1::no_allocate.v4.u32" in line]
-        first_x = next(i for i, line in enumerate(text) if re.search(r"ld\.global\.nc\.v4\.u32", line))
-        assert sum(i < first_x for i in weights) == before, (lead, weights[:12], first_x)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_prologue_prefetch_requests_its_chunks_before_x_and_none_in_the_loop(arch):
-    """QOPS_PFP = P: P more chunks a warp (4 lines a lane each) prefetched into L2 in the prologue, all
-    before x's first load, and no prefetch anywhere else; refused without x staged once."""
-    src = compiler.native_source(native.SOURCE)
-    p = native._plan(1, 4096, 14336, 132, False)
-    assert p.xfull and "QOPS_PFP" not in p.defines(torch.float16, True)
-    for pfp in (0, 2, 4):
-        text = _entries(_ptx(src, arch, dataclasses.replace(p, pfp=pfp).defines(torch.float16, True)))[native.GEMV]
-        prefetches = [i for i, line in enumerate(text) if "prefetch.global.L2" in line]
-        first_x = next(i for i, line in enumerate(text) if re.search(r"ld\.global\.nc\.v4\.u32", line))
-        assert len(prefetches) == 4 * pfp and all(i < first_x for i in prefetches), (pfp, prefetches, first_x)
-    off = dataclasses.replace(native._plan(16, 4096, 14336, 132, False), xfull=False, pfp=2).defines(torch.float16, True)
-    with pytest.raises(compiler.NativeCompileError, match="QOPS_PFP"):
-        compiler.compile(src, "sm_90", compiler.native_options(off))
+        compiler.compile(src, "sm_90", compiler.native_options({**base, "QOPS_XU": 9}))
+    with pytest.raises(ValueError, match="xu=9 outside"):
+        native.make_plan(1, 4096, 14336, nwn=1, splits=2, cluster=True, xfull=True, xu=9)
 
 
 def test_glu_refuses_the_shared_memory_ring():

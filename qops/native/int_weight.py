@@ -159,13 +159,7 @@ class Plan:
     prefetch: int = 0  # weights prefetched into L2 this many iterations ahead of the loads (0: none)
     smem_ring: int = 0  # (x staged once) stages of the per-warp shared-memory weight ring (0: the register ring)
     smem_bulk: bool = False  # measurements: that ring filled by whole-chunk bulk copies (sm_90, qweight in column slabs)
-    xu: int = 8  # (x staged once) 16-byte x slots a thread loads before using any (1..16; 1: one round trip per 256 slots)
-    # (x staged once, register ring) prologue chunks a warp loads before x (0: all of them; 1: one, the
-    # rest behind x's first loads). Measurements (w4a16_gemv.cu, QOPS_XLEAD).
-    xlead: int = 0
-    # (x staged once, register ring) chunks a warp prefetches into L2 before the wait, after the ring's
-    # prologue loads, with no prefetch in the loop (w4a16_gemv.cu, QOPS_PFP; 0..16).
-    pfp: int = 0
+    xu: int = 8  # (x staged once) 16-byte x slots a thread loads before using any (1..8; 1: one round trip per 256 slots)
     # (x staged once, bf16 x) x staged as f16 scaled by a power of two a row and the MMAs run in f16
     # (w4a16_gemv.cu, QOPS_F16MMA); no effect on f16 x or on plans staging x per iteration.
     f16mma: bool = False
@@ -202,9 +196,7 @@ class Plan:
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
         } | ({"QOPS_WGMMA": 1} if self.wgmma else {}) \
           | ({"QOPS_LUT": 1, "QOPS_SMEM_BASE": smem_base} if self.lut else {}) \
-          | ({"QOPS_EXIT_FENCE": 1} if self.exit_fence else {}) \
-          | ({"QOPS_XLEAD": self.xlead} if self.xlead else {}) \
-          | ({"QOPS_PFP": self.pfp} if self.pfp else {})
+          | ({"QOPS_EXIT_FENCE": 1} if self.exit_fence else {})
         # (only when set: the other builds keep their cache keys)
 
     def _f16mma_on(self, dtype: torch.dtype) -> bool:
@@ -332,8 +324,8 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
         why = f"wgmma with smem_ring={smem_ring}: the wgmma build keeps its weights in the register ring"
     if why is None and smem_ring and not xfull:
         why = f"smem_ring={smem_ring} needs x staged once (xfull): the per-iteration x stages share the barrier the ring avoids"
-    if why is None and not 1 <= xu <= 16:
-        why = f"xu={xu} outside 1..16"
+    if why is None and not 1 <= xu <= 8:
+        why = f"xu={xu} outside 1..8"
     if why is None and lut and not (xfull and not fold and not smem_ring and not wgmma):
         why = (f"lut needs x staged once (xfull) and no fold, smem_ring or wgmma (got xfull={xfull}, fold={fold}, "
                f"smem_ring={smem_ring}, wgmma={wgmma})")

@@ -102,9 +102,7 @@
 // QOPS_PREFETCH (0: none; P > 0: each warp prefetches its weights into L2 P iterations ahead),
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
 // replaces QOPS_RING), QOPS_SMEM_BULK (0/1: that ring filled by whole-chunk bulk copies, sm_90 and qweight in
-// slabs; measurements), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..16),
-// QOPS_XLEAD (x staged once, register ring: prologue chunks loaded before x, 0 = all; measurements),
-// QOPS_PFP (x staged once, register ring: chunks prefetched into L2 in the prologue, 0..16),
+// slabs; measurements), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_WGMMA (0/1: warpgroup MMAs, below; sm_90a, x staged once, NWN 4 or 8),
@@ -196,12 +194,6 @@
 #endif
 #ifndef QOPS_XU
 #define QOPS_XU 8
-#endif
-#ifndef QOPS_PFP
-#define QOPS_PFP 0  // x staged once, register ring: chunks a warp prefetches into L2 in the prologue only (below)
-#endif
-#ifndef QOPS_XLEAD
-#define QOPS_XLEAD 0  // x staged once, register ring: chunks loaded before x (0: every prologue chunk; below)
 #endif
 #ifndef QOPS_GLU
 #define QOPS_GLU 0
@@ -440,8 +432,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   static_assert(MT >= 1 && MT <= 4, "QOPS_MT is 1..4 (M <= 32)");
   static_assert(!FOLD || (XF && MT == 1), "QOPS_FOLD needs x staged once (QOPS_XFULL) and M <= 8");
   static_assert(SR == 0 || (SR >= 2 && SR <= 16 && XF), "QOPS_SMEM_RING is 0 or 2..16 and needs QOPS_XFULL");
-  static_assert(QOPS_PFP >= 0 && QOPS_PFP <= 16 && (QOPS_PFP == 0 || (XF && SR == 0)),
-                "QOPS_PFP is 0..16 and needs QOPS_XFULL with the register ring");
   // The ring's copies address other lanes' columns as contiguous with this lane's.
   static_assert(!QOPS_GLU || SR == 0, "QOPS_GLU excludes QOPS_SMEM_RING");
   static_assert(!QOPS_F16MMA || XF, "QOPS_F16MMA converts x where it is staged once (QOPS_XFULL)");
@@ -546,7 +536,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   int it_next = 0;  // the iteration the next chunk load serves
   // (Iteration q's addresses from the next load's, not from wbase: one pointer fewer held across the loop.)
   auto prefetch_it = [&](int q) {
-    if constexpr (QOPS_PREFETCH > 0 || QOPS_PFP > 0) {
+    if constexpr (QOPS_PREFETCH > 0) {
       const int ahead = q - it_next;
       const int ch = ch_next + ahead * NWK;
       const bool ok = n_ok && ch < ce;
@@ -576,7 +566,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     int rows_left;
   };
   auto next_src = [&]() {
-    if constexpr (QOPS_PREFETCH > 0) prefetch_it(it_next + QOPS_PREFETCH);
+    prefetch_it(it_next + QOPS_PREFETCH);
     ++it_next;
     const int ch = ch_next;
     ch_next += NWK;
@@ -709,7 +699,7 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   // kernel's stall samples on this prologue's loads, each waited for before the next was issued).
   // Slot s of the M x nkw staged slots is row s / nkw, 8-value word s % nkw; 16 | nkw, so the 16 lanes
   // of a chunk's FOLD sums share one row.
-  static_assert(QOPS_XU >= 1 && QOPS_XU <= 16, "QOPS_XU is 1..16");
+  static_assert(QOPS_XU >= 1 && QOPS_XU <= 8, "QOPS_XU is 1..8");
   const int nkw = (ce - cb) * 16;
   const int xtotal = M * nkw;
   // A thread's slots are tid, tid + kThreads, tid + 2 kThreads, ... (rounds of QOPS_XU), so their
@@ -860,18 +850,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // written in the generic proxy, read by wgmma
   };
 #endif
-  // QOPS_XLEAD = L (0 < L < D): only the first L prologue chunks are loaded before grid_dep_wait(); the
-  // others once the first round of x's loads is issued, so x's requests queue behind L chunks a warp
-  // rather than all D (measurements: benchmarks/NOTES.md, stop 42).
-  constexpr int kLead = (QOPS_XLEAD > 0 && QOPS_XLEAD < D && SR == 0) ? QOPS_XLEAD : D;
-  bool lead_rest = false;  // set by the register-ring prologue when chunks kLead .. D-1 are still to load
-  auto load_lead_rest = [&]() {
-    if (!lead_rest) return;
-    lead_rest = false;
-#pragma unroll
-    for (int d = kLead; d < D; ++d)
-      if (d < n_it) load_chunk(ring[d]);
-  };
   auto stage_x_full = [&]() {
     bool staged = false;
     if constexpr (kF16) {
@@ -884,7 +862,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         SlotPos pos = first_slot();
         const SlotPos start = pos;
         load_x_slots(warp * 32, v, pos);
-        load_lead_rest();
         max_slots(warp * 32, v, start);
         __syncthreads();
         stage_slots(warp * 32, v, start);
@@ -895,7 +872,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
           uint4 v[QOPS_XU];
           const SlotPos start = pos;
           load_x_slots(base0, v, pos);
-          load_lead_rest();
           max_slots(base0, v, start);
         }
         __syncthreads();
@@ -907,11 +883,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
         uint4 v[QOPS_XU];
         const SlotPos start = pos;
         load_x_slots(base0, v, pos);
-        load_lead_rest();
         stage_slots(base0, v, start);
       }
     }
-    load_lead_rest();  // a block with no x slots (an empty K range) still loads its chunks
     if constexpr (FOLD) {
       for (int i = tid; i < (ce - cb) * 8; i += kThreads)
         if ((i & 7) >= M) xsum[i] = make_float2(0.f, 0.f);
@@ -1186,14 +1160,9 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then
     // every warp streams its chunks with no further barrier.
 #pragma unroll
-    for (int d = 0; d < kLead; ++d)
+    for (int d = 0; d < D; ++d)
       if (d < n_it) load_chunk(ring[d]);
-    lead_rest = kLead < D;  // the rest go out behind x's first loads (QOPS_XLEAD)
     for (int q = D; q < QOPS_PREFETCH; ++q) prefetch_it(q);  // the iterations the prologue's loads did not cover
-    // QOPS_PFP = P: chunks D .. D+P-1 requested into L2 as well, before the wait, so that DRAM keeps
-    // streaming while the kernel ahead finishes and x is staged; the loop then finds them in L2. No
-    // prefetch in the loop (QOPS_PREFETCH's in-loop prefetches cost 8-12% on the long shapes).
-    for (int q = D; q < D + QOPS_PFP; ++q) prefetch_it(q);
 #if QOPS_LUT
     // The codebook is a weight (never written by the kernel ahead): its table is built under the
     // prologue's loads; the barrier after x's staging orders it before every lookup.
@@ -1207,7 +1176,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
 #else
     stage_x_full();
 #endif
-    load_lead_rest();
     __syncthreads();
     stamp(2);
     for (int it0 = 0; it0 < n_it; it0 += kRing) {
