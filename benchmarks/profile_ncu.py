@@ -10,7 +10,11 @@ Cases (``--cases``, comma separated, ``KIND:NxK:M``):
 - ``w4nativebf16``: the same weight (fp16 scales) with bf16 x, as the decode benchmark's model runs it;
 - ``w4triton``: the same weight through the Triton lowering;
 - ``nf4native``: bitsandbytes NF4, blocksize 64, nested absmax, fp16 x, the native kernel;
-- ``nf4lut``: NF4 codes through the W4A16 kernel's codebook table (``qops.native.codebook_w4``, f16 absmax).
+- ``nf4lut``: NF4 codes through the W4A16 kernel's codebook table (``qops.native.codebook_w4``, f16 absmax);
+- ``cublasfp16``: the peer, ``F.linear`` on a dense fp16 weight (cuBLAS);
+- ``scaledmmfp8``: the peer, ``torch._scaled_mm`` on e4m3 x and weight with per-tensor scales (cuBLASLt): at
+  M = 64 it streams twice the W4 weight's bytes faster than the W4 GEMM does (stop 42), so its kernel's launch
+  shape, occupancy and memory throughput are the reference for that GEMM.
 
 Under ``ncu`` (the device's image has it; ``--clock-control none`` leaves the clocks as found):
 
@@ -38,7 +42,7 @@ from probe_w4_lut import lut_weight  # noqa: E402
 from qops.native import codebook_w4 as cw  # noqa: E402
 from qops.lowerings import LOWERINGS_BY_NAME  # noqa: E402
 
-KINDS = ("w4native", "w4nativebf16", "w4triton", "nf4native", "nf4lut")
+KINDS = ("w4native", "w4nativebf16", "w4triton", "nf4native", "nf4lut", "cublasfp16", "scaledmmfp8")
 CHECK_ROWS = 64
 
 
@@ -70,6 +74,14 @@ def make_case(kind: str, n: int, k: int, m: int, gen):
         lw = lut_weight(n, k, gen)
         want = cw.reference_mm(x, lw["qweight"][: CHECK_ROWS // 32], lw["scales"][:, :CHECK_ROWS], lw["codebook"])
         return (lambda: cw.codebook_mm(x, lw["qweight"], lw["scales"], lw["codebook"])), want
+    if kind in ("cublasfp16", "scaledmmfp8"):
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen) * 0.02
+        if kind == "cublasfp16":
+            return (lambda: torch.nn.functional.linear(x, w)), x.double() @ w[:CHECK_ROWS].double().T
+        x8, w8 = x.to(torch.float8_e4m3fn), (w * 64).to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        want = x8.double() @ w8[:CHECK_ROWS].double().T
+        return (lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.float16)), want
     w = gptq_native(n, k, "triton_int_weight" if kind == "w4triton" else "native_w4a16")
     want = x.double() @ w.dequantize(torch.float64)[:CHECK_ROWS].T
     return (lambda: w.mm(x)), want
