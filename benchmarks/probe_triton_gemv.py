@@ -11,12 +11,14 @@ of 16-byte pieces and splits it into its eight columns in registers (``tl.split`
 registers at BLOCK_N 256 and 2 chunks. Which matters on the GPU -- instructions, registers (warps an SM),
 or neither -- is what this probe measures: every candidate timed interleaved over rotated weight copies
 (GPTQ W4 g128 asymmetric, fp16 x, the op's split-K plan and atomic reduction at each config), each
-checked against the shipped op's output.
+checked against the float64 product with the dequantized weight (``_rel_err``; the committed run at 3a913fd
+compared with the shipped op's output, ``_rel_err_vs_op``).
 
     PYTHONPATH=. python benchmarks/probe_triton_gemv.py [--shapes 28672x4096,...] [--configs 256,4,2 ...] [--out F]
 """
 from __future__ import annotations
 
+import copy
 import json
 import sys
 
@@ -102,7 +104,7 @@ def _gemv_xtile_kernel(
 
 def decode_table(block_n: int, chunks: int, warps: int, device: str = "cuda") -> dict:
     """The shipped table (``device``'s) with one decode config for 4 bits at M = 1."""
-    table = json.loads(json.dumps(T.config_for(torch.device(device))))
+    table = copy.deepcopy(T.config_for(torch.device(device)))
     by_m = table["decode"].get("4", table["decode"]["default"])
     cfg = dict(by_m["1"], BLOCK_N=block_n, CHUNKS=chunks, num_warps=warps)
     table["decode"]["4"] = {"1": cfg}
@@ -138,15 +140,15 @@ def main(argv=None) -> int:
         ws = [w] + [clone_tensors(w) for _ in range(n_copies(w.nbytes()) - 1)]
         x = torch.randn(1, k, device="cuda", dtype=torch.float16)
         roof = common.roofline_us(w.nbytes() + 2 * (k + n), bw)
-        want = w.mm(x).float()
-        row = {"N": n, "K": k, "M": 1, "roofline_us": round(roof, 2)}
+        want = x.double() @ w.dequantize(torch.float64).T  # the float64 oracle of every candidate
+        row = {"N": n, "K": k, "M": 1, "roofline_us": round(roof, 2), "op_rel_err": common.rel_err(w.mm(x), want)}
         cands = {"op": [lambda v=v: v.mm(x) for v in ws]}
         for bn, ch, nw in configs:
             table = decode_table(bn, ch, nw)
             for name, kern in (("shipped", T._gemv_kernel), ("xtile", _gemv_xtile_kernel)):
                 key = f"{name}_{bn}_{ch}_{nw}"
                 try:
-                    row[key + "_rel_err_vs_op"] = common.rel_err(run_with(table, kern, lambda: w.mm(x))(), want)
+                    row[key + "_rel_err"] = common.rel_err(run_with(table, kern, lambda: w.mm(x))(), want)
                 except Exception as e:  # noqa: BLE001  (a config the compiler or the device refuses)
                     row[key + "_error"] = common.short_err(e)
                     continue
