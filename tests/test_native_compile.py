@@ -1065,6 +1065,10 @@ def _gemm_wgmma_variants():
     # and one 16-column tile a warp, two blocks an SM (80-119 registers at MT = 3..8: x takes none)
     for m, nwn, stages, dt in ((64, 8, 4, torch.bfloat16), (48, 4, 3, torch.float16), (24, 8, 4, torch.float16)):
         yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=2, stages=stages, minb=2, tw=1, wgmma=True, xpre=True).defines(dt, True)
+    # warp-specialized (ws): both widths, dtypes and zero modes, split and not, the fewest and most stages
+    for m, nwn, splits, stages, dt, has_z in ((64, 8, 1, 6, torch.bfloat16, False), (64, 4, 4, 4, torch.float16, True),
+                                              (33, 8, 2, 3, torch.float16, True), (17, 4, 1, 5, torch.bfloat16, True)):
+        yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=splits, stages=stages, wgmma=True, xpre=True, ws=True).defines(dt, has_z)
 
 
 def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
@@ -1072,7 +1076,8 @@ def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
     for defines, log in compile_reports(gemm.SOURCE, "sm_90a", _gemm_wgmma_variants()):
         report = ptxas_report(log)
         regs, spills = report[gemm.KERNEL]
-        assert regs <= min(255, 65536 // (256 * defines["QOPS_MINB"])) and spills == 0, (defines, log)
+        threads = 256 + 32 * defines.get("QOPS_WS", 0)  # ws: the producer warp
+        assert regs <= min(255, 65536 // (threads * defines["QOPS_MINB"]) // 8 * 8) and spills == 0, (defines, log)
         assert "wgmma" not in log.lower(), f"ptxas serialized the warpgroup MMAs: {log}"
         assert (gemm.X_IMAGE in report) == bool(defines.get("QOPS_XPRE")), (defines, log)  # the image kernel: xpre builds only
         if gemm.X_IMAGE in report:
@@ -1147,6 +1152,10 @@ def test_gemm_rule_plans_are_runnable(n, k):
     (dict(m=64, nwn=8, splits=1, stages=4, wgmma=True, krot=True, xpre=True), "krot=True"),
     (dict(m=64, nwn=8, splits=1, stages=2, wgmma=True, xpre=True), "stages=2"),
     (dict(m=64, nwn=4, splits=1, stages=5, wgmma=True, xpre=True), "shared memory"),
+    (dict(m=64, nwn=8, splits=1, stages=4, wgmma=True, ws=True), "ws with xpre=False"),
+    (dict(m=64, nwn=8, splits=1, stages=4, tw=1, wgmma=True, xpre=True, ws=True), "ws with xpre=True, tw=1"),
+    (dict(m=32, nwn=8, splits=1, stages=4, minb=2, wgmma=True, xpre=True, ws=True), "minb=2"),
+    (dict(m=64, nwn=8, splits=1, stages=7, wgmma=True, xpre=True, ws=True), "shared memory"),
 ])
 def test_gemm_make_plan_refuses_what_the_kernel_cannot_run(kw, why):
     with pytest.raises(ValueError, match=why):
@@ -1180,6 +1189,25 @@ def test_gemm_with_fields_keeps_or_drops_xpre(monkeypatch):
         gemm.with_fields(p, n, k, xnat=True, xpre=True)
     monkeypatch.setenv(gemm.PLAN_ENV, "xpre=0")
     assert not gemm.plan(64, n, k, 0).xpre
+
+
+def test_gemm_ws_plans_add_a_producer_warp_and_barriers(monkeypatch):
+    """ws: 288 threads, a full and an empty mbarrier a stage after the stages (six stages of M = 64 still
+    fit, seven do not), QOPS_WS in the build; a field change ws cannot serve drops it unless asked for,
+    a probe is refused (the loop it measures is the xpre build's), and the env can ask for it."""
+    _h200_gemm(monkeypatch)
+    n, k = 28672, 4096
+    p = gemm.with_fields(gemm.plan(64, n, k, 0), n, k, ws=True, stages=6)
+    assert p.ws and p.xpre and p.threads == 288 and gemm.plan(64, n, k, 0).threads == 256
+    assert p.shmem == 6 * (8 * gemm.WARP_STAGE_BYTES + 128 * 64 * 2) + 6 * 16 <= gemm.SHMEM_SM_BYTES
+    assert p.defines(torch.bfloat16, False)["QOPS_WS"] == 1 and "QOPS_WS" not in gemm.plan(64, n, k, 0).defines(torch.bfloat16, False)
+    p4 = gemm.with_fields(gemm.plan(64, n, k, 0), n, k, ws=True)  # the rule's four stages: the mma.sync build's fit too
+    for fields in (dict(xpre=False), dict(tw=1), dict(wgmma=False)):
+        assert not gemm.with_fields(p4, n, k, **fields).ws, fields
+    with pytest.raises(ValueError, match="probe builds are not ws builds"):
+        gemm.with_fields(p4, n, k, probe=1)
+    monkeypatch.setenv(gemm.PLAN_ENV, "ws=1")
+    assert gemm.plan(64, n, k, 0).ws
 
 
 @pytest.mark.parametrize("build", ["mma", "wgmma", "xnat", "xpre"])

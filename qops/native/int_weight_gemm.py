@@ -12,9 +12,11 @@ Plans. A block is 8 warps, ``nwn`` along N (16 ``tw`` columns each: 32, or 16 in
 blocks share one column tile's K range; ``stages`` iterations of x and weights in flight through
 shared memory; ``wgmma``: Hopper's warpgroup MMAs (an sm_90a build, taken wherever the device is
 one); ``xpre`` (with wgmma): x permuted once per call by a small kernel into the workspace, after a
-split-K plan's partials (:func:`x_image_bytes`), and copied into the stages as it lies. The rule
+split-K plan's partials (:func:`x_image_bytes`), and copied into the stages as it lies; ``ws`` (with
+xpre): a ninth warp copies every stage (cp.async for the weights, one bulk copy of the image) and the
+eight others only dequantize and issue MMAs, stages handed over through mbarriers. The rule
 (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g. ``"nwn=4,stages=3,splits=2"``,
-``"wgmma=0"``, ``"xpre=0"``) or :func:`plan_override` replace its fields for measurements.
+``"wgmma=0"``, ``"xpre=0"``, ``"ws=1"``) or :func:`plan_override` replace its fields for measurements.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ X_IMAGE = "qops_w4a16_x_image"  # the xpre plans' x permuted once per call (w4a1
 REDUCE_SOURCE = "w4a16_gemv.cu"  # its qops_w4a16_reduce adds the (S, M, N) partials in order
 REDUCE = "qops_w4a16_reduce"
 MAX_M = 64  # 8 MMA tiles of 8 rows (QOPS_MT <= 8)
-THREADS = 256
+THREADS = 256  # the GEMM's compute warps; ws plans add a producer warp (Plan.threads)
 CHUNK_K = 128
 SHMEM_DEFAULT_BYTES = 48 * 1024
 SHMEM_SM_BYTES = 226 * 1024  # sm_90's 227 KiB a block (228 an SM) less 1 KiB of static shared memory a block
@@ -60,6 +62,11 @@ class Plan:
     krot: bool = False  # each column tile starts its K loop at a different chunk group (measured: no change)
     xpre: bool = False  # wgmma builds: x permuted once per call into the workspace (X_IMAGE), copied by cp.async
     x_image: int = 0  # xpre: bytes of that image, the workspace's last part (after a split-K plan's fp32 partials)
+    ws: bool = False  # xpre builds: warp-specialized, a producer warp beside the eight compute warps (mbarrier stages)
+
+    @property
+    def threads(self) -> int:
+        return THREADS + (32 if self.ws else 0)
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         d = {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
@@ -76,6 +83,8 @@ class Plan:
             d["QOPS_KROT"] = 1
         if self.xpre:
             d["QOPS_XPRE"] = 1
+        if self.ws:
+            d["QOPS_WS"] = 1
         return d
 
 
@@ -96,16 +105,17 @@ def warp_stage_bytes(tw: int) -> int:
 WARP_STAGE_BYTES = warp_stage_bytes(2)
 
 
-def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2, xnat: bool = False, xpre: bool = False) -> int:
+def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2, xnat: bool = False, xpre: bool = False,
+                ws: bool = False) -> int:
     """Pipeline stages (x: M rows of 8 / nwn chunks, rows padded by 4 slots; the 8 warps' weights), or
     the warps' partial sums if larger. With wgmma the stages hold weights only, and three x buffers
     (8 / nwn chunks of 128 rows by 8 MT rows of x, 2 bytes a value) follow them; with xnat or xpre each
-    stage holds its weights and one such x buffer."""
+    stage holds its weights and one such x buffer; ws adds a full and an empty mbarrier a stage after them."""
     nwk = 8 // nwn
     mt = -(-m // 8)
     x_buffer = nwk * CHUNK_K * 8 * mt * 2
     if xnat or xpre:
-        pipeline = stages * (8 * warp_stage_bytes(tw) + x_buffer)
+        pipeline = stages * (8 * warp_stage_bytes(tw) + x_buffer) + (16 * stages if ws else 0)
     elif wgmma:
         pipeline = stages * 8 * warp_stage_bytes(tw) + WGMMA_X_BUFFERS * x_buffer
     else:
@@ -116,7 +126,7 @@ def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2,
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
               smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2, xnat: bool = False, krot: bool = False,
-              xpre: bool = False) -> Plan:
+              xpre: bool = False, ws: bool = False) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
     ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default).
     Whether the device runs wgmma (sm_90a) is :func:`plan`'s check, not this one's."""
@@ -147,7 +157,10 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
     if xpre and not (wgmma and not xnat and not krot and stages >= 3):
         raise ValueError(f"native_w4a16 gemm: xpre with wgmma={wgmma}, xnat={xnat}, krot={krot}, stages={stages}: "
                          "a wgmma build with the weight's own K order, chunks in order and at least 3 stages")
-    shmem = shmem_bytes(m, nwn, stages, wgmma, tw, xnat, xpre)
+    if ws and not (xpre and tw == 2 and minb == 1):
+        raise ValueError(f"native_w4a16 gemm: ws with xpre={xpre}, tw={tw}, minb={minb}: an xpre build with two tiles a warp, "
+                         "one block an SM (the producer warp's 288 threads leave 224 registers a thread)")
+    shmem = shmem_bytes(m, nwn, stages, wgmma, tw, xnat, xpre, ws)
     if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
                          f"a block, {minb} block(s) an SM: more than the device's {smem_limit}")
@@ -157,7 +170,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
     if image:
         partials = -(-partials // 256) * 256  # the image starts 256-byte aligned (w4a16_gemm.cu's ximg)
     return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, partials + image, bool(wgmma), tw,
-                xnat=bool(xnat), krot=bool(krot), xpre=bool(xpre), x_image=image)
+                xnat=bool(xnat), krot=bool(krot), xpre=bool(xpre), x_image=image, ws=bool(ws))
 
 
 # The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
@@ -230,8 +243,8 @@ def _env_fields() -> dict[str, int]:
     out = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
-        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat", "krot", "xpre"):
-            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat, krot, xpre)")
+        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat", "krot", "xpre", "ws"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat, krot, xpre, ws)")
         out[key.strip()] = int(val)
     return out
 
@@ -292,7 +305,7 @@ def launch(p: Plan, x2, qweight, scales, qzeros, bias, o2, ws, n: int, k: int, c
         compiler.launch(image, (-(-p.x_image // 16 // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
                         x2.data_ptr(), ws_ptr + p.workspace - p.x_image, i32(m), i32(k), i32(x2.stride(0)), pdl=pdl)
     compiler.launch(
-        kernel, (p.tiles, p.splits, 1), (THREADS, 1, 1), p.shmem, stream,
+        kernel, (p.tiles, p.splits, 1), (p.threads, 1, 1), p.shmem, stream,
         qweight.data_ptr(), scales.data_ptr(), qzeros.data_ptr() if has_z else 0, x2.data_ptr(),
         bias.data_ptr() if bias is not None else 0, o2.data_ptr(), ws_ptr,
         i32(m), i32(n), i32(k), i32(x2.stride(0)), i32(o2.stride(0)), i32(chunks_per_group), i32(zero_offset), i32(flags),
@@ -320,7 +333,7 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
         kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL, arch_specific=p.wgmma)
         if p.shmem > SHMEM_DEFAULT_BYTES:  # the opt-in, made now rather than at a first launch inside a capture
             compiler.allow_dynamic_shared(kernel, dev, p.shmem)
-        compiler.launch(kernel, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
+        compiler.launch(kernel, (1, 1, 1), (p.threads, 1, 1), 0, stream, 0, 0, 0, 0, 0, 0, 0, *([i0] * 8), pdl=pdl)
         if p.xpre:
             image = compiler.get_kernel(dev, SOURCE, defines, X_IMAGE, arch_specific=p.wgmma)
             compiler.launch(image, (1, 1, 1), (THREADS, 1, 1), 0, stream, 0, 0, i0, i0, i0, pdl=pdl)
@@ -330,9 +343,10 @@ def warmup(dev: int, dtype: torch.dtype, n: int, k: int, has_zeros: bool, m_lo: 
 
 
 def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fields) -> Plan:
-    """``p`` with some of nwn / splits / stages / minb / wgmma / tw / xnat / krot / xpre replaced (validated, shared
+    """``p`` with some of nwn / splits / stages / minb / wgmma / tw / xnat / krot / xpre / ws replaced (validated, shared
     memory and workspace re-derived), and the build-only ``probe``. ``nwn`` 1 or 2 without ``wgmma`` given
-    turns wgmma off; a choice xpre cannot serve without ``xpre`` given turns xpre off."""
+    turns wgmma off; a choice xpre cannot serve without ``xpre`` given turns xpre off, and one ws cannot
+    serve without ``ws`` given turns ws off."""
     probe = fields.pop("probe", p.probe)
     if "wgmma" not in fields and fields.get("nwn", p.nwn) not in (4, 8):
         fields["wgmma"] = False  # a width warpgroups cannot share (nwn 1, 2) asks for the mma.sync build
@@ -344,7 +358,13 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
         merged = {"wgmma": p.wgmma, "xnat": p.xnat, "krot": p.krot, "stages": p.stages} | fields
         if not merged["wgmma"] or merged["xnat"] or merged["krot"] or merged["stages"] < 3:
             fields["xpre"] = False
+    if "ws" not in fields:  # likewise ws: an xpre build, two tiles a warp, one block an SM
+        merged = {"xpre": p.xpre, "tw": p.tw, "minb": p.minb} | fields
+        if not merged["xpre"] or merged["tw"] != 2 or merged["minb"] != 1:
+            fields["ws"] = False
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
-            "xpre": p.xpre}
+            "xpre": p.xpre, "ws": p.ws}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
+    if probe and q.ws:
+        raise ValueError("native_w4a16 gemm: probe builds are not ws builds (measure the xpre build's loop)")
     return dataclasses.replace(q, probe=probe) if probe != q.probe else q

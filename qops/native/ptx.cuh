@@ -93,7 +93,8 @@ __device__ __forceinline__ void cp_async_4_if(u32 dst, const void* src, bool pre
 
 // Bulk copies (sm_90 copy engine) completing on a shared-memory mbarrier: one thread moves `bytes`
 // (a multiple of 16, both addresses 16-byte aligned) and the barrier's transaction count falls by
-// them as they land. Used by the W4A16 decode kernel's QOPS_SMEM_BULK ring (w4a16_gemv.cu).
+// them as they land. Used by the W4A16 decode kernel's QOPS_SMEM_BULK ring (w4a16_gemv.cu) and the GEMM's
+// warp-specialized build (QOPS_WS, w4a16_gemm.cu).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void mbar_init(u32 bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -109,6 +110,15 @@ __device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 byte
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst), "l"(src),
                "r"(bytes), "r"(bar)
                : "memory");
+}
+// One arrival on the barrier (release: this thread's shared-memory reads before it are done).
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.shared::cta.b64 st, [%0];\n\t}" ::"r"(bar) : "memory");
+}
+// An arrival on the barrier once every cp.async this thread issued before it has landed; .noinc: the
+// barrier's expected count must include it.
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_wait_parity(u32 bar, u32 parity) {
   asm volatile(

@@ -109,11 +109,27 @@
 // MMAs and the dequantization, issued by the same two warpgroups, are what remains (Nsight Compute:
 // issue slots ~21% busy, fixed-latency and HGMMA-dispatch stalls). Opening each stage under the
 // previous iteration's last MMAs instead measured 1-5% slower.
+// QOPS_WS = 1 (with QOPS_XPRE): warp-specialized. Nsight Compute of the xpre build at M = 64
+// (benchmarks/NOTES.md stop 42) against cuBLAS, whose blocks run a producer warpgroup beside two
+// consumer warpgroups: ours issued ~520 instructions a warp an iteration, a fifth of them the
+// cp.async address arithmetic, and every iteration ended on a block-wide barrier, so the two
+// warpgroups dequantized and queued MMAs in lockstep. Here a ninth warp does all the copying: each
+// of its lanes issues, for every compute warp, the cp.async pieces that lane of that warp reads
+// (the stage layout is the xpre build's), then one cp.async.mbarrier.arrive.noinc, and lane 0 one
+// bulk copy of the iteration's image chunks (expect_tx). A stage's full mbarrier completes when
+// both have landed; the compute warps wait on it instead of the barrier, and release the stage on
+// its empty mbarrier (every compute thread arrives: a lane-0-only arrive is a branch inside the
+// wgmma pipeline, which made ptxas serialize every MMA) once step 0 of the next iteration has
+// waited (wait_group 1) for all of its wgmmas. The producer waits on empty before refilling, so
+// the stages run as deep as shared memory allows without a lag of two. The MMAs and their order
+// are the xpre build's: the output is bit-identical to it. 288 threads leave 224 registers a thread
+// (the compute warps take 125-165); the epilogue's barriers become a named barrier of the compute
+// warps (the producer has left once its last copies landed).
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
 // stages), QOPS_MINB (blocks an SM promised to ptxas), QOPS_WGMMA (0/1, above), QOPS_TW (1, 2: 16-column
-// tiles a warp), QOPS_XNAT (0/1, above), QOPS_XPRE (0/1, above), QOPS_KROT (0/1: rotated K order), QOPS_PROBE
+// tiles a warp), QOPS_XNAT (0/1, above), QOPS_XPRE (0/1, above), QOPS_WS (0/1, above), QOPS_KROT (0/1: rotated K order), QOPS_PROBE
 // (measurement builds).
 #include "w4.cuh"
 
@@ -150,6 +166,9 @@
 #ifndef QOPS_KROT
 #define QOPS_KROT 0  // 1: each column tile starts its K loop at a different chunk group (kit below)
 #endif
+#ifndef QOPS_WS
+#define QOPS_WS 0  // xpre builds: a ninth warp copies every stage, the eight others only compute (header)
+#endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0  // measurements only, wgmma builds (wrong sums): 1 no MMAs, 2 no dequantization either, 3 nor x
 #endif
@@ -167,7 +186,9 @@ constexpr int kTW = QOPS_TW;        // 16-column MMA tiles a warp
 constexpr int kCols = 2 * kTW;      // columns a lane (rows g and g + 8 of each tile)
 constexpr int kWarpCols = 16 * kTW;
 constexpr int kWarps = 8;
-constexpr int kThreads = 32 * kWarps;
+constexpr int kThreads = 32 * kWarps;  // the warps that compute
+constexpr bool kWs = QOPS_WS != 0;
+constexpr int kBlockThreads = kThreads + (kWs ? 32 : 0);  // QOPS_WS: warp kWarps is the producer
 constexpr int kNWK = kWarps / kNWN;
 constexpr int kStages = QOPS_STAGES;
 constexpr bool kHasZ = QOPS_HAS_Z != 0;
@@ -199,6 +220,8 @@ static_assert(!kXPre || (kWgmma && !kXNat && QOPS_KROT == 0 && kStages >= 3),
 constexpr int kCore = 128;
 constexpr int kChunkImg = 4 * 2 * 2 * kMT * kCore;  // one chunk's part of it (QOPS_XPRE: the image's unit)
 constexpr int kXbBytes = kNWK * kChunkImg;
+static_assert(!kWs || (kXPre && kTW == 2 && QOPS_PROBE == 0 && QOPS_MINB == 1),
+              "QOPS_WS is an xpre build with two tiles a warp, one block an SM, no probe");
 #if QOPS_WGMMA
 #if !QOPS_XNAT
 constexpr int kXbufs = 3;  // the register-staged x's buffers
@@ -236,7 +259,7 @@ __device__ __forceinline__ void load_first_stages(int n_it, const LoadW& load_w,
 }  // namespace gemm
 }  // namespace qops
 
-extern "C" __global__ void __launch_bounds__(qops::gemm::kThreads, QOPS_MINB)
+extern "C" __global__ void __launch_bounds__(qops::gemm::kBlockThreads, QOPS_MINB)
 qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __restrict__ scales,
                 const unsigned* __restrict__ qzeros, const unsigned short* __restrict__ x,
                 const void* __restrict__ bias, unsigned short* __restrict__ out, float* __restrict__ ws, int M,
@@ -482,6 +505,92 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   // x from the image (header): partials of a split-K plan first in the workspace, the image after them.
   // (int_weight_gemm.make_plan: the partials' bytes rounded up to 256.)
   const char* ximg = reinterpret_cast<const char*>(ws) + (S > 1 ? (static_cast<size_t>(S) * M * N * 4 + 255) / 256 * 256 : 0);
+#if QOPS_WS
+  // Warp-specialized (header): warp kWarps copies, warps 0..7 compute. Stage st's full barrier completes
+  // once the producer's 32 lanes' cp.async (weights, scales, zeros of every compute warp, each lane the
+  // pieces the same lane of that warp reads) and the bulk copy of the x image have landed; its empty
+  // barrier once each compute warp is done with it (its wgmmas reading x retired).
+  const u32 bars = smem_a + kStages * stage_bytes;
+  auto full_bar = [&](int st) { return bars + 8 * st; };
+  auto empty_bar = [&](int st) { return bars + 8 * (kStages + st); };
+  if (tid == 0) {
+#pragma unroll
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(full_bar(st), 32 + 1);  // the lanes' cp.async arrivals (noinc) and lane 0's expect_tx
+      mbar_init(empty_bar(st), kThreads);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (warp == kWarps) {
+    // The producer. Lane (g, c)'s pieces of compute warp w, iteration it: as load_w above with warp w.
+    auto fill_w = [&](int it, int st) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const int wn_w = w % kNWN, wk_w = w / kNWN;
+        const int n0_w = blockIdx.x * (kWarpCols * kNWN) + wn_w * kWarpCols + kCols * g;
+        const int ch = cb + it * kNWK + wk_w;
+        const bool ok = n0_w < N && ch < ce;
+        const int rows_left = KW - (ch * 16 + c);
+        const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
+        const u32 dst = smem_a + st * stage_bytes + xstage + w * kWarpW;
+        const u32* src = qweight_column(qweight, n0_w, KW, flags) + static_cast<size_t>(ch * 16 + c) * ldq;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          cp_async_16_if(dst + j * (32 * kWPiece) + lane * kWPiece, src + static_cast<size_t>(4 * j) * ldq, ok && 4 * j < rows_left);
+        cp_async_8_if(dst + kWScales + lane * 8, scales + static_cast<size_t>(grp) * N + n0_w, ok);
+        if constexpr (kHasZ) cp_async_4_if(dst + kWZeros + lane * 4, qzeros + static_cast<size_t>(grp) * zw + (n0_w >> 3), ok);
+      }
+      cp_async_mbar_arrive_noinc(full_bar(st));
+    };
+    // The iteration's chunks of the image that some warp reads (those before ce), one bulk copy.
+    auto fill_x = [&](int it, int st) {
+      if (lane != 0) return;
+      const int ch0 = cb + it * kNWK;
+      const u32 bytes = static_cast<u32>(min(kNWK, ce - ch0) * kChunkImg);
+      mbar_arrive_expect_tx(full_bar(st), bytes);
+      bulk_copy_g2s(smem_a + st * stage_bytes, ximg + static_cast<size_t>(ch0) * kChunkImg, bytes, full_bar(st));
+    };
+    const int first = min(kStages, n_it);
+    for (int it = 0; it < first; ++it) fill_w(it, it);  // never written by the kernel ahead
+    grid_dep_wait();  // the image is
+    for (int it = 0; it < first; ++it) fill_x(it, it);
+    for (int it = first; it < n_it; ++it) {
+      const int st = it % kStages;
+      mbar_wait_parity(empty_bar(st), ((it / kStages) - 1) & 1);  // the compute warps' release of it - kStages
+      fill_w(it, st);
+      fill_x(it, st);
+    }
+    grid_dep_launch_dependents();
+    // Leave only once every copy has landed (the last fill of each stage).
+    for (int it = max(n_it - kStages, 0); it < n_it; ++it) mbar_wait_parity(full_bar(it % kStages), (it / kStages) & 1);
+    return;
+  }
+  grid_dep_wait();  // the compute warps write the output (the kernel ahead may still read it)
+  // Stage it - 1 is released once step 0 of it has waited (wait_group 1) for every earlier wgmma group.
+  auto release = [&](int it) {
+    if (it < 0) return;
+    mbar_arrive(empty_bar(it % kStages));
+  };
+  for (int it = 0; it < n_it; ++it) {
+    const int st = it % kStages;
+    mbar_wait_parity(full_bar(st), (it / kStages) & 1);
+    if (cb + it * kNWK + wk < ce) {  // warpgroup-uniform: the group's warps share wk
+      const Chunk ck = read_chunk(st);
+      const u32 xst = smem_a + st * stage_bytes;
+      u32 p[2][kCols][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        dequant_step(ck, j, p[j & 1]);
+        issue_step(xst, j, p[j & 1]);
+        if (j == 0) release(it - 1);
+      }
+    } else {
+      wgmma_wait<0>();
+      release(it - 1);
+    }
+  }
+#else
   // Iteration it's NWK chunks are kXbBytes contiguous bytes of the image, copied as they lie; chunks
   // past K (the last iteration of a split may name some) are zero-filled, never read.
   auto load_x_pre = [&](int it, int st) {
@@ -531,6 +640,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       wgmma_wait<0>();  // no step issued here: the stage of this iteration's earlier MMAs may be refilled next
     }
   }
+#endif  // QOPS_WS
 #else
   // x through registers into the wgmma buffers (header). Piece u of an iteration: 16 bytes (8 values,
   // group c of a 32-row step) of one x row; a warp's 32 pieces are rows 8 mg .. 8 mg + 7 by the 4 groups
@@ -681,8 +791,13 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   grid_dep_launch_dependents();
 
   // Sums of the NWK warps of a column group, in warp order, through shared memory (the stages).
+  // QOPS_WS: the compute warps alone (named barrier 1; the producer has left), every copy landed.
+  auto sync_compute = [] {
+    if constexpr (kWs) asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
+    else __syncthreads();
+  };
   cp_async_wait<0>();
-  __syncthreads();
+  sync_compute();
   float4* part = reinterpret_cast<float4*>(smem);
   constexpr int kSlots = kMT * kTW * 32;  // float4 a lane per (mt, t)
   if (kNWK > 1 && wk > 0) {
@@ -693,7 +808,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
         part[((wk - 1) * kNWN + wn) * kSlots + (mt * kTW + t) * 32 + lane] =
             make_float4(acc[mt][t][0], acc[mt][t][1], acc[mt][t][2], acc[mt][t][3]);
   }
-  if (kNWK > 1) __syncthreads();
+  if (kNWK > 1) sync_compute();
   if (wk > 0 || !n_ok) return;
   const size_t mn = static_cast<size_t>(M) * N;
 #pragma unroll

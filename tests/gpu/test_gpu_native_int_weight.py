@@ -610,7 +610,48 @@ def test_gemm_x_image_below_33_rows_matches_reference(fields, monkeypatch):
     _check_gemm_plan(fields, ms=(1, 8, 17, 32), wgmma=True, xpre=True, **fields)
 
 
-def test_gemm_x_image_chain_in_a_cuda_graph_on_one_workspace():
+# Warp-specialized (ws: a producer warp, stages handed over through mbarriers): both widths, split
+# (the image after the partials) and not, the fewest and most stages, stages reused many times
+# (K = 4096 at 3 stages: 32 iterations) and fewer iterations than stages (K = 640 at 6).
+WS_PLANS = [dict(nwn=8, splits=1, stages=6), dict(nwn=4, splits=5, stages=4), dict(nwn=8, splits=3, stages=3),
+            dict(nwn=4, splits=1, stages=5)]
+
+
+@pytest.mark.parametrize("fields", WS_PLANS, ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
+def test_gemm_warp_specialized_plans_match_reference(fields):
+    _check_gemm_plan(fields, wgmma=True, xpre=True, ws=True, **fields)
+
+
+@pytest.mark.parametrize("fields", WS_PLANS[:2], ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
+def test_gemm_warp_specialized_below_33_rows_matches_reference(fields, monkeypatch):
+    monkeypatch.setattr(native, "decode_rows", lambda *a: 0)  # every row to the GEMM
+    _check_gemm_plan(fields, ms=(1, 8, 17, 32), wgmma=True, xpre=True, ws=True, **fields)
+
+
+def test_gemm_warp_specialized_gives_the_xpre_builds_bits():
+    """Same fragments, same MMAs in the same order: only who copies the stages differs, so the output
+    is the xpre build's bit for bit (split and not, both dtypes, zeros and none, a partial last chunk)."""
+    if why := gemm.wgmma_missing(torch.cuda.current_device()):
+        pytest.skip(why)
+    ran = 0
+    for fmt, n, k, g, sym in (("gptq", 1000, 1000, 128, False), ("gptq", 4096, 4096, 128, True), ("awq", 2048, 640, -1, False)):
+        nw = native_weight(fmt, n, k, g, sym, False, "v2" if fmt == "gptq" else None)
+        for dtype in DTYPES:
+            for m, nwn, splits in ((64, 8, 1), (48, 4, 2), (33, 8, 3)):
+                x = rand(m, k, dtype=dtype, seed=m + splits)
+                ys = []
+                for ws in (False, True):
+                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=4, wgmma=True, xpre=True, ws=ws)
+                    with gemm.plan_override(lambda *_, q=q: q):
+                        ys.append(nw.weight.mm(x))
+                assert torch.equal(ys[0], ys[1]), f"{fmt} {n}x{k} {dtype} M={m} nwn={nwn} splits={splits}: ws differs from xpre"
+                check(ys[1], x, nw.w64, None, f"ws {fmt} {n}x{k} {dtype} M={m}")
+                ran += 1
+    assert ran == 18
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["xpre", "ws"])
+def test_gemm_x_image_chain_in_a_cuda_graph_on_one_workspace(ws):
     """Two xpre GEMMs back to back in a CUDA graph on one caller's workspace, the second's x computed
     from the first's output: the second image may be written only after the first GEMM has read its
     own (the image kernel waits for the launch before it), and must see the x the op before it wrote."""
@@ -619,7 +660,7 @@ def test_gemm_x_image_chain_in_a_cuda_graph_on_one_workspace():
     n = k = 2048
     a, b = native_weight("gptq", n, k, 128, False, version="v2"), native_weight("awq", n, k, 128, False)
     m = 64
-    q = gemm.make_plan(m, n, k, nwn=8, splits=2, stages=4, wgmma=True, xpre=True)
+    q = gemm.make_plan(m, n, k, nwn=8, splits=2, stages=4, wgmma=True, xpre=True, ws=ws)
     x = rand(m, k, dtype=torch.float16, seed=5)
     with gemm.plan_override(lambda *_: q):
         need = native.workspace_bytes(m, n, k, 4, 128, 0)
