@@ -1068,7 +1068,8 @@ def _gemm_wgmma_variants():
     # warp-specialized (ws): both widths, dtypes and zero modes, split and not, the fewest and most stages
     for m, nwn, splits, stages, dt, has_z in ((64, 8, 1, 6, torch.bfloat16, False), (64, 4, 4, 4, torch.float16, True),
                                               (33, 8, 2, 3, torch.float16, True), (17, 4, 1, 5, torch.bfloat16, True)):
-        yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=splits, stages=stages, wgmma=True, xpre=True, ws=True).defines(dt, has_z)
+        for ws in (1, 2, 4):
+            yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=splits, stages=stages, wgmma=True, xpre=True, ws=ws).defines(dt, has_z)
 
 
 def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
@@ -1076,7 +1077,7 @@ def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
     for defines, log in compile_reports(gemm.SOURCE, "sm_90a", _gemm_wgmma_variants()):
         report = ptxas_report(log)
         regs, spills = report[gemm.KERNEL]
-        threads = 256 + 32 * defines.get("QOPS_WS", 0)  # ws: the producer warp
+        threads = 256 + 32 * defines.get("QOPS_WS", 0)  # ws: the producer warps
         assert regs <= min(255, 65536 // (threads * defines["QOPS_MINB"]) // 8 * 8) and spills == 0, (defines, log)
         assert "wgmma" not in log.lower(), f"ptxas serialized the warpgroup MMAs: {log}"
         assert (gemm.X_IMAGE in report) == bool(defines.get("QOPS_XPRE")), (defines, log)  # the image kernel: xpre builds only
@@ -1198,14 +1199,19 @@ def test_gemm_ws_plans_add_a_producer_warp_and_barriers(monkeypatch):
     _h200_gemm(monkeypatch)
     n, k = 28672, 4096
     p = gemm.with_fields(gemm.plan(64, n, k, 0), n, k, ws=True, stages=6)
-    assert p.ws and p.xpre and p.threads == 288 and gemm.plan(64, n, k, 0).threads == 256
+    assert p.ws == 1 and p.xpre and p.threads == 288 and gemm.plan(64, n, k, 0).threads == 256
     assert p.shmem == 6 * (8 * gemm.WARP_STAGE_BYTES + 128 * 64 * 2) + 6 * 16 <= gemm.SHMEM_SM_BYTES
     assert p.defines(torch.bfloat16, False)["QOPS_WS"] == 1 and "QOPS_WS" not in gemm.plan(64, n, k, 0).defines(torch.bfloat16, False)
     p4 = gemm.with_fields(gemm.plan(64, n, k, 0), n, k, ws=True)  # the rule's four stages: the mma.sync build's fit too
     for fields in (dict(xpre=False), dict(tw=1), dict(wgmma=False)):
         assert not gemm.with_fields(p4, n, k, **fields).ws, fields
-    with pytest.raises(ValueError, match="probe builds are not ws builds"):
+    with pytest.raises(ValueError, match="probe 4 is the ws builds'"):
         gemm.with_fields(p4, n, k, probe=1)
+    assert gemm.with_fields(p4, n, k, probe=4).defines(torch.float16, True)["QOPS_PROBE"] == 4
+    q = gemm.with_fields(p4, n, k, ws=4)
+    assert q.threads == 384 and q.defines(torch.float16, True)["QOPS_WS"] == 4
+    with pytest.raises(ValueError, match="ws=3 producer warps"):
+        gemm.with_fields(p4, n, k, ws=3)
     monkeypatch.setenv(gemm.PLAN_ENV, "ws=1")
     assert gemm.plan(64, n, k, 0).ws
 

@@ -57,16 +57,17 @@ class Plan:
     workspace: int
     wgmma: bool = False  # warpgroup MMAs (sm_90a build; nwn 4 or 8)
     tw: int = 2  # 16-column MMA tiles a warp (1: half the accumulators, so two blocks an SM fit 128 registers)
-    probe: int = 0  # measurements only (benchmarks/probe_w4_gemm.py, wgmma builds): 1 no MMAs, 2 no dequantization, 3 no x
+    probe: int = 0  # measurements only (benchmarks/probe_w4_gemm.py, wgmma builds): 1 no MMAs, 2 no dequantization, 3 no x;
+    # 4 (ws builds) the producers copy x only, the weights left stale
     xnat: bool = False  # wgmma builds: weight fragments in natural K order, x through cp.async in the stages (measured slower)
     krot: bool = False  # each column tile starts its K loop at a different chunk group (measured: no change)
     xpre: bool = False  # wgmma builds: x permuted once per call into the workspace (X_IMAGE), copied by cp.async
     x_image: int = 0  # xpre: bytes of that image, the workspace's last part (after a split-K plan's fp32 partials)
-    ws: bool = False  # xpre builds: warp-specialized, a producer warp beside the eight compute warps (mbarrier stages)
+    ws: int = 0  # xpre builds: warp-specialized, 1, 2 or 4 producer warps beside the eight compute warps (mbarrier stages)
 
     @property
     def threads(self) -> int:
-        return THREADS + (32 if self.ws else 0)
+        return THREADS + 32 * self.ws
 
     def defines(self, dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
         d = {"QOPS_DT": _DT[dtype], "QOPS_MT": self.mt, "QOPS_NWN": self.nwn, "QOPS_HAS_Z": int(has_zeros),
@@ -84,7 +85,7 @@ class Plan:
         if self.xpre:
             d["QOPS_XPRE"] = 1
         if self.ws:
-            d["QOPS_WS"] = 1
+            d["QOPS_WS"] = self.ws
         return d
 
 
@@ -126,7 +127,7 @@ def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2,
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
               smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2, xnat: bool = False, krot: bool = False,
-              xpre: bool = False, ws: bool = False) -> Plan:
+              xpre: bool = False, ws: int = 0) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
     ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default).
     Whether the device runs wgmma (sm_90a) is :func:`plan`'s check, not this one's."""
@@ -157,9 +158,11 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
     if xpre and not (wgmma and not xnat and not krot and stages >= 3):
         raise ValueError(f"native_w4a16 gemm: xpre with wgmma={wgmma}, xnat={xnat}, krot={krot}, stages={stages}: "
                          "a wgmma build with the weight's own K order, chunks in order and at least 3 stages")
+    if ws not in (0, 1, 2, 4):
+        raise ValueError(f"native_w4a16 gemm: ws={ws} producer warps is not 0, 1, 2 or 4")
     if ws and not (xpre and tw == 2 and minb == 1):
         raise ValueError(f"native_w4a16 gemm: ws with xpre={xpre}, tw={tw}, minb={minb}: an xpre build with two tiles a warp, "
-                         "one block an SM (the producer warp's 288 threads leave 224 registers a thread)")
+                         "one block an SM")
     shmem = shmem_bytes(m, nwn, stages, wgmma, tw, xnat, xpre, ws)
     if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
@@ -170,7 +173,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
     if image:
         partials = -(-partials // 256) * 256  # the image starts 256-byte aligned (w4a16_gemm.cu's ximg)
     return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, partials + image, bool(wgmma), tw,
-                xnat=bool(xnat), krot=bool(krot), xpre=bool(xpre), x_image=image, ws=bool(ws))
+                xnat=bool(xnat), krot=bool(krot), xpre=bool(xpre), x_image=image, ws=int(ws))
 
 
 # The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
@@ -361,10 +364,10 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
     if "ws" not in fields:  # likewise ws: an xpre build, two tiles a warp, one block an SM
         merged = {"xpre": p.xpre, "tw": p.tw, "minb": p.minb} | fields
         if not merged["xpre"] or merged["tw"] != 2 or merged["minb"] != 1:
-            fields["ws"] = False
+            fields["ws"] = 0
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
             "xpre": p.xpre, "ws": p.ws}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
-    if probe and q.ws:
-        raise ValueError("native_w4a16 gemm: probe builds are not ws builds (measure the xpre build's loop)")
+    if probe and bool(q.ws) != (probe == 4):
+        raise ValueError("native_w4a16 gemm: probe 4 is the ws builds' (the producers copy x only), probes 1-3 the other wgmma builds'")
     return dataclasses.replace(q, probe=probe) if probe != q.probe else q

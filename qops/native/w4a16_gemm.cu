@@ -167,7 +167,7 @@
 #define QOPS_KROT 0  // 1: each column tile starts its K loop at a different chunk group (kit below)
 #endif
 #ifndef QOPS_WS
-#define QOPS_WS 0  // xpre builds: a ninth warp copies every stage, the eight others only compute (header)
+#define QOPS_WS 0  // xpre builds: 1, 2 or 4 producer warps copy every stage, the eight others only compute (header)
 #endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0  // measurements only, wgmma builds (wrong sums): 1 no MMAs, 2 no dequantization either, 3 nor x
@@ -188,7 +188,9 @@ constexpr int kWarpCols = 16 * kTW;
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;  // the warps that compute
 constexpr bool kWs = QOPS_WS != 0;
-constexpr int kBlockThreads = kThreads + (kWs ? 32 : 0);  // QOPS_WS: warp kWarps is the producer
+constexpr int kProd = kWs ? QOPS_WS : 1;  // QOPS_WS: producer warps kWarps .. kWarps + kProd - 1
+constexpr int kWPer = kWarps / kProd;     // compute warps whose pieces one producer warp copies
+constexpr int kBlockThreads = kThreads + (kWs ? 32 * QOPS_WS : 0);
 constexpr int kNWK = kWarps / kNWN;
 constexpr int kStages = QOPS_STAGES;
 constexpr bool kHasZ = QOPS_HAS_Z != 0;
@@ -220,8 +222,10 @@ static_assert(!kXPre || (kWgmma && !kXNat && QOPS_KROT == 0 && kStages >= 3),
 constexpr int kCore = 128;
 constexpr int kChunkImg = 4 * 2 * 2 * kMT * kCore;  // one chunk's part of it (QOPS_XPRE: the image's unit)
 constexpr int kXbBytes = kNWK * kChunkImg;
-static_assert(!kWs || (kXPre && kTW == 2 && QOPS_PROBE == 0 && QOPS_MINB == 1),
-              "QOPS_WS is an xpre build with two tiles a warp, one block an SM, no probe");
+static_assert(!kWs || (kXPre && kTW == 2 && (QOPS_PROBE == 0 || QOPS_PROBE == 4) && QOPS_MINB == 1),
+              "QOPS_WS is an xpre build with two tiles a warp, one block an SM, no probe but its own (4)");
+static_assert(QOPS_WS == 0 || QOPS_WS == 1 || QOPS_WS == 2 || QOPS_WS == 4, "QOPS_WS is 0, 1, 2 or 4 producer warps");
+static_assert(QOPS_PROBE != 4 || kWs, "QOPS_PROBE 4 (the producer copies x only) is a ws build");
 #if QOPS_WGMMA
 #if !QOPS_XNAT
 constexpr int kXbufs = 3;  // the register-staged x's buffers
@@ -516,36 +520,58 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   if (tid == 0) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) {
-      mbar_init(full_bar(st), 32 + 1);  // the lanes' cp.async arrivals (noinc) and lane 0's expect_tx
+      mbar_init(full_bar(st), 32 * kProd + 1);  // the producer lanes' cp.async arrivals (noinc), lane 0's expect_tx
       mbar_init(empty_bar(st), kThreads);
     }
     mbar_init_fence();
   }
   __syncthreads();
-  if (warp == kWarps) {
-    // The producer. Lane (g, c)'s pieces of compute warp w, iteration it: as load_w above with warp w.
+  if (warp >= kWarps) {
+    // A producer warp: compute warps pw kWPer .. + kWPer - 1, lane (g, c) copying the pieces that lane of
+    // each reads (load_w above with that warp). Their sources at iteration 0, advanced by wstride an
+    // iteration; a K chunk's group once per chunk, not per warp.
+    const int pw = warp - kWarps;
+    const u32* wsrc[kWPer];
+    const unsigned short* ssrc[kWPer];
+    const u32* zsrc[kWPer];
+    bool col_ok[kWPer];
+#pragma unroll
+    for (int i = 0; i < kWPer; ++i) {
+      const int w = pw * kWPer + i;
+      const int n0_w = blockIdx.x * (kWarpCols * kNWN) + (w % kNWN) * kWarpCols + kCols * g;
+      col_ok[i] = n0_w < N;
+      wsrc[i] = qweight_column(qweight, col_ok[i] ? n0_w : 0, KW, flags) + static_cast<size_t>((cb + w / kNWN) * 16 + c) * ldq;
+      ssrc[i] = scales + (col_ok[i] ? n0_w : 0);
+      zsrc[i] = qzeros + (col_ok[i] ? n0_w >> 3 : 0);
+    }
+    auto group_of = [&](int ch) { return chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group); };
     auto fill_w = [&](int it, int st) {
+      if constexpr (QOPS_PROBE != 4) {
+        int grp[kNWK];
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const int wn_w = w % kNWN, wk_w = w / kNWN;
-        const int n0_w = blockIdx.x * (kWarpCols * kNWN) + wn_w * kWarpCols + kCols * g;
-        const int ch = cb + it * kNWK + wk_w;
-        const bool ok = n0_w < N && ch < ce;
-        const int rows_left = KW - (ch * 16 + c);
-        const int grp = chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group);
-        const u32 dst = smem_a + st * stage_bytes + xstage + w * kWarpW;
-        const u32* src = qweight_column(qweight, n0_w, KW, flags) + static_cast<size_t>(ch * 16 + c) * ldq;
+        for (int q = 0; q < kNWK; ++q) grp[q] = group_of(cb + it * kNWK + q);
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          cp_async_16_if(dst + j * (32 * kWPiece) + lane * kWPiece, src + static_cast<size_t>(4 * j) * ldq, ok && 4 * j < rows_left);
-        cp_async_8_if(dst + kWScales + lane * 8, scales + static_cast<size_t>(grp) * N + n0_w, ok);
-        if constexpr (kHasZ) cp_async_4_if(dst + kWZeros + lane * 4, qzeros + static_cast<size_t>(grp) * zw + (n0_w >> 3), ok);
+        for (int i = 0; i < kWPer; ++i) {
+          const int w = pw * kWPer + i, wk_w = w / kNWN;
+          const int ch = cb + it * kNWK + wk_w;
+          const bool ok = col_ok[i] && ch < ce;
+          const int rows_left = KW - (ch * 16 + c);
+          const u32 dst = smem_a + st * stage_bytes + xstage + w * kWarpW;
+          const u32* src = wsrc[i] + static_cast<size_t>(it) * wstride;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            cp_async_16_if(dst + j * (32 * kWPiece) + lane * kWPiece, src + static_cast<size_t>(4 * j) * ldq, ok && 4 * j < rows_left);
+          const size_t gq = static_cast<size_t>(kNWK == 1 ? grp[0] : grp[wk_w]);
+          cp_async_8_if(dst + kWScales + lane * 8, ssrc[i] + gq * N, ok);
+          if constexpr (kHasZ) cp_async_4_if(dst + kWZeros + lane * 4, zsrc[i] + gq * zw, ok);
+        }
       }
       cp_async_mbar_arrive_noinc(full_bar(st));
     };
-    // The iteration's chunks of the image that some warp reads (those before ce), one bulk copy.
+    // The iteration's chunks of the image that some warp reads (those before ce): one bulk copy, by
+    // the first producer warp's lane 0.
     auto fill_x = [&](int it, int st) {
-      if (lane != 0) return;
+      if (pw != 0 || lane != 0) return;
       const int ch0 = cb + it * kNWK;
       const u32 bytes = static_cast<u32>(min(kNWK, ce - ch0) * kChunkImg);
       mbar_arrive_expect_tx(full_bar(st), bytes);

@@ -613,19 +613,20 @@ def test_gemm_x_image_below_33_rows_matches_reference(fields, monkeypatch):
 # Warp-specialized (ws: a producer warp, stages handed over through mbarriers): both widths, split
 # (the image after the partials) and not, the fewest and most stages, stages reused many times
 # (K = 4096 at 3 stages: 32 iterations) and fewer iterations than stages (K = 640 at 6).
-WS_PLANS = [dict(nwn=8, splits=1, stages=6), dict(nwn=4, splits=5, stages=4), dict(nwn=8, splits=3, stages=3),
-            dict(nwn=4, splits=1, stages=5)]
+# One, two and four producer warps.
+WS_PLANS = [dict(nwn=8, splits=1, stages=6, ws=1), dict(nwn=4, splits=5, stages=4, ws=2), dict(nwn=8, splits=3, stages=3, ws=4),
+            dict(nwn=4, splits=1, stages=3, ws=4), dict(nwn=8, splits=1, stages=5, ws=2)]
 
 
 @pytest.mark.parametrize("fields", WS_PLANS, ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
 def test_gemm_warp_specialized_plans_match_reference(fields):
-    _check_gemm_plan(fields, wgmma=True, xpre=True, ws=True, **fields)
+    _check_gemm_plan(fields, wgmma=True, xpre=True, **fields)
 
 
 @pytest.mark.parametrize("fields", WS_PLANS[:2], ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
 def test_gemm_warp_specialized_below_33_rows_matches_reference(fields, monkeypatch):
     monkeypatch.setattr(native, "decode_rows", lambda *a: 0)  # every row to the GEMM
-    _check_gemm_plan(fields, ms=(1, 8, 17, 32), wgmma=True, xpre=True, ws=True, **fields)
+    _check_gemm_plan(fields, ms=(1, 8, 17, 32), wgmma=True, xpre=True, **fields)
 
 
 def test_gemm_warp_specialized_gives_the_xpre_builds_bits():
@@ -640,17 +641,18 @@ def test_gemm_warp_specialized_gives_the_xpre_builds_bits():
             for m, nwn, splits in ((64, 8, 1), (48, 4, 2), (33, 8, 3)):
                 x = rand(m, k, dtype=dtype, seed=m + splits)
                 ys = []
-                for ws in (False, True):
+                for ws in (0, 1, 4):
                     q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=4, wgmma=True, xpre=True, ws=ws)
                     with gemm.plan_override(lambda *_, q=q: q):
                         ys.append(nw.weight.mm(x))
-                assert torch.equal(ys[0], ys[1]), f"{fmt} {n}x{k} {dtype} M={m} nwn={nwn} splits={splits}: ws differs from xpre"
-                check(ys[1], x, nw.w64, None, f"ws {fmt} {n}x{k} {dtype} M={m}")
+                for ws, y in zip((1, 4), ys[1:]):
+                    assert torch.equal(ys[0], y), f"{fmt} {n}x{k} {dtype} M={m} nwn={nwn} splits={splits}: ws={ws} differs from xpre"
+                check(ys[2], x, nw.w64, None, f"ws {fmt} {n}x{k} {dtype} M={m}")
                 ran += 1
     assert ran == 18
 
 
-@pytest.mark.parametrize("ws", [False, True], ids=["xpre", "ws"])
+@pytest.mark.parametrize("ws", [0, 4], ids=["xpre", "ws4"])
 def test_gemm_x_image_chain_in_a_cuda_graph_on_one_workspace(ws):
     """Two xpre GEMMs back to back in a CUDA graph on one caller's workspace, the second's x computed
     from the first's output: the second image may be written only after the first GEMM has read its
