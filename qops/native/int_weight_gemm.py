@@ -58,7 +58,8 @@ class Plan:
     wgmma: bool = False  # warpgroup MMAs (sm_90a build; nwn 4 or 8)
     tw: int = 2  # 16-column MMA tiles a warp (1: half the accumulators, so two blocks an SM fit 128 registers)
     probe: int = 0  # measurements only (benchmarks/probe_w4_gemm.py, wgmma builds): 1 no MMAs, 2 no dequantization, 3 no x;
-    # 4 (ws builds) the producers copy x only, the weights left stale
+    # ws builds: 4 the producers copy x only (the weights left stale), 5 no dequantization, 6 neither
+    wgdepth: int = 1  # ws builds: wgmma groups (32-row steps) left in flight after each step (1..3)
     xnat: bool = False  # wgmma builds: weight fragments in natural K order, x through cp.async in the stages (measured slower)
     krot: bool = False  # each column tile starts its K loop at a different chunk group (measured: no change)
     xpre: bool = False  # wgmma builds: x permuted once per call into the workspace (X_IMAGE), copied by cp.async
@@ -86,6 +87,8 @@ class Plan:
             d["QOPS_XPRE"] = 1
         if self.ws:
             d["QOPS_WS"] = self.ws
+        if self.wgdepth != 1:
+            d["QOPS_WGDEPTH"] = self.wgdepth
         return d
 
 
@@ -351,6 +354,8 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
     turns wgmma off; a choice xpre cannot serve without ``xpre`` given turns xpre off, and one ws cannot
     serve without ``ws`` given turns ws off."""
     probe = fields.pop("probe", p.probe)
+    wgdepth_given = "wgdepth" in fields
+    wgdepth = fields.pop("wgdepth", p.wgdepth)
     if "wgmma" not in fields and fields.get("nwn", p.nwn) not in (4, 8):
         fields["wgmma"] = False  # a width warpgroups cannot share (nwn 1, 2) asks for the mma.sync build
     if not fields.get("wgmma", p.wgmma) and "xnat" not in fields:
@@ -368,6 +373,13 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
             "xpre": p.xpre, "ws": p.ws}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
-    if probe and bool(q.ws) != (probe == 4):
-        raise ValueError("native_w4a16 gemm: probe 4 is the ws builds' (the producers copy x only), probes 1-3 the other wgmma builds'")
+    if probe and bool(q.ws) != (probe >= 4):
+        raise ValueError("native_w4a16 gemm: probes 4-6 are the ws builds', probes 1-3 the other wgmma builds'")
+    if not q.ws and not wgdepth_given:
+        wgdepth = 1  # ws dropped: so is its depth
+    if wgdepth != 1 and not q.ws:
+        raise ValueError(f"native_w4a16 gemm: wgdepth={wgdepth} is a ws build's")
+    if wgdepth not in (1, 2, 3):
+        raise ValueError(f"native_w4a16 gemm: wgdepth={wgdepth} outside 1..3")
+    q = dataclasses.replace(q, wgdepth=wgdepth) if wgdepth != q.wgdepth else q
     return dataclasses.replace(q, probe=probe) if probe != q.probe else q

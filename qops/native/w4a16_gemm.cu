@@ -169,6 +169,9 @@
 #ifndef QOPS_WS
 #define QOPS_WS 0  // xpre builds: 1, 2 or 4 producer warps copy every stage, the eight others only compute (header)
 #endif
+#ifndef QOPS_WGDEPTH
+#define QOPS_WGDEPTH 1  // ws builds: wgmma groups (32-row steps) left in flight after each step's issue (1..3)
+#endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0  // measurements only, wgmma builds (wrong sums): 1 no MMAs, 2 no dequantization either, 3 nor x
 #endif
@@ -222,10 +225,15 @@ static_assert(!kXPre || (kWgmma && !kXNat && QOPS_KROT == 0 && kStages >= 3),
 constexpr int kCore = 128;
 constexpr int kChunkImg = 4 * 2 * 2 * kMT * kCore;  // one chunk's part of it (QOPS_XPRE: the image's unit)
 constexpr int kXbBytes = kNWK * kChunkImg;
-static_assert(!kWs || (kXPre && kTW == 2 && (QOPS_PROBE == 0 || QOPS_PROBE == 4) && QOPS_MINB == 1),
-              "QOPS_WS is an xpre build with two tiles a warp, one block an SM, no probe but its own (4)");
+static_assert(!kWs || (kXPre && kTW == 2 && (QOPS_PROBE == 0 || QOPS_PROBE >= 4) && QOPS_MINB == 1),
+              "QOPS_WS is an xpre build with two tiles a warp, one block an SM, no probe but its own (4..6)");
 static_assert(QOPS_WS == 0 || QOPS_WS == 1 || QOPS_WS == 2 || QOPS_WS == 4, "QOPS_WS is 0, 1, 2 or 4 producer warps");
-static_assert(QOPS_PROBE != 4 || kWs, "QOPS_PROBE 4 (the producer copies x only) is a ws build");
+static_assert(QOPS_PROBE < 4 || kWs, "QOPS_PROBE 4..6 are ws builds");
+constexpr int kDepth = QOPS_WGDEPTH;
+static_assert(kDepth >= 1 && kDepth <= 3 && (kDepth == 1 || kWs), "QOPS_WGDEPTH is 1..3, above 1 in ws builds only");
+// Fragment buffers: a step's registers are rewritten only after its group retired, and indexed by
+// the step (0..3) so that the index stays a compile-time one across iterations.
+constexpr int kFragBufs = kDepth == 1 ? 2 : 4;
 #if QOPS_WGMMA
 #if !QOPS_XNAT
 constexpr int kXbufs = 3;  // the register-staged x's buffers
@@ -412,7 +420,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
         Wgmma<kMT, kDT>::run(accw[t], q[2 * t][2 * s2], q[2 * t + 1][2 * s2], q[2 * t][2 * s2 + 1], q[2 * t + 1][2 * s2 + 1], desc);
     }
     wgmma_commit();
-    wgmma_wait<1>();
+    wgmma_wait<kDepth>();
   };
 #if QOPS_PROBE
   // What the main loop costs without its MMAs (1), or its dequantization too (2, 3): the words
@@ -546,7 +554,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     }
     auto group_of = [&](int ch) { return chunks_per_group == 1 ? ch : (chunks_per_group == 0 ? 0 : ch / chunks_per_group); };
     auto fill_w = [&](int it, int st) {
-      if constexpr (QOPS_PROBE != 4) {
+      if constexpr (QOPS_PROBE != 4 && QOPS_PROBE != 6) {
         int grp[kNWK];
 #pragma unroll
         for (int q = 0; q < kNWK; ++q) grp[q] = group_of(cb + it * kNWK + q);
@@ -593,7 +601,8 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     return;
   }
   grid_dep_wait();  // the compute warps write the output (the kernel ahead may still read it)
-  // Stage it - 1 is released once step 0 of it has waited (wait_group 1) for every earlier wgmma group.
+  // Stage it - 1 is released once step kDepth - 1 of it has waited (wait_group kDepth) for every
+  // earlier wgmma group.
   auto release = [&](int it) {
     if (it < 0) return;
     mbar_arrive(empty_bar(it % kStages));
@@ -604,12 +613,19 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     if (cb + it * kNWK + wk < ce) {  // warpgroup-uniform: the group's warps share wk
       const Chunk ck = read_chunk(st);
       const u32 xst = smem_a + st * stage_bytes;
-      u32 p[2][kCols][4];
+      u32 p[kFragBufs][kCols][4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        dequant_step(ck, j, p[j & 1]);
-        issue_step(xst, j, p[j & 1]);
-        if (j == 0) release(it - 1);
+        if constexpr (QOPS_PROBE == 5 || QOPS_PROBE == 6) {  // measurements: the words as fragments, no dequantization
+#pragma unroll
+          for (int jj = 0; jj < kCols; ++jj)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) p[j % kFragBufs][jj][r] = ck.wv[j][jj] + r;
+        } else {
+          dequant_step(ck, j, p[j % kFragBufs]);
+        }
+        issue_step(xst, j, p[j % kFragBufs]);
+        if (j == kDepth - 1) release(it - 1);
       }
     } else {
       wgmma_wait<0>();
