@@ -1070,6 +1070,7 @@ def _gemm_wgmma_variants():
                                               (33, 8, 2, 3, torch.float16, True), (17, 4, 1, 5, torch.bfloat16, True)):
         for ws in (1, 2, 4):
             yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=splits, stages=stages, wgmma=True, xpre=True, ws=ws).defines(dt, has_z)
+        yield gemm.make_plan(m, 4096, 4096, nwn=nwn, splits=splits, stages=stages, wgmma=True, xpre=True, ws=4, wgdepth=2).defines(dt, has_z)
 
 
 def test_gemm_wgmma_builds_compile_for_sm90a_within_register_budget():
@@ -1205,8 +1206,14 @@ def test_gemm_ws_plans_add_a_producer_warp_and_barriers(monkeypatch):
     p4 = gemm.with_fields(gemm.plan(64, n, k, 0), n, k, ws=True)  # the rule's four stages: the mma.sync build's fit too
     for fields in (dict(xpre=False), dict(tw=1), dict(wgmma=False)):
         assert not gemm.with_fields(p4, n, k, **fields).ws, fields
-    with pytest.raises(ValueError, match="probe 4 is the ws builds'"):
+    with pytest.raises(ValueError, match="probes 4-6 are the ws builds'"):
         gemm.with_fields(p4, n, k, probe=1)
+    with pytest.raises(ValueError, match="probes 4-6 are the ws builds'"):
+        gemm.with_fields(gemm.plan(64, n, k, 0), n, k, probe=5)
+    assert gemm.with_fields(p4, n, k, wgdepth=2).defines(torch.float16, True)["QOPS_WGDEPTH"] == 2
+    assert gemm.with_fields(gemm.with_fields(p4, n, k, wgdepth=2), n, k, xpre=False).wgdepth == 1  # ws dropped, its depth too
+    with pytest.raises(ValueError, match="wgdepth=2 with ws=0"):
+        gemm.with_fields(gemm.plan(64, n, k, 0), n, k, wgdepth=2)
     assert gemm.with_fields(p4, n, k, probe=4).defines(torch.float16, True)["QOPS_PROBE"] == 4
     q = gemm.with_fields(p4, n, k, ws=4)
     assert q.threads == 384 and q.defines(torch.float16, True)["QOPS_WS"] == 4

@@ -130,7 +130,7 @@ def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2,
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, minb: int = 1,
               smem_limit: int = SHMEM_SM_BYTES, wgmma: bool = False, tw: int = 2, xnat: bool = False, krot: bool = False,
-              xpre: bool = False, ws: int = 0) -> Plan:
+              xpre: bool = False, ws: int = 0, wgdepth: int = 1) -> Plan:
     """A plan with every choice given; raises ValueError naming the field the kernel cannot run.
     ``smem_limit``: the shared memory a block may opt in to on the device (sm_90's by default).
     Whether the device runs wgmma (sm_90a) is :func:`plan`'s check, not this one's."""
@@ -166,6 +166,8 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
     if ws and not (xpre and tw == 2 and minb == 1):
         raise ValueError(f"native_w4a16 gemm: ws with xpre={xpre}, tw={tw}, minb={minb}: an xpre build with two tiles a warp, "
                          "one block an SM")
+    if wgdepth not in (1, 2, 3) or (wgdepth != 1 and not ws):
+        raise ValueError(f"native_w4a16 gemm: wgdepth={wgdepth} with ws={ws}: 1..3, above 1 a ws build's")
     shmem = shmem_bytes(m, nwn, stages, wgmma, tw, xnat, xpre, ws)
     if shmem * minb > smem_limit:
         raise ValueError(f"native_w4a16 gemm: {stages} stages of M={m} with nwn={nwn} need {shmem} bytes of shared memory "
@@ -176,7 +178,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, stages: int, min
     if image:
         partials = -(-partials // 256) * 256  # the image starts 256-byte aligned (w4a16_gemm.cu's ximg)
     return Plan(m, -(-m // 8), nwn, splits, stages, minb, tiles, shmem, partials + image, bool(wgmma), tw,
-                xnat=bool(xnat), krot=bool(krot), xpre=bool(xpre), x_image=image, ws=int(ws))
+                xnat=bool(xnat), krot=bool(krot), xpre=bool(xpre), x_image=image, ws=int(ws), wgdepth=wgdepth)
 
 
 # The rule's cost model (microseconds), fitted to the H200 plan sweep at M = 33, 48, 64 on the five
@@ -249,8 +251,8 @@ def _env_fields() -> dict[str, int]:
     out = {}
     for item in raw.split(","):
         key, _, val = item.partition("=")
-        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat", "krot", "xpre", "ws"):
-            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat, krot, xpre, ws)")
+        if key.strip() not in ("nwn", "splits", "stages", "minb", "wgmma", "tw", "xnat", "krot", "xpre", "ws", "wgdepth"):
+            raise ValueError(f"{PLAN_ENV}: unknown field {key.strip()!r} (nwn, splits, stages, minb, wgmma, tw, xnat, krot, xpre, ws, wgdepth)")
         out[key.strip()] = int(val)
     return out
 
@@ -354,8 +356,6 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
     turns wgmma off; a choice xpre cannot serve without ``xpre`` given turns xpre off, and one ws cannot
     serve without ``ws`` given turns ws off."""
     probe = fields.pop("probe", p.probe)
-    wgdepth_given = "wgdepth" in fields
-    wgdepth = fields.pop("wgdepth", p.wgdepth)
     if "wgmma" not in fields and fields.get("nwn", p.nwn) not in (4, 8):
         fields["wgmma"] = False  # a width warpgroups cannot share (nwn 1, 2) asks for the mma.sync build
     if not fields.get("wgmma", p.wgmma) and "xnat" not in fields:
@@ -370,16 +370,11 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
         merged = {"xpre": p.xpre, "tw": p.tw, "minb": p.minb} | fields
         if not merged["xpre"] or merged["tw"] != 2 or merged["minb"] != 1:
             fields["ws"] = 0
+    if not fields.get("ws", p.ws) and "wgdepth" not in fields:
+        fields["wgdepth"] = 1  # ws dropped: so is its depth
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
-            "xpre": p.xpre, "ws": p.ws}
+            "xpre": p.xpre, "ws": p.ws, "wgdepth": p.wgdepth}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
     if probe and bool(q.ws) != (probe >= 4):
         raise ValueError("native_w4a16 gemm: probes 4-6 are the ws builds', probes 1-3 the other wgmma builds'")
-    if not q.ws and not wgdepth_given:
-        wgdepth = 1  # ws dropped: so is its depth
-    if wgdepth != 1 and not q.ws:
-        raise ValueError(f"native_w4a16 gemm: wgdepth={wgdepth} is a ws build's")
-    if wgdepth not in (1, 2, 3):
-        raise ValueError(f"native_w4a16 gemm: wgdepth={wgdepth} outside 1..3")
-    q = dataclasses.replace(q, wgdepth=wgdepth) if wgdepth != q.wgdepth else q
     return dataclasses.replace(q, probe=probe) if probe != q.probe else q

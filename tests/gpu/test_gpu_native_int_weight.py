@@ -613,9 +613,10 @@ def test_gemm_x_image_below_33_rows_matches_reference(fields, monkeypatch):
 # Warp-specialized (ws: a producer warp, stages handed over through mbarriers): both widths, split
 # (the image after the partials) and not, the fewest and most stages, stages reused many times
 # (K = 4096 at 3 stages: 32 iterations) and fewer iterations than stages (K = 640 at 6).
-# One, two and four producer warps.
+# One, two and four producer warps; two wgmma groups in flight (four fragment buffers).
 WS_PLANS = [dict(nwn=8, splits=1, stages=6, ws=1), dict(nwn=4, splits=5, stages=4, ws=2), dict(nwn=8, splits=3, stages=3, ws=4),
-            dict(nwn=4, splits=1, stages=3, ws=4), dict(nwn=8, splits=1, stages=5, ws=2)]
+            dict(nwn=4, splits=1, stages=3, ws=4), dict(nwn=8, splits=1, stages=5, ws=2), dict(nwn=8, splits=2, stages=4, ws=4, wgdepth=2),
+            dict(nwn=4, splits=1, stages=4, ws=4, wgdepth=2)]
 
 
 @pytest.mark.parametrize("fields", WS_PLANS, ids=lambda f: "-".join(f"{k}{int(v)}" for k, v in f.items()))
@@ -641,12 +642,13 @@ def test_gemm_warp_specialized_gives_the_xpre_builds_bits():
             for m, nwn, splits in ((64, 8, 1), (48, 4, 2), (33, 8, 3)):
                 x = rand(m, k, dtype=dtype, seed=m + splits)
                 ys = []
-                for ws in (0, 1, 4):
-                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=4, wgmma=True, xpre=True, ws=ws)
+                for ws, depth in ((0, 1), (1, 1), (4, 1), (4, 2)):
+                    q = gemm.make_plan(m, n, k, nwn=nwn, splits=min(splits, -(-k // 128)), stages=4, wgmma=True, xpre=True, ws=ws,
+                                       wgdepth=depth)
                     with gemm.plan_override(lambda *_, q=q: q):
                         ys.append(nw.weight.mm(x))
-                for ws, y in zip((1, 4), ys[1:]):
-                    assert torch.equal(ys[0], y), f"{fmt} {n}x{k} {dtype} M={m} nwn={nwn} splits={splits}: ws={ws} differs from xpre"
+                for what, y in zip(("ws=1", "ws=4", "ws=4 wgdepth=2"), ys[1:]):
+                    assert torch.equal(ys[0], y), f"{fmt} {n}x{k} {dtype} M={m} nwn={nwn} splits={splits}: {what} differs from xpre"
                 check(ys[2], x, nw.w64, None, f"ws {fmt} {n}x{k} {dtype} M={m}")
                 ran += 1
     assert ran == 18
