@@ -58,7 +58,8 @@ class Plan:
     wgmma: bool = False  # warpgroup MMAs (sm_90a build; nwn 4 or 8)
     tw: int = 2  # 16-column MMA tiles a warp (1: half the accumulators, so two blocks an SM fit 128 registers)
     probe: int = 0  # measurements only (benchmarks/probe_w4_gemm.py, wgmma builds): 1 no MMAs, 2 no dequantization, 3 no x;
-    # ws builds: 4 the producers copy x only (the weights left stale), 5 no dequantization, 6 neither
+    # ws builds: 4 the producers copy x only (the weights left stale), 5 no dequantization, 6 neither, 7 / 8 the second
+    # warpgroup starting 0.3 / 1 us late, 9 the dequantization kept but not fed to the MMAs
     wgdepth: int = 1  # ws builds: wgmma groups (32-row steps) left in flight after each step (1..3)
     xnat: bool = False  # wgmma builds: weight fragments in natural K order, x through cp.async in the stages (measured slower)
     krot: bool = False  # each column tile starts its K loop at a different chunk group (measured: no change)

@@ -226,9 +226,9 @@ constexpr int kCore = 128;
 constexpr int kChunkImg = 4 * 2 * 2 * kMT * kCore;  // one chunk's part of it (QOPS_XPRE: the image's unit)
 constexpr int kXbBytes = kNWK * kChunkImg;
 static_assert(!kWs || (kXPre && kTW == 2 && (QOPS_PROBE == 0 || QOPS_PROBE >= 4) && QOPS_MINB == 1),
-              "QOPS_WS is an xpre build with two tiles a warp, one block an SM, no probe but its own (4..6)");
+              "QOPS_WS is an xpre build with two tiles a warp, one block an SM, no probe but its own (4..9)");
 static_assert(QOPS_WS == 0 || QOPS_WS == 1 || QOPS_WS == 2 || QOPS_WS == 4, "QOPS_WS is 0, 1, 2 or 4 producer warps");
-static_assert(QOPS_PROBE < 4 || kWs, "QOPS_PROBE 4..6 are ws builds");
+static_assert(QOPS_PROBE < 4 || kWs, "QOPS_PROBE 4..9 are ws builds");
 constexpr int kDepth = QOPS_WGDEPTH;
 static_assert(kDepth >= 1 && kDepth <= 3 && (kDepth == 1 || kWs), "QOPS_WGDEPTH is 1..3, above 1 in ws builds only");
 // Fragment buffers: a step's registers are rewritten only after its group retired, and indexed by
@@ -607,6 +607,10 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     if (it < 0) return;
     mbar_arrive(empty_bar(it % kStages));
   };
+  if constexpr (QOPS_PROBE == 7 || QOPS_PROBE == 8) {  // measurements: the second warpgroup starts late (a skew)
+    if (warp >= 4) asm volatile("nanosleep.u32 %0;" ::"n"(QOPS_PROBE == 7 ? 300 : 1000));
+  }
+  [[maybe_unused]] u32 sink = 0;
   for (int it = 0; it < n_it; ++it) {
     const int st = it % kStages;
     mbar_wait_parity(full_bar(st), (it / kStages) & 1);
@@ -621,6 +625,16 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
           for (int jj = 0; jj < kCols; ++jj)
 #pragma unroll
             for (int r = 0; r < 4; ++r) p[j % kFragBufs][jj][r] = ck.wv[j][jj] + r;
+        } else if constexpr (QOPS_PROBE == 9) {  // measurements: dequantized into a sink, the MMAs fed the words
+          u32 d[kCols][4];
+          dequant_step(ck, j, d);
+#pragma unroll
+          for (int jj = 0; jj < kCols; ++jj)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              sink ^= d[jj][r];
+              p[j % kFragBufs][jj][r] = ck.wv[j][jj] + r;
+            }
         } else {
           dequant_step(ck, j, p[j % kFragBufs]);
         }
@@ -632,6 +646,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       release(it - 1);
     }
   }
+  if constexpr (QOPS_PROBE == 9) accw[0][0] += __uint_as_float(sink & 0x3FFFFFu);
 #else
   // Iteration it's NWK chunks are kXbBytes contiguous bytes of the image, copied as they lie; chunks
   // past K (the last iteration of a split may name some) are zero-filled, never read.
