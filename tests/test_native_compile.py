@@ -1120,6 +1120,9 @@ def test_gemm_rule_is_the_measured_best_on_the_perf_shapes():
                 # x permuted once per call with wgmma (h200-2026-12-02-a03ced7-probe-xpre.json), its image after the partials
                 assert p.xpre is wgmma and p.x_image == (gemm.x_image_bytes(m, k) if wgmma else 0)
                 assert p.workspace == (p.splits * m * n * 4 if p.splits > 1 else 0) + p.x_image
+                # four producer warps where a block runs >= 8 iterations (h200-2026-12-03-789f82a / df06eb1-probe-ws.json):
+                # every shape but 4096x4096 (4 iterations a block)
+                assert p.ws == (gemm.WS_PRODUCERS if wgmma and (n, k) != (4096, 4096) else 0), ((n, k, m), p)
 
 
 @pytest.mark.parametrize("n, k", [(256, 128), (1000, 1000), (4096, 4096), (100000, 8192), (4096, 131072)])
@@ -1128,8 +1131,8 @@ def test_gemm_rule_plans_are_runnable(n, k):
         for m in (33, 40, 57, 64):
             p = gemm._rule(m, n, k, sms, limit, wgmma)
             assert gemm.make_plan(m, n, k, nwn=p.nwn, splits=p.splits, stages=p.stages, minb=p.minb, smem_limit=limit, wgmma=wgmma,
-                                  xpre=p.xpre) == p
-            assert p.xpre is wgmma
+                                  xpre=p.xpre, ws=p.ws) == p
+            assert p.xpre is wgmma and p.ws in ((0, gemm.WS_PRODUCERS) if wgmma else (0,))
             assert p.shmem <= limit and 1 <= p.splits <= 16 and p.stages >= 2
 
 
@@ -1200,20 +1203,23 @@ def test_gemm_ws_plans_add_a_producer_warp_and_barriers(monkeypatch):
     _h200_gemm(monkeypatch)
     n, k = 28672, 4096
     p = gemm.with_fields(gemm.plan(64, n, k, 0), n, k, ws=True, stages=6)
-    assert p.ws == 1 and p.xpre and p.threads == 288 and gemm.plan(64, n, k, 0).threads == 256
+    assert p.ws == 1 and p.xpre and p.threads == 288 and gemm.plan(64, n, k, 0).threads == 256 + 32 * gemm.WS_PRODUCERS
     assert p.shmem == 6 * (8 * gemm.WARP_STAGE_BYTES + 128 * 64 * 2) + 6 * 16 <= gemm.SHMEM_SM_BYTES
-    assert p.defines(torch.bfloat16, False)["QOPS_WS"] == 1 and "QOPS_WS" not in gemm.plan(64, n, k, 0).defines(torch.bfloat16, False)
+    assert p.defines(torch.bfloat16, False)["QOPS_WS"] == 1
+    assert "QOPS_WS" not in gemm.with_fields(gemm.plan(64, n, k, 0), n, k, ws=0).defines(torch.bfloat16, False)
     p4 = gemm.with_fields(gemm.plan(64, n, k, 0), n, k, ws=True)  # the rule's four stages: the mma.sync build's fit too
     for fields in (dict(xpre=False), dict(tw=1), dict(wgmma=False)):
         assert not gemm.with_fields(p4, n, k, **fields).ws, fields
-    with pytest.raises(ValueError, match="probes 4-6 are the ws builds'"):
-        gemm.with_fields(p4, n, k, probe=1)
-    with pytest.raises(ValueError, match="probes 4-6 are the ws builds'"):
-        gemm.with_fields(gemm.plan(64, n, k, 0), n, k, probe=5)
+    q = gemm.with_fields(p4, n, k, probe=1)  # probes 1-3 measure the xpre build's loop: ws dropped unless asked for
+    assert q.ws == 0 and q.probe == 1 and q.xpre
+    with pytest.raises(ValueError, match="probes 4-9 are the ws builds'"):
+        gemm.with_fields(p4, n, k, ws=4, probe=1)
+    with pytest.raises(ValueError, match="probes 4-9 are the ws builds'"):
+        gemm.with_fields(gemm.plan(64, n, k, 0), n, k, ws=0, probe=5)
     assert gemm.with_fields(p4, n, k, wgdepth=2).defines(torch.float16, True)["QOPS_WGDEPTH"] == 2
     assert gemm.with_fields(gemm.with_fields(p4, n, k, wgdepth=2), n, k, xpre=False).wgdepth == 1  # ws dropped, its depth too
     with pytest.raises(ValueError, match="wgdepth=2 with ws=0"):
-        gemm.with_fields(gemm.plan(64, n, k, 0), n, k, wgdepth=2)
+        gemm.with_fields(gemm.plan(64, n, k, 0), n, k, ws=0, wgdepth=2)
     assert gemm.with_fields(p4, n, k, probe=4).defines(torch.float16, True)["QOPS_PROBE"] == 4
     q = gemm.with_fields(p4, n, k, ws=4)
     assert q.threads == 384 and q.defines(torch.float16, True)["QOPS_WS"] == 4
@@ -1230,7 +1236,7 @@ def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, build):
     4 bytes) before griddepcontrol.wait, x's copies and every other global access after it, the
     trigger after the main loop's last weight copy and before the first store; nothing of it on sm_80."""
     wgmma = build != "mma"
-    p = gemm._rule(m, n, k, 132, wgmma=wgmma)
+    p = gemm.with_fields(gemm._rule(m, n, k, 132, wgmma=wgmma), n, k, ws=0)  # the ws build: the test below
     if build in ("xnat", "xpre"):
         p = gemm.with_fields(p, n, k, **{build: True})
     defines = p.defines(torch.bfloat16, True)
@@ -1246,6 +1252,27 @@ def test_gemm_griddepcontrol_orders_the_accesses(m, n, k, build):
     last_weight = max(i for i, l in enumerate(lines) if _weight_load(l, True))
     first_store = next(i for i, l in enumerate(lines) if re.search(r"\bst\.[\w.:]*global", l))
     assert len(trigger) == 1 and last_weight < trigger[0] < first_store
+
+
+@pytest.mark.parametrize("m, n, k", [(33, 28672, 4096), (64, 4096, 14336)], ids=["unsplit", "split"])
+def test_gemm_ws_griddepcontrol_orders_the_accesses(m, n, k):
+    """The ws build (the rule's on these shapes): the producers' first weight copies before their
+    griddepcontrol.wait, the image's bulk copies after it and their trigger after their last weight
+    copy; the compute warps' wait before any store, their trigger too (PTX: the compute warps' loop
+    first, the producers' code after it, the epilogue's stores around it; the first wait is the warm-up launch's)."""
+    p = gemm._rule(m, n, k, 132, wgmma=True)
+    assert p.ws == gemm.WS_PRODUCERS
+    lines = _entries(_ptx(compiler.native_source(gemm.SOURCE), "sm_90a", p.defines(torch.bfloat16, True)))[gemm.KERNEL]
+    waits = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
+    triggers = [i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l]
+    weights = [i for i, l in enumerate(lines) if _weight_load(l, True)]
+    bulk = [i for i, l in enumerate(lines) if "cp.async.bulk" in l]
+    stores = [i for i, l in enumerate(lines) if re.search(r"\bst\.[\w.:]*global", l)]
+    assert len(waits) == 3 and len(triggers) == 2 and weights and bulk and stores
+    compute_wait, producer_wait = waits[1], waits[2]
+    assert compute_wait < triggers[0] < min(stores)  # the compute warps
+    assert any(compute_wait < w < producer_wait for w in weights), "no weight copy is issued ahead of the producers' wait"
+    assert min(bulk) > producer_wait and max(weights) < triggers[1]  # x after the wait; the trigger after the last weight
 
 
 def test_gemm_x_image_waits_before_any_global_access():

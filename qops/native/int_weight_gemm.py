@@ -94,6 +94,8 @@ class Plan:
 
 
 WGMMA_X_BUFFERS = 3  # kXbufs in w4a16_gemm.cu
+WS_PRODUCERS = 4  # the rule's ws plans: producer warps (one a sub-partition; 1 was 1.1-1.2x slower than xpre, 2 between)
+WS_MIN_ITERATIONS = 8  # ... and the fewest iterations a block runs for them
 
 
 def x_image_bytes(m: int, k: int) -> int:
@@ -227,8 +229,13 @@ def _rule(m: int, n: int, k: int, sms: int, smem_limit: int = SHMEM_SM_BYTES, wg
     # (h200-2026-12-02-a03ced7-probe-xpre.json). The tiles were fitted before it (x's cost changed).
     nwn = best[1]
     xpre = wgmma and shmem_bytes(m, nwn, 3, wgmma, xpre=True) <= smem_limit
-    stages = max([s for s in (2, 3, 4) if shmem_bytes(m, nwn, s, wgmma, xpre=xpre) <= smem_limit], default=2)
-    return make_plan(m, n, k, nwn=nwn, splits=best[2], stages=stages, smem_limit=smem_limit, wgmma=wgmma, xpre=xpre)
+    # Warp-specialized with four producer warps (ws) from 33 rows where a block runs at least WS_MIN_ITERATIONS
+    # iterations: 1.04-1.11x faster than xpre at M = 33 and 64 on the four large shapes (14-64 iterations),
+    # 0.95-0.97x on 4096x4096 (4) in two runs (h200-2026-12-03-789f82a-probe-ws.json, ...-df06eb1-probe-ws.json).
+    # Below 33 rows it was not measured with four producers.
+    ws = WS_PRODUCERS if xpre and m >= 33 and chunks // best[2] // (8 // nwn) >= WS_MIN_ITERATIONS else 0
+    stages = max([s for s in (2, 3, 4) if shmem_bytes(m, nwn, s, wgmma, xpre=xpre, ws=bool(ws)) <= smem_limit], default=2)
+    return make_plan(m, n, k, nwn=nwn, splits=best[2], stages=stages, smem_limit=smem_limit, wgmma=wgmma, xpre=xpre, ws=ws)
 
 
 _override = None
@@ -355,7 +362,7 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
     """``p`` with some of nwn / splits / stages / minb / wgmma / tw / xnat / krot / xpre / ws replaced (validated, shared
     memory and workspace re-derived), and the build-only ``probe``. ``nwn`` 1 or 2 without ``wgmma`` given
     turns wgmma off; a choice xpre cannot serve without ``xpre`` given turns xpre off, and one ws cannot
-    serve without ``ws`` given turns ws off."""
+    serve (or probes 1-3) without ``ws`` given turns ws off."""
     probe = fields.pop("probe", p.probe)
     if "wgmma" not in fields and fields.get("nwn", p.nwn) not in (4, 8):
         fields["wgmma"] = False  # a width warpgroups cannot share (nwn 1, 2) asks for the mma.sync build
@@ -371,11 +378,13 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
         merged = {"xpre": p.xpre, "tw": p.tw, "minb": p.minb} | fields
         if not merged["xpre"] or merged["tw"] != 2 or merged["minb"] != 1:
             fields["ws"] = 0
+    if 1 <= probe <= 3 and "ws" not in fields:
+        fields["ws"] = 0  # probes 1-3 measure the xpre build's loop
     if not fields.get("ws", p.ws) and "wgdepth" not in fields:
         fields["wgdepth"] = 1  # ws dropped: so is its depth
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
             "xpre": p.xpre, "ws": p.ws, "wgdepth": p.wgdepth}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
     if probe and bool(q.ws) != (probe >= 4):
-        raise ValueError("native_w4a16 gemm: probes 4-6 are the ws builds', probes 1-3 the other wgmma builds'")
+        raise ValueError("native_w4a16 gemm: probes 4-9 are the ws builds', probes 1-3 the other wgmma builds'")
     return dataclasses.replace(q, probe=probe) if probe != q.probe else q
