@@ -230,7 +230,7 @@ def _rule(m: int, n: int, k: int, sms: int, smem_limit: int = SHMEM_SM_BYTES, wg
     nwn = best[1]
     xpre = wgmma and shmem_bytes(m, nwn, 3, wgmma, xpre=True) <= smem_limit
     # Warp-specialized with four producer warps (ws) from 33 rows where a block runs at least WS_MIN_ITERATIONS
-    # iterations: 1.04-1.11x faster than xpre at M = 33 and 64 on the four large shapes (14-64 iterations),
+    # iterations: 1.03-1.11x faster than xpre at M = 33 and 64 on the four large shapes (14-64 iterations),
     # 0.95-0.97x on 4096x4096 (4) in two runs (h200-2026-12-03-789f82a-probe-ws.json, ...-df06eb1-probe-ws.json).
     # Below 33 rows it was not measured with four producers.
     ws = WS_PRODUCERS if xpre and m >= 33 and chunks // best[2] // (8 // nwn) >= WS_MIN_ITERATIONS else 0

@@ -109,28 +109,34 @@
 // MMAs and the dequantization, issued by the same two warpgroups, are what remains (Nsight Compute:
 // issue slots ~21% busy, fixed-latency and HGMMA-dispatch stalls). Opening each stage under the
 // previous iteration's last MMAs instead measured 1-5% slower.
-// QOPS_WS = 1 (with QOPS_XPRE): warp-specialized. Nsight Compute of the xpre build at M = 64
+// QOPS_WS = 1, 2 or 4 (with QOPS_XPRE): warp-specialized. Nsight Compute of the xpre build at M = 64
 // (benchmarks/NOTES.md stop 42) against cuBLAS, whose blocks run a producer warpgroup beside two
 // consumer warpgroups: ours issued ~520 instructions a warp an iteration, a fifth of them the
-// cp.async address arithmetic, and every iteration ended on a block-wide barrier, so the two
-// warpgroups dequantized and queued MMAs in lockstep. Here a ninth warp does all the copying: each
-// of its lanes issues, for every compute warp, the cp.async pieces that lane of that warp reads
-// (the stage layout is the xpre build's), then one cp.async.mbarrier.arrive.noinc, and lane 0 one
-// bulk copy of the iteration's image chunks (expect_tx). A stage's full mbarrier completes when
-// both have landed; the compute warps wait on it instead of the barrier, and release the stage on
-// its empty mbarrier (every compute thread arrives: a lane-0-only arrive is a branch inside the
-// wgmma pipeline, which made ptxas serialize every MMA) once step 0 of the next iteration has
-// waited (wait_group 1) for all of its wgmmas. The producer waits on empty before refilling, so
-// the stages run as deep as shared memory allows without a lag of two. The MMAs and their order
-// are the xpre build's: the output is bit-identical to it. 288 threads leave 224 registers a thread
-// (the compute warps take 125-165); the epilogue's barriers become a named barrier of the compute
-// warps (the producer has left once its last copies landed).
+// cp.async address arithmetic, and every iteration ended on a block-wide barrier. Here QOPS_WS
+// producer warps do all the copying: each lane issues, for each of its 8 / QOPS_WS compute warps,
+// the cp.async pieces that lane of that warp reads (the stage layout is the xpre build's), then one
+// cp.async.mbarrier.arrive.noinc, and lane 0 of the first producer one bulk copy of the iteration's
+// image chunks (expect_tx). A stage's full mbarrier completes when both have landed; the compute
+// warps wait on it instead of the barrier, and release the stage on its empty mbarrier (every
+// compute thread arrives: a lane-0-only arrive is a branch inside the wgmma pipeline, which made
+// ptxas serialize every MMA) once step QOPS_WGDEPTH - 1 of the next iteration has waited for all of
+// its wgmmas. The MMAs and their order are the xpre build's: the output is bit-identical to it.
+// 9 to 12 warps all leave 168 registers a thread (the register file is split between the four
+// sub-partitions and one holds three warps); the compute warps take 146-168. The epilogue's
+// barriers become a named barrier of the compute warps (the producers leave once their copies landed).
+// Measured (benchmarks/NOTES.md stop 43): four producers 1.03-1.11x faster than xpre at M = 33 / 64
+// where a block runs 14-64 iterations, 0.95-0.97x at 4 (4096 x 4096); one producer 1.1-1.2x slower
+// (one sub-partition's load queue); 3-6 stages and QOPS_WGDEPTH 2 / 3 the same within 4%. Without the
+// weight copies and the dequantization (QOPS_PROBE 6) the loop runs at 28.6 us on 28672 x 4096 at
+// M = 64 (526 TFLOP/s of register-A m64n64k16 wgmma), and each of the two adds its own time to that
+// (probes 5, 4; probe 9, the dequantization feeding nothing, is slower still): the compute warps'
+// ALU work does not hide under these MMAs.
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
 // stages), QOPS_MINB (blocks an SM promised to ptxas), QOPS_WGMMA (0/1, above), QOPS_TW (1, 2: 16-column
-// tiles a warp), QOPS_XNAT (0/1, above), QOPS_XPRE (0/1, above), QOPS_WS (0/1, above), QOPS_KROT (0/1: rotated K order), QOPS_PROBE
-// (measurement builds).
+// tiles a warp), QOPS_XNAT (0/1, above), QOPS_XPRE (0/1, above), QOPS_WS (0, 1, 2, 4, above),
+// QOPS_WGDEPTH (1..3, above), QOPS_KROT (0/1: rotated K order), QOPS_PROBE (measurement builds).
 #include "w4.cuh"
 
 #ifndef QOPS_DT
