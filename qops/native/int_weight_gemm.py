@@ -13,8 +13,9 @@ blocks share one column tile's K range; ``stages`` iterations of x and weights i
 shared memory; ``wgmma``: Hopper's warpgroup MMAs (an sm_90a build, taken wherever the device is
 one); ``xpre`` (with wgmma): x permuted once per call by a small kernel into the workspace, after a
 split-K plan's partials (:func:`x_image_bytes`), and copied into the stages as it lies; ``ws`` (with
-xpre): a ninth warp copies every stage (cp.async for the weights, one bulk copy of the image) and the
-eight others only dequantize and issue MMAs, stages handed over through mbarriers. The rule
+xpre): 1, 2 or 4 producer warps copy every stage (cp.async for the weights, one bulk copy of the image)
+and the eight others only dequantize and issue MMAs, stages handed over through mbarriers (the rule's:
+four, where a block runs enough iterations). The rule
 (:func:`plan`) is in :func:`_rule`; ``QOPS_W4_GEMM_PLAN`` (e.g. ``"nwn=4,stages=3,splits=2"``,
 ``"wgmma=0"``, ``"xpre=0"``, ``"ws=1"``) or :func:`plan_override` replace its fields for measurements.
 """
@@ -36,7 +37,7 @@ X_IMAGE = "qops_w4a16_x_image"  # the xpre plans' x permuted once per call (w4a1
 REDUCE_SOURCE = "w4a16_gemv.cu"  # its qops_w4a16_reduce adds the (S, M, N) partials in order
 REDUCE = "qops_w4a16_reduce"
 MAX_M = 64  # 8 MMA tiles of 8 rows (QOPS_MT <= 8)
-THREADS = 256  # the GEMM's compute warps; ws plans add a producer warp (Plan.threads)
+THREADS = 256  # the GEMM's compute warps; ws plans add their producer warps (Plan.threads)
 CHUNK_K = 128
 SHMEM_DEFAULT_BYTES = 48 * 1024
 SHMEM_SM_BYTES = 226 * 1024  # sm_90's 227 KiB a block (228 an SM) less 1 KiB of static shared memory a block
