@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import types
 from pathlib import Path
 
@@ -1289,3 +1290,23 @@ def test_gemm_x_image_waits_before_any_global_access():
     assert trigger < wait < first
     staged = gemm.make_plan(64, 4096, 4096, nwn=8, splits=2, stages=4, wgmma=True)  # x through registers
     assert gemm.X_IMAGE not in _entries(_ptx(src, "sm_90a", staged.defines(torch.float16, True)))
+
+
+def test_wgmma_rate_probe_sources_compile_for_sm90a():
+    """benchmarks/probe_wgmma_rate.py's MMA-only kernels (m64nNk16, N 64 / 128 / 256, A from registers or shared
+    memory, 1 or 2 warpgroups, 1 or 2 groups in flight): every one compiles for sm_90a with no spills and no
+    serialized wgmma, and keeps its four wgmmas a commit group."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import probe_wgmma_rate as probe
+    finally:
+        sys.path.pop(0)
+    assert len(probe.VARIANTS) == 24
+    for variant in probe.VARIANTS:
+        log = []
+        src = probe.source(*variant)
+        compiler.compile(src, "sm_90a", {"ptxas_options": ["-v"]}, log=log)
+        text = "\n".join(log)
+        regs, spills = ptxas_report(text)["probe"]
+        assert spills == 0 and regs <= 255 and "wgmma" not in text.lower(), (variant, text)
+        assert src.count("wgmma.mma_async") == 1 and f"m64n{variant[0]}k16" in src, variant
