@@ -59,8 +59,7 @@ class Plan:
     wgmma: bool = False  # warpgroup MMAs (sm_90a build; nwn 4 or 8)
     tw: int = 2  # 16-column MMA tiles a warp (1: half the accumulators, so two blocks an SM fit 128 registers)
     probe: int = 0  # measurements only (benchmarks/probe_w4_gemm.py, wgmma builds): 1 no MMAs, 2 no dequantization, 3 no x;
-    # ws builds: 4 the producers copy x only (the weights left stale), 5 no dequantization, 6 neither, 7 / 8 the second
-    # warpgroup starting 0.3 / 1 us late, 9 the dequantization kept but not fed to the MMAs
+    # ws builds: 4 the producers copy x only (the weights left stale), 5 no dequantization, 6 neither
     wgdepth: int = 1  # ws builds: wgmma groups (32-row steps) left in flight after each step (1..3)
     xnat: bool = False  # wgmma builds: weight fragments in natural K order, x through cp.async in the stages (measured slower)
     krot: bool = False  # each column tile starts its K loop at a different chunk group (measured: no change)
@@ -114,11 +113,11 @@ WARP_STAGE_BYTES = warp_stage_bytes(2)
 
 
 def shmem_bytes(m: int, nwn: int, stages: int, wgmma: bool = False, tw: int = 2, xnat: bool = False, xpre: bool = False,
-                ws: bool = False) -> int:
+                ws: int = 0) -> int:
     """Pipeline stages (x: M rows of 8 / nwn chunks, rows padded by 4 slots; the 8 warps' weights), or
     the warps' partial sums if larger. With wgmma the stages hold weights only, and three x buffers
     (8 / nwn chunks of 128 rows by 8 MT rows of x, 2 bytes a value) follow them; with xnat or xpre each
-    stage holds its weights and one such x buffer; ws adds a full and an empty mbarrier a stage after them."""
+    stage holds its weights and one such x buffer; ws (producer warps) adds a full and an empty mbarrier a stage after them."""
     nwk = 8 // nwn
     mt = -(-m // 8)
     x_buffer = nwk * CHUNK_K * 8 * mt * 2
@@ -235,7 +234,7 @@ def _rule(m: int, n: int, k: int, sms: int, smem_limit: int = SHMEM_SM_BYTES, wg
     # 0.95-0.97x on 4096x4096 (4) in two runs (h200-2026-12-03-789f82a-probe-ws.json, ...-df06eb1-probe-ws.json).
     # Below 33 rows it was not measured with four producers.
     ws = WS_PRODUCERS if xpre and m >= 33 and chunks // best[2] // (8 // nwn) >= WS_MIN_ITERATIONS else 0
-    stages = max([s for s in (2, 3, 4) if shmem_bytes(m, nwn, s, wgmma, xpre=xpre, ws=bool(ws)) <= smem_limit], default=2)
+    stages = max([s for s in (2, 3, 4) if shmem_bytes(m, nwn, s, wgmma, xpre=xpre, ws=ws) <= smem_limit], default=2)
     return make_plan(m, n, k, nwn=nwn, splits=best[2], stages=stages, smem_limit=smem_limit, wgmma=wgmma, xpre=xpre, ws=ws)
 
 
@@ -386,6 +385,8 @@ def with_fields(p: Plan, n: int, k: int, smem_limit: int = SHMEM_SM_BYTES, **fie
     base = {"nwn": p.nwn, "splits": p.splits, "stages": p.stages, "minb": p.minb, "wgmma": p.wgmma, "tw": p.tw, "xnat": p.xnat, "krot": p.krot,
             "xpre": p.xpre, "ws": p.ws, "wgdepth": p.wgdepth}
     q = make_plan(p.m, n, k, smem_limit=smem_limit, **(base | fields)) if fields else p
+    if not 0 <= probe <= 6:
+        raise ValueError(f"native_w4a16 gemm: probe={probe} outside 0..6")
     if probe and bool(q.ws) != (probe >= 4):
-        raise ValueError("native_w4a16 gemm: probes 4-9 are the ws builds', probes 1-3 the other wgmma builds'")
+        raise ValueError("native_w4a16 gemm: probes 4-6 are the ws builds', probes 1-3 the other wgmma builds'")
     return dataclasses.replace(q, probe=probe) if probe != q.probe else q

@@ -129,8 +129,9 @@
 // (one sub-partition's load queue); 3-6 stages and QOPS_WGDEPTH 2 / 3 the same within 4%. Without the
 // weight copies and the dequantization (QOPS_PROBE 6) the loop runs at 28.6 us on 28672 x 4096 at
 // M = 64 (526 TFLOP/s of register-A m64n64k16 wgmma), and each of the two adds its own time to that
-// (probes 5, 4; probe 9, the dequantization feeding nothing, is slower still): the compute warps'
-// ALU work does not hide under these MMAs.
+// (probes 5, 4; a build that dequantized into a sink feeding nothing was slower still, and one that
+// started the second warpgroup late no faster: 009520f, removed): the compute warps' ALU work does
+// not hide under these MMAs.
 //
 // Compile-time configuration (NVRTC -D): QOPS_DT (0 f16, 1 bf16), QOPS_MT (8-row tiles of x, 1..8:
 // M <= 8 MT), QOPS_NWN (1, 2, 4, 8: warps along N), QOPS_HAS_Z (0/1), QOPS_STAGES (2..8: pipeline
@@ -179,7 +180,8 @@
 #define QOPS_WGDEPTH 1  // ws builds: wgmma groups (32-row steps) left in flight after each step's issue (1..3)
 #endif
 #ifndef QOPS_PROBE
-#define QOPS_PROBE 0  // measurements only, wgmma builds (wrong sums): 1 no MMAs, 2 no dequantization either, 3 nor x
+#define QOPS_PROBE 0  // measurements only, wgmma builds (wrong sums): 1 no MMAs, 2 no dequantization either, 3 nor x;
+                      // ws builds: 4 no weight copies, 5 no dequantization, 6 neither
 #endif
 #if QOPS_WGMMA
 #include "wgmma.cuh"  // sm_90a only: the header says so otherwise
@@ -231,10 +233,10 @@ static_assert(!kXPre || (kWgmma && !kXNat && QOPS_KROT == 0 && kStages >= 3),
 constexpr int kCore = 128;
 constexpr int kChunkImg = 4 * 2 * 2 * kMT * kCore;  // one chunk's part of it (QOPS_XPRE: the image's unit)
 constexpr int kXbBytes = kNWK * kChunkImg;
-static_assert(!kWs || (kXPre && kTW == 2 && (QOPS_PROBE == 0 || QOPS_PROBE >= 4) && QOPS_MINB == 1),
-              "QOPS_WS is an xpre build with two tiles a warp, one block an SM, no probe but its own (4..9)");
+static_assert(!kWs || (kXPre && kTW == 2 && (QOPS_PROBE == 0 || (QOPS_PROBE >= 4 && QOPS_PROBE <= 6)) && QOPS_MINB == 1),
+              "QOPS_WS is an xpre build with two tiles a warp, one block an SM, no probe but its own (4..6)");
 static_assert(QOPS_WS == 0 || QOPS_WS == 1 || QOPS_WS == 2 || QOPS_WS == 4, "QOPS_WS is 0, 1, 2 or 4 producer warps");
-static_assert(QOPS_PROBE < 4 || kWs, "QOPS_PROBE 4..9 are ws builds");
+static_assert(QOPS_PROBE < 4 || kWs, "QOPS_PROBE 4..6 are ws builds");
 constexpr int kDepth = QOPS_WGDEPTH;
 static_assert(kDepth >= 1 && kDepth <= 3 && (kDepth == 1 || kWs), "QOPS_WGDEPTH is 1..3, above 1 in ws builds only");
 // Fragment buffers: a step's registers are rewritten only after its group retired, and indexed by
@@ -543,7 +545,8 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   if (warp >= kWarps) {
     // A producer warp: compute warps pw kWPer .. + kWPer - 1, lane (g, c) copying the pieces that lane of
     // each reads (load_w above with that warp). Their sources at iteration 0, advanced by wstride an
-    // iteration; a K chunk's group once per chunk, not per warp.
+    // iteration; a K chunk's group once per chunk, not per warp. (load_w's own arithmetic per warp and
+    // stage, repeated for 8 / QOPS_WS warps, was 545 instructions a stage against these 223.)
     const int pw = warp - kWarps;
     const u32* wsrc[kWPer];
     const unsigned short* ssrc[kWPer];
@@ -613,10 +616,6 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
     if (it < 0) return;
     mbar_arrive(empty_bar(it % kStages));
   };
-  if constexpr (QOPS_PROBE == 7 || QOPS_PROBE == 8) {  // measurements: the second warpgroup starts late (a skew)
-    if (warp >= 4) asm volatile("nanosleep.u32 %0;" ::"n"(QOPS_PROBE == 7 ? 300 : 1000));
-  }
-  [[maybe_unused]] u32 sink = 0;
   for (int it = 0; it < n_it; ++it) {
     const int st = it % kStages;
     mbar_wait_parity(full_bar(st), (it / kStages) & 1);
@@ -631,16 +630,6 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
           for (int jj = 0; jj < kCols; ++jj)
 #pragma unroll
             for (int r = 0; r < 4; ++r) p[j % kFragBufs][jj][r] = ck.wv[j][jj] + r;
-        } else if constexpr (QOPS_PROBE == 9) {  // measurements: dequantized into a sink, the MMAs fed the words
-          u32 d[kCols][4];
-          dequant_step(ck, j, d);
-#pragma unroll
-          for (int jj = 0; jj < kCols; ++jj)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              sink ^= d[jj][r];
-              p[j % kFragBufs][jj][r] = ck.wv[j][jj] + r;
-            }
         } else {
           dequant_step(ck, j, p[j % kFragBufs]);
         }
@@ -652,7 +641,6 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
       release(it - 1);
     }
   }
-  if constexpr (QOPS_PROBE == 9) accw[0][0] += __uint_as_float(sink & 0x3FFFFFu);
 #else
   // Iteration it's NWK chunks are kXbBytes contiguous bytes of the image, copied as they lie; chunks
   // past K (the last iteration of a split may name some) are zero-filled, never read.
