@@ -1125,6 +1125,19 @@ def test_gemm_rule_is_the_measured_best_on_the_perf_shapes():
                 assert p.ws == (gemm.WS_PRODUCERS if wgmma and (n, k) != (4096, 4096) else 0), ((n, k, m), p)
 
 
+def test_gemm_rule_takes_four_producers_from_17_rows_where_blocks_run_8_iterations():
+    """Below 33 rows (h200-2026-12-03-26af5f6-probe-ws-below33.json): ws 4 on every PERF.md shape but 4096x4096."""
+    for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)):
+        for m in (16, 17, 24, 32):
+            p = gemm._rule(m, n, k, 132, wgmma=True)
+            iterations = -(-k // gemm.CHUNK_K) // p.splits // (8 // p.nwn)
+            assert p.xpre
+            want = m >= gemm.WS_MIN_ROWS and iterations >= gemm.WS_MIN_ITERATIONS
+            assert p.ws == (gemm.WS_PRODUCERS if want else 0), ((n, k, m), p)
+            assert want is (m >= 17 and (n, k) != (4096, 4096)), ((n, k, m), p)
+        assert gemm._rule(32, n, k, 132, wgmma=False).ws == 0  # ws needs xpre, which needs wgmma
+
+
 @pytest.mark.parametrize("n, k", [(256, 128), (1000, 1000), (4096, 4096), (100000, 8192), (4096, 131072)])
 def test_gemm_rule_plans_are_runnable(n, k):
     for sms, limit, wgmma in ((132, gemm.SHMEM_SM_BYTES, True), (132, gemm.SHMEM_SM_BYTES, False), (108, 163 * 1024 - 1024, False)):  # H100/H200, A100
