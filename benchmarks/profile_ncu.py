@@ -11,6 +11,9 @@ Cases (``--cases``, comma separated, ``KIND:NxK:M``):
 - ``w4triton``: the same weight through the Triton lowering;
 - ``nf4native``: bitsandbytes NF4, blocksize 64, nested absmax, fp16 x, the native kernel;
 - ``nf4lut``: NF4 codes through the W4A16 kernel's codebook table (``qops.native.codebook_w4``, f16 absmax);
+- ``w4gemmprobe4`` .. ``w4gemmprobe6``: ``w4native`` at M = 17..64 through a measurement build of the GEMM's
+  rule plan (``int_weight_gemm.Plan.probe``: 4 no weight copies, 5 no dequantization, 6 neither; wrong sums,
+  so not checked), to see what the MMA-only loop waits on;
 - ``cublasfp16``: the peer, ``F.linear`` on a dense fp16 weight (cuBLAS);
 - ``scaledmmfp8``: the peer, ``torch._scaled_mm`` on e4m3 x and weight with per-tensor scales (cuBLASLt): at
   M = 64 it streams twice the W4 weight's bytes faster than the W4 GEMM does (stop 42), so its kernel's launch
@@ -42,7 +45,8 @@ from probe_w4_lut import lut_weight  # noqa: E402
 from qops.native import codebook_w4 as cw  # noqa: E402
 from qops.lowerings import LOWERINGS_BY_NAME  # noqa: E402
 
-KINDS = ("w4native", "w4nativebf16", "w4triton", "nf4native", "nf4lut", "cublasfp16", "scaledmmfp8")
+KINDS = ("w4native", "w4nativebf16", "w4triton", "nf4native", "nf4lut", "cublasfp16", "scaledmmfp8", "w4gemmprobe4", "w4gemmprobe5",
+         "w4gemmprobe6")
 CHECK_ROWS = 64
 
 
@@ -84,6 +88,14 @@ def make_case(kind: str, n: int, k: int, m: int, gen):
         return (lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.float16)), want
     w = gptq_native(n, k, "triton_int_weight" if kind == "w4triton" else "native_w4a16")
     want = x.double() @ w.dequantize(torch.float64)[:CHECK_ROWS].T
+    if kind.startswith("w4gemmprobe"):
+        from qops.native import int_weight_gemm as gemm
+        probe = gemm.with_fields(gemm.plan(m, n, k, torch.cuda.current_device()), n, k, probe=int(kind[-1]))
+
+        def probed():
+            with gemm.plan_override(lambda *_: probe):
+                return w.mm(x)
+        return probed, None
     return (lambda: w.mm(x)), want
 
 
@@ -101,6 +113,10 @@ def main(argv=None) -> int:
         for _ in range(3):
             got = f()
         torch.cuda.synchronize()
+        if want is None:
+            print(f"{kind}:{n}x{k}:{m} a measurement build: not checked", flush=True)
+            runs.append((f"{kind}:{n}x{k}:{m}", f))
+            continue
         err = common.rel_err(got[:, :CHECK_ROWS], want)
         print(f"{kind}:{n}x{k}:{m} rel err {err:.2e}", flush=True)
         if err is None or err > 1e-2:

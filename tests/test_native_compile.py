@@ -1120,13 +1120,15 @@ def test_gemm_rule_is_the_measured_best_on_the_perf_shapes():
                 # x permuted once per call with wgmma (h200-2026-12-02-a03ced7-probe-xpre.json), its image after the partials
                 assert p.xpre is wgmma and p.x_image == (gemm.x_image_bytes(m, k) if wgmma else 0)
                 assert p.workspace == (p.splits * m * n * 4 if p.splits > 1 else 0) + p.x_image
-                # four producer warps where a block runs >= 8 iterations (h200-2026-12-03-789f82a / df06eb1-probe-ws.json):
+                # four producer warps where a block runs >= 9 iterations (h200-2026-12-03-789f82a / df06eb1-probe-ws.json):
                 # every shape but 4096x4096 (4 iterations a block)
                 assert p.ws == (gemm.WS_PRODUCERS if wgmma and (n, k) != (4096, 4096) else 0), ((n, k, m), p)
 
 
-def test_gemm_rule_takes_four_producers_from_17_rows_where_blocks_run_8_iterations():
-    """Below 33 rows (h200-2026-12-03-26af5f6-probe-ws-below33.json): ws 4 on every PERF.md shape but 4096x4096."""
+def test_gemm_rule_takes_four_producers_from_17_rows_where_blocks_run_9_iterations():
+    """Below 33 rows (h200-2026-12-03-26af5f6 / 9fd3b1b-probe-ws-below33.json): ws 4 on every PERF.md shape but
+    4096x4096 (4 iterations a block), and not on 6144x4096 at M = 32 (8: 0.99x)."""
+    assert gemm._rule(32, 6144, 4096, 132, wgmma=True).ws == 0 and gemm._rule(32, 14336, 4096, 132, wgmma=True).ws == gemm.WS_PRODUCERS
     for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)):
         for m in (16, 17, 24, 32):
             p = gemm._rule(m, n, k, 132, wgmma=True)
@@ -1313,9 +1315,9 @@ def test_wgmma_rate_probe_sources_compile_for_sm90a(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import probe_wgmma_rate as probe
     assert len(probe.VARIANTS) == 24
-    for variant in probe.VARIANTS:
+    for variant, data in [(v, "zeros") for v in probe.VARIANTS] + [(v, "random") for v in probe.VARIANTS if v[3] == 1]:
         log = []
-        src = probe.source(*variant)
+        src = probe.source(*variant, data, 4 if data == "random" else 1)  # B tiles in turn with random data
         compiler.compile(src, "sm_90a", {"ptxas_options": ["-v"]}, log=log)
         text = "\n".join(log)
         regs, spills = ptxas_report(text)["probe"]

@@ -95,7 +95,7 @@ class Plan:
 
 WGMMA_X_BUFFERS = 3  # kXbufs in w4a16_gemm.cu
 WS_PRODUCERS = 4  # the rule's ws plans: producer warps (one a sub-partition; 1 was 1.1-1.2x slower than xpre, 2 between)
-WS_MIN_ITERATIONS = 8  # ... and the fewest iterations a block runs for them
+WS_MIN_ITERATIONS = 9  # ... and the fewest iterations a block runs for them (8, 6144x4096 at M = 32: 0.99x)
 WS_MIN_ROWS = 17  # ... and the fewest rows (the Hopper GEMM's first; fewer rows were never timed with ws)
 
 
@@ -233,8 +233,9 @@ def _rule(m: int, n: int, k: int, sms: int, smem_limit: int = SHMEM_SM_BYTES, wg
     # Warp-specialized with four producer warps (ws) where a block runs at least WS_MIN_ITERATIONS iterations:
     # 1.03-1.11x faster than xpre at M = 33 and 64 on the four large shapes (14-64 iterations), 0.95-0.97x on
     # 4096x4096 (4) in two runs (h200-2026-12-03-789f82a-probe-ws.json, ...-df06eb1-probe-ws.json); at M = 17 / 24 / 32
-    # 1.05-1.11x on 28672x4096, 57344x8192 and 8192x28672, 0.99-1.01x on 4096x14336, 0.92-0.94x on 4096x4096
-    # (h200-2026-12-03-26af5f6-probe-ws-below33.json and this rule's confirming run, benchmarks/NOTES.md stop 44).
+    # 1.05-1.11x on 28672x4096 (32), 57344x8192 (64), 8192x28672 (56) and 14336x4096 (16), 0.99-1.01x on 4096x14336
+    # (14), 0.99x on 6144x4096 at M = 32 (8), 0.90-0.94x on 4096x4096 (4) in two runs
+    # (h200-2026-12-03-26af5f6-probe-ws-below33.json, ...-9fd3b1b-probe-ws-below33.json).
     iterations = chunks // best[2] // (8 // nwn)
     ws = WS_PRODUCERS if xpre and m >= WS_MIN_ROWS and iterations >= WS_MIN_ITERATIONS else 0
     stages = max([s for s in (2, 3, 4) if shmem_bytes(m, nwn, s, wgmma, xpre=xpre, ws=ws) <= smem_limit], default=2)
