@@ -861,28 +861,70 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   }
   if (kNWK > 1) sync_compute();
   if (wk > 0 || !n_ok) return;
-  const size_t mn = static_cast<size_t>(M) * N;
+  // A lane holds, for each of its rows m = 8 mt + 2 c + r (r = 0, 1), the kCols adjacent columns
+  // n0 .. n0 + kCols - 1 (v[t][r]: column n0 + 2 t, v[t][r + 2]: n0 + 2 t + 1), so each row is one
+  // vector store (8 bytes of output, 16 of fp32 partials; a warp's store covers 4 rows x 32 columns)
+  // where the pointers allow it, instead of kCols scalar stores. The bias of those columns is read
+  // once. Both forms store the same values.
+  float* part_out = ws + static_cast<size_t>(split) * M * N;  // S > 1: this split's fp32 partials
+  const bool vec = S == 1 ? ((reinterpret_cast<unsigned long long>(out) | (2ull * static_cast<unsigned>(ldo))) & (2 * kCols - 1)) == 0
+                          : (reinterpret_cast<unsigned long long>(ws) & (4 * kCols - 1)) == 0;  // N % 4 == 0 (host)
+  float bias_v[kCols];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int j = 0; j < kCols; ++j) {
+    bias_v[j] = 0.f;
+    if (S == 1 && (flags & kBiasT)) bias_v[j] = bits_to_f32<kDT>(static_cast<const u16*>(bias)[n0 + j]);
+    else if (S == 1 && (flags & kBiasF32)) bias_v[j] = __ldg(static_cast<const float*>(bias) + n0 + j);  // ld.global.nc.f32
+  }
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    float v[kTW][4];
 #pragma unroll
     for (int t = 0; t < kTW; ++t) {
-      float v[4] = {acc[mt][t][0], acc[mt][t][1], acc[mt][t][2], acc[mt][t][3]};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[t][i] = acc[mt][t][i];
       for (int w = 1; w < kNWK; ++w) {
         const float4 o = part[((w - 1) * kNWN + wn) * kSlots + (mt * kTW + t) * 32 + lane];
-        v[0] += o.x;
-        v[1] += o.y;
-        v[2] += o.z;
-        v[3] += o.w;
-      }
-      // acc[mt][t][i]: x row 8 mt + 2 c + (i & 1), column n0 + 2 t + (i >> 1).
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = 8 * mt + 2 * c + (i & 1), n = n0 + 2 * t + (i >> 1);
-        if (m >= M) continue;
-        if (S == 1) store_out<kDT>(out, bias, flags, m, n, ldo, v[i]);
-        else ws[split * mn + static_cast<size_t>(m) * N + n] = v[i];
+        v[t][0] += o.x;
+        v[t][1] += o.y;
+        v[t][2] += o.z;
+        v[t][3] += o.w;
       }
     }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int m = 8 * mt + 2 * c + r;
+      if (m >= M) continue;
+      float q[kCols];
+#pragma unroll
+      for (int t = 0; t < kTW; ++t) {
+        q[2 * t] = v[t][r] + bias_v[2 * t];
+        q[2 * t + 1] = v[t][r + 2] + bias_v[2 * t + 1];
+      }
+      if (S == 1) {
+        u16* row = out + static_cast<size_t>(m) * ldo + n0;
+        if (vec) {
+          u32 h[kTW];
+#pragma unroll
+          for (int t = 0; t < kTW; ++t) h[t] = f32_to_bits<kDT>(q[2 * t]) | (static_cast<u32>(f32_to_bits<kDT>(q[2 * t + 1])) << 16);
+          if constexpr (kTW == 2) *reinterpret_cast<uint2*>(row) = make_uint2(h[0], h[1]);
+          else *reinterpret_cast<u32*>(row) = h[0];
+        } else {
+#pragma unroll
+          for (int j = 0; j < kCols; ++j) row[j] = f32_to_bits<kDT>(q[j]);
+        }
+      } else {
+        float* row = part_out + static_cast<size_t>(m) * N + n0;
+        if (vec) {
+          if constexpr (kTW == 2) *reinterpret_cast<float4*>(row) = make_float4(q[0], q[1], q[2], q[3]);
+          else *reinterpret_cast<float2*>(row) = make_float2(q[0], q[1]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kCols; ++j) row[j] = q[j];
+        }
+      }
+    }
+  }
 }
 
 #if QOPS_XPRE

@@ -743,6 +743,35 @@ def test_gemm_out_with_workspace_and_strided_out():
                                              w.group_size, w.zero_offset, int(w.kernel), out, ws[: q.workspace - 16])
 
 
+
+@pytest.mark.parametrize("splits, wgmma_ws", [(1, None), (3, None), (1, 4), (3, 0)], ids=["mma", "mma-split", "ws4", "xpre-split"])
+def test_gemm_into_rows_its_vector_stores_cannot_take(splits, wgmma_ws):
+    """The GEMM stores a lane's four columns of a row as one 8-byte store (16 for split partials) where the
+    pointers allow; this out starts 4 bytes past an 8-byte boundary and its rows lie N + 6 apart, so every
+    row goes through the scalar stores: the same bits as into a contiguous out, bias included."""
+    nw = native_weight("gptq", 4096, 4096, 128, False, version="v2")
+    w = nw.weight
+    m = 48
+    x = rand(m, 4096, dtype=torch.bfloat16, seed=12)
+    bias = rand(4096, dtype=torch.bfloat16, seed=13)
+    if wgmma_ws is None:
+        q = gemm.make_plan(m, 4096, 4096, nwn=4, splits=splits, stages=4)
+    else:
+        if gemm.wgmma_missing(0):
+            pytest.skip(gemm.wgmma_missing(0))
+        q = gemm.make_plan(m, 4096, 4096, nwn=4, splits=splits, stages=4, wgmma=True, xpre=True, ws=wgmma_ws)
+    with gemm.plan_override(lambda *_: q):
+        want = w.mm(x, bias)  # contiguous: the vector stores
+        big = torch.full((m, 4096 + 6), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = big[:, 2:2 + 4096]
+        assert out.data_ptr() % 8 == 4 and out.stride(0) % 4 == 2
+        ws = torch.empty(max(q.workspace, 16), dtype=torch.uint8, device="cuda")
+        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.in_features, w.bits, w.group_size,
+                                         w.zero_offset, int(w.kernel), out, ws)
+    assert torch.equal(out, want), "scalar and vector stores differ"
+    check(out, x, nw.w64, bias, f"GEMM into misaligned rows, {splits} splits")
+    assert bool(big[:, :2].isnan().all()) and bool(big[:, 2 + 4096:].isnan().all()), "wrote outside out"
+
 def test_torch_compile_fullgraph():
     nw = native_weight("awq", 1024, 1024, 128, False)
     w = nw.weight
