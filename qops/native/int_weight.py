@@ -812,7 +812,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     if p.workspace:
         reduce = compiler.get_kernel(dev, SOURCE, defines, REDUCE, arch_specific=p.wgmma)
         compiler.launch(
-            reduce, (-(-m * o2.shape[1] // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
+            reduce, (gemm.reduce_blocks(m, o2.shape[1]), 1, 1), (THREADS, 1, 1), 0, stream,
             ws_ptr, bias.data_ptr() if bias is not None else 0, o2.data_ptr(),
             i32(m), i32(n), i32(ldo), i32(p.splits), i32(flags),
             pdl=pdl,

@@ -305,6 +305,14 @@ def plan(m: int, n: int, k: int, device: int) -> Plan:
     return p
 
 
+def reduce_blocks(m: int, cols: int) -> int:
+    """Blocks of ``qops_w4a16_reduce`` for ``m`` rows of ``cols`` output columns, 4 a thread (N % 4 == 0 for
+    every native int weight, and N % 8 == 0 for a gated one: ``cols`` is always a multiple of 4)."""
+    if cols % 4:
+        raise ValueError(f"native_w4a16: the split-K reduction takes output columns in fours, not {cols}")
+    return -(-m * cols // (THREADS * 4))
+
+
 def _reduce_kernel(dev: int, dtype: torch.dtype):
     return compiler.get_kernel(dev, REDUCE_SOURCE, {"QOPS_DT": _DT[dtype]}, REDUCE)
 
@@ -333,7 +341,7 @@ def launch(p: Plan, x2, qweight, scales, qzeros, bias, o2, ws, n: int, k: int, c
     )
     if p.splits > 1:
         compiler.launch(
-            _reduce_kernel(dev, x2.dtype), (-(-m * n // THREADS), 1, 1), (THREADS, 1, 1), 0, stream,
+            _reduce_kernel(dev, x2.dtype), (reduce_blocks(m, n), 1, 1), (THREADS, 1, 1), 0, stream,
             ws_ptr, bias.data_ptr() if bias is not None else 0, o2.data_ptr(), i32(m), i32(n), i32(o2.stride(0)),
             i32(p.splits), i32(flags), pdl=pdl,
         )

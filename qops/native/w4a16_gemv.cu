@@ -1324,7 +1324,11 @@ qops_w4a16_gemv(const unsigned* qweight, const unsigned short* scales, const uns
 }
 
 // Split-K finish for the workspace path: out[m, n] = sum_s ws[s, m, n] (+ bias), s in order;
-// QOPS_GLU: out[m, j] = silu(sum_s ws[s, m, j]) * sum_s ws[s, m, H + j], H = N / 2, one thread a j.
+// QOPS_GLU: out[m, j] = silu(sum_s ws[s, m, j]) * sum_s ws[s, m, H + j], H = N / 2.
+// A thread takes 4 adjacent output columns (N % 4 == 0, and N % 8 == 0 with QOPS_GLU: the host's;
+// its ws is 16-byte aligned): 16-byte loads of every split's partials, all issued before the first
+// add (one round trip, not S), the adds in split order (the same bits as one column a thread) and
+// an 8-byte store where out allows. The host sizes the grid to match (int_weight_gemm.reduce_blocks).
 extern "C" __global__ void __launch_bounds__(qops::kThreads)
 qops_w4a16_reduce(const float* ws, const void* bias, unsigned short* out, int M, int N, int ldo, int S, int flags) {
   qops::grid_dep_wait();  // ws comes from the gemv just launched, which may still be storing it
@@ -1332,17 +1336,49 @@ qops_w4a16_reduce(const float* ws, const void* bias, unsigned short* out, int M,
   qops::grid_dep_launch_dependents();
   const int idx = blockIdx.x * qops::kThreads + threadIdx.x;
   const int cols = QOPS_GLU ? N >> 1 : N;
-  if (idx >= M * cols) return;
   const size_t mn = static_cast<size_t>(M) * N;
-  const int m = idx / cols, j = idx - m * cols;
+  constexpr int kUnroll = 16;  // splits whose loads go out together (plans split at most 16 ways)
+  const int quads = cols >> 2;
+  if (idx >= M * quads) return;
+  const int m = idx / quads, j = 4 * (idx - m * quads);
   const size_t at = static_cast<size_t>(m) * N + j;
-  float v = ws[at];
-  for (int s = 1; s < S; ++s) v += ws[s * mn + at];
+  auto sum4 = [&](size_t first) {
+    float4 p[kUnroll];
+#pragma unroll
+    for (int s = 0; s < kUnroll; ++s)
+      if (s < S) p[s] = *reinterpret_cast<const float4*>(ws + s * mn + first);
+    float4 v = p[0];
+#pragma unroll
+    for (int s = 1; s < kUnroll; ++s)
+      if (s < S) v = make_float4(v.x + p[s].x, v.y + p[s].y, v.z + p[s].z, v.w + p[s].w);
+    for (int s = kUnroll; s < S; ++s) {
+      const float4 q = *reinterpret_cast<const float4*>(ws + s * mn + first);
+      v = make_float4(v.x + q.x, v.y + q.y, v.z + q.z, v.w + q.w);
+    }
+    return v;
+  };
+  const float4 v = sum4(at);
+  const float a[4] = {v.x, v.y, v.z, v.w};
   if constexpr (QOPS_GLU) {
-    float up = ws[at + cols];
-    for (int s = 1; s < S; ++s) up += ws[s * mn + at + cols];
-    qops::store_glu<QOPS_DT>(out, m, j, ldo, v, up);
+    const float4 u = sum4(at + cols);
+    const float b[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) qops::store_glu<QOPS_DT>(out, m, j + e, ldo, a[e], b[e]);
   } else {
-    qops::store_out<QOPS_DT>(out, bias, flags, m, j, ldo, v);
+    unsigned short* row = out + static_cast<size_t>(m) * ldo + j;
+    if (((reinterpret_cast<unsigned long long>(row)) & 7) == 0) {
+      float q[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        q[e] = a[e];
+        if (flags & qops::kBiasT) q[e] += qops::bits_to_f32<QOPS_DT>(static_cast<const unsigned short*>(bias)[j + e]);
+        else if (flags & qops::kBiasF32) q[e] += static_cast<const float*>(bias)[j + e];
+      }
+      *reinterpret_cast<uint2*>(row) = make_uint2(qops::f32_to_bits<QOPS_DT>(q[0]) | (static_cast<unsigned>(qops::f32_to_bits<QOPS_DT>(q[1])) << 16),
+                                                  qops::f32_to_bits<QOPS_DT>(q[2]) | (static_cast<unsigned>(qops::f32_to_bits<QOPS_DT>(q[3])) << 16));
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) qops::store_out<QOPS_DT>(out, bias, flags, m, j + e, ldo, a[e]);
+    }
   }
 }
