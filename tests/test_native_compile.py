@@ -1126,7 +1126,7 @@ def test_gemm_rule_is_the_measured_best_on_the_perf_shapes():
 
 
 def test_gemm_rule_takes_four_producers_from_17_rows_where_blocks_run_9_iterations():
-    """Below 33 rows (h200-2026-12-03-26af5f6 / 9fd3b1b-probe-ws-below33.json): ws 4 on every PERF.md shape but
+    """Below 33 rows (h200-2026-12-03-26af5f6-, h200-2026-12-04-9fd3b1b-probe-ws-below33.json): ws 4 on every PERF.md shape but
     4096x4096 (4 iterations a block), and not on 6144x4096 at M = 32 (8: 0.99x)."""
     assert gemm._rule(32, 6144, 4096, 132, wgmma=True).ws == 0 and gemm._rule(32, 14336, 4096, 132, wgmma=True).ws == gemm.WS_PRODUCERS
     for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)):

@@ -235,7 +235,7 @@ def _rule(m: int, n: int, k: int, sms: int, smem_limit: int = SHMEM_SM_BYTES, wg
     # 4096x4096 (4) in two runs (h200-2026-12-03-789f82a-probe-ws.json, ...-df06eb1-probe-ws.json); at M = 17 / 24 / 32
     # 1.05-1.11x on 28672x4096 (32), 57344x8192 (64), 8192x28672 (56) and 14336x4096 (16), 0.99-1.01x on 4096x14336
     # (14), 0.99x on 6144x4096 at M = 32 (8), 0.90-0.94x on 4096x4096 (4) in two runs
-    # (h200-2026-12-03-26af5f6-probe-ws-below33.json, ...-9fd3b1b-probe-ws-below33.json).
+    # (h200-2026-12-03-26af5f6-probe-ws-below33.json, h200-2026-12-04-9fd3b1b-probe-ws-below33.json).
     iterations = chunks // best[2] // (8 // nwn)
     ws = WS_PRODUCERS if xpre and m >= WS_MIN_ROWS and iterations >= WS_MIN_ITERATIONS else 0
     stages = max([s for s in (2, 3, 4) if shmem_bytes(m, nwn, s, wgmma, xpre=xpre, ws=ws) <= smem_limit], default=2)
