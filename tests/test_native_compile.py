@@ -1140,6 +1140,16 @@ def test_gemm_rule_takes_four_producers_from_17_rows_where_blocks_run_9_iteratio
         assert gemm._rule(32, n, k, 132, wgmma=False).ws == 0  # ws needs xpre, which needs wgmma
 
 
+
+def test_reduce_blocks_cover_every_output_four_columns_a_thread():
+    """qops_w4a16_reduce takes four adjacent columns a thread; the host's grid must cover M x cols exactly so."""
+    for m, cols in ((1, 4), (16, 4096), (17, 1000), (64, 28672), (3, 1028)):
+        blocks = gemm.reduce_blocks(m, cols)
+        assert (blocks - 1) * gemm.THREADS * 4 < m * cols <= blocks * gemm.THREADS * 4, (m, cols, blocks)
+    assert gemm.reduce_blocks(0, 4096) == 0
+    with pytest.raises(ValueError, match="columns in fours, not 1002"):
+        gemm.reduce_blocks(8, 1002)
+
 @pytest.mark.parametrize("n, k", [(256, 128), (1000, 1000), (4096, 4096), (100000, 8192), (4096, 131072)])
 def test_gemm_rule_plans_are_runnable(n, k):
     for sms, limit, wgmma in ((132, gemm.SHMEM_SM_BYTES, True), (132, gemm.SHMEM_SM_BYTES, False), (108, 163 * 1024 - 1024, False)):  # H100/H200, A100
