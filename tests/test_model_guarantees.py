@@ -118,3 +118,13 @@ def test_a_later_run_of_a_test_replaces_the_earlier_outcome(gm, tmp_path):
         "tests/gpu/test_gpu_opcheck.py::test_gpu_opcheck[gptq-native_w4a16]": "failed",
         "tests/gpu/test_gpu_opcheck.py::test_gpu_opcheck[awq-triton_int_weight]": "failed",
     }
+
+
+def test_an_interrupted_runs_nameless_entry_is_no_test(gm, tmp_path):
+    # pytest's junit XML of a run stopped by SIGINT (gpu_run.sh's group time limit) holds a testcase
+    # with neither classname nor name: it must not become a test (nor a file named ".py").
+    path = tmp_path / "cut.xml"
+    path.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest" timestamp="2026-12-04T00:50:00" hostname="h200">'
+                    '<testcase classname="tests.gpu.test_gpu_opcheck" name="test_gpu_opcheck[gptq-native_w4a16]" time="1"/>'
+                    '<testcase time="0.001"/></testsuite></testsuites>')
+    assert gm.read_junit("GPU", str(path)).outcomes == {"tests/gpu/test_gpu_opcheck.py::test_gpu_opcheck[gptq-native_w4a16]": "passed"}
