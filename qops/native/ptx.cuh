@@ -237,12 +237,24 @@ constexpr int kBiasF32 = 4;  // in float32
 // one-wave grids (qops.native.int_weight.early_dependents_flag).
 constexpr int kEarlyDependents = 16;
 
+// v + bias[n] as `flags` says the bias is stored (v itself without one).
+template <int DT>
+__device__ __forceinline__ float add_bias(const void* bias, int flags, int n, float v) {
+  if (flags & kBiasT) v += bits_to_f32<DT>(static_cast<const u16*>(bias)[n]);
+  else if (flags & kBiasF32) v += static_cast<const float*>(bias)[n];
+  return v;
+}
+
 // out[m, n] = v (+ bias[n]) rounded to the activation dtype DT.
 template <int DT>
 __device__ __forceinline__ void store_out(u16* out, const void* bias, int flags, int m, int n, int ldo, float v) {
-  if (flags & kBiasT) v += bits_to_f32<DT>(static_cast<const u16*>(bias)[n]);
-  else if (flags & kBiasF32) v += static_cast<const float*>(bias)[n];
-  out[static_cast<size_t>(m) * ldo + n] = f32_to_bits<DT>(v);
+  out[static_cast<size_t>(m) * ldo + n] = f32_to_bits<DT>(add_bias<DT>(bias, flags, n, v));
+}
+
+// Two values rounded to DT, packed as one 32-bit word (a first, in the low half): adjacent outputs in one store.
+template <int DT>
+__device__ __forceinline__ u32 pack2_bits(float a, float b) {
+  return f32_to_bits<DT>(a) | (static_cast<u32>(f32_to_bits<DT>(b)) << 16);
 }
 
 __device__ __forceinline__ u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }

@@ -864,18 +864,23 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
   // A lane holds, for each of its rows m = 8 mt + 2 c + r (r = 0, 1), the kCols adjacent columns
   // n0 .. n0 + kCols - 1 (v[t][r]: column n0 + 2 t, v[t][r + 2]: n0 + 2 t + 1), so each row is one
   // vector store (8 bytes of output, 16 of fp32 partials; a warp's store covers 4 rows x 32 columns)
-  // where the pointers allow it, instead of kCols scalar stores. The bias of those columns is read
-  // once. Both forms store the same values. Measured against the scalar stores (benchmarks/NOTES.md
-  // stop 44): 0.90-0.97x the time at M = 64 on the PERF.md shapes, 0.96-0.99x at M = 17 / 33.
+  // where the pointers allow it, instead of kCols scalar stores (the same values). For out that
+  // depends on the caller's pointer and row stride; the partials' workspace is 16-byte aligned by the
+  // host (int_weight._workspace) with N % 4 == 0, so their scalar form is a guard only (dropping it
+  // reallocates the registers of the measured build: left for a run that can time it). The bias of
+  // those columns is read once. Measured against the scalar stores (benchmarks/NOTES.md stop 44):
+  // 0.90-0.97x the time at M = 64 on the PERF.md shapes, 0.96-0.99x at M = 17 / 33.
   float* part_out = ws + static_cast<size_t>(split) * M * N;  // S > 1: this split's fp32 partials
   const bool vec = S == 1 ? ((reinterpret_cast<unsigned long long>(out) | (2ull * static_cast<unsigned>(ldo))) & (2 * kCols - 1)) == 0
-                          : (reinterpret_cast<unsigned long long>(ws) & (4 * kCols - 1)) == 0;  // N % 4 == 0 (host)
+                          : (reinterpret_cast<unsigned long long>(ws) & (4 * kCols - 1)) == 0;
+  // (add_bias's loads, but the fp32 one through __ldg: as ld.global.nc.f32 it cannot pass for a
+  // weight load, ld.global.nc.u32, in the PTX-order test of the PDL trigger.)
   float bias_v[kCols];
 #pragma unroll
   for (int j = 0; j < kCols; ++j) {
     bias_v[j] = 0.f;
     if (S == 1 && (flags & kBiasT)) bias_v[j] = bits_to_f32<kDT>(static_cast<const u16*>(bias)[n0 + j]);
-    else if (S == 1 && (flags & kBiasF32)) bias_v[j] = __ldg(static_cast<const float*>(bias) + n0 + j);  // ld.global.nc.f32
+    else if (S == 1 && (flags & kBiasF32)) bias_v[j] = __ldg(static_cast<const float*>(bias) + n0 + j);
   }
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
@@ -907,7 +912,7 @@ qops_w4a16_gemm(const unsigned* __restrict__ qweight, const unsigned short* __re
         if (vec) {
           u32 h[kTW];
 #pragma unroll
-          for (int t = 0; t < kTW; ++t) h[t] = f32_to_bits<kDT>(q[2 * t]) | (static_cast<u32>(f32_to_bits<kDT>(q[2 * t + 1])) << 16);
+          for (int t = 0; t < kTW; ++t) h[t] = pack2_bits<kDT>(q[2 * t], q[2 * t + 1]);
           if constexpr (kTW == 2) *reinterpret_cast<uint2*>(row) = make_uint2(h[0], h[1]);
           else *reinterpret_cast<u32*>(row) = h[0];
         } else {

@@ -1371,13 +1371,8 @@ qops_w4a16_reduce(const float* ws, const void* bias, unsigned short* out, int M,
     if (((reinterpret_cast<unsigned long long>(row)) & 7) == 0) {
       float q[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        q[e] = a[e];
-        if (flags & qops::kBiasT) q[e] += qops::bits_to_f32<QOPS_DT>(static_cast<const unsigned short*>(bias)[j + e]);
-        else if (flags & qops::kBiasF32) q[e] += static_cast<const float*>(bias)[j + e];
-      }
-      *reinterpret_cast<uint2*>(row) = make_uint2(qops::f32_to_bits<QOPS_DT>(q[0]) | (static_cast<unsigned>(qops::f32_to_bits<QOPS_DT>(q[1])) << 16),
-                                                  qops::f32_to_bits<QOPS_DT>(q[2]) | (static_cast<unsigned>(qops::f32_to_bits<QOPS_DT>(q[3])) << 16));
+      for (int e = 0; e < 4; ++e) q[e] = qops::add_bias<QOPS_DT>(bias, flags, j + e, a[e]);
+      *reinterpret_cast<uint2*>(row) = make_uint2(qops::pack2_bits<QOPS_DT>(q[0], q[1]), qops::pack2_bits<QOPS_DT>(q[2], q[3]));
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) qops::store_out<QOPS_DT>(out, bias, flags, m, j + e, ldo, a[e]);
