@@ -82,6 +82,13 @@ MAX_M = 32  # rows one launch of the decode kernel takes (four 8-row MMA tiles)
 # (h200-2026-12-01-0c22849-probe-gemm-small-m.json, ...-probe-gemm-m20-28.json). There the decode
 # kernel keeps (smallest N*K, rows): the first entry the weight reaches applies.
 WGMMA_DECODE_ROWS = ((1 << 25, 16), (0, 23))
+# Past gemm.MAX_M rows (outside deterministic mode) the call runs as 64-row GEMM launches and one for
+# the rest, each reading the whole weight, while that is faster than the Triton lowering's tiled GEMM
+# or dense path; above, it is handed to Triton. (smallest N*K, most rows), as WGMMA_DECODE_ROWS, for
+# the wgmma GEMM (Hopper); elsewhere the slices were never measured and the limit is gemm.MAX_M.
+# Filled in from measurement (benchmarks/probe_gemm_slices.py); QOPS_NATIVE_SLICED_ROWS=R replaces it.
+SLICED_ROWS = ((0, 64),)
+SLICED_ROWS_ENV = "QOPS_NATIVE_SLICED_ROWS"
 THREADS = 256
 CHUNK_K = 128
 PDL_ENV = "QOPS_NATIVE_PDL"
@@ -608,7 +615,7 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
             return max(16 * min(m, MAX_M) * n * 4, gemm_need if m > min(r for _, r in WGMMA_DECODE_ROWS) else 0)
         device = torch.cuda.current_device()
     dev = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
-    if m > _rows_served(k) and not deterministic():
+    if m > rows_served(n, k, dev) and not deterministic():
         return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, torch.device("cuda", dev)))
     # Slices of _slice_rows(m, k) rows and a shorter last one, one after another on the same scratch.
     step = _slice_rows(m, k)
@@ -632,6 +639,23 @@ def _rows_served(k: int) -> int:
     """Rows one native launch takes: the GEMM's up to gemm.MAX_M where it can copy x (K % 8 == 0), else
     the decode kernel's."""
     return gemm.MAX_M if k % 8 == 0 else MAX_M
+
+
+def rows_served(n: int, k: int, device: int) -> int:
+    """Most rows of a call this lowering runs itself outside deterministic mode (more go to Triton):
+    one launch's (:func:`_rows_served`), or on the wgmma GEMM's devices as many as SLICED_ROWS gives
+    the weight in slices of gemm.MAX_M rows (``QOPS_NATIVE_SLICED_ROWS``, read at every call, replaces
+    it for measurements)."""
+    one = _rows_served(k)
+    if one < gemm.MAX_M or gemm.wgmma_missing(device) is not None:
+        return one
+    raw = os.environ.get(SLICED_ROWS_ENV, "").strip()
+    if raw:
+        try:
+            return max(int(raw), one)
+        except ValueError:
+            raise ValueError(f"{SLICED_ROWS_ENV}={raw!r} is not an integer number of rows") from None
+    return max(next(rows for size, rows in SLICED_ROWS if n * k >= size), one)
 
 
 def _slice_rows(m: int, k: int) -> int:
@@ -697,7 +721,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         y = native_mm(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, None, workspace)
         gated = silu_mul(y)
         return gated if out is None else out.copy_(gated)
-    if refused or (m > _rows_served(k) and not deterministic()):
+    if refused or (m > rows_served(n, k, dev) and not deterministic()):
         return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
 
     if out is None:
@@ -735,7 +759,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         torch.cuda.set_device(dev)
     try:
         stream = torch.cuda.current_stream()
-        for r0 in range(0, m, step):  # one launch, or (deterministic mode) slices
+        for r0 in range(0, m, step):  # one launch, or slices (rows_served; any M in deterministic mode)
             rows = min(step, m - r0)
             if rows <= last:
                 _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,

@@ -526,6 +526,425 @@ def test_deterministic_mode_serves_large_m(monkeypatch):
         native.read_deterministic()
 
 
+def _native_launches(m: int, last: int) -> list[tuple[str, int]]:
+    """The launches the lowering makes for m rows it serves: one up to 64 rows, else 64-row slices and the rest."""
+    step = gemm.MAX_M if m > native.MAX_M else native.MAX_M
+    return [("gemv" if r <= last else "gemm", r) for r in (min(step, m - r0) for r0 in range(0, m, step))]
+
+
+def _record_launches(monkeypatch) -> list:
+    launches = []
+    real, real_gemm = native._launch, gemm.launch
+    monkeypatch.setattr(native, "_launch", lambda x2, *a: (launches.append(("gemv", x2.shape[0])), real(x2, *a))[1])
+    monkeypatch.setattr(gemm, "launch", lambda p, x2, *a: (launches.append(("gemm", x2.shape[0])), real_gemm(p, x2, *a))[1])
+    return launches
+
+
+def test_large_m_runs_in_slices_then_goes_to_triton(monkeypatch):
+    """One decode launch up to decode_rows (32; on Hopper 23 for this weight, 16 for one of 2^25
+    elements), one GEMM launch from there to 64 rows (the weight read once either way), then 64-row
+    slices and a launch for the rest up to rows_served (SLICED_ROWS on Hopper), above that triton."""
+    monkeypatch.delenv(native.SLICED_ROWS_ENV, raising=False)
+    launches = _record_launches(monkeypatch)
+    hopper = gemm.wgmma_missing(0) is None
+    for n, k, last in ((1024, 2048, 23 if hopper else 32), (8192, 4096, 16 if hopper else 32)):
+        assert native.decode_rows(n, k, 0) == last
+        served = native.rows_served(n, k, 0)
+        assert served == (next(r for size, r in native.SLICED_ROWS if n * k >= size) if hopper else gemm.MAX_M)
+        nw = native_weight("gptq", n, k, 128, False, version="v2")
+        bias = rand(n, dtype=torch.float16, seed=8)
+        for m in sorted({16, 17, 23, 24, 32, 33, 64, 65, 96, served, served + 1}):
+            want = _native_launches(m, last) if m <= served else []
+            launches.clear()
+            x = rand(m, k, dtype=torch.float16, seed=7)
+            y = nw.weight.mm(x, bias)
+            check(y, x, nw.w64, bias, f"{n}x{k} M={m}")
+            assert launches == want, f"{n}x{k} M={m}: native launches {launches}, expected {want}"
+
+
+def test_slices_past_64_rows(monkeypatch):
+    """Slices forced to 200 rows: 64-row GEMM launches and a decode launch (or GEMM) for the rest, each
+    slice the same bits as a call of its rows alone, the scratch workspace_bytes sizes enough, bf16 too."""
+    if (why := gemm.wgmma_missing(0)) is not None:
+        pytest.skip(f"the slices past 64 rows are the wgmma GEMM's: {why}")
+    launches = _record_launches(monkeypatch)
+    monkeypatch.setenv(native.SLICED_ROWS_ENV, "200")
+    nw = native_weight("gptq", 1024, 2048, 128, False, version="v2")
+    last = native.decode_rows(1024, 2048, 0)
+    for m, dtype in ((150, torch.float16), (200, torch.bfloat16), (129, torch.float16)):
+        x = rand(m, 2048, dtype=dtype, seed=9)
+        ws = torch.empty(native.workspace_bytes(m, 1024, 2048, 4, 128, 0), dtype=torch.uint8, device="cuda")
+        launches.clear()
+        y = nw.weight.mm(x, workspace=ws)
+        assert launches == _native_launches(m, last), f"M={m}: {launches}"
+        check(y, x, nw.w64, None, f"sliced M={m} {dtype}")
+        assert torch.equal(y[64:128], nw.weight.mm(x[64:128])), "64-row slices are independent GEMM launches"
+        assert torch.equal(y[128:], nw.weight.mm(x[128:])), "the last slice is a launch of its own"
+    launches.clear()
+    x = rand(201, 2048, dtype=torch.float16, seed=9)
+    check(nw.weight.mm(x), x, nw.w64, None, "M=201, past the forced limit")
+    assert launches == [], "past rows_served the call goes to triton"
+
+
+GEMM_PLANS = [dict(nwn=8, splits=1, stages=4), dict(nwn=8, splits=1, stages=4, wgmma=True),
+                   dict(nwn=8, splits=1, stages=4, wgmma=True, xpre=True), dict(nwn=8, splits=1, stages=4, minb=2, tw=1, wgmma=True, xpre=True),
+                   dict(nwn=8, splits=1, stages=4, wgmma=True, xnat=True), dict(nwn=4, splits=3, stages=4, wgmma=True, krot=True)]
+
+
+@pytest.mark.parametrize("case", [("gptq", 4096, 4096, 128, False, False, "v2"), ("gptq", 1024, 1000, 128, True, True, "v1"),
+                                  ("awq", 2048, 640, -1, False, False, None)], ids=_id)
+def test_column_slabs_give_the_flat_forms_bits_on_every_kernel(case):
+    """The same words in the other order: every kernel (decode plans, the gated epilogue, each GEMM
+    build, the Triton lowering above 64 rows) must give the flat form's output bit for bit, and the
+    float64 oracle's within tolerance."""
+    fmt, n, k, g, sym, act, ver = case
+    flat = native_weight(fmt, n, k, g, sym, act, ver)
+    slabs = native_weight(fmt, n, k, g, sym, act, ver, slabs=True)
+    wgmma_ok = gemm.wgmma_missing(0) is None
+    ran = 0
+
+    def same(what, f, m, dtype, bias=None):
+        nonlocal ran
+        x = rand(m, k, dtype=dtype, seed=m + 17)
+        y = f(slabs.weight, x, bias)
+        assert torch.equal(y, f(flat.weight, x, bias)), f"{_id(case)} {dtype} M={m} {what}: slabs differ from flat"
+        ran += 1
+        return x, y
+
+    for dtype in DTYPES:
+        bias = rand(n, dtype=dtype, seed=5)
+        for m in (1, 7, 16, 17, 32):
+            for p in _decode_plans(m, n, k):
+                with native.plan_override(lambda *a, p=p: p):
+                    x, y = same(p, lambda w, x, b: w.mm(x, b), m, dtype, bias)
+                check(y, x, flat.w64, bias, f"{_id(case)} slabs {dtype} M={m} {p}")
+        for m in (1, 16):
+            same("glu", lambda w, x, b: native.native_mm(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, 4, g, w.zero_offset, glu=True),
+                 m, dtype)
+        if k % 8 == 0:
+            for fields in SLAB_GEMM_PLANS:
+                if fields.get("wgmma") and not wgmma_ok:
+                    continue
+                for m in (33, 64):
+                    try:
+                        q = gemm.make_plan(m, n, k, **fields)
+                    except ValueError:
+                        continue
+                    with gemm.plan_override(lambda *_, q=q: q):
+                        x, y = same(q, lambda w, x, b: w.mm(x, b), m, dtype, bias if m == 33 else None)
+                    check(y, x, flat.w64, bias if m == 33 else None, f"{_id(case)} slabs {dtype} M={m} {q}")
+        for m in (65, 257):  # the Triton lowering (the native one delegates)
+            x, y = same("triton", lambda w, x, b: w.mm(x, b), m, dtype, bias)
+            check(y, x, flat.w64, bias, f"{_id(case)} slabs {dtype} M={m} triton")
+    assert ran >= 20
+
+
+@pytest.mark.parametrize("case", [("gptq", 4096, 4096, 128, False, False, "v2"), ("gptq", 1024, 1000, 128, True, True, "v1"),
+                                  ("awq", 2048, 640, -1, False, False, None)], ids=_id)
+def test_smem_bulk_ring_matches_the_cp_async_ring_bitwise(case):
+    """QOPS_SMEM_BULK (measurements): the shared-memory ring filled by one bulk copy a warp and chunk
+    on slab weights (K = 1000: the last chunk's copy is short) gives the cp.async ring's bits, and the
+    oracle's values, eagerly and replayed from a CUDA graph; a flat weight is refused naming the form."""
+    if not native._device_facts(0)[1]:
+        pytest.skip("bulk copies need sm_90")
+    fmt, n, k, g, sym, act, ver = case
+    flat = native_weight(fmt, n, k, g, sym, act, ver)
+    slabs = native_weight(fmt, n, k, g, sym, act, ver, slabs=True)
+    for dtype in DTYPES:
+        for m in (1, 7, 16):
+            for stages in (2, 4):
+                ring = native.make_plan(m, n, k, nwn=4 if m <= 8 else 2, splits=1, cluster=False, xfull=True, smem_ring=stages,
+                                        minb=2 if m <= 8 else 1, smem_limit=native.smem_optin_bytes(0))
+                bulk = dataclasses.replace(ring, smem_bulk=True)
+                x = rand(m, k, dtype=dtype, seed=m + stages)
+                with native.plan_override(lambda *a: ring):
+                    want = slabs.weight.mm(x)
+                with native.plan_override(lambda *a: bulk):
+                    y = slabs.weight.mm(x)
+                    assert torch.equal(y, want), f"{_id(case)} {dtype} M={m} stages={stages}: bulk ring differs from the cp.async ring"
+                    check(y, x, flat.w64, None, f"{_id(case)} {dtype} M={m} bulk")
+                    if m == 7 and dtype == torch.float16:
+                        _check_graph_replays(slabs, m, k, dtype, (2, 3), f"{_id(case)} bulk ring graph")
+                        with pytest.raises(ValueError, match="smem_bulk needs qweight in column slabs"):
+                            flat.weight.mm(x)
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (1024, 8192), (6144, 4096)], ids=str)
+def test_cluster_and_workspace_reductions_agree_bitwise(shape, monkeypatch):
+    monkeypatch.setenv(native.PLANS_ENV, "rule")  # the rule's split counts, with and without clusters
+    n, k = shape
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    xs = {m: rand(m, k, dtype=torch.float16, seed=m) for m in (1, 7, 16, 24, 32)}
+    bias = rand(n, dtype=torch.float16, seed=3)
+    first = {m: nw.weight.mm(x, bias) for m, x in xs.items()}
+    sms, cluster_ok = native._device_facts(0)
+    monkeypatch.setattr(native, "_device_facts", lambda idx: (sms, False))
+    for m, x in xs.items():
+        p = native.plan(m, n, k, 0)
+        y = nw.weight.mm(x, bias)
+        check(y, x, nw.w64, bias, f"{shape} M={m} splits={p.splits}")
+        if cluster_ok and native._plan(m, n, k, sms, True).splits == p.splits:
+            assert torch.equal(y, first[m]), f"{shape} M={m}: cluster and workspace sums differ"
+
+
+def runtime_weight(n, k, seed):
+    """Random runtime-layout tensors made on the GPU (a 57344 x 8192 weight packs in seconds), and
+    their float64 (N, K) weight decoded as the layout is documented at the top of w4a16_gemv.cu:
+    W[n, k] = scale[k/128, n] * (nibble k%8 of qweight[k/8, n] - nibble n%8 of qzeros[k/128, n/8])."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=g, device="cuda", dtype=torch.uint8)
+    z = torch.randint(0, 16, (k // 128, n), generator=g, device="cuda", dtype=torch.uint8)
+    # 2^-7 x (1 + j / 8): exact in fp16 and bf16 alike, so one oracle serves both activation dtypes
+    scales = torch.randint(8, 16, (k // 128, n), generator=g, device="cuda").float().mul_(2.0 ** -10)
+
+    def words(nib):  # eight nibbles along dim 1 -> one u32 word (kept as int32), nibble i at bits 4i
+        shifts = torch.arange(0, 32, 4, device="cuda", dtype=torch.int64)
+        w = (nib.to(torch.int64) << shifts.view(1, 8, 1)).sum(1)
+        return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).contiguous()
+
+    qweight = words(q.view(k // 8, 8, n))
+    qzeros = words(z.view(k // 128, n // 8, 8).transpose(1, 2))
+    w64 = (q.double().view(k // 128, 128, n) - z.double().view(k // 128, 1, n)) * scales.double().view(k // 128, 1, n)
+    return qweight, scales, qzeros, w64.view(k, n).t()
+
+
+def _table_entries():
+    if not torch.cuda.is_available():
+        return []
+    table = native.plan_tables().get(torch.cuda.get_device_name(0))
+    return table["plans"] if table and table["sms"] == native._device_facts(0)[0] else []
+
+
+def test_plan_table_entries_match_reference_on_their_own_shapes(monkeypatch):
+    """Every entry of this GPU's plan table (qops/native/plans/) is the plan the op takes, and gives
+    the right answer at the smallest and largest M it covers, in fp16 and bf16, at its real shape."""
+    entries = _table_entries()
+    if not entries:
+        pytest.skip(f"no plan table for {torch.cuda.get_device_name(0)} with {native._device_facts(0)[0]} SMs")
+    monkeypatch.delenv(native.PLANS_ENV, raising=False)
+    for (n, k) in sorted({(e["n"], e["k"]) for e in entries}):
+        qweight, scales, qzeros, w64 = runtime_weight(n, k, seed=n + k)
+        for e in (e for e in entries if (e["n"], e["k"]) == (n, k)):
+            for m in sorted({e["m_min"], e["m_max"]}):
+                p = native.plan(m, n, k, 0)
+                assert p == native.make_plan(m, n, k, **e["plan"]), (e, p)
+                for dtype in DTYPES:
+                    x = rand(m, k, dtype=dtype, seed=m)
+                    y = native.native_mm(x, qweight, scales.to(dtype), qzeros, None, None, 4, 128, 0)  # scales exact in dtype
+                    check(y, x, w64, None, f"table {n}x{k} M={m} {dtype} {p}")
+        del qweight, scales, qzeros, w64
+        torch.cuda.empty_cache()
+
+
+PLAN_VARIANTS = [  # (nwn, splits, cluster, xfull, ring, minb, fold, prefetch): every kernel knob the plans or the sweep use
+    (1, 1, False, True, 0, 2, False, 0), (1, 1, False, False, 0, 2, False, 0), (2, 2, True, True, 0, 2, False, 0),
+    (2, 2, False, True, 3, 2, False, 0), (4, 3, False, True, 2, 2, False, 0), (1, 3, True, False, 4, 1, False, 0),
+    (2, 4, False, False, 0, 1, False, 0), (1, 2, True, True, 4, 1, False, 0),
+    (1, 1, False, True, 0, 2, True, 0), (2, 2, True, True, 0, 1, True, 4), (4, 3, False, True, 2, 2, True, 8), (4, 1, False, True, 0, 1, True, 2),
+    (2, 4, False, False, 0, 1, False, 4), (1, 2, True, False, 0, 2, False, 16),
+    # M = 17..32 (MT 3, 4; one block per SM): the widest tile, nwn 2, the 3-deep ring, x staged once
+    (8, 1, False, False, 0, 1, False, 2), (8, 3, False, False, 3, 1, False, 0), (8, 2, True, False, 0, 1, False, 4),
+    (4, 2, True, False, 3, 1, False, 2), (2, 1, False, False, 0, 1, False, 0), (2, 4, False, True, 0, 1, False, 0),
+    # the shared-memory weight ring (9th field: stages; x staged once): the M = 1 plans of 28672 x 4096
+    # (fold) and 4096 x 14336 (cluster), a workspace, more stages than iterations, MT = 2, 11 stages (the most that fit)
+    (4, 1, False, True, 0, 1, True, 0, 8), (1, 2, True, True, 0, 1, False, 0, 4), (1, 3, False, True, 0, 2, False, 2, 2),
+    (2, 1, False, True, 0, 1, True, 0, 10), (8, 1, False, True, 0, 1, False, 0, 6), (4, 2, False, True, 0, 2, False, 4, 5),
+    (1, 1, False, True, 0, 1, False, 0, 11),
+]
+
+
+def _variant_id(v):
+    return "nwn{}-s{}-{}-{}-ring{}-minb{}{}-pf{}".format(
+        v[0], v[1], "cl" if v[2] else "ws", "xfull" if v[3] else "xstaged", v[4], v[5], "-fold" if v[6] else "", v[7]) + (
+        f"-smem{v[8]}" if len(v) > 8 and v[8] else "")
+
+
+@pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=_variant_id)
+def test_every_plan_variant_matches_reference(variant):
+    nwn, splits, cluster, xfull, ring, minb, fold, prefetch = variant[:8]
+    smem_ring = variant[8] if len(variant) > 8 else 0
+    if cluster and not native._device_facts(0)[1]:
+        pytest.skip("thread-block clusters need sm_90")
+    for fmt, n, k, g, sym, ver in [("gptq", 1000, 777, 128, False, "v1"), ("gptq", 512, 2048, 128, True, "v2"), ("awq", 640, 1280, -1, False, None)]:
+        nw = native_weight(fmt, n, k, g, sym, False, ver)
+        for m in (1, 7, 16, 17, 24, 32):
+            try:
+                p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring, minb=minb, fold=fold,
+                                     prefetch=prefetch, smem_ring=smem_ring, smem_limit=native.smem_optin_bytes(0))
+            except ValueError:  # outside the kernel's limits for this M (make_plan says which)
+                continue
+            for dtype in DTYPES:
+                x = rand(m, k, dtype=dtype, seed=m)
+                bias = rand(n, dtype=dtype, seed=5) if m in (7, 24) else None
+                with native.plan_override(lambda *a, p=p: p):
+                    y = nw.weight.mm(x, bias)
+                check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {p}")
+
+
+# The decode kernel's warpgroup-MMA builds (QOPS_WGMMA): (nwn, splits, cluster). The widest tile (the
+# M <= 16 plans'), two warpgroups along K (nwn 4: on K = 777, 7 chunks, the second warpgroup has no
+# chunk in the last iteration and runs its MMAs on the first chunk's x, its sums dropped), a cluster,
+# the workspace.
+WGMMA_PLANS = [(8, 1, False), (4, 1, False), (8, 2, True), (4, 3, False), (8, 2, False)]
+
+
+def _wgmma_plan(m, n, k, nwn, splits, cluster):
+    return native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=True, minb=1 if m > 16 else 2, wgmma=True,
+                            smem_limit=native.smem_optin_bytes(0))
+
+
+@pytest.mark.parametrize("variant", WGMMA_PLANS, ids=lambda v: "nwn{}-s{}-{}".format(v[0], v[1], "cl" if v[2] else "ws"))
+def test_wgmma_plans_match_reference(variant):
+    """Every tile height (M = 1 .. 32), both dtypes, zeros or not, act-order, a bias, K off the chunk grid,
+    and x rows that are not 16-byte aligned (the scalar x path of the image staging)."""
+    if (why := gemm.wgmma_missing(0)) is not None:
+        pytest.skip(why)
+    nwn, splits, cluster = variant
+    for fmt, n, k, g, sym, act, ver in [("gptq", 1000, 777, 128, False, False, "v1"), ("gptq", 512, 2048, 128, True, False, "v2"),
+                                        ("awq", 640, 1280, -1, False, False, None), ("gptq", 1024, 2048, 128, False, True, "v1")]:
+        nw = native_weight(fmt, n, k, g, sym, act, ver)
+        for m in (1, 7, 9, 16, 17, 24, 32):
+            try:
+                p = _wgmma_plan(m, n, k, nwn, splits, cluster)
+            except ValueError:  # outside the kernel's limits for this M (make_plan says which)
+                continue
+            for dtype in DTYPES:
+                for layout in (("contiguous", "offset") if m in (9, 16) else ("contiguous",)):
+                    x = _x(m, k, dtype, layout, seed=m)
+                    bias = rand(n, dtype=dtype, seed=5) if m in (7, 16) else None
+                    with native.plan_override(lambda *a, p=p: p):
+                        y = nw.weight.mm(x, bias)
+                    check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {layout} {p}")
+
+
+def test_wgmma_cluster_and_workspace_agree_bitwise_and_repeat():
+    """The two split-K sums of the wgmma build agree bit for bit, and a second run gives the same bits."""
+    if (why := gemm.wgmma_missing(0)) is not None:
+        pytest.skip(why)
+    n, k = 4096, 4096
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    for m in (9, 16):
+        x = rand(m, k, dtype=torch.bfloat16, seed=m)
+        ys = []
+        for cluster in (True, False, True):
+            p = _wgmma_plan(m, n, k, 8, 2, cluster)
+            with native.plan_override(lambda *a, p=p: p):
+                ys.append(nw.weight.mm(x))
+        check(ys[0], x, nw.w64, None, f"wgmma M={m}")
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), f"M={m}: wgmma sums differ between reductions or runs"
+
+
+def test_wgmma_gated_output_and_cuda_graph():
+    """The gated output (silu(gate) * up, no zeros) and a CUDA-graph replay of a wgmma build after warm-up."""
+    if (why := gemm.wgmma_missing(0)) is not None:
+        pytest.skip(why)
+    n, k = 2048, 1024
+    nw = native_weight("gptq", n, k, 128, True, version="v1")
+    p = _wgmma_plan(16, n, k, 8, 2, True)
+    x = rand(16, k, dtype=torch.float16, seed=2)
+    with native.plan_override(lambda *a, p=p: p):
+        w = nw.weight
+        y = native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, glu=True)
+        want = glu_reference(x, nw.w64)
+        assert rel_err(y, want) < TOL[torch.float16], rel_err(y, want)
+        native.warmup(nw.weight, torch.float16, max_m=16)
+        _check_graph_replays(nw, 16, k, torch.float16, (3, 4), f"wgmma graph {p}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fold_keeps_the_precision_of_the_exact_path_on_offset_activations(dtype):
+    """Folding subtracts the dequantization bias (1024 or 128 times the x sums) after the MMA: the
+    worst case for its cancellation is activations of one sign. Within 2x of the exact path's error
+    (which is the output rounding) and within the tolerance."""
+    n, k = 1024, 4096
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    errs = {}
+    for fold in (False, True):
+        p = native.make_plan(4, n, k, nwn=1, splits=1, cluster=False, xfull=True, fold=fold)
+        x = (rand(4, k, dtype=torch.float32, seed=7) + 3.0).to(dtype)
+        with native.plan_override(lambda *a, p=p: p):
+            y = nw.weight.mm(x)
+        check(y, x, nw.w64, None, f"fold={fold}")
+        errs[fold] = rel_err(y, reference(x, nw.w64))
+    assert errs[True] <= 2 * errs[False] + 1e-4, errs
+
+
+def test_out_variant_with_workspace_and_strided_out():
+    nw = native_weight("gptq", 1024, 2048, 128, False, version="v2")
+    w = nw.weight
+    for m in (1, 5, 16, 32, 40):
+        x = rand(m, 2048, dtype=torch.bfloat16, seed=m)
+        big = torch.full((m, 1100), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = big[:, 7:1031]
+        need = native.workspace_bytes(m, 1024, 2048, 4, 128)
+        ws = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
+        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits, w.group_size,
+                                         w.zero_offset, int(w.kernel), out, ws)
+        check(out, x, nw.w64, None, f"out M={m}")
+        assert bool(big[:, :7].isnan().all()) and bool(big[:, 1031:].isnan().all()), "wrote outside out"
+        out2 = torch.full((m, 1024), float("nan"), dtype=torch.bfloat16, device="cuda").t().contiguous().t()
+        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits, w.group_size,
+                                         w.zero_offset, int(w.kernel), out2, None)
+        check(out2, x, nw.w64, None, f"column-major out M={m}")
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["plain", "act-order"])
+def test_activation_layouts_and_bias_dtypes(act_order):
+    nw = native_weight("gptq", 512, 1000, 128, True, act_order=act_order, version="v2")
+    w = nw.weight
+    k = 1000
+    layouts = {
+        "3d": rand(2, 3, k, dtype=torch.float16),
+        "transposed": rand(k, 5, dtype=torch.float16).t(),
+        "strided": rand(4, 2 * k, dtype=torch.float16)[:, ::2],
+        "offset": rand(3, k + 3, dtype=torch.float16)[:, 3:],
+        "broadcast": rand(1, k, dtype=torch.float16).expand(6, k),
+        "1d": rand(k, dtype=torch.float16),
+    }
+    biases = (None, rand(512, dtype=torch.float16), rand(512, dtype=torch.float32), rand(512, dtype=torch.bfloat16),
+              rand(1024, dtype=torch.float16)[::2])
+    for name, x in layouts.items():
+        for bias in biases:
+            check(w.mm(x, bias), x, nw.w64, bias, f"{name} bias={None if bias is None else bias.dtype}")
+
+
+def test_empty_inputs():
+    nw = native_weight("gptq", 256, 512, 128, True, version="v1")
+    y = nw.weight.mm(torch.empty(0, 512, dtype=torch.float16, device="cuda"))
+    assert y.shape == (0, 256) and y.dtype == torch.float16
+
+
+def test_deterministic_run_to_run():
+    for shape, m in (((4096, 4096), 16), ((1024, 8192), 1), ((1000, 777), 7), ((4096, 4096), 32), ((1024, 8192), 25)):
+        nw = native_weight("gptq", *shape, 128, False, version="v2")
+        x = rand(m, shape[1], dtype=torch.bfloat16, seed=5)
+        first = nw.weight.mm(x)
+        for _ in range(20):
+            assert torch.equal(nw.weight.mm(x), first), f"{shape} M={m} changed between runs"
+
+
+def test_deterministic_mode_serves_large_m(monkeypatch):
+    nw = native_weight("gptq", 1024, 2048, 128, False, version="v2")
+    monkeypatch.setenv(native.DETERMINISTIC_ENV, "1")
+    assert native.warmup(nw.weight, torch.float16) >= 1
+    try:
+        for m in (150, 72):
+            x = rand(m, 2048, dtype=torch.float16, seed=6)
+            y = nw.weight.mm(x)
+            check(y, x, nw.w64, None, f"deterministic M={m}")
+            assert torch.equal(nw.weight.mm(x), y)
+            assert torch.equal(y[64:128], nw.weight.mm(x[64:128])), "64-row slices are independent GEMM launches"
+            assert torch.equal(y[128:], nw.weight.mm(x[128:])), "the short last slice is a launch of its own"
+        odd = native_weight("gptq", 1000, 777, 128, False, version="v1")  # K % 8 != 0: no GEMM, 32-row decode slices
+        x = rand(72, 777, dtype=torch.bfloat16, seed=7)
+        y = odd.weight.mm(x)
+        check(y, x, odd.w64, None, "deterministic M=72, K=777")
+        assert torch.equal(odd.weight.mm(x), y) and torch.equal(y[32:64], odd.weight.mm(x[32:64]))
+    finally:
+        monkeypatch.delenv(native.DETERMINISTIC_ENV)
+        native.read_deterministic()
+
+
 def test_large_m_is_delegated_to_triton(monkeypatch):
     """One decode launch up to decode_rows (32; on Hopper 23 for this weight, 16 for one of 2^25
     elements), one GEMM launch from there to 64 rows (the weight read once either way), above that
