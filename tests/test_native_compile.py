@@ -678,21 +678,50 @@ def test_decode_rows_on_hopper_and_elsewhere(monkeypatch):
     assert native.decode_rows(28672, 4096, 0) == native.MAX_M
 
 
-def test_workspace_above_the_gemm_is_the_triton_need(monkeypatch):
-    """Outside deterministic mode, calls above gemm.MAX_M rows (or above MAX_M with K % 8 != 0, which
-    the GEMM does not take) are handed to triton: its scratch need."""
+def test_workspace_past_the_native_rows_is_the_triton_need(monkeypatch):
+    """Outside deterministic mode, calls past rows_served (on Hopper the GEMM's slices: 96 rows for a
+    4096 x 4096 weight; above MAX_M with K % 8 != 0, which the GEMM does not take) are handed to triton:
+    its scratch need. Below, the need of the largest launch: one, or a 64-row slice and the rest."""
     monkeypatch.setattr(native, "_device_facts", lambda idx: (132, False))
     _h200_gemm(monkeypatch)
     monkeypatch.setattr(native, "_deterministic", False)
+    monkeypatch.delenv(native.SLICED_ROWS_ENV, raising=False)
     asked = []
     fake = type("tri", (), {"workspace_bytes": staticmethod(lambda m, n, k, bits, g, dev: asked.append((m, n, k, dev.type)) or 4096)})
     monkeypatch.setattr(native, "_triton_module", lambda: fake)
-    for m in (gemm.MAX_M + 1, 300):
+    served = native.rows_served(4096, 4096, 0)
+    assert served == 96
+    for m in (served + 1, 300):
         assert native.workspace_bytes(m, 4096, 4096, 4, 128, device=0) == 4096
     assert native.workspace_bytes(40, 4096, 777, 4, -1, device=0) == 4096
-    assert asked == [(m, 4096, 4096, "cuda") for m in (gemm.MAX_M + 1, 300)] + [(40, 4096, 777, "cuda")]
+    assert asked == [(m, 4096, 4096, "cuda") for m in (served + 1, 300)] + [(40, 4096, 777, "cuda")]
     for m in (native.MAX_M + 1, gemm.MAX_M):
         assert native.workspace_bytes(m, 4096, 4096, 4, 128, device=0) == gemm._rule(m, 4096, 4096, 132, wgmma=True).workspace
+    rule = lambda m: gemm._rule(m, 4096, 4096, 132, wgmma=True).workspace  # noqa: E731
+    assert native.workspace_bytes(served, 4096, 4096, 4, 128, device=0) == max(rule(64), rule(served - 64))
+    monkeypatch.setenv(native.SLICED_ROWS_ENV, "300")
+    assert native.workspace_bytes(300, 4096, 4096, 4, 128, device=0) == max(rule(64), rule(300 % 64))
+    assert len(asked) == 3
+
+
+def test_rows_served_by_weight_size_and_device(monkeypatch):
+    """SLICED_ROWS by N * K on the wgmma GEMM's devices (first entry the weight reaches), one launch's rows
+    elsewhere and where K % 8 != 0; QOPS_NATIVE_SLICED_ROWS replaces the table, never below one launch."""
+    _h200_gemm(monkeypatch)
+    monkeypatch.delenv(native.SLICED_ROWS_ENV, raising=False)
+    assert [native.rows_served(n, k, 0) for n, k in ((28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096), (2048, 4096))] == [
+        256, 192, 96, 96, gemm.MAX_M]
+    assert native.rows_served(4096, 4100, 0) == native.MAX_M  # K % 8 != 0: the decode kernel's 32-row launches
+    monkeypatch.setenv(native.SLICED_ROWS_ENV, "500")
+    assert native.rows_served(4096, 4096, 0) == 500
+    monkeypatch.setenv(native.SLICED_ROWS_ENV, "10")
+    assert native.rows_served(4096, 4096, 0) == gemm.MAX_M
+    monkeypatch.setenv(native.SLICED_ROWS_ENV, "many")
+    with pytest.raises(ValueError, match="QOPS_NATIVE_SLICED_ROWS='many'"):
+        native.rows_served(4096, 4096, 0)
+    monkeypatch.delenv(native.SLICED_ROWS_ENV)
+    monkeypatch.setattr(gemm, "_capability", lambda idx: (8, 0))  # no wgmma GEMM: never measured, one launch
+    assert native.rows_served(28672, 4096, 0) == gemm.MAX_M
 
 
 def test_workspace_bytes_without_a_gpu_is_an_upper_bound():
