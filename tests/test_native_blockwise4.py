@@ -35,7 +35,8 @@ def _variants():
                       (1, {"scale": "cols"}), (8, {"scale": "cols", "tiles": 1}), (8, {"scale": "cols", "lut_imm": False}),
                       (1, {"persistent": True}), (16, {"persistent": True}), (1, {"persistent": True, "tiles": 1, "ring": 3}),
                       (1, {"wn": 8, "tiles": 1, "ring": 3}), (1, {"wn": 4, "tiles": 1, "ring": 3}), (16, {"wn": 2, "tiles": 1}),
-                      (8, {"wn": 8, "tiles": 1, "ring": 3, "persistent": True})):
+                      (8, {"wn": 8, "tiles": 1, "ring": 3, "persistent": True}),
+                      (1, {"alu": 1}), (1, {"alu": 8, "ring": 2}), (16, {"alu": 1})):  # ALU decoding (a measurement knob)
         with nbw4.plan_override(**fields):
             yield nbw4.plan(m, 28672, 4096, H200_SMS, 64).defines(torch.float16, True, 64, 256, LAYOUT_TILE16)
 

@@ -61,6 +61,7 @@ class Plan:
     persistent: bool = False  # one wave of blocks, each taking every grid-th tile (QOPS_PERSISTENT)
     wn: int = 1  # warp groups a block side by side along N, each on ``tiles`` 16-row tiles (QOPS_WN)
     probe: int = 0  # measurements only (benchmarks/probe_nf4_native.py): 1 loads alone, 2 math alone
+    alu: int = 0  # measurements only: of a lane's 8 words a step, how many are decoded on the ALU, not the table (QOPS_ALU)
 
     @property
     def shmem_bytes(self) -> int:
@@ -74,6 +75,8 @@ class Plan:
             raise ValueError(f"native blockwise4 plan: scale={self.scale!r} is not one of {SCALES}")
         if self.wn < 1 or self.warps % self.wn:
             raise ValueError(f"native blockwise4 plan: wn={self.wn} does not divide warps={self.warps}")
+        if not 0 <= self.alu <= 8:
+            raise ValueError(f"native blockwise4 plan: alu={self.alu} outside 0..8 (words of a lane's eight a step)")
 
     def defines(self, dtype: torch.dtype, nested: bool, blocksize: int, nested_blocksize: int, layout: int,
                 smem_base: int = 0) -> dict[str, int]:
@@ -96,7 +99,7 @@ class Plan:
             "QOPS_NESTED_BS": nested_blocksize if nested else 1,
             "QOPS_LUT_IMM": int(self.lut_imm),
             "QOPS_SMEM_BASE": smem_base if self.lut_imm else 0,
-        }
+        } | ({"QOPS_ALU": self.alu} if self.alu else {})  # only then: the other builds keep their cache keys
 
     def tiles_of(self, n: int) -> int:
         """Block tiles (16 * ``tiles`` * ``wn`` rows each) of an N-row weight."""

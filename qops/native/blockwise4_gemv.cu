@@ -74,8 +74,8 @@
 // x each, 4 with QOPS_BLOCK_COLS), QOPS_R (16-row tiles a block: 1 or 2), QOPS_WARPS (4, 8 or 16),
 // QOPS_RING (2..8 slots), QOPS_WN (1, 2, 4, 8; divides QOPS_WARPS), QOPS_MINB (blocks an SM
 // promised to ptxas), QOPS_NESTED (0/1), QOPS_BLOCKSIZE, QOPS_NESTED_BS (nested only), QOPS_PRESCALE (0/1), QOPS_BLOCK_COLS (0/1),
-// QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_TILE16 (0/1), QOPS_PERSISTENT (0/1), QOPS_PROBE
-// (measurement builds only).
+// QOPS_LUT_IMM (0/1) with QOPS_SMEM_BASE, QOPS_TILE16 (0/1), QOPS_PERSISTENT (0/1), QOPS_PROBE and
+// QOPS_ALU (measurement builds only).
 #include "codebook4.cuh"
 
 #ifndef QOPS_DT
@@ -126,6 +126,9 @@
 #ifndef QOPS_LUT_IMM
 #define QOPS_LUT_IMM 0  // 1: table entries 256 bytes apart, the window base QOPS_SMEM_BASE an immediate of the lookup
 #endif
+#ifndef QOPS_ALU
+#define QOPS_ALU 0  // measurements: of a lane's 8 words a step, how many are decoded on the ALU (codebook4.cuh)
+#endif
 #ifndef QOPS_SMEM_BASE
 #define QOPS_SMEM_BASE 0  // shared-window address of dynamic shared memory (measured: compiler.dynamic_shared_base)
 #endif
@@ -167,6 +170,12 @@ constexpr int kTableStride = kLutImm ? 256 : 128;
 constexpr int kTableBytes = codebook_table_bytes<kTableStride>();  // 256 byte values x 32 lane copies
 constexpr int kNestedMapBytes = 256 * 4;        // the nested code after the table (NESTED_MAP_BYTES on the host)
 constexpr bool kPersistent = QOPS_PERSISTENT != 0;
+// QOPS_ALU = A (0..8): the words of quarters i < A of row g + 8, then of quarters i < A - 4 of row g,
+// decoded on the ALU (codebook_decode_alu), the rest through the table: fewer shared loads a step
+// for more integer instructions (benchmarks/probe_nf4_native.py --plans '[{"alu": 2}]').
+constexpr int kAlu = QOPS_ALU;
+static_assert(kAlu >= 0 && kAlu <= 8, "QOPS_ALU is 0..8 words of a lane's eight a step");
+__device__ __forceinline__ constexpr bool alu_word(int i, int h) { return h == 1 ? i < kAlu : i < kAlu - 4; }
 static_assert(kMT == 1 || kMT == 2, "QOPS_MT is 1 or 2 (M <= 16)");
 static_assert(kR == 1 || kR == 2, "QOPS_R is 1 or 2");
 static_assert(kWarps == 4 || kWarps == 8 || kWarps == 16, "QOPS_WARPS is 4, 8 or 16");
@@ -227,6 +236,37 @@ __device__ __forceinline__ u32 lookup(u32 lane_table, u32 w) {
   return codebook_lookup<SEL, kTableStride, kLutImm ? QOPS_SMEM_BASE : -1>(lane_table, w);
 }
 
+// Decoding on the ALU instead (no shared memory): the 16 codes as DT bits, their low bytes packed four
+// to a register in tab[0..3] and their high bytes in tab[4..7] (codebook_alu_table). For the two bytes
+// HALF of w (0: bytes 0, 1; 1: bytes 2, 3) it gives the words codebook_lookup<2 HALF> and <2 HALF + 1>
+// would: each nibble's low three bits select a byte from the codes 0..7 and from 8..15 (two prmt a
+// byte half), the nibble's top bit chooses between them (a byte mask from one prmt in sign-replicate
+// mode: nibble 2j's top bit is bit 7 of w << 4's byte j, nibble 2j + 1's bit 7 of w's), and two prmt
+// interleave low and high bytes into the byte's pair. ~11 instructions a byte pair where the table
+// takes one prmt and one shared load a byte (codebook4.cuh): QOPS_ALU, a measurement knob for when the
+// lookups queue on the memory-instruction pipe (stop 39: mio and short-scoreboard stalls).
+template <int DT>
+__device__ __forceinline__ void codebook_alu_table(u32 (&tab)[8], const float* code) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) tab[i] = 0;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const u32 b = f32_to_bits<DT>(code[j]);
+    tab[j / 4] |= (b & 0xffu) << (8 * (j % 4));
+    tab[4 + j / 4] |= (b >> 8) << (8 * (j % 4));
+  }
+}
+
+template <int HALF>
+__device__ __forceinline__ void codebook_decode_alu(const u32 (&tab)[8], u32 w, u32& first, u32& second) {
+  const u32 sel = (w >> (16 * HALF)) & 0x7777u;                     // four 3-bit selectors
+  const u32 top = prmt<HALF ? 0xFBEA : 0xD9C8>(w << 4, w);           // 0xff where a nibble's top bit is set
+  const u32 lo = (prmt_r(tab[0], tab[1], sel) & ~top) | (prmt_r(tab[2], tab[3], sel) & top);
+  const u32 hi = (prmt_r(tab[4], tab[5], sel) & ~top) | (prmt_r(tab[6], tab[7], sel) & top);
+  first = prmt<0x4051>(lo, hi);   // byte 2 HALF: code[v >> 4] low half, code[v & 15] high half
+  second = prmt<0x6273>(lo, hi);  // byte 2 HALF + 1
+}
+
 // x for a quarter of a step (8 values of the lane's 32) and one x tile: with two blocks a step, in the
 // register set of the lane's block (lo: t < 2, hi: t >= 2; predicated loads), the other set staying
 // zero from the start of the kernel; with block columns, in lo where the lane's block is its column's
@@ -259,7 +299,7 @@ __device__ __forceinline__ void add_scaled(float (&acc)[kMT][4], const float (&d
   }
 }
 
-__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, XQuarter (&xq)[kMT],
+__device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4], u32 lane_table, const u32 (&alu_tab)[8], XQuarter (&xq)[kMT],
                                          const u16* const (&xrow)[kMT], const u32 (&flat)[kR][2], const float* nested_code_s,
                                          const float* nested_absmax, float nested_offset, int q, int t) {
   if constexpr (kProbe == 1) {  // loads alone: every loaded word reaches the output, nothing is decoded
@@ -302,15 +342,31 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
         const u32 w1 = word(sl.w[r][1], i);  // row g + 8
         u32 a0, a1, a2, a3;
         if (jj == 0) {
-          a0 = lookup<0>(lane_table, w0);
-          a2 = lookup<1>(lane_table, w0);
-          a1 = lookup<0>(lane_table, w1);
-          a3 = lookup<1>(lane_table, w1);
+          if (alu_word(i, 0)) {
+            codebook_decode_alu<0>(alu_tab, w0, a0, a2);
+          } else {
+            a0 = lookup<0>(lane_table, w0);
+            a2 = lookup<1>(lane_table, w0);
+          }
+          if (alu_word(i, 1)) {
+            codebook_decode_alu<0>(alu_tab, w1, a1, a3);
+          } else {
+            a1 = lookup<0>(lane_table, w1);
+            a3 = lookup<1>(lane_table, w1);
+          }
         } else {
-          a0 = lookup<2>(lane_table, w0);
-          a2 = lookup<3>(lane_table, w0);
-          a1 = lookup<2>(lane_table, w1);
-          a3 = lookup<3>(lane_table, w1);
+          if (alu_word(i, 0)) {
+            codebook_decode_alu<1>(alu_tab, w0, a0, a2);
+          } else {
+            a0 = lookup<2>(lane_table, w0);
+            a2 = lookup<3>(lane_table, w0);
+          }
+          if (alu_word(i, 1)) {
+            codebook_decode_alu<1>(alu_tab, w1, a1, a3);
+          } else {
+            a1 = lookup<2>(lane_table, w1);
+            a3 = lookup<3>(lane_table, w1);
+          }
         }
         if constexpr (kPrescale) {
           a0 = mul2<kDT>(a0, pre[r][0]);
@@ -440,6 +496,11 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
   for (int s = 0; s < kRing - 1; ++s) load_slot(ring[s], wrow, flat, absmax, p0 + s, t, p0 + s < p1);
 
   codebook_table_build<kDT, kTableStride>(table, code, tid, kThreads);  // codebook4.cuh
+  u32 alu_tab[8];  // QOPS_ALU: the codes' bytes in registers (unused, and removed, without it)
+  if constexpr (kAlu > 0) codebook_alu_table<kDT>(alu_tab, code);
+  else
+#pragma unroll
+    for (int i = 0; i < 8; ++i) alu_tab[i] = 0;
   float* nested_code_s = reinterpret_cast<float*>(table + kTableBytes);
   if constexpr (kNested)
     for (int v = tid; v < 256; v += kThreads) nested_code_s[v] = nested_code[v];
@@ -477,7 +538,7 @@ qops_blockwise4_gemv(const unsigned char* __restrict__ qweight, const float* __r
         const int ahead = base + s + kRing - 1;
         load_slot(ring[(s + kRing - 1) % kRing], wrow, flat, absmax, ahead, t, ahead < p1);
         if (base + s < p1)
-          use_slot(ring[s], acc, lane_table, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
+          use_slot(ring[s], acc, lane_table, alu_tab, xq, xrow, flat, nested_code_s, nested_absmax, noff, base + s, t);
       }
     }
     grid_dep_launch_dependents();

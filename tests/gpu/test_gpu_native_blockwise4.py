@@ -187,6 +187,26 @@ def test_deterministic_and_plans_agree():
                 check(w0.mm(x0[:m]), x0[:m], w0_64, None, torch.float16, f"N=1000 {fields} M={m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_alu_decoding_is_the_table_bit_for_bit(dtype):
+    # QOPS_ALU (a measurement knob): words decoded by prmt selections from the codes' bytes in registers
+    # instead of the shared-memory table give the same operands, so the same bits, for every share of
+    # the words, NF4 and FP4 codebooks, one-block (blocksize 128) and two-block (64, pre-scaled and
+    # chains) steps, M in both x tiles.
+    for case in (CASES[0], CASES[1], CASES[4]):
+        w, w64 = gpu_weight(case, dtype)
+        x = torch.randn(16, case.k, device="cuda", dtype=dtype)
+        for base in ({}, {"scale": "chains", "minb": 1}, {"lut_imm": False}):
+            for m in (1, 5, 16):
+                with nbw4.plan_override(**base):
+                    want = w.mm(x[:m])
+                for alu in (1, 2, 4, 5, 8):
+                    with nbw4.plan_override(**base, alu=alu):
+                        y = w.mm(x[:m])
+                    assert torch.equal(y, want), f"{case} {base} alu={alu} M={m}"
+                check(y, x[:m], w64, None, dtype, f"{case} alu=8 M={m}")
+
+
 @pytest.mark.parametrize("m", [1, 9])
 def test_cuda_graph_capture_after_warmup(m):
     case = CASES[0]
