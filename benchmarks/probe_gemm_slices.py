@@ -6,10 +6,11 @@ as 64-row GEMM launches and one for the rest (the rest up to 16 or 23 rows in th
 launch reading the whole weight. Per shape and M this times, interleaved over rotated weight copies
 (method of ``common.py``): the op through the Triton lowering, the op through the native lowering with
 every M sliced (``QOPS_NATIVE_SLICED_ROWS``), and cuBLAS fp16 on a dense copy; the sliced output is
-checked against a float64 reference. GPTQ v2, 4 bits, group 128, asymmetric, fp16 x. The last column
-of the table is what ``SLICED_ROWS`` is fitted to: Triton's time over the slices'.
+checked against a float64 reference. GPTQ v2, 4 bits, group 128, asymmetric, fp16 x (``--dtype
+bfloat16``: bf16 x and scales, and cuBLAS bf16). The last column of the table is what ``SLICED_ROWS``
+is fitted to: Triton's time over the slices'.
 
-    PYTHONPATH=. python benchmarks/probe_gemm_slices.py [--shapes 28672x4096,...] [--ms 65,96,128,...] [--out F]
+    PYTHONPATH=. python benchmarks/probe_gemm_slices.py [--shapes 28672x4096,...] [--ms 65,96,128,...] [--dtype bfloat16] [--out F]
 """
 from __future__ import annotations
 
@@ -50,35 +51,38 @@ def sliced(f):
 
 def main(argv=None) -> int:
     p = common.probe_parser("probe_gemm_slices.py", __doc__, SHAPES, MS, 5)
+    p.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="activation dtype")
     a = p.parse_args(argv)
+    dtype = getattr(torch, a.dtype)
     res = common.probe_result("gemm_slices")
     if res is None:
         return 2
+    res["dtype"] = a.dtype
     bw = res["copy_TBps"]
     triton_kernel = LOWERINGS_BY_NAME["triton_int_weight"].kernel
     for n, k in a.shapes:
-        w = gptq_native(n, k)
+        w = gptq_native(n, k, dtype=dtype)
         ws = [w] + [clone_tensors(w) for _ in range(n_copies(w.nbytes()) - 1)]
         wt = [dataclasses.replace(v, kernel=triton_kernel) for v in ws]
-        dense = w.dequantize(torch.float16)
+        dense = w.dequantize(dtype)
         ds = [dense] + [dense.clone() for _ in range(n_copies(dense.numel() * 2) - 1)]
         for m in a.ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
             roof = common.roofline_us(w.nbytes() + 2 * m * (k + n), bw)
             row = {"N": n, "K": k, "M": m, "roofline_us": round(roof, 2)}
             want = (x.double() @ dense.double().t()).float()
             row["sliced_rel_err"] = common.rel_err(sliced(lambda: w.mm(x))(), want)
             row["triton_rel_err"] = common.rel_err(wt[0].mm(x), want)
             cands = {"sliced": [sliced(lambda v=v: v.mm(x)) for v in ws], "triton": [lambda v=v: v.mm(x) for v in wt],
-                     "cublas_fp16": [lambda d=d: torch.nn.functional.linear(x, d) for d in ds]}
+                     "cublas": [lambda d=d: torch.nn.functional.linear(x, d) for d in ds]}
             common.time_row(res, row, cands, a.trials, roof, ratio=("triton_over_sliced", "triton", "sliced"))
-            row["cublas_over_sliced"] = round(row["cublas_fp16_us"] / row["sliced_us"], 3)
+            row["cublas_over_sliced"] = round(row["cublas_us"] / row["sliced_us"], 3)
             common.write_json(res, common.output_paths("probe_gemm_slices.json", a.out))
         del w, ws, wt, ds, dense
         torch.cuda.empty_cache()
-    print("\nN x K | M | sliced us | triton us | cuBLAS fp16 us | triton / sliced | cuBLAS / sliced")
+    print(f"\n{a.dtype}: N x K | M | sliced us | triton us | cuBLAS us | triton / sliced | cuBLAS / sliced")
     for r in res["rows"]:
-        print(f"{r['N']}x{r['K']} | {r['M']} | {r['sliced_us']} | {r['triton_us']} | {r['cublas_fp16_us']} | "
+        print(f"{r['N']}x{r['K']} | {r['M']} | {r['sliced_us']} | {r['triton_us']} | {r['cublas_us']} | "
               f"{r['triton_over_sliced']} | {r['cublas_over_sliced']}")
     return 0
 
