@@ -293,10 +293,10 @@ LOWERINGS: tuple[Lowering, ...] = (
         # GEMM the rows above to 64 (1.09-2.0x triton on the
         # five shapes at M = 33, 48, 64: ...-8d70817-probe-gemm-plans.json; with Hopper's wgmma
         # 1.02-1.41x faster again, 1.07-1.23x cuBLAS fp16 at M = 64 on the four large shapes:
-        # ...-531f5ae-int-weight.json); on Hopper 64-row GEMM slices up to 96-256 rows by the weight's
-        # size (int_weight.SLICED_ROWS: 1.02-2.41x triton there, ...-93edcde-probe-gemm-slices.json);
+        # ...-531f5ae-int-weight.json); on Hopper 64-row GEMM slices up to 96-192 rows by the weight's
+        # size (int_weight.SLICED_ROWS: 1.02-2.41x triton there, ...-93edcde-probe-gemm-slices.json, ...-b5386cc-probe-slices-*.json);
         # above that it delegates to triton, so the times match.
-        note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=32 (Hopper: M<=16 or 23) and GEMM for M<=64 (Hopper: 64-row slices up to M=96..256 by weight size), deterministic split-K; larger M delegated to triton",
+        note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=32 (Hopper: M<=16 or 23) and GEMM for M<=64 (Hopper: 64-row slices up to M=96..192 by weight size), deterministic split-K; larger M delegated to triton",
         software=_native_missing,
     ),
     Lowering(

@@ -710,7 +710,7 @@ def test_rows_served_by_weight_size_and_device(monkeypatch):
     _h200_gemm(monkeypatch)
     monkeypatch.delenv(native.SLICED_ROWS_ENV, raising=False)
     shapes = ((57344, 8192), (8192, 28672), (28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096), (2048, 4096))
-    assert [native.rows_served(n, k, 0) for n, k in shapes] == [256, 256, 192, 192, 96, 96, gemm.MAX_M]
+    assert [native.rows_served(n, k, 0) for n, k in shapes] == [192, 192, 192, 160, 96, 96, gemm.MAX_M]
     assert native.rows_served(4096, 4100, 0) == native.MAX_M  # K % 8 != 0: the decode kernel's 32-row launches
     monkeypatch.setenv(native.SLICED_ROWS_ENV, "500")
     assert native.rows_served(4096, 4096, 0) == 500

@@ -2,10 +2,10 @@
 
 Serves the runtime layout of ``qops/ops/int_weight.py`` with bits = 4, group_size -1 or a multiple
 of 128, float16/bfloat16 activations and scales, N % 4 == 0, a 16-byte aligned contiguous qweight,
-and M = prod(x.shape[:-1]) <= 64: up to 32 rows (``MAX_M``) the decode kernel, 33..64 rows
+and M = prod(x.shape[:-1]) <= 64 (on Hopper more, in slices: below): up to 32 rows (``MAX_M``) the decode kernel, 33..64 rows
 (``int_weight_gemm.MAX_M``, K % 8 == 0) the GEMM of :mod:`qops.native.int_weight_gemm` (on Hopper,
 whose GEMM build runs warpgroup MMAs, from 17 or 24 rows: :func:`decode_rows`); one launch either
-way, the weight read once for all rows. Past 64 rows on Hopper, up to :func:`rows_served` (96, 192 or 256
+way, the weight read once for all rows. Past 64 rows on Hopper, up to :func:`rows_served` (96, 160 or 192
 by the weight's size, ``SLICED_ROWS``: measured faster than Triton there), 64-row GEMM launches and one
 for the rest. Anything else goes to the Triton lowering (``qops.ops.triton.int_weight.triton_mm``),
 except in deterministic mode, where any M runs over such slices (32-row decode-kernel slices where
@@ -88,15 +88,14 @@ WGMMA_DECODE_ROWS = ((1 << 25, 16), (0, 23))
 # the rest, each reading the whole weight, while that is faster than the Triton lowering's tiled GEMM
 # or dense path; above, it is handed to Triton. (smallest N*K, most rows), as WGMMA_DECODE_ROWS, for
 # the wgmma GEMM (Hopper); elsewhere the slices were never measured and the limit is gemm.MAX_M.
-# Measured side by side (h200-2026-12-04-93edcde-probe-gemm-slices.json, fp16, M = 65 / 80 / 96 / 128 /
-# 160 / 192 / 256), Triton's time over the slices': at 256 1.03x on 57344x8192 and 1.11x on 8192x28672
-# (the two of >= 2^27), 1.04x on 28672x4096 but 0.995x in the next run's bench_int_weight
-# (h200-2026-12-04-75ebf85-bench_int_weight.json: a tie, left to Triton), 0.82-0.93x on the 2^25.8
-# ones; 1.04-1.19x at 192 on 14336x4096 and 4096x14336 (1.31-1.47x on the larger); 1.04x at 96 on
-# 6144x4096 (0.95x at 128) and 1.14x at 128 on 4096x4096 (0.96x at 160); at M = 65 1.36-2.41x
-# everywhere. Smaller weights were not measured: one launch, gemm.MAX_M rows.
+# Measured side by side in three runs (h200-2026-12-04-93edcde-probe-gemm-slices.json, fp16, and
+# ...-b5386cc-probe-slices-{fp16,bf16}.json), Triton's time over the slices': at 192 rows 1.23-1.45x on
+# the three weights of >= 2^26, and at 160 1.08-1.15x on the two of 2^25.8 (at 192 14336x4096 tied:
+# 0.99-1.04x); at 96 1.19-1.21x on 4096x4096 and 1.02-1.04x on 6144x4096 (0.92-0.95x at 128); at M = 65
+# 1.30-2.41x everywhere. At 256 only 8192x28672 kept winning (1.07-1.11x; 57344x8192 0.96-1.03x,
+# 28672x4096 1.00-1.05x): not taken. Smaller weights were not measured: one launch, gemm.MAX_M rows.
 # QOPS_NATIVE_SLICED_ROWS=R replaces the table (measurements).
-SLICED_ROWS = ((1 << 27, 256), (1 << 25, 192), (1 << 24, 96), (0, 64))
+SLICED_ROWS = ((1 << 26, 192), (1 << 25, 160), (1 << 24, 96), (0, 64))
 SLICED_ROWS_ENV = "QOPS_NATIVE_SLICED_ROWS"
 THREADS = 256
 CHUNK_K = 128
