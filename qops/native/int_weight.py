@@ -2,14 +2,14 @@
 
 Serves the runtime layout of ``qops/ops/int_weight.py`` with bits = 4, group_size -1 or a multiple
 of 128, float16/bfloat16 activations and scales, N % 4 == 0, a 16-byte aligned contiguous qweight,
-and M = prod(x.shape[:-1]) <= 64 (on Hopper more, in slices: below): up to 32 rows (``MAX_M``) the decode kernel, 33..64 rows
-(``int_weight_gemm.MAX_M``, K % 8 == 0) the GEMM of :mod:`qops.native.int_weight_gemm` (on Hopper,
-whose GEMM build runs warpgroup MMAs, from 17 or 24 rows: :func:`decode_rows`); one launch either
-way, the weight read once for all rows. Past 64 rows on Hopper, up to :func:`rows_served` (96, 160 or 192
-by the weight's size, ``SLICED_ROWS``: measured faster than Triton there), 64-row GEMM launches and one
-for the rest. Anything else goes to the Triton lowering (``qops.ops.triton.int_weight.triton_mm``),
-except in deterministic mode, where any M runs over such slices (32-row decode-kernel slices where
-K % 8 != 0): bit-identical run to run.
+and M = prod(x.shape[:-1]) <= 64 (on Hopper more, in slices: below): up to 32 rows (``MAX_M``) the
+decode kernel, 33..64 rows (``int_weight_gemm.MAX_M``, K % 8 == 0) the GEMM of
+:mod:`qops.native.int_weight_gemm` (on Hopper, whose GEMM build runs warpgroup MMAs, from 17 or 24
+rows: :func:`decode_rows`); one launch either way, the weight read once for all rows. Past 64 rows on
+Hopper, up to :func:`rows_served` (96, 160 or 192 by the weight's size, ``SLICED_ROWS``: measured
+faster than Triton there), 64-row GEMM launches and one for the rest. Anything else goes to the
+Triton lowering (``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where any M
+runs over such slices (32-row decode-kernel slices where K % 8 != 0): bit-identical run to run.
 
 Kernels: ``w4a16_gemv.cu`` and ``w4a16_gemm.cu`` (design notes at their tops). act_perm is
 applied by gathering x once (``index_select``) before the launch.
@@ -643,7 +643,7 @@ def decode_rows(n: int, k: int, device: int) -> int:
     return next(rows for size, rows in WGMMA_DECODE_ROWS if n * k >= size)
 
 
-def _rows_served(k: int) -> int:
+def _launch_rows(k: int) -> int:
     """Rows one native launch takes: the GEMM's up to gemm.MAX_M where it can copy x (K % 8 == 0), else
     the decode kernel's."""
     return gemm.MAX_M if k % 8 == 0 else MAX_M
@@ -651,10 +651,10 @@ def _rows_served(k: int) -> int:
 
 def rows_served(n: int, k: int, device: int) -> int:
     """Most rows of a call this lowering runs itself outside deterministic mode (more go to Triton):
-    one launch's (:func:`_rows_served`), or on the wgmma GEMM's devices as many as SLICED_ROWS gives
+    one launch's (:func:`_launch_rows`), or on the wgmma GEMM's devices as many as SLICED_ROWS gives
     the weight in slices of gemm.MAX_M rows (``QOPS_NATIVE_SLICED_ROWS``, read at every call, replaces
     it for measurements)."""
-    one = _rows_served(k)
+    one = _launch_rows(k)
     if one < gemm.MAX_M or gemm.wgmma_missing(device) is not None:
         return one
     raw = os.environ.get(SLICED_ROWS_ENV, "").strip()
@@ -667,8 +667,8 @@ def rows_served(n: int, k: int, device: int) -> int:
 
 
 def _slice_rows(m: int, k: int) -> int:
-    """Rows of each launch of an m-row call (deterministic mode slices calls past _rows_served)."""
-    return MAX_M if m <= MAX_M else _rows_served(k)
+    """Rows of each launch of an m-row call (calls past one launch's rows run in slices: rows_served, or deterministic mode)."""
+    return MAX_M if m <= MAX_M else _launch_rows(k)
 
 
 def _triton_module():
