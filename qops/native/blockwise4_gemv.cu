@@ -127,7 +127,7 @@
 #define QOPS_LUT_IMM 0  // 1: table entries 256 bytes apart, the window base QOPS_SMEM_BASE an immediate of the lookup
 #endif
 #ifndef QOPS_ALU
-#define QOPS_ALU 0  // measurements: of a lane's 8 words a step, how many are decoded on the ALU (codebook4.cuh)
+#define QOPS_ALU 0  // measurements: of a lane's 8 words a step, how many are decoded on the ALU (codebook_decode_alu)
 #endif
 #ifndef QOPS_SMEM_BASE
 #define QOPS_SMEM_BASE 0  // shared-window address of dynamic shared memory (measured: compiler.dynamic_shared_base)
@@ -244,7 +244,9 @@ __device__ __forceinline__ u32 lookup(u32 lane_table, u32 w) {
 // mode: nibble 2j's top bit is bit 7 of w << 4's byte j, nibble 2j + 1's bit 7 of w's), and two prmt
 // interleave low and high bytes into the byte's pair. ~11 instructions a byte pair where the table
 // takes one prmt and one shared load a byte (codebook4.cuh): QOPS_ALU, a measurement knob for when the
-// lookups queue on the memory-instruction pipe (stop 39: mio and short-scoreboard stalls).
+// lookups queue on the memory-instruction pipe (stop 39: mio and short-scoreboard stalls). Measured at
+// M = 1 (benchmarks/NOTES.md stop 45): a quarter of the words on the ALU +2-3% on 4096x14336 and
+// 8192x28672, -4% on 28672x4096; half or more slower everywhere. No plan takes it.
 template <int DT>
 __device__ __forceinline__ void codebook_alu_table(u32 (&tab)[8], const float* code) {
 #pragma unroll
