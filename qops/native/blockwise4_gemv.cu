@@ -269,6 +269,18 @@ __device__ __forceinline__ void codebook_decode_alu(const u32 (&tab)[8], u32 w, 
   second = prmt<0x6273>(lo, hi);  // byte 2 HALF + 1
 }
 
+// The table words of bytes 2 HALF and 2 HALF + 1 of w: on the ALU where ``alu`` (alu_word, a
+// compile-time constant after unrolling), else through the table.
+template <int HALF>
+__device__ __forceinline__ void decode_pair(bool alu, u32 lane_table, const u32 (&alu_tab)[8], u32 w, u32& first, u32& second) {
+  if (alu) {
+    codebook_decode_alu<HALF>(alu_tab, w, first, second);
+  } else {
+    first = lookup<2 * HALF>(lane_table, w);
+    second = lookup<2 * HALF + 1>(lane_table, w);
+  }
+}
+
 // x for a quarter of a step (8 values of the lane's 32) and one x tile: with two blocks a step, in the
 // register set of the lane's block (lo: t < 2, hi: t >= 2; predicated loads), the other set staying
 // zero from the start of the kernel; with block columns, in lo where the lane's block is its column's
@@ -342,33 +354,13 @@ __device__ __forceinline__ void use_slot(const Slot& sl, float (&acc)[kR][kMT][4
       for (int r = 0; r < kR; ++r) {
         const u32 w0 = word(sl.w[r][0], i);  // row g: bytes 4i .. 4i + 3 (slice 2i + jj: 2 of them)
         const u32 w1 = word(sl.w[r][1], i);  // row g + 8
-        u32 a0, a1, a2, a3;
+        u32 a0, a1, a2, a3;  // row g's words for bytes 2 jj, 2 jj + 1 of w0 (a0, a2), row g + 8's of w1 (a1, a3)
         if (jj == 0) {
-          if (alu_word(i, 0)) {
-            codebook_decode_alu<0>(alu_tab, w0, a0, a2);
-          } else {
-            a0 = lookup<0>(lane_table, w0);
-            a2 = lookup<1>(lane_table, w0);
-          }
-          if (alu_word(i, 1)) {
-            codebook_decode_alu<0>(alu_tab, w1, a1, a3);
-          } else {
-            a1 = lookup<0>(lane_table, w1);
-            a3 = lookup<1>(lane_table, w1);
-          }
+          decode_pair<0>(alu_word(i, 0), lane_table, alu_tab, w0, a0, a2);
+          decode_pair<0>(alu_word(i, 1), lane_table, alu_tab, w1, a1, a3);
         } else {
-          if (alu_word(i, 0)) {
-            codebook_decode_alu<1>(alu_tab, w0, a0, a2);
-          } else {
-            a0 = lookup<2>(lane_table, w0);
-            a2 = lookup<3>(lane_table, w0);
-          }
-          if (alu_word(i, 1)) {
-            codebook_decode_alu<1>(alu_tab, w1, a1, a3);
-          } else {
-            a1 = lookup<2>(lane_table, w1);
-            a3 = lookup<3>(lane_table, w1);
-          }
+          decode_pair<1>(alu_word(i, 0), lane_table, alu_tab, w0, a0, a2);
+          decode_pair<1>(alu_word(i, 1), lane_table, alu_tab, w1, a1, a3);
         }
         if constexpr (kPrescale) {
           a0 = mul2<kDT>(a0, pre[r][0]);

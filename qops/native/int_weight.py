@@ -623,7 +623,7 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
             return max(16 * min(m, MAX_M) * n * 4, gemm_need if m > min(r for _, r in WGMMA_DECODE_ROWS) else 0)
         device = torch.cuda.current_device()
     dev = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
-    if m > rows_served(n, k, dev) and not deterministic():
+    if _delegated(m, n, k, dev):
         return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, torch.device("cuda", dev)))
     # Slices of _slice_rows(m, k) rows and a shorter last one, one after another on the same scratch.
     step = _slice_rows(m, k)
@@ -664,6 +664,12 @@ def rows_served(n: int, k: int, device: int) -> int:
         except ValueError:
             raise ValueError(f"{SLICED_ROWS_ENV}={raw!r} is not an integer number of rows") from None
     return max(next(rows for size, rows in SLICED_ROWS if n * k >= size), one)
+
+
+def _delegated(m: int, n: int, k: int, device: int) -> bool:
+    """Whether an m-row call goes to Triton: past rows_served outside deterministic mode. Calls one launch
+    serves (every decode call) skip rows_served's environment and device checks."""
+    return m > _launch_rows(k) and m > rows_served(n, k, device) and not deterministic()
 
 
 def _slice_rows(m: int, k: int) -> int:
@@ -729,7 +735,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         y = native_mm(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, None, workspace)
         gated = silu_mul(y)
         return gated if out is None else out.copy_(gated)
-    if refused or (m > rows_served(n, k, dev) and not deterministic()):
+    if refused or _delegated(m, n, k, dev):
         return _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace)
 
     if out is None:
