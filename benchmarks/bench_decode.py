@@ -17,6 +17,8 @@ Models (``qops.models.llama``, random weights, one GPU, no tensor parallelism):
 - ``w4-fp16``: w4 run in fp16 (activations, embeddings, norms and ``lm_head`` fp16), the dtype GPTQ
   checkpoints store their scales in and the one many int4 stacks run them in; the comparison is still
   with the bf16 model.
+- ``w4-layers``: w4 with ``use_layer_kernel()``: a batch-1 step runs every decoder layer as one
+  ``qops::decode_layers`` op (one persistent kernel on sm_90), compiled per batch size.
 
 Method: ``qops.models.compile_decode`` (``torch.compile(fullgraph=True)``, batch dimension
 unbacked: one compilation per model). Per (model, batch): a random prompt of ``--prompt-len`` tokens
@@ -79,8 +81,9 @@ MODEL_KINDS = {
     "w4-qhead": "w4 with lm_head GPTQ 4-bit g128 too (checkpoints that quantize the head)",
     "w4-flat": "w4 with every qweight flat instead of in the column slabs prepared for the native lowering",
     "w4-fp16": "w4 run in fp16 activations (embeddings, norms, lm_head fp16 too)",
+    "w4-layers": "w4 with batch-1 steps through qops::decode_layers (every layer in one persistent kernel)",
 }
-W4_KINDS = ("w4", "w4-qhead", "w4-flat", "w4-fp16")
+W4_KINDS = ("w4", "w4-qhead", "w4-flat", "w4-fp16", "w4-layers")
 
 
 def model_dtype(kind: str, dtype):
@@ -200,6 +203,8 @@ def build(kind, config, device, dtype, args, attention="fused"):
                                           max_seq=args.max_seq, process_group=None, attention=attention)
     if kind == "w4-flat":
         _flatten_qweights(model)
+    if kind == "w4-layers":
+        model.use_layer_kernel()
     del shared, linears
     gc.collect()
     return model
@@ -317,7 +322,9 @@ def run(args) -> int:
             info["allocated_after_build_bytes"] = torch.cuda.memory_allocated()
         res["models"][label] = info
         models[label] = model
-        steps_fn[label] = compile_decode(model, cuda_graphs=cuda_graphs and not captured, greedy=captured)
+        # w4-layers: a static batch, so that batch 1 takes the layer op (an unbacked batch never does).
+        steps_fn[label] = compile_decode(model, cuda_graphs=cuda_graphs and not captured, greedy=captured,
+                                         dynamic_batch=kind != "w4-layers")
         print(f"built {label}: {info['build_s']} s, weights {info['weights_bytes'] / 2**30:.2f} GiB, scratch "
               f"{info['scratch_bytes'] / 2**20:.2f} MiB, lowerings {info['lowerings']}", flush=True)
         common.write_json(res, out_paths)

@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..layers import (
     QuantLinear,
@@ -61,6 +62,7 @@ from ..layers import (
 from ..layers.loader import read_quantization_config
 from ..workspace import Workspace, attach_workspace
 from . import attention as _attention  # noqa: F401  (registers qops::decode_attention)
+from . import layer_kernel as _layer_kernel
 from .checkpoint import QuantScheme, TensorWeights, get_scheme, quantize_tensors, save_pretrained
 
 ARCHITECTURES = ("LlamaForCausalLM",)  # (Mistral adds sliding-window attention, not implemented here)
@@ -333,6 +335,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("key_positions", torch.arange(max_seq, device=self.device), persistent=False)
         self.workspace = Workspace.for_model(self, max_m=max_batch, device=self.device)
         attach_workspace(self, self.workspace)
+        self._layer_args = None  # qops::decode_layers' arguments once use_layer_kernel() is called
 
     # Construction.
 
@@ -397,8 +400,82 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.norm(x) if delta is None else self.norm.forward_add(delta, x)[0])
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step: ``tokens``, ``positions`` ``(B,)`` -> logits ``(B, vocab)``."""
+        """One decode step: ``tokens``, ``positions`` ``(B,)`` -> logits ``(B, vocab)``; a batch of
+        one through ``qops::decode_layers`` after :meth:`use_layer_kernel` (a batch size the
+        compiler does not know statically, e.g. unbacked, takes the layer-by-layer path)."""
+        if self._layer_args is not None and guard_or_false(tokens.shape[0] == 1):
+            return self._decode_one(tokens, positions)
         return self.forward(tokens.unsqueeze(1), positions.unsqueeze(1)).squeeze(1)
+
+    def _decode_one(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens.view(1, 1)).view(1, self.config.hidden_size)
+        h = torch.ops.qops.decode_layers(x, positions.view(1), self.rope_cos, self.rope_sin, *self._layer_args,
+                                         self.layer_workspace, *self._layer_statics)
+        return self.lm_head(self.norm(h.view(1, 1, -1))).squeeze(1)
+
+    def layer_kernel_refusal(self) -> str | None:
+        """Why :meth:`use_layer_kernel` cannot serve this model (None: it can)."""
+        if self.world_size != 1:
+            return f"world size {self.world_size}: the layer op runs one process's whole layers"
+        if self.attention != "fused":
+            return f"attention={self.attention!r}: the layer op computes the fused decode attention"
+        first = None
+        for i, layer in enumerate(self.layers):
+            for name, sup in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                              ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+                lin = sup.linear
+                where = f"layer {i} {name}"
+                if getattr(lin, "qweight", None) is None or not hasattr(lin, "act_perm"):
+                    return f"{where} is {type(lin).__name__}, not an integer-weight layer (GPTQ / AWQ / compressed-tensors)"
+                if lin.bits != 4:
+                    return f"{where} has {lin.bits}-bit weights; the layer op takes 4-bit"
+                if lin.act_perm is not None or lin.input_pad or lin.bias is not None:
+                    return f"{where} has act-order, input padding or a bias"
+                enc = (lin.group_size, lin.zero_offset, lin.qzeros is None, lin.scales.dtype)
+                if first is None:
+                    first = enc
+                if enc != first:
+                    return f"{where}: group size, zeros or scales' dtype differ from the other projections'"
+        return None
+
+    def layer_kernel_native_refusal(self) -> str | None:
+        """Why ``qops::decode_layers`` would run its reference kernel, not the native one, for this
+        model after :meth:`use_layer_kernel` (None: the native kernel runs)."""
+        if self._layer_args is None:
+            return "use_layer_kernel() has not been called"
+        norm1, _, qweight, scales, qzeros, kc, vc = self._layer_args
+        x = norm1[0].view(1, -1)
+        return _layer_kernel.native_refusal(_layer_kernel.dims_of(self.config), x, self.rope_cos, self.rope_sin, qweight, scales,
+                                            qzeros, kc, vc)
+
+    def use_layer_kernel(self, enable: bool = True) -> None:
+        """Run batch-1 decode steps through ``qops::decode_layers`` (``qops.models.layer_kernel``):
+        every decoder layer in one op, on an sm_90 GPU one persistent kernel. Allocates the op's
+        workspace (``layer_workspace``, :func:`~qops.models.layer_kernel.workspace_bytes`) once.
+        Raises ValueError naming what does not qualify (:meth:`layer_kernel_refusal`)."""
+        if not enable:
+            self._layer_args = None
+            return
+        why = self.layer_kernel_refusal()
+        if why is not None:
+            raise ValueError(f"LlamaForCausalLM.use_layer_kernel: {why}")
+        qweight, scales, qzeros = [], [], []
+        for layer in self.layers:
+            for sup in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                qweight.append(sup.linear.qweight)
+                scales.append(sup.linear.scales)
+                qzeros.append(sup.linear.qzeros)
+        norm1 = [layer.input_layernorm.weight for layer in self.layers]
+        norm2 = [layer.post_attention_layernorm.weight for layer in self.layers]
+        kc = [layer.self_attn.k_cache for layer in self.layers]
+        vc = [layer.self_attn.v_cache for layer in self.layers]
+        lin = self.layers[0].self_attn.qkv_proj.linear
+        dims = _layer_kernel.dims_of(self.config)
+        self.register_buffer("layer_workspace", torch.zeros(_layer_kernel.workspace_bytes(dims), dtype=torch.uint8, device=self.device),
+                             persistent=False)
+        self._layer_args = (norm1, norm2, qweight, scales, qzeros, kc, vc)
+        self._layer_statics = (self.config.num_key_value_heads, lin.group_size, lin.zero_offset, self.config.rms_norm_eps,
+                               self.layers[0].self_attn.scale)
 
     def decode_greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step and its greedy choice: ``(logits (B, vocab), next tokens (B,))``, the
@@ -421,6 +498,8 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of the weights this rank holds (parameters and weight buffers; no caches, no scratch)."""
         skip = {id(t) for m in self.modules() for t in (getattr(m, "k_cache", None), getattr(m, "v_cache", None)) if t is not None}
         skip |= {id(self.rope_cos), id(self.rope_sin), id(self.key_positions), id(self.workspace.buffer)}
+        if hasattr(self, "layer_workspace"):
+            skip.add(id(self.layer_workspace))
         seen, total = set(), 0
         for t in list(self.parameters()) + list(self.buffers()):
             if id(t) in skip or t.data_ptr() in seen:
@@ -506,7 +585,7 @@ def is_quantized_checkpoint(path: str) -> bool:
 
 
 def compile_decode(model: LlamaForCausalLM, *, cuda_graphs: bool | None = None, greedy: bool = False, pdl: bool | None = None,
-                   **compile_kw) -> Callable:
+                   dynamic_batch: bool = True, **compile_kw) -> Callable:
     """``model.decode`` (``greedy``: ``model.decode_greedy``) under ``torch.compile(fullgraph=True)``,
     compiled once for every batch size:
     the batch dimension of each call's inputs is marked unbacked (``mark_dynamic`` would still
@@ -515,7 +594,9 @@ def compile_decode(model: LlamaForCausalLM, *, cuda_graphs: bool | None = None, 
     before each step (:func:`generate` with ``cuda_graphs=True``). ``pdl`` (default: on a CUDA device
     of compute capability 9.0 or more) has Inductor's kernels use programmatic dependent launch
     (``triton.enable_pdl``): each may start while the kernel ahead of it drains (measured on an H200:
-    4% off a decode step). A ``mode`` or ``options`` in ``compile_kw`` is passed as given."""
+    4% off a decode step). ``dynamic_batch=False``: no unbacked batch dimension, one compilation per
+    batch size (batch 1 then takes :meth:`LlamaForCausalLM.use_layer_kernel`'s op where enabled). A
+    ``mode`` or ``options`` in ``compile_kw`` is passed as given."""
     if cuda_graphs is None:
         cuda_graphs = model.device.type == "cuda"
     if pdl is None:
@@ -529,8 +610,9 @@ def compile_decode(model: LlamaForCausalLM, *, cuda_graphs: bool | None = None, 
     compiled = torch.compile(model.decode_greedy if greedy else model.decode, fullgraph=True, **compile_kw)
 
     def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.decorators.mark_unbacked(tokens, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        if dynamic_batch:
+            torch._dynamo.decorators.mark_unbacked(tokens, 0)
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
         return compiled(tokens, positions)
 
     return step

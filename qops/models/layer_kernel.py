@@ -1,0 +1,414 @@
+"""``qops::decode_layers``: every decoder layer of a Llama-style model for one token in one op -- on
+an sm_90 GPU one persistent kernel (``qops/native/decode_layers.cu``), which streams the layers'
+4-bit weights through each SM's shared memory without stopping at the layer's phase boundaries.
+
+Arguments (L layers; hidden size H, intermediate size I, Hq query heads, Hkv KV heads, head dim D;
+the projections' weights in qops' runtime int-weight layout, ``qops/ops/int_weight.py``):
+
+- ``hidden`` ``(1, H)`` float16 / bfloat16 (float32: the reference kernel only): the token's embedding (the residual stream entering
+  layer 0).
+- ``positions`` int64 ``(1,)``: the token's position, in ``[0, S)`` (not checked: a check would
+  read device memory). ``cos``, ``sin`` float32 ``(R, D)``: rotary tables, as ``decode_attention``.
+- ``norm1``, ``norm2``: L tensors ``(H,)``: the input and post-attention RMSNorm weights.
+- ``qweight``, ``scales``, ``qzeros``: 4 L tensors, layer by layer ``[q; k; v]`` (N = (Hq + 2 Hkv) D,
+  K = H), ``o`` (H, Hq D), ``[gate; up]`` (2 I, H), ``down`` (H, I): 4-bit, flat ``(K/8, N)`` or column
+  slabs ``(N/32, K/8, 32)``; scales ``(n_groups, N)``, one float dtype for all; qzeros ``(n_groups,
+  N/8)`` int32 for every projection or None for every one (symmetric, zero 8). No act-order, no bias.
+- ``k_cache``, ``v_cache``: L tensors ``(max_batch, Hkv, S, D)``, written in place at row 0,
+  ``positions[0]``.
+- ``workspace`` uint8, at least :func:`workspace_bytes` bytes, caller-owned scratch; the op keeps
+  its arrival counters and its table of the weights' addresses there between calls.
+- ``num_kv_heads``, ``group_size`` (a multiple of 128, or -1), ``zero_offset``, ``eps`` (the RMSNorms'),
+  ``scale`` (the softmax's).
+
+Returns the residual stream after the last layer ``(1, H)``. Each layer computes what
+``LlamaDecoderLayer`` does for one token with ``attention="fused"``: ``x = rmsnorm(h)``;
+``qkv = x W_qkv^T`` (fp32 sums, rounded); rotary, cache write and attention as ``decode_attention``;
+``h = round(h + round(attn W_o^T))``; ``x = rmsnorm(h)``; ``a = round(silu(g) u)`` from the fp32 sums of
+``[gate; up]``; ``h = round(h + round(a W_down^T))``.
+
+Kernels: on CPU (and wherever the native kernel refuses, :func:`native_refusal` says why)
+:func:`reference_decode_layers`, plain torch in fp32 with the same roundings. On sm_90 the native
+kernel, launched with one block per SM; it needs every block resident at once (grid barriers), which
+one block per SM and nothing else holding an SM for good guarantees. Sums run in a fixed order (no
+floating-point atomics): results are the same bits run to run. Scores, softmax and the attention's
+sums stay in fp32 (``decode_attention`` rounds the probabilities to the dtype before ``p @ v``; this
+kernel does not), so outputs agree with the layer-by-layer model within rounding, not bit for bit.
+
+The first call with a given workspace and weights (outside CUDA-graph capture) zeroes the
+workspace's counters and writes the weights' addresses into it; a captured call finds them there.
+Inference only: no autograd formula is registered.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..ops._common import ACT_DTYPES, fail
+from . import attention as _attention
+
+OP = "decode_layers"
+SCHEMA = ("(Tensor hidden, Tensor positions, Tensor cos, Tensor sin, Tensor[] norm1, Tensor[] norm2, Tensor[] qweight, "
+          "Tensor[] scales, Tensor?[] qzeros, Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, Tensor(c!) workspace, "
+          "int num_kv_heads, int group_size, int zero_offset, float eps, float scale) -> Tensor")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+SOURCE = "decode_layers.cu"
+KERNEL = "qops_decode_layers"
+THREADS = 288              # 8 consumer warps and a producer warp
+SLOT_BYTES = 2304 + 16     # a ring slot (decode_layers.cu kSlotBytes) and its two mbarriers
+MAX_SLOTS = 96
+MAX_SPLITS = 32            # the attention's shares of the cache positions per KV head (workspace sized for it)
+TABLE_WORDS = 16           # pointers a layer (decode_layers.cu LayerWeights)
+
+
+@dataclass(frozen=True)
+class Dims:
+    layers: int
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def _n_k(t: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a 4-bit qweight in either form."""
+    if t.dim() == 3:
+        return t.shape[0] * t.shape[2], t.shape[1] * 8
+    return t.shape[1], t.shape[0] * 8
+
+
+def check_decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
+                        num_kv_heads: int, group_size: int, zero_offset: int) -> Dims:
+    """Validate every argument (eagerly and under fake tensors); returns the model's dimensions."""
+    who = OP
+    dt = hidden.dtype
+    torch._check_type(dt in ACT_DTYPES, lambda: fail(who, f"hidden must be float32, float16 or bfloat16, got {dt}"))
+    torch._check_value(hidden.dim() == 2 and hidden.shape[0] == 1,
+                       lambda: fail(who, f"hidden must be (1, H) (one token), got shape {tuple(hidden.shape)}"))
+    h = int(hidden.shape[1])
+    n_layers = len(norm1)
+    if n_layers < 1:
+        raise ValueError(fail(who, "norm1 is empty: give at least one layer"))
+    for name, lst, want in (("norm2", norm2, n_layers), ("k_cache", k_cache, n_layers), ("v_cache", v_cache, n_layers),
+                            ("qweight", qweight, 4 * n_layers), ("scales", scales, 4 * n_layers), ("qzeros", qzeros, 4 * n_layers)):
+        if len(lst) != want:
+            raise ValueError(fail(who, f"{name} must hold {want} tensors ({'4 a layer: ' + ', '.join(PROJECTIONS) if want != n_layers else 'one a layer'}), got {len(lst)}"))
+    dev = hidden.device
+    named = [("positions", positions), ("cos", cos), ("sin", sin), ("workspace", workspace)]
+    for name, lst in (("norm1", norm1), ("norm2", norm2), ("qweight", qweight), ("scales", scales), ("qzeros", qzeros),
+                      ("k_cache", k_cache), ("v_cache", v_cache)):
+        named += [(f"{name}[{i}]", t) for i, t in enumerate(lst) if t is not None]
+    for name, t in named:
+        if t.device != dev:
+            raise ValueError(fail(who, f"{name} must be on {dev} (the device of hidden), got {t.device}"))
+    torch._check_type(positions.dtype == torch.int64 and positions.numel() == 1,
+                      lambda: fail(who, f"positions must be int64 with one element, got {positions.dtype} {tuple(positions.shape)}"))
+    kc0 = k_cache[0]
+    if kc0.dim() != 4:
+        raise ValueError(fail(who, f"k_cache[0] must be 4-D (max_batch, Hkv, S, D), got shape {tuple(kc0.shape)}"))
+    d = int(kc0.shape[3])
+    if kc0.shape[1] != num_kv_heads:
+        raise ValueError(fail(who, f"k_cache[0] holds {kc0.shape[1]} KV heads, num_kv_heads is {num_kv_heads}"))
+    for name, t in (("cos", cos), ("sin", sin)):
+        torch._check_type(t.dtype == torch.float32, lambda name=name, t=t: fail(who, f"{name} must be float32, got {t.dtype}"))
+        if t.dim() != 2 or t.shape[1] != d:
+            raise ValueError(fail(who, f"{name} must be (R, D={d}), got shape {tuple(t.shape)}"))
+    for name, lst in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for i, t in enumerate(lst):
+            if tuple(t.shape) != tuple(kc0.shape) or t.dtype != dt:
+                raise ValueError(fail(who, f"{name}[{i}] must be {dt} of shape {tuple(kc0.shape)}, got {t.dtype} {tuple(t.shape)}"))
+    for name, lst in (("norm1", norm1), ("norm2", norm2)):
+        for i, t in enumerate(lst):
+            if tuple(t.shape) != (h,) or t.dtype != dt:
+                raise ValueError(fail(who, f"{name}[{i}] must be {dt} of shape ({h},), got {t.dtype} {tuple(t.shape)}"))
+    qkv_n, _ = _n_k(qweight[0])
+    if qkv_n % d or qkv_n // d <= 2 * num_kv_heads:
+        raise ValueError(fail(who, f"qweight[0] ([q; k; v]) has N={qkv_n}, not (Hq + 2 Hkv) * D with D={d}, Hkv={num_kv_heads}"))
+    heads = qkv_n // d - 2 * num_kv_heads
+    if heads % num_kv_heads:
+        raise ValueError(fail(who, f"query heads {heads} are not a multiple of num_kv_heads={num_kv_heads}"))
+    inter2, _ = _n_k(qweight[2])
+    if inter2 % 2:
+        raise ValueError(fail(who, f"qweight[2] ([gate; up]) has an odd N={inter2}"))
+    dims = Dims(n_layers, h, inter2 // 2, heads, num_kv_heads, d)
+    want_nk = ((qkv_n, h), (h, heads * d), (inter2, h), (h, inter2 // 2))
+    if group_size != -1 and (group_size <= 0 or group_size % 128):
+        raise ValueError(fail(who, f"group_size must be a multiple of 128 or -1, got {group_size}"))
+    has_z = qzeros[0] is not None
+    for i in range(4 * n_layers):
+        p = PROJECTIONS[i % 4]
+        qw, sc, qz = qweight[i], scales[i], qzeros[i]
+        n, k = want_nk[i % 4]
+        if qw.dtype != torch.int32 or qw.dim() not in (2, 3) or _n_k(qw) != (n, k) or (qw.dim() == 3 and qw.shape[2] != 32):
+            raise ValueError(fail(who, f"qweight[{i}] ({p} of layer {i // 4}) must be int32 4-bit (K/8, N) or slabs (N/32, K/8, 32) "
+                                       f"with N={n}, K={k}; got {qw.dtype} {tuple(qw.shape)}"))
+        groups = 1 if group_size == -1 else -(-k // group_size)
+        if sc.dtype != scales[0].dtype or sc.dtype not in ACT_DTYPES or tuple(sc.shape) != (groups, n):
+            raise ValueError(fail(who, f"scales[{i}] ({p}) must be float32, float16 or bfloat16 (the dtype of scales[0]) of shape ({groups}, {n}), "
+                                       f"got {sc.dtype} {tuple(sc.shape)}"))
+        if (qz is not None) != has_z:
+            raise ValueError(fail(who, f"qzeros[{i}] ({p}): give zeros for every projection or for none"))
+        if qz is not None and (qz.dtype != torch.int32 or tuple(qz.shape) != (groups, -(-n // 8))):
+            raise ValueError(fail(who, f"qzeros[{i}] ({p}) must be int32 of shape ({groups}, {-(-n // 8)}), got {qz.dtype} {tuple(qz.shape)}"))
+    if zero_offset not in (0, 1):
+        raise ValueError(fail(who, f"zero_offset must be 0 or 1, got {zero_offset}"))
+    need = workspace_bytes(dims)
+    if workspace.dtype != torch.uint8 or workspace.dim() != 1 or workspace.numel() < need:
+        raise ValueError(fail(who, f"workspace must be uint8 1-D with at least {need} bytes (workspace_bytes), got {workspace.dtype} {tuple(workspace.shape)}"))
+    return dims
+
+
+# --- the workspace --------------------------------------------------------------------------------
+
+
+def _projection_shapes(dims: Dims) -> list[tuple[int, int, int]]:
+    """(column groups, 128-row chunks, slab-chunks a unit) of [q; k; v], o, [gate; up], down."""
+    d = dims
+    qkv_n = (d.heads + 2 * d.kv_heads) * d.head_dim
+    return [(qkv_n // 32, d.hidden // 128, 1), (d.hidden // 32, d.heads * d.head_dim // 128, 1),
+            (d.inter // 32, d.hidden // 128, 2), (d.hidden // 32, d.inter // 128, 1)]
+
+
+def _align(n: int, a: int = 256) -> int:
+    return -(-n // a) * a
+
+
+def workspace_layout(dims: Dims) -> dict[str, int]:
+    """Byte offsets of the workspace's parts (and ``"bytes"``, the total): counters, the weights'
+    address table, the [q; k; v] / attention / SiLU outputs, the projections' and the attention's
+    partial sums."""
+    shapes = _projection_shapes(dims)
+    groups = max(g for g, _, _ in shapes)
+    lay = {"attn_ctr": 2 + groups}
+    off = _align(4 * (2 + groups + dims.kv_heads))
+    lay["ctr_bytes"] = off
+    lay["table"] = off
+    off += _align(8 * TABLE_WORDS * dims.layers)
+    for name, n in (("qkv", (dims.heads + 2 * dims.kv_heads) * dims.head_dim), ("attn", dims.heads * dims.head_dim), ("act", dims.inter)):
+        lay[name] = off
+        off += _align(2 * n)
+    lay["part"] = off
+    off += _align(4 * max(g * c * 32 * s for g, c, s in shapes))
+    lay["apart"] = off
+    off += _align(4 * dims.kv_heads * MAX_SPLITS * (dims.heads // dims.kv_heads) * (dims.head_dim + 2))
+    lay["bytes"] = off
+    return lay
+
+
+def workspace_bytes(dims: Dims) -> int:
+    return workspace_layout(dims)["bytes"]
+
+
+def dims_of(config, world_size: int = 1) -> Dims:
+    """The op's dimensions for a ``LlamaConfig``."""
+    return Dims(config.num_hidden_layers, config.hidden_size, config.intermediate_size // world_size,
+                config.num_attention_heads // world_size, config.num_key_value_heads // world_size, config.head_dim)
+
+
+# --- the reference kernel --------------------------------------------------------------------------
+
+
+def _rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    hf = h.float()
+    return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+def _sums(x: torch.Tensor, qw, sc, qz, k: int, group_size: int, zero_offset: int) -> torch.Tensor:
+    w = torch.ops.qops.dequantize_int_weight(qw, sc, qz, None, k, 4, group_size, zero_offset, torch.float32)
+    return x.float() @ w.t()
+
+
+def reference_decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
+                            num_kv_heads, group_size, zero_offset, eps, scale) -> torch.Tensor:
+    dims = check_decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
+                               num_kv_heads, group_size, zero_offset)
+    dt = hidden.dtype
+    h = hidden.clone()
+    for layer in range(dims.layers):
+        def proj(i, x, k):
+            j = 4 * layer + i
+            return _sums(x, qweight[j], scales[j], qzeros[j], k, group_size, zero_offset)
+        qkv = proj(0, _rmsnorm(h, norm1[layer], eps), dims.hidden).to(dt)
+        attn = _attention.reference_decode_attention(qkv, cos, sin, positions.view(1), k_cache[layer], v_cache[layer],
+                                                     dims.heads, num_kv_heads, scale)
+        h = (h.float() + proj(1, attn, dims.heads * dims.head_dim).to(dt).float()).to(dt)
+        gu = proj(2, _rmsnorm(h, norm2[layer], eps), dims.hidden)
+        g, u = gu[:, :dims.inter], gu[:, dims.inter:]
+        act = (g * torch.sigmoid(g) * u).to(dt)
+        h = (h.float() + proj(3, act, dims.inter).to(dt).float()).to(dt)
+    return h
+
+
+@torch.library.custom_op(f"qops::{OP}", mutates_args=("k_cache", "v_cache", "workspace"), schema=SCHEMA)
+def decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
+                  num_kv_heads, group_size, zero_offset, eps, scale):
+    return reference_decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache,
+                                   workspace, num_kv_heads, group_size, zero_offset, eps, scale)
+
+
+@decode_layers.register_fake
+def _decode_layers_fake(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
+                        num_kv_heads, group_size, zero_offset, eps, scale):
+    check_decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
+                        num_kv_heads, group_size, zero_offset)
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+
+@decode_layers.register_kernel("cuda")
+def _decode_layers_cuda(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
+                        num_kv_heads, group_size, zero_offset, eps, scale):
+    dims = check_decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
+                               num_kv_heads, group_size, zero_offset)
+    why = native_refusal(dims, hidden, cos, sin, qweight, scales, qzeros, k_cache, v_cache)
+    if why is not None:
+        return reference_decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache,
+                                       workspace, num_kv_heads, group_size, zero_offset, eps, scale)
+    return native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache,
+                                workspace, group_size, zero_offset, eps, scale)
+
+
+# --- the native kernel -----------------------------------------------------------------------------
+
+DISABLE_ENV = "QOPS_LAYER_KERNEL"  # "0": the reference kernel on CUDA too (measurements)
+
+
+def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cache, v_cache) -> str | None:
+    """Why the native kernel cannot run these arguments (None: it can)."""
+    dev = hidden.device
+    if dev.type != "cuda":
+        return f"{dev} is not a CUDA device"
+    if os.environ.get(DISABLE_ENV) == "0":
+        return f"{DISABLE_ENV}=0"
+    from ..native import compiler
+
+    if compiler.runtime_missing() is not None:
+        return compiler.runtime_missing()
+    major, _ = torch.cuda.get_device_capability(dev)
+    if major < 9:
+        return f"compute capability {major}.x: the kernel needs sm_90 (bulk copies into mbarrier-tracked shared memory)"
+    for what, t in (("hidden", hidden), ("scales", scales[0])):
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            return f"{what} is {t.dtype}: the kernel takes float16 or bfloat16"
+    if any(t.dim() != 3 for t in qweight):
+        return "a qweight is flat: the kernel reads column slabs (weights prepared for the native lowering)"
+    if dims.head_dim % 32 or dims.head_dim > 256:
+        return f"head_dim={dims.head_dim}: the kernel takes multiples of 32 up to 256"
+    for what, v in (("hidden", dims.hidden), ("intermediate", dims.inter), ("heads * head_dim", dims.heads * dims.head_dim)):
+        if v % 128:
+            return f"{what}={v} is not a multiple of 128 (the kernel's row chunks)"
+    tensors = [hidden, cos, sin, *qweight, *scales, *[z for z in qzeros if z is not None], *k_cache, *v_cache]
+    if any(not t.is_contiguous() for t in tensors):
+        return "a tensor is not contiguous"
+    smem, plan = smem_plan(dims, *device_facts(dev))
+    if plan["ncg"] > 64:
+        return f"a block would hold {plan['ncg']} column groups of one projection (the kernel's flags hold 64)"
+    if smem is None:
+        return f"the model's activations and scratch leave no room for the weight ring in {compiler.max_shared_optin(dev)} bytes of shared memory"
+    return None
+
+
+def _unit_begin(units: int, b: int, grid: int) -> int:
+    return units * b // grid
+
+
+def _scratch_floats(dims: Dims, grid: int) -> tuple[int, int]:
+    """(column groups a block holds at most in one projection, floats of scratch the kernel needs)."""
+    ncg = 1
+    for groups, chunks, _ in _projection_shapes(dims):
+        units = groups * chunks
+        for b in range(grid):
+            i0, i1 = _unit_begin(units, b, grid), _unit_begin(units, b + 1, grid)
+            if i1 > i0:
+                ncg = max(ncg, (i1 - 1) // chunks - i0 // chunks + 1)
+    gq, d = dims.heads // dims.kv_heads, dims.head_dim
+    attention = (gq + 1) * d + d + 8 * gq * (d + 2)
+    return ncg, max(8 * ncg * 64, attention, 8)
+
+
+def device_facts(dev: torch.device) -> tuple[int, int]:
+    """(SMs, opt-in shared memory bytes a block) of a CUDA device."""
+    from ..native import compiler
+
+    return torch.cuda.get_device_properties(dev).multi_processor_count, compiler.max_shared_optin(dev)
+
+
+def smem_plan(dims: Dims, grid: int, smem_optin: int) -> tuple[int | None, dict]:
+    """(dynamic shared memory bytes a block, or None when the ring would hold fewer than 8 slots;
+    the launch facts: grid, column groups and scratch floats a block, the longest K, ring slots)."""
+    ncg, scratch = _scratch_floats(dims, grid)
+    kmax = max(dims.hidden, dims.inter, dims.heads * dims.head_dim)
+    fixed = 128 + 2 * _align(kmax, 8) + 4 * scratch + 4 * 64
+    slots = min(MAX_SLOTS, (smem_optin - fixed) // SLOT_BYTES)
+    plan = dict(grid=grid, ncg=ncg, scratch=scratch, kmax=kmax, slots=slots)
+    if slots < 8:
+        return None, plan
+    return fixed + slots * SLOT_BYTES, plan
+
+
+def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool, slots: int) -> dict[str, int]:
+    """The NVRTC macros of one build of the kernel."""
+    return {"QOPS_DT": int(dtype == torch.bfloat16), "QOPS_SDT": int(scale_dtype == torch.bfloat16), "QOPS_HAS_Z": int(has_zeros),
+            "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, "QOPS_SLOTS": slots}
+
+
+_prepared: dict[tuple, tuple] = {}  # (device, workspace address) -> the address table it holds
+
+
+def _addresses(dims: Dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache) -> tuple:
+    table = []
+    for layer in range(dims.layers):
+        ws = range(4 * layer, 4 * layer + 4)
+        table += [qweight[i].data_ptr() for i in ws] + [scales[i].data_ptr() for i in ws]
+        table += [0 if qzeros[i] is None else qzeros[i].data_ptr() for i in ws]
+        table += [norm1[layer].data_ptr(), norm2[layer].data_ptr(), k_cache[layer].data_ptr(), v_cache[layer].data_ptr()]
+    return tuple(table)
+
+
+def _prepare_workspace(workspace: torch.Tensor, lay: dict, table: tuple) -> None:
+    """Zero the counters and write the address table, once per (workspace, weights); never while
+    capturing a CUDA graph."""
+    key = (workspace.device.index, workspace.data_ptr())
+    if _prepared.get(key) == table:
+        return
+    from ..native import compiler
+
+    if torch.cuda.is_current_stream_capturing():
+        raise compiler.NativeNotReadyError(
+            f"qops.{OP}: this workspace has not been prepared for these weights; call the op once outside CUDA-graph capture first")
+    workspace[:lay["ctr_bytes"]].zero_()
+    words = torch.tensor(np.array(table, dtype=np.uint64).view(np.int64), dtype=torch.int64)
+    workspace[lay["table"]:lay["table"] + 8 * len(table)].copy_(words.view(torch.uint8))
+    torch.cuda.current_stream(workspace.device).synchronize()
+    _prepared[key] = table
+
+
+def native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
+                         group_size, zero_offset, eps, scale) -> torch.Tensor:
+    from ..native import compiler
+
+    dev = hidden.device
+    smem, plan = smem_plan(dims, *device_facts(dev))
+    lay = workspace_layout(dims)
+    _prepare_workspace(workspace, lay, _addresses(dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache))
+    defines = build_defines(dims, hidden.dtype, scales[0].dtype, qzeros[0] is not None, plan["slots"])
+    kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL)
+    grid = plan["grid"]
+    if compiler.max_active_blocks(kernel, dev, THREADS, smem) < 1:
+        raise RuntimeError(fail(OP, f"the kernel does not fit an SM ({THREADS} threads, {smem} bytes of shared memory)"))
+    nsplit = max(1, min(MAX_SPLITS, grid // dims.kv_heads))
+    out = hidden.clone(memory_format=torch.contiguous_format)
+    base = workspace.data_ptr()
+    i32 = compiler.i32
+    compiler.launch(
+        kernel, (grid, 1, 1), (THREADS, 1, 1), smem, torch.cuda.current_stream(dev),
+        base + lay["table"], i32(dims.layers), out.data_ptr(), base, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        i32(dims.hidden), i32(dims.inter), i32(dims.kv_heads), i32(k_cache[0].shape[2]), i32(0 if group_size == -1 else group_size // 128),
+        i32(nsplit), i32(plan["kmax"]), i32(plan["ncg"]), i32(zero_offset), np.float32(eps), np.float32(scale),
+        i32(lay["qkv"]), i32(lay["attn"]), i32(lay["act"]), i32(lay["part"]), i32(lay["apart"]), i32(lay["attn_ctr"]),
+        i32(plan["scratch"]),
+    )
+    return out

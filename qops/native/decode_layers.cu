@@ -1,0 +1,722 @@
+// Every decoder layer of a Llama-style model for one token (batch 1) in one persistent kernel
+// (qops.models.layer_kernel, op qops::decode_layers): RMSNorm -> [q; k; v] W4A16 projection ->
+// rotary + KV-cache write + grouped-query attention -> o projection + residual add -> RMSNorm ->
+// [gate; up] projection with silu(gate) * up -> down projection + residual add, layer after layer.
+//
+// Why one kernel. At batch 1 a layer's four matmuls stream ~109 MB of 4-bit weights (Llama-3-8B
+// shapes), ~25 us at the H200's copy bandwidth, but as ~8 kernels a layer the step spends ~50 us: each
+// matmul starts cold behind a small kernel (its first weights requested only once it is resident),
+// and the small projections are mostly start-up (benchmarks/NOTES.md, stops 21, 29, 41). Weights do
+// not depend on activations, so here one producer warp per block streams the block's share of every
+// layer's weights, in the order its consumers use them, into a shared-memory ring that never drains
+// at a phase boundary: while the consumers wait at a grid barrier (or run the attention, which reads
+// no weights), the ring fills with the next projection's weights.
+//
+// Grid: one block per SM (the host launches as many blocks as SMs, each taking more than half an SM's
+// shared memory, so all are resident together: the grid barriers below need that). Block: 8 consumer
+// warps (threads 0..255) and 1 producer warp (256..287). Consumers synchronize among themselves with
+// named barrier 1 (256 threads), never with __syncthreads, so the producer runs ahead freely.
+//
+// Weights: qops' runtime int-weight layout, 4-bit, qweight in 32-column slabs (qops/ops/int_weight.py,
+// w4.cuh): word (kw, n) of slab s at (s * KW + kw) * 32 + n % 32 holds rows 8 kw .. 8 kw + 7 of column n;
+// scales (n_groups, N) float16 or bfloat16; qzeros (n_groups, N / 8) nibbles (zero = nibble +
+// zero_offset) or none (zero 8); groups a multiple of 128 rows, or one group. No act-order, no bias
+// (the host refuses those).
+//
+// Work of a projection: units of (column group, 128-row chunk), a column group one 32-column slab (for
+// [gate; up]: gate slab j with up slab j + I/32, so silu(gate) * up is computed where both sums meet).
+// The U units, column group major, are split evenly over the G blocks: block b takes
+// [floor(b U / G), floor((b + 1) U / G)), so every block streams the same bytes (+-1 unit) whatever the
+// shape; a column group then spans one to three blocks. The block's units go round robin to its 8
+// consumer warps (unit t to warp t % 8); a ring slot holds one slab-chunk (a [gate; up] unit takes two).
+//
+// A slab-chunk in shared memory: its 2 KiB (16 word rows x 32 columns) as four 512-byte quarters (word
+// rows 4q .. 4q + 3) at a pitch of 544 bytes, then the chunk's 32 scales and 4 zero words. The 32-byte
+// gaps put a lane's 16-byte loads in distinct banks: lane (r, c) = (lane / 4, lane % 4) reads quarter
+// c, word row j, columns 4r .. 4r + 3 (one 16-byte load), i.e. the four lanes of a row r read four
+// quarters at bank offsets 8c words apart. The MMA (m16n8k16, fp32 accumulation): A is the weight, its
+// 16 rows the columns (tile e = 0, 1 of a lane: rows r and r + 8 are columns 4r + 2e and 4r + 2e + 1),
+// its K order permuted so that lane c's k values come from its own words: in 16-row step 2j + s,
+// lane c's logical k pair (2c, 2c + 1) is physical rows 32c + 8j + s*2 + {0, 4}, pair (2c + 8, 2c + 9)
+// rows 32c + 8j + s*2 + {1, 5} (the nibble order of w4.cuh's magic-number decode: word pairs
+// (q0, q4), (q1, q5), (q2, q6), (q3, q7)). B is x with the same permutation, every B column holding x
+// (so every lane's C holds the sums and none needs masking).
+//
+// Reduction of a column group over its blocks (fixed order: bit-identical run to run): each block sums
+// its warps' partials in warp order in shared memory; a block holding a whole column group finishes it
+// (epilogue below) at once, otherwise it writes its fp32 partial to the workspace at (group, first
+// chunk), and the last of the group's blocks to arrive (an arrival counter per group, reset by that
+// block) sums the partials in chunk order and finishes. Epilogues: [q; k; v] rounded to the dtype;
+// o and down: h = round(h + round(sum)) (the residual stream, in place); [gate; up]: round(silu(g) u)
+// from the fp32 sums.
+//
+// Attention (after a grid barrier): block b < NKV * NSPLIT takes KV head b / NSPLIT and the b % NSPLIT-th
+// share of the cache positions 0 .. pos - 1; it rotates its GQ query heads and the new key (fp32 math,
+// rounded to the dtype, as qops::decode_attention), share 0 writes the new key and value to the cache
+// at pos, the last share also attends to the new token from registers (no block reads position pos
+// back). Each warp keeps an online softmax per query head over its positions; warps, then shares
+// (through the workspace and an arrival counter per KV head) merge in order. Scores, softmax and sums
+// are fp32.
+//
+// Grid barrier: an arrival count and a generation word in the workspace; the last block to arrive
+// resets the count and bumps the generation (release), the others spin on it (acquire). The count is
+// zero between launches (the host zeroes the workspace's counters once). Activations written by one
+// block and read by another go through L2 (ld.global.cg), never through a possibly stale L1.
+//
+// Compile-time configuration: QOPS_DT (0 f16, 1 bf16), QOPS_SDT (the scales' dtype, the same codes), QOPS_HAS_Z (0/1: qzeros present), QOPS_HD (head
+// dim, a multiple of 32 up to 256), QOPS_GQ (query heads per KV head), QOPS_SLOTS (ring slots).
+// sm_90 only (bulk copies, mbarriers with transaction counts).
+#include "ptx.cuh"
+#include "w4.cuh"
+
+#ifndef QOPS_DT
+#define QOPS_DT 1
+#endif
+#ifndef QOPS_HAS_Z
+#define QOPS_HAS_Z 0
+#endif
+#ifndef QOPS_SDT
+#define QOPS_SDT QOPS_DT
+#endif
+#ifndef QOPS_HD
+#define QOPS_HD 128
+#endif
+#ifndef QOPS_GQ
+#define QOPS_GQ 4
+#endif
+#ifndef QOPS_SLOTS
+#define QOPS_SLOTS 64
+#endif
+
+namespace qops {
+namespace layers {
+
+constexpr int DT = QOPS_DT;
+constexpr int SDT = QOPS_SDT;  // the scales' dtype
+constexpr int HD = QOPS_HD;
+constexpr int GQ = QOPS_GQ;
+constexpr int NS = QOPS_SLOTS;
+constexpr int kConsumers = 256;
+constexpr int kThreads = kConsumers + 32;
+constexpr int kQuarterPitch = 544;  // a 512-byte quarter of a slab-chunk + 32 bytes (bank offset)
+constexpr int kMetaOff = 4 * kQuarterPitch;
+constexpr int kSlotBytes = kMetaOff + 128;  // + 64 bytes of scales, 16 of zero words, padding
+constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
+static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
+static_assert(kSlotBytes % 128 == 0, "slots keep the 128-byte bank alignment");
+
+// One layer's pointers as the host writes them (16 x 8 bytes; qops/models/layer_kernel.py).
+struct LayerWeights {
+  const u32* qweight[4];  // [q; k; v], o, [gate; up], down: column slabs (N/32, K/8, 32)
+  const u16* scales[4];   // (n_groups, N)
+  const u32* qzeros[4];   // (n_groups, N/8), or null without zeros
+  const u16* norm1;       // input_layernorm weight (hidden)
+  const u16* norm2;       // post_attention_layernorm weight (hidden)
+  u16* k_cache;           // (max_batch, NKV, S, HD), row 0
+  u16* v_cache;
+};
+
+struct Args {
+  const LayerWeights* layers;
+  int n_layers;
+  u16* h;                     // (hidden,) residual stream, in place
+  unsigned char* ws;          // workspace (layout: the host's offsets below)
+  const long long* positions; // (1,)
+  const float* cos;           // (R, HD)
+  const float* sin;
+  int hid, inter, nkv, max_seq, group_chunks;  // group_chunks: group_size / 128, 0 for one group
+  int nsplit, kmax, ncg_max, zoff;
+  float eps, scale;
+  int off_qkv, off_attn, off_act, off_part, off_apart;  // bytes into ws; counters at 0
+  int attn_ctr;        // index (u32) of the first KV head's counter
+  int scratch_floats;  // floats of scratch (then 64 ints of flags)
+};
+
+#if __CUDA_ARCH__ >= 900
+// Counters at the workspace's start: [0] barrier arrivals, [1] barrier generation, [2 ..) one per
+// column group of the widest projection, then one per KV head (the attention's shares).
+constexpr int kCtrGroups = 2;
+
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+__device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_u32(u32* p, u32 v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_cg_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float ld_cg_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u16 ld_cg_u16(const u16* p) {
+  u16 v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float to_f(u16 b) { return bits_to_f32<DT>(b); }
+__device__ __forceinline__ u16 to_b(float f) { return f32_to_bits<DT>(f); }
+__device__ __forceinline__ float round_dt(float f) { return to_f(to_b(f)); }
+
+// All blocks of the grid: every consumer thread's earlier global writes are visible to every
+// consumer thread's later reads (through L2) once it returns.
+__device__ void grid_barrier(u32* ctr) {
+  consumer_sync();
+  if (threadIdx.x == 0) {
+    const u32 gen = ld_acquire_u32(ctr + 1);
+    __threadfence();
+    const u32 arrived = atomicAdd(ctr, 1u) + 1;
+    if (arrived == gridDim.x) {
+      atomicExch(ctr, 0u);
+      st_release_u32(ctr + 1, gen + 1);
+    } else {
+      while (ld_acquire_u32(ctr + 1) == gen) {
+      }
+    }
+    __threadfence();
+  }
+  consumer_sync();
+}
+
+// The block holding unit u of a projection of U units split over G blocks (the last of a run of
+// blocks with equal starts, i.e. the one whose range is not empty).
+__device__ __forceinline__ int unit_begin(int U, int b, int G) { return static_cast<int>((static_cast<long long>(U) * b) / G); }
+__device__ __forceinline__ int block_of_unit(int U, int u, int G) {
+  return static_cast<int>((static_cast<long long>(u + 1) * G - 1) / U);
+}
+
+// One projection's facts, from the layer and the phase (0 [q; k; v], 1 o, 2 [gate; up], 3 down).
+struct Proj {
+  const u32* qw;
+  const u16* sc;
+  const u32* qz;
+  int n;       // columns of the weight (2 I for [gate; up])
+  int kw;      // word rows (K / 8)
+  int groups;  // column groups (N / 32, or I / 32 gated)
+  int chunks;  // K / 128
+  int slabs;   // slab-chunks a unit (1, or 2 gated)
+};
+
+__device__ __forceinline__ Proj proj_of(const Args& a, const LayerWeights& lw, int p) {
+  const int nh = a.nkv * GQ;
+  Proj q;
+  q.qw = lw.qweight[p];
+  q.sc = lw.scales[p];
+  q.qz = lw.qzeros[p];
+  const int k = p == 1 ? nh * HD : p == 3 ? a.inter : a.hid;
+  q.n = p == 0 ? (nh + 2 * a.nkv) * HD : p == 2 ? 2 * a.inter : a.hid;
+  q.kw = k / 8;
+  q.chunks = k / 128;
+  q.slabs = p == 2 ? 2 : 1;
+  q.groups = p == 2 ? a.inter / 32 : q.n / 32;
+  return q;
+}
+
+// Slab-chunks block b streams in one layer (every layer the same).
+__device__ __forceinline__ int layer_slots(const Args& a, int b) {
+  int total = 0;
+  for (int p = 0; p < 4; ++p) {
+    const Proj q = proj_of(a, a.layers[0], p);
+    const int U = q.groups * q.chunks;
+    total += (unit_begin(U, b + 1, gridDim.x) - unit_begin(U, b, gridDim.x)) * q.slabs;
+  }
+  return total;
+}
+
+struct Smem {
+  unsigned char* ring;  // NS slots of kSlotBytes, 128-byte aligned
+  u32 ring_addr;
+  u32 full_addr;        // NS mbarriers: the slot's bytes have landed
+  u32 empty_addr;       // NS mbarriers: the slot's warp is done with it
+  u16* x;               // the projection's input (K values)
+  float* scratch;       // warp partials / the attention's partials
+  int* flags;           // small per-block flags
+};
+
+// --- the producer --------------------------------------------------------------------------------
+
+__device__ void produce(const Args& a, const Smem& s) {
+  const int b = blockIdx.x;
+  const u32 bytes = 2048u + 64u + (QOPS_HAS_Z ? 16u : 0u);
+  u32 seq = 0;
+  for (int l = 0; l < a.n_layers; ++l) {
+    const LayerWeights lw = a.layers[l];
+    for (int p = 0; p < 4; ++p) {
+      const Proj q = proj_of(a, lw, p);
+      const int U = q.groups * q.chunks;
+      const int i0 = unit_begin(U, b, gridDim.x), i1 = unit_begin(U, b + 1, gridDim.x);
+      for (int u = i0; u < i1; ++u) {
+        const int cg = u / q.chunks, c = u - cg * q.chunks;
+        const int grow = a.group_chunks ? c / a.group_chunks : 0;
+        for (int sl = 0; sl < q.slabs; ++sl, ++seq) {
+          const int slab = sl == 0 ? cg : cg + a.inter / 32;
+          const u32 slot = seq % NS, use = seq / NS;
+          const u32 full = s.full_addr + 8 * slot;
+          if (use > 0) mbar_wait_parity(s.empty_addr + 8 * slot, (use - 1) & 1);
+          mbar_arrive_expect_tx(full, bytes);
+          const u32 dst = s.ring_addr + slot * kSlotBytes;
+          const u32* src = q.qw + (static_cast<size_t>(slab) * q.kw + 16 * c) * 32;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) bulk_copy_g2s(dst + i * kQuarterPitch, src + 128 * i, 512, full);
+          bulk_copy_g2s(dst + kMetaOff, q.sc + static_cast<size_t>(grow) * q.n + 32 * slab, 64, full);
+          if (QOPS_HAS_Z) bulk_copy_g2s(dst + kMetaOff + 64, q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab, 16, full);
+        }
+      }
+    }
+  }
+}
+
+// --- a slab-chunk's sums (consumer warp) ---------------------------------------------------------
+
+// acc[i] += the chunk's sum for column 4 (lane / 4) + i of the slab, times its scale. `xk`: x at the
+// chunk's first row (shared memory).
+__device__ __forceinline__ void chunk_sums(float (&acc)[4], const unsigned char* slot, const u16* xk, int lane, const W4ZeroBase& zbase) {
+  const int r = lane >> 2, c = lane & 3;
+  u32 za[4], zb[4];
+#if QOPS_HAS_Z
+  const u32 zw = *reinterpret_cast<const u32*>(slot + kMetaOff + 64 + 4 * (r >> 1)) >> (16 * (r & 1));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w4_zero_pairs(zbase, (zw >> (4 * i)) & 15u, za[i], zb[i]);
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w4_zero_pairs(zbase, 8u, za[i], zb[i]);
+#endif
+  const uint2 sv = *reinterpret_cast<const uint2*>(slot + kMetaOff + 8 * r);
+  float d[2][4];
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[e][i] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint4 wv = *reinterpret_cast<const uint4*>(slot + c * kQuarterPitch + 128 * j + 16 * r);
+    const uint4 xv = *reinterpret_cast<const uint4*>(xk + 32 * c + 8 * j);
+    const u32 b00 = prmt<0x5410>(xv.x, xv.z), b01 = prmt<0x7632>(xv.x, xv.z);
+    const u32 b10 = prmt<0x5410>(xv.y, xv.w), b11 = prmt<0x7632>(xv.y, xv.w);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      u32 pa[4], pb[4];
+      w4_dequant_word<DT>(pa, word(wv, 2 * e), za[2 * e], zb[2 * e]);
+      w4_dequant_word<DT>(pb, word(wv, 2 * e + 1), za[2 * e + 1], zb[2 * e + 1]);
+      mma_16816<DT>(d[e], pa[0], pb[0], pa[1], pb[1], b00, b01);
+      mma_16816<DT>(d[e], pa[2], pb[2], pa[3], pb[3], b10, b11);
+    }
+  }
+  acc[0] += d[0][0] * bits_to_f32<SDT>(static_cast<u16>(sv.x & 0xffffu));
+  acc[1] += d[0][2] * bits_to_f32<SDT>(static_cast<u16>(sv.x >> 16));
+  acc[2] += d[1][0] * bits_to_f32<SDT>(static_cast<u16>(sv.y & 0xffffu));
+  acc[3] += d[1][2] * bits_to_f32<SDT>(static_cast<u16>(sv.y >> 16));
+}
+
+// --- staging x -----------------------------------------------------------------------------------
+
+// x = round(w * round(h * rsqrt(mean(h^2) + eps))) (LlamaRMSNorm's roundings), h read through L2.
+__device__ void stage_rmsnorm(const Args& a, const Smem& s, const u16* w) {
+  const int t = threadIdx.x, K = a.hid;
+  float ss = 0.f;
+  for (int e = 8 * t; e < K; e += 8 * kConsumers) {
+    const uint4 v = ld_cg_v4(a.h + e);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 wd = word(v, i);
+      const float lo = to_f(static_cast<u16>(wd & 0xffffu)), hi = to_f(static_cast<u16>(wd >> 16));
+      ss += lo * lo + hi * hi;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  float* red = s.scratch;
+  consumer_sync();  // the previous user of scratch is done
+  if ((t & 31) == 0) red[t >> 5] = ss;
+  consumer_sync();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) total += red[i];
+  const float rinv = rsqrtf(total / static_cast<float>(K) + a.eps);
+  for (int e = 8 * t; e < K; e += 8 * kConsumers) {
+    const uint4 v = ld_cg_v4(a.h + e);
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + e);
+    uint4 o;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 hd = word(v, i), wd = word(wv, i);
+      const float x0 = round_dt(to_f(static_cast<u16>(hd & 0xffffu)) * rinv), x1 = round_dt(to_f(static_cast<u16>(hd >> 16)) * rinv);
+      const u32 packed = pack2_bits<DT>(to_f(static_cast<u16>(wd & 0xffffu)) * x0, to_f(static_cast<u16>(wd >> 16)) * x1);
+      if (i == 0) o.x = packed;
+      else if (i == 1) o.y = packed;
+      else if (i == 2) o.z = packed;
+      else o.w = packed;
+    }
+    *reinterpret_cast<uint4*>(s.x + e) = o;
+  }
+  consumer_sync();
+}
+
+__device__ void stage_copy(const Smem& s, const u16* src, int K) {
+  for (int e = 8 * threadIdx.x; e < K; e += 8 * kConsumers) *reinterpret_cast<uint4*>(s.x + e) = ld_cg_v4(src + e);
+  consumer_sync();
+}
+
+// --- a projection --------------------------------------------------------------------------------
+
+// The column group's finished value(s) for column `col` of the group (t < 32): v (and vu, gated).
+__device__ __forceinline__ void epilogue(const Args& a, int p, int cg, int t, float v, float vu) {
+  u16* act16 = reinterpret_cast<u16*>(a.ws);
+  const int col = 32 * cg + t;
+  if (p == 0) {
+    act16[a.off_qkv / 2 + col] = to_b(v);
+  } else if (p == 2) {
+    const float g = v;
+    act16[a.off_act / 2 + col] = to_b(g / (1.f + __expf(-g)) * vu);
+  } else {
+    a.h[col] = to_b(to_f(ld_cg_u16(a.h + col)) + round_dt(v));
+  }
+}
+
+// Run projection p of layer lw over this block's units; `seq` is the block's slot sequence number.
+__device__ void project(const Args& a, const Smem& s, const LayerWeights& lw, int p, u32& seq, const W4ZeroBase& zbase) {
+  const int b = blockIdx.x, t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  const Proj q = proj_of(a, lw, p);
+  const int U = q.groups * q.chunks, G = gridDim.x;
+  const int i0 = unit_begin(U, b, G), i1 = unit_begin(U, b + 1, G);
+  const int n = i1 - i0;
+  const int width = 32 * q.slabs;
+  const int cg0 = n > 0 ? i0 / q.chunks : 0;
+  const int ncg = n > 0 ? (i1 - 1) / q.chunks - cg0 + 1 : 0;
+  float* red = s.scratch;  // [8 warps][ncg_max][64]
+  for (int i = t; i < 8 * a.ncg_max * 64; i += kConsumers) red[i] = 0.f;
+  consumer_sync();
+
+  float acc[2][4];
+  int cur = -1;
+  for (int u = warp; u < n; u += 8) {
+    const int item = i0 + u;
+    const int cg = item / q.chunks, c = item - cg * q.chunks;
+    if (cg != cur) {
+      if (cur >= 0 && (lane & 3) == 0) {
+#pragma unroll
+        for (int sl = 0; sl < 2; ++sl)
+          if (sl < q.slabs)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[(warp * a.ncg_max + cur - cg0) * 64 + 32 * sl + 4 * (lane >> 2) + i] = acc[sl][i];
+      }
+#pragma unroll
+      for (int sl = 0; sl < 2; ++sl)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[sl][i] = 0.f;
+      cur = cg;
+    }
+    const u16* xk = s.x + 128 * c;
+    for (int sl = 0; sl < q.slabs; ++sl) {
+      const u32 sq = seq + static_cast<u32>(u * q.slabs + sl);
+      const u32 slot = sq % NS;
+      mbar_wait_parity(s.full_addr + 8 * slot, (sq / NS) & 1);
+      if (sl == 0) chunk_sums(acc[0], s.ring + slot * kSlotBytes, xk, lane, zbase);
+      else chunk_sums(acc[1], s.ring + slot * kSlotBytes, xk, lane, zbase);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(s.empty_addr + 8 * slot);
+    }
+  }
+  if (cur >= 0 && (lane & 3) == 0) {
+#pragma unroll
+    for (int sl = 0; sl < 2; ++sl)
+      if (sl < q.slabs)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[(warp * a.ncg_max + cur - cg0) * 64 + 32 * sl + 4 * (lane >> 2) + i] = acc[sl][i];
+  }
+  seq += static_cast<u32>(n * q.slabs);
+  consumer_sync();
+
+  // The block's sums per column group: finished here, or a partial for the group's last block.
+  float* part = reinterpret_cast<float*>(a.ws + a.off_part);
+  u32* ctr = reinterpret_cast<u32*>(a.ws) + kCtrGroups;
+  for (int g = 0; g < ncg; ++g) {
+    const int cg = cg0 + g;
+    const int lo = max(i0, cg * q.chunks), hi = min(i1, (cg + 1) * q.chunks);
+    if (t < 32) {
+      float v = 0.f, vu = 0.f;
+      for (int w = 0; w < 8; ++w) {
+        v += red[(w * a.ncg_max + g) * 64 + t];
+        vu += red[(w * a.ncg_max + g) * 64 + 32 + t];
+      }
+      if (hi - lo == q.chunks) {
+        epilogue(a, p, cg, t, v, vu);
+      } else {
+        float* dst = part + (static_cast<size_t>(cg) * q.chunks + (lo - cg * q.chunks)) * width;
+        dst[t] = v;
+        if (q.slabs == 2) dst[32 + t] = vu;
+        __threadfence();
+      }
+    }
+  }
+  consumer_sync();
+  int* last = s.flags;
+  if (t < ncg) {
+    const int cg = cg0 + t;
+    const int lo = max(i0, cg * q.chunks), hi = min(i1, (cg + 1) * q.chunks);
+    int is_last = 0;
+    if (hi - lo != q.chunks) {
+      // Blocks holding units of this group (the non-empty ones between its first and last unit's).
+      const int bfirst = block_of_unit(U, cg * q.chunks, G), blast = block_of_unit(U, (cg + 1) * q.chunks - 1, G);
+      int parts = 0;
+      for (int bb = bfirst; bb <= blast; ++bb) parts += unit_begin(U, bb + 1, G) > unit_begin(U, bb, G);
+      __threadfence();
+      is_last = atomicAdd(ctr + cg, 1u) + 1 == static_cast<u32>(parts);
+    }
+    last[t] = is_last;
+  }
+  consumer_sync();
+  for (int g = 0; g < ncg; ++g) {
+    if (!last[g]) continue;
+    const int cg = cg0 + g;
+    if (t < 32) {
+      __threadfence();
+      const int bfirst = block_of_unit(U, cg * q.chunks, G), blast = block_of_unit(U, (cg + 1) * q.chunks - 1, G);
+      float v = 0.f, vu = 0.f;
+      for (int bb = bfirst; bb <= blast; ++bb) {
+        const int s0 = unit_begin(U, bb, G), s1 = unit_begin(U, bb + 1, G);
+        if (s1 == s0) continue;
+        const float* src = part + (static_cast<size_t>(cg) * q.chunks + (max(s0, cg * q.chunks) - cg * q.chunks)) * width;
+        v += ld_cg_f32(src + t);
+        if (q.slabs == 2) vu += ld_cg_f32(src + 32 + t);
+      }
+      epilogue(a, p, cg, t, v, vu);
+      if (t == 0) atomicExch(ctr + cg, 0u);
+    }
+  }
+}
+
+// --- attention -----------------------------------------------------------------------------------
+
+__device__ void attention(const Args& a, const Smem& s, const LayerWeights& lw) {
+  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  const int b = blockIdx.x;
+  if (b >= a.nkv * a.nsplit) return;  // the caller's grid barrier follows
+  const int hk = b / a.nsplit, sp = b - hk * a.nsplit;
+  const int nh = a.nkv * GQ;
+  const int pos = static_cast<int>(a.positions[0]);
+  const u16* qkv = reinterpret_cast<const u16*>(a.ws + a.off_qkv);
+  // Scratch: q_s [GQ + 1][HD] (the rotated queries and key, rounded), v_s [HD], warp partials
+  // [8][GQ][HD + 2] (m, l, o).
+  float* q_s = s.scratch;
+  float* v_s = q_s + (GQ + 1) * HD;
+  float* wp = v_s + HD;
+  consumer_sync();  // scratch's previous users are done
+  for (int i = t; i < (GQ + 1) * HD; i += kConsumers) {
+    const int head = i / HD, d = i - head * HD;
+    const int col = head < GQ ? (hk * GQ + head) * HD : (nh + hk) * HD;
+    const float x = to_f(ld_cg_u16(qkv + col + d));
+    const float partner = d < HD / 2 ? -to_f(ld_cg_u16(qkv + col + d + HD / 2)) : to_f(ld_cg_u16(qkv + col + d - HD / 2));
+    q_s[i] = round_dt(x * a.cos[static_cast<size_t>(pos) * HD + d] + partner * a.sin[static_cast<size_t>(pos) * HD + d]);
+  }
+  for (int d = t; d < HD; d += kConsumers) v_s[d] = to_f(ld_cg_u16(qkv + (nh + a.nkv + hk) * HD + d));
+  consumer_sync();
+  const size_t head_base = static_cast<size_t>(hk) * a.max_seq * HD;
+  if (sp == 0) {
+    for (int d = t; d < HD; d += kConsumers) {
+      lw.k_cache[head_base + static_cast<size_t>(pos) * HD + d] = to_b(q_s[GQ * HD + d]);
+      lw.v_cache[head_base + static_cast<size_t>(pos) * HD + d] = to_b(v_s[d]);
+    }
+  }
+  float m[GQ], l[GQ], o[GQ][kHdLane], qr[GQ][kHdLane];
+#pragma unroll
+  for (int g = 0; g < GQ; ++g) {
+    m[g] = neg_inf();
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kHdLane; ++i) {
+      o[g][i] = 0.f;
+      qr[g][i] = q_s[g * HD + lane * kHdLane + i];
+    }
+  }
+  const int lo = static_cast<int>((static_cast<long long>(pos) * sp) / a.nsplit);
+  const int hi = static_cast<int>((static_cast<long long>(pos) * (sp + 1)) / a.nsplit);
+  const bool own_new = sp == a.nsplit - 1 && warp == 0;
+  for (int p = lo + warp; p < hi + (own_new ? 8 : 0); p += 8) {
+    float kv[kHdLane], vv[kHdLane];
+    if (p < hi) {
+      const u16* kr = lw.k_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
+      const u16* vr = lw.v_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
+#pragma unroll
+      for (int i = 0; i < kHdLane; ++i) {
+        kv[i] = to_f(kr[i]);
+        vv[i] = to_f(vr[i]);
+      }
+    } else {
+      if (p != hi + warp) break;  // the new token: once, by warp 0 (p == hi)
+#pragma unroll
+      for (int i = 0; i < kHdLane; ++i) {
+        kv[i] = q_s[GQ * HD + lane * kHdLane + i];
+        vv[i] = v_s[lane * kHdLane + i];
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < GQ; ++g) {
+      float dot = 0.f;
+#pragma unroll
+      for (int i = 0; i < kHdLane; ++i) dot += qr[g][i] * kv[i];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+      const float sc = dot * a.scale;
+      const float mn = fmaxf(m[g], sc);
+      const float alpha = expf(m[g] - mn), pr = expf(sc - mn);
+      l[g] = l[g] * alpha + pr;
+#pragma unroll
+      for (int i = 0; i < kHdLane; ++i) o[g][i] = o[g][i] * alpha + pr * vv[i];
+      m[g] = mn;
+    }
+    if (p >= hi) break;
+  }
+#pragma unroll
+  for (int g = 0; g < GQ; ++g) {
+    float* dst = wp + (warp * GQ + g) * (HD + 2);
+    if (lane == 0) {
+      dst[0] = m[g];
+      dst[1] = l[g];
+    }
+#pragma unroll
+    for (int i = 0; i < kHdLane; ++i) dst[2 + lane * kHdLane + i] = o[g][i];
+  }
+  consumer_sync();
+  // Warps merged in order: this share's (m, l, o) per query head.
+  float* apart = reinterpret_cast<float*>(a.ws + a.off_apart);
+  u16* out = reinterpret_cast<u16*>(a.ws + a.off_attn);
+  for (int i = t; i < GQ * HD; i += kConsumers) {
+    const int g = i / HD, d = i - g * HD;
+    float mm = neg_inf();
+    for (int w = 0; w < 8; ++w) mm = fmaxf(mm, wp[(w * GQ + g) * (HD + 2)]);
+    float ll = 0.f, oo = 0.f;
+    for (int w = 0; w < 8; ++w) {
+      const float* src = wp + (w * GQ + g) * (HD + 2);
+      const float f = src[0] == neg_inf() ? 0.f : expf(src[0] - mm);
+      ll += src[1] * f;
+      oo += src[2 + d] * f;
+    }
+    if (a.nsplit == 1) {
+      out[(hk * GQ + g) * HD + d] = to_b(oo / ll);
+    } else {
+      float* dst = apart + ((static_cast<size_t>(hk) * a.nsplit + sp) * GQ + g) * (HD + 2);
+      if (d == 0) {
+        dst[0] = mm;
+        dst[1] = ll;
+      }
+      dst[2 + d] = oo;
+      __threadfence();
+    }
+  }
+  if (a.nsplit == 1) return;
+  consumer_sync();
+  // Shares merged in order by the last of the KV head's blocks to arrive.
+  u32* ctr = reinterpret_cast<u32*>(a.ws) + a.attn_ctr + hk;
+  int* last = s.flags;
+  if (t == 0) {
+    __threadfence();
+    last[0] = atomicAdd(ctr, 1u) + 1 == static_cast<u32>(a.nsplit);
+  }
+  consumer_sync();
+  if (!last[0]) return;
+  __threadfence();
+  for (int i = t; i < GQ * HD; i += kConsumers) {
+    const int g = i / HD, d = i - g * HD;
+    float mm = neg_inf();
+    for (int q = 0; q < a.nsplit; ++q) mm = fmaxf(mm, ld_cg_f32(apart + ((static_cast<size_t>(hk) * a.nsplit + q) * GQ + g) * (HD + 2)));
+    float ll = 0.f, oo = 0.f;
+    for (int q = 0; q < a.nsplit; ++q) {
+      const float* src = apart + ((static_cast<size_t>(hk) * a.nsplit + q) * GQ + g) * (HD + 2);
+      const float sm = ld_cg_f32(src);
+      const float f = sm == neg_inf() ? 0.f : expf(sm - mm);
+      ll += ld_cg_f32(src + 1) * f;
+      oo += ld_cg_f32(src + 2 + d) * f;
+    }
+    out[(hk * GQ + g) * HD + d] = to_b(oo / ll);
+  }
+  if (t == 0) atomicExch(ctr, 0u);
+}
+
+// --- the kernel ----------------------------------------------------------------------------------
+
+// Shared memory bytes past the 128-byte-aligned start (the host adds 128 for the alignment).
+__host__ __device__ constexpr int ring_bytes() { return NS * kSlotBytes + 2 * NS * 8; }
+
+__device__ void consume(const Args& a, const Smem& s) {
+  u32* bar = reinterpret_cast<u32*>(a.ws);
+  const W4ZeroBase zbase = w4_zero_base<DT>(static_cast<u32>(a.zoff));
+  const int nh = a.nkv * GQ;
+  u32 seq = 0;
+  for (int l = 0; l < a.n_layers; ++l) {
+    const LayerWeights lw = a.layers[l];
+    stage_rmsnorm(a, s, lw.norm1);
+    project(a, s, lw, 0, seq, zbase);
+    grid_barrier(bar);
+    attention(a, s, lw);
+    grid_barrier(bar);
+    stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_attn), nh * HD);
+    project(a, s, lw, 1, seq, zbase);
+    grid_barrier(bar);
+    stage_rmsnorm(a, s, lw.norm2);
+    project(a, s, lw, 2, seq, zbase);
+    grid_barrier(bar);
+    stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_act), a.inter);
+    project(a, s, lw, 3, seq, zbase);
+    grid_barrier(bar);
+  }
+}
+
+#endif  // __CUDA_ARCH__ >= 900
+}  // namespace layers
+}  // namespace qops
+
+#if __CUDA_ARCH__ >= 900
+extern "C" __global__ void __launch_bounds__(qops::layers::kThreads, 1)
+qops_decode_layers(const qops::layers::LayerWeights* layers, int n_layers, qops::u16* h, unsigned char* ws, const long long* positions,
+                   const float* cos, const float* sin, int hid, int inter, int nkv, int max_seq, int group_chunks, int nsplit,
+                   int kmax, int ncg_max, int zoff, float eps, float scale, int off_qkv, int off_attn, int off_act, int off_part,
+                   int off_apart, int attn_ctr, int scratch_floats) {
+  using namespace qops;
+  using namespace qops::layers;
+  const Args a{layers, n_layers, h, ws, positions, cos, sin, hid, inter, nkv, max_seq, group_chunks, nsplit, kmax, ncg_max, zoff,
+               eps, scale, off_qkv, off_attn, off_act, off_part, off_apart, attn_ctr, scratch_floats};
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const u32 raw = smem_addr(smem_raw);
+  unsigned char* base = smem_raw + ((128u - (raw & 127u)) & 127u);
+  Smem s;
+  s.ring = base;
+  s.ring_addr = smem_addr(base);
+  s.full_addr = s.ring_addr + NS * kSlotBytes;
+  s.empty_addr = s.full_addr + 8 * NS;
+  s.x = reinterpret_cast<u16*>(base + ring_bytes());
+  s.scratch = reinterpret_cast<float*>(base + ring_bytes() + 2 * ((a.kmax + 7) / 8 * 8));
+  s.flags = reinterpret_cast<int*>(s.scratch) + a.scratch_floats;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < NS; ++i) {
+      mbar_init(s.full_addr + 8 * i, 1);
+      mbar_init(s.empty_addr + 8 * i, 1);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x >= kConsumers) {
+    if (threadIdx.x == kConsumers) produce(a, s);
+    return;
+  }
+  consume(a, s);
+}
+
+#else
+// Before sm_90 (no bulk copies into mbarrier-tracked shared memory): the host never launches it.
+extern "C" __global__ void qops_decode_layers(const qops::layers::LayerWeights*, int, qops::u16*, unsigned char*, const long long*,
+                                              const float*, const float*, int, int, int, int, int, int, int, int, int, float, float,
+                                              int, int, int, int, int, int, int) {
+  __trap();
+}
+#endif

@@ -1,0 +1,324 @@
+"""``qops::decode_layers`` (qops.models.layer_kernel) on the CPU: its reference kernel against a float64
+oracle written here (its own nibble unpacking, RMSNorm, rotary, softmax attention and SwiGLU, rounding
+to the dtype where ``LlamaDecoderLayer`` does), argument errors eagerly and under fake tensors,
+opcheck, the Llama model's batch-1 steps through the op (eager and compiled fullgraph) against its
+layer-by-layer steps, and the workspace's layout. The GPU file (tests/gpu/test_gpu_layer_kernel.py)
+runs the native kernel against the same oracle.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import re
+
+import pytest
+import torch
+
+from qops.models import LlamaConfig, LlamaForCausalLM
+from qops.models import layer_kernel as LK
+from qops.models.llama import inv_freq
+from qops.models.testing import relative_error
+from qops.ops.int_weight import to_column_slabs
+
+OP = torch.ops.qops.decode_layers
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2, torch.float32: 1e-5}
+
+
+@dataclass
+class Case:
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    norm1: list
+    norm2: list
+    qweight: list  # flat (K/8, N) int32
+    scales: list
+    qzeros: list
+    k_cache: list
+    v_cache: list
+    dims: LK.Dims
+    group_size: int
+    zero_offset: int
+    eps: float = 1e-5
+
+    @property
+    def scale(self) -> float:
+        return self.dims.head_dim ** -0.5
+
+    def args(self, workspace: torch.Tensor, slabs: bool = False) -> tuple:
+        qw = [to_column_slabs(q) for q in self.qweight] if slabs else self.qweight
+        return (self.hidden, self.positions, self.cos, self.sin, self.norm1, self.norm2, qw, self.scales, self.qzeros,
+                self.k_cache, self.v_cache, workspace, self.dims.kv_heads, self.group_size, self.zero_offset, self.eps, self.scale)
+
+    def clone_caches(self) -> "Case":
+        c = Case(**{**self.__dict__})
+        c.k_cache = [t.clone() for t in self.k_cache]
+        c.v_cache = [t.clone() for t in self.v_cache]
+        return c
+
+
+def make_case(dims: LK.Dims, *, dtype=torch.bfloat16, device="cpu", pos: int = 5, max_seq: int = 16, max_batch: int = 2,
+              group_size: int = 128, zeros: bool = True, zero_offset: int = 0, scale_dtype=None, seed: int = 0) -> Case:
+    """Random weights and activations sized so that every layer keeps the residual stream's scale;
+    cache positions after ``pos`` (and the rows after 0) hold NaN: the op must never read them."""
+    g = torch.Generator().manual_seed(seed)
+    d = dims
+    sdt = scale_dtype or dtype
+
+    def weight(n, k):
+        qw = torch.randint(-2**31, 2**31, (k // 8, n), generator=g, dtype=torch.int64).to(torch.int32)
+        groups = 1 if group_size == -1 else k // group_size
+        sc = (torch.rand(groups, n, generator=g) * 0.5 + 0.75) * (k ** -0.5) / 4
+        qz = None
+        if zeros:
+            qz = torch.randint(-2**31, 2**31, (groups, n // 8), generator=g, dtype=torch.int64).to(torch.int32)
+        return qw.to(device), sc.to(sdt).to(device), None if qz is None else qz.to(device)
+
+    qkv_n = (d.heads + 2 * d.kv_heads) * d.head_dim
+    shapes = ((qkv_n, d.hidden), (d.hidden, d.heads * d.head_dim), (2 * d.inter, d.hidden), (d.hidden, d.inter))
+    qweight, scales, qzeros = [], [], []
+    for _ in range(d.layers):
+        for n, k in shapes:
+            qw, sc, qz = weight(n, k)
+            qweight.append(qw)
+            scales.append(sc)
+            qzeros.append(qz)
+    cfg = LlamaConfig(hidden_size=d.hidden, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads, head_dim=d.head_dim)
+    freqs = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq(cfg))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    kc, vc = [], []
+    for _ in range(d.layers):
+        for lst in (kc, vc):
+            t = torch.full((max_batch, d.kv_heads, max_seq, d.head_dim), float("nan"), dtype=dtype)
+            t[0, :, :pos] = torch.randn(d.kv_heads, pos, d.head_dim, generator=g).to(dtype)
+            lst.append(t.to(device))
+    return Case(
+        hidden=torch.randn(1, d.hidden, generator=g).to(dtype).to(device),
+        positions=torch.tensor([pos], dtype=torch.int64, device=device),
+        cos=emb.cos().float().to(device), sin=emb.sin().float().to(device),
+        norm1=[(1 + 0.1 * torch.randn(d.hidden, generator=g)).to(dtype).to(device) for _ in range(d.layers)],
+        norm2=[(1 + 0.1 * torch.randn(d.hidden, generator=g)).to(dtype).to(device) for _ in range(d.layers)],
+        qweight=qweight, scales=scales, qzeros=qzeros, k_cache=kc, v_cache=vc, dims=d, group_size=group_size,
+        zero_offset=zero_offset,
+    )
+
+
+def _dequant64(qw: torch.Tensor, sc: torch.Tensor, qz, group_size: int, zero_offset: int) -> torch.Tensor:
+    """W (N, K) float64 from a flat 4-bit qweight, written from the layout's definition."""
+    kw, n = qw.shape
+    k = 8 * kw
+    shifts = 4 * torch.arange(8, dtype=torch.int64)
+    q = ((qw.long().unsqueeze(1) >> shifts.view(1, 8, 1)) & 15).reshape(k, n)  # row 8 j + i = nibble i of word j
+    g = torch.zeros(k, dtype=torch.long) if group_size == -1 else torch.arange(k) // group_size
+    if qz is None:
+        z = torch.full((sc.shape[0], n), 8.0, dtype=torch.float64)
+    else:
+        z = (((qz.long().unsqueeze(2) >> shifts.view(1, 1, 8)) & 15).reshape(qz.shape[0], -1)[:, :n] + zero_offset).double()
+    return (sc.double()[g] * (q.double() - z[g])).t()
+
+
+def oracle(case: Case) -> tuple[torch.Tensor, list, list]:
+    """(h after the last layer, each layer's k and v written at the position) in float64, with the
+    activations rounded to the dtype where the model rounds them."""
+    c = case.clone_caches()
+    c = Case(**{k: (v.cpu() if isinstance(v, torch.Tensor) else [t.cpu() if isinstance(t, torch.Tensor) else t for t in v]
+                    if isinstance(v, list) else v) for k, v in c.__dict__.items()})
+    d, dt = c.dims, c.hidden.dtype
+    r = lambda t: t.to(dt).double()  # noqa: E731 - rounding to the model's dtype
+    pos = int(c.positions[0])
+    h = c.hidden.double()[0]
+    ks, vs = [], []
+    for layer in range(d.layers):
+        def proj(i, x):
+            j = 4 * layer + i
+            return _dequant64(c.qweight[j], c.scales[j], c.qzeros[j], c.group_size, c.zero_offset) @ x
+
+        def norm(x, w):
+            return r(w.double() * r(x * (x.pow(2).mean() + c.eps).rsqrt()))
+
+        qkv = r(proj(0, norm(h, c.norm1[layer])))
+        hd, nh, nkv = d.head_dim, d.heads, d.kv_heads
+        q = qkv[:nh * hd].view(nh, hd)
+        k = qkv[nh * hd:(nh + nkv) * hd].view(nkv, hd)
+        v = qkv[(nh + nkv) * hd:].view(nkv, hd)
+        cs, sn = c.cos[pos].double(), c.sin[pos].double()
+
+        def rot(x):
+            return r(x * cs + torch.cat((-x[:, hd // 2:], x[:, :hd // 2]), dim=-1) * sn)
+
+        q, k = rot(q), rot(k)
+        ks.append(k)
+        vs.append(v)
+        kc = torch.cat((c.k_cache[layer][0, :, :pos].double(), k.unsqueeze(1)), dim=1)  # (Hkv, pos + 1, D)
+        vc = torch.cat((c.v_cache[layer][0, :, :pos].double(), v.unsqueeze(1)), dim=1)
+        grp = nh // nkv
+        scores = torch.einsum("hgd,hpd->hgp", q.view(nkv, grp, hd), kc) * case.scale
+        attn = r(torch.einsum("hgp,hpd->hgd", torch.softmax(scores, dim=-1), vc).reshape(nh * hd))
+        h = r(h + r(proj(1, attn)))
+        gu = proj(2, norm(h, c.norm2[layer]))
+        gate, up = gu[:d.inter], gu[d.inter:]
+        h = r(h + r(proj(3, r(gate * torch.sigmoid(gate) * up))))
+    return h.view(1, -1), ks, vs
+
+
+def check_against_oracle(case: Case, got: torch.Tensor, k_cache: list, v_cache: list) -> None:
+    want, ks, vs = oracle(case)
+    dt = case.hidden.dtype
+    err = relative_error(got.cpu(), want)
+    assert err < TOL[dt], f"h: relative error {err:.3e} >= {TOL[dt]}"
+    pos = int(case.positions[0])
+    for layer in range(case.dims.layers):
+        for name, cache, ref in (("k", k_cache, ks), ("v", v_cache, vs)):
+            written = cache[layer][0, :, pos].cpu()
+            e = relative_error(written, ref[layer])
+            assert e < TOL[dt], f"layer {layer} {name} at {pos}: relative error {e:.3e}"
+            # Nothing else written: rows other than 0 and positions after pos keep their NaN.
+            assert torch.isnan(cache[layer][1:].float()).all() and torch.isnan(cache[layer][0, :, pos + 1:].float()).all()
+
+
+SMALL = LK.Dims(layers=2, hidden=256, inter=384, heads=4, kv_heads=2, head_dim=64)
+
+
+def workspace(dims: LK.Dims, device="cpu") -> torch.Tensor:
+    return torch.zeros(LK.workspace_bytes(dims), dtype=torch.uint8, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("zeros,group_size,pos", [(True, 128, 5), (False, -1, 0), (True, 128, 15)])
+def test_reference_matches_oracle(dtype, zeros, group_size, pos):
+    case = make_case(SMALL, dtype=dtype, zeros=zeros, group_size=group_size, pos=pos)
+    run = case.clone_caches()
+    got = OP(*run.args(workspace(SMALL)))
+    check_against_oracle(case, got, run.k_cache, run.v_cache)
+
+
+def test_slabs_and_flat_agree():
+    case = make_case(SMALL, dtype=torch.float16, zero_offset=1)
+    a, b = case.clone_caches(), case.clone_caches()
+    ya = OP(*a.args(workspace(SMALL)))
+    yb = OP(*b.args(workspace(SMALL), slabs=True))
+    assert torch.equal(ya, yb)
+
+
+def test_workspace_layout_is_disjoint_and_aligned():
+    d = LK.Dims(layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
+    lay = LK.workspace_layout(d)
+    parts = ["table", "qkv", "attn", "act", "part", "apart", "bytes"]
+    offs = [lay[p] for p in parts]
+    assert offs == sorted(offs) and all(o % 256 == 0 for o in offs)
+    assert lay["ctr_bytes"] >= 4 * (2 + 14336 // 32 + 8)  # arrivals, generation, [gate; up]'s 448 groups, 8 KV heads
+    assert lay["act"] - lay["attn"] >= 2 * 32 * 128 and lay["apart"] - lay["part"] >= 4 * 448 * 32 * 64
+    assert lay["bytes"] < 8 << 20  # well inside PERF.md's 64 MiB of scratch
+
+
+def _bad(case: Case, **change):
+    args = list(case.args(workspace(case.dims)))
+    names = ["hidden", "positions", "cos", "sin", "norm1", "norm2", "qweight", "scales", "qzeros", "k_cache", "v_cache",
+             "workspace", "num_kv_heads", "group_size", "zero_offset", "eps", "scale"]
+    for k, v in change.items():
+        args[names.index(k)] = v
+    return args
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_errors_name_the_argument(fake):
+    case = make_case(SMALL, dtype=torch.bfloat16)
+    bad = {
+        "hidden": (dict(hidden=case.hidden.expand(2, -1)), "hidden must be (1, H)"),
+        "positions": (dict(positions=case.positions.int()), "positions must be int64"),
+        "norm2": (dict(norm2=case.norm2[:1]), "norm2 must hold 2 tensors"),
+        "qweight": (dict(qweight=[case.qweight[0][:-1]] + case.qweight[1:]), "qweight[0]"),
+        "scales": (dict(scales=case.scales[:3] + [case.scales[3].float()] + case.scales[4:]), "scales[3]"),
+        "qzeros": (dict(qzeros=case.qzeros[:5] + [None] + case.qzeros[6:]), "qzeros[5]"),
+        "k_cache": (dict(k_cache=case.k_cache[:1] + [case.k_cache[1][:, :, :8]]), "k_cache[1]"),
+        "group_size": (dict(group_size=64), "group_size must be a multiple of 128"),
+        "workspace": (dict(workspace=torch.zeros(64, dtype=torch.uint8)), "workspace must be uint8"),
+        "num_kv_heads": (dict(num_kv_heads=4), "num_kv_heads"),
+    }
+    mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else None
+    for name, (change, msg) in bad.items():
+        args = _bad(case, **change)
+        if mode is not None:
+            args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else
+                    [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in a] if isinstance(a, list) else a for a in args]
+            with mode, pytest.raises((ValueError, TypeError, RuntimeError), match=re.escape(msg)):
+                OP(*args)
+        else:
+            with pytest.raises((ValueError, TypeError, RuntimeError), match=re.escape(msg)):
+                OP(*args)
+
+
+def test_opcheck():
+    case = make_case(LK.Dims(layers=1, hidden=128, inter=128, heads=2, kv_heads=1, head_dim=64), dtype=torch.float16, pos=3)
+    # opcheck compares the mutated caches across runs: give it caches without NaN.
+    for t in case.k_cache + case.v_cache:
+        t.nan_to_num_(0.0)
+    torch.library.opcheck(OP, case.args(workspace(case.dims)))
+
+
+def _model(scheme="gptq", dtype=torch.bfloat16, seed=0):
+    cfg = LlamaConfig.tiny()
+    return LlamaForCausalLM.random(cfg, scheme, dtype=dtype, max_batch=4, max_seq=24, seed=seed)
+
+
+@pytest.mark.parametrize("scheme", ["gptq", "awq"])
+def test_model_batch1_through_the_op_matches_layer_by_layer(scheme):
+    a, b = _model(scheme), _model(scheme)
+    b.use_layer_kernel()
+    tokens = torch.tensor([7])
+    for p in range(6):
+        pos = torch.tensor([p])
+        la, lb = a.decode(tokens, pos), b.decode(tokens, pos)
+        assert relative_error(lb, la) < 1e-2, p
+        tokens = la.argmax(-1)
+    # Batch 2 keeps the layer-by-layer path (fresh caches: the ones above differ by rounding).
+    c, d = _model(scheme), _model(scheme)
+    d.use_layer_kernel()
+    t2, p2 = torch.tensor([1, 2]), torch.tensor([0, 0])
+    assert torch.equal(c.decode(t2, p2), d.decode(t2, p2))
+
+
+def test_model_layer_op_compiles_fullgraph_without_recompiles():
+    from qops.models import compile_decode
+
+    torch._dynamo.reset()
+    eager, m = _model(), _model()
+    m.use_layer_kernel()
+    step = compile_decode(m, cuda_graphs=False, dynamic_batch=False)
+    tokens = torch.tensor([5])
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        first = step(tokens, torch.tensor([0]))
+    assert relative_error(first, eager.decode(tokens, torch.tensor([0]))) < 1e-2
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for p in range(1, 5):
+            got = step(tokens, torch.tensor([p]))
+            assert relative_error(got, eager.decode(tokens, torch.tensor([p]))) < 1e-2
+    torch._dynamo.reset()
+
+
+def test_model_refusals_name_the_layer():
+    m = LlamaForCausalLM.random(LlamaConfig.tiny(), "fp8", dtype=torch.bfloat16, max_batch=2, max_seq=8)
+    assert "layer 0 qkv_proj" in m.layer_kernel_refusal()
+    with pytest.raises(ValueError, match="use_layer_kernel: layer 0 qkv_proj"):
+        m.use_layer_kernel()
+    dense = LlamaForCausalLM.random(LlamaConfig.tiny(), None, dtype=torch.bfloat16, max_batch=2, max_seq=8)
+    assert "not an integer-weight layer" in dense.layer_kernel_refusal()
+
+
+def test_native_refusal_on_cpu_says_why():
+    case = make_case(SMALL, dtype=torch.bfloat16)
+    why = LK.native_refusal(case.dims, case.hidden, case.cos, case.sin, case.qweight, case.scales, case.qzeros, case.k_cache, case.v_cache)
+    assert why is not None and "not a CUDA device" in why
+
+
+def test_scratch_floats_cover_every_block():
+    """The kernel's per-block column-group count (scratch rows) is the largest any block meets."""
+    d = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
+    ncg, floats = LK._scratch_floats(d, 132)
+    assert ncg == max(
+        (i1 - 1) // c - i0 // c + 1
+        for g, c, _ in LK._projection_shapes(d)
+        for b in range(132)
+        for i0, i1 in [(g * c * b // 132, g * c * (b + 1) // 132)] if i1 > i0)
+    assert floats >= 8 * ncg * 64 and ncg <= 64
