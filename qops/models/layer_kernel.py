@@ -60,6 +60,7 @@ KERNEL = "qops_decode_layers"
 THREADS = 288              # 8 consumer warps and a producer warp
 SLOT_BYTES = 2304 + 16     # a ring slot (decode_layers.cu kSlotBytes) and its two mbarriers
 MAX_SLOTS = 96
+MIN_SLOTS = 32            # the 8 warps hold up to 16 slots at once; the rest is the stream ahead of them
 MAX_SPLITS = 32            # the attention's shares of the cache positions per KV head (workspace sized for it)
 TABLE_WORDS = 16           # pointers a layer (decode_layers.cu LayerWeights)
 
@@ -303,6 +304,8 @@ def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cach
     tensors = [hidden, cos, sin, *qweight, *scales, *[z for z in qzeros if z is not None], *k_cache, *v_cache]
     if any(not t.is_contiguous() for t in tensors):
         return "a tensor is not contiguous"
+    if any(t.data_ptr() % 16 for t in tensors):
+        return "a tensor's address is not 16-byte aligned (the kernel's bulk copies and vector loads)"
     smem, plan = smem_plan(dims, *device_facts(dev))
     if plan["ncg"] > 64:
         return f"a block would hold {plan['ncg']} column groups of one projection (the kernel's flags hold 64)"
@@ -344,7 +347,7 @@ def smem_plan(dims: Dims, grid: int, smem_optin: int) -> tuple[int | None, dict]
     fixed = 128 + 2 * _align(kmax, 8) + 4 * scratch + 4 * 64
     slots = min(MAX_SLOTS, (smem_optin - fixed) // SLOT_BYTES)
     plan = dict(grid=grid, ncg=ncg, scratch=scratch, kmax=kmax, slots=slots)
-    if slots < 8:
+    if slots < MIN_SLOTS:
         return None, plan
     return fixed + slots * SLOT_BYTES, plan
 

@@ -222,17 +222,6 @@ __device__ __forceinline__ Proj proj_of(const Args& a, const LayerWeights& lw, i
   return q;
 }
 
-// Slab-chunks block b streams in one layer (every layer the same).
-__device__ __forceinline__ int layer_slots(const Args& a, int b) {
-  int total = 0;
-  for (int p = 0; p < 4; ++p) {
-    const Proj q = proj_of(a, a.layers[0], p);
-    const int U = q.groups * q.chunks;
-    total += (unit_begin(U, b + 1, gridDim.x) - unit_begin(U, b, gridDim.x)) * q.slabs;
-  }
-  return total;
-}
-
 struct Smem {
   unsigned char* ring;  // NS slots of kSlotBytes, 128-byte aligned
   u32 ring_addr;
@@ -498,6 +487,26 @@ __device__ void project(const Args& a, const Smem& s, const LayerWeights& lw, in
 
 // --- attention -----------------------------------------------------------------------------------
 
+// One cache position into a warp's online softmax of each query head: lane holds kHdLane dims of q, k, v, o.
+__device__ __forceinline__ void attend(float (&m)[GQ], float (&l)[GQ], float (&o)[GQ][kHdLane], const float (&qr)[GQ][kHdLane],
+                                       const float (&kv)[kHdLane], const float (&vv)[kHdLane], float scale) {
+#pragma unroll
+  for (int g = 0; g < GQ; ++g) {
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < kHdLane; ++i) dot += qr[g][i] * kv[i];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    const float sc = dot * scale;
+    const float mn = fmaxf(m[g], sc);
+    const float alpha = expf(m[g] - mn), pr = expf(sc - mn);
+    l[g] = l[g] * alpha + pr;
+#pragma unroll
+    for (int i = 0; i < kHdLane; ++i) o[g][i] = o[g][i] * alpha + pr * vv[i];
+    m[g] = mn;
+  }
+}
+
 __device__ void attention(const Args& a, const Smem& s, const LayerWeights& lw) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const int b = blockIdx.x;
@@ -541,41 +550,25 @@ __device__ void attention(const Args& a, const Smem& s, const LayerWeights& lw) 
   }
   const int lo = static_cast<int>((static_cast<long long>(pos) * sp) / a.nsplit);
   const int hi = static_cast<int>((static_cast<long long>(pos) * (sp + 1)) / a.nsplit);
-  const bool own_new = sp == a.nsplit - 1 && warp == 0;
-  for (int p = lo + warp; p < hi + (own_new ? 8 : 0); p += 8) {
+  for (int p = lo + warp; p < hi; p += 8) {
     float kv[kHdLane], vv[kHdLane];
-    if (p < hi) {
-      const u16* kr = lw.k_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
-      const u16* vr = lw.v_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
+    const u16* kr = lw.k_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
+    const u16* vr = lw.v_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
 #pragma unroll
-      for (int i = 0; i < kHdLane; ++i) {
-        kv[i] = to_f(kr[i]);
-        vv[i] = to_f(vr[i]);
-      }
-    } else {
-      if (p != hi + warp) break;  // the new token: once, by warp 0 (p == hi)
-#pragma unroll
-      for (int i = 0; i < kHdLane; ++i) {
-        kv[i] = q_s[GQ * HD + lane * kHdLane + i];
-        vv[i] = v_s[lane * kHdLane + i];
-      }
+    for (int i = 0; i < kHdLane; ++i) {
+      kv[i] = to_f(kr[i]);
+      vv[i] = to_f(vr[i]);
     }
+    attend(m, l, o, qr, kv, vv, a.scale);
+  }
+  if (sp == a.nsplit - 1 && warp == 0) {  // the new token, from shared memory
+    float kv[kHdLane], vv[kHdLane];
 #pragma unroll
-    for (int g = 0; g < GQ; ++g) {
-      float dot = 0.f;
-#pragma unroll
-      for (int i = 0; i < kHdLane; ++i) dot += qr[g][i] * kv[i];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      const float sc = dot * a.scale;
-      const float mn = fmaxf(m[g], sc);
-      const float alpha = expf(m[g] - mn), pr = expf(sc - mn);
-      l[g] = l[g] * alpha + pr;
-#pragma unroll
-      for (int i = 0; i < kHdLane; ++i) o[g][i] = o[g][i] * alpha + pr * vv[i];
-      m[g] = mn;
+    for (int i = 0; i < kHdLane; ++i) {
+      kv[i] = q_s[GQ * HD + lane * kHdLane + i];
+      vv[i] = v_s[lane * kHdLane + i];
     }
-    if (p >= hi) break;
+    attend(m, l, o, qr, kv, vv, a.scale);
   }
 #pragma unroll
   for (int g = 0; g < GQ; ++g) {
