@@ -16,8 +16,8 @@ the projections' weights in qops' runtime int-weight layout, ``qops/ops/int_weig
   N/8)`` int32 for every projection or None for every one (symmetric, zero 8). No act-order, no bias.
 - ``k_cache``, ``v_cache``: L tensors ``(max_batch, Hkv, S, D)``, written in place at row 0,
   ``positions[0]``.
-- ``workspace`` uint8, at least :func:`workspace_bytes` bytes, caller-owned scratch; the op keeps
-  its arrival counters and its table of the weights' addresses there between calls.
+- ``workspace`` uint8, at least :func:`workspace_bytes` bytes, caller-owned scratch (its counters,
+  the weights' address table, activations and partial sums).
 - ``num_kv_heads``, ``group_size`` (a multiple of 128, or -1), ``zero_offset``, ``eps`` (the RMSNorms'),
   ``scale`` (the softmax's).
 
@@ -35,12 +35,14 @@ floating-point atomics): results are the same bits run to run. Scores, softmax a
 sums stay in fp32 (``decode_attention`` rounds the probabilities to the dtype before ``p @ v``; this
 kernel does not), so outputs agree with the layer-by-layer model within rounding, not bit for bit.
 
-The first call with a given workspace and weights (outside CUDA-graph capture) zeroes the
-workspace's counters and writes the weights' addresses into it; a captured call finds them there.
+Each call first copies the zeroed counters and the weights' address table into the workspace's
+head (one host-to-device copy of ~4 KiB from pinned memory, a node of a captured graph), so the op
+keeps no state about a workspace between calls.
 Inference only: no autograd formula is registered.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -275,6 +277,7 @@ def _decode_layers_cuda(hidden, positions, cos, sin, norm1, norm2, qweight, scal
 # --- the native kernel -----------------------------------------------------------------------------
 
 DISABLE_ENV = "QOPS_LAYER_KERNEL"  # "0": the reference kernel on CUDA too (measurements)
+DEFINES_ENV = "QOPS_LAYER_DEFINES"  # JSON of extra NVRTC macros (measurement knobs of decode_layers.cu)
 
 
 def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cache, v_cache) -> str | None:
@@ -358,35 +361,20 @@ def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_
             "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, "QOPS_SLOTS": slots}
 
 
-_prepared: dict[tuple, tuple] = {}  # (device, workspace address) -> the address table it holds
+_headers: dict[tuple, torch.Tensor] = {}  # (counter bytes, address table) -> pinned bytes: zeros, then the table
 
 
-def _addresses(dims: Dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache) -> tuple:
-    table = []
-    for layer in range(dims.layers):
-        ws = range(4 * layer, 4 * layer + 4)
-        table += [qweight[i].data_ptr() for i in ws] + [scales[i].data_ptr() for i in ws]
-        table += [0 if qzeros[i] is None else qzeros[i].data_ptr() for i in ws]
-        table += [norm1[layer].data_ptr(), norm2[layer].data_ptr(), k_cache[layer].data_ptr(), v_cache[layer].data_ptr()]
-    return tuple(table)
-
-
-def _prepare_workspace(workspace: torch.Tensor, lay: dict, table: tuple) -> None:
-    """Zero the counters and write the address table, once per (workspace, weights); never while
-    capturing a CUDA graph."""
-    key = (workspace.device.index, workspace.data_ptr())
-    if _prepared.get(key) == table:
-        return
-    from ..native import compiler
-
-    if torch.cuda.is_current_stream_capturing():
-        raise compiler.NativeNotReadyError(
-            f"qops.{OP}: this workspace has not been prepared for these weights; call the op once outside CUDA-graph capture first")
-    workspace[:lay["ctr_bytes"]].zero_()
-    words = torch.tensor(np.array(table, dtype=np.uint64).view(np.int64), dtype=torch.int64)
-    workspace[lay["table"]:lay["table"] + 8 * len(table)].copy_(words.view(torch.uint8))
-    torch.cuda.current_stream(workspace.device).synchronize()
-    _prepared[key] = table
+def _workspace_header(lay: dict, table: tuple) -> torch.Tensor:
+    """The bytes every call writes at the workspace's start: zeroed counters, then the layers'
+    address table. Pinned host memory kept for the process (a captured copy reads it at each replay)."""
+    key = (lay["ctr_bytes"], table)
+    buf = _headers.get(key)
+    if buf is None:
+        words = np.zeros(lay["table"] // 8 + len(table), dtype=np.uint64)
+        words[lay["table"] // 8:] = np.array(table, dtype=np.uint64)
+        buf = torch.from_numpy(words.view(np.uint8)).pin_memory()
+        _headers[key] = buf
+    return buf
 
 
 def native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
@@ -396,8 +384,14 @@ def native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweigh
     dev = hidden.device
     smem, plan = smem_plan(dims, *device_facts(dev))
     lay = workspace_layout(dims)
-    _prepare_workspace(workspace, lay, _addresses(dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache))
+    # Counters and the address table rewritten by every call (one small copy; a captured graph replays
+    # it): the op keeps no state about a workspace between calls.
+    header = _workspace_header(lay, _addresses(dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache))
+    workspace[:header.numel()].copy_(header, non_blocking=True)
     defines = build_defines(dims, hidden.dtype, scales[0].dtype, qzeros[0] is not None, plan["slots"])
+    extra = os.environ.get(DEFINES_ENV)
+    if extra:  # measurement builds (benchmarks/probe_layer_kernel.py)
+        defines.update({str(k): int(v) for k, v in json.loads(extra).items()})
     kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL)
     grid = plan["grid"]
     if compiler.max_active_blocks(kernel, dev, THREADS, smem) < 1:

@@ -87,6 +87,15 @@
 #ifndef QOPS_SLOTS
 #define QOPS_SLOTS 64
 #endif
+#ifndef QOPS_QPITCH
+#define QOPS_QPITCH 544
+#endif
+#ifndef QOPS_PROBE
+#define QOPS_PROBE 0
+#endif
+#ifndef QOPS_PLANES
+#define QOPS_PLANES 1
+#endif
 
 namespace qops {
 namespace layers {
@@ -98,9 +107,15 @@ constexpr int GQ = QOPS_GQ;
 constexpr int NS = QOPS_SLOTS;
 constexpr int kConsumers = 256;
 constexpr int kThreads = kConsumers + 32;
-constexpr int kQuarterPitch = 544;  // a 512-byte quarter of a slab-chunk + 32 bytes (bank offset)
+constexpr int kQuarterPitch = QOPS_QPITCH;  // a 512-byte quarter of a slab-chunk + 32 bytes (bank offset)
+// Measurement knobs (benchmarks/probe_layer_kernel.py; results are wrong with QOPS_PROBE):
+// QOPS_QPITCH 512: the chunk in one 2 KiB copy (bank conflicts) instead of four; QOPS_PROBE bit 1: the
+// consumers skip the math (stream and barriers only), bit 2: no grid barriers; QOPS_PLANES: producer
+// lanes issuing a chunk's copies (1, or 6: one copy a lane).
+constexpr int kProbe = QOPS_PROBE;
+constexpr int kProducerLanes = QOPS_PLANES;
 constexpr int kMetaOff = 4 * kQuarterPitch;
-constexpr int kSlotBytes = kMetaOff + 128;  // + 64 bytes of scales, 16 of zero words, padding
+constexpr int kSlotBytes = 4 * 544 + 128;  // + 64 bytes of scales, 16 of zero words, padding
 constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
 static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
 static_assert(kSlotBytes % 128 == 0, "slots keep the 128-byte bank alignment");
@@ -172,6 +187,7 @@ __device__ __forceinline__ float round_dt(float f) { return to_f(to_b(f)); }
 // consumer thread's later reads (through L2) once it returns.
 __device__ void grid_barrier(u32* ctr) {
   consumer_sync();
+  if constexpr (kProbe & 2) return;
   if (threadIdx.x == 0) {
     const u32 gen = ld_acquire_u32(ctr + 1);
     __threadfence();
@@ -234,7 +250,7 @@ struct Smem {
 
 // --- the producer --------------------------------------------------------------------------------
 
-__device__ void produce(const Args& a, const Smem& s) {
+__device__ void produce(const Args& a, const Smem& s, int lane) {
   const int b = blockIdx.x;
   const u32 bytes = 2048u + 64u + (QOPS_HAS_Z ? 16u : 0u);
   u32 seq = 0;
@@ -251,14 +267,31 @@ __device__ void produce(const Args& a, const Smem& s) {
           const int slab = sl == 0 ? cg : cg + a.inter / 32;
           const u32 slot = seq % NS, use = seq / NS;
           const u32 full = s.full_addr + 8 * slot;
-          if (use > 0) mbar_wait_parity(s.empty_addr + 8 * slot, (use - 1) & 1);
-          mbar_arrive_expect_tx(full, bytes);
           const u32 dst = s.ring_addr + slot * kSlotBytes;
           const u32* src = q.qw + (static_cast<size_t>(slab) * q.kw + 16 * c) * 32;
+          const u16* ssrc = q.sc + static_cast<size_t>(grow) * q.n + 32 * slab;
+          const u32* zsrc = q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab;
+          if (lane == 0) {
+            if (use > 0) mbar_wait_parity(s.empty_addr + 8 * slot, (use - 1) & 1);
+            mbar_arrive_expect_tx(full, bytes);
+          }
+          if constexpr (kProducerLanes == 1) {
+            if (lane == 0) {
+              if (kQuarterPitch == 512) {
+                bulk_copy_g2s(dst, src, 2048, full);
+              } else {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) bulk_copy_g2s(dst + i * kQuarterPitch, src + 128 * i, 512, full);
-          bulk_copy_g2s(dst + kMetaOff, q.sc + static_cast<size_t>(grow) * q.n + 32 * slab, 64, full);
-          if (QOPS_HAS_Z) bulk_copy_g2s(dst + kMetaOff + 64, q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab, 16, full);
+                for (int i = 0; i < 4; ++i) bulk_copy_g2s(dst + i * kQuarterPitch, src + 128 * i, 512, full);
+              }
+              bulk_copy_g2s(dst + kMetaOff, ssrc, 64, full);
+              if (QOPS_HAS_Z) bulk_copy_g2s(dst + kMetaOff + 64, zsrc, 16, full);
+            }
+          } else {
+            __syncwarp();  // the slot is free (lane 0 waited) before any lane copies into it
+            if (lane < 4) bulk_copy_g2s(dst + lane * kQuarterPitch, src + 128 * lane, 512, full);
+            else if (lane == 4) bulk_copy_g2s(dst + kMetaOff, ssrc, 64, full);
+            else if (lane == 5 && QOPS_HAS_Z) bulk_copy_g2s(dst + kMetaOff + 64, zsrc, 16, full);
+          }
         }
       }
     }
@@ -410,8 +443,10 @@ __device__ void project(const Args& a, const Smem& s, const LayerWeights& lw, in
       const u32 sq = seq + static_cast<u32>(u * q.slabs + sl);
       const u32 slot = sq % NS;
       mbar_wait_parity(s.full_addr + 8 * slot, (sq / NS) & 1);
-      if (sl == 0) chunk_sums(acc[0], s.ring + slot * kSlotBytes, xk, lane, zbase);
-      else chunk_sums(acc[1], s.ring + slot * kSlotBytes, xk, lane, zbase);
+      if constexpr (!(kProbe & 1)) {
+        if (sl == 0) chunk_sums(acc[0], s.ring + slot * kSlotBytes, xk, lane, zbase);
+        else chunk_sums(acc[1], s.ring + slot * kSlotBytes, xk, lane, zbase);
+      }
       __syncwarp();
       if (lane == 0) mbar_arrive(s.empty_addr + 8 * slot);
     }
@@ -699,7 +734,7 @@ qops_decode_layers(const qops::layers::LayerWeights* layers, int n_layers, qops:
   }
   __syncthreads();
   if (threadIdx.x >= kConsumers) {
-    if (threadIdx.x == kConsumers) produce(a, s);
+    if (kProducerLanes > 1 || threadIdx.x == kConsumers) produce(a, s, threadIdx.x - kConsumers);
     return;
   }
   consume(a, s);
