@@ -322,3 +322,17 @@ def test_scratch_floats_cover_every_block():
         for b in range(132)
         for i0, i1 in [(g * c * b // 132, g * c * (b + 1) // 132)] if i1 > i0)
     assert floats >= 8 * ncg * 64 and ncg <= 64
+
+
+def test_workspace_header_holds_zeroed_counters_then_the_address_table():
+    """What every native call copies to the workspace's head (built on the CPU here)."""
+    case = make_case(SMALL, dtype=torch.float16)
+    lay = LK.workspace_layout(SMALL)
+    table = LK._addresses(SMALL, case.qweight, case.scales, case.qzeros, case.norm1, case.norm2, case.k_cache, case.v_cache)
+    assert len(table) == LK.TABLE_WORDS * SMALL.layers
+    assert table[:4] == tuple(t.data_ptr() for t in case.qweight[:4]) and table[12] == case.norm1[0].data_ptr()
+    assert table[15] == case.v_cache[0].data_ptr() and table[16] == case.qweight[4].data_ptr()
+    header = LK._workspace_header(lay, table, pin=False)
+    assert header.numel() == lay["table"] + 8 * len(table) and not header[:lay["ctr_bytes"]].any()
+    words = header[lay["table"]:].view(torch.int64)
+    assert [w & (2**64 - 1) for w in words.tolist()] == list(table)

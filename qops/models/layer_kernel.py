@@ -361,10 +361,21 @@ def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_
             "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, "QOPS_SLOTS": slots}
 
 
+def _addresses(dims: Dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache) -> tuple:
+    """The layers' address table (decode_layers.cu LayerWeights, 16 words a layer)."""
+    table = []
+    for layer in range(dims.layers):
+        ws = range(4 * layer, 4 * layer + 4)
+        table += [qweight[i].data_ptr() for i in ws] + [scales[i].data_ptr() for i in ws]
+        table += [0 if qzeros[i] is None else qzeros[i].data_ptr() for i in ws]
+        table += [norm1[layer].data_ptr(), norm2[layer].data_ptr(), k_cache[layer].data_ptr(), v_cache[layer].data_ptr()]
+    return tuple(table)
+
+
 _headers: dict[tuple, torch.Tensor] = {}  # (counter bytes, address table) -> pinned bytes: zeros, then the table
 
 
-def _workspace_header(lay: dict, table: tuple) -> torch.Tensor:
+def _workspace_header(lay: dict, table: tuple, *, pin: bool = True) -> torch.Tensor:
     """The bytes every call writes at the workspace's start: zeroed counters, then the layers'
     address table. Pinned host memory kept for the process (a captured copy reads it at each replay)."""
     key = (lay["ctr_bytes"], table)
@@ -372,7 +383,10 @@ def _workspace_header(lay: dict, table: tuple) -> torch.Tensor:
     if buf is None:
         words = np.zeros(lay["table"] // 8 + len(table), dtype=np.uint64)
         words[lay["table"] // 8:] = np.array(table, dtype=np.uint64)
-        buf = torch.from_numpy(words.view(np.uint8)).pin_memory()
+        buf = torch.from_numpy(words.view(np.uint8))
+        if not pin:
+            return buf
+        buf = buf.pin_memory()
         _headers[key] = buf
     return buf
 
