@@ -68,7 +68,7 @@ def make_case(dims: LK.Dims, *, dtype=torch.bfloat16, device="cpu", pos: int = 5
 
     def weight(n, k):
         qw = torch.randint(-2**31, 2**31, (k // 8, n), generator=g, dtype=torch.int64).to(torch.int32)
-        groups = 1 if group_size == -1 else k // group_size
+        groups = 1 if group_size == -1 else -(-k // group_size)
         sc = (torch.rand(groups, n, generator=g) * 0.5 + 0.75) * (k ** -0.5) / 4
         qz = None
         if zeros:

@@ -60,9 +60,9 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 SOURCE = "decode_layers.cu"
 KERNEL = "qops_decode_layers"
 THREADS = 288              # 8 consumer warps and a producer warp
-SLOT_BYTES = 2304 + 16     # a ring slot (decode_layers.cu kSlotBytes) and its two mbarriers
-MAX_SLOTS = 96
-MIN_SLOTS = 32            # the 8 warps hold up to 16 slots at once; the rest is the stream ahead of them
+SLOT_BYTES = 16384 + 16    # a ring slot (decode_layers.cu kSlotBytes: 8 slab-chunks) and its two mbarriers
+MAX_SLOTS = 16
+MIN_SLOTS = 4              # the consumers hold one slot at a time; the rest is the stream ahead of them
 MAX_SPLITS = 32            # the attention's shares of the cache positions per KV head (workspace sized for it)
 TABLE_WORDS = 16           # pointers a layer (decode_layers.cu LayerWeights)
 

@@ -27,20 +27,27 @@
 // [gate; up]: gate slab j with up slab j + I/32, so silu(gate) * up is computed where both sums meet).
 // The U units, column group major, are split evenly over the G blocks: block b takes
 // [floor(b U / G), floor((b + 1) U / G)), so every block streams the same bytes (+-1 unit) whatever the
-// shape; a column group then spans one to three blocks. The block's units go round robin to its 8
-// consumer warps (unit t to warp t % 8); a ring slot holds one slab-chunk (a [gate; up] unit takes two).
+// shape; a column group then spans one to three blocks.
 //
-// A slab-chunk in shared memory: its 2 KiB (16 word rows x 32 columns) as four 512-byte quarters (word
-// rows 4q .. 4q + 3) at a pitch of 544 bytes, then the chunk's 32 scales and 4 zero words. The 32-byte
-// gaps put a lane's 16-byte loads in distinct banks: lane (r, c) = (lane / 4, lane % 4) reads quarter
-// c, word row j, columns 4r .. 4r + 3 (one 16-byte load), i.e. the four lanes of a row r read four
-// quarters at bank offsets 8c words apart. The MMA (m16n8k16, fp32 accumulation): A is the weight, its
-// 16 rows the columns (tile e = 0, 1 of a lane: rows r and r + 8 are columns 4r + 2e and 4r + 2e + 1),
-// its K order permuted so that lane c's k values come from its own words: in 16-row step 2j + s,
-// lane c's logical k pair (2c, 2c + 1) is physical rows 32c + 8j + s*2 + {0, 4}, pair (2c + 8, 2c + 9)
-// rows 32c + 8j + s*2 + {1, 5} (the nibble order of w4.cuh's magic-number decode: word pairs
-// (q0, q4), (q1, q5), (q2, q6), (q3, q7)). B is x with the same permutation, every B column holding x
-// (so every lane's C holds the sums and none needs masking).
+// The ring. A block's units of a column group are consecutive chunks of its slab(s), i.e. contiguous
+// bytes (a slab's chunks follow each other in the slab layout), so a stage -- up to 8 units ([gate; up]:
+// 4 units of two slabs) -- is one bulk copy (two) of up to 16 KiB into a ring slot: the H200's copy
+// engine took ~200 cycles a copy when each 2 KiB chunk and its scales and zeros were separate copies
+// (0.67-0.86 TB/s for the stream alone, benchmarks/NOTES.md stop 46). Scales and zero words are not in
+// the ring: the producer's lanes prefetch the stage's lines into L2 as it fills the slot, and each
+// consumer warp loads its unit's (8 + 4 bytes a lane) one stage ahead. Warp w takes unit w of each
+// stage ([gate; up]: unit w / 2 of the gate (w even) or up slab); every warp arrives on the slot's empty
+// barrier, with or without a unit, and the producer refills the slot once all 8 have.
+//
+// A slab-chunk in shared memory: its 2 KiB, word rows 0..15 of 32 columns (128 bytes a row). Lane
+// (r, c) = (lane / 4, lane % 4) reads word rows 4c + j (j = 0..3), columns 4r .. 4r + 3 (one 16-byte
+// load each; the four lanes of a row r hit the same banks: 4-way conflicts, 64 wavefronts a chunk).
+// The MMA (m16n8k16, fp32 accumulation): A is the weight, its 16 rows the columns (tile e = 0, 1 of a
+// lane: rows r and r + 8 are columns 4r + 2e and 4r + 2e + 1), its K order permuted so that lane c's k
+// values come from its own words: in 16-row step 2j + s, lane c's logical k pair (2c, 2c + 1) is
+// physical rows 32c + 8j + 2s + {0, 4}, pair (2c + 8, 2c + 9) rows 32c + 8j + 2s + {1, 5} (the nibble
+// order of w4.cuh's magic-number decode: word pairs (q0, q4), (q1, q5), (q2, q6), (q3, q7)). B is x
+// with the same permutation, every B column holding x (so every lane's C holds the sums).
 //
 // Reduction of a column group over its blocks (fixed order: bit-identical run to run): each block sums
 // its warps' partials in warp order in shared memory; a block holding a whole column group finishes it
@@ -85,16 +92,10 @@
 #define QOPS_GQ 4
 #endif
 #ifndef QOPS_SLOTS
-#define QOPS_SLOTS 64
-#endif
-#ifndef QOPS_QPITCH
-#define QOPS_QPITCH 544
+#define QOPS_SLOTS 8
 #endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0
-#endif
-#ifndef QOPS_PLANES
-#define QOPS_PLANES 1
 #endif
 
 namespace qops {
@@ -107,18 +108,13 @@ constexpr int GQ = QOPS_GQ;
 constexpr int NS = QOPS_SLOTS;
 constexpr int kConsumers = 256;
 constexpr int kThreads = kConsumers + 32;
-constexpr int kQuarterPitch = QOPS_QPITCH;  // a 512-byte quarter of a slab-chunk + 32 bytes (bank offset)
-// Measurement knobs (benchmarks/probe_layer_kernel.py; results are wrong with QOPS_PROBE):
-// QOPS_QPITCH 512: the chunk in one 2 KiB copy (bank conflicts) instead of four; QOPS_PROBE bit 1: the
-// consumers skip the math (stream and barriers only), bit 2: no grid barriers; QOPS_PLANES: producer
-// lanes issuing a chunk's copies (1, or 6: one copy a lane).
+// Measurement knobs (benchmarks/probe_layer_kernel.py; results are wrong with them): QOPS_PROBE bit 1:
+// the consumers skip the math (the stream and the barriers only), bit 2: no grid barriers.
 constexpr int kProbe = QOPS_PROBE;
-constexpr int kProducerLanes = QOPS_PLANES;
-constexpr int kMetaOff = 4 * kQuarterPitch;
-constexpr int kSlotBytes = 4 * 544 + 128;  // + 64 bytes of scales, 16 of zero words, padding
+constexpr int kStageChunks = 8;                    // slab-chunks a ring slot (one bulk copy, two for [gate; up])
+constexpr int kSlotBytes = kStageChunks * 2048;
 constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
 static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
-static_assert(kSlotBytes % 128 == 0, "slots keep the 128-byte bank alignment");
 
 // One layer's pointers as the host writes them (16 x 8 bytes; qops/models/layer_kernel.py).
 struct LayerWeights {
@@ -221,6 +217,7 @@ struct Proj {
   int groups;  // column groups (N / 32, or I / 32 gated)
   int chunks;  // K / 128
   int slabs;   // slab-chunks a unit (1, or 2 gated)
+  int per_stage;  // units a stage (kStageChunks / slabs)
 };
 
 __device__ __forceinline__ Proj proj_of(const Args& a, const LayerWeights& lw, int p) {
@@ -234,9 +231,44 @@ __device__ __forceinline__ Proj proj_of(const Args& a, const LayerWeights& lw, i
   q.kw = k / 8;
   q.chunks = k / 128;
   q.slabs = p == 2 ? 2 : 1;
+  q.per_stage = kStageChunks / q.slabs;
   q.groups = p == 2 ? a.inter / 32 : q.n / 32;
   return q;
 }
+
+// A block's stages of one projection, in the order the producer fills and the consumers read them: the
+// block's units column group by column group, each group's run of chunks cut into stages of at most
+// per_stage units (so a stage's chunks of a slab are contiguous in memory: one bulk copy each).
+struct Stages {
+  int cg, cg_last, c_end;  // current column group, the last one, the end of its run of chunks
+  int c0, n;               // the stage's first chunk and its units
+  int i0, i1, chunks, per_stage;
+  __device__ __forceinline__ Stages(const Proj& q, int b) {
+    const int U = q.groups * q.chunks;
+    i0 = unit_begin(U, b, gridDim.x);
+    i1 = unit_begin(U, b + 1, gridDim.x);
+    chunks = q.chunks;
+    per_stage = q.per_stage;
+    cg = i0 / chunks;
+    cg_last = i1 > i0 ? (i1 - 1) / chunks : cg - 1;
+    start_group();
+  }
+  __device__ __forceinline__ bool valid() const { return cg <= cg_last; }
+  __device__ __forceinline__ void start_group() {
+    c0 = max(i0, cg * chunks) - cg * chunks;
+    c_end = min(i1, (cg + 1) * chunks) - cg * chunks;
+    n = min(per_stage, c_end - c0);
+  }
+  __device__ __forceinline__ void next() {
+    c0 += per_stage;
+    if (c0 >= c_end) {
+      ++cg;
+      if (cg <= cg_last) start_group();
+    } else {
+      n = min(per_stage, c_end - c0);
+    }
+  }
+};
 
 struct Smem {
   unsigned char* ring;  // NS slots of kSlotBytes, 128-byte aligned
@@ -251,47 +283,33 @@ struct Smem {
 // --- the producer --------------------------------------------------------------------------------
 
 __device__ void produce(const Args& a, const Smem& s, int lane) {
-  const int b = blockIdx.x;
-  const u32 bytes = 2048u + 64u + (QOPS_HAS_Z ? 16u : 0u);
   u32 seq = 0;
   for (int l = 0; l < a.n_layers; ++l) {
     const LayerWeights lw = a.layers[l];
     for (int p = 0; p < 4; ++p) {
       const Proj q = proj_of(a, lw, p);
-      const int U = q.groups * q.chunks;
-      const int i0 = unit_begin(U, b, gridDim.x), i1 = unit_begin(U, b + 1, gridDim.x);
-      for (int u = i0; u < i1; ++u) {
-        const int cg = u / q.chunks, c = u - cg * q.chunks;
-        const int grow = a.group_chunks ? c / a.group_chunks : 0;
-        for (int sl = 0; sl < q.slabs; ++sl, ++seq) {
-          const int slab = sl == 0 ? cg : cg + a.inter / 32;
-          const u32 slot = seq % NS, use = seq / NS;
-          const u32 full = s.full_addr + 8 * slot;
-          const u32 dst = s.ring_addr + slot * kSlotBytes;
-          const u32* src = q.qw + (static_cast<size_t>(slab) * q.kw + 16 * c) * 32;
-          const u16* ssrc = q.sc + static_cast<size_t>(grow) * q.n + 32 * slab;
-          const u32* zsrc = q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab;
-          if (lane == 0) {
-            if (use > 0) mbar_wait_parity(s.empty_addr + 8 * slot, (use - 1) & 1);
-            mbar_arrive_expect_tx(full, bytes);
+      for (Stages st(q, blockIdx.x); st.valid(); st.next(), ++seq) {
+        const u32 slot = seq % NS, use = seq / NS;
+        const u32 full = s.full_addr + 8 * slot;
+        if (lane == 0 && use > 0) mbar_wait_parity(s.empty_addr + 8 * slot, (use - 1) & 1);
+        __syncwarp();  // the lanes' prefetches stay with the stage lane 0 fills
+        if (lane == 0) {
+          mbar_arrive_expect_tx(full, static_cast<u32>(st.n * q.slabs) * 2048u);
+          for (int sl = 0; sl < q.slabs; ++sl) {
+            const int slab = sl == 0 ? st.cg : st.cg + a.inter / 32;
+            const u32* src = q.qw + (static_cast<size_t>(slab) * q.kw + 16 * st.c0) * 32;
+            bulk_copy_g2s(s.ring_addr + slot * kSlotBytes + sl * (kSlotBytes / 2), src, static_cast<u32>(st.n) * 2048u, full);
           }
-          if constexpr (kProducerLanes == 1) {
-            if (lane == 0) {
-              if (kQuarterPitch == 512) {
-                bulk_copy_g2s(dst, src, 2048, full);
-              } else {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) bulk_copy_g2s(dst + i * kQuarterPitch, src + 128 * i, 512, full);
-              }
-              bulk_copy_g2s(dst + kMetaOff, ssrc, 64, full);
-              if (QOPS_HAS_Z) bulk_copy_g2s(dst + kMetaOff + 64, zsrc, 16, full);
-            }
-          } else {
-            __syncwarp();  // the slot is free (lane 0 waited) before any lane copies into it
-            if (lane < 4) bulk_copy_g2s(dst + lane * kQuarterPitch, src + 128 * lane, 512, full);
-            else if (lane == 4) bulk_copy_g2s(dst + kMetaOff, ssrc, 64, full);
-            else if (lane == 5 && QOPS_HAS_Z) bulk_copy_g2s(dst + kMetaOff + 64, zsrc, 16, full);
-          }
+        }
+        // The stage's scales and zero words into L2, for the consumers' loads (one line a lane).
+        if (lane < 2 * q.slabs * st.n) {
+          const int sl = lane / (2 * st.n), i = lane % (2 * st.n);
+          const int slab = sl == 0 ? st.cg : st.cg + a.inter / 32;
+          const int c = st.c0 + i / 2;
+          const int grow = a.group_chunks ? c / a.group_chunks : 0;
+          const void* line = (i & 1) ? static_cast<const void*>(q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab)
+                                     : static_cast<const void*>(q.sc + static_cast<size_t>(grow) * q.n + 32 * slab);
+          prefetch_l2_if(line, (i & 1) == 0 || QOPS_HAS_Z);
         }
       }
     }
@@ -302,18 +320,18 @@ __device__ void produce(const Args& a, const Smem& s, int lane) {
 
 // acc[i] += the chunk's sum for column 4 (lane / 4) + i of the slab, times its scale. `xk`: x at the
 // chunk's first row (shared memory).
-__device__ __forceinline__ void chunk_sums(float (&acc)[4], const unsigned char* slot, const u16* xk, int lane, const W4ZeroBase& zbase) {
+__device__ __forceinline__ void chunk_sums(float (&acc)[4], const unsigned char* chunk, const u16* xk, int lane, const W4ZeroBase& zbase,
+                                           uint2 sv, u32 zword) {
   const int r = lane >> 2, c = lane & 3;
   u32 za[4], zb[4];
 #if QOPS_HAS_Z
-  const u32 zw = *reinterpret_cast<const u32*>(slot + kMetaOff + 64 + 4 * (r >> 1)) >> (16 * (r & 1));
+  const u32 zw = zword >> (16 * (r & 1));
 #pragma unroll
   for (int i = 0; i < 4; ++i) w4_zero_pairs(zbase, (zw >> (4 * i)) & 15u, za[i], zb[i]);
 #else
 #pragma unroll
   for (int i = 0; i < 4; ++i) w4_zero_pairs(zbase, 8u, za[i], zb[i]);
 #endif
-  const uint2 sv = *reinterpret_cast<const uint2*>(slot + kMetaOff + 8 * r);
   float d[2][4];
 #pragma unroll
   for (int e = 0; e < 2; ++e)
@@ -321,7 +339,7 @@ __device__ __forceinline__ void chunk_sums(float (&acc)[4], const unsigned char*
     for (int i = 0; i < 4; ++i) d[e][i] = 0.f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint4 wv = *reinterpret_cast<const uint4*>(slot + c * kQuarterPitch + 128 * j + 16 * r);
+    const uint4 wv = *reinterpret_cast<const uint4*>(chunk + 512 * c + 128 * j + 16 * r);
     const uint4 xv = *reinterpret_cast<const uint4*>(xk + 32 * c + 8 * j);
     const u32 b00 = prmt<0x5410>(xv.x, xv.z), b01 = prmt<0x7632>(xv.x, xv.z);
     const u32 b10 = prmt<0x5410>(xv.y, xv.w), b11 = prmt<0x7632>(xv.y, xv.w);
@@ -405,6 +423,28 @@ __device__ __forceinline__ void epilogue(const Args& a, int p, int cg, int t, fl
   }
 }
 
+// This warp's scales (columns 4 (lane / 4) .. + 3) and zero word for its unit of stage `st`, from global
+// memory (L2: the producer prefetched them with the stage).
+__device__ __forceinline__ void load_meta(const Args& a, const Proj& q, const Stages& st, int unit, int sl, int lane, uint2& sv, u32& zw) {
+  const bool mine = unit < st.n;
+  const int slab = sl == 0 ? st.cg : st.cg + a.inter / 32;
+  const int c = st.c0 + unit;
+  const int grow = a.group_chunks ? c / a.group_chunks : 0;
+  const int r = lane >> 2;
+  ld_nc_v2_if(sv, q.sc + static_cast<size_t>(grow) * q.n + 32 * slab + 4 * r, mine);
+  if (QOPS_HAS_Z) ld_nc_u32_if(zw, q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab + (r >> 1), mine);
+}
+
+// A warp's sums of column group `cur` (none when cur < 0) into its row of the block's partials; zeroed after.
+__device__ __forceinline__ void flush_sums(float* red, float (&acc)[4], int cur, int cg0, int warp, int ncg_max, int sl, int lane) {
+  if (cur >= 0 && (lane & 3) == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[(warp * ncg_max + cur - cg0) * 64 + 32 * sl + 4 * (lane >> 2) + i] = acc[i];
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = 0.f;
+}
+
 // Run projection p of layer lw over this block's units; `seq` is the block's slot sequence number.
 __device__ void project(const Args& a, const Smem& s, const LayerWeights& lw, int p, u32& seq, const W4ZeroBase& zbase) {
   const int b = blockIdx.x, t = threadIdx.x, warp = t >> 5, lane = t & 31;
@@ -419,46 +459,40 @@ __device__ void project(const Args& a, const Smem& s, const LayerWeights& lw, in
   for (int i = t; i < 8 * a.ncg_max * 64; i += kConsumers) red[i] = 0.f;
   consumer_sync();
 
-  float acc[2][4];
+  // Warp w takes unit w of each stage ([gate; up]: unit w / 2's gate (w even) or up slab-chunk).
+  const int my_sl = q.slabs == 2 ? (warp & 1) : 0;
+  const int my_unit = q.slabs == 2 ? (warp >> 1) : warp;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int cur = -1;
-  for (int u = warp; u < n; u += 8) {
-    const int item = i0 + u;
-    const int cg = item / q.chunks, c = item - cg * q.chunks;
-    if (cg != cur) {
-      if (cur >= 0 && (lane & 3) == 0) {
-#pragma unroll
-        for (int sl = 0; sl < 2; ++sl)
-          if (sl < q.slabs)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) red[(warp * a.ncg_max + cur - cg0) * 64 + 32 * sl + 4 * (lane >> 2) + i] = acc[sl][i];
+  Stages st(q, b);
+  uint2 sv = {0u, 0u};
+  u32 zw = 0;
+  if (st.valid()) load_meta(a, q, st, my_unit, my_sl, lane, sv, zw);
+  for (; st.valid(); st.next(), ++seq) {
+    // The next stage's scales and zeros now: a stage's time to arrive (the producer put them in L2).
+    Stages nx = st;
+    nx.next();
+    uint2 sv_next = {0u, 0u};
+    u32 zw_next = 0;
+    if (nx.valid()) load_meta(a, q, nx, my_unit, my_sl, lane, sv_next, zw_next);
+    const u32 slot = seq % NS;
+    mbar_wait_parity(s.full_addr + 8 * slot, (seq / NS) & 1);
+    if (my_unit < st.n) {
+      if (st.cg != cur) {
+        flush_sums(red, acc, cur, cg0, warp, a.ncg_max, my_sl, lane);
+        cur = st.cg;
       }
-#pragma unroll
-      for (int sl = 0; sl < 2; ++sl)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[sl][i] = 0.f;
-      cur = cg;
-    }
-    const u16* xk = s.x + 128 * c;
-    for (int sl = 0; sl < q.slabs; ++sl) {
-      const u32 sq = seq + static_cast<u32>(u * q.slabs + sl);
-      const u32 slot = sq % NS;
-      mbar_wait_parity(s.full_addr + 8 * slot, (sq / NS) & 1);
       if constexpr (!(kProbe & 1)) {
-        if (sl == 0) chunk_sums(acc[0], s.ring + slot * kSlotBytes, xk, lane, zbase);
-        else chunk_sums(acc[1], s.ring + slot * kSlotBytes, xk, lane, zbase);
+        const unsigned char* chunk = s.ring + slot * kSlotBytes + my_sl * (kSlotBytes / 2) + my_unit * 2048;
+        chunk_sums(acc, chunk, s.x + 128 * (st.c0 + my_unit), lane, zbase, sv, zw);
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(s.empty_addr + 8 * slot);
     }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(s.empty_addr + 8 * slot);
+    sv = sv_next;
+    zw = zw_next;
   }
-  if (cur >= 0 && (lane & 3) == 0) {
-#pragma unroll
-    for (int sl = 0; sl < 2; ++sl)
-      if (sl < q.slabs)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[(warp * a.ncg_max + cur - cg0) * 64 + 32 * sl + 4 * (lane >> 2) + i] = acc[sl][i];
-  }
-  seq += static_cast<u32>(n * q.slabs);
+  flush_sums(red, acc, cur, cg0, warp, a.ncg_max, my_sl, lane);
   consumer_sync();
 
   // The block's sums per column group: finished here, or a partial for the group's last block.
@@ -728,13 +762,13 @@ qops_decode_layers(const qops::layers::LayerWeights* layers, int n_layers, qops:
   if (threadIdx.x == 0) {
     for (int i = 0; i < NS; ++i) {
       mbar_init(s.full_addr + 8 * i, 1);
-      mbar_init(s.empty_addr + 8 * i, 1);
+      mbar_init(s.empty_addr + 8 * i, kConsumers / 32);  // every consumer warp, each stage
     }
     mbar_init_fence();
   }
   __syncthreads();
   if (threadIdx.x >= kConsumers) {
-    if (kProducerLanes > 1 || threadIdx.x == kConsumers) produce(a, s, threadIdx.x - kConsumers);
+    produce(a, s, threadIdx.x - kConsumers);
     return;
   }
   consume(a, s);
