@@ -60,7 +60,7 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 SOURCE = "decode_layers.cu"
 KERNEL = "qops_decode_layers"
 THREADS = 288              # 8 consumer warps and a producer warp
-SLOT_BYTES = 16384 + 16    # a ring slot (decode_layers.cu kSlotBytes: 8 slab-chunks) and its two mbarriers
+STAGE_CHUNKS = 8           # slab-chunks a ring slot (decode_layers.cu QOPS_STAGE)
 MAX_SLOTS = 16
 MIN_SLOTS = 4              # the consumers hold one slot at a time; the rest is the stream ahead of them
 MAX_SPLITS = 32            # the attention's shares of the cache positions per KV head (workspace sized for it)
@@ -342,17 +342,18 @@ def device_facts(dev: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_properties(dev).multi_processor_count, compiler.max_shared_optin(dev)
 
 
-def smem_plan(dims: Dims, grid: int, smem_optin: int) -> tuple[int | None, dict]:
+def smem_plan(dims: Dims, grid: int, smem_optin: int, stage_chunks: int = STAGE_CHUNKS) -> tuple[int | None, dict]:
     """(dynamic shared memory bytes a block, or None when the ring would hold fewer than 8 slots;
     the launch facts: grid, column groups and scratch floats a block, the longest K, ring slots)."""
     ncg, scratch = _scratch_floats(dims, grid)
     kmax = max(dims.hidden, dims.inter, dims.heads * dims.head_dim)
     fixed = 128 + 2 * _align(kmax, 8) + 4 * scratch + 4 * 64
-    slots = min(MAX_SLOTS, (smem_optin - fixed) // SLOT_BYTES)
+    slot_bytes = 2048 * stage_chunks + 16  # a slot and its two mbarriers
+    slots = min(MAX_SLOTS, (smem_optin - fixed) // slot_bytes)
     plan = dict(grid=grid, ncg=ncg, scratch=scratch, kmax=kmax, slots=slots)
     if slots < MIN_SLOTS:
         return None, plan
-    return fixed + slots * SLOT_BYTES, plan
+    return fixed + slots * slot_bytes, plan
 
 
 def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool, slots: int) -> dict[str, int]:
@@ -396,16 +397,15 @@ def native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweigh
     from ..native import compiler
 
     dev = hidden.device
-    smem, plan = smem_plan(dims, *device_facts(dev))
+    extra = json.loads(os.environ.get(DEFINES_ENV) or "{}")  # measurement builds (benchmarks/probe_layer_kernel.py)
+    smem, plan = smem_plan(dims, *device_facts(dev), stage_chunks=int(extra.get("QOPS_STAGE", STAGE_CHUNKS)))
     lay = workspace_layout(dims)
     # Counters and the address table rewritten by every call (one small copy; a captured graph replays
     # it): the op keeps no state about a workspace between calls.
     header = _workspace_header(lay, _addresses(dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache))
     workspace[:header.numel()].copy_(header, non_blocking=True)
     defines = build_defines(dims, hidden.dtype, scales[0].dtype, qzeros[0] is not None, plan["slots"])
-    extra = os.environ.get(DEFINES_ENV)
-    if extra:  # measurement builds (benchmarks/probe_layer_kernel.py)
-        defines.update({str(k): int(v) for k, v in json.loads(extra).items()})
+    defines.update({str(k): int(v) for k, v in extra.items()})
     kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL)
     grid = plan["grid"]
     if compiler.max_active_blocks(kernel, dev, THREADS, smem) < 1:

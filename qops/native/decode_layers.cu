@@ -97,6 +97,9 @@
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0
 #endif
+#ifndef QOPS_STAGE
+#define QOPS_STAGE 8
+#endif
 
 namespace qops {
 namespace layers {
@@ -111,7 +114,8 @@ constexpr int kThreads = kConsumers + 32;
 // Measurement knobs (benchmarks/probe_layer_kernel.py; results are wrong with them): QOPS_PROBE bit 1:
 // the consumers skip the math (the stream and the barriers only), bit 2: no grid barriers.
 constexpr int kProbe = QOPS_PROBE;
-constexpr int kStageChunks = 8;                    // slab-chunks a ring slot (one bulk copy, two for [gate; up])
+constexpr int kStageChunks = QOPS_STAGE;           // slab-chunks a ring slot (one bulk copy, two for [gate; up])
+static_assert(kStageChunks >= 2 && kStageChunks % 2 == 0 && kStageChunks <= 16, "QOPS_STAGE: even, 2..16 (a gated stage splits it in two)");
 constexpr int kSlotBytes = kStageChunks * 2048;
 constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
 static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
@@ -423,16 +427,21 @@ __device__ __forceinline__ void epilogue(const Args& a, int p, int cg, int t, fl
   }
 }
 
-// This warp's scales (columns 4 (lane / 4) .. + 3) and zero word for its unit of stage `st`, from global
-// memory (L2: the producer prefetched them with the stage).
-__device__ __forceinline__ void load_meta(const Args& a, const Proj& q, const Stages& st, int unit, int sl, int lane, uint2& sv, u32& zw) {
+struct Meta {
+  uint2 sv = {0u, 0u};  // scales of columns 4 (lane / 4) .. + 3
+  u32 zw = 0;           // the zero word holding them
+};
+
+// This warp's scales and zero word for its unit of stage `st`, from global memory (L2: the producer
+// prefetched them with the stage).
+__device__ __forceinline__ void load_meta(const Args& a, const Proj& q, const Stages& st, int unit, int sl, int lane, Meta& m) {
   const bool mine = unit < st.n;
   const int slab = sl == 0 ? st.cg : st.cg + a.inter / 32;
   const int c = st.c0 + unit;
   const int grow = a.group_chunks ? c / a.group_chunks : 0;
   const int r = lane >> 2;
-  ld_nc_v2_if(sv, q.sc + static_cast<size_t>(grow) * q.n + 32 * slab + 4 * r, mine);
-  if (QOPS_HAS_Z) ld_nc_u32_if(zw, q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab + (r >> 1), mine);
+  ld_nc_v2_if(m.sv, q.sc + static_cast<size_t>(grow) * q.n + 32 * slab + 4 * r, mine);
+  if (QOPS_HAS_Z) ld_nc_u32_if(m.zw, q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab + (r >> 1), mine);
 }
 
 // A warp's sums of column group `cur` (none when cur < 0) into its row of the block's partials; zeroed after.
@@ -443,6 +452,41 @@ __device__ __forceinline__ void flush_sums(float* red, float (&acc)[4], int cur,
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) acc[i] = 0.f;
+}
+
+struct StageCtx {
+  const Args& a;
+  const Proj& q;
+  const Smem& s;
+  float* red;
+  const W4ZeroBase& zbase;
+  int cg0, warp, lane, unit, sl;
+};
+
+// One stage: load the scales and zeros of stage `ahead` into `load`, wait for the slot, this warp's unit
+// (if any) into acc with the scales and zeros in `use`, release the slot; then both stages advance.
+__device__ __forceinline__ bool stage_step(const StageCtx& x, Stages& st, Stages& ahead, const Meta& use, Meta& load, u32& seq,
+                                           float (&acc)[4], int& cur) {
+  if (!st.valid()) return false;
+  if (ahead.valid()) load_meta(x.a, x.q, ahead, x.unit, x.sl, x.lane, load);
+  const u32 slot = seq % NS;
+  mbar_wait_parity(x.s.full_addr + 8 * slot, (seq / NS) & 1);
+  if (x.unit < st.n) {
+    if (st.cg != cur) {
+      flush_sums(x.red, acc, cur, x.cg0, x.warp, x.a.ncg_max, x.sl, x.lane);
+      cur = st.cg;
+    }
+    if constexpr (!(kProbe & 1)) {
+      const unsigned char* chunk = x.s.ring + slot * kSlotBytes + x.sl * (kSlotBytes / 2) + x.unit * 2048;
+      chunk_sums(acc, chunk, x.s.x + 128 * (st.c0 + x.unit), x.lane, x.zbase, use.sv, use.zw);
+    }
+  }
+  __syncwarp();
+  if (x.lane == 0) mbar_arrive(x.s.empty_addr + 8 * slot);
+  st.next();
+  ahead.next();
+  ++seq;
+  return true;
 }
 
 // Run projection p of layer lw over this block's units; `seq` is the block's slot sequence number.
@@ -464,33 +508,19 @@ __device__ void project(const Args& a, const Smem& s, const LayerWeights& lw, in
   const int my_unit = q.slabs == 2 ? (warp >> 1) : warp;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int cur = -1;
-  Stages st(q, b);
-  uint2 sv = {0u, 0u};
-  u32 zw = 0;
-  if (st.valid()) load_meta(a, q, st, my_unit, my_sl, lane, sv, zw);
-  for (; st.valid(); st.next(), ++seq) {
-    // The next stage's scales and zeros now: a stage's time to arrive (the producer put them in L2).
-    Stages nx = st;
-    nx.next();
-    uint2 sv_next = {0u, 0u};
-    u32 zw_next = 0;
-    if (nx.valid()) load_meta(a, q, nx, my_unit, my_sl, lane, sv_next, zw_next);
-    const u32 slot = seq % NS;
-    mbar_wait_parity(s.full_addr + 8 * slot, (seq / NS) & 1);
-    if (my_unit < st.n) {
-      if (st.cg != cur) {
-        flush_sums(red, acc, cur, cg0, warp, a.ncg_max, my_sl, lane);
-        cur = st.cg;
-      }
-      if constexpr (!(kProbe & 1)) {
-        const unsigned char* chunk = s.ring + slot * kSlotBytes + my_sl * (kSlotBytes / 2) + my_unit * 2048;
-        chunk_sums(acc, chunk, s.x + 128 * (st.c0 + my_unit), lane, zbase, sv, zw);
-      }
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(s.empty_addr + 8 * slot);
-    sv = sv_next;
-    zw = zw_next;
+  // Scales and zeros two stages ahead, in three register sets used in turn (the loop unrolled by three so
+  // no set is ever copied: a copy would wait for its load).
+  Stages st(q, b), ahead(q, b);
+  Meta m0, m1, m2;
+  if (ahead.valid()) load_meta(a, q, ahead, my_unit, my_sl, lane, m0);
+  ahead.next();
+  if (ahead.valid()) load_meta(a, q, ahead, my_unit, my_sl, lane, m1);
+  ahead.next();
+  StageCtx ctx{a, q, s, red, zbase, cg0, warp, lane, my_unit, my_sl};
+  for (;;) {
+    if (!stage_step(ctx, st, ahead, m0, m2, seq, acc, cur)) break;
+    if (!stage_step(ctx, st, ahead, m1, m0, seq, acc, cur)) break;
+    if (!stage_step(ctx, st, ahead, m2, m1, seq, acc, cur)) break;
   }
   flush_sums(red, acc, cur, cg0, warp, a.ncg_max, my_sl, lane);
   consumer_sync();
