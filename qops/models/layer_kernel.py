@@ -59,10 +59,7 @@ SCHEMA = ("(Tensor hidden, Tensor positions, Tensor cos, Tensor sin, Tensor[] no
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 SOURCE = "decode_layers.cu"
 KERNEL = "qops_decode_layers"
-THREADS = 288              # 8 consumer warps and a producer warp
-STAGE_CHUNKS = 8           # slab-chunks a ring slot (decode_layers.cu QOPS_STAGE)
-MAX_SLOTS = 16
-MIN_SLOTS = 4              # the consumers hold one slot at a time; the rest is the stream ahead of them
+THREADS = 256              # 8 warps
 MAX_SPLITS = 32            # the attention's shares of the cache positions per KV head (workspace sized for it)
 TABLE_WORDS = 16           # pointers a layer (decode_layers.cu LayerWeights)
 
@@ -292,8 +289,8 @@ def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cach
     if compiler.runtime_missing() is not None:
         return compiler.runtime_missing()
     major, _ = torch.cuda.get_device_capability(dev)
-    if major < 9:
-        return f"compute capability {major}.x: the kernel needs sm_90 (bulk copies into mbarrier-tracked shared memory)"
+    if major < 8:
+        return f"compute capability {major}.x: the kernel needs sm_80 or later (bf16 MMAs, cp.async-era loads)"
     for what, t in (("hidden", hidden), ("scales", scales[0])):
         if t.dtype not in (torch.float16, torch.bfloat16):
             return f"{what} is {t.dtype}: the kernel takes float16 or bfloat16"
@@ -313,7 +310,7 @@ def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cach
     if plan["ncg"] > 64:
         return f"a block would hold {plan['ncg']} column groups of one projection (the kernel's flags hold 64)"
     if smem is None:
-        return f"the model's activations and scratch leave no room for the weight ring in {compiler.max_shared_optin(dev)} bytes of shared memory"
+        return f"the model's activations and scratch take more than {compiler.max_shared_optin(dev)} bytes of shared memory"
     return None
 
 
@@ -342,24 +339,20 @@ def device_facts(dev: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_properties(dev).multi_processor_count, compiler.max_shared_optin(dev)
 
 
-def smem_plan(dims: Dims, grid: int, smem_optin: int, stage_chunks: int = STAGE_CHUNKS) -> tuple[int | None, dict]:
-    """(dynamic shared memory bytes a block, or None when the ring would hold fewer than 8 slots;
-    the launch facts: grid, column groups and scratch floats a block, the longest K, ring slots)."""
+def smem_plan(dims: Dims, grid: int, smem_optin: int) -> tuple[int | None, dict]:
+    """(dynamic shared memory bytes a block, or None when they exceed ``smem_optin``; the launch facts:
+    grid, column groups and scratch floats a block, the longest K)."""
     ncg, scratch = _scratch_floats(dims, grid)
     kmax = max(dims.hidden, dims.inter, dims.heads * dims.head_dim)
-    fixed = 128 + 2 * _align(kmax, 8) + 4 * scratch + 4 * 64
-    slot_bytes = 2048 * stage_chunks + 16  # a slot and its two mbarriers
-    slots = min(MAX_SLOTS, (smem_optin - fixed) // slot_bytes)
-    plan = dict(grid=grid, ncg=ncg, scratch=scratch, kmax=kmax, slots=slots)
-    if slots < MIN_SLOTS:
-        return None, plan
-    return fixed + slots * slot_bytes, plan
+    smem = 128 + 2 * _align(kmax, 8) + 4 * scratch + 4 * 64
+    plan = dict(grid=grid, ncg=ncg, scratch=scratch, kmax=kmax)
+    return (smem if smem <= smem_optin else None), plan
 
 
-def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool, slots: int) -> dict[str, int]:
+def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
     """The NVRTC macros of one build of the kernel."""
     return {"QOPS_DT": int(dtype == torch.bfloat16), "QOPS_SDT": int(scale_dtype == torch.bfloat16), "QOPS_HAS_Z": int(has_zeros),
-            "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, "QOPS_SLOTS": slots}
+            "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads}
 
 
 def _addresses(dims: Dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache) -> tuple:
@@ -397,15 +390,16 @@ def native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweigh
     from ..native import compiler
 
     dev = hidden.device
-    extra = json.loads(os.environ.get(DEFINES_ENV) or "{}")  # measurement builds (benchmarks/probe_layer_kernel.py)
-    smem, plan = smem_plan(dims, *device_facts(dev), stage_chunks=int(extra.get("QOPS_STAGE", STAGE_CHUNKS)))
+    smem, plan = smem_plan(dims, *device_facts(dev))
     lay = workspace_layout(dims)
     # Counters and the address table rewritten by every call (one small copy; a captured graph replays
     # it): the op keeps no state about a workspace between calls.
     header = _workspace_header(lay, _addresses(dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache))
     workspace[:header.numel()].copy_(header, non_blocking=True)
-    defines = build_defines(dims, hidden.dtype, scales[0].dtype, qzeros[0] is not None, plan["slots"])
-    defines.update({str(k): int(v) for k, v in extra.items()})
+    defines = build_defines(dims, hidden.dtype, scales[0].dtype, qzeros[0] is not None)
+    extra = os.environ.get(DEFINES_ENV)  # measurement builds (benchmarks/probe_layer_kernel.py)
+    if extra:
+        defines.update({str(k): int(v) for k, v in json.loads(extra).items()})
     kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL)
     grid = plan["grid"]
     if compiler.max_active_blocks(kernel, dev, THREADS, smem) < 1:

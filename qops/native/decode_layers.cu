@@ -6,16 +6,14 @@
 // Why one kernel. At batch 1 a layer's four matmuls stream ~109 MB of 4-bit weights (Llama-3-8B
 // shapes), ~25 us at the H200's copy bandwidth, but as ~8 kernels a layer the step spends ~50 us: each
 // matmul starts cold behind a small kernel (its first weights requested only once it is resident),
-// and the small projections are mostly start-up (benchmarks/NOTES.md, stops 21, 29, 41). Weights do
-// not depend on activations, so here one producer warp per block streams the block's share of every
-// layer's weights, in the order its consumers use them, into a shared-memory ring that never drains
-// at a phase boundary: while the consumers wait at a grid barrier (or run the attention, which reads
-// no weights), the ring fills with the next projection's weights.
+// and the small projections are mostly start-up (benchmarks/NOTES.md, stops 21, 29, 41). Weights do not
+// depend on activations, so here each warp prefetches its coming weights into L2 QOPS_PF stages ahead of
+// its loads, on into the next projection and layer, also while the grid waits at a barrier or runs the
+// attention (which reads no weights).
 //
-// Grid: one block per SM (the host launches as many blocks as SMs, each taking more than half an SM's
-// shared memory, so all are resident together: the grid barriers below need that). Block: 8 consumer
-// warps (threads 0..255) and 1 producer warp (256..287). Consumers synchronize among themselves with
-// named barrier 1 (256 threads), never with __syncthreads, so the producer runs ahead freely.
+// Grid: one block per SM (the host launches as many blocks as SMs; 8 warps at ~150 registers leave no
+// room for a second block, and every block must be resident at once for the grid barriers below).
+// Threads synchronize within a block with named barrier 1.
 //
 // Weights: qops' runtime int-weight layout, 4-bit, qweight in 32-column slabs (qops/ops/int_weight.py,
 // w4.cuh): word (kw, n) of slab s at (s * KW + kw) * 32 + n % 32 holds rows 8 kw .. 8 kw + 7 of column n;
@@ -27,27 +25,23 @@
 // [gate; up]: gate slab j with up slab j + I/32, so silu(gate) * up is computed where both sums meet).
 // The U units, column group major, are split evenly over the G blocks: block b takes
 // [floor(b U / G), floor((b + 1) U / G)), so every block streams the same bytes (+-1 unit) whatever the
-// shape; a column group then spans one to three blocks.
+// shape; a column group then spans one to three blocks. A block's units go to its warps in stages of 8
+// (unit w of each stage to warp w; [gate; up]: pair w / 2's gate (w even) or up slab-chunk), each warp
+// loading its next unit into registers while it computes the current one.
 //
-// The ring. A block's units of a column group are consecutive chunks of its slab(s), i.e. contiguous
-// bytes (a slab's chunks follow each other in the slab layout), so a stage -- up to 8 units ([gate; up]:
-// 4 units of two slabs) -- is one bulk copy (two) of up to 16 KiB into a ring slot: the H200's copy
-// engine took ~200 cycles a copy when each 2 KiB chunk and its scales and zeros were separate copies
-// (0.67-0.86 TB/s for the stream alone, benchmarks/NOTES.md stop 46). Scales and zero words are not in
-// the ring: the producer's lanes prefetch the stage's lines into L2 as it fills the slot, and each
-// consumer warp loads its unit's (8 + 4 bytes a lane) one stage ahead. Warp w takes unit w of each
-// stage ([gate; up]: unit w / 2 of the gate (w even) or up slab); every warp arrives on the slot's empty
-// barrier, with or without a unit, and the producer refills the slot once all 8 have.
+// A slab-chunk in registers: lane (r, c) = (lane / 4, lane % 4) holds word rows 4c + j (j = 0..3),
+// columns 4r .. 4r + 3 (four 16-byte loads; a warp's load j reads four 128-byte rows), the four
+// columns' scales and their zero word. The MMA (m16n8k16, fp32 accumulation): A is the weight, its 16
+// rows the columns (tile e = 0, 1 of a lane: rows r and r + 8 are columns 4r + 2e and 4r + 2e + 1), its
+// K order permuted so that lane c's k values come from its own words: in 16-row step 2j + s, lane c's
+// logical k pair (2c, 2c + 1) is physical rows 32c + 8j + 2s + {0, 4}, pair (2c + 8, 2c + 9) rows
+// 32c + 8j + 2s + {1, 5} (the nibble order of w4.cuh's magic-number decode: word pairs (q0, q4),
+// (q1, q5), (q2, q6), (q3, q7)). B is x from shared memory with the same permutation, every B column
+// holding x (so every lane's C holds the sums).
 //
-// A slab-chunk in shared memory: its 2 KiB, word rows 0..15 of 32 columns (128 bytes a row). Lane
-// (r, c) = (lane / 4, lane % 4) reads word rows 4c + j (j = 0..3), columns 4r .. 4r + 3 (one 16-byte
-// load each; the four lanes of a row r hit the same banks: 4-way conflicts, 64 wavefronts a chunk).
-// The MMA (m16n8k16, fp32 accumulation): A is the weight, its 16 rows the columns (tile e = 0, 1 of a
-// lane: rows r and r + 8 are columns 4r + 2e and 4r + 2e + 1), its K order permuted so that lane c's k
-// values come from its own words: in 16-row step 2j + s, lane c's logical k pair (2c, 2c + 1) is
-// physical rows 32c + 8j + 2s + {0, 4}, pair (2c + 8, 2c + 9) rows 32c + 8j + 2s + {1, 5} (the nibble
-// order of w4.cuh's magic-number decode: word pairs (q0, q4), (q1, q5), (q2, q6), (q3, q7)). B is x
-// with the same permutation, every B column holding x (so every lane's C holds the sums).
+// A first version streamed the weights through a shared-memory ring filled by a producer warp's bulk
+// copies (one per 2 KiB chunk and its scales and zeros, then one per 16 KiB stage): the stream alone
+// reached 0.7-2.2 TB/s, a fixed cost of ~0.34 us a stage per SM (benchmarks/NOTES.md, stop 46).
 //
 // Reduction of a column group over its blocks (fixed order: bit-identical run to run): each block sums
 // its warps' partials in warp order in shared memory; a block holding a whole column group finishes it
@@ -70,9 +64,9 @@
 // zero between launches (the host zeroes the workspace's counters once). Activations written by one
 // block and read by another go through L2 (ld.global.cg), never through a possibly stale L1.
 //
-// Compile-time configuration: QOPS_DT (0 f16, 1 bf16), QOPS_SDT (the scales' dtype, the same codes), QOPS_HAS_Z (0/1: qzeros present), QOPS_HD (head
-// dim, a multiple of 32 up to 256), QOPS_GQ (query heads per KV head), QOPS_SLOTS (ring slots).
-// sm_90 only (bulk copies, mbarriers with transaction counts).
+// Compile-time configuration: QOPS_DT (0 f16, 1 bf16), QOPS_SDT (the scales' dtype, the same codes),
+// QOPS_HAS_Z (0/1: qzeros present), QOPS_HD (head dim, a multiple of 32 up to 256), QOPS_GQ (query heads
+// per KV head), QOPS_PF (stages of L2 prefetch ahead), QOPS_PROBE (measurements, below). sm_80 and later.
 #include "ptx.cuh"
 #include "w4.cuh"
 
@@ -91,14 +85,11 @@
 #ifndef QOPS_GQ
 #define QOPS_GQ 4
 #endif
-#ifndef QOPS_SLOTS
-#define QOPS_SLOTS 8
+#ifndef QOPS_PF
+#define QOPS_PF 12
 #endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0
-#endif
-#ifndef QOPS_STAGE
-#define QOPS_STAGE 8
 #endif
 
 namespace qops {
@@ -108,15 +99,13 @@ constexpr int DT = QOPS_DT;
 constexpr int SDT = QOPS_SDT;  // the scales' dtype
 constexpr int HD = QOPS_HD;
 constexpr int GQ = QOPS_GQ;
-constexpr int NS = QOPS_SLOTS;
-constexpr int kConsumers = 256;
-constexpr int kThreads = kConsumers + 32;
+constexpr int kPrefetchStages = QOPS_PF;  // stages a warp's L2 prefetch runs ahead of its loads
+constexpr int kConsumers = 256;  // every thread of the block (8 warps: 2 a sub-partition, up to 255 registers each)
+constexpr int kThreads = kConsumers;
 // Measurement knobs (benchmarks/probe_layer_kernel.py; results are wrong with them): QOPS_PROBE bit 1:
 // the consumers skip the math (the stream and the barriers only), bit 2: no grid barriers.
 constexpr int kProbe = QOPS_PROBE;
-constexpr int kStageChunks = QOPS_STAGE;           // slab-chunks a ring slot (one bulk copy, two for [gate; up])
-static_assert(kStageChunks >= 2 && kStageChunks % 2 == 0 && kStageChunks <= 16, "QOPS_STAGE: even, 2..16 (a gated stage splits it in two)");
-constexpr int kSlotBytes = kStageChunks * 2048;
+constexpr int kStageChunks = 8;  // slab-chunks a stage: one per consumer warp
 constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
 static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
 
@@ -147,7 +136,6 @@ struct Args {
   int scratch_floats;  // floats of scratch (then 64 ints of flags)
 };
 
-#if __CUDA_ARCH__ >= 900
 // Counters at the workspace's start: [0] barrier arrivals, [1] barrier generation, [2 ..) one per
 // column group of the widest projection, then one per KV head (the attention's shares).
 constexpr int kCtrGroups = 2;
@@ -240,91 +228,68 @@ __device__ __forceinline__ Proj proj_of(const Args& a, const LayerWeights& lw, i
   return q;
 }
 
-// A block's stages of one projection, in the order the producer fills and the consumers read them: the
-// block's units column group by column group, each group's run of chunks cut into stages of at most
-// per_stage units (so a stage's chunks of a slab are contiguous in memory: one bulk copy each).
-struct Stages {
-  int cg, cg_last, c_end;  // current column group, the last one, the end of its run of chunks
-  int c0, n;               // the stage's first chunk and its units
-  int i0, i1, chunks, per_stage;
-  __device__ __forceinline__ Stages(const Proj& q, int b) {
-    const int U = q.groups * q.chunks;
-    i0 = unit_begin(U, b, gridDim.x);
-    i1 = unit_begin(U, b + 1, gridDim.x);
-    chunks = q.chunks;
-    per_stage = q.per_stage;
-    cg = i0 / chunks;
-    cg_last = i1 > i0 ? (i1 - 1) / chunks : cg - 1;
-    start_group();
-  }
-  __device__ __forceinline__ bool valid() const { return cg <= cg_last; }
-  __device__ __forceinline__ void start_group() {
-    c0 = max(i0, cg * chunks) - cg * chunks;
-    c_end = min(i1, (cg + 1) * chunks) - cg * chunks;
-    n = min(per_stage, c_end - c0);
-  }
-  __device__ __forceinline__ void next() {
-    c0 += per_stage;
-    if (c0 >= c_end) {
-      ++cg;
-      if (cg <= cg_last) start_group();
-    } else {
-      n = min(per_stage, c_end - c0);
-    }
-  }
-};
-
 struct Smem {
-  unsigned char* ring;  // NS slots of kSlotBytes, 128-byte aligned
-  u32 ring_addr;
-  u32 full_addr;        // NS mbarriers: the slot's bytes have landed
-  u32 empty_addr;       // NS mbarriers: the slot's warp is done with it
-  u16* x;               // the projection's input (K values)
-  float* scratch;       // warp partials / the attention's partials
-  int* flags;           // small per-block flags
+  u16* x;                 // the projection's input (K values)
+  float* scratch;         // warp partials / the attention's partials
+  int* flags;             // small per-block flags (64)
 };
 
-// --- the producer --------------------------------------------------------------------------------
+// Stages: a block's units of a projection in groups of per_stage consecutive units (8, or 4 [gate; up]
+// pairs), one a warp: warp w takes unit w of each stage ([gate; up]: pair w / 2's gate (w even) or up
+// slab-chunk). A warp's unit of stage k is i0 + k per_stage + w (or w / 2), when below i1.
+__device__ __forceinline__ int stage_count(int i0, int i1, int per_stage) { return (i1 - i0 + per_stage - 1) / per_stage; }
 
-__device__ void produce(const Args& a, const Smem& s, int lane) {
-  u32 seq = 0;
-  for (int l = 0; l < a.n_layers; ++l) {
-    const LayerWeights lw = a.layers[l];
-    for (int p = 0; p < 4; ++p) {
-      const Proj q = proj_of(a, lw, p);
-      for (Stages st(q, blockIdx.x); st.valid(); st.next(), ++seq) {
-        const u32 slot = seq % NS, use = seq / NS;
-        const u32 full = s.full_addr + 8 * slot;
-        if (lane == 0 && use > 0) mbar_wait_parity(s.empty_addr + 8 * slot, (use - 1) & 1);
-        __syncwarp();  // the lanes' prefetches stay with the stage lane 0 fills
-        if (lane == 0) {
-          mbar_arrive_expect_tx(full, static_cast<u32>(st.n * q.slabs) * 2048u);
-          for (int sl = 0; sl < q.slabs; ++sl) {
-            const int slab = sl == 0 ? st.cg : st.cg + a.inter / 32;
-            const u32* src = q.qw + (static_cast<size_t>(slab) * q.kw + 16 * st.c0) * 32;
-            bulk_copy_g2s(s.ring_addr + slot * kSlotBytes + sl * (kSlotBytes / 2), src, static_cast<u32>(st.n) * 2048u, full);
-          }
-        }
-        // The stage's scales and zero words into L2, for the consumers' loads (one line a lane).
-        if (lane < 2 * q.slabs * st.n) {
-          const int sl = lane / (2 * st.n), i = lane % (2 * st.n);
-          const int slab = sl == 0 ? st.cg : st.cg + a.inter / 32;
-          const int c = st.c0 + i / 2;
-          const int grow = a.group_chunks ? c / a.group_chunks : 0;
-          const void* line = (i & 1) ? static_cast<const void*>(q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab)
-                                     : static_cast<const void*>(q.sc + static_cast<size_t>(grow) * q.n + 32 * slab);
-          prefetch_l2_if(line, (i & 1) == 0 || QOPS_HAS_Z);
-        }
+// Where a warp's L2 prefetch is: a stage of a projection of a layer. It runs kPrefetchStages ahead of the
+// warp's loads, on into the next projection and layer, while the warps work or wait at a grid barrier.
+struct Ahead {
+  int l, p, k, stages, i0, i1;
+  Proj q;
+  __device__ __forceinline__ void start(const Args& a) {
+    q = proj_of(a, a.layers[l], p);
+    const int U = q.groups * q.chunks;
+    i0 = unit_begin(U, blockIdx.x, gridDim.x);
+    i1 = unit_begin(U, blockIdx.x + 1, gridDim.x);
+    stages = stage_count(i0, i1, q.per_stage);
+    k = 0;
+  }
+  __device__ __forceinline__ void skip_done(const Args& a) {
+    while (k >= stages && l < a.n_layers) {
+      if (++p == 4) {
+        p = 0;
+        ++l;
       }
+      if (l < a.n_layers) start(a);
     }
   }
-}
+  __device__ __forceinline__ Ahead(const Args& a) : l(0), p(0) {
+    start(a);
+    skip_done(a);
+  }
+  // Prefetch the warp's unit of the current stage into L2 (16 weight lines, the scale and zero lines), then advance.
+  __device__ __forceinline__ void prefetch_next(const Args& a, int warp, int lane) {
+    if (l >= a.n_layers) return;
+    const int unit_in_stage = q.slabs == 2 ? (warp >> 1) : warp;
+    const int sl = q.slabs == 2 ? (warp & 1) : 0;
+    const int u = i0 + k * q.per_stage + unit_in_stage;
+    if (u < i1) {
+      const int cg = u / q.chunks, c = u - cg * q.chunks;
+      const int slab = sl == 0 ? cg : cg + a.inter / 32;
+      const int grow = a.group_chunks ? c / a.group_chunks : 0;
+      const void* line = lane < 16 ? static_cast<const void*>(q.qw + (static_cast<size_t>(slab) * q.kw + 16 * c) * 32 + 32 * lane)
+                       : lane == 16 ? static_cast<const void*>(q.sc + static_cast<size_t>(grow) * q.n + 32 * slab)
+                                    : static_cast<const void*>(q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab);
+      prefetch_l2_if(line, lane < 17 || (lane == 17 && QOPS_HAS_Z));
+    }
+    ++k;
+    skip_done(a);
+  }
+};
 
 // --- a slab-chunk's sums (consumer warp) ---------------------------------------------------------
 
 // acc[i] += the chunk's sum for column 4 (lane / 4) + i of the slab, times its scale. `xk`: x at the
 // chunk's first row (shared memory).
-__device__ __forceinline__ void chunk_sums(float (&acc)[4], const unsigned char* chunk, const u16* xk, int lane, const W4ZeroBase& zbase,
+__device__ __forceinline__ void chunk_sums(float (&acc)[4], const uint4 (&w)[4], const u16* xk, int lane, const W4ZeroBase& zbase,
                                            uint2 sv, u32 zword) {
   const int r = lane >> 2, c = lane & 3;
   u32 za[4], zb[4];
@@ -343,7 +308,7 @@ __device__ __forceinline__ void chunk_sums(float (&acc)[4], const unsigned char*
     for (int i = 0; i < 4; ++i) d[e][i] = 0.f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint4 wv = *reinterpret_cast<const uint4*>(chunk + 512 * c + 128 * j + 16 * r);
+    const uint4 wv = w[j];
     const uint4 xv = *reinterpret_cast<const uint4*>(xk + 32 * c + 8 * j);
     const u32 b00 = prmt<0x5410>(xv.x, xv.z), b01 = prmt<0x7632>(xv.x, xv.z);
     const u32 b10 = prmt<0x5410>(xv.y, xv.w), b11 = prmt<0x7632>(xv.y, xv.w);
@@ -427,21 +392,26 @@ __device__ __forceinline__ void epilogue(const Args& a, int p, int cg, int t, fl
   }
 }
 
-struct Meta {
-  uint2 sv = {0u, 0u};  // scales of columns 4 (lane / 4) .. + 3
-  u32 zw = 0;           // the zero word holding them
+// A warp's unit of a stage in registers: lane (r, c) = (lane / 4, lane % 4) holds word rows 4c + j
+// (j = 0..3), columns 4r .. 4r + 3 of the slab-chunk, the four columns' scales and their zero word.
+struct Chunk {
+  uint4 w[4];
+  uint2 sv;
+  u32 zw;
 };
 
-// This warp's scales and zero word for its unit of stage `st`, from global memory (L2: the producer
-// prefetched them with the stage).
-__device__ __forceinline__ void load_meta(const Args& a, const Proj& q, const Stages& st, int unit, int sl, int lane, Meta& m) {
-  const bool mine = unit < st.n;
-  const int slab = sl == 0 ? st.cg : st.cg + a.inter / 32;
-  const int c = st.c0 + unit;
+// Issue the loads of unit u (none when !mine): the weights on the streaming path (prefetched into L2),
+// scales and zeros read-only.
+__device__ __forceinline__ void load_chunk(const Args& a, const Proj& q, int u, bool mine, int sl, int lane, Chunk& ch) {
+  const int cg = u / q.chunks, c = u - cg * q.chunks;
+  const int slab = sl == 0 ? cg : cg + a.inter / 32;
   const int grow = a.group_chunks ? c / a.group_chunks : 0;
   const int r = lane >> 2;
-  ld_nc_v2_if(m.sv, q.sc + static_cast<size_t>(grow) * q.n + 32 * slab + 4 * r, mine);
-  if (QOPS_HAS_Z) ld_nc_u32_if(m.zw, q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab + (r >> 1), mine);
+  const u32* wp = q.qw + (static_cast<size_t>(slab) * q.kw + 16 * c) * 32 + 128 * (lane & 3) + 4 * r;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) ld_stream_v4_if(ch.w[j], wp + 32 * j, mine);
+  ld_nc_v2_if(ch.sv, q.sc + static_cast<size_t>(grow) * q.n + 32 * slab + 4 * r, mine);
+  if (QOPS_HAS_Z) ld_nc_u32_if(ch.zw, q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab + (r >> 1), mine);
 }
 
 // A warp's sums of column group `cur` (none when cur < 0) into its row of the block's partials; zeroed after.
@@ -458,39 +428,36 @@ struct StageCtx {
   const Args& a;
   const Proj& q;
   const Smem& s;
+  Ahead& pf;
   float* red;
   const W4ZeroBase& zbase;
-  int cg0, warp, lane, unit, sl;
+  int i0, i1, stages, cg0, warp, lane, unit, sl;
 };
 
-// One stage: load the scales and zeros of stage `ahead` into `load`, wait for the slot, this warp's unit
-// (if any) into acc with the scales and zeros in `use`, release the slot; then both stages advance.
-__device__ __forceinline__ bool stage_step(const StageCtx& x, Stages& st, Stages& ahead, const Meta& use, Meta& load, u32& seq,
-                                           float (&acc)[4], int& cur) {
-  if (!st.valid()) return false;
-  if (ahead.valid()) load_meta(x.a, x.q, ahead, x.unit, x.sl, x.lane, load);
-  const u32 slot = seq % NS;
-  mbar_wait_parity(x.s.full_addr + 8 * slot, (seq / NS) & 1);
-  if (x.unit < st.n) {
-    if (st.cg != cur) {
+// Stage k: issue the loads of stage k + 1 into `load`, this warp's unit of stage k (if any) into acc
+// from `use`, one more stage of L2 prefetch. False past the last stage.
+__device__ __forceinline__ bool stage_step(const StageCtx& x, int k, const Chunk& use, Chunk& load, float (&acc)[4], int& cur) {
+  if (k >= x.stages) return false;
+  const int per = x.q.per_stage;
+  const int next = x.i0 + (k + 1) * per + x.unit;
+  if (k + 1 < x.stages) load_chunk(x.a, x.q, next, next < x.i1, x.sl, x.lane, load);
+  const int u = x.i0 + k * per + x.unit;
+  if (u < x.i1) {
+    const int cg = u / x.q.chunks;
+    if (cg != cur) {
       flush_sums(x.red, acc, cur, x.cg0, x.warp, x.a.ncg_max, x.sl, x.lane);
-      cur = st.cg;
+      cur = cg;
     }
-    if constexpr (!(kProbe & 1)) {
-      const unsigned char* chunk = x.s.ring + slot * kSlotBytes + x.sl * (kSlotBytes / 2) + x.unit * 2048;
-      chunk_sums(acc, chunk, x.s.x + 128 * (st.c0 + x.unit), x.lane, x.zbase, use.sv, use.zw);
-    }
+    if constexpr (!(kProbe & 1)) chunk_sums(acc, use.w, x.s.x + 128 * (u - cg * x.q.chunks), x.lane, x.zbase, use.sv, use.zw);
   }
-  __syncwarp();
-  if (x.lane == 0) mbar_arrive(x.s.empty_addr + 8 * slot);
-  st.next();
-  ahead.next();
-  ++seq;
+  x.pf.prefetch_next(x.a, x.warp, x.lane);
   return true;
 }
 
-// Run projection p of layer lw over this block's units; `seq` is the block's slot sequence number.
-__device__ void project(const Args& a, const Smem& s, const LayerWeights& lw, int p, u32& seq, const W4ZeroBase& zbase) {
+// Run projection p of layer lw over this block's units.
+// Not inlined (nor attention): inlined four times into one body, the kernel needed 255 registers and
+// spilled; as calls, ~150 and no spills (ptxas, sm_90).
+__device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWeights& lw, int p, const W4ZeroBase& zbase, Ahead& pf) {
   const int b = blockIdx.x, t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const Proj q = proj_of(a, lw, p);
   const int U = q.groups * q.chunks, G = gridDim.x;
@@ -508,19 +475,15 @@ __device__ void project(const Args& a, const Smem& s, const LayerWeights& lw, in
   const int my_unit = q.slabs == 2 ? (warp >> 1) : warp;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int cur = -1;
-  // Scales and zeros two stages ahead, in three register sets used in turn (the loop unrolled by three so
-  // no set is ever copied: a copy would wait for its load).
-  Stages st(q, b), ahead(q, b);
-  Meta m0, m1, m2;
-  if (ahead.valid()) load_meta(a, q, ahead, my_unit, my_sl, lane, m0);
-  ahead.next();
-  if (ahead.valid()) load_meta(a, q, ahead, my_unit, my_sl, lane, m1);
-  ahead.next();
-  StageCtx ctx{a, q, s, red, zbase, cg0, warp, lane, my_unit, my_sl};
-  for (;;) {
-    if (!stage_step(ctx, st, ahead, m0, m2, seq, acc, cur)) break;
-    if (!stage_step(ctx, st, ahead, m1, m0, seq, acc, cur)) break;
-    if (!stage_step(ctx, st, ahead, m2, m1, seq, acc, cur)) break;
+  // Each warp's unit one stage ahead, in two register sets used in turn (the loop unrolled by two so
+  // neither is ever copied: a copy would wait for its loads).
+  const int stages = stage_count(i0, i1, q.per_stage);
+  Chunk c0, c1;
+  if (stages > 0) load_chunk(a, q, i0 + my_unit, i0 + my_unit < i1, my_sl, lane, c0);
+  StageCtx ctx{a, q, s, pf, red, zbase, i0, i1, stages, cg0, warp, lane, my_unit, my_sl};
+  for (int k = 0;; k += 2) {
+    if (!stage_step(ctx, k, c0, c1, acc, cur)) break;
+    if (!stage_step(ctx, k + 1, c1, c0, acc, cur)) break;
   }
   flush_sums(red, acc, cur, cg0, warp, a.ncg_max, my_sl, lane);
   consumer_sync();
@@ -606,7 +569,7 @@ __device__ __forceinline__ void attend(float (&m)[GQ], float (&l)[GQ], float (&o
   }
 }
 
-__device__ void attention(const Args& a, const Smem& s, const LayerWeights& lw) {
+__device__ __noinline__ void attention(const Args& a, const Smem& s, const LayerWeights& lw) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const int b = blockIdx.x;
   if (b >= a.nkv * a.nsplit) return;  // the caller's grid barrier follows
@@ -737,38 +700,36 @@ __device__ void attention(const Args& a, const Smem& s, const LayerWeights& lw) 
 
 // --- the kernel ----------------------------------------------------------------------------------
 
-// Shared memory bytes past the 128-byte-aligned start (the host adds 128 for the alignment).
-__host__ __device__ constexpr int ring_bytes() { return NS * kSlotBytes + 2 * NS * 8; }
 
 __device__ void consume(const Args& a, const Smem& s) {
   u32* bar = reinterpret_cast<u32*>(a.ws);
   const W4ZeroBase zbase = w4_zero_base<DT>(static_cast<u32>(a.zoff));
   const int nh = a.nkv * GQ;
-  u32 seq = 0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  Ahead pf(a);
+  for (int i = 0; i < kPrefetchStages; ++i) pf.prefetch_next(a, warp, lane);
   for (int l = 0; l < a.n_layers; ++l) {
     const LayerWeights lw = a.layers[l];
     stage_rmsnorm(a, s, lw.norm1);
-    project(a, s, lw, 0, seq, zbase);
+    project(a, s, lw, 0, zbase, pf);
     grid_barrier(bar);
     attention(a, s, lw);
     grid_barrier(bar);
     stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_attn), nh * HD);
-    project(a, s, lw, 1, seq, zbase);
+    project(a, s, lw, 1, zbase, pf);
     grid_barrier(bar);
     stage_rmsnorm(a, s, lw.norm2);
-    project(a, s, lw, 2, seq, zbase);
+    project(a, s, lw, 2, zbase, pf);
     grid_barrier(bar);
     stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_act), a.inter);
-    project(a, s, lw, 3, seq, zbase);
+    project(a, s, lw, 3, zbase, pf);
     grid_barrier(bar);
   }
 }
 
-#endif  // __CUDA_ARCH__ >= 900
 }  // namespace layers
 }  // namespace qops
 
-#if __CUDA_ARCH__ >= 900
 extern "C" __global__ void __launch_bounds__(qops::layers::kThreads, 1)
 qops_decode_layers(const qops::layers::LayerWeights* layers, int n_layers, qops::u16* h, unsigned char* ws, const long long* positions,
                    const float* cos, const float* sin, int hid, int inter, int nkv, int max_seq, int group_chunks, int nsplit,
@@ -782,33 +743,8 @@ qops_decode_layers(const qops::layers::LayerWeights* layers, int n_layers, qops:
   const u32 raw = smem_addr(smem_raw);
   unsigned char* base = smem_raw + ((128u - (raw & 127u)) & 127u);
   Smem s;
-  s.ring = base;
-  s.ring_addr = smem_addr(base);
-  s.full_addr = s.ring_addr + NS * kSlotBytes;
-  s.empty_addr = s.full_addr + 8 * NS;
-  s.x = reinterpret_cast<u16*>(base + ring_bytes());
-  s.scratch = reinterpret_cast<float*>(base + ring_bytes() + 2 * ((a.kmax + 7) / 8 * 8));
+  s.x = reinterpret_cast<u16*>(base);
+  s.scratch = reinterpret_cast<float*>(base + 2 * ((a.kmax + 7) / 8 * 8));
   s.flags = reinterpret_cast<int*>(s.scratch) + a.scratch_floats;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < NS; ++i) {
-      mbar_init(s.full_addr + 8 * i, 1);
-      mbar_init(s.empty_addr + 8 * i, kConsumers / 32);  // every consumer warp, each stage
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
-  if (threadIdx.x >= kConsumers) {
-    produce(a, s, threadIdx.x - kConsumers);
-    return;
-  }
   consume(a, s);
 }
-
-#else
-// Before sm_90 (no bulk copies into mbarrier-tracked shared memory): the host never launches it.
-extern "C" __global__ void qops_decode_layers(const qops::layers::LayerWeights*, int, qops::u16*, unsigned char*, const long long*,
-                                              const float*, const float*, int, int, int, int, int, int, int, int, int, float, float,
-                                              int, int, int, int, int, int, int) {
-  __trap();
-}
-#endif
