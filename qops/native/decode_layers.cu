@@ -434,13 +434,13 @@ struct StageCtx {
   int i0, i1, stages, cg0, warp, lane, unit, sl;
 };
 
-// Stage k: issue the loads of stage k + 2 into `load`, this warp's unit of stage k (if any) into acc
+// Stage k: issue the loads of stage k + 1 into `load`, this warp's unit of stage k (if any) into acc
 // from `use`, one more stage of L2 prefetch. False past the last stage.
 __device__ __forceinline__ bool stage_step(const StageCtx& x, int k, const Chunk& use, Chunk& load, float (&acc)[4], int& cur) {
   if (k >= x.stages) return false;
   const int per = x.q.per_stage;
-  const int next = x.i0 + (k + 2) * per + x.unit;
-  if (k + 2 < x.stages) load_chunk(x.a, x.q, next, next < x.i1, x.sl, x.lane, load);
+  const int next = x.i0 + (k + 1) * per + x.unit;
+  if (k + 1 < x.stages) load_chunk(x.a, x.q, next, next < x.i1, x.sl, x.lane, load);
   const int u = x.i0 + k * per + x.unit;
   if (u < x.i1) {
     const int cg = u / x.q.chunks;
@@ -455,22 +455,9 @@ __device__ __forceinline__ bool stage_step(const StageCtx& x, int k, const Chunk
 }
 
 // Run projection p of layer lw over this block's units.
-// Issue the loads of this warp's units of stages 0 and 1 of projection q (the next one, while this one
-// finishes and the grid waits at its barrier: weights never wait for activations).
-__device__ __forceinline__ void preload(const Args& a, const Proj& q, int warp, int lane, Chunk& s0, Chunk& s1) {
-  const int U = q.groups * q.chunks;
-  const int i0 = unit_begin(U, blockIdx.x, gridDim.x), i1 = unit_begin(U, blockIdx.x + 1, gridDim.x);
-  const int unit = q.slabs == 2 ? (warp >> 1) : warp, sl = q.slabs == 2 ? (warp & 1) : 0;
-  load_chunk(a, q, i0 + unit, i0 + unit < i1, sl, lane, s0);
-  load_chunk(a, q, i0 + q.per_stage + unit, i0 + q.per_stage + unit < i1, sl, lane, s1);
-}
-
 // Not inlined (nor attention): inlined four times into one body, the kernel needed 255 registers and
 // spilled; as calls, ~150 and no spills (ptxas, sm_90).
-// pre0 / pre1: this projection's stages 0 and 1, loaded by the caller; on return they hold the next
-// projection's (`next`, when there is one).
-__device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWeights& lw, int p, const W4ZeroBase& zbase, Ahead& pf,
-                                     Chunk& pre0, Chunk& pre1, const Proj* next) {
+__device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWeights& lw, int p, const W4ZeroBase& zbase, Ahead& pf) {
   const int b = blockIdx.x, t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const Proj q = proj_of(a, lw, p);
   const int U = q.groups * q.chunks, G = gridDim.x;
@@ -488,17 +475,16 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWe
   const int my_unit = q.slabs == 2 ? (warp >> 1) : warp;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int cur = -1;
-  // Each warp's units two stages ahead, in three register sets used in turn (the loop unrolled by three
-  // so no set is ever copied: a copy would wait for its loads).
+  // Each warp's unit one stage ahead, in two register sets used in turn (the loop unrolled by two so
+  // neither is ever copied: a copy would wait for its loads).
   const int stages = stage_count(i0, i1, q.per_stage);
-  Chunk c0 = pre0, c1 = pre1, c2;
+  Chunk c0, c1;
+  if (stages > 0) load_chunk(a, q, i0 + my_unit, i0 + my_unit < i1, my_sl, lane, c0);
   StageCtx ctx{a, q, s, pf, red, zbase, i0, i1, stages, cg0, warp, lane, my_unit, my_sl};
-  for (int k = 0;; k += 3) {
-    if (!stage_step(ctx, k, c0, c2, acc, cur)) break;
+  for (int k = 0;; k += 2) {
+    if (!stage_step(ctx, k, c0, c1, acc, cur)) break;
     if (!stage_step(ctx, k + 1, c1, c0, acc, cur)) break;
-    if (!stage_step(ctx, k + 2, c2, c1, acc, cur)) break;
   }
-  if (next != nullptr) preload(a, *next, warp, lane, pre0, pre1);
   flush_sums(red, acc, cur, cg0, warp, a.ncg_max, my_sl, lane);
   consumer_sync();
 
@@ -722,28 +708,21 @@ __device__ void consume(const Args& a, const Smem& s) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   Ahead pf(a);
   for (int i = 0; i < kPrefetchStages; ++i) pf.prefetch_next(a, warp, lane);
-  Chunk pre0, pre1;
-  preload(a, proj_of(a, a.layers[0], 0), warp, lane, pre0, pre1);
   for (int l = 0; l < a.n_layers; ++l) {
     const LayerWeights lw = a.layers[l];
-    const bool more = l + 1 < a.n_layers;
-    Proj nq[4];
-#pragma unroll
-    for (int p = 0; p < 3; ++p) nq[p] = proj_of(a, lw, p + 1);
-    if (more) nq[3] = proj_of(a, a.layers[l + 1], 0);
     stage_rmsnorm(a, s, lw.norm1);
-    project(a, s, lw, 0, zbase, pf, pre0, pre1, &nq[0]);
+    project(a, s, lw, 0, zbase, pf);
     grid_barrier(bar);
     attention(a, s, lw);
     grid_barrier(bar);
     stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_attn), nh * HD);
-    project(a, s, lw, 1, zbase, pf, pre0, pre1, &nq[1]);
+    project(a, s, lw, 1, zbase, pf);
     grid_barrier(bar);
     stage_rmsnorm(a, s, lw.norm2);
-    project(a, s, lw, 2, zbase, pf, pre0, pre1, &nq[2]);
+    project(a, s, lw, 2, zbase, pf);
     grid_barrier(bar);
     stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_act), a.inter);
-    project(a, s, lw, 3, zbase, pf, pre0, pre1, more ? &nq[3] : nullptr);
+    project(a, s, lw, 3, zbase, pf);
     grid_barrier(bar);
   }
 }
