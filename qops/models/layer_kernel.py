@@ -1,6 +1,6 @@
 """``qops::decode_layers``: every decoder layer of a Llama-style model for one token in one op -- on
-an sm_90 GPU one persistent kernel (``qops/native/decode_layers.cu``), which streams the layers'
-4-bit weights through each SM's shared memory without stopping at the layer's phase boundaries.
+a GPU one persistent kernel (``qops/native/decode_layers.cu``) whose warps prefetch the layers'
+4-bit weights into L2 ahead of use, across the layer's phase boundaries.
 
 Arguments (L layers; hidden size H, intermediate size I, Hq query heads, Hkv KV heads, head dim D;
 the projections' weights in qops' runtime int-weight layout, ``qops/ops/int_weight.py``):
@@ -28,9 +28,12 @@ Returns the residual stream after the last layer ``(1, H)``. Each layer computes
 ``[gate; up]``; ``h = round(h + round(a W_down^T))``.
 
 Kernels: on CPU (and wherever the native kernel refuses, :func:`native_refusal` says why)
-:func:`reference_decode_layers`, plain torch in fp32 with the same roundings. On sm_90 the native
-kernel, launched with one block per SM; it needs every block resident at once (grid barriers), which
-one block per SM and nothing else holding an SM for good guarantees. Sums run in a fixed order (no
+:func:`reference_decode_layers`, plain torch in fp32 with the same roundings. On CUDA (sm_80+, measured
+on the H200 only) the native kernel, launched with one block per SM; it needs every block resident at
+once (grid barriers), which one block per SM and nothing else holding an SM for good guarantees.
+Experimental: on the H200 it is so far ~3x slower than the layer-by-layer path (152 us a Llama-3-8B
+layer against ~50; benchmarks/NOTES.md stop 46 says where the time goes), so nothing routes to it
+unless asked (``LlamaForCausalLM.use_layer_kernel``). Sums run in a fixed order (no
 floating-point atomics): results are the same bits run to run. Scores, softmax and the attention's
 sums stay in fp32 (``decode_attention`` rounds the probabilities to the dtype before ``p @ v``; this
 kernel does not), so outputs agree with the layer-by-layer model within rounding, not bit for bit.

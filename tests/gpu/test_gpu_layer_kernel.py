@@ -1,4 +1,4 @@
-"""``qops::decode_layers``' native kernel (qops/native/decode_layers.cu) on an sm_90 GPU, against the
+"""``qops::decode_layers``' native kernel (qops/native/decode_layers.cu) on a GPU (sm_80+), against the
 float64 oracle of tests/test_layer_kernel.py:
 
 - fp16 and bf16; zeros (offset 0 and 1) or symmetric; groups of 128, 256 and one group; GQ 4 with
