@@ -3,11 +3,11 @@ per measurement build of ``qops/native/decode_layers.cu`` (``QOPS_LAYER_DEFINES`
 captured in a CUDA graph, replayed; the median replay over the layers gives microseconds a layer and
 the weight stream's rate (the layers' qweight, scales and zeros bytes / time).
 
-    python3 benchmarks/probe_layer_kernel.py --layers 8 --variants '[{}, {"QOPS_PROBE": 1}, {"QOPS_PLANES": 6}]'
+    python3 benchmarks/probe_layer_kernel.py --layers 8 --variants '[{}, {"QOPS_PROBE": 1}, {"QOPS_STAMPS": 1}]'
 
-Knobs (decode_layers.cu): QOPS_PROBE bit 1 skips the consumers' math, bit 2 the grid barriers (results
-wrong; what is left of the time); QOPS_QPITCH 512 copies a chunk in one bulk copy; QOPS_PLANES 6
-spreads a chunk's copies over six producer lanes.
+Knobs (decode_layers.cu): QOPS_PROBE bit 1 skips the warps' math, bit 2 the grid barriers (results
+wrong; what is left of the time); QOPS_PF the L2 prefetch distance in stages; QOPS_STAMPS 1 records
+the global timer at each phase boundary of one layer in every block (printed as spans).
 """
 from __future__ import annotations
 
@@ -18,6 +18,28 @@ import statistics
 import sys
 
 import common  # noqa: F401  (puts the repo on sys.path)
+
+
+# decode_layers.cu's stamp points (QOPS_STAMPS builds), in order, for the stamped layer.
+STAMP_POINTS = ["start", "norm1 staged", "qkv loop", "qkv finished", "barrier", "attention", "barrier", "attn out staged",
+                "o loop", "o finished", "barrier", "norm2 staged", "gate/up loop", "gate/up finished", "barrier", "act staged",
+                "down loop", "down finished", "barrier"]
+
+
+def stamp_spans(ws, offset: int, torch) -> list[dict]:
+    """Per span between consecutive stamp points of the stamped layer: the median and largest time a
+    block spent in it, and how far apart the blocks' ends of it lie (max - min of the end stamp)."""
+    n = len(STAMP_POINTS)
+    t = ws[offset:offset + 8 * 24 * 256].view(torch.int64).view(256, 24)[:, :n].cpu()
+    t = t[t[:, 0] > 0].double() / 1e3  # microseconds; blocks that ran
+    out = []
+    for i in range(1, n):
+        d = t[:, i] - t[:, i - 1]
+        out.append({"what": f"{STAMP_POINTS[i - 1]} -> {STAMP_POINTS[i]}", "median_us": round(float(d.median()), 2),
+                    "max_us": round(float(d.max()), 2), "end_spread_us": round(float(t[:, i].max() - t[:, i].min()), 2)})
+    out.append({"what": "layer (start -> last barrier)", "median_us": round(float((t[:, n - 1] - t[:, 0]).median()), 2),
+                "max_us": round(float((t[:, n - 1] - t[:, 0]).max()), 2), "end_spread_us": round(float(t[:, n - 1].max() - t[:, n - 1].min()), 2)})
+    return out
 
 
 def main(argv=None) -> int:
@@ -81,10 +103,16 @@ def main(argv=None) -> int:
             b.synchronize()
             times.append(a.elapsed_time(b) * 1e3)
         med = statistics.median(times)
+        spans = stamp_spans(ws, LK.workspace_layout(d)["stamps"], torch) if variant.get("QOPS_STAMPS") else None
         row = {"defines": variant, "us_call": round(med, 1), "us_layer": round(med / d.layers, 2),
                "weight_GBps": round(nbytes / (med * 1e-6) / 1e9, 1), "finite": bool(torch.isfinite(out).all())}
+        if spans is not None:
+            row["stamps"] = spans
         rows.append(row)
         print(f"{json.dumps(variant):40s} {row['us_layer']:8.2f} us/layer  {row['weight_GBps']:7.1f} GB/s  finite {row['finite']}", flush=True)
+        if spans is not None:
+            for sp in spans:
+                print(f"    {sp['what']:34s} median {sp['median_us']:6.2f}  max {sp['max_us']:6.2f} us   ends spread {sp['end_spread_us']:5.2f} us")
         del graph
     os.environ.pop(LK.DEFINES_ENV, None)
     res = {"gpu": torch.cuda.get_device_name(), "layers": d.layers, "pos": args.pos, "dtype": args.dtype,

@@ -336,3 +336,25 @@ def test_workspace_header_holds_zeroed_counters_then_the_address_table():
     assert header.numel() == lay["table"] + 8 * len(table) and not header[:lay["ctr_bytes"]].any()
     words = header[lay["table"]:].view(torch.int64)
     assert [w & (2**64 - 1) for w in words.tolist()] == list(table)
+
+
+def test_probe_stamp_spans_from_hand_written_stamps(monkeypatch):
+    """``benchmarks/probe_layer_kernel.stamp_spans`` (the phase table of benchmarks/NOTES.md stop 46) on
+    hand-written stamps: two blocks, each phase boundary 1 us after the last, block 1 ending 0.5 us later."""
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import probe_layer_kernel as plk
+
+    n = len(plk.STAMP_POINTS)
+    offset = 256
+    ws = torch.zeros(offset + 8 * LK.STAMPS * LK.MAX_STAMP_BLOCKS, dtype=torch.uint8)
+    words = ws[offset:].view(torch.int64).view(LK.MAX_STAMP_BLOCKS, LK.STAMPS)
+    words[0, :n] = 10_000 + 1000 * torch.arange(n)
+    words[1, :n] = 10_000 + 1000 * torch.arange(n)
+    words[1, n - 1] += 500  # block 1's last span is 1.5 us
+    spans = plk.stamp_spans(ws, offset, torch)
+    assert len(spans) == n and spans[0]["what"] == "start -> norm1 staged"
+    assert spans[0] == {"what": "start -> norm1 staged", "median_us": 1.0, "max_us": 1.0, "end_spread_us": 0.0}
+    assert spans[n - 2]["max_us"] == 1.5 and spans[n - 2]["end_spread_us"] == 0.5
+    assert spans[-1]["what"].startswith("layer") and spans[-1]["max_us"] == (n - 1) + 0.5

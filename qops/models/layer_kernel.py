@@ -65,6 +65,8 @@ KERNEL = "qops_decode_layers"
 THREADS = 256              # 8 warps
 MAX_SPLITS = 32            # the attention's shares of the cache positions per KV head (workspace sized for it)
 TABLE_WORDS = 16           # pointers a layer (decode_layers.cu LayerWeights)
+STAMPS = 24                # timer words a block in QOPS_STAMPS builds (decode_layers.cu kStamps)
+MAX_STAMP_BLOCKS = 256
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,8 @@ def workspace_layout(dims: Dims) -> dict[str, int]:
     off += _align(4 * max(g * c * 32 * s for g, c, s in shapes))
     lay["apart"] = off
     off += _align(4 * dims.kv_heads * MAX_SPLITS * (dims.heads // dims.kv_heads) * (dims.head_dim + 2))
+    lay["stamps"] = off  # QOPS_STAMPS measurement builds: STAMPS timer words a block, up to MAX_STAMP_BLOCKS blocks
+    off += _align(8 * STAMPS * MAX_STAMP_BLOCKS)
     lay["bytes"] = off
     return lay
 
@@ -310,6 +314,8 @@ def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cach
     if any(t.data_ptr() % 16 for t in tensors):
         return "a tensor's address is not 16-byte aligned (the kernel's bulk copies and vector loads)"
     smem, plan = smem_plan(dims, *device_facts(dev))
+    if plan["grid"] > MAX_STAMP_BLOCKS:
+        return f"{plan['grid']} SMs: the workspace's layout holds {MAX_STAMP_BLOCKS} blocks' measurement stamps"
     if plan["ncg"] > 64:
         return f"a block would hold {plan['ncg']} column groups of one projection (the kernel's flags hold 64)"
     if smem is None:

@@ -66,7 +66,7 @@
 //
 // Compile-time configuration: QOPS_DT (0 f16, 1 bf16), QOPS_SDT (the scales' dtype, the same codes),
 // QOPS_HAS_Z (0/1: qzeros present), QOPS_HD (head dim, a multiple of 32 up to 256), QOPS_GQ (query heads
-// per KV head), QOPS_PF (stages of L2 prefetch ahead), QOPS_PROBE (measurements, below). sm_80 and later.
+// per KV head), QOPS_PF (stages of L2 prefetch ahead), QOPS_PROBE and QOPS_STAMPS (measurements, below). sm_80 and later.
 #include "ptx.cuh"
 #include "w4.cuh"
 
@@ -88,6 +88,9 @@
 #ifndef QOPS_PF
 #define QOPS_PF 12
 #endif
+#ifndef QOPS_STAMPS
+#define QOPS_STAMPS 0
+#endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0
 #endif
@@ -105,6 +108,12 @@ constexpr int kThreads = kConsumers;
 // Measurement knobs (benchmarks/probe_layer_kernel.py; results are wrong with them): QOPS_PROBE bit 1:
 // the consumers skip the math (the stream and the barriers only), bit 2: no grid barriers.
 constexpr int kProbe = QOPS_PROBE;
+// QOPS_STAMPS (measurements): thread 0 of each block writes the global timer at kStamps points of layer
+// kStampLayer (or the last, with fewer layers) to the workspace after the attention's partials
+// (benchmarks/probe_layer_kernel.py --stamps reads them).
+constexpr int kStamps = 24;
+constexpr int kStampLayer = 2;
+constexpr int kMaxSplits = 32;  // the host's MAX_SPLITS: the attention partials' size in the workspace
 constexpr int kStageChunks = 8;  // slab-chunks a stage: one per consumer warp
 constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
 static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
@@ -166,6 +175,13 @@ __device__ __forceinline__ u16 ld_cg_u16(const u16* p) {
   return v;
 }
 
+__device__ __forceinline__ void stamp(unsigned long long* st, int i) {
+  if (QOPS_STAMPS && st != nullptr && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    st[i] = t;
+  }
+}
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float to_f(u16 b) { return bits_to_f32<DT>(b); }
 __device__ __forceinline__ u16 to_b(float f) { return f32_to_bits<DT>(f); }
@@ -457,7 +473,8 @@ __device__ __forceinline__ bool stage_step(const StageCtx& x, int k, const Chunk
 // Run projection p of layer lw over this block's units.
 // Not inlined (nor attention): inlined four times into one body, the kernel needed 255 registers and
 // spilled; as calls, ~150 and no spills (ptxas, sm_90).
-__device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWeights& lw, int p, const W4ZeroBase& zbase, Ahead& pf) {
+__device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWeights& lw, int p, const W4ZeroBase& zbase, Ahead& pf,
+                                     unsigned long long* st) {
   const int b = blockIdx.x, t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const Proj q = proj_of(a, lw, p);
   const int U = q.groups * q.chunks, G = gridDim.x;
@@ -487,6 +504,7 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWe
   }
   flush_sums(red, acc, cur, cg0, warp, a.ncg_max, my_sl, lane);
   consumer_sync();
+  stamp(st, 0);
 
   // The block's sums per column group: finished here, or a partial for the group's last block.
   float* part = reinterpret_cast<float*>(a.ws + a.off_part);
@@ -708,22 +726,44 @@ __device__ void consume(const Args& a, const Smem& s) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   Ahead pf(a);
   for (int i = 0; i < kPrefetchStages; ++i) pf.prefetch_next(a, warp, lane);
+  unsigned long long* stamps = nullptr;
+  if (QOPS_STAMPS) {
+    const size_t apart = static_cast<size_t>(a.nkv) * kMaxSplits * GQ * (HD + 2) * 4;
+    stamps = reinterpret_cast<unsigned long long*>(a.ws + ((a.off_apart + apart + 255) / 256) * 256) + blockIdx.x * kStamps;
+  }
+  const int stamp_layer = min(kStampLayer, a.n_layers - 1);
   for (int l = 0; l < a.n_layers; ++l) {
     const LayerWeights lw = a.layers[l];
+    unsigned long long* st = l == stamp_layer ? stamps : nullptr;
+    stamp(st, 0);
     stage_rmsnorm(a, s, lw.norm1);
-    project(a, s, lw, 0, zbase, pf);
+    stamp(st, 1);
+    project(a, s, lw, 0, zbase, pf, st ? st + 2 : nullptr);  // 2: loop done; 3: finished
+    stamp(st, 3);
     grid_barrier(bar);
+    stamp(st, 4);
     attention(a, s, lw);
+    stamp(st, 5);
     grid_barrier(bar);
+    stamp(st, 6);
     stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_attn), nh * HD);
-    project(a, s, lw, 1, zbase, pf);
+    stamp(st, 7);
+    project(a, s, lw, 1, zbase, pf, st ? st + 8 : nullptr);
+    stamp(st, 9);
     grid_barrier(bar);
+    stamp(st, 10);
     stage_rmsnorm(a, s, lw.norm2);
-    project(a, s, lw, 2, zbase, pf);
+    stamp(st, 11);
+    project(a, s, lw, 2, zbase, pf, st ? st + 12 : nullptr);
+    stamp(st, 13);
     grid_barrier(bar);
+    stamp(st, 14);
     stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_act), a.inter);
-    project(a, s, lw, 3, zbase, pf);
+    stamp(st, 15);
+    project(a, s, lw, 3, zbase, pf, st ? st + 16 : nullptr);
+    stamp(st, 17);
     grid_barrier(bar);
+    stamp(st, 18);
   }
 }
 
