@@ -66,7 +66,8 @@
 //
 // Compile-time configuration: QOPS_DT (0 f16, 1 bf16), QOPS_SDT (the scales' dtype, the same codes),
 // QOPS_HAS_Z (0/1: qzeros present), QOPS_HD (head dim, a multiple of 32 up to 256), QOPS_GQ (query heads
-// per KV head), QOPS_PF (stages of L2 prefetch ahead), QOPS_PROBE and QOPS_STAMPS (measurements, below). sm_80 and later.
+// per KV head), QOPS_PF (stages of L2 prefetch ahead), QOPS_AHEAD (stages of register loads ahead),
+// QOPS_PROBE and QOPS_STAMPS (measurements, below). sm_80 and later.
 #include "ptx.cuh"
 #include "w4.cuh"
 
@@ -91,6 +92,9 @@
 #ifndef QOPS_STAMPS
 #define QOPS_STAMPS 0
 #endif
+#ifndef QOPS_AHEAD
+#define QOPS_AHEAD 1
+#endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0
 #endif
@@ -103,6 +107,8 @@ constexpr int SDT = QOPS_SDT;  // the scales' dtype
 constexpr int HD = QOPS_HD;
 constexpr int GQ = QOPS_GQ;
 constexpr int kPrefetchStages = QOPS_PF;  // stages a warp's L2 prefetch runs ahead of its loads
+constexpr int kAhead = QOPS_AHEAD;         // stages a warp's register loads run ahead of its math (1..3)
+static_assert(kAhead >= 1 && kAhead <= 3, "QOPS_AHEAD is 1, 2 or 3");
 constexpr int kConsumers = 256;  // every thread of the block (8 warps: 2 a sub-partition, up to 255 registers each)
 constexpr int kThreads = kConsumers;
 // Measurement knobs (benchmarks/probe_layer_kernel.py; results are wrong with them): QOPS_PROBE bit 1:
@@ -450,13 +456,13 @@ struct StageCtx {
   int i0, i1, stages, cg0, warp, lane, unit, sl;
 };
 
-// Stage k: issue the loads of stage k + 1 into `load`, this warp's unit of stage k (if any) into acc
+// Stage k: issue the loads of stage k + kAhead into `load`, this warp's unit of stage k (if any) into acc
 // from `use`, one more stage of L2 prefetch. False past the last stage.
 __device__ __forceinline__ bool stage_step(const StageCtx& x, int k, const Chunk& use, Chunk& load, float (&acc)[4], int& cur) {
   if (k >= x.stages) return false;
   const int per = x.q.per_stage;
-  const int next = x.i0 + (k + 1) * per + x.unit;
-  if (k + 1 < x.stages) load_chunk(x.a, x.q, next, next < x.i1, x.sl, x.lane, load);
+  const int next = x.i0 + (k + kAhead) * per + x.unit;
+  if (k + kAhead < x.stages) load_chunk(x.a, x.q, next, next < x.i1, x.sl, x.lane, load);
   const int u = x.i0 + k * per + x.unit;
   if (u < x.i1) {
     const int cg = u / x.q.chunks;
@@ -492,15 +498,33 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWe
   const int my_unit = q.slabs == 2 ? (warp >> 1) : warp;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int cur = -1;
-  // Each warp's unit one stage ahead, in two register sets used in turn (the loop unrolled by two so
-  // neither is ever copied: a copy would wait for its loads).
+  // Each warp's units kAhead stages ahead, in kAhead + 1 register sets used in turn (the loop unrolled
+  // so no set is ever copied: a copy would wait for its loads).
   const int stages = stage_count(i0, i1, q.per_stage);
-  Chunk c0, c1;
-  if (stages > 0) load_chunk(a, q, i0 + my_unit, i0 + my_unit < i1, my_sl, lane, c0);
+  Chunk c0, c1, c2, c3;
+  Chunk* sets[4] = {&c0, &c1, &c2, &c3};
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i)
+    if (i < stages) load_chunk(a, q, i0 + i * q.per_stage + my_unit, i0 + i * q.per_stage + my_unit < i1, my_sl, lane, *sets[i]);
   StageCtx ctx{a, q, s, pf, red, zbase, i0, i1, stages, cg0, warp, lane, my_unit, my_sl};
-  for (int k = 0;; k += 2) {
-    if (!stage_step(ctx, k, c0, c1, acc, cur)) break;
-    if (!stage_step(ctx, k + 1, c1, c0, acc, cur)) break;
+  if constexpr (kAhead == 1) {
+    for (int k = 0;; k += 2) {
+      if (!stage_step(ctx, k, c0, c1, acc, cur)) break;
+      if (!stage_step(ctx, k + 1, c1, c0, acc, cur)) break;
+    }
+  } else if constexpr (kAhead == 2) {
+    for (int k = 0;; k += 3) {
+      if (!stage_step(ctx, k, c0, c2, acc, cur)) break;
+      if (!stage_step(ctx, k + 1, c1, c0, acc, cur)) break;
+      if (!stage_step(ctx, k + 2, c2, c1, acc, cur)) break;
+    }
+  } else {
+    for (int k = 0;; k += 4) {
+      if (!stage_step(ctx, k, c0, c3, acc, cur)) break;
+      if (!stage_step(ctx, k + 1, c1, c0, acc, cur)) break;
+      if (!stage_step(ctx, k + 2, c2, c1, acc, cur)) break;
+      if (!stage_step(ctx, k + 3, c3, c2, acc, cur)) break;
+    }
   }
   flush_sums(red, acc, cur, cg0, warp, a.ncg_max, my_sl, lane);
   consumer_sync();
@@ -699,17 +723,32 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
   consumer_sync();
   if (!last[0]) return;
   __threadfence();
+  // Every share's (m, l, o[d]) loaded before any is used (the loads then overlap: one L2 round trip, not
+  // one a share), then merged in share order.
   for (int i = t; i < GQ * HD; i += kConsumers) {
     const int g = i / HD, d = i - g * HD;
+    float ms[kMaxSplits], ls[kMaxSplits], os[kMaxSplits];
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q) {
+      if (q < a.nsplit) {
+        const float* src = apart + ((static_cast<size_t>(hk) * a.nsplit + q) * GQ + g) * (HD + 2);
+        ms[q] = ld_cg_f32(src);
+        ls[q] = ld_cg_f32(src + 1);
+        os[q] = ld_cg_f32(src + 2 + d);
+      }
+    }
     float mm = neg_inf();
-    for (int q = 0; q < a.nsplit; ++q) mm = fmaxf(mm, ld_cg_f32(apart + ((static_cast<size_t>(hk) * a.nsplit + q) * GQ + g) * (HD + 2)));
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q)
+      if (q < a.nsplit) mm = fmaxf(mm, ms[q]);
     float ll = 0.f, oo = 0.f;
-    for (int q = 0; q < a.nsplit; ++q) {
-      const float* src = apart + ((static_cast<size_t>(hk) * a.nsplit + q) * GQ + g) * (HD + 2);
-      const float sm = ld_cg_f32(src);
-      const float f = sm == neg_inf() ? 0.f : expf(sm - mm);
-      ll += ld_cg_f32(src + 1) * f;
-      oo += ld_cg_f32(src + 2 + d) * f;
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q) {
+      if (q < a.nsplit) {
+        const float f = ms[q] == neg_inf() ? 0.f : expf(ms[q] - mm);
+        ll += ls[q] * f;
+        oo += os[q] * f;
+      }
     }
     out[(hk * GQ + g) * HD + d] = to_b(oo / ll);
   }
