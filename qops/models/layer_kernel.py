@@ -31,9 +31,10 @@ Kernels: on CPU (and wherever the native kernel refuses, :func:`native_refusal` 
 :func:`reference_decode_layers`, plain torch in fp32 with the same roundings. On CUDA (sm_80+, measured
 on the H200 only) the native kernel, launched with one block per SM; it needs every block resident at
 once (grid barriers), which one block per SM and nothing else holding an SM for good guarantees.
-Experimental: on the H200 it is so far ~3x slower than the layer-by-layer path (152 us a Llama-3-8B
-layer against ~50; benchmarks/NOTES.md stop 46 says where the time goes), so nothing routes to it
-unless asked (``LlamaForCausalLM.use_layer_kernel``). Sums run in a fixed order (no
+Experimental: on the H200 it is so far ~2.6x slower than the layer-by-layer path (144 us a Llama-3-8B
+layer against ~50: its weight loops stream at ~1.3 TB/s and each of the five phase boundaries costs
+~8-10 us; benchmarks/NOTES.md stop 46 has the per-phase timeline), so nothing routes to it unless asked
+(``LlamaForCausalLM.use_layer_kernel``). Sums run in a fixed order (no
 floating-point atomics): results are the same bits run to run. Scores, softmax and the attention's
 sums stay in fp32 (``decode_attention`` rounds the probabilities to the dtype before ``p @ v``; this
 kernel does not), so outputs agree with the layer-by-layer model within rounding, not bit for bit.
