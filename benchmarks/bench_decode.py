@@ -18,7 +18,7 @@ Models (``qops.models.llama``, random weights, one GPU, no tensor parallelism):
   checkpoints store their scales in and the one many int4 stacks run them in; the comparison is still
   with the bf16 model.
 - ``w4-layers``: w4 with ``use_layer_kernel()``: a batch-1 step runs every decoder layer as one
-  ``qops::decode_layers`` op (one persistent kernel on sm_90), compiled per batch size.
+  ``qops::decode_layers`` op (one persistent kernel on the GPU; experimental), compiled per batch size.
 
 Method: ``qops.models.compile_decode`` (``torch.compile(fullgraph=True)``, batch dimension
 unbacked: one compilation per model). Per (model, batch): a random prompt of ``--prompt-len`` tokens

@@ -358,3 +358,23 @@ def test_probe_stamp_spans_from_hand_written_stamps(monkeypatch):
     assert spans[0] == {"what": "start -> norm1 staged", "median_us": 1.0, "max_us": 1.0, "end_spread_us": 0.0}
     assert spans[n - 2]["max_us"] == 1.5 and spans[n - 2]["end_spread_us"] == 0.5
     assert spans[-1]["what"].startswith("layer") and spans[-1]["max_us"] == (n - 1) + 0.5
+
+
+def test_model_with_a_group_size_the_op_refuses_fails_at_use_layer_kernel():
+    """GPTQ with groups of 64: every layer qualifies by kind, the op's own check refuses the group size."""
+    import dataclasses
+
+    from qops.formats import FORMATS
+    from qops.models.checkpoint import get_scheme
+
+    def write64(w):
+        c = FORMATS["gptq"].quantize(w, bits=4, group_size=64, sym=False, version="v2")
+        return {"qweight": c.qweight, "qzeros": c.qzeros, "scales": c.scales, "g_idx": c.g_idx}
+
+    base = get_scheme("gptq")
+    scheme = dataclasses.replace(base, config={**base.config, "group_size": 64}, write=write64)
+    m = LlamaForCausalLM.random(LlamaConfig.tiny(), scheme, dtype=torch.bfloat16, max_batch=2, max_seq=8)
+    assert m.layers[0].self_attn.qkv_proj.linear.group_size == 64 and m.layer_kernel_refusal() is None
+    with pytest.raises(ValueError, match="use_layer_kernel: .*group_size must be a multiple of 128"):
+        m.use_layer_kernel()
+    assert m._layer_args is None

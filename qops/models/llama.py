@@ -472,11 +472,19 @@ class LlamaForCausalLM(nn.Module):
         vc = [layer.self_attn.v_cache for layer in self.layers]
         lin = self.layers[0].self_attn.qkv_proj.linear
         dims = _layer_kernel.dims_of(self.config)
-        self.register_buffer("layer_workspace", torch.zeros(_layer_kernel.workspace_bytes(dims), dtype=torch.uint8, device=self.device),
-                             persistent=False)
-        self._layer_args = (norm1, norm2, qweight, scales, qzeros, kc, vc)
-        self._layer_statics = (self.config.num_key_value_heads, lin.group_size, lin.zero_offset, self.config.rms_norm_eps,
-                               self.layers[0].self_attn.scale)
+        workspace = torch.zeros(_layer_kernel.workspace_bytes(dims), dtype=torch.uint8, device=self.device)
+        args = (norm1, norm2, qweight, scales, qzeros, kc, vc)
+        statics = (self.config.num_key_value_heads, lin.group_size, lin.zero_offset)
+        # The op's own checks now (shapes, group size, ...), so a model it cannot take fails here, not at its first step.
+        probe = torch.empty(1, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        position = torch.zeros(1, dtype=torch.long, device=self.device)
+        try:
+            _layer_kernel.check_decode_layers(probe, position, self.rope_cos, self.rope_sin, *args, workspace, *statics)
+        except ValueError as e:
+            raise ValueError(f"LlamaForCausalLM.use_layer_kernel: {e}") from None
+        self.register_buffer("layer_workspace", workspace, persistent=False)
+        self._layer_args = args
+        self._layer_statics = (*statics, self.config.rms_norm_eps, self.layers[0].self_attn.scale)
 
     def decode_greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step and its greedy choice: ``(logits (B, vocab), next tokens (B,))``, the
