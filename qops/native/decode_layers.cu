@@ -11,7 +11,7 @@
 // its loads, on into the next projection and layer, also while the grid waits at a barrier or runs the
 // attention (which reads no weights).
 //
-// Grid: one block per SM (the host launches as many blocks as SMs; 8 warps at ~150 registers leave no
+// Grid: one block per SM (the host launches as many blocks as SMs; 8 warps at ~250 registers leave no
 // room for a second block, and every block must be resident at once for the grid barriers below).
 // Threads synchronize within a block with named barrier 1.
 //
@@ -120,7 +120,7 @@ constexpr int kProbe = QOPS_PROBE;
 constexpr int kStamps = 24;
 constexpr int kStampLayer = 2;
 constexpr int kMaxSplits = 32;  // the host's MAX_SPLITS: the attention partials' size in the workspace
-constexpr int kStageChunks = 8;  // slab-chunks a stage: one per consumer warp
+constexpr int kStageChunks = 8;  // slab-chunks a stage: one a warp
 constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
 static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
 
@@ -307,7 +307,7 @@ struct Ahead {
   }
 };
 
-// --- a slab-chunk's sums (consumer warp) ---------------------------------------------------------
+// --- a slab-chunk's sums (one warp) --------------------------------------------------------------
 
 // acc[i] += the chunk's sum for column 4 (lane / 4) + i of the slab, times its scale. `xk`: x at the
 // chunk's first row (shared memory).
@@ -478,7 +478,8 @@ __device__ __forceinline__ bool stage_step(const StageCtx& x, int k, const Chunk
 
 // Run projection p of layer lw over this block's units.
 // Not inlined (nor attention): inlined four times into one body, the kernel needed 255 registers and
-// spilled; as calls, ~150 and no spills (ptxas, sm_90).
+// spilled; as calls, no spills (ptxas, sm_90: ~150 registers, ~250 since the attention merges its shares
+// from registers).
 __device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWeights& lw, int p, const W4ZeroBase& zbase, Ahead& pf,
                                      unsigned long long* st) {
   const int b = blockIdx.x, t = threadIdx.x, warp = t >> 5, lane = t & 31;
