@@ -3,6 +3,8 @@
 - :mod:`qops.models.llama`: a Llama-style decoder (``LlamaConfig``, ``LlamaForCausalLM``,
   ``generate``) with a static KV cache, loadable from Hugging Face checkpoints in any format the
   layer registry serves, or built with random weights.
+- :mod:`qops.models.layer_kernel`: ``qops::decode_layers``, every decoder layer of a batch-1 step in one
+  op (experimental persistent kernel; ``LlamaForCausalLM.use_layer_kernel``).
 - :mod:`qops.models.checkpoint`: quantization schemes (``QUANT_SCHEMES``, one per
   ``qops.formats.FORMATS`` entry), in-memory checkpoints (``TensorWeights``), ``save_pretrained``.
 """
