@@ -249,12 +249,19 @@ def test_errors_name_the_argument(fake):
                 OP(*args)
 
 
-def test_opcheck():
-    case = make_case(LK.Dims(layers=1, hidden=128, inter=128, heads=2, kv_heads=1, head_dim=64), dtype=torch.float16, pos=3)
-    # opcheck compares the mutated caches across runs: give it caches without NaN.
-    for t in case.k_cache + case.v_cache:
-        t.nan_to_num_(0.0)
-    torch.library.opcheck(OP, case.args(workspace(case.dims)))
+def decode_layers_samples() -> dict:
+    """opcheck samples (caches without NaN: opcheck compares the mutated caches across runs)."""
+    out = {}
+    for name, dtype, zeros in (("fp16-zeros", torch.float16, True), ("bf16-symmetric", torch.bfloat16, False)):
+        case = make_case(LK.Dims(layers=1, hidden=128, inter=128, heads=2, kv_heads=1, head_dim=64), dtype=dtype, pos=3, zeros=zeros)
+        for t in case.k_cache + case.v_cache:
+            t.nan_to_num_(0.0)
+        out[name] = case.args(workspace(case.dims))
+    return out
+
+
+# For tests/test_opcheck.py (SAMPLES.update(OPCHECK_SAMPLES)): every qops op needs samples there.
+OPCHECK_SAMPLES = {"decode_layers": decode_layers_samples}
 
 
 def _model(scheme="gptq", dtype=torch.bfloat16, seed=0):

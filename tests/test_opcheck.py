@@ -13,6 +13,7 @@ import qops  # noqa: F401  (registers the ops)
 from tests.bnb_cases import OPCHECK_SAMPLES as BNB_OPCHECK_SAMPLES
 from tests.test_add_rmsnorm import OPCHECK_SAMPLES as NORM_OPCHECK_SAMPLES
 from tests.test_decode_attention import OPCHECK_SAMPLES as ATTENTION_OPCHECK_SAMPLES
+from tests.test_layer_kernel import OPCHECK_SAMPLES as LAYERS_OPCHECK_SAMPLES
 from tests.int_weight_cases import Case, build, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -222,6 +223,7 @@ SAMPLES = {
 SAMPLES.update(BNB_OPCHECK_SAMPLES)
 SAMPLES.update(ATTENTION_OPCHECK_SAMPLES)
 SAMPLES.update(NORM_OPCHECK_SAMPLES)
+SAMPLES.update(LAYERS_OPCHECK_SAMPLES)
 
 
 @pytest.fixture(autouse=True)
