@@ -298,7 +298,7 @@ def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cach
         return compiler.runtime_missing()
     major, _ = torch.cuda.get_device_capability(dev)
     if major < 8:
-        return f"compute capability {major}.x: the kernel needs sm_80 or later (bf16 MMAs, cp.async-era loads)"
+        return f"compute capability {major}.x: the kernel needs sm_80 or later (bf16 MMAs)"
     for what, t in (("hidden", hidden), ("scales", scales[0])):
         if t.dtype not in (torch.float16, torch.bfloat16):
             return f"{what} is {t.dtype}: the kernel takes float16 or bfloat16"
@@ -313,7 +313,7 @@ def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cach
     if any(not t.is_contiguous() for t in tensors):
         return "a tensor is not contiguous"
     if any(t.data_ptr() % 16 for t in tensors):
-        return "a tensor's address is not 16-byte aligned (the kernel's bulk copies and vector loads)"
+        return "a tensor's address is not 16-byte aligned (the kernel's 16-byte loads)"
     smem, plan = smem_plan(dims, *device_facts(dev))
     if plan["grid"] > MAX_STAMP_BLOCKS:
         return f"{plan['grid']} SMs: the workspace's layout holds {MAX_STAMP_BLOCKS} blocks' measurement stamps"
