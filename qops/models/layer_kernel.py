@@ -46,6 +46,7 @@ Inference only: no autograd formula is registered.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -211,10 +212,10 @@ def workspace_bytes(dims: Dims) -> int:
     return workspace_layout(dims)["bytes"]
 
 
-def dims_of(config, world_size: int = 1) -> Dims:
-    """The op's dimensions for a ``LlamaConfig``."""
-    return Dims(config.num_hidden_layers, config.hidden_size, config.intermediate_size // world_size,
-                config.num_attention_heads // world_size, config.num_key_value_heads // world_size, config.head_dim)
+def dims_of(config) -> Dims:
+    """The op's dimensions for a ``LlamaConfig`` (one process: the op takes no tensor-parallel shards)."""
+    return Dims(config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                config.num_key_value_heads, config.head_dim)
 
 
 # --- the reference kernel --------------------------------------------------------------------------
@@ -328,8 +329,10 @@ def _unit_begin(units: int, b: int, grid: int) -> int:
     return units * b // grid
 
 
+@functools.lru_cache(maxsize=64)
 def _scratch_floats(dims: Dims, grid: int) -> tuple[int, int]:
-    """(column groups a block holds at most in one projection, floats of scratch the kernel needs)."""
+    """(column groups a block holds at most in one projection, floats of scratch the kernel needs).
+    Cached: every native call asks (twice), and the answer walks every block of every projection."""
     ncg = 1
     for groups, chunks, _ in _projection_shapes(dims):
         units = groups * chunks
