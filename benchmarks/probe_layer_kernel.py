@@ -26,11 +26,11 @@ STAMP_POINTS = ["start", "norm1 staged", "qkv loop", "qkv finished", "barrier", 
                 "down loop", "down finished", "barrier"]
 
 
-def stamp_spans(ws, offset: int, torch) -> list[dict]:
+def stamp_spans(ws, offset: int, torch, blocks: int = 512, words: int = 24) -> list[dict]:
     """Per span between consecutive stamp points of the stamped layer: the median and largest time a
     block spent in it, and how far apart the blocks' ends of it lie (max - min of the end stamp)."""
     n = len(STAMP_POINTS)
-    t = ws[offset:offset + 8 * 24 * 256].view(torch.int64).view(256, 24)[:, :n].cpu()
+    t = ws[offset:offset + 8 * words * blocks].view(torch.int64).view(blocks, words)[:, :n].cpu()
     t = t[t[:, 0] > 0].double() / 1e3  # microseconds; blocks that ran
     out = []
     for i in range(1, n):
@@ -103,7 +103,8 @@ def main(argv=None) -> int:
             b.synchronize()
             times.append(a.elapsed_time(b) * 1e3)
         med = statistics.median(times)
-        spans = stamp_spans(ws, LK.workspace_layout(d)["stamps"], torch) if variant.get("QOPS_STAMPS") else None
+        spans = (stamp_spans(ws, LK.workspace_layout(d)["stamps"], torch, LK.MAX_STAMP_BLOCKS, LK.STAMPS)
+                 if variant.get("QOPS_STAMPS") else None)
         row = {"defines": variant, "us_call": round(med, 1), "us_layer": round(med / d.layers, 2),
                "weight_GBps": round(nbytes / (med * 1e-6) / 1e9, 1), "finite": bool(torch.isfinite(out).all())}
         if spans is not None:

@@ -7,9 +7,8 @@ runs the native kernel against the same oracle.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import re
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -331,6 +330,36 @@ def test_scratch_floats_cover_every_block():
     assert floats >= 8 * ncg * 64 and ncg <= 64
 
 
+def test_blocks_per_sm_rule():
+    """Two blocks an SM where the attention's per-lane arrays fit 128 registers (GQ x D <= 512), else one, with a reason."""
+    llama3 = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
+    assert LK.blocks_per_sm_wanted(llama3)[0] == 2
+    assert LK.blocks_per_sm_wanted(LK.Dims(1, 512, 1536, 8, 1, 64))[0] == 2
+    bps, why = LK.blocks_per_sm_wanted(LK.Dims(1, 4096, 14336, 64, 8, 128))
+    assert bps == 1 and "GQ x head_dim = 1024" in why
+    assert LK.build_defines(llama3, torch.bfloat16, torch.bfloat16, True, 2)["QOPS_BPS"] == 2
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_two_block_build_fits_128_registers_without_spills(arch):
+    """The rule's edge (GQ 4 x D 128, Llama-3-8B): ptxas gives the two-block build <= 128 registers and no
+    spill loads in the weight loops or the attention (a spill there would cost more than the second block buys)."""
+    from qops.native import compiler
+
+    if compiler.runtime_missing() is not None:
+        pytest.skip(compiler.runtime_missing())
+    llama3 = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
+    opts = compiler.native_options(LK.build_defines(llama3, torch.bfloat16, torch.bfloat16, True, 2))
+    opts["ptxas_options"] = ["-v"]
+    log: list = []
+    compiler.compile(compiler.native_source(LK.SOURCE), arch, opts, log=log)
+    text = "\n".join(str(x) for x in log)
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
+    assert regs and max(regs) <= 128, text
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill loads", text)]
+    assert spills and max(spills) == 0, text
+
+
 def test_workspace_header_holds_zeroed_counters_then_the_address_table():
     """What every native call copies to the workspace's head (built on the CPU here)."""
     case = make_case(SMALL, dtype=torch.float16)
@@ -360,7 +389,7 @@ def test_probe_stamp_spans_from_hand_written_stamps(monkeypatch):
     words[0, :n] = 10_000 + 1000 * torch.arange(n)
     words[1, :n] = 10_000 + 1000 * torch.arange(n)
     words[1, n - 1] += 500  # block 1's last span is 1.5 us
-    spans = plk.stamp_spans(ws, offset, torch)
+    spans = plk.stamp_spans(ws, offset, torch, LK.MAX_STAMP_BLOCKS, LK.STAMPS)
     assert len(spans) == n and spans[0]["what"] == "start -> norm1 staged"
     assert spans[0] == {"what": "start -> norm1 staged", "median_us": 1.0, "max_us": 1.0, "end_spread_us": 0.0}
     assert spans[n - 2]["max_us"] == 1.5 and spans[n - 2]["end_spread_us"] == 0.5

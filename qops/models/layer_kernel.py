@@ -29,8 +29,10 @@ Returns the residual stream after the last layer ``(1, H)``. Each layer computes
 
 Kernels: on CPU (and wherever the native kernel refuses, :func:`native_refusal` says why)
 :func:`reference_decode_layers`, plain torch in fp32 with the same roundings. On CUDA (sm_80+, measured
-on the H200 only) the native kernel, launched with one block per SM; it needs every block resident at
-once (grid barriers), which one block per SM and nothing else holding an SM for good guarantees.
+on the H200 only) the native kernel, launched with two blocks an SM where they fit (16 warps, <= 128
+registers: :func:`blocks_per_sm_wanted`, then the occupancy calculator), else one; it needs every block
+resident at once (grid barriers), which the occupancy check and nothing else holding an SM for good
+guarantee.
 Experimental: on the H200 it is so far ~2.6x slower than the layer-by-layer path (144 us a Llama-3-8B
 layer against ~50: its weight loops stream at ~1.3 TB/s and each of the five phase boundaries costs
 ~8-10 us; benchmarks/NOTES.md stop 46 has the per-phase timeline), so nothing routes to it unless asked
@@ -68,7 +70,11 @@ THREADS = 256              # 8 warps
 MAX_SPLITS = 32            # the attention's shares of the cache positions per KV head (workspace sized for it)
 TABLE_WORDS = 16           # pointers a layer (decode_layers.cu LayerWeights)
 STAMPS = 24                # timer words a block in QOPS_STAMPS builds (decode_layers.cu kStamps)
-MAX_STAMP_BLOCKS = 256
+MAX_STAMP_BLOCKS = 512
+# Two blocks an SM (16 warps, <= 128 registers a thread) when the attention's per-lane arrays fit: GQ x D
+# <= 512 (ptxas, sm_90: no spills at GQ 4 x D 128 or GQ 8 x D 64; GQ 8 x D 128 spills 144 bytes in the
+# attention, GQ 8 x D 256 872).
+TWO_BLOCKS_MAX_GQ_D = 512
 
 
 @dataclass(frozen=True)
@@ -315,9 +321,10 @@ def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cach
         return "a tensor is not contiguous"
     if any(t.data_ptr() % 16 for t in tensors):
         return "a tensor's address is not 16-byte aligned (the kernel's 16-byte loads)"
-    smem, plan = smem_plan(dims, *device_facts(dev))
-    if plan["grid"] > MAX_STAMP_BLOCKS:
-        return f"{plan['grid']} SMs: the workspace's layout holds {MAX_STAMP_BLOCKS} blocks' measurement stamps"
+    sms, smem_optin = device_facts(dev)
+    smem, plan = smem_plan(dims, sms, smem_optin)
+    if 2 * sms > MAX_STAMP_BLOCKS:
+        return f"{sms} SMs: the workspace's layout holds {MAX_STAMP_BLOCKS} blocks' measurement stamps"
     if plan["ncg"] > 64:
         return f"a block would hold {plan['ncg']} column groups of one projection (the kernel's flags hold 64)"
     if smem is None:
@@ -362,10 +369,20 @@ def smem_plan(dims: Dims, grid: int, smem_optin: int) -> tuple[int | None, dict]
     return (smem if smem <= smem_optin else None), plan
 
 
-def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool) -> dict[str, int]:
+def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool, blocks_per_sm: int = 1) -> dict[str, int]:
     """The NVRTC macros of one build of the kernel."""
     return {"QOPS_DT": int(dtype == torch.bfloat16), "QOPS_SDT": int(scale_dtype == torch.bfloat16), "QOPS_HAS_Z": int(has_zeros),
-            "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads}
+            "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, "QOPS_BPS": blocks_per_sm}
+
+
+def blocks_per_sm_wanted(dims: Dims) -> tuple[int, str]:
+    """(blocks an SM the kernel is built for before occupancy is known, why): 2 (16 warps an SM: the
+    weight loops are latency bound with 8, benchmarks/NOTES.md stop 47) unless the attention's per-lane
+    arrays would spill at 128 registers."""
+    gq_d = dims.heads // dims.kv_heads * dims.head_dim
+    if gq_d > TWO_BLOCKS_MAX_GQ_D:
+        return 1, f"GQ x head_dim = {gq_d} > {TWO_BLOCKS_MAX_GQ_D}: the attention's arrays need more than 128 registers"
+    return 2, "16 warps an SM"
 
 
 def _addresses(dims: Dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache) -> tuple:
@@ -398,25 +415,46 @@ def _workspace_header(lay: dict, table: tuple, *, pin: bool = True) -> torch.Ten
     return buf
 
 
+@functools.lru_cache(maxsize=64)
+def _launch_plan_cached(dims: Dims, index: int, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool, extra: str | None):
+    from ..native import compiler
+
+    dev = torch.device("cuda", index)
+    sms, smem_optin = device_facts(dev)
+    forced = json.loads(extra) if extra else {}  # measurement builds (benchmarks/probe_layer_kernel.py)
+    bps = int(forced["QOPS_BPS"]) if "QOPS_BPS" in forced else blocks_per_sm_wanted(dims)[0]
+    while True:
+        smem, plan = smem_plan(dims, bps * sms, smem_optin)
+        defines = build_defines(dims, dtype, scale_dtype, has_zeros, bps)
+        defines.update({str(k): int(v) for k, v in forced.items()})
+        kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL)
+        # Every block must be resident at once (grid barriers): ask the occupancy calculator.
+        fits = smem is not None and compiler.max_active_blocks(kernel, dev, THREADS, smem) >= bps
+        if fits:
+            return kernel, bps * sms, smem, plan
+        if bps == 1 or "QOPS_BPS" in forced:
+            raise RuntimeError(fail(OP, f"{bps} blocks of the kernel do not fit an SM ({THREADS} threads, {smem} bytes of shared memory)"))
+        bps = 1  # two do not fit (shared memory): one block an SM
+
+
+def _launch_plan(dims: Dims, dev: torch.device, dtype, scale_dtype, has_zeros: bool):
+    """(kernel, grid, dynamic shared memory bytes, smem_plan's facts): two blocks an SM where they fit
+    (blocks_per_sm_wanted, then the occupancy calculator), else one."""
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _launch_plan_cached(dims, index, dtype, scale_dtype, has_zeros, os.environ.get(DEFINES_ENV) or None)
+
+
 def native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache, workspace,
                          group_size, zero_offset, eps, scale) -> torch.Tensor:
     from ..native import compiler
 
     dev = hidden.device
-    smem, plan = smem_plan(dims, *device_facts(dev))
     lay = workspace_layout(dims)
     # Counters and the address table rewritten by every call (one small copy; a captured graph replays
     # it): the op keeps no state about a workspace between calls.
     header = _workspace_header(lay, _addresses(dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache))
     workspace[:header.numel()].copy_(header, non_blocking=True)
-    defines = build_defines(dims, hidden.dtype, scales[0].dtype, qzeros[0] is not None)
-    extra = os.environ.get(DEFINES_ENV)  # measurement builds (benchmarks/probe_layer_kernel.py)
-    if extra:
-        defines.update({str(k): int(v) for k, v in json.loads(extra).items()})
-    kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL)
-    grid = plan["grid"]
-    if compiler.max_active_blocks(kernel, dev, THREADS, smem) < 1:
-        raise RuntimeError(fail(OP, f"the kernel does not fit an SM ({THREADS} threads, {smem} bytes of shared memory)"))
+    kernel, grid, smem, plan = _launch_plan(dims, dev, hidden.dtype, scales[0].dtype, qzeros[0] is not None)
     nsplit = max(1, min(MAX_SPLITS, grid // dims.kv_heads))
     out = hidden.clone(memory_format=torch.contiguous_format)
     base = workspace.data_ptr()

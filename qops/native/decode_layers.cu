@@ -11,9 +11,10 @@
 // its loads, on into the next projection and layer, also while the grid waits at a barrier or runs the
 // attention (which reads no weights).
 //
-// Grid: one block per SM (the host launches as many blocks as SMs; 8 warps at ~250 registers leave no
-// room for a second block, and every block must be resident at once for the grid barriers below).
-// Threads synchronize within a block with named barrier 1.
+// Grid: QOPS_BPS blocks an SM, 1 (8 warps, up to 255 registers a thread) or 2 (16 warps an SM at <= 128);
+// the host launches QOPS_BPS x SMs blocks after the occupancy calculator says that many fit an SM, since
+// every block must be resident at once for the grid barriers below. Threads synchronize within a block
+// with named barrier 1.
 //
 // Weights: qops' runtime int-weight layout, 4-bit, qweight in 32-column slabs (qops/ops/int_weight.py,
 // w4.cuh): word (kw, n) of slab s at (s * KW + kw) * 32 + n % 32 holds rows 8 kw .. 8 kw + 7 of column n;
@@ -46,8 +47,8 @@
 // Reduction of a column group over its blocks (fixed order: bit-identical run to run): each block sums
 // its warps' partials in warp order in shared memory; a block holding a whole column group finishes it
 // (epilogue below) at once, otherwise it writes its fp32 partial to the workspace at (group, first
-// chunk), and the last of the group's blocks to arrive (an arrival counter per group, reset by that
-// block) sums the partials in chunk order and finishes. Epilogues: [q; k; v] rounded to the dtype;
+// chunk), and the last of the group's blocks to arrive (an arrival counter per group, acq_rel: no
+// fences; reset by that block) sums the partials in chunk order and finishes. Epilogues: [q; k; v] rounded to the dtype;
 // o and down: h = round(h + round(sum)) (the residual stream, in place); [gate; up]: round(silu(g) u)
 // from the fp32 sums.
 //
@@ -59,15 +60,15 @@
 // (through the workspace and an arrival counter per KV head) merge in order. Scores, softmax and sums
 // are fp32.
 //
-// Grid barrier: an arrival count and a generation word in the workspace; the last block to arrive
-// resets the count and bumps the generation (release), the others spin on it (acquire). The count is
-// zero between launches (the host zeroes the workspace's counters once). Activations written by one
-// block and read by another go through L2 (ld.global.cg), never through a possibly stale L1.
+// Grid barrier: an arrival count in the workspace that only grows within a launch; each block adds one
+// (release) and spins until the count reaches (barriers passed) x G (acquire). Every call's host copy
+// zeroes it. Activations written by one block and read by another go through L2 (ld.global.cg), never
+// through a possibly stale L1.
 //
 // Compile-time configuration: QOPS_DT (0 f16, 1 bf16), QOPS_SDT (the scales' dtype, the same codes),
 // QOPS_HAS_Z (0/1: qzeros present), QOPS_HD (head dim, a multiple of 32 up to 256), QOPS_GQ (query heads
 // per KV head), QOPS_PF (stages of L2 prefetch ahead), QOPS_AHEAD (stages of register loads ahead),
-// QOPS_PROBE and QOPS_STAMPS (measurements, below). sm_80 and later.
+// QOPS_BPS (blocks an SM), QOPS_PROBE and QOPS_STAMPS (measurements, below). sm_80 and later.
 #include "ptx.cuh"
 #include "w4.cuh"
 
@@ -98,6 +99,9 @@
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0
 #endif
+#ifndef QOPS_BPS
+#define QOPS_BPS 1
+#endif
 
 namespace qops {
 namespace layers {
@@ -109,7 +113,11 @@ constexpr int GQ = QOPS_GQ;
 constexpr int kPrefetchStages = QOPS_PF;  // stages a warp's L2 prefetch runs ahead of its loads
 constexpr int kAhead = QOPS_AHEAD;         // stages a warp's register loads run ahead of its math (1..3)
 static_assert(kAhead >= 1 && kAhead <= 3, "QOPS_AHEAD is 1, 2 or 3");
-constexpr int kConsumers = 256;  // every thread of the block (8 warps: 2 a sub-partition, up to 255 registers each)
+// Blocks an SM (the host launches QOPS_BPS x SMs blocks): 2 gives an SM 16 warps at <= 128 registers
+// each (the weight loops are latency bound with 8: benchmarks/NOTES.md stop 47), 1 gives 8 warps up to 255.
+constexpr int kBlocksPerSm = QOPS_BPS;
+static_assert(kBlocksPerSm == 1 || kBlocksPerSm == 2, "QOPS_BPS is 1 or 2");
+constexpr int kConsumers = 256;  // every thread of the block (8 warps)
 constexpr int kThreads = kConsumers;
 // Measurement knobs (benchmarks/probe_layer_kernel.py; results are wrong with them): QOPS_PROBE bit 1:
 // the consumers skip the math (the stream and the barriers only), bit 2: no grid barriers.
@@ -120,6 +128,7 @@ constexpr int kProbe = QOPS_PROBE;
 constexpr int kStamps = 24;
 constexpr int kStampLayer = 2;
 constexpr int kMaxSplits = 32;  // the host's MAX_SPLITS: the attention partials' size in the workspace
+constexpr int kMergeBatch = 8;  // shares the last block of a KV head merges at a time (registers: 3 x 8 a thread)
 constexpr int kStageChunks = 8;  // slab-chunks a stage: one a warp
 constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
 static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
@@ -151,8 +160,9 @@ struct Args {
   int scratch_floats;  // floats of scratch (then 64 ints of flags)
 };
 
-// Counters at the workspace's start: [0] barrier arrivals, [1] barrier generation, [2 ..) one per
-// column group of the widest projection, then one per KV head (the attention's shares).
+// Counters at the workspace's start: [0] grid barrier arrivals (never reset within a launch: the n-th
+// barrier waits for n x G), [1] unused, [2 ..) one per column group of the widest projection, then one per
+// KV head (the attention's shares).
 constexpr int kCtrGroups = 2;
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
@@ -162,8 +172,15 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void st_release_u32(u32* p, u32 v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void red_release_add(u32* p, u32 v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// An arrival that publishes the block's earlier writes (release; other threads' through the bar.sync
+// before it) and sees the earlier arrivals' (acquire; other threads see them after the bar.sync after it).
+__device__ __forceinline__ u32 atom_acq_rel_add(u32* p, u32 v) {
+  u32 old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 __device__ __forceinline__ uint4 ld_cg_v4(const void* p) {
   uint4 v;
@@ -193,26 +210,30 @@ __device__ __forceinline__ float to_f(u16 b) { return bits_to_f32<DT>(b); }
 __device__ __forceinline__ u16 to_b(float f) { return f32_to_bits<DT>(f); }
 __device__ __forceinline__ float round_dt(float f) { return to_f(to_b(f)); }
 
-// All blocks of the grid: every consumer thread's earlier global writes are visible to every
-// consumer thread's later reads (through L2) once it returns.
-__device__ void grid_barrier(u32* ctr) {
+// All blocks of the grid: every thread's earlier global writes are visible to every thread's later reads
+// (through L2) once it returns. `passed` counts the block's barriers so far: the count only grows (one
+// release add a block, no reset, no generation word), so a barrier costs one arrival and the wait.
+__device__ void grid_barrier(u32* ctr, u32& passed) {
   consumer_sync();
+  ++passed;
   if constexpr (kProbe & 2) return;
   if (threadIdx.x == 0) {
-    const u32 gen = ld_acquire_u32(ctr + 1);
-    __threadfence();
-    const u32 arrived = atomicAdd(ctr, 1u) + 1;
-    if (arrived == gridDim.x) {
-      atomicExch(ctr, 0u);
-      st_release_u32(ctr + 1, gen + 1);
-    } else {
-      while (ld_acquire_u32(ctr + 1) == gen) {
-      }
+    const u32 target = passed * gridDim.x;
+    red_release_add(ctr, 1u);
+    while (ld_acquire_u32(ctr) < target) {
     }
-    __threadfence();
   }
   consumer_sync();
 }
+
+// n / d for n d < 2^32 (unit and chunk indices): a wide multiply, not a division's ~20 instructions in the
+// weight loops. m = floor(2^32 / d) + 1 = 2^32 / d + e with 0 < e <= 1, so n m / 2^32 = n / d + n e / 2^32
+// and the added n e / 2^32 < 1 / d cannot carry past the next integer.
+struct FastDiv {
+  unsigned long long m;
+  __device__ __forceinline__ void set(u32 d) { m = (1ull << 32) / d + 1; }
+  __device__ __forceinline__ int operator()(int n) const { return static_cast<int>((static_cast<unsigned long long>(n) * m) >> 32); }
+};
 
 // The block holding unit u of a projection of U units split over G blocks (the last of a run of
 // blocks with equal starts, i.e. the one whose range is not empty).
@@ -232,6 +253,10 @@ struct Proj {
   int chunks;  // K / 128
   int slabs;   // slab-chunks a unit (1, or 2 gated)
   int per_stage;  // units a stage (kStageChunks / slabs)
+  int up_slab0;  // [gate; up]: the first up slab (I / 32); 0 otherwise
+  int group_chunks;  // chunks a scale group, 0 for one group
+  FastDiv by_chunks;  // / chunks
+  FastDiv by_group;   // / group_chunks (1 with one group: then unused)
 };
 
 __device__ __forceinline__ Proj proj_of(const Args& a, const LayerWeights& lw, int p) {
@@ -247,6 +272,10 @@ __device__ __forceinline__ Proj proj_of(const Args& a, const LayerWeights& lw, i
   q.slabs = p == 2 ? 2 : 1;
   q.per_stage = kStageChunks / q.slabs;
   q.groups = p == 2 ? a.inter / 32 : q.n / 32;
+  q.up_slab0 = p == 2 ? a.inter / 32 : 0;
+  q.group_chunks = a.group_chunks;
+  q.by_chunks.set(q.chunks);
+  q.by_group.set(a.group_chunks ? a.group_chunks : 1);
   return q;
 }
 
@@ -265,6 +294,7 @@ __device__ __forceinline__ int stage_count(int i0, int i1, int per_stage) { retu
 // warp's loads, on into the next projection and layer, while the warps work or wait at a grid barrier.
 struct Ahead {
   int l, p, k, stages, i0, i1;
+  bool done;  // past the last layer
   Proj q;
   __device__ __forceinline__ void start(const Args& a) {
     q = proj_of(a, a.layers[l], p);
@@ -282,6 +312,7 @@ struct Ahead {
       }
       if (l < a.n_layers) start(a);
     }
+    done = l >= a.n_layers;
   }
   __device__ __forceinline__ Ahead(const Args& a) : l(0), p(0) {
     start(a);
@@ -289,21 +320,20 @@ struct Ahead {
   }
   // Prefetch the warp's unit of the current stage into L2 (16 weight lines, the scale and zero lines), then advance.
   __device__ __forceinline__ void prefetch_next(const Args& a, int warp, int lane) {
-    if (l >= a.n_layers) return;
+    if (done) return;
     const int unit_in_stage = q.slabs == 2 ? (warp >> 1) : warp;
     const int sl = q.slabs == 2 ? (warp & 1) : 0;
     const int u = i0 + k * q.per_stage + unit_in_stage;
     if (u < i1) {
-      const int cg = u / q.chunks, c = u - cg * q.chunks;
-      const int slab = sl == 0 ? cg : cg + a.inter / 32;
-      const int grow = a.group_chunks ? c / a.group_chunks : 0;
+      const int cg = q.by_chunks(u), c = u - cg * q.chunks;
+      const int slab = cg + sl * q.up_slab0;
+      const int grow = q.group_chunks ? q.by_group(c) : 0;
       const void* line = lane < 16 ? static_cast<const void*>(q.qw + (static_cast<size_t>(slab) * q.kw + 16 * c) * 32 + 32 * lane)
                        : lane == 16 ? static_cast<const void*>(q.sc + static_cast<size_t>(grow) * q.n + 32 * slab)
                                     : static_cast<const void*>(q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab);
       prefetch_l2_if(line, lane < 17 || (lane == 17 && QOPS_HAS_Z));
     }
-    ++k;
-    skip_done(a);
+    if (++k >= stages) skip_done(a);
   }
 };
 
@@ -424,10 +454,10 @@ struct Chunk {
 
 // Issue the loads of unit u (none when !mine): the weights on the streaming path (prefetched into L2),
 // scales and zeros read-only.
-__device__ __forceinline__ void load_chunk(const Args& a, const Proj& q, int u, bool mine, int sl, int lane, Chunk& ch) {
-  const int cg = u / q.chunks, c = u - cg * q.chunks;
-  const int slab = sl == 0 ? cg : cg + a.inter / 32;
-  const int grow = a.group_chunks ? c / a.group_chunks : 0;
+__device__ __forceinline__ void load_chunk(const Proj& q, int u, bool mine, int sl, int lane, Chunk& ch) {
+  const int cg = q.by_chunks(u), c = u - cg * q.chunks;
+  const int slab = cg + sl * q.up_slab0;
+  const int grow = q.group_chunks ? q.by_group(c) : 0;
   const int r = lane >> 2;
   const u32* wp = q.qw + (static_cast<size_t>(slab) * q.kw + 16 * c) * 32 + 128 * (lane & 3) + 4 * r;
 #pragma unroll
@@ -453,7 +483,7 @@ struct StageCtx {
   Ahead& pf;
   float* red;
   const W4ZeroBase& zbase;
-  int i0, i1, stages, cg0, warp, lane, unit, sl;
+  int i0, i1, stages, cg0, warp, lane, unit, sl, ncg_max;
 };
 
 // Stage k: issue the loads of stage k + kAhead into `load`, this warp's unit of stage k (if any) into acc
@@ -462,12 +492,12 @@ __device__ __forceinline__ bool stage_step(const StageCtx& x, int k, const Chunk
   if (k >= x.stages) return false;
   const int per = x.q.per_stage;
   const int next = x.i0 + (k + kAhead) * per + x.unit;
-  if (k + kAhead < x.stages) load_chunk(x.a, x.q, next, next < x.i1, x.sl, x.lane, load);
+  if (k + kAhead < x.stages) load_chunk(x.q, next, next < x.i1, x.sl, x.lane, load);
   const int u = x.i0 + k * per + x.unit;
   if (u < x.i1) {
-    const int cg = u / x.q.chunks;
+    const int cg = x.q.by_chunks(u);
     if (cg != cur) {
-      flush_sums(x.red, acc, cur, x.cg0, x.warp, x.a.ncg_max, x.sl, x.lane);
+      flush_sums(x.red, acc, cur, x.cg0, x.warp, x.ncg_max, x.sl, x.lane);
       cur = cg;
     }
     if constexpr (!(kProbe & 1)) chunk_sums(acc, use.w, x.s.x + 128 * (u - cg * x.q.chunks), x.lane, x.zbase, use.sv, use.zw);
@@ -506,8 +536,8 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWe
   Chunk* sets[4] = {&c0, &c1, &c2, &c3};
 #pragma unroll
   for (int i = 0; i < kAhead; ++i)
-    if (i < stages) load_chunk(a, q, i0 + i * q.per_stage + my_unit, i0 + i * q.per_stage + my_unit < i1, my_sl, lane, *sets[i]);
-  StageCtx ctx{a, q, s, pf, red, zbase, i0, i1, stages, cg0, warp, lane, my_unit, my_sl};
+    if (i < stages) load_chunk(q, i0 + i * q.per_stage + my_unit, i0 + i * q.per_stage + my_unit < i1, my_sl, lane, *sets[i]);
+  StageCtx ctx{a, q, s, pf, red, zbase, i0, i1, stages, cg0, warp, lane, my_unit, my_sl, a.ncg_max};
   if constexpr (kAhead == 1) {
     for (int k = 0;; k += 2) {
       if (!stage_step(ctx, k, c0, c1, acc, cur)) break;
@@ -549,7 +579,6 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWe
         float* dst = part + (static_cast<size_t>(cg) * q.chunks + (lo - cg * q.chunks)) * width;
         dst[t] = v;
         if (q.slabs == 2) dst[32 + t] = vu;
-        __threadfence();
       }
     }
   }
@@ -564,8 +593,7 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWe
       const int bfirst = block_of_unit(U, cg * q.chunks, G), blast = block_of_unit(U, (cg + 1) * q.chunks - 1, G);
       int parts = 0;
       for (int bb = bfirst; bb <= blast; ++bb) parts += unit_begin(U, bb + 1, G) > unit_begin(U, bb, G);
-      __threadfence();
-      is_last = atomicAdd(ctr + cg, 1u) + 1 == static_cast<u32>(parts);
+      is_last = atom_acq_rel_add(ctr + cg, 1u) + 1 == static_cast<u32>(parts);
     }
     last[t] = is_last;
   }
@@ -574,7 +602,6 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWe
     if (!last[g]) continue;
     const int cg = cg0 + g;
     if (t < 32) {
-      __threadfence();
       const int bfirst = block_of_unit(U, cg * q.chunks, G), blast = block_of_unit(U, (cg + 1) * q.chunks - 1, G);
       float v = 0.f, vu = 0.f;
       for (int bb = bfirst; bb <= blast; ++bb) {
@@ -709,7 +736,6 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
         dst[1] = ll;
       }
       dst[2 + d] = oo;
-      __threadfence();
     }
   }
   if (a.nsplit == 1) return;
@@ -717,39 +743,41 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
   // Shares merged in order by the last of the KV head's blocks to arrive.
   u32* ctr = reinterpret_cast<u32*>(a.ws) + a.attn_ctr + hk;
   int* last = s.flags;
-  if (t == 0) {
-    __threadfence();
-    last[0] = atomicAdd(ctr, 1u) + 1 == static_cast<u32>(a.nsplit);
-  }
+  if (t == 0) last[0] = atom_acq_rel_add(ctr, 1u) + 1 == static_cast<u32>(a.nsplit);
   consumer_sync();
   if (!last[0]) return;
-  __threadfence();
-  // Every share's (m, l, o[d]) loaded before any is used (the loads then overlap: one L2 round trip, not
-  // one a share), then merged in share order.
+  // Shares merged in order, kMergeBatch at a time: a batch's (m, l, o[d]) loaded before any is used (the
+  // loads overlap: one L2 round trip a batch, not one a share), folded into the running (mm, ll, oo).
   for (int i = t; i < GQ * HD; i += kConsumers) {
     const int g = i / HD, d = i - g * HD;
-    float ms[kMaxSplits], ls[kMaxSplits], os[kMaxSplits];
+    float mm = neg_inf(), ll = 0.f, oo = 0.f;
+    for (int q0 = 0; q0 < a.nsplit; q0 += kMergeBatch) {
+      float ms[kMergeBatch], ls[kMergeBatch], os[kMergeBatch];
 #pragma unroll
-    for (int q = 0; q < kMaxSplits; ++q) {
-      if (q < a.nsplit) {
-        const float* src = apart + ((static_cast<size_t>(hk) * a.nsplit + q) * GQ + g) * (HD + 2);
-        ms[q] = ld_cg_f32(src);
-        ls[q] = ld_cg_f32(src + 1);
-        os[q] = ld_cg_f32(src + 2 + d);
+      for (int j = 0; j < kMergeBatch; ++j) {
+        ms[j] = neg_inf();
+        ls[j] = os[j] = 0.f;
+        if (q0 + j < a.nsplit) {
+          const float* src = apart + ((static_cast<size_t>(hk) * a.nsplit + q0 + j) * GQ + g) * (HD + 2);
+          ms[j] = ld_cg_f32(src);
+          ls[j] = ld_cg_f32(src + 1);
+          os[j] = ld_cg_f32(src + 2 + d);
+        }
       }
-    }
-    float mm = neg_inf();
+      float mb = mm;
 #pragma unroll
-    for (int q = 0; q < kMaxSplits; ++q)
-      if (q < a.nsplit) mm = fmaxf(mm, ms[q]);
-    float ll = 0.f, oo = 0.f;
+      for (int j = 0; j < kMergeBatch; ++j) mb = fmaxf(mb, ms[j]);
+      if (mb == neg_inf()) continue;  // nothing attended yet
+      const float keep = mm == neg_inf() ? 0.f : expf(mm - mb);
+      ll *= keep;
+      oo *= keep;
 #pragma unroll
-    for (int q = 0; q < kMaxSplits; ++q) {
-      if (q < a.nsplit) {
-        const float f = ms[q] == neg_inf() ? 0.f : expf(ms[q] - mm);
-        ll += ls[q] * f;
-        oo += os[q] * f;
+      for (int j = 0; j < kMergeBatch; ++j) {
+        const float f = ms[j] == neg_inf() ? 0.f : expf(ms[j] - mb);
+        ll += ls[j] * f;
+        oo += os[j] * f;
       }
+      mm = mb;
     }
     out[(hk * GQ + g) * HD + d] = to_b(oo / ll);
   }
@@ -772,6 +800,7 @@ __device__ void consume(const Args& a, const Smem& s) {
     stamps = reinterpret_cast<unsigned long long*>(a.ws + ((a.off_apart + apart + 255) / 256) * 256) + blockIdx.x * kStamps;
   }
   const int stamp_layer = min(kStampLayer, a.n_layers - 1);
+  u32 passed = 0;  // grid barriers so far
   for (int l = 0; l < a.n_layers; ++l) {
     const LayerWeights lw = a.layers[l];
     unsigned long long* st = l == stamp_layer ? stamps : nullptr;
@@ -780,29 +809,29 @@ __device__ void consume(const Args& a, const Smem& s) {
     stamp(st, 1);
     project(a, s, lw, 0, zbase, pf, st ? st + 2 : nullptr);  // 2: loop done; 3: finished
     stamp(st, 3);
-    grid_barrier(bar);
+    grid_barrier(bar, passed);
     stamp(st, 4);
     attention(a, s, lw);
     stamp(st, 5);
-    grid_barrier(bar);
+    grid_barrier(bar, passed);
     stamp(st, 6);
     stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_attn), nh * HD);
     stamp(st, 7);
     project(a, s, lw, 1, zbase, pf, st ? st + 8 : nullptr);
     stamp(st, 9);
-    grid_barrier(bar);
+    grid_barrier(bar, passed);
     stamp(st, 10);
     stage_rmsnorm(a, s, lw.norm2);
     stamp(st, 11);
     project(a, s, lw, 2, zbase, pf, st ? st + 12 : nullptr);
     stamp(st, 13);
-    grid_barrier(bar);
+    grid_barrier(bar, passed);
     stamp(st, 14);
     stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_act), a.inter);
     stamp(st, 15);
     project(a, s, lw, 3, zbase, pf, st ? st + 16 : nullptr);
     stamp(st, 17);
-    grid_barrier(bar);
+    grid_barrier(bar, passed);
     stamp(st, 18);
   }
 }
@@ -810,7 +839,7 @@ __device__ void consume(const Args& a, const Smem& s) {
 }  // namespace layers
 }  // namespace qops
 
-extern "C" __global__ void __launch_bounds__(qops::layers::kThreads, 1)
+extern "C" __global__ void __launch_bounds__(qops::layers::kThreads, qops::layers::kBlocksPerSm)
 qops_decode_layers(const qops::layers::LayerWeights* layers, int n_layers, qops::u16* h, unsigned char* ws, const long long* positions,
                    const float* cos, const float* sin, int hid, int inter, int nkv, int max_seq, int group_chunks, int nsplit,
                    int kmax, int ncg_max, int zoff, float eps, float scale, int off_qkv, int off_attn, int off_act, int off_part,

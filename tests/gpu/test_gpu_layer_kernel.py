@@ -14,6 +14,8 @@ Run with ``pytest -m gpu tests/gpu/test_gpu_layer_kernel.py``.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -66,6 +68,17 @@ def test_native_matches_oracle(dtype, dims, zeros, zero_offset, group_size, pos)
 def test_llama3_8b_layer(dtype, pos):
     dims = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
     case = make_case(dims, dtype=dtype, device=DEV, pos=pos, max_seq=4096, max_batch=1, seed=pos)
+    got, run = _run(case)
+    check_against_oracle(case, got, run.k_cache, run.v_cache)
+
+
+@pytest.mark.parametrize("bps", [1, 2])
+@pytest.mark.parametrize("dims,pos", [(SMALL, 41), (WIDE_GROUP, 63), (LK.Dims(1, 4096, 14336, 32, 8, 128), 4000)],
+                         ids=["gq4_d128", "gq8_d64", "llama3_8b"])
+def test_one_and_two_blocks_an_sm(bps, dims, pos, monkeypatch):
+    """Both builds of the kernel (QOPS_BPS: one block an SM, or two of 128 registers) whatever the rule picks."""
+    monkeypatch.setenv(LK.DEFINES_ENV, json.dumps({"QOPS_BPS": bps}))
+    case = make_case(dims, dtype=torch.bfloat16, device=DEV, pos=pos, max_seq=max(64, pos + 1), max_batch=1, seed=bps + pos)
     got, run = _run(case)
     check_against_oracle(case, got, run.k_cache, run.v_cache)
 
