@@ -50,6 +50,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile-one", action="store_true",
+                   help="after warming the first variant up, run one call between cudaProfilerStart and Stop and exit "
+                        "(for ncu --profile-from-start off)")
     args = p.parse_args(argv)
     common.add_repo_to_path()
     import torch
@@ -89,6 +92,13 @@ def main(argv=None) -> int:
         os.environ[LK.DEFINES_ENV] = json.dumps(variant)
         out = op(*call)
         torch.cuda.synchronize()
+        if args.profile_one:
+            torch.cuda.cudart().cudaProfilerStart()
+            op(*call)
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            print(f"profiled one call of {json.dumps(variant)}")
+            return 0
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = op(*call)
