@@ -8,8 +8,8 @@
 // matmul starts cold behind a small kernel (its first weights requested only once it is resident),
 // and the small projections are mostly start-up (benchmarks/NOTES.md, stops 21, 29, 41). Weights do not
 // depend on activations, so here each warp prefetches its coming weights into L2 QOPS_PF stages ahead of
-// its loads, on into the next projection and layer, also while the grid waits at a barrier or runs the
-// attention (which reads no weights).
+// its loads, and the next projection's first QOPS_PF stages as a projection ends, so they are requested
+// while the block finishes, the grid waits at a barrier or runs the attention (which reads no weights).
 //
 // Grid: QOPS_BPS blocks an SM, 1 (8 warps, up to 255 registers a thread) or 2 (16 warps an SM at <= 128);
 // the host launches QOPS_BPS x SMs blocks after the occupancy calculator says that many fit an SM, since
@@ -61,7 +61,8 @@
 // are fp32.
 //
 // Grid barrier: an arrival count in the workspace that only grows within a launch; each block adds one
-// (release) and spins until the count reaches (barriers passed) x G (acquire). Every call's host copy
+// (release) and spins until the count reaches (barriers passed) x G (relaxed reads, then an acquire
+// fence). Every call's host copy
 // zeroes it. Activations written by one block and read by another go through L2 (ld.global.cg), never
 // through a possibly stale L1.
 //
@@ -88,7 +89,7 @@
 #define QOPS_GQ 4
 #endif
 #ifndef QOPS_PF
-#define QOPS_PF 12
+#define QOPS_PF 4  // 4: 124 us a layer at two blocks an SM, 12: 140, 0: 134 (stop 47)
 #endif
 #ifndef QOPS_STAMPS
 #define QOPS_STAMPS 0
@@ -167,11 +168,12 @@ constexpr int kCtrGroups = 2;
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
-__device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
+__device__ __forceinline__ u32 ld_relaxed_u32(const u32* p) {
   u32 v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ void red_release_add(u32* p, u32 v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -220,19 +222,22 @@ __device__ void grid_barrier(u32* ctr, u32& passed) {
   if (threadIdx.x == 0) {
     const u32 target = passed * gridDim.x;
     red_release_add(ctr, 1u);
-    while (ld_acquire_u32(ctr) < target) {
+    // Spin on relaxed loads and acquire once after: an acquire load invalidates the SM's L1 each time
+    // (CCTL.IVALL), ~400k of them a launch when every spin read was one (stop 47's profile).
+    while (ld_relaxed_u32(ctr) < target) {
     }
+    fence_acq_rel_gpu();
   }
   consumer_sync();
 }
 
-// n / d for n d < 2^32 (unit and chunk indices): a wide multiply, not a division's ~20 instructions in the
-// weight loops. m = floor(2^32 / d) + 1 = 2^32 / d + e with 0 < e <= 1, so n m / 2^32 = n / d + n e / 2^32
-// and the added n e / 2^32 < 1 / d cannot carry past the next integer.
+// n / d for n d < 2^32 (unit and chunk indices): a high multiply, not a division's ~20 instructions in
+// the weight loops. m = floor(2^32 / d) + 1 = 2^32 / d + e with 0 < e <= 1, so n m / 2^32 = n / d + n e / 2^32
+// and the added n e / 2^32 < 1 / d cannot carry past the next integer. d = 1 (m would need 33 bits): m = 0.
 struct FastDiv {
-  unsigned long long m;
-  __device__ __forceinline__ void set(u32 d) { m = (1ull << 32) / d + 1; }
-  __device__ __forceinline__ int operator()(int n) const { return static_cast<int>((static_cast<unsigned long long>(n) * m) >> 32); }
+  u32 m;
+  __device__ __forceinline__ void set(u32 d) { m = d == 1 ? 0u : static_cast<u32>(0xffffffffu / d + 1); }
+  __device__ __forceinline__ int operator()(int n) const { return m ? static_cast<int>(__umulhi(static_cast<u32>(n), m)) : n; }
 };
 
 // The block holding unit u of a projection of U units split over G blocks (the last of a run of
@@ -290,58 +295,82 @@ struct Smem {
 // slab-chunk). A warp's unit of stage k is i0 + k per_stage + w (or w / 2), when below i1.
 __device__ __forceinline__ int stage_count(int i0, int i1, int per_stage) { return (i1 - i0 + per_stage - 1) / per_stage; }
 
-// Where a warp's L2 prefetch is: a stage of a projection of a layer. It runs kPrefetchStages ahead of the
-// warp's loads, on into the next projection and layer, while the warps work or wait at a grid barrier.
-struct Ahead {
-  int l, p, k, stages, i0, i1;
-  bool done;  // past the last layer
-  Proj q;
-  __device__ __forceinline__ void start(const Args& a) {
-    q = proj_of(a, a.layers[l], p);
-    const int U = q.groups * q.chunks;
-    i0 = unit_begin(U, blockIdx.x, gridDim.x);
-    i1 = unit_begin(U, blockIdx.x + 1, gridDim.x);
-    stages = stage_count(i0, i1, q.per_stage);
-    k = 0;
-  }
-  __device__ __forceinline__ void skip_done(const Args& a) {
-    while (k >= stages && l < a.n_layers) {
-      if (++p == 4) {
-        p = 0;
-        ++l;
-      }
-      if (l < a.n_layers) start(a);
-    }
-    done = l >= a.n_layers;
-  }
-  __device__ __forceinline__ Ahead(const Args& a) : l(0), p(0) {
-    start(a);
-    skip_done(a);
-  }
-  // Prefetch the warp's unit of the current stage into L2 (16 weight lines, the scale and zero lines), then advance.
-  __device__ __forceinline__ void prefetch_next(const Args& a, int warp, int lane) {
-    if (done) return;
-    const int unit_in_stage = q.slabs == 2 ? (warp >> 1) : warp;
-    const int sl = q.slabs == 2 ? (warp & 1) : 0;
-    const int u = i0 + k * q.per_stage + unit_in_stage;
-    if (u < i1) {
-      const int cg = q.by_chunks(u), c = u - cg * q.chunks;
-      const int slab = cg + sl * q.up_slab0;
-      const int grow = q.group_chunks ? q.by_group(c) : 0;
-      const void* line = lane < 16 ? static_cast<const void*>(q.qw + (static_cast<size_t>(slab) * q.kw + 16 * c) * 32 + 32 * lane)
-                       : lane == 16 ? static_cast<const void*>(q.sc + static_cast<size_t>(grow) * q.n + 32 * slab)
-                                    : static_cast<const void*>(q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab);
-      prefetch_l2_if(line, lane < 17 || (lane == 17 && QOPS_HAS_Z));
-    }
-    if (++k >= stages) skip_done(a);
-  }
+// A warp's part of one projection's weight loop, by value: everything the loop reads stays in
+// registers. (With the loop's state behind references into the caller's frame -- a prefetch cursor
+// across projections and layers, the Args, x's pointer -- each stage waited on ~15 local-memory loads,
+// and x was read with generic loads: benchmarks/NOTES.md stop 47, Nsight Compute.)
+struct Loop {
+  const u32* qw;
+  const u16* sc;
+  const u32* qz;
+  int n, kw, chunks, per, up_slab0, group_chunks;
+  FastDiv by_chunks, by_group;
+  int i0, i1, stages;  // the block's units [i0, i1) and their stages
+  int unit, sl, lane;  // the warp's unit of each stage ([gate; up]: its slab), its lane
+  int cg0, warp, ncg_max;
+  u32 xs;              // x's shared-memory address
+  float* red;          // the block's partials (shared memory)
 };
+
+__device__ __forceinline__ Loop loop_of(const Proj& q, int warp, int lane) {
+  Loop L;
+  L.qw = q.qw;
+  L.sc = q.sc;
+  L.qz = q.qz;
+  L.n = q.n;
+  L.kw = q.kw;
+  L.chunks = q.chunks;
+  L.per = q.per_stage;
+  L.up_slab0 = q.up_slab0;
+  L.group_chunks = q.group_chunks;
+  L.by_chunks = q.by_chunks;
+  L.by_group = q.by_group;
+  const int U = q.groups * q.chunks;
+  L.i0 = unit_begin(U, blockIdx.x, gridDim.x);
+  L.i1 = unit_begin(U, blockIdx.x + 1, gridDim.x);
+  L.stages = stage_count(L.i0, L.i1, q.per_stage);
+  L.unit = q.slabs == 2 ? (warp >> 1) : warp;
+  L.sl = q.slabs == 2 ? (warp & 1) : 0;
+  L.lane = lane;
+  L.warp = warp;
+  L.cg0 = L.i1 > L.i0 ? L.i0 / q.chunks : 0;
+  return L;
+}
+
+// Unit u's lines into L2 (none past the block's units): lanes 0-15 the slab-chunk's 16 weight lines,
+// lane 16 its scales' line, lane 17 its zeros'.
+__device__ __forceinline__ void prefetch_unit(const Loop& L, int u) {
+  if (u >= L.i1) return;
+  const int cg = L.by_chunks(u), c = u - cg * L.chunks;
+  const int slab = cg + L.sl * L.up_slab0;
+  const int grow = L.group_chunks ? L.by_group(c) : 0;
+  const int lane = L.lane;
+  const void* line = lane < 16 ? static_cast<const void*>(L.qw + (static_cast<size_t>(slab) * L.kw + 16 * c) * 32 + 32 * lane)
+                   : lane == 16 ? static_cast<const void*>(L.sc + static_cast<size_t>(grow) * L.n + 32 * slab)
+                                : static_cast<const void*>(L.qz + static_cast<size_t>(grow) * (L.n / 8) + 4 * slab);
+  prefetch_l2_if(line, lane < 17 || (lane == 17 && QOPS_HAS_Z));
+}
+
+// The warp's units of the first kPrefetchStages stages of projection p of layer l into L2: issued as the
+// projection before it ends, so they are requested while the block finishes, waits at the grid barrier
+// and stages x. Inside a projection each stage prefetches the stage kPrefetchStages ahead.
+__device__ __noinline__ void prefetch_head(const Args& a, int l, int p, int warp, int lane) {
+  if (l >= a.n_layers) return;
+  const Loop L = loop_of(proj_of(a, a.layers[l], p), warp, lane);
+  for (int k = 0; k < kPrefetchStages && k < L.stages; ++k) prefetch_unit(L, L.i0 + k * L.per + L.unit);
+}
 
 // --- a slab-chunk's sums (one warp) --------------------------------------------------------------
 
-// acc[i] += the chunk's sum for column 4 (lane / 4) + i of the slab, times its scale. `xk`: x at the
-// chunk's first row (shared memory).
-__device__ __forceinline__ void chunk_sums(float (&acc)[4], const uint4 (&w)[4], const u16* xk, int lane, const W4ZeroBase& zbase,
+__device__ __forceinline__ uint4 lds_v4(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+// acc[i] += the chunk's sum for column 4 (lane / 4) + i of the slab, times its scale. `xk`: the shared
+// address of x at the chunk's first row.
+__device__ __forceinline__ void chunk_sums(float (&acc)[4], const uint4 (&w)[4], u32 xk, int lane, const W4ZeroBase& zbase,
                                            uint2 sv, u32 zword) {
   const int r = lane >> 2, c = lane & 3;
   u32 za[4], zb[4];
@@ -361,7 +390,7 @@ __device__ __forceinline__ void chunk_sums(float (&acc)[4], const uint4 (&w)[4],
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const uint4 wv = w[j];
-    const uint4 xv = *reinterpret_cast<const uint4*>(xk + 32 * c + 8 * j);
+    const uint4 xv = lds_v4(xk + 2 * (32 * c + 8 * j));
     const u32 b00 = prmt<0x5410>(xv.x, xv.z), b01 = prmt<0x7632>(xv.x, xv.z);
     const u32 b10 = prmt<0x5410>(xv.y, xv.w), b11 = prmt<0x7632>(xv.y, xv.w);
 #pragma unroll
@@ -454,16 +483,16 @@ struct Chunk {
 
 // Issue the loads of unit u (none when !mine): the weights on the streaming path (prefetched into L2),
 // scales and zeros read-only.
-__device__ __forceinline__ void load_chunk(const Proj& q, int u, bool mine, int sl, int lane, Chunk& ch) {
-  const int cg = q.by_chunks(u), c = u - cg * q.chunks;
-  const int slab = cg + sl * q.up_slab0;
-  const int grow = q.group_chunks ? q.by_group(c) : 0;
-  const int r = lane >> 2;
-  const u32* wp = q.qw + (static_cast<size_t>(slab) * q.kw + 16 * c) * 32 + 128 * (lane & 3) + 4 * r;
+__device__ __forceinline__ void load_chunk(const Loop& L, int u, bool mine, Chunk& ch) {
+  const int cg = L.by_chunks(u), c = u - cg * L.chunks;
+  const int slab = cg + L.sl * L.up_slab0;
+  const int grow = L.group_chunks ? L.by_group(c) : 0;
+  const int r = L.lane >> 2;
+  const u32* wp = L.qw + (static_cast<size_t>(slab) * L.kw + 16 * c) * 32 + 128 * (L.lane & 3) + 4 * r;
 #pragma unroll
   for (int j = 0; j < 4; ++j) ld_stream_v4_if(ch.w[j], wp + 32 * j, mine);
-  ld_nc_v2_if(ch.sv, q.sc + static_cast<size_t>(grow) * q.n + 32 * slab + 4 * r, mine);
-  if (QOPS_HAS_Z) ld_nc_u32_if(ch.zw, q.qz + static_cast<size_t>(grow) * (q.n / 8) + 4 * slab + (r >> 1), mine);
+  ld_nc_v2_if(ch.sv, L.sc + static_cast<size_t>(grow) * L.n + 32 * slab + 4 * r, mine);
+  if (QOPS_HAS_Z) ld_nc_u32_if(ch.zw, L.qz + static_cast<size_t>(grow) * (L.n / 8) + 4 * slab + (r >> 1), mine);
 }
 
 // A warp's sums of column group `cur` (none when cur < 0) into its row of the block's partials; zeroed after.
@@ -476,33 +505,23 @@ __device__ __forceinline__ void flush_sums(float* red, float (&acc)[4], int cur,
   for (int i = 0; i < 4; ++i) acc[i] = 0.f;
 }
 
-struct StageCtx {
-  const Args& a;
-  const Proj& q;
-  const Smem& s;
-  Ahead& pf;
-  float* red;
-  const W4ZeroBase& zbase;
-  int i0, i1, stages, cg0, warp, lane, unit, sl, ncg_max;
-};
-
 // Stage k: issue the loads of stage k + kAhead into `load`, this warp's unit of stage k (if any) into acc
-// from `use`, one more stage of L2 prefetch. False past the last stage.
-__device__ __forceinline__ bool stage_step(const StageCtx& x, int k, const Chunk& use, Chunk& load, float (&acc)[4], int& cur) {
-  if (k >= x.stages) return false;
-  const int per = x.q.per_stage;
-  const int next = x.i0 + (k + kAhead) * per + x.unit;
-  if (k + kAhead < x.stages) load_chunk(x.q, next, next < x.i1, x.sl, x.lane, load);
-  const int u = x.i0 + k * per + x.unit;
-  if (u < x.i1) {
-    const int cg = x.q.by_chunks(u);
+// from `use`, the L2 prefetch of stage k + kPrefetchStages. False past the last stage.
+__device__ __forceinline__ bool stage_step(const Loop& L, const W4ZeroBase& zbase, int k, const Chunk& use, Chunk& load,
+                                           float (&acc)[4], int& cur) {
+  if (k >= L.stages) return false;
+  const int next = L.i0 + (k + kAhead) * L.per + L.unit;
+  if (k + kAhead < L.stages) load_chunk(L, next, next < L.i1, load);
+  const int u = L.i0 + k * L.per + L.unit;
+  if (u < L.i1) {
+    const int cg = L.by_chunks(u);
     if (cg != cur) {
-      flush_sums(x.red, acc, cur, x.cg0, x.warp, x.ncg_max, x.sl, x.lane);
+      flush_sums(L.red, acc, cur, L.cg0, L.warp, L.ncg_max, L.sl, L.lane);
       cur = cg;
     }
-    if constexpr (!(kProbe & 1)) chunk_sums(acc, use.w, x.s.x + 128 * (u - cg * x.q.chunks), x.lane, x.zbase, use.sv, use.zw);
+    if constexpr (!(kProbe & 1)) chunk_sums(acc, use.w, L.xs + 2 * 128 * (u - cg * L.chunks), L.lane, zbase, use.sv, use.zw);
   }
-  x.pf.prefetch_next(x.a, x.warp, x.lane);
+  prefetch_unit(L, L.i0 + (k + kPrefetchStages) * L.per + L.unit);
   return true;
 }
 
@@ -510,10 +529,9 @@ __device__ __forceinline__ bool stage_step(const StageCtx& x, int k, const Chunk
 // Not inlined (nor attention): inlined four times into one body, the kernel needed 255 registers and
 // spilled; as calls, no spills (ptxas, sm_90: ~150 registers, ~250 since the attention merges its shares
 // from registers).
-__device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWeights& lw, int p, const W4ZeroBase& zbase, Ahead& pf,
-                                     unsigned long long* st) {
+__device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p, const W4ZeroBase& zbase_in, unsigned long long* st) {
   const int b = blockIdx.x, t = threadIdx.x, warp = t >> 5, lane = t & 31;
-  const Proj q = proj_of(a, lw, p);
+  const Proj q = proj_of(a, a.layers[l], p);
   const int U = q.groups * q.chunks, G = gridDim.x;
   const int i0 = unit_begin(U, b, G), i1 = unit_begin(U, b + 1, G);
   const int n = i1 - i0;
@@ -525,39 +543,42 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, const LayerWe
   consumer_sync();
 
   // Warp w takes unit w of each stage ([gate; up]: unit w / 2's gate (w even) or up slab-chunk).
-  const int my_sl = q.slabs == 2 ? (warp & 1) : 0;
-  const int my_unit = q.slabs == 2 ? (warp >> 1) : warp;
+  Loop L = loop_of(q, warp, lane);
+  L.ncg_max = a.ncg_max;
+  L.xs = smem_addr(s.x);
+  L.red = red;
+  const W4ZeroBase zbase = zbase_in;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int cur = -1;
   // Each warp's units kAhead stages ahead, in kAhead + 1 register sets used in turn (the loop unrolled
   // so no set is ever copied: a copy would wait for its loads).
-  const int stages = stage_count(i0, i1, q.per_stage);
   Chunk c0, c1, c2, c3;
   Chunk* sets[4] = {&c0, &c1, &c2, &c3};
 #pragma unroll
   for (int i = 0; i < kAhead; ++i)
-    if (i < stages) load_chunk(q, i0 + i * q.per_stage + my_unit, i0 + i * q.per_stage + my_unit < i1, my_sl, lane, *sets[i]);
-  StageCtx ctx{a, q, s, pf, red, zbase, i0, i1, stages, cg0, warp, lane, my_unit, my_sl, a.ncg_max};
+    if (i < L.stages) load_chunk(L, i0 + i * L.per + L.unit, i0 + i * L.per + L.unit < i1, *sets[i]);
   if constexpr (kAhead == 1) {
     for (int k = 0;; k += 2) {
-      if (!stage_step(ctx, k, c0, c1, acc, cur)) break;
-      if (!stage_step(ctx, k + 1, c1, c0, acc, cur)) break;
+      if (!stage_step(L, zbase, k, c0, c1, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 1, c1, c0, acc, cur)) break;
     }
   } else if constexpr (kAhead == 2) {
     for (int k = 0;; k += 3) {
-      if (!stage_step(ctx, k, c0, c2, acc, cur)) break;
-      if (!stage_step(ctx, k + 1, c1, c0, acc, cur)) break;
-      if (!stage_step(ctx, k + 2, c2, c1, acc, cur)) break;
+      if (!stage_step(L, zbase, k, c0, c2, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 1, c1, c0, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 2, c2, c1, acc, cur)) break;
     }
   } else {
     for (int k = 0;; k += 4) {
-      if (!stage_step(ctx, k, c0, c3, acc, cur)) break;
-      if (!stage_step(ctx, k + 1, c1, c0, acc, cur)) break;
-      if (!stage_step(ctx, k + 2, c2, c1, acc, cur)) break;
-      if (!stage_step(ctx, k + 3, c3, c2, acc, cur)) break;
+      if (!stage_step(L, zbase, k, c0, c3, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 1, c1, c0, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 2, c2, c1, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 3, c3, c2, acc, cur)) break;
     }
   }
-  flush_sums(red, acc, cur, cg0, warp, a.ncg_max, my_sl, lane);
+  // The next projection's first stages into L2 while this one finishes and the grid waits.
+  prefetch_head(a, p == 3 ? l + 1 : l, (p + 1) & 3, warp, lane);
+  flush_sums(red, acc, cur, cg0, warp, a.ncg_max, L.sl, lane);
   consumer_sync();
   stamp(st, 0);
 
@@ -792,8 +813,7 @@ __device__ void consume(const Args& a, const Smem& s) {
   const W4ZeroBase zbase = w4_zero_base<DT>(static_cast<u32>(a.zoff));
   const int nh = a.nkv * GQ;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  Ahead pf(a);
-  for (int i = 0; i < kPrefetchStages; ++i) pf.prefetch_next(a, warp, lane);
+  prefetch_head(a, 0, 0, warp, lane);
   unsigned long long* stamps = nullptr;
   if (QOPS_STAMPS) {
     const size_t apart = static_cast<size_t>(a.nkv) * kMaxSplits * GQ * (HD + 2) * 4;
@@ -807,7 +827,7 @@ __device__ void consume(const Args& a, const Smem& s) {
     stamp(st, 0);
     stage_rmsnorm(a, s, lw.norm1);
     stamp(st, 1);
-    project(a, s, lw, 0, zbase, pf, st ? st + 2 : nullptr);  // 2: loop done; 3: finished
+    project(a, s, l, 0, zbase, st ? st + 2 : nullptr);  // 2: loop done; 3: finished
     stamp(st, 3);
     grid_barrier(bar, passed);
     stamp(st, 4);
@@ -817,19 +837,19 @@ __device__ void consume(const Args& a, const Smem& s) {
     stamp(st, 6);
     stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_attn), nh * HD);
     stamp(st, 7);
-    project(a, s, lw, 1, zbase, pf, st ? st + 8 : nullptr);
+    project(a, s, l, 1, zbase, st ? st + 8 : nullptr);
     stamp(st, 9);
     grid_barrier(bar, passed);
     stamp(st, 10);
     stage_rmsnorm(a, s, lw.norm2);
     stamp(st, 11);
-    project(a, s, lw, 2, zbase, pf, st ? st + 12 : nullptr);
+    project(a, s, l, 2, zbase, st ? st + 12 : nullptr);
     stamp(st, 13);
     grid_barrier(bar, passed);
     stamp(st, 14);
     stage_copy(s, reinterpret_cast<const u16*>(a.ws + a.off_act), a.inter);
     stamp(st, 15);
-    project(a, s, lw, 3, zbase, pf, st ? st + 16 : nullptr);
+    project(a, s, l, 3, zbase, st ? st + 16 : nullptr);
     stamp(st, 17);
     grid_barrier(bar, passed);
     stamp(st, 18);
