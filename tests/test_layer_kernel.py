@@ -330,9 +330,12 @@ def test_scratch_floats_cover_every_block():
     assert floats >= 8 * ncg * 64 and ncg <= 64
 
 
-def test_blocks_per_sm_rule():
-    """Two blocks an SM where the attention's per-lane arrays fit 128 registers (GQ x D <= 512), else one, with a reason."""
+def test_blocks_per_sm_rule(monkeypatch):
+    """One block an SM (measured faster); asked for two, two where the attention's per-lane arrays fit
+    128 registers (GQ x D <= 512), else one, with a reason."""
     llama3 = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
+    assert LK.blocks_per_sm_wanted(llama3) == (1, "one block an SM measured faster (stop 47)")
+    monkeypatch.setattr(LK, "PREFERRED_BLOCKS_PER_SM", 2)
     assert LK.blocks_per_sm_wanted(llama3)[0] == 2
     assert LK.blocks_per_sm_wanted(LK.Dims(1, 512, 1536, 8, 1, 64))[0] == 2
     bps, why = LK.blocks_per_sm_wanted(LK.Dims(1, 4096, 14336, 64, 8, 128))

@@ -29,8 +29,8 @@ Returns the residual stream after the last layer ``(1, H)``. Each layer computes
 
 Kernels: on CPU (and wherever the native kernel refuses, :func:`native_refusal` says why)
 :func:`reference_decode_layers`, plain torch in fp32 with the same roundings. On CUDA (sm_80+, measured
-on the H200 only) the native kernel, launched with two blocks an SM where they fit (16 warps, <= 128
-registers: :func:`blocks_per_sm_wanted`, then the occupancy calculator), else one; it needs every block
+on the H200 only) the native kernel, launched with one block an SM (or two, 16 warps at <= 128 registers,
+when asked: :func:`blocks_per_sm_wanted`, then the occupancy calculator); it needs every block
 resident at once (grid barriers), which the occupancy check and nothing else holding an SM for good
 guarantee.
 Experimental: on the H200 it is so far ~2.6x slower than the layer-by-layer path (144 us a Llama-3-8B
@@ -325,6 +325,9 @@ def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cach
     smem, plan = smem_plan(dims, sms, smem_optin)
     if 2 * sms > MAX_STAMP_BLOCKS:
         return f"{sms} SMs: the workspace's layout holds {MAX_STAMP_BLOCKS} blocks' measurement stamps"
+    units = max(g * c for g, c, _ in _projection_shapes(dims))
+    if units * 2 * sms >= 2**32:
+        return f"{units} units of a projection over {2 * sms} blocks: the kernel's unit arithmetic is 32-bit"
     if plan["ncg"] > 64:
         return f"a block would hold {plan['ncg']} column groups of one projection (the kernel's flags hold 64)"
     if smem is None:
@@ -375,10 +378,18 @@ def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_
             "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, "QOPS_BPS": blocks_per_sm}
 
 
+# Measured (benchmarks/NOTES.md stop 47, 8 Llama-3-8B layers on the H200): one block an SM with two
+# stages of weights in flight 100.6 us a layer, two blocks an SM 106.2 (their loops are faster, their
+# grid barriers and finishers slower). The two-block build stays selectable (QOPS_LAYER_DEFINES
+# {"QOPS_BPS": 2}) and tested.
+PREFERRED_BLOCKS_PER_SM = 1
+
+
 def blocks_per_sm_wanted(dims: Dims) -> tuple[int, str]:
-    """(blocks an SM the kernel is built for before occupancy is known, why): 2 (16 warps an SM: the
-    weight loops are latency bound with 8, benchmarks/NOTES.md stop 47) unless the attention's per-lane
-    arrays would spill at 128 registers."""
+    """(blocks an SM the kernel is built for before occupancy is known, why): PREFERRED_BLOCKS_PER_SM,
+    and never 2 where the attention's per-lane arrays would spill at 128 registers."""
+    if PREFERRED_BLOCKS_PER_SM == 1:
+        return 1, "one block an SM measured faster (stop 47)"
     gq_d = dims.heads // dims.kv_heads * dims.head_dim
     if gq_d > TWO_BLOCKS_MAX_GQ_D:
         return 1, f"GQ x head_dim = {gq_d} > {TWO_BLOCKS_MAX_GQ_D}: the attention's arrays need more than 128 registers"

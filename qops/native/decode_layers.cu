@@ -53,7 +53,8 @@
 // from the fp32 sums.
 //
 // Attention (after a grid barrier): block b < NKV * NSPLIT takes KV head b / NSPLIT and the b % NSPLIT-th
-// share of the cache positions 0 .. pos - 1; it rotates its GQ query heads and the new key (fp32 math,
+// share of the cache positions 0 .. pos - 1, of the min(NSPLIT, ceil(pos / 16)) shares the position
+// needs (blocks past those wait at the next barrier); it rotates its GQ query heads and the new key (fp32 math,
 // rounded to the dtype, as qops::decode_attention), share 0 writes the new key and value to the cache
 // at pos, the last share also attends to the new token from registers (no block reads position pos
 // back). Each warp keeps an online softmax per query head over its positions; warps, then shares
@@ -94,14 +95,16 @@
 #ifndef QOPS_STAMPS
 #define QOPS_STAMPS 0
 #endif
-#ifndef QOPS_AHEAD
-#define QOPS_AHEAD 1
-#endif
 #ifndef QOPS_PROBE
 #define QOPS_PROBE 0
 #endif
 #ifndef QOPS_BPS
 #define QOPS_BPS 1
+#endif
+#ifndef QOPS_AHEAD
+// One block an SM has the registers for two stages in flight (100.6 us a Llama-3-8B layer against 106.8
+// with one); two blocks an SM spill with two (stop 47).
+#define QOPS_AHEAD (QOPS_BPS == 1 ? 2 : 1)
 #endif
 
 namespace qops {
@@ -130,6 +133,9 @@ constexpr int kStamps = 24;
 constexpr int kStampLayer = 2;
 constexpr int kMaxSplits = 32;  // the host's MAX_SPLITS: the attention partials' size in the workspace
 constexpr int kMergeBatch = 8;  // shares the last block of a KV head merges at a time (registers: 3 x 8 a thread)
+// Positions a share attends to at least: a call at position pos uses ceil(pos / 16) shares (at most the
+// launch's nsplit), so short caches are not spread over shares of one position and merged at length.
+constexpr int kMinSharePositions = 16;
 constexpr int kStageChunks = 8;  // slab-chunks a stage: one a warp
 constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
 static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
@@ -240,11 +246,14 @@ struct FastDiv {
   __device__ __forceinline__ int operator()(int n) const { return m ? static_cast<int>(__umulhi(static_cast<u32>(n), m)) : n; }
 };
 
-// The block holding unit u of a projection of U units split over G blocks (the last of a run of
-// blocks with equal starts, i.e. the one whose range is not empty).
-__device__ __forceinline__ int unit_begin(int U, int b, int G) { return static_cast<int>((static_cast<long long>(U) * b) / G); }
+// Block b's first unit of a projection of U units split over G blocks, and the block holding unit u (the
+// last of a run of blocks with equal starts, i.e. the one whose range is not empty). 32-bit: the host
+// refuses U G >= 2^32 (a 64-bit division is ~4x the instructions, and the finisher does many).
+__device__ __forceinline__ int unit_begin(int U, int b, int G) {
+  return static_cast<int>(static_cast<u32>(U) * static_cast<u32>(b) / static_cast<u32>(G));
+}
 __device__ __forceinline__ int block_of_unit(int U, int u, int G) {
-  return static_cast<int>((static_cast<long long>(u + 1) * G - 1) / U);
+  return static_cast<int>((static_cast<u32>(u + 1) * static_cast<u32>(G) - 1u) / static_cast<u32>(U));
 }
 
 // One projection's facts, from the layer and the phase (0 [q; k; v], 1 o, 2 [gate; up], 3 down).
@@ -410,12 +419,14 @@ __device__ __forceinline__ void chunk_sums(float (&acc)[4], const uint4 (&w)[4],
 
 // --- staging x -----------------------------------------------------------------------------------
 
-// x = round(w * round(h * rsqrt(mean(h^2) + eps))) (LlamaRMSNorm's roundings), h read through L2.
+// x = round(w * round(h * rsqrt(mean(h^2) + eps))) (LlamaRMSNorm's roundings), h read through L2 once:
+// each thread parks its values in x's buffer for the second pass (the same elements: no sync needed).
 __device__ void stage_rmsnorm(const Args& a, const Smem& s, const u16* w) {
   const int t = threadIdx.x, K = a.hid;
   float ss = 0.f;
   for (int e = 8 * t; e < K; e += 8 * kConsumers) {
     const uint4 v = ld_cg_v4(a.h + e);
+    *reinterpret_cast<uint4*>(s.x + e) = v;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const u32 wd = word(v, i);
@@ -434,7 +445,7 @@ __device__ void stage_rmsnorm(const Args& a, const Smem& s, const u16* w) {
   for (int i = 0; i < 8; ++i) total += red[i];
   const float rinv = rsqrtf(total / static_cast<float>(K) + a.eps);
   for (int e = 8 * t; e < K; e += 8 * kConsumers) {
-    const uint4 v = ld_cg_v4(a.h + e);
+    const uint4 v = *reinterpret_cast<const uint4*>(s.x + e);
     const uint4 wv = *reinterpret_cast<const uint4*>(w + e);
     uint4 o;
 #pragma unroll
@@ -667,6 +678,8 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
   const int hk = b / a.nsplit, sp = b - hk * a.nsplit;
   const int nh = a.nkv * GQ;
   const int pos = static_cast<int>(a.positions[0]);
+  const int ns = min(a.nsplit, max(1, (pos + kMinSharePositions - 1) / kMinSharePositions));  // shares with work
+  if (sp >= ns) return;
   const u16* qkv = reinterpret_cast<const u16*>(a.ws + a.off_qkv);
   // Scratch: q_s [GQ + 1][HD] (the rotated queries and key, rounded), v_s [HD], warp partials
   // [8][GQ][HD + 2] (m, l, o).
@@ -701,8 +714,8 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
       qr[g][i] = q_s[g * HD + lane * kHdLane + i];
     }
   }
-  const int lo = static_cast<int>((static_cast<long long>(pos) * sp) / a.nsplit);
-  const int hi = static_cast<int>((static_cast<long long>(pos) * (sp + 1)) / a.nsplit);
+  const int lo = static_cast<int>((static_cast<long long>(pos) * sp) / ns);
+  const int hi = static_cast<int>((static_cast<long long>(pos) * (sp + 1)) / ns);
   for (int p = lo + warp; p < hi; p += 8) {
     float kv[kHdLane], vv[kHdLane];
     const u16* kr = lw.k_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
@@ -714,7 +727,7 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
     }
     attend(m, l, o, qr, kv, vv, a.scale);
   }
-  if (sp == a.nsplit - 1 && warp == 0) {  // the new token, from shared memory
+  if (sp == ns - 1 && warp == 0) {  // the new token, from shared memory
     float kv[kHdLane], vv[kHdLane];
 #pragma unroll
     for (int i = 0; i < kHdLane; ++i) {
@@ -748,7 +761,7 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
       ll += src[1] * f;
       oo += src[2 + d] * f;
     }
-    if (a.nsplit == 1) {
+    if (ns == 1) {
       out[(hk * GQ + g) * HD + d] = to_b(oo / ll);
     } else {
       float* dst = apart + ((static_cast<size_t>(hk) * a.nsplit + sp) * GQ + g) * (HD + 2);
@@ -759,12 +772,12 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
       dst[2 + d] = oo;
     }
   }
-  if (a.nsplit == 1) return;
+  if (ns == 1) return;
   consumer_sync();
   // Shares merged in order by the last of the KV head's blocks to arrive.
   u32* ctr = reinterpret_cast<u32*>(a.ws) + a.attn_ctr + hk;
   int* last = s.flags;
-  if (t == 0) last[0] = atom_acq_rel_add(ctr, 1u) + 1 == static_cast<u32>(a.nsplit);
+  if (t == 0) last[0] = atom_acq_rel_add(ctr, 1u) + 1 == static_cast<u32>(ns);
   consumer_sync();
   if (!last[0]) return;
   // Shares merged in order, kMergeBatch at a time: a batch's (m, l, o[d]) loaded before any is used (the
@@ -772,13 +785,13 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
   for (int i = t; i < GQ * HD; i += kConsumers) {
     const int g = i / HD, d = i - g * HD;
     float mm = neg_inf(), ll = 0.f, oo = 0.f;
-    for (int q0 = 0; q0 < a.nsplit; q0 += kMergeBatch) {
+    for (int q0 = 0; q0 < ns; q0 += kMergeBatch) {
       float ms[kMergeBatch], ls[kMergeBatch], os[kMergeBatch];
 #pragma unroll
       for (int j = 0; j < kMergeBatch; ++j) {
         ms[j] = neg_inf();
         ls[j] = os[j] = 0.f;
-        if (q0 + j < a.nsplit) {
+        if (q0 + j < ns) {
           const float* src = apart + ((static_cast<size_t>(hk) * a.nsplit + q0 + j) * GQ + g) * (HD + 2);
           ms[j] = ld_cg_f32(src);
           ls[j] = ld_cg_f32(src + 1);
