@@ -367,7 +367,7 @@ def smem_plan(dims: Dims, grid: int, smem_optin: int) -> tuple[int | None, dict]
     grid, column groups and scratch floats a block, the longest K)."""
     ncg, scratch = _scratch_floats(dims, grid)
     kmax = max(dims.hidden, dims.inter, dims.heads * dims.head_dim)
-    smem = 128 + 2 * _align(kmax, 8) + 4 * scratch + 4 * 64
+    smem = 128 + 2 * _align(kmax, 8) + 4 * scratch + 4 * 64 + 2 * 64 * 32  # x, scratch, flags, h_pre
     plan = dict(grid=grid, ncg=ncg, scratch=scratch, kmax=kmax)
     return (smem if smem <= smem_optin else None), plan
 

@@ -139,6 +139,9 @@ constexpr int kMinSharePositions = 16;
 constexpr int kStageChunks = 8;  // slab-chunks a stage: one a warp
 constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
 static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
+// Cache positions a warp loads before attending to them: 4 (2 at two blocks an SM) where a lane's query
+// heads fit (GQ x D / 32 <= 16 values; beyond, the attention's arrays alone fill the registers).
+constexpr int kKvDepth = GQ * kHdLane > 16 ? 1 : kBlocksPerSm == 1 ? 4 : 2;
 
 // One layer's pointers as the host writes them (16 x 8 bytes; qops/models/layer_kernel.py).
 struct LayerWeights {
@@ -297,6 +300,7 @@ struct Smem {
   u16* x;                 // the projection's input (K values)
   float* scratch;         // warp partials / the attention's partials
   int* flags;             // small per-block flags (64)
+  u16* h_pre;             // o and down: the residual stream's values of the block's column groups (64 x 32)
 };
 
 // Stages: a block's units of a projection in groups of per_stage consecutive units (8, or 4 [gate; up]
@@ -470,8 +474,9 @@ __device__ void stage_copy(const Smem& s, const u16* src, int K) {
 
 // --- a projection --------------------------------------------------------------------------------
 
-// The column group's finished value(s) for column `col` of the group (t < 32): v (and vu, gated).
-__device__ __forceinline__ void epilogue(const Args& a, int p, int cg, int t, float v, float vu) {
+// The column group's finished value(s) for column `col` of the group (t < 32): v (and vu, gated); o and
+// down add it to h, whose value the block loaded as the projection began (`h_old`).
+__device__ __forceinline__ void epilogue(const Args& a, int p, int cg, int t, float v, float vu, u16 h_old) {
   u16* act16 = reinterpret_cast<u16*>(a.ws);
   const int col = 32 * cg + t;
   if (p == 0) {
@@ -480,7 +485,7 @@ __device__ __forceinline__ void epilogue(const Args& a, int p, int cg, int t, fl
     const float g = v;
     act16[a.off_act / 2 + col] = to_b(g / (1.f + __expf(-g)) * vu);
   } else {
-    a.h[col] = to_b(to_f(ld_cg_u16(a.h + col)) + round_dt(v));
+    a.h[col] = to_b(to_f(h_old) + round_dt(v));
   }
 }
 
@@ -541,20 +546,20 @@ __device__ __forceinline__ bool stage_step(const Loop& L, const W4ZeroBase& zbas
 // spilled; as calls, no spills (ptxas, sm_90: ~150 registers, ~250 since the attention merges its shares
 // from registers).
 __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p, const W4ZeroBase& zbase_in, unsigned long long* st) {
-  const int b = blockIdx.x, t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const Proj q = proj_of(a, a.layers[l], p);
-  const int U = q.groups * q.chunks, G = gridDim.x;
-  const int i0 = unit_begin(U, b, G), i1 = unit_begin(U, b + 1, G);
-  const int n = i1 - i0;
-  const int width = 32 * q.slabs;
-  const int cg0 = n > 0 ? i0 / q.chunks : 0;
-  const int ncg = n > 0 ? (i1 - 1) / q.chunks - cg0 + 1 : 0;
   float* red = s.scratch;  // [8 warps][ncg_max][64]
   for (int i = t; i < 8 * a.ncg_max * 64; i += kConsumers) red[i] = 0.f;
   consumer_sync();
 
   // Warp w takes unit w of each stage ([gate; up]: unit w / 2's gate (w even) or up slab-chunk).
   Loop L = loop_of(q, warp, lane);
+  if (p == 1 || p == 3) {
+    // h of the block's column groups, for the epilogue: requested now, in flight under the loop (no block
+    // writes a group's h before every block holding it has arrived, after its loop).
+    const int ncg = L.i1 > L.i0 ? (L.i1 - 1) / q.chunks - L.cg0 + 1 : 0;
+    for (int g = warp; g < ncg; g += 8) s.h_pre[32 * g + lane] = ld_cg_u16(a.h + 32 * (L.cg0 + g) + lane);
+  }
   L.ncg_max = a.ncg_max;
   L.xs = smem_addr(s.x);
   L.red = red;
@@ -567,7 +572,7 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
   Chunk* sets[4] = {&c0, &c1, &c2, &c3};
 #pragma unroll
   for (int i = 0; i < kAhead; ++i)
-    if (i < L.stages) load_chunk(L, i0 + i * L.per + L.unit, i0 + i * L.per + L.unit < i1, *sets[i]);
+    if (i < L.stages) load_chunk(L, L.i0 + i * L.per + L.unit, L.i0 + i * L.per + L.unit < L.i1, *sets[i]);
   if constexpr (kAhead == 1) {
     for (int k = 0;; k += 2) {
       if (!stage_step(L, zbase, k, c0, c1, acc, cur)) break;
@@ -589,9 +594,15 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
   }
   // The next projection's first stages into L2 while this one finishes and the grid waits.
   prefetch_head(a, p == 3 ? l + 1 : l, (p + 1) & 3, warp, lane);
-  flush_sums(red, acc, cur, cg0, warp, a.ncg_max, L.sl, lane);
+  flush_sums(red, acc, cur, L.cg0, warp, a.ncg_max, L.sl, lane);
   consumer_sync();
   stamp(st, 0);
+
+  // (Recomputed here rather than kept live across the loop: at 128 registers that spilled.)
+  const int U = q.groups * q.chunks, G = gridDim.x;
+  const int i0 = L.i0, i1 = L.i1, cg0 = L.cg0;
+  const int ncg = i1 > i0 ? (i1 - 1) / q.chunks - cg0 + 1 : 0;
+  const int width = 32 * q.slabs;
 
   // The block's sums per column group: finished here, or a partial for the group's last block.
   float* part = reinterpret_cast<float*>(a.ws + a.off_part);
@@ -606,7 +617,7 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
         vu += red[(w * a.ncg_max + g) * 64 + 32 + t];
       }
       if (hi - lo == q.chunks) {
-        epilogue(a, p, cg, t, v, vu);
+        epilogue(a, p, cg, t, v, vu, s.h_pre[32 * g + t]);
       } else {
         float* dst = part + (static_cast<size_t>(cg) * q.chunks + (lo - cg * q.chunks)) * width;
         dst[t] = v;
@@ -643,7 +654,7 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
         v += ld_cg_f32(src + t);
         if (q.slabs == 2) vu += ld_cg_f32(src + 32 + t);
       }
-      epilogue(a, p, cg, t, v, vu);
+      epilogue(a, p, cg, t, v, vu, s.h_pre[32 * g + t]);
       if (t == 0) atomicExch(ctr + cg, 0u);
     }
   }
@@ -687,7 +698,12 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
   float* v_s = q_s + (GQ + 1) * HD;
   float* wp = v_s + HD;
   consumer_sync();  // scratch's previous users are done
-  for (int i = t; i < (GQ + 1) * HD; i += kConsumers) {
+  // Rounds of every thread's element unrolled so all their loads are in flight at once (one L2 round
+  // trip, not one a round).
+#pragma unroll
+  for (int r = 0; r < ((GQ + 1) * HD + kConsumers - 1) / kConsumers; ++r) {
+    const int i = t + r * kConsumers;
+    if (i >= (GQ + 1) * HD) break;
     const int head = i / HD, d = i - head * HD;
     const int col = head < GQ ? (hk * GQ + head) * HD : (nh + hk) * HD;
     const float x = to_f(ld_cg_u16(qkv + col + d));
@@ -716,16 +732,26 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
   }
   const int lo = static_cast<int>((static_cast<long long>(pos) * sp) / ns);
   const int hi = static_cast<int>((static_cast<long long>(pos) * (sp + 1)) / ns);
-  for (int p = lo + warp; p < hi; p += 8) {
-    float kv[kHdLane], vv[kHdLane];
-    const u16* kr = lw.k_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
-    const u16* vr = lw.v_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
+  // A warp's positions lo + warp, + 8, ..., kKvDepth of them loaded before it attends to any (the
+  // cache rows come from DRAM: one round trip a group, not one a position), in the same order.
+  for (int p0 = lo + warp; p0 < hi; p0 += 8 * kKvDepth) {
+    float kv[kKvDepth][kHdLane], vv[kKvDepth][kHdLane];
 #pragma unroll
-    for (int i = 0; i < kHdLane; ++i) {
-      kv[i] = to_f(kr[i]);
-      vv[i] = to_f(vr[i]);
+    for (int j = 0; j < kKvDepth; ++j) {
+      const int p = p0 + 8 * j;
+      if (p < hi) {
+        const u16* kr = lw.k_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
+        const u16* vr = lw.v_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
+#pragma unroll
+        for (int i = 0; i < kHdLane; ++i) {
+          kv[j][i] = to_f(kr[i]);
+          vv[j][i] = to_f(vr[i]);
+        }
+      }
     }
-    attend(m, l, o, qr, kv, vv, a.scale);
+#pragma unroll
+    for (int j = 0; j < kKvDepth; ++j)
+      if (p0 + 8 * j < hi) attend(m, l, o, qr, kv[j], vv[j], a.scale);
   }
   if (sp == ns - 1 && warp == 0) {  // the new token, from shared memory
     float kv[kHdLane], vv[kHdLane];
@@ -888,5 +914,6 @@ qops_decode_layers(const qops::layers::LayerWeights* layers, int n_layers, qops:
   s.x = reinterpret_cast<u16*>(base);
   s.scratch = reinterpret_cast<float*>(base + 2 * ((a.kmax + 7) / 8 * 8));
   s.flags = reinterpret_cast<int*>(s.scratch) + a.scratch_floats;
+  s.h_pre = reinterpret_cast<u16*>(s.flags + 64);
   consume(a, s);
 }
