@@ -33,9 +33,10 @@ on the H200 only) the native kernel, launched with one block an SM (or two, 16 w
 when asked: :func:`blocks_per_sm_wanted`, then the occupancy calculator); it needs every block
 resident at once (grid barriers), which the occupancy check and nothing else holding an SM for good
 guarantee.
-Experimental: on the H200 it is so far ~2.6x slower than the layer-by-layer path (144 us a Llama-3-8B
-layer against ~50: its weight loops stream at ~1.3 TB/s and each of the five phase boundaries costs
-~8-10 us; benchmarks/NOTES.md stop 46 has the per-phase timeline), so nothing routes to it unless asked
+Experimental: on the H200 it is so far ~1.7x slower than the layer-by-layer path (end to end 316 against
+542 tok/s; 92.7 us a Llama-3-8B layer against ~50: its weight loops take ~58 us for 109 MB, bound by the
+dequantization's instructions at 8 warps an SM, the four phase boundaries ~5-6 us each and the attention
+~9; benchmarks/NOTES.md stops 46-47 have the per-phase timelines), so nothing routes to it unless asked
 (``LlamaForCausalLM.use_layer_kernel``). Sums run in a fixed order (no
 floating-point atomics): results are the same bits run to run. Scores, softmax and the attention's
 sums stay in fp32 (``decode_attention`` rounds the probabilities to the dtype before ``p @ v``; this

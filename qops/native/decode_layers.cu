@@ -63,9 +63,8 @@
 //
 // Grid barrier: an arrival count in the workspace that only grows within a launch; each block adds one
 // (release) and spins until the count reaches (barriers passed) x G (relaxed reads, then an acquire
-// fence). Every call's host copy
-// zeroes it. Activations written by one block and read by another go through L2 (ld.global.cg), never
-// through a possibly stale L1.
+// fence). Every call's host copy zeroes it. Activations written by one block and read by another go
+// through L2 (ld.global.cg), never through a possibly stale L1.
 //
 // Compile-time configuration: QOPS_DT (0 f16, 1 bf16), QOPS_SDT (the scales' dtype, the same codes),
 // QOPS_HAS_Z (0/1: qzeros present), QOPS_HD (head dim, a multiple of 32 up to 256), QOPS_GQ (query heads
@@ -90,7 +89,9 @@
 #define QOPS_GQ 4
 #endif
 #ifndef QOPS_PF
-#define QOPS_PF 4  // 4: 124 us a layer at two blocks an SM, 12: 140, 0: 134 (stop 47)
+// L2 prefetch distance, stages: at two blocks an SM 4 gave 106.2 us a layer, 2 106.6, 8 110.4 (948a100);
+// before the loop kept its state in registers, 4 124, 12 140, 0 134 (091c647; benchmarks/NOTES.md stop 47).
+#define QOPS_PF 4
 #endif
 #ifndef QOPS_STAMPS
 #define QOPS_STAMPS 0
@@ -118,7 +119,8 @@ constexpr int kPrefetchStages = QOPS_PF;  // stages a warp's L2 prefetch runs ah
 constexpr int kAhead = QOPS_AHEAD;         // stages a warp's register loads run ahead of its math (1..3)
 static_assert(kAhead >= 1 && kAhead <= 3, "QOPS_AHEAD is 1, 2 or 3");
 // Blocks an SM (the host launches QOPS_BPS x SMs blocks): 2 gives an SM 16 warps at <= 128 registers
-// each (the weight loops are latency bound with 8: benchmarks/NOTES.md stop 47), 1 gives 8 warps up to 255.
+// each, 1 gives 8 warps up to 255. Two run the weight loops faster, but their barriers and finishers
+// cost more: one is the host's default (benchmarks/NOTES.md stop 47).
 constexpr int kBlocksPerSm = QOPS_BPS;
 static_assert(kBlocksPerSm == 1 || kBlocksPerSm == 2, "QOPS_BPS is 1 or 2");
 constexpr int kConsumers = 256;  // every thread of the block (8 warps)
@@ -543,8 +545,7 @@ __device__ __forceinline__ bool stage_step(const Loop& L, const W4ZeroBase& zbas
 
 // Run projection p of layer lw over this block's units.
 // Not inlined (nor attention): inlined four times into one body, the kernel needed 255 registers and
-// spilled; as calls, no spills (ptxas, sm_90: ~150 registers, ~250 since the attention merges its shares
-// from registers).
+// spilled; as calls, none at one block an SM (ptxas, sm_90: ~200 registers).
 __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p, const W4ZeroBase& zbase_in, unsigned long long* st) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const Proj q = proj_of(a, a.layers[l], p);
