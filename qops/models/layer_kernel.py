@@ -379,10 +379,10 @@ def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_
             "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, "QOPS_BPS": blocks_per_sm}
 
 
-# Measured (benchmarks/NOTES.md stop 47, 8 Llama-3-8B layers on the H200): one block an SM with two
-# stages of weights in flight 100.6 us a layer, two blocks an SM 106.2 (their loops are faster, their
-# grid barriers and finishers slower). The two-block build stays selectable (QOPS_LAYER_DEFINES
-# {"QOPS_BPS": 2}) and tested.
+# Measured (benchmarks/NOTES.md stop 47, 8 Llama-3-8B layers on the H200): one block an SM (two stages of
+# weights in flight) 92.7 us a layer, two blocks an SM 96.3 (their loops are faster, their grid barriers
+# and finishers slower). The two-block build stays selectable (QOPS_LAYER_DEFINES {"QOPS_BPS": 2}) and
+# tested.
 PREFERRED_BLOCKS_PER_SM = 1
 
 
@@ -450,8 +450,9 @@ def _launch_plan_cached(dims: Dims, index: int, dtype: torch.dtype, scale_dtype:
 
 
 def _launch_plan(dims: Dims, dev: torch.device, dtype, scale_dtype, has_zeros: bool):
-    """(kernel, grid, dynamic shared memory bytes, smem_plan's facts): two blocks an SM where they fit
-    (blocks_per_sm_wanted, then the occupancy calculator), else one."""
+    """(kernel, grid, dynamic shared memory bytes, smem_plan's facts): the blocks an SM
+    blocks_per_sm_wanted asks for (or QOPS_LAYER_DEFINES' QOPS_BPS) where the occupancy calculator says
+    they fit, else one."""
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     return _launch_plan_cached(dims, index, dtype, scale_dtype, has_zeros, os.environ.get(DEFINES_ENV) or None)
 
