@@ -539,7 +539,7 @@ __device__ __forceinline__ bool stage_step(const Loop& L, const W4ZeroBase& zbas
     }
     if constexpr (!(kProbe & 1)) chunk_sums(acc, use.w, L.xs + 2 * 128 * (u - cg * L.chunks), L.lane, zbase, use.sv, use.zw);
   }
-  prefetch_unit(L, L.i0 + (k + kPrefetchStages) * L.per + L.unit);
+  if constexpr (kPrefetchStages > 0) prefetch_unit(L, L.i0 + (k + kPrefetchStages) * L.per + L.unit);
   return true;
 }
 
