@@ -89,11 +89,12 @@
 #define QOPS_GQ 4
 #endif
 #ifndef QOPS_PF
-// L2 prefetch distance, stages; 0 compiles the loop's prefetch out. 0: 82.6 us a layer against 92.5 with 4
-// (e38353f: the prefetch's address arithmetic cost the instruction-bound loop more than the L2 hits gave);
-// earlier at two blocks an SM 4 gave 106.2, 2 106.6, 8 110.4 (948a100), and 4 124, 12 140, 0 134 before the
-// loop kept its state in registers (091c647; benchmarks/NOTES.md stop 47).
-#define QOPS_PF 0
+// L2 prefetch distance, stages; 0 compiles the loop's prefetch out. At e38353f 0 measured 82.6 us a layer
+// against 92.5 with 4 (the prefetch's address arithmetic costs the instruction-bound loop more than its L2
+// hits give), but the GPU tests have not run on a PF 0 build yet: 4 stays the default until they do
+// (benchmarks/NOTES.md stop 47). Earlier at two blocks an SM 4 gave 106.2, 2 106.6, 8 110.4 (948a100), and
+// 4 124, 12 140, 0 134 before the loop kept its state in registers (091c647).
+#define QOPS_PF 4
 #endif
 #ifndef QOPS_STAMPS
 #define QOPS_STAMPS 0
