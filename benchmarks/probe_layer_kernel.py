@@ -26,9 +26,10 @@ STAMP_POINTS = ["start", "norm1 staged", "qkv loop", "qkv finished", "barrier", 
                 "down loop", "down finished", "barrier"]
 
 
-def stamp_spans(ws, offset: int, torch, blocks: int = 512, words: int = 24) -> list[dict]:
+def stamp_spans(ws, offset: int, torch, blocks: int, words: int) -> list[dict]:
     """Per span between consecutive stamp points of the stamped layer: the median and largest time a
-    block spent in it, and how far apart the blocks' ends of it lie (max - min of the end stamp)."""
+    block spent in it, and how far apart the blocks' ends of it lie (max - min of the end stamp).
+    ``blocks``, ``words``: the stamp region's shape (layer_kernel.MAX_STAMP_BLOCKS, STAMPS)."""
     n = len(STAMP_POINTS)
     t = ws[offset:offset + 8 * words * blocks].view(torch.int64).view(blocks, words)[:, :n].cpu()
     t = t[t[:, 0] > 0].double() / 1e3  # microseconds; blocks that ran

@@ -76,6 +76,7 @@ MAX_STAMP_BLOCKS = 512
 # <= 512 (ptxas, sm_90: no spills at GQ 4 x D 128 or GQ 8 x D 64; GQ 8 x D 128 spills 144 bytes in the
 # attention, GQ 8 x D 256 872).
 TWO_BLOCKS_MAX_GQ_D = 512
+MAX_BLOCKS_PER_SM = 2      # decode_layers.cu's QOPS_BPS is 1 or 2: the grid is at most this many blocks an SM
 
 
 @dataclass(frozen=True)
@@ -324,11 +325,12 @@ def native_refusal(dims: Dims, hidden, cos, sin, qweight, scales, qzeros, k_cach
         return "a tensor's address is not 16-byte aligned (the kernel's 16-byte loads)"
     sms, smem_optin = device_facts(dev)
     smem, plan = smem_plan(dims, sms, smem_optin)
-    if 2 * sms > MAX_STAMP_BLOCKS:
+    most_blocks = MAX_BLOCKS_PER_SM * sms
+    if most_blocks > MAX_STAMP_BLOCKS:
         return f"{sms} SMs: the workspace's layout holds {MAX_STAMP_BLOCKS} blocks' measurement stamps"
     units = max(g * c for g, c, _ in _projection_shapes(dims))
-    if units * 2 * sms >= 2**32:
-        return f"{units} units of a projection over {2 * sms} blocks: the kernel's unit arithmetic is 32-bit"
+    if units * most_blocks >= 2**32:
+        return f"{units} units of a projection over {most_blocks} blocks: the kernel's unit arithmetic is 32-bit"
     if plan["ncg"] > 64:
         return f"a block would hold {plan['ncg']} column groups of one projection (the kernel's flags hold 64)"
     if smem is None:

@@ -264,6 +264,15 @@ __device__ __forceinline__ int block_of_unit(int U, int u, int G) {
   return static_cast<int>((static_cast<u32>(u + 1) * static_cast<u32>(G) - 1u) / static_cast<u32>(U));
 }
 
+// The blocks between the first and the last unit of column group cg (of `chunks` units each): some may
+// hold none of its units (empty ranges) when there are more blocks than units.
+struct BlockSpan {
+  int first, last;
+};
+__device__ __forceinline__ BlockSpan group_blocks(int U, int G, int chunks, int cg) {
+  return BlockSpan{block_of_unit(U, cg * chunks, G), block_of_unit(U, (cg + 1) * chunks - 1, G)};
+}
+
 // One projection's facts, from the layer and the phase (0 [q; k; v], 1 o, 2 [gate; up], 3 down).
 struct Proj {
   const u32* qw;
@@ -318,11 +327,7 @@ __device__ __forceinline__ int stage_count(int i0, int i1, int per_stage) { retu
 // across projections and layers, the Args, x's pointer -- each stage waited on ~15 local-memory loads,
 // and x was read with generic loads: benchmarks/NOTES.md stop 47, Nsight Compute.)
 struct Loop {
-  const u32* qw;
-  const u16* sc;
-  const u32* qz;
-  int n, kw, chunks, per, up_slab0, group_chunks;
-  FastDiv by_chunks, by_group;
+  Proj q;
   int i0, i1, stages;  // the block's units [i0, i1) and their stages
   int unit, sl, lane;  // the warp's unit of each stage ([gate; up]: its slab), its lane
   int cg0, warp, ncg_max;
@@ -332,17 +337,7 @@ struct Loop {
 
 __device__ __forceinline__ Loop loop_of(const Proj& q, int warp, int lane) {
   Loop L;
-  L.qw = q.qw;
-  L.sc = q.sc;
-  L.qz = q.qz;
-  L.n = q.n;
-  L.kw = q.kw;
-  L.chunks = q.chunks;
-  L.per = q.per_stage;
-  L.up_slab0 = q.up_slab0;
-  L.group_chunks = q.group_chunks;
-  L.by_chunks = q.by_chunks;
-  L.by_group = q.by_group;
+  L.q = q;
   const int U = q.groups * q.chunks;
   L.i0 = unit_begin(U, blockIdx.x, gridDim.x);
   L.i1 = unit_begin(U, blockIdx.x + 1, gridDim.x);
@@ -355,17 +350,20 @@ __device__ __forceinline__ Loop loop_of(const Proj& q, int warp, int lane) {
   return L;
 }
 
+// Column groups the block holds units of: cg0 .. cg0 + groups_held - 1.
+__device__ __forceinline__ int groups_held(const Loop& L) { return L.i1 > L.i0 ? (L.i1 - 1) / L.q.chunks - L.cg0 + 1 : 0; }
+
 // Unit u's lines into L2 (none past the block's units): lanes 0-15 the slab-chunk's 16 weight lines,
 // lane 16 its scales' line, lane 17 its zeros'.
 __device__ __forceinline__ void prefetch_unit(const Loop& L, int u) {
   if (u >= L.i1) return;
-  const int cg = L.by_chunks(u), c = u - cg * L.chunks;
-  const int slab = cg + L.sl * L.up_slab0;
-  const int grow = L.group_chunks ? L.by_group(c) : 0;
+  const int cg = L.q.by_chunks(u), c = u - cg * L.q.chunks;
+  const int slab = cg + L.sl * L.q.up_slab0;
+  const int grow = L.q.group_chunks ? L.q.by_group(c) : 0;
   const int lane = L.lane;
-  const void* line = lane < 16 ? static_cast<const void*>(L.qw + (static_cast<size_t>(slab) * L.kw + 16 * c) * 32 + 32 * lane)
-                   : lane == 16 ? static_cast<const void*>(L.sc + static_cast<size_t>(grow) * L.n + 32 * slab)
-                                : static_cast<const void*>(L.qz + static_cast<size_t>(grow) * (L.n / 8) + 4 * slab);
+  const void* line = lane < 16 ? static_cast<const void*>(L.q.qw + (static_cast<size_t>(slab) * L.q.kw + 16 * c) * 32 + 32 * lane)
+                   : lane == 16 ? static_cast<const void*>(L.q.sc + static_cast<size_t>(grow) * L.q.n + 32 * slab)
+                                : static_cast<const void*>(L.q.qz + static_cast<size_t>(grow) * (L.q.n / 8) + 4 * slab);
   prefetch_l2_if(line, lane < 17 || (lane == 17 && QOPS_HAS_Z));
 }
 
@@ -375,7 +373,7 @@ __device__ __forceinline__ void prefetch_unit(const Loop& L, int u) {
 __device__ __noinline__ void prefetch_head(const Args& a, int l, int p, int warp, int lane) {
   if (l >= a.n_layers) return;
   const Loop L = loop_of(proj_of(a, a.layers[l], p), warp, lane);
-  for (int k = 0; k < kPrefetchStages && k < L.stages; ++k) prefetch_unit(L, L.i0 + k * L.per + L.unit);
+  for (int k = 0; k < kPrefetchStages && k < L.stages; ++k) prefetch_unit(L, L.i0 + k * L.q.per_stage + L.unit);
 }
 
 // --- a slab-chunk's sums (one warp) --------------------------------------------------------------
@@ -505,15 +503,15 @@ struct Chunk {
 // Issue the loads of unit u (none when !mine): the weights on the streaming path (prefetched into L2),
 // scales and zeros read-only.
 __device__ __forceinline__ void load_chunk(const Loop& L, int u, bool mine, Chunk& ch) {
-  const int cg = L.by_chunks(u), c = u - cg * L.chunks;
-  const int slab = cg + L.sl * L.up_slab0;
-  const int grow = L.group_chunks ? L.by_group(c) : 0;
+  const int cg = L.q.by_chunks(u), c = u - cg * L.q.chunks;
+  const int slab = cg + L.sl * L.q.up_slab0;
+  const int grow = L.q.group_chunks ? L.q.by_group(c) : 0;
   const int r = L.lane >> 2;
-  const u32* wp = L.qw + (static_cast<size_t>(slab) * L.kw + 16 * c) * 32 + 128 * (L.lane & 3) + 4 * r;
+  const u32* wp = L.q.qw + (static_cast<size_t>(slab) * L.q.kw + 16 * c) * 32 + 128 * (L.lane & 3) + 4 * r;
 #pragma unroll
   for (int j = 0; j < 4; ++j) ld_stream_v4_if(ch.w[j], wp + 32 * j, mine);
-  ld_nc_v2_if(ch.sv, L.sc + static_cast<size_t>(grow) * L.n + 32 * slab + 4 * r, mine);
-  if (QOPS_HAS_Z) ld_nc_u32_if(ch.zw, L.qz + static_cast<size_t>(grow) * (L.n / 8) + 4 * slab + (r >> 1), mine);
+  ld_nc_v2_if(ch.sv, L.q.sc + static_cast<size_t>(grow) * L.q.n + 32 * slab + 4 * r, mine);
+  if (QOPS_HAS_Z) ld_nc_u32_if(ch.zw, L.q.qz + static_cast<size_t>(grow) * (L.q.n / 8) + 4 * slab + (r >> 1), mine);
 }
 
 // A warp's sums of column group `cur` (none when cur < 0) into its row of the block's partials; zeroed after.
@@ -531,22 +529,22 @@ __device__ __forceinline__ void flush_sums(float* red, float (&acc)[4], int cur,
 __device__ __forceinline__ bool stage_step(const Loop& L, const W4ZeroBase& zbase, int k, const Chunk& use, Chunk& load,
                                            float (&acc)[4], int& cur) {
   if (k >= L.stages) return false;
-  const int next = L.i0 + (k + kAhead) * L.per + L.unit;
+  const int next = L.i0 + (k + kAhead) * L.q.per_stage + L.unit;
   if (k + kAhead < L.stages) load_chunk(L, next, next < L.i1, load);
-  const int u = L.i0 + k * L.per + L.unit;
+  const int u = L.i0 + k * L.q.per_stage + L.unit;
   if (u < L.i1) {
-    const int cg = L.by_chunks(u);
+    const int cg = L.q.by_chunks(u);
     if (cg != cur) {
       flush_sums(L.red, acc, cur, L.cg0, L.warp, L.ncg_max, L.sl, L.lane);
       cur = cg;
     }
-    if constexpr (!(kProbe & 1)) chunk_sums(acc, use.w, L.xs + 2 * 128 * (u - cg * L.chunks), L.lane, zbase, use.sv, use.zw);
+    if constexpr (!(kProbe & 1)) chunk_sums(acc, use.w, L.xs + 2 * 128 * (u - cg * L.q.chunks), L.lane, zbase, use.sv, use.zw);
   }
-  if constexpr (kPrefetchStages > 0) prefetch_unit(L, L.i0 + (k + kPrefetchStages) * L.per + L.unit);
+  if constexpr (kPrefetchStages > 0) prefetch_unit(L, L.i0 + (k + kPrefetchStages) * L.q.per_stage + L.unit);
   return true;
 }
 
-// Run projection p of layer lw over this block's units.
+// Run projection p of layer l over this block's units.
 // Not inlined (nor attention): inlined four times into one body, the kernel needed 255 registers and
 // spilled; as calls, none at one block an SM (ptxas, sm_90: ~200 registers).
 __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p, const W4ZeroBase& zbase_in, unsigned long long* st) {
@@ -561,7 +559,7 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
   if (p == 1 || p == 3) {
     // h of the block's column groups, for the epilogue: requested now, in flight under the loop (no block
     // writes a group's h before every block holding it has arrived, after its loop).
-    const int ncg = L.i1 > L.i0 ? (L.i1 - 1) / q.chunks - L.cg0 + 1 : 0;
+    const int ncg = groups_held(L);
     for (int g = warp; g < ncg; g += 8) s.h_pre[32 * g + lane] = ld_cg_u16(a.h + 32 * (L.cg0 + g) + lane);
   }
   L.ncg_max = a.ncg_max;
@@ -576,7 +574,7 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
   Chunk* sets[4] = {&c0, &c1, &c2, &c3};
 #pragma unroll
   for (int i = 0; i < kAhead; ++i)
-    if (i < L.stages) load_chunk(L, L.i0 + i * L.per + L.unit, L.i0 + i * L.per + L.unit < L.i1, *sets[i]);
+    if (i < L.stages) load_chunk(L, L.i0 + i * L.q.per_stage + L.unit, L.i0 + i * L.q.per_stage + L.unit < L.i1, *sets[i]);
   if constexpr (kAhead == 1) {
     for (int k = 0;; k += 2) {
       if (!stage_step(L, zbase, k, c0, c1, acc, cur)) break;
@@ -605,7 +603,7 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
   // (Recomputed here rather than kept live across the loop: at 128 registers that spilled.)
   const int U = q.groups * q.chunks, G = gridDim.x;
   const int i0 = L.i0, i1 = L.i1, cg0 = L.cg0;
-  const int ncg = i1 > i0 ? (i1 - 1) / q.chunks - cg0 + 1 : 0;
+  const int ncg = groups_held(L);
   const int width = 32 * q.slabs;
 
   // The block's sums per column group: finished here, or a partial for the group's last block.
@@ -636,10 +634,10 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
     const int lo = max(i0, cg * q.chunks), hi = min(i1, (cg + 1) * q.chunks);
     int is_last = 0;
     if (hi - lo != q.chunks) {
-      // Blocks holding units of this group (the non-empty ones between its first and last unit's).
-      const int bfirst = block_of_unit(U, cg * q.chunks, G), blast = block_of_unit(U, (cg + 1) * q.chunks - 1, G);
+      // Blocks holding units of this group (the non-empty ones of its span).
+      const BlockSpan span = group_blocks(U, G, q.chunks, cg);
       int parts = 0;
-      for (int bb = bfirst; bb <= blast; ++bb) parts += unit_begin(U, bb + 1, G) > unit_begin(U, bb, G);
+      for (int bb = span.first; bb <= span.last; ++bb) parts += unit_begin(U, bb + 1, G) > unit_begin(U, bb, G);
       is_last = atom_acq_rel_add(ctr + cg, 1u) + 1 == static_cast<u32>(parts);
     }
     last[t] = is_last;
@@ -649,9 +647,9 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
     if (!last[g]) continue;
     const int cg = cg0 + g;
     if (t < 32) {
-      const int bfirst = block_of_unit(U, cg * q.chunks, G), blast = block_of_unit(U, (cg + 1) * q.chunks - 1, G);
+      const BlockSpan span = group_blocks(U, G, q.chunks, cg);
       float v = 0.f, vu = 0.f;
-      for (int bb = bfirst; bb <= blast; ++bb) {
+      for (int bb = span.first; bb <= span.last; ++bb) {
         const int s0 = unit_begin(U, bb, G), s1 = unit_begin(U, bb + 1, G);
         if (s1 == s0) continue;
         const float* src = part + (static_cast<size_t>(cg) * q.chunks + (max(s0, cg * q.chunks) - cg * q.chunks)) * width;
