@@ -330,22 +330,36 @@ def test_scratch_floats_cover_every_block():
     assert floats >= 8 * ncg * 64 and ncg <= 64
 
 
-def test_blocks_per_sm_rule(monkeypatch):
-    """One block an SM (measured faster); asked for two, two where the attention's per-lane arrays fit
-    128 registers (GQ x D <= 512), else one, with a reason."""
+@pytest.mark.parametrize("preferred", [LK.GridShape(2, 8), LK.GridShape(1, 16)])
+def test_grid_shape_rule(preferred, monkeypatch):
+    """The preferred shape; 16 warps an SM only where the attention's per-lane arrays fit 128 registers
+    (GQ x D <= 512), else one block of 8, with a reason."""
     llama3 = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
-    assert LK.blocks_per_sm_wanted(llama3) == (1, "one block an SM measured faster (stop 47)")
-    monkeypatch.setattr(LK, "PREFERRED_BLOCKS_PER_SM", 2)
-    assert LK.blocks_per_sm_wanted(llama3)[0] == 2
-    assert LK.blocks_per_sm_wanted(LK.Dims(1, 512, 1536, 8, 1, 64))[0] == 2
-    bps, why = LK.blocks_per_sm_wanted(LK.Dims(1, 4096, 14336, 64, 8, 128))
-    assert bps == 1 and "GQ x head_dim = 1024" in why
-    assert LK.build_defines(llama3, torch.bfloat16, torch.bfloat16, True, 2)["QOPS_BPS"] == 2
+    monkeypatch.setattr(LK, "PREFERRED_SHAPE", LK.EIGHT_WARPS)
+    assert LK.grid_shape_wanted(llama3)[0] == LK.EIGHT_WARPS
+    monkeypatch.setattr(LK, "PREFERRED_SHAPE", preferred)
+    assert LK.grid_shape_wanted(llama3)[0] == preferred
+    assert LK.grid_shape_wanted(LK.Dims(1, 512, 1536, 8, 1, 64))[0] == preferred
+    shape, why = LK.grid_shape_wanted(LK.Dims(1, 4096, 14336, 64, 8, 128))
+    assert shape == LK.EIGHT_WARPS and "GQ x head_dim = 1024" in why
+    defines = LK.build_defines(llama3, torch.bfloat16, torch.bfloat16, True, preferred.blocks_per_sm, preferred.warps)
+    assert (defines["QOPS_BPS"], defines["QOPS_WARPS"]) == (preferred.blocks_per_sm, preferred.warps)
+    assert preferred.threads == 32 * preferred.warps
 
 
-@pytest.mark.parametrize("arch", ["sm_90"])  # sm_80: ptxas spills ~60 bytes in project at two blocks (not the default; measured on sm_90 only)
-def test_two_block_build_fits_128_registers_with_at_most_a_word_spilled(arch):
-    """The rule's edge (GQ 4 x D 128, Llama-3-8B): ptxas gives the two-block build <= 128 registers, at
+def test_scratch_holds_every_warps_partials():
+    """Scratch grows with the warps of a block: their column-group partials and attention partials."""
+    d = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
+    ncg8, f8 = LK._scratch_floats(d, 132, 8)
+    ncg16, f16 = LK._scratch_floats(d, 132, 16)
+    assert ncg8 == ncg16 and f8 >= 8 * ncg8 * 64 and f16 >= 16 * ncg16 * 64 and f16 >= 16 * 4 * 130
+
+
+# sm_80: ptxas spills ~60 bytes in project at two blocks (not the default; measured on sm_90 only)
+@pytest.mark.parametrize("arch", ["sm_90"])
+@pytest.mark.parametrize("shape", [LK.GridShape(2, 8), LK.GridShape(1, 16)], ids=["two_blocks_of_8", "one_block_of_16"])
+def test_sixteen_warp_builds_fit_128_registers_with_at_most_a_word_spilled(arch, shape):
+    """The rule's edge (GQ 4 x D 128, Llama-3-8B): ptxas gives both 16-warp builds <= 128 registers, at
     most one spilled word in project (a value kept across its weight loop; more would cost the loop what the
     second block buys), none in the attention, and a few bytes in the kernel's own body (its per-layer
     state, outside the loops)."""
@@ -354,7 +368,7 @@ def test_two_block_build_fits_128_registers_with_at_most_a_word_spilled(arch):
     if compiler.runtime_missing() is not None:
         pytest.skip(compiler.runtime_missing())
     llama3 = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
-    opts = compiler.native_options(LK.build_defines(llama3, torch.bfloat16, torch.bfloat16, True, 2))
+    opts = compiler.native_options(LK.build_defines(llama3, torch.bfloat16, torch.bfloat16, True, shape.blocks_per_sm, shape.warps))
     opts["ptxas_options"] = ["-v"]
     log: list = []
     compiler.compile(compiler.native_source(LK.SOURCE), arch, opts, log=log)

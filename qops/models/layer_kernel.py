@@ -29,10 +29,10 @@ Returns the residual stream after the last layer ``(1, H)``. Each layer computes
 
 Kernels: on CPU (and wherever the native kernel refuses, :func:`native_refusal` says why)
 :func:`reference_decode_layers`, plain torch in fp32 with the same roundings. On CUDA (sm_80+, measured
-on the H200 only) the native kernel, launched with one block an SM (or two, 16 warps at <= 128 registers,
-when asked: :func:`blocks_per_sm_wanted`, then the occupancy calculator); it needs every block
-resident at once (grid barriers), which the occupancy check and nothing else holding an SM for good
-guarantee.
+on the H200 only) the native kernel, launched with one block of 8 warps an SM (or 16 warps an SM at <= 128
+registers, two blocks of 8 or one of 16: :func:`grid_shape_wanted`, then the occupancy calculator); it
+needs every block resident at once (grid barriers), which the occupancy check and nothing else holding
+an SM for good guarantee.
 Experimental: on the H200 it is so far ~1.7x slower than the layer-by-layer path (end to end 316 against
 542 tok/s; 92.7 us a Llama-3-8B layer against ~50: its weight loops take ~58 us for 109 MB, bound by the
 dequantization's instructions at 8 warps an SM, the four phase boundaries ~5-6 us each and the attention
@@ -67,15 +67,14 @@ SCHEMA = ("(Tensor hidden, Tensor positions, Tensor cos, Tensor sin, Tensor[] no
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 SOURCE = "decode_layers.cu"
 KERNEL = "qops_decode_layers"
-THREADS = 256              # 8 warps
 MAX_SPLITS = 32            # the attention's shares of the cache positions per KV head (workspace sized for it)
 TABLE_WORDS = 16           # pointers a layer (decode_layers.cu LayerWeights)
 STAMPS = 24                # timer words a block in QOPS_STAMPS builds (decode_layers.cu kStamps)
 MAX_STAMP_BLOCKS = 512
-# Two blocks an SM (16 warps, <= 128 registers a thread) when the attention's per-lane arrays fit: GQ x D
-# <= 512 (ptxas, sm_90: no spills at GQ 4 x D 128 or GQ 8 x D 64; GQ 8 x D 128 spills 144 bytes in the
-# attention, GQ 8 x D 256 872).
-TWO_BLOCKS_MAX_GQ_D = 512
+# 16 warps an SM (two blocks of 8 or one of 16: <= 128 registers a thread) only where the attention's
+# per-lane arrays fit: GQ x D <= 512 (ptxas, sm_90: no spills at GQ 4 x D 128 or GQ 8 x D 64; GQ 8 x D 128
+# spills 144 bytes in the attention, GQ 8 x D 256 872).
+SIXTEEN_WARPS_MAX_GQ_D = 512
 MAX_BLOCKS_PER_SM = 2      # decode_layers.cu's QOPS_BPS is 1 or 2: the grid is at most this many blocks an SM
 
 
@@ -343,9 +342,10 @@ def _unit_begin(units: int, b: int, grid: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _scratch_floats(dims: Dims, grid: int) -> tuple[int, int]:
-    """(column groups a block holds at most in one projection, floats of scratch the kernel needs).
-    Cached: every native call asks (twice), and the answer walks every block of every projection."""
+def _scratch_floats(dims: Dims, grid: int, warps: int = 8) -> tuple[int, int]:
+    """(column groups a block holds at most in one projection, floats of scratch the kernel needs with
+    ``warps`` warps a block). Cached: every native call asks (twice), and the answer walks every block
+    of every projection."""
     ncg = 1
     for groups, chunks, _ in _projection_shapes(dims):
         units = groups * chunks
@@ -354,8 +354,8 @@ def _scratch_floats(dims: Dims, grid: int) -> tuple[int, int]:
             if i1 > i0:
                 ncg = max(ncg, (i1 - 1) // chunks - i0 // chunks + 1)
     gq, d = dims.heads // dims.kv_heads, dims.head_dim
-    attention = (gq + 1) * d + d + 8 * gq * (d + 2)
-    return ncg, max(8 * ncg * 64, attention, 8)
+    attention = (gq + 1) * d + d + warps * gq * (d + 2)
+    return ncg, max(warps * ncg * 64, attention, warps)
 
 
 def device_facts(dev: torch.device) -> tuple[int, int]:
@@ -365,38 +365,51 @@ def device_facts(dev: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_properties(dev).multi_processor_count, compiler.max_shared_optin(dev)
 
 
-def smem_plan(dims: Dims, grid: int, smem_optin: int) -> tuple[int | None, dict]:
-    """(dynamic shared memory bytes a block, or None when they exceed ``smem_optin``; the launch facts:
-    grid, column groups and scratch floats a block, the longest K)."""
-    ncg, scratch = _scratch_floats(dims, grid)
+def smem_plan(dims: Dims, grid: int, smem_optin: int, warps: int = 8) -> tuple[int | None, dict]:
+    """(dynamic shared memory bytes a block of ``warps`` warps, or None when they exceed ``smem_optin``;
+    the launch facts: grid, column groups and scratch floats a block, the longest K)."""
+    ncg, scratch = _scratch_floats(dims, grid, warps)
     kmax = max(dims.hidden, dims.inter, dims.heads * dims.head_dim)
     smem = 128 + 2 * _align(kmax, 8) + 4 * scratch + 4 * 64 + 2 * 64 * 32  # x, scratch, flags, h_pre
     plan = dict(grid=grid, ncg=ncg, scratch=scratch, kmax=kmax)
     return (smem if smem <= smem_optin else None), plan
 
 
-def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool, blocks_per_sm: int = 1) -> dict[str, int]:
+def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool, blocks_per_sm: int = 1,
+                  warps: int = 8) -> dict[str, int]:
     """The NVRTC macros of one build of the kernel."""
     return {"QOPS_DT": int(dtype == torch.bfloat16), "QOPS_SDT": int(scale_dtype == torch.bfloat16), "QOPS_HAS_Z": int(has_zeros),
-            "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, "QOPS_BPS": blocks_per_sm}
+            "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, "QOPS_BPS": blocks_per_sm, "QOPS_WARPS": warps}
 
 
-# Measured (benchmarks/NOTES.md stop 47, 8 Llama-3-8B layers on the H200): one block an SM (two stages of
-# weights in flight) 92.7 us a layer, two blocks an SM 96.3 (their loops are faster, their grid barriers
-# and finishers slower). The two-block build stays selectable (QOPS_LAYER_DEFINES {"QOPS_BPS": 2}) and
-# tested.
-PREFERRED_BLOCKS_PER_SM = 1
+@dataclass(frozen=True)
+class GridShape:
+    """Blocks an SM and warps a block of one launch (decode_layers.cu QOPS_BPS, QOPS_WARPS)."""
+    blocks_per_sm: int
+    warps: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
 
 
-def blocks_per_sm_wanted(dims: Dims) -> tuple[int, str]:
-    """(blocks an SM the kernel is built for before occupancy is known, why): PREFERRED_BLOCKS_PER_SM,
-    and never 2 where the attention's per-lane arrays would spill at 128 registers."""
-    if PREFERRED_BLOCKS_PER_SM == 1:
-        return 1, "one block an SM measured faster (stop 47)"
+EIGHT_WARPS = GridShape(1, 8)  # the fallback: every build fits it
+# Measured (benchmarks/NOTES.md stop 47, 8 Llama-3-8B layers on the H200): one block of 8 warps (two stages
+# of weights in flight) 92.7 us a layer, two blocks of 8 an SM 96.3 (their loops are faster, their grid
+# barriers and finishers slower). Every shape stays selectable (QOPS_LAYER_DEFINES {"QOPS_BPS": 2} or
+# {"QOPS_WARPS": 16}) and tested.
+PREFERRED_SHAPE = EIGHT_WARPS
+
+
+def grid_shape_wanted(dims: Dims) -> tuple[GridShape, str]:
+    """(the launch shape the kernel is built for before occupancy is known, why): PREFERRED_SHAPE, and
+    never 16 warps an SM where the attention's per-lane arrays would spill at 128 registers."""
+    if PREFERRED_SHAPE == EIGHT_WARPS:
+        return EIGHT_WARPS, "one block of 8 warps an SM measured faster (stop 47)"
     gq_d = dims.heads // dims.kv_heads * dims.head_dim
-    if gq_d > TWO_BLOCKS_MAX_GQ_D:
-        return 1, f"GQ x head_dim = {gq_d} > {TWO_BLOCKS_MAX_GQ_D}: the attention's arrays need more than 128 registers"
-    return 2, "16 warps an SM"
+    if gq_d > SIXTEEN_WARPS_MAX_GQ_D:
+        return EIGHT_WARPS, f"GQ x head_dim = {gq_d} > {SIXTEEN_WARPS_MAX_GQ_D}: the attention's arrays need more than 128 registers"
+    return PREFERRED_SHAPE, "16 warps an SM"
 
 
 def _addresses(dims: Dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache) -> tuple:
@@ -436,25 +449,28 @@ def _launch_plan_cached(dims: Dims, index: int, dtype: torch.dtype, scale_dtype:
     dev = torch.device("cuda", index)
     sms, smem_optin = device_facts(dev)
     forced = json.loads(extra) if extra else {}  # measurement builds (benchmarks/probe_layer_kernel.py)
-    bps = int(forced["QOPS_BPS"]) if "QOPS_BPS" in forced else blocks_per_sm_wanted(dims)[0]
+    shape = grid_shape_wanted(dims)[0]
+    if "QOPS_BPS" in forced or "QOPS_WARPS" in forced:
+        shape = GridShape(int(forced.get("QOPS_BPS", 1)), int(forced.get("QOPS_WARPS", 8)))
     while True:
-        smem, plan = smem_plan(dims, bps * sms, smem_optin)
-        defines = build_defines(dims, dtype, scale_dtype, has_zeros, bps)
+        smem, plan = smem_plan(dims, shape.blocks_per_sm * sms, smem_optin, shape.warps)
+        defines = build_defines(dims, dtype, scale_dtype, has_zeros, shape.blocks_per_sm, shape.warps)
         defines.update({str(k): int(v) for k, v in forced.items()})
         kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL)
         # Every block must be resident at once (grid barriers): ask the occupancy calculator.
-        fits = smem is not None and compiler.max_active_blocks(kernel, dev, THREADS, smem) >= bps
+        fits = smem is not None and compiler.max_active_blocks(kernel, dev, shape.threads, smem) >= shape.blocks_per_sm
         if fits:
-            return kernel, bps * sms, smem, plan
-        if bps == 1 or "QOPS_BPS" in forced:
-            raise RuntimeError(fail(OP, f"{bps} blocks of the kernel do not fit an SM ({THREADS} threads, {smem} bytes of shared memory)"))
-        bps = 1  # two do not fit (shared memory): one block an SM
+            return kernel, shape, shape.blocks_per_sm * sms, smem, plan
+        if shape == EIGHT_WARPS or "QOPS_BPS" in forced or "QOPS_WARPS" in forced:
+            raise RuntimeError(fail(OP, f"{shape.blocks_per_sm} blocks of the kernel do not fit an SM ({shape.threads} threads, "
+                                        f"{smem} bytes of shared memory)"))
+        shape = EIGHT_WARPS  # the wanted shape does not fit (shared memory): one block of 8 warps
 
 
 def _launch_plan(dims: Dims, dev: torch.device, dtype, scale_dtype, has_zeros: bool):
-    """(kernel, grid, dynamic shared memory bytes, smem_plan's facts): the blocks an SM
-    blocks_per_sm_wanted asks for (or QOPS_LAYER_DEFINES' QOPS_BPS) where the occupancy calculator says
-    they fit, else one."""
+    """(kernel, GridShape, grid, dynamic shared memory bytes, smem_plan's facts): the shape
+    grid_shape_wanted asks for (or QOPS_LAYER_DEFINES' QOPS_BPS / QOPS_WARPS) where the occupancy
+    calculator says it fits, else one block of 8 warps."""
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     return _launch_plan_cached(dims, index, dtype, scale_dtype, has_zeros, os.environ.get(DEFINES_ENV) or None)
 
@@ -469,13 +485,13 @@ def native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweigh
     # it): the op keeps no state about a workspace between calls.
     header = _workspace_header(lay, _addresses(dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache))
     workspace[:header.numel()].copy_(header, non_blocking=True)
-    kernel, grid, smem, plan = _launch_plan(dims, dev, hidden.dtype, scales[0].dtype, qzeros[0] is not None)
+    kernel, shape, grid, smem, plan = _launch_plan(dims, dev, hidden.dtype, scales[0].dtype, qzeros[0] is not None)
     nsplit = max(1, min(MAX_SPLITS, grid // dims.kv_heads))
     out = hidden.clone(memory_format=torch.contiguous_format)
     base = workspace.data_ptr()
     i32 = compiler.i32
     compiler.launch(
-        kernel, (grid, 1, 1), (THREADS, 1, 1), smem, torch.cuda.current_stream(dev),
+        kernel, (grid, 1, 1), (shape.threads, 1, 1), smem, torch.cuda.current_stream(dev),
         base + lay["table"], i32(dims.layers), out.data_ptr(), base, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         i32(dims.hidden), i32(dims.inter), i32(dims.kv_heads), i32(k_cache[0].shape[2]), i32(0 if group_size == -1 else group_size // 128),
         i32(nsplit), i32(plan["kmax"]), i32(plan["ncg"]), i32(zero_offset), np.float32(eps), np.float32(scale),

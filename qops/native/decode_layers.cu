@@ -11,7 +11,8 @@
 // its loads, and the next projection's first QOPS_PF stages as a projection ends, so they are requested
 // while the block finishes, the grid waits at a barrier or runs the attention (which reads no weights).
 //
-// Grid: QOPS_BPS blocks an SM, 1 (8 warps, up to 255 registers a thread) or 2 (16 warps an SM at <= 128);
+// Grid: QOPS_BPS blocks an SM of QOPS_WARPS warps: one of 8 (up to 255 registers a thread), or 16 warps an
+// SM at <= 128 (two blocks of 8 or one of 16);
 // the host launches QOPS_BPS x SMs blocks after the occupancy calculator says that many fit an SM, since
 // every block must be resident at once for the grid barriers below. Threads synchronize within a block
 // with named barrier 1.
@@ -26,7 +27,7 @@
 // [gate; up]: gate slab j with up slab j + I/32, so silu(gate) * up is computed where both sums meet).
 // The U units, column group major, are split evenly over the G blocks: block b takes
 // [floor(b U / G), floor((b + 1) U / G)), so every block streams the same bytes (+-1 unit) whatever the
-// shape; a column group then spans one to three blocks. A block's units go to its warps in stages of 8
+// shape; a column group then spans one to three blocks. A block's units go to its W warps in stages of W
 // (unit w of each stage to warp w; [gate; up]: pair w / 2's gate (w even) or up slab-chunk), each warp
 // loading its next unit into registers while it computes the current one.
 //
@@ -69,7 +70,8 @@
 // Compile-time configuration: QOPS_DT (0 f16, 1 bf16), QOPS_SDT (the scales' dtype, the same codes),
 // QOPS_HAS_Z (0/1: qzeros present), QOPS_HD (head dim, a multiple of 32 up to 256), QOPS_GQ (query heads
 // per KV head), QOPS_PF (stages of L2 prefetch ahead), QOPS_AHEAD (stages of register loads ahead),
-// QOPS_BPS (blocks an SM), QOPS_PROBE and QOPS_STAMPS (measurements, below). sm_80 and later.
+// QOPS_BPS (blocks an SM), QOPS_WARPS (warps a block), QOPS_PROBE and QOPS_STAMPS (measurements,
+// below). sm_80 and later.
 #include "ptx.cuh"
 #include "w4.cuh"
 
@@ -89,12 +91,11 @@
 #define QOPS_GQ 4
 #endif
 #ifndef QOPS_PF
-// L2 prefetch distance, stages; 0 compiles the loop's prefetch out. At e38353f 0 measured 82.6 us a layer
-// against 92.5 with 4 (the prefetch's address arithmetic costs the instruction-bound loop more than its L2
-// hits give), but the GPU tests have not run on a PF 0 build yet: 4 stays the default until they do
-// (benchmarks/NOTES.md stop 47). Earlier at two blocks an SM 4 gave 106.2, 2 106.6, 8 110.4 (948a100), and
-// 4 124, 12 140, 0 134 before the loop kept its state in registers (091c647).
-#define QOPS_PF 4
+// L2 prefetch distance, stages; 0 compiles the loop's prefetch out: at e38353f 0 measured 82.6 us a layer
+// against 92.5 with 4 (the prefetch's per-stage address arithmetic costs the instruction-bound loop more
+// than its L2 hits give; benchmarks/NOTES.md stop 47). Earlier, at two blocks an SM, 4 gave 106.2, 2 106.6,
+// 8 110.4 (948a100), and 4 124, 12 140, 0 134 before the loop kept its state in registers (091c647).
+#define QOPS_PF 0
 #endif
 #ifndef QOPS_STAMPS
 #define QOPS_STAMPS 0
@@ -105,10 +106,13 @@
 #ifndef QOPS_BPS
 #define QOPS_BPS 1
 #endif
+#ifndef QOPS_WARPS
+#define QOPS_WARPS 8
+#endif
 #ifndef QOPS_AHEAD
-// One block an SM has the registers for two stages in flight (100.6 us a Llama-3-8B layer against 106.8
-// with one); two blocks an SM spill with two (stop 47).
-#define QOPS_AHEAD (QOPS_BPS == 1 ? 2 : 1)
+// 8 warps an SM have the registers for two stages in flight (100.6 us a Llama-3-8B layer against 106.8
+// with one); 16 (at <= 128 registers) spill with two (stop 47).
+#define QOPS_AHEAD (QOPS_BPS * QOPS_WARPS == 8 ? 2 : 1)
 #endif
 
 namespace qops {
@@ -121,12 +125,16 @@ constexpr int GQ = QOPS_GQ;
 constexpr int kPrefetchStages = QOPS_PF;  // stages a warp's L2 prefetch runs ahead of its loads
 constexpr int kAhead = QOPS_AHEAD;         // stages a warp's register loads run ahead of its math (1..3)
 static_assert(kAhead >= 1 && kAhead <= 3, "QOPS_AHEAD is 1, 2 or 3");
-// Blocks an SM (the host launches QOPS_BPS x SMs blocks): 2 gives an SM 16 warps at <= 128 registers
-// each, 1 gives 8 warps up to 255. Two run the weight loops faster, but their barriers and finishers
-// cost more: one is the host's default (benchmarks/NOTES.md stop 47).
+// Blocks an SM (the host launches QOPS_BPS x SMs blocks) and warps a block (QOPS_WARPS): 16 warps an SM
+// (two blocks of 8, or one of 16) run at <= 128 registers a thread, 8 up to 255. Two blocks of 8 run the
+// weight loops faster than one, but their grid barriers (twice the arrivals) and finishers cost more
+// (benchmarks/NOTES.md stop 47); one block of 16 has the loops' warps with one block's barrier.
 constexpr int kBlocksPerSm = QOPS_BPS;
+constexpr int kWarps = QOPS_WARPS;
 static_assert(kBlocksPerSm == 1 || kBlocksPerSm == 2, "QOPS_BPS is 1 or 2");
-constexpr int kConsumers = 256;  // every thread of the block (8 warps)
+static_assert(kWarps == 8 || kWarps == 16, "QOPS_WARPS is 8 or 16");
+static_assert(kBlocksPerSm * kWarps <= 16, "at most 16 warps an SM (128 registers a thread)");
+constexpr int kConsumers = 32 * kWarps;  // every thread of the block
 constexpr int kThreads = kConsumers;
 // Measurement knobs (benchmarks/probe_layer_kernel.py; results are wrong with them): QOPS_PROBE bit 1:
 // the consumers skip the math (the stream and the barriers only), bit 2: no grid barriers.
@@ -141,12 +149,12 @@ constexpr int kMergeBatch = 8;  // shares the last block of a KV head merges at 
 // Positions a share attends to at least: a call at position pos uses ceil(pos / 16) shares (at most the
 // launch's nsplit), so short caches are not spread over shares of one position and merged at length.
 constexpr int kMinSharePositions = 16;
-constexpr int kStageChunks = 8;  // slab-chunks a stage: one a warp
+constexpr int kStageChunks = kWarps;  // slab-chunks a stage: one a warp
 constexpr int kHdLane = HD / 32;            // head dims a lane holds in the attention
 static_assert(HD % 32 == 0 && HD <= 256, "QOPS_HD: a multiple of 32 up to 256");
-// Cache positions a warp loads before attending to them: 4 (2 at two blocks an SM) where a lane's query
+// Cache positions a warp loads before attending to them: 4 (2 at 16 warps an SM) where a lane's query
 // heads fit (GQ x D / 32 <= 16 values; beyond, the attention's arrays alone fill the registers).
-constexpr int kKvDepth = GQ * kHdLane > 16 ? 1 : kBlocksPerSm == 1 ? 4 : 2;
+constexpr int kKvDepth = GQ * kHdLane > 16 ? 1 : kBlocksPerSm * kWarps == 8 ? 4 : 2;
 
 // One layer's pointers as the host writes them (16 x 8 bytes; qops/models/layer_kernel.py).
 struct LayerWeights {
@@ -180,7 +188,7 @@ struct Args {
 // KV head (the attention's shares).
 constexpr int kCtrGroups = 2;
 
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
 
 __device__ __forceinline__ u32 ld_relaxed_u32(const u32* p) {
   u32 v;
@@ -317,8 +325,8 @@ struct Smem {
   u16* h_pre;             // o and down: the residual stream's values of the block's column groups (64 x 32)
 };
 
-// Stages: a block's units of a projection in groups of per_stage consecutive units (8, or 4 [gate; up]
-// pairs), one a warp: warp w takes unit w of each stage ([gate; up]: pair w / 2's gate (w even) or up
+// Stages: a block's units of a projection in groups of per_stage consecutive units (W warps: W, or W / 2
+// [gate; up] pairs), one a warp: warp w takes unit w of each stage ([gate; up]: pair w / 2's gate (w even) or up
 // slab-chunk). A warp's unit of stage k is i0 + k per_stage + w (or w / 2), when below i1.
 __device__ __forceinline__ int stage_count(int i0, int i1, int per_stage) { return (i1 - i0 + per_stage - 1) / per_stage; }
 
@@ -449,7 +457,7 @@ __device__ void stage_rmsnorm(const Args& a, const Smem& s, const u16* w) {
   consumer_sync();
   float total = 0.f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) total += red[i];
+  for (int i = 0; i < kWarps; ++i) total += red[i];
   const float rinv = rsqrtf(total / static_cast<float>(K) + a.eps);
   for (int e = 8 * t; e < K; e += 8 * kConsumers) {
     const uint4 v = *reinterpret_cast<const uint4*>(s.x + e);
@@ -550,8 +558,8 @@ __device__ __forceinline__ bool stage_step(const Loop& L, const W4ZeroBase& zbas
 __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p, const W4ZeroBase& zbase_in, unsigned long long* st) {
   const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const Proj q = proj_of(a, a.layers[l], p);
-  float* red = s.scratch;  // [8 warps][ncg_max][64]
-  for (int i = t; i < 8 * a.ncg_max * 64; i += kConsumers) red[i] = 0.f;
+  float* red = s.scratch;  // [kWarps][ncg_max][64]
+  for (int i = t; i < kWarps * a.ncg_max * 64; i += kConsumers) red[i] = 0.f;
   consumer_sync();
 
   // Warp w takes unit w of each stage ([gate; up]: unit w / 2's gate (w even) or up slab-chunk).
@@ -560,7 +568,7 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
     // h of the block's column groups, for the epilogue: requested now, in flight under the loop (no block
     // writes a group's h before every block holding it has arrived, after its loop).
     const int ncg = groups_held(L);
-    for (int g = warp; g < ncg; g += 8) s.h_pre[32 * g + lane] = ld_cg_u16(a.h + 32 * (L.cg0 + g) + lane);
+    for (int g = warp; g < ncg; g += kWarps) s.h_pre[32 * g + lane] = ld_cg_u16(a.h + 32 * (L.cg0 + g) + lane);
   }
   L.ncg_max = a.ncg_max;
   L.xs = smem_addr(s.x);
@@ -614,7 +622,7 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
     const int lo = max(i0, cg * q.chunks), hi = min(i1, (cg + 1) * q.chunks);
     if (t < 32) {
       float v = 0.f, vu = 0.f;
-      for (int w = 0; w < 8; ++w) {
+      for (int w = 0; w < kWarps; ++w) {
         v += red[(w * a.ncg_max + g) * 64 + t];
         vu += red[(w * a.ncg_max + g) * 64 + 32 + t];
       }
@@ -695,7 +703,7 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
   if (sp >= ns) return;
   const u16* qkv = reinterpret_cast<const u16*>(a.ws + a.off_qkv);
   // Scratch: q_s [GQ + 1][HD] (the rotated queries and key, rounded), v_s [HD], warp partials
-  // [8][GQ][HD + 2] (m, l, o).
+  // [kWarps][GQ][HD + 2] (m, l, o).
   float* q_s = s.scratch;
   float* v_s = q_s + (GQ + 1) * HD;
   float* wp = v_s + HD;
@@ -734,13 +742,13 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
   }
   const int lo = static_cast<int>((static_cast<long long>(pos) * sp) / ns);
   const int hi = static_cast<int>((static_cast<long long>(pos) * (sp + 1)) / ns);
-  // A warp's positions lo + warp, + 8, ..., kKvDepth of them loaded before it attends to any (the
+  // A warp's positions lo + warp, + kWarps, ..., kKvDepth of them loaded before it attends to any (the
   // cache rows come from DRAM: one round trip a group, not one a position), in the same order.
-  for (int p0 = lo + warp; p0 < hi; p0 += 8 * kKvDepth) {
+  for (int p0 = lo + warp; p0 < hi; p0 += kWarps * kKvDepth) {
     float kv[kKvDepth][kHdLane], vv[kKvDepth][kHdLane];
 #pragma unroll
     for (int j = 0; j < kKvDepth; ++j) {
-      const int p = p0 + 8 * j;
+      const int p = p0 + kWarps * j;
       if (p < hi) {
         const u16* kr = lw.k_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
         const u16* vr = lw.v_cache + head_base + static_cast<size_t>(p) * HD + lane * kHdLane;
@@ -753,7 +761,7 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
     }
 #pragma unroll
     for (int j = 0; j < kKvDepth; ++j)
-      if (p0 + 8 * j < hi) attend(m, l, o, qr, kv[j], vv[j], a.scale);
+      if (p0 + kWarps * j < hi) attend(m, l, o, qr, kv[j], vv[j], a.scale);
   }
   if (sp == ns - 1 && warp == 0) {  // the new token, from shared memory
     float kv[kHdLane], vv[kHdLane];
@@ -781,9 +789,9 @@ __device__ __noinline__ void attention(const Args& a, const Smem& s, const Layer
   for (int i = t; i < GQ * HD; i += kConsumers) {
     const int g = i / HD, d = i - g * HD;
     float mm = neg_inf();
-    for (int w = 0; w < 8; ++w) mm = fmaxf(mm, wp[(w * GQ + g) * (HD + 2)]);
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, wp[(w * GQ + g) * (HD + 2)]);
     float ll = 0.f, oo = 0.f;
-    for (int w = 0; w < 8; ++w) {
+    for (int w = 0; w < kWarps; ++w) {
       const float* src = wp + (w * GQ + g) * (HD + 2);
       const float f = src[0] == neg_inf() ? 0.f : expf(src[0] - mm);
       ll += src[1] * f;
