@@ -330,35 +330,21 @@ def test_scratch_floats_cover_every_block():
     assert floats >= 8 * ncg * 64 and ncg <= 64
 
 
-@pytest.mark.parametrize("preferred", [LK.Build(2, 8), LK.Build(1, 16), LK.Build(1, 8, 6), LK.Build(1, 16, 4)])
-def test_build_rule(preferred, monkeypatch):
-    """The preferred build; 16 warps an SM only where the attention's per-lane arrays fit 128 registers
-    (GQ x D <= 512), else one block of 8 (the same ring), with a reason; the build's macros."""
+@pytest.mark.parametrize("preferred", [LK.GridShape(2, 8), LK.GridShape(1, 16)])
+def test_grid_shape_rule(preferred, monkeypatch):
+    """The preferred shape; 16 warps an SM only where the attention's per-lane arrays fit 128 registers
+    (GQ x D <= 512), else one block of 8, with a reason."""
     llama3 = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
-    monkeypatch.setattr(LK, "PREFERRED", preferred)
-    assert LK.build_wanted(llama3)[0] == preferred
-    assert LK.build_wanted(LK.Dims(1, 512, 1536, 8, 1, 64))[0] == preferred
-    build, why = LK.build_wanted(LK.Dims(1, 4096, 14336, 64, 8, 128))
-    if preferred.blocks_per_sm * preferred.warps > 8:
-        assert build == LK.Build(1, 8, preferred.ring) and "GQ x head_dim = 1024" in why
-    else:
-        assert build == preferred
-    defines = LK.build_defines(llama3, torch.bfloat16, torch.bfloat16, True, preferred)
-    assert (defines["QOPS_BPS"], defines["QOPS_WARPS"], defines["QOPS_RING"]) == (preferred.blocks_per_sm, preferred.warps, preferred.ring)
-    assert LK.Build.of_defines(preferred.defines()) == preferred and LK.Build.of_defines({"QOPS_STAMPS": 1}) is None
-    assert LK.Build.of_defines({"QOPS_RING": 6}) == LK.Build(1, 8, 6)
-
-
-def test_ring_shared_memory_fits_the_h200():
-    """The rings' bytes are counted in the block's shared memory: the measured builds fit the H200's
-    227 KiB a block at Llama-3-8B shapes (132 SMs), one ring slot more than fits is refused (None)."""
-    llama3 = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
-    optin = 232448
-    base, _ = LK.smem_plan(llama3, 132, optin)
-    for build in (LK.Build(1, 8, 6), LK.Build(1, 8, 8), LK.Build(1, 16, 4)):
-        smem, _ = LK.smem_plan(llama3, 132, optin, build)
-        assert smem is not None and smem >= base + build.warps * build.ring * LK.RING_SLOT_BYTES
-    assert LK.smem_plan(llama3, 132, optin, LK.Build(1, 16, 5))[0] is None
+    monkeypatch.setattr(LK, "PREFERRED_SHAPE", LK.EIGHT_WARPS)
+    assert LK.grid_shape_wanted(llama3)[0] == LK.EIGHT_WARPS
+    monkeypatch.setattr(LK, "PREFERRED_SHAPE", preferred)
+    assert LK.grid_shape_wanted(llama3)[0] == preferred
+    assert LK.grid_shape_wanted(LK.Dims(1, 512, 1536, 8, 1, 64))[0] == preferred
+    shape, why = LK.grid_shape_wanted(LK.Dims(1, 4096, 14336, 64, 8, 128))
+    assert shape == LK.EIGHT_WARPS and "GQ x head_dim = 1024" in why
+    defines = LK.build_defines(llama3, torch.bfloat16, torch.bfloat16, True, preferred.blocks_per_sm, preferred.warps)
+    assert (defines["QOPS_BPS"], defines["QOPS_WARPS"]) == (preferred.blocks_per_sm, preferred.warps)
+    assert preferred.threads == 32 * preferred.warps
 
 
 def test_scratch_holds_every_warps_partials():
@@ -371,9 +357,9 @@ def test_scratch_holds_every_warps_partials():
 
 # sm_80: ptxas spills ~60 bytes in project at two blocks (not the default; measured on sm_90 only)
 @pytest.mark.parametrize("arch", ["sm_90"])
-@pytest.mark.parametrize("build", [LK.Build(2, 8), LK.Build(1, 16), LK.Build(1, 16, 4)], ids=["two_blocks_of_8", "one_block_of_16", "16_with_ring"])
-def test_sixteen_warp_builds_fit_128_registers_with_at_most_a_word_spilled(arch, build):
-    """The rule's edge (GQ 4 x D 128, Llama-3-8B): ptxas gives the 16-warp builds <= 128 registers, at
+@pytest.mark.parametrize("shape", [LK.GridShape(2, 8), LK.GridShape(1, 16)], ids=["two_blocks_of_8", "one_block_of_16"])
+def test_sixteen_warp_builds_fit_128_registers_with_at_most_a_word_spilled(arch, shape):
+    """The rule's edge (GQ 4 x D 128, Llama-3-8B): ptxas gives both 16-warp builds <= 128 registers, at
     most one spilled word in project (a value kept across its weight loop; more would cost the loop what the
     second block buys), none in the attention, and a few bytes in the kernel's own body (its per-layer
     state, outside the loops)."""
@@ -382,7 +368,7 @@ def test_sixteen_warp_builds_fit_128_registers_with_at_most_a_word_spilled(arch,
     if compiler.runtime_missing() is not None:
         pytest.skip(compiler.runtime_missing())
     llama3 = LK.Dims(layers=1, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128)
-    opts = compiler.native_options(LK.build_defines(llama3, torch.bfloat16, torch.bfloat16, True, build))
+    opts = compiler.native_options(LK.build_defines(llama3, torch.bfloat16, torch.bfloat16, True, shape.blocks_per_sm, shape.warps))
     opts["ptxas_options"] = ["-v"]
     log: list = []
     compiler.compile(compiler.native_source(LK.SOURCE), arch, opts, log=log)

@@ -30,7 +30,7 @@ Returns the residual stream after the last layer ``(1, H)``. Each layer computes
 Kernels: on CPU (and wherever the native kernel refuses, :func:`native_refusal` says why)
 :func:`reference_decode_layers`, plain torch in fp32 with the same roundings. On CUDA (sm_80+, measured
 on the H200 only) the native kernel, launched with one block of 8 warps an SM (or 16 warps an SM at <= 128
-registers, two blocks of 8 or one of 16; :func:`build_wanted`, then the occupancy calculator); it
+registers, two blocks of 8 or one of 16: :func:`grid_shape_wanted`, then the occupancy calculator); it
 needs every block resident at once (grid barriers), which the occupancy check and nothing else holding
 an SM for good guarantee.
 Experimental: on the H200 it is so far ~1.7x slower than the layer-by-layer path (end to end 316 against
@@ -365,68 +365,51 @@ def device_facts(dev: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_properties(dev).multi_processor_count, compiler.max_shared_optin(dev)
 
 
+def smem_plan(dims: Dims, grid: int, smem_optin: int, warps: int = 8) -> tuple[int | None, dict]:
+    """(dynamic shared memory bytes a block of ``warps`` warps, or None when they exceed ``smem_optin``;
+    the launch facts: grid, column groups and scratch floats a block, the longest K)."""
+    ncg, scratch = _scratch_floats(dims, grid, warps)
+    kmax = max(dims.hidden, dims.inter, dims.heads * dims.head_dim)
+    smem = 128 + 2 * _align(kmax, 8) + 4 * scratch + 4 * 64 + 2 * 64 * 32  # x, scratch, flags, h_pre
+    plan = dict(grid=grid, ncg=ncg, scratch=scratch, kmax=kmax)
+    return (smem if smem <= smem_optin else None), plan
+
+
+def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool, blocks_per_sm: int = 1,
+                  warps: int = 8) -> dict[str, int]:
+    """The NVRTC macros of one build of the kernel."""
+    return {"QOPS_DT": int(dtype == torch.bfloat16), "QOPS_SDT": int(scale_dtype == torch.bfloat16), "QOPS_HAS_Z": int(has_zeros),
+            "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, "QOPS_BPS": blocks_per_sm, "QOPS_WARPS": warps}
+
+
 @dataclass(frozen=True)
-class Build:
-    """One build of the kernel and its launch (decode_layers.cu QOPS_BPS, QOPS_WARPS, QOPS_RING): blocks
-    an SM, warps a block, slots of a warp's shared-memory copy ring (0: the weights loaded into registers)."""
-    blocks_per_sm: int = 1
-    warps: int = 8
-    ring: int = 0
+class GridShape:
+    """Blocks an SM and warps a block of one launch (decode_layers.cu QOPS_BPS, QOPS_WARPS)."""
+    blocks_per_sm: int
+    warps: int
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
 
-    @property
-    def ring_bytes(self) -> int:
-        """Shared memory of the warps' rings, with 16 bytes of slack for the kernel's alignment."""
-        return self.warps * self.ring * RING_SLOT_BYTES + 16 if self.ring else 0
 
-    def defines(self) -> dict[str, int]:
-        return {"QOPS_BPS": self.blocks_per_sm, "QOPS_WARPS": self.warps, "QOPS_RING": self.ring}
-
-    @staticmethod
-    def of_defines(defines: dict) -> "Build | None":
-        """The build a measurement's QOPS_LAYER_DEFINES name (its QOPS_BPS / QOPS_WARPS / QOPS_RING over
-        the register-loading build of 8 warps), or None when they name none."""
-        if not any(k in defines for k in ("QOPS_BPS", "QOPS_WARPS", "QOPS_RING")):
-            return None
-        return Build(int(defines.get("QOPS_BPS", 1)), int(defines.get("QOPS_WARPS", 8)), int(defines.get("QOPS_RING", 0)))
-
-
-RING_SLOT_BYTES = 2048 + 32 * 8 + 32 * 4  # decode_layers.cu kSlotBytes: a lane's weights, scales and zero word
-FALLBACK = Build()  # one block of 8 warps loading into registers: the build every shape falls back to
+EIGHT_WARPS = GridShape(1, 8)  # the fallback: every build fits it
 # Measured (benchmarks/NOTES.md stop 47, 8 Llama-3-8B layers on the H200): one block of 8 warps (two stages
 # of weights in flight) 92.7 us a layer, two blocks of 8 an SM 96.3 (their loops are faster, their grid
-# barriers and finishers slower); stop 48 (QOPS_PF 0): one block of 8 or of 16 warps 82.2. Every build stays
-# selectable (QOPS_LAYER_DEFINES {"QOPS_BPS": 2}, {"QOPS_WARPS": 16}, {"QOPS_RING": 6}) and tested.
-PREFERRED = FALLBACK
+# barriers and finishers slower). Every shape stays selectable (QOPS_LAYER_DEFINES {"QOPS_BPS": 2} or
+# {"QOPS_WARPS": 16}) and tested.
+PREFERRED_SHAPE = EIGHT_WARPS
 
 
-def smem_plan(dims: Dims, grid: int, smem_optin: int, build: Build = FALLBACK) -> tuple[int | None, dict]:
-    """(dynamic shared memory bytes a block of ``build``, or None when they exceed ``smem_optin``; the
-    launch facts: grid, column groups and scratch floats a block, the longest K)."""
-    ncg, scratch = _scratch_floats(dims, grid, build.warps)
-    kmax = max(dims.hidden, dims.inter, dims.heads * dims.head_dim)
-    smem = 128 + 2 * _align(kmax, 8) + 4 * scratch + 4 * 64 + 2 * 64 * 32 + build.ring_bytes  # x, scratch, flags, h_pre, rings
-    plan = dict(grid=grid, ncg=ncg, scratch=scratch, kmax=kmax)
-    return (smem if smem <= smem_optin else None), plan
-
-
-def build_defines(dims: Dims, dtype: torch.dtype, scale_dtype: torch.dtype, has_zeros: bool, build: Build = FALLBACK) -> dict[str, int]:
-    """The NVRTC macros of one build of the kernel."""
-    return {"QOPS_DT": int(dtype == torch.bfloat16), "QOPS_SDT": int(scale_dtype == torch.bfloat16), "QOPS_HAS_Z": int(has_zeros),
-            "QOPS_HD": dims.head_dim, "QOPS_GQ": dims.heads // dims.kv_heads, **build.defines()}
-
-
-def build_wanted(dims: Dims) -> tuple[Build, str]:
-    """(the build the kernel is compiled for before occupancy is known, why): PREFERRED, but never 16
-    warps an SM where the attention's per-lane arrays would spill at 128 registers."""
+def grid_shape_wanted(dims: Dims) -> tuple[GridShape, str]:
+    """(the launch shape the kernel is built for before occupancy is known, why): PREFERRED_SHAPE, and
+    never 16 warps an SM where the attention's per-lane arrays would spill at 128 registers."""
+    if PREFERRED_SHAPE == EIGHT_WARPS:
+        return EIGHT_WARPS, "one block of 8 warps an SM measured faster (stop 47)"
     gq_d = dims.heads // dims.kv_heads * dims.head_dim
-    if PREFERRED.blocks_per_sm * PREFERRED.warps > 8 and gq_d > SIXTEEN_WARPS_MAX_GQ_D:
-        return (Build(1, 8, PREFERRED.ring),
-                f"GQ x head_dim = {gq_d} > {SIXTEEN_WARPS_MAX_GQ_D}: 16 warps an SM would need more than 128 registers for the attention's arrays")
-    return PREFERRED, "the fastest build measured (benchmarks/NOTES.md)"
+    if gq_d > SIXTEEN_WARPS_MAX_GQ_D:
+        return EIGHT_WARPS, f"GQ x head_dim = {gq_d} > {SIXTEEN_WARPS_MAX_GQ_D}: the attention's arrays need more than 128 registers"
+    return PREFERRED_SHAPE, "16 warps an SM"
 
 
 def _addresses(dims: Dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache) -> tuple:
@@ -466,27 +449,28 @@ def _launch_plan_cached(dims: Dims, index: int, dtype: torch.dtype, scale_dtype:
     dev = torch.device("cuda", index)
     sms, smem_optin = device_facts(dev)
     forced = json.loads(extra) if extra else {}  # measurement builds (benchmarks/probe_layer_kernel.py)
-    named = Build.of_defines(forced)
-    build = named or build_wanted(dims)[0]
+    shape = grid_shape_wanted(dims)[0]
+    if "QOPS_BPS" in forced or "QOPS_WARPS" in forced:
+        shape = GridShape(int(forced.get("QOPS_BPS", 1)), int(forced.get("QOPS_WARPS", 8)))
     while True:
-        smem, plan = smem_plan(dims, build.blocks_per_sm * sms, smem_optin, build)
-        defines = build_defines(dims, dtype, scale_dtype, has_zeros, build)
+        smem, plan = smem_plan(dims, shape.blocks_per_sm * sms, smem_optin, shape.warps)
+        defines = build_defines(dims, dtype, scale_dtype, has_zeros, shape.blocks_per_sm, shape.warps)
         defines.update({str(k): int(v) for k, v in forced.items()})
         kernel = compiler.get_kernel(dev, SOURCE, defines, KERNEL)
         # Every block must be resident at once (grid barriers): ask the occupancy calculator.
-        fits = smem is not None and compiler.max_active_blocks(kernel, dev, build.threads, smem) >= build.blocks_per_sm
+        fits = smem is not None and compiler.max_active_blocks(kernel, dev, shape.threads, smem) >= shape.blocks_per_sm
         if fits:
-            return kernel, build, build.blocks_per_sm * sms, smem, plan
-        if build == FALLBACK or named is not None:
-            raise RuntimeError(fail(OP, f"{build.blocks_per_sm} blocks of the kernel ({build}) do not fit an SM ({build.threads} threads, "
+            return kernel, shape, shape.blocks_per_sm * sms, smem, plan
+        if shape == EIGHT_WARPS or "QOPS_BPS" in forced or "QOPS_WARPS" in forced:
+            raise RuntimeError(fail(OP, f"{shape.blocks_per_sm} blocks of the kernel do not fit an SM ({shape.threads} threads, "
                                         f"{smem} bytes of shared memory)"))
-        build = FALLBACK  # the wanted build does not fit (shared memory)
+        shape = EIGHT_WARPS  # the wanted shape does not fit (shared memory): one block of 8 warps
 
 
 def _launch_plan(dims: Dims, dev: torch.device, dtype, scale_dtype, has_zeros: bool):
-    """(kernel, Build, grid, dynamic shared memory bytes, smem_plan's facts): the build build_wanted
-    asks for (or QOPS_LAYER_DEFINES' QOPS_BPS / QOPS_WARPS / QOPS_RING) where the occupancy calculator
-    says it fits, else FALLBACK."""
+    """(kernel, GridShape, grid, dynamic shared memory bytes, smem_plan's facts): the shape
+    grid_shape_wanted asks for (or QOPS_LAYER_DEFINES' QOPS_BPS / QOPS_WARPS) where the occupancy
+    calculator says it fits, else one block of 8 warps."""
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     return _launch_plan_cached(dims, index, dtype, scale_dtype, has_zeros, os.environ.get(DEFINES_ENV) or None)
 
@@ -501,13 +485,13 @@ def native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweigh
     # it): the op keeps no state about a workspace between calls.
     header = _workspace_header(lay, _addresses(dims, qweight, scales, qzeros, norm1, norm2, k_cache, v_cache))
     workspace[:header.numel()].copy_(header, non_blocking=True)
-    kernel, build, grid, smem, plan = _launch_plan(dims, dev, hidden.dtype, scales[0].dtype, qzeros[0] is not None)
+    kernel, shape, grid, smem, plan = _launch_plan(dims, dev, hidden.dtype, scales[0].dtype, qzeros[0] is not None)
     nsplit = max(1, min(MAX_SPLITS, grid // dims.kv_heads))
     out = hidden.clone(memory_format=torch.contiguous_format)
     base = workspace.data_ptr()
     i32 = compiler.i32
     compiler.launch(
-        kernel, (grid, 1, 1), (build.threads, 1, 1), smem, torch.cuda.current_stream(dev),
+        kernel, (grid, 1, 1), (shape.threads, 1, 1), smem, torch.cuda.current_stream(dev),
         base + lay["table"], i32(dims.layers), out.data_ptr(), base, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         i32(dims.hidden), i32(dims.inter), i32(dims.kv_heads), i32(k_cache[0].shape[2]), i32(0 if group_size == -1 else group_size // 128),
         i32(nsplit), i32(plan["kmax"]), i32(plan["ncg"]), i32(zero_offset), np.float32(eps), np.float32(scale),

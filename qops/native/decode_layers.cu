@@ -7,9 +7,8 @@
 // shapes), ~25 us at the H200's copy bandwidth, but as ~8 kernels a layer the step spends ~50 us: each
 // matmul starts cold behind a small kernel (its first weights requested only once it is resident),
 // and the small projections are mostly start-up (benchmarks/NOTES.md, stops 21, 29, 41). Weights do not
-// depend on activations, so here (QOPS_RING > 0) each warp copies its coming weights into its own ring of
-// shared-memory slots QOPS_RING - 1 stages ahead of its math (cp.async: bytes in flight that hold no
-// registers), and the next projection's first QOPS_RING - 1 stages as a projection ends, so they arrive
+// depend on activations, so here each warp prefetches its coming weights into L2 QOPS_PF stages ahead of
+// its loads, and the next projection's first QOPS_PF stages as a projection ends, so they are requested
 // while the block finishes, the grid waits at a barrier or runs the attention (which reads no weights).
 //
 // Grid: QOPS_BPS blocks an SM of QOPS_WARPS warps: one of 8 (up to 255 registers a thread), or 16 warps an
@@ -30,8 +29,7 @@
 // [floor(b U / G), floor((b + 1) U / G)), so every block streams the same bytes (+-1 unit) whatever the
 // shape; a column group then spans one to three blocks. A block's units go to its W warps in stages of W
 // (unit w of each stage to warp w; [gate; up]: pair w / 2's gate (w even) or up slab-chunk), each warp
-// copying its coming units into its ring (or, QOPS_RING 0, loading the next QOPS_AHEAD into registers)
-// while it computes the current one.
+// loading its next unit into registers while it computes the current one.
 //
 // A slab-chunk in registers: lane (r, c) = (lane / 4, lane % 4) holds word rows 4c + j (j = 0..3),
 // columns 4r .. 4r + 3 (four 16-byte loads; a warp's load j reads four 128-byte rows), the four
@@ -71,7 +69,7 @@
 //
 // Compile-time configuration: QOPS_DT (0 f16, 1 bf16), QOPS_SDT (the scales' dtype, the same codes),
 // QOPS_HAS_Z (0/1: qzeros present), QOPS_HD (head dim, a multiple of 32 up to 256), QOPS_GQ (query heads
-// per KV head), QOPS_RING (slots of a warp's copy ring; 0: register loads QOPS_AHEAD stages ahead),
+// per KV head), QOPS_PF (stages of L2 prefetch ahead), QOPS_AHEAD (stages of register loads ahead),
 // QOPS_BPS (blocks an SM), QOPS_WARPS (warps a block), QOPS_PROBE and QOPS_STAMPS (measurements,
 // below). sm_80 and later.
 #include "ptx.cuh"
@@ -92,8 +90,12 @@
 #ifndef QOPS_GQ
 #define QOPS_GQ 4
 #endif
-#ifndef QOPS_RING
-#define QOPS_RING 0
+#ifndef QOPS_PF
+// L2 prefetch distance, stages; 0 compiles the loop's prefetch out: at e38353f 0 measured 82.6 us a layer
+// against 92.5 with 4 (the prefetch's per-stage address arithmetic costs the instruction-bound loop more
+// than its L2 hits give; benchmarks/NOTES.md stop 47). Earlier, at two blocks an SM, 4 gave 106.2, 2 106.6,
+// 8 110.4 (948a100), and 4 124, 12 140, 0 134 before the loop kept its state in registers (091c647).
+#define QOPS_PF 0
 #endif
 #ifndef QOPS_STAMPS
 #define QOPS_STAMPS 0
@@ -120,20 +122,9 @@ constexpr int DT = QOPS_DT;
 constexpr int SDT = QOPS_SDT;  // the scales' dtype
 constexpr int HD = QOPS_HD;
 constexpr int GQ = QOPS_GQ;
-// An L2 prefetch of the coming stages (QOPS_PF, removed at stop 48) cost the loop more instructions than
-// its hits gave: 82.6 us a layer without it against 92.5 (e38353f, benchmarks/NOTES.md stop 47).
-constexpr int kAhead = QOPS_AHEAD;  // QOPS_RING 0: stages a warp's register loads run ahead of its math (1..3)
+constexpr int kPrefetchStages = QOPS_PF;  // stages a warp's L2 prefetch runs ahead of its loads
+constexpr int kAhead = QOPS_AHEAD;         // stages a warp's register loads run ahead of its math (1..3)
 static_assert(kAhead >= 1 && kAhead <= 3, "QOPS_AHEAD is 1, 2 or 3");
-// Slots of a warp's copy ring (0: none, the register loads). With R slots a warp has R - 1 stages of
-// weights in flight whatever its registers: at 8 warps an SM two stages in registers (32 KiB an SM)
-// measured no faster than one at 16 warps (the same bytes), so the loops wait on the bytes in flight
-// (Little: ~32 KiB x 132 SMs over a ~1.5 us loaded latency is ~2.8 TB/s; stop 48).
-constexpr int kRing = QOPS_RING;
-static_assert(kRing == 0 || (kRing >= 2 && kRing <= 16), "QOPS_RING is 0 or 2..16");
-// A slot: a lane's 4 x 16 bytes of weights at j * 512 + 16 lane (a warp's 16-byte reads conflict-free),
-// its scales' 8 bytes at 2048 + 8 lane, its zero word at 2304 + 4 lane. Each lane copies exactly the bytes
-// it reads back, so a lane's own cp.async.wait_group is all the synchronization a slot needs.
-constexpr int kSlotBytes = 2048 + 32 * 8 + 32 * 4;
 // Blocks an SM (the host launches QOPS_BPS x SMs blocks) and warps a block (QOPS_WARPS): 16 warps an SM
 // (two blocks of 8, or one of 16) run at <= 128 registers a thread, 8 up to 255. Two blocks of 8 run the
 // weight loops faster than one, but their grid barriers (twice the arrivals) and finishers cost more
@@ -332,11 +323,7 @@ struct Smem {
   float* scratch;         // warp partials / the attention's partials
   int* flags;             // small per-block flags (64)
   u16* h_pre;             // o and down: the residual stream's values of the block's column groups (64 x 32)
-  u32 ring;               // QOPS_RING: the warps' copy rings (kWarps x kRing slots of kSlotBytes), shared address
 };
-
-// Warp w's ring: kRing slots.
-__device__ __forceinline__ u32 warp_ring(const Smem& s, int warp) { return s.ring + static_cast<u32>(warp * kRing * kSlotBytes); }
 
 // Stages: a block's units of a projection in groups of per_stage consecutive units (W warps: W, or W / 2
 // [gate; up] pairs), one a warp: warp w takes unit w of each stage ([gate; up]: pair w / 2's gate (w even) or up
@@ -374,21 +361,27 @@ __device__ __forceinline__ Loop loop_of(const Proj& q, int warp, int lane) {
 // Column groups the block holds units of: cg0 .. cg0 + groups_held - 1.
 __device__ __forceinline__ int groups_held(const Loop& L) { return L.i1 > L.i0 ? (L.i1 - 1) / L.q.chunks - L.cg0 + 1 : 0; }
 
-// Where lane `lane` of a warp finds its part of unit u: its four 16-byte weight pieces (at w, w + 32, w + 64,
-// w + 96 words), its columns' scales (8 bytes) and their zero word.
-struct UnitAt {
-  const u32* w;
-  const u16* sc;
-  const u32* z;
-};
-__device__ __forceinline__ UnitAt unit_at(const Loop& L, int u) {
+// Unit u's lines into L2 (none past the block's units): lanes 0-15 the slab-chunk's 16 weight lines,
+// lane 16 its scales' line, lane 17 its zeros'.
+__device__ __forceinline__ void prefetch_unit(const Loop& L, int u) {
+  if (u >= L.i1) return;
   const int cg = L.q.by_chunks(u), c = u - cg * L.q.chunks;
   const int slab = cg + L.sl * L.q.up_slab0;
   const int grow = L.q.group_chunks ? L.q.by_group(c) : 0;
-  const int r = L.lane >> 2;
-  return UnitAt{L.q.qw + (static_cast<size_t>(slab) * L.q.kw + 16 * c) * 32 + 128 * (L.lane & 3) + 4 * r,
-                L.q.sc + static_cast<size_t>(grow) * L.q.n + 32 * slab + 4 * r,
-                L.q.qz + static_cast<size_t>(grow) * (L.q.n / 8) + 4 * slab + (r >> 1)};
+  const int lane = L.lane;
+  const void* line = lane < 16 ? static_cast<const void*>(L.q.qw + (static_cast<size_t>(slab) * L.q.kw + 16 * c) * 32 + 32 * lane)
+                   : lane == 16 ? static_cast<const void*>(L.q.sc + static_cast<size_t>(grow) * L.q.n + 32 * slab)
+                                : static_cast<const void*>(L.q.qz + static_cast<size_t>(grow) * (L.q.n / 8) + 4 * slab);
+  prefetch_l2_if(line, lane < 17 || (lane == 17 && QOPS_HAS_Z));
+}
+
+// The warp's units of the first kPrefetchStages stages of projection p of layer l into L2: issued as the
+// projection before it ends, so they are requested while the block finishes, waits at the grid barrier
+// and stages x. Inside a projection each stage prefetches the stage kPrefetchStages ahead.
+__device__ __noinline__ void prefetch_head(const Args& a, int l, int p, int warp, int lane) {
+  if (l >= a.n_layers) return;
+  const Loop L = loop_of(proj_of(a, a.layers[l], p), warp, lane);
+  for (int k = 0; k < kPrefetchStages && k < L.stages; ++k) prefetch_unit(L, L.i0 + k * L.q.per_stage + L.unit);
 }
 
 // --- a slab-chunk's sums (one warp) --------------------------------------------------------------
@@ -515,58 +508,18 @@ struct Chunk {
   u32 zw;
 };
 
-// Issue the loads of unit u into registers (none when !mine): the weights on the streaming path, scales
-// and zeros read-only.
+// Issue the loads of unit u (none when !mine): the weights on the streaming path (prefetched into L2),
+// scales and zeros read-only.
 __device__ __forceinline__ void load_chunk(const Loop& L, int u, bool mine, Chunk& ch) {
-  const UnitAt at = unit_at(L, u);
+  const int cg = L.q.by_chunks(u), c = u - cg * L.q.chunks;
+  const int slab = cg + L.sl * L.q.up_slab0;
+  const int grow = L.q.group_chunks ? L.q.by_group(c) : 0;
+  const int r = L.lane >> 2;
+  const u32* wp = L.q.qw + (static_cast<size_t>(slab) * L.q.kw + 16 * c) * 32 + 128 * (L.lane & 3) + 4 * r;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) ld_stream_v4_if(ch.w[j], at.w + 32 * j, mine);
-  ld_nc_v2_if(ch.sv, at.sc, mine);
-  if (QOPS_HAS_Z) ld_nc_u32_if(ch.zw, at.z, mine);
-}
-
-// Copy unit u into the warp's ring slot at shared address `slot` (nothing when !mine).
-__device__ __forceinline__ void copy_chunk(const Loop& L, int u, bool mine, u32 slot) {
-  const UnitAt at = unit_at(L, u);
-  const u32 lane = static_cast<u32>(L.lane);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) cp_async_16_if(slot + 512 * j + 16 * lane, at.w + 32 * j, mine);
-  cp_async_8_if(slot + 2048 + 8 * lane, at.sc, mine);
-  if (QOPS_HAS_Z) cp_async_4_if(slot + 2304 + 4 * lane, at.z, mine);
-}
-
-__device__ __forceinline__ uint2 lds_v2(u32 addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ u32 lds_u32(u32 addr) {
-  u32 v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
-}
-
-// The lane's part of the unit in ring slot `slot` (copied by this lane, landed).
-__device__ __forceinline__ void read_chunk(u32 slot, int lane, Chunk& ch) {
-  const u32 ln = static_cast<u32>(lane);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) ch.w[j] = lds_v4(slot + 512 * j + 16 * ln);
-  ch.sv = lds_v2(slot + 2048 + 8 * ln);
-  ch.zw = QOPS_HAS_Z ? lds_u32(slot + 2304 + 4 * ln) : 0u;
-}
-
-// The first kRing - 1 stages of the warp's units of projection p of layer l into ring slots 0 .. kRing - 2,
-// one cp.async group a stage (empty groups past the units or the last layer: the loop counts on
-// exactly kRing - 1 groups pending as it starts). Issued as the projection before it ends, so they are in
-// flight while the block finishes, waits at the grid barrier, runs the attention and stages x.
-__device__ __noinline__ void ring_head(const Args& a, u32 ring, int l, int p, int warp, int lane) {
-  const bool any = l < a.n_layers;
-  const Loop L = loop_of(proj_of(a, a.layers[any ? l : 0], p), warp, lane);
-  for (int k = 0; k < kRing - 1; ++k) {
-    const int u = L.i0 + k * L.q.per_stage + L.unit;
-    if (any && k < L.stages) copy_chunk(L, u, u < L.i1, ring + k * kSlotBytes);
-    cp_async_commit();
-  }
+  for (int j = 0; j < 4; ++j) ld_stream_v4_if(ch.w[j], wp + 32 * j, mine);
+  ld_nc_v2_if(ch.sv, L.q.sc + static_cast<size_t>(grow) * L.q.n + 32 * slab + 4 * r, mine);
+  if (QOPS_HAS_Z) ld_nc_u32_if(ch.zw, L.q.qz + static_cast<size_t>(grow) * (L.q.n / 8) + 4 * slab + (r >> 1), mine);
 }
 
 // A warp's sums of column group `cur` (none when cur < 0) into its row of the block's partials; zeroed after.
@@ -580,7 +533,7 @@ __device__ __forceinline__ void flush_sums(float* red, float (&acc)[4], int cur,
 }
 
 // Stage k: issue the loads of stage k + kAhead into `load`, this warp's unit of stage k (if any) into acc
-// from `use`. False past the last stage.
+// from `use`, the L2 prefetch of stage k + kPrefetchStages. False past the last stage.
 __device__ __forceinline__ bool stage_step(const Loop& L, const W4ZeroBase& zbase, int k, const Chunk& use, Chunk& load,
                                            float (&acc)[4], int& cur) {
   if (k >= L.stages) return false;
@@ -595,64 +548,8 @@ __device__ __forceinline__ bool stage_step(const Loop& L, const W4ZeroBase& zbas
     }
     if constexpr (!(kProbe & 1)) chunk_sums(acc, use.w, L.xs + 2 * 128 * (u - cg * L.q.chunks), L.lane, zbase, use.sv, use.zw);
   }
+  if constexpr (kPrefetchStages > 0) prefetch_unit(L, L.i0 + (k + kPrefetchStages) * L.q.per_stage + L.unit);
   return true;
-}
-
-// The weight loop from registers: each warp's units kAhead stages ahead, in kAhead + 1 register sets used
-// in turn (unrolled so no set is ever copied: a copy would wait for its loads).
-__device__ __forceinline__ void register_loop(const Loop& L, const W4ZeroBase& zbase, float (&acc)[4], int& cur) {
-  Chunk c0, c1, c2, c3;
-  Chunk* sets[4] = {&c0, &c1, &c2, &c3};
-#pragma unroll
-  for (int i = 0; i < kAhead; ++i)
-    if (i < L.stages) load_chunk(L, L.i0 + i * L.q.per_stage + L.unit, L.i0 + i * L.q.per_stage + L.unit < L.i1, *sets[i]);
-  if constexpr (kAhead == 1) {
-    for (int k = 0;; k += 2) {
-      if (!stage_step(L, zbase, k, c0, c1, acc, cur)) break;
-      if (!stage_step(L, zbase, k + 1, c1, c0, acc, cur)) break;
-    }
-  } else if constexpr (kAhead == 2) {
-    for (int k = 0;; k += 3) {
-      if (!stage_step(L, zbase, k, c0, c2, acc, cur)) break;
-      if (!stage_step(L, zbase, k + 1, c1, c0, acc, cur)) break;
-      if (!stage_step(L, zbase, k + 2, c2, c1, acc, cur)) break;
-    }
-  } else {
-    for (int k = 0;; k += 4) {
-      if (!stage_step(L, zbase, k, c0, c3, acc, cur)) break;
-      if (!stage_step(L, zbase, k + 1, c1, c0, acc, cur)) break;
-      if (!stage_step(L, zbase, k + 2, c2, c1, acc, cur)) break;
-      if (!stage_step(L, zbase, k + 3, c3, c2, acc, cur)) break;
-    }
-  }
-}
-
-// The weight loop from the warp's ring: stage k's copies were issued kRing - 1 stages before (the first
-// ones by ring_head); each stage issues stage k + kRing - 1's into the slot stage k - 1 used, waits for
-// stage k's group (all but the newest kRing - 1) and computes from its slot.
-__device__ __forceinline__ void ring_loop(const Loop& L, const W4ZeroBase& zbase, u32 ring, float (&acc)[4], int& cur) {
-  int use = 0, fill = kRing - 1;  // slots
-  for (int k = 0; k < L.stages; ++k) {
-    const int next = L.i0 + (k + kRing - 1) * L.q.per_stage + L.unit;
-    if (k + kRing - 1 < L.stages) copy_chunk(L, next, next < L.i1, ring + fill * kSlotBytes);
-    cp_async_commit();
-    cp_async_wait<kRing - 1>();
-    const int u = L.i0 + k * L.q.per_stage + L.unit;
-    if (u < L.i1) {
-      const int cg = L.q.by_chunks(u);
-      if (cg != cur) {
-        flush_sums(L.red, acc, cur, L.cg0, L.warp, L.ncg_max, L.sl, L.lane);
-        cur = cg;
-      }
-      if constexpr (!(kProbe & 1)) {
-        Chunk ch;
-        read_chunk(ring + use * kSlotBytes, L.lane, ch);
-        chunk_sums(acc, ch.w, L.xs + 2 * 128 * (u - cg * L.q.chunks), L.lane, zbase, ch.sv, ch.zw);
-      }
-    }
-    use = use == kRing - 1 ? 0 : use + 1;
-    fill = fill == kRing - 1 ? 0 : fill + 1;
-  }
 }
 
 // Run projection p of layer l over this block's units.
@@ -679,13 +576,34 @@ __device__ __noinline__ void project(const Args& a, const Smem& s, int l, int p,
   const W4ZeroBase zbase = zbase_in;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int cur = -1;
-  if constexpr (kRing > 0) {
-    ring_loop(L, zbase, warp_ring(s, warp), acc, cur);
-    // The next projection's first stages into the ring while this one finishes and the grid waits.
-    ring_head(a, warp_ring(s, warp), p == 3 ? l + 1 : l, (p + 1) & 3, warp, lane);
+  // Each warp's units kAhead stages ahead, in kAhead + 1 register sets used in turn (the loop unrolled
+  // so no set is ever copied: a copy would wait for its loads).
+  Chunk c0, c1, c2, c3;
+  Chunk* sets[4] = {&c0, &c1, &c2, &c3};
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i)
+    if (i < L.stages) load_chunk(L, L.i0 + i * L.q.per_stage + L.unit, L.i0 + i * L.q.per_stage + L.unit < L.i1, *sets[i]);
+  if constexpr (kAhead == 1) {
+    for (int k = 0;; k += 2) {
+      if (!stage_step(L, zbase, k, c0, c1, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 1, c1, c0, acc, cur)) break;
+    }
+  } else if constexpr (kAhead == 2) {
+    for (int k = 0;; k += 3) {
+      if (!stage_step(L, zbase, k, c0, c2, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 1, c1, c0, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 2, c2, c1, acc, cur)) break;
+    }
   } else {
-    register_loop(L, zbase, acc, cur);
+    for (int k = 0;; k += 4) {
+      if (!stage_step(L, zbase, k, c0, c3, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 1, c1, c0, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 2, c2, c1, acc, cur)) break;
+      if (!stage_step(L, zbase, k + 3, c3, c2, acc, cur)) break;
+    }
   }
+  // The next projection's first stages into L2 while this one finishes and the grid waits.
+  prefetch_head(a, p == 3 ? l + 1 : l, (p + 1) & 3, warp, lane);
   flush_sums(red, acc, cur, L.cg0, warp, a.ncg_max, L.sl, lane);
   consumer_sync();
   stamp(st, 0);
@@ -944,7 +862,7 @@ __device__ void consume(const Args& a, const Smem& s) {
   const W4ZeroBase zbase = w4_zero_base<DT>(static_cast<u32>(a.zoff));
   const int nh = a.nkv * GQ;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if constexpr (kRing > 0) ring_head(a, warp_ring(s, warp), 0, 0, warp, lane);
+  prefetch_head(a, 0, 0, warp, lane);
   unsigned long long* stamps = nullptr;
   if (QOPS_STAMPS) {
     const size_t apart = static_cast<size_t>(a.nkv) * kMaxSplits * GQ * (HD + 2) * 4;
@@ -1007,6 +925,5 @@ qops_decode_layers(const qops::layers::LayerWeights* layers, int n_layers, qops:
   s.scratch = reinterpret_cast<float*>(base + 2 * ((a.kmax + 7) / 8 * 8));
   s.flags = reinterpret_cast<int*>(s.scratch) + a.scratch_floats;
   s.h_pre = reinterpret_cast<u16*>(s.flags + 64);
-  s.ring = (smem_addr(s.h_pre + 64 * 32) + 15u) & ~15u;  // the host's smem_plan: 16 bytes of slack for this
   consume(a, s);
 }
