@@ -33,11 +33,11 @@ on the H200 only) the native kernel, launched with one block of 8 warps an SM (o
 registers, two blocks of 8 or one of 16: :func:`grid_shape_wanted`, then the occupancy calculator); it
 needs every block resident at once (grid barriers), which the occupancy check and nothing else holding
 an SM for good guarantee.
-Experimental: on the H200 it is so far ~1.7x slower than the layer-by-layer path (end to end 316 against
-542 tok/s; 92.7 us a Llama-3-8B layer against ~50: its weight loops take ~58 us for 109 MB, bound by the
-dequantization's instructions at 8 warps an SM, the four phase boundaries ~5-6 us each and the attention
-~9; benchmarks/NOTES.md stops 46-47 have the per-phase timelines), so nothing routes to it unless asked
-(``LlamaForCausalLM.use_layer_kernel``). Sums run in a fixed order (no
+Experimental: on the H200 it is so far ~1.5x slower than the layer-by-layer path (end to end 347 against
+536 tok/s at 4410df4; 82.2 us a Llama-3-8B layer against ~55: its weight loops take ~48 us for 109 MB,
+waiting on the ~32 KiB of weights an SM has in flight in registers, the four phase boundaries ~5 us each
+and the attention ~8.5; benchmarks/NOTES.md stops 46-48 have the per-phase timelines), so nothing routes
+to it unless asked (``LlamaForCausalLM.use_layer_kernel``). Sums run in a fixed order (no
 floating-point atomics): results are the same bits run to run. Scores, softmax and the attention's
 sums stay in fp32 (``decode_attention`` rounds the probabilities to the dtype before ``p @ v``; this
 kernel does not), so outputs agree with the layer-by-layer model within rounding, not bit for bit.
