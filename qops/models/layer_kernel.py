@@ -394,10 +394,11 @@ class GridShape:
 
 
 EIGHT_WARPS = GridShape(1, 8)  # the fallback: every build fits it
-# Measured (benchmarks/NOTES.md stop 47, 8 Llama-3-8B layers on the H200): one block of 8 warps (two stages
+# Measured (benchmarks/NOTES.md, 8 Llama-3-8B layers on the H200): stop 47, one block of 8 warps (two stages
 # of weights in flight) 92.7 us a layer, two blocks of 8 an SM 96.3 (their loops are faster, their grid
-# barriers and finishers slower). Every shape stays selectable (QOPS_LAYER_DEFINES {"QOPS_BPS": 2} or
-# {"QOPS_WARPS": 16}) and tested.
+# barriers and finishers slower); stop 48 (no L2 prefetch), one block of 8 82.24, one of 16 82.21, two of 8
+# 83.87 -- the same bytes in flight an SM. Every shape stays selectable (QOPS_LAYER_DEFINES
+# {"QOPS_BPS": 2} or {"QOPS_WARPS": 16}) and tested.
 PREFERRED_SHAPE = EIGHT_WARPS
 
 
@@ -405,7 +406,7 @@ def grid_shape_wanted(dims: Dims) -> tuple[GridShape, str]:
     """(the launch shape the kernel is built for before occupancy is known, why): PREFERRED_SHAPE, and
     never 16 warps an SM where the attention's per-lane arrays would spill at 128 registers."""
     if PREFERRED_SHAPE == EIGHT_WARPS:
-        return EIGHT_WARPS, "one block of 8 warps an SM measured faster (stop 47)"
+        return EIGHT_WARPS, "one block of 8 warps an SM: 16 warps measured no faster (stops 47-48)"
     gq_d = dims.heads // dims.kv_heads * dims.head_dim
     if gq_d > SIXTEEN_WARPS_MAX_GQ_D:
         return EIGHT_WARPS, f"GQ x head_dim = {gq_d} > {SIXTEEN_WARPS_MAX_GQ_D}: the attention's arrays need more than 128 registers"
