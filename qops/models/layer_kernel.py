@@ -450,9 +450,8 @@ def _launch_plan_cached(dims: Dims, index: int, dtype: torch.dtype, scale_dtype:
     dev = torch.device("cuda", index)
     sms, smem_optin = device_facts(dev)
     forced = json.loads(extra) if extra else {}  # measurement builds (benchmarks/probe_layer_kernel.py)
-    shape = grid_shape_wanted(dims)[0]
-    if "QOPS_BPS" in forced or "QOPS_WARPS" in forced:
-        shape = GridShape(int(forced.get("QOPS_BPS", 1)), int(forced.get("QOPS_WARPS", 8)))
+    named = "QOPS_BPS" in forced or "QOPS_WARPS" in forced  # a measurement names its shape: no fallback
+    shape = GridShape(int(forced.get("QOPS_BPS", 1)), int(forced.get("QOPS_WARPS", 8))) if named else grid_shape_wanted(dims)[0]
     while True:
         smem, plan = smem_plan(dims, shape.blocks_per_sm * sms, smem_optin, shape.warps)
         defines = build_defines(dims, dtype, scale_dtype, has_zeros, shape.blocks_per_sm, shape.warps)
@@ -462,7 +461,7 @@ def _launch_plan_cached(dims: Dims, index: int, dtype: torch.dtype, scale_dtype:
         fits = smem is not None and compiler.max_active_blocks(kernel, dev, shape.threads, smem) >= shape.blocks_per_sm
         if fits:
             return kernel, shape, shape.blocks_per_sm * sms, smem, plan
-        if shape == EIGHT_WARPS or "QOPS_BPS" in forced or "QOPS_WARPS" in forced:
+        if shape == EIGHT_WARPS or named:
             raise RuntimeError(fail(OP, f"{shape.blocks_per_sm} blocks of the kernel do not fit an SM ({shape.threads} threads, "
                                         f"{smem} bytes of shared memory)"))
         shape = EIGHT_WARPS  # the wanted shape does not fit (shared memory): one block of 8 warps

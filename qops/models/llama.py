@@ -451,7 +451,7 @@ class LlamaForCausalLM(nn.Module):
     def use_layer_kernel(self, enable: bool = True) -> None:
         """Run batch-1 decode steps through ``qops::decode_layers`` (``qops.models.layer_kernel``):
         every decoder layer in one op, on a GPU one persistent kernel (experimental:
-        slower than the layer-by-layer steps on the H200 so far, benchmarks/NOTES.md stops 46-47). Allocates the op's
+        slower than the layer-by-layer steps on the H200 so far, benchmarks/NOTES.md stops 46-48). Allocates the op's
         workspace (``layer_workspace``, :func:`~qops.models.layer_kernel.workspace_bytes`) once.
         Raises ValueError naming what does not qualify (:meth:`layer_kernel_refusal`)."""
         if not enable:
