@@ -154,6 +154,16 @@ def dequantize(format_name: str, checkpoint) -> torch.Tensor:
     raise KeyError(f"oracle: no reference for format {format_name!r}; add one to tests/oracle.py")
 
 
+def stride_two(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``'s values in a view whose last dimension has stride 2, the elements between them ``t``'s
+    reversed (valid values of the same kind: a kernel that reads them as if the view were
+    contiguous gives a wrong answer, not a crash). None stays None."""
+    if t is None:
+        return None
+    wide = torch.stack([t, t.flip(-1)], dim=-1)
+    return wide.select(-1, 0)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """float64 ``x @ w.T + bias`` for the oracle weight ``w`` (N, K)."""
     y = x.detach().double() @ w.t()

@@ -23,6 +23,7 @@ from qops.lowerings import LOWERINGS_BY_NAME, Kernel, WeightSpec
 
 from tests import bnb_cases as C
 from tests.int_weight_cases import one_thread  # noqa: F401  (autouse: small CPU matmuls on one thread)
+from tests.oracle import stride_two
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed (optional second oracle; CI installs qops[test] only)")
@@ -316,16 +317,18 @@ def test_plain_absmax_refuses_nested_tables():
 # --------------------------------------------------------------- Triton kernels (interpreter)
 
 
-def _triton_case(case, dtype, m, override, mod, gen):
+def _triton_case(case, dtype, m, override, mod, gen, strided=False):
+    """(y, its float64 oracle, the plan); ``strided``: bias (and int8's scales) as views of stride 2."""
     b = C.build(case)
     w = b.weight
     x = _x(m, case.k, dtype, gen, "transposed" if m % 2 else "contiguous")
     bias = torch.randn(case.n, generator=gen).to(dtype)
+    view = stride_two if strided else (lambda t: t)  # noqa: E731
     with mod.config_override(**override):
         if hasattr(w, "scales"):
-            y = mod.triton_mm(x, w.qweight, w.scales, bias)
+            y = mod.triton_mm(x, w.qweight, view(w.scales), view(bias))
         else:
-            y = mod.triton_mm(x, *w._weight_args(), bias, w.out_features, w.blocksize, w.nested_blocksize, w.layout)
+            y = mod.triton_mm(x, *w._weight_args(), view(bias), w.out_features, w.blocksize, w.nested_blocksize, w.layout)
         p = mod.plan(m, case.n, case.k, x.device) if hasattr(w, "scales") else mod.plan(m, case.n, case.k, w.blocksize, x.device, dtype)
     return y, C.matmul(x, b.w64, bias), p
 
@@ -370,6 +373,23 @@ def test_triton_kernels_in_the_interpreter(run, dtype):
     assert p["path"] == path and (split is None or (p["split"] > 1) == split), p
     assert y.dtype == dtype and y.shape == (m, case.n)
     assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), C.rel_err(y, want)
+
+
+@pytest.mark.interpreter
+@needs_triton
+@pytest.mark.parametrize("run", [r for r in TRITON_RUNS if r[1] in (1, 17)] + [(C.BLOCKWISE4_CASES[4], 1, {}, "gemv_fma", None)],
+                         ids=lambda r: f"{r[0].id}-m{r[1]}-{r[3]}")
+def test_triton_small_tensors_with_any_strides(run):
+    """The ops accept a bias and int8 scales with any strides; the kernels read them with unit stride,
+    so the entries make them contiguous (read as if contiguous they were off by ~600-1400x)."""
+    from qops.ops.triton import blockwise4 as tbw4
+    from qops.ops.triton import int8_weight as ti8
+
+    case, m, override, path, _ = run
+    mod = ti8 if case in C.INT8_CASES else tbw4
+    y, want, p = _triton_case(case, torch.float16, m, override, mod, torch.Generator().manual_seed(m), strided=True)
+    assert p["path"] == path, p
+    assert C.rel_err(y, want) <= 2e-3, C.rel_err(y, want)
 
 
 @pytest.mark.interpreter

@@ -20,6 +20,7 @@ from qops.formats import FORMATS, get_format
 from qops.formats.fp8 import Fp8BlockCheckpoint, Fp8Checkpoint, quantize_rtn
 from qops.lowerings import DISABLE_ENV, LOWERINGS_BY_NAME, Kernel, WeightSpec, choose
 from qops.ops.fp8 import check_kernel, prepare_fp8_weight, quantize_fp8_activations
+from tests.oracle import stride_two
 
 FP8 = torch.float8_e4m3fn
 FP8_FORMATS = ("fp8", "compressed-tensors-fp8", "fp8-block")
@@ -734,6 +735,23 @@ def test_triton_kernels_match_oracle(gran, path, variant):
         want = oracle_mm(oracle_x(x_fp8, x_scale), want_w, bias)
     assert y.dtype == dtype and tuple(y.shape) == (m, n)
     assert rel_err(y, want) <= TOL[dtype]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", sorted(TRITON_PATHS))
+def test_triton_bias_with_any_strides(path):
+    """The op accepts a bias with any strides; the kernels read it with unit stride, so the entry makes
+    it contiguous (read as if contiguous it was off by ~600x)."""
+    from qops.ops.triton.fp8 import triton_mm
+
+    w, c = weight_of(TRITON_WEIGHTS["channel"], dtype=torch.float16)
+    want_w = oracle_weight(WEIGHTS[TRITON_WEIGHTS["channel"]][0], c)
+    n, k = want_w.shape
+    m, config = TRITON_PATHS[path]
+    x = _x(m, k, torch.float16, 12)
+    bias = torch.randn(n).to(torch.float16)
+    y = triton_mm(x, None, w.weight, w.weight_scale, stride_two(bias), w.block_n, w.block_k, torch.float16, config=config)
+    assert rel_err(y, oracle_mm(x, want_w, bias)) <= TOL[torch.float16]
 
 
 @pytest.mark.interpreter

@@ -20,6 +20,8 @@ from qops.ops.int_weight import reference_dequantize, to_column_slabs
 from qops.ops.triton import common as C
 from qops.ops.triton import int_weight as T
 
+from tests.oracle import stride_two
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-6, torch.float16: 2e-3}
 
@@ -72,14 +74,17 @@ def rel_err(y, ref):
     return ((y.cpu().double() - ref).norm() / ref.norm()).item()
 
 
-def check(m, n, k, bits, group_size, sym, act_order, has_bias, dtype, path, zero_offset=1, seed=0, x_shape=None, slabs=False):
-    """The kernel on the flat qweight (or, ``slabs``, on its column slabs) against the oracle of the flat one."""
+def check(m, n, k, bits, group_size, sym, act_order, has_bias, dtype, path, zero_offset=1, seed=0, x_shape=None, slabs=False,
+          strided=False):
+    """The kernel on the flat qweight (or, ``slabs``, on its column slabs) against the oracle of the flat one;
+    ``strided``: scales, qzeros, act_perm and bias passed as views of stride 2 along their last dimension."""
     qweight, scales, qzeros, act_perm, zo = runtime_weight(n, k, bits, group_size, sym, act_order, zero_offset, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(*(x_shape or (m,)), k, generator=g).to(dtype).to(DEVICE)
     bias = torch.randn(n, generator=g).to(dtype).to(DEVICE) if has_bias else None
     q_in = to_column_slabs(qweight) if slabs else qweight
-    y = T.triton_mm(x, q_in, scales, qzeros, act_perm, bias, bits, group_size, zo, force_path=path)
+    view = stride_two if strided else (lambda t: t)  # noqa: E731
+    y = T.triton_mm(x, q_in, *map(view, (scales, qzeros, act_perm, bias)), bits, group_size, zo, force_path=path)
     assert y.shape == (*x.shape[:-1], n) and y.dtype == dtype
     err = rel_err(y, oracle(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zo))
     assert err < TOL[dtype], f"relative error {err:.2e}"
@@ -160,6 +165,14 @@ def test_strided_and_batched_activations(path):
     y = T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
     assert y.shape == (2, 3, 40)
     assert rel_err(y, oracle(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm", "dense"])
+def test_small_tensors_with_any_strides(path):
+    """The op accepts scales, qzeros, act_perm and bias with any strides; the kernels read rows of them
+    with unit stride, so the entry makes those rows contiguous (a strided bias read as if contiguous
+    was off by ~500x, qzeros and act_perm by ~100%)."""
+    check(5, 72, 200, 4, 32, False, True, True, torch.float16, path, strided=True)
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])

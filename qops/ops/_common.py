@@ -60,6 +60,17 @@ def check_out(who: str, out: torch.Tensor, shape, x: torch.Tensor) -> None:
     )
 
 
+def unit_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` whose last dimension has unit stride (copied only when it has another); None stays None.
+
+    The ops accept a bias, scales, zeros or a permutation with any strides (the reference kernels
+    index them as tensors), while the CUDA kernels read a row of each with stride 1 and take only the
+    other dimensions' strides as arguments."""
+    if t is None or t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1:
+        return t
+    return t.contiguous()
+
+
 def reference_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> torch.Tensor:
     """``x @ w.T + bias`` for an fp32 ``(N, K)`` weight, accumulated in fp32; a fresh tensor of x's
     dtype, or written into ``out`` and returned (the reference kernels' epilogue)."""

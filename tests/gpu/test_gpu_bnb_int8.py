@@ -9,6 +9,8 @@ The native 4-bit lowering, which ranks above Triton, is disabled here (its own s
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from qops.ops.triton import blockwise4 as tbw4
 from qops.ops.triton import int8_weight as ti8
 
 from tests import bnb_cases as C
+from tests.oracle import stride_two
 
 pytestmark = pytest.mark.gpu
 
@@ -90,6 +93,19 @@ def test_eager(case, dtype, ms):
         out = torch.full((m, case.n), float("nan"), device="cuda", dtype=dtype)
         mm_out(w, x, bias, out, torch.empty(4 * m * case.n, dtype=torch.uint8, device="cuda"))
         check(out, x, w64, bias, dtype, f"M={m} out+workspace")
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.id)
+def test_small_tensors_with_any_strides(case):
+    """A bias (and int8's scales) as views of stride 2 (the ops accept any strides): the oracle's
+    result on every path's M."""
+    w, w64 = gpu_weight(case, torch.float16)
+    if hasattr(w, "scales"):
+        w = dataclasses.replace(w, scales=stride_two(w.scales))
+    bias = torch.randn(case.n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).half()
+    for m in (1, 3, 64, 257):
+        x = torch.randn(m, case.k, device="cuda").half()
+        check(w.mm(x, stride_two(bias)), x, w64, bias, torch.float16, f"M={m} strided")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -18,6 +18,7 @@ from qops.formats import FORMATS
 from qops.lowerings import Kernel
 from qops.ops.fp8 import quantize_fp8_activations
 from tests.test_fp8 import oracle_mm, oracle_weight, oracle_x, rel_err
+from tests.oracle import stride_two
 
 pytestmark = pytest.mark.gpu
 
@@ -98,6 +99,8 @@ def test_w8a16_triton(case, dtype):
     for m in ms:
         bias = torch.randn(w.out_features, device="cuda").to(dtype)
         check(w, w64, _x(m, w.in_features, dtype), bias if m % 2 else None, f"{case} M={m}")
+        if m in (1, 16):  # the op accepts a bias with any strides
+            check(w, w64, _x(m, w.in_features, dtype), stride_two(bias), f"{case} M={m} strided bias")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

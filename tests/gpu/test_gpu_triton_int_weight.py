@@ -256,6 +256,20 @@ def test_activation_layouts():
             check(y, x, b.w64, None, name)
 
 
+def test_small_tensors_with_any_strides():
+    """scales, qzeros, act_perm and bias as views of stride 2 along their last dimension (the op
+    accepts any strides): the oracle's result at every path's M."""
+    case, dtype = next(item for item in MATRIX if item[0].act_order and not item[0].sym)
+    b = built(case, dtype)
+    w = b.weight
+    strided = dataclasses.replace(w, scales=oracle.stride_two(w.scales), qzeros=oracle.stride_two(w.qzeros),
+                                  act_perm=oracle.stride_two(w.act_perm))
+    bias = rand(case.n, dtype=dtype, seed=3)
+    for m in (1, 7, 64, 2048):
+        x = rand(m, case.k, dtype=dtype, seed=m)
+        check(strided.mm(x, oracle.stride_two(bias)), x, b.w64, bias, f"M={m}")
+
+
 # Whole-word, one-group weight tiles (the shipped table's K tile divides the group), so the GEMM
 # builds its tile in fp16/bf16; every form it can take is checked against the oracle.
 HALF = [

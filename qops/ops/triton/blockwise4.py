@@ -88,6 +88,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import unit_stride
 from ..blockwise4 import LAYOUT_FLAT
 from .common import (ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k,
                      store_row, store_tile)
@@ -665,6 +666,7 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     if k == 0:
         y2.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(y2))
         return finish(y2, None, None, x, n, out)
+    bias = unit_stride(bias)
     p = plan(m, n, k, blocksize, x.device, x.dtype, dense=layout != LAYOUT_FLAT)
     if p["path"] == "dense":
         _run_dense(p, x2, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, blocksize,

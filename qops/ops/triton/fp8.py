@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import unit_stride
 from .common import fp32_scratch, grouped_tile, pick_bucket, sm_count
 
 FP8 = torch.float8_e4m3fn
@@ -280,7 +281,7 @@ def triton_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtyp
         X_FP8=x_fp8, HAS_X_SCALE=x_scale is not None, HAS_BIAS=bias is not None, K_BLOCKED=k_blocked,
         NATIVE=native, POST=post,
     )
-    b = bias if bias is not None else weight_scale
+    b = unit_stride(bias) if bias is not None else weight_scale
     use_gemv = m <= GEMV_MAX_M if config is None else "SPLIT_K" in config
     if use_gemv:
         cfg, split_k, k_per_split = _gemv_launch(m, n, k, block_k, sms, config)

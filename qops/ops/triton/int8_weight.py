@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import unit_stride
 from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k, store_row, store_tile
 
 CONFIGS: dict = {
@@ -192,6 +193,7 @@ def triton_mm(x, qweight, scales, bias, out=None, workspace=None):
     atomic = p["split"] > 1
     acc = fp32_scratch(workspace, (m, n), True, x.device) if atomic else None
     dst = acc if atomic else y2
+    scales, bias = unit_stride(scales), unit_stride(bias)
     b = bias if bias is not None else scales
     common = (x2, qweight, scales, b, dst, m, n, k, x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1),
               dst.stride(0), dst.stride(1), p["split_len"])

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from .common import HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket, sm_count, split_k
+from .._common import unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -831,10 +832,7 @@ def triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         return out
     if k == 0:
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
-    if qweight.stride(-1) != 1:
-        qweight = qweight.contiguous()
-    if scales.stride(1) != 1:
-        scales = scales.contiguous()
+    qweight, scales, qzeros, act_perm, bias = (unit_stride(t) for t in (qweight, scales, qzeros, act_perm, bias))
     x2 = x.reshape(m, k)
     direct = out.is_contiguous()
     o2 = out.view(m, n) if direct else torch.empty((m, n), dtype=x.dtype, device=x.device)
