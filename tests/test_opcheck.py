@@ -283,3 +283,23 @@ def test_samples_include_requires_grad_inputs():
     grads = [name for name, make in SAMPLES.items()
              if any(isinstance(a, torch.Tensor) and a.requires_grad for args in make().values() for a in args)]
     assert {"mm_int_weight", "mm_int_weight_out", "mm_fp8_weight_out"} <= set(grads)
+
+
+# Where the bias sits among each differentiable op's inputs (x is input 0).
+BIAS_INDEX = {"mm_int_weight": 5, "mm_int8_weight": 3, "mm_blockwise4": 7, "mm_fp8_weight": 3}
+
+
+@pytest.mark.parametrize("name", sorted(BIAS_INDEX))
+def test_bias_gradient_is_summed_in_fp32(name):
+    """fp16 activations over more rows than an fp16 sum can count (65504): the fp32 bias's gradient of
+    a gradient of ones is the row count, not inf."""
+    args = list(next(iter(SAMPLES[name]().values())))
+    rows, n = 66000, None
+    args[0] = torch.zeros(rows, args[0].shape[-1], dtype=torch.float16, requires_grad=True)
+    y = getattr(torch.ops.qops, name)(*args[:BIAS_INDEX[name]], None, *args[BIAS_INDEX[name] + 1:])
+    n = y.shape[-1]
+    bias = torch.zeros(n, requires_grad=True)
+    args[BIAS_INDEX[name]] = bias
+    y = getattr(torch.ops.qops, name)(*args)
+    y.backward(torch.ones_like(y))
+    assert bias.grad.dtype == torch.float32 and torch.equal(bias.grad, torch.full((n,), float(rows)))

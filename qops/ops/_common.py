@@ -82,12 +82,10 @@ def reference_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     return out.copy_(y)
 
 
-def bias_grad(grad: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``grad`` summed over its leading dimensions; with ``dtype``, summed in fp32 and cast to it."""
-    g = grad.reshape(-1, grad.shape[-1])
-    if dtype is None:
-        return g.sum(0)
-    return g.float().sum(0).to(dtype)
+def bias_grad(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad`` summed over its leading dimensions in fp32, cast to the bias ``dtype`` (an fp16 sum
+    over many rows overflows or loses the small terms, whatever dtype the bias has)."""
+    return grad.reshape(-1, grad.shape[-1]).float().sum(0).to(dtype)
 
 
 # Weights are frozen: the gradient flows to the activations (input 0, through the dequantized
@@ -99,21 +97,20 @@ def save_frozen_weight(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], tenso
     ctx.frozen = (tuple(statics), x.dtype, None if bias is None else bias.dtype)
 
 
-def frozen_weight_grads(ctx, grad: torch.Tensor, dequantize: Callable, bias_index: int, *, fp32_bias_grad: bool = False):
+def frozen_weight_grads(ctx, grad: torch.Tensor, dequantize: Callable, bias_index: int):
     """``(grad_x, grad_bias)``: ``grad @ dequantize(*tensors, *statics, float32)`` in x's dtype, and
-    the bias gradient (summed in fp32 and cast to the bias dtype when ``fp32_bias_grad``)."""
+    the bias gradient (:func:`bias_grad`)."""
     statics, x_dtype, bias_dtype = ctx.frozen
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
         w = dequantize(*ctx.saved_tensors, *statics, torch.float32)
         grad_x = (grad.float() @ w).to(x_dtype)
     if bias_dtype is not None and ctx.needs_input_grad[bias_index]:
-        grad_bias = bias_grad(grad, bias_dtype if fp32_bias_grad else None)
+        grad_bias = bias_grad(grad, bias_dtype)
     return grad_x, grad_bias
 
 
-def register_frozen_weight_autograd(op, dequantize: Callable, *, tensors: Sequence[int], statics: Sequence[int], bias: int,
-                                    fp32_bias_grad: bool = False) -> None:
+def register_frozen_weight_autograd(op, dequantize: Callable, *, tensors: Sequence[int], statics: Sequence[int], bias: int) -> None:
     """Give ``op(x, ...)`` a backward through its family's ``dequantize`` op.
 
     ``tensors`` and ``statics`` are the indices of ``op``'s inputs that ``dequantize`` takes, in its
@@ -126,7 +123,7 @@ def register_frozen_weight_autograd(op, dequantize: Callable, *, tensors: Sequen
 
     def backward(ctx, grad):
         grads = [None] * ctx.n_inputs
-        grads[0], grads[bias] = frozen_weight_grads(ctx, grad, dequantize, bias, fp32_bias_grad=fp32_bias_grad)
+        grads[0], grads[bias] = frozen_weight_grads(ctx, grad, dequantize, bias)
         return tuple(grads)
 
     op.register_autograd(backward, setup_context=setup_context)

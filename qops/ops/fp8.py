@@ -370,9 +370,7 @@ def blockwise_scaled_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k
 
 
 # Inputs (x, weight, weight_scale, bias, block_n, block_k, kernel).
-register_frozen_weight_autograd(
-    mm_fp8_weight, torch.ops.qops.dequantize_fp8, tensors=(1, 2), statics=(4, 5), bias=3, fp32_bias_grad=True,
-)
+register_frozen_weight_autograd(mm_fp8_weight, torch.ops.qops.dequantize_fp8, tensors=(1, 2), statics=(4, 5), bias=3)
 
 
 def _scaled_setup_context(ctx, inputs, output):
@@ -451,7 +449,7 @@ class _Fp8ActivationMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad_x, grad_bias = frozen_weight_grads(ctx, grad, torch.ops.qops.dequantize_fp8, 3, fp32_bias_grad=True)
+        grad_x, grad_bias = frozen_weight_grads(ctx, grad, torch.ops.qops.dequantize_fp8, 3)
         return grad_x, None, None, grad_bias, None, None, None, None, None
 
 
