@@ -370,6 +370,8 @@ def _dequant_samples(int8: bool):
             continue
         if int8:
             out[name] = (w.qweight, w.scales, dtype)
+            # A column-major qweight (the op takes any strides): the result is row-major, as the fake says.
+            out[f"{name}-column-major"] = (w.qweight.t().contiguous().t(), w.scales, dtype)
         else:
             out[name] = (*w._weight_args(), *w._static_args(), dtype)
     return out

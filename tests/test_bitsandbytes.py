@@ -8,6 +8,7 @@ dependency), bitsandbytes itself as a second oracle.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 
@@ -303,6 +304,31 @@ def test_errors_name_the_argument(bad, fake):
             op(*args)
     else:
         with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
+            op(*args)
+
+
+DEQUANTIZE_BAD = [
+    ("int8 qweight 0-d", True, lambda a: a.__setitem__(0, torch.tensor(1, dtype=torch.int8)), r"qweight must be 2-D \(N, K\), got 0-D"),
+    ("int8 dtype", True, lambda a: a.__setitem__(2, torch.int32), r"dtype must be one of .*got torch.int32"),
+    ("blockwise4 in_features", False, lambda a: a.__setitem__(7, -3), r"in_features must be >= 0, got -3"),
+    ("blockwise4 dtype", False, lambda a: a.__setitem__(11, torch.uint8), r"dtype must be one of .*got torch.uint8"),
+]
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+@pytest.mark.parametrize("bad", DEQUANTIZE_BAD, ids=lambda b: b[0])
+def test_dequantize_errors_name_the_argument(bad, fake):
+    """Static arguments a dequantize op takes (no x to check them against): refused by name, where an
+    integer dtype returned truncated weights and a 0-d qweight or a negative K failed inside torch."""
+    _, is_int8, mutate, message = bad
+    w = C.build(C.INT8_CASES[0] if is_int8 else C.BLOCKWISE4_CASES[0]).weight
+    args = [w.qweight, w.scales, torch.float16] if is_int8 else [*w._weight_args(), *w._static_args(), torch.float16]
+    mutate(args)
+    op = torch.ops.qops.dequantize_int8_weight if is_int8 else torch.ops.qops.dequantize_blockwise4
+    with FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext() as mode:
+        if fake:
+            args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with pytest.raises((ValueError, TypeError), match=message):
             op(*args)
 
 

@@ -188,8 +188,10 @@ def _deq_args(w, **changes):
         (dict(scales=torch.ones(3, 24, dtype=torch.float64)), r"scales must be float32, float16 or bfloat16, got torch.float64"),
         (dict(act_perm=torch.arange(72.0)), r"act_perm must be int32 or int64, got torch.float32"),
         (dict(qzeros=torch.zeros(3, 3, dtype=torch.int32, device=META)), r"qzeros must be on cpu \(the device of x\), got meta"),
+        (dict(in_features=-1), r"dequantize_int_weight: in_features must be >= 0, got -1"),
+        (dict(dtype=torch.int32), r"dequantize_int_weight: dtype must be one of .*got torch.int32"),
     ],
-    ids=["K", "bits", "group_size", "zero_offset", "scales-dtype", "act_perm-dtype", "qzeros-device"],
+    ids=["K", "bits", "group_size", "zero_offset", "scales-dtype", "act_perm-dtype", "qzeros-device", "K-negative", "dtype-int"],
 )
 def test_dequantize_int_weight_bad_input(weight, changes, pattern, mode):
     expect_error(torch.ops.qops.dequantize_int_weight, _deq_args(weight, **changes), mode, pattern)

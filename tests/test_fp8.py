@@ -663,6 +663,7 @@ def _bad_inputs():
         "smm-weight-k": (smm, _smm_args(w, weight=w.weight[:, :100].contiguous()), r"weight must have K=200"),
         "smm-kernel-device": (smm, _smm_args(w, kernel=3), r"kernel=3 \(scaled_mm_fp8\) runs on \['cuda'\]"),
         "dq-scale": (dq, dict(weight=w.weight, weight_scale=w.weight_scale.t(), block_n=32, block_k=64, dtype=torch.float32), r"weight_scale must have shape \(3, 4\)"),
+        "dq-dtype": (dq, dict(weight=w.weight, weight_scale=w.weight_scale, block_n=32, block_k=64, dtype=torch.int8), r"dtype must be one of .*got torch.int8"),
     }
 
 

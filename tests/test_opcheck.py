@@ -205,8 +205,13 @@ def scaled_mm_fp8_samples():
 
 
 def dequantize_fp8_samples():
-    return {f"{name}-{str(dtype)[6:]}": (*_fp8_static(w), w.block_n, w.block_k, dtype)
-            for (name, w), dtype in zip(_fp8_weights().items(), (torch.float32, torch.float16, torch.bfloat16))}
+    samples = {f"{name}-{str(dtype)[6:]}": (*_fp8_static(w), w.block_n, w.block_k, dtype)
+               for (name, w), dtype in zip(_fp8_weights().items(), (torch.float32, torch.float16, torch.bfloat16))}
+    # A column-major weight (the op takes any strides): the result is row-major, as the fake says.
+    name, w = next(iter(_fp8_weights().items()))
+    weight, scale = _fp8_static(w)
+    samples[f"{name}-column-major"] = (weight.t().contiguous().t(), scale, w.block_n, w.block_k, torch.float32)
+    return samples
 
 
 SAMPLES = {

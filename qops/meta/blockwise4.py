@@ -5,7 +5,7 @@ import torch
 
 from ..lowerings import lowering_for
 from ..ops.blockwise4 import FAMILY, call_facts, check_blockwise4, check_mm_blockwise4
-from ..ops._common import check_out
+from ..ops._common import check_dequantize_dtype, check_out
 
 
 @torch.library.register_fake("qops::mm_blockwise4")
@@ -31,4 +31,5 @@ def _dequantize_blockwise4_fake(qweight, code, absmax, nested_code, nested_absma
                                 in_features, blocksize, nested_blocksize, layout, dtype):
     n = check_blockwise4("dequantize_blockwise4", in_features, qweight, code, absmax, nested_code, nested_absmax,
                          nested_offset, out_features, blocksize, nested_blocksize, layout, qweight.device)
+    check_dequantize_dtype("dequantize_blockwise4", dtype)
     return qweight.new_empty((n, in_features), dtype=dtype)

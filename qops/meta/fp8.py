@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops._common import check_out
+from ..ops._common import check_dequantize_dtype, check_out
 from ..ops.fp8 import check_fp8_weight, check_mm_fp8_weight, check_scaled_mm_fp8
 
 
@@ -28,4 +28,5 @@ def _scaled_mm_fp8_fake(x_fp8, x_scale, weight, weight_scale, bias, block_n, blo
 @torch.library.register_fake("qops::dequantize_fp8")
 def _dequantize_fp8_fake(weight, weight_scale, block_n, block_k, dtype):
     n = check_fp8_weight("dequantize_fp8", None, weight, weight_scale, block_n, block_k, weight.device)
+    check_dequantize_dtype("dequantize_fp8", dtype)
     return weight.new_empty((n, weight.shape[1]), dtype=dtype)

@@ -5,7 +5,7 @@ import torch
 
 from ..lowerings import lowering_for
 from ..ops.int8_weight import FAMILY, call_facts, check_int8_weight, check_mm_int8_weight
-from ..ops._common import check_out
+from ..ops._common import check_dequantize_dtype, check_out
 
 
 @torch.library.register_fake("qops::mm_int8_weight")
@@ -24,5 +24,6 @@ def _mm_int8_weight_out_fake(x, qweight, scales, bias, kernel, out, workspace):
 
 @torch.library.register_fake("qops::dequantize_int8_weight")
 def _dequantize_int8_weight_fake(qweight, scales, dtype):
-    n = check_int8_weight("dequantize_int8_weight", qweight.shape[-1], qweight, scales, qweight.device)
+    n = check_int8_weight("dequantize_int8_weight", None, qweight, scales, qweight.device)
+    check_dequantize_dtype("dequantize_int8_weight", dtype)
     return qweight.new_empty((n, qweight.shape[-1]), dtype=dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..lowerings import lowering_for
-from ..ops._common import check_out
+from ..ops._common import check_dequantize_dtype, check_out
 from ..ops.int_weight import FAMILY, call_facts, check_int_weight, check_mm_int_weight, check_mm_int_weight_swiglu, swiglu_shape
 
 
@@ -18,6 +18,7 @@ def _mm_int_weight_fake(x, qweight, scales, qzeros, act_perm, bias, in_features,
 @torch.library.register_fake("qops::dequantize_int_weight")
 def _dequantize_int_weight_fake(qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset, dtype):
     n = check_int_weight("dequantize_int_weight", in_features, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, qweight.device)
+    check_dequantize_dtype("dequantize_int_weight", dtype)
     return qweight.new_empty((n, in_features), dtype=dtype)
 
 

@@ -12,6 +12,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEQUANTIZE_DTYPES = (*ACT_DTYPES, torch.float64)  # float64: oracles dequantize exactly
 
 
 def fail(who: str, msg: str) -> str:
@@ -27,6 +28,19 @@ def check_devices(who: str, tensors, device: torch.device) -> None:
 
 def check_act_dtype(who: str, name: str, t: torch.Tensor) -> None:
     torch._check_type(t.dtype in ACT_DTYPES, lambda: fail(who, f"{name} must be float32, float16 or bfloat16, got {t.dtype}"))
+
+
+def check_dequantize_dtype(who: str, dtype: torch.dtype) -> None:
+    """The ``dtype`` a dequantize op returns: a float type that holds every weight value (an integer
+    type would truncate them silently)."""
+    torch._check_type(dtype in DEQUANTIZE_DTYPES,
+                      lambda: fail(who, f"dtype must be one of {[str(d) for d in DEQUANTIZE_DTYPES]}, got {dtype}"))
+
+
+def check_in_features(who: str, k) -> None:
+    """A K given as an argument (not read from x) is not negative."""
+    if isinstance(k, int) and k < 0:
+        raise ValueError(fail(who, f"in_features must be >= 0, got {k}"))
 
 
 def check_x(who: str, x: torch.Tensor, in_features: Optional[int] = None) -> None:

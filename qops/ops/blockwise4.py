@@ -42,7 +42,7 @@ import torch
 
 from ..formats.blockwise4 import denest, dequantize_flat, unpack_nibbles
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
-from ._common import check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
+from ._common import check_bias, check_dequantize_dtype, check_devices, check_in_features, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "blockwise4"
 LAYOUT_FLAT, LAYOUT_TILE16 = 0, 1
@@ -72,6 +72,7 @@ def check_blockwise4(who, k, qweight, code, absmax, nested_code, nested_absmax, 
     """Validate the runtime weight for ``k`` input features; returns N. Works on fake tensors."""
     if out_features < 0:
         raise ValueError(fail(who, f"out_features must be >= 0, got {out_features}"))
+    check_in_features(who, k)
     if blocksize <= 0:
         raise ValueError(fail(who, f"blocksize must be positive, got {blocksize}"))
     if layout not in LAYOUTS:
@@ -228,6 +229,7 @@ def dequantize_blockwise4(
 ) -> torch.Tensor:  # (N, K)
     check_blockwise4("dequantize_blockwise4", in_features, qweight, code, absmax, nested_code, nested_absmax,
                      nested_offset, out_features, blocksize, nested_blocksize, layout, qweight.device)
+    check_dequantize_dtype("dequantize_blockwise4", dtype)
     w = reference_dequantize(qweight, code, absmax, nested_code, nested_absmax, nested_offset, out_features,
                              in_features, blocksize, nested_blocksize, layout)
     return w.to(dtype)

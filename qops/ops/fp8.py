@@ -39,7 +39,7 @@ import torch
 from ..formats.fp8 import FP8_DTYPE, FP8_MAX, Fp8Quantized, dequantize_reference, expand_scale, scale_shape
 from ..lowerings import (LOWERINGS_BY_KERNEL, LOWERINGS_BY_NAME, X_SCALE_GROUP, CallFacts, Choice, Kernel, WeightSpec, choose,
                          implementation)
-from ._common import (ACT_DTYPES, bias_grad, check_bias, check_devices, check_out, check_x, fail, frozen_weight_grads,
+from ._common import (ACT_DTYPES, bias_grad, check_bias, check_dequantize_dtype, check_devices, check_out, check_x, fail, frozen_weight_grads,
                       register_frozen_weight_autograd, save_frozen_weight)
 
 FAMILY = "fp8"
@@ -216,7 +216,8 @@ def dequantize_fp8(
     dtype: torch.dtype,
 ) -> torch.Tensor:  # (N, K)
     check_fp8_weight("dequantize_fp8", None, weight, weight_scale, block_n, block_k, weight.device)
-    return dequantize_reference(weight, weight_scale, block_n, block_k).to(dtype)
+    check_dequantize_dtype("dequantize_fp8", dtype)
+    return dequantize_reference(weight, weight_scale, block_n, block_k).to(dtype).contiguous()  # row-major, as the fake says
 
 
 def expand_x_scale_groups(x_scale: torch.Tensor, k: int) -> torch.Tensor:

@@ -21,18 +21,19 @@ from typing import Optional
 import torch
 
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
-from ._common import ACT_DTYPES, check_act_dtype, check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
+from ._common import ACT_DTYPES, check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "int8_weight"
 
 
 def check_int8_weight(who: str, k, qweight: torch.Tensor, scales: torch.Tensor, device: torch.device):
-    """Validate the runtime weight for ``k`` input features; returns N. Works on fake tensors."""
+    """Validate the runtime weight for ``k`` input features (None: any K); returns N. Works on fake tensors."""
     check_devices(who, (("qweight", qweight), ("scales", scales)), device)
     torch._check_type(qweight.dtype == torch.int8, lambda: fail(who, f"qweight must be torch.int8, got {qweight.dtype}"))
     torch._check_value(qweight.dim() == 2, lambda: fail(who, f"qweight must be 2-D (N, K), got {qweight.dim()}-D"))
     n = qweight.shape[0]
-    torch._check_value(qweight.shape[1] == k, lambda: fail(who, f"qweight must have K={k} columns (the last dimension of x), got {qweight.shape[1]}"))
+    if k is not None:
+        torch._check_value(qweight.shape[1] == k, lambda: fail(who, f"qweight must have K={k} columns (the last dimension of x), got {qweight.shape[1]}"))
     check_act_dtype(who, "scales", scales)
     torch._check_value(
         scales.dim() == 1 and scales.shape[0] == n,
@@ -96,8 +97,9 @@ def dequantize_int8_weight(
     scales: torch.Tensor,  # (N,) float
     dtype: torch.dtype,
 ) -> torch.Tensor:  # (N, K)
-    check_int8_weight("dequantize_int8_weight", qweight.shape[-1], qweight, scales, qweight.device)
-    return reference_dequantize(qweight, scales).to(dtype)
+    check_int8_weight("dequantize_int8_weight", None, qweight, scales, qweight.device)
+    check_dequantize_dtype("dequantize_int8_weight", dtype)
+    return reference_dequantize(qweight, scales).to(dtype).contiguous()  # row-major whatever qweight's strides, as the fake says
 
 
 def reference_dequantize(qweight, scales) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch
 from ..formats._packing import pack_bits, packed_length, unpack_bits
 from ..formats.integer import IntQuantized, default_g_idx, n_groups_for
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, swiglu_implementation, warm_up
-from ._common import check_act_dtype, check_bias, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
+from ._common import check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_in_features, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
 
 FAMILY = "int_weight"
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -103,6 +103,7 @@ def check_int_weight(
         raise ValueError(fail(who, f"group_size must be -1 or positive, got {group_size}"))
     if zero_offset not in (0, 1):
         raise ValueError(fail(who, f"zero_offset must be 0 or 1, got {zero_offset}"))
+    check_in_features(who, k)
     check_devices(who, (("qweight", qweight), ("scales", scales), ("qzeros", qzeros), ("act_perm", act_perm)), device)
     torch._check_type(qweight.dtype == torch.int32, lambda: fail(who, f"qweight must be torch.int32, got {qweight.dtype}"))
     torch._check_value(qweight.dim() in (2, 3), lambda: fail(who, f"qweight must be 2-D (ceil(K*bits/32), N) or column slabs (N/32, ceil(K*bits/32), 32), got {qweight.dim()}-D"))
@@ -303,6 +304,7 @@ def dequantize_int_weight(
     dtype: torch.dtype,
 ) -> torch.Tensor:  # (N, K) in checkpoint K order
     check_int_weight("dequantize_int_weight", in_features, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset, qweight.device)
+    check_dequantize_dtype("dequantize_int_weight", dtype)
     w = reference_dequantize(qweight, scales, qzeros, in_features, bits, group_size, zero_offset)
     if act_perm is not None:
         w = torch.empty_like(w).index_copy_(1, act_perm.long(), w)
