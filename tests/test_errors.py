@@ -348,7 +348,7 @@ def _fake_cuda(*shape, dtype=torch.float16):
     return torch.empty(*shape, dtype=dtype, device="cuda")
 
 
-@pytest.mark.parametrize("what", ["native-bits-3", "triton-int-fp32-x", "triton-blockwise4-blocksize-48"])
+@pytest.mark.parametrize("what", ["native-bits-3", "triton-int-fp32-x", "triton-blockwise4-blocksize-48", "triton-fp8-block_k-48"])
 def test_a_named_kernel_refuses_a_call_it_does_not_serve_under_fake_cuda_tensors(what):
     """An op called with a ``kernel`` whose declared capabilities exclude the call (the chooser would
     never pick it) fails at trace time with the capability it misses, instead of running a kernel
@@ -363,6 +363,10 @@ def test_a_named_kernel_refuses_a_call_it_does_not_serve_under_fake_cuda_tensors
             args = (_fake_cuda(2, k, dtype=torch.float32), _fake_cuda(k // 8, n, dtype=torch.int32), _fake_cuda(2, n), None, None, None,
                     k, 4, 128, 0, int(qops.Kernel.TRITON))
             op, pattern = torch.ops.qops.mm_int_weight, r"kernel=1 \(triton_int_weight\) does not serve this call: activation dtype torch.float32 not in"
+        elif what == "triton-fp8-block_k-48":
+            args = (_fake_cuda(2, k), _fake_cuda(n, k, dtype=torch.float8_e4m3fn), _fake_cuda(n, -(-k // 48), dtype=torch.float32),
+                    None, 1, 48, int(qops.Kernel.TRITON))
+            op, pattern = torch.ops.qops.mm_fp8_weight, r"mm_fp8_weight: kernel=1 \(triton_fp8\) does not serve this call: group_size=48 not in"
         else:
             args = (_fake_cuda(2, k), _fake_cuda(n * k // 2, dtype=torch.uint8), _fake_cuda(16, dtype=torch.float32),
                     _fake_cuda(n * k // 48 + 1, dtype=torch.float32), None, None, None, None, n, k, 48, 256, 0, int(qops.Kernel.TRITON))

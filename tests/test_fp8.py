@@ -685,6 +685,18 @@ def test_errors_name_the_argument(name, mode):
     assert str(info.value).startswith(f"qops.{op._qualified_op_name.split('::')[1]}:"), str(info.value)
 
 
+def test_meta_tensors_infer_shapes():
+    """Real "meta" tensors (a model built on the meta device) run the fake kernel, as the other
+    families' ops do: shapes, no device refusal."""
+    w, _ = weight_of("fp8-channel")
+    meta = torch.device("meta")
+    y = torch.ops.qops.mm_fp8_weight(torch.randn(3, w.in_features, device=meta), w.weight.to(meta), w.weight_scale.to(meta),
+                                     None, w.block_n, w.block_k, 0)
+    assert y.device == meta and tuple(y.shape) == (3, w.out_features)
+    d = torch.ops.qops.dequantize_fp8(w.weight.to(meta), w.weight_scale.to(meta), w.block_n, w.block_k, torch.float16)
+    assert d.device == meta and tuple(d.shape) == (w.out_features, w.in_features)
+
+
 def test_kernel_ids_check_the_activation_dtype():
     # Kernel 3 (torch._scaled_mm) reads fp8 activations only: qops::mm_fp8_weight cannot take it.
     with pytest.raises(ValueError, match=r"kernel=3 \(scaled_mm_fp8\) reads \['torch.float8_e4m3fn'\] activations, not torch.float16"):
