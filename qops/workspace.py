@@ -13,7 +13,7 @@ triton_int_weight      ``qops.ops.triton.int_weight.workspace_bytes(m, n, k, bit
 native_w4a16           ``qops.native.int_weight.workspace_bytes(m, n, k, bits, group_size, device)`` (its own
                        plan for M <= 16 and in deterministic mode; Triton's need above, which it delegates)
 triton_int8_weight     ``4*M*N`` when ``qops.ops.triton.int8_weight.plan`` splits K, else 0
-triton_blockwise4      ``4*M*N`` when ``qops.ops.triton.blockwise4.plan`` splits K, else 0
+triton_blockwise4      ``4*M*N`` when ``qops.ops.triton.blockwise4.plan`` splits K for some x dtype, else 0
 triton_fp8             ``qops.ops.triton.fp8.workspace_bytes(m, n, k, block_k, device)`` for W8A16 layers
                        (``4*M*N`` when its GEMV splits K); W8A8 layers call ``qops::scaled_mm_fp8``,
                        which takes no workspace
@@ -76,9 +76,18 @@ def _triton_int8_weight(layer, m, device):
 
 
 def _triton_blockwise4(layer, m, device):
+    from .ops._common import ACT_DTYPES
+    from .ops.blockwise4 import LAYOUT_FLAT
     from .ops.triton import blockwise4
 
-    return _split_k_accumulator(blockwise4.plan)(layer, m, device, layer.blocksize)
+    # Its plan depends on x's dtype (fp32 x splits K where 16-bit x does not), which a layer learns
+    # only when called: the need of the dearest.
+    def need(dtype):
+        p = blockwise4.plan(m, layer.out_features, layer.in_features, layer.blocksize, device, dtype,
+                            dense=layer.layout != LAYOUT_FLAT)
+        return 4 * m * layer.out_features if p["split"] > 1 else 0
+
+    return max(need(dtype) for dtype in ACT_DTYPES)
 
 
 def _triton_fp8(layer, m, device):

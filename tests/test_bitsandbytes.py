@@ -800,8 +800,25 @@ def test_triton_blockwise4_plan_takes_the_dense_path_above_32_rows():
     assert tbw4.plan(64, 100, 3 << 20, 64, cpu, torch.float32)["slab"] == 8
     assert tbw4.plan(64, 50000, 4000, 64, cpu, torch.float16)["slab"] == (128 << 20) // 8000 // 8 * 8
     # The dense path declares no workspace (it allocates the slab unless the one given holds it).
-    layer = SimpleNamespace(out_features=4096, in_features=4096, blocksize=64)
+    layer = SimpleNamespace(out_features=4096, in_features=4096, blocksize=64, layout=0)
     assert SCRATCH_BYTES["triton_blockwise4"](layer, 300, cpu) == 0
+
+
+def test_triton_blockwise4_scratch_covers_every_activation_dtype():
+    """A layer learns x's dtype only when called, and fp32 x splits K at M <= 2 where 16-bit x takes the
+    unsplit CUDA-core GEMV: the declared need is the dearest dtype's (it was fp16's, 0 bytes, and the
+    fp32 call allocated its accumulator per call)."""
+    from types import SimpleNamespace
+
+    from qops.ops.triton import blockwise4 as tbw4
+    from qops.workspace import SCRATCH_BYTES
+
+    cpu = torch.device("cpu")
+    layer = SimpleNamespace(out_features=64, in_features=8192, blocksize=64, layout=0)
+    for m in (1, 2):
+        assert tbw4.plan(m, 64, 8192, 64, cpu, torch.float16)["split"] == 1
+        assert tbw4.plan(m, 64, 8192, 64, cpu, torch.float32)["split"] > 1
+        assert SCRATCH_BYTES["triton_blockwise4"](layer, m, cpu) == 4 * m * 64
 
 
 # ---------------------------------------------------------------- bitsandbytes as a second oracle

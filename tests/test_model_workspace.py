@@ -249,7 +249,7 @@ LLAMA3_8B_LOWERINGS = [
     ("triton_int_weight", dict(bits=3, group_size=128)),
     ("triton_int_weight", dict(bits=8, group_size=-1)),
     ("triton_int8_weight", {}),
-    ("triton_blockwise4", dict(blocksize=64)),
+    ("triton_blockwise4", dict(blocksize=64, layout=0)),
     ("triton_fp8", dict(block_k=-1, activations="none")),
     ("triton_fp8", dict(block_k=128, activations="none")),
 ]
