@@ -114,3 +114,19 @@ def test_inconsistent_checkpoint_is_refused_naming_the_tensor(field, value, matc
         AWQ.unpack(bad)
     with pytest.raises(ValueError, match=match):
         AWQ.prepare(bad)
+
+
+@pytest.mark.parametrize(
+    "field,value,exc,match",
+    [
+        ("bits", 4.0, TypeError, r"awq: bits must be an integer, got float 4\.0"),
+        ("group_size", 32.0, TypeError, r"awq: group_size must be an integer, got float 32\.0"),
+        ("qzeros", None, TypeError, r"awq: qzeros must be a tensor, got NoneType"),
+        ("scales", torch.ones(160, dtype=torch.float16), ValueError, r"awq: scales must be 2-D, got shape \(160,\)"),
+        ("qweight", torch.zeros(500, dtype=torch.int32), ValueError, r"awq: qweight must be 2-D, got shape \(500,\)"),
+    ],
+)
+def test_arguments_are_checked_before_they_are_used(field, value, exc, match):
+    bad = dataclasses.replace(_good(), **{field: value})
+    with pytest.raises(exc, match=match):
+        AWQ.unpack(bad)

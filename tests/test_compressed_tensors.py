@@ -166,3 +166,18 @@ def test_inconsistent_checkpoint_is_refused_naming_the_tensor(field, value, matc
         CT.unpack(bad)
     with pytest.raises(ValueError, match=match):
         CT.prepare(bad)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("bits", 4.0, r"compressed-tensors: bits must be an integer, got float 4\.0"),
+        ("group_size", 32.0, r"compressed-tensors: group_size must be an integer, got float 32\.0"),
+        ("weight_packed", None, r"compressed-tensors: weight_packed must be a tensor, got NoneType"),
+        ("weight_shape", [40, 100], r"compressed-tensors: weight_shape must be a tensor, got list"),
+    ],
+)
+def test_arguments_are_checked_before_they_are_used(field, value, match):
+    bad = dataclasses.replace(_good(), **{field: value})
+    with pytest.raises(TypeError, match=match):
+        CT.unpack(bad)

@@ -271,6 +271,16 @@ def test_unpack_errors_name_the_tensor(fmt, make, pattern):
         FORMATS[fmt].unpack(make())
 
 
+@pytest.mark.parametrize("block_size,pattern", [
+    ((128.0, 128), r"fp8-block: block_size\[0\] must be an integer, got float 128\.0"),
+    ((128, True), r"fp8-block: block_size\[1\] must be an integer, got bool True"),
+])
+def test_block_sizes_must_be_integers(block_size, pattern):
+    c = Fp8BlockCheckpoint(torch.zeros(200, 300).to(FP8), torch.ones(2, 3), block_size=block_size)
+    with pytest.raises(TypeError, match=pattern):
+        FORMATS["fp8-block"].unpack(c)
+
+
 def test_pack_refuses_granularities_the_format_cannot_hold():
     fq = quantize_rtn(torch.randn(8, 16), "block", (4, 8))
     with pytest.raises(ValueError, match="block scales cannot be stored"):

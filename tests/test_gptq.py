@@ -238,3 +238,20 @@ def test_inconsistent_checkpoint_is_refused_naming_the_tensor(field, value, matc
         GPTQ.unpack(bad)
     with pytest.raises(ValueError, match=match):
         GPTQ.prepare(bad)
+
+
+@pytest.mark.parametrize(
+    "field,value,exc,match",
+    [
+        ("bits", 4.0, TypeError, r"gptq: bits must be an integer, got float 4\.0"),
+        ("bits", True, TypeError, r"gptq: bits must be an integer, got bool True"),
+        ("group_size", 32.0, TypeError, r"gptq: group_size must be an integer, got float 32\.0"),
+        ("qzeros", None, TypeError, r"gptq: qzeros must be a tensor, got NoneType"),
+        ("scales", [[1.0] * 40] * 4, TypeError, r"gptq: scales must be a tensor, got list"),
+        ("qweight", torch.zeros(1, 13, 40, dtype=torch.int32), ValueError, r"gptq: qweight must be 2-D, got shape \(1, 13, 40\)"),
+    ],
+)
+def test_arguments_are_checked_before_they_are_used(field, value, exc, match):
+    bad = dataclasses.replace(_good(), **{field: value})
+    with pytest.raises(exc, match=match):
+        GPTQ.unpack(bad)

@@ -18,7 +18,7 @@ import torch
 
 from ._packing import pack_bits, unpack_bits
 from .base import CheckpointFormat
-from .integer import IntQuantized, check_group_size, default_g_idx, n_groups_for, quantize_rtn
+from .integer import IntQuantized, check_group_size, check_integer, check_tensor_arg, default_g_idx, n_groups_for, quantize_rtn
 
 # Nibble i of a packed word holds column AWQ_ORDER[i] of its group of eight.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -58,10 +58,14 @@ def _unpack_n_interleaved(w: torch.Tensor, n: int) -> torch.Tensor:
 
 def _check_checkpoint(c: AWQCheckpoint) -> None:
     who = "awq"
+    check_integer(c.bits, "bits", who=who)
     if c.bits != 4:
         raise ValueError(f"{who}: bits must be 4 (AWQ GEMM packs nibbles), got {c.bits}")
+    check_group_size(c.group_size, who=who)
+    check_tensor_arg(c.qweight, "qweight", 2, who=who)  # K is read from it
+    check_tensor_arg(c.qzeros, "qzeros", who=who)
+    check_tensor_arg(c.scales, "scales", 2, who=who)  # N is read from it
     k, n = c.in_features, c.out_features
-    check_group_size(k, c.group_size, who=who)
     if n % 8:
         raise ValueError(f"{who}: out_features N must be a multiple of 8 for the N-packed layout, got {n}")
     g = n_groups_for(k, c.group_size)

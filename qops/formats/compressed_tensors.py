@@ -21,7 +21,7 @@ import torch
 
 from ._packing import pack_bits, packed_length, unpack_bits
 from .base import CheckpointFormat
-from .integer import IntQuantized, check_bits, check_group_size, default_g_idx, n_groups_for, quantize_rtn
+from .integer import IntQuantized, check_bits, check_group_size, check_tensor_arg, default_g_idx, n_groups_for, quantize_rtn
 
 
 @dataclass
@@ -46,10 +46,15 @@ class CompressedTensorsCheckpoint:
 def _check_checkpoint(c: CompressedTensorsCheckpoint) -> None:
     who = "compressed-tensors"
     check_bits(c.bits, (4, 8), who=who)
+    for name in ("weight_packed", "weight_scale", "weight_shape"):
+        check_tensor_arg(getattr(c, name), name, who=who)
+    for name in ("weight_zero_point", "weight_g_idx"):
+        if getattr(c, name) is not None:
+            check_tensor_arg(getattr(c, name), name, who=who)
     if tuple(c.weight_shape.shape) != (2,):
         raise ValueError(f"{who}: weight_shape must have shape (2,), got {tuple(c.weight_shape.shape)}")
     n, k = c.out_features, c.in_features
-    check_group_size(k, c.group_size, who=who)
+    check_group_size(c.group_size, who=who)
     g = n_groups_for(k, c.group_size)
     checks = [
         ("weight_packed", c.weight_packed, (n, packed_length(k, c.bits)), torch.int32),

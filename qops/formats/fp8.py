@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import CheckpointFormat
+from .integer import check_integer
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -52,6 +53,7 @@ def scale_shape(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
 
 
 def check_block(block: int, name: str, *, who: str) -> None:
+    check_integer(block, name, who=who)
     if block != -1 and block <= 0:
         raise ValueError(f"{who}: {name} must be -1 (one block spanning the dimension) or positive, got {block}")
 

@@ -23,7 +23,7 @@ import torch
 
 from ._packing import pack_bits, packed_length, unpack_bits
 from .base import CheckpointFormat
-from .integer import IntQuantized, check_bits, check_group_size, n_groups_for, quantize_rtn
+from .integer import IntQuantized, check_bits, check_group_size, check_tensor_arg, n_groups_for, quantize_rtn
 
 VERSIONS = ("v1", "v2")
 
@@ -55,9 +55,14 @@ def version_from_config(quantization_config: dict) -> str:
 def _check_checkpoint(c: GPTQCheckpoint) -> None:
     who = "gptq"
     check_bits(c.bits, who=who)
-    check_group_size(c.in_features, c.group_size, who=who)
+    check_group_size(c.group_size, who=who)
     if c.version not in VERSIONS:
         raise ValueError(f"{who}: version must be one of {VERSIONS}, got {c.version!r}")
+    check_tensor_arg(c.qweight, "qweight", 2, who=who)  # N is read from it
+    check_tensor_arg(c.qzeros, "qzeros", who=who)
+    check_tensor_arg(c.scales, "scales", who=who)
+    if c.g_idx is not None:
+        check_tensor_arg(c.g_idx, "g_idx", who=who)
     k, n, b = c.in_features, c.out_features, c.bits
     g = n_groups_for(k, c.group_size)
     expect = {

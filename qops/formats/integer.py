@@ -13,11 +13,14 @@ read is built from it (``qops.ops.int_weight.prepare_int_weight``).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+# Checkpoints store scales in the model dtype; the int_weight ops read exactly these.
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -45,7 +48,22 @@ class IntQuantized:
         return s * (self.q.float() - z)
 
 
+def check_integer(value, name: str, *, who: str) -> None:
+    # 4.0 == 4 and True == 1 would pass a range check, then fail inside a shift or silently truncate.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{who}: {name} must be an integer, got {type(value).__name__} {value!r}")
+
+
+def check_tensor_arg(t, name: str, ndim: int | None = None, *, who: str) -> None:
+    """``t`` is a tensor (of ``ndim`` dimensions when given): checked before its shape is read."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{who}: {name} must be a tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{who}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
 def check_bits(bits: int, allowed=SUPPORTED_BITS, *, who: str) -> None:
+    check_integer(bits, "bits", who=who)
     if bits not in allowed:
         raise ValueError(f"{who}: bits must be one of {list(allowed)}, got {bits}")
 
@@ -54,7 +72,8 @@ def n_groups_for(k: int, group_size: int) -> int:
     return 1 if group_size == -1 else (k + group_size - 1) // group_size
 
 
-def check_group_size(k: int, group_size: int, *, who: str) -> None:
+def check_group_size(group_size: int, *, who: str) -> None:
+    check_integer(group_size, "group_size", who=who)
     if group_size != -1 and group_size <= 0:
         raise ValueError(f"{who}: group_size must be -1 or a positive integer, got {group_size}")
 
@@ -87,7 +106,7 @@ def quantize_rtn(
     """
     check_bits(bits, who="quantize_rtn")
     n, k = w.shape
-    check_group_size(k, group_size, who="quantize_rtn")
+    check_group_size(group_size, who="quantize_rtn")
     g = default_g_idx(k, group_size, w.device) if g_idx is None else g_idx.to(w.device).long()
     n_groups = int(g.max().item()) + 1 if k else n_groups_for(k, group_size)
     maxq = 2**bits - 1
