@@ -105,6 +105,7 @@ def _good() -> AWQCheckpoint:
         ("qweight", torch.zeros(100, 4, dtype=torch.int32), r"qweight must have shape \(100, 5\)"),
         ("scales", torch.ones(3, 40, dtype=torch.float16), r"scales must have shape \(4, 40\)"),
         ("scales", torch.ones(4, 40, dtype=torch.int32), "scales must be floating point"),
+        ("scales", torch.ones(4, 40, dtype=torch.float64), r"scales must be floating point \(float16, bfloat16, float32\), got torch.float64"),
         ("group_size", 0, "group_size must be -1 or a positive integer, got 0"),
     ],
 )

@@ -152,6 +152,8 @@ def _good() -> CompressedTensorsCheckpoint:
         ("weight_packed", torch.zeros(40, 13, dtype=torch.int64), "weight_packed must be torch.int32"),
         ("weight_scale", torch.ones(40, 3, dtype=torch.float16), r"weight_scale must have shape \(40, 4\)"),
         ("weight_scale", torch.ones(40, 4, dtype=torch.int32), "weight_scale must be floating point"),
+        ("weight_scale", torch.ones(40, 4, dtype=torch.float64), r"weight_scale must be floating point \(float16, bfloat16, float32\), got torch.float64"),
+        ("weight_scale", torch.ones(40, 4).to(torch.float8_e4m3fn), r"weight_scale must be floating point \(.*\), got torch.float8_e4m3fn"),
         ("weight_zero_point", torch.zeros(4, 5, dtype=torch.int32), r"weight_zero_point must have shape \(5, 4\)"),
         ("weight_zero_point", torch.zeros(5, 4, dtype=torch.uint8), "weight_zero_point must be torch.int32"),
         ("weight_g_idx", torch.zeros(64, dtype=torch.int32), r"weight_g_idx must have shape \(100,\)"),

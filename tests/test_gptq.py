@@ -225,6 +225,8 @@ def _good() -> GPTQCheckpoint:
         ("qzeros", torch.zeros(4, 5, dtype=torch.int16), "qzeros must be torch.int32"),
         ("scales", torch.ones(4, 41, dtype=torch.float16), r"scales must have shape \(4, 40\)"),
         ("scales", torch.ones(4, 40, dtype=torch.int32), "scales must be floating point"),
+        ("scales", torch.ones(4, 40, dtype=torch.float64), r"scales must be floating point \(float16, bfloat16, float32\), got torch.float64"),
+        ("scales", torch.ones(4, 40).to(torch.float8_e4m3fn), r"scales must be floating point \(.*\), got torch.float8_e4m3fn"),
         ("g_idx", torch.zeros(99, dtype=torch.int32), r"g_idx must have shape \(100,\)"),
         ("g_idx", torch.zeros(100, dtype=torch.float32), "g_idx must be an integer tensor"),
         ("bits", 5, r"bits must be one of \[2, 3, 4, 8\], got 5"),

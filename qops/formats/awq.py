@@ -18,7 +18,7 @@ import torch
 
 from ._packing import pack_bits, unpack_bits
 from .base import CheckpointFormat
-from .integer import IntQuantized, check_group_size, check_integer, check_tensor_arg, default_g_idx, n_groups_for, quantize_rtn
+from .integer import IntQuantized, check_group_size, check_integer, check_scales_dtype, check_tensor_arg, default_g_idx, n_groups_for, quantize_rtn
 
 # Nibble i of a packed word holds column AWQ_ORDER[i] of its group of eight.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -78,8 +78,7 @@ def _check_checkpoint(c: AWQCheckpoint) -> None:
             raise ValueError(f"{who}: {name} must have shape {shape} (K={k}, N={n}, group_size={c.group_size}), got {tuple(t.shape)}")
         if dtype is not None and t.dtype != dtype:
             raise ValueError(f"{who}: {name} must be {dtype}, got {t.dtype}")
-    if not c.scales.is_floating_point():
-        raise ValueError(f"{who}: scales must be floating point, got {c.scales.dtype}")
+    check_scales_dtype(c.scales, "scales", who=who)
 
 
 class AWQFormat(CheckpointFormat):

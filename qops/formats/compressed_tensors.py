@@ -21,7 +21,7 @@ import torch
 
 from ._packing import pack_bits, packed_length, unpack_bits
 from .base import CheckpointFormat
-from .integer import IntQuantized, check_bits, check_group_size, check_tensor_arg, default_g_idx, n_groups_for, quantize_rtn
+from .integer import IntQuantized, check_bits, check_group_size, check_scales_dtype, check_tensor_arg, default_g_idx, n_groups_for, quantize_rtn
 
 
 @dataclass
@@ -69,8 +69,7 @@ def _check_checkpoint(c: CompressedTensorsCheckpoint) -> None:
             raise ValueError(f"{who}: {name} must have shape {shape} (N={n}, K={k}, bits={c.bits}, group_size={c.group_size}), got {tuple(t.shape)}")
         if dtype is not None and t.dtype != dtype:
             raise ValueError(f"{who}: {name} must be {dtype}, got {t.dtype}")
-    if not c.weight_scale.is_floating_point():
-        raise ValueError(f"{who}: weight_scale must be floating point, got {c.weight_scale.dtype}")
+    check_scales_dtype(c.weight_scale, "weight_scale", who=who)
 
 
 class CompressedTensorsFormat(CheckpointFormat):

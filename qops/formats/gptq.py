@@ -23,7 +23,7 @@ import torch
 
 from ._packing import pack_bits, packed_length, unpack_bits
 from .base import CheckpointFormat
-from .integer import IntQuantized, check_bits, check_group_size, check_tensor_arg, n_groups_for, quantize_rtn
+from .integer import IntQuantized, check_bits, check_group_size, check_scales_dtype, check_tensor_arg, n_groups_for, quantize_rtn
 
 VERSIONS = ("v1", "v2")
 
@@ -77,8 +77,7 @@ def _check_checkpoint(c: GPTQCheckpoint) -> None:
             raise ValueError(f"{who}: {name} must have shape {shape} (K={k}, N={n}, bits={b}, group_size={c.group_size}), got {tuple(t.shape)}")
         if dtype is not None and t.dtype != dtype:
             raise ValueError(f"{who}: {name} must be {dtype}, got {t.dtype}")
-    if not c.scales.is_floating_point():
-        raise ValueError(f"{who}: scales must be floating point, got {c.scales.dtype}")
+    check_scales_dtype(c.scales, "scales", who=who)
     if c.g_idx is not None and c.g_idx.is_floating_point():
         raise ValueError(f"{who}: g_idx must be an integer tensor, got {c.g_idx.dtype}")
 

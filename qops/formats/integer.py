@@ -62,6 +62,14 @@ def check_tensor_arg(t, name: str, ndim: int | None = None, *, who: str) -> None
         raise ValueError(f"{who}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
 
 
+def check_scales_dtype(scales: torch.Tensor, name: str, *, who: str) -> None:
+    # float64 or float8 scales would pass as "floating point", then set the activation dtype no
+    # lowering serves, in an error that never names the tensor.
+    if scales.dtype not in SCALE_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SCALE_DTYPES)
+        raise ValueError(f"{who}: {name} must be floating point ({names}), got {scales.dtype}")
+
+
 def check_bits(bits: int, allowed=SUPPORTED_BITS, *, who: str) -> None:
     check_integer(bits, "bits", who=who)
     if bits not in allowed:
