@@ -21,7 +21,7 @@ import torch
 
 from ._packing import pack_bits, packed_length, unpack_bits
 from .base import CheckpointFormat
-from .integer import IntQuantized, check_bits, check_group_size, check_scales_dtype, check_tensor_arg, default_g_idx, n_groups_for, quantize_rtn
+from .integer import IntQuantized, check_bits, check_g_idx, check_group_size, check_scales_dtype, check_tensor_arg, default_g_idx, n_groups_for, quantize_rtn
 
 
 @dataclass
@@ -70,6 +70,8 @@ def _check_checkpoint(c: CompressedTensorsCheckpoint) -> None:
         if dtype is not None and t.dtype != dtype:
             raise ValueError(f"{who}: {name} must be {dtype}, got {t.dtype}")
     check_scales_dtype(c.weight_scale, "weight_scale", who=who)
+    if c.weight_g_idx is not None:
+        check_g_idx(c.weight_g_idx, g, "weight_g_idx", who=who)
 
 
 class CompressedTensorsFormat(CheckpointFormat):

@@ -23,7 +23,7 @@ import torch
 
 from ._packing import pack_bits, packed_length, unpack_bits
 from .base import CheckpointFormat
-from .integer import IntQuantized, check_bits, check_group_size, check_scales_dtype, check_tensor_arg, n_groups_for, quantize_rtn
+from .integer import IntQuantized, check_bits, check_g_idx, check_group_size, check_scales_dtype, check_tensor_arg, n_groups_for, quantize_rtn
 
 VERSIONS = ("v1", "v2")
 
@@ -78,8 +78,8 @@ def _check_checkpoint(c: GPTQCheckpoint) -> None:
         if dtype is not None and t.dtype != dtype:
             raise ValueError(f"{who}: {name} must be {dtype}, got {t.dtype}")
     check_scales_dtype(c.scales, "scales", who=who)
-    if c.g_idx is not None and c.g_idx.is_floating_point():
-        raise ValueError(f"{who}: g_idx must be an integer tensor, got {c.g_idx.dtype}")
+    if c.g_idx is not None:
+        check_g_idx(c.g_idx, g, "g_idx", who=who)
 
 
 class GPTQFormat(CheckpointFormat):

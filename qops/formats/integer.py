@@ -70,6 +70,15 @@ def check_scales_dtype(scales: torch.Tensor, name: str, *, who: str) -> None:
         raise ValueError(f"{who}: {name} must be floating point ({names}), got {scales.dtype}")
 
 
+def check_g_idx(g_idx: torch.Tensor, n_groups: int, name: str, *, who: str) -> None:
+    """Integer group indices in ``[0, n_groups)``. Reads the values (a host sync): for checkpoint
+    tensors on the reference path, never inside an op."""
+    if g_idx.is_floating_point() or g_idx.dtype == torch.bool:
+        raise ValueError(f"{who}: {name} must be an integer tensor, got {g_idx.dtype}")
+    if g_idx.numel() and bool(((g_idx < 0) | (g_idx >= n_groups)).any()):
+        raise ValueError(f"{who}: {name}: values must lie in [0, {n_groups}) (one group index per row), got {int(g_idx.min())}..{int(g_idx.max())}")
+
+
 def check_bits(bits: int, allowed=SUPPORTED_BITS, *, who: str) -> None:
     check_integer(bits, "bits", who=who)
     if bits not in allowed:
