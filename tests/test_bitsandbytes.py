@@ -9,6 +9,7 @@ dependency), bitsandbytes itself as a second oracle.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 
@@ -132,6 +133,22 @@ def test_from_state_dict_errors_name_what_is_wrong():
         FORMATS["bitsandbytes-int8"].from_state_dict({"weight": s8["weight"]})
     legacy = {"weight": s8["weight"], "weight.SCB": s8["SCB"]}
     assert torch.equal(FORMATS["bitsandbytes-int8"].from_state_dict(legacy).SCB, s8["SCB"])
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(shape=["64", 128]), TypeError, r"quant_state shape\[0\] must be an integer, got str '64'"),
+    (dict(shape=[64.0, 128]), TypeError, r"quant_state shape\[0\] must be an integer, got float 64\.0"),
+    (dict(shape=[64, -128]), ValueError, r"quant_state shape\[1\] must not be negative, got -128"),
+    (dict(blocksize=64.0), TypeError, r"blocksize must be an integer, got float 64\.0"),
+    (dict(nested_blocksize="256"), TypeError, r"nested_blocksize must be an integer, got str '256'"),
+    (dict(nested_offset="x"), TypeError, r"nested_offset must be a number, got str 'x'"),
+], ids=["shape-str", "shape-float", "shape-negative", "blocksize-float", "nested_blocksize-str", "nested_offset-str"])
+def test_quant_state_values_are_checked_before_use(change, exc, match):
+    fmt = FORMATS["bitsandbytes-nf4"]
+    c = fmt.quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)), group_size=64, nested=True)
+    bad = dataclasses.replace(c, quant_state={**c.quant_state, **change})
+    with pytest.raises(exc, match=rf"bitsandbytes-nf4: {match}"):
+        fmt.unpack(bad)
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])

@@ -289,6 +289,51 @@ def test_illegal_splits_name_tensor_dim_and_world_size(tmp_path, tensors, config
         call(Weights.from_pretrained(str(tmp_path), process_group=FakeGroup(0, world)))
 
 
+BNB4_CONFIG = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+BNB4_STATE = "l.weight.quant_state.bitsandbytes__nf4"
+
+
+def _bnb4_tensors(**state_changes):
+    """A nested nf4 layer (N=64, K=128: 128 blocks of 64, one nested block) under prefix "l"."""
+    fmt = FORMATS["bitsandbytes-nf4"]
+    c = fmt.quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)), group_size=64, nested=True)
+    t = {f"l.{k}": v for k, v in fmt.to_state_dict(c).items()}
+    state = {k: v for k, v in {**c.quant_state, **state_changes}.items() if v is not None}
+    t[BNB4_STATE] = torch.tensor(list(json.dumps(state).encode("utf-8")), dtype=torch.uint8)
+    return t
+
+
+@pytest.mark.parametrize("tensor_changes, state_changes, named, match", [
+    ({"l.weight.nested_absmax": lambda t: t[:0]}, {}, "nested_absmax",
+     r"tensor 'l.weight.nested_absmax' in .*: nested_absmax must be float32 with 1 values \(ceil\(n_blocks/256\)\), got torch.float32 \(0,\)"),
+    ({"l.weight.nested_absmax": lambda t: t.repeat(3)}, {}, "nested_absmax", r"tensor 'l.weight.nested_absmax' .*: nested_absmax must be float32 with 1 values"),
+    ({"l.weight.nested_absmax": lambda t: t.half()}, {}, "nested_absmax", r"tensor 'l.weight.nested_absmax' .*: nested_absmax must be float32 .* got torch.float16"),
+    ({"l.weight.nested_quant_map": lambda t: t[:255]}, {}, "nested_quant_map",
+     r"tensor 'l.weight.nested_quant_map' .*: nested_quant_map must be float32 with 256 values"),
+    ({"l.weight.nested_quant_map": lambda t: torch.cat([t, t[:44]])}, {}, "nested_quant_map",
+     r"tensor 'l.weight.nested_quant_map' .*: nested_quant_map must be float32 with 256 values"),
+    ({}, {"blocksize": 0}, "blocksize", rf"tensor '{BNB4_STATE}' .*: blocksize must be positive, got 0"),
+    ({}, {"blocksize": -64}, "blocksize", rf"tensor '{BNB4_STATE}' .*: blocksize must be positive, got -64"),
+    ({}, {"nested_blocksize": 0}, "nested_blocksize", rf"tensor '{BNB4_STATE}' .*: nested_blocksize must be positive, got 0"),
+    ({}, {"nested_offset": None}, "nested_offset", rf"tensor '{BNB4_STATE}' .*: nested absmax needs nested_blocksize and nested_offset in quant_state"),
+    ({}, {"shape": ["a", 128]}, r"shape\[0\]", rf"tensor '{BNB4_STATE}' .*: quant_state shape\[0\] must be an integer, got str 'a'"),
+], ids=["nested_absmax-short", "nested_absmax-long", "nested_absmax-fp16", "nested_quant_map-255", "nested_quant_map-300", "blocksize-0",
+        "blocksize-negative", "nested_blocksize-0", "no-nested_offset", "shape-str"])
+def test_bnb4_sharded_reads_refuse_what_whole_reads_refuse(tmp_path, tensor_changes, state_changes, named, match):
+    """A column shard de-nests the absmax itself, so it must check the nested tables and quant_state
+    as the whole layer's format check does (instead of an IndexError, or a silently wrong absmax)."""
+    t = _bnb4_tensors(**state_changes)
+    for name, change in tensor_changes.items():
+        t[name] = change(t[name])
+    _write(str(tmp_path), t, BNB4_CONFIG)
+    whole = Weights.from_pretrained(str(tmp_path), dtype=torch.float32)
+    with pytest.raises(ValueError, match=named):
+        whole.linear(whole.get_weights("l"))
+    shard = Weights.from_pretrained(str(tmp_path), dtype=torch.float32, process_group=FakeGroup(0, 2))
+    with pytest.raises(WeightsError, match=match):
+        shard.get_weights_col("l")
+
+
 @pytest.mark.parametrize("qc, match", [
     ({"quant_method": "hqq", "nbits": 4}, r"quant_method 'hqq' is not supported by qops.layers; supported: \['awq', 'bitsandbytes', 'compressed-tensors', 'eetq', 'fp8', 'gptq'\]"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, r"bnb_4bit_quant_type must be one of \['nf4', 'fp4'\]"),

@@ -37,6 +37,7 @@ Sources: bitsandbytes ``functional.py`` (``QuantState.as_dict``/``from_dict``, `
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ from .blockwise4 import (
     quantize_blockwise4,
     unpack_nibbles,
 )
-from .integer import IntQuantized
+from .integer import IntQuantized, check_integer
 
 # bitsandbytes' NF4 codebook (QLoRA's NormalFloat: quantiles of N(0, 1) normalized to [-1, 1]).
 NF4_CODE = (
@@ -217,18 +218,56 @@ def _weight_bytes(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1)
 
 
-def _check_4bit(c: Bnb4bitCheckpoint, quant_type: str) -> None:
-    who = f"bitsandbytes-{quant_type}"
-    qs = c.quant_state
+def _check_positive(value, name: str, *, who: str) -> None:
+    check_integer(value, name, who=who)
+    if value <= 0:
+        raise ValueError(f"{who}: {name} must be positive, got {value}")
+
+
+def check_quant_state(qs: dict, *, who: str) -> None:
+    """The quant_state JSON's keys and their types, checked before any value is used."""
     for key in ("quant_type", "blocksize", "shape", "dtype"):
         if key not in qs:
             raise ValueError(f"{who}: quant_state JSON lacks {key!r} (has {sorted(qs)})")
+    shape = qs["shape"]
+    if not isinstance(shape, (list, tuple)) or len(shape) != 2:
+        raise ValueError(f"{who}: shape must be 2-D [N, K] for a linear weight, got {shape!r}")
+    for i, size in enumerate(shape):
+        check_integer(size, f"quant_state shape[{i}]", who=who)
+        if size < 0:
+            raise ValueError(f"{who}: quant_state shape[{i}] must not be negative, got {size}")
+    _check_positive(qs["blocksize"], "blocksize", who=who)
+
+
+def check_nested_state(qs: dict, *, who: str) -> None:
+    """The quant_state keys of a nested absmax: a positive nested_blocksize and a float nested_offset."""
+    if "nested_blocksize" not in qs or "nested_offset" not in qs:
+        raise ValueError(f"{who}: nested absmax needs nested_blocksize and nested_offset in quant_state, got {qs}")
+    _check_positive(qs["nested_blocksize"], "nested_blocksize", who=who)
+    offset = qs["nested_offset"]
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+        raise TypeError(f"{who}: nested_offset must be a number, got {type(offset).__name__} {offset!r}")
+
+
+def check_nested_quant_map(nested_quant_map: torch.Tensor | None, *, who: str) -> None:
+    if nested_quant_map is None or nested_quant_map.dtype != torch.float32 or nested_quant_map.numel() != 256:
+        got = "None" if nested_quant_map is None else f"{nested_quant_map.dtype} {tuple(nested_quant_map.shape)}"
+        raise ValueError(f"{who}: nested_quant_map must be float32 with 256 values, got {got}")
+
+
+def check_nested_absmax(nested_absmax: torch.Tensor, n_blocks: int, nested_blocksize: int, *, who: str) -> None:
+    """One float32 per ``nested_blocksize`` of the layer's ``n_blocks`` absmax blocks."""
+    want = n_blocks_for(n_blocks, nested_blocksize)
+    if nested_absmax.dtype != torch.float32 or nested_absmax.numel() != want:
+        raise ValueError(f"{who}: nested_absmax must be float32 with {want} values (ceil(n_blocks/{nested_blocksize})), got {nested_absmax.dtype} {tuple(nested_absmax.shape)}")
+
+
+def _check_4bit(c: Bnb4bitCheckpoint, quant_type: str) -> None:
+    who = f"bitsandbytes-{quant_type}"
+    qs = c.quant_state
+    check_quant_state(qs, who=who)
     if qs["quant_type"] != quant_type:
         raise ValueError(f"{who}: quant_state says quant_type {qs['quant_type']!r}; use FORMATS['bitsandbytes-{qs['quant_type']}']")
-    if len(c.shape) != 2:
-        raise ValueError(f"{who}: shape must be 2-D [N, K] for a linear weight, got {list(c.shape)}")
-    if c.blocksize <= 0:
-        raise ValueError(f"{who}: blocksize must be positive, got {c.blocksize}")
     n, k = c.shape
     nbytes = (n * k + 1) // 2
     wb = _weight_bytes(c.weight)
@@ -241,14 +280,9 @@ def _check_4bit(c: Bnb4bitCheckpoint, quant_type: str) -> None:
     if c.quant_map.dtype != torch.float32 or c.quant_map.numel() != 16:
         raise ValueError(f"{who}: quant_map must be float32 with 16 values, got {c.quant_map.dtype} {tuple(c.quant_map.shape)}")
     if c.nested:
-        nbs = int(qs.get("nested_blocksize", 0))
-        if nbs <= 0 or "nested_offset" not in qs:
-            raise ValueError(f"{who}: nested absmax needs nested_blocksize > 0 and nested_offset in quant_state, got {qs}")
-        if c.nested_quant_map is None or c.nested_quant_map.dtype != torch.float32 or c.nested_quant_map.numel() != 256:
-            raise ValueError(f"{who}: nested_quant_map must be float32 with 256 values")
-        nn_ = n_blocks_for(nb, nbs)
-        if c.nested_absmax.dtype != torch.float32 or c.nested_absmax.numel() != nn_:
-            raise ValueError(f"{who}: nested_absmax must be float32 with {nn_} values (ceil(n_blocks/{nbs})), got {c.nested_absmax.dtype} {tuple(c.nested_absmax.shape)}")
+        check_nested_state(qs, who=who)
+        check_nested_quant_map(c.nested_quant_map, who=who)
+        check_nested_absmax(c.nested_absmax, nb, qs["nested_blocksize"], who=who)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

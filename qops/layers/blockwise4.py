@@ -23,11 +23,17 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import FORMATS
-from ..formats.bitsandbytes import Bnb4bitCheckpoint
+from ..formats.bitsandbytes import (
+    Bnb4bitCheckpoint,
+    check_nested_absmax,
+    check_nested_quant_map,
+    check_nested_state,
+    check_quant_state,
+)
 from ..ops.blockwise4 import LAYOUTS, Blockwise4Weight
 from .base import QuantConfig, QuantLinear
 from .int8 import BnbInt8Scheme, _QuantizeAtLoad
-from .layout import Dim, LinearLayout, LinearScheme, ShardingError, TensorLayout, WeightsError, join, read_pieces
+from .layout import Dim, LinearLayout, LinearScheme, ShardingError, TensorLayout, WeightsError, checked, join, read_pieces
 
 
 def _state_key(quant_type: str) -> str:
@@ -41,9 +47,10 @@ def read_quant_state(source, prefix: str, quant_type: str) -> dict:
         state = json.loads(bytes(blob.to(torch.uint8).reshape(-1).tolist()).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WeightsError(f"tensor {name!r} in {source.where(name)} is not a JSON quant_state ({e})") from None
-    for key in ("blocksize", "shape", "quant_type", "dtype"):
-        if key not in state:
-            raise WeightsError(f"tensor {name!r} in {source.where(name)}: quant_state lacks {key!r} (has {sorted(state)})")
+    who = f"tensor {name!r} in {source.where(name)}"
+    checked(check_quant_state, state, who=who)
+    if _nested(state):
+        checked(check_nested_state, state, who=who)
     return state
 
 
@@ -92,7 +99,7 @@ class Bnb4bitScheme(LinearScheme):
         return _whole_layout(False)
 
     def dims(self, source, prefix):
-        n, k = (int(v) for v in read_quant_state(source, prefix, self.quant_type)["shape"])
+        n, k = read_quant_state(source, prefix, self.quant_type)["shape"]
         return k, n
 
     def read(self, source, pieces, k_range, k, **kw):
@@ -102,8 +109,8 @@ class Bnb4bitScheme(LinearScheme):
             t = read_pieces(source, _whole_layout(_nested(first)), pieces, k_range, k, **kw)
             t["quant_state"] = first
             return t
-        blocksize = int(first["blocksize"])
-        if any(int(s["blocksize"]) != blocksize for s in states.values()):
+        blocksize = first["blocksize"]
+        if any(s["blocksize"] != blocksize for s in states.values()):
             raise WeightsError(f"cannot fuse {list(states)}: their blocksizes differ ({[s['blocksize'] for s in states.values()]})")
         if k % blocksize:
             raise ShardingError(f"cannot split {pieces[0].prefix!r}: its blocks of {blocksize} straddle rows (K={k}), so it is only read whole")
@@ -115,7 +122,7 @@ class Bnb4bitScheme(LinearScheme):
             t = read_pieces(source, _shard_layout(blocksize, _nested(state)), [p], k_range, k, **kw)
             a = t["weight.absmax"]
             if _nested(state):
-                a = _denest(source, p.prefix, state, a, p.n0, k_range[0] // blocksize, k // blocksize)
+                a = _denest(source, p.prefix, state, a, p.n0, k_range[0] // blocksize, k // blocksize, p.n)
             weights.append(t["weight"])
             absmax.append(a)
         out = {
@@ -134,14 +141,23 @@ class Bnb4bitScheme(LinearScheme):
                                  nested_absmax=t["weight.nested_absmax"], nested_quant_map=t["weight.nested_quant_map"])
 
 
-def _denest(source, prefix: str, state: dict, absmax_u8: torch.Tensor, n0: int, b0: int, blocks_per_row: int) -> torch.Tensor:
-    """float32 absmax of a shard's blocks (rows n0.., row blocks b0..), from their uint8 codes and
-    the layer's nested tables: ``code[u8] * nested_absmax[b // nested_blocksize] + offset``."""
-    code = source.read(join(prefix, "weight.nested_quant_map"), (slice(None),)).float()
-    nested_absmax = source.read(join(prefix, "weight.nested_absmax"), (slice(None),)).float()
+def _read_checked(source, name: str, check, **facts) -> torch.Tensor:
+    """Tensor ``name`` whole, after ``check(t, **facts, who=...)`` (a format check) passed."""
+    t = source.read(name, (slice(None),) * len(source.shape(name)))
+    checked(check, t, **facts, who=f"tensor {name!r} in {source.where(name)}")
+    return t
+
+
+def _denest(source, prefix: str, state: dict, absmax_u8: torch.Tensor, n0: int, b0: int, blocks_per_row: int, n: int) -> torch.Tensor:
+    """float32 absmax of a shard's blocks (rows n0.., row blocks b0..) of a layer of ``n`` rows, from
+    their uint8 codes and the layer's nested tables: ``code[u8] * nested_absmax[b // nested_blocksize] + offset``."""
+    # Checked as the whole-layer format check does: a shard indexes them by its own blocks.
+    code = _read_checked(source, join(prefix, "weight.nested_quant_map"), check_nested_quant_map)
+    nested_absmax = _read_checked(source, join(prefix, "weight.nested_absmax"), check_nested_absmax,
+                                  n_blocks=n * blocks_per_row, nested_blocksize=state["nested_blocksize"])
     rows, cols = absmax_u8.shape
     block = (torch.arange(n0, n0 + rows).unsqueeze(1) * blocks_per_row + torch.arange(b0, b0 + cols)).reshape(-1)
-    scale = nested_absmax.index_select(0, block // int(state["nested_blocksize"]))
+    scale = nested_absmax.index_select(0, block // state["nested_blocksize"])
     # Multiply first, as bitsandbytes de-nests, then add the offset (all in float32).
     offset = torch.tensor(float(state["nested_offset"]), dtype=torch.float32)
     return (code.index_select(0, absmax_u8.reshape(-1).long()) * scale + offset).reshape(rows, cols)

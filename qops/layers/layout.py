@@ -35,6 +35,15 @@ class WeightsError(ValueError):
     """A checkpoint is missing a tensor, or holds one of the wrong dtype or shape, or is unreadable."""
 
 
+def checked(check: Callable[..., None], *args, **kwargs) -> None:
+    """Run a format's check (``qops.formats``), its TypeError / ValueError re-raised as a
+    WeightsError with the same message: the ``who`` passed names the tensor or config key."""
+    try:
+        check(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise WeightsError(str(e)) from None
+
+
 class ShardingError(ValueError):
     """A tensor cannot be split for the requested world size at a legal boundary."""
 
