@@ -334,6 +334,21 @@ def test_bnb4_sharded_reads_refuse_what_whole_reads_refuse(tmp_path, tensor_chan
         shard.get_weights_col("l")
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_bnb4_quant_storage_other_than_uint8_is_read_through_its_bytes(tmp_path, world):
+    """bnb_4bit_quant_storage=bfloat16 keeps the same bytes in a bf16 tensor: whole layers read it
+    as shards (and the format) do, instead of refusing its dtype."""
+    t = _bnb4_tensors()
+    _write(str(tmp_path / "uint8"), t, BNB4_CONFIG)
+    _write(str(tmp_path / "bf16"), dict(t, **{"l.weight": t["l.weight"].reshape(-1).view(torch.bfloat16).reshape(-1, 1)}), BNB4_CONFIG)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for storage in ("uint8", "bf16"):
+        w = Weights.from_pretrained(str(tmp_path / storage), dtype=torch.float32, process_group=FakeGroup(0, world))
+        outs.append(w.linear(w.get_weights_col("l"))(x))
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("qc, match", [
     ({"quant_method": "hqq", "nbits": 4}, r"quant_method 'hqq' is not supported by qops.layers; supported: \['awq', 'bitsandbytes', 'compressed-tensors', 'eetq', 'fp8', 'gptq'\]"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, r"bnb_4bit_quant_type must be one of \['nf4', 'fp4'\]"),

@@ -59,8 +59,9 @@ def _nested(state: dict) -> bool:
 
 
 def _whole_layout(nested: bool) -> LinearLayout:
+    # The nibbles are read as bytes whatever bnb_4bit_quant_storage held them, as shards read them.
     return LinearLayout(tensors=(
-        TensorLayout("weight", (Dim(None), Dim(None)), torch.uint8),
+        TensorLayout("weight", (Dim(None), Dim(None)), torch.uint8, view=lambda k, n: (-(-n * k // 2), 1), view_dtype=torch.uint8),
         TensorLayout("weight.absmax", (Dim(None),), torch.uint8 if nested else torch.float32),
         TensorLayout("weight.quant_map", (Dim(None),), torch.float32),
         TensorLayout("weight.nested_absmax", (Dim(None),), torch.float32, optional=not nested),
