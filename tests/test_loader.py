@@ -214,6 +214,43 @@ def test_no_layer_under_a_prefix(tmp_path):
         Weights.from_pretrained(str(tmp_path)).get_weights("m")
 
 
+FP8_CONFIG = {"quant_method": "fp8"}
+CT_FP8_CONFIG = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                 "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}
+
+
+def _fp8_tensors(weight_dtype=None):
+    c = FORMATS["fp8"].quantize(torch.randn(64, 96, generator=torch.Generator().manual_seed(0)), granularity="channel")
+    weight = c.weight if weight_dtype is None else c.weight.to(weight_dtype)
+    return {"l.weight": weight, "l.weight_scale": c.weight_scale}
+
+
+@pytest.mark.parametrize("tensors, config, match", [
+    (lambda: _fp8_tensors(torch.bfloat16), FP8_CONFIG,
+     r"tensor 'l.weight' in .* has dtype torch.bfloat16 beside 'l.weight_scale': the config's fp8 scheme stores torch.float8_e4m3fn weights"),
+    (lambda: _fp8_tensors(torch.float8_e5m2), FP8_CONFIG, r"tensor 'l.weight' .* has dtype torch.float8_e5m2 beside 'l.weight_scale'"),
+    (lambda: _fp8_tensors(torch.bfloat16), CT_FP8_CONFIG,
+     r"tensor 'l.weight' .* has dtype torch.bfloat16 beside 'l.weight_scale': the config's compressed-tensors-fp8 scheme"),
+    (lambda: {"l.weight": (w := FORMATS["fp8-block"].quantize(torch.randn(64, 96), block_size=(32, 32))).weight.float(),
+              "l.weight_scale_inv": w.weight_scale_inv},
+     {"quant_method": "fp8", "weight_block_size": [32, 32]}, r"tensor 'l.weight' .* has dtype torch.float32 beside 'l.weight_scale_inv'"),
+    (lambda: {"l.weight": (w := FORMATS["eetq"].quantize(torch.randn(64, 64))).weight.view(torch.uint8), "l.weight_scales": w.weight_scales},
+     {"quant_method": "eetq", "weights": "int8"}, r"tensor 'l.weight' .* has dtype torch.uint8 beside 'l.weight_scales': the config's eetq scheme stores torch.int8"),
+], ids=["fp8-bf16", "fp8-e5m2", "ct-fp8-bf16", "fp8-block-fp32", "eetq-uint8"])
+def test_a_weight_of_another_dtype_beside_the_scale_is_refused(tmp_path, tensors, config, match):
+    # Read as dense, these layers dropped their scale: a silently wrong output.
+    _write(str(tmp_path), tensors(), config)
+    with pytest.raises(WeightsError, match=match):
+        Weights.from_pretrained(str(tmp_path)).get_weights("l")
+
+
+def test_no_layer_names_each_expected_key_once_and_the_dtype_it_found(tmp_path):
+    _write(str(tmp_path), {"l.weight": _fp8_tensors()["l.weight"].to(torch.float8_e5m2)}, FP8_CONFIG)
+    with pytest.raises(WeightsError, match=r"no linear layer under 'l': expected 'l.weight' in .*model.safetensors; 'l.weight' has dtype "
+                                           r"torch.float8_e5m2, which no layout for it \(fp8, dense\) reads; tensors under it: \['l.weight'\]"):
+        Weights.from_pretrained(str(tmp_path)).get_weights("l")
+
+
 def test_truncated_and_foreign_files(tmp_path):
     _write(str(tmp_path), _gptq_tensors(), GPTQ_CONFIG)
     f = tmp_path / "model.safetensors"

@@ -35,7 +35,7 @@ from ..formats import FORMATS
 from ..formats.fp8 import FP8_DTYPE, Fp8BlockCheckpoint, Fp8Checkpoint
 from ..ops.fp8 import Fp8Weight, mm_fp8
 from .base import LinearMethod, QuantConfig, QuantLinear
-from .layout import FLOAT, Dim, LinearLayout, LinearScheme, TensorLayout, WeightsError, join
+from .layout import FLOAT, Dim, LinearLayout, LinearScheme, TensorLayout, WeightsError, join, stores_weight_of
 
 GRANULARITIES = ("tensor", "channel", "block")
 
@@ -52,8 +52,7 @@ class Fp8Scheme(LinearScheme):
     bits = 8
 
     def stores(self, source, prefix):
-        name = join(prefix, "weight")
-        return source.has(name) and source.dtype_of(name) == FP8_DTYPE
+        return stores_weight_of(source, prefix, FP8_DTYPE, "weight_scale", self.format)
 
     def specialize(self, source, prefix):
         name = join(prefix, "weight_scale")
@@ -100,8 +99,7 @@ class Fp8BlockScheme(LinearScheme):
     bits = 8
 
     def stores(self, source, prefix):
-        name = join(prefix, "weight")
-        return source.has(name) and source.dtype_of(name) == FP8_DTYPE
+        return stores_weight_of(source, prefix, FP8_DTYPE, "weight_scale_inv", self.format)
 
     @property
     def layout(self):

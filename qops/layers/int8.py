@@ -35,7 +35,7 @@ from ..formats.eetq import TILE_K, EETQCheckpoint
 from ..ops.int8_weight import Int8Weight, prepare_int8_weight
 from . import int_weight
 from .base import LinearMethod, QuantConfig, QuantLinear
-from .layout import FLOAT, INT, Dim, DictSource, LinearLayout, LinearScheme, Piece, TensorLayout, WeightsError, join, read_pieces
+from .layout import FLOAT, INT, Dim, DictSource, LinearLayout, LinearScheme, Piece, TensorLayout, WeightsError, join, read_pieces, stores_weight_of
 
 EETQ_ORDERS = ("ampere", "row_major")
 
@@ -49,8 +49,7 @@ class EETQScheme(LinearScheme):
     bits = 8
 
     def stores(self, source, prefix):
-        w = join(prefix, "weight")
-        return source.has(join(prefix, "weight_scales")) and source.has(w) and source.dtype_of(w) == torch.int8
+        return stores_weight_of(source, prefix, torch.int8, "weight_scales", self.format)
 
     @property
     def layout(self):

@@ -253,6 +253,22 @@ def require(source: Source, name: str, t: TensorLayout | None = None) -> None:
         raise WeightsError(f"tensor {name!r}{what} not found in {source.where(name)}{hint}")
 
 
+def stores_weight_of(source: Source, prefix: str, dtype: torch.dtype, scale: str, scheme: str) -> bool:
+    """Whether the layer under ``prefix`` stores its ``weight`` as ``dtype`` (a quantized scheme's).
+
+    A ``weight`` of another dtype beside the scheme's ``scale`` tensor is an inconsistent checkpoint:
+    falling back to a dense read would silently drop the scale, so it is refused."""
+    name = join(prefix, "weight")
+    if not source.has(name):
+        return False
+    if source.dtype_of(name) == dtype:
+        return True
+    if source.has(join(prefix, scale)):
+        raise WeightsError(f"tensor {name!r} in {source.where(name)} has dtype {source.dtype_of(name)} beside {join(prefix, scale)!r}: the "
+                           f"config's {scheme} scheme stores {dtype} weights with that scale, and a dense read would drop it")
+    return False
+
+
 def view_of(t: TensorLayout, source: Source, name: str, k: int, n: int) -> tuple[tuple[int, ...], torch.dtype] | None:
     """The (shape, dtype) ``name``'s bytes are read as, or None to read them as stored."""
     if t.view is None:

@@ -327,9 +327,14 @@ class Weights:
             return scheme.specialize(self, prefix)
         if DENSE.stores(self, prefix):
             return DENSE
-        keys = [join(prefix, k) for k in ([scheme.key] if scheme is not None else []) + [DENSE.key]]
+        schemes = ([scheme] if scheme is not None else []) + [DENSE]
+        keys = list(dict.fromkeys(join(prefix, s.key) for s in schemes))  # fp8 and dense both key on "weight"
+        weight = join(prefix, DENSE.key)
+        why = ""
+        if self.has(weight):
+            why = f"; {weight!r} has dtype {self.dtype_of(weight)}, which no layout for it ({', '.join(s.format for s in schemes)}) reads"
         near = self.names_under(prefix + ".")[:12]
-        raise WeightsError(f"no linear layer under {prefix!r}: expected {' or '.join(map(repr, keys))} in {self.where(keys[0])}; tensors under it: {near}")
+        raise WeightsError(f"no linear layer under {prefix!r}: expected {' or '.join(map(repr, keys))} in {self.where(keys[0])}{why}; tensors under it: {near}")
 
     def _read(self, scheme, pieces, k_range, k, **kw):
         return scheme.read(self, pieces, k_range, k, world=self.world_size, rank=self.rank, dtype=self.dtype, device=self.device, **kw)
