@@ -405,6 +405,36 @@ def test_unsupported_configs_say_what_is_supported(qc, match):
         parse_quantization_config(qc)
 
 
+def _ct(weights: dict, fmt: str = "pack-quantized") -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}
+
+
+@pytest.mark.parametrize("qc, match", [
+    ({"quant_method": "gptq", "bits": 0}, r"gptq: quantization_config 'bits': bits must be one of \[2, 3, 4, 8\], got 0"),
+    ({"quant_method": "gptq", "bits": 4.5}, r"gptq: quantization_config 'bits': bits must be an integer, got float 4\.5"),
+    ({"quant_method": "gptq", "bits": "4bit"}, r"gptq: quantization_config 'bits': bits must be an integer, got str '4bit'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, r"gptq: quantization_config 'group_size': group_size must be -1 or a positive integer, got 0"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -2}, r"gptq: quantization_config 'group_size': group_size must be -1 or a positive integer, got -2"),
+    ({"quant_method": "awq", "w_bit": 8, "q_group_size": 128}, r"awq: quantization_config 'w_bit': bits must be one of \[4\], got 8"),
+    ({"quant_method": "awq", "bits": 4, "group_size": -5}, r"awq: quantization_config 'group_size': group_size must be -1 or a positive integer, got -5"),
+    (_ct({"num_bits": 3, "type": "int", "strategy": "group", "group_size": 32}),
+     r"config group 'g': weights 'num_bits': bits must be one of \[4, 8\], got 3"),
+    (_ct({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 0}),
+     r"config group 'g': weights 'group_size': group_size must be -1 or a positive integer, got 0"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"fp8: quantization_config 'weight_block_size' must be \[block_n, block_k\], got \[128\]"),
+    ({"quant_method": "fp8", "weight_block_size": [0, 128]}, r"fp8: quantization_config: weight_block_size\[0\] must be -1 .* or positive, got 0"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128.0]}, r"fp8: quantization_config: weight_block_size\[1\] must be an integer, got float 128\.0"),
+    (_ct({"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, -3]}, "float-quantized"),
+     r"config group 'g': quantization_config: block_structure\[1\] must be -1 .* or positive, got -3"),
+], ids=["gptq-bits-0", "gptq-bits-float", "gptq-bits-str", "gptq-group-0", "gptq-group-negative", "awq-w_bit-8", "awq-group-negative",
+        "ct-bits-3", "ct-group-0", "fp8-block-1d", "fp8-block-0", "fp8-block-float", "ct-fp8-block-negative"])
+def test_config_values_are_checked_naming_their_key(qc, match):
+    # Unchecked, these reached the layouts as divisors and shapes: ZeroDivisionError, negative
+    # expected shapes, or a 4.5 truncated to 4.
+    with pytest.raises(WeightsError, match=match):
+        parse_quantization_config(qc)
+
+
 def test_config_variants():
     gptq = parse_quantization_config
     assert gptq({"quant_method": "gptq", "bits": 4, "group_size": 128}).version == "v1"

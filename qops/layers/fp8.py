@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import FORMATS
-from ..formats.fp8 import FP8_DTYPE, Fp8BlockCheckpoint, Fp8Checkpoint
+from ..formats.fp8 import FP8_DTYPE, Fp8BlockCheckpoint, Fp8Checkpoint, check_block
 from ..ops.fp8 import Fp8Weight, mm_fp8
 from .base import LinearMethod, QuantConfig, QuantLinear
-from .layout import FLOAT, Dim, LinearLayout, LinearScheme, TensorLayout, WeightsError, join, stores_weight_of
+from .layout import FLOAT, Dim, LinearLayout, LinearScheme, TensorLayout, WeightsError, checked, join, stores_weight_of
 
 GRANULARITIES = ("tensor", "channel", "block")
 
@@ -198,6 +198,16 @@ class Fp8Method(LinearMethod):
 FP8_METHOD, FP8_KV_METHOD = Fp8Method("fp8"), Fp8Method("fp8-kv")
 
 
+def _config_block(value, key: str, *, who: str) -> tuple[int, int]:
+    """``[bn, bk]`` of a config, each checked as the format checks a block size, before the
+    layout computes scale shapes from them."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise WeightsError(f"{who}: quantization_config {key!r} must be [block_n, block_k], got {value!r}")
+    for i, block in enumerate(value):
+        checked(check_block, block, f"{key}[{i}]", who=f"{who}: quantization_config")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class Fp8Config(QuantConfig):
     """HF ``quant_method == "fp8"``: per-tensor/per-channel scales, or ``weight_block_size`` blocks
@@ -212,7 +222,7 @@ class Fp8Config(QuantConfig):
         if fmt != "e4m3":
             raise WeightsError(f"fp8: only e4m3 weights are supported, got fmt={fmt!r}")
         block = qc.get("weight_block_size")
-        return cls(block=None if block is None else tuple(int(b) for b in block))
+        return cls(block=None if block is None else _config_block(block, "weight_block_size", who="fp8"))
 
     def scheme(self, prefix):
         return Fp8Scheme("fp8") if self.block is None else Fp8BlockScheme(self.block)
@@ -231,8 +241,5 @@ def compressed_tensors_float(group: dict, who: str) -> LinearScheme:
         raise WeightsError(f"{who}: weight strategy {strategy!r} is not supported; supported: {list(GRANULARITIES)}")
     block = None
     if strategy == "block":
-        structure = weights.get("block_structure")
-        if not structure or len(structure) != 2:
-            raise WeightsError(f"{who}: block strategy needs block_structure [bn, bk], got {structure!r}")
-        block = (int(structure[0]), int(structure[1]))
+        block = _config_block(weights.get("block_structure"), "block_structure", who=who)
     return Fp8Scheme("compressed-tensors-fp8", strategy, block, 1 if strategy == "tensor" else 2)

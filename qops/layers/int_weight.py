@@ -36,6 +36,7 @@ never holds more than a fraction of its dense size in unpacking temporaries.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +46,12 @@ from ..formats import FORMATS
 from ..formats.awq import AWQCheckpoint
 from ..formats.compressed_tensors import CompressedTensorsCheckpoint
 from ..formats.gptq import GPTQCheckpoint, version_from_config
-from ..formats.integer import n_groups_for
+from ..formats.integer import check_bits, check_group_size, n_groups_for
 from ..lowerings import Kernel, warm_up_swiglu
 from ..ops.int_weight import SLAB_COLUMNS, IntWeight, qweight_form_for, to_column_slabs, with_lowering
 from . import act_order
 from .base import InputPadded, LinearMethod, QuantConfig, QuantLinear
-from .layout import FLOAT, INT, Dim, DictSource, LinearLayout, LinearScheme, Piece, TensorLayout, WeightsError, join, read_pieces, require
+from .layout import FLOAT, INT, Dim, DictSource, LinearLayout, LinearScheme, Piece, TensorLayout, WeightsError, checked, join, read_pieces, require
 
 
 @dataclass(frozen=True)
@@ -366,13 +367,16 @@ class AWQMethod(LinearMethod):
 GPTQ_METHOD, AWQ_METHOD = GPTQMethod(), AWQMethod()
 
 
-def _int(qc: dict, *keys, who: str, default=None) -> int:
+def _config_int(qc: dict, *keys: str, check, who: str, default: int | None = None, where: str = "quantization_config") -> int:
+    """The first of ``keys`` set in ``qc`` (else ``default``), validated by the format's ``check``
+    before anything computes with it: a bad value is a WeightsError naming its config key."""
     for key in keys:
-        if key in qc and qc[key] is not None:
-            return int(qc[key])
+        if qc.get(key) is not None:
+            checked(check, qc[key], who=f"{who}: {where} {key!r}")
+            return qc[key]
     if default is not None:
         return default
-    raise WeightsError(f"{who}: quantization_config needs {' or '.join(map(repr, keys))}")
+    raise WeightsError(f"{who}: {where} needs {' or '.join(map(repr, keys))}")
 
 
 @dataclass(frozen=True)
@@ -389,7 +393,8 @@ class GPTQConfig(QuantConfig):
             version = version_from_config(qc)
         except ValueError as e:
             raise WeightsError(str(e)) from None
-        return cls(bits=_int(qc, "bits", who="gptq"), group_size=_int(qc, "group_size", who="gptq", default=-1),
+        return cls(bits=_config_int(qc, "bits", check=check_bits, who="gptq"),
+                   group_size=_config_int(qc, "group_size", check=check_group_size, who="gptq", default=-1),
                    version=version, desc_act=bool(qc.get("desc_act", False)))
 
     def scheme(self, prefix):
@@ -409,12 +414,10 @@ class AWQConfig(QuantConfig):
         version = str(qc.get("version", qc.get("format", "gemm"))).lower()
         if version not in AWQ_VERSIONS:
             raise WeightsError(f"awq: version {version!r} is not supported; supported: {list(AWQ_VERSIONS)} (GEMV and other layouts differ)")
-        bits = _int(qc, "bits", "w_bit", who="awq", default=4)
-        if bits != 4:
-            raise WeightsError(f"awq: bits must be 4, got {bits}")
+        _config_int(qc, "bits", "w_bit", check=functools.partial(check_bits, allowed=FORMATS["awq"].bits), who="awq", default=4)
         if not qc.get("zero_point", True):
             raise WeightsError("awq: zero_point=false checkpoints are not supported (the GEMM layout stores zeros)")
-        return cls(group_size=_int(qc, "group_size", "q_group_size", who="awq", default=-1))
+        return cls(group_size=_config_int(qc, "group_size", "q_group_size", check=check_group_size, who="awq", default=-1))
 
     def scheme(self, prefix):
         return AWQScheme(self.group_size)
@@ -429,10 +432,10 @@ def compressed_tensors_pack(group: dict, who: str) -> LinearScheme:
         raise WeightsError(f"{who}: pack-quantized weights must have type 'int', got {weights.get('type')!r}")
     strategy = weights.get("strategy", "group")
     if strategy == "group":
-        group_size = _int(weights, "group_size", who=who)
+        group_size = _config_int(weights, "group_size", check=check_group_size, who=who, where="weights")
     elif strategy == "channel":
         group_size = -1
     else:
         raise WeightsError(f"{who}: weight strategy {strategy!r} is not supported; supported: ['group', 'channel']")
-    return CompressedTensorsScheme(bits=_int(weights, "num_bits", who=who), group_size=group_size,
-                                   symmetric=bool(weights.get("symmetric", True)))
+    bits = _config_int(weights, "num_bits", check=functools.partial(check_bits, allowed=FORMATS["compressed-tensors"].bits), who=who, where="weights")
+    return CompressedTensorsScheme(bits=bits, group_size=group_size, symmetric=bool(weights.get("symmetric", True)))
