@@ -22,6 +22,7 @@ from qops.layers import (
     InputPadded,
     IntWeightLinear,
     QuantLinear,
+    WeightsError,
     get_linear,
 )
 from qops.layers import act_order
@@ -186,6 +187,25 @@ def test_gptq_tuple_row_shard_with_every_group_resolves_act_order_locally():
     assert lin.act_perm is not None and lin.in_features == k1 - k0
     x = torch.randn(3, k1 - k0)
     torch.testing.assert_close(lin(x), x @ ref[:, k0:k1].t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qzeros_rows", [7, 10])
+def test_gptq_tuple_row_shard_needs_the_zeros_of_every_group(qzeros_rows):
+    # scales say 8 groups; qzeros with fewer rows crashed in index_select, with more was accepted.
+    k, g = 256, 32
+    c = FORMATS["gptq"].quantize(_w(N, k), bits=4, group_size=g, sym=False, g_idx=_act(k, g), version="v1")
+    qzeros = torch.cat([c.qzeros, c.qzeros])[:qzeros_rows]
+    tup = (c.qweight[16:32], qzeros, c.scales, c.g_idx[128:256], 4, g, False)
+    with pytest.raises(WeightsError, match=rf"act-order shard: qzeros has {qzeros_rows} group rows along K \(dim 0\), expected 8"):
+        get_linear(tup, None, "gptq", dtype=torch.float32)
+
+
+def test_gptq_tuple_scales_with_a_group_more_than_qzeros_is_refused():
+    # One scales row more than K needs reads as a row shard; its qzeros must still match.
+    c = FORMATS["gptq"].quantize(_w(), bits=4, group_size=32, sym=False, version="v1")
+    tup = (c.qweight, c.qzeros, torch.cat([c.scales, c.scales[-1:]]), c.g_idx, 4, 32, False)
+    with pytest.raises(WeightsError, match=r"act-order shard: qzeros has 3 group rows along K \(dim 0\), expected 4"):
+        get_linear(tup, None, "gptq", dtype=torch.float32)
 
 
 @pytest.mark.parametrize("quantize", ["eetq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"])

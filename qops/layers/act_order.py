@@ -74,6 +74,7 @@ def localize(
 
     Returns ``(tensors, k_runtime, new_group_size, pad)`` with ``k_runtime = k_local + pad``.
     """
+    _check_group_rows(tensors, layout, n_groups)
     g_idx = tensors[layout.g_idx]
     dev = g_idx.device
     g = g_idx.long()
@@ -118,6 +119,17 @@ def localize(
         out[t.name] = v
     out[layout.g_idx] = torch.cat([new_idx, pad_idx]).to(g_idx.dtype)
     return out, k_rt, g_new, pad
+
+
+def _check_group_rows(tensors: dict[str, torch.Tensor | None], layout: LinearLayout, n_groups: int) -> None:
+    """Every grouped tensor (scales, zeros) holds one row per group of the whole layer: a shard
+    reads all of them, and its new groups index them by the original group."""
+    for t in layout.tensors:
+        v = tensors.get(t.name)
+        for d_i, d in enumerate(t.dims):
+            if v is not None and d.axis == "k" and d.block not in (0, -1) and v.shape[d_i] != n_groups:
+                raise WeightsError(f"act-order shard: {t.name} has {v.shape[d_i]} group rows along K (dim {d_i}), expected {n_groups}: "
+                                   f"a row shard holds every group of the layer, and the other grouped tensors have {n_groups}")
 
 
 def _extend_packed(v: torch.Tensor, dim: int, k_local: int, k_rt: int, bits: int) -> torch.Tensor:
