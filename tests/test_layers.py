@@ -1,6 +1,7 @@
 """The layer API in one process: get_linear over the LoRAX/TGI quantize strings, the typed API over
 every registered checkpoint type, the buffers the modules hold, chunked preparation and act-order
 row shards."""
+import dataclasses
 import fnmatch
 
 import pytest
@@ -206,6 +207,33 @@ def test_gptq_tuple_scales_with_a_group_more_than_qzeros_is_refused():
     tup = (c.qweight, c.qzeros, torch.cat([c.scales, c.scales[-1:]]), c.g_idx, 4, 32, False)
     with pytest.raises(WeightsError, match=r"act-order shard: qzeros has 3 group rows along K \(dim 0\), expected 4"):
         get_linear(tup, None, "gptq", dtype=torch.float32)
+
+
+def _tuple(quantize, **changes):
+    c = FORMATS[quantize].quantize(_w(), bits=4, group_size=32, sym=False)
+    t = dict(qweight=c.qweight, qzeros=c.qzeros, scales=c.scales, g_idx=getattr(c, "g_idx", None), bits=4, groupsize=32, use_exllama=False)
+    t.update(changes)
+    return tuple(t.values())
+
+
+@pytest.mark.parametrize("quantize, changes, error, match", [
+    ("gptq", dict(groupsize=0), ValueError, r"get_linear\(quantize='gptq'\): group_size must be -1 or a positive integer, got 0"),
+    ("gptq", dict(bits=0, g_idx=None), ValueError, r"get_linear\(quantize='gptq'\): bits must be one of \[2, 3, 4, 8\], got 0"),
+    ("gptq", dict(bits=4.0), TypeError, r"get_linear\(quantize='gptq'\): bits must be an integer, got float 4\.0"),
+    ("gptq", dict(qzeros=None), TypeError, r"get_linear\(quantize='gptq'\): qzeros must be a tensor, got NoneType"),
+    ("gptq", dict(g_idx=torch.zeros(1, K, dtype=torch.int32)), ValueError, r"get_linear\(quantize='gptq'\): g_idx must be 1-D, got shape \(1, 96\)"),
+    ("awq", dict(scales=torch.ones(3 * N, dtype=torch.float16)), ValueError, r"get_linear\(quantize='awq'\): scales must be 2-D, got shape \(192,\)"),
+    ("awq", dict(groupsize=32.0), TypeError, r"get_linear\(quantize='awq'\): group_size must be an integer, got float 32\.0"),
+], ids=["gptq-groupsize-0", "gptq-bits-0", "gptq-bits-float", "gptq-qzeros-None", "gptq-g_idx-2d", "awq-scales-1d", "awq-groupsize-float"])
+def test_tgi_tuples_are_checked_before_their_shapes_are_used(quantize, changes, error, match):
+    with pytest.raises(error, match=match):
+        get_linear(_tuple(quantize, **changes), None, quantize, dtype=torch.float32)
+
+
+def test_awq_checkpoint_scales_rank_is_checked_before_n_is_read():
+    c = FORMATS["awq"].quantize(_w(), bits=4, group_size=32)
+    with pytest.raises(ValueError, match=r"awq: scales must be 2-D, got shape \(192,\)"):
+        get_linear(dataclasses.replace(c, scales=c.scales.flatten()), None, "awq", dtype=torch.float32)
 
 
 @pytest.mark.parametrize("quantize", ["eetq", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"])

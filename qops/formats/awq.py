@@ -34,12 +34,15 @@ class AWQCheckpoint:
     group_size: int
     bits: int = 4
 
+    # Checked here, not only in the format check: preparation reads K and N first.
     @property
     def in_features(self) -> int:
+        check_tensor_arg(self.qweight, "qweight", 2, who="awq")
         return self.qweight.shape[0]
 
     @property
     def out_features(self) -> int:
+        check_tensor_arg(self.scales, "scales", 2, who="awq")
         return self.scales.shape[1]
 
 
@@ -62,10 +65,8 @@ def _check_checkpoint(c: AWQCheckpoint) -> None:
     if c.bits != 4:
         raise ValueError(f"{who}: bits must be 4 (AWQ GEMM packs nibbles), got {c.bits}")
     check_group_size(c.group_size, who=who)
-    check_tensor_arg(c.qweight, "qweight", 2, who=who)  # K is read from it
-    check_tensor_arg(c.qzeros, "qzeros", who=who)
-    check_tensor_arg(c.scales, "scales", 2, who=who)  # N is read from it
     k, n = c.in_features, c.out_features
+    check_tensor_arg(c.qzeros, "qzeros", who=who)
     if n % 8:
         raise ValueError(f"{who}: out_features N must be a multiple of 8 for the N-packed layout, got {n}")
     g = n_groups_for(k, c.group_size)

@@ -41,6 +41,8 @@ class GPTQCheckpoint:
 
     @property
     def out_features(self) -> int:
+        # Checked here, not only in the format check: preparation reads N first.
+        check_tensor_arg(self.qweight, "qweight", 2, who="gptq")
         return self.qweight.shape[1]
 
 
@@ -58,7 +60,6 @@ def _check_checkpoint(c: GPTQCheckpoint) -> None:
     check_group_size(c.group_size, who=who)
     if c.version not in VERSIONS:
         raise ValueError(f"{who}: version must be one of {VERSIONS}, got {c.version!r}")
-    check_tensor_arg(c.qweight, "qweight", 2, who=who)  # N is read from it
     check_tensor_arg(c.qzeros, "qzeros", who=who)
     check_tensor_arg(c.scales, "scales", who=who)
     if c.g_idx is not None:

@@ -46,7 +46,7 @@ from ..formats import FORMATS
 from ..formats.awq import AWQCheckpoint
 from ..formats.compressed_tensors import CompressedTensorsCheckpoint
 from ..formats.gptq import GPTQCheckpoint, version_from_config
-from ..formats.integer import check_bits, check_group_size, n_groups_for
+from ..formats.integer import check_bits, check_group_size, check_tensor_arg, n_groups_for
 from ..lowerings import Kernel, warm_up_swiglu
 from ..ops.int_weight import SLAB_COLUMNS, IntWeight, qweight_form_for, to_column_slabs, with_lowering
 from . import act_order
@@ -328,6 +328,18 @@ def _row_shard_from_tuple(scheme, tensors: dict, k_local: int):
     return InputPadded(c, pad) if pad else c
 
 
+def _check_tuple(quantize: str, qweight, qzeros, scales, bits, groupsize, g_idx=None) -> None:
+    """A TGI tuple's static arguments and tensor ranks, checked before K, N and the group count are
+    derived from them (the format checks the shapes once the checkpoint is built)."""
+    who = f"get_linear(quantize={quantize!r})"
+    check_bits(bits, FORMATS[quantize].bits, who=who)
+    check_group_size(groupsize, who=who)
+    for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+        check_tensor_arg(t, name, 2, who=who)
+    if g_idx is not None:
+        check_tensor_arg(g_idx, "g_idx", 1, who=who)
+
+
 class GPTQMethod(LinearMethod):
     quantize = "gptq"
     accepts = "a GPTQCheckpoint or the tuple (qweight, qzeros, scales, g_idx, bits, groupsize, use_exllama) (v1 zeros)"
@@ -340,10 +352,11 @@ class GPTQMethod(LinearMethod):
         if not (isinstance(weight, tuple) and len(weight) == 7):
             raise self.refuse(weight)
         qweight, qzeros, scales, g_idx, bits, groupsize, _use_exllama = weight
-        scheme = GPTQScheme(int(bits), int(groupsize), "v1")
+        _check_tuple(self.quantize, qweight, qzeros, scales, bits, groupsize, g_idx)
+        scheme = GPTQScheme(bits, groupsize, "v1")
         tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
         k, n = scheme.dims(DictSource(tensors, origin="the gptq tuple"), "")
-        if g_idx is not None and groupsize != -1 and scales.dim() == 2 and scales.shape[0] > n_groups_for(k, groupsize):
+        if g_idx is not None and groupsize != -1 and scales.shape[0] > n_groups_for(k, groupsize):
             c = _row_shard_from_tuple(scheme, tensors, k)
         else:
             c = scheme.make(tensors, k, n, scheme.group_size)
@@ -358,7 +371,8 @@ class AWQMethod(LinearMethod):
         self.check_no_extras(fan_in_fan_out, weight_scale, input_scale)
         if isinstance(weight, tuple) and len(weight) == 7:
             qweight, qzeros, scales, _g_idx, bits, groupsize, _ = weight
-            weight = AWQCheckpoint(qweight=qweight, qzeros=qzeros, scales=scales, group_size=int(groupsize), bits=int(bits))
+            _check_tuple(self.quantize, qweight, qzeros, scales, bits, groupsize)
+            weight = AWQCheckpoint(qweight=qweight, qzeros=qzeros, scales=scales, group_size=groupsize, bits=bits)
         if not isinstance(weight, AWQCheckpoint):
             raise self.refuse(weight)
         return IntWeightLinear.from_checkpoint(weight, bias, dtype=dtype)
