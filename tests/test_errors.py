@@ -2,6 +2,7 @@
 tensors and under torch.compile(fullgraph=True). Then the chooser's refusals and its switch."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -10,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qops
 from qops.formats import FORMATS
+from qops.formats.integer import act_order_g_idx
 from qops.lowerings import DISABLE_ENV, LOWERINGS, NoLoweringError, WeightSpec, choose, disabled_lowerings
 
 from tests.int_weight_cases import Case, build, one_thread, random_int_quantized  # noqa: F401  (one_thread: autouse fixture)
@@ -231,6 +233,21 @@ def test_inconsistent_g_idx_at_prepare():
     iq.g_idx = torch.where(g == 2, torch.full_like(g, -1), g)
     with pytest.raises(ValueError, match=r"g_idx: values must lie in \[0, 3\)"):
         gptq.prepare(gptq.pack(iq, version="v2"))
+
+
+@pytest.mark.parametrize("bad", [7, -1])
+@pytest.mark.parametrize("fmt, field", [("gptq", "g_idx"), ("compressed-tensors", "weight_g_idx")])
+def test_g_idx_outside_the_groups_at_unpack(fmt, field, bad):
+    # The reference path (unpack, dequantize) reads g_idx's values; before, a group that does not
+    # exist passed unpack and crashed in dequantize's index_select.
+    g_idx = act_order_g_idx(96, 32, torch.Generator().manual_seed(0))
+    c = FORMATS[fmt].quantize(torch.randn(24, 96, generator=torch.Generator().manual_seed(1)), bits=4, group_size=32, sym=True, g_idx=g_idx)
+    bad_g_idx = getattr(c, field).clone()
+    bad_g_idx[5] = bad
+    bad_c = dataclasses.replace(c, **{field: bad_g_idx})
+    for read in (FORMATS[fmt].unpack, FORMATS[fmt].dequantize):
+        with pytest.raises(ValueError, match=rf"{fmt}: {field}: values must lie in \[0, 3\) .*got {min(bad, 0)}\.\.{max(bad, 2)}"):
+            read(bad_c)
 
 
 def test_zeros_wider_than_bits_at_prepare():
