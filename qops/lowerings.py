@@ -529,12 +529,14 @@ def _matmul_then_silu_mul(mm, x, *args, out=None, workspace=None):
 
 
 def warm_up(lowering: Lowering, weight) -> None:
-    """Run the lowering's warm-up (kernel compile and load) for a freshly prepared weight."""
+    """Run the lowering's warm-up (kernel compile and load) for a freshly prepared weight, for the
+    activation dtype the weight records (``act_dtype``: the one it was prepared for)."""
     if lowering.warmup is not None:
         _entry(lowering.warmup)(weight)
 
 
 def warm_up_swiglu(lowering: Lowering, weight) -> None:
-    """Run the warm-up of the lowering's gated kernel (:attr:`Lowering.swiglu_entry`) for ``weight``."""
+    """Run the warm-up of the lowering's gated kernel (:attr:`Lowering.swiglu_entry`) for ``weight``,
+    for the activation dtype it records, as :func:`warm_up`."""
     if lowering.swiglu_warmup is not None:
         _entry(lowering.swiglu_warmup)(weight)

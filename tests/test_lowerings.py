@@ -44,3 +44,40 @@ def test_prepare_runs_the_chosen_lowerings_warmup_once(monkeypatch):
     assert WARMED == [] and raw.choice is None
     qops.ops.int_weight.with_lowering(raw, "gptq")
     assert WARMED == [(24, 72, int(qops.Kernel.REFERENCE))]
+
+
+def test_warm_up_builds_for_the_activation_dtype_the_weight_was_prepared_for(monkeypatch):
+    """A GPTQ checkpoint keeps its fp16 scales when prepared for bf16 activations: the chooser is asked
+    about bf16, so the warm-ups (with_lowering's, and a layer's gated one) must build the bf16 kernels
+    (QOPS_DT=1) a call will load, not the scales' dtype's. The native lowering is chosen as on an H200
+    (benchmarks/record_native_builds.py fakes its device facts and records the builds instead of
+    compiling them); its warm-up sees the weight on cuda:0."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from qops.layers.int_weight import IntWeightLinear
+    from qops.native import int_weight as niw
+    from qops.ops import int_weight as iw
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.modules.pop("record_native_builds", None)
+    import record_native_builds
+
+    native = lowerings.LOWERINGS_BY_NAME["native_w4a16"]
+
+    def warm_up_on_cuda(warm_up, lowering, weight):
+        warm_up(lowering, dataclasses.replace(weight, qweight=SimpleNamespace(device=torch.device("cuda", 0))))
+
+    monkeypatch.setattr(iw, "choose", lambda spec: lowerings.Choice(native, ()))
+    monkeypatch.setattr(iw, "warm_up", lambda low, w: warm_up_on_cuda(lowerings.warm_up, low, w))
+    ckpt = FORMATS["gptq"].quantize(torch.randn(256, 256), bits=4, group_size=128, sym=False)
+    with record_native_builds.pretend_device() as records:
+        w = FORMATS["gptq"].prepare(ckpt, dtype=torch.bfloat16)
+        assert w.scales.dtype == torch.float16 and w.act_dtype == torch.bfloat16
+        assert records and {r["defines"]["QOPS_DT"] for r in records} == {niw._DT[torch.bfloat16]}
+        records.clear()
+        monkeypatch.setattr("qops.layers.int_weight.warm_up_swiglu", lambda low, w: warm_up_on_cuda(lowerings.warm_up_swiglu, low, w))
+        IntWeightLinear(w).prepare_swiglu()
+        gated = [r for r in records if r["defines"].get("QOPS_GLU") == 1]
+        assert gated and {r["defines"]["QOPS_DT"] for r in records} == {niw._DT[torch.bfloat16]}

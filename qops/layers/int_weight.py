@@ -259,6 +259,7 @@ class IntWeightLinear(QuantLinear):
         self.zero_offset = weight.zero_offset
         self.kernel = int(weight.kernel)
         self.choice = weight.choice
+        self.act_dtype = weight.act_dtype
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("qzeros", weight.qzeros)
@@ -310,7 +311,7 @@ class IntWeightLinear(QuantLinear):
     def prepared(self) -> IntWeight:
         """The runtime weight this layer holds (its buffers, not copies), as ``prepare`` returned it."""
         return IntWeight(self.qweight, self.scales, self.qzeros, self.act_perm, self.in_features + self.input_pad, self.out_features,
-                         self.bits, self.group_size, self.zero_offset, Kernel(self.kernel), self.choice)
+                         self.bits, self.group_size, self.zero_offset, Kernel(self.kernel), self.choice, self.act_dtype)
 
     def extra_repr(self) -> str:
         low = self.choice.lowering.name if self.choice is not None else f"kernel={self.kernel}"

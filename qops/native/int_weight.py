@@ -925,10 +925,11 @@ def warmup(weight, act_dtype: torch.dtype | None = None, max_m: int = gemm.MAX_M
            glu: bool = False) -> int:
     """:func:`warmup_shape` for a prepared weight (``qops.IntWeight``); no-op when this kernel does not serve it.
 
-    ``act_dtype`` defaults to the scales' dtype. Call after preparing weights and before capturing
-    CUDA graphs.
+    ``act_dtype`` defaults to the activation dtype the weight was prepared for (``weight.act_dtype``;
+    a GPTQ checkpoint's fp16 scales prepared for bf16 calls need the bf16 builds), else the scales'
+    dtype. Call after preparing weights and before capturing CUDA graphs.
     """
-    act_dtype = act_dtype or weight.scales.dtype
+    act_dtype = act_dtype or weight.act_dtype or weight.scales.dtype
     if weight.qweight.device.type != "cuda" or not serves(weight.out_features, weight.in_features, weight.bits, weight.group_size, act_dtype, weight.scales.dtype):
         return 0
     return warmup_shape(weight.qweight.device, act_dtype, weight.out_features, weight.in_features, weight.qzeros is not None, max_m,

@@ -361,6 +361,9 @@ class IntWeight:
     zero_offset: int
     kernel: Kernel
     choice: Choice | None = None
+    # The activation dtype it was prepared (and warmed up) for: what the chooser was asked about
+    # (with_lowering records it). None before a lowering is chosen; warm-ups then take the scales'.
+    act_dtype: torch.dtype | None = None
 
     def mm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.qops.mm_int_weight(
@@ -479,10 +482,11 @@ def qweight_form_for(weight: IntWeight, format_name: str, dtype: torch.dtype | N
 
 def with_lowering(weight: IntWeight, format_name: str, dtype: torch.dtype | None = None) -> IntWeight:
     """``weight`` with the lowering the chooser picks for its device, in the qweight form that lowering
-    reads fastest, warmed up (kernels loaded)."""
-    choice = choose(_weight_spec(weight, format_name, dtype))
+    reads fastest, warmed up (kernels loaded) for the activation dtype the chooser was asked about."""
+    spec = _weight_spec(weight, format_name, dtype)
+    choice = choose(spec)
     weight = with_qweight_form(weight, preferred_qweight_form(choice.lowering.kernel, weight.bits, weight.out_features))
-    weight = replace(weight, kernel=choice.lowering.kernel, choice=choice)
+    weight = replace(weight, kernel=choice.lowering.kernel, choice=choice, act_dtype=spec.act_dtype)
     warm_up(choice.lowering, weight)
     return weight
 
