@@ -26,9 +26,6 @@ import json
 import os
 import sys
 
-PLAN_FIELDS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "xu")
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweeps", nargs="+", help="sweep_native.py JSON files with confirmed cases (later files win; "
@@ -58,7 +55,7 @@ def measured_minb(plan, sms: int) -> int:
 def _entry(native, c: dict, best: dict, lo: int, hi: int, name: str, limit, sms: int, rule_us: float) -> dict:
     """The entry of confirmed case ``c`` taking ``best``, serving rows lo..hi (refused if the plan cannot)."""
     n, k, m = c["N"], c["K"], c["M"]
-    fields = {f: best["plan"][f] for f in PLAN_FIELDS}
+    fields = {f: best["plan"][f] for f in native.PLAN_FIELDS}
     for mm in range(lo, hi + 1):
         try:
             native.make_plan(mm, n, k, smem_limit=limit, **fields)

@@ -355,6 +355,18 @@ def test_lut_plans_carry_the_table_and_refuse_what_it_excludes():
             native.make_plan(1, 4096, 14336, **(dict(nwn=1, splits=2, cluster=True, xfull=True, minb=2, lut=True) | kw))
 
 
+def test_an_int_weight_launch_refuses_a_lut_plan(h200, monkeypatch):
+    """A lut build reads its third pointer as the fp32 codebook: launched for int weights it would read
+    the qzeros (or address 0). Refused before any kernel is looked up."""
+    monkeypatch.setattr(compiler, "get_kernel", lambda *a, **k: pytest.fail("looked up a kernel"))
+    lut = lambda m, n, k, sms, ok: native.make_plan(m, n, k, nwn=4, splits=1, cluster=False, xfull=True, lut=True)
+    n, k = 4096, 4096
+    x, out = torch.zeros(1, k, dtype=torch.float16), torch.empty(1, n, dtype=torch.float16)
+    q, scales = torch.zeros(n // 32, k // 8, 32, dtype=torch.int32), torch.ones(k // 128, n, dtype=torch.float16)
+    with native.plan_override(lut), pytest.raises(ValueError, match=r"decodes through a codebook \(lut\), and this call gives none"):
+        native._launch(x, q, scales, None, None, out, None, 1, n, k, 1, 0, native._Q_SLABS, 0, None)
+
+
 def test_smem_ring_stage_size_matches_the_kernel():
     src = compiler.native_source(native.SOURCE)
     expr = re.search(r"constexpr int kSmemStage = ([0-9 *+]+);", src).group(1)

@@ -126,3 +126,74 @@ def test_a_sweep_of_the_table_replaces_only_what_it_beats(tool):
     assert got[4] == first["plans"][0]
     assert got[8]["plan"]["nwn"] == 4 and (got[8]["m_min"], got[8]["m_max"], got[8]["us"]) == (5, 8, 18.0)
     assert got[8]["rule_us"] == 30.0  # the rule's time from the sweep that first made the entry
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    """qops.native.int_weight reads its plan tables from an empty temporary directory (caches cleared)."""
+    from qops.native import int_weight as native
+
+    caches = (native._plan_table_files, native.plan_table, native.measured_plan)
+    monkeypatch.setattr(native, "PLAN_TABLE_DIR", str(tmp_path))
+    for c in caches:
+        c.cache_clear()
+    yield tmp_path
+    for c in caches:
+        c.cache_clear()
+
+
+def _shipped_h200() -> dict:
+    return json.load(open(os.path.join(ROOT, "qops", "native", "plans", "h200.json")))
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda e: e["plan"].update(lut=True), r"plan fields \['lut'\] are not table fields"),  # an int call would launch the codebook build
+    (lambda e: e["plan"].update(spilts=2), r"plan fields \['spilts'\] are not table fields"),
+    (lambda e: e.update(n=str(e["n"])), r"n must be integers \(got '3584'\)"),  # would silently never match
+    (lambda e: e["plan"].pop("xu"), r"plan fields missing or not of their type: xu \(int\)"),
+    (lambda e: e["plan"].update(fold=1), r"plan fields missing or not of their type: fold \(bool\)"),
+    (lambda e: e.update(m_max=16) or e["plan"].update(fold=True), r"its plan does not serve M=9: native_w4a16: fold needs"),
+], ids=["lut", "misspelt", "string-n", "missing", "int-for-bool", "m-range"])
+def test_a_malformed_table_fails_its_gpu_only_naming_the_file_and_entry(table_dir, change, why):
+    from qops.native import int_weight as native
+
+    table = _shipped_h200()
+    change(table["plans"][3])
+    (table_dir / "h200.json").write_text(json.dumps(table))
+    (table_dir / "other.json").write_text(json.dumps(_shipped_h200() | {"gpu": "NVIDIA A100-SXM4-80GB", "sms": 108}))
+    with pytest.raises(ValueError, match=rf"plan table \S*h200.json, entry 3: {why}"):
+        native.measured_plan(1, 4096, 4096, "NVIDIA H200", 132, True, native.SHMEM_OPTIN_MAX_BYTES)
+    assert native.plan_table("NVIDIA H100 80GB HBM3") is None  # a GPU without a table takes the rule
+    assert native.plan_table("NVIDIA A100-SXM4-80GB")[1]["sms"] == 108  # and another GPU's table still serves
+
+
+def test_a_table_file_naming_no_gpu_is_skipped_with_a_warning(table_dir):
+    from qops.native import int_weight as native
+
+    text = json.dumps(_shipped_h200())
+    (table_dir / "h200.json").write_text(text)
+    (table_dir / "cut.json").write_text(text[: len(text) // 2])  # a copy cut short
+    (table_dir / "nameless.json").write_text(json.dumps(_shipped_h200() | {"gpu": None}))
+    with pytest.warns(UserWarning) as seen:
+        assert native.plan_table("NVIDIA A100-SXM4-80GB") is None
+    assert len(seen) == 2
+    assert "cut.json is not readable JSON" in str(seen[0].message) and "nameless.json names no GPU" in str(seen[1].message)
+    assert native.plan_tables() == {"NVIDIA H200": _shipped_h200()}
+
+
+def test_two_tables_of_one_gpu_fail_that_gpu_only(table_dir):
+    from qops.native import int_weight as native
+
+    for name in ("a.json", "b.json"):
+        (table_dir / name).write_text(json.dumps(_shipped_h200()))
+    with pytest.raises(ValueError, match=r"two plan tables for 'NVIDIA H200' \(\S*a.json, \S*b.json\)"):
+        native.plan_table("NVIDIA H200")
+    assert native.plan_table("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_the_table_builder_writes_exactly_the_fields_qops_reads(tool):
+    from qops.native import int_weight as native
+
+    table = tool.build([_sweep(_case(28672, 4096, 8, 20.0, (_plan(nwn=8, splits=2, cluster=True), 15.0)))], ["s.json"], 0.03)
+    assert list(table["plans"][0]["plan"]) == list(native.PLAN_FIELDS)
+    native.check_plan_table("built", table)

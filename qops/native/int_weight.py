@@ -59,6 +59,7 @@ import glob
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -473,33 +474,106 @@ def _device_name(index: int) -> str:
 # plan's knobs; it applies on a device of that name and SM count. Everything else takes the rule.
 PLAN_TABLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plans")
 PLANS_ENV = "QOPS_NATIVE_PLANS"  # "rule": ignore the tables (for sweeps that measure the rule)
+# The plan fields a table entry gives (the builder writes all of them) and their JSON types. The
+# measurement knobs (lut, wgmma, f16mma, smem_bulk, exit_fence) are no table's: a lut plan launched for
+# int weights reads the qzeros pointer (or 0) as its codebook.
+PLAN_FIELDS = {"nwn": int, "splits": int, "cluster": bool, "xfull": bool, "ring": int, "minb": int, "fold": bool,
+               "prefetch": int, "smem_ring": int, "xu": int}
+_ENTRY_INTS = ("n", "k", "m_min", "m_max")
 
 
 @functools.lru_cache(maxsize=None)
-def plan_tables() -> dict[str, dict]:
-    """GPU name -> its plan table (``qops/native/plans/*.json``)."""
-    tables = {}
+def _plan_table_files() -> dict[str, list[tuple[str, dict]]]:
+    """GPU name -> (path, parsed JSON) of each table file under PLAN_TABLE_DIR naming it. A file that is
+    not JSON or names no GPU belongs to no device: skipped with a warning, so that it fails no GPU's calls."""
+    tables: dict[str, list[tuple[str, dict]]] = {}
     for path in sorted(glob.glob(os.path.join(PLAN_TABLE_DIR, "*.json"))):
-        with open(path) as fh:
-            table = json.load(fh)
-        if table["gpu"] in tables:
-            raise ValueError(f"native_w4a16: two plan tables for {table['gpu']!r} ({path})")
-        tables[table["gpu"]] = table
+        try:
+            with open(path) as fh:
+                table = json.load(fh)
+        except (OSError, ValueError) as e:
+            warnings.warn(f"native_w4a16: plan table {path} is not readable JSON ({e}); ignored", stacklevel=2)
+            continue
+        gpu = table.get("gpu") if isinstance(table, dict) else None
+        if not isinstance(gpu, str):
+            warnings.warn(f"native_w4a16: plan table {path} names no GPU (a string 'gpu'); ignored", stacklevel=2)
+            continue
+        tables.setdefault(gpu, []).append((path, table))
     return tables
+
+
+@functools.lru_cache(maxsize=None)
+def plan_table(gpu: str) -> tuple[str, dict] | None:
+    """(path, table) of ``gpu``'s plan table, checked (:func:`check_plan_table`) when a device of that
+    name first asks for it, or None where it has none. A malformed table raises for its GPU only."""
+    found = _plan_table_files().get(gpu, [])
+    if len(found) > 1:
+        raise ValueError(f"native_w4a16: two plan tables for {gpu!r} ({', '.join(path for path, _ in found)})")
+    if not found:
+        return None
+    path, table = found[0]
+    check_plan_table(path, table)
+    return path, table
+
+
+def plan_tables() -> dict[str, dict]:
+    """GPU name -> its checked plan table, for every table under PLAN_TABLE_DIR."""
+    return {gpu: plan_table(gpu)[1] for gpu in _plan_table_files()}
+
+
+def check_plan_table(path: str, table: dict) -> None:
+    """Raise ValueError naming ``path`` (and the entry's index) where ``table`` is not what
+    benchmarks/native_plan_table.py writes: an int ``sms``, a list of ``plans`` whose entries have int
+    n, k, m_min, m_max and exactly the ``PLAN_FIELDS`` of the right types, and a plan :func:`make_plan`
+    accepts for every M of the entry's range."""
+    if type(table.get("sms")) is not int or not isinstance(table.get("plans"), list):
+        raise ValueError(f"native_w4a16: plan table {path} needs an integer 'sms' and a list 'plans'")
+    for i, e in enumerate(table["plans"]):
+        why = _table_entry_error(e)
+        if why is not None:
+            raise ValueError(f"native_w4a16: plan table {path}, entry {i}: {why}")
+
+
+def _table_entry_error(e) -> str | None:
+    """Why plan-table entry ``e`` is malformed (:func:`check_plan_table`), or None."""
+    if not isinstance(e, dict) or not isinstance(e.get("plan"), dict):
+        return "not an object with a 'plan' object"
+    not_ints = [key for key in _ENTRY_INTS if type(e.get(key)) is not int]
+    if not_ints:
+        return f"{', '.join(not_ints)} must be integers (got {', '.join(repr(e.get(key)) for key in not_ints)})"
+    fields = e["plan"]
+    unknown = sorted(set(fields) - set(PLAN_FIELDS))
+    if unknown:
+        return f"plan fields {unknown} are not table fields {list(PLAN_FIELDS)}"
+    wrong = [f"{f} ({t.__name__})" for f, t in PLAN_FIELDS.items() if type(fields.get(f)) is not t]
+    if wrong:
+        return f"plan fields missing or not of their type: {', '.join(wrong)}"
+    if not 1 <= e["m_min"] <= e["m_max"] <= MAX_M:
+        return f"M range {e['m_min']}..{e['m_max']} is not within 1..{MAX_M}"
+    for m in range(e["m_min"], e["m_max"] + 1):
+        try:
+            make_plan(m, e["n"], e["k"], **fields)
+        except ValueError as ex:
+            return f"its plan does not serve M={m}: {ex}"
+    return None
 
 
 @functools.lru_cache(maxsize=4096)
 def measured_plan(m: int, n: int, k: int, gpu: str, sms: int, cluster_ok: bool, smem_limit: int) -> Plan | None:
     """The plan table's plan for ``m`` rows of an (N, K) weight on a ``gpu`` with ``sms`` SMs, or None.
 
-    The shipped tables are checked against :func:`make_plan` for every M they cover (tests), so a
-    ValueError here means a table edited by hand."""
-    table = plan_tables().get(gpu)
-    if table is None or table["sms"] != sms:
+    The table was checked against :func:`make_plan` at the largest opt-in of the devices served when it
+    was loaded; a ValueError here names the entry whose plan needs more than this device's ``smem_limit``."""
+    found = plan_table(gpu)
+    if found is None or found[1]["sms"] != sms:
         return None
-    for e in table["plans"]:
+    path, table = found
+    for i, e in enumerate(table["plans"]):
         if e["n"] == n and e["k"] == k and e["m_min"] <= m <= e["m_max"] and (cluster_ok or not e["plan"]["cluster"]):
-            return make_plan(m, n, k, smem_limit=smem_limit, **e["plan"])
+            try:
+                return make_plan(m, n, k, smem_limit=smem_limit, **e["plan"])
+            except ValueError as ex:
+                raise ValueError(f"native_w4a16: plan table {path}, entry {i}: {ex}") from None
     return None
 
 
@@ -819,6 +893,8 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     p = plan(m, n, k, dev)
     if codebook is not None and not p.lut:
         p = lut_plan(p, n, k, smem_optin_bytes(dev))
+    if p.lut and codebook is None:  # the build would read the qzeros pointer (or 0) as its codebook
+        raise ValueError(f"native_w4a16: the plan {p} decodes through a codebook (lut), and this call gives none")
     if p.smem_bulk:  # only measurement overrides set it: one bulk copy moves a warp's whole chunk
         needs = [why for bad, why in ((not flags & _Q_SLABS, "qweight in column slabs"), (not p.smem_ring, "a shared-memory ring"),
                                       (not _sm90(dev), "sm_90"), (scales.data_ptr() % 16, "16-byte aligned scales"),
