@@ -447,8 +447,74 @@ def test_native_kernel_cache_dir_default(monkeypatch):
 
 
 def test_local_headers_of_the_kernel_are_found():
-    heads = compiler.local_headers(compiler.native_source(native.SOURCE))
-    assert "ptx.cuh" in heads
+    names = [name for name, _ in compiler.local_headers(compiler.native_source(native.SOURCE))]
+    assert "ptx.cuh" in names and len(names) == len(set(names))
+
+
+def _value_in(cubin: bytes) -> list[int]:
+    """Which of the markers 111111 * (1..4) a cubin holds as a 32-bit immediate."""
+    return [v for v in range(1, 5) if (111111 * v).to_bytes(4, "little") in cubin]
+
+
+def test_cache_key_tells_one_macro_from_two(cache):
+    """ProgramOptions reads define_macro=("A", "B") as one macro (-DA=B) and ["A", "B"] as two (-DA -DB):
+    the two compile differently, so they must not share a cache entry."""
+    src = '#ifdef B\n#define R 111111\n#else\n#define R 222222\n#endif\nextern "C" __global__ void k(int* p) { p[0] = R; }\n'
+    one, two = {"define_macro": ("A", "B")}, {"define_macro": ["A", "B"]}
+    assert compiler.cache_key(src, "sm_90", one) != compiler.cache_key(src, "sm_90", two)
+    assert _value_in(compiler.compile_cached(src, "sm_90", one)) == [2]
+    assert _value_in(compiler.compile_cached(src, "sm_90", two)) == [1]
+    assert compiler.cache_key(src, "sm_90", {"define_macro": "A"}) == compiler.cache_key(src, "sm_90", {"define_macro": ["A"]})
+
+
+def test_cache_key_hashes_the_headers_nvrtc_includes(tmp_path, monkeypatch):
+    """Headers are hashed where NVRTC finds them: a quoted include in the including file's directory
+    (for the source itself NVRTC's working directory), then along include_path in order, qops/native only
+    when it is on the path; an angle include along include_path. Each key is checked against what NVRTC
+    compiles."""
+    a, b, cwd = (tmp_path / d for d in ("a", "b", "cwd"))
+    for d in (a, b, cwd):
+        d.mkdir()
+    monkeypatch.chdir(cwd)
+    src = '#include "h.cuh"\n#include <g.cuh>\nextern "C" __global__ void k(int* p) { p[0] = V * 111111; p[1] = G; }\n'
+    (b / "h.cuh").write_text('#include "ptx.cuh"\n')  # a qops/native header's name, in the includer's directory
+    (b / "ptx.cuh").write_text("#define V 1\n")
+    (a / "ptx.cuh").write_text("#define V 2\n")  # earlier on the path, but not where b/h.cuh looks first
+    (a / "g.cuh").write_text("#define G 0\n")
+    opts = {"include_path": [str(a), str(b)]}
+
+    def key_and_value():
+        return compiler.cache_key(src, "sm_90", opts), _value_in(compiler.compile(src, "sm_90", opts))
+
+    base, v = key_and_value()
+    assert v == [1]
+    (a / "ptx.cuh").write_text("#define V 3\n")
+    assert key_and_value() == (base, [1]), "a header NVRTC does not read is not in the key"
+    (b / "ptx.cuh").write_text("#define V 4\n")
+    changed, v = key_and_value()
+    assert changed != base and v == [4]
+    (a / "g.cuh").write_text("#define G 1\n")
+    assert key_and_value()[0] != changed, "an angle include found on the path is in the key"
+    (cwd / "h.cuh").write_text("#define V 2\n")  # NVRTC reads the source's quoted includes from here first
+    assert key_and_value()[1] == [2] and key_and_value()[0] != changed
+
+
+def test_cache_keys_of_qops_builds_never_change(tmp_path, monkeypatch):
+    """Prefilled caches are carried to the GPU machine (benchmarks/prefill_nvrtc_cache.py), and entries
+    already on disk stay valid: cache_key must give qops' own builds (native_options, qops/native
+    sources and headers) the keys it always gave them. Pinned as computed at f84905c: a real source
+    (its key changes with smem_base.cu's text), and a qops-shaped build with a header and defines."""
+    monkeypatch.setattr(compiler, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.chdir(tmp_path)
+    key = compiler.cache_key(compiler.native_source("smem_base.cu"), "sm_90", compiler.native_options({}))
+    assert key == "7a418603cb544f1e041442ccf8bd2923dc35ebbee8ff91964f55fc08b429997f"
+    d = tmp_path / "native"
+    d.mkdir()
+    (d / "k.cu").write_text('#include "h.cuh"\nextern "C" __global__ void k(float* p) { p[0] = V; }\n')
+    (d / "h.cuh").write_text("#define V 1.f\n")
+    monkeypatch.setattr(compiler, "NATIVE_DIR", d)
+    key = compiler.cache_key(compiler.native_source("k.cu"), "sm_90", compiler.native_options({"QOPS_MT": 2, "QOPS_DT": 1}))
+    assert key == "98d704e31110740d46f084ed9b18d3cb77d268e00abf5d77add2eb056d9220b3"
 
 
 @pytest.mark.parametrize("sms,cluster_ok", [(132, True), (108, False), (78, True)])

@@ -157,24 +157,31 @@ class _Log:
         return "".join(self.parts).rstrip("\x00").strip()
 
 
-_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+# #include "name" (group 1) or #include <name> (group 2)
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*(?:"([^"]+)"|<([^>]+)>)', re.MULTILINE)
 
 
-def local_headers(source: str, dirs: Sequence[str | Path] = (NATIVE_DIR,)) -> dict[str, str]:
-    """The text of every ``#include "..."`` the source reaches inside ``dirs``, by name, recursively."""
-    found: dict[str, str] = {}
-    todo = [source]
+def local_headers(source: str, include_path: Sequence[str | Path] = (NATIVE_DIR,), source_dir: str | Path | None = None) -> list[tuple[str, str]]:
+    """(name as included, text) of every header ``source`` reaches, recursively, resolved as NVRTC
+    resolves them: ``#include "x"`` in the including file's directory first (for ``source`` itself
+    ``source_dir``: NVRTC looks in its working directory), then in ``include_path`` in order;
+    ``#include <x>`` in ``include_path`` only. Headers found in none of these (the CUDA toolkit's, NVRTC's
+    built-ins) are not followed. Sorted; one pair for each file reached (a name two includers resolve to
+    different files appears twice)."""
+    found: dict[Path, tuple[str, str]] = {}  # resolved file -> (name, text)
+    todo: list[tuple[str, Path | None]] = [(source, Path(source_dir) if source_dir is not None else None)]
     while todo:
-        for name in _INCLUDE_RE.findall(todo.pop()):
-            if name in found:
+        text, here = todo.pop()
+        for quoted, angled in _INCLUDE_RE.findall(text):
+            name = quoted or angled
+            dirs = ([here] if quoted and here is not None else []) + [Path(d) for d in include_path]
+            path = next((d / name for d in dirs if (d / name).is_file()), None)
+            if path is None or path.resolve() in found:
                 continue
-            for d in dirs:
-                p = Path(d) / name
-                if p.is_file():
-                    found[name] = p.read_text()
-                    todo.append(found[name])
-                    break
-    return found
+            header = path.read_text()
+            found[path.resolve()] = (name, header)
+            todo.append((header, path.parent))
+    return sorted(set(found.values()))
 
 
 def cache_dir() -> Path:
@@ -182,24 +189,40 @@ def cache_dir() -> Path:
 
 
 def cache_key(source: str, arch: str, options: Mapping[str, Any] | None = None) -> str:
-    """sha256 over the source and the local headers it includes, the options, the arch and NVRTC's version.
+    """sha256 over the source and the headers NVRTC would include (:func:`local_headers`; the top-level
+    source's quoted includes are looked up in the working directory first, as NVRTC does), the options,
+    the arch and NVRTC's version.
 
     qops/native in ``include_path`` is keyed by name, not by where this checkout sits (its headers'
-    text is in the key): a cache filled on one machine serves another with the same NVRTC.
+    text is in the key): a cache filled on one machine serves another with the same NVRTC. The keys of
+    qops' own builds (:func:`native_options`: a sorted list of (name, value) macros) are those of every
+    earlier release: prefilled caches carried to another machine stay valid (a test pins two).
     """
     opts = dict(options or {})
-    dirs = [NATIVE_DIR, *(_as_list(opts.get("include_path")))]
+    include_path = _as_list(opts.get("include_path"))
     if "include_path" in opts:
-        opts["include_path"] = ["<qops/native>" if _same_dir(d, NATIVE_DIR) else os.fspath(d) for d in _as_list(opts["include_path"])]
+        opts["include_path"] = ["<qops/native>" if _same_dir(d, NATIVE_DIR) else os.fspath(d) for d in include_path]
+    if "define_macro" in opts:
+        opts["define_macro"] = _macro_list(opts["define_macro"])
     payload = {
         "source": source,
-        "headers": sorted(local_headers(source, dirs).items()),
+        "headers": local_headers(source, include_path, Path.cwd()),
         "options": {"std": DEFAULT_STD, **opts},
         "arch": arch,
         "nvrtc": list(nvrtc_version()),
     }
     blob = json.dumps(payload, sort_keys=True, default=_json_default).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+def _macro_list(define_macro) -> list:
+    """``define_macro`` as the list of macros ProgramOptions reads from it, each a name or a [name, value]
+    pair: one string, or a tuple of two strings, is one macro (``("A", "B")``: -DA=B); any other list or
+    tuple holds one macro an item (``["A", "B"]``: -DA -DB). The two spellings serialised alike before."""
+    if isinstance(define_macro, str) or (isinstance(define_macro, tuple) and len(define_macro) == 2
+                                         and all(isinstance(v, str) for v in define_macro)):
+        define_macro = [define_macro]
+    return [m if isinstance(m, str) else list(m) for m in define_macro]
 
 
 def _same_dir(a, b) -> bool:
