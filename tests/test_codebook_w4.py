@@ -4,6 +4,7 @@ formula, and the refusals. The kernel itself runs in tests/gpu/test_gpu_codebook
 compile in tests/test_native_compile.py."""
 from __future__ import annotations
 
+import contextlib
 import unittest.mock as mock
 
 import pytest
@@ -94,9 +95,47 @@ def test_refusals_name_the_argument():
         assert cw.refusal(x, q, s, code) is None
 
 
+def test_refusals_name_what_the_decode_kernel_cannot_address():
+    """A qweight slice (its slab stride is not K/8 * 32 words: the kernel would read the wrong slabs) and
+    scales off 8-byte alignment (its vector loads fault) are refused as int_weight refuses them."""
+    n, k = 64, 128  # two slabs: a slice of one would still be contiguous
+    q = cw.pack_codes(_codes(n, k))
+    sliced = cw.pack_codes(_codes(n, 2 * k))[:, : k // 8, :]
+    s = torch.ones(k // 64, n, dtype=torch.float16)
+    misaligned = torch.ones(s.numel() + 1, dtype=torch.float16)[1:].view(k // 64, n)
+    code = codebook("nf4")
+    x = torch.randn(1, k, dtype=torch.float16)
+    with mock.patch.object(torch.Tensor, "device", new_callable=mock.PropertyMock, return_value=_OnCuda()):
+        assert cw.refusal(x, sliced, s, code) == "qweight is not contiguous and 16-byte aligned"
+        assert cw.refusal(x, q, misaligned, code) == "scales are not contiguous and 8-byte aligned"
+
+
+def test_codebook_mm_launches_on_xs_device(monkeypatch):
+    """x on cuda:1 while another device is current: the launch runs with x's device current (its stream)."""
+    n, k = 32, 128
+    seen = []
+
+    @contextlib.contextmanager
+    def device(index):
+        seen.append(("enter", index))
+        yield
+        seen.append(("exit", index))
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    monkeypatch.setattr(cw.niw, "_launch", lambda *a, **k: seen.append(("launch", a[13])))
+    args = (torch.randn(1, k, dtype=torch.float16), cw.pack_codes(_codes(n, k)), torch.ones(k // 64, n, dtype=torch.float16), codebook("nf4"))
+    with mock.patch.object(torch.Tensor, "device", new_callable=mock.PropertyMock, return_value=_OnCuda(index=1)):
+        cw.codebook_mm(*args)
+    assert seen == [("enter", 1), ("launch", 1), ("exit", 1)]
+
+
 class _OnCuda:
     """A device that says it is CUDA and equal to every other."""
     type = "cuda"
+
+    def __init__(self, index: int = 0):
+        self.index = index
 
     def __eq__(self, other):
         return True

@@ -76,6 +76,11 @@ def refusal(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, codebo
         return f"codebook must be contiguous float32 of shape (16,), got {codebook.dtype} {tuple(codebook.shape)}"
     if any(t.device != x.device for t in (qweight, scales, codebook)):
         return f"qweight, scales and codebook must be on x's device {x.device}"
+    # The decode kernel's own needs (qweight contiguous and 16-byte aligned, scales 8-byte aligned: its
+    # slab addressing and vector loads), checked as for the int weights it was written for.
+    why = niw._refusal(x, qweight, scales, None, 4, -1, n)
+    if why is not None:
+        return why
     m = x.numel() // k if k else 0
     if m > niw.MAX_M:
         return f"x has {m} rows; the decode kernel takes at most {niw.MAX_M}"
@@ -92,7 +97,7 @@ def codebook_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, co
     n, k = qweight.shape[0] * SLAB_COLUMNS, x.shape[-1]
     lead = x.shape[:-1]
     m = x.numel() // k
-    out = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+    out = x.new_empty((*lead, n))
     if m == 0:
         return out
     x2 = x.reshape(m, k)
@@ -101,6 +106,7 @@ def codebook_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, co
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     flags = niw._SCALE_BF16 if scales.dtype == torch.bfloat16 else 0
     flags |= niw._Q_SLABS
-    niw._launch(x2, qweight, scales, None, None, out.view(m, n), workspace, m, n, k, 1, 0, flags, dev,
-                torch.cuda.current_stream(), codebook=codebook)
+    with torch.cuda.device(dev):  # launched on x's device's stream, whichever device is current
+        niw._launch(x2, qweight, scales, None, None, out.view(m, n), workspace, m, n, k, 1, 0, flags, dev,
+                    torch.cuda.current_stream(), codebook=codebook)
     return out
