@@ -62,7 +62,7 @@ def compile_one(build) -> tuple[str, bool, str | None]:
     source, arch, defines = build
     try:
         key = build_key(build)
-        hit = (compiler.cache_dir() / f"{key}.cubin").is_file()
+        hit = compiler.read_cache_entry(compiler.cache_path(key)) is not None  # a truncated entry is built again
         if not hit:
             compiler.compile_cached(compiler.native_source(source), arch, compiler.native_options(dict(defines)))
         return key, not hit, None

@@ -4,6 +4,7 @@ kernel assumes, and programmatic dependent launch is compiled in for sm_90 only 
 dropped) on the host as documented (no GPU needed for any of it)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import types
@@ -408,6 +409,56 @@ def test_disk_cache_hits_and_is_keyed(cache, monkeypatch):
     compiler.compile_cached(src + "\n// changed\n", "sm_90")
     assert len(calls) == 4 and len(list(cache.glob("*.cubin"))) == 4
     assert not list(cache.glob("*.tmp")), "temporary files are renamed into place"
+
+
+def test_a_corrupt_cache_entry_is_compiled_again_and_replaced(cache, monkeypatch):
+    """A cubin cut short (a copy of a prefilled cache interrupted on its way) or other bytes under a key
+    are not handed to the driver: compiled again, and the entry rewritten whole."""
+    calls = []
+    real = compiler.compile
+    monkeypatch.setattr(compiler, "compile", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    src = 'extern "C" __global__ void k(float* p) { p[threadIdx.x] *= 2.f; }\n'
+    whole = compiler.compile_cached(src, "sm_90")
+    entry = compiler.cache_path(compiler.cache_key(src, "sm_90"))
+    for bad in (whole[: len(whole) // 3], whole[:-1], b"garbage, not a cubin", whole[:4] + b"\x01" + whole[5:]):
+        entry.write_bytes(bad)
+        assert compiler.cubin_problem(bad) is not None
+        assert compiler.compile_cached(src, "sm_90") == whole and entry.read_bytes() == whole
+    assert len(calls) == 5
+    assert compiler.compile_cached(src, "sm_90") == whole and len(calls) == 5, "a whole entry is a hit"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cubin_problem_finds_every_cut(arch):
+    """NVRTC writes the header tables last: a cubin cut at any length is refused, and whole ones pass."""
+    cubin = compiler.compile(compiler.native_source("smem_base.cu"), arch, compiler.native_options({}))
+    assert compiler.cubin_problem(cubin) is None and compiler.cubin_problem(cubin + b"\0" * 8) is None
+    assert all(compiler.cubin_problem(cubin[:cut]) is not None for cut in range(len(cubin)))
+
+
+def test_get_kernel_keeps_a_module_only_once_it_loaded(fake_core, monkeypatch):
+    """The driver loads a module at its first get_kernel (from_cubin is lazy): a module that failed then
+    is not kept for the process, so a repaired cache entry is read again by the next call."""
+    loads = []
+
+    class Module:
+        def get_kernel(self, name):
+            if len(loads) == 1:
+                raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+            return f"kernel {name}"
+
+    fake_core.ObjectCode = types.SimpleNamespace(from_cubin=lambda cubin: loads.append(cubin) or Module())
+    fake_core.Device = lambda idx: types.SimpleNamespace(set_current=lambda: None)
+    monkeypatch.setattr(compiler, "compile_cached", lambda *a: b"cubin")
+    monkeypatch.setattr(compiler, "device_arch", lambda idx: "sm_90")
+    monkeypatch.setattr(torch.cuda, "device", lambda idx: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(compiler, "_modules", {})
+    monkeypatch.setattr(compiler, "_kernels", {})
+    with pytest.raises(RuntimeError, match="INVALID_IMAGE"):
+        compiler.get_kernel(0, "smem_base.cu", {}, "qops_smem_base")
+    assert compiler._modules == {}
+    assert compiler.get_kernel(0, "smem_base.cu", {}, "qops_smem_base") == "kernel qops_smem_base" and len(loads) == 2
 
 
 def test_cache_key_covers_everything_it_should(tmp_path):

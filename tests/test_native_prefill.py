@@ -67,3 +67,18 @@ def test_prefill_refuses_a_file_that_is_not_a_record(tmp_path, prefill):
     bad.write_text('{"source": "smem_base.cu"}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:1 is not a build record"):
         prefill.main([str(bad)])
+
+
+def test_prefill_builds_a_truncated_entry_again(tmp_path, monkeypatch, prefill, capsys):
+    """A cache entry cut short (an interrupted copy) is not counted as cached: compiled and replaced."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(compiler.CACHE_ENV, str(cache))
+    record = tmp_path / "builds.jsonl"
+    record.write_text(json.dumps({"source": "smem_base.cu", "arch": "sm_90", "defines": {}}) + "\n")
+    entry = compiler.cache_path(compiler.cache_key(compiler.native_source("smem_base.cu"), "sm_90", compiler.native_options({})))
+    assert prefill.main([str(record), "--jobs", "1"]) == 0
+    whole = entry.read_bytes()
+    entry.write_bytes(whole[:100])
+    capsys.readouterr()
+    assert prefill.main([str(record), "--jobs", "1"]) == 0
+    assert "(1 compiled, 0 already cached" in capsys.readouterr().out and entry.read_bytes() == whole

@@ -9,7 +9,8 @@ itself; local headers (``#include "x.cuh"``) are found beside them. Three layers
 - :func:`compile_cached` wraps it with a disk cache under ``$QOPS_CACHE_DIR`` (default
   ``~/.cache/qops``)/``nvrtc``, keyed by the sha256 of the source (with the local headers it
   includes), the options, the arch and the NVRTC version; entries are written to a temporary file
-  and renamed into place, so concurrent processes never read half a file.
+  and renamed into place, so concurrent processes never read half a file, and an entry that is not a
+  whole cubin (a copy cut short) is compiled again and replaced.
 - :func:`get_kernel` compiles (or reads the cache) and loads a module once per device and kernel
   variant. Loading happens at warm-up; during CUDA-graph capture a kernel that is not loaded yet
   raises :class:`NativeNotReadyError` instead of compiling. :func:`launch` launches on a torch stream,
@@ -31,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 import tempfile
 import threading
 from pathlib import Path
@@ -243,20 +245,67 @@ def _json_default(o):
     return repr(o)
 
 
+def cache_path(key: str) -> Path:
+    """The cache entry of ``key``: a plain cubin (entries written by every earlier version stay valid)."""
+    return cache_dir() / f"{key}.cubin"
+
+
 def compile_cached(source: str, arch: str, options: Mapping[str, Any] | None = None) -> bytes:
-    """:func:`compile`, through the disk cache. Returns the cubin."""
+    """:func:`compile`, through the disk cache. Returns the cubin. An entry that is not a whole cubin
+    (:func:`cubin_problem`: a write or a copy cut short, other bytes) is compiled again and replaced."""
     key = cache_key(source, arch, options)
-    path = cache_dir() / f"{key}.cubin"
+    data = read_cache_entry(cache_path(key))
+    if data is None:
+        data = compile(source, arch, options)
+        _store(cache_path(key), data)
+    return data
+
+
+def read_cache_entry(path: Path) -> bytes | None:
+    """The cubin stored at ``path``, or None where there is none, it cannot be read, or it is not a whole
+    cubin (those are compiled again rather than handed to the driver, whose error would not name the file)."""
     try:
         data = path.read_bytes()
-        if data:
-            return data
     except OSError:
-        pass
-    data = compile(source, arch, options)
+        return None
+    return data if cubin_problem(data) is None else None
+
+
+_ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")  # e_ident, e_type ... e_shstrndx
+_ELF64_SECTION = struct.Struct("<IIQQQQIIQQ")  # sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, ...
+_SHT_NOBITS = 8  # a section that occupies no bytes of the file (.bss, .nv.shared.*)
+
+
+def cubin_problem(data: bytes) -> str | None:
+    """Why ``data`` is not a whole cubin (a 64-bit little-endian ELF image, what NVRTC writes), or None.
+
+    The ELF header places the program and section header tables, and the section headers the sections'
+    bytes: a file cut short ends before one of them (NVRTC writes the tables last)."""
+    if len(data) < _ELF64_HEADER.size or data[:4] != b"\x7fELF":
+        return "no ELF header"
+    if data[4:6] != b"\x02\x01":
+        return "not a 64-bit little-endian ELF image"
+    fields = _ELF64_HEADER.unpack_from(data)
+    phoff, shoff, phentsize, phnum, shentsize, shnum = fields[5], fields[6], fields[9], fields[10], fields[11], fields[12]
+    for what, end in (("program header table", phoff + phnum * phentsize), ("section header table", shoff + shnum * shentsize)):
+        if end > len(data):
+            return f"{len(data)} bytes, but its {what} ends at byte {end}"
+    if shnum and shentsize < _ELF64_SECTION.size:
+        return f"section headers of {shentsize} bytes"
+    for i in range(shnum):
+        section = _ELF64_SECTION.unpack_from(data, shoff + i * shentsize)
+        end = section[4] + section[5]
+        if section[1] != _SHT_NOBITS and end > len(data):
+            return f"{len(data)} bytes, but section {i} ends at byte {end}"
+    return None
+
+
+def _store(path: Path, data: bytes) -> None:
+    """Write a cache entry through a temporary file renamed into place: concurrent readers see the old
+    entry or the new one, never part of one."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:16]}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem[:16]}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -266,7 +315,6 @@ def compile_cached(source: str, arch: str, options: Mapping[str, Any] | None = N
             raise
     except OSError:
         pass  # a read-only or full cache directory costs a recompile next time, nothing else
-    return data
 
 
 def record_build(source_name: str, arch: str, defines: Mapping[str, int | str]) -> None:
@@ -362,10 +410,10 @@ def get_kernel(device: torch.device | int, source_name: str, defines: Mapping[st
             with torch.cuda.device(idx):
                 cc.Device(idx).set_current()
                 obj = cc.ObjectCode.from_cubin(cubin)
-            _modules[mkey] = obj
         with torch.cuda.device(idx):
             cc.Device(idx).set_current()
-            k = obj.get_kernel(kernel_name)
+            k = obj.get_kernel(kernel_name)  # the driver loads the module here (from_cubin is lazy)
+        _modules[mkey] = obj  # only a module that loaded: one that failed is built and loaded again next time
         _kernels[key] = k
         return k
 
