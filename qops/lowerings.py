@@ -109,6 +109,13 @@ def _native_missing() -> str | None:
     return runtime_missing()
 
 
+def _native_or_triton_missing() -> str | None:
+    """Why a native lowering cannot run here: qops.native unusable, or triton missing, to which it hands
+    every call it does not serve itself (past its rows, or tensors refused at call time)."""
+    why = _triton_missing()
+    return _native_missing() or (f"it delegates the calls it does not serve to triton: {why}" if why else None)
+
+
 @dataclass(frozen=True)
 class BlockScaling:
     """What a lowering needs of weights whose scales vary along K (``group_size != -1``) where that
@@ -297,7 +304,7 @@ LOWERINGS: tuple[Lowering, ...] = (
         # size (int_weight.SLICED_ROWS: 1.02-2.41x triton there, ...-93edcde-probe-gemm-slices.json, ...-b5386cc-probe-slices-*.json);
         # above that it delegates to triton, so the times match.
         note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=32 (Hopper: M<=16 or 23) and GEMM for M<=64 (Hopper: 64-row slices up to M=96..192 by weight size), deterministic split-K; larger M delegated to triton",
-        software=_native_missing,
+        software=_native_or_triton_missing,
     ),
     Lowering(
         name="reference_fp8",
@@ -428,7 +435,7 @@ LOWERINGS: tuple[Lowering, ...] = (
         note="CUDA C++ via NVRTC: codes looked up a byte at a time in a shared-memory table, tensor-core GEMV "
              "for M<=16 (N*K < 2^31), 16-row slices to M=64, larger M delegated to triton; reads the tile16 layout "
              "prepared for it (1 KiB-contiguous steps) or the flat one",
-        software=_native_missing,
+        software=_native_or_triton_missing,
     ),
 )
 

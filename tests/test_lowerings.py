@@ -81,3 +81,22 @@ def test_warm_up_builds_for_the_activation_dtype_the_weight_was_prepared_for(mon
         IntWeightLinear(w).prepare_swiglu()
         gated = [r for r in records if r["defines"].get("QOPS_GLU") == 1]
         assert gated and {r["defines"]["QOPS_DT"] for r in records} == {niw._DT[torch.bfloat16]}
+
+
+def test_native_lowerings_need_triton_for_the_calls_they_hand_on(monkeypatch):
+    """The native lowerings delegate the calls they do not serve (rows past theirs, tensors refused at call
+    time) to triton: where triton is not importable the chooser refuses them with that reason, and picks a
+    lowering that serves every call."""
+    import sys
+
+    monkeypatch.delenv(lowerings.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(lowerings, "_cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(lowerings, "_native_missing", lambda: None)
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    for family, fmt, group_size, native in (("int_weight", "gptq", 128, "native_w4a16"),
+                                            ("blockwise4", "bitsandbytes-nf4", 64, "native_blockwise4")):
+        spec = lowerings.WeightSpec(family=family, format=fmt, bits=4, group_size=group_size, n=4096, k=4096, act_order=False,
+                                    symmetric=True, device=torch.device("cuda", 0), act_dtype=torch.float16)
+        choice = lowerings.choose(spec)
+        assert choice.lowering.kernel == qops.Kernel.REFERENCE, choice.explain()
+        assert dict(choice.refusals)[native].startswith("it delegates the calls it does not serve to triton: triton is not importable")
