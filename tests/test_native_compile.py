@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
+import stat
 import types
 from pathlib import Path
 
@@ -459,6 +461,20 @@ def test_get_kernel_keeps_a_module_only_once_it_loaded(fake_core, monkeypatch):
         compiler.get_kernel(0, "smem_base.cu", {}, "qops_smem_base")
     assert compiler._modules == {}
     assert compiler.get_kernel(0, "smem_base.cu", {}, "qops_smem_base") == "kernel qops_smem_base" and len(loads) == 2
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["022", "077"])
+def test_cache_entries_are_readable_as_the_umask_allows(cache, umask):
+    """A cache shared between users (a team's or CI's QOPS_CACHE_DIR) must be readable by them: entries
+    take the umask's mode, as any file the user writes, not the temporary file's 0600."""
+    src = f'extern "C" __global__ void k(float* p) {{ p[0] = {umask}.f; }}\n'
+    old = os.umask(umask)
+    try:
+        compiler.compile_cached(src, "sm_90")
+    finally:
+        os.umask(old)
+    entry = compiler.cache_path(compiler.cache_key(src, "sm_90"))
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o666 & ~umask
 
 
 def test_cache_key_covers_everything_it_should(tmp_path):

@@ -302,19 +302,29 @@ def cubin_problem(data: bytes) -> str | None:
 
 def _store(path: Path, data: bytes) -> None:
     """Write a cache entry through a temporary file renamed into place: concurrent readers see the old
-    entry or the new one, never part of one."""
+    entry or the new one, never part of one. Readable by others as the umask allows, as any file the user
+    writes (mkstemp's 0600 would keep a cache shared by a team or CI from everyone but its writer)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem[:16]}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+            os.chmod(tmp, 0o666 & ~_umask())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
     except OSError:
         pass  # a read-only or full cache directory costs a recompile next time, nothing else
+
+
+def _umask() -> int:
+    """The process's umask. Reading it means setting it, so it is 022 for the instant before it is
+    restored (a file another thread creates just then takes that mode); read once a cache write."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def record_build(source_name: str, arch: str, defines: Mapping[str, int | str]) -> None:
