@@ -468,9 +468,13 @@ class Choice:
 
 
 def choose(spec: WeightSpec) -> Choice:
-    """The highest-priority lowering that serves ``spec`` on this machine, with every refusal."""
+    """The highest-priority lowering of ``spec``'s op family that serves it on this machine, with every
+    refusal (of that family: the others serve other ops)."""
+    family = [low for low in LOWERINGS if low.family == spec.family]
+    if not family:
+        raise NoLoweringError(f"no lowering serves op family {spec.family!r}; families: {sorted({low.family for low in LOWERINGS})}")
     refusals = []
-    for low in sorted(LOWERINGS, key=lambda l: -l.priority):
+    for low in sorted(family, key=lambda l: -l.priority):
         why = low.refusal(spec)
         if why is None:
             return Choice(low, tuple(refusals))
