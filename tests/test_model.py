@@ -104,6 +104,20 @@ def test_llama3_rope_scaling_matches_the_published_rule():
     torch.testing.assert_close(inv[wavelen > 8192], base[wavelen > 8192] / 8)
 
 
+@pytest.mark.parametrize("kw,field", [
+    (dict(num_key_value_heads=0), "num_key_value_heads"), (dict(num_attention_heads=0, head_dim=None), "num_attention_heads"),
+    (dict(num_key_value_heads=-2), "num_key_value_heads"), (dict(hidden_size=0), "hidden_size"), (dict(head_dim=0), "head_dim"),
+    (dict(vocab_size=0), "vocab_size"), (dict(num_hidden_layers=0), "num_hidden_layers"), (dict(intermediate_size=-1), "intermediate_size"),
+    (dict(vocab_size="256"), "vocab_size"), (dict(num_hidden_layers=True), "num_hidden_layers"), (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
+    (dict(rope_theta=0.0), "rope_theta"), (dict(num_attention_heads=6, num_key_value_heads=4), "num_key_value_heads"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
+])
+def test_config_refuses_invalid_values(kw, field):
+    # Each once built a model that failed far away (ZeroDivisionError, KeyError) or ran with no layers.
+    with pytest.raises(ValueError, match=rf"LlamaConfig: .*{field}"):
+        LlamaConfig.tiny(**kw)
+
+
 @pytest.mark.parametrize("scheme,lowering", CPU_PAIRS, ids=PAIR_IDS)
 def test_decode_steps_equal_the_whole_sequence(dense_tensors, scheme, lowering):
     model = _model(dense_tensors, scheme)

@@ -68,6 +68,18 @@ from .checkpoint import QuantScheme, TensorWeights, get_scheme, quantize_tensors
 ARCHITECTURES = ("LlamaForCausalLM",)  # (Mistral adds sliding-window attention, not implemented here)
 
 
+# Fields that must hold a positive int (head_dim may also be None: derived from the others).
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_kind(rope_scaling: dict | None) -> str:
+    """The rotary scaling type of a config's ``rope_scaling`` (Hugging Face spells the key both ways)."""
+    rs = rope_scaling or {}
+    return rs.get("rope_type", rs.get("type", "default"))
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """The model's shape, with Hugging Face ``config.json`` names."""
@@ -87,6 +99,20 @@ class LlamaConfig:
     attention_bias: bool = False
 
     def __post_init__(self):
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if name == "head_dim" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LlamaConfig: {name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"LlamaConfig: {name} must be a positive number, got {value!r}")
+        if rope_kind(self.rope_scaling) == "llama3":
+            missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"LlamaConfig: rope_scaling of type llama3 lacks {missing}; it needs {list(LLAMA3_ROPE_KEYS)}")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"LlamaConfig: hidden_size={self.hidden_size} is not a multiple of num_attention_heads={self.num_attention_heads}; give head_dim")
@@ -157,7 +183,7 @@ def inv_freq(config: LlamaConfig) -> torch.Tensor:
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     rs = config.rope_scaling or {}
-    kind = rs.get("rope_type", rs.get("type", "default"))
+    kind = rope_kind(rs)
     if kind == "llama3":
         factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old = rs["original_max_position_embeddings"]
