@@ -260,6 +260,45 @@ def test_generate_checks_its_bounds(dense_tensors):
         generate(model, _prompts(1, 4), 6)
 
 
+@pytest.mark.parametrize("config_kw,tensor,shape,match", [
+    (dict(num_key_value_heads=4), None, None, r"'model.layers.0.self_attn.k_proj' .* N \(out_features\) 128; .*num_key_value_heads \* head_dim"),
+    (dict(num_attention_heads=2), None, None, r"'model.layers.0.self_attn.q_proj' .* N \(out_features\) 256; .*num_attention_heads \* head_dim"),
+    (dict(head_dim=32), None, None, r"'model.layers.0.self_attn.q_proj' .* head_dim = 4 \* 32"),
+    (dict(hidden_size=256), None, None, r"'model.embed_tokens.weight' .* shape \(256, 128\); .* hidden_size=256"),
+    (dict(vocab_size=300), None, None, r"'model.embed_tokens.weight' .* shape \(256, 128\); the config gives \(300, 128\) \(vocab_size=300"),
+    ({}, "lm_head.weight", (300, 128), r"'lm_head' .* N \(out_features\) 300; the config gives 256 \(vocab_size=256\)"),
+    ({}, "model.layers.0.post_attention_layernorm.weight", (64,), r"'model.layers.0.post_attention_layernorm.weight' .* \(64,\); .*hidden_size"),
+    ({}, "model.norm.weight", (64,), r"'model.norm.weight' .* \(64,\)"),
+    ({}, "model.layers.0.self_attn.o_proj.weight", (128, 192), r"'model.layers.0.self_attn.o_proj' .* K \(in_features\) 192"),
+    ({}, "model.layers.0.mlp.down_proj.weight", (128, 200), r"'model.layers.0.mlp.down_proj' .* K \(in_features\) 200; .*intermediate_size"),
+    ({}, "model.layers.0.mlp.up_proj.weight", (200, 128), r"'model.layers.0.mlp.up_proj' .* N \(out_features\) 200"),
+])
+def test_checkpoint_inconsistent_with_the_config_is_a_load_error(config_kw, tensor, shape, match):
+    """Each of these loaded and failed in torch at the first step (split sizes, broadcasting, matmul
+    shapes), or ran with a vocabulary the checkpoint does not hold (ids past it embedded as zeros)."""
+    import dataclasses
+
+    from qops.layers import WeightsError
+
+    base = LlamaConfig.tiny(num_hidden_layers=1)
+    tensors = random_tensors(base)
+    if tensor is not None:
+        tensors[tensor] = torch.zeros(shape)
+    with pytest.raises(WeightsError, match=match):
+        LlamaForCausalLM.from_tensors(dataclasses.replace(base, **config_kw), tensors, dtype=torch.float32, max_batch=1, max_seq=4,
+                                      process_group=None)
+
+
+def test_quantized_layer_inconsistent_with_the_config_is_a_load_error(dense_tensors):
+    from qops.layers import WeightsError
+
+    sch = get_scheme("gptq")
+    tensors = quantize_tensors(dense_tensors, CONFIG.linear_prefixes(), sch)
+    with pytest.raises(WeightsError, match=r"'model.layers.0.mlp.gate_proj' .* N \(out_features\) 256; the config gives 384"):
+        LlamaForCausalLM.from_tensors(LlamaConfig.tiny(intermediate_size=384), tensors, sch.config, dtype=torch.float32, max_batch=1,
+                                      max_seq=4, process_group=None)
+
+
 def test_heads_must_split_over_the_world():
     from qops.distributed import FakeGroup
 

@@ -354,9 +354,13 @@ class Weights:
     def get_weights_col(self, prefix: str):
         return self.get_weights_col_packed(prefix, 1)
 
+    def linear_dims(self, prefix: str) -> tuple[int, int]:
+        """(K in_features, N out_features) of the whole linear layer under ``prefix``, from the stored
+        shapes (and the small shape records some formats keep), not from its weights' data."""
+        return self.scheme_for(prefix).dims(self, prefix)
+
     def get_weights_col_packed_qkv(self, prefix: str, num_heads: int, num_key_value_heads: int):
-        scheme = self.scheme_for(prefix)
-        _, n = scheme.dims(self, prefix)
+        _, n = self.linear_dims(prefix)
         return self.get_weights_col_packed(prefix, qkv_sizes(prefix, n, num_heads, num_key_value_heads, self.world_size))
 
     def get_weights_col_packed_gate_up(self, prefix: str):

@@ -58,7 +58,9 @@ from ..layers import (
     TensorParallelHead,
     TensorParallelRowLinear,
     Weights,
+    WeightsError,
 )
+from ..layers.layout import join
 from ..layers.loader import read_quantization_config
 from ..workspace import Workspace, attach_workspace
 from . import attention as _attention  # noqa: F401  (registers qops::decode_attention)
@@ -169,6 +171,39 @@ class LlamaConfig:
             out += [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
             out += [f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
         return out + (["lm_head"] if head else [])
+
+
+def check_checkpoint_shapes(config: LlamaConfig, weights: Weights) -> None:
+    """Raise a WeightsError naming the tensor and the config fields where a checkpoint's embedding,
+    norms, linear layers or head do not have the shapes ``config`` gives them. Reads shapes only
+    (:meth:`~qops.layers.Weights.linear_dims`), so an inconsistent checkpoint fails at load, not in
+    torch at the first step; a model built anyway would ignore config sizes it does not use."""
+    c = config
+    # (what the config says, the size it gives)
+    hidden = (f"hidden_size={c.hidden_size}", c.hidden_size)
+    vocab = (f"vocab_size={c.vocab_size}", c.vocab_size)
+    inter = (f"intermediate_size={c.intermediate_size}", c.intermediate_size)
+    q = (f"num_attention_heads * head_dim = {c.num_attention_heads} * {c.head_dim}", c.num_attention_heads * c.head_dim)
+    kv = (f"num_key_value_heads * head_dim = {c.num_key_value_heads} * {c.head_dim}", c.num_key_value_heads * c.head_dim)
+    tensors = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    linears = {"lm_head": (hidden, vocab)}  # (K, N)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        tensors.update({f"{p}.input_layernorm.weight": (hidden,), f"{p}.post_attention_layernorm.weight": (hidden,)})
+        linears.update({f"{p}.self_attn.q_proj": (hidden, q), f"{p}.self_attn.k_proj": (hidden, kv), f"{p}.self_attn.v_proj": (hidden, kv),
+                        f"{p}.self_attn.o_proj": (q, hidden), f"{p}.mlp.gate_proj": (hidden, inter), f"{p}.mlp.up_proj": (hidden, inter),
+                        f"{p}.mlp.down_proj": (inter, hidden)})
+    for name, dims in tensors.items():
+        shape = weights.shape(name)
+        want = tuple(size for _, size in dims)
+        if shape != want:
+            raise WeightsError(f"tensor {name!r} in {weights.where(name)} has shape {shape}; the config gives {want} "
+                               f"({', '.join(said for said, _ in dims)})")
+    for prefix, dims in linears.items():
+        for axis, (said, want), have in zip(("K (in_features)", "N (out_features)"), dims, weights.linear_dims(prefix)):
+            if have != want:
+                raise WeightsError(f"linear layer {prefix!r} in {weights.where(join(prefix, 'weight'))} has {axis} {have}; "
+                                   f"the config gives {want} ({said})")
 
 
 def default_process_group():
@@ -339,6 +374,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         if max_batch < 1 or max_seq < 1:
             raise ValueError(f"LlamaForCausalLM: max_batch and max_seq must be positive, got {max_batch}, {max_seq}")
+        check_checkpoint_shapes(config, weights)
         self.config = config
         self.max_batch, self.max_seq = max_batch, max_seq
         self.attention = attention
