@@ -16,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 
 import qops  # noqa: F401
 from qops.formats import FORMATS
-from qops.models import QUANT_SCHEMES, LlamaConfig, LlamaForCausalLM, generate
+from qops.models import QUANT_SCHEMES, LlamaConfig, LlamaForCausalLM, compile_decode, generate
 from qops.models.testing import relative_error, scheme_lowerings
 
 CONFIG = LlamaConfig.tiny()
@@ -128,4 +128,23 @@ def test_decode_compiles_in_half_precision(scheme, lowering, dtype):
                 got = step(*_unbacked(tok.clone(), pos.clone()))
             assert got.dtype == dtype
             assert relative_error(got, want) < 1e-2
+    assert counter.frame_count == 1
+
+
+def test_compiled_step_refuses_a_batch_over_max_batch_before_tracing():
+    """A batch over max_batch once failed inside Dynamo ("Guard failed on the same frame it was
+    created. This is a bug") after a first compilation, and in torch's index_put_ before one."""
+    model = LlamaForCausalLM.random(CONFIG, None, seed=1, dtype=torch.float32, max_batch=2, max_seq=8, process_group=None)
+    counter = CompileCounterWithBackend("inductor")
+    step = compile_decode(model, backend=counter)
+    three = torch.zeros(3, dtype=torch.long)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="compile_decode step: a batch of 3 rows is more than the cache's max_batch=2"):
+            step(three, three)
+        assert counter.frame_count == 0
+        step(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        with pytest.raises(ValueError, match="compile_decode step: a batch of 3 rows is more than the cache's max_batch=2"):
+            step(three, three)
+        with pytest.raises(ValueError, match=r"compile_decode step: positions must have the shape of tokens \(1,\)"):
+            step(three[:1], three[:2])
     assert counter.frame_count == 1

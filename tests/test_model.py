@@ -252,6 +252,32 @@ def test_quantized_model_holds_no_dense_copies(dense_tensors):
     assert all(isinstance(m, QuantLinear) for m in model.quantized_linears())
 
 
+@pytest.mark.parametrize("attention", ["fused", "sdpa", "matmul"])
+def test_direct_calls_check_batch_positions_and_ids(dense_tensors, attention):
+    """Eager calls outside the cache or the vocabulary are refused by name. They once returned NaN
+    logits (position -1, fused / matmul), wrong ones (-1 wrapped to the cache's last slot, sdpa; ids
+    past the vocabulary embedded as zeros) or failed deep in torch (IndexError)."""
+    model = _model(dense_tensors, None, max_batch=2, max_seq=8, attention=attention)
+    one, zero = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    cases = [
+        (lambda: model.decode(torch.ones(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)), r"decode: a batch of 3 rows .* max_batch=2"),
+        (lambda: model.decode(one, torch.tensor([8])), r"decode: positions outside \[0, max_seq=8\): \[8\]"),
+        (lambda: model.decode(one, torch.tensor([-1])), r"decode: positions outside \[0, max_seq=8\): \[-1\]"),
+        (lambda: model.decode(torch.tensor([256]), zero), r"decode: tokens hold ids outside \[0, vocab_size=256\): \[256\]"),
+        (lambda: model.decode(torch.tensor([1, 2]), zero), r"decode: positions must have the shape of tokens \(2,\)"),
+        (lambda: model.decode(one.view(1, 1), zero.view(1, 1)), r"decode: tokens and positions must both be \(B,\)"),
+        (lambda: model.prefill(torch.ones(1, 9, dtype=torch.long)), r"prefill: 9 positions per row .* max_seq=8"),
+        (lambda: model.prefill(torch.ones(3, 2, dtype=torch.long)), r"prefill: a batch of 3 rows .* max_batch=2"),
+        (lambda: model.prefill(torch.tensor([[1, -7, 3]])), r"prefill: tokens hold ids outside \[0, vocab_size=256\): \[-7\]"),
+        (lambda: model.prefill(torch.ones(3, dtype=torch.long)), r"prefill: tokens must be \(B, T\)"),
+        (lambda: model(torch.ones(1, 2, dtype=torch.long), torch.tensor([[7, 8]])), r"forward: positions outside .*: \[8\]"),
+    ]
+    with torch.no_grad():
+        for call, match in cases:
+            with pytest.raises(ValueError, match=match):
+                call()
+
+
 def test_generate_checks_its_bounds(dense_tensors):
     model = _model(dense_tensors, None, max_batch=2, max_seq=8)
     with pytest.raises(ValueError, match="max_batch=2"):

@@ -29,8 +29,14 @@ Static shapes for CUDA graphs. Every tensor a step touches lives at a fixed addr
 A decode step is :meth:`LlamaForCausalLM.decode` ``(tokens (B,), positions (B,)) -> logits (B, V)``:
 no host synchronization, no data-dependent Python control flow, no allocation outside torch's
 allocator, so ``torch.compile(model.decode, fullgraph=True, mode="reduce-overhead")`` and a manual
-``torch.cuda.graph`` capture both take it whole. Positions must lie in ``[0, max_seq)`` and B in
-``[1, max_batch]`` (checked by :func:`generate`, never inside the step).
+``torch.cuda.graph`` capture both take it whole. Inputs: B in ``[1, max_batch]``, T at most
+``max_seq``, positions of the tokens' shape, each in ``[0, max_seq)``, token ids in ``[0, vocab_size)``.
+Shapes are checked on every call: eagerly, and in a compiled step as run-time asserts without a
+host sync (positions against tokens; B against max_batch where the attention slices the cache);
+:func:`compile_decode`'s step checks them all on the host before anything is traced.
+Values are checked eagerly only: a compiled or CUDA-graph-captured step takes positions and ids as
+given (reading them would be a host synchronization), and :func:`generate` checks its prompts and
+cache length once, up front.
 
 Tensor parallelism: with world size w, each rank holds ``num_attention_heads / w`` query heads and
 ``num_key_value_heads / w`` KV heads (both must divide), ``intermediate_size / w`` MLP columns and
@@ -204,6 +210,25 @@ def check_checkpoint_shapes(config: LlamaConfig, weights: Weights) -> None:
             if have != want:
                 raise WeightsError(f"linear layer {prefix!r} in {weights.where(join(prefix, 'weight'))} has {axis} {have}; "
                                    f"the config gives {want} ({said})")
+
+
+def outside(values: torch.Tensor, end: int) -> torch.Tensor:
+    """Where ``values`` fall outside ``[0, end)``."""
+    return (values < 0) | (values >= end)
+
+
+def some_of(values: torch.Tensor, where: torch.Tensor) -> list[int]:
+    """The first few distinct ``values[where]``, for an error message."""
+    return sorted(set(values[where].tolist()))[:8]
+
+
+def values_readable(t: torch.Tensor) -> bool:
+    """Whether a check may read ``t``'s values on the host now: not while torch.compile traces (the
+    compiled step would synchronize, or break its graph) nor while a CUDA graph is captured (a
+    synchronization is illegal there)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def default_process_group():
@@ -434,11 +459,60 @@ class LlamaForCausalLM(nn.Module):
         tensors = quantize_tensors(random_tensors(config, seed=seed), config.linear_prefixes(), sch)
         return cls.from_tensors(config, tensors, None if sch is None else sch.config, device=device, dtype=dtype, **kw)
 
+    # Checking a step's inputs.
+
+    def check_input_shapes(self, who: str, tokens: torch.Tensor, positions: torch.Tensor, dims: int) -> None:
+        """ValueError naming ``who`` unless ``tokens`` is ``(B,)`` (``dims=1``) or ``(B, T)``
+        (``dims=2``), ``positions`` has its shape, B is at most ``max_batch`` and T at most
+        ``max_seq``. Reads no data. Under torch.compile the positions' sizes become run-time asserts
+        (Dynamo takes their messages only when they hold constants); B and T are not bounded there:
+        an upper bound of 1 on an unbacked B (max_batch=1) keeps Inductor from deciding the views
+        after it, and the attention already asserts B <= max_batch where it slices the cache
+        (:func:`compile_decode`'s step checks both on the host before tracing)."""
+        if tokens.dim() != dims or positions.dim() != dims:
+            raise ValueError(f"{who}: tokens and positions must both be {('(B,)', '(B, T)')[dims - 1]}, "
+                             f"got {tuple(tokens.shape)} and {tuple(positions.shape)}")
+        max_batch, max_seq = self.max_batch, self.max_seq
+        if torch.compiler.is_compiling():
+            for i in range(dims):
+                torch._check(positions.shape[i] == tokens.shape[i], lambda: f"{who}: positions must have the shape of tokens")
+            return
+        if positions.shape != tokens.shape:
+            raise ValueError(f"{who}: positions must have the shape of tokens {tuple(tokens.shape)}, got {tuple(positions.shape)}")
+        if tokens.shape[0] > max_batch:
+            raise ValueError(f"{who}: a batch of {tokens.shape[0]} rows is more than the cache's max_batch={max_batch}")
+        if dims == 2 and tokens.shape[1] > max_seq:
+            raise ValueError(f"{who}: {tokens.shape[1]} positions per row are more than the cache's max_seq={max_seq}")
+
+    def check_input_values(self, who: str, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """ValueError naming ``who`` unless every token id is in ``[0, vocab_size)`` and every
+        position in ``[0, max_seq)`` (a negative one wraps to the cache's end; ids outside the
+        vocabulary embed as zeros). Reads the values: one host synchronization on a GPU."""
+        vocab = self.config.vocab_size
+        bad_ids, bad_positions = outside(tokens, vocab), outside(positions, self.max_seq)
+        ids_wrong, positions_wrong = torch.stack([bad_ids.any(), bad_positions.any()]).tolist()  # one read of both
+        if ids_wrong:
+            raise ValueError(f"{who}: tokens hold ids outside [0, vocab_size={vocab}): {some_of(tokens, bad_ids)}")
+        if positions_wrong:
+            raise ValueError(f"{who}: positions outside [0, max_seq={self.max_seq}): {some_of(positions, bad_positions)}")
+
+    def _check_inputs(self, who: str, tokens: torch.Tensor, positions: torch.Tensor, dims: int) -> None:
+        """The shape checks always; the value checks only where reading values costs no sync inside
+        a compiled or captured step."""
+        self.check_input_shapes(who, tokens, positions, dims)
+        if values_readable(tokens):
+            self.check_input_values(who, tokens, positions)
+
     # Running.
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``tokens``, ``positions`` ``(B, T)`` -> logits ``(B, T, vocab)``; writes the KV cache of
-        rows ``[0, B)`` at ``positions`` (each row's positions distinct)."""
+        rows ``[0, B)`` at ``positions`` (each row's positions distinct). Checks its inputs
+        (module docstring: values only when not compiled or captured)."""
+        self._check_inputs("LlamaForCausalLM.forward", tokens, positions, dims=2)
+        return self._forward(tokens, positions)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b, t = tokens.shape
         hk = self.config.num_key_value_heads // self.world_size
         g = self.config.num_attention_heads // self.config.num_key_value_heads
@@ -464,10 +538,12 @@ class LlamaForCausalLM(nn.Module):
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step: ``tokens``, ``positions`` ``(B,)`` -> logits ``(B, vocab)``; a batch of
         one through ``qops::decode_layers`` after :meth:`use_layer_kernel` (a batch size the
-        compiler does not know statically, e.g. unbacked, takes the layer-by-layer path)."""
+        compiler does not know statically, e.g. unbacked, takes the layer-by-layer path). Checks its
+        inputs (module docstring: positions and ids only when not compiled or captured)."""
+        self._check_inputs("LlamaForCausalLM.decode", tokens, positions, dims=1)
         if self._layer_args is not None and guard_or_false(tokens.shape[0] == 1):
             return self._decode_one(tokens, positions)
-        return self.forward(tokens.unsqueeze(1), positions.unsqueeze(1)).squeeze(1)
+        return self._forward(tokens.unsqueeze(1), positions.unsqueeze(1)).squeeze(1)
 
     def _decode_one(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens.view(1, 1)).view(1, self.config.hidden_size)
@@ -556,9 +632,12 @@ class LlamaForCausalLM(nn.Module):
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """Prompts ``(B, T)`` at positions ``0..T-1`` -> logits of the last position ``(B, vocab)``."""
+        if tokens.dim() != 2:
+            raise ValueError(f"LlamaForCausalLM.prefill: tokens must be (B, T), got shape {tuple(tokens.shape)}")
         b, t = tokens.shape
         positions = torch.arange(t, device=tokens.device).expand(b, t)
-        return self.forward(tokens, positions)[:, -1]
+        self._check_inputs("LlamaForCausalLM.prefill", tokens, positions, dims=2)
+        return self._forward(tokens, positions)[:, -1]
 
     # Facts.
 
@@ -667,7 +746,11 @@ def compile_decode(model: LlamaForCausalLM, *, cuda_graphs: bool | None = None, 
     (``triton.enable_pdl``): each may start while the kernel ahead of it drains (measured on an H200:
     4% off a decode step). ``dynamic_batch=False``: no unbacked batch dimension, one compilation per
     batch size (batch 1 then takes :meth:`LlamaForCausalLM.use_layer_kernel`'s op where enabled). A
-    ``mode`` or ``options`` in ``compile_kw`` is passed as given."""
+    ``mode`` or ``options`` in ``compile_kw`` is passed as given.
+
+    The returned step checks its inputs' shapes on the host (B at most ``max_batch``) before calling
+    the compiled function, and takes positions and token ids as given: reading them would be a host
+    synchronization per step (:func:`generate` checks its prompts and cache length once)."""
     if cuda_graphs is None:
         cuda_graphs = model.device.type == "cuda"
     if pdl is None:
@@ -681,6 +764,8 @@ def compile_decode(model: LlamaForCausalLM, *, cuda_graphs: bool | None = None, 
     compiled = torch.compile(model.decode_greedy if greedy else model.decode, fullgraph=True, **compile_kw)
 
     def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # Sizes the compiled graph cannot take fail here, not as a failed guard inside Dynamo.
+        model.check_input_shapes("compile_decode step", tokens, positions, dims=1)
         if dynamic_batch:
             torch._dynamo.decorators.mark_unbacked(tokens, 0)
             torch._dynamo.decorators.mark_unbacked(positions, 0)
