@@ -282,8 +282,18 @@ def test_generate_checks_its_bounds(dense_tensors):
     model = _model(dense_tensors, None, max_batch=2, max_seq=8)
     with pytest.raises(ValueError, match="max_batch=2"):
         generate(model, _prompts(3, 2), 2)
-    with pytest.raises(ValueError, match="max_seq=8"):
+    with pytest.raises(ValueError, match="a prompt of 4 tokens and 6 new tokens need 9 cache positions, more than max_seq=8"):
         generate(model, _prompts(1, 4), 6)
+    # Once: new_tokens 0 or -3 returned one token (decode_steps -1 / -4); an empty prompt was refused as
+    # needing "1 cache positions; max_seq=8"; a 1-D prompt failed to unpack; ids past the vocabulary ran.
+    for n in (0, -3, 2.0):
+        with pytest.raises(ValueError, match=rf"generate: new_tokens must be a positive integer, got {n}"):
+            generate(model, _prompts(1, 2), n)
+    for bad in (torch.zeros(1, 0, dtype=torch.long), _prompts(1, 3)[0], _prompts(1, 3).float()):
+        with pytest.raises(ValueError, match=r"generate: prompts must be integer token ids of shape \(B, T\) with T >= 1"):
+            generate(model, bad, 2)
+    with pytest.raises(ValueError, match=r"generate: prompts hold ids outside \[0, vocab_size=256\): \[-7, 999\]"):
+        generate(model, torch.tensor([[5, 999], [-7, 1]]), 3)
 
 
 @pytest.mark.parametrize("config_kw,tensor,shape,match", [

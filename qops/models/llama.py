@@ -791,12 +791,25 @@ def generate(model: LlamaForCausalLM, prompts: torch.Tensor, new_tokens: int, *,
     ``step`` (default ``model.decode``; pass a compiled one). ``cuda_graphs``: call
     ``torch.compiler.cudagraph_mark_step_begin()`` before each step (``mode="reduce-overhead"``), and
     copy what a step returns before the next replay overwrites it.
+
+    Checks its arguments once, up front (prompt ids, batch, cache length), so a compiled ``step``,
+    which takes positions and ids as given, never sees one outside the cache or the vocabulary.
     """
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"generate: new_tokens must be a positive integer, got {new_tokens!r}")
+    if prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.is_floating_point() or prompts.is_complex() or prompts.dtype == torch.bool:
+        raise ValueError(f"generate: prompts must be integer token ids of shape (B, T) with T >= 1, got {prompts.dtype} of shape "
+                         f"{tuple(prompts.shape)}")
     b, t0 = prompts.shape
     if not 1 <= b <= model.max_batch:
         raise ValueError(f"generate: batch {b} is outside [1, max_batch={model.max_batch}]")
-    if t0 < 1 or t0 + new_tokens - 1 > model.max_seq:
-        raise ValueError(f"generate: {t0} prompt + {new_tokens} new tokens need {t0 + new_tokens - 1} cache positions; max_seq={model.max_seq}")
+    if t0 + new_tokens - 1 > model.max_seq:
+        # The prompt fills positions 0..t0-1 and each new token but the last is fed back at the next one.
+        raise ValueError(f"generate: a prompt of {t0} tokens and {new_tokens} new tokens need {t0 + new_tokens - 1} cache positions, "
+                         f"more than max_seq={model.max_seq}")
+    bad = outside(prompts, model.config.vocab_size)
+    if bad.any():
+        raise ValueError(f"generate: prompts hold ids outside [0, vocab_size={model.config.vocab_size}): {some_of(prompts, bad)}")
     step = step or model.decode
     sync = torch.cuda.synchronize if prompts.device.type == "cuda" else (lambda: None)
     kept = []
