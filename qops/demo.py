@@ -51,9 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Progress:
     """One line per step on stderr, rewritten in place (on a terminal) as a count advances."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
-        self.tty = stream.isatty()
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr  # read at each run: a caller may have replaced sys.stderr since import
+        self.tty = self.stream.isatty()
         self.t0 = time.perf_counter()
         self.label = ""
 
@@ -173,10 +173,11 @@ def run(args: argparse.Namespace) -> int:
         prog.done()
         print(f"format: {scheme.name} ({scheme.describe})")
         prog.start("loading the quantized model through qops.layers")
-        model = LlamaForCausalLM.from_weights(config, TensorWeights(qtensors, device=device, dtype=dtype, quantization_config=scheme.config),
-                                              max_batch=args.batch, max_seq=max_seq, progress=prog.count)
+        qc = scheme.quantization_config(head=args.quantize_head)
+        qweights = TensorWeights(qtensors, device=device, dtype=dtype, quantization_config=qc)
+        model = LlamaForCausalLM.from_weights(config, qweights, max_batch=args.batch, max_seq=max_seq, progress=prog.count)
         prog.done()
-        del qtensors
+        del qtensors, qweights
         prog.start("loading the unquantized model")
         reference = LlamaForCausalLM.from_tensors(config, dense, None, progress=prog.count, **kw)
         prog.done()

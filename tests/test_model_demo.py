@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from qops.models import LlamaConfig, save_random_checkpoint
+from qops.models import QUANT_SCHEMES, LlamaConfig, save_random_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--layers", "1", "--hidden", "128", "--vocab", "256", "--batch", "2", "--prompt-len", "3", "--tokens", "4"]
@@ -100,6 +100,18 @@ def test_quantize_head():
     used = dict(re.findall(r"(\S+) x(\d+)", re.search(r"^lowerings: (.*)$", out, re.M).group(1)))
     assert sum(map(int, used.values())) == 5, out
     assert 0 < _logit_error(out) < 0.5
+
+
+@pytest.mark.parametrize("scheme", [s for s in QUANT_SCHEMES if s != "gptq"])
+def test_quantize_head_every_format(scheme, capsys):
+    """Every format the demo lists quantizes the head (in process: about a second each). The
+    compressed-tensors ones once kept lm_head on their config's ignore list and failed to load it."""
+    from qops.__main__ import main
+
+    assert main(["demo", *TINY, "--no-compile", "--quantize-head", "--format", scheme]) == 0
+    out = capsys.readouterr().out
+    used = dict(re.findall(r"(\S+) x(\d+)", re.search(r"^lowerings: (.*)$", out, re.M).group(1)))
+    assert sum(map(int, used.values())) == 5, out
 
 
 def test_quantize_head_refuses_a_vocabulary_off_the_tile():

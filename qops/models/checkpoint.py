@@ -49,6 +49,14 @@ class QuantScheme:
     def format(self):
         return FORMATS[self.name]
 
+    def quantization_config(self, head: bool = False) -> dict:
+        """``config`` for a checkpoint of this scheme; ``head``: one whose ``lm_head`` is quantized
+        too, so ``lm_head`` leaves the compressed-tensors ``ignore`` list (the loader would
+        otherwise look for a dense head)."""
+        if not head or "lm_head" not in self.config.get("ignore", ()):
+            return self.config
+        return {**self.config, "ignore": [name for name in self.config["ignore"] if name != "lm_head"]}
+
     @property
     def quant_method(self) -> str:
         return self.config["quant_method"]

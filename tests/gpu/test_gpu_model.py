@@ -75,7 +75,8 @@ def _model(dense, scheme, lowering, dtype=torch.bfloat16, max_batch=MAX_BATCH, h
     tensors = quantize_tensors(dense, CONFIG.linear_prefixes(head=head), sch)
     ctx = forced_lowering(scheme, lowering) if sch is not None else _nothing()
     with ctx:
-        model = LlamaForCausalLM.from_tensors(CONFIG, tensors, None if sch is None else sch.config, device="cuda", dtype=dtype,
+        qc = None if sch is None else sch.quantization_config(head=head)
+        model = LlamaForCausalLM.from_tensors(CONFIG, tensors, qc, device="cuda", dtype=dtype,
                                               max_batch=max_batch, max_seq=16, process_group=None)
     if sch is not None:
         chosen = {m.choice.lowering.name for m in model.quantized_linears()}
