@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the decode step eagerly instead of torch.compile(fullgraph=True) (+ CUDA graphs on a GPU)")
     p.add_argument("--layers", type=int, default=4, help="random model: decoder layers (default: 4)")
     p.add_argument("--hidden", type=int, default=256,
-                   help="random model: hidden size, a multiple of 128; heads of 64, a quarter of them KV heads (at least 2), "
-                        "MLP width 3 x hidden (default: 256)")
+                   help="random model: hidden size, a multiple of 128; heads of 64, a quarter of them KV heads (at least 2; "
+                        "fewer where k/v must be a multiple of the format's block), MLP width 3 x hidden (default: 256)")
     p.add_argument("--vocab", type=int, default=2048, help="random model: vocabulary size (default: 2048)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default: 0)")
 
@@ -90,15 +90,21 @@ def _mb(n: int) -> str:
     return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
 
 
-def random_config(hidden: int, layers: int, vocab: int):
+def random_config(hidden: int, layers: int, vocab: int, multiple: int = 1):
+    """Heads of 64, a quarter of them KV heads (at least 2), fewer where k_proj / v_proj would not be
+    ``multiple`` columns wide (a quantization format's block: fp8-block's 128x128 scales cannot be
+    fused across a q/k/v boundary inside a block)."""
     from .models import LlamaConfig
 
     if hidden % 128 or hidden <= 0:
         raise SystemExit(f"qops demo: --hidden must be a positive multiple of 128 (groups and blocks of 128), got {hidden}")
     heads = hidden // 64
     kv = max(2, heads // 4)
-    while heads % kv:
+    while kv and (heads % kv or kv * 64 % multiple):
         kv -= 1
+    if not kv:
+        raise SystemExit(f"qops demo: --hidden {hidden} gives {heads} heads of 64, and no KV head count dividing them gives k/v "
+                         f"projections a multiple of {multiple} columns wide")
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=64)
 
@@ -136,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
     quantized_ckpt = args.checkpoint is not None and is_quantized_checkpoint(args.checkpoint)
     if args.checkpoint is None:
-        config = random_config(args.hidden, args.layers, args.vocab)
+        config = random_config(args.hidden, args.layers, args.vocab, scheme.multiple)
         prog.start(f"random weights: {config.num_hidden_layers} layers, hidden {config.hidden_size}")
         dense = random_tensors(config, seed=args.seed)
         prog.done()

@@ -326,6 +326,18 @@ def test_illegal_splits_name_tensor_dim_and_world_size(tmp_path, tensors, config
         call(Weights.from_pretrained(str(tmp_path), process_group=FakeGroup(0, world)))
 
 
+def test_fusing_layers_off_their_groups_names_the_fusion_not_the_world_size(tmp_path):
+    # At world size 1 this once advised "Pick a world size whose shards fall on these boundaries".
+    block = lambda n: FORMATS["fp8-block"].quantize(torch.randn(n, 64), block_size=(32, 32))  # noqa: E731
+    k, v = block(48), block(48)
+    _write(str(tmp_path), {"k.weight": k.weight, "k.weight_scale_inv": k.weight_scale_inv, "v.weight": v.weight,
+                           "v.weight_scale_inv": v.weight_scale_inv}, {"quant_method": "fp8", "weight_block_size": [32, 32]})
+    with pytest.raises(ShardingError, match=r"cannot fuse 'k.weight_scale_inv' with the layer after it along dim 0 \(groups of 32 along "
+                                            r"N=48\): read whole, the shard ends at 48, inside a group of 32. The tensor's groups do not "
+                                            r"fall on the fused pieces' boundaries, so no world size helps"):
+        Weights.from_pretrained(str(tmp_path)).get_multi_weights_col(["k", "v"])
+
+
 BNB4_CONFIG = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
 BNB4_STATE = "l.weight.quant_state.bitsandbytes__nf4"
 

@@ -114,6 +114,21 @@ def test_quantize_head_every_format(scheme, capsys):
     assert sum(map(int, used.values())) == 5, out
 
 
+def test_random_config_keeps_k_and_v_on_the_formats_blocks():
+    """--hidden 1152 (18 heads) once took 3 KV heads: k/v of 192 columns, which fp8-block's 128-wide
+    scale blocks cannot fuse, so the model could not be built at any world size."""
+    import torch
+
+    from qops.demo import random_config
+    from qops.models import LlamaForCausalLM
+
+    assert random_config(1152, 1, 256).num_key_value_heads == 3  # no block to keep to: a quarter of the heads, as before
+    config = random_config(1152, 1, 256, QUANT_SCHEMES["fp8-block"].multiple)
+    assert config.num_key_value_heads == 2 and config.num_attention_heads == 18
+    model = LlamaForCausalLM.random(config, "fp8-block", dtype=torch.float32, max_batch=1, max_seq=4, process_group=None)
+    assert len(model.quantized_linears()) == 4
+
+
 def test_quantize_head_refuses_a_vocabulary_off_the_tile():
     env = {**os.environ, "PYTHONPATH": ROOT}
     args = [*TINY[:4], "--vocab", "250", "--quantize-head", "--no-compile"]

@@ -306,11 +306,27 @@ def _index(name: str, t: TensorLayout, ranges: dict[str, tuple[int, int, int, bo
         try:
             idx.append(d.index(a, b, total, partial_end_ok))
         except ValueError as e:
+            whole = _whole_piece_refusal(d, total, partial_end_ok)
+            if whole is not None:
+                # Not the world size's doing: the layer, read whole, is a piece of a fusion that it does not end.
+                raise ShardingError(
+                    f"cannot fuse {name!r} with the layer after it along dim {d_i} ({d.describe(total)}): read whole, {whole}. "
+                    f"The tensor's groups do not fall on the fused pieces' boundaries, so no world size helps.") from None
             raise ShardingError(
                 f"cannot split {name!r} along dim {d_i} ({d.describe(total)}) for world size {world} (rank {rank} takes "
                 f"{d.axis.upper()} values [{a}, {b})): {e}. Pick a world size whose shards fall on these boundaries."
             ) from None
     return tuple(idx)
+
+
+def _whole_piece_refusal(d: Dim, total: int, partial_end_ok: bool) -> str | None:
+    """Why a layer's whole axis of ``total`` values is off ``d``'s boundaries as a piece that may not
+    end partially (one fused before another), or None where it is not."""
+    try:
+        d.index(0, total, total, partial_end_ok)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _fuse(t: TensorLayout, parts: list[tuple[str, torch.Tensor]], pieces: list[Piece]) -> torch.Tensor:
