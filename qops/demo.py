@@ -10,6 +10,8 @@ the same tokens. Progress goes to stderr, results to stdout.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 import time
 
@@ -78,10 +80,22 @@ class Progress:
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # Only what the demo runs on: torch.device also takes "meta", "xpu", ..., which fail deep in the run.
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise SystemExit(f"qops demo: --device must be auto, cpu, cuda or cuda:N, got {name!r}")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("qops demo: --device cuda asked, but this machine has no CUDA device")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SystemExit(f"qops demo: --device {name} asked, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+def _check_checkpoint_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise SystemExit(f"qops demo: --checkpoint {path}: no such directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"qops demo: --checkpoint {path}: no config.json there (expected a Hugging Face checkpoint directory)")
 
 
 def _mb(n: int) -> str:
@@ -131,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("batch", "prompt_len", "tokens", "layers", "vocab"):
         if getattr(args, name) < 1:
             raise SystemExit(f"qops demo: --{name.replace('_', '-')} must be at least 1")
+    if args.checkpoint is not None:
+        _check_checkpoint_dir(args.checkpoint)
     device = _device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     scheme = get_scheme(args.format)

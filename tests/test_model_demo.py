@@ -129,6 +129,24 @@ def test_random_config_keeps_k_and_v_on_the_formats_blocks():
     assert len(model.quantized_linears()) == 4
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--device", "foo"], "qops demo: --device must be auto, cpu, cuda or cuda:N, got 'foo'"),
+    (["--device", "meta"], "qops demo: --device must be auto, cpu, cuda or cuda:N, got 'meta'"),
+    (["--device", "cuda:x"], "qops demo: --device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+    (["--checkpoint", "/nonexistent/qops-checkpoint"], "qops demo: --checkpoint /nonexistent/qops-checkpoint: no such directory"),
+    (["--checkpoint", "{tmp}"], "qops demo: --checkpoint {tmp}: no config.json there"),
+])
+def test_bad_device_or_checkpoint_is_a_clean_message(args, message, tmp_path):
+    """Each once ended in a traceback: torch's device-string RuntimeError, 'Tensor.item() cannot be called
+    on meta tensors' deep in the run, a FileNotFoundError for config.json."""
+    from qops.__main__ import main
+
+    args = [a.format(tmp=tmp_path) for a in args]
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *TINY, "--no-compile", *args])
+    assert str(e.value).startswith(message.format(tmp=tmp_path)), e.value
+
+
 def test_quantize_head_refuses_a_vocabulary_off_the_tile():
     env = {**os.environ, "PYTHONPATH": ROOT}
     args = [*TINY[:4], "--vocab", "250", "--quantize-head", "--no-compile"]
