@@ -67,13 +67,22 @@ def support_matrix() -> list[tuple[str, str, str]]:
     return rows
 
 
+def _pdl_device_refusal() -> str | None:
+    """Why this machine's current GPU cannot launch with programmatic dependent launch (None: it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (it needs one of sm_90 or later)"
+    major, minor = torch.cuda.get_device_capability()
+    return None if major >= 9 else f"the GPU is sm_{major}{minor}; it needs sm_90 or later"
+
+
 def _native_launch_facts() -> str:
-    """Whether the native kernels launch with programmatic dependent launch here, and why not."""
+    """Whether the native kernels launch with programmatic dependent launch here, and why not: the
+    device must take it (sm_90+) and cuda.core must express it."""
     try:
         from .native import compiler
     except Exception as e:  # noqa: BLE001 - cuda-python missing: reported, not fatal
         return f"unavailable ({type(e).__name__}: {e})"
-    why = compiler.pdl_missing()
+    why = _pdl_device_refusal() or compiler.pdl_missing()
     return "programmatic dependent launch available (sm_90+; QOPS_NATIVE_PDL=0 turns it off)" if why is None else f"no programmatic dependent launch: {why}"
 
 

@@ -223,10 +223,13 @@ def run(args: argparse.Namespace) -> int:
         prog.done()
 
     steps = out.decode_steps
-    tps = args.batch * steps / out.decode_s if steps and out.decode_s > 0 else float("nan")
     mode = "eager" if args.no_compile else ("compiled + CUDA graphs" if cuda_graphs else "compiled")
-    print(f"decode: {tps:,.1f} tokens/s ({mode}; {args.batch} x {steps} steps in {out.decode_s:.3f} s); "
-          f"prefill {args.batch} x {args.prompt_len} tokens in {out.prefill_s:.3f} s")
+    prefill = f"prefill {args.batch} x {args.prompt_len} tokens in {out.prefill_s:.3f} s"
+    if steps and out.decode_s > 0:
+        print(f"decode: {args.batch * steps / out.decode_s:,.1f} tokens/s ({mode}; {args.batch} x {steps} steps in {out.decode_s:.3f} s); "
+              f"{prefill}")
+    else:  # --tokens 1: the one new token comes from the prefill
+        print(f"decode: n/a (no decode steps: the only new token comes from the prefill); {prefill}")
     if reference is not None:
         seq = torch.cat([prompts, out.tokens[:, :-1]], dim=1)
         with torch.no_grad():

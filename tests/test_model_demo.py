@@ -147,6 +147,16 @@ def test_bad_device_or_checkpoint_is_a_clean_message(args, message, tmp_path):
     assert str(e.value).startswith(message.format(tmp=tmp_path)), e.value
 
 
+def test_one_token_has_no_decode_rate(capsys):
+    # Once printed "decode: nan tokens/s (eager; 2 x 0 steps in 0.000 s)".
+    from qops.__main__ import main
+
+    assert main(["demo", *TINY[:-2], "--tokens", "1", "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^decode: n/a \(no decode steps: the only new token comes from the prefill\); prefill 2 x 3 tokens in", out, re.M), out
+    assert "nan" not in out
+
+
 def test_quantize_head_refuses_a_vocabulary_off_the_tile():
     env = {**os.environ, "PYTHONPATH": ROOT}
     args = [*TINY[:4], "--vocab", "250", "--quantize-head", "--no-compile"]

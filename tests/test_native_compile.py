@@ -1039,6 +1039,20 @@ def test_launch_with_pdl_support_sets_the_attribute_on_request_only(fake_core):
     assert [cfg.programmatic_stream_serialization for cfg, _, _ in fake_core.launched] == [True, False]
 
 
+@pytest.mark.parametrize("capability,reason", [(None, "no CUDA device"), ((8, 0), "the GPU is sm_80; it needs sm_90 or later"),
+                                               ((9, 0), None)])
+def test_info_says_pdl_is_available_only_on_a_device_that_takes_it(fake_core, monkeypatch, capability, reason):
+    # `python -m qops info` once said "available" on a machine without a GPU: only cuda.core was asked.
+    from qops.__main__ import _native_launch_facts
+
+    fake_core.LaunchConfig = _LaunchConfig12
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    facts = _native_launch_facts()
+    assert facts == ("programmatic dependent launch available (sm_90+; QOPS_NATIVE_PDL=0 turns it off)" if reason is None
+                     else f"no programmatic dependent launch: {reason}" + (" (it needs one of sm_90 or later)" if capability is None else ""))
+
+
 class _Kernel:
     def __init__(self, handle):
         self.handle = handle
