@@ -855,6 +855,46 @@ def test_triton_configs_fit_the_shapes():
     assert gemm_config(16, 4096, 4096, 128, 132)["BLOCK_K"] == 128
 
 
+def test_triton_gemv_does_not_split_k_when_determinism_is_requested(monkeypatch):
+    """Split-K partial sums meet through atomic adds, whose order varies: a deterministic request
+    (QOPS_DETERMINISTIC=1 or torch's switch) keeps the gemv to one split and its workspace to 0."""
+    from qops.ops.triton.fp8 import gemv_config, workspace_bytes
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("QOPS_DETERMINISTIC", raising=False)
+    assert gemv_config(1, 256, 8192, -1, 132)["SPLIT_K"] > 1
+    assert workspace_bytes(2, 8, 8192, -1, cpu) == 4 * 2 * 8
+    monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
+    assert gemv_config(1, 256, 8192, -1, 132)["SPLIT_K"] == 1
+    assert workspace_bytes(2, 8, 8192, -1, cpu) == 0
+    monkeypatch.delenv("QOPS_DETERMINISTIC")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert gemv_config(1, 256, 8192, -1, 132)["SPLIT_K"] == 1
+        assert workspace_bytes(2, 8, 8192, -1, cpu) == 0
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.interpreter
+def test_triton_gemv_without_split_k_when_determinism_is_requested(monkeypatch):
+    """With 132 SMs the 72-row, 4-step gemv splits K in two through the workspace; under a
+    deterministic request it runs one split, gives the oracle's result and leaves the workspace alone."""
+    from qops.ops.triton import fp8 as F
+
+    monkeypatch.setattr(F, "sm_count", lambda device, interpreter: 132)
+    w, c = weight_of("ct-block")  # N=72, K=200, 64-wide K blocks: 4 steps
+    want_w = oracle_weight("compressed-tensors-fp8", c)
+    x = _x(2, want_w.shape[1], torch.float16, 13)
+    for deterministic in (False, True):
+        monkeypatch.setenv("QOPS_DETERMINISTIC", "1" if deterministic else "0")
+        workspace = torch.full((4 * 2 * 72,), 7, dtype=torch.uint8)
+        y = F.triton_mm(x, None, w.weight, w.weight_scale, None, w.block_n, w.block_k, torch.float16, None, workspace)
+        assert rel_err(y, oracle_mm(x, want_w, None)) <= TOL[torch.float16]
+        assert bool((workspace == 7).all()) == deterministic
+        assert F.workspace_bytes(2, 72, 200, w.block_k, torch.device("cpu")) == (0 if deterministic else 4 * 2 * 72)
+
+
 @pytest.mark.parametrize("n,k,block,x_scale,out_dtype,what", [
     (40, 64, (-1, -1), (1,), torch.float16, r"N=40 is not a multiple of 16"),
     (48, 72, (1, -1), (1,), torch.float16, r"K=72 is not a multiple of 16"),

@@ -478,6 +478,24 @@ def test_split_k_does_not_split_when_determinism_is_requested(monkeypatch):
         torch.use_deterministic_algorithms(False)
 
 
+def test_cached_plans_follow_a_later_determinism_request(monkeypatch):
+    """Plans are cached per shape; a deterministic request made after a shape was first planned
+    still gets one split (and no workspace), and dropping it brings the splits back."""
+    dev = torch.device(DEVICE)
+    monkeypatch.delenv("QOPS_DETERMINISTIC", raising=False)
+    with T.config_override(table()):
+        for path in ("decode", "gemm"):
+            assert T._plan(3, 72, 256, 4, 32, dev, path)["split"] > 1
+        assert T.workspace_bytes(3, 72, 256, 4, 32, dev) > 0
+        monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
+        for path in ("decode", "gemm"):
+            assert T._plan(3, 72, 256, 4, 32, dev, path)["split"] == 1
+        assert T.workspace_bytes(3, 72, 256, 4, 32, dev) == 0
+        check(3, 72, 256, 4, 32, False, True, True, torch.float16, "decode")
+        monkeypatch.delenv("QOPS_DETERMINISTIC")
+        assert T._plan(3, 72, 256, 4, 32, dev, "gemm")["split"] > 1
+
+
 def test_dense_slabs_of_equal_width_on_request():
     """``equal``: as many slabs as slab_bytes gives, all of one width (64-column multiples), so no narrow
     last slab; without it, slab_bytes' width and a shorter last slab."""

@@ -12,6 +12,8 @@ Two kernels, chosen per call from the number of rows M (a shape, never a tensor 
   ``BLOCK_N`` shrinks until the rows alone give every SM several programs; when N is too small for
   that, K is split and partial sums are added atomically into a zeroed fp32 ``(M, N)`` buffer: the
   caller's ``workspace`` when it holds :func:`workspace_bytes`, else one from torch's allocator.
+  Not when deterministic results are requested (``qops.ops._common.deterministic_requested``, read
+  at each call): atomic adds meet in a varying order, so K is then never split.
 - **gemm**: ``tl.dot`` tiles with fp32 accumulation, grouped tile order for L2 reuse; fp8 activations
   on FP8-capable GPUs go to the tensor cores as fp8.
 
@@ -30,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import unit_stride
+from .._common import deterministic_requested, unit_stride
 from .common import fp32_scratch, grouped_tile, pick_bucket, sm_count
 
 FP8 = torch.float8_e4m3fn
@@ -197,7 +199,8 @@ def _native_fp8(device: torch.device) -> bool:
 
 
 def gemv_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
-    """Launch configuration of the gemv kernel (M <= GEMV_MAX_M)."""
+    """Launch configuration of the gemv kernel (M <= GEMV_MAX_M); one K split when deterministic
+    results are requested (the splits meet through atomic adds, whose order varies)."""
     block_m = triton.next_power_of_2(m)
     block_n = GEMV_BLOCK_N
     block_k = max(64, GEMV_ROW_BYTES // block_m)
@@ -207,6 +210,8 @@ def gemv_config(m: int, n: int, k: int, block_k_scale: int, sms: int) -> dict:
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     steps = triton.cdiv(k, block_k)
     split_k = max(1, min(GEMV_PROGRAMS_PER_SM * sms // programs, steps // 2))  # 1 for the large shapes
+    if deterministic_requested():
+        split_k = 1
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=GEMV_WARPS)
 
 
@@ -245,7 +250,8 @@ def triton_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtyp
     """Lowering entry (contract in :func:`qops.ops.fp8.reference_mm`, ``out`` and ``workspace`` included).
 
     ``native_fp8`` (default: compute capability >= 8.9) and ``config`` (a gemv or gemm config dict)
-    override the choices made from the device and M, for tests and tuning.
+    override the choices made from the device and M, for tests and tuning (a given gemv config's
+    ``SPLIT_K`` is used as given, deterministic request or not).
     """
     n, k = weight.shape
     lead = x.shape[:-1]

@@ -36,7 +36,8 @@ Split-K partial sums either go to an fp32 ``(S, M, N)`` buffer summed by a small
 (no zeroing pass), or are added atomically into a zeroed fp32 ``(M, N)`` buffer; which one is a
 config choice decided by the tuner. Configs come from ``configs/<gpu>.json`` (``default.json`` for
 an unknown GPU), loaded once and keyed by bits and bucketed M; the split count follows from the
-device's SM count and the shape.
+device's SM count and the shape, and is one when deterministic results are requested
+(``qops.ops._common.deterministic_requested``, read at each call).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .common import HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket, sm_count, split_k
-from .._common import unit_stride
+from .._common import deterministic_requested, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -666,12 +667,12 @@ def config_override(table: dict):
     global _OVERRIDE
     previous = _OVERRIDE
     _OVERRIDE = table
-    _plan.cache_clear()
+    _shape_plan.cache_clear()
     try:
         yield
     finally:
         _OVERRIDE = previous
-        _plan.cache_clear()
+        _shape_plan.cache_clear()
 
 
 # A forced weight-tile form for every GEMM call ("fp32", "triton" or "asm"), for A/B timing and
@@ -735,8 +736,17 @@ def _split(k: int, unit: int, tiles: int, cfg: dict, sms: int) -> tuple[int, int
     return split_k(k, unit, tiles, int(cfg.get("ctas_per_sm", 2)) * sms, int(cfg.get("max_split", 64)))
 
 
-@functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device, force: str | None = None) -> dict:
+    """The launch plan of an (M, N, K) call: cached per shape and per state of the deterministic
+    request (read here, at each call), so a request made after a shape's first call still gets
+    one K split."""
+    return _shape_plan(m, n, k, bits, group_size, device, force, deterministic_requested())
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device, force: str | None,
+                deterministic: bool) -> dict:
+    # ``deterministic`` is only part of the cache key: split_k reads the same request itself.
     table = config_for(device)
     sms = table.get("num_sms") or _device_facts(device)[1]
     grouped = group_size != -1
