@@ -6,12 +6,19 @@
 A plain ``pip install torch`` on Linux takes a CUDA build of several GB; a CPU-only machine needs
 the CPU wheels, which live on PyTorch's own index. When that index cannot be reached, the pinned
 release is taken from the configured sources.
+
+qops itself is installed editable. Where the build backend pyproject.toml names (setuptools >= 68,
+with ``wheel`` below setuptools 70.1) is already installed, it is built with that one
+(``--no-build-isolation``), so a machine that has every package needs no network; otherwise pip
+fetches setuptools from the configured sources into an isolated build environment.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,6 +45,24 @@ def torch_ok() -> bool:
     return (major, minor) >= TORCH_MIN
 
 
+def _version(dist: str) -> tuple[int, ...] | None:
+    """The leading numbers of an installed distribution's version ("84.2.1" -> (84, 2, 1)), or None."""
+    try:
+        raw = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(p) for p in re.findall(r"\d+", raw.split("+")[0])[:3]) or None
+
+
+def build_backend_installed() -> bool:
+    """Whether pyproject.toml's build backend can build qops here without fetching anything:
+    setuptools >= 68, plus ``wheel`` for setuptools older than 70.1 (which builds wheels itself)."""
+    setuptools = _version("setuptools")
+    if setuptools is None or setuptools < (68,):
+        return False
+    return setuptools >= (70, 1) or _version("wheel") is not None
+
+
 def has_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None or os.path.exists("/dev/nvidiactl")
 
@@ -61,11 +86,13 @@ def install_torch() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--test", action="store_true", help="also install the test tools (pytest, expecttest)")
+    ap.add_argument("--test", action="store_true",
+                    help="also install the test tools (pytest, expecttest) and the test pins (triton>=3.8, nvidia-cuda-nvrtc==13.0.*)")
     args = ap.parse_args()
     install_torch()
     target = ROOT + ("[test]" if args.test else "")
-    if pip("-e", target):
+    isolation = ("--no-build-isolation",) if build_backend_installed() else ()
+    if pip(*isolation, "-e", target):
         sys.exit("installing qops failed")
 
 
