@@ -303,7 +303,7 @@ LOWERINGS: tuple[Lowering, ...] = (
         # ...-531f5ae-int-weight.json); on Hopper 64-row GEMM slices up to 96-192 rows by the weight's
         # size (int_weight.SLICED_ROWS: 1.02-2.41x triton there, ...-93edcde-probe-gemm-slices.json, ...-b5386cc-probe-slices-*.json);
         # above that it delegates to triton, so the times match.
-        note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=32 (Hopper: M<=16 or 23) and GEMM for M<=64 (Hopper: 64-row slices up to M=96..192 by weight size), deterministic split-K; larger M delegated to triton",
+        note="CUDA C++ via NVRTC: tensor-core W4A16 GEMV for M<=32 (Hopper: M<=16 or 23) and GEMM for M<=64 (Hopper: 64-row slices up to M=96, 160 or 192 for weights of >= 2^24, 2^25, 2^26 elements), deterministic split-K; larger M delegated to triton",
         software=_native_or_triton_missing,
     ),
     Lowering(

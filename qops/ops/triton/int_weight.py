@@ -30,7 +30,7 @@ number of rows M and the shipped config table (never from tensor values, never w
   dense weight never outlives the call. act_perm is applied by scattering rows, so x is not gathered.
   The config may ask for slabs of equal widths (``equal``) and for two slab buffers with slab i + 1
   dequantized on a side stream while cuBLAS multiplies slab i (``overlap``); the H200 table takes
-  both with 128 MB buffers from M = 256 (``benchmarks/probe_dense.py``).
+  both with 128 MB buffers above M = 128 (``benchmarks/probe_dense.py``).
 
 Split-K partial sums either go to an fp32 ``(S, M, N)`` buffer summed by a small reduce kernel
 (no zeroing pass), or are added atomically into a zeroed fp32 ``(M, N)`` buffer; which one is a
