@@ -4,6 +4,12 @@ Each :class:`Variant` writes one linear layer's tensors under their on-disk name
 from FORMATS.md, not derived from the loader) and the ``quantization_config`` a model with that
 layout carries in ``config.json``. :func:`write_checkpoint` quantizes dense weights into a directory
 of safetensors shards plus index json and config.json, as a hub checkpoint looks.
+
+The tensor-parallel test ranks (:func:`tp_worker` here, ``qops.models.testing``'s) read, from the
+environment of the test process: ``QOPS_TP_WATCHDOG_S`` (a rank still running after that many seconds
+prints every thread's stack and exits; off by default), ``QOPS_TP_TRACE=1`` (each rank prints each
+phase as it starts) and, in :func:`tp_worker`, ``QOPS_TP_TIMEOUT_S`` (the process group's timeout,
+180 s by default).
 """
 from __future__ import annotations
 
