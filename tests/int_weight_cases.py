@@ -175,3 +175,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# Native W4A16 split-K reductions compared bit for bit (tests/gpu/test_gpu_native_int_weight.py
+# test_cluster_and_workspace_reductions_agree_bitwise; tests/test_gpu_suite_facts.py pins the plans
+# on an H200's facts). The cluster sizes the H200 plans use (the rule's 2, the table's 4 and 8).
+CLUSTER_SPLITS = (2, 4, 8)
+CLUSTER_COMPARE_M = (1, 7, 16, 17, 24, 32)
+# The M of CLUSTER_COMPARE_M at which the rule's own plan on an H200 (132 SMs) sums in a cluster, by
+# (N, K) of that test: those comparisons are of the plan production runs there.
+RULE_CLUSTER_M = {(4096, 4096): (1, 7, 17), (1024, 8192): (), (6144, 4096): (1, 7, 17, 24, 32)}
+
+
+def native_cluster_pairs(n: int, k: int, sms: int, smem_limit: int) -> list[tuple[int, object, object, object]]:
+    """(m, rule plan, cluster plan, workspace plan) for each M of ``CLUSTER_COMPARE_M``: the rule's
+    plan on a device of ``sms`` SMs with clusters, with its split count taken down to the nearest of
+    ``CLUSTER_SPLITS`` (2 where it does not split), once summing inside a cluster and once through
+    the workspace, everything else the rule's. ValueError where the kernel cannot run one."""
+    from qops.native import int_weight as native
+
+    out = []
+    for m in CLUSTER_COMPARE_M:
+        rule = native._plan(m, n, k, sms, True)
+        splits = max([s for s in CLUSTER_SPLITS if s <= rule.splits] or [CLUSTER_SPLITS[0]])
+        cl = native.remake_plan(rule, n, k, smem_limit, splits=splits, cluster=True)
+        ws = native.remake_plan(rule, n, k, smem_limit, splits=splits, cluster=False)
+        out.append((m, rule, cl, ws))
+    return out

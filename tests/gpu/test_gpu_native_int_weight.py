@@ -20,7 +20,7 @@ from qops.native import compiler
 from qops.native import int_weight as native
 from qops.native import int_weight_gemm as gemm
 from qops.ops.int_weight import flat_qweight, to_column_slabs
-from tests.int_weight_cases import Case, pack, random_int_quantized, rel_err
+from tests.int_weight_cases import CLUSTER_COMPARE_M, RULE_CLUSTER_M, Case, native_cluster_pairs, pack, random_int_quantized, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -251,21 +251,35 @@ def test_smem_bulk_ring_matches_the_cp_async_ring_bitwise(case):
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 8192), (6144, 4096)], ids=str)
-def test_cluster_and_workspace_reductions_agree_bitwise(shape, monkeypatch):
-    monkeypatch.setenv(native.PLANS_ENV, "rule")  # the rule's split counts, with and without clusters
+def test_cluster_and_workspace_reductions_agree_bitwise(shape):
+    """The rule's plan for each M of CLUSTER_COMPARE_M (1..32: MT = 1..4), its split count taken to a
+    cluster size the H200 plans use (2, 4 or 8), forced once summing in a cluster and once through the
+    workspace (a decode plan override keeps M = 17..32 on the decode kernel, not the GEMM): bit for
+    bit equal, and both equal to the reference."""
     n, k = shape
-    nw = native_weight("gptq", n, k, 128, False, version="v2")
-    xs = {m: rand(m, k, dtype=torch.float16, seed=m) for m in (1, 7, 16, 24, 32)}
-    bias = rand(n, dtype=torch.float16, seed=3)
-    first = {m: nw.weight.mm(x, bias) for m, x in xs.items()}
     sms, cluster_ok = native._device_facts(0)
-    monkeypatch.setattr(native, "_device_facts", lambda idx: (sms, False))
-    for m, x in xs.items():
-        p = native.plan(m, n, k, 0)
-        y = nw.weight.mm(x, bias)
-        check(y, x, nw.w64, bias, f"{shape} M={m} splits={p.splits}")
-        if cluster_ok and native._plan(m, n, k, sms, True).splits == p.splits:
-            assert torch.equal(y, first[m]), f"{shape} M={m}: cluster and workspace sums differ"
+    if not cluster_ok:
+        pytest.skip("thread-block clusters need sm_90")
+    nw = native_weight("gptq", n, k, 128, False, version="v2")
+    bias = rand(n, dtype=torch.float16, seed=3)
+    pairs = native_cluster_pairs(n, k, sms, native.smem_optin_bytes(0))
+    if sms == 132:  # an H200's: the rule's own cluster plans are among those compared
+        assert [m for m, rule, cl, _ in pairs if rule == cl] == list(RULE_CLUSTER_M[shape]), [(m, rule) for m, rule, _, _ in pairs]
+    compared = []
+    for m, _, cl, ws in pairs:
+        assert cl.cluster and not ws.cluster and cl.splits == ws.splits > 1 and ws.workspace > 0, (m, cl, ws)
+        x = rand(m, k, dtype=torch.float16, seed=m)
+        with native.plan_override(lambda *a, p=cl: p):
+            assert native.plan(m, n, k, 0) == cl
+            y_cl = nw.weight.mm(x, bias)
+        with native.plan_override(lambda *a, p=ws: p):
+            y_ws = nw.weight.mm(x, bias)
+        what = f"{shape} M={m} splits={cl.splits}"
+        check(y_cl, x, nw.w64, bias, f"{what} cluster")
+        check(y_ws, x, nw.w64, bias, f"{what} workspace")
+        assert torch.equal(y_cl, y_ws), f"{what}: cluster and workspace sums differ"
+        compared.append(m)
+    assert compared == list(CLUSTER_COMPARE_M)
 
 
 def runtime_weight(n, k, seed):
