@@ -148,7 +148,8 @@ def tp_model_worker(rank: int, world: int, port: int, backend: str, dtype: torch
 
     Modes: "eager"; "compiled" (``fullgraph=True``, one compilation for all batch sizes, then
     ``fail_on_recompile``); "reduce_overhead" (CUDA graphs through cudagraph trees, a skipped
-    capture is an error). Mismatches, and errors while an item loads or compiles, are collected and
+    capture is an error; :data:`TP_STEPS` steps at each of :data:`TP_BATCHES`, and a visit that
+    replays no recorded graph is a failure). Mismatches, and errors while an item loads or compiles, are collected and
     raised together at the end so that every rank runs the same collectives; with ``report`` (a
     path) the rank writes ``<report>.<rank>`` as JSON instead of raising: item id -> {"failures":
     [...], "refused": the chooser's reason where the forced lowering does not serve the sharded
@@ -218,36 +219,79 @@ def _tp_item(rank, scheme, lowering, modes, config, device, dtype, tolerance, fa
     return None
 
 
+# Batch sizes visited and decode steps per visit, by mode. cudagraph trees key a graph on the
+# unbacked batch size (a SymInt input) and, for each new key, run the first call eagerly (warm-up),
+# record on the second and replay from the third (torch/_inductor/cudagraph_trees.py,
+# CUDAGraphTreeManager._run: a function not in ``warmed_up_functions`` runs eagerly, then
+# ``record_function``, then ``execute_node`` -> ``CUDAGraphNode.run_graph``). So reduce-overhead
+# takes three steps per batch size, each with new tokens and positions, and visits batch size 3
+# again: a replay on new data for every key, and a key replayed after the others were recorded.
+TP_BATCHES = {"reduce_overhead": (1, 3, 4, 3)}
+TP_STEPS = {"reduce_overhead": 3}
+
+
 def _tp_compare(rank, scheme, mode, sharded, whole, device, tolerance, failures) -> None:
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     step = sharded.decode
+    replays = [0]
+    restore = None
     if mode == "compiled":
         step = torch.compile(sharded.decode, fullgraph=True)
     elif mode == "reduce_overhead":
+        from torch._inductor import cudagraph_trees
+
         torch._inductor.config.triton.cudagraph_or_error = True
         step = torch.compile(sharded.decode, fullgraph=True, mode="reduce-overhead")
+        run_graph = restore = cudagraph_trees.CUDAGraphNode.run_graph
+
+        def counted(node):
+            replays[0] += 1
+            return run_graph(node)
+
+        cudagraph_trees.CUDAGraphNode.run_graph = counted
+        counters["inductor"]["cudagraph_skips"] = 0
     gen = torch.Generator().manual_seed(7)
+    try:
+        _tp_steps(scheme, mode, step, sharded, whole, device, tolerance, failures, gen, replays)
+    finally:
+        if restore is not None:
+            cudagraph_trees.CUDAGraphNode.run_graph = restore
+    if mode == "reduce_overhead" and counters["inductor"]["cudagraph_skips"]:
+        failures.append(f"{scheme} {mode}: {counters['inductor']['cudagraph_skips']} skipped cudagraph captures")
+
+
+def _tp_steps(scheme, mode, step, sharded, whole, device, tolerance, failures, gen, replays) -> None:
+    steps = TP_STEPS.get(mode, 1)
     with torch.no_grad():
-        for i, b in enumerate((1, 3, 4)):
+        for i, b in enumerate(TP_BATCHES.get(mode, (1, 3, 4))):
             prompts = torch.randint(0, sharded.config.vocab_size, (b, 3), generator=gen).to(device)
             want_first, got_first = whole.prefill(prompts), sharded.prefill(prompts)
             tok = want_first.argmax(-1)
-            pos = torch.full((b,), 3, dtype=torch.long, device=device)
-            want = whole.decode(tok, pos)
-            tok_c, pos_c = tok.clone(), pos.clone()
-            if mode != "eager":
-                torch._dynamo.decorators.mark_unbacked(tok_c, 0)
-                torch._dynamo.decorators.mark_unbacked(pos_c, 0)
-            if mode == "reduce_overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            stance = torch.compiler.set_stance("fail_on_recompile") if (mode != "eager" and i > 0) else contextlib.nullcontext()
-            try:
-                with stance:
-                    got = step(tok_c, pos_c).clone()
-            except Exception as e:  # noqa: BLE001 - reported with the others
-                failures.append(f"{scheme} {mode} batch {b}: {type(e).__name__}: {str(e)[:300]}")
-                continue
-            for what, g, w in (("prefill", got_first, want_first), ("decode", got, want)):
-                err = relative_error(g, w)
-                if not err <= tolerance:
-                    failures.append(f"{scheme} {mode} batch {b} {what}: relative error {err:.3g} > {tolerance}")
+            replayed = replays[0]
+            for s in range(steps):
+                pos = torch.full((b,), 3 + s, dtype=torch.long, device=device)
+                want = whole.decode(tok, pos)
+                tok_c, pos_c = tok.clone(), pos.clone()
+                if mode != "eager":
+                    torch._dynamo.decorators.mark_unbacked(tok_c, 0)
+                    torch._dynamo.decorators.mark_unbacked(pos_c, 0)
+                if mode == "reduce_overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                stance = torch.compiler.set_stance("fail_on_recompile") if (mode != "eager" and (i or s)) else contextlib.nullcontext()
+                try:
+                    with stance:
+                        got = step(tok_c, pos_c).clone()
+                except Exception as e:  # noqa: BLE001 - reported with the others
+                    failures.append(f"{scheme} {mode} batch {b} step {s}: {type(e).__name__}: {str(e)[:300]}")
+                    break
+                checks = (("decode", got, want),) if s else (("prefill", got_first, want_first), ("decode", got, want))
+                for what, g, w in checks:
+                    err = relative_error(g, w)
+                    if not err <= tolerance:
+                        failures.append(f"{scheme} {mode} batch {b} step {s} {what}: relative error {err:.3g} > {tolerance}")
+                tok = want.argmax(-1)
+            else:
+                if mode == "reduce_overhead" and replays[0] == replayed:
+                    failures.append(f"{scheme} {mode} batch {b} (visit {i}): {steps} steps replayed no CUDA graph")

@@ -16,7 +16,9 @@ refuses is skipped with the chooser's reasons):
   ``_out`` ops with the model's workspace buffer in place, on garbage scratch, equal to eager, the
   buffer never reallocated;
 - with two GPUs, the model of every pair sharded over NCCL (spawned ranks, NVLink multicast off,
-  all pairs in one spawn) equal to one GPU, eagerly and through reduce-overhead CUDA graphs.
+  all pairs in one spawn) equal to one GPU, eagerly and through reduce-overhead CUDA graphs (three
+  steps per batch size and one batch size visited again, each visit replaying a recorded graph:
+  ``qops.models.testing.TP_STEPS``).
 
 Run with ``pytest -m gpu tests/gpu/test_gpu_model.py``.
 """

@@ -1,6 +1,8 @@
 """The reference decoder sharded over four and eight GPUs (NCCL, fp16, NVLink multicast off) equal to
 the same model on one GPU, eagerly and through reduce-overhead CUDA graphs (one compilation for
-batch sizes 1, 3 and 4, no skipped capture), for each scheme of ``tests/test_tp_wide.py``.
+batch sizes 1, 3 and 4, no skipped capture; three decode steps per batch size, so each is warmed up,
+recorded and replayed on new tokens, and batch size 3 replayed again after the others: every visit
+must replay a graph, ``qops.models.testing.TP_STEPS``), for each scheme of ``tests/test_tp_wide.py``.
 
 Llama-3-70B's attention shapes: 64 query heads, 8 KV heads, head_dim 128, hidden 8192, so at world
 size 8 each rank holds one KV head, and its fused qkv shard (N = 1280) and o_proj shard (K = 1024)
