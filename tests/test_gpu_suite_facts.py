@@ -32,3 +32,41 @@ def test_cluster_comparison_takes_a_cluster_at_every_m_on_an_h200(shape):
 def test_cluster_comparisons_cover_every_cluster_size_and_tile_height():
     seen = {(cl.splits, cl.mt) for shape in RULE_CLUSTER_M for _, _, cl, _ in native_cluster_pairs(*shape, H200_SMS, H200_SMEM_OPTIN)}
     assert {s for s, _ in seen} == {2, 4, 8} and {mt for _, mt in seen} == {1, 2, 3, 4}, sorted(seen)
+
+
+def _tiny_model_pairs():
+    from qops.models.testing import scheme_lowerings
+
+    return scheme_lowerings("cuda")
+
+
+@pytest.mark.parametrize("scheme,lowering", _tiny_model_pairs(), ids=[f"{s}-{low}" for s, low in _tiny_model_pairs()])
+def test_only_the_device_refuses_the_tiny_models_pairs(scheme, lowering):
+    """tests/gpu/test_gpu_model.py fails (no longer skips) where the chooser refuses a forced pair
+    other than for the GPU's compute capability: the tiny model's layers are within every pair's
+    static limits, so on the CPU the forced lowering's only refusal is the device (for W8A8, the fp8
+    GEMM's, named in the W8A16 fallback's reasons) and the reference lowerings serve them."""
+    import torch
+
+    from qops.models import LlamaConfig, LlamaForCausalLM, quantize_tensors, random_tensors
+    from qops.models.checkpoint import get_scheme
+    from qops.models.testing import forced_lowering
+
+    config = LlamaConfig.tiny()
+    sch = get_scheme(scheme)
+    tensors = quantize_tensors(random_tensors(config, seed=5), config.linear_prefixes(head=False), sch)
+    with forced_lowering(scheme, lowering):
+        model = LlamaForCausalLM.from_tensors(config, tensors, sch.quantization_config(head=False), device="cpu",
+                                              dtype=torch.bfloat16, max_batch=8, max_seq=16, process_group=None)
+    from qops.lowerings import LOWERINGS_BY_NAME
+
+    device_only = f"{lowering}: runs on ['cuda'], not cpu"
+    on_cpu = "cpu" in LOWERINGS_BY_NAME[lowering].device_types  # the reference lowerings: served here
+    for m in model.quantized_linears():
+        why = m.choice.explain()
+        if on_cpu:
+            assert m.choice.lowering.name == lowering, why
+            continue
+        assert m.choice.lowering.name != lowering and device_only in why, why
+        assert [line for line in why.splitlines() if lowering in line and "compute capability" in line] == [], why
+

@@ -1,6 +1,6 @@
 """The reference decoder on the GPU, for every (scheme, lowering) pair that runs on CUDA (the
 lowering forced by disabling the higher-priority ones of its family; a pair the chooser still
-refuses is skipped with the chooser's reasons):
+refuses fails with the chooser's reasons, unless the refusal is this GPU's compute capability: skipped):
 
 - ``torch.compile(model.decode, fullgraph=True, mode="reduce-overhead")`` with
   ``torch._inductor.config.triton.cudagraph_or_error = True``: no skipped capture
@@ -84,8 +84,20 @@ def _model(dense, scheme, lowering, dtype=torch.bfloat16, max_batch=MAX_BATCH, h
         chosen = {m.choice.lowering.name for m in model.quantized_linears()}
         if chosen != {lowering}:
             why = next(m.choice.explain() for m in model.quantized_linears() if m.choice.lowering.name != lowering)
-            pytest.skip(f"{lowering} does not serve the {scheme} model's layers ({sorted(chosen)} chosen):\n{why}")
+            refused(lowering, f"{lowering} does not serve the {scheme} model's layers ({sorted(chosen)} chosen):\n{why}")
     return model
+
+
+def refused(lowering: str, why: str) -> None:
+    """A forced lowering the chooser refused (``why``: its explanation): skipped where the refusal is a
+    limit of this GPU's architecture (compute capability), a failure otherwise. The tiny models' N
+    and K are multiples of 128 so that every pair serves them on an H200 (the suite at 6f6d195 skipped
+    none; tests/test_gpu_suite_facts.py checks that only the device refuses them on the CPU), so a
+    refusal there is a chooser or capability regression, not a limit."""
+    own = [line for line in why.splitlines() if lowering in line]
+    if any("compute capability" in line for line in own):
+        pytest.skip(why)
+    pytest.fail(f"{why}\n(not a compute-capability limit: the chooser must serve this pair on this GPU)")
 
 
 class _nothing:
@@ -366,9 +378,9 @@ def tp_two_gpus_block(tmp_path_factory):
 @pytest.mark.parametrize("scheme,lowering", PAIRS, ids=IDS)
 def test_tensor_parallel_two_gpus_reduce_overhead(scheme, lowering, request):
     done = _rank_reports(request.getfixturevalue("tp_two_gpus_block" if scheme in BLOCK_SCHEMES else "tp_two_gpus"), scheme, lowering)
-    refused = {r["refused"] for r in done}
-    if refused != {None}:
-        pytest.skip(f"{lowering} does not serve the sharded {scheme} model's layers: {sorted(x for x in refused if x)[0]}")
+    why = {r["refused"] for r in done}
+    if why != {None}:
+        refused(lowering, f"{lowering} does not serve the sharded {scheme} model's layers: {sorted(x for x in why if x)[0]}")
     failures = done[0]["failures"] + done[1]["failures"]
     assert not failures, "\n".join(failures[:20])
 
