@@ -70,3 +70,51 @@ def test_only_the_device_refuses_the_tiny_models_pairs(scheme, lowering):
         assert m.choice.lowering.name != lowering and device_only in why, why
         assert [line for line in why.splitlines() if lowering in line and "compute capability" in line] == [], why
 
+
+def _gpu_module(name):
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_facts_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fits(make) -> bool:
+    try:
+        make()
+    except ValueError:
+        return False
+    return True
+
+
+def test_plan_sweeps_run_what_their_guards_ask_for_on_an_h200(monkeypatch):
+    """The "ran" guards of tests/gpu/test_gpu_native_int_weight.py's forced-plan sweeps hold on an
+    H200's shared memory: every PLAN_VARIANT fits >= 3 (shape, M) cases, every WGMMA_PLAN >= 20,
+    every GLU_PLAN all four M, every PDL_PLAN both matmuls at M = 1."""
+    monkeypatch.setattr(native, "smem_optin_bytes", lambda index: H200_SMEM_OPTIN)
+    T = _gpu_module("test_gpu_native_int_weight")
+    lim = H200_SMEM_OPTIN
+    for v in T.PLAN_VARIANTS:
+        nwn, splits, cluster, xfull, ring, minb, fold, prefetch = v[:8]
+        sr = v[8] if len(v) > 8 else 0
+        ran = sum(_fits(lambda m=m, n=n, k=k: native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, ring=ring,
+                                                                   minb=minb, fold=fold, prefetch=prefetch, smem_ring=sr, smem_limit=lim))
+                  for n, k in ((1000, 777), (512, 2048), (640, 1280)) for m in (1, 7, 16, 17, 24, 32))
+        assert ran >= 3, (v, ran)
+    for v in T.WGMMA_PLANS:
+        ran = sum(_fits(lambda m=m, n=n, k=k: T._wgmma_plan(m, n, k, *v))
+                  for n, k in ((1000, 777), (512, 2048), (640, 1280), (1024, 2048)) for m in (1, 7, 9, 16, 17, 24, 32))
+        assert ran >= 20, (v, ran)
+    for nwn, splits, cluster, xfull in T.GLU_PLANS:
+        assert all(_fits(lambda m=m: native.make_plan(m, 2048, 1536, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull,
+                                                      minb=1 if m > 16 else 2, smem_limit=lim)) for m in (1, 8, 16, 24))
+    for v in T.PDL_PLANS:
+        nwn, splits, cluster, xfull = v[:4]
+        sr = v[4] if len(v) > 4 else 0
+        assert all(_fits(lambda n=n, k=k: native.make_plan(1, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, smem_ring=sr,
+                                                           smem_limit=lim)) for n, k in ((1024, 2048), (512, 1024))), v

@@ -91,7 +91,7 @@ def test_eager(case, dtype, ms):
         x = torch.randn(case.k, m, device="cuda", generator=gen).to(dtype).t()  # non-contiguous
         check(w.mm(x, bias if m % 2 else None), x, w64, bias if m % 2 else None, dtype, f"M={m}")
         out = torch.full((m, case.n), float("nan"), device="cuda", dtype=dtype)
-        mm_out(w, x, bias, out, torch.empty(4 * m * case.n, dtype=torch.uint8, device="cuda"))
+        mm_out(w, x, bias, out, torch.full((4 * m * case.n,), 255, dtype=torch.uint8, device="cuda"))
         check(out, x, w64, bias, dtype, f"M={m} out+workspace")
 
 
@@ -206,7 +206,7 @@ def test_dense_path_at_a_realistic_shape(case, dtype):
         b = bias if m == 300 else None
         check(w.mm(x, b), x, w64, b, dtype, f"M={m}")
         out = torch.full((m, case.n), float("nan"), device="cuda", dtype=dtype)
-        mm_out(w, x, bias, out, torch.empty(2 * case.n * case.k, dtype=torch.uint8, device="cuda"))
+        mm_out(w, x, bias, out, torch.full((2 * case.n * case.k,), 255, dtype=torch.uint8, device="cuda"))
         check(out, x, w64, bias, dtype, f"M={m} out+workspace")
         with tbw4.config_override(slab_bytes=1000 * case.k * 2):
             check(w.mm(x, bias), x, w64, bias, dtype, f"M={m} 5 slabs")

@@ -360,6 +360,7 @@ def test_every_plan_variant_matches_reference(variant):
     smem_ring = variant[8] if len(variant) > 8 else 0
     if cluster and not native._device_facts(0)[1]:
         pytest.skip("thread-block clusters need sm_90")
+    ran = 0
     for fmt, n, k, g, sym, ver in [("gptq", 1000, 777, 128, False, "v1"), ("gptq", 512, 2048, 128, True, "v2"), ("awq", 640, 1280, -1, False, None)]:
         nw = native_weight(fmt, n, k, g, sym, False, ver)
         for m in (1, 7, 16, 17, 24, 32):
@@ -368,12 +369,14 @@ def test_every_plan_variant_matches_reference(variant):
                                      prefetch=prefetch, smem_ring=smem_ring, smem_limit=native.smem_optin_bytes(0))
             except ValueError:  # outside the kernel's limits for this M (make_plan says which)
                 continue
+            ran += 1
             for dtype in DTYPES:
                 x = rand(m, k, dtype=dtype, seed=m)
                 bias = rand(n, dtype=dtype, seed=5) if m in (7, 24) else None
                 with native.plan_override(lambda *a, p=p: p):
                     y = nw.weight.mm(x, bias)
                 check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {p}")
+    assert ran >= 3, f"the variant fits only {ran} (shape, M) cases: make_plan refused the rest (3 to 18 on an H200)"
 
 
 # The decode kernel's warpgroup-MMA builds (QOPS_WGMMA): (nwn, splits, cluster). The widest tile (the
@@ -395,6 +398,7 @@ def test_wgmma_plans_match_reference(variant):
     if (why := gemm.wgmma_missing(0)) is not None:
         pytest.skip(why)
     nwn, splits, cluster = variant
+    ran = 0
     for fmt, n, k, g, sym, act, ver in [("gptq", 1000, 777, 128, False, False, "v1"), ("gptq", 512, 2048, 128, True, False, "v2"),
                                         ("awq", 640, 1280, -1, False, False, None), ("gptq", 1024, 2048, 128, False, True, "v1")]:
         nw = native_weight(fmt, n, k, g, sym, act, ver)
@@ -403,6 +407,7 @@ def test_wgmma_plans_match_reference(variant):
                 p = _wgmma_plan(m, n, k, nwn, splits, cluster)
             except ValueError:  # outside the kernel's limits for this M (make_plan says which)
                 continue
+            ran += 1
             for dtype in DTYPES:
                 for layout in (("contiguous", "offset") if m in (9, 16) else ("contiguous",)):
                     x = _x(m, k, dtype, layout, seed=m)
@@ -410,6 +415,7 @@ def test_wgmma_plans_match_reference(variant):
                     with native.plan_override(lambda *a, p=p: p):
                         y = nw.weight.mm(x, bias)
                     check(y, x, nw.w64, bias, f"{fmt} {n}x{k} M={m} {dtype} {layout} {p}")
+    assert ran >= 20, f"the wgmma plan fits only {ran} (shape, M) cases: make_plan refused the rest (24 to 28 on an H200)"
 
 
 def test_wgmma_cluster_and_workspace_agree_bitwise_and_repeat():
@@ -472,7 +478,7 @@ def test_out_variant_with_workspace_and_strided_out():
         big = torch.full((m, 1100), float("nan"), dtype=torch.bfloat16, device="cuda")
         out = big[:, 7:1031]
         need = native.workspace_bytes(m, 1024, 2048, 4, 128)
-        ws = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
+        ws = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")  # garbage scratch
         torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits, w.group_size,
                                          w.zero_offset, int(w.kernel), out, ws)
         check(out, x, nw.w64, None, f"out M={m}")
@@ -587,7 +593,7 @@ def test_slices_past_64_rows(monkeypatch):
     last = native.decode_rows(1024, 2048, 0)
     for m, dtype in ((150, torch.float16), (200, torch.bfloat16), (129, torch.float16)):
         x = rand(m, 2048, dtype=dtype, seed=9)
-        ws = torch.empty(max(native.workspace_bytes(m, 1024, 2048, 4, 128, 0), 1), dtype=torch.uint8, device="cuda")
+        ws = torch.full((max(native.workspace_bytes(m, 1024, 2048, 4, 128, 0), 1),), 255, dtype=torch.uint8, device="cuda")
         w = nw.weight
         y = torch.empty(m, 1024, dtype=dtype, device="cuda")
         launches.clear()
@@ -729,7 +735,7 @@ def test_gemm_x_image_chain_in_a_cuda_graph_on_one_workspace(ws):
     with gemm.plan_override(lambda *_: q):
         need = native.workspace_bytes(m, n, k, 4, 128, 0)
         assert need == q.workspace and need >= q.x_image > 0
-        ws = torch.empty(need, dtype=torch.uint8, device="cuda")
+        ws = torch.full((need,), 255, dtype=torch.uint8, device="cuda")
         y1, y2 = (torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(2))
 
         def step():
@@ -786,7 +792,7 @@ def test_gemm_out_with_workspace_and_strided_out():
     q = gemm.make_plan(m, 4096, 4096, nwn=4, splits=3, stages=4)
     with gemm.plan_override(lambda *_: q):
         assert native.workspace_bytes(m, 4096, 4096, 4, 128, 0) == q.workspace > 0
-        ws = torch.empty(q.workspace + 16, dtype=torch.uint8, device="cuda")[16:]  # exactly the need, 16-byte aligned
+        ws = torch.full((q.workspace + 16,), 255, dtype=torch.uint8, device="cuda")[16:]  # exactly the need, 16-byte aligned
         big = torch.full((m, 2 * 4096 + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
         out = big[:, 8:8 + 2 * 4096:2]  # column stride 2: written through a contiguous temporary
         torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits, w.group_size,
@@ -820,7 +826,7 @@ def test_gemm_into_rows_its_vector_stores_cannot_take(splits, wgmma_ws):
         big = torch.full((m, 4096 + 6), float("nan"), dtype=torch.bfloat16, device="cuda")
         out = big[:, 2:2 + 4096]
         assert out.data_ptr() % 8 == 4 and out.stride(0) % 4 == 2
-        ws = torch.empty(max(q.workspace, 16), dtype=torch.uint8, device="cuda")
+        ws = torch.full((max(q.workspace, 16),), 255, dtype=torch.uint8, device="cuda")
         torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.in_features, w.bits, w.group_size,
                                          w.zero_offset, int(w.kernel), out, ws)
     assert torch.equal(out, want), "scalar and vector stores differ"
@@ -948,12 +954,16 @@ def test_pdl_in_a_cuda_graph_right_after_the_kernel_writing_x(variant, monkeypat
     w2 = native_weight("awq", 512, 1024, 128, False)
     bias = rand(1024, dtype=torch.float16, seed=9)
 
+    served = set()
+
     def chosen(m, n, k, sms, cluster_ok):
         try:
-            return native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, smem_ring=smem_ring,
-                                    smem_limit=native.smem_optin_bytes(0))
+            p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, smem_ring=smem_ring,
+                                 smem_limit=native.smem_optin_bytes(0))
         except ValueError:  # outside the kernel's limits for this shape: the usual plan
             return None
+        served.add((m, n))
+        return p
 
     outs = {}
     for pdl in ("1", "0"):
@@ -980,6 +990,8 @@ def test_pdl_in_a_cuda_graph_right_after_the_kernel_writing_x(variant, monkeypat
         if pdl == "1":
             y0, z0 = outs["0", m, rep]
             assert torch.equal(y, y0) and torch.equal(z, z0), f"M={m} replay {rep}: PDL changed the result"
+    # Every variant fits both matmuls at M = 1 on an H200 (most at 1, 7 and 16): not only the rule's plans ran.
+    assert {(1, 1024), (1, 512)} <= served, sorted(served)
 
 
 def check_glu_plan(nw, p, x):
@@ -1028,15 +1040,18 @@ def test_glu_every_reduction_path(variant):
         pytest.skip("thread-block clusters need sm_90")
     n, k = 2048, 1536
     nw = native_weight("gptq", n, k, 128, False, version="v2")
+    ran = []
     for m in (1, 8, 16, 24):
         try:
             p = native.make_plan(m, n, k, nwn=nwn, splits=splits, cluster=cluster, xfull=xfull, minb=1 if m > 16 else 2,
                                  smem_limit=native.smem_optin_bytes(0))
         except ValueError:
             continue
+        ran.append(m)
         for dtype in DTYPES:
             x = rand(m, k, dtype=dtype, seed=m + 1)
             check_glu_plan(nw, p, x)
+    assert ran == [1, 8, 16, 24], f"make_plan refused the variant at M not in {ran} (it serves all four on an H200)"
 
 
 def test_glu_in_a_cuda_graph_with_out_and_workspace():
@@ -1046,7 +1061,7 @@ def test_glu_in_a_cuda_graph_with_out_and_workspace():
     assert native.warmup_shape(0, torch.float16, n, k, True, glu=True) >= 1
     x = rand(m, k, dtype=torch.float16, seed=4)
     out = torch.empty(m, n // 2, dtype=torch.float16, device="cuda")
-    ws = torch.empty(max(native.workspace_bytes(m, n, k, 4, 128, 0), 16), dtype=torch.uint8, device="cuda")
+    ws = torch.full((max(native.workspace_bytes(m, n, k, 4, 128, 0), 16),), 255, dtype=torch.uint8, device="cuda")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         native.native_mm(x, w.qweight, w.scales, w.qzeros, None, None, 4, 128, w.zero_offset, out=out, workspace=ws, glu=True)
@@ -1087,7 +1102,7 @@ def test_swiglu_op_eager_compiled_replayed_and_out(act_order):
         x = rand(8, k, dtype=dtype, seed=4)
         big = torch.full((8, n // 2 + 9), float("nan"), dtype=dtype, device="cuda")
         out = big[:, 5:5 + n // 2]
-        ws = torch.empty(max(native.workspace_bytes(8, n, k, 4, 128), 16), dtype=torch.uint8, device="cuda")
+        ws = torch.full((max(native.workspace_bytes(8, n, k, 4, 128), 16),), 255, dtype=torch.uint8, device="cuda")
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             torch.ops.qops.mm_int_weight_swiglu_out(x, *args, out, ws)
