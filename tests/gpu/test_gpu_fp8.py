@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
 from qops.formats import FORMATS
 from qops.lowerings import Kernel
 from qops.ops.fp8 import quantize_fp8_activations
-from tests.test_fp8 import oracle_mm, oracle_weight, oracle_x, rel_err
+from tests.test_fp8 import e4m3_decode, e4m3_round, fp32_quotient, oracle_mm, oracle_weight, oracle_x, rel_err
 from tests.oracle import stride_two
 
 pytestmark = pytest.mark.gpu
@@ -73,11 +74,33 @@ def _x(m: int, k: int, dtype, seed: int = 0) -> torch.Tensor:
     return torch.randn(m, k, device="cuda", generator=g).to(dtype)
 
 
+def independent_fp8_x(x: torch.Tensor, static_scale: float | None, group_size: int) -> torch.Tensor:
+    """float64 activations as W8A8 quantizes them, written from the format's definition on the host
+    (not the op's ``quantize_fp8_activations``, whose GPU run the oracle must not share): the scale
+    is the static one, or amax / 448 in fp32 per token (``group_size`` -1) or per token and 128 K
+    values; each value x / scale (in fp32, saturated to +-448) rounded to the nearest e4m3 code
+    (ties to even, tests/test_fp8.py's grid), decoded from its bits, times the scale."""
+    x64 = x.detach().cpu().double().numpy()
+    k = x64.shape[-1]
+    if static_scale is not None:
+        s_k = np.full(x64.shape, np.float32(static_scale), dtype=np.float32)
+    else:
+        g = k if group_size == -1 else group_size
+        groups = -(-k // g) if k else 0
+        padded = np.zeros(x64.shape[:-1] + (groups * g,))
+        padded[..., :k] = np.abs(x64)
+        amax = padded.reshape(*x64.shape[:-1], groups, g).max(axis=-1) if groups else np.zeros(x64.shape[:-1] + (0,))
+        s = np.where(amax == 0, np.float32(1), amax.astype(np.float32) / np.float32(448)).astype(np.float32)
+        s_k = np.repeat(s, g, axis=-1)[..., :k]
+    codes = e4m3_round(fp32_quotient(x64, s_k))
+    return torch.from_numpy(e4m3_decode(codes) * s_k.astype(np.float64))
+
+
 def _want(w, w64, x, bias):
     if w.activations == "none":
         return oracle_mm(x, w64, bias)
-    x_fp8, x_scale = quantize_fp8_activations(x, w.input_scale if w.activations == "static" else None, w.x_group_size)
-    return oracle_mm(oracle_x(x_fp8, x_scale).cuda(), w64, bias)
+    static = float(w.input_scale.reshape(-1)[0]) if w.activations == "static" else None
+    return oracle_mm(independent_fp8_x(x, static, w.x_group_size).cuda(), w64, bias)
 
 
 def check(w, w64, x, bias, what, tol=TOL):
