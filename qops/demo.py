@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = torch.randint(0, config.vocab_size, (args.batch, args.prompt_len), generator=gen).to(device)
     cuda_graphs = device.type == "cuda" and not args.no_compile
-    step = model.decode
+    step = None  # eager: generate's own unchecked step (it checks its prompts once)
     with torch.no_grad():
         if not args.no_compile:
             step = compile_decode(model, cuda_graphs=cuda_graphs)

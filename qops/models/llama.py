@@ -541,6 +541,10 @@ class LlamaForCausalLM(nn.Module):
         compiler does not know statically, e.g. unbacked, takes the layer-by-layer path). Checks its
         inputs (module docstring: positions and ids only when not compiled or captured)."""
         self._check_inputs("LlamaForCausalLM.decode", tokens, positions, dims=1)
+        return self._decode(tokens, positions)
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` without its input checks (for callers that checked them: :func:`generate`)."""
         if self._layer_args is not None and guard_or_false(tokens.shape[0] == 1):
             return self._decode_one(tokens, positions)
         return self._forward(tokens.unsqueeze(1), positions.unsqueeze(1)).squeeze(1)
@@ -634,10 +638,17 @@ class LlamaForCausalLM(nn.Module):
         """Prompts ``(B, T)`` at positions ``0..T-1`` -> logits of the last position ``(B, vocab)``."""
         if tokens.dim() != 2:
             raise ValueError(f"LlamaForCausalLM.prefill: tokens must be (B, T), got shape {tuple(tokens.shape)}")
+        self._check_inputs("LlamaForCausalLM.prefill", tokens, self._prompt_positions(tokens), dims=2)
+        return self._prefill(tokens)
+
+    def _prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """:meth:`prefill` without its input checks (for callers that checked them: :func:`generate`)."""
+        return self._forward(tokens, self._prompt_positions(tokens))[:, -1]
+
+    @staticmethod
+    def _prompt_positions(tokens: torch.Tensor) -> torch.Tensor:
         b, t = tokens.shape
-        positions = torch.arange(t, device=tokens.device).expand(b, t)
-        self._check_inputs("LlamaForCausalLM.prefill", tokens, positions, dims=2)
-        return self._forward(tokens, positions)[:, -1]
+        return torch.arange(t, device=tokens.device).expand(b, t)
 
     # Facts.
 
@@ -793,7 +804,9 @@ def generate(model: LlamaForCausalLM, prompts: torch.Tensor, new_tokens: int, *,
     copy what a step returns before the next replay overwrites it.
 
     Checks its arguments once, up front (prompt ids, batch, cache length), so a compiled ``step``,
-    which takes positions and ids as given, never sees one outside the cache or the vocabulary.
+    which takes positions and ids as given, never sees one outside the cache or the vocabulary; the
+    default ``prefill`` and ``step`` then run unchecked (the tokens fed back are argmaxes, the positions
+    counted here: checking them again would read them back from the device every step).
     """
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
         raise ValueError(f"generate: new_tokens must be a positive integer, got {new_tokens!r}")
@@ -810,11 +823,11 @@ def generate(model: LlamaForCausalLM, prompts: torch.Tensor, new_tokens: int, *,
     bad = outside(prompts, model.config.vocab_size)
     if bad.any():
         raise ValueError(f"generate: prompts hold ids outside [0, vocab_size={model.config.vocab_size}): {some_of(prompts, bad)}")
-    step = step or model.decode
+    step = step or model._decode
     sync = torch.cuda.synchronize if prompts.device.type == "cuda" else (lambda: None)
     kept = []
     t = time.perf_counter()
-    logits = (prefill or model.prefill)(prompts)
+    logits = (prefill or model._prefill)(prompts)
     tok = logits.argmax(-1)
     if keep_logits:
         kept.append(logits.float())
