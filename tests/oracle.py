@@ -170,3 +170,52 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if bias is not None:
         y = y + bias.detach().double()
     return y
+
+
+
+# Unit roundoff of the arithmetic a kernel may use for each activation dtype: the output's own rounding, and
+# the rounding of a dequantized weight to the MMA's input type. fp32 activations may go through TF32 MMAs
+# (10-bit mantissa), so they get TF32's.
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-11}
+
+
+def elementwise_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                      c_out: float = 2.0, c_dot: float = 8.0) -> torch.Tensor:
+    """Per-element error bound of a dot-product kernel against float64 ``x @ w.T + bias``.
+
+    Two kinds of rounding move an output. Rounding the result (and a bias) to ``dtype`` moves it by
+    at most a unit roundoff of its own size: ``c_out * u * (|y| + |bias|)``. Rounding each weight (or
+    a TF32 x) to the MMA's input type, and fp32 accumulation, perturb the K terms independently, so
+    their sum moves like ``u * sqrt(sum_k (x_k w_k)**2)`` (a random-walk size, not the worst case
+    ``u * sum_k |x_k w_k|``, which is ~sqrt(K) looser and would let a 5% error in one element pass);
+    ``c_dot`` = 8 is ~14 standard deviations of that sum, room for the kernels that round twice (a
+    zero point times a scale, then the difference) or keep split-K partials in the output dtype.
+    The smallest subnormal covers outputs that round to zero. Unlike one relative norm over the whole
+    output, this catches a single wrong element.
+    """
+    x64, w64 = x.detach().double(), w.double()
+    y = x64 @ w64.t()
+    spread = (x64 * x64) @ (w64 * w64).t()
+    bound = c_out * y.abs() + c_dot * spread.sqrt()
+    if bias is not None:
+        bound = bound + c_out * bias.detach().double().abs()
+    return UNIT_ROUNDOFF[dtype] * bound + torch.finfo(dtype).smallest_normal * 2.0**-10
+
+
+def check_elementwise(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                      dtype: torch.dtype, what: str = "", **bound_kw) -> None:
+    """Every element of ``got`` within :func:`elementwise_bound` of float64 ``x @ w.T + bias``.
+
+    ``x`` is what the kernel read (already in its activation dtype) and ``w`` the exact float64 weight.
+    The message names the worst element, its error and its bound.
+    """
+    want = matmul(x, w, bias)
+    bound = elementwise_bound(x, w, bias, dtype, **bound_kw)
+    err = (got.detach().double() - want).abs()
+    ratio = (err / bound).reshape(-1)
+    if ratio.numel() and not bool((ratio <= 1).all()):
+        worst = int(torch.nan_to_num(ratio, nan=float("inf")).argmax())
+        idx = tuple(int(i) for i in np.unravel_index(worst, tuple(err.shape)))
+        raise AssertionError(
+            f"{what}: {int((~(ratio <= 1)).sum())} of {ratio.numel()} elements past the elementwise bound; worst at "
+            f"{idx}: error {float(err.reshape(-1)[worst]):.3e}, bound {float(bound.reshape(-1)[worst]):.3e}")

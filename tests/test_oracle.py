@@ -100,3 +100,27 @@ def test_unsupported_combination_is_refused(case):
     iq = random_int_quantized(case, gen)
     with pytest.raises(ValueError, match=r"bits|act-order"):
         pack(case, iq)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 64, 4096])
+def test_elementwise_bound_passes_a_rounded_kernel_and_catches_one_wrong_element(dtype, k):
+    """The bound holds (with room) for a product computed as a kernel does -- weights rounded to the
+    activation dtype, fp32 accumulation, the output rounded -- and fails when one element is off by
+    10%, or NaN, which a relative norm over the whole output lets pass."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(17, k, generator=gen).to(dtype)
+    w = torch.randint(-8, 8, (70, k), generator=gen).double() * 0.013
+    bias = torch.randn(70, generator=gen).to(dtype)
+    y = (x.float() @ w.to(dtype).float().t() + bias.float()).to(dtype)
+    oracle.check_elementwise(y, x, w, bias, dtype, "as computed")
+    ratio = (y.double() - oracle.matmul(x, w, bias)).abs() / oracle.elementwise_bound(x, w, bias, dtype)
+    assert float(ratio.max()) < 0.5
+    want = oracle.matmul(x, w, bias)
+    r, c = divmod(int(want.abs().reshape(-1).argmax()), 70)
+    for bad in (want[r, c] * 1.1, float("nan")):
+        y_bad = y.clone()
+        y_bad[r, c] = bad
+        with pytest.raises(AssertionError, match=f"1 of {17 * 70} elements"):
+            oracle.check_elementwise(y_bad, x, w, bias, dtype, "one wrong")
+    oracle.check_elementwise(y[:0], x[:0], w, bias, dtype, "M = 0")
