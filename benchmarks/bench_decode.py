@@ -38,9 +38,10 @@ positions up to its own token only, split over several programs per KV head on c
 512 positions (split-KV); ``sdpa`` / ``matmul`` attend over all ``--max-seq`` positions (static
 shapes), masked past the token. ``--prompt-len 4000`` measures decode at a long context (the cache
 is then ``--max-seq`` = prompt + steps + 8 positions).
-Memory per model: weight bytes, the workspace (scratch) it preallocated, its KV cache; peak
-allocated bytes per (model, batch) run (``torch.cuda.max_memory_allocated`` after a reset; both
-models are resident). The 8B weights (~16 GB bf16, ~4.6 GB W4) are far larger than the 60 MB L2.
+Memory per model: weight bytes, the workspace (scratch) it preallocated and how many of its layers
+run on it, the layer op's own workspace where it has one, its KV cache; per (model, batch) run the
+peak allocated bytes (``torch.cuda.max_memory_allocated`` after a reset, with every model built so
+far resident), what was allocated when it started, and the difference (what the run added). The 8B weights (~16 GB bf16, ~4.6 GB W4) are far larger than the 50 MB L2.
 
 Writes ``$OUT/bench_decode.json`` (and ``--out``) after every measurement; prints one line per row,
 then a TARGETS block last. ``--budget-s``: no new row starts after that many seconds (skipped rows
@@ -189,6 +190,17 @@ def random_dense_linears(config, device, dtype, seed):
             for prefix, (n, k) in linear_shapes(config).items()}
 
 
+def layers_on(model, workspace) -> int:
+    """How many of ``model``'s quantized layers run their ``_out`` ops on ``workspace``."""
+    return sum(1 for m in model.modules() if m is not model and getattr(m, "workspace", None) is workspace)
+
+
+def layer_op_scratch_bytes(model) -> int:
+    """Bytes of the layer op's own workspace (``qops::decode_layers``), 0 for a model without one."""
+    ws = getattr(model, "layer_workspace", None)
+    return 0 if ws is None else ws.numel() * ws.element_size()
+
+
 def build(kind, config, device, dtype, args, attention="fused"):
     from qops.models import LlamaForCausalLM
 
@@ -302,7 +314,7 @@ def run(args) -> int:
         },
         "models": {}, "rows": [], "skipped": [],
     }
-    out_paths = common.output_paths("bench_decode.json", args.out) or [os.path.join(os.getcwd(), "bench_decode.json")]
+    out_paths = common.output_paths("bench_decode.json", args.out)
     print(f"bench_decode: {res['gpu']} | torch {res['torch']} | triton {triton_ver} | commit {commit} | "
           f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}", flush=True)
 
@@ -316,7 +328,8 @@ def run(args) -> int:
         info = {"kind": kind, "dtype": str(kind_dtype).replace("torch.", ""), "build_s": round(time.time() - t, 2),
                 "weights_bytes": model.weight_bytes(), "scratch_bytes": model.workspace.nbytes,
                 "scratch_needs_max": max(model.workspace.needs.values(), default=0),
-                "scratch_used_by_layers": False,  # qops.layers calls the functional ops; see qops/workspace.py
+                "layers_on_scratch": layers_on(model, model.workspace),
+                "layer_op_scratch_bytes": layer_op_scratch_bytes(model),
                 "kv_cache_bytes": model.cache_bytes(), "lowerings": model.lowerings(), "describe": MODEL_KINDS[kind]}
         if device.type == "cuda":
             info["allocated_after_build_bytes"] = torch.cuda.memory_allocated()
@@ -366,7 +379,9 @@ def run(args) -> int:
                 sync(device)
                 prepared[(label, b)] = (trial, final, time.time() - t)
 
-        # The trials, interleaved; each runner's peak memory from its first trial (after a reset).
+        # The trials, interleaved; each runner's peak memory from its first trial (after a reset), and
+        # what was allocated when it started (every model built so far is resident): the difference is
+        # what that run itself added (activations, its graph's pool).
         peaks = {}
 
         def with_peak(key, trial):
@@ -374,9 +389,10 @@ def run(args) -> int:
                 first = key not in peaks
                 if first and device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
+                    resident = torch.cuda.memory_allocated()
                 t = trial()
                 if first:
-                    peaks[key] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+                    peaks[key] = (torch.cuda.max_memory_allocated(), resident) if device.type == "cuda" else None
                 return t
             return run_one
 
@@ -393,7 +409,8 @@ def run(args) -> int:
                    "step_ms": 1e3 * med / args.steps, "trials_s": times, "warmup_s": round(warm_s, 2),
                    "finite": bool(torch.isfinite(model.decode(last, torch.full((b,), args.prompt_len, device=device))).all())}
             if peaks.get((label, b)) is not None:
-                row["peak_bytes"] = peaks[(label, b)]
+                row["peak_bytes"], row["resident_at_start_bytes"] = peaks[(label, b)]
+                row["peak_over_resident_bytes"] = row["peak_bytes"] - row["resident_at_start_bytes"]
             res["rows"].append(row)
             print(f"{label:8s} batch {b:3d}: {row['tokens_per_s']:10.1f} tok/s  {row['step_ms']:7.3f} ms/step  "
                   f"(warm-up {warm_s:.1f} s)", flush=True)
