@@ -12,8 +12,10 @@ One run measures everything side by side with one method (``../shared/anchors/be
   ``_out`` op with its ``out`` poisoned with NaN;
 - time: CUDA-graph replays over rotated weight copies (> 256 MB in all), CUDA events, median; each op's
   trials interleaved with cuBLAS fp16's on the same x (``common.graph_times``), which its ``vs_fp16`` uses;
+  each call after the previous one has finished (``common.isolated_call``), and a native lowering also
+  as it launches by default, PDL overlapping back-to-back calls (``qops_chained_us``);
 - roofline per row: max(bytes moved / copy bandwidth, 2*M*N*K / bf16 peak), bytes = weight +
-  scales/absmax + x read + y written.
+  scales/absmax + x read + y written; ceilings PERF.md's or this run's where higher (``common.ceilings``).
 
 Writes ``$OUT/bench_bnb_int8.json`` (and ``--out``); prints rows as they come, then a table and the
 targets (PERF.md: int8 W8A16 M=1 >= 70% of the roofline on the four large shapes, NF4 M=1 >= 60%,
@@ -238,9 +240,9 @@ def main(argv=None) -> int:
 
     res = {"bench": "bnb_int8", "device": common.device_name(gpu), "torch": torch.__version__,
            "commit": common.git_commit(), "dry_run": a.dry_run, "rows": [], "triton": common.triton_version()}
-    bw = common.copy_TBps(a.trials) if gpu else common.PERF_COPY_TBPS
-    peak = common.bf16_TFLOPs(a.trials) if gpu else common.PERF_BF16_TFLOPS
-    res.update(copy_TBps=round(bw, 3), bf16_TFLOPs=round(peak, 1))
+    ceil = common.ceilings(a.trials, a.target_ms, gpu)
+    bw, peak = ceil.copy_TBps, ceil.bf16_TFLOPs
+    res.update(copy_TBps=round(bw, 3), bf16_TFLOPs=round(peak, 1), measured_ceilings=ceil.measured)
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
     out_paths = common.output_paths("bench_bnb_int8.json", a.out)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -307,7 +309,11 @@ def measure(kind, ws, x, ref, row, io, bw, peak, timer, a, gpu, peer) -> dict:
     errs = [common.rel_err(got[:, :rows], want), common.rel_err(out[:, :rows], want)]
     # out starts as NaN: an element the op left unwritten anywhere, not only in the checked rows, fails.
     err = math.inf if None in errs or not bool(torch.isfinite(out).all()) else max(errs)
-    times = timer({"qops": [lambda w=w: call(w, x) for w in ws], "cublas_fp16": peer}, a.trials, a.target_ms)
+    cands = {"qops": [lambda w=w: common.isolated_call(call, w, x) for w in ws], "cublas_fp16": peer}
+    native = gpu and lowering_of(w).startswith("native")
+    if native:
+        cands["qops_chained"] = [lambda w=w: call(w, x) for w in ws]
+    times = timer(cands, a.trials, a.target_ms)
     us = times["qops"]
     roof = common.roofline_us(weight_bytes(kind, n, k) + io, bw, 2 * m * n * k, peak)
     return {"op": "mm_int8_weight" if kind == "int8" else "mm_blockwise4",
@@ -315,7 +321,8 @@ def measure(kind, ws, x, ref, row, io, bw, peak, timer, a, gpu, peer) -> dict:
             "lowering": lowering_of(w), "path": path_of(w, m, n, k, x.device) if gpu else "reference",
             "qops_us": round(us, 2), "roofline_us": round(roof, 2), "roofline_pct": round(100 * roof / us, 1),
             "cublas_fp16_paired_us": round(times["cublas_fp16"], 2), "vs_fp16": round(times["cublas_fp16"] / us, 2),
-            "rel_err": err, "correct": err <= a.tol}
+            "rel_err": err, "correct": err <= a.tol} | (
+                {"qops_chained_us": round(times["qops_chained"], 2)} if native else {})
 
 
 def sweep(n, k, copies, dev, a) -> list[dict]:

@@ -9,9 +9,13 @@ One run on one GPU measures everything side by side with one method (PERF.md, "H
 - correctness first, per (shape, M, lowering): functional op and ``mm_int_weight_out`` (its ``out``
   poisoned with NaN) against a float64 reference decoded from the checkpoint tensors by a second,
   independent 4-bit decoder here; torch int4 and gemlite once per shape;
-- time: CUDA-graph replays of calls over rotated weight copies (> 256 MB in all, so the 60 MB L2
-  cannot hold the weight), CUDA events, median of trials;
-- roofline per row: max(W4 bytes / copy bandwidth, 2*M*N*K / bf16 peak).
+- time: CUDA-graph replays of calls over rotated weight copies (> 256 MB in all, so the 50 MB L2
+  cannot hold the weight), CUDA events, median of trials; every call starts after the previous one
+  has finished (native launches without PDL: ``common.isolated_call``), and the native lowering is also
+  timed with its PDL overlap between back-to-back calls (``qops_chained_us``);
+- roofline per row: max(PERF.md's W4 bytes / copy bandwidth, 2*M*N*K / bf16 peak), the ceilings
+  PERF.md's or this run's where higher (``common.ceilings``); ``pct_roofline_read`` is the same over
+  the bytes the prepared weight really holds (4-bit zeros: ~2% fewer than PERF.md's formula).
 
 Writes ``$OUT/bench_int_weight.json`` (when ``$OUT`` is set) and ``--out``; prints the rows as
 they come, then a compact table and a TARGETS block (PERF.md "Targets for qops on the H200").
@@ -270,7 +274,7 @@ def run(args) -> int:
 
     import qops  # noqa: F401  (registers torch.ops.qops.*)
     from qops.formats import FORMATS
-    from qops.lowerings import WeightSpec
+    from qops.lowerings import Kernel, WeightSpec
     from qops.ops.int_weight import preferred_qweight_form, with_qweight_form
 
     torch.manual_seed(args.seed)
@@ -292,27 +296,29 @@ def run(args) -> int:
             "CUDA-graph replays (one call per rotated weight copy), CUDA events, median of trials; at each (shape, M) "
             "every peer and lowering timed in one run with their trials interleaved (common.graph_times)",
             "rotation_bytes_min": common.ROT_BYTES, "max_copies": common.MAX_COPIES if gpu else common.DRY_MAX_COPIES,
-            "roofline": f"max((N*K/2 + 4*N*K/{GROUP} + 2*M*(N+K)) B / copy_TBps, 2*M*N*K / bf16_TFLOPs)",
+            "roofline": f"max((N*K/2 + 4*N*K/{GROUP} + 2*M*(N+K)) B / copy_TBps, 2*M*N*K / bf16_TFLOPs); ceilings "
+                        "PERF.md's (4.25 TB/s, 810 TFLOP/s) or this run's measurement where higher; roofline_read_us: "
+                        "the prepared weight's own bytes + 2*M*(N+K)",
+            "isolation": "qops_us: native launches without PDL, so no call overlaps the previous one (as every peer); "
+                         "qops_chained_us: the native lowering as it launches by default, PDL overlapping back-to-back calls",
             "reference": "float64, decoded from the GPTQ checkpoint tensors independently of qops",
             "x": "torch.randn(M, K) fp16 (bf16 copy for cuBLAS bf16 and torch int4)",
             "tol": args.tol,
         },
     }
-    out_paths = common.output_paths("bench_int_weight.json", args.out) or [os.path.join(os.getcwd(), "bench_int_weight.json")]
+    out_paths = common.output_paths("bench_int_weight.json", args.out)
     table_path = args.table_out or (os.path.join(os.environ["OUT"], "bench_int_weight.txt") if os.environ.get("OUT") else None)
     print(json.dumps({k: res[k] for k in ("gpu", "torch", "triton", "cuda", "qops_commit", "qops_source_sha256", "date")}), flush=True)
 
     # Ceilings
+    ceil = common.ceilings(args.trials, args.target_ms, gpu)
+    copy_bw, bf16_tf = ceil.copy_TBps, ceil.bf16_TFLOPs
     if dry:
-        copy_bw, bf16_tf = common.PERF_COPY_TBPS, common.PERF_BF16_TFLOPS
         res["ceilings_note"] = "dry run: PERF.md's H200 values, not measured"
-    else:
-        copy_bw = common.copy_TBps(args.trials)
-        print(f"copy bandwidth (read+write, 2 GiB) {copy_bw:.3f} TB/s", flush=True)
-        bf16_tf = common.bf16_TFLOPs(args.trials, max(args.target_ms, 20.0))
-        print(f"bf16 8192^3 {bf16_tf:.0f} TFLOP/s", flush=True)
+    print(f"ceilings: copy {copy_bw:.3f} TB/s, bf16 {bf16_tf:.0f} TFLOP/s (this run measured {ceil.measured})", flush=True)
     res["copy_TBps"] = round(copy_bw, 4)
     res["bf16_TFLOPs"] = round(bf16_tf, 1)
+    res["measured_ceilings"] = ceil.measured
 
     gemlite_mod, gemlite_status = (None, "disabled by --no-gemlite") if args.no_gemlite else load_gemlite(dev.type)
     res["gemlite"] = gemlite_status
@@ -346,7 +352,7 @@ def run(args) -> int:
                            symmetric=iw.qzeros is None, device=dev, act_dtype=torch.float16)
 
         # qops lowerings, forced
-        variants, lowering_notes = {}, {}
+        variants, lowering_notes, chained = {}, {}, set()
         for name in args.lowering_list:
             low, why = lowering_status(name, spec, dev)
             if low is None:
@@ -356,6 +362,8 @@ def run(args) -> int:
             base = dataclasses.replace(with_qweight_form(iw, preferred_qweight_form(low.kernel, BITS, N)), kernel=low.kernel)
             variants[name] = [base] + [clone_tensors(base) for _ in range(n_copies(base.nbytes(), gpu) - 1)]
             lowering_notes[name] = f"forced kernel={int(low.kernel)}, {len(variants[name])} copies"
+            if low.kernel == Kernel.NATIVE:
+                chained.add(name)
         info["lowerings"] = lowering_notes
         broken = {}  # lowering -> error that stops it for this shape
 
@@ -432,6 +440,7 @@ def run(args) -> int:
             ref = x.double() @ W64
             wbytes = N * K / 2 + 4 * N * K / GROUP + 2 * M * (N + K)
             roof_us = common.roofline_us(wbytes, copy_bw, 2 * M * N * K, bf16_tf)
+            io_bytes = 2 * M * (N + K)
 
             # Correctness first (a lowering that fails its call is not timed), then every candidate,
             # peers and lowerings, timed in one interleaved run (common.graph_times).
@@ -469,7 +478,9 @@ def run(args) -> int:
                         cands[pname] = peers[pname](x, xb)
                 for name, row in checked.items():
                     if name is not None and "error" not in row:
-                        cands["qops:" + name] = [lambda c=c: c.mm(x) for c in variants[name]]
+                        cands["qops:" + name] = [lambda c=c: common.isolated_call(c.mm, x) for c in variants[name]]
+                        if name in chained:
+                            cands["qops-chained:" + name] = [lambda c=c: c.mm(x) for c in variants[name]]
             times, errors = time_candidates(cands, args, dry)
             for name, err in errors.items():
                 print(f"  {name} {N}x{K} M={M} failed: {err}", flush=True)
@@ -484,11 +495,21 @@ def run(args) -> int:
                 row.update(peer_fields)
                 timing.pop("qops", None)
                 key = "qops:" + str(name)
+                timing.pop("qops_chained", None)
                 if key in times:
                     t, tinfo = times[key]
                     row["qops_us"] = r2(t)
                     timing["qops"] = tinfo
                     row["pct_roofline"] = r2(100 * roof_us / t, 1)
+                    # the same % over the bytes this lowering's prepared weight really holds (packed zeros:
+                    # fewer than PERF.md's formula counts, so this one is the lower)
+                    read_us = common.roofline_us(variants[name][0].nbytes() + io_bytes, copy_bw, 2 * M * N * K, bf16_tf)
+                    row["roofline_read_us"] = r2(read_us, 3)
+                    row["pct_roofline_read"] = r2(100 * read_us / t, 1)
+                    if "qops-chained:" + str(name) in times:
+                        tc, tcinfo = times["qops-chained:" + str(name)]
+                        row["qops_chained_us"] = r2(tc)
+                        timing["qops_chained"] = tcinfo
                     if peer_us["cublas_fp16"]:
                         row["speedup_vs_fp16"] = r2(peer_us["cublas_fp16"] / t, 3)
                 elif key in errors and "error" not in row:
@@ -542,12 +563,14 @@ def render_table(rows, args) -> str:
     by = {}
     for r in rows:
         by.setdefault((r["N"], r["K"], r["M"]), {})[r["lowering"]] = r
+    chained = {r["lowering"] for r in rows if r.get("qops_chained_us") is not None}
     head = f"{'N x K':>11} {'M':>5} |"
     for l in lows:
-        head += f" {_short(l)[:7]:>7} {'%roof':>5} {'xfp16':>5} |"
+        head += f" {_short(l)[:7]:>7} {'%roof':>5} {'xfp16':>5}" + (f" {'chained':>7} |" if l in chained else " |")
     head += f" {'fp16':>7} {'bf16':>7} {'int4':>7} {'gemlite':>7} | {'roof':>6}"
     lines = ["", "qops mm_int_weight, GPTQ W4 g128 asym, fp16 activations: microseconds (lower is better);"
-             " %roof = roofline / qops; xfp16 = cuBLAS fp16 / qops; '!' = failed correctness, 'E' = error", head,
+             " %roof = roofline / qops; xfp16 = cuBLAS fp16 / qops; chained = back-to-back calls overlapping through PDL"
+             " (the others: each call after the last has finished); '!' = failed correctness, 'E' = error", head,
              "-" * len(head)]
     for (N, K, M), d in by.items():
         any_r = next(iter(d.values()))
@@ -561,7 +584,7 @@ def render_table(rows, args) -> str:
             us = _f(r["qops_us"]) + mark
             pct = "-" if r["pct_roofline"] is None else f"{r['pct_roofline']:.0f}%"
             sp = "-" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}"
-            line += f" {us:>7} {pct:>5} {sp:>5} |"
+            line += f" {us:>7} {pct:>5} {sp:>5}" + (f" {_f(r.get('qops_chained_us')):>7} |" if l in chained else " |")
         line += (f" {_f(any_r['cublas_fp16_us']):>7} {_f(any_r['cublas_bf16_us']):>7} {_f(any_r['torch_int4_us']):>7}"
                  f" {_f(any_r['gemlite_us']):>7} | {_f(any_r['roofline_us'], 2):>6}")
         lines.append(line)

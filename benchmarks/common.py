@@ -4,10 +4,10 @@ Every script here times the same way so that numbers from different scripts and 
 
 - correctness first: relative Frobenius error against a float64 reference (``rel_err``);
 - one zero-argument call per rotated weight copy, enough copies to exceed 256 MB (``n_copies``),
-  because the H200's 60 MB L2 otherwise holds a 4-bit weight and the timing measures the cache;
+  because the H200's 50 MB L2 otherwise holds a 4-bit weight and the timing measures the cache;
 - CUDA-graph replays of those calls, CUDA events, median of trials (``graph_time``);
-- the two ceilings measured in the same process (``copy_TBps``, ``bf16_TFLOPs``), and the roofline
-  from them (``roofline_us``);
+- the two ceilings (``ceilings``: PERF.md's values, or this run's measurement where it is higher), and
+  the roofline from them (``roofline_us``);
 - the run's metadata (GPU, torch and triton versions, commit) and strict JSON (``write_json``).
 
 ``--dry-run`` on a CPU swaps in ``wall_time`` and PERF.md's ceilings: it checks the plumbing, its
@@ -37,7 +37,7 @@ LARGE_SHAPES = PERF_SHAPES[1:]  # PERF.md's "four large shapes"
 # PERF.md's measured H200 ceilings; a dry run has no GPU to measure them on.
 PERF_COPY_TBPS, PERF_BF16_TFLOPS = 4.25, 810.0
 
-ROT_BYTES = 288 * 2**20  # > 256 MB with margin: several times the 60 MB L2
+ROT_BYTES = 288 * 2**20  # > 256 MB with margin: several times the H200's 50 MB L2
 MAX_COPIES = 64  # bounds memory for small weights, whose 64 copies already defeat the L2
 DRY_MAX_COPIES = 2  # no cache to defeat on a CPU; keeps the dry run short
 COPY_BYTES = 2**30  # copy-bandwidth source buffer (plus as much destination)
@@ -162,6 +162,49 @@ def bf16_TFLOPs(trials: int, target_ms: float = 20.0) -> float:
     A = B = None  # noqa: F841  (frees them; not `del`: the lambda holds the cells)
     torch.cuda.empty_cache()
     return 2 * 8192**3 / (t_us * 1e-6) / 1e12
+
+
+class Ceilings(NamedTuple):
+    copy_TBps: float  # the bandwidth rooflines use: the larger of PERF.md's and this run's
+    bf16_TFLOPs: float  # likewise for the compute peak
+    measured: dict  # this run's own measurements (None in a dry run)
+
+
+def ceilings(trials: int, target_ms: float, gpu: bool) -> Ceilings:
+    """The two ceilings a roofline divides by. On an H200 each is the larger of PERF.md's measured
+    value and this run's measurement: a run's own figure only ever comes out lower than the device can
+    do (a clock dip, another process), and dividing by it made a "ceiling" that cuBLAS fp16 beat (702
+    against PERF.md's 810 TFLOP/s in one run), flattering every compute-bound %. Other GPUs get this
+    run's measurement (PERF.md's values are the H200's). A dry run gets PERF.md's."""
+    if not gpu:
+        return Ceilings(PERF_COPY_TBPS, PERF_BF16_TFLOPS, {"copy_TBps": None, "bf16_TFLOPs": None})
+    bw, tf = copy_TBps(trials), bf16_TFLOPs(trials, max(target_ms, 20.0))
+    measured = {"copy_TBps": round(bw, 4), "bf16_TFLOPs": round(tf, 1)}
+    if "H200" in torch.cuda.get_device_name():
+        return Ceilings(max(bw, PERF_COPY_TBPS), max(tf, PERF_BF16_TFLOPS), measured)
+    return Ceilings(bw, tf, measured)
+
+
+def isolated_call(f, *args):
+    """``f(*args)`` with qops' native kernels launched without programmatic dependent launch (PDL), so
+    that in a graph of back-to-back calls each starts after the previous one has finished: as
+    cuBLAS, torch int4, gemlite and qops' Triton kernels run here, and as a native matmul runs after
+    the Inductor kernels between two matmuls of a model. With PDL, one native call streams its
+    weights while the previous one drains (0.91-0.95x the time at M = 1, benchmarks/NOTES.md stop
+    16): a pipelined throughput no peer gets, which the benchmarks report beside as
+    ``qops_chained_us``. ``QOPS_NATIVE_PDL`` is read at every launch, so it holds for the launches
+    a graph captures here."""
+    from qops.native import int_weight as niw
+
+    before = os.environ.get(niw.PDL_ENV)
+    os.environ[niw.PDL_ENV] = "0"
+    try:
+        return f(*args)
+    finally:
+        if before is None:
+            del os.environ[niw.PDL_ENV]
+        else:
+            os.environ[niw.PDL_ENV] = before
 
 
 def roofline_us(nbytes: float, copy_TBps: float, flops: float = 0.0, bf16_TFLOPs: float = math.inf) -> float:
@@ -289,9 +332,11 @@ def git_dirty(path: str) -> bool | None:
 
 
 def output_paths(filename: str, *extra: str | None) -> list[str]:
-    """``$OUT/filename`` when ``$OUT`` is set (the device tool fetches that folder), then each given path."""
+    """``$OUT/filename`` when ``$OUT`` is set (the device tool fetches that folder), then each given path;
+    ``filename`` in the working directory when there is neither (a run always leaves its JSON)."""
     paths = [os.path.join(os.environ["OUT"], filename)] if os.environ.get("OUT") else []
-    return paths + [p for p in extra if p]
+    paths += [p for p in extra if p]
+    return paths or [os.path.join(os.getcwd(), filename)]
 
 
 def clean(o):

@@ -362,7 +362,7 @@ def run(args) -> int:
            "qops_commit": common.git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "dry_run": dry, "config": config.to_dict(),
            "args": {k: v for k, v in vars(args).items() if k not in ("variant_list", "batch_list")}, "rows": [], "skipped": []}
-    paths = common.output_paths("profile_decode.json", args.out) or [os.path.join(os.getcwd(), "profile_decode.json")]
+    paths = common.output_paths("profile_decode.json", args.out)
     ref = None
     pdl_env = os.environ.get("QOPS_NATIVE_PDL")  # the variants set it; restored after them
     for label, kind, opts in args.variant_list:
