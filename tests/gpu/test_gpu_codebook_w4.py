@@ -11,6 +11,7 @@ import torch
 from qops.formats.bitsandbytes import codebook
 from qops.native import codebook_w4 as cw
 from qops.native import int_weight as niw
+from tests import oracle
 from tests.int_weight_cases import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -32,17 +33,32 @@ def _weight(n, k, quant_type="nf4", seed=0):
     return _BUILT[key]
 
 
+def oracle_weight(codes, scales, code):
+    """W[n, k] = code[c(n, k)] * scale[k // 64, n], (N, K) in float64 from the codes themselves."""
+    return code.double()[codes] * scales.double().t().repeat_interleave(64, dim=1)
+
+
+def check_output(got, x, w, what):
+    """``got`` against float64 ``x @ W.T``: the relative error within TOL, and every element within
+    ``oracle.elementwise_bound``. The bound holds for the table path's arithmetic: x is exact in the
+    MMA's type (bf16 staged as f16 is scaled by a power of two a row first), each codebook value is
+    rounded once to that type in the table (an independent relative error of at most u a weight, which
+    the random-walk term 8 u sqrt(sum (x w)^2) covers), sums are fp32, each 64-row half chunk's sum is
+    scaled by its absmax in fp32 and the output is rounded once (2 u |y|)."""
+    dtype = x.dtype
+    assert got.shape == (*x.shape[:-1], w.shape[0]) and got.dtype == dtype, what
+    err = rel_err(got, x.double() @ w.t())
+    assert err < TOL[dtype], f"{what}: relative error {err:.2e} >= {TOL[dtype]:.0e}"
+    oracle.check_elementwise(got, x, w, None, dtype, what)
+
+
 def _check(n, k, m, dtype, quant_type="nf4", x=None):
     q, codes, absmax, code = _weight(n, k, quant_type)
     scales = absmax.to(dtype).cuda()  # the kernel's scales: absmax in x's dtype
-    # W[n, k] = code[c(n, k)] * scale[k // 64, n], in float64 from the codes themselves
-    w = code.double()[codes] * scales.double().t().repeat_interleave(64, dim=1)
     if x is None:
         x = torch.randn(m, k, dtype=dtype, device="cuda")
     got = cw.codebook_mm(x, q, scales, code)
-    assert got.shape == (*x.shape[:-1], n) and got.dtype == dtype
-    err = rel_err(got, x.double() @ w.t())
-    assert err < TOL[dtype], (n, k, m, dtype, err)
+    check_output(got, x, oracle_weight(codes, scales, code), f"{quant_type} {n}x{k} M={m} {dtype}")
     return got
 
 

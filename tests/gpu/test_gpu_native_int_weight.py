@@ -20,6 +20,7 @@ from qops.native import compiler
 from qops.native import int_weight as native
 from qops.native import int_weight_gemm as gemm
 from qops.ops.int_weight import flat_qweight, to_column_slabs
+from tests import oracle
 from tests.int_weight_cases import CLUSTER_COMPARE_M, RULE_CLUSTER_M, Case, native_cluster_pairs, pack, random_int_quantized, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -67,11 +68,30 @@ def reference(x, w64, bias=None):
 
 
 def check(y, x, w64, bias, what):
+    """``y`` against float64 ``x @ W.T + bias``: the relative Frobenius error within TOL, and every
+    element within ``oracle.elementwise_bound``, u (2 |x w| + 2 |bias| + 8 sqrt(sum (x w)^2)), so that
+    one wrong element, which the norm lets pass, fails.
+
+    Why the bound holds on every path here (tests/test_native_int_weight_checks.py replays each on the
+    CPU, truncating the fp32 sums: worst error 0.2-0.4 of the bound):
+    - the decode kernel (every plan, mma.sync or wgmma): A is the exact integers q - z, x is exact in
+      its dtype (bf16 x staged as f16 for f16 MMAs is first scaled by a power of two a row), sums
+      are fp32 and each 128-row chunk's is scaled in fp32, split-K partials are fp32 (cluster or
+      workspace), the output is rounded once: 2 u |y| covers that, the fp32 sums are far below u;
+    - fold: A = 1024 + q (f16) or 128 + q (bf16), and the magic times the chunk's x sum is taken off
+      in fp32: a cancellation of ~2^-23 x 1024 x sum |x| a chunk, largest on x of one sign (the fold
+      test's x + 3), still inside the 8 u sqrt term;
+    - the GEMM, and Triton past rows_served: s (q - z) rounded to x's dtype before the MMA (the GEMM
+      first converts the scale to it: two roundings for fp16 scales with bf16 x), an independent error
+      of at most 2 u a weight that the random-walk term covers at ~10 standard deviations on these
+      centred x; fp32 sums and partials (cuBLAS's split-K under Triton's dense path may keep them in
+      x's dtype, which that term covers too)."""
     want = reference(x, w64, bias)
     assert y.dtype == x.dtype and y.shape == want.shape, what
     assert bool(torch.isfinite(y).all()), what
     err = rel_err(y, want)
     assert err < TOL[x.dtype], f"{what}: relative error {err:.2e} >= {TOL[x.dtype]:.1e}"
+    oracle.check_elementwise(y, x, w64, bias, x.dtype, what)
 
 
 def rand(*shape, dtype, seed=0):
