@@ -255,3 +255,13 @@ def test_one_wrong_element_fails_the_check_the_norm_lets_pass(dtype):
     assert rel_err(bad, oracle.matmul(x, w)) < cb_suite.TOL[dtype]
     with pytest.raises(AssertionError, match="1 of 4096 elements past the elementwise bound"):
         cb_suite.check_output(bad, x, w, "one element off")
+
+
+def test_bf16_scales_read_as_fp16_fail_the_check():
+    """What test_either_scale_dtype_with_either_activation_dtype guards against: a launch that drops
+    the _SCALE_BF16 flag reads bf16 scales' bits as fp16."""
+    iq, qz, _, _, w64 = _weight(256, 1024, 128, False, torch.bfloat16)
+    x = _x(7, 1024, torch.float16, 0.0, seed=3)
+    y = emulate_decode(x, qz, iq.scales.view(torch.float16).double(), iq.g_idx, None)
+    with pytest.raises(AssertionError, match="bf16 scales read as fp16"):
+        suite.check(y, x, w64, None, "bf16 scales read as fp16")

@@ -9,6 +9,7 @@ determinism, and with programmatic dependent launch on and off right behind the 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -44,17 +45,19 @@ class Native:
 _BUILT: dict = {}
 
 
-def native_weight(fmt, n, k, group_size, sym, act_order=False, version=None, seed=0, slabs=False) -> Native:
+def native_weight(fmt, n, k, group_size, sym, act_order=False, version=None, seed=0, slabs=False,
+                  scale_dtype=torch.float16) -> Native:
     """The weight with its qweight flat (as prepared on the CPU) or, ``slabs``, in column slabs (as
-    prepared for the native lowering on a GPU)."""
-    key = (fmt, n, k, group_size, sym, act_order, version, seed, slabs)
+    prepared for the native lowering on a GPU), its scales in ``scale_dtype`` (kept as stored, whatever
+    the activation dtype: the kernels read either with the ``_SCALE_BF16`` flag)."""
+    key = (fmt, n, k, group_size, sym, act_order, version, seed, slabs, scale_dtype)
     if slabs and key not in _BUILT:
-        nw = native_weight(fmt, n, k, group_size, sym, act_order, version, seed)
+        nw = native_weight(fmt, n, k, group_size, sym, act_order, version, seed, scale_dtype=scale_dtype)
         _BUILT[key] = Native(dataclasses.replace(nw.weight, qweight=to_column_slabs(nw.weight.qweight)), nw.w64)
     if key not in _BUILT:
         case = Case(fmt, 4, group_size, sym, act_order, version, n, k)
         gen = torch.Generator().manual_seed(seed)
-        iq = random_int_quantized(case, gen)
+        iq = random_int_quantized(case, gen, scale_dtype)
         w = FORMATS[fmt].prepare(pack(case, iq))
         moved = {f: (getattr(w, f).cuda() if getattr(w, f) is not None else None) for f in ("qweight", "scales", "qzeros", "act_perm")}
         w = dataclasses.replace(w, **moved, kernel=Kernel.NATIVE, choice=None)
@@ -157,6 +160,52 @@ def test_eager_matches_reference(case, form, group):
             x = _x(m, k, dtype, layout, seed=x_seed + m)
             b = bias if i % 2 else None
             check(w.mm(x, b), x, nw.w64, b, f"{_id(case)} {dtype} M={m} {layout} bias={b is not None} plan={native.plan(min(m, native.MAX_M), n, k, 0)}")
+
+
+# fp16 and bf16 scales (compressed-tensors checkpoints often store bf16): a weight with zeros and one
+# without, both act-order, both of fewer than 2^24 values (so 17 rows stay on the decode kernel on
+# Hopper, and 65 rows go to Triton). The decode and GEMM builds are the ones test_eager_matches_reference
+# and test_column_slabs_give_the_flat_forms_bits_on_every_kernel load (the scale dtype is a launch
+# flag, not a build). The Triton kernels specialize on the scales' dtype (M = 65's GEMM and M = 257's
+# dequantization, by scale and x dtype: up to eight builds of a few seconds), so only the first weight
+# goes there.
+SCALE_DTYPE_CASES = [("gptq", 1024, 2048, 128, False, True, "v1"), ("compressed-tensors", 1536, 1280, 128, True, True, None)]
+
+
+@pytest.mark.parametrize("scale_dtype", DTYPES, ids=["fp16-scales", "bf16-scales"])
+@pytest.mark.parametrize("case", SCALE_DTYPE_CASES, ids=_id)
+def test_either_scale_dtype_with_either_activation_dtype(case, scale_dtype, monkeypatch):
+    """Scales keep the checkpoint's dtype whatever x's (prepare does not convert them): the decode
+    kernel reads either through the _SCALE_BF16 flag and scales its fp32 sums, the GEMM converts them
+    to x's dtype before scaling the weight, Triton loads them by pointer type. Both scale dtypes with
+    both x dtypes through each family: the decode kernel (the rule's plans at M = 1, 7, 16, 17 and a
+    folded plan at 1), the GEMM (the rule's build and the mma.sync one at M = 33, 64) and, past
+    rows_served, the Triton lowering (M = 65, 257), each launch recorded."""
+    fmt, n, k, g, sym, act, ver = case
+    nw = native_weight(fmt, n, k, g, sym, act, ver, scale_dtype=scale_dtype)
+    w = nw.weight
+    assert w.scales.dtype == scale_dtype and all(native.serves(n, k, 4, g, dt, scale_dtype) for dt in DTYPES)
+    monkeypatch.delenv(native.SLICED_ROWS_ENV, raising=False)
+    assert native.decode_rows(n, k, 0) >= 17 and native.rows_served(n, k, 0) < 65
+    fold = native.make_plan(1, n, k, nwn=1, splits=1, cluster=False, xfull=True, fold=True)
+    families = [(m, "rule", contextlib.nullcontext, "gemv") for m in (1, 7, 16, 17)]
+    families.append((1, "fold", lambda: native.plan_override(lambda *a: fold), "gemv"))
+    for m in (33, 64):
+        mma = gemm.make_plan(m, n, k, nwn=8, splits=1, stages=4)
+        families += [(m, "rule", contextlib.nullcontext, "gemm"), (m, "mma.sync", lambda q=mma: gemm.plan_override(lambda *_: q), "gemm")]
+    if case == SCALE_DTYPE_CASES[0]:
+        families += [(m, "triton", contextlib.nullcontext, None) for m in (65, 257)]
+    launches = _record_launches(monkeypatch)
+    for dtype in DTYPES:
+        bias = rand(n, dtype=dtype, seed=4)
+        for m, what, override, kind in families:
+            x = rand(m, k, dtype=dtype, seed=m + 40)
+            b = bias if m % 2 else None
+            launches.clear()
+            with override():
+                y = w.mm(x, b)
+            assert launches == ([(kind, m)] if kind else []), f"{what} M={m}: launches {launches}"
+            check(y, x, nw.w64, b, f"{_id(case)} {scale_dtype} scales, {dtype} x, M={m} {what}")
 
 
 def test_choose_picks_native_on_this_gpu():
