@@ -558,30 +558,54 @@ def test_out_variant_with_workspace_and_strided_out():
         check(out2, x, nw.w64, None, f"column-major out M={m}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act_order", [False, True], ids=["plain", "act-order"])
-def test_activation_layouts_and_bias_dtypes(act_order):
+def test_activation_layouts_and_bias_dtypes(act_order, dtype):
+    """x in every layout the op takes, with a bias of x's dtype (stored as is), of fp32 and of the
+    other half type (both added in fp32: the kernel's _BIAS_F32 path), and a strided one."""
     nw = native_weight("gptq", 512, 1000, 128, True, act_order=act_order, version="v2")
     w = nw.weight
     k = 1000
+    other = torch.bfloat16 if dtype == torch.float16 else torch.float16
     layouts = {
-        "3d": rand(2, 3, k, dtype=torch.float16),
-        "transposed": rand(k, 5, dtype=torch.float16).t(),
-        "strided": rand(4, 2 * k, dtype=torch.float16)[:, ::2],
-        "offset": rand(3, k + 3, dtype=torch.float16)[:, 3:],
-        "broadcast": rand(1, k, dtype=torch.float16).expand(6, k),
-        "1d": rand(k, dtype=torch.float16),
+        "3d": rand(2, 3, k, dtype=dtype),
+        "transposed": rand(k, 5, dtype=dtype).t(),
+        "strided": rand(4, 2 * k, dtype=dtype)[:, ::2],
+        "offset": rand(3, k + 3, dtype=dtype)[:, 3:],
+        "broadcast": rand(1, k, dtype=dtype).expand(6, k),
+        "1d": rand(k, dtype=dtype),
     }
-    biases = (None, rand(512, dtype=torch.float16), rand(512, dtype=torch.float32), rand(512, dtype=torch.bfloat16),
-              rand(1024, dtype=torch.float16)[::2])
+    biases = (None, rand(512, dtype=dtype), rand(512, dtype=torch.float32), rand(512, dtype=other), rand(1024, dtype=dtype)[::2])
     for name, x in layouts.items():
         for bias in biases:
-            check(w.mm(x, bias), x, nw.w64, bias, f"{name} bias={None if bias is None else bias.dtype}")
+            check(w.mm(x, bias), x, nw.w64, bias, f"{name} {dtype} bias={None if bias is None else bias.dtype}")
 
 
-def test_empty_inputs():
-    nw = native_weight("gptq", 256, 512, 128, True, version="v1")
-    y = nw.weight.mm(torch.empty(0, 512, dtype=torch.float16, device="cuda"))
-    assert y.shape == (0, 256) and y.dtype == torch.float16
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_empty_inputs(dtype, monkeypatch):
+    """No rows (x of (0, K) and (2, 0, K)) through every entry: mm with and without a bias (of x's
+    dtype and fp32), mm_int_weight_out with and without a workspace, mm_int_weight_swiglu and its
+    _out. Each output has the op's shape and x's dtype, and nothing is launched."""
+    n, k = 256, 512
+    nw = native_weight("gptq", n, k, 128, True, version="v1")
+    w = nw.weight
+    args = (w.qweight, w.scales, w.qzeros, w.act_perm)
+    tail = (w.in_features, w.bits, w.group_size, w.zero_offset, int(w.kernel))
+    launches = _record_launches(monkeypatch)
+    for lead in ((0,), (2, 0)):
+        x = torch.empty(*lead, k, dtype=dtype, device="cuda")
+        for bias in (None, rand(n, dtype=dtype, seed=1), rand(n, dtype=torch.float32, seed=2)):
+            y = w.mm(x, bias)
+            assert y.shape == (*lead, n) and y.dtype == dtype, (lead, bias)
+            out = torch.empty(*lead, n, dtype=dtype, device="cuda")
+            for ws in (None, torch.full((64,), 255, dtype=torch.uint8, device="cuda")):
+                torch.ops.qops.mm_int_weight_out(x, *args, bias, *tail, out, ws)
+        g = torch.ops.qops.mm_int_weight_swiglu(x, *args, *tail)
+        assert g.shape == (*lead, n // 2) and g.dtype == dtype, lead
+        out = torch.empty(*lead, n // 2, dtype=dtype, device="cuda")
+        for ws in (None, torch.full((64,), 255, dtype=torch.uint8, device="cuda")):
+            torch.ops.qops.mm_int_weight_swiglu_out(x, *args, *tail, out, ws)
+    assert launches == [], launches
 
 
 def test_deterministic_run_to_run():
