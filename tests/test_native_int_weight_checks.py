@@ -21,7 +21,7 @@ Each emulated output passes the GPU file's own check (the worst ratio of error t
 with ``-s``: 0.12-0.38, the output's own rounding, which takes up to half the bound; the fp32 sums,
 even truncated, and the fold's cancellation leave it where rounding the exact product once puts it),
 and the same output with one element moved by a few bounds fails it while the relative norm alone
-lets it pass.
+lets it pass. On the H200's facts, the codebook file's tall cases have plans.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from tests import oracle
 from tests.gpu import test_gpu_codebook_w4 as cb_suite
 from tests.gpu import test_gpu_native_int_weight as suite
 from tests.int_weight_cases import Case, one_thread, random_int_quantized, rel_err  # noqa: F401  (one_thread: autouse)
+from tests.test_gpu_suite_facts import H200_SMEM_OPTIN, H200_SMS
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -255,6 +256,31 @@ def test_one_wrong_element_fails_the_check_the_norm_lets_pass(dtype):
     assert rel_err(bad, oracle.matmul(x, w)) < cb_suite.TOL[dtype]
     with pytest.raises(AssertionError, match="1 of 4096 elements past the elementwise bound"):
         cb_suite.check_output(bad, x, w, "one element off")
+
+
+def _h200_lut_plan(n, k, m):
+    """codebook_mm's plan on an H200: the table's entry or the rule's, made a table (lut) plan."""
+    from qops.native import int_weight as native
+
+    base = native.measured_plan(m, n, k, "NVIDIA H200", H200_SMS, True, H200_SMEM_OPTIN) or native._plan(m, n, k, H200_SMS, True)
+    return native.lut_plan(base, n, k, H200_SMEM_OPTIN)
+
+
+@pytest.mark.parametrize("n,k,m", cb_suite.TALL_CASES)
+def test_codebook_tall_cases_take_three_and_four_tiles_on_an_h200(n, k, m):
+    """tests/gpu/test_gpu_codebook_w4.py::test_tall_tiles_match_the_oracle: each (N, K, M) has a table
+    plan on an H200 (none raises), MT = 3 or 4, and together they reach a cluster, the workspace and
+    one block a tile."""
+    p = _h200_lut_plan(n, k, m)
+    assert p.lut and p.xfull and p.mt == -(-m // 8) >= 3
+
+
+def test_codebook_tall_cases_cover_every_reduction_on_an_h200():
+    seen = set()
+    for n, k, m in cb_suite.TALL_CASES:
+        p = _h200_lut_plan(n, k, m)
+        seen.add((p.mt, "cluster" if p.cluster else ("workspace" if p.splits > 1 else "single")))
+    assert seen == {(3, "cluster"), (3, "workspace"), (3, "single"), (4, "workspace"), (4, "single")}, sorted(seen)
 
 
 def test_bf16_scales_read_as_fp16_fail_the_check():

@@ -1,8 +1,10 @@
 """NF4 / FP4 codes through the W4A16 decode kernel's table path (qops.native.codebook_w4, w4a16_gemv.cu
 with QOPS_LUT) on a CUDA device, against a float64 oracle written here from the codes, the codebook and
 the absmax (not with the module's unpacking): every plan shape the perf shapes take (one block a tile,
-a cluster of two, the workspace's split partials, the f16-MMA staging of bf16 x), M = 1, 7 and 16, fp16
-and bf16, odd N and K, strided x, M = 0, CUDA-graph replay and run-to-run identity."""
+a cluster of two, the workspace's split partials, the f16-MMA staging of bf16 x), M = 1, 7 and 16 and
+the three- and four-tile heights (M = 17, 32), fp16 and bf16, N and K off the plans' tile grids (N = 160:
+five 32-column slabs, K = 1152: nine 128-row chunks; the kernel needs N % 32 == 0 and K % 128 == 0),
+strided x, M = 0, CUDA-graph replay and run-to-run identity."""
 from __future__ import annotations
 
 import pytest
@@ -75,6 +77,21 @@ def test_matches_the_oracle(n, k, m, dtype):
     _check(n, k, m, dtype)
 
 
+# Three and four 8-row tiles (M = 17, 32): a cluster of two (4096x4096 at 17), the workspace's partials
+# (4096x4096 at 32, 160x1152 at 17), one block a tile (28672x4096 at 17, 96x256 at 32); on an H200's
+# facts tests/test_native_int_weight_checks.py checks these plans. (There the table's 64 KiB leaves no
+# room for the x of these rows on 4096x14336, M >= 17, or 28672x4096, M >= 24: lut_plan raises.)
+TALL_CASES = [(4096, 4096, 17), (4096, 4096, 32), (160, 1152, 17), (28672, 4096, 17), (96, 256, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,m", TALL_CASES)
+def test_tall_tiles_match_the_oracle(n, k, m, dtype):
+    p = niw.lut_plan(niw.plan(m, n, k, 0), n, k, niw.smem_optin_bytes(0))
+    assert p.mt == -(-m // 8) and p.lut, p
+    _check(n, k, m, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp4_codes(dtype):
     _check(4096, 4096, 1, dtype, "fp4")
@@ -99,10 +116,12 @@ def test_strided_and_batched_x(dtype):
     _check(4096, k, 6, dtype, x=torch.randn(2, 3, k, dtype=dtype, device="cuda"))
 
 
-def test_zero_rows():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_rows(dtype):
     q, _, absmax, code = _weight(4096, 4096)
-    out = cw.codebook_mm(torch.empty(0, 4096, dtype=torch.float16, device="cuda"), q, absmax.half().cuda(), code)
-    assert out.shape == (0, 4096)
+    for lead in ((0,), (2, 0)):
+        out = cw.codebook_mm(torch.empty(*lead, 4096, dtype=dtype, device="cuda"), q, absmax.to(dtype).cuda(), code)
+        assert out.shape == (*lead, 4096) and out.dtype == dtype
 
 
 @pytest.mark.parametrize("n,k,m", [(4096, 14336, 1), (4096, 14336, 16), (28672, 4096, 1)])
