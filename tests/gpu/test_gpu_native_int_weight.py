@@ -1177,17 +1177,25 @@ def test_glu_refuses_a_bias():
 @pytest.mark.parametrize("act_order", [False, True], ids=["plain", "act-order"])
 def test_swiglu_op_eager_compiled_replayed_and_out(act_order):
     """``qops::mm_int_weight_swiglu`` (and ``_out``) through the native lowering's gated kernel:
-    eagerly on 3-D and strided x, under torch.compile(fullgraph=True), replayed from a CUDA graph,
-    and into a strided caller-owned out, against the float64 oracle."""
+    eagerly on 3-D and strided x, under torch.compile(fullgraph=True) (and the same calls again with
+    new values, with no recompile), replayed from a CUDA graph, and into a strided caller-owned out,
+    against the float64 oracle."""
     n, k = 2 * 1400, 1000  # N/2 off the 128-column block grid, K off the 128-row group grid
     nw = native_weight("gptq", n, k, 128, False, act_order=act_order, version="v1")
     w = nw.weight
     args = (w.qweight, w.scales, w.qzeros, w.act_perm, w.in_features, w.bits, w.group_size, w.zero_offset, int(w.kernel))
-    torch._dynamo.reset()  # the lambda's code object is shared by both parametrizations: count only this one's compiles
+    # The lambda's code object is shared by both parametrizations, and Dynamo's recompile limit (8 a code
+    # object; past it fullgraph=True raises) counts every compile of it: reset, so only this test's count.
+    torch._dynamo.reset()
     compiled = torch.compile(lambda x: torch.ops.qops.mm_int_weight_swiglu(x, *args), fullgraph=True)
+
+    def layouts(dtype, seed):  # 3-D, every other column of a wider buffer, one row
+        return (rand(2, 3, k, dtype=dtype, seed=seed), rand(5, 2 * k, dtype=dtype, seed=seed + 1)[:, ::2],
+                rand(1, k, dtype=dtype, seed=seed + 2))
+
     for dtype in DTYPES:
         assert native.warmup_swiglu(w, dtype) >= 1  # every gated kernel loaded before the capture below
-        for x in (rand(2, 3, k, dtype=dtype, seed=1), rand(5, 2 * k, dtype=dtype, seed=2)[:, ::2], rand(1, k, dtype=dtype, seed=3)):
+        for x in layouts(dtype, 1):
             want = glu_reference(x, nw.w64)
             for name, y in (("eager", torch.ops.qops.mm_int_weight_swiglu(x, *args)), ("compiled", compiled(x))):
                 assert y.shape == want.shape and y.dtype == dtype, name
@@ -1205,6 +1213,12 @@ def test_swiglu_op_eager_compiled_replayed_and_out(act_order):
             err = rel_err(out, glu_reference(x, nw.w64))
             assert err < TOL[dtype], f"replay {dtype} seed {seed}: {err:.2e}"
         assert bool(big[:, :5].isnan().all()) and bool(big[:, 5 + n // 2:].isnan().all()), "wrote outside out"
+    # Every (layout, dtype) above has its graph now: the same calls on new values reuse them.
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for dtype in DTYPES:
+            for x in layouts(dtype, 11):
+                y = compiled(x)
+                assert rel_err(y, glu_reference(x, nw.w64)) < TOL[dtype], f"compiled again {dtype} {tuple(x.shape)}"
 
 
 # (N, K, M) with x staged once: the decode shapes' M = 1 plans (folded), M = 8 and 16, a K off the
