@@ -3,7 +3,9 @@
 Without a GPU the root conftest sets TRITON_INTERPRET=1 and the kernels run on CPU tensors (fp16 and
 fp32 only: the interpreter computes bf16 wrongly). Every path is forced through a config table
 (``config_override``) or ``force_path``, with tiles small enough for the interpreter. The oracle is a
-float64 matmul against ``reference_dequantize`` of the same runtime tensors.
+float64 matmul against ``reference_dequantize`` of the same runtime tensors; every result is held to
+a relative Frobenius error and to ``tests.oracle.check_elementwise`` (a bound per element, which the
+GPU suite applies to the compiled kernels: here it is shown to hold on their arithmetic).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from qops.ops.int_weight import reference_dequantize, to_column_slabs
 from qops.ops.triton import common as C
 from qops.ops.triton import int_weight as T
 
-from tests.oracle import stride_two
+from tests.oracle import check_elementwise, stride_two
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-6, torch.float16: 2e-3}
@@ -60,12 +62,18 @@ def runtime_weight(n, k, bits, group_size, sym, act_order, zero_offset=1, scale_
     return to(qweight), to(scales), to(qzeros), to(act_perm), zero_offset
 
 
-def oracle(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset):
+def oracle_operands(x, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset):
+    """(x with its K columns in the weight's order, float64; the float64 weight (N, K)) of the reference."""
     k = x.shape[-1]
     w = reference_dequantize(qweight.cpu(), scales.cpu(), None if qzeros is None else qzeros.cpu(), k, bits, group_size, zero_offset).double()
     xs = x.cpu().double()
     if act_perm is not None:
         xs = xs.index_select(-1, act_perm.cpu().long())
+    return xs, w
+
+
+def oracle(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset):
+    xs, w = oracle_operands(x, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset)
     y = xs @ w.t()
     return y if bias is None else y + bias.cpu().double()
 
@@ -74,11 +82,20 @@ def rel_err(y, ref):
     return ((y.cpu().double() - ref).norm() / ref.norm()).item()
 
 
+def assert_matches(y, x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, what=""):
+    """``y`` against the float64 oracle: the relative Frobenius error under ``TOL`` and every element
+    within ``check_elementwise``'s bound (which one wrong element fails)."""
+    err = rel_err(y, oracle(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset))
+    assert err < TOL[x.dtype], f"{what}: relative error {err:.2e}"
+    xs, w = oracle_operands(x, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset)
+    check_elementwise(y.cpu(), xs, w, None if bias is None else bias.cpu(), x.dtype, what)
+
+
 def check(m, n, k, bits, group_size, sym, act_order, has_bias, dtype, path, zero_offset=1, seed=0, x_shape=None, slabs=False,
-          strided=False):
+          strided=False, scale_dtype=torch.float16):
     """The kernel on the flat qweight (or, ``slabs``, on its column slabs) against the oracle of the flat one;
     ``strided``: scales, qzeros, act_perm and bias passed as views of stride 2 along their last dimension."""
-    qweight, scales, qzeros, act_perm, zo = runtime_weight(n, k, bits, group_size, sym, act_order, zero_offset, seed=seed)
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(n, k, bits, group_size, sym, act_order, zero_offset, scale_dtype, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(*(x_shape or (m,)), k, generator=g).to(dtype).to(DEVICE)
     bias = torch.randn(n, generator=g).to(dtype).to(DEVICE) if has_bias else None
@@ -86,8 +103,7 @@ def check(m, n, k, bits, group_size, sym, act_order, has_bias, dtype, path, zero
     view = stride_two if strided else (lambda t: t)  # noqa: E731
     y = T.triton_mm(x, q_in, *map(view, (scales, qzeros, act_perm, bias)), bits, group_size, zo, force_path=path)
     assert y.shape == (*x.shape[:-1], n) and y.dtype == dtype
-    err = rel_err(y, oracle(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zo))
-    assert err < TOL[dtype], f"relative error {err:.2e}"
+    assert_matches(y, x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zo, f"{path} M={m} N={n} K={k} bits={bits} g={group_size}")
     return y
 
 
@@ -154,7 +170,7 @@ def test_zero_offset_zero_and_fp32_scales():
     x = torch.randn(2, 96).half().to(DEVICE)
     for path in ("decode", "gemm", "dense"):
         y = T.triton_mm(x, qweight, scales, qzeros, None, None, 4, 32, zo, force_path=path)
-        assert rel_err(y, oracle(x, qweight, scales, qzeros, None, None, 4, 32, zo)) < TOL[torch.float16]
+        assert_matches(y, x, qweight, scales, qzeros, None, None, 4, 32, zo, path)
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm", "dense"])
@@ -164,7 +180,7 @@ def test_strided_and_batched_activations(path):
     x = base[..., ::2]  # (2, 3, 64), stride 2 along K
     y = T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
     assert y.shape == (2, 3, 40)
-    assert rel_err(y, oracle(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo)) < TOL[torch.float16]
+    assert_matches(y, x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, path)
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm", "dense"])
@@ -185,11 +201,11 @@ def test_out_and_workspace(path):
     out = torch.full((3, 72), float("nan"), dtype=torch.float16, device=DEVICE)
     ret = T.triton_mm(x, qweight, scales, qzeros, None, None, 4, 32, zo, out=out, workspace=workspace, force_path=path)
     assert ret is out
-    assert rel_err(out, oracle(x, qweight, scales, qzeros, None, None, 4, 32, zo)) < TOL[torch.float16]
+    assert_matches(out, x, qweight, scales, qzeros, None, None, 4, 32, zo, path)
     # A non-contiguous out is written too.
     big = torch.full((72, 3), float("nan"), dtype=torch.float16, device=DEVICE)
     ret = T.triton_mm(x, qweight, scales, qzeros, None, None, 4, 32, zo, out=big.t(), force_path=path)
-    assert rel_err(big.t(), oracle(x, qweight, scales, qzeros, None, None, 4, 32, zo)) < TOL[torch.float16]
+    assert_matches(big.t(), x, qweight, scales, qzeros, None, None, 4, 32, zo, f"{path} transposed out")
 
 
 def test_empty_and_zero_k():
@@ -208,12 +224,41 @@ def test_gptq_act_order_checkpoint_end_to_end():
     iw = FORMATS["gptq"].prepare(ckpt)
     assert iw.act_perm is not None
     x = torch.randn(3, 200, generator=gen).half()
-    ref = x.double() @ FORMATS["gptq"].dequantize(ckpt).double().t()
+    w64 = FORMATS["gptq"].dequantize(ckpt).double()
+    ref = x.double() @ w64.t()
     for path in ("decode", "gemm", "dense"):
         qzeros = None if iw.qzeros is None else iw.qzeros.to(DEVICE)
         y = T.triton_mm(x.to(DEVICE), iw.qweight.to(DEVICE), iw.scales.to(DEVICE), qzeros, iw.act_perm.to(DEVICE),
                         None, iw.bits, iw.group_size, iw.zero_offset, force_path=path)
         assert rel_err(y, ref) < TOL[torch.float16]
+        check_elementwise(y.cpu(), x, w64, None, torch.float16, path)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("path", ["decode", "gemm", "dense"])
+def test_scale_dtypes(path, scale_dtype):
+    """Checkpoints store scales in the model dtype, which need not be the activations' (bf16 and fp32
+    scales with fp16 x; fp16 scales are every other test's): each path reads them at their own width.
+    M = 5 is two row tiles of the decode kernel, the second partial."""
+    check(5, 72, 200, 4, 32, False, True, True, torch.float16, path, scale_dtype=scale_dtype)
+
+
+def test_elementwise_check_catches_one_wrong_element():
+    """A GEMM output that passes both checks, then the same output with its largest element off by
+    1%: the relative Frobenius error still passes (1% of one element of 17 x 56), the elementwise
+    bound does not. The bound is what lets a kernel test see a single wrong element."""
+    m, n, k = 17, 56, 136
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(n, k, 4, 64, False, True)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).half().to(DEVICE)
+    y = T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 64, zo, force_path="gemm")
+    assert_matches(y, x, qweight, scales, qzeros, act_perm, None, 4, 64, zo, "as computed")
+    want = oracle(x, qweight, scales, qzeros, act_perm, None, 4, 64, zo)
+    r, c = divmod(int(want.abs().reshape(-1).argmax()), n)
+    bad = y.clone()
+    bad[r, c] = float(want[r, c]) * 1.01
+    assert rel_err(bad, want) < TOL[torch.float16], "the perturbation must be one the relative norm lets pass"
+    with pytest.raises(AssertionError, match=f"1 of {m * n} elements past the elementwise bound; worst at \\({r}, {c}\\)"):
+        assert_matches(bad, x, qweight, scales, qzeros, act_perm, None, 4, 64, zo, "one wrong element")
 
 
 def test_one_hot_rows_return_the_dequantized_weight():
@@ -289,17 +334,18 @@ def test_half_weight_tile_matches_oracle(bits, group_size, sym):
         check(17, 40, 520, bits, group_size, sym, False, False, torch.float16, "gemm", seed=1)
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("bits,group_size", [(4, 128), (8, 64)])
-def test_tall_tiles_scale_the_half_tile(bits, group_size):
+def test_tall_tiles_scale_the_half_tile(bits, group_size, scale_dtype):
     # BLOCK_M > BLOCK_K / 2: the group scale multiplies the fp16 weight tile instead of the fp32
     # product (fewer instructions for tall tiles); the weight is then rounded once, like a
-    # dequantized fp16 weight.
+    # dequantized fp16 weight. The scale is first rounded to fp16 there (bf16 and fp32 scales too).
     tall = table()
     tall["gemm"]["default"]["64"] = {**_GEMM, "BLOCK_M": 128, "reduce": "partials"}
     with T.config_override(tall):
         plan = T._plan(17, 40, 520, bits, group_size, torch.device(DEVICE), "gemm")
         assert plan["tile_group"] and 2 * plan["block_m"] > plan["block_k"]
-        check(17, 40, 520, bits, group_size, False, True, True, torch.float16, "gemm")
+        check(17, 40, 520, bits, group_size, False, True, True, torch.float16, "gemm", scale_dtype=scale_dtype)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
