@@ -3,10 +3,12 @@
 Weights are random checkpoints of every int_weight format, moved to the GPU and prepared there by
 ``FORMATS[name].prepare(checkpoint, dtype=...)`` with every higher-priority int_weight lowering
 disabled, so the chooser itself must pick ``Kernel.TRITON``. The oracle is float64 ``x @ W.T + bias``
-with W from ``tests.oracle`` (an independent reading of each checkpoint layout). Checked eagerly,
-under ``torch.compile(fullgraph=True)`` and replayed from a captured CUDA graph (output poisoned
-before the replay). The shipped config table decides the path per M: decode for the smallest M,
-the tensor-core GEMM above it and, where the table says so, dequantize + cuBLAS for the largest.
+with W from ``tests.oracle`` (an independent reading of each checkpoint layout); every output is held
+to a relative Frobenius error and to ``oracle.check_elementwise`` (one wrong element fails). Checked
+eagerly, under ``torch.compile(fullgraph=True)`` and replayed from a captured CUDA graph (output
+poisoned before the replay). The shipped config table decides the path per M: decode for the
+smallest M, the tensor-core GEMM above it and, where the table says so, dequantize + cuBLAS for the
+largest.
 
 Triton compiles one kernel per flag combination; the matrix below is sized so the file runs in a
 few minutes on a cold cache.
@@ -85,6 +87,7 @@ def check(y, x, w64, bias, what):
     assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
     err = rel_err(y, want)
     assert err < TOL[x.dtype], f"{what}: relative error {err:.2e} >= {TOL[x.dtype]:.0e}"
+    oracle.check_elementwise(y, x, w64, bias, x.dtype, what)
 
 
 def matrix() -> list[tuple[Case, torch.dtype]]:
