@@ -8,7 +8,9 @@ to a relative Frobenius error and to ``oracle.check_elementwise`` (one wrong ele
 eagerly, under ``torch.compile(fullgraph=True)`` and replayed from a captured CUDA graph (output
 poisoned before the replay). The shipped config table decides the path per M: decode for the
 smallest M, the tensor-core GEMM above it and, where the table says so, dequantize + cuBLAS for the
-largest.
+largest. On the H200 table (configs/h200.json): decode up to M = 4 (the kernel's row count is
+min(M, 4)), then GEMM buckets of 8, 16, 32, 64 and 128 rows whose BLOCK_M is the bucket's size
+(16 for the smallest), dense from 129.
 
 Triton compiles one kernel per flag combination; the matrix below is sized so the file runs in a
 few minutes on a cold cache.
@@ -33,8 +35,12 @@ pytestmark = pytest.mark.gpu
 # fp32 accumulation; the output rounding (2^-11 fp16, 2^-8 bf16) dominates. The dense path's
 # weight is rounded to the activation dtype once more before cuBLAS.
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
-ALL_M = (1, 2, 7, 16, 64, 257, 2048)
+ALL_M = (1, 2, 7, 16, 17, 64, 100, 257, 2048)
 TRITON = "triton_int_weight"
+# Checkpoints store scales in the model dtype, which need not be the activations': every int_weight
+# format takes fp16, bf16 or fp32 scales (qops.formats.integer.SCALE_DTYPES) with either activation
+# dtype the Triton lowering serves (fp16, bf16).
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,10 +69,10 @@ def _to_cuda(ckpt):
     return dataclasses.replace(ckpt, **{k: v.cuda() for k, v in fields.items() if isinstance(v, torch.Tensor)})
 
 
-def built(case: Case, dtype: torch.dtype, seed: int = 0) -> Built:
-    key = (case, dtype, seed)
+def built(case: Case, dtype: torch.dtype, seed: int = 0, scale_dtype: torch.dtype = torch.float16) -> Built:
+    key = (case, dtype, seed, scale_dtype)
     if key not in _CACHE:
-        iq = random_int_quantized(case, torch.Generator().manual_seed(seed))
+        iq = random_int_quantized(case, torch.Generator().manual_seed(seed), scale_dtype)
         ckpt = pack(case, iq)
         w = FORMATS[case.fmt].prepare(_to_cuda(ckpt), dtype=dtype)
         assert w.kernel == Kernel.TRITON, w.choice.explain()
@@ -112,28 +118,52 @@ def matrix() -> list[tuple[Case, torch.dtype]]:
 
 MATRIX = matrix()
 
+# M beyond 1 and 16 for the matrix: on the H200 table the decode kernel's 3- and 4-row forms and the
+# 32-, 64- and 128-row GEMM buckets, each tile partly filled. Each weight takes one (two for the
+# first weights of a bits value with fewer than five), so every bits value sees all five.
+EXTRA_M = (3, 4, 17, 33, 100)
+
+
+def extra_m(index: int) -> tuple[int, ...]:
+    bits = MATRIX[index][0].bits
+    same = [i for i, (c, _) in enumerate(MATRIX) if c.bits == bits]
+    j = same.index(index)
+    return tuple(EXTRA_M[i] for i in (j % len(EXTRA_M), j + len(same)) if i < len(EXTRA_M))
+
 
 def _id(c):
     case, dtype = c
     return f"{case.id}-{str(dtype)[6:]}"
 
 
+def _matrix_id(c):
+    return f"{_id(c)}-scales_{str(SCALE_DTYPES[MATRIX.index(c) % 3])[6:]}"
+
+
 def test_matrix_covers_the_registry():
     formats = {c.fmt for c, _ in MATRIX}
     assert formats == {n for n, f in FORMATS.items() if f.family == "int_weight"}
+    for bits in {c.bits for c, _ in MATRIX}:
+        ms = {m for i, (c, _) in enumerate(MATRIX) if c.bits == bits for m in extra_m(i)}
+        assert ms == set(EXTRA_M), (bits, ms)
+    pairs = {(dtype, SCALE_DTYPES[i % 3]) for i, (_, dtype) in enumerate(MATRIX)}
+    assert len(pairs) == 2 * len(SCALE_DTYPES), pairs
 
 
-@pytest.mark.parametrize("item", MATRIX, ids=_id)
+@pytest.mark.parametrize("item", MATRIX, ids=_matrix_id)
 def test_every_format_bits_group(item):
+    index = MATRIX.index(item)
     case, dtype = item
-    b = built(case, dtype)
+    # Scale dtypes rotate over the matrix (every pair with the activation dtype appears): a free
+    # extra, since each weight compiles its own kernels anyway.
+    b = built(case, dtype, scale_dtype=SCALE_DTYPES[index % 3])
     # One bias choice per weight (alternating over the matrix): each choice is another compiled kernel.
-    use = rand(case.n, dtype=dtype, seed=1) if MATRIX.index(item) % 2 == 0 else None
-    for m in (1, 16):
+    use = rand(case.n, dtype=dtype, seed=1) if index % 2 == 0 else None
+    for m in (1, 16, *extra_m(index)):
         x = rand(m, case.k, dtype=dtype, seed=10 + m)
         y = torch.ops.qops.mm_int_weight(x, b.weight.qweight, b.weight.scales, b.weight.qzeros, b.weight.act_perm, use,
                                          b.weight.in_features, b.weight.bits, b.weight.group_size, b.weight.zero_offset, int(b.weight.kernel))
-        check(y, x, b.w64, use, f"{_id(item)} M={m}")
+        check(y, x, b.w64, use, f"{_matrix_id(item)} M={m} path={T._plan(m, case.n, case.k, case.bits, case.group_size, x.device)['path']}")
 
 
 SWEEP = [
@@ -241,22 +271,82 @@ def test_dense_slabs_overlapped_and_captured(overlap):
         check(y, x, b.w64, bias, f"dense overlap={overlap} graph")
 
 
-def test_activation_layouts():
-    case, dtype = SWEEP[0]
+# The H200 table's 16-row GEMM config (BLOCK_M 16) for every M: on the shipped table each bucket's M
+# equals its BLOCK_M, so only this override runs the GEMM over several M tiles (3 at M = 33, 17 at
+# M = 257, the last holding one row), through the GROUP_M swizzle's partial last group. The wide
+# weight fills the GPU without a K split (the output written directly); the narrow ones split K,
+# their fp32 partials indexed by row: a buffer of (splits, M, N) or atomic adds into (M, N).
+MULTI_TILE = [(SWEEP[0], "partials", False), (SWEEP[2], "atomic", True), (SWEEP[3], "partials", True)]
+NARROW_GEMM = {"impl": "triton", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
+               "num_stages": 3, "ctas_per_sm": 4, "max_split": 32}
+
+
+@pytest.mark.parametrize("item,reduce,splits", MULTI_TILE, ids=[f"{_id(i)}-{r}" for i, r, _ in MULTI_TILE])
+def test_gemm_over_several_m_tiles(item, reduce, splits):
+    case, dtype = item
     b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=7)
+    table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
+    table["gemm"] = {key: {"1000000": {**NARROW_GEMM, "reduce": reduce}} for key in ("default", "2", "3", "4", "8")}
+    with T.config_override(table):
+        for m in (33, 257):
+            plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
+            assert plan["path"] == "gemm" and plan["block_m"] == 16 and m % 16 != 0, plan
+            if m == 257:
+                assert (plan["split"] > 1) == splits, plan
+            x = rand(m, case.k, dtype=dtype, seed=70 + m)
+            check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} split={plan['split']} {reduce}")
+
+
+SCALE_CASE = Case("gptq", 4, 128, False, True, "v2", 264, 1000)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=["scales_fp16", "scales_bf16", "scales_fp32"])
+def test_scale_dtypes_on_every_path(scale_dtype, dtype):
+    """fp16, bf16 and fp32 scales with fp16 and bf16 activations on each kernel of the H200 table:
+    decode (M = 1), the GEMM scaling its fp32 product (M = 17), the GEMM scaling its half weight tile
+    (M = 100: tiles taller than half their depth round the scale to the activation dtype first) and
+    dense (M = 257: the dequantized weight in the activation dtype)."""
+    case = SCALE_CASE
+    b = built(case, dtype, scale_dtype=scale_dtype)
+    assert b.weight.scales.dtype == scale_dtype
+    bias = rand(case.n, dtype=dtype, seed=8)
+    for m, want in ((1, "decode"), (17, "gemm"), (100, "gemm"), (257, "dense")):
+        plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
+        assert plan["path"] == want, (m, plan)
+        if want == "gemm":  # one-group K tiles; only the 128-row tile scales the half weight tile
+            assert plan["tile_group"] and (2 * plan["block_m"] > plan["block_k"]) == (m == 100), (m, plan)
+        x = rand(m, case.k, dtype=dtype, seed=80 + m)
+        check(b.weight.mm(x, bias), x, b.w64, bias, f"scales {scale_dtype} x {dtype} M={m} {want}")
+
+
+@pytest.mark.parametrize("item", SWEEP[:2], ids=_id)
+def test_activation_layouts(item):
+    """Non-contiguous, batched, 1-D and empty activations (fp16 and bf16), with a bias, through the
+    op and its ``_out`` form (a NaN-filled output, every element checked): the row counts reach
+    decode (1, 4), two GEMM buckets (6, 17) and dense (257); M = 0 returns an empty output of x's
+    dtype and launches nothing."""
+    case, dtype = item
+    b = built(case, dtype)
+    w = b.weight
     k = case.k
+    bias = rand(case.n, dtype=dtype, seed=9)
     layouts = {
         "3d": rand(2, 3, k, dtype=dtype),
-        "transposed": rand(k, 5, dtype=dtype).t(),
+        "transposed": rand(k, 17, dtype=dtype).t(),
         "strided": rand(4, 2 * k, dtype=dtype)[:, ::2],
+        "strided_dense": rand(257, 2 * k, dtype=dtype)[:, ::2],
         "1d": rand(k, dtype=dtype),
         "empty": torch.empty(0, k, dtype=dtype, device="cuda"),
+        "empty_3d": torch.empty(2, 0, k, dtype=dtype, device="cuda"),
     }
     for name, x in layouts.items():
-        y = b.weight.mm(x)
-        assert y.shape == (*x.shape[:-1], case.n), name
-        if x.numel():
-            check(y, x, b.w64, None, name)
+        check(w.mm(x, bias), x, b.w64, bias, name)
+        out = torch.full((*x.shape[:-1], case.n), float("nan"), dtype=dtype, device="cuda")
+        torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.in_features, w.bits,
+                                         w.group_size, w.zero_offset, int(w.kernel), out, None)
+        check(out, x, b.w64, bias, f"{name} out")
 
 
 def test_small_tensors_with_any_strides():
