@@ -1,6 +1,7 @@
 """``qops::decode_layers`` (qops.models.layer_kernel) on the CPU: its reference kernel against a float64
 oracle written here (its own nibble unpacking, RMSNorm, rotary, softmax attention and SwiGLU, rounding
-to the dtype where ``LlamaDecoderLayer`` does), argument errors eagerly and under fake tensors,
+to the dtype where ``LlamaDecoderLayer`` does; h and its update h - hidden checked), that check failing
+an attention with one share mis-weighted at position 4000, argument errors eagerly and under fake tensors,
 opcheck, the Llama model's batch-1 steps through the op (eager and compiled fullgraph) against its
 layer-by-layer steps, and the workspace's layout. The GPU file (tests/gpu/test_gpu_layer_kernel.py)
 runs the native kernel against the same oracle.
@@ -117,9 +118,10 @@ def _dequant64(qw: torch.Tensor, sc: torch.Tensor, qz, group_size: int, zero_off
     return (sc.double()[g] * (q.double() - z[g])).t()
 
 
-def oracle(case: Case) -> tuple[torch.Tensor, list, list]:
+def oracle(case: Case, weights=None) -> tuple[torch.Tensor, list, list]:
     """(h after the last layer, each layer's k and v written at the position) in float64, with the
-    activations rounded to the dtype where the model rounds them."""
+    activations rounded to the dtype where the model rounds them. ``weights``: a function replacing
+    the attention's probabilities (Hkv, GQ, pos + 1) (a deliberate fault for the checks' own test)."""
     c = case.clone_caches()
     c = Case(**{k: (v.cpu() if isinstance(v, torch.Tensor) else [t.cpu() if isinstance(t, torch.Tensor) else t for t in v]
                     if isinstance(v, list) else v) for k, v in c.__dict__.items()})
@@ -153,7 +155,8 @@ def oracle(case: Case) -> tuple[torch.Tensor, list, list]:
         vc = torch.cat((c.v_cache[layer][0, :, :pos].double(), v.unsqueeze(1)), dim=1)
         grp = nh // nkv
         scores = torch.einsum("hgd,hpd->hgp", q.view(nkv, grp, hd), kc) * case.scale
-        attn = r(torch.einsum("hgp,hpd->hgd", torch.softmax(scores, dim=-1), vc).reshape(nh * hd))
+        probs = torch.softmax(scores, dim=-1)
+        attn = r(torch.einsum("hgp,hpd->hgd", probs if weights is None else weights(probs), vc).reshape(nh * hd))
         h = r(h + r(proj(1, attn)))
         gu = proj(2, norm(h, c.norm2[layer]))
         gate, up = gu[:d.inter], gu[d.inter:]
@@ -166,6 +169,11 @@ def check_against_oracle(case: Case, got: torch.Tensor, k_cache: list, v_cache: 
     dt = case.hidden.dtype
     err = relative_error(got.cpu(), want)
     assert err < TOL[dt], f"h: relative error {err:.3e} >= {TOL[dt]}"
+    # The layers' update of the residual stream, relative to its own size: measured on h, a wrong attention
+    # is diluted by hidden (and, with the MLP, by what the MLP adds); see attention_alone.
+    hidden = case.hidden.cpu().double()
+    err = relative_error(got.cpu().double() - hidden, want - hidden)
+    assert err < TOL[dt], f"update h - hidden: relative error {err:.3e} >= {TOL[dt]}"
     pos = int(case.positions[0])
     for layer in range(case.dims.layers):
         for name, cache, ref in (("k", k_cache, ks), ("v", v_cache, vs)):
@@ -174,6 +182,23 @@ def check_against_oracle(case: Case, got: torch.Tensor, k_cache: list, v_cache: 
             assert e < TOL[dt], f"layer {layer} {name} at {pos}: relative error {e:.3e}"
             # Nothing else written: rows other than 0 and positions after pos keep their NaN.
             assert torch.isnan(cache[layer][1:].float()).all() and torch.isnan(cache[layer][0, :, pos + 1:].float()).all()
+
+
+def attention_alone(case: Case, o_scale: float = 8.0) -> Case:
+    """The case with every MLP's down-projection scales zeroed (the MLP adds exactly 0: h - hidden is the
+    layers' o_proj(attention), rounded into h) and o_proj's scales times ``o_scale`` (a power of two:
+    exact). At position 4000 the attention's output is ~0.06 a value (softmax over ~4000 random keys) and
+    o_proj alone adds ~10% of |h|: an ulp of h is ~10 ulps of the update, and h's rounding alone leaves
+    the update a floor of ~1.4e-2 in bf16. Times 8 the update is 0.3-0.9 |h| and its error against this
+    oracle perturbed by a relative 1e-5 before each rounding (the kernel's fp32 sums in another order)
+    4e-3 to 8e-3 in bf16, at worst 1.4e-2, and at worst 1.7e-3 in fp16 (the GPU file's twelve cases):
+    under 0.6 TOL."""
+    c = Case(**{**case.__dict__})
+    c.scales = list(case.scales)
+    for layer in range(case.dims.layers):
+        c.scales[4 * layer + 1] = case.scales[4 * layer + 1] * o_scale
+        c.scales[4 * layer + 3] = torch.zeros_like(case.scales[4 * layer + 3])
+    return c
 
 
 SMALL = LK.Dims(layers=2, hidden=256, inter=384, heads=4, kv_heads=2, head_dim=64)
@@ -190,6 +215,46 @@ def test_reference_matches_oracle(dtype, zeros, group_size, pos):
     run = case.clone_caches()
     got = OP(*run.args(workspace(SMALL)))
     check_against_oracle(case, got, run.k_cache, run.v_cache)
+
+
+def share_weighted(factor: float, kv_head: int, share: int, shares: int):
+    """A fault for ``oracle(case, weights=...)``: KV head ``kv_head``'s attention probabilities over one
+    share of the positions (decode_layers.cu splits 0 .. pos - 1 into ``shares``; the last share also
+    holds the new token) times ``factor``, the rows renormalized -- what a share merge scaling one
+    share's sums (l and o alike) computes."""
+    def weights(p):
+        pos = p.shape[-1] - 1
+        lo, hi = pos * share // shares, pos * (share + 1) // shares if share < shares - 1 else pos + 1
+        p = p.clone()
+        p[kv_head, :, lo:hi] *= factor
+        return p / p.sum(-1, keepdim=True)
+    return weights
+
+
+def test_checks_catch_one_mis_weighted_attention_share_at_4000():
+    """What the GPU file's attention-alone cases are for. At position 4000, one KV head's attention over one
+    of 16 shares weighted 1.5 (its query heads' outputs off by ~10%) moves a whole bf16 layer's h (and its
+    update, mostly the MLP's) by ~1.5e-2: TOL (2.5e-2) lets it pass. With attention_alone the update is off
+    by ~7e-2 and check_against_oracle fails it in fp16 and bf16 (in bf16 by the update alone: h moves
+    2.4e-2); the reference kernel passes."""
+    dims = LK.Dims(layers=1, hidden=512, inter=512, heads=8, kv_heads=2, head_dim=128)
+    fault = share_weighted(1.5, kv_head=0, share=7, shares=16)
+    whole = make_case(dims, dtype=torch.bfloat16, pos=4000, max_seq=4001, max_batch=1, seed=3)
+    want, _, _ = oracle(whole)
+    wrong, _, _ = oracle(whole, weights=fault)
+    hidden = whole.hidden.double()
+    assert 0 < relative_error(wrong, want) < TOL[torch.bfloat16] and relative_error(wrong - hidden, want - hidden) < TOL[torch.bfloat16]
+    for dtype in (torch.float16, torch.bfloat16):
+        case = attention_alone(make_case(dims, dtype=dtype, pos=4000, max_seq=4001, max_batch=1, seed=4))
+        run = case.clone_caches()
+        got = OP(*run.args(workspace(dims)))
+        check_against_oracle(case, got, run.k_cache, run.v_cache)
+        want, _, _ = oracle(case)
+        wrong, _, _ = oracle(case, weights=fault)
+        hidden = case.hidden.double()
+        assert relative_error(wrong - hidden, want - hidden) > 2 * TOL[torch.bfloat16]
+        with pytest.raises(AssertionError, match="relative error"):
+            check_against_oracle(case, wrong.to(dtype), run.k_cache, run.v_cache)
 
 
 def test_slabs_and_flat_agree():
