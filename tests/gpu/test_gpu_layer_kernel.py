@@ -8,7 +8,8 @@ float64 oracle of tests/test_layer_kernel.py:
   (column groups over two and three blocks, the attention split over 16 shares);
 - every grid shape (build) in bf16 and fp16, and with the MLP adding nothing (``attention_alone``) at
   position 4000, so the check of h - hidden sees the attention's 16 or 32 shares undiluted;
-- bit-identical results run to run, and a CUDA-graph replay equal to the eager call at new positions;
+- bit-identical results run to run, and a CUDA-graph replay equal to the eager call at new positions
+  on new hidden states, its output poisoned before each replay;
 - the Llama model's batch-1 steps through the op (eager and CapturedDecode) against its
   layer-by-layer steps.
 
@@ -146,8 +147,12 @@ def test_bit_identical_run_to_run():
 
 
 def test_cuda_graph_replay_equals_eager():
+    """Each replay at a new position on a new hidden state (copied into the captured input), its output
+    NaN before: bit-equal to the eager call on the same caches, hidden and position, the k and v it
+    writes too."""
     case = make_case(SMALL, dtype=torch.float16, device=DEV, pos=3, max_seq=32)
     run = case.clone_caches()
+    run.hidden = case.hidden.clone()  # the captured input, refilled before each replay
     ws = workspace(case.dims, DEV)
     args = list(run.args(ws, slabs=True))
     _need_native(run)
@@ -156,11 +161,16 @@ def test_cuda_graph_replay_equals_eager():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = OP(*args)
+    gen = torch.Generator().manual_seed(11)
     for pos in (4, 5, 6):
         run.positions.fill_(pos)
+        hidden = torch.randn(case.hidden.shape, generator=gen).to(case.hidden.dtype).to(DEV)
+        run.hidden.copy_(hidden)
+        out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
         eager_case = case.clone_caches()
+        eager_case.hidden = hidden
         eager_case.k_cache = [t.clone() for t in run.k_cache]
         eager_case.v_cache = [t.clone() for t in run.v_cache]
         for t in eager_case.k_cache + eager_case.v_cache:
@@ -168,6 +178,8 @@ def test_cuda_graph_replay_equals_eager():
         eager_case.positions = torch.tensor([pos], device=DEV)
         want = OP(*eager_case.args(workspace(case.dims, DEV), slabs=True))
         assert torch.equal(out, want), pos
+        for a, b in zip(run.k_cache + run.v_cache, eager_case.k_cache + eager_case.v_cache):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), pos
 
 
 def _model(dtype=torch.bfloat16):
