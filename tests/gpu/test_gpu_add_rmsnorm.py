@@ -1,7 +1,7 @@
 """``qops::add_rmsnorm`` on a CUDA device (the Triton kernel, launched with programmatic dependent
 launch on sm_90), against the float64 oracle of ``tests/test_add_rmsnorm.py``: the decoder's
-widths, odd K, strided x, all three dtypes, eagerly and replayed from a CUDA graph right behind the
-kernel that writes its input."""
+widths, odd K, strided x, no rows (2-D and 3-D), all three dtypes, eagerly and replayed from a CUDA graph
+right behind the kernel that writes its input (outputs NaN before each replay)."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,7 @@ def _cuda(*ts):
     return [t.cuda() for t in ts]
 
 
-@pytest.mark.parametrize("shape", [(1, 4096), (7, 8192), (33, 1000), (2, 3, 5120)], ids=str)
+@pytest.mark.parametrize("shape", [(0, 4096), (1, 4096), (7, 8192), (33, 1000), (2, 3, 5120), (2, 0, 5120)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_matches_the_oracle(shape, dtype):
     for strided in (False, True):
@@ -38,6 +38,8 @@ def test_replayed_behind_the_kernel_writing_its_input():
         out, summed = OP(x, r, w, EPS)
     for seed in (6, 7):
         src.copy_(inputs((4, 4096), torch.bfloat16, seed=seed)[0].cuda())
+        out.fill_(float("nan"))  # a replay that wrote nothing fails, the first one too
+        summed.fill_(float("nan"))
         g.replay()
         xs = (src * 2).cpu()
         check((out.cpu(), summed.cpu()), xs, r.cpu(), w.cpu(), f"replay seed {seed}")
