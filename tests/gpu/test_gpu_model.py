@@ -14,7 +14,7 @@ refuses fails with the chooser's reasons, unless the refusal is this GPU's compu
   at batch 32);
 - for one pair per lowering that uses scratch, the compiled decode (reduce-overhead) calling the
   ``_out`` ops with the model's workspace buffer in place, on garbage scratch, equal to eager, the
-  buffer never reallocated;
+  buffer never reallocated (three steps a batch size, each visit replaying a recorded graph);
 - with two GPUs, the model of every pair sharded over NCCL (spawned ranks, NVLink multicast off,
   all pairs in one spawn) equal to one GPU, eagerly and through reduce-overhead CUDA graphs (three
   steps per batch size and one batch size visited again, each visit replaying a recorded graph:
@@ -298,12 +298,23 @@ def _scratch_pairs() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("scheme,lowering", _scratch_pairs(), ids=[f"{s}-{low}" for s, low in _scratch_pairs()])
 def test_compiled_decode_runs_on_the_model_workspace(dense, scheme, lowering, monkeypatch):
     from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
     from torch._inductor.utils import run_and_get_code
 
     from compile_tests.test_compile_model import check_workspace_in_place, out_op_counts
     from qops.formats import FORMATS
 
     monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", True)
+    # Replays counted (as qops.models.testing._tp_compare does): the garbage scratch must meet a replayed
+    # graph, not only cudagraph trees' eager warm-up or the run that records.
+    replays = [0]
+    run_graph = cudagraph_trees.CUDAGraphNode.run_graph
+
+    def counted(node):
+        replays[0] += 1
+        return run_graph(node)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphNode, "run_graph", counted)
     model = _model(dense, scheme, lowering)
     ws = model.workspace
     layers = model.quantized_linears()
@@ -318,20 +329,26 @@ def test_compiled_decode_runs_on_the_model_workspace(dense, scheme, lowering, mo
         for i, b in enumerate((1, MAX_BATCH, 2, 1)):
             prompts = torch.randint(0, CONFIG.vocab_size, (b, 3), generator=gen).cuda()
             tok = model.prefill(prompts).argmax(-1)
-            pos = torch.full((b,), 3, dtype=torch.long, device="cuda")
-            want = model.decode(tok, pos)
-            buffer.fill_(255)  # garbage scratch must not matter: split-K accumulators are zeroed in place
-            torch.compiler.cudagraph_mark_step_begin()
-            args = _unbacked(tok.clone(), pos.clone())
-            if i == 0:
-                got, (code, *_) = run_and_get_code(step, *args)
-                if with_out:
-                    check_workspace_in_place(code, out_op_counts(FORMATS[scheme].family, with_out, CONFIG.num_hidden_layers))
-            else:
-                with torch.compiler.set_stance("fail_on_recompile"):
-                    got = step(*args)
-            err = relative_error(got.clone(), want)
-            assert err < TOLERANCE[torch.bfloat16], f"batch {b}: relative error {err:.3g}"
+            replayed = replays[0]
+            # Three steps of new tokens a batch size: a new batch size is warmed up, recorded, then
+            # replayed (qops.models.testing.TP_STEPS); batch size 1's second visit only replays.
+            for s in range(3):
+                pos = torch.full((b,), 3 + s, dtype=torch.long, device="cuda")
+                want = model.decode(tok, pos)
+                buffer.fill_(255)  # garbage scratch must not matter: split-K accumulators are zeroed in place
+                torch.compiler.cudagraph_mark_step_begin()
+                args = _unbacked(tok.clone(), pos.clone())
+                if i == 0 and s == 0:
+                    got, (code, *_) = run_and_get_code(step, *args)
+                    if with_out:
+                        check_workspace_in_place(code, out_op_counts(FORMATS[scheme].family, with_out, CONFIG.num_hidden_layers))
+                else:
+                    with torch.compiler.set_stance("fail_on_recompile"):
+                        got = step(*args)
+                err = relative_error(got.clone(), want)
+                assert err < TOLERANCE[torch.bfloat16], f"batch {b} step {s}: relative error {err:.3g}"
+                tok = want.argmax(-1)
+            assert replays[0] > replayed, f"batch {b} (visit {i}): 3 steps replayed no CUDA graph"
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert model.workspace.buffer is buffer and buffer.data_ptr() == ptr
 
