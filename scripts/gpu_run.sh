@@ -5,7 +5,10 @@
 # PYTHONPATH, prints the GPU and versions, runs the W4A16 benchmark first (the results file that
 # matters most), then the GPU tests (`pytest -m gpu tests/gpu`), then the fp8 and int8/NF4
 # benchmarks, and prints the W4A16 table and TARGETS block last. Everything is teed into $OUT as it
-# happens, so a run cut off by a time limit still returns what it did. Files in $OUT (<= 8):
+# happens, so a run cut off by a time limit still returns what it did. On a one-GPU machine the
+# tensor-parallel tests skip by design (tests/gpu/test_gpu_tp.py and test_gpu_model.py's TP tests need
+# 2 GPUs, test_gpu_tp_wide.py 4 or 8): a green run there has not checked tensor parallelism.
+# Files in $OUT (<= 8):
 #   gpu_run.log (everything, in order), pytest_gpu.xml, bench_int_weight.json, bench_int_weight.txt,
 #   bench_fp8.json, bench_bnb_int8.json, bench_decode.json, sweep_native.json, probe_layout_bw.json, profile_decode.json,
 #   bench_fp8_sweep.json, nvrtc-builds.jsonl (only 8 come back from one device call: choose the steps per call)
