@@ -20,7 +20,7 @@ from qops.formats import FORMATS, get_format
 from qops.formats.fp8 import Fp8BlockCheckpoint, Fp8Checkpoint, quantize_rtn
 from qops.lowerings import DISABLE_ENV, LOWERINGS_BY_NAME, Kernel, WeightSpec, choose
 from qops.ops.fp8 import check_kernel, prepare_fp8_weight, quantize_fp8_activations
-from tests.oracle import stride_two
+from tests.oracle import elementwise_bound, stride_two
 
 FP8 = torch.float8_e4m3fn
 FP8_FORMATS = ("fp8", "compressed-tensors-fp8", "fp8-block")
@@ -116,6 +116,83 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     if want.numel() == 0:
         return 0.0
     return ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
+# A quotient x / scale within this many fp32 ulps of an e4m3 midpoint may round either way, depending
+# on how the device computed it. CUDA divides by the Python float 448 as a multiplication by
+# fp32(1/448) (PyTorch's div_true_kernel_cuda with a CPU scalar), which moves ~60% of the dynamic
+# scales of fp16 / bf16 rows by an ulp from the CPU's quotient and flips a code in ~3% of the rows;
+# Inductor's Triton division need not be correctly rounded either. With fp16 / bf16 x a quotient
+# that is not a midpoint lies ~2^-15 (relative) or more from one, so this marks the ties only.
+TIE_ULPS = 4
+# An fp32 scale computed another way (reciprocal times amax) is within this of the oracle's.
+SCALE_SLACK = 2.0**-22
+
+
+def independent_fp8_x(x: torch.Tensor, static_scale: float | None, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 activations as W8A8 quantizes them, written from the format's definition on the host
+    (not the op's ``quantize_fp8_activations``, whose GPU run the oracle must not share): the scale
+    is the static one, or amax / 448 in fp32 per token (``group_size`` -1) or per token and 128 K
+    values; each value x / scale (in fp32, saturated to +-448) rounded to the nearest e4m3 code
+    (ties to even, this file's grid), decoded from its bits, times the scale.
+
+    Returns ``(x64, tie64)`` on the CPU: ``tie64`` is, for each value whose quotient lies within
+    ``TIE_ULPS`` of a midpoint of the grid, the e4m3 step there times the scale (0 elsewhere): how far
+    a device that rounds that tie the other way may move it."""
+    x64 = x.detach().cpu().double().numpy()
+    k = x64.shape[-1]
+    if static_scale is not None:
+        s_k = np.full(x64.shape, np.float32(static_scale), dtype=np.float32)
+    else:
+        g = k if group_size == -1 else group_size
+        groups = -(-k // g) if k else 0
+        padded = np.zeros(x64.shape[:-1] + (groups * g,))
+        padded[..., :k] = np.abs(x64)
+        amax = padded.reshape(*x64.shape[:-1], groups, g).max(axis=-1) if groups else np.zeros(x64.shape[:-1] + (0,))
+        s = np.where(amax == 0, np.float32(1), amax.astype(np.float32) / np.float32(448)).astype(np.float32)
+        s_k = np.repeat(s, g, axis=-1)[..., :k]
+    q = fp32_quotient(x64, s_k)
+    a = np.abs(q)
+    hi = np.clip(np.searchsorted(GRID, a), 1, len(GRID) - 1)
+    step = GRID[hi] - GRID[hi - 1]
+    near = np.abs(a - (GRID[hi] + GRID[hi - 1]) / 2) <= TIE_ULPS * np.spacing(a.astype(np.float32)).astype(np.float64)
+    s64 = s_k.astype(np.float64)
+    return torch.from_numpy(e4m3_decode(e4m3_round(q)) * s64), torch.from_numpy(np.where(near & (a < 448), step * s64, 0.0))
+
+
+def row_magnitudes(m: int, shift: int, device=None) -> torch.Tensor:
+    """``(m, 1)`` factors 10^-2 .. 10^2, cycling over the rows from 10^(shift % 5 - 2): rows of x
+    whose dynamic fp8 scales differ by up to 10^4. Replayed with another input's scales, the large
+    rows saturate at 448 and the small ones lose their precision."""
+    return (10.0 ** ((torch.arange(m, device=device) + shift) % 5 - 2)).unsqueeze(1)
+
+
+def check_fp8_mm(y: torch.Tensor, w, w64: torch.Tensor, x: torch.Tensor, bias, tol: float, what: str, c_dot: float = 8.0) -> None:
+    """``y = w.mm(x, bias)`` of a prepared fp8 weight ``w`` (exact float64 ``w64``) against the float64
+    oracle: x's dtype and shape, finite, relative error <= ``tol``, and every element within
+    ``tests.oracle.elementwise_bound`` (one wrong element fails). W8A8 quantizes x with
+    :func:`independent_fp8_x`; its bound adds, per output, the moves of the tied codes (``tie64 @
+    |W|.T``) and of a scale an ulp or two off (``SCALE_SLACK * |x| @ |W|.T``): a device may round
+    those differently and still keep the format's contract. ``c_dot``: the bound's weight on the
+    dot product's spread (elementwise_bound's)."""
+    dtype = x.dtype
+    if w.activations == "none":
+        x64, slack = x.detach().double(), 0.0
+    else:
+        static = float(w.input_scale.reshape(-1)[0]) if w.activations == "static" else None
+        x64, tie = (t.to(y.device) for t in independent_fp8_x(x, static, w.x_group_size))
+        slack = (tie + SCALE_SLACK * x64.abs()) @ w64.abs().t()
+    want = oracle_mm(x64, w64, bias)
+    assert y.dtype == dtype and tuple(y.shape) == tuple(want.shape), f"{what}: {y.dtype} {tuple(y.shape)}"
+    assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
+    err = rel_err(y, want)
+    assert err <= tol, f"{what}: relative error {err:.2e}"
+    bound = elementwise_bound(x64, w64, bias, dtype, c_dot=c_dot) + slack
+    ratio = ((y.double() - want).abs() / bound).reshape(-1)
+    if ratio.numel() and not bool((ratio <= 1).all()):
+        worst = int(torch.nan_to_num(ratio, nan=float("inf")).argmax())
+        raise AssertionError(f"{what}: {int((~(ratio <= 1)).sum())} of {ratio.numel()} elements past the elementwise bound; "
+                             f"worst (flat index {worst}) at {float(ratio[worst]):.2f}x its bound")
 
 
 # ---- cases ------------------------------------------------------------------------------------
@@ -311,8 +388,8 @@ def test_mm_fp8_weight_matches_oracle(case, dtype):
             x = _x(m, k, dtype, m, transposed=transposed)
             b = bias if m % 2 else None
             y = w.mm(x, b)
-            assert y.dtype == dtype and tuple(y.shape) == (m, n) and y.is_contiguous()
-            assert rel_err(y, oracle_mm(x, want_w, b)) <= TOL[dtype], (m, transposed)
+            assert y.is_contiguous()
+            check_fp8_mm(y, w, want_w, x, b, TOL[dtype], f"M={m} transposed={transposed}")
     x3 = _x(6, k, dtype, 9).reshape(2, 3, k)
     assert rel_err(w.mm(x3), oracle_mm(x3, want_w)) <= TOL[dtype]
     assert tuple(w.mm(x3[0, 0]).shape) == (n,)
@@ -459,7 +536,84 @@ def test_mm_fp8_end_to_end(case, activations, dtype):
         # The composition exactly, and the math within the activations' fp8 rounding (<= 2**-4 each).
         assert torch.equal(y, torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, w.weight, w.weight_scale, bias, w.block_n, w.block_k, dtype, int(w.kernel)))
         assert rel_err(y, oracle_mm(oracle_x(x_fp8, x_scale), want_w, bias)) <= TOL[dtype]
+        check_fp8_mm(y, w, want_w, x, bias, TOL[dtype], f"M={m}")
         assert rel_err(y, oracle_mm(x, want_w, bias)) <= 0.05
+
+
+def _quantize_with(x, scales):
+    """``x`` as e4m3 codes for the given per-token (``(M, 1)``) or per-group scales: x / scale in fp32,
+    saturated, rounded by torch's cast."""
+    s_k = scales if scales.shape[-1] == 1 else scales.repeat_interleave(128, -1)[:, : x.shape[-1]]
+    return (x.float() / s_k).clamp(-448, 448).to(FP8)
+
+
+def _w8a8_with_scales(w, x, bias, scales, dtype):
+    """W8A8 of ``x`` quantized with the given scales, through the op's reference GEMM."""
+    return torch.ops.qops.scaled_mm_fp8(_quantize_with(x, scales), scales, w.weight, w.weight_scale, bias, w.block_n, w.block_k,
+                                        dtype, int(w.kernel))
+
+
+def _amax(x, group_size):
+    xf = x.float()
+    if group_size == -1:
+        return xf.abs().amax(-1, keepdim=True)
+    groups = -(-x.shape[-1] // group_size)
+    return torch.nn.functional.pad(xf, (0, groups * group_size - x.shape[-1])).unflatten(-1, (groups, group_size)).abs().amax(-1)
+
+
+@pytest.mark.parametrize("case", ["fp8-channel", "block128"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_w8a8_check_takes_the_scales_cuda_computes_and_catches_one_wrong_element(case, dtype):
+    """On CUDA, ``amax / 448`` (a Python float) is ``amax * fp32(1/448)``: most dynamic scales an ulp
+    off the CPU's quotient, and the ties of x / scale rounded the other way. Quantized so, W8A8
+    flips codes against the oracle's, past the plain elementwise bound; ``check_fp8_mm`` allows the
+    tied codes and the scale's ulp, and still fails one output just past its bound."""
+    w, c = weight_of(case, activations="dynamic", dtype=dtype)
+    want_w = oracle_weight(WEIGHTS[case][0], c)
+    n, k = want_w.shape
+    x = _x(257, k, dtype, 3)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(dtype)
+    amax = _amax(x, w.x_group_size)
+    cuda_scales = amax * torch.tensor(1 / 448, dtype=torch.float32)
+    assert not torch.equal(cuda_scales, amax / 448)
+    y = _w8a8_with_scales(w, x, bias, cuda_scales, dtype)
+    x64, tie = independent_fp8_x(x, None, w.x_group_size)
+    assert torch.equal(oracle_x(*quantize_fp8_activations(x, None, w.x_group_size)), x64), "on the CPU the op quantizes as the oracle does"
+    # Every code CUDA's scales move (beyond the scale's own ulp) is a tie the oracle marked.
+    moved = (oracle_x(_quantize_with(x, cuda_scales), cuda_scales) - x64).abs() > SCALE_SLACK * x64.abs()
+    assert bool(moved.any()) and bool((tie[moved] > 0).all()), (int(moved.sum()), int((tie[moved] == 0).sum()))
+    want = oracle_mm(x64, want_w, bias)
+    plain = (y.double() - want).abs() / elementwise_bound(x64, want_w, bias, dtype)
+    assert float(plain.max()) > 1, "the case shows nothing: no tie moved an output past the plain bound"
+    check_fp8_mm(y, w, want_w, x, bias, TOL[dtype], "CUDA's scales")
+    # One output off by 1.5x its plain bound (under the relative-norm tolerance): caught.
+    r, col = divmod(int(want.abs().reshape(-1).argmax()), n)
+    bad = y.clone()
+    bad[r, col] = want[r, col] + 1.5 * elementwise_bound(x64[r:r + 1], want_w[col:col + 1], bias[col:col + 1], dtype)[0, 0]
+    assert rel_err(bad, want) <= TOL[dtype]
+    with pytest.raises(AssertionError, match=f"1 of {257 * n} elements past the elementwise bound"):
+        check_fp8_mm(bad, w, want_w, x, bias, TOL[dtype], "one wrong")
+
+
+@pytest.mark.parametrize("case,dtype", [("fp8-channel", torch.float16), ("fp8-channel", torch.bfloat16), ("block128", torch.bfloat16)],
+                         ids=str)
+def test_stale_activation_scales_fail_the_replay_check(case, dtype):
+    """What tests/gpu/test_gpu_fp8.py's graph replays check, on the reference kernel: x = relu(z) * 2
+    captured at randn's magnitude, replayed on rows 10^-2 .. 10^2 as large. Quantized with the
+    captured input's dynamic scales (a graph that kept them), the output fails check_fp8_mm for every
+    M and row pattern the GPU test replays; quantized with its own, it passes."""
+    w, c = weight_of(case, activations="dynamic", dtype=dtype)
+    want_w = oracle_weight(WEIGHTS[case][0], c)
+    n, k = want_w.shape
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for m in (1, 7, 64):
+        captured = torch.relu(_x(m, k, dtype, m)) * 2
+        stale = quantize_fp8_activations(captured, None, w.x_group_size)[1]
+        for shift in (4, 0):
+            x = torch.relu((_x(m, k, torch.float32, 100 + m) * row_magnitudes(m, shift)).to(dtype)) * 2
+            check_fp8_mm(w.mm(x, bias), w, want_w, x, bias, TOL[dtype], f"M={m} shift={shift}")
+            with pytest.raises(AssertionError, match="relative error|elementwise bound"):
+                check_fp8_mm(_w8a8_with_scales(w, x, bias, stale, dtype), w, want_w, x, bias, TOL[dtype], "stale")
 
 
 @pytest.mark.parametrize("case", sorted(WEIGHTS))
@@ -758,6 +912,7 @@ def test_triton_kernels_match_oracle(gran, path, variant):
         want = oracle_mm(oracle_x(x_fp8, x_scale), want_w, bias)
     assert y.dtype == dtype and tuple(y.shape) == (m, n)
     assert rel_err(y, want) <= TOL[dtype]
+    check_fp8_mm(y, w, want_w, x, bias, TOL[dtype], f"{gran} {path} {variant}")
 
 
 @pytest.mark.interpreter
