@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tests.oracle import check_elementwise
+
 NF4 = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
@@ -165,12 +167,15 @@ def rel_err(got: torch.Tensor, want64: torch.Tensor) -> float:
 
 
 def check_output(y, x, w64, bias, dtype, tol: float, what: str) -> None:
-    """``y`` (a kernel's output) against float64 ``x @ W.T + bias``: dtype, shape, finite, relative error <= tol."""
+    """``y`` (a kernel's output) against float64 ``x @ W.T + bias``: dtype, shape, finite, relative error
+    <= tol, and every element within ``tests.oracle.elementwise_bound`` (one wrong element, which the
+    relative norm over the whole output lets pass, fails)."""
     want = matmul(x, w64, bias)
     assert y.dtype == dtype and y.shape == want.shape, what
     assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
     err = rel_err(y, want)
     assert err <= tol, f"{what}: relative error {err:.2e}"
+    check_elementwise(y, x, w64, bias, dtype, what)
 
 
 def check_graph_replay(w, w64, m: int, tol: float) -> None:

@@ -25,7 +25,7 @@ from qops.lowerings import LOWERINGS_BY_NAME, Kernel, WeightSpec
 
 from tests import bnb_cases as C
 from tests.int_weight_cases import one_thread  # noqa: F401  (autouse: small CPU matmuls on one thread)
-from tests.oracle import stride_two
+from tests.oracle import check_elementwise, elementwise_bound, stride_two
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed (optional second oracle; CI installs qops[test] only)")
@@ -203,16 +203,33 @@ def test_ops_match_oracle(case, dtype):
     for i, m in enumerate(C.MS):
         x = _x(m, k, dtype, gen, ("contiguous", "transposed", "strided")[i % 3])
         bias = torch.randn(n, generator=gen).to(dtype) if i % 2 else None
-        want = C.matmul(x, b.w64, bias)
         y = w.mm(x, bias)
-        assert y.shape == (m, n) and y.dtype == dtype
-        if m:
-            assert C.rel_err(y, want) <= C.TOL[dtype], (m, C.rel_err(y, want))
+        C.check_output(y, x, b.w64, bias, dtype, C.TOL[dtype], f"M={m}")
         out = torch.full((m, n), float("nan"), dtype=dtype)
         _mm_out(w, x, bias, out)
         assert torch.equal(out, y)
     x3 = torch.randn(2, 3, k, generator=gen).to(dtype)
-    assert C.rel_err(w.mm(x3), C.matmul(x3, b.w64)) <= C.TOL[dtype]
+    C.check_output(w.mm(x3), x3, b.w64, None, dtype, C.TOL[dtype], "(2, 3, K)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [C.INT8_CASES[0], C.BLOCKWISE4_CASES[2]], ids=lambda c: c.id)
+def test_check_output_catches_one_wrong_element(case, dtype):
+    """C.check_output (the GPU suites' check) passes the kernel's output and fails it with one element
+    moved 1.5x its elementwise bound, which the relative error over the whole output lets pass."""
+    b = C.build(case, dtype)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(64, case.k, generator=gen).to(dtype)
+    bias = torch.randn(case.n, generator=gen).to(dtype)
+    y = b.weight.mm(x, bias)
+    C.check_output(y, x, b.w64, bias, dtype, C.TOL[dtype], "as computed")
+    want = C.matmul(x, b.w64, bias)
+    r, col = 17, case.n // 2
+    bad = y.clone()
+    bad[r, col] = want[r, col] + 1.5 * elementwise_bound(x[r:r + 1], b.w64[col:col + 1], bias[col:col + 1], dtype)[0, 0]
+    assert C.rel_err(bad, want) <= C.TOL[dtype]
+    with pytest.raises(AssertionError, match=f"1 of {64 * case.n} elements past the elementwise bound; worst at \\({r}, {col}\\)"):
+        C.check_output(bad, x, b.w64, bias, dtype, C.TOL[dtype], "one wrong")
 
 
 def _mm_out(w, x, bias, out, workspace=None):
@@ -361,7 +378,8 @@ def test_plain_absmax_refuses_nested_tables():
 
 
 def _triton_case(case, dtype, m, override, mod, gen, strided=False):
-    """(y, its float64 oracle, the plan); ``strided``: bias (and int8's scales) as views of stride 2."""
+    """(y, its float64 oracle, the plan), y already checked element by element against the oracle's
+    bound (tests/oracle.py); ``strided``: bias (and int8's scales) as views of stride 2."""
     b = C.build(case)
     w = b.weight
     x = _x(m, case.k, dtype, gen, "transposed" if m % 2 else "contiguous")
@@ -373,6 +391,7 @@ def _triton_case(case, dtype, m, override, mod, gen, strided=False):
         else:
             y = mod.triton_mm(x, *w._weight_args(), view(bias), w.out_features, w.blocksize, w.nested_blocksize, w.layout)
         p = mod.plan(m, case.n, case.k, x.device) if hasattr(w, "scales") else mod.plan(m, case.n, case.k, w.blocksize, x.device, dtype)
+    check_elementwise(y, x, b.w64, bias, dtype, f"{case.id} M={m} {p['path']}")
     return y, C.matmul(x, b.w64, bias), p
 
 
@@ -541,8 +560,7 @@ def test_triton_gemv_fma(case, cfg):
             assert p["path"] == "gemv_fma" and p["XROWS"] * p["grid"][0] >= m and p["ROWS"] * p["XROWS"] <= 4, p
             if cfg[1] and (case.k // 2) // p["STEP"] >= 2:
                 assert p["split"] > 1, p  # the K split (atomic adds into the fp32 scratch) is exercised
-            assert y.dtype == torch.float16 and y.shape == (m, case.n)
-            assert C.rel_err(y, C.matmul(xm, b.w64, bias)) <= 2e-3, (name, m, C.rel_err(y, C.matmul(xm, b.w64, bias)))
+            C.check_output(y, xm, b.w64, bias, torch.float16, 2e-3, f"{name} M={m}")
 
 
 def test_triton_gemv_fma_plan():
@@ -687,7 +705,8 @@ def test_triton_writes_out_and_uses_the_workspace():
     ws = torch.full((4 * 2 * w.out_features + 7,), 255, dtype=torch.uint8)
     with ti8.config_override(gemv={"BLOCK_K": 32, "programs_per_sm": 64}):
         r = ti8.triton_mm(x, w.qweight, w.scales, None, out=out, workspace=ws)
-    assert r is out and C.rel_err(out, C.matmul(x, b.w64)) <= 2e-3
+    assert r is out
+    C.check_output(out, x, b.w64, None, torch.float16, 2e-3, "out + workspace")
 
 
 # Above 32 rows the 4-bit lowering dequantizes N-slabs of W and multiplies with torch.mm: NF4 and FP4,
@@ -729,8 +748,7 @@ def test_triton_dense_path(case, dtype):
             p = tbw4.plan(x.shape[:-1].numel(), case.n, case.k, case.blocksize, x.device, dtype)
             y = _dense_mm(b.weight, x, bb)
         assert p["path"] == "dense" and p["slab"] == (min(8, case.n) if slab_bytes == 1 else case.n), p
-        assert y.dtype == dtype and y.shape == (*shape, case.n)
-        assert C.rel_err(y, C.matmul(x, b.w64, bb)) <= tol, (shape, C.rel_err(y, C.matmul(x, b.w64, bb)))
+        C.check_output(y, x, b.w64, bb, dtype, tol, f"{shape} slab_bytes={slab_bytes}")
 
 
 @pytest.mark.interpreter
@@ -749,9 +767,7 @@ def test_triton_k_not_a_multiple_of_the_block_takes_the_dense_path_at_every_m(ca
         x = _x(m, case.k, dtype, gen, "transposed" if m % 2 else "contiguous")
         assert tbw4.plan(m, case.n, case.k, case.blocksize, x.device, dtype)["path"] == "dense"
         y = _dense_mm(w.weight, x, bias)
-        assert y.dtype == dtype and y.shape == (m, case.n)
-        if m:
-            assert C.rel_err(y, C.matmul(x, w.w64, bias)) <= (2e-6 if dtype == torch.float32 else 2e-3), m
+        C.check_output(y, x, w.w64, bias, dtype, 2e-6 if dtype == torch.float32 else 2e-3, f"M={m}")
 
 
 @pytest.mark.interpreter
@@ -782,14 +798,14 @@ def test_triton_dense_writes_out_and_takes_the_workspace_only_when_it_fits():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(40, case.k, generator=gen).to(torch.float16)
     bias = torch.randn(case.n, generator=gen).to(torch.float16)
-    want = C.matmul(x, b.w64, bias)
     with tbw4.config_override(slab_bytes=1):
         need = 2 * 8 * case.k  # one 8-row fp16 slab
         for size, used in ((need + 5, True), (need - 1, False)):
             ws = torch.full((size,), 255, dtype=torch.uint8)
             out = torch.full((40, case.n), float("nan"), dtype=torch.float16)
             r = _dense_mm(w, x, bias, out=out, workspace=ws)
-            assert r is out and C.rel_err(out, want) <= 2e-3
+            assert r is out
+            C.check_output(out, x, b.w64, bias, torch.float16, 2e-3, f"workspace of {size} bytes")
             assert bool((ws[:need] != 255).any()) == used and bool((ws[need:] == 255).all())
         # A column-major out (cuBLAS writes its column slices in place), and one that is no (M, N)
         # view (written through a fresh buffer, then copied).
@@ -797,7 +813,8 @@ def test_triton_dense_writes_out_and_takes_the_workspace_only_when_it_fits():
                     torch.full((20, 2, case.n), float("nan"), dtype=torch.float16).transpose(0, 1)):
             xs = x.view(*out.shape[:-1], case.k)
             r = _dense_mm(w, xs, bias, out=out)
-            assert r is out and C.rel_err(out, C.matmul(xs, b.w64, bias)) <= 2e-3
+            assert r is out
+            C.check_output(out, xs, b.w64, bias, torch.float16, 2e-3, f"out {tuple(out.shape)} strides {out.stride()}")
 
 
 def test_triton_blockwise4_plan_takes_the_dense_path_above_32_rows():
