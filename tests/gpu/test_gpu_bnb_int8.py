@@ -3,7 +3,8 @@ NF4 / FP4) families on a CUDA device, through the public ops: eagerly (every pat
 split-K, the 4-bit dense path), with a caller-owned ``out`` poisoned with NaN and a workspace, under
 ``torch.compile(fullgraph=True)`` with CUDA graphs (a skipped capture fails), and in a hand-captured
 CUDA graph replayed on new inputs. The reference is float64 ``x @ W.T (+ bias)`` with W from the
-oracles of ``tests/bnb_cases.py`` (checkpoints built on the CPU, moved to the GPU, prepared there).
+oracles of ``tests/bnb_cases.py`` (checkpoints built on the CPU, moved to the GPU, prepared there),
+checked by a relative error and a bound on every element (``C.check_output``).
 The native 4-bit lowering, which ranks above Triton, is disabled here (its own suite:
 ``test_gpu_native_blockwise4.py``).
 """
@@ -26,13 +27,17 @@ from tests.oracle import stride_two
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
-MS = (1, 2, 3, 16, 64, 257)
+MS = (0, 1, 2, 3, 16, 17, 64, 257)
 CASES = (
     C.Case("bitsandbytes-int8", 1000, 2048),
     C.Case("eetq", 1024, 4096, layout="ampere"),
     C.Case("bitsandbytes-nf4", 1000, 2048, blocksize=64, nested=True),
     C.Case("bitsandbytes-fp4", 1024, 4096, blocksize=128, nested=False),
     C.Case("bitsandbytes-nf4", 520, 1024, blocksize=32, nested=False),
+    # N and K odd (bitsandbytes' int8 storage takes any shape; EETQ's ampere layout needs multiples of
+    # 64 and its row-major one is the same (N, K) int8 at run time): masked N tiles, K steps ending
+    # inside a tile, weight rows and x rows at odd byte offsets.
+    C.Case("bitsandbytes-int8", 999, 1001),
 )
 _BUILT: dict = {}
 
@@ -75,24 +80,33 @@ def test_chooser_picks_triton_where_it_serves():
             check(w.mm(x), x, w64, None, dtype, f"K % blocksize != 0, M={m}")
 
 
-# Every case in fp16 over every M; bf16 and fp32 on one case per family (each (dtype, M bucket,
-# bias) is a Triton compile: the GPU suite stays under two minutes). For NF4 / FP4, M <= 16 is the
-# GEMV with the in-register (prmt) code decode, in fp16 and bf16; fp32 x looks codes up in memory.
-EAGER = [(case, torch.float16, MS) for case in CASES] + [
-    (case, dtype, (1, 16, 17)) for case in (CASES[0], CASES[2]) for dtype in (torch.bfloat16, torch.float32)]
+# Every case in fp16 over every M; bf16 on every format (and the odd int8 shape), fp32 on one case
+# per family, at M = 1, 16, 17 (each (dtype, M bucket, bias, x layout) is a Triton compile). For NF4 /
+# FP4, M <= 16 is the GEMV with the in-register (prmt) code decode, in fp16 and bf16; fp32 x looks
+# codes up in memory.
+EAGER = ([(case, torch.float16, MS) for case in CASES]
+         + [(case, torch.bfloat16, (1, 16, 17)) for case in (*CASES[:4], CASES[5])]
+         + [(case, torch.float32, (1, 16, 17)) for case in (CASES[0], CASES[2])])
 
 
 @pytest.mark.parametrize("case,dtype,ms", EAGER, ids=lambda v: v.id if isinstance(v, C.Case) else str(v).replace("torch.", "").replace(", ", "-"))
 def test_eager(case, dtype, ms):
+    """``w.mm`` (a bias at odd M) and ``mm_out`` into NaN with a poisoned workspace, x contiguous and
+    as a transposed view, against the float64 oracle (relative and elementwise: C.check_output)."""
     w, w64 = gpu_weight(case, dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     bias = torch.randn(case.n, device="cuda", generator=gen).to(dtype)
     for m in ms:
-        x = torch.randn(case.k, m, device="cuda", generator=gen).to(dtype).t()  # non-contiguous
-        check(w.mm(x, bias if m % 2 else None), x, w64, bias if m % 2 else None, dtype, f"M={m}")
-        out = torch.full((m, case.n), float("nan"), device="cuda", dtype=dtype)
-        mm_out(w, x, bias, out, torch.full((4 * m * case.n,), 255, dtype=torch.uint8, device="cuda"))
-        check(out, x, w64, bias, dtype, f"M={m} out+workspace")
+        for layout in ("contiguous", "transposed"):
+            if layout == "transposed":
+                x = torch.randn(case.k, m, device="cuda", generator=gen).to(dtype).t()
+            else:
+                x = torch.randn(m, case.k, device="cuda", generator=gen).to(dtype)
+            what = f"M={m} {layout} x"
+            check(w.mm(x, bias if m % 2 else None), x, w64, bias if m % 2 else None, dtype, what)
+            out = torch.full((m, case.n), float("nan"), device="cuda", dtype=dtype)
+            mm_out(w, x, bias, out, torch.full((4 * m * case.n,), 255, dtype=torch.uint8, device="cuda"))
+            check(out, x, w64, bias, dtype, f"{what} out+workspace")
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.id)
