@@ -18,8 +18,8 @@ One run measures everything side by side with one method (``../shared/anchors/be
   scales/absmax + x read + y written; ceilings PERF.md's or this run's where higher (``common.ceilings``).
 
 Writes ``$OUT/bench_bnb_int8.json`` (and ``--out``); prints rows as they come, then a table and the
-targets (PERF.md: int8 W8A16 M=1 >= 70% of the roofline on the four large shapes, NF4 M=1 >= 60%,
-NF4 faster than cuBLAS fp16 up to M=16) last.
+targets (PERF.md: int8 W8A16 M=1 >= 70% of the roofline on the four large shapes, NF4 M=1 >= 60%;
+issue #5: NF4 faster than cuBLAS fp16 up to M=16) last.
 
     PYTHONPATH=. python benchmarks/bench_bnb_int8.py                    # ~1-2 min on an H200 (estimate)
     PYTHONPATH=. python benchmarks/bench_bnb_int8.py --shapes 57344x8192 --ms 1 --sweep

@@ -440,7 +440,7 @@ def targets(res, dry) -> dict:
     d1 = _row(res, base, 1)
     out = _batch1_targets("w4", _row(res, "w4", 1), d1)
     bmax = max(res["args"]["batches"])
-    if bmax > 1:  # the large-batch target (PERF.md: batch 32 faster than bf16); at bmax 1 it would overwrite batch 1's
+    if bmax > 1:  # the large-batch target (issue #7: batch 32 faster than bf16); at bmax 1 it would overwrite batch 1's
         wm, dm = _row(res, "w4", bmax), _row(res, base, bmax)
         spm = wm["tokens_per_s"] / dm["tokens_per_s"] if wm and dm else None
         out[f"w4_over_bf16_batch{bmax}"] = {"value": spm, "target": "> 1", "ok": None if spm is None else spm > 1}
@@ -453,7 +453,7 @@ def targets(res, dry) -> dict:
 
 
 def render_targets(res, dry) -> str:
-    lines = ["", "TARGETS (PERF.md, Llama-3-8B-shaped model, compiled + CUDA graphs)" + (" -- DRY RUN: tiny model on CPU, meaningless" if dry else "")]
+    lines = ["", "TARGETS (PERF.md and issue #7, Llama-3-8B-shaped model, compiled + CUDA graphs)" + (" -- DRY RUN: tiny model on CPU, meaningless" if dry else "")]
     for name, t in res["targets"].items():
         v = t["value"]
         shown = "n/a" if v is None else (f"{v / 2**20:.2f} MiB" if "bytes" in name else f"{v:.2f}")
