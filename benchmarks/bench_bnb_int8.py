@@ -17,7 +17,9 @@ One run measures everything side by side with one method (``../shared/anchors/be
 - roofline per row: max(bytes moved / copy bandwidth, 2*M*N*K / bf16 peak), bytes = weight +
   scales/absmax + x read + y written; ceilings PERF.md's or this run's where higher (``common.ceilings``).
 
-Writes ``$OUT/bench_bnb_int8.json`` (and ``--out``); prints rows as they come, then a table and the
+Writes ``$OUT/bench_bnb_int8.json`` (and ``--out``): one flat row per (shape, M, variant) with PERF.md's
+fields (``variant``: ``int8``, ``nf4`` as chosen, ``nf4_triton`` / ``nf4_fma_gemv`` the Triton GEMVs
+forced); prints rows as they come, then a table and the
 targets (PERF.md: int8 W8A16 M=1 >= 70% of the roofline on the four large shapes, NF4 M=1 >= 60%;
 issue #5: NF4 faster than cuBLAS fp16 up to M=16) last.
 
@@ -259,26 +261,30 @@ def main(argv=None) -> int:
         for m in a.m_list:
             x = torch.randn(m, k, device=dev, generator=gen).half()
             io = 2 * m * (k + n)
-            row = {"N": n, "K": k, "M": m, "dtype": "float16"}
+            base = {"N": n, "K": k, "M": m, "dtype": "float16"}
             for dt, name in ((torch.float16, "cublas_fp16_us"), (torch.bfloat16, "cublas_bf16_us")):
                 xd = x.to(dt)
-                row[name] = round(timer([lambda w=w, xd=xd: torch.nn.functional.linear(xd, w) for w in dense_copies[dt]], a.trials, a.target_ms), 2)
+                base[name] = round(timer([lambda w=w, xd=xd: torch.nn.functional.linear(xd, w) for w in dense_copies[dt]], a.trials, a.target_ms), 2)
             peer = [lambda w=w: torch.nn.functional.linear(x, w) for w in dense_copies[torch.float16]]
-            for kind, ws in copies.items():
+
+            def add(variant, kind, ws):
+                """One flat row (PERF.md's fields) for ``variant`` of ``kind`` timed over ``ws``."""
                 try:
-                    row[kind] = measure(kind, ws, x, refs[kind], row, io, bw, peak, timer, a, gpu, peer)
+                    got = measure(kind, ws, x, refs[kind], io, bw, peak, timer, a, gpu, peer)
                 except Exception as e:  # noqa: BLE001 - recorded and reported; the other rows still run
-                    row[kind] = {"error": common.short_err(e)}
+                    got = {"op": OPS[kind][0], "format": OPS[kind][1], "error": common.short_err(e)}
+                res["rows"].append(row := {**base, "variant": variant, **got})
+                print(json.dumps(row), flush=True)
+
+            for kind, ws in copies.items():
+                add(kind, kind, ws)
             if "nf4" in copies and gpu and lowering_of(copies["nf4"][0]) != "triton_blockwise4" and m <= 16:
                 # What served NF4 before the native kernel (CUDA-core GEMV at M <= 2, tensor-core above), same run.
-                row["nf4_triton"] = measure("nf4", as_triton(copies["nf4"]), x, refs["nf4"], row, io, bw, peak, timer, a, gpu, peer)
+                add("nf4_triton", "nf4", as_triton(copies["nf4"]))
             if "nf4" in copies and m <= a.fma_up_to:
                 # The CUDA-core GEMV at an M the tensor-core one serves by default.
                 with tbw4.config_override(gemv_fma_max_m=m):
-                    row["nf4_fma_gemv"] = measure("nf4", as_triton(copies["nf4"]), x, refs["nf4"], row, io, bw, peak, timer, a,
-                                                  gpu, peer)
-            res["rows"].append(row)
-            print(json.dumps(row), flush=True)
+                    add("nf4_fma_gemv", "nf4", as_triton(copies["nf4"]))
         if a.sweep_nf4:
             res.setdefault("sweep_nf4", []).extend(sweep_nf4(n, k, as_triton(copies["nf4"]), refs["nf4"], timer, a, dev))
         if a.sweep and gpu and 1 in a.m_list:
@@ -295,7 +301,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def measure(kind, ws, x, ref, row, io, bw, peak, timer, a, gpu, peer) -> dict:
+# kind -> (op, format) of its rows
+OPS = {"int8": ("mm_int8_weight", "eetq / bitsandbytes-int8"), "nf4": ("mm_blockwise4", "bitsandbytes-nf4 b64 nested")}
+
+
+def measure(kind, ws, x, ref, io, bw, peak, timer, a, gpu, peer) -> dict:
     """Check rows [0, CHECK_ROWS) of one qops op against float64, then time it over the copies ``ws``
     with its trials interleaved with those of ``peer`` (cuBLAS fp16 on the same x), whose time in
     this pairing is the ``vs_fp16`` ratio's."""
@@ -316,8 +326,7 @@ def measure(kind, ws, x, ref, row, io, bw, peak, timer, a, gpu, peer) -> dict:
     times = timer(cands, a.trials, a.target_ms)
     us = times["qops"]
     roof = common.roofline_us(weight_bytes(kind, n, k) + io, bw, 2 * m * n * k, peak)
-    return {"op": "mm_int8_weight" if kind == "int8" else "mm_blockwise4",
-            "format": "eetq / bitsandbytes-int8" if kind == "int8" else "bitsandbytes-nf4 b64 nested",
+    return {"op": OPS[kind][0], "format": OPS[kind][1],
             "lowering": lowering_of(w), "path": path_of(w, m, n, k, x.device) if gpu else "reference",
             "qops_us": round(us, 2), "roofline_us": round(roof, 2), "roofline_pct": round(100 * roof / us, 1),
             "cublas_fp16_paired_us": round(times["cublas_fp16"], 2), "vs_fp16": round(times["cublas_fp16"] / us, 2),
@@ -407,29 +416,35 @@ def report_sweep_nf4(rows) -> None:
 
 
 def report(res, a) -> None:
-    def cell(r, kind):
-        v = r[kind]
+    by = {}  # (N, K, M) -> variant -> row
+    for r in res["rows"]:
+        by.setdefault((r["N"], r["K"], r["M"]), {})[r["variant"]] = r
+
+    def cell(v):
+        if v is None:
+            return "-"
         return f"error: {v['error']}" if "error" in v else f"{v['qops_us']} ({v['roofline_pct']}%, {v['vs_fp16']}x)"
 
     print("\nN x K, M | cuBLAS fp16 us | int8 us (roof %, x fp16) | NF4 us (roof %, x fp16) | NF4 through triton | paths")
-    for r in res["rows"]:
-        paths = ", ".join(r[kind].get("path", "-") for kind in ("int8", "nf4"))
-        tri = cell(r, "nf4_triton") if "nf4_triton" in r else "-"
-        print(f"{r['N']}x{r['K']}, {r['M']} | {r['cublas_fp16_us']} | {cell(r, 'int8')} | {cell(r, 'nf4')} | {tri} | {paths}")
+    for (n, k, m), d in by.items():
+        paths = ", ".join(d.get(kind, {}).get("path", "-") for kind in ("int8", "nf4"))
+        fp16 = next(iter(d.values()))["cublas_fp16_us"]
+        print(f"{n}x{k}, {m} | {fp16} | {cell(d.get('int8'))} | {cell(d.get('nf4'))} | {cell(d.get('nf4_triton'))} | {paths}")
     print(f"\nTARGETS ({res['device']}, copy {res['copy_TBps']} TB/s, bf16 {res['bf16_TFLOPs']} TFLOP/s, commit {(res['commit'] or 'unknown')[:12]})")
-    bad = [r for r in res["rows"] for kind in ("int8", "nf4") if not r[kind].get("correct", False)]
+    main_rows = {kind: [r for r in res["rows"] if r["variant"] == kind] for kind in ("int8", "nf4")}
+    bad = [r for rows in main_rows.values() for r in rows if not r.get("correct", False)]
     print(f"correct (rel err <= {a.tol}, no error): {'all rows' if not bad else f'FAILED in {len(bad)} rows'}")
     for kind, key in (("int8", "int8_m1_roof_pct"), ("nf4", "nf4_m1_roof_pct")):
-        rows = [r for r in res["rows"] if r["M"] == 1 and (r["N"], r["K"]) in LARGE_SHAPES]
+        rows = [r for r in main_rows[kind] if r["M"] == 1 and (r["N"], r["K"]) in LARGE_SHAPES]
         if not rows:
             print(f"{kind} M=1 >= {TARGETS[key]}% of roofline: not measured")
             continue
-        pcts = [r[kind].get("roofline_pct", 0.0) for r in rows]
+        pcts = [r.get("roofline_pct", 0.0) for r in rows]
         ok = len(rows) == len(LARGE_SHAPES) and all(p >= TARGETS[key] for p in pcts)
         print(f"{kind} M=1 >= {TARGETS[key]}% of roofline on the large shapes: {'MET' if ok else 'NOT MET'} ({', '.join(f'{p}%' for p in pcts)})")
-    rows = [r for r in res["rows"] if r["M"] <= TARGETS["nf4_vs_fp16_max_m"]]
+    rows = [r for r in main_rows["nf4"] if r["M"] <= TARGETS["nf4_vs_fp16_max_m"]]
     if rows:
-        ratios = [(r, r["nf4"].get("vs_fp16", 0.0)) for r in rows]
+        ratios = [(r, r.get("vs_fp16", 0.0)) for r in rows]
         slow = [f"{r['N']}x{r['K']} M={r['M']}: {v}x" for r, v in ratios if v <= 1.0]
         print(f"NF4 faster than cuBLAS fp16 up to M={TARGETS['nf4_vs_fp16_max_m']}: {'MET' if not slow else 'NOT MET'}"
               f" ({'; '.join(slow) if slow else ', '.join(f'{v}x' for _, v in ratios)})")
