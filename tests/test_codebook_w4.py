@@ -14,6 +14,17 @@ from qops.formats.bitsandbytes import codebook
 from qops.native import codebook_w4 as cw
 
 
+# An H200's facts for the plan a refusal checks (132 SMs, clusters, the opt-in shared memory less the
+# kernel's static), in place of a device this machine does not have.
+H200_SMEM = 227 * 1024 - 1024
+
+
+@pytest.fixture(autouse=True)
+def h200_plans(monkeypatch):
+    monkeypatch.setattr(cw.niw, "plan", lambda m, n, k, device: cw.niw._plan(m, n, k, 132, True))
+    monkeypatch.setattr(cw.niw, "smem_optin_bytes", lambda device: H200_SMEM)
+
+
 def _codes(n, k, seed=0):
     return torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
@@ -144,3 +155,16 @@ class _OnCuda:
         return False
 
     __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("n,k,fits", [(4096, 14336, 16), (28672, 4096, 20), (4096, 4096, 32)])
+def test_refusal_names_rows_whose_table_plan_does_not_fit(n, k, fits):
+    """x staged once beside the codebook table outgrows a block's shared memory before MAX_M rows on
+    long-K shapes (an H200's plans): refused naming x's rows and the bytes, not raised from the launch
+    as the int weights' error."""
+    for m in range(1, cw.niw.MAX_M + 1):
+        why = cw.plan_refusal(m, n, k, 0)
+        if m <= fits:
+            assert why is None, (m, why)
+        else:
+            assert why.startswith(f"x has {m} rows, whose plan for N = {n}, K = {k} with the codebook table cannot launch") and "bytes" in why, why

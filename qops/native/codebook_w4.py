@@ -84,6 +84,24 @@ def refusal(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, codebo
     m = x.numel() // k if k else 0
     if m > niw.MAX_M:
         return f"x has {m} rows; the decode kernel takes at most {niw.MAX_M}"
+    if m:
+        return plan_refusal(m, n, k, x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return None
+
+
+def plan_refusal(m: int, n: int, k: int, device: int) -> str | None:
+    """Why the table's plan for ``m`` rows of an (N, K) weight cannot launch on ``device``, or None.
+
+    The plan is the int weights' with the codebook table (:func:`qops.native.int_weight.lut_plan`): x
+    staged once beside the table can take more shared memory than a block may have (4096 x 14336 from
+    17 rows, 28672 x 4096 from 21 by the rule's plans on an H200), which the row count alone does not tell.
+    """
+    try:
+        p = niw.plan(m, n, k, device)
+        if not p.lut:
+            niw.lut_plan(p, n, k, niw.smem_optin_bytes(device))
+    except ValueError as e:
+        return f"x has {m} rows, whose plan for N = {n}, K = {k} with the codebook table cannot launch: {str(e).removeprefix('native_w4a16: ')}"
     return None
 
 

@@ -138,3 +138,12 @@ def test_cuda_graph_replay_and_identical_runs(n, k, m):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, cw.codebook_mm(x, q, scales, code))
+
+
+def test_rows_whose_table_plan_does_not_fit_are_refused_by_name():
+    """4096 x 14336 at 17 rows: x staged once beside the codebook table needs more shared memory than
+    a block may have; refused naming x's rows before any launch (was the int weights' plan error)."""
+    q, _, absmax, code = _weight(4096, 14336)
+    x = torch.randn(17, 14336, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="codebook_mm: x has 17 rows, whose plan for N = 4096, K = 14336 with the codebook table"):
+        cw.codebook_mm(x, q, absmax.half().cuda(), code)
