@@ -119,20 +119,20 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 # A quotient x / scale within this many fp32 ulps of an e4m3 midpoint may round either way, depending
-# on how the device computed it. CUDA divides by the Python float 448 as a multiplication by
-# fp32(1/448) (PyTorch's div_true_kernel_cuda with a CPU scalar), which moves ~60% of the dynamic
-# scales of fp16 / bf16 rows by an ulp from the CPU's quotient and flips a code in ~3% of the rows;
-# Inductor's Triton division need not be correctly rounded either. With fp16 / bf16 x a quotient
-# that is not a midpoint lies ~2^-15 (relative) or more from one, so this marks the ties only.
+# on how the device computed it: a scale computed another way (amax / 448 where qops multiplies by
+# fp32(1/448) -- CUDA itself divided by a Python number so, and the CPU did not, before qops wrote the
+# multiply) moves ~60% of the dynamic scales of fp16 / bf16 rows by an ulp and flips a code in ~3% of
+# the rows; Inductor's Triton division x / scale need not be correctly rounded either. With fp16 / bf16
+# x a quotient that is not a midpoint lies ~2^-15 (relative) or more from one, so this marks the ties only.
 TIE_ULPS = 4
-# An fp32 scale computed another way (reciprocal times amax) is within this of the oracle's.
+# An fp32 scale computed another way (amax / 448, not times the reciprocal) is within this of the oracle's.
 SCALE_SLACK = 2.0**-22
 
 
 def independent_fp8_x(x: torch.Tensor, static_scale: float | None, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 activations as W8A8 quantizes them, written from the format's definition on the host
     (not the op's ``quantize_fp8_activations``, whose GPU run the oracle must not share): the scale
-    is the static one, or amax / 448 in fp32 per token (``group_size`` -1) or per token and 128 K
+    is the static one, or amax times fp32(1 / 448), rounded to fp32, per token (``group_size`` -1) or per token and 128 K
     values; each value x / scale (in fp32, saturated to +-448) rounded to the nearest e4m3 code
     (ties to even, this file's grid), decoded from its bits, times the scale.
 
@@ -149,7 +149,7 @@ def independent_fp8_x(x: torch.Tensor, static_scale: float | None, group_size: i
         padded = np.zeros(x64.shape[:-1] + (groups * g,))
         padded[..., :k] = np.abs(x64)
         amax = padded.reshape(*x64.shape[:-1], groups, g).max(axis=-1) if groups else np.zeros(x64.shape[:-1] + (0,))
-        s = np.where(amax == 0, np.float32(1), amax.astype(np.float32) / np.float32(448)).astype(np.float32)
+        s = np.where(amax == 0, np.float32(1), amax.astype(np.float32) * np.float32(1 / 448)).astype(np.float32)
         s_k = np.repeat(s, g, axis=-1)[..., :k]
     q = fp32_quotient(x64, s_k)
     a = np.abs(q)
@@ -563,29 +563,30 @@ def _amax(x, group_size):
 
 @pytest.mark.parametrize("case", ["fp8-channel", "block128"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_w8a8_check_takes_the_scales_cuda_computes_and_catches_one_wrong_element(case, dtype):
-    """On CUDA, ``amax / 448`` (a Python float) is ``amax * fp32(1/448)``: most dynamic scales an ulp
-    off the CPU's quotient, and the ties of x / scale rounded the other way. Quantized so, W8A8
-    flips codes against the oracle's, past the plain elementwise bound; ``check_fp8_mm`` allows the
-    tied codes and the scale's ulp, and still fails one output just past its bound."""
+def test_w8a8_check_takes_scales_computed_another_way_and_catches_one_wrong_element(case, dtype):
+    """Scales computed as ``amax / 448`` (as CUDA computed them differently from the CPU before qops
+    multiplied by fp32(1/448) on both) are an ulp off the op's in most rows, and the ties of x / scale
+    round the other way. Quantized so, W8A8 flips codes against the oracle's, past the plain
+    elementwise bound; ``check_fp8_mm`` allows the tied codes and the scale's ulp (what a device's or a
+    compiler's own division of x / scale may do), and still fails one output just past its bound."""
     w, c = weight_of(case, activations="dynamic", dtype=dtype)
     want_w = oracle_weight(WEIGHTS[case][0], c)
     n, k = want_w.shape
     x = _x(257, k, dtype, 3)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(dtype)
     amax = _amax(x, w.x_group_size)
-    cuda_scales = amax * torch.tensor(1 / 448, dtype=torch.float32)
-    assert not torch.equal(cuda_scales, amax / 448)
-    y = _w8a8_with_scales(w, x, bias, cuda_scales, dtype)
+    other_scales = amax / 448
+    assert not torch.equal(other_scales, amax * torch.tensor(1 / 448, dtype=torch.float32))
+    y = _w8a8_with_scales(w, x, bias, other_scales, dtype)
     x64, tie = independent_fp8_x(x, None, w.x_group_size)
     assert torch.equal(oracle_x(*quantize_fp8_activations(x, None, w.x_group_size)), x64), "on the CPU the op quantizes as the oracle does"
-    # Every code CUDA's scales move (beyond the scale's own ulp) is a tie the oracle marked.
-    moved = (oracle_x(_quantize_with(x, cuda_scales), cuda_scales) - x64).abs() > SCALE_SLACK * x64.abs()
+    # Every code the other scales move (beyond the scale's own ulp) is a tie the oracle marked.
+    moved = (oracle_x(_quantize_with(x, other_scales), other_scales) - x64).abs() > SCALE_SLACK * x64.abs()
     assert bool(moved.any()) and bool((tie[moved] > 0).all()), (int(moved.sum()), int((tie[moved] == 0).sum()))
     want = oracle_mm(x64, want_w, bias)
     plain = (y.double() - want).abs() / elementwise_bound(x64, want_w, bias, dtype)
     assert float(plain.max()) > 1, "the case shows nothing: no tie moved an output past the plain bound"
-    check_fp8_mm(y, w, want_w, x, bias, TOL[dtype], "CUDA's scales")
+    check_fp8_mm(y, w, want_w, x, bias, TOL[dtype], "scales computed another way")
     # One output off by 1.5x its plain bound (under the relative-norm tolerance): caught.
     r, col = divmod(int(want.abs().reshape(-1).argmax()), n)
     bad = y.clone()
@@ -1083,3 +1084,18 @@ def test_triton_kernel_refuses_group_activation_scales_under_fake_cuda_tensors()
         args = (x, torch.empty(4, 2, device="cuda"), w, torch.empty(2, 2, device="cuda"), None, 128, 128, torch.bfloat16, 1)
         with pytest.raises(ValueError, match=r"kernel=1 \(triton_fp8\) does not serve this call: group activation scales not in \['tensor', 'token'\]"):
             torch.ops.qops.scaled_mm_fp8(*args)
+
+
+@pytest.mark.parametrize("group_size", [-1, 128])
+def test_scales_are_amax_times_the_fp32_reciprocal(group_size):
+    """Dynamic activation scales and the reference quantizer's weight scales are amax times fp32(1/448),
+    bit for bit: one multiply by one fp32 constant rounds alike on the CPU and on CUDA (which divides a
+    tensor by a Python number as that multiply; a CPU division gave other bits in ~60% of rows, and the
+    codes of ties with them). tests/gpu/test_gpu_fp8.py compares the two devices."""
+    x = _x(257, 1000, torch.bfloat16, 9)
+    _, s = quantize_fp8_activations(x, None, group_size)
+    inv = torch.tensor(1 / 448, dtype=torch.float32)
+    assert torch.equal(s, (_amax(x, group_size) * inv).clamp(min=torch.finfo(torch.float32).tiny))
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(3))
+    q = quantize_rtn(w, granularity="channel")
+    assert torch.equal(q.scale.reshape(-1), w.abs().amax(dim=1) * inv)

@@ -43,6 +43,11 @@ from .integer import check_integer
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# Scales are amax times this (rounded to fp32 by the multiply), never amax / 448: CUDA divides a tensor by
+# a Python number as a multiply by its fp32 reciprocal and the CPU divides, so a quotient's last bit (and
+# with it the e4m3 code of a value at a rounding tie) depended on the device; one multiply by one fp32
+# constant rounds alike on every device, eager or compiled.
+FP8_MAX_INV = 1.0 / FP8_MAX
 GRANULARITIES = ("tensor", "channel", "block")
 DEFAULT_BLOCK = (128, 128)
 
@@ -125,7 +130,7 @@ def quantize_rtn(
     block_size: tuple[int, int] = DEFAULT_BLOCK,
     input_scale: torch.Tensor | float | None = None,
 ) -> Fp8Quantized:
-    """Round-to-nearest-even FP8 quantization of ``w`` (N, K): ``scale = amax / 448`` per block.
+    """Round-to-nearest-even FP8 quantization of ``w`` (N, K): ``scale = amax * fp32(1 / 448)`` per block.
 
     Blocks whose amax is 0 get scale 1. ``input_scale``, when given, is stored as the static
     activation scale (fp32 ``(1,)``); calibrate it as ``amax(|x|) / 448`` over sample activations.
@@ -141,7 +146,7 @@ def quantize_rtn(
     # Zero padding up to whole blocks leaves each block's amax unchanged.
     padded = torch.nn.functional.pad(wf.abs(), (0, sk * bk - k, 0, sn * bn - n))
     amax = padded.reshape(sn, bn, sk, bk).amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * FP8_MAX_INV, torch.ones_like(amax))
     s = expand_scale(scale, n, k, block_n, block_k)
     q = (wf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     if input_scale is not None:

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from ..formats.fp8 import FP8_DTYPE, FP8_MAX, Fp8Quantized, dequantize_reference, expand_scale, scale_shape
+from ..formats.fp8 import FP8_DTYPE, FP8_MAX, FP8_MAX_INV, Fp8Quantized, dequantize_reference, expand_scale, scale_shape
 from ..lowerings import (LOWERINGS_BY_KERNEL, LOWERINGS_BY_NAME, X_SCALE_GROUP, CallFacts, Choice, Kernel, WeightSpec, choose,
                          implementation)
 from ._common import (ACT_DTYPES, bias_grad, check_bias, check_dequantize_dtype, check_devices, check_out, check_x, fail, frozen_weight_grads,
@@ -395,7 +395,8 @@ def quantize_fp8_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor
                              group_size: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x (..., K)`` -> ``(x_fp8, x_scale)`` with ``x ~= x_fp8 * x_scale``, in plain torch ops.
 
-    Dynamic (``input_scale`` None): ``group_size`` -1, one scale per token, ``amax(|x[..., :]|) / 448``,
+    Dynamic (``input_scale`` None): ``group_size`` -1, one scale per token, ``amax(|x[..., :]|) * fp32(1 / 448)``
+    (a multiply, so the scale's bits are the same on every device: ``FP8_MAX_INV``),
     shape ``(..., 1)``; ``group_size`` 128, one per token and group of 128 consecutive K values (the
     last group partial when K % 128 != 0), ``amax`` over the group, shape ``(..., ceil(K / 128))``.
     Scales are at least ``MIN_X_SCALE``, so an all-zero token or group stays zero.
@@ -410,7 +411,7 @@ def quantize_fp8_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor
             raise ValueError(fail("quantize_fp8_activations", "group_size goes with dynamic scales; a static input_scale is one per tensor"))
         scale = input_scale.float()
     elif group_size == -1:
-        scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_X_SCALE)
+        scale = (xf.abs().amax(dim=-1, keepdim=True) * FP8_MAX_INV).clamp(min=MIN_X_SCALE)
     else:
         return _quantize_fp8_groups(xf, group_size)
     x_fp8 = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -419,7 +420,7 @@ def quantize_fp8_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor
 
 def _quantize_fp8_groups(xf: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token-group dynamic quantization of fp32 ``xf`` (..., K): each group's values divided by
-    that group's ``amax / 448``."""
+    that group's ``amax * fp32(1 / 448)``."""
     k, lead = xf.shape[-1], xf.shape[:-1]
     groups = -(-k // group_size)
     # Zeros pad K to whole groups: they change no group's amax and are sliced off after rounding.
@@ -429,7 +430,7 @@ def _quantize_fp8_groups(xf: torch.Tensor, group_size: int) -> tuple[torch.Tenso
     # passes them as they are instead of copying them; under torch.compile this is the reduction's own
     # store). Elementwise ops keep the layout.
     amax = grouped.transpose(0, 1).abs().amax(dim=-1).contiguous().t()
-    scale = (amax / FP8_MAX).clamp(min=MIN_X_SCALE)
+    scale = (amax * FP8_MAX_INV).clamp(min=MIN_X_SCALE)
     q = (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.flatten(-2)[..., :k].reshape(*lead, k), scale.reshape(*lead, groups)
 
