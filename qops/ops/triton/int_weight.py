@@ -539,7 +539,8 @@ def _tc_kernel(
             if DEQUANT != 0 and 2 * BLOCK_M > BLOCK_K:
                 # Scaling the product costs BLOCK_M / BLOCK_K instructions per weight, the half tile
                 # 1/2 (a packed multiply per pair): cheaper for tall tiles. s * (q - z) is then
-                # rounded to the activation dtype once, as a dequantized weight would be.
+                # rounded to the activation dtype, as a dequantized weight would be: once where the
+                # scales are stored in it, twice where they are not (the scale itself first).
                 acc = tl.dot(a, b * s.to(DTYPE)[None, :], acc)
             else:
                 # "ieee": fp32 activations (interpreter tests) are not rounded to tf32; fp16/bf16 are unaffected.
