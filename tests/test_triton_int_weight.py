@@ -2,8 +2,10 @@
 
 Without a GPU the root conftest sets TRITON_INTERPRET=1 and the kernels run on CPU tensors (fp16 and
 fp32 only: the interpreter computes bf16 wrongly). Every path is forced through a config table
-(``config_override``) or ``force_path``, with tiles small enough for the interpreter. The oracle is a
-float64 matmul against ``reference_dequantize`` of the same runtime tensors; every result is held to
+(``config_override``) or ``force_path``, with tiles small enough for the interpreter. The runtime
+tensors are packed, and the oracle's float64 weight decoded from them, bit by bit by ``tests.oracle``
+(not qops' packing or ``reference_dequantize``: a misreading of the layout shared by qops' reference
+and its Triton kernels would pass a comparison of the two); every result is held to
 a relative Frobenius error and to ``tests.oracle.check_elementwise`` (a bound per element, which the
 GPU suite applies to the compiled kernels: here it is shown to hold on their arithmetic).
 """
@@ -12,16 +14,17 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
 from qops.formats import FORMATS
-from qops.formats._packing import pack_bits
 from qops.formats.integer import act_order_g_idx
-from qops.ops.int_weight import reference_dequantize, to_column_slabs
+from qops.ops.int_weight import to_column_slabs
 from qops.ops.triton import common as C
 from qops.ops.triton import int_weight as T
 
+from tests import oracle as O
 from tests.oracle import check_elementwise, stride_two
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,22 +53,39 @@ def runtime_weight(n, k, bits, group_size, sym, act_order, zero_offset=1, scale_
     g = torch.Generator().manual_seed(seed)
     n_groups = 1 if group_size == -1 else -(-k // group_size)
     q = torch.randint(0, 2**bits, (k, n), generator=g)
-    qweight = pack_bits(q, bits, dim=0)
+    qweight = O.pack_stream(q.t(), bits).t().contiguous()  # (ceil(K*bits/32), N): each column's K values a stream
     scales = (torch.rand(n_groups, n, generator=g) * 0.02 + 0.005).to(scale_dtype)
     if sym:
         qzeros, zero_offset = None, 0
     else:
         stored = torch.randint(0, 2**bits, (n_groups, n), generator=g)
-        qzeros = pack_bits(stored, bits, dim=1)
+        qzeros = O.pack_stream(stored, bits)  # (G, ceil(N*bits/32)): each group's N zeros a stream
     act_perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     return to(qweight), to(scales), to(qzeros), to(act_perm), zero_offset
 
 
+def independent_weight(qweight, scales, qzeros, k, bits, group_size, zero_offset) -> torch.Tensor:
+    """The float64 weight (N, K) of flat runtime tensors, read bit by bit (``tests.oracle.unpack_stream``):
+    value (k, n) is bits ``k*bits ..`` of column n's stream, zero (g, n) bits ``n*bits ..`` of group g's
+    plus ``zero_offset`` (2**(bits-1) without zeros), scale (g, n), g = k // group_size. Exact: a scale of
+    at most 24 significant bits times an integer below 2**9."""
+    n = qweight.shape[1]
+    q = O.unpack_stream(qweight.cpu().t(), bits, k)  # (N, K)
+    n_groups = scales.shape[0]
+    if qzeros is None:
+        z = np.full((n, n_groups), 2 ** (bits - 1), dtype=np.int64)
+    else:
+        z = O.unpack_stream(qzeros.cpu(), bits, n).T + zero_offset  # (N, G)
+    g = np.zeros(k, dtype=np.int64) if group_size == -1 else np.arange(k) // group_size
+    s = scales.cpu().double().numpy().T  # (N, G)
+    return torch.from_numpy(s[:, g] * (q - z[:, g]).astype(np.float64))
+
+
 def oracle_operands(x, qweight, scales, qzeros, act_perm, bits, group_size, zero_offset):
     """(x with its K columns in the weight's order, float64; the float64 weight (N, K)) of the reference."""
     k = x.shape[-1]
-    w = reference_dequantize(qweight.cpu(), scales.cpu(), None if qzeros is None else qzeros.cpu(), k, bits, group_size, zero_offset).double()
+    w = independent_weight(qweight, scales, qzeros, k, bits, group_size, zero_offset)
     xs = x.cpu().double()
     if act_perm is not None:
         xs = xs.index_select(-1, act_perm.cpu().long())
@@ -265,7 +285,7 @@ def test_one_hot_rows_return_the_dequantized_weight():
     # x = I picks out columns of W exactly (fp32): a bit-exact probe of the unpacking.
     for bits in (2, 3, 4, 8):
         qweight, scales, qzeros, act_perm, zo = runtime_weight(40, 64, bits, 32, False, False, scale_dtype=torch.float32)
-        w = reference_dequantize(qweight.cpu(), scales.cpu(), qzeros.cpu(), 64, bits, 32, zo)
+        w = independent_weight(qweight, scales, qzeros, 64, bits, 32, zo).float()  # rounded once, as the kernel's fp32 product
         eye = torch.eye(64, device=DEVICE)
         for path in ("gemm", "dense"):
             y = T.triton_mm(eye, qweight, scales, qzeros, None, None, bits, 32, zo, force_path=path)
@@ -355,7 +375,7 @@ def test_half_weight_tile_one_hot_is_exact(bits, zero_offset):
     # half tile must give q - z exactly (zero_offset 1: GPTQ v1's z + 1, up to 2**bits).
     group_size = -1 if bits == 2 else 128
     qweight, scales, qzeros, _, zo = runtime_weight(40, 128, bits, group_size, False, False, zero_offset, torch.float32)
-    w = reference_dequantize(qweight.cpu(), scales.cpu(), qzeros.cpu(), 128, bits, group_size, zo)
+    w = independent_weight(qweight, scales, qzeros, 128, bits, group_size, zo).float()
     eye = torch.eye(128, dtype=torch.float16, device=DEVICE)
     assert T.dequant_form(torch.float16, bits, True) != T.Dequant.FP32
     y = T.triton_mm(eye, qweight, scales, qzeros, None, None, bits, group_size, zo, force_path="gemm")
