@@ -10,6 +10,7 @@ import torch
 import qops  # noqa: F401
 
 from compile_tests import harness as H
+from tests import oracle
 from compile_tests.harness import fresh_dynamo  # noqa: F401  (autouse fixture)
 from tests.int_weight_cases import Case, build, int_weight_formats, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
@@ -96,3 +97,21 @@ qops.mm_int_weight(f32[u0, 40], i32[5, 24], f16[1, 24], i32[1, 3], None, None, 4
 qops.mm_int_weight(f32[u0, 64], i32[8, 40], f16[2, 40], None, i32[64], f32[40], 64, 4, 32, 0, 0) -> f32[u0, 40]
 aten.relu(f32[u0, 40]) -> f32[u0, 40]
 qops.mm_int_weight(f32[u0, 40], i32[10, 24], f16[2, 24], i32[2, 6], None, None, 40, 8, 32, 0, 0) -> f32[u0, 24]""")
+
+
+@pytest.mark.parametrize("fmt", int_weight_formats())
+def test_swiglu_compiles_once_for_every_batch_size(fmt):
+    """``mm_int_weight_swiglu`` (fused gate / up: silu of the first N/2 columns times the last N/2)
+    under torch.compile(fullgraph=True): one graph for every batch size, equal to eager, and within
+    float64 rounding of silu(x W_gate^T) * (x W_up^T) from the oracle's weight."""
+    bits, group, sym, act, version = LAYERS[fmt][0]
+    built = build(Case(fmt, bits, group, sym, act, version, 2 * N1, K1))
+    w = built.weight
+    args = (w.qweight, w.scales, w.qzeros, w.act_perm, w.in_features, w.bits, w.group_size, w.zero_offset, int(w.kernel))
+    compiled = torch.compile(lambda x: torch.ops.qops.mm_int_weight_swiglu(x, *args), fullgraph=True)
+    for batch, x, y in H.over_batches(compiled, K1):
+        assert torch.equal(y, torch.ops.qops.mm_int_weight_swiglu(x, *args)), f"batch {batch}: compiled differs from eager"
+        full = oracle.matmul(x, built.w64)
+        want = torch.nn.functional.silu(full[:, :N1]) * full[:, N1:]
+        err = torch.linalg.vector_norm(y.double() - want) / torch.linalg.vector_norm(want).clamp(min=1e-30)
+        assert err < 1e-5, f"batch {batch}: relative error {err:.2e} against the oracle"
