@@ -20,7 +20,7 @@ from qops.formats import FORMATS, get_format
 from qops.formats.fp8 import Fp8BlockCheckpoint, Fp8Checkpoint, quantize_rtn
 from qops.lowerings import DISABLE_ENV, LOWERINGS_BY_NAME, Kernel, WeightSpec, choose
 from qops.ops.fp8 import check_kernel, prepare_fp8_weight, quantize_fp8_activations
-from tests.oracle import elementwise_bound, stride_two
+from tests.oracle import check_elementwise, elementwise_bound, stride_two
 
 FP8 = torch.float8_e4m3fn
 FP8_FORMATS = ("fp8", "compressed-tensors-fp8", "fp8-block")
@@ -395,17 +395,31 @@ def test_mm_fp8_weight_matches_oracle(case, dtype):
     assert tuple(w.mm(x3[0, 0]).shape) == (n,)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ["fp8-tensor", "ct-block"])
-def test_mm_fp8_weight_out_writes_what_mm_fp8_weight_returns(case):
-    w, _ = weight_of(case)
+def test_mm_fp8_weight_out_writes_what_mm_fp8_weight_returns(case, dtype):
+    """The _out form writes into a NaN-poisoned out (contiguous, and every other column of a wider
+    buffer) what the functional op returns, and both meet the float64 oracle (relative and per
+    element): M = 0, 1, 17, 257, 3-D and transposed x, with and without a bias and a workspace."""
+    w, c = weight_of(case, dtype=dtype)
+    want_w = oracle_weight(WEIGHTS[case][0], c)
     n, k = w.out_features, w.in_features
-    bias = torch.randn(n)
-    for shape, b, workspace in (((3, k), bias, torch.empty(512, dtype=torch.uint8)), ((2, 3, k), None, None), ((0, k), bias, None)):
-        x = torch.randn(*shape)
-        out = torch.full((*shape[:-1], n), float("nan"))
-        ret = torch.ops.qops.mm_fp8_weight_out(x, w.weight, w.weight_scale, b, w.block_n, w.block_k, int(w.kernel), out, workspace)
-        assert ret is None
-        assert torch.equal(out, torch.ops.qops.mm_fp8_weight(x, w.weight, w.weight_scale, b, w.block_n, w.block_k, int(w.kernel)))
+    bias = torch.randn(n).to(dtype)
+    cases = (((1, k), bias, torch.empty(512, dtype=torch.uint8)), ((17, k), None, None), ((257, k), bias, None),
+             ((2, 3, k), None, None), ((0, k), bias, None), ("transposed", bias, None))
+    for shape, b, workspace in cases:
+        x = _x(k, 17, dtype, 4).t() if shape == "transposed" else torch.randn(*shape).to(dtype)
+        lead = tuple(x.shape[:-1])
+        for layout in ("contiguous", "strided"):
+            wide = torch.full((*lead, 2 * n), float("nan"), dtype=dtype)
+            out = wide[..., ::2] if layout == "strided" else torch.full((*lead, n), float("nan"), dtype=dtype)
+            ret = torch.ops.qops.mm_fp8_weight_out(x, w.weight, w.weight_scale, b, w.block_n, w.block_k, int(w.kernel), out, workspace)
+            assert ret is None
+            want = torch.ops.qops.mm_fp8_weight(x, w.weight, w.weight_scale, b, w.block_n, w.block_k, int(w.kernel))
+            assert torch.equal(out, want), (shape, layout)
+            if layout == "strided":
+                assert bool(wide[..., 1::2].isnan().all()), "wrote outside out"
+        check_fp8_mm(want.reshape(-1, n), w, want_w, x.reshape(-1, k), b, TOL[dtype], f"{case} {dtype} {shape}")
 
 
 @pytest.mark.parametrize("case", ["fp8-tensor", "ct-channel", "ct-block", "block128"])
@@ -427,6 +441,7 @@ def test_scaled_mm_fp8_matches_oracle(case, x_scales):
             y = torch.ops.qops.scaled_mm_fp8(x_fp8, x_scale, w.weight, w.weight_scale, bias, w.block_n, w.block_k, out_dtype, int(w.kernel))
             assert y.dtype == out_dtype and tuple(y.shape) == (m, n)
             assert rel_err(y, oracle_mm(oracle_x(x_fp8, x_scale), want_w, bias)) <= TOL[out_dtype], (m, out_dtype)
+            check_elementwise(y, oracle_x(x_fp8, x_scale), want_w, bias, out_dtype, f"M={m} {out_dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
