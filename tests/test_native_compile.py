@@ -39,9 +39,10 @@ def test_there_are_sources():
 
 
 def test_sources_have_no_generic_lambdas():
-    # CI compiles with NVRTC 13.5; the H200 machine's NVRTC 13.0 rejects a lambda with an `auto`
-    # parameter in device code ("host functions are not allowed in JIT mode"), which broke every GEMM
-    # build there once (2d2d9d1). A device template function does the same job on both.
+    # NVRTC 13.0 (the H200 machine's, and the one the test extra pins, so CI's too) rejects a lambda
+    # with an `auto` parameter in device code ("host functions are not allowed in JIT mode"), which
+    # NVRTC 13.5 accepted: it broke every GEMM build on the H200 once (2d2d9d1). A device template
+    # function does the same job on both.
     generic = re.compile(r"\[[^\]]*\]\s*\([^)]*\bauto\b")
     found = [f"{p.name}:{i}: {line.strip()}" for p in sorted(compiler.NATIVE_DIR.glob("*.cu*"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if generic.search(line)]
