@@ -107,7 +107,7 @@ COLUMNS = (
     Column("CUDA graphs captured",
            gpu=(REDUCE_OVERHEAD_GPU, "tests/gpu/test_gpu_model.py::test_manual_cuda_graph_capture_replays_eager[{fmt}-{low}]"),
            how="GPU: reduce-overhead with `cudagraph_or_error` and no `cudagraph_skips`, and a manual `torch.cuda.graph` capture "
-               "replayed equal to eager"),
+               "whose replays agree with each other exactly and with eager decode within 1e-3 (relative)"),
     Column("fp16 and bf16: prefill matches fp32",
            cpu=("tests/test_model.py::test_half_precision[{fmt}-{low}-torch.float16]",
                 "tests/test_model.py::test_half_precision[{fmt}-{low}-torch.bfloat16]"),
@@ -115,7 +115,7 @@ COLUMNS = (
                 "tests/gpu/test_gpu_model.py::test_half_precision_decode[{fmt}-{low}-torch.bfloat16]"),
            how="both dtypes required. CPU: `tests/test_model.py::test_half_precision[<format>-<lowering>-torch.float16|torch.bfloat16]`: "
                "a greedy generation in that dtype has finite logits and its first step's (the prefill's) are near the fp32 "
-               "model's; the decode steps' values are compared to nothing. GPU: "
+               "model's; the decode steps' logits are only checked finite. GPU: "
                "`tests/gpu/test_gpu_model.py::test_half_precision_decode[...]`: the forward over the prompt near the fp32 model "
                "on the reference lowering"),
     Column("TP=2 compiles into graphs",
@@ -463,7 +463,8 @@ def render(cpu: Suite, gpu: Suite, torch_version: str, commit: str, notes: tuple
     out += runs_section(gpu) if gpu.given else [
         "- GPU: **not run** -- no GPU results were given, so every GPU cell says \"GPU not run\" (the GPU tests exist: "
         "`tests/gpu/test_gpu_model.py`, run with `pytest -m gpu`)."]
-    out.append("- On the CPU every format runs on its reference lowering; the Triton and native lowerings run on CUDA only.")
+    out.append("- The CPU cells cover the reference lowerings only (the CPU tests read here run every format on its reference "
+               "lowering); the Triton and native lowerings' cells come from the GPU runs.")
     out += [f"- {n}" for n in notes] + [""]
     head = ["format", "lowering"] + [c.title for c in COLUMNS]
     out.append("| " + " | ".join(head) + " |")
