@@ -2,9 +2,11 @@
 quantization scheme (one per registered format) with the lowering it gets on this machine:
 ``fullgraph=True`` (no graph break), one compilation serving every batch size (1, 2, 7 and the
 maximum, the batch dimension unbacked) and every decode step (then ``fail_on_recompile``), the
-eager logits, a graph holding exactly one opaque qops call per quantized linear -- the ``_out`` op,
-all of them given the model's workspace buffer as the one graph input it is, never cloned or copied
--- and no dequantized weight, and a compiled greedy generation equal to the eager one."""
+logits and KV-cache writes of a second, eager model of the same weights on its own cache (the
+compiled model's cache holds NaN wherever its decode steps must write), a graph holding exactly one
+opaque qops call per quantized linear -- the ``_out`` op, all of them given the model's workspace
+buffer as the one graph input it is, never cloned or copied -- and no dequantized weight, and a
+compiled greedy generation equal to the eager one. The same in fp16 and bf16 for one scheme."""
 from __future__ import annotations
 
 import re
@@ -23,6 +25,12 @@ CONFIG = LlamaConfig.tiny()
 MAX_BATCH = 8
 BATCHES = (2, 1, 7, MAX_BATCH)  # the first compiles; the others must not recompile
 STEPS = 3
+HALF_STEPS = 2
+# Compiled against eager in fp16 / bf16: Inductor keeps fp32 inside a fused kernel where eager rounds
+# every op's output to the dtype, so the two differ by rounding: measured 2.1-2.2 u on the logits (fp16
+# 1.0e-3, bf16 8.8e-3) and at most 1.1 u on the cache entries, u = 2^-11 (fp16) or 2^-8 (bf16). Bound:
+# 6 u. A lost cache write does not depend on it: it leaves a NaN (``prefill_then_poison``).
+HALF_BOUND = {dtype: 6 * torch.finfo(dtype).eps / 2 for dtype in (torch.float16, torch.bfloat16)}
 PAIRS = [("none", "dense")] + scheme_lowerings("cpu")
 # The layers hold the model's workspace, so they call the _out ops (on CPU every fp8 layer is W8A16).
 OPS = {"int_weight": "mm_int_weight_out", "fp8": "mm_fp8_weight_out", "int8_weight": "mm_int8_weight_out",
@@ -70,11 +78,43 @@ def test_op_table_covers_the_families():
     assert {FORMATS[s].family for s in QUANT_SCHEMES} == set(OPS)
 
 
+def _caches(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    return [t for layer in model.layers for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+
+
+def prefill_then_poison(model: LlamaForCausalLM, prompts: torch.Tensor) -> torch.Tensor:
+    """``model.prefill(prompts)`` on a zeroed cache (the prefill's attention masks later positions
+    with an additive -inf, which a NaN there would turn into NaN), then NaN in every cache entry from
+    the first decode position on. A decode step reads only positions up to its own (the fused
+    attention never uses the rest), so every entry it reads is one the prefill or an earlier step of
+    this model wrote: a step whose cache writes are lost makes the next step's logits NaN."""
+    for cache in _caches(model):
+        cache.zero_()
+    logits = model.prefill(prompts)
+    for cache in _caches(model):
+        cache[:, :, prompts.shape[1]:] = float("nan")
+    return logits
+
+
+def assert_caches_match(got: LlamaForCausalLM, want: LlamaForCausalLM, rows: int, positions: int, bound: float) -> None:
+    """The cache entries of rows ``[0, rows)`` at positions ``[0, positions)`` (the prefill's and
+    every decode step's, the last step's too, which no step reads back) agree between the models."""
+    for i, (g, w) in enumerate(zip(_caches(got), _caches(want))):
+        g, w = g[:rows, :, :positions], w[:rows, :, :positions]
+        assert g.isfinite().all(), f"cache {i}: an entry a step should have written is still NaN"
+        assert relative_error(g, w) < bound, f"cache {i}: {relative_error(g, w):.3g}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32], ids=str)
 @pytest.mark.parametrize("scheme,lowering", PAIRS, ids=[f"{s}-{low}" for s, low in PAIRS])
 def test_decode_compiles_once_for_every_batch_size_and_step(scheme, lowering, dtype):
-    model = LlamaForCausalLM.random(CONFIG, None if scheme == "none" else scheme, seed=1, dtype=dtype, max_batch=MAX_BATCH,
-                                    max_seq=16, process_group=None)
+    def build():
+        return LlamaForCausalLM.random(CONFIG, None if scheme == "none" else scheme, seed=1, dtype=dtype, max_batch=MAX_BATCH,
+                                       max_seq=16, process_group=None)
+
+    # The eager reference runs on its own model: on a shared cache it would leave every entry the
+    # compiled step is meant to write already written, and a compiled step that lost its writes would pass.
+    model, eager = build(), build()
     if scheme != "none":
         assert {m.choice.lowering.name for m in model.quantized_linears()} == {lowering}
     counter = CompileCounterWithBackend("inductor")
@@ -85,10 +125,11 @@ def test_decode_compiles_once_for_every_batch_size_and_step(scheme, lowering, dt
     with torch.no_grad():
         for i, b in enumerate(BATCHES):
             prompts = torch.randint(0, CONFIG.vocab_size, (b, 3), generator=gen)
-            tok = model.prefill(prompts).argmax(-1)
+            tok = eager.prefill(prompts).argmax(-1)
+            prefill_then_poison(model, prompts)
             for s in range(STEPS):
                 pos = torch.full((b,), 3 + s, dtype=torch.long)
-                want = model.decode(tok, pos)  # the compiled step then rewrites the same cache entries
+                want = eager.decode(tok, pos)
                 tok_c, pos_c = _unbacked(tok.clone(), pos.clone())
                 if i == 0 and s == 0:
                     got, (code, *_) = run_and_get_code(step, tok_c, pos_c)
@@ -98,36 +139,50 @@ def test_decode_compiles_once_for_every_batch_size_and_step(scheme, lowering, dt
                 else:
                     with torch.compiler.set_stance("fail_on_recompile"):
                         got = step(tok_c, pos_c)
+                assert got.isfinite().all(), f"batch {b} step {s}: non-finite logits (a NaN cache entry read)"
                 worst = max(worst, relative_error(got, want))
                 tok = want.argmax(-1)
+            assert_caches_match(model, eager, b, 3 + STEPS, 1e-5)  # fp32: measured at most 2e-7
         # A compiled greedy generation equals the eager one, token for token.
         prompts = torch.randint(0, CONFIG.vocab_size, (5, 4), generator=gen)
-        eager = generate(model, prompts, 6, keep_logits=True)
+        want_gen = generate(eager, prompts, 6, keep_logits=True)
         with torch.compiler.set_stance("fail_on_recompile"):
-            compiled = generate(model, prompts, 6, step=lambda t, p: step(*_unbacked(t, p)), keep_logits=True)
+            compiled = generate(model, prompts, 6, step=lambda t, p: step(*_unbacked(t, p)), keep_logits=True,
+                                prefill=lambda p: prefill_then_poison(model, p))
     assert counter.frame_count == 1, f"{counter.frame_count} compilations"
     assert model.workspace.buffer is workspace and workspace.data_ptr() == ptr, "the workspace was reallocated"
     assert worst < 1e-5, worst
-    assert torch.equal(compiled.tokens, eager.tokens)
-    assert relative_error(compiled.logits, eager.logits) < 1e-5
+    assert torch.equal(compiled.tokens, want_gen.tokens)
+    assert relative_error(compiled.logits, want_gen.logits) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("scheme,lowering", [("gptq", "reference_int_weight")], ids=["gptq-reference_int_weight"])
 def test_decode_compiles_in_half_precision(scheme, lowering, dtype):
-    model = LlamaForCausalLM.random(CONFIG, scheme, seed=1, dtype=dtype, max_batch=4, max_seq=8, process_group=None)
+    def build():
+        return LlamaForCausalLM.random(CONFIG, scheme, seed=1, dtype=dtype, max_batch=4, max_seq=8, process_group=None)
+
+    model, eager = build(), build()  # the eager reference on its own cache, as above
     counter = CompileCounterWithBackend("inductor")
     step = torch.compile(model.decode, fullgraph=True, backend=counter)
     gen = torch.Generator().manual_seed(1)
+    worst = 0.0
     with torch.no_grad():
         for i, b in enumerate((3, 1, 4)):
-            tok = torch.randint(0, CONFIG.vocab_size, (b,), generator=gen)
-            pos = torch.full((b,), i, dtype=torch.long)
-            want = model.decode(tok, pos)
-            with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
-                got = step(*_unbacked(tok.clone(), pos.clone()))
-            assert got.dtype == dtype
-            assert relative_error(got, want) < 1e-2
+            prompts = torch.randint(0, CONFIG.vocab_size, (b, 2), generator=gen)
+            tok = eager.prefill(prompts).argmax(-1)
+            prefill_then_poison(model, prompts)
+            for s in range(HALF_STEPS):
+                pos = torch.full((b,), 2 + s, dtype=torch.long)
+                want = eager.decode(tok, pos)
+                with torch.compiler.set_stance("fail_on_recompile" if i or s else "default"):
+                    got = step(*_unbacked(tok.clone(), pos.clone()))
+                assert got.dtype == dtype
+                assert got.isfinite().all(), f"batch {b} step {s}: non-finite logits (a NaN cache entry read)"
+                worst = max(worst, relative_error(got, want))
+                tok = want.argmax(-1)
+            assert_caches_match(model, eager, b, 2 + HALF_STEPS, HALF_BOUND[dtype])
+    assert worst < HALF_BOUND[dtype], worst
     assert counter.frame_count == 1
 
 
