@@ -41,8 +41,10 @@ class TwoLinear(torch.nn.Module):
 
 
 def unbacked_x(batch: int, k: int, requires_grad: bool = False) -> torch.Tensor:
-    """``(batch, k)`` activations seeded by the batch size, the batch dimension marked unbacked so
-    one graph must serve every size (0 and 1 included)."""
+    """``(batch, k)`` activations seeded by the batch size, the batch dimension marked unbacked, so
+    the graph cannot specialize on any size, 0 and 1 included (``mark_dynamic`` would still
+    specialize both). :data:`BATCHES` runs 1 but not 0: the ops' M = 0 is checked eagerly, and the
+    model's compiled decode step runs batch 0 (``compile_tests/test_compile_model.py``)."""
     x = torch.randn(batch, k, generator=torch.Generator().manual_seed(batch))
     torch._dynamo.decorators.mark_unbacked(x, 0)
     return x.requires_grad_(requires_grad)

@@ -1,7 +1,7 @@
 """torch.compile of the whole reference decoder's step (``LlamaForCausalLM.decode``), for every
 quantization scheme (one per registered format) with the lowering it gets on this machine:
-``fullgraph=True`` (no graph break), one compilation serving every batch size (1, 2, 7 and the
-maximum, the batch dimension unbacked) and every decode step (then ``fail_on_recompile``), the
+``fullgraph=True`` (no graph break), one compilation serving every batch size (0, 1, 2, 7 and
+the maximum, the batch dimension unbacked) and every decode step (then ``fail_on_recompile``), the
 logits and KV-cache writes of a second, eager model of the same weights on its own cache (the
 compiled model's cache holds NaN wherever its decode steps must write), a graph holding exactly one
 opaque qops call per quantized linear -- the ``_out`` op, all of them given the model's workspace
@@ -23,7 +23,9 @@ from qops.models.testing import relative_error, scheme_lowerings
 
 CONFIG = LlamaConfig.tiny()
 MAX_BATCH = 8
-BATCHES = (2, 1, 7, MAX_BATCH)  # the first compiles; the others must not recompile
+# The first compiles; the others must not recompile. Batch 0 (no rows) too: the unbacked batch
+# dimension does not specialize on it, and the step returns (0, vocab) logits.
+BATCHES = (2, 1, 0, 7, MAX_BATCH)
 STEPS = 3
 HALF_STEPS = 2
 # Compiled against eager in fp16 / bf16: Inductor keeps fp32 inside a fused kernel where eager rounds
@@ -139,6 +141,7 @@ def test_decode_compiles_once_for_every_batch_size_and_step(scheme, lowering, dt
                 else:
                     with torch.compiler.set_stance("fail_on_recompile"):
                         got = step(tok_c, pos_c)
+                assert got.shape == (b, CONFIG.vocab_size)
                 assert got.isfinite().all(), f"batch {b} step {s}: non-finite logits (a NaN cache entry read)"
                 worst = max(worst, relative_error(got, want))
                 tok = want.argmax(-1)
