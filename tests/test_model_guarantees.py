@@ -78,7 +78,7 @@ def test_cells_follow_the_outcomes(gm, tmp_path, cols, low):
     assert gm.cell(cols["model compiles fullgraph"], "gptq", ref, cpu, none) == f"CPU pass (1 test) {at}; GPU not run"
     assert gm.cell(cols["model compiles fullgraph"], "awq", ref, cpu, none) == f"CPU skipped (1 test) {at}; GPU not run"
     assert gm.cell(cols["model compiles fullgraph"], "compressed-tensors", ref, cpu, none) == "GPU not run"
-    half = cols["fp16 and bf16: prefill matches fp32"]
+    half = cols["fp16 and bf16 match fp32 at every step"]
     assert gm.cell(half, "gptq", ref, cpu, none) == f"CPU pass (2 tests) {at}; GPU not run"
     assert gm.cell(half, "awq", ref, cpu, none) == f"CPU incomplete (1 of 2 required tests missing) {at}; GPU not run"
     assert gm.cell(half, "compressed-tensors", ref, cpu, none) == "GPU not run"
@@ -123,7 +123,7 @@ def test_one_opcheck_sample_does_not_fill_a_cell(gm, tmp_path, cols, low):
 
 def test_skips_are_never_a_pass(gm, tmp_path, cols, low):
     # The audit's repro: fp16 passed and bf16 skipped read "CPU pass (1, 1 skipped)" though bf16 never ran.
-    half = cols["fp16 and bf16: prefill matches fp32"]
+    half = cols["fp16 and bf16 match fp32 at every step"]
     cpu = gm.read_junit("CPU", _junit(tmp_path / "cpu-1111111-tests.xml", [
         (MODEL, "test_half_precision[gptq-reference_int_weight-torch.float16]", "passed"),
         (MODEL, "test_half_precision[gptq-reference_int_weight-torch.bfloat16]", "skipped"),
