@@ -29,7 +29,7 @@ Static shapes for CUDA graphs. Every tensor a step touches lives at a fixed addr
 A decode step is :meth:`LlamaForCausalLM.decode` ``(tokens (B,), positions (B,)) -> logits (B, V)``:
 no host synchronization, no data-dependent Python control flow, no allocation outside torch's
 allocator, so ``torch.compile(model.decode, fullgraph=True, mode="reduce-overhead")`` and a manual
-``torch.cuda.graph`` capture both take it whole. Inputs: B in ``[1, max_batch]``, T at most
+``torch.cuda.graph`` capture both take it whole. Inputs: B in ``[0, max_batch]`` (an empty batch returns empty logits), T at most
 ``max_seq``, positions of the tokens' shape, each in ``[0, max_seq)``, token ids in ``[0, vocab_size)``.
 Shapes are checked on every call: eagerly, and in a compiled step as run-time asserts without a
 host sync (positions against tokens; B against max_batch where the attention slices the cache);
