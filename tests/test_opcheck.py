@@ -69,7 +69,7 @@ def mm_int_weight_out_samples():
     ws = _weights()
     g = torch.Generator().manual_seed(1)
     out = {}
-    for name in ("gptq4sym", "gptq3v1act", "gptq4g128act", "ct8act", "ct4g128act"):
+    for name in ("gptq4sym", "gptq3v1act", "gptq4g128act", "awq4g128", "ct8act", "ct4g128act"):
         w = ws[name]
         k, n = w.in_features, w.out_features
         variants = {
@@ -105,7 +105,7 @@ def mm_int_weight_swiglu_out_samples():
     ws = _weights()
     g = torch.Generator().manual_seed(3)
     out = {}
-    for name in ("gptq4sym", "gptq4g128act", "ct4g128act"):
+    for name in ("gptq4sym", "gptq4g128act", "awq4g128", "ct4g128act"):
         w = ws[name]
         k, h = w.in_features, w.out_features // 2
         for vname, (x, workspace) in {
