@@ -74,29 +74,38 @@ def test_ops_match_oracle(case):
             assert torch.equal(x, x0), "the op must not write its input"
 
 
+def _activation_layouts(k: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
+    """Per layout: activations of ``dtype`` with last dimension K in that layout, and the strides it must have.
+
+    Each view is taken after the conversion to ``dtype``: ``Tensor.to(dtype)`` of a view that is not
+    dense (a step, an offset, an expand) returns a contiguous copy, so converting the view would
+    hand the op a contiguous fp16/bf16 tensor under a non-contiguous name."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    return {
+        "transposed": (rand(k, 17).t(), (1, 17)),
+        "strided": (rand(9, 2 * k)[:, ::2], (2 * k, 2)),
+        "offset": (rand(5, k + 3)[:, 3:], (k + 3, 1)),
+        "3d-permuted": (rand(7, 3, k).transpose(0, 1), (k, 3 * k, 1)),
+        "3d-k-strided": (rand(2, 5, k, 2)[..., 1], (10 * k, 2 * k, 2)),
+        "broadcast": (rand(1, k).expand(6, k), (0, 1)),
+        "1d": (rand(2 * k)[::2], (2,)),
+    }
+
+
 @pytest.mark.parametrize("case", FEATURED, ids=lambda c: c.id)
 def test_non_contiguous_activations(case):
     b = build(case)
     w = b.weight
     gen = torch.Generator().manual_seed(1)
-    k = case.k
-    layouts = {
-        "transposed": torch.randn(k, 17, generator=gen).t(),
-        "strided": torch.randn(9, 2 * k, generator=gen)[:, ::2],
-        "offset": torch.randn(5, k + 3, generator=gen)[:, 3:],
-        "3d-permuted": torch.randn(7, 3, k, generator=gen).transpose(0, 1),
-        "3d-k-strided": torch.randn(2, 5, k, 2, generator=gen)[..., 1],
-        "broadcast": torch.randn(1, k, generator=gen).expand(6, k),
-        "1d": torch.randn(2 * k, generator=gen)[::2],
-    }
-    bias = torch.randn(2 * case.n, generator=gen)[::2]  # a strided bias too
-    for name, x in layouts.items():
-        assert name == "1d" or not x.is_contiguous()
-        for dtype in ACT_DTYPES:
-            xd = x.to(dtype) if dtype != torch.float32 else x
-            bd = bias.to(dtype)
-            _check(w.mm(xd, bd), xd, b.w64, bd, f"{case.id} {name} {dtype}")
-            _check(_out_call(w, xd, None, None), xd, b.w64, None, f"{case.id} {name} {dtype} out")
+    for dtype in ACT_DTYPES:
+        bias = torch.randn(2 * case.n, generator=gen).to(dtype)[::2]  # a strided bias too
+        assert bias.stride() == (2,), f"{dtype} bias: {bias.stride()}"
+        for name, (x, strides) in _activation_layouts(case.k, dtype, gen).items():
+            assert x.stride() == strides, f"{name} {dtype}: strides {x.stride()}, want {strides}"
+            _check(w.mm(x, bias), x, b.w64, bias, f"{case.id} {name} {dtype}")
+            _check(_out_call(w, x, None, None), x, b.w64, None, f"{case.id} {name} {dtype} out")
 
 
 @pytest.mark.parametrize("case", FEATURED, ids=lambda c: c.id)
