@@ -185,11 +185,17 @@ def test_int8_reference_quantizer():
 
 
 def _x(m, k, dtype, gen, layout):
+    """Activations (M, K) of ``dtype``: "contiguous", "transposed" (column-major) or "strided" (K
+    stride 2). The view is taken after the conversion (``.to(dtype)`` of a strided view returns a
+    contiguous copy), and its strides are checked so that no layout is one in name only."""
     if layout == "transposed":
-        return torch.randn(k, m, generator=gen).t().to(dtype)
-    if layout == "strided":
-        return torch.randn(m, 2 * k, generator=gen)[:, ::2].to(dtype)
-    return torch.randn(m, k, generator=gen).to(dtype)
+        x, strides = torch.randn(k, m, generator=gen).to(dtype).t(), (1, max(m, 1))
+    elif layout == "strided":
+        x, strides = torch.randn(m, 2 * k, generator=gen).to(dtype)[:, ::2], (2 * k, 2)
+    else:
+        x, strides = torch.randn(m, k, generator=gen).to(dtype), (k, 1)
+    assert x.stride() == strides, f"{layout} x {dtype}: strides {x.stride()}, want {strides}"
+    return x
 
 
 @pytest.mark.parametrize("dtype", C.ACT_DTYPES, ids=str)
