@@ -34,14 +34,30 @@ def rel(a, b) -> float:
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def inputs(shape, dtype, seed=0, strided=False):
+def inputs(shape, dtype, seed=0, strided=False, device="cpu"):
+    """x, residual and weight of ``dtype`` on ``device`` (drawn on the CPU: the same values on every
+    device); ``strided``: x a view with K stride 2. The view is taken after the conversion and the
+    move, each of which returns a contiguous copy of a strided view, and its stride is checked."""
     g = torch.Generator().manual_seed(seed)
     k = shape[-1]
-    x = torch.randn(*shape[:-1], 2 * k if strided else k, generator=g)
-    x = (x[..., ::2] if strided else x).to(dtype)
-    r = (3 * torch.randn(*shape, generator=g)).to(dtype)
-    w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    x = torch.randn(*shape[:-1], 2 * k if strided else k, generator=g).to(device=device, dtype=dtype)
+    if strided:
+        x = x[..., ::2]
+        assert x.stride(-1) == 2, f"strided x {dtype} on {device}: strides {x.stride()}"
+    r = (3 * torch.randn(*shape, generator=g)).to(device=device, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(k, generator=g)).to(device=device, dtype=dtype)
     return x, r, w
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_strided_inputs_stay_strided_on_the_device_asked_for(device):
+    """tests/gpu builds its inputs with device="cuda"; "meta" stands in for a second device here (its
+    ``.to`` of a strided view is a contiguous copy too, as ``.cuda()``'s is)."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x, r, w = inputs((2, 3, 96), dtype, strided=True, device=device)
+        assert x.device.type == device and x.dtype == dtype and x.shape == (2, 3, 96), (x.device, x.dtype, x.shape)
+        assert x.stride() == (3 * 192, 192, 2), f"{dtype} on {device}: strides {x.stride()}"
+        assert r.device.type == w.device.type == device and r.dtype == w.dtype == dtype
 
 
 def check(got, x, r, w, what):
