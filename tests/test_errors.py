@@ -14,6 +14,7 @@ from qops.formats import FORMATS
 from qops.formats.integer import act_order_g_idx
 from qops.lowerings import DISABLE_ENV, LOWERINGS, NoLoweringError, WeightSpec, choose, disabled_lowerings
 
+from tests import bnb_cases
 from tests.int_weight_cases import Case, build, one_thread, random_int_quantized  # noqa: F401  (one_thread: autouse fixture)
 
 MODES = ("eager", "fake", "compile")
@@ -361,6 +362,104 @@ def _fp8_out_args(**changes) -> dict:
 )
 def test_mm_fp8_weight_out_bad_input(changes, pattern, mode):
     expect_error(torch.ops.qops.mm_fp8_weight_out, _fp8_out_args(**changes), mode, pattern)
+
+
+# The int8_weight and blockwise4 families' _out ops (their allocating ops' bad inputs are in
+# tests/test_bitsandbytes.py): every input check and each check of out, under the _out op's name.
+INT8_CASE = bnb_cases.INT8_CASES[0]  # bitsandbytes int8, N=33, K=97
+BLOCKWISE4_CASE = bnb_cases.BLOCKWISE4_CASES[0]  # NF4, N=33, K=96, blocksize 64, nested absmax
+
+
+@pytest.fixture(scope="module")
+def int8_weight():
+    return bnb_cases.build(INT8_CASE).weight
+
+
+@pytest.fixture(scope="module")
+def blockwise4_weight():
+    return bnb_cases.build(BLOCKWISE4_CASE).weight
+
+
+def _int8_out_args(w, **changes) -> dict:
+    n = w.qweight.shape[0]
+    args = dict(x=torch.randn(3, w.in_features), qweight=w.qweight, scales=w.scales, bias=torch.randn(n), kernel=int(w.kernel),
+                out=torch.empty(3, n), workspace=None)
+    args.update(changes)
+    return args
+
+
+def _blockwise4_out_args(w, **changes) -> dict:
+    names = ("qweight", "code", "absmax", "nested_code", "nested_absmax", "nested_offset")
+    statics = ("out_features", "in_features", "blocksize", "nested_blocksize", "layout")
+    args = dict(x=torch.randn(3, w.in_features), **dict(zip(names, w._weight_args())), bias=torch.randn(w.out_features),
+                **dict(zip(statics, w._static_args())), kernel=int(w.kernel), out=torch.empty(3, w.out_features), workspace=None)
+    args.update(changes)
+    return args
+
+
+def _bad_out(n: int) -> dict:
+    """Bad ``out`` buffers for an op whose output is (3, n) float32 (x: (3, K) float32 on the CPU)."""
+    return {
+        "out-dtype": (dict(out=torch.empty(3, n, dtype=torch.float16)), r"out must have the dtype of x \(torch.float32\), got torch.float16"),
+        "out-shape": (dict(out=torch.empty(3, n + 1)), rf"out must have shape \(3, {n}\), got \(3, {n + 1}\)"),
+        "out-rank": (dict(out=torch.empty(3, 1, n)), rf"out must have shape \(3, {n}\), got \(3, 1, {n}\)"),
+        "out-device": (dict(out=torch.empty(3, n, device=META)), r"out must be on cpu \(the device of x\), got meta"),
+    }
+
+
+def _bad_int8_out_inputs(w) -> dict:
+    k, n = w.in_features, w.qweight.shape[0]
+    return {
+        "x-float64": (dict(x=torch.randn(3, k, dtype=torch.float64)), r"x must be float32, float16 or bfloat16, got torch.float64"),
+        "qweight-int16": (dict(qweight=w.qweight.to(torch.int16)), r"qweight must be torch.int8, got torch.int16"),
+        "qweight-K": (dict(qweight=w.qweight[:, :-1]), rf"qweight must have K={k} columns \(the last dimension of x\), got {k - 1}"),
+        "scales-shape": (dict(scales=w.scales[:-1]), rf"scales must have shape \({n},\) \(N from qweight\), got \({n - 1},\)"),
+        "scales-int32": (dict(scales=w.scales.int()), r"scales must be float32, float16 or bfloat16, got torch.int32"),
+        "bias-shape": (dict(bias=torch.randn(n + 1)), rf"bias must have shape \({n},\) \(N\), got \({n + 1},\)"),
+        "qweight-meta": (dict(qweight=w.qweight.to(META)), r"qweight must be on cpu \(the device of x\), got meta"),
+        "scales-meta": (dict(scales=w.scales.to(META)), r"scales must be on cpu \(the device of x\), got meta"),
+        "bias-meta": (dict(bias=torch.randn(n, device=META)), r"bias must be on cpu \(the device of x\), got meta"),
+        "x-meta": (dict(x=torch.randn(3, k, device=META), out=torch.empty(3, n, device=META)), r"qweight must be on meta \(the device of x\), got cpu"),
+        "kernel-unknown": (dict(kernel=97), r"kernel must be one of \[[0-9, ]+\] for int8_weight, got 97"),
+        "kernel-cuda-only": (dict(kernel=int(qops.Kernel.TRITON)), r"kernel=1 \(triton_int8_weight\) runs on \['cuda'\], but the inputs are on cpu"),
+        **_bad_out(n),
+    }
+
+
+def _bad_blockwise4_out_inputs(w) -> dict:
+    k, n = w.in_features, w.out_features
+    tensors = {name: t for name, t in zip(("qweight", "code", "absmax", "nested_code", "nested_absmax", "nested_offset"), w._weight_args())}
+    return {
+        "x-K": (dict(x=torch.randn(3, k + 1)), rf"x must have in_features={k} in its last dimension, got shape \(3, {k + 1}\)"),
+        "qweight-shape": (dict(qweight=w.qweight[:-1]), rf"qweight must have shape \({n * k // 2},\) .*got \({n * k // 2 - 1},\)"),
+        "code-shape": (dict(code=w.code[:8]), r"code must have shape \(16,\), got \(8,\)"),
+        "absmax-shape": (dict(absmax=w.absmax[:-1]), r"absmax must have shape \(50,\) .*got \(49,\)"),
+        "absmax-float16": (dict(absmax=w.absmax.half()), r"absmax must be torch.float32 \(plain\) or torch.uint8 \(nested\), got torch.float16"),
+        "nested_offset-missing": (dict(nested_offset=None), r"nested_offset is required when absmax is uint8 \(nested\)"),
+        "bias-shape": (dict(bias=torch.randn(n + 1)), rf"bias must have shape \({n},\) \(N\), got \({n + 1},\)"),
+        **{f"{name}-meta": (dict(**{name: t.to(META)}), rf"{name} must be on cpu \(the device of x\), got meta") for name, t in tensors.items()},
+        "bias-meta": (dict(bias=torch.randn(n, device=META)), r"bias must be on cpu \(the device of x\), got meta"),
+        "x-meta": (dict(x=torch.randn(3, k, device=META), out=torch.empty(3, n, device=META)), r"qweight must be on meta \(the device of x\), got cpu"),
+        "layout": (dict(layout=3), r"layout must be one of .*got 3"),
+        "kernel-unknown": (dict(kernel=97), r"kernel must be one of \[[0-9, ]+\] for blockwise4, got 97"),
+        "kernel-cuda-only": (dict(kernel=int(qops.Kernel.TRITON)), r"kernel=1 \(triton_blockwise4\) runs on \['cuda'\], but the inputs are on cpu"),
+        **_bad_out(n),
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", sorted(_bad_int8_out_inputs(bnb_cases.build(INT8_CASE).weight)))
+def test_mm_int8_weight_out_bad_input(int8_weight, bad, mode):
+    changes, pattern = _bad_int8_out_inputs(int8_weight)[bad]
+    # Named after the _out op: a message from the allocating op's checks would say mm_int8_weight.
+    expect_error(torch.ops.qops.mm_int8_weight_out, _int8_out_args(int8_weight, **changes), mode, "mm_int8_weight_out: " + pattern)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", sorted(_bad_blockwise4_out_inputs(bnb_cases.build(BLOCKWISE4_CASE).weight)))
+def test_mm_blockwise4_out_bad_input(blockwise4_weight, bad, mode):
+    changes, pattern = _bad_blockwise4_out_inputs(blockwise4_weight)[bad]
+    expect_error(torch.ops.qops.mm_blockwise4_out, _blockwise4_out_args(blockwise4_weight, **changes), mode, "mm_blockwise4_out: " + pattern)
 
 
 def _fake_cuda(*shape, dtype=torch.float16):
