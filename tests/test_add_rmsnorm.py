@@ -3,9 +3,9 @@
 The oracle is float64 and written out here: the sum rounded to the dtype (the residual stream is
 stored in it), then ``weight * round(s / sqrt(mean(s^2) + eps))``. Checked: the CPU kernel and the
 Triton kernel under ``TRITON_INTERPRET=1`` (fp32 / fp16: the interpreter computes bf16 wrongly) for
-rows 0, 1, 5, 3-D inputs, K off the power-of-two grid and strided x; ``opcheck``; errors naming the
-argument, eagerly and under ``FakeTensorMode``; the Llama layer calling it (eager and compiled equal
-to the plain sum and norm).
+rows 0, 1, 5, 3-D inputs, K off the power-of-two grid, strided x and a strided weight; ``opcheck``;
+errors naming the argument, eagerly and under ``FakeTensorMode``; the Llama layer calling it (eager
+and compiled equal to the plain sum and norm).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from qops.models import norm as N
 from tests.int_weight_cases import one_thread  # noqa: F401  (autouse: small products on one thread)
+from tests.oracle import stride_two
 
 OP = torch.ops.qops.add_rmsnorm.default
 EPS = 1e-5
@@ -80,6 +81,7 @@ def test_cpu_kernel_matches_the_oracle(shape, dtype):
     check(OP(x, r, w, EPS), x, r, w, f"{shape} {dtype}")
     xs, rs, ws = inputs(shape, dtype, seed=7, strided=True)
     check(OP(xs, rs, ws, EPS), xs, rs, ws, f"{shape} {dtype} strided x")
+    check(OP(xs, rs, stride_two(ws), EPS), xs, rs, stride_two(ws), f"{shape} {dtype} strided x, weight of stride 2")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -89,6 +91,10 @@ def test_triton_kernel_matches_the_oracle(shape, dtype):
         pytest.skip("triton is not importable")
     x, r, w = inputs(shape, dtype, seed=3, strided=True)
     check(N.triton_add_rmsnorm(x, r, w, EPS), x, r, w, f"{shape} {dtype}")
+    # The op takes a weight of any strides (the CPU kernel: test above); the kernel reads it through its stride.
+    ws = stride_two(w)
+    assert ws.stride() == (2,)
+    check(N.triton_add_rmsnorm(x, r, ws, EPS), x, r, ws, f"{shape} {dtype} weight of stride 2")
 
 
 def add_rmsnorm_samples() -> dict[str, tuple]:

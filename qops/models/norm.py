@@ -1,8 +1,8 @@
 """``qops::add_rmsnorm``: a residual add and the RMSNorm after it in one kernel (what Inductor ran as
 two or three small kernels between a decoder layer's attention and its MLP: benchmarks/NOTES.md, stop 21).
 
-Arguments: ``x`` and ``residual`` ``(..., K)`` of one float dtype (any strides), ``weight`` ``(K,)`` of
-that dtype, ``eps``. Returns ``(out, summed)``, both ``(..., K)`` contiguous in that dtype:
+Arguments: ``x`` and ``residual`` ``(..., K)`` of one float dtype, ``weight`` ``(K,)`` of that dtype
+(all three any strides), ``eps``. Returns ``(out, summed)``, both ``(..., K)`` contiguous in that dtype:
 
 - ``summed = x + residual``, rounded to the dtype (the new residual stream);
 - ``out = weight * (s * rsqrt(mean(s^2) + eps))`` with ``s = summed`` in fp32, the normalized value
@@ -77,7 +77,7 @@ def reference_add_rmsnorm(x, residual, weight, eps) -> tuple[torch.Tensor, torch
 triton = tl = None  # bound by jit_if_triton
 
 
-def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_xk, stride_r, stride_rk, K, eps,
+def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_xk, stride_r, stride_rk, stride_w, K, eps,
                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
@@ -90,7 +90,7 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_
         tl.extra.cuda.gdc_wait()  # x and residual come from the kernels ahead
     x = tl.load(x_ptr + row * stride_x + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs * stride_rk, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs * stride_w, mask=mask, other=0.0).to(tl.float32)
     s = (x + r).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * K + offs, s, mask=mask)
     sf = s.to(tl.float32)
@@ -120,6 +120,6 @@ def triton_add_rmsnorm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Te
     block = triton.next_power_of_2(k)
     pdl = pdl_launch(x.device)
     extra = {"launch_pdl": True} if pdl else {}
-    kernel[(rows,)](x2, r2, weight, out, summed, x2.stride(0), x2.stride(1), r2.stride(0), r2.stride(1), k, eps,
+    kernel[(rows,)](x2, r2, weight, out, summed, x2.stride(0), x2.stride(1), r2.stride(0), r2.stride(1), weight.stride(0), k, eps,
                     BLOCK_K=block, PDL=pdl, num_warps=max(1, min(16, block // 512)), **extra)
     return out, summed
