@@ -1,12 +1,13 @@
 """``qops::add_rmsnorm`` on a CUDA device (the Triton kernel, launched with programmatic dependent
 launch on sm_90), against the float64 oracle of ``tests/test_add_rmsnorm.py``: the decoder's
-widths, odd K, strided x, no rows (2-D and 3-D), all three dtypes, eagerly and replayed from a CUDA graph
+widths, odd K, strided x and weight, no rows (2-D and 3-D), all three dtypes, eagerly and replayed from a CUDA graph
 right behind the kernel that writes its input (outputs NaN before each replay)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.oracle import stride_two
 from tests.test_add_rmsnorm import EPS, TOL, check, inputs
 
 pytestmark = pytest.mark.gpu
@@ -21,6 +22,10 @@ def test_matches_the_oracle(shape, dtype):
         x, r, w = inputs(shape, dtype, seed=len(shape), strided=strided, device="cuda")  # the view taken on the GPU: .cuda() of one is contiguous
         got = tuple(t.cpu() for t in OP(x, r, w, EPS))
         check(got, x.cpu(), r.cpu(), w.cpu(), f"{shape} {dtype} strided={strided}")
+        if strided:  # the weight of stride 2 too (the Triton kernel read it as contiguous before 559d92d)
+            ws = stride_two(w)
+            got = tuple(t.cpu() for t in OP(x, r, ws, EPS))
+            check(got, x.cpu(), r.cpu(), ws.cpu(), f"{shape} {dtype} strided x, weight of stride 2")
 
 
 def test_replayed_behind_the_kernel_writing_its_input():
