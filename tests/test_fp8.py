@@ -983,11 +983,14 @@ def test_triton_takes_the_split_k_accumulator_from_the_workspace(view):
     x = _x(m, k, torch.float16, 12)
     bias = torch.randn(n).half()
     workspace = torch.full((4 * m * n + 5,), 255, dtype=torch.uint8)  # garbage: must not matter
-    out = {"2d": torch.full((m, n), float("nan")), "3d": torch.full((1, m, n), float("nan")),
-           "strided": torch.full((m, 2 * n), float("nan"))[:, ::2]}[view].half()
+    wide = torch.full((m, 2 * n), float("nan"), dtype=torch.float16)
+    out = {"2d": torch.full((m, n), float("nan"), dtype=torch.float16), "3d": torch.full((1, m, n), float("nan"), dtype=torch.float16),
+           "strided": wide[:, ::2]}[view]  # the view taken in fp16: a .half() of it would be a contiguous copy
+    assert view != "strided" or out.stride() == (2 * n, 2)
     xv = x.reshape(1, m, k) if view == "3d" else x
     ret = triton_mm(xv, None, w.weight, w.weight_scale, bias, w.block_n, w.block_k, torch.float16, out, workspace, config=config)
     assert ret is out and rel_err(out.reshape(m, n), oracle_mm(x, want_w, bias)) <= TOL[torch.float16]
+    assert view != "strided" or bool(wide[:, 1::2].isnan().all()), "wrote outside out"
     # The accumulator lived in the workspace: its first 4*M*N bytes hold the fp32 result.
     acc = workspace[: 4 * m * n].view(torch.float32).view(m, n)
     assert rel_err(acc, oracle_mm(x, want_w, bias)) <= TOL[torch.float16]
