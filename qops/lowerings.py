@@ -501,12 +501,12 @@ def lowering_for(family: str, kernel: int, device: torch.device, who: str, facts
         low = LOWERINGS_BY_KERNEL[(family, Kernel(kernel))]
     except (KeyError, ValueError):
         known = sorted(int(k) for f, k in LOWERINGS_BY_KERNEL if f == family)
-        raise ValueError(f"{who}: kernel must be one of {known} for {family}, got {kernel}") from None
+        raise ValueError(f"qops.{who}: kernel must be one of {known} for {family}, got {kernel}") from None
     if device.type != "meta" and device.type not in low.device_types:
-        raise ValueError(f"{who}: kernel={int(kernel)} ({low.name}) runs on {sorted(low.device_types)}, but the inputs are on {device}")
+        raise ValueError(f"qops.{who}: kernel={int(kernel)} ({low.name}) runs on {sorted(low.device_types)}, but the inputs are on {device}")
     why = low.call_refusal(facts) if facts is not None else None
     if why is not None:
-        raise ValueError(f"{who}: kernel={int(kernel)} ({low.name}) does not serve this call: {why}")
+        raise ValueError(f"qops.{who}: kernel={int(kernel)} ({low.name}) does not serve this call: {why}")
     return low
 
 
