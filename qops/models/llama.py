@@ -475,7 +475,9 @@ class LlamaForCausalLM(nn.Module):
         max_batch, max_seq = self.max_batch, self.max_seq
         if torch.compiler.is_compiling():
             for i in range(dims):
-                torch._check(positions.shape[i] == tokens.shape[i], lambda: f"{who}: positions must have the shape of tokens")
+                # A constant message: torch 2.11's Dynamo refuses a message function that reads a variable
+                # from outside it (``who`` here), the whole step with it (2.13's accepts one).
+                torch._check(positions.shape[i] == tokens.shape[i], lambda: "qops model step: positions must have the shape of tokens")
             return
         if positions.shape != tokens.shape:
             raise ValueError(f"{who}: positions must have the shape of tokens {tuple(tokens.shape)}, got {tuple(positions.shape)}")
