@@ -15,7 +15,10 @@ One run on one GPU measures everything side by side with one method (PERF.md, "H
   timed with its PDL overlap between back-to-back calls (``qops_chained_us``);
 - roofline per row: max(PERF.md's W4 bytes / copy bandwidth, 2*M*N*K / bf16 peak), the ceilings
   PERF.md's or this run's where higher (``common.ceilings``); ``pct_roofline_read`` is the same over
-  the bytes the prepared weight really holds (4-bit zeros: ~2% fewer than PERF.md's formula).
+  the bytes the prepared weight really holds (4-bit zeros: ~2% fewer than PERF.md's formula);
+- at M <= 16, ``read_floor_us``: a load-only launch over those bytes, timed with the candidates
+  (read_floor.py), and ``pct_read_floor`` = read_floor_us / qops_us: what the kernel's own work costs
+  beyond what any isolated launch reading that weight pays.
 
 Writes ``$OUT/bench_int_weight.json`` (when ``$OUT`` is set) and ``--out``; prints the rows as
 they come, then a compact table and a TARGETS block (PERF.md "Targets for qops on the H200").
@@ -44,6 +47,7 @@ import torch
 
 import common
 from common import LARGE_SHAPES, ROOT, clone_tensors, n_copies, rel_err, short_err
+from read_floor import LoadOnlyKernel, read_floor_callables
 
 MS = [1, 4, 16, 64, 256, 2048]
 QUICK_SHAPES = [(4096, 4096), (57344, 8192)]
@@ -52,6 +56,7 @@ DRY_SHAPES = [(256, 256), (384, 512)]
 DRY_MS = [1, 4, 16]
 
 BITS, GROUP = 4, 128
+READ_FLOOR_MAX_M = 16  # the weight-bound rows, where a load-only launch over the weight's bytes is a floor
 LOWERINGS = ("triton_int_weight", "native_w4a16")
 
 # PERF.md "Targets for qops on the H200", W4A16 rows.
@@ -324,6 +329,19 @@ def run(args) -> int:
     res["gemlite"] = gemlite_status
     print(f"gemlite: {gemlite_status}", flush=True)
 
+    # The load-only kernel over each shape's prepared weight bytes (read_floor.py), at M <= READ_FLOOR_MAX_M
+    read_floor_kernel = None
+    if gpu:
+        try:
+            read_floor_kernel = LoadOnlyKernel()
+            res["read_floor"] = (f"load-only launch over the prepared weight's bytes (tiles, {2 * read_floor_kernel.sms} blocks), "
+                                 f"timed with the candidates at M <= {READ_FLOOR_MAX_M}")
+        except Exception as e:  # noqa: BLE001 - the floor is context, not a result: the run goes on without it
+            res["read_floor"] = f"failed: {short_err(e)}"
+    else:
+        res["read_floor"] = "not measured: CUDA only"
+    print(f"read floor: {res['read_floor']}", flush=True)
+
     rows, shape_info, skipped = [], [], []
     res["rows"], res["shapes"], res["skipped"] = rows, shape_info, skipped
     fatal = None
@@ -427,6 +445,10 @@ def run(args) -> int:
                 peer_notes["gemlite"] = f"failed: {short_err(e)}"
                 fatal = fatal or (short_err(e) if is_fatal_cuda(e) else None)
         info["peers"] = peer_notes
+        floor_fns = None
+        if read_floor_kernel is not None and not fatal and any(m <= READ_FLOOR_MAX_M for m in args.m_list):
+            info["read_floor_bytes"] = iw.nbytes()
+            floor_fns = read_floor_callables(read_floor_kernel, iw.nbytes())
         print(f"== {N}x{K}: default lowering {info['default_lowering']}; {lowering_notes}; {peer_notes}", flush=True)
 
         for M in args.m_list:
@@ -481,6 +503,8 @@ def run(args) -> int:
                         cands["qops:" + name] = [lambda c=c: common.isolated_call(c.mm, x) for c in variants[name]]
                         if name in chained:
                             cands["qops-chained:" + name] = [lambda c=c: c.mm(x) for c in variants[name]]
+                if floor_fns is not None and M <= READ_FLOOR_MAX_M:
+                    cands["read_floor"] = floor_fns
             times, errors = time_candidates(cands, args, dry)
             for name, err in errors.items():
                 print(f"  {name} {N}x{K} M={M} failed: {err}", flush=True)
@@ -491,6 +515,10 @@ def run(args) -> int:
             peer_fields = {"cublas_fp16_us": r2(peer_us["cublas_fp16"]), "cublas_bf16_us": r2(peer_us["cublas_bf16"]),
                            "torch_int4_us": r2(peer_us["torch_int4"]), "gemlite_us": r2(peer_us["gemlite"]),
                            "roofline_us": r2(roof_us, 3)}
+            if "read_floor" in times:
+                peer_fields["read_floor_us"] = r2(times["read_floor"][0])
+            elif "read_floor" in errors:
+                peer_fields["read_floor_error"] = short_err(errors["read_floor"])
             for name, row in checked.items():
                 row.update(peer_fields)
                 timing.pop("qops", None)
@@ -512,6 +540,8 @@ def run(args) -> int:
                         timing["qops_chained"] = tcinfo
                     if peer_us["cublas_fp16"]:
                         row["speedup_vs_fp16"] = r2(peer_us["cublas_fp16"] / t, 3)
+                    if row.get("read_floor_us"):
+                        row["pct_read_floor"] = r2(100 * row["read_floor_us"] / t, 1)
                 elif key in errors and "error" not in row:
                     row["error"] = f"timing failed: {short_err(errors[key])}"
                 row["timing"] = dict(timing)
@@ -522,7 +552,7 @@ def run(args) -> int:
         if dev.type == "cuda":
             info["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         # free everything of this shape before the next
-        w = ckpt = iw = W64 = iq = q = zr = sc = variants = peers = w16s = wbs = wb = None  # noqa: F841
+        w = ckpt = iw = W64 = iq = q = zr = sc = variants = peers = w16s = wbs = wb = floor_fns = None  # noqa: F841
         tg = sz = tgs = gls = xt = None  # noqa: F841
         gc.collect()
         if dev.type == "cuda":
@@ -567,10 +597,11 @@ def render_table(rows, args) -> str:
     head = f"{'N x K':>11} {'M':>5} |"
     for l in lows:
         head += f" {_short(l)[:7]:>7} {'%roof':>5} {'xfp16':>5}" + (f" {'chained':>7} |" if l in chained else " |")
-    head += f" {'fp16':>7} {'bf16':>7} {'int4':>7} {'gemlite':>7} | {'roof':>6}"
+    head += f" {'fp16':>7} {'bf16':>7} {'int4':>7} {'gemlite':>7} | {'roof':>6} {'floor':>6}"
     lines = ["", "qops mm_int_weight, GPTQ W4 g128 asym, fp16 activations: microseconds (lower is better);"
              " %roof = roofline / qops; xfp16 = cuBLAS fp16 / qops; chained = back-to-back calls overlapping through PDL"
-             " (the others: each call after the last has finished); '!' = failed correctness, 'E' = error", head,
+             " (the others: each call after the last has finished); roof = the roofline, floor = a load-only launch over the"
+             " prepared weight's bytes (M <= 16); '!' = failed correctness, 'E' = error", head,
              "-" * len(head)]
     for (N, K, M), d in by.items():
         any_r = next(iter(d.values()))
@@ -586,7 +617,7 @@ def render_table(rows, args) -> str:
             sp = "-" if r["speedup_vs_fp16"] is None else f"{r['speedup_vs_fp16']:.2f}"
             line += f" {us:>7} {pct:>5} {sp:>5}" + (f" {_f(r.get('qops_chained_us')):>7} |" if l in chained else " |")
         line += (f" {_f(any_r['cublas_fp16_us']):>7} {_f(any_r['cublas_bf16_us']):>7} {_f(any_r['torch_int4_us']):>7}"
-                 f" {_f(any_r['gemlite_us']):>7} | {_f(any_r['roofline_us'], 2):>6}")
+                 f" {_f(any_r['gemlite_us']):>7} | {_f(any_r['roofline_us'], 2):>6} {_f(any_r.get('read_floor_us'), 2):>6}")
         lines.append(line)
     return "\n".join(lines)
 

@@ -1,0 +1,37 @@
+"""``benchmarks/bench_int_weight.py --dry-run`` (its building, correctness, timing, JSON, table and TARGETS
+code on tiny shapes on the CPU; its numbers mean nothing) and the load-only kernel of
+``benchmarks/read_floor.py`` that the GPU run times beside the matmuls."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from qops.native import compiler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_dry_run_rows_and_no_read_floor_without_cuda(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.delenv("OUT", raising=False)
+    import bench_int_weight
+
+    out = tmp_path / "b.json"
+    assert bench_int_weight.main(["--dry-run", "--ms", "1,16", "--trials", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["read_floor"] == "not measured: CUDA only"
+    assert [(r["N"], r["K"], r["M"]) for r in res["rows"]] == [(256, 256, 1), (256, 256, 16), (384, 512, 1), (384, 512, 16)]
+    assert all(r["correct"] and "read_floor_us" not in r and "pct_read_floor" not in r for r in res["rows"])
+    printed = capsys.readouterr().out
+    assert " floor" in printed and "TARGETS" in printed
+
+
+@pytest.mark.skipif(compiler.runtime_missing() is not None, reason=f"NVRTC unusable: {compiler.runtime_missing()}")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_load_only_kernel_compiles(arch, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import read_floor
+
+    assert compiler.cubin_problem(compiler.compile(read_floor.SOURCE, arch)) is None
