@@ -304,8 +304,7 @@ def run(args) -> int:
             "roofline": f"max((N*K/2 + 4*N*K/{GROUP} + 2*M*(N+K)) B / copy_TBps, 2*M*N*K / bf16_TFLOPs); ceilings "
                         "PERF.md's (4.25 TB/s, 810 TFLOP/s) or this run's measurement where higher; roofline_read_us: "
                         "the prepared weight's own bytes + 2*M*(N+K)",
-            "isolation": "qops_us: native launches without PDL, so no call overlaps the previous one (as every peer), "
-                         "taking their x-first builds where they have one (native.launch_plan); "
+            "isolation": "qops_us: native launches without PDL, so no call overlaps the previous one (as every peer); "
                          "qops_chained_us: the native lowering as it launches by default, PDL overlapping back-to-back calls",
             "reference": "float64, decoded from the GPTQ checkpoint tensors independently of qops",
             "x": "torch.randn(M, K) fp16 (bf16 copy for cuBLAS bf16 and torch int4)",

@@ -193,8 +193,7 @@ def isolated_call(f, *args):
     weights while the previous one drains (0.91-0.95x the time at M = 1, benchmarks/NOTES.md stop
     16): a pipelined throughput no peer gets, which the benchmarks report beside as
     ``qops_chained_us``. ``QOPS_NATIVE_PDL`` is read at every launch, so it holds for the launches
-    a graph captures here; such launches take their x-first builds (``qops.native.int_weight.launch_plan``:
-    x's loads before the weights', where the kernel ahead has finished anyway)."""
+    a graph captures here."""
     from qops.native import int_weight as niw
 
     before = os.environ.get(niw.PDL_ENV)

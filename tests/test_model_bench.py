@@ -274,8 +274,7 @@ def test_interleaved_trials_rotate_the_order_every_round(monkeypatch):
 
 def test_record_native_builds_lists_what_the_warm_up_of_an_h200_asks_for(monkeypatch):
     """``record_native_builds``: the decode-kernel builds of the pretended H200's plans (the gated one for
-    ``:glu``; the PDL launch's and the x-first one of a launch without PDL), the GEMM's sm_90a builds
-    above the decode rows, no duplicates, and torch.cuda restored."""
+    ``:glu``), the GEMM's sm_90a builds above the decode rows, no duplicates, and torch.cuda restored."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import record_native_builds as rnb
 
@@ -285,9 +284,7 @@ def test_record_native_builds_lists_what_the_warm_up_of_an_h200_asks_for(monkeyp
     builds = rnb.record_builds([rnb.parse_weight("28672x4096:glu")], torch.float16, 1)
     with rnb.pretend_device():
         want = niw.plan(1, 28672, 4096, 0).defines(torch.float16, True, True)
-        first = niw.launch_plan(1, 28672, 4096, 0, False).defines(torch.float16, True, True)
-    assert first == want | {"QOPS_XFIRST": 1}
-    assert builds == [{"source": niw.SOURCE, "arch": "sm_90", "defines": d} for d in (want, first)]
+    assert builds == [{"source": niw.SOURCE, "arch": "sm_90", "defines": want}]
     assert want["QOPS_GLU"] == 1 and want["QOPS_DT"] == 0
     builds = rnb.record_builds([rnb.parse_weight("4096x4096")], torch.bfloat16, 64)
     assert len({json.dumps(b, sort_keys=True) for b in builds}) == len(builds)

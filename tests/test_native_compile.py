@@ -130,24 +130,6 @@ def _f16mma_variants():
     yield {**native._plan(8, 28672, 4096, 132, True).defines(torch.bfloat16, True, glu=True), "QOPS_XFULL": 1, "QOPS_F16MMA": 1}
 
 
-def _x_first_variants():
-    """The builds launches without PDL take (QOPS_XFIRST, native.launch_plan): the plan tables' entries
-    at their smallest M where x's loads can go first (fp16, zeros), and for the first of each M the
-    other dtype, no zeros and the gated output (fold and bf16 through f16 MMAs among them)."""
-    ms = set()
-    for table in native.plan_tables().values():
-        for e in table["plans"]:
-            p = native.make_plan(e["m_min"], e["n"], e["k"], **e["plan"])
-            if native.x_first_serves(p, e["m_min"], e["k"]):
-                q = dataclasses.replace(p, xfirst=True)
-                yield q.defines(torch.float16, True)
-                if q.f16mma:  # bf16 x staged as f16 by the x-first path's own staging
-                    yield q.defines(torch.bfloat16, True)
-                if e["m_min"] not in ms:
-                    ms.add(e["m_min"])
-                    yield from (q.defines(torch.bfloat16, True), q.defines(torch.float16, False), q.defines(torch.bfloat16, True, glu=True))
-
-
 @pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _f16mma_variants], ids=["register-ring", "smem-ring", "f16mma"])
 def test_the_sm80_subset_compiles_every_define_value(variants):
     every = [d for d in variants() if d["QOPS_CLUSTER"] <= 1]
@@ -156,39 +138,14 @@ def test_the_sm80_subset_compiles_every_define_value(variants):
     assert all(d in every for d in chosen) and len(chosen) < len(unique(every))
 
 
-def test_launches_without_pdl_load_x_first_where_one_round_covers_it(monkeypatch):
-    """native.launch_plan: the PDL launch keeps the plan; without PDL the register-ring plans that stage x
-    once take x first while M x a block's K range / 8 slots fit one round (256 threads x xu); the others
-    keep their plan (the kernel would stage a longer x after the weights anyway); QOPS_NATIVE_XFIRST=0
-    keeps every plan."""
-    monkeypatch.delenv(native.XFIRST_ENV, raising=False)
-    monkeypatch.setattr(native, "_device_facts", lambda idx: (132, True))
-    monkeypatch.setattr(native, "_device_name", lambda idx: "NVIDIA H200")
-    monkeypatch.setattr(native, "smem_optin_bytes", lambda idx: 227 * 1024 - 1024)
-    for m, n, k in ((1, 28672, 4096), (1, 4096, 14336), (2, 4096, 14336), (4, 57344, 8192), (16, 4096, 4096)):
-        p = native.plan(m, n, k, 0)
-        assert native.launch_plan(m, n, k, 0, True) == p
-        first = native.launch_plan(m, n, k, 0, False)
-        rows = -(-(-(-k // 128)) // p.splits) * 16  # x slots of a block's K range, a row
-        fits = p.xfull and not p.wgmma and not p.smem_ring and m * rows <= 256 * p.xu
-        assert first == (dataclasses.replace(p, xfirst=True) if fits else p), (m, n, k, p)
-    assert native.launch_plan(1, 4096, 14336, 0, False).xfirst  # the shape #3 / #4 miss at M = 1
-    monkeypatch.setenv(native.XFIRST_ENV, "0")
-    assert not native.launch_plan(1, 4096, 14336, 0, False).xfirst
-    p = native.make_plan(1, 4096, 4096, nwn=1, splits=1, cluster=False, xfull=True, smem_ring=4)
-    assert not native.x_first_serves(p, 1, 4096)
-    with pytest.raises(ValueError, match="xfirst needs x staged once"):
-        native.make_plan(1, 4096, 4096, nwn=1, splits=1, cluster=False, xfull=False, xfirst=True)
-
-
 def test_the_compiled_variants_cover_every_tile_height():
     assert sorted({d["QOPS_MT"] for d in _gemv_variants()}) == [1, 2, 3, 4]
     assert all(d["QOPS_MINB"] == 1 for d in _gemv_variants() if d["QOPS_MT"] >= 3)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants, _glu_variants, _f16mma_variants,
-                                      _x_first_variants], ids=["register-ring", "smem-ring", "plan-tables", "glu", "f16mma", "x-first"])
+@pytest.mark.parametrize("variants", [_gemv_variants, _smem_ring_variants, _table_variants, _glu_variants, _f16mma_variants],
+                         ids=["register-ring", "smem-ring", "plan-tables", "glu", "f16mma"])
 def test_gemv_variants_compile_within_register_budget(arch, variants):
     wanted = builds_for(arch, (d for d in variants() if not (arch == "sm_80" and d["QOPS_CLUSTER"] > 1)))  # clusters are sm_90's
     for defines, log in compile_reports(native.SOURCE, arch, wanted):

@@ -60,7 +60,6 @@ import json
 import math
 import os
 import warnings
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -642,43 +641,6 @@ def plan(m: int, n: int, k: int, device: torch.device | int) -> Plan:
     return p
 
 
-def x_first_serves(p: Plan, m: int, k: int) -> bool:
-    """Whether plan ``p`` at ``m`` rows can load x before its weights (:func:`launch_plan`): x staged
-    once by the register-ring build, and one round of QOPS_XU slots a thread covering a block's x
-    (``m`` x the block's K range / 8 slots; the kernel stages a longer x after the weights as before)."""
-    if p.xfirst or not p.xfull or p.wgmma or p.smem_ring:
-        return False
-    chunks = -(-k // CHUNK_K)
-    return m * -(-chunks // p.splits) * (CHUNK_K // 8) <= THREADS * p.xu
-
-
-XFIRST_ENV = "QOPS_NATIVE_XFIRST"
-
-
-def launch_forms(m: int, n: int, k: int, device: int) -> list[Plan]:
-    """Every plan a launch of ``m`` rows may take (:func:`launch_plan`): the plan, and its x-first form where
-    that serves."""
-    p = plan(m, n, k, device)
-    return [p, dataclasses.replace(p, xfirst=True)] if x_first_serves(p, m, k) else [p]
-
-
-def launch_plan(m: int, n: int, k: int, device: int, pdl: bool) -> Plan:
-    """:func:`plan` for a launch with or without programmatic dependent launch. Without it the kernel
-    ahead has finished when this one starts, so x is there: the plan loads x before its first weight
-    chunks (``xfirst``) where :func:`x_first_serves`, and x's round trip no longer queues behind the
-    D chunks a warp that the PDL build issues first to stream them under the kernel ahead
-    (benchmarks/NOTES.md, stop 51). QOPS_NATIVE_XFIRST=0 (read at every launch; measurements) keeps the
-    plan as it is; warm-up loads both forms' builds either way."""
-    return launch_form(plan(m, n, k, device), m, k, pdl)
-
-
-def launch_form(p: Plan, m: int, k: int, pdl: bool) -> Plan:
-    """Plan ``p`` as a launch with (``pdl``) or without PDL takes it (:func:`launch_plan`)."""
-    if pdl or os.environ.get(XFIRST_ENV, "1").strip() == "0" or not x_first_serves(p, m, k):
-        return p
-    return dataclasses.replace(p, xfirst=True)
-
-
 def shipped_plan(m: int, n: int, k: int, idx: int) -> Plan:
     """The device's plan table entry, else the rule's plan (what :func:`plan` takes without an override
     or ``QOPS_NATIVE_SMEM_RING``; ``QOPS_NATIVE_PLANS=rule`` skips the tables)."""
@@ -947,8 +909,6 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
                                       (qzeros is not None and qzeros.data_ptr() % 16, "16-byte aligned qzeros")) if bad]
         if needs:
             raise ValueError(f"native_w4a16: a plan with smem_bulk needs {', '.join(needs)} (N={n}, cuda:{dev})")
-    pdl = use_pdl(dev)
-    p = launch_form(p, m, k, pdl)
     has_z = qzeros is not None and codebook is None
     defines = p.defines(x2.dtype, has_z, glu, compiler.dynamic_shared_base(dev) if p.lut else 0)
     shmem = launch_shmem(p, glu)
@@ -963,6 +923,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
     ws_ptr = ws.data_ptr() if ws is not None else 0
     i32 = compiler.i32
+    pdl = use_pdl(dev)
     compiler.launch(
         gemv, (p.tiles, p.splits, 1), (THREADS, 1, 1), shmem, stream,
         qweight.data_ptr(), scales.data_ptr(), codebook.data_ptr() if codebook is not None else (qzeros.data_ptr() if has_z else 0), x2.data_ptr(),
@@ -1022,10 +983,8 @@ def warmup_shape(device: torch.device | int, act_dtype: torch.dtype, n: int, k: 
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream()
         last = decode_rows(n, k, dev)
-        # Both launch forms (with and without PDL: QOPS_NATIVE_PDL is read at every launch), so a capture
-        # that changes the switch finds its build loaded.
-        plans = [q for m in range(1, min(max_m, last) + 1) for q in launch_forms(m, n, k, dev)]
-        for p in plans:
+        for m in range(1, min(max_m, last) + 1):
+            p = plan(m, n, k, dev)
             defines = p.defines(act_dtype, has_zeros, glu)
             shmem = launch_shmem(p, glu)
             key = (p.splits, p.cluster, shmem, tuple(sorted(defines.items())))

@@ -1087,58 +1087,6 @@ def test_pdl_in_a_cuda_graph_right_after_the_kernel_writing_x(variant, monkeypat
     assert {(1, 1024), (1, 512)} <= served, sorted(served)
 
 
-# Shapes whose plans at M = 1 / 2 / 4 take x's loads first without PDL (native.launch_plan): a gated one (fold
-# at M = 1), a 2-split cluster, a K range too long for one round at M = 4 (the kernel stages it after
-# the weights), bf16 x through f16 MMAs (8192 x 8192: f16mma at M = 1), act-order with bias.
-X_FIRST_CASES = [  # (format, N, K, act-order, glu)
-    ("gptq", 28672, 4096, False, True), ("gptq", 4096, 14336, False, False), ("gptq", 8192, 8192, False, False),
-    ("gptq", 6144, 4096, True, False),
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", X_FIRST_CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}" + ("-act" if c[3] else "") + ("-glu" if c[4] else ""))
-def test_x_first_builds_give_the_pdl_builds_bits(case, dtype, monkeypatch):
-    """Launched without PDL, the plans that can load x before their weights do (QOPS_XFIRST; only the
-    order of the loads differs), and their outputs equal the PDL launches' bit for bit and the float64
-    oracle, eager and replayed from a CUDA graph captured without PDL after a warm-up with it."""
-    fmt, n, k, act_order, glu = case
-    nw = native_weight(fmt, n, k, 128, False, act_order=act_order, version="v2" if fmt == "gptq" else None, slabs=True)
-    w = nw.weight
-    bias = None if glu else rand(n, dtype=dtype, seed=3)
-    monkeypatch.delenv(native.PDL_ENV, raising=False)
-    monkeypatch.delenv(native.XFIRST_ENV, raising=False)
-    native.warmup_shape(0, dtype, n, k, w.qzeros is not None, 4, glu=glu)  # both launch forms' builds
-
-    def call(x):
-        return native.native_mm(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, 4, 128, w.zero_offset, glu=glu)
-
-    served = []
-    for m in (1, 2, 4):
-        x = rand(m, k, dtype=dtype, seed=m)
-        p_first = native.launch_plan(m, n, k, 0, False)
-        served += [m] if p_first.xfirst else []
-        monkeypatch.setenv(native.PDL_ENV, "1")
-        y_pdl = call(x)
-        monkeypatch.setenv(native.PDL_ENV, "0")
-        y_first = call(x)
-        g = torch.cuda.CUDAGraph()
-        static_x = x.clone()
-        with torch.cuda.graph(g):
-            y_graph = call(static_x)
-        y_graph.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        what = f"{n}x{k} M={m} {dtype} {p_first}"
-        assert torch.equal(y_first, y_pdl) and torch.equal(y_graph, y_pdl), f"{what}: x first changed the result"
-        if glu:
-            err = rel_err(y_first, glu_reference(x, nw.w64))
-            assert err < TOL[dtype], f"{what}: relative error {err:.2e}"
-        else:
-            check(y_first, x, nw.w64, bias, what)
-    assert 1 in served, f"{n}x{k}: no plan took x first at M = 1"
-
-
 def check_glu_plan(nw, p, x):
     """The gated output (silu(gate) * up, no bias) of ``nw`` under plan ``p``, against the float64 oracle."""
     w = nw.weight
