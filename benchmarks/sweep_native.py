@@ -56,19 +56,18 @@ import common
 from bench_int_weight import decode_gptq4_f64
 from common import PERF_SHAPES, clone_tensors, n_copies, rel_err
 
-KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring", "smem_bulk", "xu", "f16mma", "xfirst")
+KNOBS = ("prefetch", "fold", "xfull", "nwn", "splits", "ring", "minb", "smem_ring", "smem_bulk", "xu", "f16mma")
 # smem_ring: 2 KiB + 384 bytes of scales and zeros a warp a stage; up to 5 stages two blocks fit on
 # an H200 SM (<= 113 KiB a block with x), 6 and more take one block per SM, 11 is the most that fits.
 # minb 3, 4 (<= 80, 64 registers a thread) only with the shared-memory ring (the register ring spills).
 VALUES = {"nwn": (1, 2, 4, 8), "splits": (1, 2, 3, 4, 6, 8, 12, 16), "ring": (2, 3, 4, 5, 6, 8), "minb": (1, 2, 3, 4), "xfull": (True, False),
           "fold": (True, False), "prefetch": (0, 2, 4, 8), "smem_ring": (0, 2, 3, 4, 5, 6, 8, 10),
-          "xu": (1, 2, 4, 8), "cluster": (True, False), "smem_bulk": (False, True), "f16mma": (False, True),
-          "xfirst": (False, True)}
+          "xu": (1, 2, 4, 8), "cluster": (True, False), "smem_bulk": (False, True), "f16mma": (False, True)}
 # f16mma: bf16 x staged as f16 (a power of two a row) and f16 MMAs (x staged once; no effect on f16 x,
 # where the sweep records both values as the same build).
 # smem_bulk: the shared-memory ring filled by one bulk copy a warp's chunk (sm_90, qweight in slabs;
 # the host refuses it otherwise, and the sweep records the refusal).
-PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "smem_bulk", "xu", "f16mma", "xfirst")
+PLAN_KEYS = ("nwn", "splits", "cluster", "xfull", "ring", "minb", "fold", "prefetch", "smem_ring", "smem_bulk", "xu", "f16mma")
 TOL = 2e-3
 
 
@@ -101,12 +100,11 @@ def candidate(native, base, m: int, n: int, k: int, cluster_ok: bool, smem_limit
     """``base`` with ``change`` applied, or None when the kernel cannot run it (``smem_limit``: the
     device's opt-in maximum of shared memory a block)."""
     f = {"nwn": base.nwn, "splits": base.splits, "xfull": base.xfull, "ring": base.ring, "minb": base.minb, "fold": base.fold,
-         "prefetch": base.prefetch, "smem_ring": base.smem_ring, "xu": base.xu, "smem_bulk": base.smem_bulk, "f16mma": base.f16mma, "xfirst": base.xfirst} | change
+         "prefetch": base.prefetch, "smem_ring": base.smem_ring, "xu": base.xu, "smem_bulk": base.smem_bulk, "f16mma": base.f16mma} | change
     if not f["xfull"]:
         f["fold"] = False  # folding needs x staged once
         f["smem_ring"] = 0  # and so does the shared-memory ring
         f["f16mma"] = False  # and the f16 staging of bf16 x
-        f["xfirst"] = False  # and x's loads ahead of the weights'
     bulk = f.pop("smem_bulk")
     if bulk and not f["smem_ring"]:  # a build-only field of the shared-memory ring
         return None

@@ -189,9 +189,6 @@ class Plan:
     # (a cluster) measurements: the cluster's exit barrier with the release arrive it had until stop 39
     # (every thread waiting for its output stores first); the kernel's own is relaxed (ptx.cuh cluster_exit_sync).
     exit_fence: bool = False
-    # (x staged once, no wgmma) measurements: x's loads issued before the weight prologue's, for launches
-    # without PDL (w4a16_gemv.cu, QOPS_XFIRST)
-    xfirst: bool = False
 
     def defines(self, dtype: torch.dtype, has_zeros: bool, glu: bool = False, smem_base: int = 0) -> dict[str, int]:
         """``smem_base``: where the device puts a block's dynamic shared memory (read by ``lut`` builds)."""
@@ -215,8 +212,7 @@ class Plan:
             "QOPS_F16MMA": int(self._f16mma_on(dtype)),
         } | ({"QOPS_WGMMA": 1} if self.wgmma else {}) \
           | ({"QOPS_LUT": 1, "QOPS_SMEM_BASE": smem_base} if self.lut else {}) \
-          | ({"QOPS_EXIT_FENCE": 1} if self.exit_fence else {}) \
-          | ({"QOPS_XFIRST": 1} if self.xfirst else {})
+          | ({"QOPS_EXIT_FENCE": 1} if self.exit_fence else {})
         # (only when set: the other builds keep their cache keys)
 
     def _f16mma_on(self, dtype: torch.dtype) -> bool:
@@ -323,7 +319,7 @@ F16MMA_MIN_NK = 1 << 26
 
 def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, xfull: bool, ring: int = 0, minb: int = 2,
               fold: bool = False, prefetch: int = 0, smem_ring: int = 0, smem_limit: int | None = None, xu: int = 8,
-              f16mma: bool | None = None, wgmma: bool = False, lut: bool = False, xfirst: bool = False) -> Plan:
+              f16mma: bool | None = None, wgmma: bool = False, lut: bool = False) -> Plan:
     """A plan with every choice given (shared memory and workspace derived); :func:`plan` picks them.
 
     ``smem_limit``: the dynamic shared memory a block may opt in to on the target device
@@ -349,9 +345,6 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     if why is None and lut and not (xfull and not fold and not smem_ring and not wgmma):
         why = (f"lut needs x staged once (xfull) and no fold, smem_ring or wgmma (got xfull={xfull}, fold={fold}, "
                f"smem_ring={smem_ring}, wgmma={wgmma})")
-    if why is None and xfirst and not (xfull and not smem_ring and not wgmma):
-        why = (f"xfirst needs x staged once (xfull) with the register ring and no wgmma (got xfull={xfull}, "
-               f"smem_ring={smem_ring}, wgmma={wgmma})")
     if why is None and minb > 2 and not smem_ring:
         why = f"minb={minb} leaves <= {65536 // (THREADS * minb)} registers a thread: only the shared-memory ring fits (the register ring spills)"
     if why is not None:
@@ -371,7 +364,7 @@ def make_plan(m: int, n: int, k: int, *, nwn: int, splits: int, cluster: bool, x
     if f16mma is None:
         f16mma = m == 1 and xfull and n * k >= F16MMA_MIN_NK and not wgmma
     return Plan(m, mt, nwn, splits, cluster, tiles, shmem, ws, xfull, ring, minb, fold, prefetch, smem_ring, xu=xu, f16mma=f16mma,
-                wgmma=wgmma, lut=lut, xfirst=xfirst)
+                wgmma=wgmma, lut=lut)
 
 
 def warp_chunks(k: int, nwn: int, splits: int) -> int:
@@ -653,8 +646,7 @@ def remake_plan(p: Plan, n: int, k: int, smem_limit: int | None = None, **change
     """``p`` with the choices named in ``changes`` (``make_plan``'s keywords) replaced, its shared
     memory and workspace derived again; ValueError for a combination the kernel cannot run."""
     fields = dict(nwn=p.nwn, splits=p.splits, cluster=p.cluster, xfull=p.xfull, ring=p.ring, minb=p.minb, fold=p.fold,
-                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma, wgmma=p.wgmma, lut=p.lut,
-                  xfirst=p.xfirst)
+                  prefetch=p.prefetch, smem_ring=p.smem_ring, xu=p.xu, f16mma=p.f16mma, wgmma=p.wgmma, lut=p.lut)
     return make_plan(p.m, n, k, smem_limit=smem_limit, **{**fields, **changes})
 
 

@@ -103,8 +103,6 @@
 // QOPS_SMEM_RING (0: the register ring; 2..16: stages of the shared-memory weight ring, needs QOPS_XFULL;
 // replaces QOPS_RING), QOPS_SMEM_BULK (0/1: that ring filled by whole-chunk bulk copies, sm_90 and qweight in
 // slabs; measurements), QOPS_XU (x staged once: 16-byte slots a thread loads before it uses any, 1..8),
-// QOPS_XFIRST (0/1, x staged once, measurements: x's loads before the weight prologue's where one round
-// covers the block's x, for launches without PDL; stop 42's xlead, fewer chunks ahead of x, was measured chained only),
 // QOPS_GLU (0/1: the gated output above; not with QOPS_SMEM_RING),
 // QOPS_F16MMA (0/1: bf16 x through f16 MMAs, below; needs QOPS_XFULL),
 // QOPS_WGMMA (0/1: warpgroup MMAs, below; sm_90a, x staged once, NWN 4 or 8),
@@ -193,9 +191,6 @@
 #endif
 #if QOPS_SMEM_BULK && (QOPS_SMEM_RING == 0 || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900))
 #error "QOPS_SMEM_BULK needs QOPS_SMEM_RING > 0 and sm_90 (bulk copies)"
-#endif
-#ifndef QOPS_XFIRST
-#define QOPS_XFIRST 0
 #endif
 #ifndef QOPS_XU
 #define QOPS_XU 8
@@ -897,24 +892,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     }
   };
 
-#if QOPS_XFIRST
-  // QOPS_XFIRST: x's slots were loaded into registers before the weight prologue (one round covers the
-  // block's x); here they are staged as stage_x_full's one-round path does.
-  auto stage_x_loaded = [&](uint4 (&v)[QOPS_XU], SlotPos start) {
-    if constexpr (kF16) {
-      if (tid < M) *row_max_bits(tid) = 0u;
-      __syncthreads();
-      max_slots(warp * 32, v, start);
-      __syncthreads();
-    }
-    stage_slots(warp * 32, v, start);
-    if constexpr (FOLD) {
-      for (int i = tid; i < (ce - cb) * 8; i += kThreads)
-        if ((i & 7) >= M) xsum[i] = make_float2(0.f, 0.f);
-    }
-  };
-#endif
-
   // kF16: the sums of row m times 2^-e_m (exact), before the staged x (holding the rows' maxima) is reused.
   auto unscale_rows = [&]() {
     if constexpr (kF16) {
@@ -1182,17 +1159,6 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
   } else if constexpr (XF) {
     // Weights of iterations 0 .. D-1 in flight first, then x (its latency overlaps theirs), then
     // every warp streams its chunks with no further barrier.
-#if QOPS_XFIRST
-    // Launched without PDL (the kernel ahead has finished, x is there): x's loads go out before the
-    // weights' when one round covers the block's x, so they do not queue behind D chunks a warp.
-    static_assert(!kWG, "QOPS_XFIRST stages x as B fragments (not with QOPS_WGMMA)");
-    grid_dep_wait();
-    const bool x_first = xtotal <= kThreads * QOPS_XU;  // block-uniform
-    uint4 xv[QOPS_XU];
-    SlotPos xpos = first_slot();
-    const SlotPos xstart = xpos;
-    if (x_first) load_x_slots(warp * 32, xv, xpos);
-#endif
 #pragma unroll
     for (int d = 0; d < D; ++d)
       if (d < n_it) load_chunk(ring[d]);
@@ -1203,20 +1169,12 @@ __device__ __forceinline__ void w4a16_gemv(const u32* __restrict__ qweight, cons
     codebook_table_build<MDT, kLutStride>(reinterpret_cast<unsigned char*>(smem_lut), reinterpret_cast<const float*>(qzeros),
                                           tid, kThreads);
 #endif
-#if QOPS_XFIRST
-    stamp(1);
-    if (x_first)
-      stage_x_loaded(xv, xstart);
-    else
-      stage_x_full();
-#else
     grid_dep_wait();  // x may still be being written by the kernel ahead
     stamp(1);
 #if QOPS_WGMMA
     stage_x_image();
 #else
     stage_x_full();
-#endif
 #endif
     __syncthreads();
     stamp(2);
