@@ -198,26 +198,37 @@ def lowering_of(w) -> str:
 
 
 def as_triton(ws: list) -> list:
-    """The same weights, called through the Triton lowering (the native one outranks it)."""
-    return [dataclasses.replace(w, kernel=Kernel.TRITON) for w in ws]
+    """The same weights, called through the Triton lowering (the native one outranks it), NF4 in the
+    checkpoint's byte order: on the native kernel's tile16 order the Triton lowering takes its dense
+    path (dequantize, then cuBLAS) at every M, which is not what served NF4 before the native kernel
+    (results from 2026-11-30's 4635f3f to 2026-12-05 timed that path as "nf4_triton", ~8x slower)."""
+    from qops.ops.blockwise4 import LAYOUT_FLAT
+
+    return [dataclasses.replace(w.with_layout(LAYOUT_FLAT) if hasattr(w, "with_layout") else w, kernel=Kernel.TRITON) for w in ws]
 
 
 def path_of(w, m, n, k, dev) -> str:
     from qops.native import blockwise4 as nbw4
-    from qops.ops.triton import blockwise4 as tbw4
-    from qops.ops.triton import int8_weight as ti8
 
     if lowering_of(w) == "native_blockwise4":
         if m > nbw4.SLICED_MAX_M:
-            return "native->triton/" + path_of(as_triton([w])[0], m, n, k, dev)
+            return "native->triton/" + triton_path(w, m, n, k, dev)
         # Above MAX_M rows the op runs MAX_M-row launches (the last one shorter): label the first.
         slices = -(-m // nbw4.MAX_M)
         p = nbw4.plan(min(m, nbw4.MAX_M), n, k, torch.cuda.get_device_properties(dev).multi_processor_count, BLOCKSIZE)
         return ((f"native/{slices}x" if slices > 1 else "native/") + f"{p.scale}-mt{p.mt}-tiles{p.tiles}-warps{p.warps}"
                 + (f"-wn{p.wn}" if p.wn > 1 else "") + f"-ring{p.ring}-minb{p.minb}" + ("-persistent" if p.persistent else ""))
-    p = ti8.plan(m, n, k, dev) if hasattr(w, "scales") else tbw4.plan(m, n, k, BLOCKSIZE, dev)
-    return f"{p['path']}/split{p['split']}"
+    return triton_path(w, m, n, k, dev)
 
+
+def triton_path(w, m, n, k, dev) -> str:
+    """The Triton lowering's path for ``w`` as laid out (NF4 in the tile16 order takes the dense one)."""
+    from qops.ops.blockwise4 import LAYOUT_FLAT
+    from qops.ops.triton import blockwise4 as tbw4
+    from qops.ops.triton import int8_weight as ti8
+
+    p = ti8.plan(m, n, k, dev) if hasattr(w, "scales") else tbw4.plan(m, n, k, BLOCKSIZE, dev, dense=w.layout != LAYOUT_FLAT)
+    return f"{p['path']}/split{p['split']}"
 
 
 def main(argv=None) -> int:
