@@ -204,7 +204,7 @@ def as_triton(ws: list) -> list:
     (results from 2026-11-30's 4635f3f to 2026-12-05 timed that path as "nf4_triton", ~8x slower)."""
     from qops.ops.blockwise4 import LAYOUT_FLAT
 
-    return [dataclasses.replace(w.with_layout(LAYOUT_FLAT) if hasattr(w, "with_layout") else w, kernel=Kernel.TRITON) for w in ws]
+    return [dataclasses.replace(w.with_layout(LAYOUT_FLAT), kernel=Kernel.TRITON) for w in ws]
 
 
 def path_of(w, m, n, k, dev) -> str:
@@ -269,6 +269,13 @@ def main(argv=None) -> int:
         dense = {dt: torch.randn(n, k, device=dev, generator=gen).to(dt) * 0.02 for dt in (torch.float16, torch.bfloat16)}
         dense_copies = {dt: [w] + [w.clone() for _ in range(n_copies(2 * n * k, gpu) - 1)] for dt, w in dense.items()}
         refs = {kind: decode_rows(w, min(CHECK_ROWS, n)) for kind, w in weights.items()}
+        triton_copies = []  # the NF4 copies through Triton in the flat order: converted once a shape, on first use
+
+        def triton_nf4() -> list:
+            if not triton_copies:
+                triton_copies.extend(as_triton(copies["nf4"]))
+            return triton_copies
+
         for m in a.m_list:
             x = torch.randn(m, k, device=dev, generator=gen).half()
             io = 2 * m * (k + n)
@@ -291,16 +298,16 @@ def main(argv=None) -> int:
                 add(kind, kind, ws)
             if "nf4" in copies and gpu and lowering_of(copies["nf4"][0]) != "triton_blockwise4" and m <= 16:
                 # What served NF4 before the native kernel (CUDA-core GEMV at M <= 2, tensor-core above), same run.
-                add("nf4_triton", "nf4", as_triton(copies["nf4"]))
+                add("nf4_triton", "nf4", triton_nf4())
             if "nf4" in copies and m <= a.fma_up_to:
                 # The CUDA-core GEMV at an M the tensor-core one serves by default.
                 with tbw4.config_override(gemv_fma_max_m=m):
-                    add("nf4_fma_gemv", "nf4", as_triton(copies["nf4"]))
+                    add("nf4_fma_gemv", "nf4", triton_nf4())
         if a.sweep_nf4:
-            res.setdefault("sweep_nf4", []).extend(sweep_nf4(n, k, as_triton(copies["nf4"]), refs["nf4"], timer, a, dev))
+            res.setdefault("sweep_nf4", []).extend(sweep_nf4(n, k, triton_nf4(), refs["nf4"], timer, a, dev))
         if a.sweep and gpu and 1 in a.m_list:
             res.setdefault("sweep", []).extend(sweep(n, k, copies, dev, a))
-        del weights, copies, dense, dense_copies, refs
+        del weights, copies, dense, dense_copies, refs, triton_copies
         if gpu:
             torch.cuda.empty_cache()
         common.write_json(res, out_paths)

@@ -1,11 +1,12 @@
 """A load-only kernel: the time a launch that does nothing but read a weight's bytes takes (H200).
 
 Why: a matmul's % of the roofline mixes two losses, what any isolated launch of that many bytes
-loses (start, ramp, tail; a larger share of the smaller shapes) and what the kernel's own work adds. Timed beside the kernel in the same run, with the same method
-(``common.graph_times``: CUDA-graph replays over rotated buffers, each launch after the previous has
-finished), the load-only kernel over the same byte count separates them: ``read_floor_us`` is a
-floor no kernel reading those bytes in one launch beats by much, and ``qops_us / read_floor_us`` is
-what the kernel's own work costs.
+loses (start, ramp, tail; a larger share of the smaller shapes) and what the kernel's own work
+adds. Timed beside the kernel in the same run, with the same method (``common.graph_times``:
+CUDA-graph replays over rotated buffers, each launch after the previous has finished), the
+load-only kernel over the same byte count separates them: ``read_floor_us`` is a floor no kernel
+reading those bytes in one launch beats by much, and ``qops_us / read_floor_us`` is what the
+kernel's own work costs.
 
 Two read patterns (``probe_layout_bw.py`` times both over the qweight alone): mode 0 ("strips") is the
 native decode kernel's pattern for a block of 8 warps, NWN column strips of 128 bytes and 8 / NWN warps
