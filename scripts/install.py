@@ -87,7 +87,7 @@ def install_torch() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--test", action="store_true",
-                    help="also install the test tools (pytest, expecttest) and the test pins (triton>=3.8, nvidia-cuda-nvrtc==13.0.*)")
+                    help="also install the test tools (pytest, expecttest, bitsandbytes as a second oracle) and the test pins (triton>=3.8, nvidia-cuda-nvrtc==13.0.*)")
     args = ap.parse_args()
     install_torch()
     target = ROOT + ("[test]" if args.test else "")

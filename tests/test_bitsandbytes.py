@@ -28,7 +28,7 @@ from tests.int_weight_cases import one_thread  # noqa: F401  (autouse: small CPU
 from tests.oracle import check_elementwise, elementwise_bound, stride_two
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
-needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed (optional second oracle; CI installs qops[test] only)")
+needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes is not installed (the second oracle; qops[test] installs it on x86-64 Linux)")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed on this platform")
 
