@@ -293,3 +293,52 @@ def test_the_header_lists_every_run_and_the_newest(gm, tmp_path):
     assert str(tmp_path) not in text  # no machine paths
     text = gm.render(cpu, gm.read_junit("GPU", None), "2.13.0+cpu", "abc123")
     assert "- GPU: **not run**" in text
+
+
+def _regenerate_command(text: str) -> list[str]:
+    """The generator's arguments from the fenced command the document ends with."""
+    import shlex
+
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("python scripts/guarantee_matrix.py ")]
+    assert len(starts) == 1 and lines[starts[0] - 1] == "```" and lines[starts[0] + 1] == "```", \
+        "the document must end with the one command that regenerates it"
+    return shlex.split(lines[starts[0]])[2:]
+
+
+def _without_generated_line(text: str) -> list[str]:
+    # The "Generated <time> at commit <c>" line is the only one that differs between two generations.
+    return [line for line in text.splitlines() if not line.startswith("- Generated ")]
+
+
+def test_the_command_in_the_document_regenerates_it(gm, tmp_path, monkeypatch):
+    monkeypatch.setattr(gm, "check_tables", lambda cpu, gpu: None)  # synthetic runs name none of the tables' tests
+    cpu = _junit(tmp_path / "cpu-1111111-tests.xml", [(MODEL, "test_x", "passed")])
+    gpu = _junit(tmp_path / "h200-2026-12-04-6f6d195-suite-tests.xml", [(GPU_MODEL, "a", "passed")])
+    first = tmp_path / "first.md"
+    assert gm.main(["--cpu", cpu, "--gpu", gpu, "--torch", "2.13.0+cpu", "--note", "a note's 'quotes'", "--out", str(first),
+                    "--commit", "abc"]) == 0
+    argv = _regenerate_command(first.read_text())
+    # Paths as the document shows them (names only here, outside the repository), so replay from their folder.
+    assert argv[:2] == ["--cpu", "cpu-1111111-tests.xml"] and "--note" in argv and "a note's 'quotes'" in argv
+    argv = [os.path.join(tmp_path, a) if a.endswith(".xml") else a for a in argv]
+    second = tmp_path / "second.md"
+    assert gm.main(argv + ["--out", str(second), "--commit", "def"]) == 0
+    assert _without_generated_line(second.read_text()) == _without_generated_line(first.read_text())
+
+
+def test_the_committed_document_is_what_its_runs_generate(gm, tmp_path):
+    """docs/GUARANTEES.md against a fresh generation from the committed result files it names: fails
+    when a cell was edited by hand, a named file is missing, or the registries or the script's tables
+    changed since (a format or lowering added without regenerating: rerun the command it ends with)."""
+    committed = open(os.path.join(ROOT, "docs", "GUARANTEES.md")).read()
+    argv = _regenerate_command(committed)
+    files = [p for i, a in enumerate(argv) if i and argv[i - 1] in ("--cpu", "--gpu") for p in a.split(",")]
+    missing = [p for p in files if not os.path.isfile(os.path.join(ROOT, p))]
+    assert files and not missing, f"docs/GUARANTEES.md names result files that are not in the repository: {missing}"
+    argv = [",".join(os.path.join(ROOT, p) for p in a.split(",")) if i and argv[i - 1] in ("--cpu", "--gpu") else a
+            for i, a in enumerate(argv)]
+    fresh = tmp_path / "GUARANTEES.md"
+    assert gm.main(argv + ["--out", str(fresh)]) == 0
+    assert _without_generated_line(fresh.read_text()) == _without_generated_line(committed), \
+        "docs/GUARANTEES.md differs from what its runs generate: regenerate it with the command it ends with"
