@@ -23,6 +23,10 @@ Two things differ from the CPU suite, both torch's, not the ops':
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 import pytest
 import torch
 
@@ -32,18 +36,32 @@ from tests.test_opcheck import SAMPLES, TEST_UTILS
 
 pytestmark = pytest.mark.gpu
 
-FAMILY_MM_OPS = {
-    "int_weight": ("mm_int_weight", "mm_int_weight_out", "mm_int_weight_swiglu", "mm_int_weight_swiglu_out"),
-    "fp8": ("mm_fp8_weight", "mm_fp8_weight_out", "scaled_mm_fp8"),
-    "int8_weight": ("mm_int8_weight", "mm_int8_weight_out"),
-    "blockwise4": ("mm_blockwise4", "mm_blockwise4_out"),
-}
-# Each format's samples in tests/test_opcheck.py / tests/bnb_cases.py (sample ids start with these).
-FORMAT_SAMPLES = {
-    "gptq": ("gptq4sym", "gptq3v1act", "gptq4g128"), "awq": ("awq",), "compressed-tensors": ("ct8act", "ct4g128"),
-    "fp8": ("tensor", "channel"), "compressed-tensors-fp8": ("tensor", "channel", "block"), "fp8-block": ("block",),
-    "eetq": ("eetq",), "bitsandbytes-int8": ("bnb8",), "bitsandbytes-nf4": ("nf4nested", "nf4k256"), "bitsandbytes-fp4": ("fp4plain", "fp4k256"),
-}
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _matrix_tables():
+    """scripts/guarantee_matrix.py's tables of each family's ops and each format's opcheck samples: the
+    samples this test runs for a format are the ones the matrix credits its "opcheck passes" cell with
+    (CI checks that table against the CPU suite's sample ids)."""
+    gm = sys.modules.get("guarantee_matrix")
+    if gm is None:
+        spec = importlib.util.spec_from_file_location("guarantee_matrix", os.path.join(ROOT, "scripts", "guarantee_matrix.py"))
+        gm = sys.modules["guarantee_matrix"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+        spec.loader.exec_module(gm)
+    return gm.FAMILY_OPS, gm.OPCHECK_SAMPLES
+
+
+FAMILY_OPS, FORMAT_SAMPLES = _matrix_tables()
+
+
+def _takes_kernel(op_name: str) -> bool:
+    return "kernel" in [a.name for a in getattr(torch.ops.qops, op_name).default._schema.arguments]
+
+
+def _sample_name(sample_id: str) -> str:
+    # Sample ids are "<sample>-<variant>..." (the matrix's table names the first part).
+    return sample_id.split("-")[0]
 
 
 def _pairs():
@@ -61,12 +79,9 @@ def _to_cuda(a):
     return a
 
 
-def _with_kernel(op_name: str, args: tuple, kernel: int) -> tuple | None:
-    """``args`` on the GPU with the ``kernel`` argument replaced; None when the op takes none."""
-    schema = getattr(torch.ops.qops, op_name).default._schema
-    names = [a.name for a in schema.arguments]
-    if "kernel" not in names:
-        return None
+def _with_kernel(op_name: str, args: tuple, kernel: int) -> tuple:
+    """``args`` on the GPU with the ``kernel`` argument replaced."""
+    names = [a.name for a in getattr(torch.ops.qops, op_name).default._schema.arguments]
     moved = [_to_cuda(a) for a in args]
     moved[names.index("kernel")] = kernel
     return tuple(moved)
@@ -87,20 +102,18 @@ def _has_fp8(args) -> bool:
 def test_gpu_opcheck(fmt, low, _deterministic):
     if low.device_refusal(torch.device("cuda")) is not None:
         pytest.skip(low.device_refusal(torch.device("cuda")))
-    tags = FORMAT_SAMPLES[fmt]
+    samples = FORMAT_SAMPLES[fmt]
     with_samples = set()
     checked: dict[str, int] = {}
-    for op_name in FAMILY_MM_OPS[low.family]:
-        if op_name not in SAMPLES:
+    for op_name in FAMILY_OPS[low.family]:
+        if op_name not in SAMPLES or not _takes_kernel(op_name):  # the dequantize ops run no lowering
             continue
         packet = getattr(torch.ops.qops, op_name)
         for sample_id, args in SAMPLES[op_name]().items():
-            if not sample_id.startswith(tags):
+            if _sample_name(sample_id) not in samples:
                 continue
             with_samples.add(op_name)
             cuda_args = _with_kernel(op_name, args, int(low.kernel))
-            if cuda_args is None:
-                continue
             try:  # served? (an unserved sample is refused with an error naming the lowering)
                 packet.default(*[a.detach() if isinstance(a, torch.Tensor) else a for a in cuda_args])
             except (ValueError, NotImplementedError, TypeError) as e:  # a refusal; CUDA errors are RuntimeErrors and fail
@@ -121,5 +134,5 @@ def test_gpu_opcheck(fmt, low, _deterministic):
         # through F.scaled_mm's block recipe; the 16 x 32 "block" samples are refused.
         assert checked.get("scaled_mm_fp8", 0) >= 1, f"no scaled_mm_fp8 sample served on {low.name}: {checked}"
     else:
-        ops = [o for o in FAMILY_MM_OPS[low.family] if o in with_samples and o != "scaled_mm_fp8"]
+        ops = [o for o in FAMILY_OPS[low.family] if o in with_samples and o != "scaled_mm_fp8"]
         assert all(checked.get(o, 0) >= 1 for o in ops), f"{fmt} on {low.name}: samples checked per op {checked}"
