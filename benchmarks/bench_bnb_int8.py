@@ -252,7 +252,8 @@ def main(argv=None) -> int:
         return got if isinstance(fns, dict) else got[""]
 
     res = {"bench": "bnb_int8", "device": common.device_name(gpu), "torch": torch.__version__,
-           "commit": common.git_commit(), "dry_run": a.dry_run, "rows": [], "triton": common.triton_version()}
+           "commit": common.git_commit(), "dry_run": a.dry_run, "triton": common.triton_version(),
+           **common.run_stamp(a, shapes=common.shape_names(a.shape_list), ms=a.m_list), "rows": []}
     ceil = common.ceilings(a.trials, a.target_ms, gpu)
     bw, peak = ceil.copy_TBps, ceil.bf16_TFLOPs
     res.update(copy_TBps=round(bw, 3), bf16_TFLOPs=round(peak, 1), measured_ceilings=ceil.measured)

@@ -58,7 +58,6 @@ Exit status: 0 (targets are reported, not enforced), 2 without a CUDA device (an
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import math
 import os
@@ -294,10 +293,9 @@ def run(args) -> int:
         "gpu": common.device_name(not dry),
         "torch": torch.__version__, "triton": triton_ver, "cuda": torch.version.cuda, "python": sys.version.split()[0],
         "qops_commit": commit, "qops_dirty": common.git_dirty("qops"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dry_run": dry,
         "config": config.to_dict(),
-        "args": {k: v for k, v in vars(args).items() if k not in ("batch_list", "model_list")} | {"batches": args.batch_list, "models": args.model_list},
+        **common.run_stamp(args, batches=args.batch_list, models=args.model_list),
         "method": {
             "compile": "qops.models.compile_decode: torch.compile(model.decode, fullgraph=True"
                        + (", mode='reduce-overhead')" if cuda_graphs and not captured else ")") + ", batch dimension unbacked",

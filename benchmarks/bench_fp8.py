@@ -33,7 +33,6 @@ large shapes). About 2 minutes on an H200.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import sys
@@ -222,8 +221,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     meta = {"device": common.device_name(dev == "cuda"), "torch": torch.__version__,
             "triton": common.triton_version(), "commit": common.git_commit(), "dry_run": args.dry_run,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "args": {k: v for k, v in vars(args).items() if k != "shape_list"} | {"shapes": [f"{n}x{k}" for n, k in args.shape_list]}}
+            **common.run_stamp(args, shapes=common.shape_names(args.shape_list), ms=args.m_list)}
     ceil = common.ceilings(args.trials, 20.0, not args.dry_run)
     bw = ceil.copy_TBps
     meta.update(copy_TBps=round(bw, 3), measured_ceilings=ceil.measured)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import hashlib
 import json
@@ -78,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--ms", type=common.parse_ms, help="comma-separated batch sizes M; default: 1,4,16,64,256,2048")
     p.add_argument("--quick", action="store_true",
                    help=f"fewer trials, shorter trials, and (unless --shapes/--ms are given) shapes "
-                        f"{fmt_shapes(QUICK_SHAPES)} and M {','.join(map(str, QUICK_MS))}")
+                        f"{','.join(common.shape_names(QUICK_SHAPES))} and M {','.join(map(str, QUICK_MS))}")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU only: tiny shapes, the reference lowering, wall-clock timings that mean nothing, "
                         "PERF.md's ceilings instead of measured ones; checks the plumbing (JSON, table, targets)")
@@ -106,10 +105,6 @@ def parse_args(argv=None):
     a.trials = a.trials or (3 if a.quick or a.dry_run else 5)
     a.target_ms = a.target_ms or (5.0 if a.quick or a.dry_run else 15.0)
     return a
-
-
-def fmt_shapes(shapes):
-    return ",".join(f"{n}x{k}" for n, k in shapes)
 
 
 def decode_gptq4_f64(ckpt):
@@ -292,10 +287,8 @@ def run(args) -> int:
         "qops_commit": common.git_commit(),
         "qops_dirty": common.git_dirty("qops"),
         "qops_source_sha256": qops_source_sha256(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dry_run": dry,
-        "args": {k: v for k, v in vars(args).items() if k not in ("shape_list", "m_list", "lowering_list")}
-        | {"shapes": fmt_shapes(args.shape_list), "ms": args.m_list, "lowerings": args.lowering_list},
+        **common.run_stamp(args, shapes=common.shape_names(args.shape_list), ms=args.m_list, lowerings=args.lowering_list),
         "method": {
             "timing": "cpu wall clock (dry run; meaningless)" if dry else
             "CUDA-graph replays (one call per rotated weight copy), CUDA events, median of trials; at each (shape, M) "

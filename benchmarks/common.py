@@ -18,6 +18,7 @@ The scripts import this module as ``common`` (Python puts a script's own folder 
 from __future__ import annotations
 
 import argparse
+import datetime
 import dataclasses
 import json
 import math
@@ -329,6 +330,18 @@ def git_dirty(path: str) -> bool | None:
     except Exception:  # noqa: BLE001 - no git binary
         return None
     return bool(st.stdout.strip()) if st.returncode == 0 else None
+
+
+def run_stamp(args, **resolved) -> dict:
+    """A results file's ``date`` (UTC) and ``args``: the parsed arguments as given, with the lists a
+    script resolved from them (parsed attributes named ``*_list``, e.g. the default shapes) replaced by
+    ``resolved`` (e.g. ``shapes=``, ``ms=``), so the file says what ran."""
+    given = {k: v for k, v in vars(args).items() if not k.endswith("_list")}
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "args": given | resolved}
+
+
+def shape_names(shapes) -> list[str]:
+    return [f"{n}x{k}" for n, k in shapes]
 
 
 def output_paths(filename: str, *extra: str | None) -> list[str]:
