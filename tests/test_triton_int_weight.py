@@ -150,6 +150,13 @@ def test_paths_match_float64_oracle(case, path, bits):
     check(m, n, k, bits, group_size, sym, act_order, has_bias, dtype, path)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("path", ["gemm", "dense"])  # the decode path serves a few rows (and takes a minute here at 257)
+def test_prefill_paths_at_257_rows(path, bits):
+    # Past every M tile and bucket edge, act-order, asymmetric, a bias and partial groups (K = 72, g 32).
+    check(257, 40, 72, bits, 32, False, True, True, torch.float16, path)
+
+
 @pytest.mark.parametrize("bits", [3, 4])  # a value straddling words; whole words (the half-tile forms)
 @pytest.mark.parametrize("path", ["decode", "gemm", "dense"])
 def test_column_slabs(path, bits):
