@@ -440,6 +440,10 @@ TRITON_RUNS = [
     (C.BLOCKWISE4_CASES[4], 37, {"dense_above_m": 64}, "gemv_slices", None),
     (C.BLOCKWISE4_CASES[5], 7, {"gemv_max_m": 2, "gemv_fma_max_m": 0, "gemv": {"STEP_BYTES": 64, "programs_per_sm": 64}},
      "gemv_slices", True),
+    # M = 257: past every M tile and bucket edge (the int8 GEMM, the 4-bit dense path and GEMM).
+    (C.INT8_CASES[3], 257, {"gemm": TINY_GEMM}, "gemm", None),
+    (C.BLOCKWISE4_CASES[4], 257, {}, "dense", None),
+    (C.BLOCKWISE4_CASES[11], 257, {"dense_above_m": 1 << 30, "gemv_slices_max_m": 0, "gemm": TINY_GEMM, "gemm_max_split": 1}, "gemm", False),
 ]
 
 

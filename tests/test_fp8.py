@@ -894,6 +894,7 @@ TRITON_PATHS = {
     "gemv-m1": (1, None),
     "gemv-m3-splitk": (3, dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, num_warps=4)),
     "gemm-m17": (17, None),
+    "gemm-m257": (257, None),  # past every M tile and bucket edge
 }
 # (activations, x dtype, native fp8 conversion)
 TRITON_VARIANTS = {
@@ -923,7 +924,7 @@ def test_triton_kernels_match_oracle(gran, path, variant):
     w, c = weight_of(case, activations=activations, dtype=dtype)
     want_w = oracle_weight(WEIGHTS[case][0], c)
     n, k = want_w.shape
-    x = _x(m, k, dtype, 11, transposed=path == "gemm-m17")
+    x = _x(m, k, dtype, 11, transposed=path.startswith("gemm"))
     bias = torch.randn(n).to(dtype) if path != "gemv-m1" else None
     if activations == "none":
         y = triton_mm(x, None, w.weight, w.weight_scale, bias, w.block_n, w.block_k, dtype, native_fp8=native, config=config)
