@@ -15,7 +15,7 @@ PERF_ROW_FIELDS = ("op", "format", "N", "K", "M", "dtype", "qops_us", "cublas_fp
 
 @pytest.mark.parametrize("script,ok", [
     ("bench_bnb_int8", lambda row: row["correct"]),
-    ("bench_fp8", lambda row: row["rel_err"] is not None and row["rel_err"] < 2e-2),
+    ("bench_fp8", lambda row: all(row.get(e, 0) is not None and row.get(e, 0) < 2e-2 for e in ("rel_err", "rel_err_out"))),
 ])
 def test_dry_run_rows(script, ok, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
@@ -31,4 +31,6 @@ def test_dry_run_rows(script, ok, tmp_path, monkeypatch):
     for row in res["rows"]:
         assert all(row.get(f) is not None for f in PERF_ROW_FIELDS), row
         assert ok(row), row
+    if script == "bench_fp8":  # the W8A16 rows check the out= form too (into a NaN-filled buffer)
+        assert all("rel_err_out" in r for r in res["rows"] if r["op"] == "mm_fp8_weight")
     assert not (tmp_path / f"{script}.json").exists()  # the working directory is the fallback only
