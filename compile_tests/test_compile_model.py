@@ -160,7 +160,7 @@ def test_decode_compiles_once_for_every_batch_size_and_step(scheme, lowering, dt
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("scheme,lowering", [("gptq", "reference_int_weight")], ids=["gptq-reference_int_weight"])
+@pytest.mark.parametrize("scheme,lowering", PAIRS[1:], ids=[f"{s}-{low}" for s, low in PAIRS[1:]])
 def test_decode_compiles_in_half_precision(scheme, lowering, dtype):
     def build():
         return LlamaForCausalLM.random(CONFIG, scheme, seed=1, dtype=dtype, max_batch=4, max_seq=8, process_group=None)
