@@ -6,7 +6,8 @@ logits and KV-cache writes of a second, eager model of the same weights on its o
 compiled model's cache holds NaN wherever its decode steps must write), a graph holding exactly one
 opaque qops call per quantized linear -- the ``_out`` op, all of them given the model's workspace
 buffer as the one graph input it is, never cloned or copied -- and no dequantized weight, and a
-compiled greedy generation equal to the eager one. The same in fp16 and bf16 for one scheme."""
+compiled greedy generation equal to the eager one. Every scheme also in fp16 and bf16 (logits and cache
+writes against the eager model in that dtype, within a few unit roundoffs)."""
 from __future__ import annotations
 
 import re
