@@ -1,7 +1,9 @@
 """The Triton lowering of mm_int_weight, called directly (``triton_mm``), on small shapes.
 
 Without a GPU the root conftest sets TRITON_INTERPRET=1 and the kernels run on CPU tensors (fp16 and
-fp32 only: the interpreter computes bf16 wrongly). Every path is forced through a config table
+fp32; bf16 x only on the decode and dense paths, which convert it to fp32 on load: the interpreter's
+bf16 arithmetic and bf16 ``tl.dot`` are wrong, ~1e9 off on a plain 16x32x16 dot, so the GEMM path's
+bf16 is checked by the GPU suite only). Every path is forced through a config table
 (``config_override``) or ``force_path``, with tiles small enough for the interpreter. The runtime
 tensors are packed, and the oracle's float64 weight decoded from them, bit by bit by ``tests.oracle``
 (not qops' packing or ``reference_dequantize``: a misreading of the layout shared by qops' reference
@@ -28,7 +30,7 @@ from tests import oracle as O
 from tests.oracle import check_elementwise, stride_two
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 2e-6, torch.float16: 2e-3}
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 # Small tiles so the interpreter stays fast; num_sms makes the split-K rule produce several splits.
 _DECODE = {"BLOCK_N": 64, "CHUNKS": 2, "num_warps": 1, "num_stages": 1, "ctas_per_sm": 4, "max_split": 8}
@@ -155,6 +157,14 @@ def test_paths_match_float64_oracle(case, path, bits):
 def test_prefill_paths_at_257_rows(path, bits):
     # Past every M tile and bucket edge, act-order, asymmetric, a bias and partial groups (K = 72, g 32).
     check(257, 40, 72, bits, 32, False, True, True, torch.float16, path)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("path", ["decode", "dense"])
+def test_bf16_activations(path, bits):
+    # Act-order, asymmetric, a bias, partial groups; M = 3 (decode) and 17 (past a tile) where bf16 runs here.
+    for m in (3, 17) if path == "dense" else (3,):
+        check(m, 72, 200, bits, 32, False, True, True, torch.bfloat16, path)
 
 
 @pytest.mark.parametrize("bits", [3, 4])  # a value straddling words; whole words (the half-tile forms)
