@@ -902,19 +902,26 @@ TRITON_VARIANTS = {
     "w8a16-fp32-native": ("none", torch.float32, True),
     "w8a8-fp16-native": ("dynamic", torch.float16, True),
     "w8a8-fp32-bits": ("dynamic", torch.float32, False),
+    "w8a16-bf16-bits": ("none", torch.bfloat16, False),
+    "w8a16-bf16-native": ("none", torch.bfloat16, True),
+    "w8a8-bf16-native": ("dynamic", torch.bfloat16, True),
 }
 
 
 # The granularities and variants the Triton kernels serve: 128 x 128 weight blocks (block128) quantize x
 # in 1 x 128 groups for W8A8, which the Triton kernel refuses (cuBLAS's block recipe serves it), so
 # block128 runs weight-only.
+# W8A16 in bf16 runs the GEMVs only here: their bf16 x is converted to fp32 on load, while the GEMM's
+# tl.dot takes bf16 operands, which the interpreter multiplies wrongly (~1e9 off on a plain 16x32x16
+# dot, Triton 3.9); the GPU suite checks that GEMM in bf16. W8A8's GEMM dots fp8 operands.
 TRITON_GRAN_VARIANTS = [(g, v) for g in ("tensor", "channel", "block", "block128") for v in sorted(TRITON_VARIANTS)
                         if g != "block128" or TRITON_VARIANTS[v][0] == "none"]
+TRITON_CASES = [(g, v, p) for g, v in TRITON_GRAN_VARIANTS for p in sorted(TRITON_PATHS)
+                if not (TRITON_VARIANTS[v][:2] == ("none", torch.bfloat16) and p.startswith("gemm"))]
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("path", sorted(TRITON_PATHS))
-@pytest.mark.parametrize("gran,variant", TRITON_GRAN_VARIANTS)
+@pytest.mark.parametrize("gran,variant,path", TRITON_CASES)
 def test_triton_kernels_match_oracle(gran, path, variant):
     from qops.ops.triton.fp8 import triton_mm
 
