@@ -74,7 +74,7 @@ def mm_int_weight_out_samples():
         k, n = w.in_features, w.out_features
         variants = {
             "fp32-workspace-bias": (torch.randn(5, k, generator=g), torch.randn(n, generator=g), torch.empty(256, dtype=torch.uint8)),
-            "fp16-3d-grad": (torch.randn(2, 3, k, generator=g).half().requires_grad_(), None, None),
+            "fp16-3d": (torch.randn(2, 3, k, generator=g).half(), None, None),
         }
         for vname, (x, bias, workspace) in variants.items():
             o = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
@@ -110,7 +110,7 @@ def mm_int_weight_swiglu_out_samples():
         k, h = w.in_features, w.out_features // 2
         for vname, (x, workspace) in {
             "fp32-workspace": (torch.randn(5, k, generator=g), torch.empty(256, dtype=torch.uint8)),
-            "fp16-3d-grad": (torch.randn(2, 3, k, generator=g).half().requires_grad_(), None),
+            "fp16-3d": (torch.randn(2, 3, k, generator=g).half(), None),
         }.items():
             o = torch.empty(*x.shape[:-1], h, dtype=x.dtype)
             out[f"{name}-{vname}"] = (x, *_weight_args(w), w.in_features, *_static(w), int(w.kernel), o, workspace)
@@ -170,7 +170,7 @@ def mm_fp8_weight_out_samples():
         k, n = w.in_features, w.out_features
         variants = {
             "fp32-workspace-bias": (torch.randn(5, k, generator=g), torch.randn(n, generator=g), torch.empty(256, dtype=torch.uint8)),
-            "fp16-3d-grad": (torch.randn(2, 3, k, generator=g).half().requires_grad_(), None, None),
+            "fp16-3d": (torch.randn(2, 3, k, generator=g).half(), None, None),
         }
         if name == "block":
             variants["bf16-m0-workspace"] = (torch.randn(0, k, generator=g).bfloat16(), None, torch.empty(0, dtype=torch.uint8))
@@ -284,10 +284,62 @@ def test_opcheck(name, args):
         assert result == {t: "SUCCESS" for t in TEST_UTILS}, result
 
 
+OUT_OPS = {"mm_int_weight_out": "mm_int_weight", "mm_int_weight_swiglu_out": "mm_int_weight_swiglu",
+           "mm_fp8_weight_out": "mm_fp8_weight", "mm_int8_weight_out": "mm_int8_weight", "mm_blockwise4_out": "mm_blockwise4"}
+
+
+def _requires_grad(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
 def test_samples_include_requires_grad_inputs():
-    grads = [name for name, make in SAMPLES.items()
-             if any(isinstance(a, torch.Tensor) and a.requires_grad for args in make().values() for a in args)]
-    assert {"mm_int_weight", "mm_int_weight_out", "mm_fp8_weight_out"} <= set(grads)
+    grads = {name for name, make in SAMPLES.items() if any(_requires_grad(args) for args in make().values())}
+    assert {"mm_int_weight", "mm_int_weight_swiglu", "mm_fp8_weight", "mm_int8_weight", "mm_blockwise4", "scaled_mm_fp8"} <= grads
+    # The _out ops refuse such inputs (test below): their samples are the calls they serve.
+    assert not grads & set(OUT_OPS)
+
+
+def _grad_call(name: str, sample: tuple, which: str) -> tuple:
+    """``sample`` with x (``which`` "x"), or bias / out, made to require grad."""
+    args = list(sample)
+    names = [a.name for a in getattr(torch.ops.qops, name).default._schema.arguments]
+    i = names.index(which)
+    args[i] = args[i].detach().clone().requires_grad_()
+    return tuple(args)
+
+
+@pytest.mark.parametrize("name", sorted(OUT_OPS))
+def test_out_ops_refuse_arguments_that_require_grad(name):
+    """An _out op records no autograd (torch.library has none for ops that write their arguments): an
+    argument requiring grad in grad mode would leave out silently without a gradient, so it is refused
+    by name, eagerly and when torch.compile traces it; under no_grad / inference_mode, or detached, the
+    call runs and writes out."""
+    op = getattr(torch.ops.qops, name)
+    sample_id, sample = next((sid, args) for sid, args in SAMPLES[name]().items() if "bias" in sid or name == "mm_int_weight_swiglu_out")
+    names = [a.name for a in op.default._schema.arguments]
+    whiches = ["x", "out"] + (["bias"] if "bias" in names and sample[names.index("bias")] is not None else [])
+    for which in whiches:
+        args = _grad_call(name, sample, which)
+        with pytest.raises(RuntimeError, match=rf"qops\.{name}: {which} requires grad, .* call qops::{OUT_OPS[name]} to differentiate"):
+            op(*args)
+
+        def traced(*a):
+            op(*a)
+            return a[names.index("out")] * 1
+
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=rf"qops\.{name}: {which} requires grad"):
+            torch.compile(traced, fullgraph=True, backend="aot_eager")(*args)
+        out = args[names.index("out")]
+        for mode in (torch.no_grad, torch.inference_mode):
+            out.detach().fill_(float("nan"))
+            with mode():
+                op(*args)
+            assert out.isfinite().all(), (which, mode)
+    # The op the message names differentiates the same call.
+    args = _grad_call(name, sample, "x")
+    getattr(torch.ops.qops, OUT_OPS[name])(*[a for a, n in zip(args, names) if n not in ("out", "workspace")]).float().sum().backward()
+    assert args[0].grad is not None and args[0].grad.isfinite().all()
 
 
 # Where the bias sits among each differentiable op's inputs (x is input 0).

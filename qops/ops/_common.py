@@ -143,6 +143,43 @@ def register_frozen_weight_autograd(op, dequantize: Callable, *, tensors: Sequen
     op.register_autograd(backward, setup_context=setup_context)
 
 
+# The runtime dispatch keys of the devices the ops run on (FakeTensors take their device's). A kernel
+# registered to one of them takes precedence over the "Autograd" alias kernel that
+# torch.library.custom_op installs.
+_AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradMeta")
+_REFUSAL_LIBRARIES: list = []  # the registrations live as long as their Library objects
+
+
+def refuse_gradients(name: str, functional: str) -> None:
+    """Make the ``_out`` op ``qops::<name>`` refuse, naming it, an argument that requires grad while grad
+    mode is on.
+
+    An ``_out`` op writes into ``out`` and returns nothing, and torch.library cannot give an op that
+    mutates its arguments an autograd formula: without this, ``out`` would silently carry no gradient
+    of x or bias (a lost gradient, not an error at backward). torch's own ``out=`` functions refuse the
+    same call. Raised eagerly and when torch.compile traces the call (fake tensors); under
+    ``torch.no_grad()`` / ``torch.inference_mode()`` or with detached arguments the op runs as before.
+    ``functional`` names the differentiable op to call instead."""
+    overload = getattr(torch.ops.qops, name).default
+    arg_names = [a.name for a in overload._schema.arguments]
+
+    def refusal(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            for arg_name, a in [*zip(arg_names, args), *kwargs.items()]:
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    raise RuntimeError(fail(name, f"{arg_name} requires grad, but this op writes its result into out and records "
+                                                  f"no autograd (as torch's out= functions), so the result would carry no "
+                                                  f"gradient: call qops::{functional} to differentiate, or run it under "
+                                                  f"torch.no_grad() / with detached arguments"))
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    lib = torch.library.Library("qops", "IMPL")
+    for key in _AUTOGRAD_KEYS:
+        lib.impl(name, refusal, key, with_keyset=True)
+    _REFUSAL_LIBRARIES.append(lib)
+
+
 DETERMINISTIC_ENV = "QOPS_DETERMINISTIC"
 
 

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
-from ._common import ACT_DTYPES, check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
+from ._common import (ACT_DTYPES, check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_out, check_x, fail, reference_matmul,
+                      refuse_gradients, register_frozen_weight_autograd)
 
 FAMILY = "int8_weight"
 
@@ -89,6 +90,9 @@ def mm_int8_weight_out(
     check_out("mm_int8_weight_out", out, shape, x)
     impl = implementation(FAMILY, kernel, x.device, "mm_int8_weight_out", call_facts(x, shape))
     impl(x, qweight, scales, bias, out=out, workspace=workspace)
+
+
+refuse_gradients("mm_int8_weight_out", "mm_int8_weight")
 
 
 @torch.library.custom_op("qops::dequantize_int8_weight", mutates_args=(), schema=DEQUANT_SCHEMA)

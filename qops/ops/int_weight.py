@@ -35,7 +35,8 @@ import torch
 from ..formats._packing import pack_bits, packed_length, unpack_bits
 from ..formats.integer import IntQuantized, default_g_idx, n_groups_for
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, swiglu_implementation, warm_up
-from ._common import check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_in_features, check_out, check_x, fail, reference_matmul, register_frozen_weight_autograd
+from ._common import (check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_in_features, check_out, check_x, fail,
+                      reference_matmul, refuse_gradients, register_frozen_weight_autograd)
 
 FAMILY = "int_weight"
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -219,6 +220,9 @@ def mm_int_weight_out(
     impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=out, workspace=workspace)
 
 
+refuse_gradients("mm_int_weight_out", "mm_int_weight")
+
+
 # The gated forms: a fused [gate; up] weight (N = 2H, the gate projection's rows first) and
 # y = silu(x @ W_gate.T) * (x @ W_up.T), (..., H): a SwiGLU MLP's first half in one op, which a
 # lowering with a gated kernel computes in its epilogue from the fp32 sums
@@ -260,6 +264,9 @@ def mm_int_weight_swiglu_out(
     check_out("mm_int_weight_swiglu_out", out, swiglu_shape(shape), x)
     impl = swiglu_implementation(FAMILY, kernel, x.device, "mm_int_weight_swiglu_out", call_facts(x, shape, act_perm, in_features, bits, group_size))
     impl(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, out=out, workspace=workspace)
+
+
+refuse_gradients("mm_int_weight_swiglu_out", "mm_int_weight_swiglu")
 
 
 def swiglu_shape(shape: list) -> list:
