@@ -309,11 +309,12 @@ def _grad_call(name: str, sample: tuple, which: str) -> tuple:
 
 
 @pytest.mark.parametrize("name", sorted(OUT_OPS))
-def test_out_ops_refuse_arguments_that_require_grad(name):
+def test_out_ops_refuse_gradients_and_overlapping_buffers(name):
     """An _out op records no autograd (torch.library has none for ops that write their arguments): an
     argument requiring grad in grad mode would leave out silently without a gradient, so it is refused
     by name, eagerly and when torch.compile traces it; under no_grad / inference_mode, or detached, the
-    call runs and writes out."""
+    call runs and writes out. An out carved from x or from the workspace is refused (the CUDA kernels
+    would write it while reading them)."""
     op = getattr(torch.ops.qops, name)
     sample_id, sample = next((sid, args) for sid, args in SAMPLES[name]().items() if "bias" in sid or name == "mm_int_weight_swiglu_out")
     names = [a.name for a in op.default._schema.arguments]
@@ -336,6 +337,18 @@ def test_out_ops_refuse_arguments_that_require_grad(name):
             with mode():
                 op(*args)
             assert out.isfinite().all(), (which, mode)
+    # A written argument sharing memory with another: refused on real tensors, naming both.
+    args = list(sample)
+    x, out = args[0], args[names.index("out")]
+    assert out.numel() <= x.numel() and "workspace" in names
+    args[names.index("out")] = x.detach().reshape(-1)[:out.numel()].view(out.shape)
+    with pytest.raises(ValueError, match=rf"qops\.{name}: out shares memory with x: "):
+        op(*args)
+    ws = torch.empty(out.numel() * out.element_size() + 64, dtype=torch.uint8)
+    args = list(sample)
+    args[names.index("out")], args[names.index("workspace")] = ws[64:].view(out.dtype).view(out.shape), ws
+    with pytest.raises(ValueError, match=rf"qops\.{name}: out shares memory with workspace: "):
+        op(*args)
     # The op the message names differentiates the same call.
     args = _grad_call(name, sample, "x")
     getattr(torch.ops.qops, OUT_OPS[name])(*[a for a, n in zip(args, names) if n not in ("out", "workspace")]).float().sum().backward()

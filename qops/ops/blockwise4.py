@@ -43,7 +43,7 @@ import torch
 from ..formats.blockwise4 import denest, dequantize_flat, unpack_nibbles
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
 from ._common import (check_bias, check_dequantize_dtype, check_devices, check_in_features, check_out, check_x, fail, reference_matmul,
-                      refuse_gradients, register_frozen_weight_autograd)
+                      guard_out_op, register_frozen_weight_autograd)
 
 FAMILY = "blockwise4"
 LAYOUT_FLAT, LAYOUT_TILE16 = 0, 1
@@ -213,7 +213,7 @@ def mm_blockwise4_out(
          nested_blocksize, layout, out=out, workspace=workspace)
 
 
-refuse_gradients("mm_blockwise4_out", "mm_blockwise4")
+guard_out_op("mm_blockwise4_out", "mm_blockwise4")
 
 
 @torch.library.custom_op("qops::dequantize_blockwise4", mutates_args=(), schema=DEQUANT_SCHEMA)

@@ -22,7 +22,7 @@ import torch
 
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
 from ._common import (ACT_DTYPES, check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_out, check_x, fail, reference_matmul,
-                      refuse_gradients, register_frozen_weight_autograd)
+                      guard_out_op, register_frozen_weight_autograd)
 
 FAMILY = "int8_weight"
 
@@ -92,7 +92,7 @@ def mm_int8_weight_out(
     impl(x, qweight, scales, bias, out=out, workspace=workspace)
 
 
-refuse_gradients("mm_int8_weight_out", "mm_int8_weight")
+guard_out_op("mm_int8_weight_out", "mm_int8_weight")
 
 
 @torch.library.custom_op("qops::dequantize_int8_weight", mutates_args=(), schema=DEQUANT_SCHEMA)

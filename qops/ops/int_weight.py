@@ -36,7 +36,7 @@ from ..formats._packing import pack_bits, packed_length, unpack_bits
 from ..formats.integer import IntQuantized, default_g_idx, n_groups_for
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, swiglu_implementation, warm_up
 from ._common import (check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_in_features, check_out, check_x, fail,
-                      reference_matmul, refuse_gradients, register_frozen_weight_autograd)
+                      reference_matmul, guard_out_op, register_frozen_weight_autograd)
 
 FAMILY = "int_weight"
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -220,7 +220,7 @@ def mm_int_weight_out(
     impl(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out=out, workspace=workspace)
 
 
-refuse_gradients("mm_int_weight_out", "mm_int_weight")
+guard_out_op("mm_int_weight_out", "mm_int_weight")
 
 
 # The gated forms: a fused [gate; up] weight (N = 2H, the gate projection's rows first) and
@@ -266,7 +266,7 @@ def mm_int_weight_swiglu_out(
     impl(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zero_offset, out=out, workspace=workspace)
 
 
-refuse_gradients("mm_int_weight_swiglu_out", "mm_int_weight_swiglu")
+guard_out_op("mm_int_weight_swiglu_out", "mm_int_weight_swiglu")
 
 
 def swiglu_shape(shape: list) -> list:
