@@ -341,14 +341,16 @@ def test_out_ops_refuse_gradients_and_overlapping_buffers(name):
     args = list(sample)
     x, out = args[0], args[names.index("out")]
     assert out.numel() <= x.numel() and "workspace" in names
-    args[names.index("out")] = x.detach().reshape(-1)[:out.numel()].view(out.shape)
-    with pytest.raises(ValueError, match=rf"qops\.{name}: out shares memory with x: "):
-        op(*args)
     ws = torch.empty(out.numel() * out.element_size() + 64, dtype=torch.uint8)
-    args = list(sample)
-    args[names.index("out")], args[names.index("workspace")] = ws[64:].view(out.dtype).view(out.shape), ws
-    with pytest.raises(ValueError, match=rf"qops\.{name}: out shares memory with workspace: "):
-        op(*args)
+    aliased = {"x": x.detach().reshape(-1)[:out.numel()].view(out.shape), "workspace": ws[64:].view(out.dtype).view(out.shape)}
+    for other, view in aliased.items():
+        args = list(sample)
+        args[names.index("out")] = view
+        if other == "workspace":
+            args[names.index("workspace")] = ws
+        for mode in (torch.enable_grad, torch.inference_mode):  # inference mode skips the autograd keys: checked in the op
+            with mode(), pytest.raises(ValueError, match=rf"qops\.{name}: out shares memory with {other}: "):
+                op(*args)
     # The op the message names differentiates the same call.
     args = _grad_call(name, sample, "x")
     getattr(torch.ops.qops, OUT_OPS[name])(*[a for a, n in zip(args, names) if n not in ("out", "workspace")]).float().sum().backward()

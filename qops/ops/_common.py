@@ -143,13 +143,6 @@ def register_frozen_weight_autograd(op, dequantize: Callable, *, tensors: Sequen
     op.register_autograd(backward, setup_context=setup_context)
 
 
-# The runtime dispatch keys of the devices the ops run on (FakeTensors take their device's). A kernel
-# registered to one of them takes precedence over the "Autograd" alias kernel that
-# torch.library.custom_op installs.
-_AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradMeta")
-_GUARD_LIBRARIES: list = []  # the registrations live as long as their Library objects
-
-
 def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     """The bytes ``[first, end)`` that ``t``'s elements lie in (None when it has none)."""
     if t.numel() == 0:
@@ -158,60 +151,64 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
 
 
-def _first_overlap(written: list, others: list) -> tuple[str, str] | None:
-    """Names of a written tensor and another argument whose byte ranges meet (real tensors only: a
-    FakeTensor has no memory, and torch.compile's functionalization copies aliased arguments)."""
+def check_disjoint(who: str, written: Sequence[tuple[str, Optional[torch.Tensor]]],
+                   read: Sequence[tuple[str, Optional[torch.Tensor]]]) -> None:
+    """The buffers an ``_out`` op writes (``out``, ``workspace``) share no memory with each other or
+    with the tensors it reads: the CUDA kernels write them while reading the rest in parallel, so an
+    ``out`` carved from x or from the workspace gives a wrong answer, not an error. By byte range (a
+    strided view interleaved with another without sharing an element is refused too: pass a copy), on
+    real tensors only: a FakeTensor has no memory, and torch.compile's functionalization copies
+    aliased arguments of the ops it traces."""
     from torch._subclasses.fake_tensor import is_fake
 
-    if any(is_fake(t) or t.device.type == "meta" for _, t in [*written, *others]):
-        return None
+    written = [(n, t) for n, t in written if t is not None]
+    read = [(n, t) for n, t in read if t is not None]
+    if any(is_fake(t) or t.device.type == "meta" for _, t in [*written, *read]):
+        return
     for i, (wname, w) in enumerate(written):
         a = _byte_range(w)
-        for oname, o in [*written[i + 1:], *others]:
+        for oname, o in [*written[i + 1:], *read]:
             b = _byte_range(o)
             if a and b and a[0] < b[1] and b[0] < a[1]:
-                return wname, oname
-    return None
+                raise ValueError(fail(who, f"{wname} shares memory with {oname}: the kernels write {wname} while they use "
+                                           f"{oname}, so the result would be wrong; pass separate buffers"))
 
 
-def guard_out_op(name: str, functional: str) -> None:
-    """Give the ``_out`` op ``qops::<name>`` the two refusals its own checks cannot make, each naming
-    the arguments, at its autograd dispatch key (before the op runs):
+# The runtime dispatch keys of the devices the ops run on (FakeTensors take their device's). A kernel
+# registered to one of them takes precedence over the "Autograd" alias kernel that
+# torch.library.custom_op installs.
+_AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradMeta")
+_REFUSAL_LIBRARIES: list = []  # the registrations live as long as their Library objects
 
-    - an argument that requires grad while grad mode is on: an op that writes its result into ``out``
-      and returns nothing can have no autograd formula (torch.library), so ``out`` would silently carry
-      no gradient of x or bias, where torch's own ``out=`` functions refuse the call. Refused eagerly
-      and when torch.compile traces the call (fake tensors); under ``torch.no_grad()`` /
-      ``torch.inference_mode()`` or with detached arguments the op runs. ``functional`` names the
-      differentiable op to call instead.
-    - a written argument (``out``, ``workspace``) whose memory meets another argument's: the CUDA
-      kernels read x and write out in parallel, so an ``out`` carved from x or from the workspace
-      gives a wrong answer, not an error. Checked on real tensors by byte range (a strided view
-      interleaved with another without sharing an element is refused too: copy it)."""
+
+def refuse_gradients(name: str, functional: str) -> None:
+    """Make the ``_out`` op ``qops::<name>`` refuse, naming it, an argument that requires grad while grad
+    mode is on.
+
+    An ``_out`` op writes into ``out`` and returns nothing, and torch.library cannot give an op that
+    mutates its arguments an autograd formula: without this, ``out`` would silently carry no gradient
+    of x or bias (a lost gradient, not an error at backward). torch's own ``out=`` functions refuse the
+    same call. Raised at the op's autograd dispatch key, so eagerly and when torch.compile traces the
+    call (fake tensors); under ``torch.no_grad()`` / ``torch.inference_mode()`` or with detached
+    arguments the op runs. ``functional`` names the differentiable op to call instead."""
     overload = getattr(torch.ops.qops, name).default
-    arguments = overload._schema.arguments
-    writes = {a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write}
+    arg_names = [a.name for a in overload._schema.arguments]
 
-    def guard(keyset, *args, **kwargs):
-        named = [(n, a) for n, a in [*zip((a.name for a in arguments), args), *kwargs.items()] if isinstance(a, torch.Tensor)]
+    def refusal(keyset, *args, **kwargs):
         if torch.is_grad_enabled():
-            for arg_name, a in named:
-                if a.requires_grad:
+            for arg_name, a in [*zip(arg_names, args), *kwargs.items()]:
+                if isinstance(a, torch.Tensor) and a.requires_grad:
                     raise RuntimeError(fail(name, f"{arg_name} requires grad, but this op writes its result into out and records "
                                                   f"no autograd (as torch's out= functions), so the result would carry no "
                                                   f"gradient: call qops::{functional} to differentiate, or run it under "
                                                   f"torch.no_grad() / with detached arguments"))
-        overlap = _first_overlap([na for na in named if na[0] in writes], [na for na in named if na[0] not in writes])
-        if overlap is not None:
-            raise ValueError(fail(name, f"{overlap[0]} shares memory with {overlap[1]}: the kernels write {overlap[0]} while "
-                                        f"they use {overlap[1]}, so the result would be wrong; pass separate buffers"))
         with torch._C._AutoDispatchBelowAutograd():
             return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
     lib = torch.library.Library("qops", "IMPL")
     for key in _AUTOGRAD_KEYS:
-        lib.impl(name, guard, key, with_keyset=True)
-    _GUARD_LIBRARIES.append(lib)
+        lib.impl(name, refusal, key, with_keyset=True)
+    _REFUSAL_LIBRARIES.append(lib)
 
 
 DETERMINISTIC_ENV = "QOPS_DETERMINISTIC"

@@ -42,8 +42,8 @@ import torch
 
 from ..formats.blockwise4 import denest, dequantize_flat, unpack_nibbles
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
-from ._common import (check_bias, check_dequantize_dtype, check_devices, check_in_features, check_out, check_x, fail, reference_matmul,
-                      guard_out_op, register_frozen_weight_autograd)
+from ._common import (check_bias, check_dequantize_dtype, check_devices, check_disjoint, check_in_features, check_out, check_x, fail, reference_matmul,
+                      refuse_gradients, register_frozen_weight_autograd)
 
 FAMILY = "blockwise4"
 LAYOUT_FLAT, LAYOUT_TILE16 = 0, 1
@@ -208,12 +208,15 @@ def mm_blockwise4_out(
     shape = check_mm_blockwise4("mm_blockwise4_out", x, qweight, code, absmax, nested_code, nested_absmax,
                                 nested_offset, bias, out_features, in_features, blocksize, nested_blocksize, layout)
     check_out("mm_blockwise4_out", out, shape, x)
+    check_disjoint("mm_blockwise4_out", (("out", out), ("workspace", workspace)),
+                   (("x", x), ("qweight", qweight), ("code", code), ("absmax", absmax), ("nested_code", nested_code),
+                    ("nested_absmax", nested_absmax), ("nested_offset", nested_offset), ("bias", bias)))
     impl = implementation(FAMILY, kernel, x.device, "mm_blockwise4_out", call_facts(x, shape, blocksize))
     impl(x, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, out_features, blocksize,
          nested_blocksize, layout, out=out, workspace=workspace)
 
 
-guard_out_op("mm_blockwise4_out", "mm_blockwise4")
+refuse_gradients("mm_blockwise4_out", "mm_blockwise4")
 
 
 @torch.library.custom_op("qops::dequantize_blockwise4", mutates_args=(), schema=DEQUANT_SCHEMA)
