@@ -10,6 +10,7 @@ import os
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEQUANTIZE_DTYPES = (*ACT_DTYPES, torch.float64)  # float64: oracles dequantize exactly
@@ -159,8 +160,6 @@ def check_disjoint(who: str, written: Sequence[tuple[str, Optional[torch.Tensor]
     strided view interleaved with another without sharing an element is refused too: pass a copy), on
     real tensors only: a FakeTensor has no memory, and torch.compile's functionalization copies
     aliased arguments of the ops it traces."""
-    from torch._subclasses.fake_tensor import is_fake
-
     written = [(n, t) for n, t in written if t is not None]
     read = [(n, t) for n, t in read if t is not None]
     if any(is_fake(t) or t.device.type == "meta" for _, t in [*written, *read]):
