@@ -94,6 +94,22 @@ def _deterministic():
     torch.use_deterministic_algorithms(False)
 
 
+def _served(op_name: str, sample_id: str, cuda_args: tuple, low) -> bool:
+    """Whether ``low`` serves the sample: an unserved one is refused with an error naming the lowering
+    (qops.lowerings.lowering_for: "kernel=K (<name>) does not serve this call", the fp8 ops' checks
+    alike, an entry's own "<name>: ..."); any other error is a bug in a lowering's Python path, not a
+    sample it does not serve, and CUDA errors are RuntimeErrors: both fail."""
+    try:
+        getattr(torch.ops.qops, op_name).default(*[a.detach() if isinstance(a, torch.Tensor) else a for a in cuda_args])
+    except (ValueError, NotImplementedError, TypeError) as e:
+        if low.name not in str(e):
+            raise AssertionError(f"{op_name}[{sample_id}] on {low.name}: {type(e).__name__} that is not the lowering's "
+                                 f"refusal: {e}") from e
+        print(f"{op_name}[{sample_id}] not served by {low.name}: {e}")
+        return False
+    return True
+
+
 def _has_fp8(args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
 
@@ -114,16 +130,7 @@ def test_gpu_opcheck(fmt, low, _deterministic):
                 continue
             with_samples.add(op_name)
             cuda_args = _with_kernel(op_name, args, int(low.kernel))
-            try:  # served? (an unserved sample is refused with an error naming the lowering)
-                packet.default(*[a.detach() if isinstance(a, torch.Tensor) else a for a in cuda_args])
-            except (ValueError, NotImplementedError, TypeError) as e:  # a refusal; CUDA errors are RuntimeErrors and fail
-                # A refusal names the lowering (qops.lowerings.lowering_for: "kernel=K (<name>) does not serve this
-                # call", the fp8 ops' checks alike, an entry's own "<name>: ..."); any other error is a bug in a
-                # lowering's Python path, not a sample it does not serve.
-                if low.name not in str(e):
-                    raise AssertionError(f"{op_name}[{sample_id}] on {low.name}: {type(e).__name__} that is not the lowering's "
-                                         f"refusal: {e}") from e
-                print(f"{op_name}[{sample_id}] not served by {low.name}: {e}")
+            if not _served(op_name, sample_id, cuda_args, low):
                 continue
             utils = [t for t in TEST_UTILS if not (t == "test_schema" and _has_fp8(cuda_args))]
             result = torch.library.opcheck(packet.default, cuda_args, test_utils=utils)
@@ -136,3 +143,46 @@ def test_gpu_opcheck(fmt, low, _deterministic):
     else:
         ops = [o for o in FAMILY_OPS[low.family] if o in with_samples and o != "scaled_mm_fp8"]
         assert all(checked.get(o, 0) >= 1 for o in ops), f"{fmt} on {low.name}: samples checked per op {checked}"
+
+
+@pytest.mark.parametrize("fmt,low", [pytest.param(f, l, id=f"{f}-{l.name}") for f, l in _pairs() if l.name != "scaled_mm_fp8"])
+def test_gpu_out_ops_refuse_gradients_and_aliased_buffers(fmt, low):
+    """On CUDA, where the _out ops' refusals matter most (the autograd key is AutogradCUDA; the kernels
+    write out while other programs read x): every _out op of the family, on each sample the lowering
+    serves, refuses an x that requires grad and an out sharing x's memory, naming them, and under
+    inference mode writes what its functional op returns on the same lowering."""
+    if low.device_refusal(torch.device("cuda")) is not None:
+        pytest.skip(low.device_refusal(torch.device("cuda")))
+    guarded = 0
+    for op_name in FAMILY_OPS[low.family]:
+        if not op_name.endswith("_out") or op_name not in SAMPLES:
+            continue
+        op = getattr(torch.ops.qops, op_name).default
+        names = [a.name for a in op._schema.arguments]
+        for sample_id, args in SAMPLES[op_name]().items():
+            if _sample_name(sample_id) not in FORMAT_SAMPLES[fmt]:
+                continue
+            cuda_args = _with_kernel(op_name, args, int(low.kernel))
+            if not _served(op_name, sample_id, cuda_args, low):
+                continue
+            x, out = cuda_args[0], cuda_args[names.index("out")]
+            grad = list(cuda_args)
+            grad[0] = x.detach().clone().requires_grad_()
+            with pytest.raises(RuntimeError, match=rf"qops\.{op_name}: x requires grad"):
+                op(*grad)
+            buf = torch.empty(max(x.numel(), out.numel()), dtype=x.dtype, device=x.device)
+            aliased = list(cuda_args)
+            aliased[0] = buf[:x.numel()].view(x.shape).copy_(x)
+            aliased[names.index("out")] = buf[:out.numel()].view(out.shape)
+            if x.numel() and out.numel():
+                with pytest.raises(ValueError, match=rf"qops\.{op_name}: out shares memory with x"):
+                    op(*aliased)
+            out.fill_(float("nan"))
+            with torch.inference_mode():
+                op(*cuda_args)
+                want = getattr(torch.ops.qops, op_name[:-len("_out")]).default(
+                    *[a for a, n in zip(cuda_args, names) if n not in ("out", "workspace")])
+            assert out.isfinite().all() and (out.float() - want.float()).norm() <= 1e-2 * want.float().norm() + 1e-6, \
+                (op_name, sample_id)
+            guarded += 1
+    assert guarded >= 1, f"no _out sample served on {low.name} for {fmt}"
