@@ -190,11 +190,9 @@ def workspace_for(iw, x):
 
 
 def check_out_variant(iw, x, ref, workspace):
-    out = torch.full((x.shape[0], iw.out_features), float("nan"), dtype=x.dtype, device=x.device)
-    torch.ops.qops.mm_int_weight_out(
+    return common.out_form_err(lambda out: torch.ops.qops.mm_int_weight_out(
         x, iw.qweight, iw.scales, iw.qzeros, iw.act_perm, None,
-        iw.in_features, iw.bits, iw.group_size, iw.zero_offset, int(iw.kernel), out, workspace)
-    return rel_err(out, ref)
+        iw.in_features, iw.bits, iw.group_size, iw.zero_offset, int(iw.kernel), out, workspace), iw.out_features, x, ref)
 
 
 def load_gemlite(device_type: str):

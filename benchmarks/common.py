@@ -223,6 +223,14 @@ def rel_err(got, want) -> float | None:
     return num / den if den else num
 
 
+def out_form_err(write_out, n: int, x: torch.Tensor, want) -> float | None:
+    """:func:`rel_err` of an op's ``_out`` form (what a CUDA-graph decode loop calls): ``write_out(out)``
+    into an ``(M, n)`` buffer of x's dtype that starts as NaN, so an element left unwritten gives None."""
+    out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
+    write_out(out)
+    return rel_err(out, want)
+
+
 def short_err(e: BaseException) -> str:
     """One line for a JSON field or a log: the exception type and the first line of its message."""
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
