@@ -357,6 +357,63 @@ def test_out_ops_refuse_gradients_and_overlapping_buffers(name):
     assert args[0].grad is not None and args[0].grad.isfinite().all()
 
 
+def _random_view(base: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A view of ``base`` (1-d, float32): contiguous runs, column-strided and transposed matrices, a
+    broadcast row, an empty slice."""
+    kind = int(torch.randint(0, 5, (), generator=gen))
+    start = int(torch.randint(0, base.numel() - 64, (), generator=gen))
+    if kind == 0:
+        return base[start:start + int(torch.randint(1, 64, (), generator=gen))]
+    if kind == 1:
+        return base[start:start + 60].view(6, 10)[:, ::3]
+    if kind == 2:
+        return base[start:start + 48].view(8, 6).t()
+    if kind == 3:
+        return base[start:start + 5].expand(4, 5)
+    return base[start:start]
+
+
+def test_check_disjoint_refuses_exactly_the_overlapping_byte_ranges():
+    """check_disjoint (every _out op's aliasing check) against the byte ranges read off the elements'
+    own addresses: random views of one buffer, written pairs and written / read pairs; parameters are
+    checked like tensors, fake and meta tensors never."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qops.ops._common import check_disjoint
+
+    def span(t):  # [first byte, end) of the elements, from every element's address
+        if t.numel() == 0:
+            return None
+        offsets = torch.as_strided(torch.arange(t.untyped_storage().nbytes() // 4), t.shape, t.stride(), t.storage_offset())
+        base = t.untyped_storage().data_ptr()
+        return base + 4 * int(offsets.min()), base + 4 * int(offsets.max()) + 4
+
+    def overlap(a, b):
+        return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.zeros(512)
+    refused = accepted = 0
+    for i in range(400):
+        out, ws, x = (_random_view(base, gen) for _ in range(3))
+        if i % 7 == 0:
+            x = torch.nn.Parameter(x, requires_grad=False)
+        expected = overlap(span(out), span(ws)) or overlap(span(out), span(x)) or overlap(span(ws), span(x))
+        if expected:
+            with pytest.raises(ValueError, match="shares memory with"):
+                check_disjoint("op", (("out", out), ("workspace", ws)), (("x", x), ("bias", None)))
+            refused += 1
+        else:
+            check_disjoint("op", (("out", out), ("workspace", ws)), (("x", x), ("bias", None)))
+            accepted += 1
+    assert refused > 50 and accepted > 50, (refused, accepted)
+    same = torch.zeros(8)
+    check_disjoint("op", (("out", same.to("meta")),), (("x", same.to("meta")),))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(same)
+        check_disjoint("op", (("out", fake),), (("x", fake),))
+
+
 # Where the bias sits among each differentiable op's inputs (x is input 0).
 BIAS_INDEX = {"mm_int_weight": 5, "mm_int8_weight": 3, "mm_blockwise4": 7, "mm_fp8_weight": 3}
 

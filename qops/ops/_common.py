@@ -146,10 +146,22 @@ def register_frozen_weight_autograd(op, dequantize: Callable, *, tensors: Sequen
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     """The bytes ``[first, end)`` that ``t``'s elements lie in (None when it has none)."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return None
-    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
+    first = t.data_ptr()
+    if t.is_contiguous():
+        return first, first + n * t.element_size()
+    extent = sum((d - 1) * s for d, s in zip(t.shape, t.stride()))
+    return first, first + (extent + 1) * t.element_size()
+
+
+def _has_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` owns real memory (not a FakeTensor, not on the meta device). Plain tensors and
+    parameters answer without ``is_fake``, which costs more than the rest of the check together."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return not t.is_meta
+    return not (is_fake(t) or t.is_meta)
 
 
 def check_disjoint(who: str, written: Sequence[tuple[str, Optional[torch.Tensor]]],
@@ -159,16 +171,21 @@ def check_disjoint(who: str, written: Sequence[tuple[str, Optional[torch.Tensor]
     ``out`` carved from x or from the workspace gives a wrong answer, not an error. By byte range (a
     strided view interleaved with another without sharing an element is refused too: pass a copy), on
     real tensors only: a FakeTensor has no memory, and torch.compile's functionalization copies
-    aliased arguments of the ops it traces."""
-    written = [(n, t) for n, t in written if t is not None]
-    read = [(n, t) for n, t in read if t is not None]
-    if any(is_fake(t) or t.device.type == "meta" for _, t in [*written, *read]):
-        return
-    for i, (wname, w) in enumerate(written):
-        a = _byte_range(w)
-        for oname, o in [*written[i + 1:], *read]:
-            b = _byte_range(o)
-            if a and b and a[0] < b[1] and b[0] < a[1]:
+    aliased arguments of the ops it traces. Every call outside a CUDA graph pays it, so it is kept
+    cheap: each range computed once, plain tensors told real without ``is_fake``."""
+    ranges = []
+    for name, t in (*written, *read):
+        if t is None:
+            continue
+        if not _has_memory(t):
+            return
+        ranges.append((name, _byte_range(t)))
+    n_written = sum(t is not None for _, t in written)
+    for i, (wname, a) in enumerate(ranges[:n_written]):
+        if a is None:
+            continue
+        for oname, b in ranges[i + 1:]:
+            if b is not None and a[0] < b[1] and b[0] < a[1]:
                 raise ValueError(fail(who, f"{wname} shares memory with {oname}: the kernels write {wname} while they use "
                                            f"{oname}, so the result would be wrong; pass separate buffers"))
 
