@@ -86,6 +86,39 @@ def _native_launch_facts() -> str:
     return "programmatic dependent launch available (sm_90+; QOPS_NATIVE_PDL=0 turns it off)" if why is None else f"no programmatic dependent launch: {why}"
 
 
+def measured_tables(gpu: str, sms: int) -> list[str]:
+    """Which measured launch tables a GPU named ``gpu`` with ``sms`` SMs reads, and where it has none
+    (its calls then take the untuned generic table or the plan rule): one line a table."""
+    import os
+
+    from .ops.triton import int_weight as triton_int_weight
+
+    stem = triton_int_weight.gpu_key(gpu)
+    table = triton_int_weight.load_config(stem)
+    measured = sorted(os.path.splitext(f)[0] for f in os.listdir(triton_int_weight.CONFIG_DIR)
+                      if f.endswith(".json") and f != f"{triton_int_weight.DEFAULT_CONFIG}.json")
+    if table.get("tuned"):
+        lines = [f"Triton int-weight launch configs: configs/{stem}.json (measured: {table['source']})"]
+    else:
+        lines = [f"Triton int-weight launch configs: configs/{triton_int_weight.DEFAULT_CONFIG}.json, UNTUNED: no measured "
+                 f"file for {gpu!r} (measured files: {', '.join(measured) or 'none'})"]
+    try:
+        from .native import int_weight as native_int_weight
+
+        found = native_int_weight.plan_table(gpu)
+        others = ", ".join(f"{g} ({t['sms']} SMs)" for g, t in sorted(native_int_weight.plan_tables().items())) or "none"
+    except Exception as e:  # noqa: BLE001 - a missing cuda-python or a malformed table: reported, not fatal
+        return lines + [f"Native W4A16 plan table: unavailable ({type(e).__name__}: {e})"]
+    if found is not None and found[1]["sms"] == sms:
+        path, plans = found
+        lines.append(f"Native W4A16 plan table: plans/{os.path.basename(path)} ({len(plans['plans'])} measured plans; "
+                     f"other shapes take the rule)")
+    else:
+        lines.append(f"Native W4A16 plan table: none for {gpu!r} with {sms} SMs, every shape takes the rule (tables: {others})")
+    lines.append("fp8, int8 and 4-bit codebook kernels: constants measured on the H200, in their modules, used on every GPU")
+    return lines
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import qops
     from .lowerings import LOWERINGS
@@ -104,6 +137,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     for f, l, v in rows:
         print(f"  {f:<{w0}}  {l:<{w1}}  {v}")
     print(f"\nNative kernels: {_native_launch_facts()}")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        print(f"\nMeasured tables on this GPU ({props.name}):")
+        for line in measured_tables(props.name, props.multi_processor_count):
+            print(f"  {line}")
     ops = sorted(n for n in dir(torch.ops.qops) if not n.startswith("_") and isinstance(getattr(torch.ops.qops, n), torch._ops.OpOverloadPacket))
     print(f"\nOps: {', '.join('qops::' + o for o in ops)}  (reference: docs/OPS.md)")
     return 0
