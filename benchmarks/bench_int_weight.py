@@ -94,7 +94,16 @@ def parse_args(argv=None):
     p.add_argument("--no-gemlite", action="store_true", help="skip gemlite even when importable")
     p.add_argument("--no-torch-int4", action="store_true", help="skip torch's _weight_int4pack_mm")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--triton-config", metavar="STEM",
+                   help="run the Triton lowering on qops/ops/triton/configs/STEM.json instead of this GPU's own table "
+                        "(e.g. 'h200' or 'default' on an H100: which table serves it better)")
     a = p.parse_args(argv)
+    if a.triton_config is not None:
+        from qops.ops.triton import int_weight as triton_int_weight
+
+        if not (triton_int_weight.CONFIG_DIR / f"{a.triton_config}.json").exists():
+            known = sorted(f.stem for f in triton_int_weight.CONFIG_DIR.glob("*.json"))
+            p.error(f"--triton-config: no configs/{a.triton_config}.json (known: {', '.join(known)})")
     a.shape_list = a.shapes or (DRY_SHAPES if a.dry_run else QUICK_SHAPES if a.quick else common.PERF_SHAPES)
     for n, k in a.shape_list:
         if n % 8 or k % GROUP:  # the GPTQ packing: 8 nibbles per int32 along N, whole groups along K
@@ -704,7 +713,12 @@ def render_targets(rows, args, skipped) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return run(args)
+    if args.triton_config is None:
+        return run(args)
+    from qops.ops.triton import int_weight as triton_int_weight
+
+    with triton_int_weight.config_override(triton_int_weight.load_config(args.triton_config)):
+        return run(args)
 
 
 if __name__ == "__main__":

@@ -35,3 +35,23 @@ def test_load_only_kernel_compiles(arch, monkeypatch):
     import read_floor
 
     assert compiler.cubin_problem(compiler.compile(read_floor.SOURCE, arch)) is None
+
+
+def test_triton_config_option_runs_the_bench_on_the_named_table(monkeypatch, capsys):
+    """``--triton-config h200`` makes the named table the Triton lowering's for the whole run (what an
+    H100 run compares against its default table); an unknown name is refused, naming the known ones."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import torch
+
+    import bench_int_weight
+    from qops.ops.triton import int_weight as T
+
+    seen = []
+    monkeypatch.setattr(bench_int_weight, "run", lambda args: seen.append((args.triton_config, T.config_for(torch.device("cpu")))) or 0)
+    assert bench_int_weight.main(["--dry-run", "--triton-config", "h200"]) == 0
+    assert bench_int_weight.main(["--dry-run"]) == 0
+    assert seen[0] == ("h200", T.load_config("h200")) and seen[1] == (None, T.load_config("default"))
+    assert T.config_for(torch.device("cpu")) is T.load_config("default")  # the override ends with the run
+    with pytest.raises(SystemExit):
+        bench_int_weight.main(["--dry-run", "--triton-config", "h100"])
+    assert "--triton-config: no configs/h100.json (known: default, h200)" in capsys.readouterr().err
