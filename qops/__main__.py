@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -86,11 +87,24 @@ def _native_launch_facts() -> str:
     return "programmatic dependent launch available (sm_90+; QOPS_NATIVE_PDL=0 turns it off)" if why is None else f"no programmatic dependent launch: {why}"
 
 
+def _native_plan_table_line(gpu: str, sms: int) -> str:
+    """The native W4A16 plan table a GPU named ``gpu`` with ``sms`` SMs reads, or why none."""
+    try:
+        from .native import int_weight as native_int_weight
+
+        found = native_int_weight.plan_table(gpu)
+        others = ", ".join(f"{g} ({t['sms']} SMs)" for g, t in sorted(native_int_weight.plan_tables().items())) or "none"
+    except Exception as e:  # noqa: BLE001 - a missing cuda-python or a malformed table: reported, not fatal
+        return f"Native W4A16 plan table: unavailable ({type(e).__name__}: {e})"
+    if found is not None and found[1]["sms"] == sms:
+        path, plans = found
+        return f"Native W4A16 plan table: plans/{os.path.basename(path)} ({len(plans['plans'])} measured plans; other shapes take the rule)"
+    return f"Native W4A16 plan table: none for {gpu!r} with {sms} SMs, every shape takes the rule (tables: {others})"
+
+
 def measured_tables(gpu: str, sms: int) -> list[str]:
     """Which measured launch tables a GPU named ``gpu`` with ``sms`` SMs reads, and where it has none
     (its calls then take the untuned generic table or the plan rule): one line a table."""
-    import os
-
     from .ops.triton import int_weight as triton_int_weight
 
     stem = triton_int_weight.gpu_key(gpu)
@@ -102,19 +116,7 @@ def measured_tables(gpu: str, sms: int) -> list[str]:
     else:
         lines = [f"Triton int-weight launch configs: configs/{triton_int_weight.DEFAULT_CONFIG}.json, UNTUNED: no measured "
                  f"file for {gpu!r} (measured files: {', '.join(measured) or 'none'})"]
-    try:
-        from .native import int_weight as native_int_weight
-
-        found = native_int_weight.plan_table(gpu)
-        others = ", ".join(f"{g} ({t['sms']} SMs)" for g, t in sorted(native_int_weight.plan_tables().items())) or "none"
-    except Exception as e:  # noqa: BLE001 - a missing cuda-python or a malformed table: reported, not fatal
-        return lines + [f"Native W4A16 plan table: unavailable ({type(e).__name__}: {e})"]
-    if found is not None and found[1]["sms"] == sms:
-        path, plans = found
-        lines.append(f"Native W4A16 plan table: plans/{os.path.basename(path)} ({len(plans['plans'])} measured plans; "
-                     f"other shapes take the rule)")
-    else:
-        lines.append(f"Native W4A16 plan table: none for {gpu!r} with {sms} SMs, every shape takes the rule (tables: {others})")
+    lines.append(_native_plan_table_line(gpu, sms))
     lines.append("fp8, int8 and 4-bit codebook kernels: constants measured on the H200, in their modules, used on every GPU")
     return lines
 

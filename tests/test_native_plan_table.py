@@ -199,7 +199,7 @@ def test_the_table_builder_writes_exactly_the_fields_qops_reads(tool):
     native.check_plan_table("built", table)
 
 
-def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none():
+def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none(monkeypatch):
     """`python -m qops info` on a GPU says which measured tables apply: the H200 reads its Triton configs
     and its native plan table; a GPU without files (an H100) is told it runs the untuned generic Triton
     table and the plan rule; a table applies only at the SM count it was measured with."""
@@ -217,3 +217,10 @@ def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none():
                        "(tables: NVIDIA H200 (132 SMs))")
     assert measured_tables("NVIDIA H200", 60)[1].startswith("Native W4A16 plan table: none for 'NVIDIA H200' with 60 SMs")
     assert all(len(lines) == 3 and lines[2].startswith("fp8, int8 and 4-bit codebook kernels") for lines in (h200, h100))
+
+    def malformed(gpu):
+        raise ValueError("two plan tables")
+
+    monkeypatch.setattr(native_int_weight, "plan_table", malformed)
+    broken = measured_tables("NVIDIA H200", 132)
+    assert broken[1] == "Native W4A16 plan table: unavailable (ValueError: two plan tables)" and len(broken) == 3
