@@ -101,8 +101,8 @@ def parse_args(argv=None):
     if a.triton_config is not None:
         from qops.ops.triton import int_weight as triton_int_weight
 
-        if not (triton_int_weight.CONFIG_DIR / f"{a.triton_config}.json").exists():
-            known = sorted(f.stem for f in triton_int_weight.CONFIG_DIR.glob("*.json"))
+        known = triton_int_weight.config_stems()
+        if a.triton_config not in known:
             p.error(f"--triton-config: no configs/{a.triton_config}.json (known: {', '.join(known)})")
     a.shape_list = a.shapes or (DRY_SHAPES if a.dry_run else QUICK_SHAPES if a.quick else common.PERF_SHAPES)
     for n, k in a.shape_list:

@@ -109,11 +109,10 @@ def measured_tables(gpu: str, sms: int) -> list[str]:
 
     stem = triton_int_weight.gpu_key(gpu)
     table = triton_int_weight.load_config(stem)
-    measured = sorted(os.path.splitext(f)[0] for f in os.listdir(triton_int_weight.CONFIG_DIR)
-                      if f.endswith(".json") and f != f"{triton_int_weight.DEFAULT_CONFIG}.json")
     if table.get("tuned"):
         lines = [f"Triton int-weight launch configs: configs/{stem}.json (measured: {table['source']})"]
     else:
+        measured = [s for s in triton_int_weight.config_stems() if s != triton_int_weight.DEFAULT_CONFIG]
         lines = [f"Triton int-weight launch configs: configs/{triton_int_weight.DEFAULT_CONFIG}.json, UNTUNED: no measured "
                  f"file for {gpu!r} (measured files: {', '.join(measured) or 'none'})"]
     lines.append(_native_plan_table_line(gpu, sms))

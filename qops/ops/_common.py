@@ -6,6 +6,7 @@ may be involved, a plain raise for static facts), and every message begins ``qop
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from typing import Callable, Optional, Sequence
 
@@ -212,7 +213,7 @@ def refuse_gradients(name: str, functional: str) -> None:
 
     def refusal(keyset, *args, **kwargs):
         if torch.is_grad_enabled():
-            for arg_name, a in [*zip(arg_names, args), *kwargs.items()]:
+            for arg_name, a in itertools.chain(zip(arg_names, args), kwargs.items()):
                 if isinstance(a, torch.Tensor) and a.requires_grad:
                     raise RuntimeError(fail(name, f"{arg_name} requires grad, but this op writes its result into out and records "
                                                   f"no autograd (as torch's out= functions), so the result would carry no "

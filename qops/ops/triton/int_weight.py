@@ -633,6 +633,11 @@ def gpu_key(name: str) -> str:
     return words[0].split("-")[0] if words else DEFAULT_CONFIG
 
 
+def config_stems() -> list[str]:
+    """The stems of the shipped config tables (``configs/<stem>.json``), ``default`` among them."""
+    return sorted(path.stem for path in CONFIG_DIR.glob("*.json"))
+
+
 @functools.cache
 def load_config(stem: str) -> dict:
     """The table in ``configs/<stem>.json``, or ``default.json`` when there is none for this GPU."""
