@@ -201,8 +201,9 @@ def test_the_table_builder_writes_exactly_the_fields_qops_reads(tool):
 
 def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none(monkeypatch):
     """`python -m qops info` on a GPU says which measured tables apply: the H200 reads its Triton configs
-    and its native plan table; a GPU without files (an H100) is told it runs the untuned generic Triton
-    table and the plan rule; a table applies only at the SM count it was measured with."""
+    and its native plan table; the H100 its own Triton configs and the plan rule (no plan table measured
+    there); a GPU without files (an A100) is told it runs the untuned generic Triton table and the plan
+    rule; a table applies only at the SM count it was measured with."""
     from qops.__main__ import measured_tables
     from qops.native import int_weight as native_int_weight
 
@@ -211,12 +212,15 @@ def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none(monkey
     assert h200[0].startswith("Triton int-weight launch configs: configs/h200.json (measured: ") and "UNTUNED" not in h200[0]
     assert h200[1] == f"Native W4A16 plan table: plans/h200.json ({entries} measured plans; other shapes take the rule)"
     h100 = measured_tables("NVIDIA H100 80GB HBM3", 132)
-    assert h100[0] == ("Triton int-weight launch configs: configs/default.json, UNTUNED: no measured file for "
-                       "'NVIDIA H100 80GB HBM3' (measured files: h200)")
+    assert h100[0].startswith("Triton int-weight launch configs: configs/h100.json (measured: ") and "on NVIDIA H100" in h100[0]
     assert h100[1] == ("Native W4A16 plan table: none for 'NVIDIA H100 80GB HBM3' with 132 SMs, every shape takes the rule "
                        "(tables: NVIDIA H200 (132 SMs))")
+    a100 = measured_tables("NVIDIA A100-SXM4-80GB", 108)
+    assert a100[0] == ("Triton int-weight launch configs: configs/default.json, UNTUNED: no measured file for "
+                       "'NVIDIA A100-SXM4-80GB' (measured files: h100, h200)")
+    assert a100[1].startswith("Native W4A16 plan table: none for 'NVIDIA A100-SXM4-80GB' with 108 SMs")
     assert measured_tables("NVIDIA H200", 60)[1].startswith("Native W4A16 plan table: none for 'NVIDIA H200' with 60 SMs")
-    assert all(len(lines) == 3 and lines[2].startswith("fp8, int8 and 4-bit codebook kernels") for lines in (h200, h100))
+    assert all(len(lines) == 3 and lines[2].startswith("fp8, int8 and 4-bit codebook kernels") for lines in (h200, h100, a100))
 
     def malformed(gpu):
         raise ValueError("two plan tables")

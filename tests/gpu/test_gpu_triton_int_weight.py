@@ -308,7 +308,8 @@ def test_scale_dtypes_on_every_path(scale_dtype, dtype):
     decode (M = 1), the GEMM scaling its fp32 product (M = 17), the GEMM scaling its half weight tile
     (M = 100: tiles taller than half their depth round the scale to the activation dtype first) and
     dense (M = 257: the dequantized weight in the activation dtype). The H200 table is applied on
-    whatever GPU runs this (an H100 takes the default table, whose M = 257 is a GEMM)."""
+    whatever GPU runs this (another GPU's table may put these rows on other paths: default.json makes M = 257
+    a GEMM)."""
     case = SCALE_CASE
     b = built(case, dtype, scale_dtype=scale_dtype)
     assert b.weight.scales.dtype == scale_dtype
