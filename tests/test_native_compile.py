@@ -851,12 +851,24 @@ def test_workspace_past_the_native_rows_is_the_triton_need(monkeypatch):
 
 
 def test_rows_served_by_weight_size_and_device(monkeypatch):
-    """SLICED_ROWS by N * K on the wgmma GEMM's devices (first entry the weight reaches), one launch's rows
-    elsewhere and where K % 8 != 0; QOPS_NATIVE_SLICED_ROWS replaces the table, never below one launch."""
+    """SLICED_ROWS by N * K on the wgmma GEMM's devices (first entry the weight reaches), the device's own
+    table where it has one and the H200's where not, one launch's rows elsewhere and where K % 8 != 0;
+    QOPS_NATIVE_SLICED_ROWS replaces the table, never below one launch."""
     _h200_gemm(monkeypatch)
     monkeypatch.delenv(native.SLICED_ROWS_ENV, raising=False)
+    gpu = ["NVIDIA H200"]
+    monkeypatch.setattr(native, "_device_name", lambda idx: gpu[0])  # over _h200_gemm's
     shapes = ((57344, 8192), (8192, 28672), (28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096), (2048, 4096))
-    assert [native.rows_served(n, k, 0) for n, k in shapes] == [192, 192, 192, 160, 96, 96, gemm.MAX_M]
+    h200 = [native.rows_served(n, k, 0) for n, k in shapes]
+    assert h200 == [192, 192, 192, 160, 96, 96, gemm.MAX_M]
+    gpu[0] = "NVIDIA GH200 480GB"  # a Hopper GPU without its own measurement
+    assert [native.rows_served(n, k, 0) for n, k in shapes] == h200
+    for name, table in native.SLICED_ROWS.items():
+        gpu[0] = name
+        assert [native.rows_served(n, k, 0) for n, k in shapes] == [max(next(r for size, r in table if n * k >= size), gemm.MAX_M)
+                                                                   for n, k in shapes]
+        assert all(a[0] > b[0] and a[1] >= b[1] for a, b in zip(table, table[1:])) and table[-1][0] == 0, name
+    gpu[0] = "NVIDIA H200"
     assert native.rows_served(4096, 4100, 0) == native.MAX_M  # K % 8 != 0: the decode kernel's 32-row launches
     monkeypatch.setenv(native.SLICED_ROWS_ENV, "500")
     assert native.rows_served(4096, 4096, 0) == 500
@@ -1193,7 +1205,8 @@ def test_f16mma_is_a_bf16_option_of_x_staged_once():
 
 
 def _h200_gemm(monkeypatch):
-    """The GEMM's device facts of one H200, so its plans need no GPU."""
+    """The GEMM's device facts of one H200 (and its name, which picks its SLICED_ROWS), so its plans need no GPU."""
+    monkeypatch.setattr(native, "_device_name", lambda idx: "NVIDIA H200")
     monkeypatch.setattr(gemm, "_sm_count", lambda idx: 132)
     monkeypatch.setattr(gemm, "_smem_limit", lambda idx: gemm.SHMEM_SM_BYTES)
     monkeypatch.setattr(gemm, "_capability", lambda idx: (9, 0))

@@ -6,7 +6,7 @@ and M = prod(x.shape[:-1]) <= 64 (on Hopper more, in slices: below): up to 32 ro
 decode kernel, 33..64 rows (``int_weight_gemm.MAX_M``, K % 8 == 0) the GEMM of
 :mod:`qops.native.int_weight_gemm` (on Hopper, whose GEMM build runs warpgroup MMAs, from 17 or 24
 rows: :func:`decode_rows`); one launch either way, the weight read once for all rows. Past 64 rows on
-Hopper, up to :func:`rows_served` (96, 160 or 192 by the weight's size, ``SLICED_ROWS``: measured
+Hopper, up to :func:`rows_served` (by the weight's size and the GPU, ``SLICED_ROWS``: measured
 faster than Triton there), 64-row GEMM launches and one for the rest. Anything else goes to the
 Triton lowering (``qops.ops.triton.int_weight.triton_mm``), except in deterministic mode, where any M
 runs over such slices (32-row decode-kernel slices where K % 8 != 0): bit-identical run to run.
@@ -87,16 +87,22 @@ MAX_M = 32  # rows one launch of the decode kernel takes (four 8-row MMA tiles)
 WGMMA_DECODE_ROWS = ((1 << 25, 16), (0, 23))
 # Past gemm.MAX_M rows (outside deterministic mode) the call runs as 64-row GEMM launches and one for
 # the rest, each reading the whole weight, while that is faster than the Triton lowering's tiled GEMM
-# or dense path; above, it is handed to Triton. (smallest N*K, most rows), as WGMMA_DECODE_ROWS, for
-# the wgmma GEMM (Hopper); elsewhere the slices were never measured and the limit is gemm.MAX_M.
-# Measured side by side in three runs (h200-2026-12-04-93edcde-probe-gemm-slices.json, fp16, and
+# or dense path; above, it is handed to Triton. Per GPU (data, measured there by
+# benchmarks/probe_gemm_slices.py): (smallest N*K, most rows), as WGMMA_DECODE_ROWS, for the wgmma
+# GEMM (Hopper); a Hopper GPU not listed takes the H200's; elsewhere the slices were never measured
+# and the limit is gemm.MAX_M. Where it pays depends on the GPU because the Triton side's dense path
+# writes and reads 4 bytes a weight more than the slices: the less bandwidth, the further slices win.
+# H200, measured side by side in three runs (h200-2026-12-04-93edcde-probe-gemm-slices.json, fp16, and
 # ...-b5386cc-probe-slices-{fp16,bf16}.json), Triton's time over the slices': at 192 rows 1.23-1.45x on
 # the three weights of >= 2^26, and at 160 1.08-1.15x on the two of 2^25.8 (at 192 14336x4096 tied:
 # 0.99-1.04x); at 96 1.19-1.21x on 4096x4096 and 1.02-1.04x on 6144x4096 (0.92-0.95x at 128); at M = 65
 # 1.30-2.41x everywhere. At 256 only 8192x28672 kept winning (1.07-1.11x; 57344x8192 0.96-1.03x,
 # 28672x4096 1.00-1.05x): not taken. Smaller weights were not measured: one launch, gemm.MAX_M rows.
 # QOPS_NATIVE_SLICED_ROWS=R replaces the table (measurements).
-SLICED_ROWS = ((1 << 26, 192), (1 << 25, 160), (1 << 24, 96), (0, 64))
+SLICED_ROWS_DEFAULT_GPU = "NVIDIA H200"
+SLICED_ROWS = {
+    "NVIDIA H200": ((1 << 26, 192), (1 << 25, 160), (1 << 24, 96), (0, 64)),
+}
 SLICED_ROWS_ENV = "QOPS_NATIVE_SLICED_ROWS"
 THREADS = 256
 CHUNK_K = 128
@@ -725,9 +731,9 @@ def _launch_rows(k: int) -> int:
 
 def rows_served(n: int, k: int, device: int) -> int:
     """Most rows of a call this lowering runs itself outside deterministic mode (more go to Triton):
-    one launch's (:func:`_launch_rows`), or on the wgmma GEMM's devices as many as SLICED_ROWS gives
-    the weight in slices of gemm.MAX_M rows (``QOPS_NATIVE_SLICED_ROWS``, read at every call, replaces
-    it for measurements)."""
+    one launch's (:func:`_launch_rows`), or on the wgmma GEMM's devices as many as the device's
+    SLICED_ROWS gives the weight in slices of gemm.MAX_M rows (``QOPS_NATIVE_SLICED_ROWS``, read at
+    every call, replaces it for measurements)."""
     one = _launch_rows(k)
     if one < gemm.MAX_M or gemm.wgmma_missing(device) is not None:
         return one
@@ -737,7 +743,12 @@ def rows_served(n: int, k: int, device: int) -> int:
             return max(int(raw), one)
         except ValueError:
             raise ValueError(f"{SLICED_ROWS_ENV}={raw!r} is not an integer number of rows") from None
-    return max(next(rows for size, rows in SLICED_ROWS if n * k >= size), one)
+    return max(next(rows for size, rows in sliced_rows_table(_device_name(device)) if n * k >= size), one)
+
+
+def sliced_rows_table(gpu: str) -> tuple[tuple[int, int], ...]:
+    """The (smallest N*K, most rows) entries of SLICED_ROWS measured on ``gpu``, else the H200's."""
+    return SLICED_ROWS.get(gpu, SLICED_ROWS[SLICED_ROWS_DEFAULT_GPU])
 
 
 def _delegated(m: int, n: int, k: int, device: int) -> bool:

@@ -656,14 +656,15 @@ def _record_launches(monkeypatch) -> list:
 def test_large_m_runs_in_slices_then_goes_to_triton(monkeypatch):
     """One decode launch up to decode_rows (32; on Hopper 23 for this weight, 16 for one of 2^25
     elements), one GEMM launch from there to 64 rows (the weight read once either way), then 64-row
-    slices and a launch for the rest up to rows_served (SLICED_ROWS on Hopper), above that triton."""
+    slices and a launch for the rest up to rows_served (this GPU's SLICED_ROWS on Hopper), above that triton."""
     monkeypatch.delenv(native.SLICED_ROWS_ENV, raising=False)
     launches = _record_launches(monkeypatch)
     hopper = gemm.wgmma_missing(0) is None
     for n, k, last in ((1024, 2048, 23 if hopper else 32), (8192, 4096, 16 if hopper else 32)):
         assert native.decode_rows(n, k, 0) == last
         served = native.rows_served(n, k, 0)
-        assert served == (next(r for size, r in native.SLICED_ROWS if n * k >= size) if hopper else gemm.MAX_M)
+        table = native.sliced_rows_table(torch.cuda.get_device_name(0))
+        assert served == (max(next(r for size, r in table if n * k >= size), gemm.MAX_M) if hopper else gemm.MAX_M)
         nw = native_weight("gptq", n, k, 128, False, version="v2")
         bias = rand(n, dtype=torch.float16, seed=8)
         for m in sorted({16, 17, 23, 24, 32, 33, 64, 65, 96, served, served + 1}):
