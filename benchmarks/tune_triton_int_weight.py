@@ -19,8 +19,8 @@ same way in the same process. Kernels are compiled first by worker processes in 
 fill Triton's disk cache), so the whole run fits in a few minutes.
 
 Writes ``$OUT/<gpu>.json`` (copy to ``qops/ops/triton/configs/``) and ``$OUT/tune_rows.json`` (the
-measured rows: op, format, N, K, M, dtype, qops_us, cublas_fp16_us, roofline_us), and prints a short
-table last.
+measured rows: op, format, N, K, M, dtype, qops_us, cublas_fp16_us, roofline_us; and every timed
+candidate with its per-shape times, ``candidates``), and prints a short table last.
 """
 from __future__ import annotations
 
@@ -360,11 +360,20 @@ def main():
     common.write_json(table, [os.path.join(out_dir, f"{stem}.json")])
     rows = _rows(table, times, cublas, dry)
     common.write_json({"gpu": gpu, "torch": torch.__version__, "triton": common.triton_version(), "commit": common.git_commit(),
-                       "dropped": [[*j[:3], j[3], why] for j, why in failed], "rows": rows},
+                       "dropped": [[*j[:3], j[3], why] for j, why in failed], "rows": rows,
+                       "candidates": _candidates(times)},
                       [os.path.join(out_dir, "tune_rows.json")])
     print(f"wrote {os.path.join(out_dir, stem + '.json')} and tune_rows.json in {time.time() - start:.0f}s; "
           f"decode_max_m={dmax}; {len(failed)} candidates dropped")
     _print_table(rows)
+
+
+def _candidates(times) -> list[dict]:
+    """Every timed candidate with its per-shape microseconds, so a later reading can ask why a config lost
+    (the rows keep only what the table picks)."""
+    return [{"bits": bits, "M": m, "path": path, "config": json.loads(cfg),
+             "us": {f"{n}x{k}": round(t, 2) for (n, k), t in sorted(per.items())}}
+            for (bits, m, path, cfg), per in sorted(times.items())]
 
 
 def _rows(table, times, cublas, dry):
