@@ -102,6 +102,20 @@ def _native_plan_table_line(gpu: str, sms: int) -> str:
     return f"Native W4A16 plan table: none for {gpu!r} with {sms} SMs, every shape takes the rule (tables: {others})"
 
 
+def _sliced_rows_line(gpu: str) -> str:
+    """How many rows past 64 the native lowering runs in 64-row GEMM slices on a Hopper GPU named ``gpu``,
+    and whether that was measured on it or is the H200's."""
+    try:
+        from .native import int_weight as native_int_weight
+    except Exception as e:  # noqa: BLE001 - a missing cuda-python: reported, not fatal
+        return f"Native W4A16 slices past 64 rows: unavailable ({type(e).__name__}: {e})"
+    table = native_int_weight.sliced_rows_table(gpu)
+    limits = ", ".join(f"{rows} for >= 2^{size.bit_length() - 1} elements" if size else f"{rows} below" for size, rows in table)
+    where = (f"measured on {gpu}" if gpu in native_int_weight.SLICED_ROWS
+             else f"the {native_int_weight.SLICED_ROWS_DEFAULT_GPU}'s, none measured on {gpu!r}")
+    return f"Native W4A16 slices past 64 rows (Hopper; more go to Triton): up to {limits} ({where})"
+
+
 def measured_tables(gpu: str, sms: int) -> list[str]:
     """Which measured launch tables a GPU named ``gpu`` with ``sms`` SMs reads, and where it has none
     (its calls then take the untuned generic table or the plan rule): one line a table."""
@@ -116,6 +130,7 @@ def measured_tables(gpu: str, sms: int) -> list[str]:
         lines = [f"Triton int-weight launch configs: configs/{triton_int_weight.DEFAULT_CONFIG}.json, UNTUNED: no measured "
                  f"file for {gpu!r} (measured files: {', '.join(measured) or 'none'})"]
     lines.append(_native_plan_table_line(gpu, sms))
+    lines.append(_sliced_rows_line(gpu))
     lines.append("fp8, int8 and 4-bit codebook kernels: constants measured on the H200, in their modules, used on every GPU")
     return lines
 

@@ -200,10 +200,10 @@ def test_the_table_builder_writes_exactly_the_fields_qops_reads(tool):
 
 
 def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none(monkeypatch):
-    """`python -m qops info` on a GPU says which measured tables apply: the H200 reads its Triton configs
-    and its native plan table; the H100 its own Triton configs and the plan rule (no plan table measured
-    there); a GPU without files (an A100) is told it runs the untuned generic Triton table and the plan
-    rule; a table applies only at the SM count it was measured with."""
+    """`python -m qops info` on a GPU says which measured tables apply: the H200 reads its Triton configs,
+    its native plan table and its slice limits; the H100 its own Triton configs, the plan rule (no plan
+    table measured there) and the H200's slice limits; a GPU without files (an A100) is told it runs the
+    untuned generic Triton table and the plan rule; a table applies only at the SM count it was measured with."""
     from qops.__main__ import measured_tables
     from qops.native import int_weight as native_int_weight
 
@@ -220,11 +220,14 @@ def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none(monkey
                        "'NVIDIA A100-SXM4-80GB' (measured files: h100, h200)")
     assert a100[1].startswith("Native W4A16 plan table: none for 'NVIDIA A100-SXM4-80GB' with 108 SMs")
     assert measured_tables("NVIDIA H200", 60)[1].startswith("Native W4A16 plan table: none for 'NVIDIA H200' with 60 SMs")
-    assert all(len(lines) == 3 and lines[2].startswith("fp8, int8 and 4-bit codebook kernels") for lines in (h200, h100, a100))
+    assert h200[2] == ("Native W4A16 slices past 64 rows (Hopper; more go to Triton): up to 192 for >= 2^26 elements, "
+                       "160 for >= 2^25 elements, 96 for >= 2^24 elements, 64 below (measured on NVIDIA H200)")
+    assert h100[2].endswith("(the NVIDIA H200's, none measured on 'NVIDIA H100 80GB HBM3')") and h100[2].rsplit(" (", 1)[0] == h200[2].rsplit(" (", 1)[0]
+    assert all(len(lines) == 4 and lines[3].startswith("fp8, int8 and 4-bit codebook kernels") for lines in (h200, h100, a100))
 
     def malformed(gpu):
         raise ValueError("two plan tables")
 
     monkeypatch.setattr(native_int_weight, "plan_table", malformed)
     broken = measured_tables("NVIDIA H200", 132)
-    assert broken[1] == "Native W4A16 plan table: unavailable (ValueError: two plan tables)" and len(broken) == 3
+    assert broken[1] == "Native W4A16 plan table: unavailable (ValueError: two plan tables)" and len(broken) == 4
