@@ -11,7 +11,7 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
 - tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM;
   and dequantize + cuBLAS from M = 256 on.
 
-``decode_max_m`` is the largest M (from 1) where the best decode config beats the best GEMM one.
+``decode_max_m`` is, per bit width, the largest M (from 1) where the best decode config beats the best GEMM one.
 Each candidate is first checked against a float64-free fp32 reference on a 4096x4096 weight (a
 failing candidate is dropped and reported). Timing follows PERF.md: CUDA-graph replay over rotated
 weight copies totalling more than 256 MB, CUDA events, median of trials; cuBLAS fp16 is timed the
@@ -332,17 +332,17 @@ def main():
         "gemm": {},
     }
     fallback = T.load_config("default")
-    decode_wins = []
+    decode_wins = {bits: [] for bits in BITS}
     for bits in BITS:
         dec, gem = {}, {}
         for m in DECODE_MS:
             top = best(bits, m, ("decode",))
             dec[str(m)] = top[0] if top else T._bucket(fallback["decode"], bits, m)
             gtop = best(bits, m, ("gemm",))
-            if bits == BITS[0] and top and gtop:
+            if top and gtop:
                 dt = statistics.fmean(top[2].values())
                 gt = statistics.fmean(gtop[2].values())
-                decode_wins.append((m, dt < gt))
+                decode_wins[bits].append((m, dt < gt))
         for m in GEMM_MS:
             top = best(bits, m, ("gemm", "dense"))
             gem[str(m)] = top[0] if top else T._bucket(fallback["gemm"], bits, m)
@@ -350,11 +350,14 @@ def main():
         table["gemm"][str(bits)] = gem
     table["decode"]["default"] = copy.deepcopy(table["decode"][str(BITS[0])])
     table["gemm"]["default"] = copy.deepcopy(table["gemm"][str(BITS[0])])
-    dmax = 1
-    for m, wins in sorted(decode_wins):
-        if not wins:
-            break
-        dmax = m
+    dmax = {}
+    for bits in BITS:
+        dmax[str(bits)] = 1
+        for m, wins in sorted(decode_wins[bits]):
+            if not wins:
+                break
+            dmax[str(bits)] = m
+    dmax["default"] = dmax[str(BITS[0])]
     table["decode_max_m"] = dmax
 
     common.write_json(table, [os.path.join(out_dir, f"{stem}.json")])
@@ -382,7 +385,7 @@ def _rows(table, times, cublas, dry):
     for bits in BITS:
         for n, k in SHAPES:
             for m in sorted(set(DECODE_MS) | set(GEMM_MS)):
-                path = "decode" if m <= table["decode_max_m"] else "gemm"
+                path = "decode" if m <= T.decode_max_m(table, bits) else "gemm"
                 cfg = T._bucket(table[path], bits, m)
                 if path == "gemm" and cfg.get("impl") == "dense":
                     path = "dense"

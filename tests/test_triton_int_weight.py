@@ -317,6 +317,11 @@ def test_plan_follows_the_table():
         assert T._plan(3, 4096, 4096, 4, 128, dev)["path"] == "gemm"
         assert T._plan(32, 4096, 4096, 4, 128, dev)["path"] == "gemm"
         assert T._plan(33, 4096, 4096, 4, 128, dev)["path"] == "dense"
+    # decode_max_m per bit width (the tuner writes one a width), "default" for the others.
+    with T.config_override(table(decode_max_m={"8": 1, "default": 2})):
+        assert [T._plan(2, 4096, 4096, bits, 128, dev)["path"] for bits in (2, 4, 8)] == ["decode", "decode", "gemm"]
+        assert T._plan(1, 4096, 4096, 8, 128, dev)["path"] == "decode"
+    with T.config_override(table(decode_max_m=2, dense_from=33)):
         # A group size that is not a multiple of 32 has no decode path: the GEMM serves M = 1.
         assert T._plan(1, 4096, 4096, 4, 48, dev)["path"] == "gemm"
         # The decode step stays inside a group: 32 rows per step for group 32.
@@ -329,13 +334,20 @@ def test_plan_follows_the_table():
         assert not plan["tile_group"] and plan["block_k"] == 32
 
 
-@pytest.mark.parametrize("stem", ["default", "h200"])
+def test_every_shipped_config_is_checked():
+    assert {"default", "h100", "h200"} <= set(T.config_stems())
+
+
+@pytest.mark.parametrize("stem", T.config_stems())
 def test_shipped_configs(stem):
     path = T.CONFIG_DIR / f"{stem}.json"
     data = json.loads(path.read_text())
     assert {"gpu", "tuned", "source", "decode_max_m", "decode", "gemm"} <= data.keys()
     if not data["tuned"]:
         assert "untuned" in data["source"].lower(), "an untuned table must say so in its source"
+    else:  # a measured table is read by the GPU it names, and says where it was measured
+        assert T.gpu_key(data["gpu"]) == stem and f"on {data['gpu']}" in data["source"]
+    assert all(T.decode_max_m(data, bits) >= 1 for bits in (2, 3, 4, 8))
     for section in ("decode", "gemm"):
         assert "default" in data[section]
         for by_m in data[section].values():
@@ -343,6 +355,20 @@ def test_shipped_configs(stem):
     for m in (1, 2, 3, 16, 64, 257, 2048, 100000):
         T._bucket(data["gemm"], 4, m)
         T._bucket(data["decode"], 4, m)
+
+
+def test_decode_max_m_by_bits_needs_a_default(tmp_path, monkeypatch):
+    base = json.loads((T.CONFIG_DIR / "default.json").read_text())
+    monkeypatch.setattr(T, "CONFIG_DIR", tmp_path)
+    T.load_config.cache_clear()
+    try:
+        (tmp_path / "x100.json").write_text(json.dumps({**base, "decode_max_m": {"8": 2}}))
+        with pytest.raises(ValueError, match="x100.json: decode_max_m by bits needs a 'default' entry"):
+            T.load_config("x100")
+        (tmp_path / "y100.json").write_text(json.dumps({**base, "decode_max_m": {"8": 2, "default": 4}}))
+        assert [T.decode_max_m(T.load_config("y100"), bits) for bits in (4, 8)] == [4, 2]
+    finally:
+        T.load_config.cache_clear()
 
 
 def test_gpu_key():

@@ -22,6 +22,7 @@ def test_dry_run_writes_a_loadable_table_and_every_candidate(tmp_path):
     table = json.loads((tmp_path / "dry-run.json").read_text())
     rows = json.loads((tmp_path / "tune_rows.json").read_text())
     assert not table["tuned"] and not rows["dropped"]
+    assert set(table["decode_max_m"]) == {"4", "8", "default"}  # where the GEMM overtakes the GEMV, per width
     with T.config_override(table):
         for bits in (4, 8):
             for m in (1, 16, 256):

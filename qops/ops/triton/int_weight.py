@@ -6,7 +6,7 @@ stream along K with consecutive N contiguous, or the same words in 32-column sla
 symmetric zero ``2**(b-1)``; act_perm ``(K,)``). Three ways to compute ``y = x[:, act_perm] @ W.T + bias``, chosen per call from the
 number of rows M and the shipped config table (never from tensor values, never with a host sync):
 
-- **decode** (M <= ``decode_max_m``): a split-K GEMV on CUDA cores. Each thread owns ``VEC``
+- **decode** (M <= the table's ``decode_max_m``, per bit width where it says so): a split-K GEMV on CUDA cores. Each thread owns ``VEC``
   adjacent columns (16-byte loads along N, coalesced across the warp) and all K rows of its step, so
   the per-step reduction over K stays in registers. Values are turned into floats without an int ->
   float conversion instruction: a value masked *in place* and OR-ed into the mantissa of 2**23 is the
@@ -649,7 +649,19 @@ def load_config(stem: str) -> dict:
     for key in ("decode_max_m", "decode", "gemm"):
         if key not in table:
             raise ValueError(f"qops triton config {path}: missing key {key!r}")
+    if isinstance(table["decode_max_m"], dict) and "default" not in table["decode_max_m"]:
+        raise ValueError(f"qops triton config {path}: decode_max_m by bits needs a 'default' entry")
     return table
+
+
+def decode_max_m(table: dict, bits: int) -> int:
+    """The most rows ``table`` runs on the decode GEMV for ``bits``-bit weights: one number for every
+    width, or one per width (``{"4": 4, "8": 2, "default": 4}``: where the GEMM overtakes the GEMV
+    depends on the bytes a value, so the tuner decides it per width)."""
+    rows = table["decode_max_m"]
+    if isinstance(rows, dict):
+        rows = rows.get(str(bits), rows["default"])
+    return int(rows)
 
 
 @functools.cache
@@ -759,7 +771,7 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
     path = force
     if path is None:
         decode_ok = not grouped or group_size % 32 == 0
-        path = "decode" if (m <= int(table["decode_max_m"]) and decode_ok) else "gemm"
+        path = "decode" if (m <= decode_max_m(table, bits) and decode_ok) else "gemm"
     if path == "decode":
         cfg = _bucket(table["decode"], bits, m)
         block_n = int(cfg["BLOCK_N"])
