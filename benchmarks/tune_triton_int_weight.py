@@ -8,7 +8,8 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
 - decode (GEMV) configs for M in {1, 2, 4}: BLOCK_N x num_warps (4 or 8 columns per thread),
   CHUNKS (32-value runs per step), programs per SM (the split-K count follows), then the atomic
   reduction for the best partials config;
-- tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM;
+- tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM,
+  then the atomic reduction and the scales loaded a K tile ahead (``prefetch_scales``) on the best one;
   and dequantize + cuBLAS from M = 256 on.
 
 ``decode_max_m`` is, per bit width, the largest M (from 1) where the best decode config beats the best GEMM one.
@@ -302,23 +303,29 @@ def main():
         scored.sort(key=lambda s: s[0])
         return scored[0][1:]
 
-    # The atomic reduction, tried on the best partials config of each decode/GEMM bucket.
+    def time_variant(bits, m, paths, change):
+        """Time the bucket's best config of ``paths`` with ``change`` applied, on every shape (if it passes the check)."""
+        top = best(bits, m, paths)
+        if top is None or time.time() - start > DEADLINE_S + 20:
+            return
+        cfg, path, _ = top
+        alt = {**cfg, **change}
+        if alt == cfg or check_candidate((bits, path, m, alt), device, cache):
+            return
+        for n, k in SHAPES:
+            ws = [random_weight(n, k, bits, device, s) for s in range(n_copies(weight_bytes(n, k, bits), not dry))]
+            x = torch.randn(m, k, dtype=torch.float16, device=device)
+            times.setdefault((bits, m, path, json.dumps(alt, sort_keys=True)), {})[(n, k)] = time_us(
+                [lambda w=w: run_mm(path, alt, x, w, bits) for w in ws], dry)
+            del ws
+
+    # The atomic reduction, tried on the best partials config of each decode / GEMM bucket; then the GEMM's
+    # scales loaded a K tile ahead (prefetch_scales: Triton does not pipeline that load), on the best GEMM config.
     for bits in BITS:
         for m in sorted({j[2] for j in ok_jobs}):
             for paths in (("decode",), ("gemm",)):
-                top = best(bits, m, paths)
-                if top is None or time.time() - start > DEADLINE_S + 20:
-                    continue
-                cfg, path, _ = top
-                alt = {**cfg, "reduce": "atomic"}
-                if check_candidate((bits, path, m, alt), device, cache):
-                    continue
-                for n, k in SHAPES:
-                    ws = [random_weight(n, k, bits, device, s) for s in range(n_copies(weight_bytes(n, k, bits), not dry))]
-                    x = torch.randn(m, k, dtype=torch.float16, device=device)
-                    t = time_us([lambda w=w: run_mm(path, alt, x, w, bits) for w in ws], dry)
-                    times.setdefault((bits, m, path, json.dumps(alt, sort_keys=True)), {})[(n, k)] = t
-                    del ws
+                time_variant(bits, m, paths, {"reduce": "atomic"})
+            time_variant(bits, m, ("gemm",), {"prefetch_scales": 1})
 
     table = {
         "gpu": gpu,

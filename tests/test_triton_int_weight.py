@@ -195,6 +195,27 @@ def test_split_k_reductions(reduce, path):
         check(3, 72, 256, 4, 32, False, False, True, torch.float16, path)
 
 
+@pytest.mark.parametrize("bits,group_size,k,dtype,act_order", [(4, 128, 1024, torch.float16, False), (8, 64, 512, torch.float16, True),
+                                                               (2, 256, 1024, torch.float32, False), (4, -1, 1024, torch.float16, False)])
+def test_prefetched_scales_give_the_same_bits(bits, group_size, k, dtype, act_order):
+    """``prefetch_scales`` (the next K tile's scales loaded one iteration ahead) over several groups a split
+    and several splits: the same output bit for bit as loading them where they are used, and the oracle's."""
+    dev = torch.device(DEVICE)
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, k, bits, group_size, False, act_order, seed=3)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
+    out = {}
+    for prefetch in (0, 1):
+        t = table()
+        t["gemm"]["default"]["64"]["prefetch_scales"] = prefetch
+        with T.config_override(t):
+            plan = T._plan(17, 72, k, bits, group_size, dev, "gemm")
+            assert plan["split"] > 1 and plan["tile_group"] and plan["split_len"] >= 2 * plan["block_k"]
+            assert group_size == -1 or plan["split_len"] > group_size  # a split crosses groups
+            out[prefetch] = T.triton_mm(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zo, force_path="gemm")
+    assert torch.equal(out[0], out[1])
+    assert_matches(out[1], x, qweight, scales, qzeros, act_perm, None, bits, group_size, zo, f"prefetch bits={bits} g={group_size}")
+
+
 @pytest.mark.parametrize("path", ["decode", "gemm"])
 def test_single_split_writes_output_directly(path):
     with T.config_override(table(max_split=1)):

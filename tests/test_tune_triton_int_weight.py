@@ -30,6 +30,9 @@ def test_dry_run_writes_a_loadable_table_and_every_candidate(tmp_path):
     timed = {(c["bits"], c["M"], c["path"], json.dumps(c["config"], sort_keys=True)) for c in rows["candidates"]}
     assert all(c["us"] and all(v > 0 for v in c["us"].values()) for c in rows["candidates"])
     assert {path for _, _, path, _ in timed} == {"decode", "gemm", "dense"}
+    # the variants tried on each bucket's best: the atomic reduction, the GEMM's scales a K tile ahead
+    assert any(c["config"].get("reduce") == "atomic" for c in rows["candidates"])
+    assert any(c["config"].get("prefetch_scales") == 1 and c["path"] == "gemm" for c in rows["candidates"])
     for r in rows["rows"]:
         bits = int(r["format"][1])
         assert (bits, r["M"], r["path"], json.dumps(r["config"], sort_keys=True)) in timed, r

@@ -298,6 +298,34 @@ def test_gemm_over_several_m_tiles(item, reduce, splits):
             check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} split={plan['split']} {reduce}")
 
 
+PREFETCH_CASES = [(Case("gptq", 4, 128, False, True, "v2", 4104, 4096), torch.float16),
+                  (Case("awq", 4, 128, False, False, None, 1024, 4096), torch.bfloat16),
+                  (Case("gptq", 8, 64, False, False, "v2", 520, 2048), torch.float16),
+                  (Case("gptq", 2, 256, True, False, "v2", 300, 2048), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("item", PREFETCH_CASES, ids=_id)
+def test_prefetched_scales_give_the_same_bits(item):
+    """The GEMM with its scales loaded a K tile ahead (``prefetch_scales``, a tuner knob) against the same
+    config loading them where they are used: bit for bit, at M = 17 and 64, over splits of several groups."""
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=5)
+    out = {}
+    for prefetch in (0, 1):
+        table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
+        table["gemm"] = {key: {"1000000": {**NARROW_GEMM, "reduce": "partials", "prefetch_scales": prefetch}}
+                         for key in ("default", "2", "3", "4", "8")}
+        with T.config_override(table):
+            for m in (17, 64):
+                plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
+                assert plan["path"] == "gemm" and plan["tile_group"], plan
+                x = rand(m, case.k, dtype=dtype, seed=50 + m)
+                out[prefetch, m] = b.weight.mm(x, bias)
+                check(out[prefetch, m], x, b.w64, bias, f"{_id(item)} M={m} prefetch={prefetch} split={plan['split']}")
+    assert all(torch.equal(out[0, m], out[1, m]) for m in (17, 64))
+
+
 SCALE_CASE = Case("gptq", 4, 128, False, True, "v2", 264, 1000)
 
 

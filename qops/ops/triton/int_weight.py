@@ -498,8 +498,11 @@ def _tc_kernel(
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr = 0,
+    PREFETCH_S: tl.constexpr = False,
 ):
-    """Split-K tiled GEMM on tensor cores: program (m/n tile, K split)."""
+    """Split-K tiled GEMM on tensor cores: program (m/n tile, K split). PREFETCH_S loads the next K tile's
+    scales one iteration ahead: Triton's pipeliner does not take that load (a few bytes a thread, under
+    cp.async's 4), so each step otherwise waits for it where the scales are used."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -518,6 +521,8 @@ def _tc_kernel(
     # division by the run-time group size per tile cost ~40 instructions, 0.3 per weight at BLOCK_M 16.
     g = k_lo // group_size
     left = group_size - (k_lo - g * group_size)
+    if TILE_GROUP and PREFETCH_S:
+        s_ahead = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < k_hi
@@ -531,11 +536,19 @@ def _tc_kernel(
         else:
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
         if TILE_GROUP:
+            left -= BLOCK_K
+            g_next = tl.where(left == 0, g + 1, g)
+            if PREFETCH_S:
+                s = s_ahead
+                # The last step loads its own group again (never read): g_next may lie past the scales there.
+                g_ahead = tl.where(k0 + BLOCK_K < k_hi, g_next, g)
+                s_ahead = tl.load(s_ptr + g_ahead * stride_s + offs_n, mask=nmask, other=0.0)
+            else:
+                s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
             zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
             b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
                                 group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE,
                                 DEQUANT)
-            s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
             if DEQUANT != 0 and 2 * BLOCK_M > BLOCK_K:
                 # Scaling the product costs BLOCK_M / BLOCK_K instructions per weight, the half tile
                 # 1/2 (a packed multiply per pair): cheaper for tall tiles. s * (q - z) is then
@@ -545,8 +558,7 @@ def _tc_kernel(
             else:
                 # "ieee": fp32 activations (interpreter tests) are not rounded to tf32; fp16/bf16 are unaffected.
                 acc += tl.dot(a, b, input_precision="ieee") * s.to(tl.float32)[None, :]
-            left -= BLOCK_K
-            g = tl.where(left == 0, g + 1, g)
+            g = g_next
             left = tl.where(left == 0, group_size, left)
         else:
             b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
@@ -909,7 +921,8 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
         _launch_within_shared_memory(_tc_kernel, plan["grid"], common, dict(
             BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
             GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"],
-            DEQUANT=dequant_form(x2.dtype, bits, plan["tile_group"]), **flags), launch, x2.dtype)
+            DEQUANT=dequant_form(x2.dtype, bits, plan["tile_group"]), PREFETCH_S=bool(cfg.get("prefetch_scales", 0)),
+            **flags), launch, x2.dtype)
     if mode != 0:
         block = 256
         _reduce_kernel[(-(-n // block), m)](
