@@ -543,12 +543,12 @@ def _tc_kernel(
                 # The last step loads its own group again (never read): g_next may lie past the scales there.
                 g_ahead = tl.where(k0 + BLOCK_K < k_hi, g_next, g)
                 s_ahead = tl.load(s_ptr + g_ahead * stride_s + offs_n, mask=nmask, other=0.0)
-            else:
-                s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
             zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
             b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
                                 group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE,
                                 DEQUANT)
+            if not PREFETCH_S:
+                s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
             if DEQUANT != 0 and 2 * BLOCK_M > BLOCK_K:
                 # Scaling the product costs BLOCK_M / BLOCK_K instructions per weight, the half tile
                 # 1/2 (a packed multiply per pair): cheaper for tall tiles. s * (q - z) is then
