@@ -281,14 +281,19 @@ NARROW_GEMM = {"impl": "triton", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "
                "num_stages": 3, "ctas_per_sm": 4, "max_split": 32}
 
 
+def narrow_gemm_table(**cfg) -> dict:
+    """This GPU's table with NARROW_GEMM (plus ``cfg``) as the GEMM of every M and bit width."""
+    table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
+    table["gemm"] = {key: {"1000000": {**NARROW_GEMM, **cfg}} for key in ("default", "2", "3", "4", "8")}
+    return table
+
+
 @pytest.mark.parametrize("item,reduce,splits", MULTI_TILE, ids=[f"{_id(i)}-{r}" for i, r, _ in MULTI_TILE])
 def test_gemm_over_several_m_tiles(item, reduce, splits):
     case, dtype = item
     b = built(case, dtype)
     bias = rand(case.n, dtype=dtype, seed=7)
-    table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
-    table["gemm"] = {key: {"1000000": {**NARROW_GEMM, "reduce": reduce}} for key in ("default", "2", "3", "4", "8")}
-    with T.config_override(table):
+    with T.config_override(narrow_gemm_table(reduce=reduce)):
         for m in (33, 257):
             plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
             assert plan["path"] == "gemm" and plan["block_m"] == 16 and m % 16 != 0, plan
@@ -313,10 +318,7 @@ def test_prefetched_scales_give_the_same_bits(item):
     bias = rand(case.n, dtype=dtype, seed=5)
     out = {}
     for prefetch in (0, 1):
-        table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
-        table["gemm"] = {key: {"1000000": {**NARROW_GEMM, "reduce": "partials", "prefetch_scales": prefetch}}
-                         for key in ("default", "2", "3", "4", "8")}
-        with T.config_override(table):
+        with T.config_override(narrow_gemm_table(reduce="partials", prefetch_scales=prefetch)):
             for m in (17, 64):
                 plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
                 assert plan["path"] == "gemm" and plan["tile_group"], plan
