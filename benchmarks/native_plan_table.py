@@ -18,6 +18,11 @@ one); every other entry stays. Kernels change after a table is swept, and this r
 against new candidates in one interleaved round without throwing away entries a narrower sweep did not
 find again. Such sweeps come after the rule sweeps on the command line. The table lists its input files
 in order (``sweeps``), so it can be rebuilt from them.
+
+``--pass-over NxK:M`` sets aside a case's fastest confirmed plan for its next fastest (which must still beat
+the default by the margin): for a plan that must not ship although it timed fastest, such as one whose
+build spills registers on sm_90 (``tests/test_native_compile.py`` refuses those). The table lists what was
+set aside (``passed_over``), so the rebuild needs the same flags.
 """
 from __future__ import annotations
 
@@ -31,8 +36,20 @@ def parse_args(argv=None):
     ap.add_argument("sweeps", nargs="+", help="sweep_native.py JSON files with confirmed cases (later files win; "
                     "sweeps of the table's plans last)")
     ap.add_argument("--min-gain", type=float, default=0.03, help="fraction faster than the rule's plan (in a refresh: the shipped plan) an entry must be")
+    ap.add_argument("--pass-over", action="append", default=[], type=parse_case, metavar="NxK:M",
+                    help="take this confirmed case's second-fastest plan (repeatable)")
     ap.add_argument("--out", required=True, help="the table to write")
     return ap.parse_args(argv)
+
+
+def parse_case(text: str) -> tuple[int, int, int]:
+    """'NxK:M' -> (N, K, M)."""
+    try:
+        shape, m = text.split(":")
+        n, k = shape.lower().split("x")
+        return int(n), int(k), int(m)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NxK:M (e.g. 57344x8192:16)") from None
 
 
 def m_ranges(ms: list[int]) -> dict[int, tuple[int, int]]:
@@ -66,15 +83,24 @@ def _entry(native, c: dict, best: dict, lo: int, hi: int, name: str, limit, sms:
             "rule_us": round(rule_us, 2), "measured_at_m": m, "source": os.path.basename(name)}
 
 
-def _winner(c: dict, min_gain: float) -> dict | None:
+def _winner(c: dict, min_gain: float, passed_over: list[dict] | None = None) -> dict | None:
     """Case ``c``'s fastest confirmed plan if it beats the default (confirmed first: the rule's plan, or in a
-    refresh the table's) by at least ``min_gain``, else None."""
+    refresh the table's) by at least ``min_gain``, else None. With ``passed_over`` (a list) the fastest is
+    set aside (appended to it) and the next fastest considered."""
     default = c["confirmed"][0]
-    best = min(c["confirmed"], key=lambda r: r["us"])
+    ranked = sorted(c["confirmed"], key=lambda r: r["us"])
+    if passed_over is not None:
+        if ranked[0] is default:
+            raise SystemExit(f"native_plan_table: --pass-over {c['N']}x{c['K']}:{c['M']}: its fastest plan is the default, "
+                             "which cannot be passed over")
+        passed_over.append({"n": c["N"], "k": c["K"], "m": c["M"], "us": round(ranked[0]["us"], 2),
+                            "plan": dict(ranked[0]["plan"])})
+        ranked = ranked[1:]
+    best = ranked[0]
     return None if best is default or 1 - best["us"] / default["us"] < min_gain else best
 
 
-def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
+def build(sweeps: list[dict], names: list[str], min_gain: float, pass_over=()) -> dict:
     from qops.native import int_weight as native
 
     gpus = {s["gpu"] for s in sweeps}
@@ -93,6 +119,7 @@ def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
         raise SystemExit("native_plan_table: a sweep that timed the table's plans as its defaults refreshes a table built from "
                          "sweeps of the rule (QOPS_NATIVE_PLANS=rule) given before it")
     sms = sweeps[0]["sms"]
+    pass_over, passed_over = set(pass_over), []
     cases = {}
     measured: dict[tuple[int, int], set[int]] = {}  # every confirmed M of a shape, in any sweep
     for sweep, name in zip(sweeps, names):
@@ -108,7 +135,7 @@ def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
     for (n, k), ms in sorted(by_shape.items()):
         for m, (lo, hi) in m_ranges(ms).items():
             c, name = cases[n, k, m]
-            best = _winner(c, min_gain)
+            best = _winner(c, min_gain, passed_over if (n, k, m) in pass_over else None)
             if best is None:
                 continue
             limit = sweeps[names.index(name)].get("smem_optin")
@@ -118,7 +145,7 @@ def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
             if "confirmed" not in c:
                 continue
             n, k, m = c["N"], c["K"], c["M"]
-            best = _winner(c, min_gain)
+            best = _winner(c, min_gain, passed_over if (n, k, m) in pass_over else None)
             if best is None:
                 continue
             lo = max((mm for mm in measured[n, k] if mm < m), default=0) + 1
@@ -134,14 +161,17 @@ def build(sweeps: list[dict], names: list[str], min_gain: float) -> dict:
             "note": "built by benchmarks/native_plan_table.py from confirmed sweep_native.py cases (fp16 activations); "
                     "shapes and M not listed take qops.native.int_weight's rule",
             "sweeps": [os.path.basename(nm) for nm in names],
-            "plans": [entries[key] for key in sorted(entries)]}
+            "plans": [entries[key] for key in sorted(entries)]} | ({"passed_over": passed_over} if passed_over else {})
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sweeps = [json.load(open(p)) for p in args.sweeps]
-    table = build(sweeps, args.sweeps, args.min_gain)
+    table = build(sweeps, args.sweeps, args.min_gain, args.pass_over)
+    missing = set(args.pass_over) - {(p["n"], p["k"], p["m"]) for p in table.get("passed_over", [])}
+    if missing:
+        raise SystemExit(f"native_plan_table: --pass-over names no confirmed case: {sorted(missing)}")
     with open(args.out, "w") as fh:
         json.dump(table, fh, indent=1)
         fh.write("\n")

@@ -1,6 +1,6 @@
 """``benchmarks/native_plan_table.py``: which confirmed sweep cases become plan-table entries, the M
-ranges they serve, and the refusals (no GPU needed); and that the shipped H200 table is what the
-committed sweep gives."""
+ranges they serve, and the refusals (no GPU needed); and that each shipped table is what its committed
+sweeps give."""
 from __future__ import annotations
 
 import json
@@ -90,16 +90,34 @@ def test_refusals(tool):
         tool.build([_sweep(_case(4096, 4096, 8, 10.0), _case(4096, 4096, 16, 10.0, (folded, 5.0)))], ["a"], 0.03)
 
 
-def test_the_shipped_h200_table_is_the_committed_sweeps(tool):
+@pytest.mark.parametrize("stem", ["h200", "h100"])
+def test_each_shipped_table_is_its_committed_sweeps(tool, stem):
+    """Rebuilt from the sweeps it names, with the cases it passed over passed over again."""
     from qops.native import int_weight as native
 
-    shipped = json.load(open(os.path.join(ROOT, "qops", "native", "plans", "h200.json")))
+    shipped = json.load(open(os.path.join(ROOT, "qops", "native", "plans", f"{stem}.json")))
     assert {e["source"] for e in shipped["plans"]} <= set(shipped["sweeps"])
     paths = [os.path.join(RESULTS, s) for s in shipped["sweeps"]]
     assert all(os.path.exists(p) for p in paths), shipped["sweeps"]
-    rebuilt = tool.build([json.load(open(p)) for p in paths], paths, shipped["min_gain"])
+    pass_over = [(p["n"], p["k"], p["m"]) for p in shipped.get("passed_over", [])]
+    rebuilt = tool.build([json.load(open(p)) for p in paths], paths, shipped["min_gain"], pass_over)
     assert rebuilt == shipped
-    assert native.plan_tables()["NVIDIA H200"] == shipped
+    assert native.plan_tables()[shipped["gpu"]] == shipped
+
+
+def test_a_passed_over_case_takes_its_next_fastest_plan_if_that_still_beats_the_rule(tool):
+    spills, next_best, close = _plan(nwn=8, splits=4, cluster=True, ring=3), _plan(nwn=8, splits=4, cluster=True), _plan(nwn=2)
+    sweep = _sweep(_case(57344, 8192, 16, 121.0, (next_best, 109.4), (spills, 109.0)),
+                   _case(28672, 4096, 16, 30.0, (spills, 25.0), (close, 29.5)))  # next fastest within 2% of the rule
+    table = tool.build([sweep], ["s.json"], 0.03, [(57344, 8192, 16), (28672, 4096, 16)])
+    [e] = table["plans"]
+    assert (e["n"], e["k"], e["us"]) == (57344, 8192, 109.4) and e["plan"]["ring"] == 0
+    assert [(p["n"], p["k"], p["m"], p["us"], p["plan"]["ring"]) for p in table["passed_over"]] == [
+        (28672, 4096, 16, 25.0, 3), (57344, 8192, 16, 109.0, 3)]
+    with pytest.raises(SystemExit, match="fastest plan is the default"):
+        tool.build([_sweep(_case(4096, 4096, 1, 5.0, (close, 6.0)))], ["s.json"], 0.03, [(4096, 4096, 1)])
+    assert "passed_over" not in tool.build([sweep], ["s.json"], 0.03)
+    assert tool.parse_case("57344x8192:16") == (57344, 8192, 16)
 
 
 def test_a_sweep_of_the_table_replaces_only_what_it_beats(tool):
@@ -200,10 +218,11 @@ def test_the_table_builder_writes_exactly_the_fields_qops_reads(tool):
 
 
 def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none(monkeypatch):
-    """`python -m qops info` on a GPU says which measured tables apply: the H200 reads its Triton configs,
-    its native plan table and its slice limits; the H100 its own Triton configs, the plan rule (no plan
-    table measured there) and the H200's slice limits; a GPU without files (an A100) is told it runs the
-    untuned generic Triton table and the plan rule; a table applies only at the SM count it was measured with."""
+    """`python -m qops info` on a GPU says which measured tables apply: the H200 and the H100 (SXM) read
+    their own Triton configs, native plan tables and slice limits; an H100 PCIe (114 SMs) reads the SXM's
+    Triton configs (its name's prefix), the plan rule (no table at its SM count) and the H200's slice limits
+    (none measured on it); a GPU without files (an A100) is told it runs the untuned generic Triton table
+    and the plan rule; a table applies only at the SM count it was measured with."""
     from qops.__main__ import measured_tables
     from qops.native import int_weight as native_int_weight
 
@@ -212,9 +231,13 @@ def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none(monkey
     assert h200[0].startswith("Triton int-weight launch configs: configs/h200.json (measured: ") and "UNTUNED" not in h200[0]
     assert h200[1] == f"Native W4A16 plan table: plans/h200.json ({entries} measured plans; other shapes take the rule)"
     h100 = measured_tables("NVIDIA H100 80GB HBM3", 132)
+    entries = len(native_int_weight.plan_table("NVIDIA H100 80GB HBM3")[1]["plans"])
     assert h100[0].startswith("Triton int-weight launch configs: configs/h100.json (measured: ") and "on NVIDIA H100" in h100[0]
-    assert h100[1] == ("Native W4A16 plan table: none for 'NVIDIA H100 80GB HBM3' with 132 SMs, every shape takes the rule "
-                       "(tables: NVIDIA H200 (132 SMs))")
+    assert h100[1] == f"Native W4A16 plan table: plans/h100.json ({entries} measured plans; other shapes take the rule)"
+    pcie = measured_tables("NVIDIA H100 PCIe", 114)
+    assert pcie[0] == h100[0]
+    assert pcie[1] == ("Native W4A16 plan table: none for 'NVIDIA H100 PCIe' with 114 SMs, every shape takes the rule "
+                       "(tables: NVIDIA H100 80GB HBM3 (132 SMs), NVIDIA H200 (132 SMs))")
     a100 = measured_tables("NVIDIA A100-SXM4-80GB", 108)
     assert a100[0] == ("Triton int-weight launch configs: configs/default.json, UNTUNED: no measured file for "
                        "'NVIDIA A100-SXM4-80GB' (measured files: h100, h200)")
@@ -222,8 +245,10 @@ def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none(monkey
     assert measured_tables("NVIDIA H200", 60)[1].startswith("Native W4A16 plan table: none for 'NVIDIA H200' with 60 SMs")
     assert h200[2] == ("Native W4A16 slices past 64 rows (Hopper; more go to Triton): up to 192 for >= 2^26 elements, "
                        "160 for >= 2^25 elements, 96 for >= 2^24 elements, 64 below (measured on NVIDIA H200)")
-    assert h100[2].endswith("(the NVIDIA H200's, none measured on 'NVIDIA H100 80GB HBM3')") and h100[2].rsplit(" (", 1)[0] == h200[2].rsplit(" (", 1)[0]
-    assert all(len(lines) == 4 and lines[3].startswith("fp8, int8 and 4-bit codebook kernels") for lines in (h200, h100, a100))
+    assert h100[2] == ("Native W4A16 slices past 64 rows (Hopper; more go to Triton): up to 320 for >= 2^26 elements, "
+                       "256 for >= 2^25 elements, 96 for >= 2^24 elements, 64 below (measured on NVIDIA H100 80GB HBM3)")
+    assert pcie[2].endswith("(the NVIDIA H200's, none measured on 'NVIDIA H100 PCIe')") and pcie[2].rsplit(" (", 1)[0] == h200[2].rsplit(" (", 1)[0]
+    assert all(len(lines) == 4 and lines[3].startswith("fp8, int8 and 4-bit codebook kernels") for lines in (h200, h100, pcie, a100))
 
     def malformed(gpu):
         raise ValueError("two plan tables")
