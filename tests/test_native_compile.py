@@ -733,11 +733,16 @@ def test_plan_takes_the_table_on_its_gpu_and_the_rule_elsewhere(h200, monkeypatc
     unlisted = [(m, n, k) for n, k in ((28672, 4096), (1000, 777), (4096, 14336)) for m in (1, 2, 3, 16, 24) if (m, n, k) not in listed]
     assert unlisted and all(native.plan(m, n, k, 0) == native._plan(m, n, k, 132, True) for m, n, k in unlisted)
     e = table["plans"][0]
-    for env, name, sms in (("rule", "NVIDIA H200", 132), ("table", "NVIDIA H100 80GB HBM3", 132), ("table", "NVIDIA H200", 114)):
+    for env, name, sms in (("rule", "NVIDIA H200", 132), ("table", "NVIDIA H800", 132), ("table", "NVIDIA H200", 114)):
         monkeypatch.setenv(native.PLANS_ENV, env)
         monkeypatch.setattr(native, "_device_name", lambda idx, name=name: name)
         monkeypatch.setattr(native, "_device_facts", lambda idx, sms=sms: (sms, True))
         assert native.plan(e["m_max"], e["n"], e["k"], 0) == native._plan(e["m_max"], e["n"], e["k"], sms, True), (env, name, sms)
+    h100 = native.plan_tables()["NVIDIA H100 80GB HBM3"]["plans"][0]  # the H100 reads its own table
+    monkeypatch.setenv(native.PLANS_ENV, "table")
+    monkeypatch.setattr(native, "_device_name", lambda idx: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(native, "_device_facts", lambda idx: (132, True))
+    assert native.plan(h100["m_max"], h100["n"], h100["k"], 0) == native.make_plan(h100["m_max"], h100["n"], h100["k"], **h100["plan"])
     monkeypatch.setenv(native.PLANS_ENV, "fastest")
     with pytest.raises(ValueError, match="QOPS_NATIVE_PLANS"):
         native.plan(1, 4096, 4096, 0)
