@@ -1,0 +1,109 @@
+"""Why is the Triton int-weight GEMM slower at 4 bits than at 8 on the same tile?
+
+On the H100 (h100-2026-12-05-b5a8ad6-tune-rows.json, M = 16, 28672x4096, g128) the tile 16 x 128 x 128
+with 2 stages ran 59.7 us at 8 bits and 170.9 us at 4 bits, while 16 x 64 x 128 with 3 stages ran
+199.6 us at 8 bits and 101.8 us at 4; their sm_90 loops hold about the same instructions (358 / 374 and
+252 / 278). Per GEMM config (``--configs``, JSON list) and bit width, this times the lowering's GEMM
+path with the variants that separate the suspects, interleaved (A B A B ...) over rotated weight copies:
+
+- ``zeros``: asymmetric (the tuner's case) against symmetric (no zero-point words: no per-group zero
+  unpack, whose layout conversions the 4-bit loop has two more of);
+- ``dequant``: the weight tile's unpack form (``asm``: inline PTX, the default on a GPU; ``triton``:
+  the same arithmetic in Triton operations; ``fp32``: the generic fp32 unpack);
+- both widths on the same random words, so the bytes differ by 2x and nothing else.
+
+    PYTHONPATH=. python benchmarks/probe_triton_gemm_bits.py [--shapes 28672x4096] [--ms 16] [--configs JSON] [--out F]
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import common
+
+common.add_repo_to_path()
+
+from qops.ops.triton import int_weight as T  # noqa: E402
+
+GROUP = 128
+CONFIGS = [  # the H100 table's M = 16 picks at 4 and at 8 bits, and the 8-bit one's 3-stage sibling
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 4},
+    {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2},
+    {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 4},
+]
+VARIANTS = [("asym", "asm"), ("sym", "asm"), ("asym", "triton"), ("asym", "fp32")]
+
+
+def gemm_table(cfg: dict) -> dict:
+    """A table sending every M to the tiled GEMM with ``cfg``."""
+    full = {"GROUP_M": 8, "impl": "triton", "max_split": 32, "reduce": "partials"} | cfg
+    return {"gpu": "probe", "tuned": False, "source": "probe_triton_gemm_bits.py", "decode_max_m": 4,
+            "decode": {"default": {"1": full}}, "gemm": {"default": {"1": full}}}
+
+
+def random_words(n: int, k: int, bits: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k * bits // 32, n), generator=g, dtype=torch.int32)
+    scales = torch.rand(k // GROUP, n, generator=g) * 0.01 + 0.001
+    qzeros = torch.randint(-(2**31), 2**31 - 1, (k // GROUP, n * bits // 32), generator=g, dtype=torch.int32)
+    return qweight.to(device), scales.half().to(device), qzeros.to(device)
+
+
+def call(x, w, bits, cfg, zeros, form):
+    qweight, scales, qzeros = w
+    with T.config_override(gemm_table(cfg)):
+        T._DEQUANT_FORCE = form
+        try:
+            return T.triton_mm(x, qweight, scales, qzeros if zeros == "asym" else None, None, None, bits, GROUP, 0,
+                               force_path="gemm")
+        finally:
+            T._DEQUANT_FORCE = None
+
+
+def main(argv=None) -> int:
+    p = common.probe_parser("probe_triton_gemm_bits.py", __doc__, [(28672, 4096)], [16], 5)
+    p.add_argument("--configs", type=json.loads, default=CONFIGS, help="GEMM configs (JSON list of dicts)")
+    a = p.parse_args(argv)
+    res = common.probe_result("triton_gemm_bits")
+    if res is None:
+        return 2
+    dev = torch.device("cuda")
+    for n, k in a.shapes:
+        for m in a.ms:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), dtype=torch.float16).to(dev)
+            for cfg in a.configs:
+                cands, meta = {}, {}
+                for bits in (4, 8):
+                    base = random_words(n, k, bits, 1, dev)
+                    copies = [base] + [tuple(t.clone() for t in base) for _ in range(common.n_copies(base[0].numel() * 4) - 1)]
+                    ref = None
+                    for zeros, form in VARIANTS:
+                        y = call(x, base, bits, cfg, zeros, form).float()
+                        if zeros == "asym":  # every unpack form must give the asm form's answer
+                            ref = y if ref is None else ref
+                            err = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+                        else:
+                            err = None
+                        name = f"W{bits} {zeros} {form}"
+                        cands[name] = [lambda w=w, bits=bits, zeros=zeros, form=form: call(x, w, bits, cfg, zeros, form) for w in copies]
+                        meta[name] = dict(bits=bits, zeros=zeros, dequant=form, rel_err_vs_asm=err)
+                times = common.graph_times(cands, a.trials, 5.0)
+                for name, t in times.items():
+                    row = dict(N=n, K=k, M=m, config=cfg, **meta[name], us=round(t.us, 2))
+                    res["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+                del cands
+                torch.cuda.empty_cache()
+    print("\nN x K | M | config (BM x BN x BK / stages / ctas) | variant | us")
+    for r in res["rows"]:
+        c = r["config"]
+        print(f"{r['N']}x{r['K']} | {r['M']} | {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}/{c['num_stages']}/{c['ctas_per_sm']} | "
+              f"W{r['bits']} {r['zeros']} {r['dequant']} | {r['us']}")
+    common.write_json(res, common.output_paths("probe_triton_gemm_bits.json", a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
