@@ -24,7 +24,9 @@ Where the device has a plan table (``qops/native/plans/<gpu>.json``: measured pl
 (N, K) and ranges of M, built by ``benchmarks/native_plan_table.py`` from confirmed sweeps), its
 entry wins over the rule. The H200's covers the decode shapes of Llama-3 8B and 70B (TP = 1 and 2),
 Llama-2 7B and Qwen2.5 7B at M = 1..16, wherever the sweep beat the rule by 3% or more (65 of 92
-cases: ``...-f4c8e4f-sweep-table.json``, ``...-1e6491f-sweep-table-{a,b}.json``). Entries whose grid
+cases: ``...-f4c8e4f-sweep-table.json``, ``...-1e6491f-sweep-table-{a,b}.json``). The H100 (SXM)'s covers
+the 19 shapes its sweep reached in its budget (of 23: the Llama-3 8B / 70B layers and PERF.md's first) at
+M = 1..16, 59 of 74 cases, 1.03-1.82x the rule, 1.18x geomean (``h100-2026-12-05-b5a8ad6-sweep-rule.json``). Entries whose grid
 has more blocks than SMs promise two blocks an SM (the occupancy they were swept at; see
 ``benchmarks/native_plan_table.py``'s ``measured_minb``).
 
