@@ -246,7 +246,7 @@ def test_info_names_the_measured_tables_a_gpu_reads_and_where_it_has_none(monkey
     assert h200[2] == ("Native W4A16 slices past 64 rows (Hopper; more go to Triton): up to 192 for >= 2^26 elements, "
                        "160 for >= 2^25 elements, 96 for >= 2^24 elements, 64 below (measured on NVIDIA H200)")
     assert h100[2] == ("Native W4A16 slices past 64 rows (Hopper; more go to Triton): up to 320 for >= 2^26 elements, "
-                       "256 for >= 2^25 elements, 96 for >= 2^24 elements, 64 below (measured on NVIDIA H100 80GB HBM3)")
+                       "192 for >= 2^25 elements, 96 for >= 2^24 elements, 64 below (measured on NVIDIA H100 80GB HBM3)")
     assert pcie[2].endswith("(the NVIDIA H200's, none measured on 'NVIDIA H100 PCIe')") and pcie[2].rsplit(" (", 1)[0] == h200[2].rsplit(" (", 1)[0]
     assert all(len(lines) == 4 and lines[3].startswith("fp8, int8 and 4-bit codebook kernels") for lines in (h200, h100, pcie, a100))
 

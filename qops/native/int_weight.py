@@ -102,13 +102,16 @@ WGMMA_DECODE_ROWS = ((1 << 25, 16), (0, 23))
 # 28672x4096 1.00-1.05x): not taken. Smaller weights were not measured: one launch, gemm.MAX_M rows.
 # H100 80GB HBM3 (0.7x the H200's bandwidth; h100-2026-12-05-b5a8ad6-probe-slices.json, fp16, against its
 # own Triton table), Triton's time over the slices': at 320 rows 1.06-1.22x on the three weights of
-# >= 2^26 (at 384 0.97x and 0.98x on two of them); at 256 1.07x on both of 2^25.8 (0.85-0.90x at 320); at
-# 128 1.15x on 4096x4096 and 0.94x on 6144x4096, as on the H200 (0.92-0.95x there), so its 96 stands.
+# >= 2^26 (at 384 0.97x and 0.98x on two of them); at 192 1.38x and 1.64x on the two of 2^25.8, at 256 1.07x
+# in the probe but 0.96x on 4096x14336 in the bench after it (h100-2026-12-05-032c3f3-bench.json): not
+# taken; at 128 1.15x on 4096x4096 and 0.94x on 6144x4096, as on the H200 (0.92-0.95x there), so its 96
+# stands. With these limits the bench's M = 256 rows ran 1.14 / 1.52 / 1.32x faster than the Triton path
+# on 28672x4096 / 8192x28672 / 57344x8192 (against h100-2026-12-05-a7183d6-triton-h100table.json).
 # QOPS_NATIVE_SLICED_ROWS=R replaces the table (measurements).
 SLICED_ROWS_DEFAULT_GPU = "NVIDIA H200"
 SLICED_ROWS = {
     "NVIDIA H200": ((1 << 26, 192), (1 << 25, 160), (1 << 24, 96), (0, 64)),
-    "NVIDIA H100 80GB HBM3": ((1 << 26, 320), (1 << 25, 256), (1 << 24, 96), (0, 64)),
+    "NVIDIA H100 80GB HBM3": ((1 << 26, 320), (1 << 25, 192), (1 << 24, 96), (0, 64)),
 }
 SLICED_ROWS_ENV = "QOPS_NATIVE_SLICED_ROWS"
 THREADS = 256
