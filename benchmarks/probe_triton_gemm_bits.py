@@ -10,7 +10,12 @@ path with the variants that separate the suspects, interleaved (A B A B ...) ove
   unpack, whose layout conversions the 4-bit loop has two more of);
 - ``dequant``: the weight tile's unpack form (``asm``: inline PTX, the default on a GPU; ``triton``:
   the same arithmetic in Triton operations; ``fp32``: the generic fp32 unpack);
-- both widths on the same random words, so the bytes differ by 2x and nothing else.
+- both widths on the same random words, so the bytes differ by 2x and nothing else;
+- at 4 bits, ``asm+even_odd``: the tile as its even and odd K rows (two dots), the shape of the 8-bit tile.
+
+The first run (h100-2026-12-05-032c3f3-probe-gemm-bits.json) found the tile, not the bytes: the 8-bit
+16 x 128 x 128 build ran 59 us asymmetric and 183 us symmetric, and its sm_90 SASS (Triton 3.6) shows
+why: the fast build unpacks in the MMA operand's registers, the slow ones store the tile to shared memory.
 
     PYTHONPATH=. python benchmarks/probe_triton_gemm_bits.py [--shapes 28672x4096] [--ms 16] [--configs JSON] [--out F]
 """
@@ -34,6 +39,8 @@ CONFIGS = [  # the H100 table's M = 16 picks at 4 and at 8 bits, and the 8-bit o
     {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 4},
 ]
 VARIANTS = [("asym", "asm"), ("sym", "asm"), ("asym", "triton"), ("asym", "fp32")]
+# the 4-bit tile as even / odd K halves (``even_odd``: each half shaped as the 8-bit tile), asymmetric and symmetric
+EVEN_ODD_VARIANTS = [("asym", "asm+even_odd"), ("sym", "asm+even_odd")]
 
 
 def gemm_table(cfg: dict) -> dict:
@@ -53,7 +60,8 @@ def random_words(n: int, k: int, bits: int, seed: int, device) -> tuple[torch.Te
 
 def call(x, w, bits, cfg, zeros, form):
     qweight, scales, qzeros = w
-    with T.config_override(gemm_table(cfg)):
+    form, _, even_odd = form.partition("+")
+    with T.config_override(gemm_table(cfg | ({"even_odd": 1} if even_odd else {}))):
         T._DEQUANT_FORCE = form
         try:
             return T.triton_mm(x, qweight, scales, qzeros if zeros == "asym" else None, None, None, bits, GROUP, 0,
@@ -79,7 +87,7 @@ def main(argv=None) -> int:
                     base = random_words(n, k, bits, 1, dev)
                     copies = [base] + [tuple(t.clone() for t in base) for _ in range(common.n_copies(base[0].numel() * 4) - 1)]
                     ref = None
-                    for zeros, form in VARIANTS:
+                    for zeros, form in VARIANTS + (EVEN_ODD_VARIANTS if bits == 4 else []):
                         y = call(x, base, bits, cfg, zeros, form).float()
                         if zeros == "asym":  # every unpack form must give the asm form's answer
                             ref = y if ref is None else ref

@@ -8,7 +8,8 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
 - decode (GEMV) configs for M in {1, 2, 4}: BLOCK_N x num_warps (4 or 8 columns per thread),
   CHUNKS (32-value runs per step), programs per SM (the split-K count follows), then the atomic
   reduction for the best partials config;
-- tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM,
+- tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM (at 4
+  bits up to M = 128 each also as even / odd K halves, ``even_odd``),
   then the atomic reduction and the scales loaded a K tile ahead (``prefetch_scales``) on the best one;
   and dequantize + cuBLAS from M = 256 on.
 
@@ -151,6 +152,10 @@ def jobs(args) -> list[tuple]:
                 path = "dense" if cfg.get("impl") == "dense" else "gemm"
                 for c in ctas_choices(path, m):
                     out.append((bits, path, m, {**cfg, "ctas_per_sm": c}))
+                    if bits == 4 and path == "gemm" and m <= 128:
+                        # 4-bit tiles as even and odd K halves (two dots): their unpack reaches the MMA
+                        # operand in registers where the eight-value interleave went through shared memory.
+                        out.append((bits, path, m, {**cfg, "ctas_per_sm": c, "even_odd": 1}))
     if args.dry_run:
         picked, seen = [], set()
         for j in out:

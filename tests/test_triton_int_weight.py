@@ -216,6 +216,35 @@ def test_prefetched_scales_give_the_same_bits(bits, group_size, k, dtype, act_or
     assert_matches(out[1], x, qweight, scales, qzeros, act_perm, None, bits, group_size, zo, f"prefetch bits={bits} g={group_size}")
 
 
+@pytest.mark.parametrize("m,n,k,group_size,sym,act_order,has_bias,block_m,slabs", [
+    (17, 72, 1024, 128, False, False, True, 16, False),   # off-tile M and N, several splits
+    (1, 40, 512, -1, True, True, False, 16, False),       # per-channel, symmetric, act-order
+    (33, 72, 256, 128, False, True, False, 128, False),   # tall tile: the scale enters the weight tile
+    (5, 96, 1000, -1, False, False, False, 16, True),     # K off the tile (masked words), column slabs
+])
+def test_even_odd_k_halves_match_the_oracle(m, n, k, group_size, sym, act_order, has_bias, block_m, slabs):
+    """``even_odd`` (4 bits: the even and the odd K rows as two dots, x split alike) against the float64
+    oracle: both scale placements, masked K, slabs, act-order. fp16 only: the interpreter's bf16 dot is
+    not exact (test_bf16_activations); bf16 runs in the PTX test below and on the GPU."""
+    dtype = torch.float16
+    t = table()
+    t["gemm"]["default"]["64"].update(even_odd=1, BLOCK_M=block_m)
+    assert T.even_odd_applies(t["gemm"]["default"]["64"], 4, T.dequant_form(dtype, 4, True))
+    with T.config_override(t):
+        plan = T._plan(m, n, k, 4, group_size, torch.device(DEVICE), "gemm")
+        assert plan["tile_group"] and plan["block_k"] == 128 and (2 * block_m > plan["block_k"]) == (block_m == 128)
+        check(m, n, k, 4, group_size, sym, act_order, has_bias, dtype, "gemm", slabs=slabs)
+
+
+def test_even_odd_is_only_taken_where_it_applies():
+    cfg = {"even_odd": 1}
+    assert T.even_odd_applies(cfg, 4, T.Dequant.HALF_ASM) and T.even_odd_applies(cfg, 4, T.Dequant.HALF_TRITON)
+    assert not T.even_odd_applies(cfg, 8, T.Dequant.HALF_ASM) and not T.even_odd_applies(cfg, 2, T.Dequant.HALF_ASM)
+    assert not T.even_odd_applies(cfg, 4, T.Dequant.FP32) and not T.even_odd_applies({}, 4, T.Dequant.HALF_ASM)
+    # fp32 activations and groups that split the K tile take the fp32 unpack, so not the split either
+    assert T.dequant_form(torch.float32, 4, True) == T.Dequant.FP32 and T.dequant_form(torch.float16, 4, False) == T.Dequant.FP32
+
+
 @pytest.mark.parametrize("path", ["decode", "gemm"])
 def test_single_split_writes_output_directly(path):
     with T.config_override(table(max_split=1)):
@@ -521,13 +550,15 @@ def _run_ptx(code: str, operands: dict[int, int], half: str) -> dict[int, int]:
     return out
 
 
-@pytest.mark.parametrize("bits,half", [(2, "f16"), (4, "f16"), (8, "f16"), (2, "bf16"), (4, "bf16")])
-def test_half_unpack_ptx_gives_q_minus_z(bits, half):
+@pytest.mark.parametrize("bits,half,order", [(2, "f16", None), (4, "f16", None), (8, "f16", None), (2, "bf16", None),
+                                             (4, "bf16", None), (4, "f16", C.EVEN_ODD_4), (4, "bf16", C.EVEN_ODD_4)])
+def test_half_unpack_ptx_gives_q_minus_z(bits, half, order):
     # The inline PTX cannot run here; its text is executed instruction by instruction instead, on
     # words holding every value and zero points over the whole range (z + zero_offset <= 2**bits).
-    code, constraints = C.half_unpack_asm(bits, half)
+    code, constraints = C.half_unpack_asm(bits, half, order)
     vpw = 32 // bits
-    offsets = C.half_offsets(bits, half)
+    order = list(range(vpw)) if order is None else list(order)
+    offsets = C.half_offsets(bits, half, order)
     assert constraints.split(",") == ["=h"] * vpw + ["r"] * (1 + len(offsets))
     hdt = torch.float16 if half == "f16" else torch.bfloat16
     magic = C.HALF_FORMATS[half][2]
@@ -544,12 +575,14 @@ def test_half_unpack_ptx_gives_q_minus_z(bits, half):
             ops[vpw + 1 + j] = int(pair[0]) | (int(pair[1]) << 16)
         out = _run_ptx(code, ops, half)
         got = torch.tensor([out[i] for i in range(vpw)], dtype=torch.int32).to(torch.int16).view(hdt).float()
-        assert got.tolist() == [float(v - z) for v in q], (trial, q, z)
+        assert got.tolist() == [float(q[i] - z) for i in order], (trial, q, z)
 
 
 def test_half_pair_lanes_refuses_what_does_not_fit():
     with pytest.raises(ValueError):
         C.half_pair_lanes(8, "bf16")
+    with pytest.raises(ValueError, match="permutation"):
+        C.half_pair_lanes(4, "f16", (0, 2, 4, 6, 1, 3, 5, 5))
     with pytest.raises(ValueError):
         C.half_pair_lanes(3, "f16")
 

@@ -91,8 +91,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def half_pair_lanes(bits: int, half: str) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
-    """How pair ``i`` (values ``2i`` and ``2i + 1`` of a 32-bit word of ``bits``-bit values, in the
+# The 4-bit values of a word in the order of the even / odd K split (``half_unpack_asm``'s ``order``):
+# the even-numbered values first, then the odd, so each half fills one K tile of half the height.
+EVEN_ODD_4 = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def half_pair_lanes(bits: int, half: str, order=None) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
+    """How pair ``i`` (values ``order[2i]`` and ``order[2i + 1]`` of a 32-bit word of ``bits``-bit
+    values, default the word's order, in the
     low and high half of one f16x2 / bf16x2 register) is found: for each half ``(shift, byte, s)``,
     the value sits at bit ``s`` of byte ``byte`` of ``word >> shift``. A value whose in-place offset
     leaves no room under the mantissa is read from the word shifted down by ``bits``. Raises when the
@@ -107,27 +113,30 @@ def half_pair_lanes(bits: int, half: str) -> list[tuple[tuple[int, int, int], tu
             shift, s = bits, s - bits
         return shift, (pos - shift) // 8, s
 
-    return [(where(2 * i * bits), where((2 * i + 1) * bits)) for i in range(16 // bits)]
+    order = tuple(range(32 // bits)) if order is None else tuple(order)
+    if sorted(order) != list(range(32 // bits)):
+        raise ValueError(f"order {order} is not a permutation of the {32 // bits} values of a word")
+    return [(where(order[2 * i] * bits), where(order[2 * i + 1] * bits)) for i in range(16 // bits)]
 
 
-def half_offsets(bits: int, half: str) -> list[tuple[int, int]]:
+def half_offsets(bits: int, half: str, order=None) -> list[tuple[int, int]]:
     """The distinct ``(s_lo, s_hi)`` of :func:`half_pair_lanes`: one packed bias operand each."""
-    return sorted({(lo[2], hi[2]) for lo, hi in half_pair_lanes(bits, half)})
+    return sorted({(lo[2], hi[2]) for lo, hi in half_pair_lanes(bits, half, order)})
 
 
-def half_unpack_asm(bits: int, half: str) -> tuple[str, str]:
+def half_unpack_asm(bits: int, half: str, order=None) -> tuple[str, str]:
     """(PTX, constraints) turning one word into its ``32 // bits`` values ``q - z`` as ``half``.
 
-    Operands: outputs ``$0 .. $(vpw - 1)`` (16-bit, value order: outputs ``2i, 2i + 1`` are the
-    halves of one register, K-adjacent as the tensor-core operand wants them), the word, then one
+    Operands: outputs ``$0 .. $(vpw - 1)`` (16-bit, in ``order``, default the word's: outputs ``2i,
+    2i + 1`` are the halves of one register, K-adjacent as the tensor-core operand wants them), the word, then one
     packed bias ``(-(magic * 2**-s_lo + z), -(magic * 2**-s_hi + z))`` per entry of
     :func:`half_offsets`. Per pair: a PRMT moves the two values' bytes into the two halves, a LOP3
     keeps their bits and ORs the magic, a packed FMA scales by ``2**-s`` and adds the bias; 8-bit
     values need no LOP3 (the PRMT fills the magic's byte).
     """
     mant, magic, _ = HALF_FORMATS[half]
-    lanes = half_pair_lanes(bits, half)
-    offsets = half_offsets(bits, half)
+    lanes = half_pair_lanes(bits, half, order)
+    offsets = half_offsets(bits, half, order)
     vpw = 32 // bits
     word = f"${vpw}"
     fma = "fma.rn.f16x2" if half == "f16" else "fma.rn.bf16x2"

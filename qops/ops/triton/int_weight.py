@@ -20,7 +20,10 @@ number of rows M and the shipped config table (never from tensor values, never w
   and 4 bits; 8 bits in fp16) the values go straight into f16x2/bf16x2 pairs, K-adjacent as the
   operand wants them (``common.half_unpack_asm``: PRMT, LOP3 with the 1024.0 / 128.0 magic, packed
   FMA; 1.5 instructions per value at 4 bits, 1 at 8), as inline PTX on a GPU and as the same lanes
-  in plain Triton under the interpreter (:func:`dequant_form`). Otherwise each value goes through
+  in plain Triton under the interpreter (:func:`dequant_form`). A config may ask (``even_odd``) for a
+  4-bit tile as its even and its odd K rows, multiplied as two dots with x's tile split alike: each
+  half has the 8-bit tile's shape, whose unpack Triton 3.6 carries into the MMA operand's registers
+  on sm_90 (the eight-value interleave goes through shared memory). Otherwise each value goes through
   the fp32 mantissa trick and is interleaved back into K order with ``tl.join``. When a K tile
   lies inside one quantization group the scale multiplies the tile's fp32 product (once per output
   element per tile) or, for tiles taller than half their depth, the half weight tile (once per
@@ -52,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket, sm_count, split_k
+from .common import EVEN_ODD_4, HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket, sm_count, split_k
 from .._common import deterministic_requested, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 
@@ -77,9 +80,9 @@ class Dequant:
     NAMES = {"fp32": FP32, "triton": HALF_TRITON, "asm": HALF_ASM}
 
 
-def _asm(bits: int, half: str) -> tuple[tl.constexpr, tl.constexpr]:
+def _asm(bits: int, half: str, order=None) -> tuple[tl.constexpr, tl.constexpr]:
     try:
-        code, constraints = half_unpack_asm(bits, half)
+        code, constraints = half_unpack_asm(bits, half, order)
     except ValueError:
         code, constraints = "", ""
     return tl.constexpr(code), tl.constexpr(constraints)
@@ -90,6 +93,8 @@ _F16_4, _F16_4C = _asm(4, "f16")
 _F16_8, _F16_8C = _asm(8, "f16")
 _BF16_2, _BF16_2C = _asm(2, "bf16")
 _BF16_4, _BF16_4C = _asm(4, "bf16")
+_F16_4EO, _F16_4EOC = _asm(4, "f16", EVEN_ODD_4)
+_BF16_4EO, _BF16_4EOC = _asm(4, "bf16", EVEN_ODD_4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,6 +401,46 @@ def _half_tile(w, zf, BITS: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.const
 
 
 @triton.jit
+def _word_tile(qw_ptr, k0, qcol, nmask, n_wrows, stride_qw, BITS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The ``(BLOCK_K * BITS / 32, BN)`` words holding K rows ``k0 ..`` of columns ``qcol`` (BITS divides 32)."""
+    R: tl.constexpr = BLOCK_K * BITS // 32
+    wrow = (k0 * BITS) // 32 + tl.arange(0, R)
+    ptrs = qw_ptr + wrow[:, None] * stride_qw + qcol[None, :]
+    if EVEN_K:
+        return tl.load(ptrs, mask=nmask[None, :], other=0)
+    else:
+        return tl.load(ptrs, mask=(wrow < n_wrows)[:, None] & nmask[None, :], other=0)
+
+
+@triton.jit
+def _half_tiles_even_odd(w, zf, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """The 4-bit word tile ``w`` ``(R, BN)`` as two ``(4R, BN)`` tiles ``q - z`` in DTYPE: its even and
+    its odd K rows (row ``4r + t`` of each holds value ``2t``, resp. ``2t + 1``, of word ``r``: K row
+    ``8r + 2t`` or ``8r + 2t + 1``). Each is the shape of the 8-bit tile (four values a word, two joins
+    deep), whose chain Triton carries into the MMA operand's registers; the 4-bit tile's eight-value
+    interleave went through shared memory instead. ``zf`` ``(1, BN)`` fp32 zero points."""
+    if ASM:
+        if DTYPE == tl.float16:
+            e0, e1, e2, e3, o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _F16_4EO, _F16_4EOC, [w, _half_bias(zf, 1024.0, 1024.0, DTYPE), _half_bias(zf, 64.0, 64.0, DTYPE)],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            e0, e1, e2, e3, o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _BF16_4EO, _BF16_4EOC, [w, _half_bias(zf, 128.0, 128.0, DTYPE)], dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+    else:
+        e0 = _half_value(w, zf, 0, 4, DTYPE)
+        e1 = _half_value(w, zf, 8, 4, DTYPE)
+        e2 = _half_value(w, zf, 16, 4, DTYPE)
+        e3 = _half_value(w, zf, 24, 4, DTYPE)
+        o0 = _half_value(w, zf, 4, 4, DTYPE)
+        o1 = _half_value(w, zf, 12, 4, DTYPE)
+        o2 = _half_value(w, zf, 20, 4, DTYPE)
+        o3 = _half_value(w, zf, 28, 4, DTYPE)
+    return _interleave(e0, e1, e2, e3, e0, e0, e0, e0, 4), _interleave(o0, o1, o2, o3, o0, o0, o0, o0, 4)
+
+
+@triton.jit
 def _tc_weight_tile(
     qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
     group_size, zero_offset, zf_tile, magic,
@@ -408,12 +453,7 @@ def _tc_weight_tile(
     if 32 % BITS == 0 and TILE_GROUP:
         VPW: tl.constexpr = 32 // BITS
         R: tl.constexpr = BLOCK_K // VPW
-        wrow = (k0 * BITS) // 32 + tl.arange(0, R)
-        ptrs = qw_ptr + wrow[:, None] * stride_qw + qcol[None, :]
-        if EVEN_K:
-            w = tl.load(ptrs, mask=nmask[None, :], other=0)
-        else:
-            w = tl.load(ptrs, mask=(wrow < n_wrows)[:, None] & nmask[None, :], other=0)
+        w = _word_tile(qw_ptr, k0, qcol, nmask, n_wrows, stride_qw, BITS, BLOCK_K, EVEN_K)
         if DEQUANT != 0:
             return _half_tile(w, zf_tile, BITS, BLOCK_K, DTYPE, DEQUANT == 2)
         else:
@@ -498,11 +538,13 @@ def _tc_kernel(
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr = 0,
-    PREFETCH_S: tl.constexpr = False,
+    PREFETCH_S: tl.constexpr = False, EVEN_ODD: tl.constexpr = False,
 ):
     """Split-K tiled GEMM on tensor cores: program (m/n tile, K split). PREFETCH_S loads the next K tile's
     scales one iteration ahead: Triton's pipeliner does not take that load (a few bytes a thread, under
-    cp.async's 4), so each step otherwise waits for it where the scales are used."""
+    cp.async's 4), so each step otherwise waits for it where the scales are used. EVEN_ODD (4 bits, a
+    half form, the K tile in one group) multiplies the even and the odd K rows as two dots
+    (:func:`_half_tiles_even_odd`; x's tile split the same way), the sum unchanged."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -544,9 +586,14 @@ def _tc_kernel(
                 g_ahead = tl.where(k0 + BLOCK_K < k_hi, g_next, g)
                 s_ahead = tl.load(s_ptr + g_ahead * stride_s + offs_n, mask=nmask, other=0.0)
             zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
-            b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
-                                group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE,
-                                DEQUANT)
+            if EVEN_ODD:
+                w = _word_tile(qw_ptr, k0, qcol, nmask, n_wrows, stride_qw, BITS, BLOCK_K, EVEN_K)
+                b_even, b_odd = _half_tiles_even_odd(w, zf, DTYPE, DEQUANT == 2)
+                a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+            else:
+                b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
+                                    group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE,
+                                    DEQUANT)
             if not PREFETCH_S:
                 s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
             if DEQUANT != 0 and 2 * BLOCK_M > BLOCK_K:
@@ -554,10 +601,16 @@ def _tc_kernel(
                 # 1/2 (a packed multiply per pair): cheaper for tall tiles. s * (q - z) is then
                 # rounded to the activation dtype, as a dequantized weight would be: once where the
                 # scales are stored in it, twice where they are not (the scale itself first).
-                acc = tl.dot(a, b * s.to(DTYPE)[None, :], acc)
+                if EVEN_ODD:
+                    acc = tl.dot(a_odd, b_odd * s.to(DTYPE)[None, :], tl.dot(a_even, b_even * s.to(DTYPE)[None, :], acc))
+                else:
+                    acc = tl.dot(a, b * s.to(DTYPE)[None, :], acc)
             else:
                 # "ieee": fp32 activations (interpreter tests) are not rounded to tf32; fp16/bf16 are unaffected.
-                acc += tl.dot(a, b, input_precision="ieee") * s.to(tl.float32)[None, :]
+                if EVEN_ODD:
+                    acc += tl.dot(a_odd, b_odd, tl.dot(a_even, b_even)) * s.to(tl.float32)[None, :]
+                else:
+                    acc += tl.dot(a, b, input_precision="ieee") * s.to(tl.float32)[None, :]
             g = g_next
             left = tl.where(left == 0, group_size, left)
         else:
@@ -739,6 +792,12 @@ def dequant_form(dtype: torch.dtype, bits: int, tile_group: bool) -> int:
     return Dequant.HALF_TRITON if interpreting() else Dequant.HALF_ASM
 
 
+def even_odd_applies(cfg: dict, bits: int, dequant: int) -> bool:
+    """Whether a GEMM call runs the even / odd K split (``_tc_kernel``'s EVEN_ODD): asked by its config
+    (``even_odd``) and possible: 4 bits through a half form (fp16 / bf16, the K tile in one group)."""
+    return bool(cfg.get("even_odd", 0)) and bits == 4 and dequant != Dequant.FP32
+
+
 def _bucket(section: dict, bits: int, m: int) -> dict:
     """The entry for ``bits`` (or "default") whose M bucket is the smallest >= m (else the largest)."""
     by_m = section.get(str(bits), section.get("default"))
@@ -918,11 +977,12 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
         _launch_within_shared_memory(_gemv_kernel, plan["grid"], common, dict(
             BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"], EVEN_N=plan["even_n"], **flags), launch, x2.dtype)
     else:
+        dequant = dequant_form(x2.dtype, bits, plan["tile_group"])
         _launch_within_shared_memory(_tc_kernel, plan["grid"], common, dict(
             BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
             GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"],
-            DEQUANT=dequant_form(x2.dtype, bits, plan["tile_group"]), PREFETCH_S=bool(cfg.get("prefetch_scales", 0)),
-            **flags), launch, x2.dtype)
+            DEQUANT=dequant, PREFETCH_S=bool(cfg.get("prefetch_scales", 0)),
+            EVEN_ODD=even_odd_applies(cfg, bits, dequant), **flags), launch, x2.dtype)
     if mode != 0:
         block = 256
         _reduce_kernel[(-(-n // block), m)](
