@@ -11,7 +11,8 @@ path with the variants that separate the suspects, interleaved (A B A B ...) ove
 - ``dequant``: the weight tile's unpack form (``asm``: inline PTX, the default on a GPU; ``triton``:
   the same arithmetic in Triton operations; ``fp32``: the generic fp32 unpack);
 - both widths on the same random words, so the bytes differ by 2x and nothing else;
-- at 4 bits, ``asm+even_odd``: the tile as its even and odd K rows (two dots), the shape of the 8-bit tile.
+- at 4 bits, ``asm+even_odd``: the tile as its even and odd K rows (two dots), the shape of the 8-bit tile;
+- ``+sym_zero_load``: the symmetric zero point derived from the scales' load instead of a constant.
 
 The first run (h100-2026-12-05-032c3f3-probe-gemm-bits.json) found the tile, not the bytes: the 8-bit
 16 x 128 x 128 build ran 59 us asymmetric and 183 us symmetric, and its sm_90 SASS (Triton 3.6) shows
@@ -40,7 +41,9 @@ CONFIGS = [  # the H100 table's M = 16 picks at 4 and at 8 bits, and the 8-bit o
 ]
 VARIANTS = [("asym", "asm"), ("sym", "asm"), ("asym", "triton"), ("asym", "fp32")]
 # the 4-bit tile as even / odd K halves (``even_odd``: each half shaped as the 8-bit tile), asymmetric and symmetric
-EVEN_ODD_VARIANTS = [("asym", "asm+even_odd"), ("sym", "asm+even_odd")]
+EVEN_ODD_VARIANTS = [("asym", "asm+even_odd"), ("sym", "asm+even_odd"), ("sym", "asm+even_odd+sym_zero_load")]
+# the symmetric zero point derived from the scales' load (``sym_zero_load``), at both widths
+SYM_VARIANTS = [("sym", "asm+sym_zero_load")]
 
 
 def gemm_table(cfg: dict) -> dict:
@@ -60,8 +63,8 @@ def random_words(n: int, k: int, bits: int, seed: int, device) -> tuple[torch.Te
 
 def call(x, w, bits, cfg, zeros, form):
     qweight, scales, qzeros = w
-    form, _, even_odd = form.partition("+")
-    with T.config_override(gemm_table(cfg | ({"even_odd": 1} if even_odd else {}))):
+    form, *knobs = form.split("+")
+    with T.config_override(gemm_table(cfg | {knob: 1 for knob in knobs})):
         T._DEQUANT_FORCE = form
         try:
             return T.triton_mm(x, qweight, scales, qzeros if zeros == "asym" else None, None, None, bits, GROUP, 0,
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
                     base = random_words(n, k, bits, 1, dev)
                     copies = [base] + [tuple(t.clone() for t in base) for _ in range(common.n_copies(base[0].numel() * 4) - 1)]
                     ref = None
-                    for zeros, form in VARIANTS + (EVEN_ODD_VARIANTS if bits == 4 else []):
+                    for zeros, form in VARIANTS + SYM_VARIANTS + (EVEN_ODD_VARIANTS if bits == 4 else []):
                         y = call(x, base, bits, cfg, zeros, form).float()
                         if zeros == "asym":  # every unpack form must give the asm form's answer
                             ref = y if ref is None else ref

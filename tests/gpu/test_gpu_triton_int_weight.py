@@ -355,6 +355,28 @@ def test_even_odd_k_halves_match_the_oracle(item):
                 check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} even_odd tile {tile['BLOCK_M']}x{tile['BLOCK_N']}")
 
 
+SYM_CASES = [(Case("compressed-tensors", 8, 128, True, False, None, 1032, 2048), torch.float16, 0),
+             (Case("compressed-tensors", 4, 128, True, False, None, 264, 2048), torch.bfloat16, 1),
+             (Case("compressed-tensors", 4, -1, True, False, None, 520, 1000), torch.float16, 0)]
+
+
+@pytest.mark.parametrize("item", SYM_CASES, ids=lambda c: f"{_id(c[:2])}-eo{c[2]}")
+def test_symmetric_zero_point_from_the_scales_matches_the_oracle(item):
+    """``sym_zero_load`` (a tuner knob: the symmetric zero point derived from the scales' load, which keeps
+    the half unpack in the MMA operand's registers) against the oracle at M = 1, 17 and 100."""
+    case, dtype, even_odd = item
+    b = built(case, dtype)
+    assert b.weight.qzeros is None
+    bias = rand(case.n, dtype=dtype, seed=10)
+    for tile in EVEN_ODD_TILES:
+        with T.config_override(narrow_gemm_table(reduce="partials", sym_zero_load=1, even_odd=even_odd, **tile)):
+            for m in (1, 17, 100):
+                plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
+                assert plan["path"] == "gemm" and plan["tile_group"], plan
+                x = rand(m, case.k, dtype=dtype, seed=110 + m)
+                check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item[:2])} M={m} sym_zero_load even_odd={even_odd}")
+
+
 SCALE_CASE = Case("gptq", 4, 128, False, True, "v2", 264, 1000)
 
 
