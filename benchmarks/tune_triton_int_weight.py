@@ -77,7 +77,9 @@ def gemm_candidates(m: int) -> list[dict]:
     elif m <= 32:
         tiles = [(32, 64, 128, 4, 3), (32, 128, 128, 4, 3), (32, 256, 128, 8, 3)]
     elif m <= 64:
-        tiles = [(64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3)]
+        # 32-row tiles too: they run on mma.sync, where the unpack can stay in registers (even_odd, and the
+        # 8-bit tile), while 64-row tiles run warpgroup MMAs, which read the weight tile from shared memory.
+        tiles = [(64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (32, 128, 128, 4, 3)]
     elif m <= 128:
         tiles = [(64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3)]
     else:
