@@ -2,8 +2,7 @@
 
 On the H100 (h100-2026-12-05-b5a8ad6-tune-rows.json, M = 16, 28672x4096, g128) the tile 16 x 128 x 128
 with 2 stages ran 59.7 us at 8 bits and 170.9 us at 4 bits, while 16 x 64 x 128 with 3 stages ran
-199.6 us at 8 bits and 101.8 us at 4; their sm_90 loops hold about the same instructions (358 / 374 and
-252 / 278). Per GEMM config (``--configs``, JSON list) and bit width, this times the lowering's GEMM
+199.6 us at 8 bits and 101.8 us at 4. Per GEMM config (``--configs``, JSON list) and bit width, this times the lowering's GEMM
 path with the variants that separate the suspects, interleaved (A B A B ...) over rotated weight copies:
 
 - ``zeros``: asymmetric (the tuner's case) against symmetric (no zero-point words: no per-group zero
@@ -32,8 +31,8 @@ import common
 common.add_repo_to_path()
 
 from qops.ops.triton import int_weight as T  # noqa: E402
+from tune_triton_int_weight import GROUP, random_weight, single_table  # noqa: E402
 
-GROUP = 128
 CONFIGS = [  # the H100 table's M = 16 picks at 4 and at 8 bits, and the 8-bit one's 3-stage sibling
     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 4},
     {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2},
@@ -46,25 +45,11 @@ EVEN_ODD_VARIANTS = [("asym", "asm+even_odd"), ("sym", "asm+even_odd"), ("sym", 
 SYM_VARIANTS = [("sym", "asm+sym_zero_load")]
 
 
-def gemm_table(cfg: dict) -> dict:
-    """A table sending every M to the tiled GEMM with ``cfg``."""
-    full = {"GROUP_M": 8, "impl": "triton", "max_split": 32, "reduce": "partials"} | cfg
-    return {"gpu": "probe", "tuned": False, "source": "probe_triton_gemm_bits.py", "decode_max_m": 4,
-            "decode": {"default": {"1": full}}, "gemm": {"default": {"1": full}}}
-
-
-def random_words(n: int, k: int, bits: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    qweight = torch.randint(-(2**31), 2**31 - 1, (k * bits // 32, n), generator=g, dtype=torch.int32)
-    scales = torch.rand(k // GROUP, n, generator=g) * 0.01 + 0.001
-    qzeros = torch.randint(-(2**31), 2**31 - 1, (k // GROUP, n * bits // 32), generator=g, dtype=torch.int32)
-    return qweight.to(device), scales.half().to(device), qzeros.to(device)
-
-
 def call(x, w, bits, cfg, zeros, form):
     qweight, scales, qzeros = w
     form, *knobs = form.split("+")
-    with T.config_override(gemm_table(cfg | {knob: 1 for knob in knobs})):
+    full = {"GROUP_M": 8, "impl": "triton", "max_split": 32, "reduce": "partials"} | cfg | {knob: 1 for knob in knobs}
+    with T.config_override(single_table("gemm", full)):
         T._DEQUANT_FORCE = form
         try:
             return T.triton_mm(x, qweight, scales, qzeros if zeros == "asym" else None, None, None, bits, GROUP, 0,
@@ -87,7 +72,7 @@ def main(argv=None) -> int:
             for cfg in a.configs:
                 cands, meta = {}, {}
                 for bits in (4, 8):
-                    base = random_words(n, k, bits, 1, dev)
+                    base = random_weight(n, k, bits, dev, 1)
                     copies = [base] + [tuple(t.clone() for t in base) for _ in range(common.n_copies(base[0].numel() * 4) - 1)]
                     ref = None
                     for zeros, form in VARIANTS + SYM_VARIANTS + (EVEN_ODD_VARIANTS if bits == 4 else []):

@@ -328,53 +328,43 @@ def test_prefetched_scales_give_the_same_bits(item):
     assert all(torch.equal(out[0, m], out[1, m]) for m in (17, 64))
 
 
-EVEN_ODD_CASES = [(Case("gptq", 4, 128, False, True, "v2", 4104, 4096), torch.float16),
-                  (Case("awq", 4, 128, False, False, None, 1024, 4096), torch.bfloat16),
-                  (Case("gptq", 4, -1, True, False, "v2", 520, 1000), torch.bfloat16),  # per-channel, K off the tile
-                  (Case("compressed-tensors", 4, 128, True, False, None, 264, 2048), torch.float16)]
-EVEN_ODD_TILES = [  # the 4-bit M = 16 tile it is for, and a 128-row tile (the scale enters the half weight tile)
+KNOB_TILES = [  # the M = 16 tile the knobs are for, and a 128-row tile (the scale enters the half weight tile)
     {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1},
 ]
+KNOB_CASES = [  # (case, dtype, the GEMM config knobs set)
+    (Case("gptq", 4, 128, False, True, "v2", 4104, 4096), torch.float16, {"even_odd": 1}),
+    (Case("awq", 4, 128, False, False, None, 1024, 4096), torch.bfloat16, {"even_odd": 1}),
+    (Case("gptq", 4, -1, True, False, "v2", 520, 1000), torch.bfloat16, {"even_odd": 1}),  # per-channel, K off the tile
+    (Case("compressed-tensors", 4, 128, True, False, None, 264, 2048), torch.float16, {"even_odd": 1}),
+    (Case("compressed-tensors", 8, 128, True, False, None, 1032, 2048), torch.float16, {"sym_zero_load": 1}),
+    (Case("compressed-tensors", 4, 128, True, False, None, 264, 2048), torch.bfloat16, {"sym_zero_load": 1, "even_odd": 1}),
+    (Case("compressed-tensors", 4, -1, True, False, None, 520, 1000), torch.float16, {"sym_zero_load": 1}),
+]
 
 
-@pytest.mark.parametrize("item", EVEN_ODD_CASES, ids=_id)
-def test_even_odd_k_halves_match_the_oracle(item):
-    """``even_odd`` (a tuner knob: 4-bit tiles as their even and odd K rows, two dots) against the float64
-    oracle through the inline PTX of both half dtypes, at M = 1, 17 and 100, on both scale placements."""
-    case, dtype = item
+@pytest.mark.parametrize("item", KNOB_CASES, ids=lambda c: f"{_id(c[:2])}-{'-'.join(sorted(c[2]))}")
+def test_gemm_knobs_match_the_oracle(item):
+    """The tuner's GEMM knobs against the float64 oracle through the inline PTX of both half dtypes, at M = 1,
+    17 and 100, on both scale placements: ``even_odd`` (4-bit tiles as their even and odd K rows, two dots)
+    and ``sym_zero_load`` (the symmetric zero point derived from the scales' load; both keep the half unpack
+    in the MMA operand's registers)."""
+    case, dtype, knobs = item
     b = built(case, dtype)
+    if knobs.get("sym_zero_load"):
+        assert b.weight.qzeros is None
     bias = rand(case.n, dtype=dtype, seed=9)
-    for tile in EVEN_ODD_TILES:
-        with T.config_override(narrow_gemm_table(reduce="partials", even_odd=1, **tile)):
+    for tile in KNOB_TILES:
+        with T.config_override(narrow_gemm_table(reduce="partials", **knobs, **tile)):
             for m in (1, 17, 100):
                 plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
                 assert plan["path"] == "gemm" and plan["tile_group"], plan
-                assert T.even_odd_applies(plan["cfg"], 4, T.dequant_form(dtype, 4, True)) and T.dequant_form(dtype, 4, True) == T.Dequant.HALF_ASM
+                dequant = T.dequant_form(dtype, case.bits, True)
+                assert T.even_odd_applies(plan["cfg"], case.bits, dequant) == bool(knobs.get("even_odd"))
+                if knobs.get("even_odd"):
+                    assert dequant == T.Dequant.HALF_ASM
                 x = rand(m, case.k, dtype=dtype, seed=90 + m)
-                check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} even_odd tile {tile['BLOCK_M']}x{tile['BLOCK_N']}")
-
-
-SYM_CASES = [(Case("compressed-tensors", 8, 128, True, False, None, 1032, 2048), torch.float16, 0),
-             (Case("compressed-tensors", 4, 128, True, False, None, 264, 2048), torch.bfloat16, 1),
-             (Case("compressed-tensors", 4, -1, True, False, None, 520, 1000), torch.float16, 0)]
-
-
-@pytest.mark.parametrize("item", SYM_CASES, ids=lambda c: f"{_id(c[:2])}-eo{c[2]}")
-def test_symmetric_zero_point_from_the_scales_matches_the_oracle(item):
-    """``sym_zero_load`` (a tuner knob: the symmetric zero point derived from the scales' load, which keeps
-    the half unpack in the MMA operand's registers) against the oracle at M = 1, 17 and 100."""
-    case, dtype, even_odd = item
-    b = built(case, dtype)
-    assert b.weight.qzeros is None
-    bias = rand(case.n, dtype=dtype, seed=10)
-    for tile in EVEN_ODD_TILES:
-        with T.config_override(narrow_gemm_table(reduce="partials", sym_zero_load=1, even_odd=even_odd, **tile)):
-            for m in (1, 17, 100):
-                plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
-                assert plan["path"] == "gemm" and plan["tile_group"], plan
-                x = rand(m, case.k, dtype=dtype, seed=110 + m)
-                check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item[:2])} M={m} sym_zero_load even_odd={even_odd}")
+                check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item[:2])} M={m} {knobs} tile {tile['BLOCK_M']}x{tile['BLOCK_N']}")
 
 
 SCALE_CASE = Case("gptq", 4, 128, False, True, "v2", 264, 1000)

@@ -547,7 +547,7 @@ def _tc_kernel(
     cp.async's 4), so each step otherwise waits for it where the scales are used. EVEN_ODD (4 bits, a
     half form, the K tile in one group) multiplies the even and the odd K rows as two dots
     (:func:`_half_tiles_even_odd`; x's tile split the same way), the sum unchanged. SYM_ZERO_LOAD (no
-    zero points) derives the constant zero point from the group's scales as ``s * 0 + 2**(b-1)``: built
+    zero points) derives the constant zero point from the group's scales (loaded first) as ``s * 0 + 2**(b-1)``: built
     from a load, it is placed like loaded zero points, and Triton 3.6 then carries the half unpack into
     the MMA operand's registers, which it does not do from a constant (sm_90 SASS: the tile goes through
     shared memory; the 8-bit 16 x 128 x 128 GEMM ran 183 us symmetric, 59 us asymmetric on an H100). A
@@ -593,8 +593,9 @@ def _tc_kernel(
                 g_ahead = tl.where(k0 + BLOCK_K < k_hi, g_next, g)
                 s_ahead = tl.load(s_ptr + g_ahead * stride_s + offs_n, mask=nmask, other=0.0)
             if SYM_ZERO_LOAD:
-                s_row = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
-                zf = (s_row * 0.0 + (1 << (BITS - 1)))[None, :]
+                if not PREFETCH_S:
+                    s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
+                zf = (s.to(tl.float32) * 0.0 + (1 << (BITS - 1)))[None, :]
             else:
                 zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
             if EVEN_ODD:
@@ -605,7 +606,7 @@ def _tc_kernel(
                 b = _tc_weight_tile(qw_ptr, s_ptr, qz_ptr, k0, k_hi, offs_n, qcol, nmask, n_wrows, stride_qw, stride_s, stride_qz,
                                     group_size, zero_offset, zf, magic, BITS, BLOCK_K, HAS_ZEROS, TILE_GROUP, EVEN_K, DTYPE,
                                     DEQUANT)
-            if not PREFETCH_S:
+            if not (PREFETCH_S or SYM_ZERO_LOAD):  # those loaded it above
                 s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
             if DEQUANT != 0 and 2 * BLOCK_M > BLOCK_K:
                 # Scaling the product costs BLOCK_M / BLOCK_K instructions per weight, the half tile
