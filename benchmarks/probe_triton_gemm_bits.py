@@ -48,7 +48,9 @@ SYM_VARIANTS = [("sym", "asm+sym_zero_load")]
 def call(x, w, bits, cfg, zeros, form):
     qweight, scales, qzeros = w
     form, *knobs = form.split("+")
-    full = {"GROUP_M": 8, "impl": "triton", "max_split": 32, "reduce": "partials"} | cfg | {knob: 1 for knob in knobs}
+    # every knob off unless the variant names it (``sym_zero_load`` is on by default)
+    full = ({"GROUP_M": 8, "impl": "triton", "max_split": 32, "reduce": "partials", "sym_zero_load": 0} | cfg
+            | {knob: 1 for knob in knobs})
     with T.config_override(single_table("gemm", full)):
         T._DEQUANT_FORCE = form
         try:

@@ -236,12 +236,14 @@ def test_even_odd_k_halves_match_the_oracle(m, n, k, group_size, sym, act_order,
         check(m, n, k, 4, group_size, sym, act_order, has_bias, dtype, "gemm", slabs=slabs)
 
 
+@pytest.mark.parametrize("sym_zero_load", [0, 1])
 @pytest.mark.parametrize("bits,group_size,even_odd,block_m", [(8, 128, 0, 16), (4, -1, 1, 16), (4, 128, 0, 128), (2, 256, 0, 16)])
-def test_symmetric_zero_point_from_the_scales_matches_the_oracle(bits, group_size, even_odd, block_m):
-    """``sym_zero_load`` (symmetric weights: the zero point 2**(b-1) derived from the scales' load) against
-    the oracle, with and without the even / odd split, on both scale placements."""
+def test_symmetric_zero_point_from_the_scales_matches_the_oracle(bits, group_size, even_odd, block_m, sym_zero_load):
+    """``sym_zero_load`` (symmetric weights: the zero point 2**(b-1) derived from the scales' load; the
+    default) and the constant zero point a config may still ask for (0) against the oracle, with and
+    without the even / odd split, on both scale placements."""
     t = table()
-    t["gemm"]["default"]["64"].update(sym_zero_load=1, even_odd=even_odd, BLOCK_M=block_m)
+    t["gemm"]["default"]["64"].update(sym_zero_load=sym_zero_load, even_odd=even_odd, BLOCK_M=block_m)
     with T.config_override(t):
         check(17, 72, 1024, bits, group_size, True, False, True, torch.float16, "gemm")
         check(3, 40, 256, bits, group_size, False, True, False, torch.float16, "gemm")  # asymmetric: the knob does nothing
