@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/tune_triton_int_weight.py            # writes $OUT/<gpu>.json
     PYTHONPATH=. python benchmarks/tune_triton_int_weight.py --dry-run  # CPU interpreter smoke test
+    PYTHONPATH=. python benchmarks/tune_triton_int_weight.py --from-rows RUN-tune-rows.json  # select again, no GPU
 
 Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md benchmark shapes:
 
@@ -14,6 +15,8 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
   and dequantize + cuBLAS from M = 256 on.
 
 ``decode_max_m`` is, per bit width, the largest M (from 1) where the best decode config beats the best GEMM one.
+The widths it does not time (2 and 3 bits, the tables' "default") take the 4-bit picks among configs without
+the 4-bit-only knob, and their crossover.
 Each candidate is first checked against a float64-free fp32 reference on a 4096x4096 weight (a
 failing candidate is dropped and reported). Timing follows PERF.md: CUDA-graph replay over rotated
 weight copies totalling more than 256 MB, CUDA events, median of trials; cuBLAS fp16 is timed the
@@ -27,7 +30,6 @@ candidate with its per-shape times, ``candidates``), and prints a short table la
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import math
@@ -56,6 +58,7 @@ CHECK_SHAPE = (4096, 4096)
 BITS = (4, 8)
 GROUP = 128
 DECODE_MS = (1, 2, 4)
+FOUR_BIT_KNOBS = ("even_odd",)  # GEMM config keys that only change 4-bit launches (``int_weight.even_odd_applies``)
 GEMM_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # 1, 2: to decide decode_max_m
 DENSE_FROM = 256
 DEADLINE_S = 270
@@ -242,11 +245,15 @@ def main():
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile worker processes")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--todo", help=argparse.SUPPRESS)
+    ap.add_argument("--from-rows", metavar="TUNE_ROWS_JSON",
+                    help="no timing: select the table again from a run's saved candidates (runs without a GPU)")
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker, args.todo)
+    if args.from_rows:
+        return rebuild(args.from_rows, os.environ.get("OUT", "."))
 
-    global SHAPES, CHECK_SHAPE, DECODE_MS, GEMM_MS, BITS
+    global SHAPES, CHECK_SHAPE
     out_dir = os.environ.get("OUT", ".")
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")
@@ -299,20 +306,9 @@ def main():
                 torch.cuda.empty_cache()
             print(f"timed {bits}-bit {n}x{k} ({time.time() - start:.0f}s)", flush=True)
 
-    def best(bits, m, paths):
-        """(config, path, per-shape us) minimising the geometric mean over the shapes."""
-        scored = []
-        for (b, mm, path, cfg), per in times.items():
-            if b == bits and mm == m and path in paths and len(per) == len(SHAPES):
-                scored.append((math.exp(statistics.fmean(math.log(v) for v in per.values())), json.loads(cfg), path, per))
-        if not scored:
-            return None
-        scored.sort(key=lambda s: s[0])
-        return scored[0][1:]
-
     def time_variant(bits, m, paths, change):
         """Time the bucket's best config of ``paths`` with ``change`` applied, on every shape (if it passes the check)."""
-        top = best(bits, m, paths)
+        top = best(times, bits, m, paths)
         if top is None or time.time() - start > DEADLINE_S + 20:
             return
         cfg, path, _ = top
@@ -334,45 +330,11 @@ def main():
                 time_variant(bits, m, paths, {"reduce": "atomic"})
             time_variant(bits, m, ("gemm",), {"prefetch_scales": 1})
 
-    table = {
-        "gpu": gpu,
-        "tuned": not dry,
-        "source": (f"benchmarks/tune_triton_int_weight.py on {gpu}, torch {torch.__version__}, "
-                   f"triton {common.triton_version()}, commit {(common.git_commit() or 'unknown')[:12]}, "
-                   f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}"
-                   + (" (stopped at the time limit: some buckets keep untuned defaults)" if timed_out else "")),
-        "decode_max_m": 1,
-        "decode": {},
-        "gemm": {},
-    }
-    fallback = T.load_config("default")
-    decode_wins = {bits: [] for bits in BITS}
-    for bits in BITS:
-        dec, gem = {}, {}
-        for m in DECODE_MS:
-            top = best(bits, m, ("decode",))
-            dec[str(m)] = top[0] if top else T._bucket(fallback["decode"], bits, m)
-            gtop = best(bits, m, ("gemm",))
-            if top and gtop:
-                dt = statistics.fmean(top[2].values())
-                gt = statistics.fmean(gtop[2].values())
-                decode_wins[bits].append((m, dt < gt))
-        for m in GEMM_MS:
-            top = best(bits, m, ("gemm", "dense"))
-            gem[str(m)] = top[0] if top else T._bucket(fallback["gemm"], bits, m)
-        table["decode"][str(bits)] = dec
-        table["gemm"][str(bits)] = gem
-    table["decode"]["default"] = copy.deepcopy(table["decode"][str(BITS[0])])
-    table["gemm"]["default"] = copy.deepcopy(table["gemm"][str(BITS[0])])
-    dmax = {}
-    for bits in BITS:
-        dmax[str(bits)] = 1
-        for m, wins in sorted(decode_wins[bits]):
-            if not wins:
-                break
-            dmax[str(bits)] = m
-    dmax["default"] = dmax[str(BITS[0])]
-    table["decode_max_m"] = dmax
+    source = (f"benchmarks/tune_triton_int_weight.py on {gpu}, torch {torch.__version__}, "
+              f"triton {common.triton_version()}, commit {(common.git_commit() or 'unknown')[:12]}, "
+              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}"
+              + (" (stopped at the time limit: some buckets keep untuned defaults)" if timed_out else ""))
+    table = build_table(times, gpu, source, tuned=not dry)
 
     common.write_json(table, [os.path.join(out_dir, f"{stem}.json")])
     rows = _rows(table, times, cublas, dry)
@@ -381,8 +343,81 @@ def main():
                        "candidates": _candidates(times)},
                       [os.path.join(out_dir, "tune_rows.json")])
     print(f"wrote {os.path.join(out_dir, stem + '.json')} and tune_rows.json in {time.time() - start:.0f}s; "
-          f"decode_max_m={dmax}; {len(failed)} candidates dropped")
+          f"decode_max_m={table['decode_max_m']}; {len(failed)} candidates dropped")
     _print_table(rows)
+
+
+def best(times, bits, m, paths, plain=False):
+    """(config, path, per-shape us) minimising the geometric mean over the shapes; ``plain``: among the
+    configs without a knob only 4-bit weights take (``even_odd``)."""
+    scored = []
+    for (b, mm, path, cfg), per in times.items():
+        if plain and any(knob in json.loads(cfg) for knob in FOUR_BIT_KNOBS):
+            continue
+        if b == bits and mm == m and path in paths and len(per) == len(SHAPES):
+            scored.append((math.exp(statistics.fmean(math.log(v) for v in per.values())), json.loads(cfg), path, per))
+    if not scored:
+        return None
+    scored.sort(key=lambda s: s[0])
+    return scored[0][1:]
+
+
+def build_table(times, gpu: str, source: str, tuned: bool = True) -> dict:
+    """The config table from the timed candidates ``times[(bits, M, path, cfg json)][(N, K)] = us``: per bit
+    width and M bucket the fastest candidate in geometric mean over the shapes, and ``decode_max_m``, the
+    largest M (from 1) up to which the best decode config beats the best GEMM one."""
+    table = {"gpu": gpu, "tuned": tuned, "source": source, "decode_max_m": {}, "decode": {}, "gemm": {}}
+    fallback = T.load_config("default")
+    # The widths the tuner does not time (2 and 3 bits: "default") take the 4-bit picks made without the
+    # knobs only 4-bit weights take, and the crossover to the GEMM those give.
+    for key, bits, plain in [(str(bits), bits, False) for bits in BITS] + [("default", BITS[0], True)]:
+        dec, gem, decode_wins = {}, {}, []
+        for m in DECODE_MS:
+            top = best(times, bits, m, ("decode",))
+            dec[str(m)] = top[0] if top else T._bucket(fallback["decode"], bits, m)
+            gtop = best(times, bits, m, ("gemm",), plain)
+            if top and gtop:
+                decode_wins.append((m, statistics.fmean(top[2].values()) < statistics.fmean(gtop[2].values())))
+        for m in GEMM_MS:
+            top = best(times, bits, m, ("gemm", "dense"), plain)
+            gem[str(m)] = top[0] if top else T._bucket(fallback["gemm"], bits, m)
+        table["decode"][key] = dec
+        table["gemm"][key] = gem
+        table["decode_max_m"][key] = 1
+        for m, wins in sorted(decode_wins):
+            if not wins:
+                break
+            table["decode_max_m"][key] = m
+    return table
+
+
+def times_from_rows(path: str) -> tuple[dict, dict]:
+    """The timed candidates of a ``tune_rows.json`` (its ``candidates``) as ``build_table`` reads them, and
+    the file's header (gpu, torch, triton, commit)."""
+    with open(path) as f:
+        saved = json.load(f)
+    times = {}
+    for c in saved["candidates"]:
+        per = {tuple(int(v) for v in shape.split("x")): us for shape, us in c["us"].items()}
+        times[(c["bits"], c["M"], c["path"], json.dumps(c["config"], sort_keys=True))] = per
+    return times, {key: saved.get(key) for key in ("gpu", "torch", "triton", "commit")}
+
+
+def rebuild(rows_path: str, out_dir: str) -> int:
+    """``--from-rows``: the table again from a run's saved candidates, with this script's selection (no GPU)."""
+    global SHAPES
+    times, head = times_from_rows(rows_path)
+    SHAPES = sorted({shape for per in times.values() for shape in per})  # the run's shapes (a dry run has one)
+    gpu = head["gpu"]
+    source = (f"benchmarks/tune_triton_int_weight.py --from-rows {os.path.basename(rows_path)}: timed on {gpu}, "
+              f"torch {head['torch']}, triton {head['triton']}, commit {(head['commit'] or 'unknown')[:12]}; "
+              f"selected at commit {(common.git_commit() or 'unknown')[:12]}")
+    dry = gpu == "dry-run"  # a --dry-run's candidates: interpreter times, named as that run names its table
+    table = build_table(times, gpu, source, tuned=not dry)
+    out = os.path.join(out_dir, f"{'dry-run' if dry else T.gpu_key(gpu)}.json")
+    common.write_json(table, [out])
+    print(f"wrote {out}; decode_max_m={table['decode_max_m']}")
+    return 0
 
 
 def _candidates(times) -> list[dict]:

@@ -37,3 +37,46 @@ def test_dry_run_writes_a_loadable_table_and_every_candidate(tmp_path):
         bits = int(r["format"][1])
         assert (bits, r["M"], r["path"], json.dumps(r["config"], sort_keys=True)) in timed, r
     assert "bits N x K M path" in done.stdout
+    # the same selection from the saved candidates alone (--from-rows), with no timing
+    again = tmp_path / "again"
+    again.mkdir()
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tune_triton_int_weight.py"), "--from-rows",
+                           str(tmp_path / "tune_rows.json")], env={**env, "OUT": str(again)}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rebuilt = json.loads((again / "dry-run.json").read_text())
+    assert {k: v for k, v in rebuilt.items() if k != "source"} == {k: v for k, v in table.items() if k != "source"}
+
+
+def _tuner():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import tune_triton_int_weight
+    finally:
+        sys.path.pop(0)
+    return tune_triton_int_weight
+
+
+def test_widths_not_timed_take_the_picks_without_four_bit_knobs():
+    """2- and 3-bit weights ("default") never run ``even_odd``: their GEMM picks and their GEMV / GEMM crossover
+    come from the 4-bit candidates without it, while the 4-bit entries keep the knob where it wins."""
+    tuner = _tuner()
+    shapes = tuner.SHAPES
+    plain = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
+    halves = {**plain, "BLOCK_N": 128, "even_odd": 1}
+    decode = {"BLOCK_N": 256, "CHUNKS": 4}
+    times = {}
+    def put(bits, m, path, cfg, us):
+        times[(bits, m, path, json.dumps(cfg, sort_keys=True))] = {shape: us for shape in shapes}
+    for bits in tuner.BITS:
+        for m in tuner.DECODE_MS:
+            put(bits, m, "decode", decode, 30.0 + m)          # the GEMV: 31, 32, 34 us
+        for m in tuner.GEMM_MS:
+            put(bits, m, "gemm", plain, 40.0 + m)             # slower than the GEMV at M <= 4
+            if bits == 4:
+                put(bits, m, "gemm", halves, 20.0 + m)        # faster than both from M = 1
+    table = tuner.build_table(times, "test", "test")
+    assert table["decode_max_m"] == {"4": 1, "8": 4, "default": 4}  # 1: the least it takes
+    assert all(table["gemm"]["4"][str(m)] == halves for m in tuner.GEMM_MS)
+    assert all(table["gemm"][key][str(m)] == plain for key in ("8", "default") for m in tuner.GEMM_MS)
+    assert table["decode"]["default"] == table["decode"]["4"]
