@@ -347,14 +347,15 @@ def main():
     _print_table(rows)
 
 
-def best(times, bits, m, paths, plain=False):
-    """(config, path, per-shape us) minimising the geometric mean over the shapes; ``plain``: among the
-    configs without a knob only 4-bit weights take (``even_odd``)."""
+def best(times, bits, m, paths, plain=False, n_shapes=None):
+    """(config, path, per-shape us) minimising the geometric mean over the shapes, among the candidates
+    timed on all ``n_shapes`` (default: every shape of SHAPES); ``plain``: among the configs without a
+    knob only 4-bit weights take (``even_odd``)."""
     scored = []
     for (b, mm, path, cfg), per in times.items():
         if plain and any(knob in json.loads(cfg) for knob in FOUR_BIT_KNOBS):
             continue
-        if b == bits and mm == m and path in paths and len(per) == len(SHAPES):
+        if b == bits and mm == m and path in paths and len(per) == (n_shapes or len(SHAPES)):
             scored.append((math.exp(statistics.fmean(math.log(v) for v in per.values())), json.loads(cfg), path, per))
     if not scored:
         return None
@@ -368,18 +369,19 @@ def build_table(times, gpu: str, source: str, tuned: bool = True) -> dict:
     largest M (from 1) up to which the best decode config beats the best GEMM one."""
     table = {"gpu": gpu, "tuned": tuned, "source": source, "decode_max_m": {}, "decode": {}, "gemm": {}}
     fallback = T.load_config("default")
+    n_shapes = len({shape for per in times.values() for shape in per})  # the run's shapes (a dry run has one)
     # The widths the tuner does not time (2 and 3 bits: "default") take the 4-bit picks made without the
     # knobs only 4-bit weights take, and the crossover to the GEMM those give.
     for key, bits, plain in [(str(bits), bits, False) for bits in BITS] + [("default", BITS[0], True)]:
         dec, gem, decode_wins = {}, {}, []
         for m in DECODE_MS:
-            top = best(times, bits, m, ("decode",))
+            top = best(times, bits, m, ("decode",), n_shapes=n_shapes)
             dec[str(m)] = top[0] if top else T._bucket(fallback["decode"], bits, m)
-            gtop = best(times, bits, m, ("gemm",), plain)
+            gtop = best(times, bits, m, ("gemm",), plain, n_shapes)
             if top and gtop:
                 decode_wins.append((m, statistics.fmean(top[2].values()) < statistics.fmean(gtop[2].values())))
         for m in GEMM_MS:
-            top = best(times, bits, m, ("gemm", "dense"), plain)
+            top = best(times, bits, m, ("gemm", "dense"), plain, n_shapes)
             gem[str(m)] = top[0] if top else T._bucket(fallback["gemm"], bits, m)
         table["decode"][key] = dec
         table["gemm"][key] = gem
@@ -405,9 +407,7 @@ def times_from_rows(path: str) -> tuple[dict, dict]:
 
 def rebuild(rows_path: str, out_dir: str) -> int:
     """``--from-rows``: the table again from a run's saved candidates, with this script's selection (no GPU)."""
-    global SHAPES
     times, head = times_from_rows(rows_path)
-    SHAPES = sorted({shape for per in times.values() for shape in per})  # the run's shapes (a dry run has one)
     gpu = head["gpu"]
     source = (f"benchmarks/tune_triton_int_weight.py --from-rows {os.path.basename(rows_path)}: timed on {gpu}, "
               f"torch {head['torch']}, triton {head['triton']}, commit {(head['commit'] or 'unknown')[:12]}; "

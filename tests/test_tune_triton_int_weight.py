@@ -80,3 +80,19 @@ def test_widths_not_timed_take_the_picks_without_four_bit_knobs():
     assert all(table["gemm"]["4"][str(m)] == halves for m in tuner.GEMM_MS)
     assert all(table["gemm"][key][str(m)] == plain for key in ("8", "default") for m in tuner.GEMM_MS)
     assert table["decode"]["default"] == table["decode"]["4"]
+
+
+def test_tables_selected_from_saved_rows_are_what_the_rows_give():
+    """A shipped table made with ``--from-rows`` is what the committed rows file it names gives now: the
+    selection it ships can be checked and redone without a GPU."""
+    tuner = _tuner()
+    checked = 0
+    for path in sorted(T.CONFIG_DIR.glob("*.json")):
+        table = json.loads(path.read_text())
+        if not table["source"].startswith("benchmarks/tune_triton_int_weight.py --from-rows "):
+            continue
+        rows = table["source"].split("--from-rows ")[1].split(":")[0]
+        times, head = tuner.times_from_rows(os.path.join(ROOT, "benchmarks", "results", rows))
+        assert tuner.build_table(times, head["gpu"], table["source"]) == table, path.name
+        checked += 1
+    assert checked >= 1  # the H100's table
