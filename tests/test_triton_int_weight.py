@@ -249,6 +249,17 @@ def test_symmetric_zero_point_from_the_scales_matches_the_oracle(bits, group_siz
         check(3, 40, 256, bits, group_size, False, True, False, torch.float16, "gemm")  # asymmetric: the knob does nothing
 
 
+def test_symmetric_zero_point_is_derived_where_it_keeps_the_unpack_in_registers():
+    half = T.Dequant.HALF_ASM
+    assert T.sym_zero_load_applies({"BLOCK_M": 16}, 8, half, True)
+    assert T.sym_zero_load_applies({"BLOCK_M": 32, "even_odd": 1}, 4, half, True)
+    assert not T.sym_zero_load_applies({"BLOCK_M": 16}, 4, half, True)  # the 4-bit interleave: shared memory anyway
+    assert not T.sym_zero_load_applies({"BLOCK_M": 64}, 8, half, True)  # wgmma: the weight from shared memory
+    assert not T.sym_zero_load_applies({"BLOCK_M": 16}, 8, half, False)  # zero points of its own
+    assert T.sym_zero_load_applies({"BLOCK_M": 64, "sym_zero_load": 1}, 4, half, True)
+    assert not T.sym_zero_load_applies({"BLOCK_M": 16, "sym_zero_load": 0}, 8, half, True)
+
+
 def test_even_odd_is_only_taken_where_it_applies():
     cfg = {"even_odd": 1}
     assert T.even_odd_applies(cfg, 4, T.Dequant.HALF_ASM) and T.even_odd_applies(cfg, 4, T.Dequant.HALF_TRITON)

@@ -24,8 +24,8 @@ number of rows M and the shipped config table (never from tensor values, never w
   4-bit tile as its even and its odd K rows, multiplied as two dots with x's tile split alike: each
   half has the 8-bit tile's shape, whose unpack Triton 3.6 carries into the MMA operand's registers
   on sm_90 (the eight-value interleave goes through shared memory). Symmetric weights derive their
-  constant zero point from the scales' load (``sym_zero_load``, on unless a config sets it to 0), which
-  keeps the unpack there too (H100, 28672x4096 M = 16: 8 bits 62 us against 163-182 us from a constant).
+  constant zero point from the scales' load (``sym_zero_load``) where that keeps the unpack there too
+  (:func:`sym_zero_load_applies`; H100, 28672x4096 M = 16: 8 bits 62 us against 163-182 us from a constant).
   Otherwise each value goes through
   the fp32 mantissa trick and is interleaved back into K order with ``tl.join``. When a K tile
   lies inside one quantization group the scale multiplies the tile's fp32 product (once per output
@@ -811,6 +811,21 @@ def even_odd_applies(cfg: dict, bits: int, dequant: int) -> bool:
     return bool(cfg.get("even_odd", 0)) and bits == 4 and dequant != Dequant.FP32
 
 
+def sym_zero_load_applies(cfg: dict, bits: int, dequant: int, symmetric: bool) -> bool:
+    """Whether a GEMM call on symmetric weights derives the zero point from the scales' load
+    (``_tc_kernel``'s SYM_ZERO_LOAD): as its config says (``sym_zero_load``), else where it keeps the half
+    unpack in the MMA operand's registers, which Triton 3.6 does not do from a constant: 8-bit and
+    ``even_odd`` 4-bit tiles under 64 rows (sm_90, 28672x4096 on an H100: 8 bits 2.6-3.1x faster, 4-bit even /
+    odd 38-62 us against 159-261). Elsewhere the tile goes through shared memory either way (the 4-bit
+    eight-value interleave; wgmma, which reads its weight operand there, from 64 rows) and the constant
+    is as fast or faster (4-bit 64 x 128 x 128: 84-87 us against 95-96)."""
+    if not symmetric:
+        return False
+    if "sym_zero_load" in cfg:
+        return bool(cfg["sym_zero_load"])
+    return int(cfg["BLOCK_M"]) < 64 and (bits == 8 or even_odd_applies(cfg, bits, dequant))
+
+
 def _bucket(section: dict, bits: int, m: int) -> dict:
     """The entry for ``bits`` (or "default") whose M bucket is the smallest >= m (else the largest)."""
     by_m = section.get(str(bits), section.get("default"))
@@ -995,7 +1010,7 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
             BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
             GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"],
             DEQUANT=dequant, PREFETCH_S=bool(cfg.get("prefetch_scales", 0)),
-            EVEN_ODD=even_odd_applies(cfg, bits, dequant), SYM_ZERO_LOAD=bool(cfg.get("sym_zero_load", 1)) and qzeros is None,
+            EVEN_ODD=even_odd_applies(cfg, bits, dequant), SYM_ZERO_LOAD=sym_zero_load_applies(cfg, bits, dequant, qzeros is None),
             **flags), launch, x2.dtype)
     if mode != 0:
         block = 256
