@@ -3,8 +3,9 @@
 One run on one GPU measures everything side by side with one method (PERF.md, "How to time"):
 
 - the two ceilings: device-to-device copy bandwidth (2 GiB buffer) and bf16 dense matmul 8192^3;
-- per shape (N x K) a GPTQ v2 checkpoint, 4 bits, group 128, asymmetric, from one random fp16
-  weight, prepared for fp16 activations; every qops lowering that exists and can serve it is forced
+- per shape (N x K) a GPTQ v2 checkpoint, 4 bits, group 128, asymmetric (``--symmetric``: symmetric, which
+  runs without zero points as compressed-tensors W4A16 does), from one random fp16 weight,
+  prepared for fp16 activations; every qops lowering that exists and can serve it is forced
   through ``dataclasses.replace(weight, kernel=...)``;
 - correctness first, per (shape, M, lowering): functional op and ``mm_int_weight_out`` (its ``out``
   poisoned with NaN) against a float64 reference decoded from the checkpoint tensors by a second,
@@ -91,6 +92,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="stop starting new (shape, M) measurements after this many seconds and report what was done (default 300)")
     p.add_argument("--tol", type=float, default=1e-2, help="largest relative Frobenius error counted correct (default 1e-2)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="symmetric weights: no zero points at run time (compressed-tensors W4A16), other kernel builds")
     p.add_argument("--no-gemlite", action="store_true", help="skip gemlite even when importable")
     p.add_argument("--no-torch-int4", action="store_true", help="skip torch's _weight_int4pack_mm")
     p.add_argument("--seed", type=int, default=0)
@@ -359,7 +362,7 @@ def run(args) -> int:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         w = torch.randn(N, K, dtype=torch.float16, device=dev) * 0.02
-        ckpt = fmt.quantize(w, bits=BITS, group_size=GROUP, sym=False)
+        ckpt = fmt.quantize(w, bits=BITS, group_size=GROUP, sym=args.symmetric)
         iw = fmt.prepare(ckpt, dtype=torch.float16)
         info["default_lowering"] = iw.choice.lowering.name if iw.choice else None
         info["choice"] = iw.choice.explain() if iw.choice else None
@@ -467,6 +470,7 @@ def run(args) -> int:
             # Correctness first (a lowering that fails its call is not timed), then every candidate,
             # peers and lowerings, timed in one interleaved run (common.graph_times).
             row_base = {"op": "mm_int_weight", "format": "gptq", "bits": BITS, "group_size": GROUP,
+                        "sym": iw.qzeros is None,
                         "N": N, "K": K, "M": M, "dtype": "float16"}
             names = list(variants) or [None]
             checked = {}
@@ -598,7 +602,8 @@ def render_table(rows, args) -> str:
     for l in lows:
         head += f" {_short(l)[:7]:>7} {'%roof':>5} {'xfp16':>5}" + (f" {'chained':>7} |" if l in chained else " |")
     head += f" {'fp16':>7} {'bf16':>7} {'int4':>7} {'gemlite':>7} | {'roof':>6} {'floor':>6}"
-    lines = ["", "qops mm_int_weight, GPTQ W4 g128 asym, fp16 activations: microseconds (lower is better);"
+    zeros = "sym" if args.symmetric else "asym"
+    lines = ["", f"qops mm_int_weight, GPTQ W4 g128 {zeros}, fp16 activations: microseconds (lower is better);"
              " %roof = roofline / qops; xfp16 = cuBLAS fp16 / qops; chained = back-to-back calls overlapping through PDL"
              " (the others: each call after the last has finished); roof = the roofline, floor = a load-only launch over the"
              " prepared weight's bytes (M <= 16); '!' = failed correctness, 'E' = error", head,

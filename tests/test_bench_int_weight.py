@@ -28,6 +28,20 @@ def test_dry_run_rows_and_no_read_floor_without_cuda(tmp_path, capsys, monkeypat
     assert " floor" in printed and "TARGETS" in printed
 
 
+def test_symmetric_weights_run_without_zero_points(tmp_path, capsys, monkeypatch):
+    """``--symmetric``: GPTQ symmetric checkpoints, which prepare without zero points (the kernels' other
+    builds, as compressed-tensors W4A16 runs), checked against the same float64 decoder."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.delenv("OUT", raising=False)
+    import bench_int_weight
+
+    out = tmp_path / "b.json"
+    assert bench_int_weight.main(["--dry-run", "--symmetric", "--ms", "17", "--trials", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["sym"] and r["correct"] for r in rows)
+    assert "GPTQ W4 g128 sym," in capsys.readouterr().out
+
+
 @pytest.mark.skipif(compiler.runtime_missing() is not None, reason=f"NVRTC unusable: {compiler.runtime_missing()}")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_load_only_kernel_compiles(arch, monkeypatch):
