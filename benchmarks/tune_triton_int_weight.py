@@ -58,7 +58,6 @@ CHECK_SHAPE = (4096, 4096)
 BITS = (4, 8)
 GROUP = 128
 DECODE_MS = (1, 2, 4)
-FOUR_BIT_KNOBS = ("even_odd",)  # GEMM config keys that only change 4-bit launches (``int_weight.even_odd_applies``)
 GEMM_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # 1, 2: to decide decode_max_m
 DENSE_FROM = 256
 DEADLINE_S = 270
@@ -347,16 +346,22 @@ def main():
     _print_table(rows)
 
 
+def four_bit_only(cfg: dict) -> bool:
+    """Whether the config asks for what only 4-bit launches run (the lowering's own test: ``even_odd``)."""
+    return T.even_odd_applies(cfg, 4, T.Dequant.HALF_ASM)
+
+
 def best(times, bits, m, paths, plain=False, n_shapes=None):
     """(config, path, per-shape us) minimising the geometric mean over the shapes, among the candidates
-    timed on all ``n_shapes`` (default: every shape of SHAPES); ``plain``: among the configs without a
-    knob only 4-bit weights take (``even_odd``)."""
+    timed on all ``n_shapes`` (default: every shape of SHAPES); ``plain``: among the configs that ask for
+    nothing only 4-bit launches run."""
     scored = []
-    for (b, mm, path, cfg), per in times.items():
-        if plain and any(knob in json.loads(cfg) for knob in FOUR_BIT_KNOBS):
+    for (b, mm, path, cfg_json), per in times.items():
+        if b != bits or mm != m or path not in paths or len(per) != (n_shapes or len(SHAPES)):
             continue
-        if b == bits and mm == m and path in paths and len(per) == (n_shapes or len(SHAPES)):
-            scored.append((math.exp(statistics.fmean(math.log(v) for v in per.values())), json.loads(cfg), path, per))
+        cfg = json.loads(cfg_json)
+        if not (plain and four_bit_only(cfg)):
+            scored.append((math.exp(statistics.fmean(math.log(v) for v in per.values())), cfg, path, per))
     if not scored:
         return None
     scored.sort(key=lambda s: s[0])
@@ -400,7 +405,7 @@ def times_from_rows(path: str) -> tuple[dict, dict]:
         saved = json.load(f)
     times = {}
     for c in saved["candidates"]:
-        per = {tuple(int(v) for v in shape.split("x")): us for shape, us in c["us"].items()}
+        per = {common.parse_shapes(shape)[0]: us for shape, us in c["us"].items()}
         times[(c["bits"], c["M"], c["path"], json.dumps(c["config"], sort_keys=True))] = per
     return times, {key: saved.get(key) for key in ("gpu", "torch", "triton", "commit")}
 

@@ -239,9 +239,9 @@ def test_even_odd_k_halves_match_the_oracle(m, n, k, group_size, sym, act_order,
 @pytest.mark.parametrize("sym_zero_load", [0, 1])
 @pytest.mark.parametrize("bits,group_size,even_odd,block_m", [(8, 128, 0, 16), (4, -1, 1, 16), (4, 128, 0, 128), (2, 256, 0, 16)])
 def test_symmetric_zero_point_from_the_scales_matches_the_oracle(bits, group_size, even_odd, block_m, sym_zero_load):
-    """``sym_zero_load`` (symmetric weights: the zero point 2**(b-1) derived from the scales' load; the
-    default) and the constant zero point a config may still ask for (0) against the oracle, with and
-    without the even / odd split, on both scale placements."""
+    """``sym_zero_load`` (symmetric weights: the zero point 2**(b-1) derived from the scales' load) and the
+    constant zero point, each forced by the config, against the oracle, with and without the even / odd
+    split, on both scale placements."""
     t = table()
     t["gemm"]["default"]["64"].update(sym_zero_load=sym_zero_load, even_odd=even_odd, BLOCK_M=block_m)
     with T.config_override(t):
@@ -256,6 +256,7 @@ def test_symmetric_zero_point_is_derived_where_it_keeps_the_unpack_in_registers(
     assert not T.sym_zero_load_applies({"BLOCK_M": 16}, 4, half, True)  # the 4-bit interleave: shared memory anyway
     assert not T.sym_zero_load_applies({"BLOCK_M": 64}, 8, half, True)  # wgmma: the weight from shared memory
     assert not T.sym_zero_load_applies({"BLOCK_M": 16}, 8, half, False)  # zero points of its own
+    assert not T.sym_zero_load_applies({"BLOCK_M": 16}, 8, T.Dequant.FP32, True)  # the fp32 unpack: not measured
     assert T.sym_zero_load_applies({"BLOCK_M": 64, "sym_zero_load": 1}, 4, half, True)
     assert not T.sym_zero_load_applies({"BLOCK_M": 16, "sym_zero_load": 0}, 8, half, True)
 

@@ -25,7 +25,7 @@ number of rows M and the shipped config table (never from tensor values, never w
   half has the 8-bit tile's shape, whose unpack Triton 3.6 carries into the MMA operand's registers
   on sm_90 (the eight-value interleave goes through shared memory). Symmetric weights derive their
   constant zero point from the scales' load (``sym_zero_load``) where that keeps the unpack there too
-  (:func:`sym_zero_load_applies`; H100, 28672x4096 M = 16: 8 bits 62 us against 163-182 us from a constant).
+  (:func:`sym_zero_load_applies`).
   Otherwise each value goes through
   the fp32 mantissa trick and is interleaved back into K order with ``tl.join``. When a K tile
   lies inside one quantization group the scale multiplies the tile's fp32 product (once per output
@@ -823,7 +823,8 @@ def sym_zero_load_applies(cfg: dict, bits: int, dequant: int, symmetric: bool) -
         return False
     if "sym_zero_load" in cfg:
         return bool(cfg["sym_zero_load"])
-    return int(cfg["BLOCK_M"]) < 64 and (bits == 8 or even_odd_applies(cfg, bits, dequant))
+    half = dequant != Dequant.FP32  # the fp32 unpack (fp32 or 8-bit bf16 activations) was not measured with it
+    return half and int(cfg["BLOCK_M"]) < 64 and (bits == 8 or even_odd_applies(cfg, bits, dequant))
 
 
 def _bucket(section: dict, bits: int, m: int) -> dict:
