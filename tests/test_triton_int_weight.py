@@ -186,6 +186,24 @@ def test_group_size_that_splits_words(path, bits):
     check(5, 40, 152, bits, 48, False, True, True, torch.float16, path)
 
 
+@pytest.mark.parametrize("parts", [1, 5, T.REDUCE_MAX_S + 6])
+def test_reduce_kernel_sums_every_partial(parts):
+    """The split-K reduction alone against a float64 sum: a split count off the power of two (masked
+    partial rows), more partials than one program loads at once (its loop), N off the column tile, a
+    bias, and an output with a row stride of its own (a column slice)."""
+    m, n = 3, 100
+    g = torch.Generator().manual_seed(parts)
+    p = torch.randn(parts, m, n, generator=g).to(DEVICE)
+    bias = torch.randn(n, generator=g).to(torch.float16).to(DEVICE)
+    y = torch.zeros(m, n + 7, dtype=torch.float16, device=DEVICE)[:, 3:n + 3]
+    block, block_s = T._reduce_tile(parts)
+    assert block_s <= T.REDUCE_MAX_S and (parts <= T.REDUCE_MAX_S) == (block_s >= parts) and n % block
+    T._reduce_kernel[(-(-n // block), m)](p, bias, y, m, n, parts, m * n, n, y.stride(0), y.stride(1),
+                                          HAS_BIAS=True, BLOCK=block, BLOCK_S=block_s, num_warps=4)
+    want = p.cpu().double().sum(0) + bias.cpu().double()
+    torch.testing.assert_close(y.cpu().double(), want.to(torch.float16).double(), rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("reduce", ["partials", "atomic"])
 @pytest.mark.parametrize("path", ["decode", "gemm"])
 def test_split_k_reductions(reduce, path):

@@ -646,14 +646,23 @@ def _tc_kernel(
 
 @triton.jit
 def _reduce_kernel(p_ptr, bias_ptr, y_ptr, M, N, S, stride_ps, stride_pm, stride_ym, stride_yn,
-                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """y[m, :] = sum over S fp32 partials (+ bias), cast to y's dtype."""
+                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """y[m, :] = sum over S fp32 partials (+ bias), cast to y's dtype.
+
+    BLOCK_S partials are loaded as one (BLOCK_S, BLOCK) tile and summed in registers: the loads of a
+    loop over single partials wait on each other's adds, and with few programs (N = 4096 gives 16 at
+    M = 1) that chain of S L2 round trips, not bandwidth, is what the reduction costs. The summation
+    order depends only on S and BLOCK_S, so results are the same run to run."""
     m = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     nmask = offs_n < N
+    offs_s = tl.arange(0, BLOCK_S)
     acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(S):
-        acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + offs_n, mask=nmask, other=0.0)
+    for s0 in range(0, S, BLOCK_S):
+        ss = s0 + offs_s
+        tile = tl.load(p_ptr + ss[:, None] * stride_ps + m * stride_pm + offs_n[None, :],
+                       mask=(ss < S)[:, None] & nmask[None, :], other=0.0)
+        acc += tl.sum(tile, axis=0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + offs_n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
@@ -1014,11 +1023,24 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
             EVEN_ODD=even_odd_applies(cfg, bits, dequant), SYM_ZERO_LOAD=sym_zero_load_applies(cfg, bits, dequant, qzeros is None),
             **flags), launch, x2.dtype)
     if mode != 0:
-        block = 256
+        parts = split if mode == 1 else 1
+        block, block_s = _reduce_tile(parts)
         _reduce_kernel[(-(-n // block), m)](
-            y, bias if bias is not None else y, o2, m, n, split if mode == 1 else 1, sy[0], sy[1],
-            o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, num_warps=2,
+            y, bias if bias is not None else y, o2, m, n, parts, sy[0], sy[1],
+            o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
         )
+
+
+# Partials a reduction program loads at once, at most; beyond it the program loops (split counts
+# stay <= max_split, 64 in every shipped table).
+REDUCE_MAX_S = 64
+
+
+def _reduce_tile(parts: int) -> tuple[int, int]:
+    """(columns, partials) of one reduction program's tile: every partial of a column in one load
+    (up to REDUCE_MAX_S), about 4096 values a program (32 a thread at 4 warps)."""
+    block_s = min(REDUCE_MAX_S, triton.next_power_of_2(max(1, parts)))
+    return max(64, min(512, 4096 // block_s)), block_s
 
 
 # (kernel, constexprs, dtype) -> num_stages that fits the device's shared memory, where the
