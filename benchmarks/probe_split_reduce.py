@@ -9,9 +9,13 @@ they are now loaded as one (S, columns) tile (``int_weight._reduce_tile``). Per 
 times, interleaved over rotated weight copies, the shipped table's config for the M with
 ``reduce`` set to atomic and to partials, the partials summed both ways (``serial``: the old
 one-partial-a-step loop, which the kernel runs with a tile of one partial), and the split count the
-plan chose.
+plan chose. ``--max-splits`` repeats each row with the config's ``max_split`` capped (fewer programs:
+is it the reduction or the grid?), and each row records the registers of the kernels it compiled.
 
-    PYTHONPATH=. python benchmarks/probe_split_reduce.py [--shapes ...] [--ms 1,16] [--bits 4] [--out F]
+The first run (h100-2026-12-05-a530ab6-probe-split-reduce.json) found the tile 0-2.4 us faster than the loop
+and the atomic / partials gap unchanged: the reduction is not what separates them.
+
+    PYTHONPATH=. python benchmarks/probe_split_reduce.py [--shapes ...] [--ms 1,16] [--bits 4] [--max-splits 4,8] [--out F]
 """
 from __future__ import annotations
 
@@ -45,19 +49,34 @@ def reduction_form(form: str):
         T._reduce_tile = shipped
 
 
-def table_with_reduce(path: str, m: int, bits: int, reduce: str) -> dict:
-    """The active table with the config serving (path, bits, M) set to ``reduce`` (nothing else changed)."""
+def table_with_reduce(path: str, m: int, bits: int, reduce: str, max_split: int | None = None) -> dict:
+    """The active table with the config serving (path, bits, M) set to ``reduce`` (and ``max_split``
+    where given; nothing else changed)."""
     table = json.loads(json.dumps(T.config_for(torch.device("cuda"))))
     section = table[path]
     by_m = section[str(bits)] if str(bits) in section else section["default"]
     bucket = min((b for b in map(int, by_m) if b >= m), default=max(map(int, by_m)))
-    by_m[str(bucket)] = {**by_m[str(bucket)], "reduce": reduce}
+    by_m[str(bucket)] = {**by_m[str(bucket)], "reduce": reduce} | ({"max_split": max_split} if max_split else {})
     return table
+
+
+def kernel_registers() -> dict:
+    """Registers a thread of every compiled build of the GEMV and GEMM kernels (Triton's JIT caches;
+    empty where this Triton keeps them elsewhere)."""
+    out = {}
+    for name, kern in (("gemv", T._gemv_kernel), ("gemm", T._tc_kernel)):
+        try:
+            builds = [c for cache in kern.device_caches.values() for c in cache[0].values()]
+            out[name] = sorted({(int(c.n_regs), int(c.n_spills), int(c.metadata.num_warps)) for c in builds})
+        except Exception as e:  # noqa: BLE001 - a Triton without these attributes
+            out[name] = repr(e)
+    return out
 
 
 def main(argv=None) -> int:
     p = common.probe_parser("probe_split_reduce.py", __doc__, SHAPES, [1, 16], 7)
     p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--max-splits", type=common.parse_ms, default=[], help="also with max_split capped to each of these")
     a = p.parse_args(argv)
     res = common.probe_result("split_reduce")
     if res is None:
@@ -68,33 +87,42 @@ def main(argv=None) -> int:
         copies = [base] + [tuple(t.clone() for t in base) for _ in range(common.n_copies(base[0].numel() * 4) - 1)]
         roof = weight_bytes(n, k, a.bits) / (res["copy_TBps"] * 1e6)
         for m in a.ms:
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), dtype=torch.float16).to(dev)
-            path = T._plan(m, n, k, a.bits, GROUP, dev)["path"]
-            cands, ref, errs, splits = {}, None, {}, {}
-            for reduce, form in VARIANTS:
-                table = table_with_reduce(path, m, a.bits, reduce)
-
-                def call(w, table=table, form=form):
-                    with T.config_override(table), reduction_form(form):
-                        return T.triton_mm(x, *w, None, None, a.bits, GROUP, 0, force_path=path)
-
-                name = f"{reduce}_{form}"
-                with T.config_override(table):
-                    splits[name] = T._plan(m, n, k, a.bits, GROUP, dev, path)["split"]
-                y = call(base).float()
-                ref = y if ref is None else ref
-                errs[name] = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
-                cands[name] = [lambda w=w, call=call: call(w) for w in copies]
-            row = dict(N=n, K=k, M=m, bits=a.bits, path=path, split=splits, rel_err_vs_first=errs)
-            common.time_row(res, row, cands, a.trials, roof)
-            del cands
-            torch.cuda.empty_cache()
-    print("\nN x K | M | path | split | " + " | ".join(f"{r}_{f} us" for r, f in VARIANTS))
+            for cap in [None, *a.max_splits]:
+                time_case(res, a, n, k, m, cap, copies, base, roof)
+    print("\nN x K | M | path | max_split | split | " + " | ".join(f"{r}_{f} us" for r, f in VARIANTS))
     for r in res["rows"]:
         times = " | ".join(str(r[f"{rd}_{f}_us"]) for rd, f in VARIANTS)
-        print(f"{r['N']}x{r['K']} | {r['M']} | {r['path']} | {r['split']['partials_tile']} | {times}")
+        print(f"{r['N']}x{r['K']} | {r['M']} | {r['path']} | {r['max_split'] or '-'} | {r['split']['partials_tile']} | {times}")
+    res["registers"] = kernel_registers()
+    print("registers (regs, spills, warps):", json.dumps(res["registers"]))
     common.write_json(res, common.output_paths("probe_split_reduce.json", a.out))
     return 0
+
+
+def time_case(res, a, n, k, m, cap, copies, base, roof):
+    """One row: the variants of (shape, M) with max_split capped at ``cap`` (None: the table's)."""
+    dev = torch.device("cuda")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), dtype=torch.float16).to(dev)
+    path = T._plan(m, n, k, a.bits, GROUP, dev)["path"]
+    cands, ref, errs, splits = {}, None, {}, {}
+    for reduce, form in VARIANTS:
+        table = table_with_reduce(path, m, a.bits, reduce, cap)
+
+        def call(w, table=table, form=form):
+            with T.config_override(table), reduction_form(form):
+                return T.triton_mm(x, *w, None, None, a.bits, GROUP, 0, force_path=path)
+
+        name = f"{reduce}_{form}"
+        with T.config_override(table):
+            splits[name] = T._plan(m, n, k, a.bits, GROUP, dev, path)["split"]
+        y = call(base).float()
+        ref = y if ref is None else ref
+        errs[name] = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+        cands[name] = [lambda w=w, call=call: call(w) for w in copies]
+    row = dict(N=n, K=k, M=m, bits=a.bits, path=path, max_split=cap, split=splits, rel_err_vs_first=errs)
+    common.time_row(res, row, cands, a.trials, roof)
+    del cands
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
