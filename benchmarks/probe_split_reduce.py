@@ -1,21 +1,24 @@
-"""What the split-K reduction costs the Triton int-weight lowering, per reduce mode and reduction form.
+"""What the split-K reduction and the split count cost the Triton int-weight lowering.
 
 The tuner's H100 rows (h100-2026-12-05-a2732ee-tune-rows.json, W4 g128, M = 1, the decode GEMV
 256 x 4 chunks x 2 warps x 8 programs an SM) have the atomic reduction 3.4-9.0 us faster than the
 partials one on 28672x4096 / 8192x28672 / 4096x14336 and 19.4 us slower on 57344x8192, and the
 table can hold one of them. The partials were summed by one program per 256 columns looping over
 the S partials one load at a time (16 programs for S = 56 at N = 4096: a chain of L2 round trips);
-they are now loaded as one (S, columns) tile (``int_weight._reduce_tile``). Per shape and M this
-times, interleaved over rotated weight copies, the shipped table's config for the M with
-``reduce`` set to atomic and to partials, the partials summed both ways (``serial``: the old
-one-partial-a-step loop, which the kernel runs with a tile of one partial), and the split count the
-plan chose. ``--max-splits`` repeats each row with the config's ``max_split`` capped (fewer programs:
-is it the reduction or the grid?), and each row records the registers of the kernels it compiled.
+they are now loaded as one (S, columns) tile (``int_weight._reduce_tile``). The first run
+(h100-2026-12-05-a530ab6-probe-split-reduce.json) found the tile 0-2.4 us faster than that loop and
+the atomic / partials gap unchanged; the second (``--max-splits``, -23d7f9f-) found it in the grid:
+the atomic GEMV build holds 8 programs an SM (125 registers), so 224 tiles x 5 splits ran a second
+wave of 64 programs (130.7 us; 4 splits 109.3), where the partials build holds 10 (96 registers).
+The launch now lowers such splits (``common.split_in_waves``, ``fit``).
 
-The first run (h100-2026-12-05-a530ab6-probe-split-reduce.json) found the tile 0-2.4 us faster than the loop
-and the atomic / partials gap unchanged: the reduction is not what separates them.
+Per shape and M this times, interleaved over rotated weight copies, the shipped table's config for the
+M with ``reduce`` set to atomic and to partials, each with the split fitted to the resident programs
+(``fit``, the shipped launch) and as the plan asks (``nofit``), and the split counts launched.
+``--max-splits`` repeats each row with the config's ``max_split`` capped, and the JSON records the
+registers of the kernels compiled.
 
-    PYTHONPATH=. python benchmarks/probe_split_reduce.py [--shapes ...] [--ms 1,16] [--bits 4] [--max-splits 4,8] [--out F]
+    PYTHONPATH=. python benchmarks/probe_split_reduce.py [--shapes ...] [--ms 1,2,4,16,32,64] [--bits 4] [--max-splits 4,8] [--out F]
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import json
 import sys
 
 import torch
+import triton
 
 import common
 
@@ -32,21 +36,27 @@ common.add_repo_to_path()
 from qops.ops.triton import int_weight as T  # noqa: E402
 from tune_triton_int_weight import GROUP, random_weight, weight_bytes  # noqa: E402
 
-SHAPES = [(28672, 4096), (8192, 28672), (57344, 8192), (4096, 14336)]
-# (reduce mode, reduction form): serial is the loop over one partial at a time
-VARIANTS = [("atomic", "tile"), ("partials", "tile"), ("partials", "serial")]
+SHAPES = [(28672, 4096), (8192, 28672), (57344, 8192), (4096, 14336), (4096, 4096), (6144, 4096), (14336, 4096)]
+# (reduce mode, split count): fit is the launch's, nofit the plan's
+VARIANTS = [("atomic", "fit"), ("atomic", "nofit"), ("partials", "fit"), ("partials", "nofit")]
 
 
 @contextlib.contextmanager
-def reduction_form(form: str):
-    """The partials summed as ``tile`` (the shipped form) or ``serial`` (a tile of one partial, 256 columns)."""
-    shipped = T._reduce_tile
-    if form == "serial":
-        T._reduce_tile = lambda parts: (256, 1)
+def split_form(form: str, launched: list):
+    """The launch's split fitted to the resident programs (``fit``) or the plan's (``nofit``); the
+    split counts launched are appended to ``launched``."""
+    shipped = T.split_in_waves
+
+    def fitted(k, unit, tiles, split, slots):
+        got = shipped(k, unit, tiles, split, slots) if form == "fit" else (split, triton.cdiv(triton.cdiv(k, unit), split) * unit)
+        launched.append(got[0])
+        return got
+
+    T.split_in_waves = fitted
     try:
         yield
     finally:
-        T._reduce_tile = shipped
+        T.split_in_waves = shipped
 
 
 def table_with_reduce(path: str, m: int, bits: int, reduce: str, max_split: int | None = None) -> dict:
@@ -74,7 +84,7 @@ def kernel_registers() -> dict:
 
 
 def main(argv=None) -> int:
-    p = common.probe_parser("probe_split_reduce.py", __doc__, SHAPES, [1, 16], 7)
+    p = common.probe_parser("probe_split_reduce.py", __doc__, SHAPES, [1, 2, 4, 16, 32, 64], 7)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--max-splits", type=common.parse_ms, default=[], help="also with max_split capped to each of these")
     a = p.parse_args(argv)
@@ -89,10 +99,12 @@ def main(argv=None) -> int:
         for m in a.ms:
             for cap in [None, *a.max_splits]:
                 time_case(res, a, n, k, m, cap, copies, base, roof)
-    print("\nN x K | M | path | max_split | split | " + " | ".join(f"{r}_{f} us" for r, f in VARIANTS))
+    print("\nN x K | M | path | max_split | splits planned / launched (atomic, partials) | " + " | ".join(f"{r}_{f} us" for r, f in VARIANTS))
     for r in res["rows"]:
         times = " | ".join(str(r[f"{rd}_{f}_us"]) for rd, f in VARIANTS)
-        print(f"{r['N']}x{r['K']} | {r['M']} | {r['path']} | {r['max_split'] or '-'} | {r['split']['partials_tile']} | {times}")
+        sp = r["split"]
+        print(f"{r['N']}x{r['K']} | {r['M']} | {r['path']} | {r['max_split'] or '-'} | "
+              f"{sp['atomic_fit'][0]}/{sp['atomic_fit'][1]}, {sp['partials_fit'][0]}/{sp['partials_fit'][1]} | {times}")
     res["registers"] = kernel_registers()
     print("registers (regs, spills, warps):", json.dumps(res["registers"]))
     common.write_json(res, common.output_paths("probe_split_reduce.json", a.out))
@@ -107,15 +119,17 @@ def time_case(res, a, n, k, m, cap, copies, base, roof):
     cands, ref, errs, splits = {}, None, {}, {}
     for reduce, form in VARIANTS:
         table = table_with_reduce(path, m, a.bits, reduce, cap)
+        name = f"{reduce}_{form}"
+        launched = []
 
-        def call(w, table=table, form=form):
-            with T.config_override(table), reduction_form(form):
+        def call(w, table=table, form=form, launched=launched):
+            with T.config_override(table), split_form(form, launched):
                 return T.triton_mm(x, *w, None, None, a.bits, GROUP, 0, force_path=path)
 
-        name = f"{reduce}_{form}"
-        with T.config_override(table):
-            splits[name] = T._plan(m, n, k, a.bits, GROUP, dev, path)["split"]
         y = call(base).float()
+        with T.config_override(table):
+            plan_split = T._plan(m, n, k, a.bits, GROUP, dev, path)["split"]
+        splits[name] = [plan_split, launched[-1] if launched else plan_split]
         ref = y if ref is None else ref
         errs[name] = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
         cands[name] = [lambda w=w, call=call: call(w) for w in copies]

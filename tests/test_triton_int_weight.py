@@ -630,41 +630,103 @@ def test_half_pair_lanes_refuses_what_does_not_fit():
         C.half_pair_lanes(3, "f16")
 
 
-def test_launch_retries_with_fewer_stages_when_shared_memory_runs_out(monkeypatch):
+def test_compile_retries_with_fewer_stages_when_shared_memory_runs_out(monkeypatch):
+    """A build whose pipeline does not fit the device's shared memory (OutOfResources when its binary is
+    loaded) is compiled again with one stage fewer, down to one; the registers and shared memory of the
+    build that fits give the programs an SM holds."""
+    import types
+
     import triton
 
     from qops.ops.triton import int_weight as tiw
 
-    monkeypatch.setattr(tiw, "_FITTING_STAGES", {})
+    props = types.SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                                  shared_memory_per_multiprocessor=233472)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     calls = []
 
-    class FakeKernel:
-        def __getitem__(self, grid):
-            def launch(*args, num_warps, num_stages, **constexprs):
-                calls.append(num_stages)
-                if num_stages > 2:
-                    raise triton.runtime.errors.OutOfResources(299008, 232448, "shared memory")
-            return launch
+    class Build:
+        def __init__(self, stages, fits):
+            self.stages, self.fits = stages, fits
+            self.n_regs = 168
+            self.metadata = types.SimpleNamespace(shared=40000 * stages, num_warps=4)
 
-    k = FakeKernel()
-    tiw._launch_within_shared_memory(k, (1,), (), {"BLOCK_M": 16}, {"num_warps": 4, "num_stages": 4}, torch.float16)
-    assert calls == [4, 3, 2]
-    tiw._launch_within_shared_memory(k, (1,), (), {"BLOCK_M": 16}, {"num_warps": 4, "num_stages": 4}, torch.float16)
-    assert calls[3:] == [2], "the stage count that fits is remembered"
-    tiw._launch_within_shared_memory(k, (1,), (), {"BLOCK_M": 32}, {"num_warps": 4, "num_stages": 2}, torch.float16)
-    assert calls[4:] == [2]
-
-    class NeverFits:
-        def __getitem__(self, grid):
-            def launch(*args, num_warps, num_stages, **constexprs):
-                calls.append(num_stages)
+        def _init_handles(self):
+            if not self.fits(self.stages):
                 raise triton.runtime.errors.OutOfResources(299008, 232448, "shared memory")
-            return launch
 
+    class FakeKernel:
+        def __init__(self, fits):
+            self.fits = fits
+
+        def warmup(self, *args, grid, num_warps, num_stages, **constexprs):
+            calls.append(num_stages)
+            return Build(num_stages, self.fits)
+
+    facts = tiw._compiled_facts(FakeKernel(lambda stages: stages <= 2), (1,), (), {"BLOCK_M": 16},
+                                {"num_warps": 4, "num_stages": 4}, "cuda")
+    # 2 stages: 81 KiB of shared memory (2 programs); 168 registers: 5376 a warp, 3 warps a scheduler -> 3 programs
+    assert calls == [4, 3, 2] and facts == (2, 2)
     del calls[:]
     with pytest.raises(triton.runtime.errors.OutOfResources):
-        tiw._launch_within_shared_memory(NeverFits(), (1,), (), {"BLOCK_M": 64}, {"num_warps": 4, "num_stages": 3}, torch.float16)
+        tiw._compiled_facts(FakeKernel(lambda stages: False), (1,), (), {"BLOCK_M": 64}, {"num_warps": 4, "num_stages": 3}, "cuda")
     assert calls == [3, 2, 1], "one stage is the last try"
+
+
+@pytest.mark.parametrize("n_regs,shared,warps,want", [
+    (125, 0, 2, 8),        # 128 a thread: 4096 a warp, 4 warps a scheduler -> 16 warps -> 8 programs of 2
+    (96, 0, 2, 10),        # 3072 a warp: 5 a scheduler -> 20 warps -> 10 programs
+    (32, 0, 1, 32),        # the 32-program limit
+    (64, 100000, 4, 2),    # shared memory binds: 233472 // (100000 + 1024)
+    (255, 0, 8, 1),        # 8192 a warp: 8 warps an SM
+])
+def test_resident_programs(n_regs, shared, warps, want):
+    import types
+
+    props = types.SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                                  shared_memory_per_multiprocessor=233472)
+    assert C.resident_programs(n_regs, shared, warps, props) == want
+    assert C.resident_programs(n_regs, shared, warps, types.SimpleNamespace()) is None
+
+
+@pytest.mark.parametrize("k,unit,tiles,split,slots,want", [
+    (8192, 128, 224, 5, 1056, (4, 2048)),     # 1120 programs on 1056 slots: 4 splits in one wave
+    (4096, 128, 112, 8, 1056, (8, 512)),      # 896 programs fit: unchanged
+    (28672, 128, 32, 32, 1056, (32, 896)),
+    (4096, 128, 224, 3, 396, (3, 1408)),      # 3 waves of 11 steps beat 2 waves of 16
+    (4096, 128, 224, 3, 528, (2, 2048)),      # 1 wave of 16 steps beats 2 of 11
+    (1000, 32, 3, 3, 4, (1, 1024)),           # K off the unit: 3 waves of 11 steps lose to 1 of 32 (or 2 of 16: the smaller)
+    (1000, 32, 3, 4, 4, (4, 256)),            # 3 waves of 8 steps win
+    (1000, 32, 3, 4, 1000, (4, 256)),
+])
+def test_split_in_waves(k, unit, tiles, split, slots, want):
+    assert C.split_in_waves(k, unit, tiles, split, slots) == want
+    got_split, per = want
+    assert (got_split - 1) * per < k <= got_split * per, "every K row in exactly one split"
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+@pytest.mark.parametrize("reduce", ["partials", "atomic"])
+def test_split_fitted_to_resident_programs_matches_the_oracle(monkeypatch, path, reduce):
+    """Where the build's resident programs say the plan's grid would end in a partial wave, the launch
+    takes fewer splits (each longer); the result is the oracle's at every count down to one split."""
+    dev = torch.device(DEVICE)
+    launched = []
+    shipped = T.split_in_waves
+
+    def spy(*a):
+        launched.append(shipped(*a))
+        return launched[-1]
+
+    monkeypatch.setattr(T, "split_in_waves", spy)
+    for per_sm in (1, 2, 100):
+        monkeypatch.setattr(T, "_build_facts", lambda *a, per_sm=per_sm: (1, per_sm))
+        with T.config_override(table(reduce=reduce)):
+            plan = T._plan(3, 72, 256, 4, 32, dev, path)
+            assert plan["split"] > 1
+            check(3, 72, 256, 4, 32, False, False, True, torch.float16, path)
+    splits = [s for s, _ in launched]
+    assert min(splits) < plan["split"] and splits[-1] == plan["split"], (splits, plan["split"])
 
 
 def test_split_k_does_not_split_when_determinism_is_requested(monkeypatch):

@@ -42,7 +42,9 @@ Split-K partial sums either go to an fp32 ``(S, M, N)`` buffer summed by a small
 (no zeroing pass), or are added atomically into a zeroed fp32 ``(M, N)`` buffer; which one is a
 config choice decided by the tuner. Configs come from ``configs/<gpu>.json`` (``default.json`` for
 an unknown GPU), loaded once and keyed by bits and bucketed M; the split count follows from the
-device's SM count and the shape, and is one when deterministic results are requested
+device's SM count and the shape (the config's programs per SM), lowered where the grid would end in a
+partial wave of the programs the build's registers and shared memory let the GPU hold at once
+(``common.split_in_waves``), and is one when deterministic results are requested
 (``qops.ops._common.deterministic_requested``, read at each call).
 """
 from __future__ import annotations
@@ -58,7 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import EVEN_ODD_4, HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket, sm_count, split_k
+from .common import (EVEN_ODD_4, HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket,
+                     resident_programs, sm_count, split_in_waves, split_k)
 from .._common import deterministic_requested, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 
@@ -892,9 +895,11 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
         step = 32 * chunks
         block_m = min(m, 4)
         tiles = -(-n // block_n) * -(-m // block_m)
-        split, split_len = _split(k, group_size if grouped else step, tiles, cfg, sms)
+        unit = group_size if grouped else step
+        split, split_len = _split(k, unit, tiles, cfg, sms)
         return dict(
-            path="decode", cfg=cfg, split=split, split_len=split_len, block_m=block_m, block_n=block_n,
+            path="decode", cfg=cfg, split=split, split_len=split_len, split_unit=unit, tiles=tiles, sms=sms,
+            block_m=block_m, block_n=block_n,
             chunks=chunks, even_k=(k % step == 0), even_n=(n % block_n == 0),
             grid=(-(-n // block_n), split, -(-m // block_m)), reduce=cfg.get("reduce", "partials"),
         )
@@ -931,7 +936,8 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
     tiles = -(-m // bm) * -(-n // bn)
     split, split_len = _split(k, bk, tiles, cfg, sms)
     return dict(
-        path="gemm", cfg=cfg, split=split, split_len=split_len, block_m=bm, block_n=bn, block_k=bk,
+        path="gemm", cfg=cfg, split=split, split_len=split_len, split_unit=bk, tiles=tiles, sms=sms,
+        block_m=bm, block_n=bn, block_k=bk,
         tile_group=tile_group, even_k=(k % bk == 0), grid=(tiles, split),
         reduce=cfg.get("reduce", "partials"),
     )
@@ -986,47 +992,29 @@ def triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
 def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace):
     m, k = x2.shape
     n = o2.shape[1]
-    split = plan["split"]
+    build = (plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
+    split, split_len = plan["split"], plan["split_len"]
+    if split > 1:
+        # The plan's split count asks for a number of programs; the build's registers and shared
+        # memory say how many the GPU holds at once, and a grid a little past that runs a second wave.
+        per_sm = _build_facts(*build, 2 if plan["reduce"] == "atomic" else 1)[1]
+        if per_sm:
+            split, split_len = split_in_waves(k, plan["split_unit"], plan["tiles"], split, per_sm * plan["sms"])
     if split == 1:
         mode, y = 0, o2
-        sy = (0, o2.stride(0), o2.stride(1))
     elif plan["reduce"] == "atomic":
         mode, y = 2, fp32_scratch(workspace, (m, n), True, x2.device)
-        sy = (0, n, 1)
     else:
         mode, y = 1, fp32_scratch(workspace, (split, m, n), False, x2.device)
-        sy = (m * n, n, 1)
-    common = (
-        x2, qweight, scales, qzeros if qzeros is not None else qweight, act_perm if act_perm is not None else qweight,
-        bias if bias is not None else scales, y,
-        m, n, k, qweight_word_rows(qweight),
-        x2.stride(0), x2.stride(1), *qweight_strides(qweight), scales.stride(0),
-        qzeros.stride(0) if qzeros is not None else 0, *sy,
-        # group_size -1 is passed as K: k // K == 0 for every row, so one division serves both.
-        plan["split_len"], group_size if group_size != -1 else k, zero_offset, MAGIC_ARG,
-    )
-    flags = dict(
-        BITS=bits, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None, HAS_BIAS=bias is not None,
-        OUT_MODE=mode, EVEN_K=plan["even_k"],
-    )
-    cfg = plan["cfg"]
-    launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)))
-    if plan["path"] == "decode":
-        _launch_within_shared_memory(_gemv_kernel, plan["grid"], common, dict(
-            BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"], EVEN_N=plan["even_n"], **flags), launch, x2.dtype)
-    else:
-        dequant = dequant_form(x2.dtype, bits, plan["tile_group"])
-        _launch_within_shared_memory(_tc_kernel, plan["grid"], common, dict(
-            BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
-            GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"],
-            DEQUANT=dequant, PREFETCH_S=bool(cfg.get("prefetch_scales", 0)),
-            EVEN_ODD=even_odd_applies(cfg, bits, dequant), SYM_ZERO_LOAD=sym_zero_load_applies(cfg, bits, dequant, qzeros is None),
-            **flags), launch, x2.dtype)
+    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
+    stages = _build_facts(*build, mode)[0]
+    grid = plan["grid"][:1] + (split,) + plan["grid"][2:]
+    kernel[grid](*_split_k_args(*build[1:], y, mode, split_len), **constexprs, num_warps=launch["num_warps"], num_stages=stages)
     if mode != 0:
         parts = split if mode == 1 else 1
         block, block_s = _reduce_tile(parts)
         _reduce_kernel[(-(-n // block), m)](
-            y, bias if bias is not None else y, o2, m, n, parts, sy[0], sy[1],
+            y, bias if bias is not None else y, o2, m, n, parts, *_out_strides(mode, o2)[:2],
             o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
         )
 
@@ -1043,31 +1031,97 @@ def _reduce_tile(parts: int) -> tuple[int, int]:
     return max(64, min(512, 4096 // block_s)), block_s
 
 
-# (kernel, constexprs, dtype) -> num_stages that fits the device's shared memory, where the
-# configured one did not.
-_FITTING_STAGES: dict[tuple, int] = {}
+def _out_strides(mode: int, o2: torch.Tensor) -> tuple[int, int, int]:
+    """(split, row, column) strides of the kernel's output for OUT_MODE ``mode``: the final output ``o2``
+    (0), contiguous fp32 partials ``(S, M, N)`` (1), or one contiguous fp32 ``(M, N)`` sum (2)."""
+    if mode == 0:
+        return 0, o2.stride(0), o2.stride(1)
+    m, n = o2.shape
+    return (m * n if mode == 1 else 0), n, 1
 
 
-def _launch_within_shared_memory(kernel, grid, args, constexprs: dict, launch: dict, dtype) -> None:
-    """Launch ``kernel``; if Triton reports that its pipeline needs more shared memory than the device
-    has (OutOfResources, raised before anything runs), retry with fewer ``num_stages`` and remember it.
+def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias) -> tuple:
+    """(kernel, constexprs, launch options) of a decode or GEMM plan writing OUT_MODE ``mode``."""
+    cfg = plan["cfg"]
+    flags = dict(
+        BITS=bits, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None, HAS_BIAS=bias is not None,
+        OUT_MODE=mode, EVEN_K=plan["even_k"],
+    )
+    launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)))
+    if plan["path"] == "decode":
+        return _gemv_kernel, dict(BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"],
+                                  EVEN_N=plan["even_n"], **flags), launch
+    dequant = dequant_form(dtype, bits, plan["tile_group"])
+    return _tc_kernel, dict(
+        BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
+        GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"],
+        DEQUANT=dequant, PREFETCH_S=bool(cfg.get("prefetch_scales", 0)),
+        EVEN_ODD=even_odd_applies(cfg, bits, dequant), SYM_ZERO_LOAD=sym_zero_load_applies(cfg, bits, dequant, qzeros is None),
+        **flags), launch
 
-    A config table tuned for one tile shape can meet a (bits, group) combination whose unpacked tile
-    is larger (2/3-bit tiles at M = 16 asked for 299 KB on the H200 with 3 stages); one stage fewer
-    fits and runs the same arithmetic. The retry happens at the first (eager) call of that shape.
-    """
-    # The key is built only once some launch has needed fewer stages (the common path pays nothing).
-    key = (id(kernel), tuple(sorted(constexprs.items())), dtype) if _FITTING_STAGES else None
-    stages = _FITTING_STAGES.get(key, launch["num_stages"]) if key is not None else launch["num_stages"]
+
+def _split_k_args(x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, y, mode, split_len) -> tuple:
+    """The run-time arguments of ``_gemv_kernel`` / ``_tc_kernel`` writing ``y`` as OUT_MODE ``mode`` (an
+    absent tensor is passed as another pointer, never read)."""
+    m, k = x2.shape
+    return (
+        x2, qweight, scales, qzeros if qzeros is not None else qweight, act_perm if act_perm is not None else qweight,
+        bias if bias is not None else scales, y,
+        m, qweight_columns(qweight), k, qweight_word_rows(qweight),
+        x2.stride(0), x2.stride(1), *qweight_strides(qweight), scales.stride(0),
+        qzeros.stride(0) if qzeros is not None else 0, *_out_strides(mode, o2),
+        # group_size -1 is passed as K: k // K == 0 for every row, so one division serves both.
+        split_len, group_size if group_size != -1 else k, zero_offset, MAGIC_ARG,
+    )
+
+
+# (kernel, constexprs, launch options, dtype, device) -> (num_stages that fit the device's shared
+# memory, programs of that build an SM holds at once or None)
+_BUILD_FACTS: dict[tuple, tuple[int, int | None]] = {}
+
+
+def _build_facts(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, mode):
+    """(num_stages, programs an SM holds at once) of the build a plan launches for OUT_MODE ``mode``,
+    found once per build by compiling it without a launch (the first call of a shape compiles it
+    anyway; later shapes with the same constexprs reuse the figures, though Triton may specialize their
+    build on the integer arguments' divisibility by 16). Under Triton's interpreter: the configured
+    stages and no figure for the programs."""
+    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
+    key = (id(kernel), tuple(sorted(constexprs.items())), tuple(sorted(launch.items())), x2.dtype, x2.device)
+    facts = _BUILD_FACTS.get(key)
+    if facts is None:
+        if x2.device.type != "cuda" or interpreting():
+            facts = (launch["num_stages"], None)
+        else:
+            # The fp32 output of modes 1 and 2 enters the build through its dtype and alignment only.
+            y = o2 if mode == 0 else torch.empty(16, dtype=torch.float32, device=x2.device)
+            args = _split_k_args(x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, y, mode,
+                                 plan["split_len"])
+            facts = _compiled_facts(kernel, plan["grid"], args, constexprs, launch, x2.device)
+        _BUILD_FACTS[key] = facts
+    return facts
+
+
+def _compiled_facts(kernel, grid, args, constexprs: dict, launch: dict, device) -> tuple[int, int | None]:
+    """Compile ``kernel`` for ``args`` without launching it: (num_stages, programs an SM holds at once).
+
+    If Triton reports that the pipeline needs more shared memory than the device has (OutOfResources,
+    raised when the binary is loaded), fewer stages are tried: a table tuned for one tile shape can meet
+    a (bits, group) combination whose unpacked tile is larger (2/3-bit tiles at M = 16 asked for 299 KB
+    on the H200 with 3 stages); one stage fewer fits and runs the same arithmetic."""
+    stages = launch["num_stages"]
     while True:
         try:
-            kernel[grid](*args, **constexprs, num_warps=launch["num_warps"], num_stages=stages)
+            compiled = kernel.warmup(*args, grid=grid, **constexprs, num_warps=launch["num_warps"], num_stages=stages)
+            compiled._init_handles()
             break
         except triton.runtime.errors.OutOfResources:
             if stages <= 1:
                 raise
             stages -= 1
-            _FITTING_STAGES[(id(kernel), tuple(sorted(constexprs.items())), dtype)] = stages
+    per_sm = resident_programs(int(compiled.n_regs), int(compiled.metadata.shared), int(compiled.metadata.num_warps),
+                               torch.cuda.get_device_properties(device))
+    return stages, per_sm
 
 
 def _run_dense(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2):
