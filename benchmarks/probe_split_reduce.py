@@ -7,16 +7,17 @@ table can hold one of them. The partials were summed by one program per 256 colu
 the S partials one load at a time (16 programs for S = 56 at N = 4096: a chain of L2 round trips);
 they are now loaded as one (S, columns) tile (``int_weight._reduce_tile``). The first run
 (h100-2026-12-05-a530ab6-probe-split-reduce.json) found the tile 0-2.4 us faster than that loop and
-the atomic / partials gap unchanged; the second (``--max-splits``, -23d7f9f-) found it in the grid:
-the atomic GEMV build holds 8 programs an SM (125 registers), so 224 tiles x 5 splits ran a second
-wave of 64 programs (130.7 us; 4 splits 109.3), where the partials build holds 10 (96 registers).
+the atomic / partials gap unchanged; the second (``--max-splits``, -23d7f9f-) put it in the grid: with
+4 splits the atomic GEMV took 57344x8192 in 109.3 us against 130.7 with the plan's 5, and its two
+builds had 125 and 96 registers (8 and 10 programs an SM), so 224 tiles x 5 splits = 1120 programs
+would be a second wave of 64 for the 125-register one (which build is which: this run's ``builds``).
 The launch now lowers such splits (``common.split_in_waves``, ``fit``).
 
 Per shape and M this times, interleaved over rotated weight copies, the shipped table's config for the
 M with ``reduce`` set to atomic and to partials, each with the split fitted to the resident programs
 (``fit``, the shipped launch) and as the plan asks (``nofit``), and the split counts launched.
-``--max-splits`` repeats each row with the config's ``max_split`` capped, and the JSON records the
-registers of the kernels compiled.
+``--max-splits`` repeats each row with the config's ``max_split`` capped, and the JSON records every
+kernel build compiled with the programs an SM holds.
 
     PYTHONPATH=. python benchmarks/probe_split_reduce.py [--shapes ...] [--ms 1,2,4,16,32,64] [--bits 4] [--max-splits 4,8] [--out F]
 """
@@ -70,17 +71,12 @@ def table_with_reduce(path: str, m: int, bits: int, reduce: str, max_split: int 
     return table
 
 
-def kernel_registers() -> dict:
-    """Registers a thread of every compiled build of the GEMV and GEMM kernels (Triton's JIT caches;
-    empty where this Triton keeps them elsewhere)."""
-    out = {}
-    for name, kern in (("gemv", T._gemv_kernel), ("gemm", T._tc_kernel)):
-        try:
-            builds = [c for cache in kern.device_caches.values() for c in cache[0].values()]
-            out[name] = sorted({(int(c.n_regs), int(c.n_spills), int(c.metadata.num_warps)) for c in builds})
-        except Exception as e:  # noqa: BLE001 - a Triton without these attributes
-            out[name] = repr(e)
-    return out
+def build_facts() -> list[dict]:
+    """Every kernel build the launches compiled: its constexprs, launch options, the stages that fit and
+    the programs an SM holds (``int_weight._BUILD_FACTS``)."""
+    names = {id(T._gemv_kernel): "gemv", id(T._tc_kernel): "gemm"}
+    return [dict(kernel=names.get(key[0], "?"), **dict(key[1]), **dict(key[2]), dtype=str(key[3]), fitting_stages=facts[0],
+                 programs_per_sm=facts[1]) for key, facts in T._BUILD_FACTS.items()]
 
 
 def main(argv=None) -> int:
@@ -105,8 +101,9 @@ def main(argv=None) -> int:
         sp = r["split"]
         print(f"{r['N']}x{r['K']} | {r['M']} | {r['path']} | {r['max_split'] or '-'} | "
               f"{sp['atomic_fit'][0]}/{sp['atomic_fit'][1]}, {sp['partials_fit'][0]}/{sp['partials_fit'][1]} | {times}")
-    res["registers"] = kernel_registers()
-    print("registers (regs, spills, warps):", json.dumps(res["registers"]))
+    res["builds"] = build_facts()
+    for b in res["builds"]:
+        print("build:", json.dumps(b))
     common.write_json(res, common.output_paths("probe_split_reduce.json", a.out))
     return 0
 
