@@ -10,8 +10,13 @@ they are now loaded as one (S, columns) tile (``int_weight._reduce_tile``). The 
 the atomic / partials gap unchanged; the second (``--max-splits``, -23d7f9f-) put it in the grid: with
 4 splits the atomic GEMV took 57344x8192 in 109.3 us against 130.7 with the plan's 5, and its two
 builds had 125 and 96 registers (8 and 10 programs an SM), so 224 tiles x 5 splits = 1120 programs
-would be a second wave of 64 for the 125-register one (which build is which: this run's ``builds``).
-The launch now lowers such splits (``common.split_in_waves``, ``fit``).
+would be a second wave of 64 for the 125-register one. The launch now lowers such splits
+(``common.split_in_waves``, ``fit``); the third run (-a93d446-probe-split-waves*) confirmed it: the
+atomic GEMV build holds 8 programs an SM, the partials one 10; the fitted splits took 57344x8192 M = 1
+from 127.8 to 108.1 us and the 16-row GEMM at M = 4 / 16 13-17% down on 8192x28672, 4096x14336 and
+4096x4096 (9 -> 6, 16 -> 12, 16 -> 11 splits, three programs an SM), nothing else moving at 4 bits;
+8 bits gained at M = 1 (3-7%, 201 -> 161 us for the partials build on 57344x8192); 2 bits at M = 4
+(the GEMV on 4 rows) moved -5 to +6%.
 
 Per shape and M this times, interleaved over rotated weight copies, the shipped table's config for the
 M with ``reduce`` set to atomic and to partials, each with the split fitted to the resident programs
