@@ -13,9 +13,9 @@ builds had 125 and 96 registers (8 and 10 programs an SM), so 224 tiles x 5 spli
 would be a second wave of 64 for the 125-register one. The launch now lowers such splits
 (``common.split_in_waves``, ``fit``); the third run (-a93d446-probe-split-waves*) confirmed it: the
 atomic GEMV build holds 8 programs an SM, the partials one 10; the fitted splits took 57344x8192 M = 1
-from 127.8 to 108.1 us and the 16-row GEMM at M = 4 / 16 13-17% down on 8192x28672, 4096x14336 and
+from 127.8 to 108.1 us and the 16-row GEMM at M = 4 / 16 11-16% down on 8192x28672, 4096x14336 and
 4096x4096 (9 -> 6, 16 -> 12, 16 -> 11 splits, three programs an SM), nothing else moving at 4 bits;
-8 bits gained at M = 1 (3-7%, 201 -> 161 us for the partials build on 57344x8192); 2 bits at M = 4
+8 bits gained at M = 1 (atomic 2-8%; partials 201 -> 161 us on 57344x8192); 2 bits at M = 4
 (the GEMV on 4 rows) moved -5 to +6%.
 
 Per shape and M this times, interleaved over rotated weight copies, the shipped table's config for the
