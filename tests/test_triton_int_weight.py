@@ -775,3 +775,22 @@ def test_dense_slabs_of_equal_width_on_request():
         with T.config_override(t):
             plan = T._plan(300, n, k, 4, 128, torch.device("cpu"), "dense")
         assert plan["slab"] == want and -(-n // plan["slab"]) == 5, plan
+
+
+def test_gemm_builds_compile_for_sm90(tmp_path):
+    """``benchmarks/compile_triton_gemm.py`` with this machine's Triton: the 4-bit even / odd tile and a 2-bit
+    g128 one compile for sm_90 to cubin (no GPU needed), without local memory; the tool exits 0 only then."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "compile.json"
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_triton_gemm.py"), "--out", str(out),
+                           "--cases", '[[4, 128, "fp16", 16, 128, 1], [2, 128, "bf16", 16, 128, 0]]'],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["BLOCK_K"] for r in rows] == [128, 128] and rows[0]["even_odd"]
+    assert all(r["ok"] and r["cubin_bytes"] > 0 and not r["local_memory"] for r in rows), rows
