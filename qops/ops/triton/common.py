@@ -230,10 +230,10 @@ def split_in_waves(k: int, unit: int, tiles: int, split: int, slots: int) -> tup
     """A split count from :func:`split_k` lowered where its grid would end in a partial wave, and its K
     length per split. ``slots`` is how many programs of the kernel build the GPU holds at once. Among
     the split counts up to ``split``, the one with the fewest rounds of a program's work (waves x K
-    steps a program) wins, the smaller on a tie (fewer partial sums to add). split_k asks for at least a number of programs; a few
-    programs past what the SMs hold run as a second wave as long as the first (the W4 GEMV on
-    57344x8192 at M = 1 on an H100: 224 tiles x 5 splits = 1120 programs, 1056 resident, 130.7 us;
-    4 splits, 109.3 us)."""
+    steps a program) wins, the smaller on a tie (fewer partial sums to add). split_k asks for at
+    least a number of programs; a few programs past what the SMs hold run as a second wave as long as
+    the first (the W4 GEMV on 57344x8192 at M = 1 on an H100: 224 tiles x 5 splits = 1120 programs,
+    1056 resident, 127.8 us; 4 splits, 108.1 us)."""
     steps = max(1, triton.cdiv(k, unit))
     best = (0, 1, steps * unit)
     for s in range(1, max(1, split) + 1):
