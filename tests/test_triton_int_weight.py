@@ -693,7 +693,7 @@ def test_resident_programs(n_regs, shared, warps, want):
     (8192, 128, 224, 5, 1056, (4, 2048)),     # 1120 programs on 1056 slots: 4 splits in one wave
     (4096, 128, 112, 8, 1056, (8, 512)),      # 896 programs fit: unchanged
     (28672, 128, 32, 32, 1056, (32, 896)),
-    (4096, 128, 224, 3, 396, (3, 1408)),      # 3 waves of 11 steps beat 2 waves of 16
+    (4096, 128, 224, 3, 396, (3, 1408)),      # 2 waves of 11 steps beat 2 of 16 and 1 of 32
     (4096, 128, 224, 3, 528, (2, 2048)),      # 1 wave of 16 steps beats 2 of 11
     (1000, 32, 3, 3, 4, (1, 1024)),           # K off the unit: 3 waves of 11 steps lose to 1 of 32 (or 2 of 16: the smaller)
     (1000, 32, 3, 4, 4, (4, 256)),            # 3 waves of 8 steps win
@@ -709,7 +709,7 @@ def test_split_in_waves(k, unit, tiles, split, slots, want):
 @pytest.mark.parametrize("reduce", ["partials", "atomic"])
 def test_split_fitted_to_resident_programs_matches_the_oracle(monkeypatch, path, reduce):
     """Where the build's resident programs say the plan's grid would end in a partial wave, the launch
-    takes fewer splits (each longer); the result is the oracle's at every count down to one split."""
+    takes fewer splits (each longer); the result is the oracle's at each count it takes."""
     dev = torch.device(DEVICE)
     launched = []
     shipped = T.split_in_waves
