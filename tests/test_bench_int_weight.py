@@ -69,3 +69,29 @@ def test_triton_config_option_runs_the_bench_on_the_named_table(monkeypatch, cap
     with pytest.raises(SystemExit):
         bench_int_weight.main(["--dry-run", "--triton-config", "a100"])
     assert "--triton-config: no configs/a100.json (known: default, h100, h200)" in capsys.readouterr().err
+
+
+def test_compare_bench_pairs_rows_and_takes_the_geomean(tmp_path):
+    """benchmarks/compare_bench.py: rows pair on their full key (lowering, format, shape, M, ...); a row
+    that failed or timed nothing is unpaired, not a ratio; the geomean is over the pairs."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "compare_bench.py")
+    spec = importlib.util.spec_from_file_location("compare_bench", path)
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    base = dict(format="gptq", bits=4, group_size=128, sym=False, N=4096, K=4096, dtype="float16")
+    a = {"rows": [dict(base, lowering="triton_int_weight", M=1, qops_us=10.0), dict(base, lowering="triton_int_weight", M=16, qops_us=20.0),
+                  dict(base, lowering="native_w4a16", M=1, qops_us=8.0), dict(base, lowering="triton_int_weight", M=64, qops_us=None, error="E")]}
+    b = {"rows": [dict(base, lowering="triton_int_weight", M=1, qops_us=5.0), dict(base, lowering="triton_int_weight", M=16, qops_us=40.0),
+                  dict(base, lowering="native_w4a16", M=1, qops_us=8.0), dict(base, lowering="triton_int_weight", M=64, qops_us=30.0)]}
+    pairs, geo, lone = cb.compare(a, b, "triton_int_weight")
+    assert [(p[0][7], p[3]) for p in pairs] == [(1, 2.0), (16, 0.5)] and geo == pytest.approx(1.0)
+    assert [dict(zip(cb.KEY, k))["M"] for k in lone] == [64]
+    fa, fb = tmp_path / "a.json", tmp_path / "b.json"
+    fa.write_text(json.dumps(a))
+    fb.write_text(json.dumps(b))
+    assert cb.main([str(fa), str(fb)]) == 0  # all lowerings: the native pair too
+    assert cb.main([str(fa), str(fb), "--lowering", "gemlite"]) == 1

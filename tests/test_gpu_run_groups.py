@@ -100,3 +100,19 @@ def test_gpu_run_runs_groups_concurrently_and_merges_their_xml(tmp_path):
     root = ET.parse(tmp_path / "out" / "pytest_gpu.xml").getroot()
     files = {c.get("classname", "").split(".")[-1] for c in root.iter("testcase")}
     assert files == {"test_gpu_add_rmsnorm", "test_gpu_opcheck"}, files
+
+
+def test_gpu_retune_triton_stops_before_touching_the_tree_without_a_gpu(tmp_path):
+    """scripts/gpu_retune_triton.sh overwrites the GPU's Triton table in the tree it runs in, so it must
+    stop (rc 2) before anything when no CUDA device names the table; on this CPU box it does."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the script would tune")
+    before = sorted(os.listdir(os.path.join(ROOT, "qops", "ops", "triton", "configs")))
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    r = subprocess.run(["bash", "scripts/gpu_retune_triton.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert sorted(os.listdir(os.path.join(ROOT, "qops", "ops", "triton", "configs"))) == before
+    assert not os.path.exists(tmp_path / "out" / "tune.log")
