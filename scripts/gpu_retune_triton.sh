@@ -11,6 +11,8 @@
 #      (benchmarks/compare_bench.py: shipped / new, above 1 = the new table is faster);
 #   3. the new table copied over the shipped one, then the Triton GPU file and the Triton opchecks.
 # Ship the table with `tune_triton_int_weight.py --from-rows tune_rows.json` on any machine (benchmarks/README.md).
+# The three steps take ~600 s, a device call's limit: tune in one call (step 1 alone: the tuner), then run
+# this with QOPS_RETUNE_TABLE=<the tuned json, carried into the tree> for steps 2 and 3.
 # Environment: OUT (default ./gpu_out), QOPS_COMMIT (recorded in the JSON of a snapshot without git),
 # QOPS_TUNE_TIMEOUT=420, QOPS_AB_TIMEOUT=150 (each benchmark), QOPS_AB_SYM, and gpu_run.sh's QOPS_TEST_TIMEOUT.
 set -u -o pipefail
@@ -23,10 +25,14 @@ STEM=$($PY -c "import torch; from qops.ops.triton.int_weight import gpu_key; pri
 SHIPPED=$STEM  # the table this GPU runs now: its own, or the generic one where it has none
 [ -f "qops/ops/triton/configs/$STEM.json" ] || SHIPPED=default
 echo "GPU table: $STEM (now running $SHIPPED); $(date -u)"
-OUT=$OUT/tune timeout "${QOPS_TUNE_TIMEOUT:-420}" $PY benchmarks/tune_triton_int_weight.py > "$OUT/tune.log" 2>&1
-echo "tune rc=$?"; tail -25 "$OUT/tune.log"
-NEW=$(ls "$OUT"/tune/*.json 2>/dev/null | grep -v tune_rows | head -1)
-[ -n "$NEW" ] || { echo "no table written"; exit 1; }
+if [ -n "${QOPS_RETUNE_TABLE:-}" ]; then
+    NEW=$QOPS_RETUNE_TABLE  # a table tuned by an earlier call: steps 2 and 3 only
+else
+    OUT=$OUT/tune timeout "${QOPS_TUNE_TIMEOUT:-420}" $PY benchmarks/tune_triton_int_weight.py > "$OUT/tune.log" 2>&1
+    echo "tune rc=$?"; tail -25 "$OUT/tune.log"
+    NEW=$(ls "$OUT"/tune/*.json 2>/dev/null | grep -v tune_rows | head -1)
+fi
+[ -f "$NEW" ] || { echo "no table: '$NEW'"; exit 1; }
 cp "$NEW" "qops/ops/triton/configs/${STEM}new.json"
 SHAPES=28672x4096,8192x28672,57344x8192,4096x14336
 for sym in "" ${QOPS_AB_SYM:+--symmetric}; do
