@@ -794,3 +794,58 @@ def test_gemm_builds_compile_for_sm90(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["BLOCK_K"] for r in rows] == [128, 128] and rows[0]["even_odd"]
     assert all(r["ok"] and r["cubin_bytes"] > 0 and not r["local_memory"] for r in rows), rows
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+@pytest.mark.parametrize("reduce", ["partials", "atomic"])
+def test_split_fitted_down_to_one_writes_the_output_itself(monkeypatch, path, reduce):
+    """A fit that leaves one split launches the build that writes the final output (no fp32 scratch, no
+    reduction), whichever reduction the plan asked for; the result is the oracle's."""
+    import triton
+
+    monkeypatch.setattr(T, "_build_facts", lambda *a: (1, 7))
+    monkeypatch.setattr(T, "split_in_waves", lambda k, unit, tiles, split, slots: (1, triton.cdiv(k, unit) * unit))
+    reduced = []
+    monkeypatch.setattr(T, "_reduce_tile", lambda parts: reduced.append(parts) or (64, 1))
+    with T.config_override(table(reduce=reduce)):
+        assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
+        check(3, 72, 256, 4, 32, False, False, True, torch.float16, path)
+    assert reduced == []
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_build_facts_compile_the_launched_build(monkeypatch, path, mode):
+    """On a GPU the facts of a build come from compiling it with the launch's own arguments (every run-time
+    parameter of the kernel, the output's dtype per mode) and constexprs; once per build. Checked here
+    with the compile replaced by a recorder."""
+    seen = []
+
+    def compiled(kernel, grid, args, constexprs, launch, device):
+        seen.append((kernel, args, constexprs, launch))
+        return 2, 5
+
+    monkeypatch.setattr(T, "_compiles_for", lambda device: True)
+    monkeypatch.setattr(T, "_compiled_facts", compiled)
+    monkeypatch.setattr(T, "_BUILD_FACTS", {})
+    monkeypatch.setattr(T, "_BUILD_NAMES", {})
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, True)
+    x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
+    o2 = torch.empty(3, 72, dtype=torch.float16, device=DEVICE)
+    bias = torch.randn(72).to(torch.float16).to(DEVICE)
+    with T.config_override(table()):
+        plan = T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)
+    tensors = (x, qweight, scales, qzeros, act_perm, bias, 4, 32, zo, o2)
+    kernel, constexprs, launch = T._split_k_build(plan, mode, x.dtype, 4, qzeros, act_perm, bias)
+    assert T._build_facts(kernel, constexprs, launch, plan, tensors, mode) == (2, 5)
+    assert T._build_facts(kernel, constexprs, launch, plan, tensors, mode) == (2, 5) and len(seen) == 1, "once per build"
+    k, args, c, l = seen[0]
+    import inspect
+
+    params = inspect.signature(getattr(k, "fn", k)).parameters.values()
+    runtime = [p.name for p in params if "constexpr" not in str(p.annotation)]
+    assert k is kernel and c == constexprs and c["OUT_MODE"] == mode and l == launch and len(args) == len(runtime)
+    y = args[runtime.index("y_ptr")]
+    assert (y is o2) if mode == 0 else (y.dtype == torch.float32)
+    assert args[runtime.index("split_len")] == plan["split_len"]
+    assert list(T._BUILD_NAMES.values()) == [tuple(constexprs)]

@@ -992,24 +992,27 @@ def triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
 def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace):
     m, k = x2.shape
     n = o2.shape[1]
-    build = (plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
+    tensors = (x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
     split, split_len = plan["split"], plan["split_len"]
-    if split > 1:
+    mode = 0 if split == 1 else 2 if plan["reduce"] == "atomic" else 1
+    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
+    stages, per_sm = _build_facts(kernel, constexprs, launch, plan, tensors, mode)
+    if split > 1 and per_sm:
         # The plan's split count asks for a number of programs; the build's registers and shared
         # memory say how many the GPU holds at once, and a grid a little past that runs a second wave.
-        per_sm = _build_facts(*build, 2 if plan["reduce"] == "atomic" else 1)[1]
-        if per_sm:
-            split, split_len = split_in_waves(k, plan["split_unit"], plan["tiles"], split, per_sm * plan["sms"])
-    if split == 1:
-        mode, y = 0, o2
-    elif plan["reduce"] == "atomic":
-        mode, y = 2, fp32_scratch(workspace, (m, n), True, x2.device)
+        split, split_len = split_in_waves(k, plan["split_unit"], plan["tiles"], split, per_sm * plan["sms"])
+        if split == 1:
+            mode = 0
+            kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
+            stages = _build_facts(kernel, constexprs, launch, plan, tensors, mode)[0]
+    if mode == 0:
+        y = o2
+    elif mode == 2:
+        y = fp32_scratch(workspace, (m, n), True, x2.device)
     else:
-        mode, y = 1, fp32_scratch(workspace, (split, m, n), False, x2.device)
-    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
-    stages = _build_facts(*build, mode)[0]
+        y = fp32_scratch(workspace, (split, m, n), False, x2.device)
     grid = plan["grid"][:1] + (split,) + plan["grid"][2:]
-    kernel[grid](*_split_k_args(*build[1:], y, mode, split_len), **constexprs, num_warps=launch["num_warps"], num_stages=stages)
+    kernel[grid](*_split_k_args(*tensors, y, mode, split_len), **constexprs, num_warps=launch["num_warps"], num_stages=stages)
     if mode != 0:
         parts = split if mode == 1 else 1
         block, block_s = _reduce_tile(parts)
@@ -1075,31 +1078,39 @@ def _split_k_args(x2, qweight, scales, qzeros, act_perm, bias, bits, group_size,
     )
 
 
-# (kernel, constexprs, launch options, dtype, device) -> (num_stages that fit the device's shared
-# memory, programs of that build an SM holds at once or None)
+# (kernel, constexpr values, num_warps, num_stages, dtype, device) -> (num_stages that fit the device's
+# shared memory, programs of that build an SM holds at once or None); the same key -> the constexprs'
+# names (for probes that list the builds)
 _BUILD_FACTS: dict[tuple, tuple[int, int | None]] = {}
+_BUILD_NAMES: dict[tuple, tuple[str, ...]] = {}
 
 
-def _build_facts(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, mode):
-    """(num_stages, programs an SM holds at once) of the build a plan launches for OUT_MODE ``mode``,
-    found once per build by compiling it without a launch (the first call of a shape compiles it
-    anyway; later shapes with the same constexprs reuse the figures, though Triton may specialize their
-    build on the integer arguments' divisibility by 16). Under Triton's interpreter: the configured
-    stages and no figure for the programs."""
-    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
-    key = (id(kernel), tuple(sorted(constexprs.items())), tuple(sorted(launch.items())), x2.dtype, x2.device)
+def _build_facts(kernel, constexprs: dict, launch: dict, plan, tensors: tuple, mode: int) -> tuple[int, int | None]:
+    """(num_stages, programs an SM holds at once) of a build (``_split_k_build``'s kernel, constexprs and
+    launch options), found once per build by compiling it without a launch for ``tensors`` (the first
+    call of a shape compiles it anyway; later shapes with the same constexprs reuse the figures, though
+    Triton may specialize their build on the integer arguments' divisibility by 16). Under Triton's
+    interpreter: the configured stages and no figure for the programs."""
+    x2 = tensors[0]
+    # constexprs are built in one order per kernel (``_split_k_build``), so their values name the build.
+    key = (id(kernel), tuple(constexprs.values()), launch["num_warps"], launch["num_stages"], x2.dtype, x2.device)
     facts = _BUILD_FACTS.get(key)
     if facts is None:
-        if x2.device.type != "cuda" or interpreting():
+        if not _compiles_for(x2.device):
             facts = (launch["num_stages"], None)
         else:
             # The fp32 output of modes 1 and 2 enters the build through its dtype and alignment only.
-            y = o2 if mode == 0 else torch.empty(16, dtype=torch.float32, device=x2.device)
-            args = _split_k_args(x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, y, mode,
-                                 plan["split_len"])
+            y = tensors[-1] if mode == 0 else torch.empty(16, dtype=torch.float32, device=x2.device)
+            args = _split_k_args(*tensors, y, mode, plan["split_len"])
             facts = _compiled_facts(kernel, plan["grid"], args, constexprs, launch, x2.device)
         _BUILD_FACTS[key] = facts
+        _BUILD_NAMES[key] = tuple(constexprs)
     return facts
+
+
+def _compiles_for(device: torch.device) -> bool:
+    """Whether Triton compiles kernels for ``device`` (a CUDA device, not the CPU interpreter)."""
+    return device.type == "cuda" and not interpreting()
 
 
 def _compiled_facts(kernel, grid, args, constexprs: dict, launch: dict, device) -> tuple[int, int | None]:
