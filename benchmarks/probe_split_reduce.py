@@ -29,6 +29,7 @@ kernel build compiled with the programs an SM holds.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import sys
 
@@ -40,6 +41,7 @@ import common
 common.add_repo_to_path()
 
 from qops.ops.triton import int_weight as T  # noqa: E402
+from qops.ops.triton.common import pick_bucket  # noqa: E402
 from tune_triton_int_weight import GROUP, random_weight, weight_bytes  # noqa: E402
 
 SHAPES = [(28672, 4096), (8192, 28672), (57344, 8192), (4096, 14336), (4096, 4096), (6144, 4096), (14336, 4096)]
@@ -68,11 +70,12 @@ def split_form(form: str, launched: list):
 def table_with_reduce(path: str, m: int, bits: int, reduce: str, max_split: int | None = None) -> dict:
     """The active table with the config serving (path, bits, M) set to ``reduce`` (and ``max_split``
     where given; nothing else changed)."""
-    table = json.loads(json.dumps(T.config_for(torch.device("cuda"))))
+    table = copy.deepcopy(T.config_for(torch.device("cuda")))
     section = table[path]
     by_m = section[str(bits)] if str(bits) in section else section["default"]
-    bucket = min((b for b in map(int, by_m) if b >= m), default=max(map(int, by_m)))
-    by_m[str(bucket)] = {**by_m[str(bucket)], "reduce": reduce} | ({"max_split": max_split} if max_split else {})
+    # the bucket the lowering reads (int_weight._bucket's rule)
+    bucket, cfg = pick_bucket([(b, by_m[str(b)]) for b in sorted(int(b) for b in by_m)], m)
+    by_m[str(bucket)] = {**cfg, "reduce": reduce} | ({"max_split": max_split} if max_split else {})
     return table
 
 

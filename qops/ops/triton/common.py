@@ -235,12 +235,12 @@ def split_in_waves(k: int, unit: int, tiles: int, split: int, slots: int) -> tup
     the first (the W4 GEMV on 57344x8192 at M = 1 on an H100: 224 tiles x 5 splits = 1120 programs,
     1056 resident, 127.8 us; 4 splits, 108.1 us)."""
     steps = max(1, triton.cdiv(k, unit))
-    best = (0, 1, steps * unit)
+    best = None
     for s in range(1, max(1, split) + 1):
         per_steps = triton.cdiv(steps, s)
         real = triton.cdiv(steps, per_steps)
         cost = triton.cdiv(tiles * real, max(1, slots)) * per_steps
-        if s == 1 or cost < best[0]:
+        if best is None or cost < best[0]:
             best = (cost, real, per_steps * unit)
     return best[1], best[2]
 
