@@ -90,6 +90,7 @@ def build_facts() -> list[dict]:
 def main(argv=None) -> int:
     p = common.probe_parser("probe_split_reduce.py", __doc__, SHAPES, [1, 2, 4, 16, 32, 64], 7)
     p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group", type=int, default=GROUP, help="quantization group size (default 128)")
     p.add_argument("--max-splits", type=common.parse_ms, default=[], help="also with max_split capped to each of these")
     a = p.parse_args(argv)
     res = common.probe_result("split_reduce")
@@ -97,9 +98,9 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda")
     for n, k in a.shapes:
-        base = random_weight(n, k, a.bits, dev, 1)
+        base = random_weight(n, k, a.bits, dev, 1, a.group)
         copies = [base] + [tuple(t.clone() for t in base) for _ in range(common.n_copies(base[0].numel() * 4) - 1)]
-        roof = weight_bytes(n, k, a.bits) / (res["copy_TBps"] * 1e6)
+        roof = weight_bytes(n, k, a.bits, a.group) / (res["copy_TBps"] * 1e6)
         for m in a.ms:
             for cap in [None, *a.max_splits]:
                 time_case(res, a, n, k, m, cap, copies, base, roof)
@@ -120,7 +121,7 @@ def time_case(res, a, n, k, m, cap, copies, base, roof):
     """One row: the variants of (shape, M) with max_split capped at ``cap`` (None: the table's)."""
     dev = torch.device("cuda")
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), dtype=torch.float16).to(dev)
-    path = T._plan(m, n, k, a.bits, GROUP, dev)["path"]
+    path = T._plan(m, n, k, a.bits, a.group, dev)["path"]
     cands, ref, errs, splits = {}, None, {}, {}
     for reduce, form in VARIANTS:
         table = table_with_reduce(path, m, a.bits, reduce, cap)
@@ -129,16 +130,16 @@ def time_case(res, a, n, k, m, cap, copies, base, roof):
 
         def call(w, table=table, form=form, launched=launched):
             with T.config_override(table), split_form(form, launched):
-                return T.triton_mm(x, *w, None, None, a.bits, GROUP, 0, force_path=path)
+                return T.triton_mm(x, *w, None, None, a.bits, a.group, 0, force_path=path)
 
         y = call(base).float()
         with T.config_override(table):
-            plan_split = T._plan(m, n, k, a.bits, GROUP, dev, path)["split"]
+            plan_split = T._plan(m, n, k, a.bits, a.group, dev, path)["split"]
         splits[name] = [plan_split, launched[-1] if launched else plan_split]
         ref = y if ref is None else ref
         errs[name] = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
         cands[name] = [lambda w=w, call=call: call(w) for w in copies]
-    row = dict(N=n, K=k, M=m, bits=a.bits, path=path, max_split=cap, split=splits, rel_err_vs_first=errs)
+    row = dict(N=n, K=k, M=m, bits=a.bits, group=a.group, path=path, max_split=cap, split=splits, rel_err_vs_first=errs)
     common.time_row(res, row, cands, a.trials, roof)
     del cands
     torch.cuda.empty_cache()

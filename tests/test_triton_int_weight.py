@@ -186,6 +186,18 @@ def test_group_size_that_splits_words(path, bits):
     check(5, 40, 152, bits, 48, False, True, True, torch.float16, path)
 
 
+@pytest.mark.parametrize("bits,group_size,block_k", [(2, 128, 128), (2, 32, 32), (4, 32, 32), (4, 64, 64), (8, 32, 32), (3, 32, 32)])
+def test_gemm_keeps_the_word_unpack_for_groups_under_the_k_tile(bits, group_size, block_k):
+    """A group smaller than the config's K tile shrinks the tile to the group (whole words, the dot's 16
+    rows), so the product is scaled once a tile: the per-element gather (each row reading its own
+    word) ran 2-bit g128 at 28672x4096, M = 16 in 1066 us on an H100, 27x the 4-bit g128 GEMM."""
+    t = table()
+    t["gemm"]["default"]["64"]["BLOCK_K"] = 256
+    with T.config_override(t):
+        plan = T._plan(16, 64, 1024, bits, group_size, torch.device(DEVICE), "gemm")
+    assert plan["tile_group"] and plan["block_k"] == block_k, plan
+
+
 @pytest.mark.parametrize("parts", [1, 5, T.REDUCE_MAX_S + 6])
 def test_reduce_kernel_sums_every_partial(parts):
     """The split-K reduction alone against a float64 sum: a split count off the power of two (masked
@@ -421,10 +433,13 @@ def test_plan_follows_the_table():
         assert T._plan(1, 4096, 4096, 4, 32, dev)["chunks"] == 1
         # The GEMM K tile shrinks to divide the group (8-bit words allow 64-row tiles).
         assert T._plan(32, 4096, 4096, 8, 64, dev)["block_k"] <= 64
-        # 2 bits, group 32: per-element scaling with a narrow K tile. A 256-row tile here needed
-        # 598 KB of shared memory on the H200 (the GPU suite's first failure).
+        # 2 bits, group 32: the word unpack on a K tile of the group (two word rows). A 256-row tile
+        # here needed 598 KB of shared memory on the H200 (the GPU suite's first failure).
         plan = T._plan(16, 200, 333, 2, 32, dev, "gemm")
-        assert not plan["tile_group"] and plan["block_k"] == 32
+        assert plan["tile_group"] and plan["block_k"] == 32
+        # Group 40: no K tile of 16 rows or more divides it: per-element scaling on 16 rows.
+        plan = T._plan(16, 200, 333, 4, 40, dev, "gemm")
+        assert not plan["tile_group"] and plan["block_k"] == 16
 
 
 def test_every_shipped_config_is_checked():

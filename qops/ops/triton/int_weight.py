@@ -918,14 +918,20 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
         return dict(path="dense", cfg=cfg, dq_block_k=bk, dq_block_n=int(cfg.get("DQ_BLOCK_N", 128)),
                     dq_warps=int(cfg.get("DQ_WARPS", 4)), tile_group=tile_group, slab=slab)
     bm, bn, bk = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"]), int(cfg["BLOCK_K"])
+    # The word unpack takes K tiles of 16 word rows or more where the group allows (the tuned
+    # tiles); a smaller group shrinks the tile to it, down to what the dot (16 rows) and whole words
+    # need: 4 word rows at 4 bits g32, 8 at 2 bits g128. Below that, each element is scaled before
+    # the dot (the per-element gather: a 16-word-row minimum sent 2-bit g128 there, 1066 us for
+    # 28672x4096 at M = 16 on an H100, 27x the 4-bit g128 tile; 4-bit g32 / g64 took it too).
     vpw = 32 // bits if 32 % bits == 0 else 1
+    min_bk = max(16, vpw)
     bk = max(bk, 16 * vpw if 32 % bits == 0 else 16)
     tile_group = True
     if grouped and group_size % bk:
-        # Shrink the K tile to a power of two dividing the group (the dot needs K >= 16, and the
-        # fast unpack needs whole words of 16 rows); otherwise scale each element before the dot.
+        # Shrink the K tile to a power of two dividing the group; otherwise scale each element
+        # before the dot.
         fit = _pow2_divisor(group_size, bk)
-        if fit >= max(16, 16 * vpw if 32 % bits == 0 else 16):
+        if fit >= min_bk:
             bk = fit
         else:
             # Per-element scaling: the K tile only needs the dot's minimum of 16 rows. Keeping the
