@@ -489,7 +489,7 @@ def test_gpu_key():
 # The fp16/bf16 weight tile (Dequant.HALF_*): on a GPU inline PTX, under the interpreter the same
 # lanes in plain Triton. The GEMM cases above mostly scale per element (group < K tile) or run in
 # fp32, so these force the whole-word, one-group tile in fp16.
-HALF_CASES = [(4, 128), (4, -1), (8, 128), (8, 64), (2, -1), (2, 256)]
+HALF_CASES = [(4, 128), (4, -1), (8, 128), (8, 64), (2, -1), (2, 256), (2, 128), (2, 32), (4, 32), (4, 64), (8, 32)]  # the last five: groups under the K tile
 
 
 @pytest.mark.parametrize("bits,group_size", HALF_CASES)
