@@ -809,6 +809,8 @@ def test_gemm_builds_compile_for_sm90(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["BLOCK_K"] for r in rows] == [128, 128] and rows[0]["even_odd"]
     assert all(r["ok"] and r["cubin_bytes"] > 0 and not r["local_memory"] for r in rows), rows
+    # 2-bit g128: the word unpack on a group-deep tile, in one sm_90 block (the per-element gather took 299 KB)
+    assert rows[1]["tile_group"] and rows[1]["fits_sm90"], rows[1]
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])
