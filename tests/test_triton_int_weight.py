@@ -831,6 +831,55 @@ def test_split_fitted_down_to_one_writes_the_output_itself(monkeypatch, path, re
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])
+@pytest.mark.parametrize("reduce", ["partials", "atomic"])
+def test_pdl_reduction_only_where_asked(monkeypatch, path, reduce):
+    """``pdl_reduce`` on a GPU with PDL: the split-K kernel is built with its trigger and the reduction is
+    launched as a programmatic dependent that waits for it (``PDL``, ``launch_pdl``). Without the knob, on
+    a GPU without PDL, or where the launch takes one split (no reduction), the builds are the plain ones
+    (no ``PDL`` constexpr: the same compiled kernels as before the knob). The interpreter has no grid
+    dependencies, so the launches are recorded, not run."""
+    import triton
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, kw))
+
+    for name in ("_gemv_kernel", "_tc_kernel", "_reduce_kernel"):
+        monkeypatch.setattr(T, name, Recorder(name))
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, False)
+    x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
+    split_kernel = "_gemv_kernel" if path == "decode" else "_tc_kernel"
+
+    def launched(knob, gpu_pdl, one_split=False):
+        launches.clear()
+        monkeypatch.setattr(T, "pdl_launch", lambda device: gpu_pdl)
+        monkeypatch.setattr(T, "_build_facts", lambda *a: (1, 7 if one_split else None))
+        monkeypatch.setattr(T, "split_in_waves", lambda k, unit, tiles, split, slots: (1, triton.cdiv(k, unit) * unit))
+        t = table(reduce=reduce)
+        for section in ("decode", "gemm"):
+            for cfg in t[section]["default"].values():
+                cfg["pdl_reduce"] = knob
+        with T.config_override(t):
+            assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
+            T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
+        return {name: kw for name, kw in launches}
+
+    got = launched(1, True)
+    assert got[split_kernel]["PDL"] is True
+    assert got["_reduce_kernel"]["PDL"] is True and got["_reduce_kernel"]["launch_pdl"] is True
+    for knob, gpu_pdl in ((0, True), (1, False)):
+        got = launched(knob, gpu_pdl)
+        assert "PDL" not in got[split_kernel] and not {"PDL", "launch_pdl"} & set(got["_reduce_kernel"]), (knob, gpu_pdl)
+    got = launched(1, True, one_split=True)
+    assert list(got) == [split_kernel] and "PDL" not in got[split_kernel] and got[split_kernel]["OUT_MODE"] == 0
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm"])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_build_facts_compile_the_launched_build(monkeypatch, path, mode):
     """On a GPU the facts of a build come from compiling it with the launch's own arguments (every run-time

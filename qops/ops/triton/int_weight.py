@@ -62,7 +62,7 @@ import triton.language as tl
 
 from .common import (EVEN_ODD_4, HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket,
                      resident_programs, sm_count, split_in_waves, split_k)
-from .._common import deterministic_requested, unit_stride
+from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -211,10 +211,13 @@ def _gemv_kernel(
     split_len, group_size, zero_offset, magic,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Split-K GEMV for up to 4 rows. Program (n tile, K split, m tile); a step covers CHUNKS runs
-    of 32 K values (BITS words each), all inside one quantization group."""
+    of 32 K values (BITS words each), all inside one quantization group. PDL: the reduction launched
+    after it (a programmatic dependent) may be scheduled as soon as every program has started."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -545,6 +548,7 @@ def _tc_kernel(
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr = 0,
     PREFETCH_S: tl.constexpr = False, EVEN_ODD: tl.constexpr = False, SYM_ZERO_LOAD: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Split-K tiled GEMM on tensor cores: program (m/n tile, K split). PREFETCH_S loads the next K tile's
     scales one iteration ahead: Triton's pipeliner does not take that load (a few bytes a thread, under
@@ -555,7 +559,10 @@ def _tc_kernel(
     from a load, it is placed like loaded zero points, and Triton 3.6 then carries the half unpack into
     the MMA operand's registers, which it does not do from a constant (sm_90 SASS: the tile goes through
     shared memory; the 8-bit 16 x 128 x 128 GEMM ran 183 us symmetric, 59 us asymmetric on an H100; with
-    it, 60 us). A non-finite scale gives a non-finite zero point, where its column's output is non-finite anyway."""
+    it, 60 us). A non-finite scale gives a non-finite zero point, where its column's output is non-finite anyway.
+    PDL: as the GEMV's (the reduction after it may be scheduled once every program has started)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -649,13 +656,19 @@ def _tc_kernel(
 
 @triton.jit
 def _reduce_kernel(p_ptr, bias_ptr, y_ptr, M, N, S, stride_ps, stride_pm, stride_ym, stride_yn,
-                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """y[m, :] = sum over S fp32 partials (+ bias), cast to y's dtype.
 
     BLOCK_S partials are loaded as one (BLOCK_S, BLOCK) tile and summed in registers: the loads of a
     loop over single partials wait on each other's adds, and with few programs (N = 4096 gives 16 at
     M = 1) that chain of S L2 round trips, not bandwidth, is what the reduction costs. The summation
-    order depends only on S and BLOCK_S, so results are the same run to run."""
+    order depends only on S and BLOCK_S, so results are the same run to run.
+
+    PDL (launched as a programmatic dependent of the split-K kernel): its programs are placed while
+    that kernel's last programs run, and wait here until that grid has completed and its writes are
+    visible; the launch's latency is what this hides, nothing is read early."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     m = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     nmask = offs_n < N
@@ -1001,7 +1014,8 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     tensors = (x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
     split, split_len = plan["split"], plan["split_len"]
     mode = 0 if split == 1 else 2 if plan["reduce"] == "atomic" else 1
-    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
+    pdl = mode != 0 and reduce_pdl(plan["cfg"], x2.device)
+    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias, pdl)
     stages, per_sm = _build_facts(kernel, constexprs, launch, plan, tensors, mode)
     if split > 1 and per_sm:
         # The plan's split count asks for a number of programs; the build's registers and shared
@@ -1025,7 +1039,15 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
         _reduce_kernel[(-(-n // block), m)](
             y, bias if bias is not None else y, o2, m, n, parts, *_out_strides(mode, o2)[:2],
             o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
+            **({"PDL": True, "launch_pdl": True} if pdl else {}),
         )
+
+
+def reduce_pdl(cfg: dict, device: torch.device) -> bool:
+    """Whether a split-K launch of config ``cfg`` starts its reduction as a programmatic dependent
+    (``pdl_reduce`` in the table, on a GPU that has PDL): the reduction's launch latency then overlaps
+    the split-K kernel's last programs."""
+    return bool(cfg.get("pdl_reduce", 0)) and pdl_launch(device)
 
 
 # Partials a reduction program loads at once, at most; beyond it the program loops (split counts
@@ -1049,12 +1071,13 @@ def _out_strides(mode: int, o2: torch.Tensor) -> tuple[int, int, int]:
     return (m * n if mode == 1 else 0), n, 1
 
 
-def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias) -> tuple:
-    """(kernel, constexprs, launch options) of a decode or GEMM plan writing OUT_MODE ``mode``."""
+def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pdl: bool = False) -> tuple:
+    """(kernel, constexprs, launch options) of a decode or GEMM plan writing OUT_MODE ``mode``; ``pdl``
+    compiles in the trigger of a PDL reduction (absent otherwise: the builds stay those of before)."""
     cfg = plan["cfg"]
     flags = dict(
         BITS=bits, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None, HAS_BIAS=bias is not None,
-        OUT_MODE=mode, EVEN_K=plan["even_k"],
+        OUT_MODE=mode, EVEN_K=plan["even_k"], **({"PDL": True} if pdl else {}),
     )
     launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)))
     if plan["path"] == "decode":
