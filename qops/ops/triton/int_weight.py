@@ -40,7 +40,9 @@ number of rows M and the shipped config table (never from tensor values, never w
 
 Split-K partial sums either go to an fp32 ``(S, M, N)`` buffer summed by a small reduce kernel
 (no zeroing pass), or are added atomically into a zeroed fp32 ``(M, N)`` buffer; which one is a
-config choice decided by the tuner. Configs come from ``configs/<gpu>.json`` (``default.json`` for
+config choice decided by the tuner; a config may launch that reduction as a programmatic dependent
+of the split-K kernel (``pdl_reduce``, sm_90+), placed under the split-K kernel's last programs and
+waiting for its completion there. Configs come from ``configs/<gpu>.json`` (``default.json`` for
 an unknown GPU), loaded once and keyed by bits and bucketed M; the split count follows from the
 device's SM count and the shape (the config's programs per SM), lowered where the grid would end in a
 partial wave of the programs the build's registers and shared memory let the GPU hold at once
