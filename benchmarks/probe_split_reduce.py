@@ -25,6 +25,9 @@ M with ``reduce`` set to atomic and to partials, each with the split fitted to t
 kernel build compiled with the programs an SM holds. ``--pdl`` times, in place of fit / nofit, each
 reduction with the table's ``pdl_reduce`` off and on (fitted splits): the reduction launched as a
 programmatic dependent of the split-K kernel, its launch latency hidden under that kernel's tail.
+Its first run (h100-2026-12-06-16c396d-probe-pdl, where the off variants were named without a suffix)
+had the atomic reduction 0.26-0.97 us faster with PDL in all 15 rows and the partials one mixed (-0.8
+to +3.5 us), so PDL is now the atomic reduction's default (``int_weight.reduce_pdl``).
 
     PYTHONPATH=. python benchmarks/probe_split_reduce.py [--shapes ...] [--ms 1,2,4,16,32,64] [--bits 4] [--max-splits 4,8] [--pdl] [--out F]
 """
@@ -47,14 +50,14 @@ from qops.ops.triton.common import pick_bucket  # noqa: E402
 from tune_triton_int_weight import GROUP, random_weight, weight_bytes  # noqa: E402
 
 SHAPES = [(28672, 4096), (8192, 28672), (57344, 8192), (4096, 14336), (4096, 4096), (6144, 4096), (14336, 4096)]
-# (reduce mode, split count, pdl_reduce): fit is the launch's, nofit the plan's; --pdl times the
-# reduction launched as a programmatic dependent against the plain launch instead of fit / nofit
-VARIANTS = [("atomic", "fit", 0), ("atomic", "nofit", 0), ("partials", "fit", 0), ("partials", "nofit", 0)]
+# (reduce mode, split count, pdl_reduce): fit is the launch's, nofit the plan's; pdl_reduce None is the
+# launch's default (PDL with the atomic reduction), --pdl times both reductions with it off and on
+VARIANTS = [("atomic", "fit", None), ("atomic", "nofit", None), ("partials", "fit", None), ("partials", "nofit", None)]
 PDL_VARIANTS = [("atomic", "fit", 0), ("atomic", "fit", 1), ("partials", "fit", 0), ("partials", "fit", 1)]
 
 
-def variant_name(reduce: str, form: str, pdl: int) -> str:
-    return f"{reduce}_{form}" + ("_pdl" if pdl else "")
+def variant_name(reduce: str, form: str, pdl: int | None) -> str:
+    return f"{reduce}_{form}" + {None: "", 0: "_nopdl", 1: "_pdl"}[pdl]
 
 
 @contextlib.contextmanager
@@ -75,15 +78,16 @@ def split_form(form: str, launched: list):
         T.split_in_waves = shipped
 
 
-def table_with_reduce(path: str, m: int, bits: int, reduce: str, max_split: int | None = None, pdl: int = 0) -> dict:
-    """The active table with the config serving (path, bits, M) set to ``reduce`` and ``pdl_reduce``
-    (and ``max_split`` where given; nothing else changed)."""
+def table_with_reduce(path: str, m: int, bits: int, reduce: str, max_split: int | None = None, pdl: int | None = None) -> dict:
+    """The active table with the config serving (path, bits, M) set to ``reduce`` (and ``pdl_reduce`` and
+    ``max_split`` where given; nothing else changed)."""
     table = copy.deepcopy(T.config_for(torch.device("cuda")))
     section = table[path]
     by_m = section[str(bits)] if str(bits) in section else section["default"]
     # the bucket the lowering reads (int_weight._bucket's rule)
     bucket, cfg = pick_bucket([(b, by_m[str(b)]) for b in sorted(int(b) for b in by_m)], m)
-    by_m[str(bucket)] = {**cfg, "reduce": reduce, "pdl_reduce": pdl} | ({"max_split": max_split} if max_split else {})
+    by_m[str(bucket)] = ({**cfg, "reduce": reduce} | ({"max_split": max_split} if max_split else {})
+                         | ({"pdl_reduce": pdl} if pdl is not None else {}))
     return table
 
 
@@ -117,9 +121,9 @@ def main(argv=None) -> int:
     print("\nN x K | M | path | max_split | splits planned / launched (atomic, partials) | " + " | ".join(f"{variant_name(*v)} us" for v in variants))
     for r in res["rows"]:
         times = " | ".join(str(r[f"{variant_name(*v)}_us"]) for v in variants)
-        sp = r["split"]
+        atomic, partials = (r["split"][variant_name(*variants[i])] for i in (0, 2))
         print(f"{r['N']}x{r['K']} | {r['M']} | {r['path']} | {r['max_split'] or '-'} | "
-              f"{sp['atomic_fit'][0]}/{sp['atomic_fit'][1]}, {sp['partials_fit'][0]}/{sp['partials_fit'][1]} | {times}")
+              f"{atomic[0]}/{atomic[1]}, {partials[0]}/{partials[1]} | {times}")
     res["builds"] = build_facts()
     for b in res["builds"]:
         print("build:", json.dumps(b))

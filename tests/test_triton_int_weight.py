@@ -834,10 +834,11 @@ def test_split_fitted_down_to_one_writes_the_output_itself(monkeypatch, path, re
 @pytest.mark.parametrize("reduce", ["partials", "atomic"])
 def test_pdl_reduction_only_where_asked(monkeypatch, path, reduce):
     """``pdl_reduce`` on a GPU with PDL: the split-K kernel is built with its trigger and the reduction is
-    launched as a programmatic dependent that waits for it (``PDL``, ``launch_pdl``). Without the knob, on
-    a GPU without PDL, or where the launch takes one split (no reduction), the builds are the plain ones
-    (no ``PDL`` constexpr: the same compiled kernels as before the knob). The interpreter has no grid
-    dependencies, so the launches are recorded, not run."""
+    launched as a programmatic dependent that waits for it (``PDL``, ``launch_pdl``); a config without the
+    key gets it with the atomic reduction only. With the knob off, on a GPU without PDL, or where the launch
+    takes one split (no reduction), the builds are the plain ones (no ``PDL`` constexpr: the same compiled
+    kernels as before the knob). The interpreter has no grid dependencies, so the launches are recorded,
+    not run."""
     import triton
 
     launches = []
@@ -863,7 +864,8 @@ def test_pdl_reduction_only_where_asked(monkeypatch, path, reduce):
         t = table(reduce=reduce)
         for section in ("decode", "gemm"):
             for cfg in t[section]["default"].values():
-                cfg["pdl_reduce"] = knob
+                if knob is not None:
+                    cfg["pdl_reduce"] = knob
         with T.config_override(t):
             assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
             T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
@@ -872,7 +874,10 @@ def test_pdl_reduction_only_where_asked(monkeypatch, path, reduce):
     got = launched(1, True)
     assert got[split_kernel]["PDL"] is True
     assert got["_reduce_kernel"]["PDL"] is True and got["_reduce_kernel"]["launch_pdl"] is True
-    for knob, gpu_pdl in ((0, True), (1, False)):
+    got = launched(None, True)
+    assert got[split_kernel].get("PDL", False) is (reduce == "atomic")
+    assert got["_reduce_kernel"].get("launch_pdl", False) is (reduce == "atomic")
+    for knob, gpu_pdl in ((0, True), (1, False), (None, False)):
         got = launched(knob, gpu_pdl)
         assert "PDL" not in got[split_kernel] and not {"PDL", "launch_pdl"} & set(got["_reduce_kernel"]), (knob, gpu_pdl)
     got = launched(1, True, one_split=True)
