@@ -22,9 +22,14 @@ Per shape and M this times, interleaved over rotated weight copies, the shipped 
 M with ``reduce`` set to atomic and to partials, each with the split fitted to the resident programs
 (``fit``, the shipped launch) and as the plan asks (``nofit``), and the split counts launched.
 ``--max-splits`` repeats each row with the config's ``max_split`` capped, and the JSON records every
-kernel build compiled with the programs an SM holds.
+kernel build compiled with the programs an SM holds. ``--pdl`` times, in place of fit / nofit, each
+reduction with the table's ``pdl_reduce`` off and on (fitted splits): the reduction launched as a
+programmatic dependent of the split-K kernel, its launch latency hidden under that kernel's tail.
+Its first run (h100-2026-12-06-16c396d-probe-pdl, where the off variants were named without a suffix)
+had the atomic reduction 0.26-0.97 us faster with PDL in all 15 rows and the partials one mixed (-0.8
+to +3.5 us), so PDL is now the atomic reduction's default (``int_weight.reduce_pdl``).
 
-    PYTHONPATH=. python benchmarks/probe_split_reduce.py [--shapes ...] [--ms 1,2,4,16,32,64] [--bits 4] [--max-splits 4,8] [--out F]
+    PYTHONPATH=. python benchmarks/probe_split_reduce.py [--shapes ...] [--ms 1,2,4,16,32,64] [--bits 4] [--max-splits 4,8] [--pdl] [--out F]
 """
 from __future__ import annotations
 
@@ -45,8 +50,14 @@ from qops.ops.triton.common import pick_bucket  # noqa: E402
 from tune_triton_int_weight import GROUP, random_weight, weight_bytes  # noqa: E402
 
 SHAPES = [(28672, 4096), (8192, 28672), (57344, 8192), (4096, 14336), (4096, 4096), (6144, 4096), (14336, 4096)]
-# (reduce mode, split count): fit is the launch's, nofit the plan's
-VARIANTS = [("atomic", "fit"), ("atomic", "nofit"), ("partials", "fit"), ("partials", "nofit")]
+# (reduce mode, split count, pdl_reduce): fit is the launch's, nofit the plan's; pdl_reduce None is the
+# launch's default (PDL with the atomic reduction), --pdl times both reductions with it off and on
+VARIANTS = [("atomic", "fit", None), ("atomic", "nofit", None), ("partials", "fit", None), ("partials", "nofit", None)]
+PDL_VARIANTS = [("atomic", "fit", 0), ("atomic", "fit", 1), ("partials", "fit", 0), ("partials", "fit", 1)]
+
+
+def variant_name(reduce: str, form: str, pdl: int | None) -> str:
+    return f"{reduce}_{form}" + {None: "", 0: "_nopdl", 1: "_pdl"}[pdl]
 
 
 @contextlib.contextmanager
@@ -67,15 +78,16 @@ def split_form(form: str, launched: list):
         T.split_in_waves = shipped
 
 
-def table_with_reduce(path: str, m: int, bits: int, reduce: str, max_split: int | None = None) -> dict:
-    """The active table with the config serving (path, bits, M) set to ``reduce`` (and ``max_split``
-    where given; nothing else changed)."""
+def table_with_reduce(path: str, m: int, bits: int, reduce: str, max_split: int | None = None, pdl: int | None = None) -> dict:
+    """The active table with the config serving (path, bits, M) set to ``reduce`` (and ``pdl_reduce`` and
+    ``max_split`` where given; nothing else changed)."""
     table = copy.deepcopy(T.config_for(torch.device("cuda")))
     section = table[path]
     by_m = section[str(bits)] if str(bits) in section else section["default"]
     # the bucket the lowering reads (int_weight._bucket's rule)
     bucket, cfg = pick_bucket([(b, by_m[str(b)]) for b in sorted(int(b) for b in by_m)], m)
-    by_m[str(bucket)] = {**cfg, "reduce": reduce} | ({"max_split": max_split} if max_split else {})
+    by_m[str(bucket)] = ({**cfg, "reduce": reduce} | ({"max_split": max_split} if max_split else {})
+                         | ({"pdl_reduce": pdl} if pdl is not None else {}))
     return table
 
 
@@ -90,25 +102,28 @@ def build_facts() -> list[dict]:
 def main(argv=None) -> int:
     p = common.probe_parser("probe_split_reduce.py", __doc__, SHAPES, [1, 2, 4, 16, 32, 64], 7)
     p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group", type=int, default=GROUP, help="quantization group size (default 128)")
     p.add_argument("--max-splits", type=common.parse_ms, default=[], help="also with max_split capped to each of these")
+    p.add_argument("--pdl", action="store_true", help="time each reduction launched with and without PDL (fitted splits)")
     a = p.parse_args(argv)
+    variants = PDL_VARIANTS if a.pdl else VARIANTS
     res = common.probe_result("split_reduce")
     if res is None:
         return 2
     dev = torch.device("cuda")
     for n, k in a.shapes:
-        base = random_weight(n, k, a.bits, dev, 1)
+        base = random_weight(n, k, a.bits, dev, 1, a.group)
         copies = [base] + [tuple(t.clone() for t in base) for _ in range(common.n_copies(base[0].numel() * 4) - 1)]
-        roof = weight_bytes(n, k, a.bits) / (res["copy_TBps"] * 1e6)
+        roof = weight_bytes(n, k, a.bits, a.group) / (res["copy_TBps"] * 1e6)
         for m in a.ms:
             for cap in [None, *a.max_splits]:
-                time_case(res, a, n, k, m, cap, copies, base, roof)
-    print("\nN x K | M | path | max_split | splits planned / launched (atomic, partials) | " + " | ".join(f"{r}_{f} us" for r, f in VARIANTS))
+                time_case(res, a, n, k, m, cap, copies, base, roof, variants)
+    print("\nN x K | M | path | max_split | splits planned / launched (atomic, partials) | " + " | ".join(f"{variant_name(*v)} us" for v in variants))
     for r in res["rows"]:
-        times = " | ".join(str(r[f"{rd}_{f}_us"]) for rd, f in VARIANTS)
-        sp = r["split"]
+        times = " | ".join(str(r[f"{variant_name(*v)}_us"]) for v in variants)
+        atomic, partials = (r["split"][variant_name(*variants[i])] for i in (0, 2))
         print(f"{r['N']}x{r['K']} | {r['M']} | {r['path']} | {r['max_split'] or '-'} | "
-              f"{sp['atomic_fit'][0]}/{sp['atomic_fit'][1]}, {sp['partials_fit'][0]}/{sp['partials_fit'][1]} | {times}")
+              f"{atomic[0]}/{atomic[1]}, {partials[0]}/{partials[1]} | {times}")
     res["builds"] = build_facts()
     for b in res["builds"]:
         print("build:", json.dumps(b))
@@ -116,29 +131,29 @@ def main(argv=None) -> int:
     return 0
 
 
-def time_case(res, a, n, k, m, cap, copies, base, roof):
+def time_case(res, a, n, k, m, cap, copies, base, roof, variants):
     """One row: the variants of (shape, M) with max_split capped at ``cap`` (None: the table's)."""
     dev = torch.device("cuda")
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), dtype=torch.float16).to(dev)
-    path = T._plan(m, n, k, a.bits, GROUP, dev)["path"]
+    path = T._plan(m, n, k, a.bits, a.group, dev)["path"]
     cands, ref, errs, splits = {}, None, {}, {}
-    for reduce, form in VARIANTS:
-        table = table_with_reduce(path, m, a.bits, reduce, cap)
-        name = f"{reduce}_{form}"
+    for reduce, form, pdl in variants:
+        table = table_with_reduce(path, m, a.bits, reduce, cap, pdl)
+        name = variant_name(reduce, form, pdl)
         launched = []
 
         def call(w, table=table, form=form, launched=launched):
             with T.config_override(table), split_form(form, launched):
-                return T.triton_mm(x, *w, None, None, a.bits, GROUP, 0, force_path=path)
+                return T.triton_mm(x, *w, None, None, a.bits, a.group, 0, force_path=path)
 
         y = call(base).float()
         with T.config_override(table):
-            plan_split = T._plan(m, n, k, a.bits, GROUP, dev, path)["split"]
+            plan_split = T._plan(m, n, k, a.bits, a.group, dev, path)["split"]
         splits[name] = [plan_split, launched[-1] if launched else plan_split]
         ref = y if ref is None else ref
         errs[name] = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
         cands[name] = [lambda w=w, call=call: call(w) for w in copies]
-    row = dict(N=n, K=k, M=m, bits=a.bits, path=path, max_split=cap, split=splits, rel_err_vs_first=errs)
+    row = dict(N=n, K=k, M=m, bits=a.bits, group=a.group, path=path, max_split=cap, split=splits, rel_err_vs_first=errs)
     common.time_row(res, row, cands, a.trials, roof)
     del cands
     torch.cuda.empty_cache()

@@ -110,18 +110,18 @@ def single_table(path: str, cfg: dict) -> dict:
             "decode": {"default": {"1": cfg}}, "gemm": {"default": {"1": cfg}}}
 
 
-def random_weight(n, k, bits, device, seed):
+def random_weight(n, k, bits, device, seed, group=GROUP):
     g = torch.Generator(device="cpu").manual_seed(seed)
     rows = (k * bits + 31) // 32
     qweight = torch.randint(-(2**31), 2**31 - 1, (rows, n), generator=g, dtype=torch.int32).to(device)
-    groups = -(-k // GROUP)
+    groups = -(-k // group)
     scales = (torch.rand(groups, n, generator=g) * 0.01 + 0.001).half().to(device)
     qzeros = torch.randint(-(2**31), 2**31 - 1, (groups, (n * bits + 31) // 32), generator=g, dtype=torch.int32).to(device)
     return qweight, scales, qzeros
 
 
-def weight_bytes(n, k, bits):
-    return n * k * bits // 8 + 2 * n * -(-k // GROUP) + n * bits // 8 * -(-k // GROUP)
+def weight_bytes(n, k, bits, group=GROUP):
+    return n * k * bits // 8 + 2 * n * -(-k // group) + n * bits // 8 * -(-k // group)
 
 
 def roofline_us(n, k, m, bits):

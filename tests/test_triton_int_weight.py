@@ -186,6 +186,18 @@ def test_group_size_that_splits_words(path, bits):
     check(5, 40, 152, bits, 48, False, True, True, torch.float16, path)
 
 
+@pytest.mark.parametrize("bits,group_size,block_k", [(2, 128, 128), (2, 32, 32), (4, 32, 32), (4, 64, 64), (8, 32, 32), (3, 32, 32)])
+def test_gemm_keeps_the_word_unpack_for_groups_under_the_k_tile(bits, group_size, block_k):
+    """A group smaller than the config's K tile shrinks the tile to the group (whole words, the dot's 16
+    rows), so the product is scaled once a tile: the per-element gather (each row reading its own
+    word) ran 2-bit g128 at 28672x4096, M = 16 in 1066 us on an H100, 27x the 4-bit g128 GEMM."""
+    t = table()
+    t["gemm"]["default"]["64"]["BLOCK_K"] = 256
+    with T.config_override(t):
+        plan = T._plan(16, 64, 1024, bits, group_size, torch.device(DEVICE), "gemm")
+    assert plan["tile_group"] and plan["block_k"] == block_k, plan
+
+
 @pytest.mark.parametrize("parts", [1, 5, T.REDUCE_MAX_S + 6])
 def test_reduce_kernel_sums_every_partial(parts):
     """The split-K reduction alone against a float64 sum: a split count off the power of two (masked
@@ -421,10 +433,13 @@ def test_plan_follows_the_table():
         assert T._plan(1, 4096, 4096, 4, 32, dev)["chunks"] == 1
         # The GEMM K tile shrinks to divide the group (8-bit words allow 64-row tiles).
         assert T._plan(32, 4096, 4096, 8, 64, dev)["block_k"] <= 64
-        # 2 bits, group 32: per-element scaling with a narrow K tile. A 256-row tile here needed
-        # 598 KB of shared memory on the H200 (the GPU suite's first failure).
+        # 2 bits, group 32: the word unpack on a K tile of the group (two word rows). A 256-row tile
+        # here needed 598 KB of shared memory on the H200 (the GPU suite's first failure).
         plan = T._plan(16, 200, 333, 2, 32, dev, "gemm")
-        assert not plan["tile_group"] and plan["block_k"] == 32
+        assert plan["tile_group"] and plan["block_k"] == 32
+        # Group 40: no K tile of 16 rows or more divides it: per-element scaling on 16 rows.
+        plan = T._plan(16, 200, 333, 4, 40, dev, "gemm")
+        assert not plan["tile_group"] and plan["block_k"] == 16
 
 
 def test_every_shipped_config_is_checked():
@@ -474,7 +489,7 @@ def test_gpu_key():
 # The fp16/bf16 weight tile (Dequant.HALF_*): on a GPU inline PTX, under the interpreter the same
 # lanes in plain Triton. The GEMM cases above mostly scale per element (group < K tile) or run in
 # fp32, so these force the whole-word, one-group tile in fp16.
-HALF_CASES = [(4, 128), (4, -1), (8, 128), (8, 64), (2, -1), (2, 256)]
+HALF_CASES = [(4, 128), (4, -1), (8, 128), (8, 64), (2, -1), (2, 256), (2, 128), (2, 32), (4, 32), (4, 64), (8, 32)]  # the last five: groups under the K tile
 
 
 @pytest.mark.parametrize("bits,group_size", HALF_CASES)
@@ -794,6 +809,8 @@ def test_gemm_builds_compile_for_sm90(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["BLOCK_K"] for r in rows] == [128, 128] and rows[0]["even_odd"]
     assert all(r["ok"] and r["cubin_bytes"] > 0 and not r["local_memory"] for r in rows), rows
+    # 2-bit g128: the word unpack on a group-deep tile, in one sm_90 block (the per-element gather took 299 KB)
+    assert rows[1]["tile_group"] and rows[1]["fits_sm90"], rows[1]
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])
@@ -811,6 +828,60 @@ def test_split_fitted_down_to_one_writes_the_output_itself(monkeypatch, path, re
         assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
         check(3, 72, 256, 4, 32, False, False, True, torch.float16, path)
     assert reduced == []
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+@pytest.mark.parametrize("reduce", ["partials", "atomic"])
+def test_pdl_reduction_only_where_asked(monkeypatch, path, reduce):
+    """``pdl_reduce`` on a GPU with PDL: the split-K kernel is built with its trigger and the reduction is
+    launched as a programmatic dependent that waits for it (``PDL``, ``launch_pdl``); a config without the
+    key gets it with the atomic reduction only. With the knob off, on a GPU without PDL, or where the launch
+    takes one split (no reduction), the builds are the plain ones (no ``PDL`` constexpr: the same compiled
+    kernels as before the knob). The interpreter has no grid dependencies, so the launches are recorded,
+    not run."""
+    import triton
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, kw))
+
+    for name in ("_gemv_kernel", "_tc_kernel", "_reduce_kernel"):
+        monkeypatch.setattr(T, name, Recorder(name))
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, False)
+    x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
+    split_kernel = "_gemv_kernel" if path == "decode" else "_tc_kernel"
+
+    def launched(knob, gpu_pdl, one_split=False):
+        launches.clear()
+        monkeypatch.setattr(T, "pdl_launch", lambda device: gpu_pdl)
+        monkeypatch.setattr(T, "_build_facts", lambda *a: (1, 7 if one_split else None))
+        monkeypatch.setattr(T, "split_in_waves", lambda k, unit, tiles, split, slots: (1, triton.cdiv(k, unit) * unit))
+        t = table(reduce=reduce)
+        for section in ("decode", "gemm"):
+            for cfg in t[section]["default"].values():
+                if knob is not None:
+                    cfg["pdl_reduce"] = knob
+        with T.config_override(t):
+            assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
+            T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
+        return {name: kw for name, kw in launches}
+
+    got = launched(1, True)
+    assert got[split_kernel]["PDL"] is True
+    assert got["_reduce_kernel"]["PDL"] is True and got["_reduce_kernel"]["launch_pdl"] is True
+    got = launched(None, True)
+    assert got[split_kernel].get("PDL", False) is (reduce == "atomic")
+    assert got["_reduce_kernel"].get("launch_pdl", False) is (reduce == "atomic")
+    for knob, gpu_pdl in ((0, True), (1, False), (None, False)):
+        got = launched(knob, gpu_pdl)
+        assert "PDL" not in got[split_kernel] and not {"PDL", "launch_pdl"} & set(got["_reduce_kernel"]), (knob, gpu_pdl)
+    got = launched(1, True, one_split=True)
+    assert list(got) == [split_kernel] and "PDL" not in got[split_kernel] and got[split_kernel]["OUT_MODE"] == 0
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])

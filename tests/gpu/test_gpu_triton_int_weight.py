@@ -303,6 +303,41 @@ def test_gemm_over_several_m_tiles(item, reduce, splits):
             check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} split={plan['split']} {reduce}")
 
 
+def table_with_pdl_reduce(reduce: str) -> dict:
+    """This GPU's table with every decode and GEMM config set to ``reduce`` and ``pdl_reduce``."""
+    table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
+    for section in ("decode", "gemm"):
+        for by_m in table[section].values():
+            for cfg in by_m.values():
+                cfg.update(reduce=reduce, pdl_reduce=1)
+    return table
+
+
+@pytest.mark.parametrize("reduce", ["partials", "atomic"])
+@pytest.mark.parametrize("item", [SWEEP[0], SWEEP[1], SWEEP[3]], ids=_id)
+def test_pdl_reduction_matches_the_oracle(item, reduce, monkeypatch):
+    """``pdl_reduce``: the split-K reduction launched as a programmatic dependent of the split-K kernel
+    (it waits for that grid's completion), at M = 1, 3 (decode) and 17, 33 (GEMM), eagerly and replayed from
+    a CUDA graph with fresh inputs, each launch asserted split (the split fitted to the GPU included)."""
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=11)
+    dev = torch.device("cuda")
+    launched = []
+    shipped = T.split_in_waves
+    monkeypatch.setattr(T, "split_in_waves", lambda *a: launched.append(shipped(*a)[0]) or shipped(*a))
+    with T.config_override(table_with_pdl_reduce(reduce)):
+        for m in (1, 3, 17, 33):
+            plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
+            assert plan["path"] in ("decode", "gemm") and plan["split"] > 1 and T.reduce_pdl(plan["cfg"], dev), plan
+            x = rand(m, case.k, dtype=dtype, seed=110 + m)
+            launched.clear()
+            check(b.weight.mm(x, bias), x, b.w64, bias, f"pdl {reduce} {_id(item)} M={m}")
+            assert launched and launched[-1] > 1, f"M={m}: the launch took one split ({launched}): no reduction to test"
+            y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=120 + m))
+            check(y, x, b.w64, bias, f"pdl graph {reduce} {_id(item)} M={m}")
+
+
 PREFETCH_CASES = [(Case("gptq", 4, 128, False, True, "v2", 4104, 4096), torch.float16),
                   (Case("awq", 4, 128, False, False, None, 1024, 4096), torch.bfloat16),
                   (Case("gptq", 8, 64, False, False, "v2", 520, 2048), torch.float16),

@@ -40,7 +40,9 @@ number of rows M and the shipped config table (never from tensor values, never w
 
 Split-K partial sums either go to an fp32 ``(S, M, N)`` buffer summed by a small reduce kernel
 (no zeroing pass), or are added atomically into a zeroed fp32 ``(M, N)`` buffer; which one is a
-config choice decided by the tuner. Configs come from ``configs/<gpu>.json`` (``default.json`` for
+config choice decided by the tuner. On sm_90+ the atomic one's reduction is launched as a programmatic
+dependent of the split-K kernel (placed under that kernel's last programs, waiting for its completion
+there; ``pdl_reduce`` in a config overrides: :func:`reduce_pdl`). Configs come from ``configs/<gpu>.json`` (``default.json`` for
 an unknown GPU), loaded once and keyed by bits and bucketed M; the split count follows from the
 device's SM count and the shape (the config's programs per SM), lowered where the grid would end in a
 partial wave of the programs the build's registers and shared memory let the GPU hold at once
@@ -62,7 +64,7 @@ import triton.language as tl
 
 from .common import (EVEN_ODD_4, HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket,
                      resident_programs, sm_count, split_in_waves, split_k)
-from .._common import deterministic_requested, unit_stride
+from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -211,10 +213,13 @@ def _gemv_kernel(
     split_len, group_size, zero_offset, magic,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Split-K GEMV for up to 4 rows. Program (n tile, K split, m tile); a step covers CHUNKS runs
-    of 32 K values (BITS words each), all inside one quantization group."""
+    of 32 K values (BITS words each), all inside one quantization group. PDL: the reduction launched
+    after it (a programmatic dependent) may be scheduled as soon as every program has started."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -545,6 +550,7 @@ def _tc_kernel(
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr = 0,
     PREFETCH_S: tl.constexpr = False, EVEN_ODD: tl.constexpr = False, SYM_ZERO_LOAD: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Split-K tiled GEMM on tensor cores: program (m/n tile, K split). PREFETCH_S loads the next K tile's
     scales one iteration ahead: Triton's pipeliner does not take that load (a few bytes a thread, under
@@ -555,7 +561,10 @@ def _tc_kernel(
     from a load, it is placed like loaded zero points, and Triton 3.6 then carries the half unpack into
     the MMA operand's registers, which it does not do from a constant (sm_90 SASS: the tile goes through
     shared memory; the 8-bit 16 x 128 x 128 GEMM ran 183 us symmetric, 59 us asymmetric on an H100; with
-    it, 60 us). A non-finite scale gives a non-finite zero point, where its column's output is non-finite anyway."""
+    it, 60 us). A non-finite scale gives a non-finite zero point, where its column's output is non-finite anyway.
+    PDL: as the GEMV's (the reduction after it may be scheduled once every program has started)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -649,13 +658,19 @@ def _tc_kernel(
 
 @triton.jit
 def _reduce_kernel(p_ptr, bias_ptr, y_ptr, M, N, S, stride_ps, stride_pm, stride_ym, stride_yn,
-                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """y[m, :] = sum over S fp32 partials (+ bias), cast to y's dtype.
 
     BLOCK_S partials are loaded as one (BLOCK_S, BLOCK) tile and summed in registers: the loads of a
     loop over single partials wait on each other's adds, and with few programs (N = 4096 gives 16 at
     M = 1) that chain of S L2 round trips, not bandwidth, is what the reduction costs. The summation
-    order depends only on S and BLOCK_S, so results are the same run to run."""
+    order depends only on S and BLOCK_S, so results are the same run to run.
+
+    PDL (launched as a programmatic dependent of the split-K kernel): its programs are placed while
+    that kernel's last programs run, and wait here until that grid has completed and its writes are
+    visible; the launch's latency is what this hides, nothing is read early."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     m = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     nmask = offs_n < N
@@ -918,14 +933,20 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
         return dict(path="dense", cfg=cfg, dq_block_k=bk, dq_block_n=int(cfg.get("DQ_BLOCK_N", 128)),
                     dq_warps=int(cfg.get("DQ_WARPS", 4)), tile_group=tile_group, slab=slab)
     bm, bn, bk = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"]), int(cfg["BLOCK_K"])
+    # The word unpack takes K tiles of 16 word rows or more where the group allows (the tuned
+    # tiles); a smaller group shrinks the tile to it, down to what the dot (16 rows) and whole words
+    # need: 4 word rows at 4 bits g32, 8 at 2 bits g128. Below that, each element is scaled before
+    # the dot (the per-element gather: a 16-word-row minimum sent 2-bit g128 there, 1066 us for
+    # 28672x4096 at M = 16 on an H100, 27x the 4-bit g128 tile; 4-bit g32 / g64 took it too).
     vpw = 32 // bits if 32 % bits == 0 else 1
+    min_bk = max(16, vpw)
     bk = max(bk, 16 * vpw if 32 % bits == 0 else 16)
     tile_group = True
     if grouped and group_size % bk:
-        # Shrink the K tile to a power of two dividing the group (the dot needs K >= 16, and the
-        # fast unpack needs whole words of 16 rows); otherwise scale each element before the dot.
+        # Shrink the K tile to a power of two dividing the group; otherwise scale each element
+        # before the dot.
         fit = _pow2_divisor(group_size, bk)
-        if fit >= max(16, 16 * vpw if 32 % bits == 0 else 16):
+        if fit >= min_bk:
             bk = fit
         else:
             # Per-element scaling: the K tile only needs the dot's minimum of 16 rows. Keeping the
@@ -995,7 +1016,8 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     tensors = (x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
     split, split_len = plan["split"], plan["split_len"]
     mode = 0 if split == 1 else 2 if plan["reduce"] == "atomic" else 1
-    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
+    pdl = mode != 0 and reduce_pdl(plan["cfg"], x2.device)
+    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias, pdl)
     stages, per_sm = _build_facts(kernel, constexprs, launch, plan, tensors, mode)
     if split > 1 and per_sm:
         # The plan's split count asks for a number of programs; the build's registers and shared
@@ -1019,7 +1041,23 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
         _reduce_kernel[(-(-n // block), m)](
             y, bias if bias is not None else y, o2, m, n, parts, *_out_strides(mode, o2)[:2],
             o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
+            **({"PDL": True, "launch_pdl": True} if pdl else {}),
         )
+
+
+def reduce_pdl(cfg: dict, device: torch.device) -> bool:
+    """Whether a split-K launch of config ``cfg`` starts its reduction as a programmatic dependent (on a
+    GPU that has PDL): the reduction's launch latency then overlaps the split-K kernel's last programs.
+
+    ``pdl_reduce`` in the config decides; without it, the atomic reduction takes PDL and the partials
+    one does not. Measured on an H100 (h100-2026-12-06-16c396d-probe-pdl, W4 g128, five shapes x
+    M = 1 / 4 / 16): atomic 0.26-0.97 us faster in all 15 rows; partials 0.2-0.8 us faster in 8 and
+    0.1-3.5 us slower in 7 (its reduction has many more programs, placed early while the split-K
+    kernel still runs)."""
+    knob = cfg.get("pdl_reduce")
+    if knob is None:
+        knob = cfg.get("reduce", "partials") == "atomic"
+    return bool(knob) and pdl_launch(device)
 
 
 # Partials a reduction program loads at once, at most; beyond it the program loops (split counts
@@ -1043,12 +1081,13 @@ def _out_strides(mode: int, o2: torch.Tensor) -> tuple[int, int, int]:
     return (m * n if mode == 1 else 0), n, 1
 
 
-def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias) -> tuple:
-    """(kernel, constexprs, launch options) of a decode or GEMM plan writing OUT_MODE ``mode``."""
+def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pdl: bool = False) -> tuple:
+    """(kernel, constexprs, launch options) of a decode or GEMM plan writing OUT_MODE ``mode``; ``pdl``
+    compiles in the trigger of a PDL reduction (absent otherwise: the builds stay those of before)."""
     cfg = plan["cfg"]
     flags = dict(
         BITS=bits, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None, HAS_BIAS=bias is not None,
-        OUT_MODE=mode, EVEN_K=plan["even_k"],
+        OUT_MODE=mode, EVEN_K=plan["even_k"], **({"PDL": True} if pdl else {}),
     )
     launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)))
     if plan["path"] == "decode":
