@@ -8,8 +8,8 @@ to a relative Frobenius error and to ``oracle.check_elementwise`` (one wrong ele
 eagerly, under ``torch.compile(fullgraph=True)`` and replayed from a captured CUDA graph (output
 poisoned before the replay). The shipped config table decides the path per M: decode for the
 smallest M, the tensor-core GEMM above it and, where the table says so, dequantize + cuBLAS for the
-largest. On the H200 table (configs/h200.json): decode up to M = 4 (the kernel's row count is
-min(M, 4)), then GEMM buckets of 8, 16, 32, 64 and 128 rows whose BLOCK_M is the bucket's size
+largest. On the H200 table (configs/h200.json): decode up to M = 4 (4 bits: M = 1; the kernel's row
+count is min(M, 4)), then GEMM buckets of 8, 16, 32, 64 and 128 rows whose BLOCK_M is the bucket's size
 (16 for the smallest), dense from 129.
 
 Triton compiles one kernel per flag combination; the matrix below is sized so the file runs in a
