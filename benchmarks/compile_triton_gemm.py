@@ -5,7 +5,7 @@ the GPU machine has (3.6 today) down to cubin, which catches what the interprete
 Triton cannot lower, shared memory past the device's, spills to local memory. Put that Triton first
 on the path (``pip install --no-deps --target DIR triton==3.6.0``; its wheel carries ptxas):
 
-    PYTHONPATH=DIR:. python benchmarks/compile_triton_gemm.py [--cases JSON] [--out F]
+    PYTHONPATH=DIR:. python benchmarks/compile_triton_gemm.py [--cases JSON | --gemv JSON] [--sass] [--out F]
 
 Each case is (bits, group size, activation dtype, BLOCK_M, BLOCK_N, even_odd); the plan is the one the
 lowering makes for a 4096x4096 weight at M = BLOCK_M with a 128-deep K tile configured, built with
@@ -13,12 +13,23 @@ the inline-PTX unpack as on a GPU. Prints one JSON line a build: the K tile and 
 group (``tile_group``), whether it compiled, its shared memory and whether that fits one sm_90 block (a
 build past it is retried with fewer stages at run time), and whether its PTX touches local memory.
 Stop 57 compiled the small-group tiles of branch ``small-group-tiles`` with it (14 builds, all to cubin).
+
+``--gemv JSON`` compiles decode GEMV builds (``_gemv_kernel``) instead, each (bits, group size, activation
+dtype, BLOCK_N, CHUNKS, num_warps, M), as the lowering plans them for 28672x4096. ``--sass`` adds, for every
+build, the SASS of its main loop (the longest block ending in a backward branch, read with the wheel's
+nvdisasm): instructions a pass, the most frequent opcodes and, for a GEMV, the weight values a thread
+handles a pass and the instructions per value. Stop 58 found the 4-bit M = 1 GEMV issuing 4.8 a value.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -38,7 +49,7 @@ DEFAULTED = ("DEQUANT", "PREFETCH_S", "EVEN_ODD", "SYM_ZERO_LOAD", "PDL")
 SM90_SHARED = 232448  # bytes of shared memory one block may have on sm_90 (227 KiB opt-in)
 
 
-def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, even_odd: int) -> dict:
+def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, even_odd: int, sass: bool = False) -> dict:
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
            "even_odd": even_odd, "impl": "triton", "ctas_per_sm": 4, "max_split": 32}
     table = {"gpu": "compile", "tuned": False, "source": "compile_triton_gemm", "num_sms": 132, "decode_max_m": 0,
@@ -51,31 +62,116 @@ def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, 
                                               bits, object(), None, None)
     finally:
         T._DEQUANT_FORCE = None
+    row = dict(bits=bits, group=group, dtype=dtype, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=plan["block_k"],
+               tile_group=plan["tile_group"], triton=triton.__version__)
+    return compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, 1, block_m, 4096, 4096, bits, group, dtype))
+
+
+def compile_gemv_case(bits: int, group: int, dtype: str, block_n: int, chunks: int, warps: int, m: int, sass: bool = False) -> dict:
+    """A decode GEMV build as planned for a 28672x4096 weight at M = ``m`` (atomic reduction, as the tables ship)."""
+    cfg = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": warps, "num_stages": 1, "ctas_per_sm": 8, "max_split": 64,
+           "reduce": "atomic"}
+    table = {"gpu": "compile", "tuned": False, "source": "compile_triton_gemm", "num_sms": 132, "decode_max_m": 4,
+             "decode": {"default": {"4": cfg}}, "gemm": {"default": {"1": {}}}}
+    with T.config_override(table):
+        plan = T._shape_plan(m, 28672, 4096, bits, group, torch.device("cpu"), "decode", False)
+    fn, consts, launch = T._split_k_build(plan, 2, getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype]),
+                                          bits, object(), None, None)
+    row = dict(kernel="gemv", bits=bits, group=group, dtype=dtype, M=m, BLOCK_M=plan["block_m"], BLOCK_N=block_n,
+               CHUNKS=plan["chunks"], num_warps=warps, triton=triton.__version__)
+    row = compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, 2, m, 28672, 4096, bits, group, dtype))
+    if sass and row.get("loop_sass"):
+        # one pass of the loop: CHUNKS runs of 32 K values for the thread's BLOCK_N / (32 warps) columns
+        values = plan["chunks"] * 32 * block_n // (32 * warps)
+        row["loop_sass"].update(values_per_thread=values, per_value=round(row["loop_sass"]["instructions"] / values, 2))
+    return row
+
+
+def launch_ints(fn, plan, mode: int, m: int, n: int, k: int, bits: int, group: int, dtype: str) -> dict:
+    """The integer run-time arguments a launch of this plan passes (``int_weight._split_k_args`` on meta
+    tensors of the shapes), by parameter name: a GPU launch specializes those divisible by 16, and so must
+    the compile here (without it, ptxas spilled in the GEMV's loop where the GPU's build does not)."""
+    meta = torch.device("meta")
+    act = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype])
+    groups = 1 if group == -1 else -(-k // group)
+    x2 = torch.empty(m, k, dtype=act, device=meta)
+    qweight = torch.empty(-(-k * bits // 32), n, dtype=torch.int32, device=meta)
+    scales = torch.empty(groups, n, dtype=act, device=meta)
+    qzeros = torch.empty(groups, -(-n * bits // 32), dtype=torch.int32, device=meta)
+    o2 = torch.empty(m, n, dtype=act, device=meta)
+    y = torch.empty(m, n, dtype=torch.float32, device=meta) if mode else o2
+    args = T._split_k_args(x2, qweight, scales, qzeros, None, None, bits, group, 1, o2, y, mode, plan["split_len"])
+    runtime = [name for name in fn.arg_names if fn.params[fn.arg_names.index(name)].is_constexpr is False]
+    return {name: value for name, value in zip(runtime, args) if isinstance(value, int)}
+
+
+def compiled_row(row: dict, fn, consts: dict, launch: dict, dtype: str, sass: bool, ints: dict | None = None) -> dict:
+    """``row`` with what compiling ``fn`` for sm_90 gave (or the error); integer arguments in ``ints`` that are
+    multiples of 16 are declared so, as a launch specializes them."""
     for name in DEFAULTED:
-        consts.setdefault(name, fn.params[fn.arg_names.index(name)].default)
+        if name in fn.arg_names:
+            consts.setdefault(name, fn.params[fn.arg_names.index(name)].default)
     sig = {name: "constexpr" if name in consts else ("*" + dtype if POINTERS.get(name) == "act" else POINTERS.get(name, "i32"))
            for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
-    row = dict(bits=bits, group=group, dtype=dtype, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=plan["block_k"],
-               tile_group=plan["tile_group"], even_odd=bool(consts["EVEN_ODD"]), triton=triton.__version__)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name].startswith("*") or (ints or {}).get(name, 1) % 16 == 0}
+    if "EVEN_ODD" in consts:
+        row["even_odd"] = bool(consts["EVEN_ODD"])
     try:
         k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=launch)
         ptx = k.asm["ptx"]
         row.update(ok=True, shared=k.metadata.shared, fits_sm90=k.metadata.shared <= SM90_SHARED, cubin_bytes=len(k.asm["cubin"]),
                    local_memory="ld.local" in ptx or "st.local" in ptx)
+        if sass:
+            row["loop_sass"] = loop_mix(k.asm["cubin"])
     except Exception as e:  # noqa: BLE001 - the failure is the result
         row.update(ok=False, error=repr(e)[:400])
     return row
 
 
+SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+BACK_BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
+
+
+def loop_mix(cubin: bytes) -> dict | None:
+    """The opcode mix of the cubin's main loop: the longest run of instructions from a label to a branch
+    back to it (nvdisasm beside Triton's ptxas), and whether any of the cubin spills to local memory;
+    None when no loop is found."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    lines = text.splitlines()
+    starts = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line.strip()))}
+    best = None
+    for i, line in enumerate(lines):
+        m = BACK_BRANCH.search(line)
+        if m and m.group(1) in starts and starts[m.group(1)] < i and (best is None or i - starts[m.group(1)] > best[1] - best[0]):
+            best = (starts[m.group(1)], i)
+    if best is None:
+        return None
+    ops = collections.Counter()
+    for line in lines[best[0]:best[1] + 1]:
+        if m := SASS_LINE.search(line):
+            ops[m.group(1) + (".F32" if m.group(1) == "HADD2" and ".F32" in (m.group(2) or "") else "")] += 1
+    # ptxas spills appear only here, not in the PTX that ``local_memory`` reads
+    spills = any(SASS_LINE.search(line) and SASS_LINE.search(line).group(1) in ("LDL", "STL") for line in lines)
+    return dict(instructions=sum(ops.values()), top=dict(ops.most_common(12)), spills=spills)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=json.loads, default=CASES, help="JSON list of [bits, group, dtype, BLOCK_M, BLOCK_N, even_odd]")
+    p.add_argument("--gemv", type=json.loads, help="JSON list of [bits, group, dtype, BLOCK_N, CHUNKS, num_warps, M]: GEMV builds instead")
+    p.add_argument("--sass", action="store_true", help="the main loop's SASS instruction mix of each build")
     p.add_argument("--out")
     a = p.parse_args(argv)
     rows = []
-    for case in a.cases:
-        rows.append(compile_case(*case))
+    for case in a.gemv if a.gemv is not None else a.cases:
+        rows.append((compile_gemv_case if a.gemv is not None else compile_case)(*case, sass=a.sass))
         print(json.dumps(rows[-1]), flush=True)
     if a.out:
         common.write_json({"tool": "compile_triton_gemm", "rows": rows}, [a.out])
