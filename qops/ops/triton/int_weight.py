@@ -42,11 +42,12 @@ Split-K partial sums either go to an fp32 ``(S, M, N)`` buffer summed by a small
 (no zeroing pass), or are added atomically into a zeroed fp32 ``(M, N)`` buffer; which one is a
 config choice decided by the tuner. On sm_90+ the atomic one's reduction is launched as a programmatic
 dependent of the split-K kernel (placed under that kernel's last programs, waiting for its completion
-there; ``pdl_reduce`` in a config overrides: :func:`reduce_pdl`). Configs come from ``configs/<gpu>.json`` (``default.json`` for
-an unknown GPU), loaded once and keyed by bits and bucketed M; the split count follows from the
-device's SM count and the shape (the config's programs per SM), lowered where the grid would end in a
-partial wave of the programs the build's registers and shared memory let the GPU hold at once
-(``common.split_in_waves``), and is one when deterministic results are requested
+there; ``pdl_reduce`` in a config overrides: :func:`reduce_pdl`). Configs come from
+``configs/<gpu>.json`` (``default.json`` for an unknown GPU), loaded once and keyed by bits and
+bucketed M; the split count follows from the device's SM count and the shape (the config's programs
+per SM), lowered where the grid would end in a partial wave of the programs the build's registers
+and shared memory let the GPU hold at once (``common.split_in_waves``), and is one when
+deterministic results are requested
 (``qops.ops._common.deterministic_requested``, read at each call).
 """
 from __future__ import annotations
