@@ -49,17 +49,24 @@ DEFAULTED = ("DEQUANT", "PREFETCH_S", "EVEN_ODD", "SYM_ZERO_LOAD", "PDL")
 SM90_SHARED = 232448  # bytes of shared memory one block may have on sm_90 (227 KiB opt-in)
 
 
+def act_dtype(dtype: str) -> torch.dtype:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+
+
+def one_config_table(decode_max_m: int, decode: dict, gemm: dict) -> dict:
+    """A launch table whose decode and GEMM sections each hold one config (every bit width, every M)."""
+    return {"gpu": "compile", "tuned": False, "source": "compile_triton_gemm", "num_sms": 132, "decode_max_m": decode_max_m,
+            "decode": {"default": {"4": decode}}, "gemm": {"default": {"1": gemm}}}
+
+
 def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, even_odd: int, sass: bool = False) -> dict:
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
            "even_odd": even_odd, "impl": "triton", "ctas_per_sm": 4, "max_split": 32}
-    table = {"gpu": "compile", "tuned": False, "source": "compile_triton_gemm", "num_sms": 132, "decode_max_m": 0,
-             "decode": {"default": {"1": {}}}, "gemm": {"default": {"1": cfg}}}
-    with T.config_override(table):
+    with T.config_override(one_config_table(0, {}, cfg)):
         plan = T._shape_plan(block_m, 4096, 4096, bits, group, torch.device("cpu"), "gemm", False)
     T._DEQUANT_FORCE = "asm"  # the GPU's form (the interpreter's would be the plain-Triton one)
     try:
-        fn, consts, launch = T._split_k_build(plan, 1, getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype]),
-                                              bits, object(), None, None)
+        fn, consts, launch = T._split_k_build(plan, 1, act_dtype(dtype), bits, object(), None, None)
     finally:
         T._DEQUANT_FORCE = None
     row = dict(bits=bits, group=group, dtype=dtype, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=plan["block_k"],
@@ -71,12 +78,9 @@ def compile_gemv_case(bits: int, group: int, dtype: str, block_n: int, chunks: i
     """A decode GEMV build as planned for a 28672x4096 weight at M = ``m`` (atomic reduction, as the tables ship)."""
     cfg = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": warps, "num_stages": 1, "ctas_per_sm": 8, "max_split": 64,
            "reduce": "atomic"}
-    table = {"gpu": "compile", "tuned": False, "source": "compile_triton_gemm", "num_sms": 132, "decode_max_m": 4,
-             "decode": {"default": {"4": cfg}}, "gemm": {"default": {"1": {}}}}
-    with T.config_override(table):
+    with T.config_override(one_config_table(4, cfg, {})):
         plan = T._shape_plan(m, 28672, 4096, bits, group, torch.device("cpu"), "decode", False)
-    fn, consts, launch = T._split_k_build(plan, 2, getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype]),
-                                          bits, object(), None, None)
+    fn, consts, launch = T._split_k_build(plan, 2, act_dtype(dtype), bits, object(), None, None)
     row = dict(kernel="gemv", bits=bits, group=group, dtype=dtype, M=m, BLOCK_M=plan["block_m"], BLOCK_N=block_n,
                CHUNKS=plan["chunks"], num_warps=warps, triton=triton.__version__)
     row = compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, 2, m, 28672, 4096, bits, group, dtype))
@@ -92,7 +96,7 @@ def launch_ints(fn, plan, mode: int, m: int, n: int, k: int, bits: int, group: i
     tensors of the shapes), by parameter name: a GPU launch specializes those divisible by 16, and so must
     the compile here (without it, ptxas spilled in the GEMV's loop where the GPU's build does not)."""
     meta = torch.device("meta")
-    act = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype])
+    act = act_dtype(dtype)
     groups = 1 if group == -1 else -(-k // group)
     x2 = torch.empty(m, k, dtype=act, device=meta)
     qweight = torch.empty(-(-k * bits // 32), n, dtype=torch.int32, device=meta)
@@ -101,7 +105,7 @@ def launch_ints(fn, plan, mode: int, m: int, n: int, k: int, bits: int, group: i
     o2 = torch.empty(m, n, dtype=act, device=meta)
     y = torch.empty(m, n, dtype=torch.float32, device=meta) if mode else o2
     args = T._split_k_args(x2, qweight, scales, qzeros, None, None, bits, group, 1, o2, y, mode, plan["split_len"])
-    runtime = [name for name in fn.arg_names if fn.params[fn.arg_names.index(name)].is_constexpr is False]
+    runtime = [param.name for param in fn.params if not param.is_constexpr]
     return {name: value for name, value in zip(runtime, args) if isinstance(value, int)}
 
 
@@ -153,12 +157,11 @@ def loop_mix(cubin: bytes) -> dict | None:
             best = (starts[m.group(1)], i)
     if best is None:
         return None
-    ops = collections.Counter()
-    for line in lines[best[0]:best[1] + 1]:
-        if m := SASS_LINE.search(line):
-            ops[m.group(1) + (".F32" if m.group(1) == "HADD2" and ".F32" in (m.group(2) or "") else "")] += 1
+    opcodes = [(i, m.group(1), m.group(2) or "") for i, line in enumerate(lines) if (m := SASS_LINE.search(line))]
+    ops = collections.Counter(op + (".F32" if op == "HADD2" and ".F32" in suffix else "")
+                              for i, op, suffix in opcodes if best[0] <= i <= best[1])
     # ptxas spills appear only here, not in the PTX that ``local_memory`` reads
-    spills = any(SASS_LINE.search(line) and SASS_LINE.search(line).group(1) in ("LDL", "STL") for line in lines)
+    spills = any(op in ("LDL", "STL") for _, op, _ in opcodes)
     return dict(instructions=sum(ops.values()), top=dict(ops.most_common(12)), spills=spills)
 
 
