@@ -45,7 +45,7 @@ from qops.ops.triton import int_weight as T  # noqa: E402
 CASES = [(2, 128, "fp16", 16, 128, 0), (2, 128, "bf16", 16, 128, 0), (2, 32, "fp16", 16, 128, 0), (4, 32, "fp16", 16, 128, 1),
          (4, 64, "bf16", 16, 128, 1), (4, 64, "fp16", 64, 64, 0), (8, 32, "fp16", 16, 128, 0), (4, 128, "fp16", 16, 128, 1)]
 POINTERS = {"x_ptr": "act", "qw_ptr": "*i32", "s_ptr": "act", "qz_ptr": "*i32", "perm_ptr": "*i32", "bias_ptr": "act", "y_ptr": "*fp32"}
-DEFAULTED = ("DEQUANT", "PREFETCH_S", "EVEN_ODD", "SYM_ZERO_LOAD", "PDL")
+DEFAULTED = ("DEQUANT", "PREFETCH_S", "EVEN_ODD", "SYM_ZERO_LOAD", "PDL", "PREFETCH")
 SM90_SHARED = 232448  # bytes of shared memory one block may have on sm_90 (227 KiB opt-in)
 
 
@@ -74,15 +74,16 @@ def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, 
     return compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, 1, block_m, 4096, 4096, bits, group, dtype))
 
 
-def compile_gemv_case(bits: int, group: int, dtype: str, block_n: int, chunks: int, warps: int, m: int, sass: bool = False) -> dict:
+def compile_gemv_case(bits: int, group: int, dtype: str, block_n: int, chunks: int, warps: int, m: int, prefetch: int = 0,
+                      sass: bool = False) -> dict:
     """A decode GEMV build as planned for a 28672x4096 weight at M = ``m`` (atomic reduction, as the tables ship)."""
     cfg = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": warps, "num_stages": 1, "ctas_per_sm": 8, "max_split": 64,
-           "reduce": "atomic"}
+           "reduce": "atomic", "prefetch": prefetch}
     with T.config_override(one_config_table(4, cfg, {})):
         plan = T._shape_plan(m, 28672, 4096, bits, group, torch.device("cpu"), "decode", False)
     fn, consts, launch = T._split_k_build(plan, 2, act_dtype(dtype), bits, object(), None, None)
     row = dict(kernel="gemv", bits=bits, group=group, dtype=dtype, M=m, BLOCK_M=plan["block_m"], BLOCK_N=block_n,
-               CHUNKS=plan["chunks"], num_warps=warps, triton=triton.__version__)
+               CHUNKS=plan["chunks"], num_warps=warps, prefetch=T.gemv_prefetch_applies(cfg, bits), triton=triton.__version__)
     row = compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, 2, m, 28672, 4096, bits, group, dtype))
     if sass and row.get("loop_sass"):
         # one pass of the loop: CHUNKS runs of 32 K values for the thread's BLOCK_N / (32 warps) columns
@@ -115,6 +116,8 @@ def compiled_row(row: dict, fn, consts: dict, launch: dict, dtype: str, sass: bo
     for name in DEFAULTED:
         if name in fn.arg_names:
             consts.setdefault(name, fn.params[fn.arg_names.index(name)].default)
+    # a launch turns an integer argument equal to 1 (a unit stride, GPTQ v1's zero offset) into a constant
+    consts.update({name: 1 for name, value in (ints or {}).items() if value == 1})
     sig = {name: "constexpr" if name in consts else ("*" + dtype if POINTERS.get(name) == "act" else POINTERS.get(name, "i32"))
            for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -127,6 +130,7 @@ def compiled_row(row: dict, fn, consts: dict, launch: dict, dtype: str, sass: bo
         row.update(ok=True, shared=k.metadata.shared, fits_sm90=k.metadata.shared <= SM90_SHARED, cubin_bytes=len(k.asm["cubin"]),
                    local_memory="ld.local" in ptx or "st.local" in ptx)
         if sass:
+            row["registers"] = registers(k.asm["cubin"])
             row["loop_sass"] = loop_mix(k.asm["cubin"])
     except Exception as e:  # noqa: BLE001 - the failure is the result
         row.update(ok=False, error=repr(e)[:400])
@@ -138,11 +142,28 @@ LABEL = re.compile(r"^(\.L_x_\d+):")
 BACK_BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
 
 
+def wheel_tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def registers(cubin: bytes) -> int | None:
+    """Registers a thread of the build uses (cuobjdump beside Triton's ptxas): with the warps, how many
+    programs an SM holds."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([wheel_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True,
+                              check=True).stdout
+    m = re.search(r"REG:(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
 def loop_mix(cubin: bytes) -> dict | None:
     """The opcode mix of the cubin's main loop: the longest run of instructions from a label to a branch
     back to it (nvdisasm beside Triton's ptxas), and whether any of the cubin spills to local memory;
     None when no loop is found."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    nvdisasm = wheel_tool("nvdisasm")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
@@ -168,7 +189,7 @@ def loop_mix(cubin: bytes) -> dict | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=json.loads, default=CASES, help="JSON list of [bits, group, dtype, BLOCK_M, BLOCK_N, even_odd]")
-    p.add_argument("--gemv", type=json.loads, help="JSON list of [bits, group, dtype, BLOCK_N, CHUNKS, num_warps, M]: GEMV builds instead")
+    p.add_argument("--gemv", type=json.loads, help="JSON list of [bits, group, dtype, BLOCK_N, CHUNKS, num_warps, M(, prefetch)]: GEMV builds instead")
     p.add_argument("--sass", action="store_true", help="the main loop's SASS instruction mix of each build")
     p.add_argument("--out")
     a = p.parse_args(argv)

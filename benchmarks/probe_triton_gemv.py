@@ -14,11 +14,20 @@ or neither -- is what this probe measures: every candidate timed interleaved ove
 checked against the float64 product with the dequantized weight (``_rel_err``; the committed run at 3a913fd
 compared with the shipped op's output, ``_rel_err_vs_op``).
 
-    PYTHONPATH=. python benchmarks/probe_triton_gemv.py [--shapes 28672x4096,...] [--configs 256,4,2 ...] [--out F]
+Stop 59 added ``prefetch`` (a step's words, zero points and scales loaded during the step before: each
+warp's loads then overlap its own arithmetic; 168 registers against 128 at the shipped config, so 6
+programs an SM instead of 8) and values past bit 23 read from ``w >> 12`` (4.2 -> 4.0 instructions a value).
+A config's fourth field asks for the prefetch; ``--xtile`` times the x-tile variant too; ``--baseline MODULE`` also times the ``_gemv_kernel`` of
+another copy of ``int_weight.py`` (say the previous commit's, put beside it in the snapshot) at the
+configs without it, interleaved with the rest.
+
+    PYTHONPATH=. python benchmarks/probe_triton_gemv.py [--shapes 28672x4096,...] [--configs 256,4,2[,1] ...]
+        [--baseline qops.ops.triton.MODULE] [--out F]
 """
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import sys
 
@@ -33,7 +42,7 @@ common.add_repo_to_path()
 
 from probe_early_pdl import gptq_native  # noqa: E402
 from qops.ops.triton import int_weight as T  # noqa: E402
-from qops.ops.triton.int_weight import _store_rows, _value, _word_columns, _zero_points  # noqa: E402
+from qops.ops.triton.int_weight import _high_word, _store_rows, _value, _word_columns, _zero_points  # noqa: E402
 
 
 @triton.jit
@@ -91,7 +100,7 @@ def _gemv_xtile_kernel(
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=nmask[None, :], other=0)
-        w_hi = w >> 16
+        w_hi = _high_word(w)
         xk = k0 + r[:, None] * 8 + tl.arange(0, 8)[None, :]
         xs = _columns8(tl.load(x_ptr + xk * stride_xk).to(tl.float32))
         p = tl.zeros([R, BLOCK_N], tl.float32)
@@ -102,11 +111,11 @@ def _gemv_xtile_kernel(
     _store_rows(y_ptr, bias_ptr, acc, 0, pid_k, M, N, offs_n, nmask, stride_ys, stride_ym, stride_yn, HAS_BIAS, OUT_MODE)
 
 
-def decode_table(block_n: int, chunks: int, warps: int, device: str = "cuda") -> dict:
+def decode_table(block_n: int, chunks: int, warps: int, prefetch: int = 0, device: str = "cuda") -> dict:
     """The shipped table (``device``'s) with one decode config for 4 bits at M = 1."""
     table = copy.deepcopy(T.config_for(torch.device(device)))
     by_m = table["decode"].get("4", table["decode"]["default"])
-    cfg = dict(by_m["1"], BLOCK_N=block_n, CHUNKS=chunks, num_warps=warps)
+    cfg = dict(by_m["1"], BLOCK_N=block_n, CHUNKS=chunks, num_warps=warps, prefetch=prefetch)
     table["decode"]["4"] = {"1": cfg}
     return table
 
@@ -127,14 +136,19 @@ def run_with(table: dict, kernel, f):
 
 def main(argv=None) -> int:
     p = common.probe_parser("probe_triton_gemv.py", __doc__, LARGE_SHAPES, [1], 7)
-    p.add_argument("--configs", nargs="+", default=["256,4,2", "256,2,2", "512,2,4", "256,1,2"],
-                   help="BLOCK_N,CHUNKS,num_warps of each candidate (both kernels)")
+    p.add_argument("--configs", nargs="+", default=["256,4,2", "256,4,2,1", "256,2,2,1", "512,2,4", "512,2,4,1"],
+                   help="BLOCK_N,CHUNKS,num_warps[,prefetch] of each candidate")
+    p.add_argument("--xtile", action="store_true", help="time the x-tile variant too (stop 42's, configs without prefetch)")
+    p.add_argument("--baseline", help="a module whose _gemv_kernel is timed too (configs without prefetch)")
     a = p.parse_args(argv)
+    kernels = [("shipped", T._gemv_kernel)] + ([("xtile", _gemv_xtile_kernel)] if a.xtile else [])
+    if a.baseline:
+        kernels.append(("baseline", importlib.import_module(a.baseline)._gemv_kernel))
     res = common.probe_result("triton_gemv")
     if res is None:
         return 2
     bw = res["copy_TBps"]
-    configs = [tuple(int(v) for v in c.split(",")) for c in a.configs]
+    configs = [(tuple(int(v) for v in c.split(",")) + (0,))[:4] for c in a.configs]
     for n, k in a.shapes:
         w = gptq_native(n, k, "triton_int_weight")
         ws = [w] + [clone_tensors(w) for _ in range(n_copies(w.nbytes()) - 1)]
@@ -143,10 +157,10 @@ def main(argv=None) -> int:
         want = x.double() @ w.dequantize(torch.float64).T  # the float64 oracle of every candidate
         row = {"N": n, "K": k, "M": 1, "roofline_us": round(roof, 2), "op_rel_err": common.rel_err(w.mm(x), want)}
         cands = {"op": [lambda v=v: v.mm(x) for v in ws]}
-        for bn, ch, nw in configs:
-            table = decode_table(bn, ch, nw)
-            for name, kern in (("shipped", T._gemv_kernel), ("xtile", _gemv_xtile_kernel)):
-                key = f"{name}_{bn}_{ch}_{nw}"
+        for bn, ch, nw, pf in configs:
+            table = decode_table(bn, ch, nw, pf)
+            for name, kern in kernels if not pf else kernels[:1]:
+                key = f"{name}_{bn}_{ch}_{nw}" + ("_prefetch" if pf else "")
                 try:
                     row[key + "_rel_err"] = common.rel_err(run_with(table, kern, lambda: w.mm(x))(), want)
                 except Exception as e:  # noqa: BLE001  (a config the compiler or the device refuses)

@@ -8,7 +8,7 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
 
 - decode (GEMV) configs for M in {1, 2, 4}: BLOCK_N x num_warps (4 or 8 columns per thread),
   CHUNKS (32-value runs per step), programs per SM (the split-K count follows), then the atomic
-  reduction for the best partials config;
+  reduction for the best partials config and the words loaded a step ahead (``prefetch``) for the best;
 - tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM (at 4
   bits up to M = 128 each also as even / odd K halves, ``even_odd``),
   then the atomic reduction and the scales loaded a K tile ahead (``prefetch_scales``) on the best one;
@@ -321,12 +321,15 @@ def main():
                 [lambda w=w: run_mm(path, alt, x, w, bits) for w in ws], dry)
             del ws
 
-    # The atomic reduction, tried on the best partials config of each decode / GEMM bucket; then the GEMM's
-    # scales loaded a K tile ahead (prefetch_scales: Triton does not pipeline that load), on the best GEMM config.
+    # The atomic reduction, tried on the best partials config of each decode / GEMM bucket; then the GEMV's
+    # words loaded a step ahead (prefetch) on the best decode config, and the GEMM's scales loaded a K tile
+    # ahead (prefetch_scales: Triton does not pipeline that load) on the best GEMM config.
     for bits in BITS:
         for m in sorted({j[2] for j in ok_jobs}):
             for paths in (("decode",), ("gemm",)):
                 time_variant(bits, m, paths, {"reduce": "atomic"})
+            if m in DECODE_MS:
+                time_variant(bits, m, ("decode",), {"prefetch": 1})
             time_variant(bits, m, ("gemm",), {"prefetch_scales": 1})
 
     source = (f"benchmarks/tune_triton_int_weight.py on {gpu}, torch {torch.__version__}, "

@@ -246,6 +246,41 @@ def test_prefetched_scales_give_the_same_bits(bits, group_size, k, dtype, act_or
     assert_matches(out[1], x, qweight, scales, qzeros, act_perm, None, bits, group_size, zo, f"prefetch bits={bits} g={group_size}")
 
 
+@pytest.mark.parametrize("m,bits,group_size,k,dtype,act_order,sym,slabs", [
+    (1, 4, 128, 1024, torch.float16, False, False, False),  # several groups a split, several splits
+    (3, 8, 64, 512, torch.float16, True, False, True),      # act-order, column slabs, three rows
+    (4, 2, 256, 1024, torch.float32, False, True, False),   # symmetric
+    (2, 4, -1, 200, torch.bfloat16, False, False, False),   # K past the last whole step
+    (1, 4, 32, 200, torch.float16, True, False, False),     # one run a step (g32), K tail, act-order
+    (1, 3, 128, 512, torch.float16, False, False, False),   # 3 bits: asked for, not taken
+])
+def test_gemv_prefetch_gives_the_same_bits(m, bits, group_size, k, dtype, act_order, sym, slabs):
+    """The decode GEMV with ``prefetch`` (each step's words, zero points and scales loaded during the step
+    before) at N off the tile: the same output bit for bit as without it, and the oracle's."""
+    dev = torch.device(DEVICE)
+    n = 96  # off the 64-column tile, whole 32-column slabs
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(n, k, bits, group_size, sym, act_order, seed=5)
+    q_in = to_column_slabs(qweight) if slabs else qweight
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    out = {}
+    for prefetch in (0, 1):
+        t = table(max_split=2)  # two splits of several steps each
+        t["decode"]["default"]["16"]["prefetch"] = prefetch
+        with T.config_override(t):
+            plan = T._plan(m, n, k, bits, group_size, dev, "decode")
+            assert plan["split"] > 1 and plan["split_len"] >= 2 * 32 * plan["chunks"]
+            build = T._split_k_build(plan, 1, dtype, bits, qzeros, act_perm, None)[1]
+            assert build.get("PREFETCH", False) == (prefetch == 1 and bits != 3)
+            out[prefetch] = T.triton_mm(x, q_in, scales, qzeros, act_perm, None, bits, group_size, zo, force_path="decode")
+    assert torch.equal(out[0], out[1])
+    assert_matches(out[1], x, qweight, scales, qzeros, act_perm, None, bits, group_size, zo, f"gemv prefetch bits={bits} g={group_size}")
+
+
+def test_gemv_prefetch_only_for_whole_words():
+    assert [T.gemv_prefetch_applies({"prefetch": 1}, b) for b in (2, 3, 4, 8)] == [True, False, True, True]
+    assert not T.gemv_prefetch_applies({}, 4) and not T.gemv_prefetch_applies({"prefetch": 0}, 4)
+
+
 @pytest.mark.parametrize("m,n,k,group_size,sym,act_order,has_bias,block_m,slabs", [
     (17, 72, 1024, 128, False, False, True, 16, False),   # off-tile M and N, several splits
     (1, 40, 512, -1, True, True, False, 16, False),       # per-channel, symmetric, act-order

@@ -363,6 +363,47 @@ def test_prefetched_scales_give_the_same_bits(item):
     assert all(torch.equal(out[0, m], out[1, m]) for m in (17, 64))
 
 
+def gemv_table(**cfg) -> dict:
+    """This GPU's table with the GEMV serving M <= 4 at every width, each decode config given ``cfg``."""
+    table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
+    table["decode_max_m"] = 4
+    for by_m in table["decode"].values():
+        for c in by_m.values():
+            c.update(cfg)
+    return table
+
+
+GEMV_PREFETCH_CASES = [(Case("gptq", 4, 128, False, True, "v2", 4104, 4096), torch.float16),
+                       (Case("awq", 4, 128, False, False, None, 1024, 4096), torch.bfloat16),
+                       (Case("gptq", 8, 64, False, False, "v2", 520, 2048), torch.float16),
+                       (Case("gptq", 2, 256, True, False, "v2", 300, 2048), torch.bfloat16),
+                       (Case("gptq", 4, 32, False, True, "v1", 264, 1000), torch.float16)]  # K off the step
+
+
+@pytest.mark.parametrize("item", GEMV_PREFETCH_CASES, ids=_id)
+def test_gemv_prefetch_gives_the_same_bits(item):
+    """The decode GEMV with each step's words, zero points and scales loaded during the step before
+    (``prefetch``, a tuner knob) against the same config without it: bit for bit at M = 1 and 3, both
+    against the oracle, and replayed from a CUDA graph with fresh inputs."""
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=7)
+    dev = torch.device("cuda")
+    out = {}
+    for prefetch in (0, 1):
+        with T.config_override(gemv_table(prefetch=prefetch)):
+            for m in (1, 3):
+                plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
+                assert plan["path"] == "decode" and T.gemv_prefetch_applies(plan["cfg"], case.bits) == bool(prefetch), plan
+                x = rand(m, case.k, dtype=dtype, seed=70 + m)
+                out[prefetch, m] = b.weight.mm(x, bias)
+                check(out[prefetch, m], x, b.w64, bias, f"{_id(item)} M={m} prefetch={prefetch} split={plan['split']}")
+                if prefetch:
+                    y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=80 + m))
+                    check(y, x, b.w64, bias, f"graph {_id(item)} M={m} prefetch")
+    assert all(torch.equal(out[0, m], out[1, m]) for m in (1, 3))
+
+
 KNOB_TILES = [  # the M = 16 tile the knobs are for, and a 128-row tile (the scale enters the half weight tile)
     {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1},

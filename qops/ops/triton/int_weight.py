@@ -132,13 +132,22 @@ def _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS: tl.cons
 
 
 @triton.jit
+def _high_word(w):
+    """``w >> 12``, where :func:`_value` reads values whose bits reach bit 23 (the exponent): 2, 4 and
+    8-bit ones then sit between bits 4 and 20, never at bit 0. (A shift then a mask from bit 0
+    compiles to bfe, which sm_90 runs as two instructions, not fused with the magic's OR: the 4-bit
+    GEMV's loop had 4.2 SASS instructions a value with ``w >> 16``, 4.0 with this.)"""
+    return w >> 12
+
+
+@triton.jit
 def _value(w, w_hi, w_prev, zf, magic, I: tl.constexpr, BITS: tl.constexpr):
     """Value I (0..31) of a 32-value chunk as ``q - z`` in fp32, given the chunk's word J.
 
-    ``w`` is the word holding the value's last bit, ``w_hi`` is ``w >> 16`` (for values in the
-    upper half), ``w_prev`` the word before (for a 3-bit value straddling two words). ``magic`` is
-    ``MAGIC_ARG`` passed at run time: held in a register, the mask and the OR fuse into one LOP3 (with
-    two immediates ptxas emits two). Exact: every intermediate is an integer < 2**24.
+    ``w`` is the word holding the value's last bit, ``w_hi`` is :func:`_high_word` (for values whose bits
+    reach the exponent, bit 23), ``w_prev`` the word before (for a 3-bit value straddling two words).
+    ``magic`` is ``MAGIC_ARG`` passed at run time: held in a register, the mask and the OR fuse into one
+    LOP3 (with two immediates ptxas emits two). Exact: every intermediate is an integer < 2**24.
     """
     OFF: tl.constexpr = (I * BITS) % 32
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -152,12 +161,12 @@ def _value(w, w_hi, w_prev, zf, magic, I: tl.constexpr, BITS: tl.constexpr):
     elif 32 % BITS != 0:
         f = (((w >> OFF) & MASK) | magic).to(tl.float32, bitcast=True)
         return f - (TWO23 + zf)
-    elif OFF + BITS <= 16:
+    elif OFF + BITS <= 23:
         # Masked in place: the float is 2**23 + q * 2**OFF; scaling by 2**-OFF is exact.
         f = ((w & (MASK << OFF)) | magic).to(tl.float32, bitcast=True)
         return f * (1.0 / (1 << OFF)) - (TWO23 / (1 << OFF) + zf)
     else:
-        SH: tl.constexpr = OFF - 16
+        SH: tl.constexpr = OFF - 12  # _high_word's shift
         f = ((w_hi & (MASK << SH)) | magic).to(tl.float32, bitcast=True)
         return f * (1.0 / (1 << SH)) - (TWO23 / (1 << SH) + zf)
 
@@ -207,6 +216,86 @@ def _word_columns(offs_n, stride_qslab, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _step_words(qw_ptr, k0, qcol, nmask, n_wrows, stride_qw, BITS: tl.constexpr, CHUNKS: tl.constexpr,
+                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """The words of a GEMV step from K row ``k0``: ``(CHUNKS, BLOCK_N, BITS)`` int32, word j of run c at
+    ``[c, :, j]`` (BITS a power of two). Past the last word row (K not a multiple of the step) the last
+    row is read again rather than masked (a masked load zeroes its registers first, an instruction a
+    word): any word dequantizes to a finite value, and the x it meets past K is 0."""
+    wrow = (k0 // 32 + tl.arange(0, CHUNKS))[:, None, None] * BITS + tl.arange(0, BITS)[None, None, :]
+    if not EVEN_K:
+        wrow = tl.minimum(wrow, n_wrows - 1)
+    ptrs = qw_ptr + wrow * stride_qw + qcol[None, :, None]
+    if EVEN_N:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=nmask[None, :, None], other=0)
+
+
+@triton.jit
+def _word_of(ws, J: tl.constexpr, BITS: tl.constexpr):
+    """Word J of each run of a step's words ``ws`` ``(CHUNKS, BLOCK_N, BITS)``: halving splits of the
+    last dimension, which stays in each thread's registers (no data moves)."""
+    C: tl.constexpr = ws.shape[0]
+    N: tl.constexpr = ws.shape[1]
+    t = ws
+    if BITS >= 2:
+        lo, hi = tl.split(tl.reshape(t, (C, N, BITS // 2, 2)))
+        t = hi if J % 2 == 1 else lo
+    if BITS >= 4:
+        lo, hi = tl.split(tl.reshape(t, (C, N, BITS // 4, 2)))
+        t = hi if (J // 2) % 2 == 1 else lo
+    if BITS >= 8:
+        lo, hi = tl.split(tl.reshape(t, (C, N, BITS // 8, 2)))
+        t = hi if (J // 4) % 2 == 1 else lo
+    return tl.reshape(t, (C, N))
+
+
+@triton.jit
+def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, wrow, kbase, k_hi, zf, nmask, n_wrows,
+               stride_qw, stride_xk, magic, BITS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr,
+               BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               WORDS: tl.constexpr):
+    """One step's per-run partial sums ``(CHUNKS, BLOCK_N)`` of rows m0 .. m0 + 3 (unscaled). WORDS: the
+    words come loaded in ``ws`` (``_step_words``); otherwise each word row is loaded here from ``w_ptrs``."""
+    p0 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
+    p1 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
+    p2 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
+    p3 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
+    w_prev = tl.zeros([CHUNKS, BLOCK_N], tl.int32)
+    for j in tl.static_range(BITS):
+        if WORDS:
+            w = _word_of(ws, j, BITS)
+        elif EVEN_K and EVEN_N:
+            w = tl.load(w_ptrs + j * stride_qw)
+        elif EVEN_K:
+            w = tl.load(w_ptrs + j * stride_qw, mask=nmask[None, :], other=0)
+        else:
+            w = tl.load(w_ptrs + j * stride_qw, mask=((wrow + j) < n_wrows)[:, None] & nmask[None, :], other=0)
+        w_hi = _high_word(w)
+        for i in tl.static_range(32):
+            # Value i starts in word (i*BITS)//32; one that straddles is finished with word j.
+            first_word = (i * BITS) // 32
+            straddles = (i * BITS) % 32 + BITS > 32
+            if (first_word == j and not straddles) or (first_word + 1 == j and straddles):
+                v = _value(w, w_hi, w_prev, zf, magic, i, BITS)
+                kmask = (kbase + i) < k_hi
+                xv = _x_value(x0_ptr, pk0, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
+                p0 += xv[:, None] * v
+                if BLOCK_M > 1:
+                    xv = _x_value(x1_ptr, pk1, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
+                    p1 += xv[:, None] * v
+                if BLOCK_M > 2:
+                    xv = _x_value(x2_ptr, pk2, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
+                    p2 += xv[:, None] * v
+                if BLOCK_M > 3:
+                    xv = _x_value(x3_ptr, pk3, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
+                    p3 += xv[:, None] * v
+        w_prev = w
+    return p0, p1, p2, p3
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, perm_ptr, bias_ptr, y_ptr,
     M, N, K, n_wrows,
@@ -215,10 +304,13 @@ def _gemv_kernel(
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """Split-K GEMV for up to 4 rows. Program (n tile, K split, m tile); a step covers CHUNKS runs
     of 32 K values (BITS words each), all inside one quantization group. PDL: the reduction launched
-    after it (a programmatic dependent) may be scheduled as soon as every program has started."""
+    after it (a programmatic dependent) may be scheduled as soon as every program has started.
+    PREFETCH (BITS a power of two): a step's words, zero points and scales are loaded during the step
+    before, so a program's loads overlap its own arithmetic rather than only other programs'."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -241,9 +333,32 @@ def _gemv_kernel(
     acc1 = tl.zeros([BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_N], tl.float32)
+    if PREFETCH:
+        # The step after the split's last reads the last again (in bounds, unused): splits are never
+        # empty (K = 0 never launches), so k_last >= k_lo.
+        k_last = k_lo + (k_hi - 1 - k_lo) // STEP * STEP
+        g = k_lo // group_size
+        ws_next = _step_words(qw_ptr, k_lo, qcol, nmask, n_wrows, stride_qw, BITS, CHUNKS, EVEN_K, EVEN_N)
+        zf_next = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)
+        s_next = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    else:
+        ws_next = tl.zeros([CHUNKS, BLOCK_N, 1], tl.int32)
+        zf_next = tl.zeros([BLOCK_N], tl.float32)
+        s_next = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, STEP):
-        g = k0 // group_size
-        zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
+        if PREFETCH:
+            ws = ws_next
+            zf = zf_next[None, :]
+            s = s_next
+            k_next = tl.minimum(k0 + STEP, k_last)
+            g_next = k_next // group_size
+            ws_next = _step_words(qw_ptr, k_next, qcol, nmask, n_wrows, stride_qw, BITS, CHUNKS, EVEN_K, EVEN_N)
+            zf_next = _zero_points(qz_ptr, g_next, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)
+            s_next = tl.load(s_ptr + g_next * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        else:
+            ws = ws_next
+            g = k0 // group_size
+            zf = _zero_points(qz_ptr, g, stride_qz, offs_n, nmask, zero_offset, BITS, HAS_ZEROS)[None, :]
         kbase = k0 + chunk * 32
         if HAS_PERM:
             pk0 = perm_ptr + kbase
@@ -255,41 +370,13 @@ def _gemv_kernel(
             pk1 = x1_ptr + kbase * stride_xk
             pk2 = x2_ptr + kbase * stride_xk
             pk3 = x3_ptr + kbase * stride_xk
-        w_ptrs = qw_ptr + ((k0 // 32 + chunk) * BITS)[:, None] * stride_qw + qcol[None, :]
         wrow = (k0 // 32 + chunk) * BITS
-        p0 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
-        p1 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
-        p2 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
-        p3 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
-        w_prev = tl.zeros([CHUNKS, BLOCK_N], tl.int32)
-        for j in tl.static_range(BITS):
-            if EVEN_K and EVEN_N:
-                w = tl.load(w_ptrs + j * stride_qw)
-            elif EVEN_K:
-                w = tl.load(w_ptrs + j * stride_qw, mask=nmask[None, :], other=0)
-            else:
-                w = tl.load(w_ptrs + j * stride_qw, mask=((wrow + j) < n_wrows)[:, None] & nmask[None, :], other=0)
-            w_hi = w >> 16
-            for i in tl.static_range(32):
-                # Value i starts in word (i*BITS)//32; one that straddles is finished with word j.
-                first_word = (i * BITS) // 32
-                straddles = (i * BITS) % 32 + BITS > 32
-                if (first_word == j and not straddles) or (first_word + 1 == j and straddles):
-                    v = _value(w, w_hi, w_prev, zf, magic, i, BITS)
-                    kmask = (kbase + i) < k_hi
-                    xv = _x_value(x0_ptr, pk0, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
-                    p0 += xv[:, None] * v
-                    if BLOCK_M > 1:
-                        xv = _x_value(x1_ptr, pk1, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
-                        p1 += xv[:, None] * v
-                    if BLOCK_M > 2:
-                        xv = _x_value(x2_ptr, pk2, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
-                        p2 += xv[:, None] * v
-                    if BLOCK_M > 3:
-                        xv = _x_value(x3_ptr, pk3, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
-                        p3 += xv[:, None] * v
-            w_prev = w
-        s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        w_ptrs = qw_ptr + wrow[:, None] * stride_qw + qcol[None, :]
+        p0, p1, p2, p3 = _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, wrow, kbase, k_hi, zf,
+                                    nmask, n_wrows, stride_qw, stride_xk, magic, BITS, BLOCK_M, CHUNKS, BLOCK_N,
+                                    HAS_PERM, EVEN_K, EVEN_N, PREFETCH)
+        if not PREFETCH:
+            s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
         acc0 += s * tl.sum(p0, axis=0)
         if BLOCK_M > 1:
             acc1 += s * tl.sum(p1, axis=0)
@@ -469,7 +556,7 @@ def _tc_weight_tile(
         if DEQUANT != 0:
             return _half_tile(w, zf_tile, BITS, BLOCK_K, DTYPE, DEQUANT == 2)
         else:
-            w_hi = w >> 16
+            w_hi = _high_word(w)
             v0 = _value(w, w_hi, w, zf_tile, magic, 0, BITS).to(DTYPE)
             v1 = _value(w, w_hi, w, zf_tile, magic, 1, BITS).to(DTYPE)
             if VPW > 2:
@@ -839,6 +926,12 @@ def even_odd_applies(cfg: dict, bits: int, dequant: int) -> bool:
     return bool(cfg.get("even_odd", 0)) and bits == 4 and dequant != Dequant.FP32
 
 
+def gemv_prefetch_applies(cfg: dict, bits: int) -> bool:
+    """Whether a decode config's GEMV loads each step's words a step ahead (``prefetch`` in the config):
+    for bit widths whose words split evenly per run (2, 4, 8; 3-bit values straddle words)."""
+    return bool(cfg.get("prefetch", 0)) and bits in (2, 4, 8)
+
+
 def sym_zero_load_applies(cfg: dict, bits: int, dequant: int, symmetric: bool) -> bool:
     """Whether a GEMM call on symmetric weights derives the zero point from the scales' load
     (``_tc_kernel``'s SYM_ZERO_LOAD): as its config says (``sym_zero_load``), else where it keeps the half
@@ -1092,8 +1185,9 @@ def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pd
     )
     launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)))
     if plan["path"] == "decode":
+        prefetch = gemv_prefetch_applies(cfg, bits)
         return _gemv_kernel, dict(BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"],
-                                  EVEN_N=plan["even_n"], **flags), launch
+                                  EVEN_N=plan["even_n"], **flags, **({"PREFETCH": True} if prefetch else {})), launch
     dequant = dequant_form(dtype, bits, plan["tile_group"])
     return _tc_kernel, dict(
         BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
