@@ -18,7 +18,10 @@ Stop 57 compiled the small-group tiles of branch ``small-group-tiles`` with it (
 dtype, BLOCK_N, CHUNKS, num_warps, M), as the lowering plans them for 28672x4096. ``--sass`` adds, for every
 build, the SASS of its main loop (the longest block ending in a backward branch, read with the wheel's
 nvdisasm): instructions a pass, the most frequent opcodes and, for a GEMV, the weight values a thread
-handles a pass and the instructions per value. Stop 58 found the 4-bit M = 1 GEMV issuing 4.8 a value.
+handles a pass and the instructions per value, and the registers a thread uses. Integer arguments equal to
+1 (x's unit stride, GPTQ v1's zero offset) become constants, as a launch makes them: without that, stop 58
+counted 4.8 instructions a value for the 4-bit M = 1 GEMV, whose launched build issues 4.2 (x's address
+arithmetic was the difference); stop 59's ``w >> 12`` took it to 4.0.
 """
 from __future__ import annotations
 
