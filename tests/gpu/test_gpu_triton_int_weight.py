@@ -383,25 +383,24 @@ GEMV_PREFETCH_CASES = [(Case("gptq", 4, 128, False, True, "v2", 4104, 4096), tor
 @pytest.mark.parametrize("item", GEMV_PREFETCH_CASES, ids=_id)
 def test_gemv_prefetch_gives_the_same_bits(item):
     """The decode GEMV with each step's words, zero points and scales loaded during the step before
-    (``prefetch``, a tuner knob) against the same config without it: bit for bit at M = 1 and 3, both
-    against the oracle, and replayed from a CUDA graph with fresh inputs."""
+    (``prefetch``, a tuner knob) and the same config without it, at M = 1 and 3, against the oracle, and
+    replayed from a CUDA graph with fresh inputs. Not bit for bit, as on the CPU: the prefetching build
+    holds more registers, so the launch fits it another split count (and the atomic reduction's order
+    varies), which an H100 run showed on the act-order case."""
     case, dtype = item
     b = built(case, dtype)
     bias = rand(case.n, dtype=dtype, seed=7)
     dev = torch.device("cuda")
-    out = {}
     for prefetch in (0, 1):
         with T.config_override(gemv_table(prefetch=prefetch)):
             for m in (1, 3):
                 plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
                 assert plan["path"] == "decode" and T.gemv_prefetch_applies(plan["cfg"], case.bits) == bool(prefetch), plan
                 x = rand(m, case.k, dtype=dtype, seed=70 + m)
-                out[prefetch, m] = b.weight.mm(x, bias)
-                check(out[prefetch, m], x, b.w64, bias, f"{_id(item)} M={m} prefetch={prefetch} split={plan['split']}")
+                check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} prefetch={prefetch} split={plan['split']}")
                 if prefetch:
                     y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=80 + m))
                     check(y, x, b.w64, bias, f"graph {_id(item)} M={m} prefetch")
-    assert all(torch.equal(out[0, m], out[1, m]) for m in (1, 3))
 
 
 KNOB_TILES = [  # the M = 16 tile the knobs are for, and a 128-row tile (the scale enters the half weight tile)
