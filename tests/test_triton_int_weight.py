@@ -852,7 +852,8 @@ def test_gemv_build_loop_sass_for_sm90(tmp_path):
     """``compile_triton_gemm.py --gemv --sass`` with this machine's Triton: the 4-bit M = 1 decode GEMV compiles
     for sm_90 with the launch's divisibility of its integer arguments, and its main loop's instructions are
     counted per weight value a thread handles (a pass of CHUNKS x 32 K values for BLOCK_N / (32 warps)
-    columns). Whether it spills depends on the Triton (3.6, the GPU machine's: no; 3.9: 36 LDL a pass)."""
+    columns), with the registers a thread holds; a build with ``prefetch`` too. Whether it spills depends on
+    the Triton (3.6, the GPU machine's: no; 3.9: 36 LDL a pass)."""
     import os
     import subprocess
     import sys
@@ -861,9 +862,12 @@ def test_gemv_build_loop_sass_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "gemv.json"
     done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_triton_gemm.py"), "--out", str(out), "--sass",
-                           "--gemv", '[[4, 128, "fp16", 256, 4, 2, 1]]'], capture_output=True, text=True, timeout=600, env=env, cwd=root)
+                           "--gemv", '[[4, 128, "fp16", 256, 4, 2, 1], [4, 128, "fp16", 256, 2, 2, 1, 1]]'],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert done.returncode == 0, done.stdout + done.stderr
-    (row,) = json.loads(out.read_text())["rows"]
+    row, prefetching = json.loads(out.read_text())["rows"]
+    assert not row["prefetch"] and prefetching["prefetch"] and prefetching["ok"], prefetching
+    assert 0 < row["registers"] <= 255 and 0 < prefetching["registers"] <= 255, (row, prefetching)
     loop = row["loop_sass"]
     assert row["ok"] and row["kernel"] == "gemv" and row["CHUNKS"] == 4 and isinstance(loop["spills"], bool), row
     assert loop["values_per_thread"] == 4 * 32 * 256 // 64 and loop["instructions"] > loop["values_per_thread"], loop
