@@ -12,11 +12,11 @@ number of rows M and the shipped config table (never from tensor values, never w
   float conversion instruction: a value masked *in place* and OR-ed into the mantissa of 2**23 is the
   float ``2**23 + q * 2**sh``; one FMA ``f * 2**-sh - (2**(23-sh) + z)`` then gives ``q - z``
   exactly, so a 4-bit value costs one LOP3, one FFMA to dequantize and one FFMA to accumulate (values
-  reaching bit 23 are read from the word shifted right by 12: one shift per word). Scales multiply the per-step partial sums once
-  per column, never per element. A config may ask (``prefetch``; 2, 4 and 8 bits) for each step's words,
-  zero points and scales to be loaded during the step before; on an H100 at M = 1 it moved the four
-  large shapes from 5% faster to 28% slower (``benchmarks/probe_triton_gemv.py``): a tuner variant, in
-  no shipped table.
+  reaching bit 23 are read from the word shifted right by 12: one shift per word). Scales multiply the
+  per-step partial sums once per column, never per element. A config may ask (``prefetch``; 2, 4 and 8
+  bits) for each step's words, zero points and scales to be loaded during the step before; on an H100
+  at M = 1 it moved the four large shapes from 5% faster to 28% slower
+  (``benchmarks/probe_triton_gemv.py``): a tuner variant, in no shipped table.
 - **gemm** (larger M): a tiled split-K GEMM on tensor cores. The packed ``(BLOCK_K/vpw, BLOCK_N)``
   word tile is dequantized in registers to ``q - z`` (exact in fp16 and bf16) and fed to ``tl.dot``
   with fp32 accumulation. For fp16/bf16 activations, whole words and a K tile inside one group (2
