@@ -145,20 +145,19 @@ LABEL = re.compile(r"^(\.L_x_\d+):")
 BACK_BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
 
 
-def wheel_tool(name: str) -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def registers(cubin: bytes) -> int | None:
-    """Registers a thread of the build uses (cuobjdump beside Triton's ptxas): with the warps, how many
-    programs an SM holds."""
+def read_cubin(tool: str, *args: str, cubin: bytes) -> str:
+    """What ``tool`` (one of the binaries beside the Triton wheel's ptxas) prints for ``cubin``."""
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        text = subprocess.run([wheel_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True,
-                              check=True).stdout
-    m = re.search(r"REG:(\d+)", text)
+        return subprocess.run([exe, *args, path], capture_output=True, text=True, check=True).stdout
+
+
+def registers(cubin: bytes) -> int | None:
+    """Registers a thread of the build uses (cuobjdump): with the warps, how many programs an SM holds."""
+    m = re.search(r"REG:(\d+)", read_cubin("cuobjdump", "--dump-resource-usage", cubin=cubin))
     return int(m.group(1)) if m else None
 
 
@@ -166,13 +165,7 @@ def loop_mix(cubin: bytes) -> dict | None:
     """The opcode mix of the cubin's main loop: the longest run of instructions from a label to a branch
     back to it (nvdisasm beside Triton's ptxas), and whether any of the cubin spills to local memory;
     None when no loop is found."""
-    nvdisasm = wheel_tool("nvdisasm")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
-    lines = text.splitlines()
+    lines = read_cubin("nvdisasm", "-c", cubin=cubin).splitlines()
     starts = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line.strip()))}
     best = None
     for i, line in enumerate(lines):
