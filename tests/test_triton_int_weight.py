@@ -276,6 +276,41 @@ def test_gemv_prefetch_gives_the_same_bits(m, bits, group_size, k, dtype, act_or
     assert_matches(out[1], x, qweight, scales, qzeros, act_perm, None, bits, group_size, zo, f"gemv prefetch bits={bits} g={group_size}")
 
 
+@pytest.mark.parametrize("m,bits,group_size,k,dtype,act_order,prefetch", [
+    (1, 4, 128, 1024, torch.float16, False, 0),   # several groups a split, several splits
+    (4, 2, 128, 1024, torch.float16, False, 0),   # 2 bits: two 8-value loads a word; four rows
+    (3, 8, 64, 512, torch.bfloat16, False, 1),    # 8 bits: 4-value loads; with the prefetch
+    (2, 4, -1, 200, torch.float16, False, 0),     # K past the last whole step: masked loads
+    (1, 2, 32, 200, torch.float32, False, 0),     # fp32 x, one run a step, K tail
+    (1, 4, 128, 512, torch.float16, True, 0),     # act-order: not taken
+    (1, 3, 128, 512, torch.float16, False, 0),    # 3 bits: not taken
+])
+def test_gemv_x_vec_gives_the_same_bits(m, bits, group_size, k, dtype, act_order, prefetch):
+    """The decode GEMV loading x as vectors (``x_vec``, the default) at N off the tile: bit for bit as with
+    one scalar load a value (the same products in the same order), and the oracle's."""
+    dev = torch.device(DEVICE)
+    n = 96
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(n, k, bits, group_size, False, act_order, seed=11)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12)).to(dtype).to(DEVICE)
+    out = {}
+    for x_vec in (0, 1):
+        t = table(max_split=2)
+        t["decode"]["default"]["16"].update(x_vec=x_vec, prefetch=prefetch)
+        with T.config_override(t):
+            plan = T._plan(m, n, k, bits, group_size, dev, "decode")
+            assert plan["split"] > 1
+            build = T._split_k_build(plan, 1, dtype, bits, qzeros, act_perm, None)[1]
+            assert build.get("XVEC", False) == (x_vec == 1 and bits != 3 and not act_order), build
+            out[x_vec] = T.triton_mm(x, qweight, scales, qzeros, act_perm, None, bits, group_size, zo, force_path="decode")
+    assert torch.equal(out[0], out[1])
+    assert_matches(out[1], x, qweight, scales, qzeros, act_perm, None, bits, group_size, zo, f"gemv x_vec bits={bits}")
+
+
+def test_gemv_x_vec_is_the_default_where_it_applies():
+    assert [T.gemv_x_vec({}, b, False) for b in (2, 3, 4, 8)] == [True, False, True, True]
+    assert not T.gemv_x_vec({}, 4, True) and not T.gemv_x_vec({"x_vec": 0}, 4, False)
+
+
 def test_gemv_prefetch_only_for_whole_words():
     assert [T.gemv_prefetch_applies({"prefetch": 1}, b) for b in (2, 3, 4, 8)] == [True, False, True, True]
     assert not T.gemv_prefetch_applies({}, 4) and not T.gemv_prefetch_applies({"prefetch": 0}, 4)
@@ -852,8 +887,9 @@ def test_gemv_build_loop_sass_for_sm90(tmp_path):
     """``compile_triton_gemm.py --gemv --sass`` with this machine's Triton: the 4-bit M = 1 decode GEMV compiles
     for sm_90 with the launch's divisibility of its integer arguments, and its main loop's instructions are
     counted per weight value a thread handles (a pass of CHUNKS x 32 K values for BLOCK_N / (32 warps)
-    columns), with the registers a thread holds; a build with ``prefetch`` too. Whether it spills depends on
-    the Triton (3.6, the GPU machine's: no; 3.9: 36 LDL a pass)."""
+    columns), with the registers a thread holds; a build with ``prefetch`` too, and one loading x a value at a
+    time (``x_vec`` 0: more loads a pass). Whether it spills depends on the Triton (3.6, the GPU machine's:
+    no; 3.9: yes with x_vec)."""
     import os
     import subprocess
     import sys
@@ -862,11 +898,13 @@ def test_gemv_build_loop_sass_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "gemv.json"
     done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_triton_gemm.py"), "--out", str(out), "--sass",
-                           "--gemv", '[[4, 128, "fp16", 256, 4, 2, 1], [4, 128, "fp16", 256, 2, 2, 1, 1]]'],
+                           "--gemv", '[[4, 128, "fp16", 256, 4, 2, 1], [4, 128, "fp16", 256, 2, 2, 1, 1], [4, 128, "fp16", 256, 4, 2, 1, 0, 0]]'],
                           capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert done.returncode == 0, done.stdout + done.stderr
-    row, prefetching = json.loads(out.read_text())["rows"]
+    row, prefetching, scalar_x = json.loads(out.read_text())["rows"]
     assert not row["prefetch"] and prefetching["prefetch"] and prefetching["ok"], prefetching
+    assert row["x_vec"] and not scalar_x["x_vec"], (row, scalar_x)
+    assert row["loop_sass"]["top"]["LDG"] < scalar_x["loop_sass"]["top"]["LDG"], (row, scalar_x)
     assert 0 < row["registers"] <= 255 and 0 < prefetching["registers"] <= 255, (row, prefetching)
     loop = row["loop_sass"]
     assert row["ok"] and row["kernel"] == "gemv" and row["CHUNKS"] == 4 and isinstance(loop["spills"], bool), row

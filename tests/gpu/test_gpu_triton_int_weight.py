@@ -403,6 +403,27 @@ def test_gemv_prefetch_gives_the_same_bits(item):
                     check(y, x, b.w64, bias, f"graph {_id(item)} M={m} prefetch")
 
 
+@pytest.mark.parametrize("item", GEMV_PREFETCH_CASES, ids=_id)
+def test_gemv_x_vec_matches_the_oracle(item):
+    """The decode GEMV loading x as vectors (``x_vec``, the default; not taken with act-order) and with one
+    scalar load a value, each alone and with ``prefetch``, at M = 1, 3 and 4, against the oracle, eagerly
+    and replayed from a CUDA graph with fresh inputs."""
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=9)
+    dev = torch.device("cuda")
+    for x_vec, prefetch in ((1, 0), (1, 1), (0, 0)):
+        with T.config_override(gemv_table(x_vec=x_vec, prefetch=prefetch)):
+            for m in (1, 3, 4):
+                plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
+                want = bool(x_vec) and not case.act_order
+                assert plan["path"] == "decode" and T.gemv_x_vec(plan["cfg"], case.bits, case.act_order) == want, plan
+                x = rand(m, case.k, dtype=dtype, seed=80 + m)
+                check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} x_vec={x_vec} prefetch={prefetch}")
+                y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=85 + m))
+                check(y, x, b.w64, bias, f"graph {_id(item)} M={m} x_vec={x_vec} prefetch={prefetch}")
+
+
 KNOB_TILES = [  # the M = 16 tile the knobs are for, and a 128-row tile (the scale enters the half weight tile)
     {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1},
