@@ -276,22 +276,25 @@ def test_gemv_prefetch_gives_the_same_bits(m, bits, group_size, k, dtype, act_or
     assert_matches(out[1], x, qweight, scales, qzeros, act_perm, None, bits, group_size, zo, f"gemv prefetch bits={bits} g={group_size}")
 
 
-@pytest.mark.parametrize("m,bits,group_size,k,dtype,act_order,prefetch", [
-    (1, 4, 128, 1024, torch.float16, False, 0),   # several groups a split, several splits
-    (4, 2, 128, 1024, torch.float16, False, 0),   # 2 bits: two 8-value loads a word; four rows
-    (3, 8, 64, 512, torch.bfloat16, False, 1),    # 8 bits: 4-value loads; with the prefetch
-    (2, 4, -1, 200, torch.float16, False, 0),     # K past the last whole step: masked loads
-    (1, 2, 32, 200, torch.float32, False, 0),     # fp32 x, one run a step, K tail
-    (1, 4, 128, 512, torch.float16, True, 0),     # act-order: not taken
-    (1, 3, 128, 512, torch.float16, False, 0),    # 3 bits: not taken
+@pytest.mark.parametrize("m,bits,group_size,k,dtype,act_order,prefetch,k_stride", [
+    (1, 4, 128, 1024, torch.float16, False, 0, 1),   # several groups a split, several splits
+    (4, 2, 128, 1024, torch.float16, False, 0, 1),   # 2 bits: two 8-value loads a word; four rows
+    (3, 8, 64, 512, torch.bfloat16, False, 1, 1),    # 8 bits: 4-value loads; with the prefetch
+    (2, 4, -1, 200, torch.float16, False, 0, 1),     # K past the last whole step: masked loads
+    (1, 2, 32, 200, torch.float32, False, 0, 1),     # fp32 x, one run a step, K tail
+    (3, 4, 128, 512, torch.float16, False, 0, 3),    # x's K stride 3 (a strided view)
+    (1, 4, 128, 512, torch.float16, True, 0, 1),     # act-order: not taken
+    (1, 3, 128, 512, torch.float16, False, 0, 1),    # 3 bits: not taken
 ])
-def test_gemv_x_vec_gives_the_same_bits(m, bits, group_size, k, dtype, act_order, prefetch):
+def test_gemv_x_vec_gives_the_same_bits(m, bits, group_size, k, dtype, act_order, prefetch, k_stride):
     """The decode GEMV loading x as vectors (``x_vec``, the default) at N off the tile: bit for bit as with
-    one scalar load a value (the same products in the same order), and the oracle's."""
+    one scalar load a value (the same products in the same order), and the oracle's; x's K stride need
+    not be 1."""
     dev = torch.device(DEVICE)
     n = 96
     qweight, scales, qzeros, act_perm, zo = runtime_weight(n, k, bits, group_size, False, act_order, seed=11)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12)).to(dtype).to(DEVICE)
+    x = torch.randn(m, k * k_stride, generator=torch.Generator().manual_seed(12)).to(dtype).to(DEVICE)[:, ::k_stride]
+    assert x.stride(1) == k_stride
     out = {}
     for x_vec in (0, 1):
         t = table(max_split=2)

@@ -407,7 +407,8 @@ def test_gemv_prefetch_gives_the_same_bits(item):
 def test_gemv_x_vec_matches_the_oracle(item):
     """The decode GEMV loading x as vectors (``x_vec``, the default; not taken with act-order) and with one
     scalar load a value, each alone and with ``prefetch``, at M = 1, 3 and 4, against the oracle, eagerly
-    and replayed from a CUDA graph with fresh inputs."""
+    and replayed from a CUDA graph with fresh inputs; and x with K stride 2 (stop 60's first form read it
+    as 1: a CPU test caught it)."""
     case, dtype = item
     b = built(case, dtype)
     bias = rand(case.n, dtype=dtype, seed=9)
@@ -422,6 +423,8 @@ def test_gemv_x_vec_matches_the_oracle(item):
                 check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} x_vec={x_vec} prefetch={prefetch}")
                 y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=85 + m))
                 check(y, x, b.w64, bias, f"graph {_id(item)} M={m} x_vec={x_vec} prefetch={prefetch}")
+            xs = rand(3, 2 * case.k, dtype=dtype, seed=89)[:, ::2]  # x's K stride 2: scalar loads
+            check(b.weight.mm(xs, bias), xs, b.w64, bias, f"{_id(item)} strided x x_vec={x_vec} prefetch={prefetch}")
 
 
 KNOB_TILES = [  # the M = 16 tile the knobs are for, and a 128-row tile (the scale enters the half weight tile)
