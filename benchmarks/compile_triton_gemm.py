@@ -7,7 +7,8 @@ on the path (``pip install --no-deps --target DIR triton==3.6.0``; its wheel car
 
     PYTHONPATH=DIR:. python benchmarks/compile_triton_gemm.py [--cases JSON | --gemv JSON] [--sass] [--out F]
 
-Each case is (bits, group size, activation dtype, BLOCK_M, BLOCK_N, even_odd); the plan is the one the
+Each case is (bits, group size, activation dtype, BLOCK_M, BLOCK_N, even_odd[, maxnreg: a register cap, 0 for
+none]); the plan is the one the
 lowering makes for a 4096x4096 weight at M = BLOCK_M with a 128-deep K tile configured, built with
 the inline-PTX unpack as on a GPU. Prints one JSON line a build: the K tile and whether it lies in one
 group (``tile_group``), whether it compiled, its shared memory and whether that fits one sm_90 block (a
@@ -63,9 +64,10 @@ def one_config_table(decode_max_m: int, decode: dict, gemm: dict) -> dict:
             "decode": {"default": {"4": decode}}, "gemm": {"default": {"1": gemm}}}
 
 
-def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, even_odd: int, sass: bool = False) -> dict:
+def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, even_odd: int, maxnreg: int = 0,
+                 sass: bool = False) -> dict:
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
-           "even_odd": even_odd, "impl": "triton", "ctas_per_sm": 4, "max_split": 32}
+           "even_odd": even_odd, "impl": "triton", "ctas_per_sm": 4, "max_split": 32, "maxnreg": maxnreg}
     with T.config_override(one_config_table(0, {}, cfg)):
         plan = T._shape_plan(block_m, 4096, 4096, bits, group, torch.device("cpu"), "gemm", False)
     T._DEQUANT_FORCE = "asm"  # the GPU's form (the interpreter's would be the plain-Triton one)
@@ -74,21 +76,21 @@ def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, 
     finally:
         T._DEQUANT_FORCE = None
     row = dict(bits=bits, group=group, dtype=dtype, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=plan["block_k"],
-               tile_group=plan["tile_group"], triton=triton.__version__)
+               tile_group=plan["tile_group"], maxnreg=maxnreg, triton=triton.__version__)
     return compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, 1, block_m, 4096, 4096, bits, group, dtype))
 
 
 def compile_gemv_case(bits: int, group: int, dtype: str, block_n: int, chunks: int, warps: int, m: int, prefetch: int = 0,
-                      x_vec: int = 1, sass: bool = False) -> dict:
+                      x_vec: int = 1, maxnreg: int = 0, sass: bool = False) -> dict:
     """A decode GEMV build as planned for a 28672x4096 weight at M = ``m`` (atomic reduction, as the tables ship)."""
     cfg = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": warps, "num_stages": 1, "ctas_per_sm": 8, "max_split": 64,
-           "reduce": "atomic", "prefetch": prefetch, "x_vec": x_vec}
+           "reduce": "atomic", "prefetch": prefetch, "x_vec": x_vec, "maxnreg": maxnreg}
     with T.config_override(one_config_table(4, cfg, {})):
         plan = T._shape_plan(m, 28672, 4096, bits, group, torch.device("cpu"), "decode", False)
     fn, consts, launch = T._split_k_build(plan, 2, act_dtype(dtype), bits, object(), None, None)
     row = dict(kernel="gemv", bits=bits, group=group, dtype=dtype, M=m, BLOCK_M=plan["block_m"], BLOCK_N=block_n,
                CHUNKS=plan["chunks"], num_warps=warps, prefetch=T.gemv_prefetch_applies(cfg, bits),
-               x_vec=T.gemv_x_vec(cfg, bits, False), triton=triton.__version__)
+               x_vec=T.gemv_x_vec(cfg, bits, False), maxnreg=maxnreg, triton=triton.__version__)
     row = compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, 2, m, 28672, 4096, bits, group, dtype))
     if sass and row.get("loop_sass"):
         # one pass of the loop: CHUNKS runs of 32 K values for the thread's BLOCK_N / (32 warps) columns
@@ -186,8 +188,8 @@ def loop_mix(cubin: bytes) -> dict | None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", type=json.loads, default=CASES, help="JSON list of [bits, group, dtype, BLOCK_M, BLOCK_N, even_odd]")
-    p.add_argument("--gemv", type=json.loads, help="JSON list of [bits, group, dtype, BLOCK_N, CHUNKS, num_warps, M(, prefetch, x_vec)]: GEMV builds instead")
+    p.add_argument("--cases", type=json.loads, default=CASES, help="JSON list of [bits, group, dtype, BLOCK_M, BLOCK_N, even_odd(, maxnreg)]")
+    p.add_argument("--gemv", type=json.loads, help="JSON list of [bits, group, dtype, BLOCK_N, CHUNKS, num_warps, M(, prefetch, x_vec, maxnreg)]: GEMV builds instead")
     p.add_argument("--sass", action="store_true", help="the main loop's SASS instruction mix of each build")
     p.add_argument("--out")
     a = p.parse_args(argv)

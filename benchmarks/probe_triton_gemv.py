@@ -18,7 +18,8 @@ Stop 59 added ``prefetch`` (a step's words, zero points and scales loaded during
 warp's loads then overlap its own arithmetic; 168 registers against 128 at the shipped config, so 6
 programs an SM instead of 8) and values past bit 23 read from ``w >> 12`` (4.2 -> 4.0 instructions a value).
 A config's fourth field asks for the prefetch. Stop 60 made the shipped kernel load x as vectors, once a
-word (``x_vec``, on by default; a fifth field 0 turns it off: the key then ends ``_scalarx``). ``--xtile`` times the x-tile variant too; ``--baseline
+word (``x_vec``, on by default; a fifth field 0 turns it off: the key then ends ``_scalarx``); a sixth caps
+the build's registers (``maxnreg``: 104 holds 9 programs of 2 warps an SM where 124 holds 8). ``--xtile`` times the x-tile variant too; ``--baseline
 MODULE`` also times the ``_gemv_kernel`` of another copy of ``int_weight.py`` (say the previous commit's,
 put beside it in the snapshot) at the configs without it, interleaved with the rest.
 
@@ -112,11 +113,12 @@ def _gemv_xtile_kernel(
     _store_rows(y_ptr, bias_ptr, acc, 0, pid_k, M, N, offs_n, nmask, stride_ys, stride_ym, stride_yn, HAS_BIAS, OUT_MODE)
 
 
-def decode_table(block_n: int, chunks: int, warps: int, prefetch: int = 0, x_vec: int = 1, device: str = "cuda") -> dict:
+def decode_table(block_n: int, chunks: int, warps: int, prefetch: int = 0, x_vec: int = 1, maxnreg: int = 0,
+                 device: str = "cuda") -> dict:
     """The shipped table (``device``'s) with one decode config for 4 bits at M = 1."""
     table = copy.deepcopy(T.config_for(torch.device(device)))
     by_m = table["decode"].get("4", table["decode"]["default"])
-    cfg = dict(by_m["1"], BLOCK_N=block_n, CHUNKS=chunks, num_warps=warps, prefetch=prefetch, x_vec=x_vec)
+    cfg = dict(by_m["1"], BLOCK_N=block_n, CHUNKS=chunks, num_warps=warps, prefetch=prefetch, x_vec=x_vec, maxnreg=maxnreg)
     table["decode"]["4"] = {"1": cfg}
     return table
 
@@ -138,7 +140,7 @@ def run_with(table: dict, kernel, f):
 def main(argv=None) -> int:
     p = common.probe_parser("probe_triton_gemv.py", __doc__, LARGE_SHAPES, [1], 7)
     p.add_argument("--configs", nargs="+", default=["256,4,2", "256,4,2,1", "256,2,2,1", "512,2,4", "512,2,4,1"],
-                   help="BLOCK_N,CHUNKS,num_warps[,prefetch[,x_vec]] of each candidate (x_vec 1 unless given)")
+                   help="BLOCK_N,CHUNKS,num_warps[,prefetch[,x_vec[,maxnreg]]] of each candidate (x_vec 1 unless given)")
     p.add_argument("--xtile", action="store_true", help="time the x-tile variant too (stop 42's, configs without prefetch)")
     p.add_argument("--baseline", help="a module whose _gemv_kernel is timed too (configs without prefetch, x loaded a value at a time)")
     a = p.parse_args(argv)
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     if res is None:
         return 2
     bw = res["copy_TBps"]
-    configs = [(tuple(int(v) for v in c.split(",")) + (0, 1)[c.count(",") - 2:])[:5] for c in a.configs]
+    configs = [(tuple(int(v) for v in c.split(",")) + (0, 1, 0)[c.count(",") - 2:])[:6] for c in a.configs]
     for n, k in a.shapes:
         w = gptq_native(n, k, "triton_int_weight")
         ws = [w] + [clone_tensors(w) for _ in range(n_copies(w.nbytes()) - 1)]
@@ -158,11 +160,12 @@ def main(argv=None) -> int:
         want = x.double() @ w.dequantize(torch.float64).T  # the float64 oracle of every candidate
         row = {"N": n, "K": k, "M": 1, "roofline_us": round(roof, 2), "op_rel_err": common.rel_err(w.mm(x), want)}
         cands = {"op": [lambda v=v: v.mm(x) for v in ws]}
-        for bn, ch, nw, pf, xv in configs:
-            for name, kern in kernels if not pf else kernels[:1]:
+        for bn, ch, nw, pf, xv, cap in configs:
+            for name, kern in kernels if not (pf or cap) else kernels[:1]:
                 # the other kernels know no XVEC: they run with x loaded a value at a time
-                table = decode_table(bn, ch, nw, pf, xv if name == "shipped" else 0)
-                key = f"{name}_{bn}_{ch}_{nw}" + ("_prefetch" if pf else "") + ("_scalarx" if name == "shipped" and not xv else "")
+                table = decode_table(bn, ch, nw, pf, xv if name == "shipped" else 0, cap)
+                key = (f"{name}_{bn}_{ch}_{nw}" + ("_prefetch" if pf else "") + ("_scalarx" if name == "shipped" and not xv else "")
+                       + (f"_maxnreg{cap}" if cap else ""))
                 try:
                     row[key + "_rel_err"] = common.rel_err(run_with(table, kern, lambda: w.mm(x))(), want)
                 except Exception as e:  # noqa: BLE001  (a config the compiler or the device refuses)

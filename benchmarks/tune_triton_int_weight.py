@@ -8,10 +8,12 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
 
 - decode (GEMV) configs for M in {1, 2, 4}: BLOCK_N x num_warps (4 or 8 columns per thread),
   CHUNKS (32-value runs per step), programs per SM (the split-K count follows), then the atomic
-  reduction for the best partials config and the words loaded a step ahead (``prefetch``) for the best;
+  reduction for the best partials config, the words loaded a step ahead (``prefetch``) and a register cap
+  (``maxnreg``) for the best;
 - tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM (at 4
   bits up to M = 128 each also as even / odd K halves, ``even_odd``),
-  then the atomic reduction and the scales loaded a K tile ahead (``prefetch_scales``) on the best one;
+  then the atomic reduction, the scales loaded a K tile ahead (``prefetch_scales``) and, to M = 16, a
+  register cap on the best one;
   and dequantize + cuBLAS from M = 256 on.
 
 ``decode_max_m`` is, per bit width, the largest M (from 1) where the best decode config beats the best GEMM one.
@@ -58,6 +60,12 @@ CHECK_SHAPE = (4096, 4096)
 BITS = (4, 8)
 GROUP = 128
 DECODE_MS = (1, 2, 4)
+# Register caps tried on the best configs (``maxnreg``; 64K registers an SM). A 2-warp GEMV program at 124-128
+# registers: 8 an SM; capped at 104, 9 (the 4-bit build compiled for sm_90 by Triton 3.6: no spill, 1944
+# instructions a pass against 1924). The 4-warp 16-row GEMM tile at 154 registers: 3 an SM; at 128, 4 (a few
+# spills: 472 instructions a pass against 437). Measured on no GPU yet.
+DECODE_MAXNREG = 104
+GEMM_MAXNREG = 128
 GEMM_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # 1, 2: to decide decode_max_m
 DENSE_FROM = 256
 DEADLINE_S = 270
@@ -330,6 +338,10 @@ def main():
                 time_variant(bits, m, paths, {"reduce": "atomic"})
             time_variant(bits, m, ("decode",), {"prefetch": 1})  # a no-op past DECODE_MS (no decode timed there)
             time_variant(bits, m, ("gemm",), {"prefetch_scales": 1})
+            # A register cap: one more program an SM (stop 60's profiles found both latency-bound at low occupancy).
+            time_variant(bits, m, ("decode",), {"maxnreg": DECODE_MAXNREG})
+            if m <= 16:
+                time_variant(bits, m, ("gemm",), {"maxnreg": GEMM_MAXNREG})
 
     source = (f"benchmarks/tune_triton_int_weight.py on {gpu}, torch {torch.__version__}, "
               f"triton {common.triton_version()}, commit {(common.git_commit() or 'unknown')[:12]}, "

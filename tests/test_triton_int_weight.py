@@ -891,8 +891,8 @@ def test_gemv_build_loop_sass_for_sm90(tmp_path):
     for sm_90 with the launch's divisibility of its integer arguments, and its main loop's instructions are
     counted per weight value a thread handles (a pass of CHUNKS x 32 K values for BLOCK_N / (32 warps)
     columns), with the registers a thread holds; a build with ``prefetch`` too, and one loading x a value at a
-    time (``x_vec`` 0: more loads a pass). Whether it spills depends on the Triton (3.6, the GPU machine's:
-    no; 3.9: yes with x_vec)."""
+    time (``x_vec`` 0: more loads a pass), and one capped at 96 registers (``maxnreg``). Whether it spills
+    depends on the Triton (3.6, the GPU machine's: no; 3.9: yes with x_vec)."""
     import os
     import subprocess
     import sys
@@ -901,10 +901,11 @@ def test_gemv_build_loop_sass_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "gemv.json"
     done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "compile_triton_gemm.py"), "--out", str(out), "--sass",
-                           "--gemv", '[[4, 128, "fp16", 256, 4, 2, 1], [4, 128, "fp16", 256, 2, 2, 1, 1], [4, 128, "fp16", 256, 4, 2, 1, 0, 0]]'],
+                           "--gemv", '[[4, 128, "fp16", 256, 4, 2, 1], [4, 128, "fp16", 256, 2, 2, 1, 1], [4, 128, "fp16", 256, 4, 2, 1, 0, 0], [4, 128, "fp16", 256, 4, 2, 1, 0, 1, 96]]'],
                           capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert done.returncode == 0, done.stdout + done.stderr
-    row, prefetching, scalar_x = json.loads(out.read_text())["rows"]
+    row, prefetching, scalar_x, capped = json.loads(out.read_text())["rows"]
+    assert capped["ok"] and capped["maxnreg"] == 96 and capped["registers"] <= 96 < row["registers"], capped
     assert not row["prefetch"] and prefetching["prefetch"] and prefetching["ok"], prefetching
     assert row["x_vec"] and not scalar_x["x_vec"], (row, scalar_x)
     assert row["loop_sass"]["top"]["LDG"] < scalar_x["loop_sass"]["top"]["LDG"], (row, scalar_x)
@@ -913,6 +914,50 @@ def test_gemv_build_loop_sass_for_sm90(tmp_path):
     assert row["ok"] and row["kernel"] == "gemv" and row["CHUNKS"] == 4 and isinstance(loop["spills"], bool), row
     assert loop["values_per_thread"] == 4 * 32 * 256 // 64 and loop["instructions"] > loop["values_per_thread"], loop
     assert loop["per_value"] == round(loop["instructions"] / loop["values_per_thread"], 2) and loop["top"]["FFMA"] > 0, loop
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+def test_maxnreg_is_a_launch_option_and_a_build_of_its_own(monkeypatch, path):
+    """A config's ``maxnreg`` (a register cap: more programs an SM) reaches the launch options, makes a build
+    of its own in the programs-an-SM facts (compiled once each, with the cap), and changes no result (the
+    interpreter ignores it; on a GPU the tuner times it)."""
+    seen = []
+
+    def compiled(kernel, grid, args, constexprs, launch, device):
+        seen.append(launch)
+        return launch["num_stages"], 4
+
+    monkeypatch.setattr(T, "_compiles_for", lambda device: True)
+    monkeypatch.setattr(T, "_compiled_facts", compiled)
+    monkeypatch.setattr(T, "_BUILD_FACTS", {})
+    monkeypatch.setattr(T, "_BUILD_NAMES", {})
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 128, False, False)
+    x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
+    o2 = torch.empty(3, 72, dtype=torch.float16, device=DEVICE)
+    tensors = (x, qweight, scales, qzeros, None, None, 4, 128, zo, o2)
+    launches = []
+    for cap in (None, 104):
+        t = table()
+        for by_m in (*t["decode"].values(), *t["gemm"].values()):
+            for cfg in by_m.values():
+                cfg.pop("maxnreg", None)
+                cfg.update({"maxnreg": cap} if cap else {})
+        with T.config_override(t):
+            plan = T._plan(3, 72, 256, 4, 128, torch.device(DEVICE), path)
+            kernel, constexprs, launch = T._split_k_build(plan, 1, x.dtype, 4, qzeros, None, None)
+            assert launch.get("maxnreg") == cap, launch
+            T._build_facts(kernel, constexprs, launch, plan, tensors, 1)
+            T._build_facts(kernel, constexprs, launch, plan, tensors, 1)
+            launches.append(launch)
+    assert seen == launches, "each cap its own build, compiled once"
+    monkeypatch.undo()
+    t = table()
+    for by_m in (*t["decode"].values(), *t["gemm"].values()):
+        for cfg in by_m.values():
+            cfg["maxnreg"] = 104
+    with T.config_override(t):
+        y = T.triton_mm(x, qweight, scales, qzeros, None, None, 4, 128, zo, force_path=path)
+    assert_matches(y, x, qweight, scales, qzeros, None, None, 4, 128, zo, f"maxnreg {path}")
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])

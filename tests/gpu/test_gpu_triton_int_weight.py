@@ -468,6 +468,30 @@ def test_gemm_knobs_match_the_oracle(item):
                 check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item[:2])} M={m} {knobs} tile {tile['BLOCK_M']}x{tile['BLOCK_N']}")
 
 
+@pytest.mark.parametrize("item", GEMV_PREFETCH_CASES[:3], ids=_id)
+def test_register_cap_matches_the_oracle(item):
+    """``maxnreg`` (the tuner's register cap) on the decode GEMV (104) and the 16-row even / odd GEMM tile (128,
+    where ptxas spills a little), against the oracle, eagerly and replayed from a CUDA graph; a build
+    with the cap in its launch options was compiled."""
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=9)
+    dev = torch.device("cuda")
+    gemm = narrow_gemm_table(reduce="atomic", maxnreg=128, **({"even_odd": 1} if case.bits == 4 else {}), **KNOB_TILES[0])
+    gemm["decode_max_m"] = 0
+    for table, path, cap in ((gemv_table(maxnreg=104), "decode", 104), (gemm, "gemm", 128)):
+        with T.config_override(table):
+            for m in (1, 3):
+                plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
+                assert plan["path"] == path and plan["cfg"].get("maxnreg") == cap, plan
+                x = rand(m, case.k, dtype=dtype, seed=70 + m)
+                check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} {path} maxnreg {cap}")
+                y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=75 + m))
+                check(y, x, b.w64, bias, f"graph {_id(item)} M={m} {path} maxnreg {cap}")
+    capped = [key for key in T._BUILD_FACTS if dict(key[2]).get("maxnreg")]
+    assert capped, "no capped build was compiled"
+
+
 SCALE_CASE = Case("gptq", 4, 128, False, True, "v2", 264, 1000)
 
 

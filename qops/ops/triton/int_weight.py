@@ -16,7 +16,9 @@ number of rows M and the shipped config table (never from tensor values, never w
   per-step partial sums once per column, never per element. A config may ask (``prefetch``; 2, 4 and 8
   bits) for each step's words, zero points and scales to be loaded during the step before; on an H100
   at M = 1 it moved the four large shapes from 5% faster to 28% slower
-  (``benchmarks/probe_triton_gemv.py``): a tuner variant, in no shipped table.
+  (``benchmarks/probe_triton_gemv.py``): a tuner variant, in no shipped table. x's values come as one
+  vector load a run and word, split out in registers (``x_vec``, on unless a config says 0; 2, 4 and 8
+  bits without act_perm): 4-5% at M = 1 on an H100 over one load a value.
 - **gemm** (larger M): a tiled split-K GEMM on tensor cores. The packed ``(BLOCK_K/vpw, BLOCK_N)``
   word tile is dequantized in registers to ``q - z`` (exact in fp16 and bf16) and fed to ``tl.dot``
   with fp32 accumulation. For fp16/bf16 activations, whole words and a K tile inside one group (2
@@ -49,7 +51,8 @@ there; ``pdl_reduce`` in a config overrides: :func:`reduce_pdl`). Configs come f
 ``configs/<gpu>.json`` (``default.json`` for an unknown GPU), loaded once and keyed by bits and
 bucketed M; the split count follows from the device's SM count and the shape (the config's programs
 per SM), lowered where the grid would end in a partial wave of the programs the build's registers
-and shared memory let the GPU hold at once (``common.split_in_waves``), and is one when
+and shared memory let the GPU hold at once (``common.split_in_waves``; a config's ``maxnreg`` caps a
+build's registers, so the GPU holds more of its programs, a tuner variant), and is one when
 deterministic results are requested
 (``qops.ops._common.deterministic_requested``, read at each call).
 """
@@ -1206,7 +1209,7 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     else:
         y = fp32_scratch(workspace, (split, m, n), False, x2.device)
     grid = plan["grid"][:1] + (split,) + plan["grid"][2:]
-    kernel[grid](*_split_k_args(*tensors, y, mode, split_len), **constexprs, num_warps=launch["num_warps"], num_stages=stages)
+    kernel[grid](*_split_k_args(*tensors, y, mode, split_len), **constexprs, **dict(launch, num_stages=stages))
     if mode != 0:
         parts = split if mode == 1 else 1
         block, block_s = _reduce_tile(parts)
@@ -1261,7 +1264,8 @@ def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pd
         BITS=bits, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None, HAS_BIAS=bias is not None,
         OUT_MODE=mode, EVEN_K=plan["even_k"], **({"PDL": True} if pdl else {}),
     )
-    launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)))
+    launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)),
+                  **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}))
     if plan["path"] == "decode":
         knobs = {"PREFETCH": gemv_prefetch_applies(cfg, bits), "XVEC": gemv_x_vec(cfg, bits, act_perm is not None)}
         return _gemv_kernel, dict(BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"],
@@ -1290,7 +1294,7 @@ def _split_k_args(x2, qweight, scales, qzeros, act_perm, bias, bits, group_size,
     )
 
 
-# (kernel, constexpr values, num_warps, num_stages, dtype, device) -> (num_stages that fit the device's
+# (kernel, constexpr values, launch options as sorted items, dtype, device) -> (num_stages that fit the device's
 # shared memory, programs of that build an SM holds at once or None); the same key -> the constexprs'
 # names (for probes that list the builds)
 _BUILD_FACTS: dict[tuple, tuple[int, int | None]] = {}
@@ -1305,7 +1309,7 @@ def _build_facts(kernel, constexprs: dict, launch: dict, plan, tensors: tuple, m
     interpreter: the configured stages and no figure for the programs."""
     x2 = tensors[0]
     # constexprs are built in one order per kernel (``_split_k_build``), so their values name the build.
-    key = (id(kernel), tuple(constexprs.values()), launch["num_warps"], launch["num_stages"], x2.dtype, x2.device)
+    key = (id(kernel), tuple(constexprs.values()), tuple(sorted(launch.items())), x2.dtype, x2.device)
     facts = _BUILD_FACTS.get(key)
     if facts is None:
         if not _compiles_for(x2.device):
@@ -1335,7 +1339,7 @@ def _compiled_facts(kernel, grid, args, constexprs: dict, launch: dict, device) 
     stages = launch["num_stages"]
     while True:
         try:
-            compiled = kernel.warmup(*args, grid=grid, **constexprs, num_warps=launch["num_warps"], num_stages=stages)
+            compiled = kernel.warmup(*args, grid=grid, **constexprs, **dict(launch, num_stages=stages))
             compiled._init_handles()
             break
         except triton.runtime.errors.OutOfResources:
