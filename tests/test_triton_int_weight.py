@@ -916,21 +916,28 @@ def test_gemv_build_loop_sass_for_sm90(tmp_path):
     assert loop["per_value"] == round(loop["instructions"] / loop["values_per_thread"], 2) and loop["top"]["FFMA"] > 0, loop
 
 
-@pytest.mark.parametrize("path", ["decode", "gemm"])
-def test_maxnreg_is_a_launch_option_and_a_build_of_its_own(monkeypatch, path):
-    """A config's ``maxnreg`` (a register cap: more programs an SM) reaches the launch options, makes a build
-    of its own in the programs-an-SM facts (compiled once each, with the cap), and changes no result (the
-    interpreter ignores it; on a GPU the tuner times it)."""
+def record_build_compiles(monkeypatch, facts: tuple) -> list:
+    """Builds' compiles faked as on a GPU, each giving ``facts`` (stages, programs an SM) and recorded as
+    (kernel, args, constexprs, launch options) in the list returned; the facts cache starts empty."""
     seen = []
 
     def compiled(kernel, grid, args, constexprs, launch, device):
-        seen.append(launch)
-        return launch["num_stages"], 4
+        seen.append((kernel, args, constexprs, launch))
+        return facts
 
     monkeypatch.setattr(T, "_compiles_for", lambda device: True)
     monkeypatch.setattr(T, "_compiled_facts", compiled)
     monkeypatch.setattr(T, "_BUILD_FACTS", {})
     monkeypatch.setattr(T, "_BUILD_NAMES", {})
+    return seen
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+def test_maxnreg_is_a_launch_option_and_a_build_of_its_own(monkeypatch, path):
+    """A config's ``maxnreg`` (a register cap: more programs an SM) reaches the launch options, makes a build
+    of its own in the programs-an-SM facts (compiled once each, with the cap), and changes no result (the
+    interpreter ignores it; on a GPU the tuner times it)."""
+    seen = record_build_compiles(monkeypatch, (2, 4))
     qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 128, False, False)
     x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
     o2 = torch.empty(3, 72, dtype=torch.float16, device=DEVICE)
@@ -949,7 +956,7 @@ def test_maxnreg_is_a_launch_option_and_a_build_of_its_own(monkeypatch, path):
             T._build_facts(kernel, constexprs, launch, plan, tensors, 1)
             T._build_facts(kernel, constexprs, launch, plan, tensors, 1)
             launches.append(launch)
-    assert seen == launches, "each cap its own build, compiled once"
+    assert [launch for *_, launch in seen] == launches, "each cap its own build, compiled once"
     monkeypatch.undo()
     t = table()
     for by_m in (*t["decode"].values(), *t["gemm"].values()):
@@ -1037,16 +1044,7 @@ def test_build_facts_compile_the_launched_build(monkeypatch, path, mode):
     """On a GPU the facts of a build come from compiling it with the launch's own arguments (every run-time
     parameter of the kernel, the output's dtype per mode) and constexprs; once per build. Checked here
     with the compile replaced by a recorder."""
-    seen = []
-
-    def compiled(kernel, grid, args, constexprs, launch, device):
-        seen.append((kernel, args, constexprs, launch))
-        return 2, 5
-
-    monkeypatch.setattr(T, "_compiles_for", lambda device: True)
-    monkeypatch.setattr(T, "_compiled_facts", compiled)
-    monkeypatch.setattr(T, "_BUILD_FACTS", {})
-    monkeypatch.setattr(T, "_BUILD_NAMES", {})
+    seen = record_build_compiles(monkeypatch, (2, 5))
     qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, True)
     x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
     o2 = torch.empty(3, 72, dtype=torch.float16, device=DEVICE)
