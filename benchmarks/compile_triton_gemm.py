@@ -8,22 +8,21 @@ on the path (``pip install --no-deps --target DIR triton==3.6.0``; its wheel car
     PYTHONPATH=DIR:. python benchmarks/compile_triton_gemm.py [--cases JSON | --gemv JSON] [--sass] [--out F]
 
 Each case is (bits, group size, activation dtype, BLOCK_M, BLOCK_N, even_odd[, maxnreg: a register cap, 0 for
-none]); the plan is the one the
-lowering makes for a 4096x4096 weight at M = BLOCK_M with a 128-deep K tile configured, built with
-the inline-PTX unpack as on a GPU. Prints one JSON line a build: the K tile and whether it lies in one
-group (``tile_group``), whether it compiled, its shared memory and whether that fits one sm_90 block (a
-build past it is retried with fewer stages at run time), and whether its PTX touches local memory.
+none]); the plan is the one the lowering makes for a 4096x4096 weight at M = BLOCK_M with a 128-deep K tile
+configured, built with the inline-PTX unpack as on a GPU. Prints one JSON line a build: the K tile and whether
+it lies in one group (``tile_group``), whether it compiled, its shared memory and whether that fits one sm_90
+block (a build past it is retried with fewer stages at run time), and whether its PTX touches local memory.
 Stop 57 compiled the small-group tiles of branch ``small-group-tiles`` with it (14 builds, all to cubin).
 
 ``--gemv JSON`` compiles decode GEMV builds (``_gemv_kernel``) instead, each (bits, group size, activation
-dtype, BLOCK_N, CHUNKS, num_warps, M), as the lowering plans them for 28672x4096. ``--sass`` adds, for every
-build, the SASS of its main loop (the longest block ending in a backward branch, read with the wheel's
-nvdisasm): instructions a pass, the most frequent opcodes and, for a GEMV, the weight values a thread
-handles a pass and the instructions per value, and the registers a thread uses. Integer arguments equal to
-1 (x's unit stride, GPTQ v1's zero offset) become constants, as a launch makes them: without that, stop 58
-counted 4.8 instructions a value for the 4-bit M = 1 GEMV, whose launched build issues 4.2 (x's address
-arithmetic was the difference); stop 59's ``w >> 12`` took it to 4.0, stop 60's x loaded as vectors (``x_vec``,
-an optional eighth field, 1 unless given) to 3.76.
+dtype, BLOCK_N, CHUNKS, num_warps, M[, prefetch, x_vec, maxnreg]), as the lowering plans them for 28672x4096.
+``--sass`` adds, for every build, the SASS of its main loop (the longest block ending in a backward branch,
+read with the wheel's nvdisasm): instructions a pass, the most frequent opcodes and, for a GEMV, the weight
+values a thread handles a pass and the instructions per value, and the registers a thread uses. Integer
+arguments equal to 1 (x's unit stride, GPTQ v1's zero offset) become constants, as a launch makes them:
+without that, stop 58 counted 4.8 instructions a value for the 4-bit M = 1 GEMV, whose launched build issues
+4.2 (x's address arithmetic was the difference); stop 59's ``w >> 12`` took it to 4.0, stop 60's x loaded as
+vectors (``x_vec``, the ninth field, 1 unless given) to 3.76.
 """
 from __future__ import annotations
 

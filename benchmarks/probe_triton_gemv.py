@@ -14,14 +14,14 @@ or neither -- is what this probe measures: every candidate timed interleaved ove
 checked against the float64 product with the dequantized weight (``_rel_err``; the committed run at 3a913fd
 compared with the shipped op's output, ``_rel_err_vs_op``).
 
-Stop 59 added ``prefetch`` (a step's words, zero points and scales loaded during the step before: each
-warp's loads then overlap its own arithmetic; 168 registers against 128 at the shipped config, so 6
-programs an SM instead of 8) and values past bit 23 read from ``w >> 12`` (4.2 -> 4.0 instructions a value).
-A config's fourth field asks for the prefetch. Stop 60 made the shipped kernel load x as vectors, once a
-word (``x_vec``, on by default; a fifth field 0 turns it off: the key then ends ``_scalarx``); a sixth caps
-the build's registers (``maxnreg``: 104 holds 9 programs of 2 warps an SM where 124 holds 8). ``--xtile`` times the x-tile variant too; ``--baseline
-MODULE`` also times the ``_gemv_kernel`` of another copy of ``int_weight.py`` (say the previous commit's,
-put beside it in the snapshot) at the configs without it, interleaved with the rest.
+Stop 59 added ``prefetch`` (a step's words, zero points and scales loaded during the step before: each warp's
+loads then overlap its own arithmetic; 168 registers against 128 at the shipped config, so 6 programs an SM
+instead of 8) and values past bit 23 read from ``w >> 12`` (4.2 -> 4.0 instructions a value). A config's
+fourth field asks for the prefetch. Stop 60 made the shipped kernel load x as vectors, once a word (``x_vec``,
+on by default; a fifth field 0 turns it off: the key then ends ``_scalarx``); a sixth caps the build's
+registers (``maxnreg``: 104 holds 9 programs of 2 warps an SM where 124 holds 8). ``--xtile`` times the x-tile
+variant too; ``--baseline MODULE`` also times the ``_gemv_kernel`` of another copy of ``int_weight.py`` (say
+the previous commit's, put beside it in the snapshot) at the configs without it, interleaved with the rest.
 
     PYTHONPATH=. python benchmarks/probe_triton_gemv.py [--shapes 28672x4096,...] [--configs 256,4,2[,1] ...]
         [--baseline qops.ops.triton.MODULE] [--out F]
