@@ -942,14 +942,16 @@ def test_maxnreg_is_a_launch_option_and_a_build_of_its_own(monkeypatch, path):
     x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
     o2 = torch.empty(3, 72, dtype=torch.float16, device=DEVICE)
     tensors = (x, qweight, scales, qzeros, None, None, 4, 128, zo, o2)
-    launches = []
-    for cap in (None, 104):
+    def capped(cap):
         t = table()
         for by_m in (*t["decode"].values(), *t["gemm"].values()):
             for cfg in by_m.values():
-                cfg.pop("maxnreg", None)
                 cfg.update({"maxnreg": cap} if cap else {})
-        with T.config_override(t):
+        return t
+
+    launches = []
+    for cap in (None, 104):
+        with T.config_override(capped(cap)):
             plan = T._plan(3, 72, 256, 4, 128, torch.device(DEVICE), path)
             kernel, constexprs, launch = T._split_k_build(plan, 1, x.dtype, 4, qzeros, None, None)
             assert launch.get("maxnreg") == cap, launch
@@ -958,11 +960,7 @@ def test_maxnreg_is_a_launch_option_and_a_build_of_its_own(monkeypatch, path):
             launches.append(launch)
     assert [launch for *_, launch in seen] == launches, "each cap its own build, compiled once"
     monkeypatch.undo()
-    t = table()
-    for by_m in (*t["decode"].values(), *t["gemm"].values()):
-        for cfg in by_m.values():
-            cfg["maxnreg"] = 104
-    with T.config_override(t):
+    with T.config_override(capped(104)):
         y = T.triton_mm(x, qweight, scales, qzeros, None, None, 4, 128, zo, force_path=path)
     assert_matches(y, x, qweight, scales, qzeros, None, None, 4, 128, zo, f"maxnreg {path}")
 

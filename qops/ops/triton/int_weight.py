@@ -261,12 +261,6 @@ def _last_of(t, I: tl.constexpr):
 
 
 @triton.jit
-def _word_of(ws, J: tl.constexpr, BITS: tl.constexpr):
-    """Word J of each run of a step's words ``ws`` ``(CHUNKS, BLOCK_N, BITS)``."""
-    return _last_of(ws, J)
-
-
-@triton.jit
 def _x_word_run(pk_ptr, kbase, k_hi, stride_xk, I0: tl.constexpr, XV: tl.constexpr, EVEN_K: tl.constexpr):
     """x's values I0 .. I0 + XV - 1 of each run ``(CHUNKS, 1, XV)``: one vector load a run where x's K
     stride is 1 (a launch makes it the constant 1), XV scalar loads otherwise."""
@@ -278,29 +272,41 @@ def _x_word_run(pk_ptr, kbase, k_hi, stride_xk, I0: tl.constexpr, XV: tl.constex
 
 
 @triton.jit
-def _x_word(pk_ptr, kbase, k_hi, stride_xk, J: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr):
-    """The x values word J of each run multiplies (``32 // BITS`` of them) as one or two vector loads a
-    run of at most 16 bytes, ``(CHUNKS, 1, XV)`` each (Triton moved a 32-byte run through shared memory,
-    with two barriers a word)."""
-    VPW: tl.constexpr = 32 // BITS
-    XV: tl.constexpr = 8 if VPW > 8 else VPW
-    xa = _x_word_run(pk_ptr, kbase, k_hi, stride_xk, J * VPW, XV, EVEN_K)
-    if VPW > XV:
-        xb = _x_word_run(pk_ptr, kbase, k_hi, stride_xk, J * VPW + XV, XV, EVEN_K)
+def _x_word(pk_ptr, kbase, k_hi, stride_xk, J: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr,
+            XVEC: tl.constexpr):
+    """With XVEC, the x values word J of each run multiplies (``32 // BITS`` of them) as one or two vector
+    loads a run of at most 16 bytes, ``(CHUNKS, 1, XV)`` each (Triton moved a 32-byte run through shared
+    memory, with two barriers a word). Without, nothing is loaded (``kbase`` twice, which :func:`_x_at`
+    does not read)."""
+    if XVEC:
+        VPW: tl.constexpr = 32 // BITS
+        XV: tl.constexpr = 8 if VPW > 8 else VPW
+        xa = _x_word_run(pk_ptr, kbase, k_hi, stride_xk, J * VPW, XV, EVEN_K)
+        if VPW > XV:
+            xb = _x_word_run(pk_ptr, kbase, k_hi, stride_xk, J * VPW + XV, XV, EVEN_K)
+        else:
+            xb = xa
     else:
-        xb = xa
+        xa = kbase
+        xb = kbase
     return xa, xb
 
 
 @triton.jit
-def _x_lane(xa, xb, I: tl.constexpr):
-    """fp32 x value I of a word's values as :func:`_x_word` loaded them, ``(CHUNKS,)``."""
-    XV: tl.constexpr = xa.shape[2]
-    if I < XV:
-        v = _last_of(xa, I)
+def _x_at(x_ptr, pk_ptr, xa, xb, I: tl.constexpr, BITS: tl.constexpr, stride_xk, kmask, HAS_PERM: tl.constexpr,
+          MASKED: tl.constexpr, XVEC: tl.constexpr):
+    """fp32 x value I of each run of the step, ``(CHUNKS,)``: split out of the word's vectors ``xa`` / ``xb``
+    (XVEC, :func:`_x_word`), else loaded by itself (:func:`_x_value`)."""
+    if XVEC:
+        XV: tl.constexpr = xa.shape[2]
+        L: tl.constexpr = I % (32 // BITS)  # the value's place among its word's
+        if L < XV:
+            v = _last_of(xa, L)
+        else:
+            v = _last_of(xb, L - XV)
+        return tl.reshape(v, (xa.shape[0],)).to(tl.float32)
     else:
-        v = _last_of(xb, I - XV)
-    return tl.reshape(v, (xa.shape[0],)).to(tl.float32)
+        return _x_value(x_ptr, pk_ptr, I, stride_xk, kmask, HAS_PERM, MASKED)
 
 
 @triton.jit
@@ -321,7 +327,7 @@ def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, w
     w_prev = tl.zeros([CHUNKS, BLOCK_N], tl.int32)
     for j in tl.static_range(BITS):
         if WORDS:
-            w = _word_of(ws, j, BITS)
+            w = _last_of(ws, j)  # word j of each run
         elif EVEN_K and EVEN_N:
             w = tl.load(w_ptrs + j * stride_qw)
         elif EVEN_K:
@@ -329,14 +335,13 @@ def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, w
         else:
             w = tl.load(w_ptrs + j * stride_qw, mask=((wrow + j) < n_wrows)[:, None] & nmask[None, :], other=0)
         w_hi = _high_word(w)
-        if XVEC:
-            xa0, xb0 = _x_word(pk0, kbase, k_hi, stride_xk, j, BITS, EVEN_K)
-            if BLOCK_M > 1:
-                xa1, xb1 = _x_word(pk1, kbase, k_hi, stride_xk, j, BITS, EVEN_K)
-            if BLOCK_M > 2:
-                xa2, xb2 = _x_word(pk2, kbase, k_hi, stride_xk, j, BITS, EVEN_K)
-            if BLOCK_M > 3:
-                xa3, xb3 = _x_word(pk3, kbase, k_hi, stride_xk, j, BITS, EVEN_K)
+        xa0, xb0 = _x_word(pk0, kbase, k_hi, stride_xk, j, BITS, EVEN_K, XVEC)
+        if BLOCK_M > 1:
+            xa1, xb1 = _x_word(pk1, kbase, k_hi, stride_xk, j, BITS, EVEN_K, XVEC)
+        if BLOCK_M > 2:
+            xa2, xb2 = _x_word(pk2, kbase, k_hi, stride_xk, j, BITS, EVEN_K, XVEC)
+        if BLOCK_M > 3:
+            xa3, xb3 = _x_word(pk3, kbase, k_hi, stride_xk, j, BITS, EVEN_K, XVEC)
         for i in tl.static_range(32):
             # Value i starts in word (i*BITS)//32; one that straddles is finished with word j.
             first_word = (i * BITS) // 32
@@ -344,29 +349,13 @@ def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, w
             if (first_word == j and not straddles) or (first_word + 1 == j and straddles):
                 v = _value(w, w_hi, w_prev, zf, magic, i, BITS)
                 kmask = (kbase + i) < k_hi
-                if XVEC:
-                    xv = _x_lane(xa0, xb0, i % (32 // BITS))
-                else:
-                    xv = _x_value(x0_ptr, pk0, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
-                p0 += xv[:, None] * v
+                p0 += _x_at(x0_ptr, pk0, xa0, xb0, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)[:, None] * v
                 if BLOCK_M > 1:
-                    if XVEC:
-                        xv = _x_lane(xa1, xb1, i % (32 // BITS))
-                    else:
-                        xv = _x_value(x1_ptr, pk1, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
-                    p1 += xv[:, None] * v
+                    p1 += _x_at(x1_ptr, pk1, xa1, xb1, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)[:, None] * v
                 if BLOCK_M > 2:
-                    if XVEC:
-                        xv = _x_lane(xa2, xb2, i % (32 // BITS))
-                    else:
-                        xv = _x_value(x2_ptr, pk2, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
-                    p2 += xv[:, None] * v
+                    p2 += _x_at(x2_ptr, pk2, xa2, xb2, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)[:, None] * v
                 if BLOCK_M > 3:
-                    if XVEC:
-                        xv = _x_lane(xa3, xb3, i % (32 // BITS))
-                    else:
-                        xv = _x_value(x3_ptr, pk3, i, stride_xk, kmask, HAS_PERM, not EVEN_K)
-                    p3 += xv[:, None] * v
+                    p3 += _x_at(x3_ptr, pk3, xa3, xb3, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)[:, None] * v
         w_prev = w
     return p0, p1, p2, p3
 
