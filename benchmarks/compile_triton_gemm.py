@@ -49,7 +49,7 @@ from qops.ops.triton import int_weight as T  # noqa: E402
 CASES = [(2, 128, "fp16", 16, 128, 0), (2, 128, "bf16", 16, 128, 0), (2, 32, "fp16", 16, 128, 0), (4, 32, "fp16", 16, 128, 1),
          (4, 64, "bf16", 16, 128, 1), (4, 64, "fp16", 64, 64, 0), (8, 32, "fp16", 16, 128, 0), (4, 128, "fp16", 16, 128, 1)]
 POINTERS = {"x_ptr": "act", "qw_ptr": "*i32", "s_ptr": "act", "qz_ptr": "*i32", "perm_ptr": "*i32", "bias_ptr": "act", "y_ptr": "*fp32"}
-DEFAULTED = ("DEQUANT", "PREFETCH_S", "EVEN_ODD", "SYM_ZERO_LOAD", "PDL", "PREFETCH", "XVEC")
+DEFAULTED = ("DEQUANT", "PREFETCH_S", "EVEN_ODD", "SYM_ZERO_LOAD", "PDL", "PREFETCH", "XVEC", "HALF_DOT")
 SM90_SHARED = 232448  # bytes of shared memory one block may have on sm_90 (227 KiB opt-in)
 
 
@@ -80,16 +80,18 @@ def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, 
 
 
 def compile_gemv_case(bits: int, group: int, dtype: str, block_n: int, chunks: int, warps: int, m: int, prefetch: int = 0,
-                      x_vec: int = 1, maxnreg: int = 0, sass: bool = False) -> dict:
+                      x_vec: int = 1, maxnreg: int = 0, half_dot: int = 0, sass: bool = False) -> dict:
     """A decode GEMV build as planned for a 28672x4096 weight at M = ``m`` (atomic reduction, as the tables ship)."""
     cfg = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": warps, "num_stages": 1, "ctas_per_sm": 8, "max_split": 64,
-           "reduce": "atomic", "prefetch": prefetch, "x_vec": x_vec, "maxnreg": maxnreg}
+           "reduce": "atomic", "prefetch": prefetch, "x_vec": x_vec, "maxnreg": maxnreg,
+           "half_dot": half_dot}
     with T.config_override(one_config_table(4, cfg, {})):
         plan = T._shape_plan(m, 28672, 4096, bits, group, torch.device("cpu"), "decode", False)
     fn, consts, launch = T._split_k_build(plan, 2, act_dtype(dtype), bits, object(), None, None)
     row = dict(kernel="gemv", bits=bits, group=group, dtype=dtype, M=m, BLOCK_M=plan["block_m"], BLOCK_N=block_n,
                CHUNKS=plan["chunks"], num_warps=warps, prefetch=T.gemv_prefetch_applies(cfg, bits),
-               x_vec=T.gemv_x_vec(cfg, bits, False), maxnreg=maxnreg, triton=triton.__version__)
+               x_vec=T.gemv_x_vec(cfg, bits, False), maxnreg=maxnreg,
+               half_dot=T.gemv_half_dot(cfg, bits, act_dtype(dtype), T.gemv_x_vec(cfg, bits, False)), triton=triton.__version__)
     row = compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, 2, m, 28672, 4096, bits, group, dtype))
     if sass and row.get("loop_sass"):
         # one pass of the loop: CHUNKS runs of 32 K values for the thread's BLOCK_N / (32 warps) columns
@@ -188,7 +190,7 @@ def loop_mix(cubin: bytes) -> dict | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=json.loads, default=CASES, help="JSON list of [bits, group, dtype, BLOCK_M, BLOCK_N, even_odd(, maxnreg)]")
-    p.add_argument("--gemv", type=json.loads, help="JSON list of [bits, group, dtype, BLOCK_N, CHUNKS, num_warps, M(, prefetch, x_vec, maxnreg)]: GEMV builds instead")
+    p.add_argument("--gemv", type=json.loads, help="JSON list of [bits, group, dtype, BLOCK_N, CHUNKS, num_warps, M(, prefetch, x_vec, maxnreg, half_dot)]: GEMV builds instead")
     p.add_argument("--sass", action="store_true", help="the main loop's SASS instruction mix of each build")
     p.add_argument("--out")
     a = p.parse_args(argv)

@@ -8,8 +8,8 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
 
 - decode (GEMV) configs for M in {1, 2, 4}: BLOCK_N x num_warps (4 or 8 columns per thread),
   CHUNKS (32-value runs per step), programs per SM (the split-K count follows), then the atomic
-  reduction for the best partials config, the words loaded a step ahead (``prefetch``) and a register cap
-  (``maxnreg``) for the best;
+  reduction for the best partials config, the words loaded a step ahead (``prefetch``), a register cap
+  (``maxnreg``) and, at 4 bits, the packed fp16 dot (``half_dot``) for the best;
 - tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM (at 4
   bits up to M = 128 each also as even / odd K halves, ``even_odd``),
   then the atomic reduction, the scales loaded a K tile ahead (``prefetch_scales``) and, to M = 16, a
@@ -340,6 +340,8 @@ def main():
             time_variant(bits, m, ("gemm",), {"prefetch_scales": 1})
             # A register cap: one more program an SM (stop 60's profiles found both latency-bound at low occupancy).
             time_variant(bits, m, ("decode",), {"maxnreg": DECODE_MAXNREG})
+            if bits == 4:  # the packed fp16 dot (stop 61): 4-bit words only
+                time_variant(bits, m, ("decode",), {"half_dot": 1})
             if m <= 16:
                 time_variant(bits, m, ("gemm",), {"maxnreg": GEMM_MAXNREG})
 
@@ -361,8 +363,9 @@ def main():
 
 
 def four_bit_only(cfg: dict) -> bool:
-    """Whether the config asks for what only 4-bit launches run (the lowering's own test: ``even_odd``)."""
-    return T.even_odd_applies(cfg, 4, T.Dequant.HALF_ASM)
+    """Whether the config asks for what only 4-bit launches run (the lowering's own tests: ``even_odd``,
+    ``half_dot``)."""
+    return T.even_odd_applies(cfg, 4, T.Dequant.HALF_ASM) or bool(cfg.get("half_dot", 0))
 
 
 def best(times, bits, m, paths, plain=False, n_shapes=None):

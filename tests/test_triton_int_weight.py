@@ -314,6 +314,46 @@ def test_gemv_x_vec_is_the_default_where_it_applies():
     assert not T.gemv_x_vec({}, 4, True) and not T.gemv_x_vec({"x_vec": 0}, 4, False)
 
 
+@pytest.mark.parametrize("m,group_size,k,sym,zero_offset,k_stride,prefetch", [
+    (1, 128, 1024, False, 1, 1, 0),   # several groups a split; GPTQ v1's offset: zero points up to 16
+    (4, 128, 512, False, 0, 1, 1),    # four rows, with the prefetch
+    (3, -1, 200, True, 0, 1, 0),      # per-channel, symmetric, K past the last whole step (masked x)
+    (2, 32, 512, False, 1, 3, 0),     # x's K stride 3
+])
+def test_gemv_half_dot_matches_the_oracle(m, group_size, k, sym, zero_offset, k_stride, prefetch):
+    """The decode GEMV's packed fp16 dot (``half_dot``; here its plain-Triton form, the PTX's own test is
+    ``test_half_dot_ptx_sums_x_times_q_minus_z_over_16``) at N off the tile, against the oracle, with x's
+    sizes spread from 1e-3 to 3000 (the sums of four products stay far from fp16's overflow)."""
+    dev = torch.device(DEVICE)
+    n = 96
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(n, k, 4, group_size, sym, False, zero_offset, seed=21)
+    g = torch.Generator().manual_seed(22)
+    size = 10 ** (torch.rand(m, k * k_stride, generator=g) * 6.5 - 3)
+    x = (torch.randn(m, k * k_stride, generator=g) * size).half().to(DEVICE)[:, ::k_stride]
+    t = table(max_split=2)
+    t["decode"]["default"]["16"].update(half_dot=1, prefetch=prefetch)
+    with T.config_override(t):
+        plan = T._plan(m, n, k, 4, group_size, dev, "decode")
+        assert plan["split"] > 1
+        build = T._split_k_build(plan, 1, torch.float16, 4, qzeros, act_perm, None)[1]
+        assert build["HALF_DOT"] == T.HalfDot.TRITON and build["XVEC"], build
+        y = T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, group_size, zo, force_path="decode")
+    assert_matches(y, x, qweight, scales, qzeros, act_perm, None, 4, group_size, zo, f"gemv half_dot M={m} K={k}")
+
+
+def test_gemv_half_dot_only_where_asked_and_possible(monkeypatch):
+    on = {"half_dot": 1}
+    fp16, bf16 = torch.float16, torch.bfloat16
+    assert T.gemv_half_dot(on, 4, fp16, True) == T.HalfDot.TRITON  # the interpreter's form
+    monkeypatch.setattr(T, "interpreting", lambda: False)  # as on a GPU
+    assert T.gemv_half_dot(on, 4, fp16, True) == T.HalfDot.ASM
+    assert T.gemv_half_dot({}, 4, fp16, True) == T.HalfDot.OFF  # not asked
+    # 2, 3 and 8 bits, bf16 and fp32 x, x loaded a value at a time (act-order, x_vec 0): not possible
+    assert [T.gemv_half_dot(on, b, fp16, True) for b in (2, 3, 8)] == [T.HalfDot.OFF] * 3
+    assert [T.gemv_half_dot(on, 4, d, True) for d in (bf16, torch.float32)] == [T.HalfDot.OFF] * 2
+    assert T.gemv_half_dot(on, 4, fp16, False) == T.HalfDot.OFF
+
+
 def test_gemv_prefetch_only_for_whole_words():
     assert [T.gemv_prefetch_applies({"prefetch": 1}, b) for b in (2, 3, 4, 8)] == [True, False, True, True]
     assert not T.gemv_prefetch_applies({}, 4) and not T.gemv_prefetch_applies({"prefetch": 0}, 4)
@@ -633,8 +673,10 @@ def test_dequant_form_selection(monkeypatch):
 
 
 def _run_ptx(code: str, operands: dict[int, int], half: str) -> dict[int, int]:
-    """Execute the small PTX subset of ``common.half_unpack_asm`` on 32-bit integers (numbers as
-    Python ints, halves through torch's fp16/bf16). Returns the 16-bit outputs by operand number."""
+    """Execute the small PTX subset of ``common.half_unpack_asm`` / ``half_dot_asm`` / ``X_PAIRS_ASM`` on
+    32-bit integers (numbers as Python ints; halves through torch's fp16/bf16, each packed operation
+    computed in float64 and rounded once, as the GPU's fused ones are; f32 through torch's float32).
+    Returns the outputs' bit patterns by operand number (16-bit halves or 32-bit words)."""
     hdt = torch.float16 if half == "f16" else torch.bfloat16
     regs: dict[str, int] = {}
 
@@ -647,17 +689,36 @@ def _run_ptx(code: str, operands: dict[int, int], half: str) -> dict[int, int]:
         return regs[tok] if tok in regs else int(tok)
 
     def halves(v):
-        return torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16).view(hdt).float()
+        return torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16).view(hdt).double()
+
+    def packed(f):
+        h = f.to(hdt).view(torch.int16).to(torch.int32) & 0xFFFF
+        return int(h[0]) | (int(h[1]) << 16)
+
+    def f32(v):
+        return torch.tensor([v], dtype=torch.int64).to(torch.int32).view(torch.float32)
 
     out: dict[int, int] = {}
+
+    def put(dest, value):
+        if dest.startswith("$"):
+            out[int(dest[1:])] = value
+        else:
+            regs[dest] = value
+
     for line in code.splitlines():
         line = line.strip().rstrip(";")
         if line in ("{", "}") or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
-        if op == "mov.b32" and args.startswith("{"):
-            lo, hi, src = re.match(r"\{\$(\d+), \$(\d+)\}, (\w+)", args).groups()
-            out[int(lo)], out[int(hi)] = regs[src] & 0xFFFF, regs[src] >> 16
+        if op == "mov.b32" and args.startswith("{"):  # a register's halves into two 16-bit ones
+            lo, hi, src = re.match(r"\{([$\w]+), ([$\w]+)\}, (\w+)", args).groups()
+            put(lo, regs[src] & 0xFFFF)
+            put(hi, regs[src] >> 16)
+            continue
+        if op == "mov.b32" and "{" in args:  # two 16-bit operands into one register's halves
+            d, lo, hi = re.match(r"([$\w]+), \{([$\w]+), ([$\w]+)\}", args).groups()
+            put(d, (val(lo) & 0xFFFF) | ((val(hi) & 0xFFFF) << 16))
             continue
         d, *a = [t.strip() for t in args.split(",")]
         if op == "mov.b32":
@@ -671,13 +732,18 @@ def _run_ptx(code: str, operands: dict[int, int], half: str) -> dict[int, int]:
         elif op == "lop3.b32":
             assert val(a[3]) == 0xEA
             r = (val(a[0]) & val(a[1])) | val(a[2])
-        elif op.startswith("fma.rn."):
-            f = halves(val(a[0])) * halves(val(a[1])) + halves(val(a[2]))
-            h = f.to(hdt).view(torch.int16).to(torch.int32) & 0xFFFF
-            r = int(h[0]) | (int(h[1]) << 16)
+        elif op.startswith("fma.rn.") and op.endswith("x2"):
+            r = packed(halves(val(a[0])) * halves(val(a[1])) + halves(val(a[2])))
+        elif op == "mul.rn.f16x2":
+            r = packed(halves(val(a[0])) * halves(val(a[1])))
+        elif op == "cvt.f32.f16":
+            h = torch.tensor([val(a[0]) & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.float16)
+            r = int(h.float().view(torch.int32)) & 0xFFFFFFFF
+        elif op == "add.f32":
+            r = int((f32(val(a[0])) + f32(val(a[1]))).view(torch.int32)) & 0xFFFFFFFF
         else:
             raise AssertionError(f"unexpected PTX {op}")
-        regs[d] = r & 0xFFFFFFFF
+        put(d, r & 0xFFFFFFFF)
     return out
 
 
@@ -707,6 +773,45 @@ def test_half_unpack_ptx_gives_q_minus_z(bits, half, order):
         out = _run_ptx(code, ops, half)
         got = torch.tensor([out[i] for i in range(vpw)], dtype=torch.int32).to(torch.int16).view(hdt).float()
         assert got.tolist() == [float(q[i] - z) for i in order], (trial, q, z)
+
+
+def _f16_bits(values) -> list[int]:
+    return (torch.as_tensor(values, dtype=torch.float64).half().view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_half_dot_ptx_sums_x_times_q_minus_z_over_16(rows):
+    # The GEMV's packed dot cannot run here: its PTX (the x pairs, then the dot) is executed instruction
+    # by instruction instead, on words holding every value, zero points over the whole range (to 16:
+    # GPTQ v1's offset), and x from 1e-3 to ~4000 in size, against the float64 sum. Each half sums four
+    # products with four fp16 roundings (and fp16's subnormal spacing below 2**-14).
+    code, constraints = C.half_dot_asm(rows)
+    assert constraints.split(",") == ["=f"] * rows + ["r"] * 3 + ["h"] * (8 * rows)
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(32):
+        q = torch.randint(0, 16, (8,), generator=gen).double()
+        if trial == 0:
+            q = torch.tensor([15.0, 0.0] * 4, dtype=torch.float64)
+        z = 16 if trial == 1 else int(torch.randint(0, 17, (), generator=gen))
+        lo, hi = _f16_bits([-(64 + z / 16), -(4 + z / 16)])
+        ops = {rows: sum(int(v) << (4 * i) for i, v in enumerate(q.tolist())), rows + 1: lo | lo << 16,
+               rows + 2: hi | hi << 16}
+        xs = []
+        for r in range(rows):
+            size = 10 ** float(torch.empty(()).uniform_(-3, 3.6, generator=gen))
+            x = (torch.randn(8, generator=gen, dtype=torch.float64) * size).half().double()
+            xs.append(x)
+            h = _f16_bits(x)
+            pairs = _run_ptx(C.X_PAIRS_ASM, {4 + i: h[2 * i] | h[2 * i + 1] << 16 for i in range(4)}, "f16")
+            assert [pairs[i] for i in range(4)] == [h[i] | h[i + 4] << 16 for i in range(4)]  # (x_i, x_i+4)
+            for i in range(4):
+                ops[rows + 3 + 8 * r + 2 * i], ops[rows + 4 + 8 * r + 2 * i] = pairs[i] & 0xFFFF, pairs[i] >> 16
+        out = _run_ptx(code, ops, "f16")
+        for r in range(rows):
+            got = float(torch.tensor([out[r]], dtype=torch.int64).to(torch.int32).view(torch.float32))
+            terms = xs[r] * (q - z) / 16
+            bound = 4 * 2**-11 * float(terms.abs().sum()) + 8 * 2**-25
+            assert abs(got - float(terms.sum())) <= bound, (trial, r, got, float(terms.sum()), bound)
 
 
 def test_half_pair_lanes_refuses_what_does_not_fit():

@@ -427,6 +427,37 @@ def test_gemv_x_vec_matches_the_oracle(item):
             check(b.weight.mm(xs, bias), xs, b.w64, bias, f"{_id(item)} strided x x_vec={x_vec} prefetch={prefetch}")
 
 
+HALF_DOT_CASES = [Case("gptq", 4, 128, False, False, "v2", 4104, 4096),  # several groups a split
+                  Case("awq", 4, 128, False, False, None, 1024, 4096),
+                  Case("gptq", 4, 32, False, False, "v1", 264, 1000),      # K off the step; zero points to 16
+                  Case("compressed-tensors", 4, -1, True, False, None, 520, 2048)]  # per-channel, symmetric
+
+
+@pytest.mark.parametrize("case", HALF_DOT_CASES, ids=lambda c: _id((c, torch.float16)))
+def test_gemv_half_dot_matches_the_oracle(case):
+    """The decode GEMV's packed fp16 dot (``half_dot``: ``common.half_dot_asm`` as inline PTX) at M = 1..4,
+    eagerly and replayed from a CUDA graph with fresh inputs, with x of K stride 2, and with x's sizes
+    spread from 1e-3 to 3000 (each half's four-product sum stays far from fp16's overflow)."""
+    b = built(case, torch.float16)
+    bias = rand(case.n, dtype=torch.float16, seed=11)
+    dev = torch.device("cuda")
+    with T.config_override(gemv_table(half_dot=1)):
+        for m in (1, 2, 3, 4):
+            plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
+            build = T._split_k_build(plan, 2, torch.float16, case.bits, b.weight.qzeros, None, bias)[1]
+            assert plan["path"] == "decode" and build.get("HALF_DOT") == T.HalfDot.ASM, (plan, build)
+            x = rand(m, case.k, dtype=torch.float16, seed=90 + m)
+            check(b.weight.mm(x, bias), x, b.w64, bias, f"{case} M={m} half_dot")
+            y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=torch.float16, seed=95 + m))
+            check(y, x, b.w64, bias, f"graph {case} M={m} half_dot")
+        xs = rand(3, 2 * case.k, dtype=torch.float16, seed=99)[:, ::2]
+        check(b.weight.mm(xs, bias), xs, b.w64, bias, f"{case} strided x half_dot")
+        g = torch.Generator(device="cuda").manual_seed(98)
+        size = 10 ** (torch.rand(2, case.k, generator=g, device="cuda") * 6.5 - 3)
+        xw = (torch.randn(2, case.k, generator=g, device="cuda") * size).half()
+        check(b.weight.mm(xw, bias), xw, b.w64, bias, f"{case} x from 1e-3 to 3000 half_dot")
+
+
 KNOB_TILES = [  # the M = 16 tile the knobs are for, and a 128-row tile (the scale enters the half weight tile)
     {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1},

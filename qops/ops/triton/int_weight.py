@@ -69,8 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (EVEN_ODD_4, HALF_FORMATS, fp32_scratch, grouped_tile, half_unpack_asm, interpreting, pick_bucket,
-                     resident_programs, sm_count, split_in_waves, split_k)
+from .common import (EVEN_ODD_4, HALF_FORMATS, X_PAIRS_ASM, X_PAIRS_CONSTRAINTS, fp32_scratch, grouped_tile, half_dot_asm,
+                     half_unpack_asm, interpreting, pick_bucket, resident_programs, sm_count, split_in_waves, split_k)
 from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 
@@ -110,6 +110,26 @@ _BF16_2, _BF16_2C = _asm(2, "bf16")
 _BF16_4, _BF16_4C = _asm(4, "bf16")
 _F16_4EO, _F16_4EOC = _asm(4, "f16", EVEN_ODD_4)
 _BF16_4EO, _BF16_4EOC = _asm(4, "bf16", EVEN_ODD_4)
+_DOT = [tuple(tl.constexpr(t) for t in half_dot_asm(rows)) for rows in (1, 2, 3, 4)]
+_DOT1, _DOT1C = _DOT[0]
+_DOT2, _DOT2C = _DOT[1]
+_DOT3, _DOT3C = _DOT[2]
+_DOT4, _DOT4C = _DOT[3]
+_XPAIRS, _XPAIRSC = tl.constexpr(X_PAIRS_ASM), tl.constexpr(X_PAIRS_CONSTRAINTS)
+
+
+class HalfDot:
+    """How the decode GEMV forms a 4-bit word's products with fp16 x (the ``HALF_DOT`` constexpr).
+
+    OFF: each value in fp32 (:func:`_value`, one LOP3 and two FFMAs a value). TRITON / ASM: the
+    packed fp16 dot of ``common.half_dot_asm`` (values ``(q - z) / 16`` in f16x2, four products a half
+    summed in fp16, the halves in fp32; about 2 instructions a value), as plain Triton under the
+    interpreter (no inline PTX there; same values and pairs, its own rounding order) and as inline
+    PTX on a GPU.
+    """
+    OFF = 0
+    TRITON = 1
+    ASM = 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,16 +330,101 @@ def _x_at(x_ptr, pk_ptr, xa, xb, I: tl.constexpr, BITS: tl.constexpr, stride_xk,
 
 
 @triton.jit
+def _half_dot_value(w, zf, I: tl.constexpr):
+    """Value I of each 4-bit word as ``(q - z) / 16`` in fp16 (exact), plain Triton."""
+    q = ((w >> (4 * I)) & 15).to(tl.float32)
+    return ((q - zf) * 0.0625).to(tl.float16)
+
+
+@triton.jit
+def _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa):
+    """One row's packed dot in plain Triton: the low half's four products (values 0..3) and the high
+    half's (4..7) each summed in fp16, the two sums added in fp32, as ``common.half_dot_asm`` pairs them."""
+    lo = _last_of(xa, 0) * v0 + _last_of(xa, 1) * v1 + _last_of(xa, 2) * v2 + _last_of(xa, 3) * v3
+    hi = _last_of(xa, 4) * v4 + _last_of(xa, 5) * v5 + _last_of(xa, 6) * v6 + _last_of(xa, 7) * v7
+    return lo.to(tl.float32) + hi.to(tl.float32)
+
+
+@triton.jit
+def _x_pairs(xa):
+    """The f16x2 pairs ``(x0, x4), (x1, x5), (x2, x6), (x3, x7)`` of a word's eight fp16 x values ``xa``
+    ``(C, 1, 8)``, each as the two halves ``(C, 1)`` of one register (a PRMT a pair, shared by the
+    thread's columns)."""
+    xp = tl.inline_asm_elementwise(_XPAIRS, _XPAIRSC, [xa], dtype=tl.float16, is_pure=True, pack=8)
+    return (_last_of(xp, 0), _last_of(xp, 1), _last_of(xp, 2), _last_of(xp, 3), _last_of(xp, 4), _last_of(xp, 5),
+            _last_of(xp, 6), _last_of(xp, 7))
+
+
+@triton.jit
+def _half_dot(w, zf, blo, bhi, xa0, xa1, xa2, xa3, BLOCK_M: tl.constexpr, FORM: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M - 1's sums ``sum_i x_i (q_i - z) / 16`` over each 4-bit word of ``w``
+    ``(C, N)`` as fp32 (four results; those past BLOCK_M repeat the first). FORM (:class:`HalfDot`)
+    2: ``common.half_dot_asm`` (the dequantized pairs shared by the rows; ``blo`` / ``bhi`` its bias
+    pairs), 1: the same in plain Triton from ``zf``. ``xaR``: row R's eight x values (``_x_word``)."""
+    if FORM == 1:
+        v0 = _half_dot_value(w, zf, 0)
+        v1 = _half_dot_value(w, zf, 1)
+        v2 = _half_dot_value(w, zf, 2)
+        v3 = _half_dot_value(w, zf, 3)
+        v4 = _half_dot_value(w, zf, 4)
+        v5 = _half_dot_value(w, zf, 5)
+        v6 = _half_dot_value(w, zf, 6)
+        v7 = _half_dot_value(w, zf, 7)
+        d0 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa0)
+        d1 = d0
+        d2 = d0
+        d3 = d0
+        if BLOCK_M > 1:
+            d1 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa1)
+        if BLOCK_M > 2:
+            d2 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa2)
+        if BLOCK_M > 3:
+            d3 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa3)
+        return d0, d1, d2, d3
+    else:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _x_pairs(xa0)
+        if BLOCK_M == 1:
+            d0 = tl.inline_asm_elementwise(_DOT1, _DOT1C, [w, blo, bhi, a0, a1, a2, a3, a4, a5, a6, a7],
+                                           dtype=tl.float32, is_pure=True, pack=1)
+            return d0, d0, d0, d0
+        b0, b1, b2, b3, b4, b5, b6, b7 = _x_pairs(xa1)
+        if BLOCK_M == 2:
+            d0, d1 = tl.inline_asm_elementwise(
+                _DOT2, _DOT2C, [w, blo, bhi, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7],
+                dtype=(tl.float32,) * 2, is_pure=True, pack=1)
+            return d0, d1, d0, d0
+        c0, c1, c2, c3, c4, c5, c6, c7 = _x_pairs(xa2)
+        if BLOCK_M == 3:
+            d0, d1, d2 = tl.inline_asm_elementwise(
+                _DOT3, _DOT3C, [w, blo, bhi, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+                                c0, c1, c2, c3, c4, c5, c6, c7], dtype=(tl.float32,) * 3, is_pure=True, pack=1)
+            return d0, d1, d2, d0
+        e0, e1, e2, e3, e4, e5, e6, e7 = _x_pairs(xa3)
+        d0, d1, d2, d3 = tl.inline_asm_elementwise(
+            _DOT4, _DOT4C, [w, blo, bhi, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+                            c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7],
+            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        return d0, d1, d2, d3
+
+
+@triton.jit
 def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, wrow, kbase, k_hi, zf, nmask, n_wrows,
                stride_qw, stride_xk, magic, BITS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr,
                BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               WORDS: tl.constexpr, XVEC: tl.constexpr):
+               WORDS: tl.constexpr, XVEC: tl.constexpr, HALF_DOT: tl.constexpr):
     """One step's per-run partial sums ``(CHUNKS, BLOCK_N)`` of rows m0 .. m0 + 3 (unscaled). WORDS: the
     words come loaded in ``ws`` (``_step_words``); otherwise each word row is loaded here from ``w_ptrs``
     (3-bit steps do not split evenly; and loading all of a step through ``_step_words`` without the
     prefetch cost 168 registers against 128 at 2 bits and 2050 instructions against 2036 at 4).
     XVEC (:func:`gemv_x_vec`): x's values a word multiplies are loaded as vectors, once a word, not one
-    scalar load a value (4-bit M = 1: 149 loads a pass -> 37, 2036 instructions -> 1924)."""
+    scalar load a value (4-bit M = 1: 149 loads a pass -> 37, 2036 instructions -> 1924).
+    HALF_DOT (:class:`HalfDot`; 4 bits, fp16 x, XVEC): each word's products through the packed fp16 dot,
+    sums of ``(q - z) / 16`` (the caller scales by 16)."""
+    blo = zf
+    bhi = zf
+    if HALF_DOT == 2:
+        blo = _half_bias(zf * 0.0625, 64.0, 64.0, tl.float16)
+        bhi = _half_bias(zf * 0.0625, 4.0, 4.0, tl.float16)
     p0 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
     p1 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
     p2 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
@@ -336,13 +441,25 @@ def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, w
             w = tl.load(w_ptrs + j * stride_qw, mask=((wrow + j) < n_wrows)[:, None] & nmask[None, :], other=0)
         w_hi = _high_word(w)
         xa0, xb0 = _x_word(pk0, kbase, k_hi, stride_xk, j, BITS, EVEN_K, XVEC)
+        xa1 = xa0
+        xa2 = xa0
+        xa3 = xa0
         if BLOCK_M > 1:
             xa1, xb1 = _x_word(pk1, kbase, k_hi, stride_xk, j, BITS, EVEN_K, XVEC)
         if BLOCK_M > 2:
             xa2, xb2 = _x_word(pk2, kbase, k_hi, stride_xk, j, BITS, EVEN_K, XVEC)
         if BLOCK_M > 3:
             xa3, xb3 = _x_word(pk3, kbase, k_hi, stride_xk, j, BITS, EVEN_K, XVEC)
-        for i in tl.static_range(32):
+        if HALF_DOT != 0:
+            d0, d1, d2, d3 = _half_dot(w, zf, blo, bhi, xa0, xa1, xa2, xa3, BLOCK_M, HALF_DOT)
+            p0 += d0
+            if BLOCK_M > 1:
+                p1 += d1
+            if BLOCK_M > 2:
+                p2 += d2
+            if BLOCK_M > 3:
+                p3 += d3
+        for i in tl.static_range(32 if HALF_DOT == 0 else 0):
             # Value i starts in word (i*BITS)//32; one that straddles is finished with word j.
             first_word = (i * BITS) // 32
             straddles = (i * BITS) % 32 + BITS > 32
@@ -369,14 +486,16 @@ def _gemv_kernel(
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, XVEC: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, XVEC: tl.constexpr = False, HALF_DOT: tl.constexpr = 0,
 ):
     """Split-K GEMV for up to 4 rows. Program (n tile, K split, m tile); a step covers CHUNKS runs
     of 32 K values (BITS words each), all inside one quantization group. PDL: the reduction launched
     after it (a programmatic dependent) may be scheduled as soon as every program has started.
     PREFETCH (BITS a power of two): a step's words, zero points and scales are loaded during the step
     before, so a program's loads overlap its own arithmetic rather than only other programs'.
-    XVEC (BITS a power of two, no act_perm): x loaded as vectors, once a word (``_gemv_step``)."""
+    XVEC (BITS a power of two, no act_perm): x loaded as vectors, once a word (``_gemv_step``).
+    HALF_DOT (:class:`HalfDot`): 4-bit words times fp16 x as packed fp16 dots (``_gemv_step``), whose sums
+    are of ``(q - z) / 16``: the scales are taken times 16 (exact)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -436,9 +555,11 @@ def _gemv_kernel(
         w_ptrs = qw_ptr + wrow[:, None] * stride_qw + qcol[None, :]
         p0, p1, p2, p3 = _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, wrow, kbase, k_hi, zf,
                                     nmask, n_wrows, stride_qw, stride_xk, magic, BITS, BLOCK_M, CHUNKS, BLOCK_N,
-                                    HAS_PERM, EVEN_K, EVEN_N, PREFETCH, XVEC)
+                                    HAS_PERM, EVEN_K, EVEN_N, PREFETCH, XVEC, HALF_DOT)
         if not PREFETCH:
             s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        if HALF_DOT != 0:
+            s = s * 16.0
         acc0 += s * tl.sum(p0, axis=0)
         if BLOCK_M > 1:
             acc1 += s * tl.sum(p1, axis=0)
@@ -1002,6 +1123,16 @@ def gemv_x_vec(cfg: dict, bits: int, has_perm: bool) -> bool:
     return bool(cfg.get("x_vec", 1)) and bits in (2, 4, 8) and not has_perm
 
 
+def gemv_half_dot(cfg: dict, bits: int, dtype: torch.dtype, x_vec: bool) -> int:
+    """The decode GEMV's :class:`HalfDot` form: the packed fp16 dot where a config asks for it
+    (``half_dot`` 1) and it applies -- 4-bit words, fp16 x, x loaded as vectors (``x_vec``) -- as
+    inline PTX on a GPU and as plain Triton under the interpreter; OFF otherwise (bf16's 8-bit
+    significand would round each product to 2**-9, and fp32 x gains nothing)."""
+    if not (cfg.get("half_dot", 0) and bits == 4 and dtype == torch.float16 and x_vec):
+        return HalfDot.OFF
+    return HalfDot.TRITON if interpreting() else HalfDot.ASM
+
+
 def sym_zero_load_applies(cfg: dict, bits: int, dequant: int, symmetric: bool) -> bool:
     """Whether a GEMM call on symmetric weights derives the zero point from the scales' load
     (``_tc_kernel``'s SYM_ZERO_LOAD): as its config says (``sym_zero_load``), else where it keeps the half
@@ -1256,9 +1387,11 @@ def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pd
     launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)),
                   **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}))
     if plan["path"] == "decode":
-        knobs = {"PREFETCH": gemv_prefetch_applies(cfg, bits), "XVEC": gemv_x_vec(cfg, bits, act_perm is not None)}
+        x_vec = gemv_x_vec(cfg, bits, act_perm is not None)
+        knobs = {"PREFETCH": gemv_prefetch_applies(cfg, bits), "XVEC": x_vec,
+                 "HALF_DOT": gemv_half_dot(cfg, bits, dtype, x_vec)}
         return _gemv_kernel, dict(BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"],
-                                  EVEN_N=plan["even_n"], **flags, **{k: True for k, on in knobs.items() if on}), launch
+                                  EVEN_N=plan["even_n"], **flags, **{k: on for k, on in knobs.items() if on}), launch
     dequant = dequant_form(dtype, bits, plan["tile_group"])
     return _tc_kernel, dict(
         BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
