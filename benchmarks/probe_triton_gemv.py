@@ -117,8 +117,9 @@ def _gemv_xtile_kernel(
 
 def decode_table(block_n: int, chunks: int, warps: int, prefetch: int = 0, x_vec: int = 1, maxnreg: int = 0,
                  half_dot: int = 0, device: str = "cuda") -> dict:
-    """The shipped table (``device``'s) with one decode config for 4 bits at M = 1."""
+    """The shipped table (``device``'s) with one decode config for 4 bits, serving M <= 4."""
     table = copy.deepcopy(T.config_for(torch.device(device)))
+    table["decode_max_m"] = {**table["decode_max_m"], "4": 4} if isinstance(table["decode_max_m"], dict) else 4
     by_m = table["decode"].get("4", table["decode"]["default"])
     cfg = dict(by_m["1"], BLOCK_N=block_n, CHUNKS=chunks, num_warps=warps, prefetch=prefetch, x_vec=x_vec, maxnreg=maxnreg,
                half_dot=half_dot)
