@@ -340,8 +340,9 @@ def main():
             time_variant(bits, m, ("gemm",), {"prefetch_scales": 1})
             # A register cap: one more program an SM (stop 60's profiles found both latency-bound at low occupancy).
             time_variant(bits, m, ("decode",), {"maxnreg": DECODE_MAXNREG})
-            if bits == 4:  # the packed fp16 dot (stop 61): 4-bit words only
+            if bits == 4:  # the packed fp16 dot (stop 61; 4-bit words only), fast only with the prefetch on an H100
                 time_variant(bits, m, ("decode",), {"half_dot": 1})
+                time_variant(bits, m, ("decode",), {"half_dot": 1, "prefetch": 1})
             if m <= 16:
                 time_variant(bits, m, ("gemm",), {"maxnreg": GEMM_MAXNREG})
 
