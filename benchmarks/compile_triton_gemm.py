@@ -89,9 +89,10 @@ def compile_gemv_case(bits: int, group: int, dtype: str, block_n: int, chunks: i
         plan = T._shape_plan(m, 28672, 4096, bits, group, torch.device("cpu"), "decode", False)
     fn, consts, launch = T._split_k_build(plan, 2, act_dtype(dtype), bits, object(), None, None)
     row = dict(kernel="gemv", bits=bits, group=group, dtype=dtype, M=m, BLOCK_M=plan["block_m"], BLOCK_N=block_n,
-               CHUNKS=plan["chunks"], num_warps=warps, prefetch=T.gemv_prefetch_applies(cfg, bits),
+               CHUNKS=plan["chunks"], num_warps=warps, prefetch=T.gemv_prefetch_applies(cfg, bits, T.gemv_steps(plan)),
                x_vec=T.gemv_x_vec(cfg, bits, False), maxnreg=maxnreg,
-               half_dot=T.gemv_half_dot(cfg, bits, act_dtype(dtype), T.gemv_x_vec(cfg, bits, False)), triton=triton.__version__)
+               half_dot=T.gemv_half_dot(cfg, bits, act_dtype(dtype), T.gemv_x_vec(cfg, bits, False),
+                                        T.gemv_prefetch_applies(cfg, bits, T.gemv_steps(plan))), triton=triton.__version__)
     row = compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, 2, m, 28672, 4096, bits, group, dtype))
     if sass and row.get("loop_sass"):
         # one pass of the loop: CHUNKS runs of 32 K values for the thread's BLOCK_N / (32 warps) columns

@@ -264,11 +264,12 @@ def test_gemv_prefetch_gives_the_same_bits(m, bits, group_size, k, dtype, act_or
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
     out = {}
     for prefetch in (0, 1):
-        t = table(max_split=2)  # two splits of several steps each
+        # two splits of several steps each (one where K is short: a program runs PREFETCH_MIN_STEPS or more)
+        t = table(max_split=2 if k >= 512 else 1)
         t["decode"]["default"]["16"]["prefetch"] = prefetch
         with T.config_override(t):
             plan = T._plan(m, n, k, bits, group_size, dev, "decode")
-            assert plan["split"] > 1 and plan["split_len"] >= 2 * 32 * plan["chunks"]
+            assert (plan["split"] > 1 or k < 512) and T.gemv_steps(plan) >= T.PREFETCH_MIN_STEPS
             build = T._split_k_build(plan, 1, dtype, bits, qzeros, act_perm, None)[1]
             assert build.get("PREFETCH", False) == (prefetch == 1 and bits != 3)
             out[prefetch] = T.triton_mm(x, q_in, scales, qzeros, act_perm, None, bits, group_size, zo, force_path="decode")
@@ -344,19 +345,32 @@ def test_gemv_half_dot_matches_the_oracle(m, group_size, k, sym, zero_offset, k_
 def test_gemv_half_dot_only_where_asked_and_possible(monkeypatch):
     on = {"half_dot": 1}
     fp16, bf16 = torch.float16, torch.bfloat16
-    assert T.gemv_half_dot(on, 4, fp16, True) == T.HalfDot.TRITON  # the interpreter's form
+    assert T.gemv_half_dot(on, 4, fp16, True, False) == T.HalfDot.TRITON  # the interpreter's form
     monkeypatch.setattr(T, "interpreting", lambda: False)  # as on a GPU
-    assert T.gemv_half_dot(on, 4, fp16, True) == T.HalfDot.ASM
-    assert T.gemv_half_dot({}, 4, fp16, True) == T.HalfDot.OFF  # not asked
+    assert T.gemv_half_dot(on, 4, fp16, True, False) == T.HalfDot.ASM
+    assert T.gemv_half_dot({}, 4, fp16, True, False) == T.HalfDot.OFF  # not asked
     # 2, 3 and 8 bits, bf16 and fp32 x, x loaded a value at a time (act-order, x_vec 0): not possible
-    assert [T.gemv_half_dot(on, b, fp16, True) for b in (2, 3, 8)] == [T.HalfDot.OFF] * 3
-    assert [T.gemv_half_dot(on, 4, d, True) for d in (bf16, torch.float32)] == [T.HalfDot.OFF] * 2
-    assert T.gemv_half_dot(on, 4, fp16, False) == T.HalfDot.OFF
+    assert [T.gemv_half_dot(on, b, fp16, True, False) for b in (2, 3, 8)] == [T.HalfDot.OFF] * 3
+    assert [T.gemv_half_dot(on, 4, d, True, False) for d in (bf16, torch.float32)] == [T.HalfDot.OFF] * 2
+    assert T.gemv_half_dot(on, 4, fp16, False, False) == T.HalfDot.OFF
+    # paired with the prefetch: taken with it, dropped where the prefetch is (programs too short)
+    paired = {"half_dot": 1, "prefetch": 1}
+    assert T.gemv_half_dot(paired, 4, fp16, True, True) == T.HalfDot.ASM
+    assert T.gemv_half_dot(paired, 4, fp16, True, False) == T.HalfDot.OFF
 
 
-def test_gemv_prefetch_only_for_whole_words():
-    assert [T.gemv_prefetch_applies({"prefetch": 1}, b) for b in (2, 3, 4, 8)] == [True, False, True, True]
-    assert not T.gemv_prefetch_applies({}, 4) and not T.gemv_prefetch_applies({"prefetch": 0}, 4)
+def test_gemv_prefetch_only_for_whole_words_and_long_programs():
+    on, steps = {"prefetch": 1}, T.PREFETCH_MIN_STEPS
+    assert [T.gemv_prefetch_applies(on, b, steps) for b in (2, 3, 4, 8)] == [True, False, True, True]
+    assert not T.gemv_prefetch_applies({}, 4, steps) and not T.gemv_prefetch_applies({"prefetch": 0}, 4, steps)
+    assert not T.gemv_prefetch_applies(on, 4, steps - 1)  # its extra first step would not be hidden
+
+
+def test_gemv_steps_counts_a_programs_steps():
+    with T.config_override(table(max_split=2)):
+        plan = T._plan(1, 96, 1000, 4, 128, torch.device(DEVICE), "decode")
+    assert plan["split"] == 2 and T.gemv_steps(plan) == -(-plan["split_len"] // (32 * plan["chunks"]))
+    assert T.gemv_steps({"split_len": 512, "chunks": 4}) == 4 and T.gemv_steps({"split_len": 520, "chunks": 4}) == 5
 
 
 @pytest.mark.parametrize("m,n,k,group_size,sym,act_order,has_bias,block_m,slabs", [

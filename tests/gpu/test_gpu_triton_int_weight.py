@@ -392,10 +392,11 @@ def test_gemv_prefetch_gives_the_same_bits(item):
     bias = rand(case.n, dtype=dtype, seed=7)
     dev = torch.device("cuda")
     for prefetch in (0, 1):
-        with T.config_override(gemv_table(prefetch=prefetch)):
+        with T.config_override(gemv_table(prefetch=prefetch, max_split=2)):  # programs long enough for the prefetch
             for m in (1, 3):
                 plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
-                assert plan["path"] == "decode" and T.gemv_prefetch_applies(plan["cfg"], case.bits) == bool(prefetch), plan
+                applies = T.gemv_prefetch_applies(plan["cfg"], case.bits, T.gemv_steps(plan))
+                assert plan["path"] == "decode" and applies == bool(prefetch), plan
                 x = rand(m, case.k, dtype=dtype, seed=70 + m)
                 check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} prefetch={prefetch} split={plan['split']}")
                 if prefetch:
@@ -414,7 +415,7 @@ def test_gemv_x_vec_matches_the_oracle(item):
     bias = rand(case.n, dtype=dtype, seed=9)
     dev = torch.device("cuda")
     for x_vec, prefetch in ((1, 0), (1, 1), (0, 0)):
-        with T.config_override(gemv_table(x_vec=x_vec, prefetch=prefetch)):
+        with T.config_override(gemv_table(x_vec=x_vec, prefetch=prefetch, max_split=2)):
             for m in (1, 3, 4):
                 plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
                 want = bool(x_vec) and not case.act_order
@@ -447,7 +448,7 @@ def test_gemv_half_dot_matches_the_oracle(case):
 
 
 def _check_half_dot(case, b, bias, dev, prefetch):
-    with T.config_override(gemv_table(half_dot=1, prefetch=prefetch)):
+    with T.config_override(gemv_table(half_dot=1, prefetch=prefetch, max_split=2)):  # programs long enough for the prefetch
         for m in (1, 2, 3, 4):
             plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
             build = T._split_k_build(plan, 2, torch.float16, case.bits, b.weight.qzeros, None, bias)[1]

@@ -1109,10 +1109,24 @@ def even_odd_applies(cfg: dict, bits: int, dequant: int) -> bool:
     return bool(cfg.get("even_odd", 0)) and bits == 4 and dequant != Dequant.FP32
 
 
-def gemv_prefetch_applies(cfg: dict, bits: int) -> bool:
+# Steps a GEMV program must run for the prefetch to pay: it loads one step more than it uses, at its start,
+# with nothing to hide that latency behind. On an H100 (stop 61, 4-bit M = 1, the prefetch with the packed
+# fp16 dot against neither): 2 steps a program (4096x14336) 4-10% slower, 4 / 7 / 16 steps (28672x4096 /
+# 8192x28672 / 57344x8192) 0-6% / 0-4% / 7-14% faster.
+PREFETCH_MIN_STEPS = 4
+
+
+def gemv_steps(plan: dict) -> int:
+    """Steps (``CHUNKS`` runs of 32 K rows) a decode plan's programs run, before the launch fits the split to
+    whole waves (which only lowers the split count, so programs only get longer)."""
+    return -(-plan["split_len"] // (32 * plan["chunks"]))
+
+
+def gemv_prefetch_applies(cfg: dict, bits: int, steps: int) -> bool:
     """Whether a decode config's GEMV loads each step's words a step ahead (``prefetch`` in the config):
-    for bit widths whose words split evenly per run (2, 4, 8; 3-bit values straddle words)."""
-    return bool(cfg.get("prefetch", 0)) and bits in (2, 4, 8)
+    for bit widths whose words split evenly per run (2, 4, 8; 3-bit values straddle words), where a
+    program runs at least ``PREFETCH_MIN_STEPS`` steps."""
+    return bool(cfg.get("prefetch", 0)) and bits in (2, 4, 8) and steps >= PREFETCH_MIN_STEPS
 
 
 def gemv_x_vec(cfg: dict, bits: int, has_perm: bool) -> bool:
@@ -1123,12 +1137,17 @@ def gemv_x_vec(cfg: dict, bits: int, has_perm: bool) -> bool:
     return bool(cfg.get("x_vec", 1)) and bits in (2, 4, 8) and not has_perm
 
 
-def gemv_half_dot(cfg: dict, bits: int, dtype: torch.dtype, x_vec: bool) -> int:
+def gemv_half_dot(cfg: dict, bits: int, dtype: torch.dtype, x_vec: bool, prefetch: bool) -> int:
     """The decode GEMV's :class:`HalfDot` form: the packed fp16 dot where a config asks for it
     (``half_dot`` 1) and it applies -- 4-bit words, fp16 x, x loaded as vectors (``x_vec``) -- as
     inline PTX on a GPU and as plain Triton under the interpreter; OFF otherwise (bf16's 8-bit
-    significand would round each product to 2**-9, and fp32 x gains nothing)."""
+    significand would round each product to 2**-9, and fp32 x gains nothing). A config pairing it with
+    the prefetch gets neither where the prefetch does not apply (``prefetch``: whether it does): alone,
+    ptxas issues each word's load ~60 instructions before its use (the fp32 form's: ~280), and on an
+    H100 it ran 4-24% slower than the fp32 form at M = 1 (with the prefetch: 4% slower to 14% faster)."""
     if not (cfg.get("half_dot", 0) and bits == 4 and dtype == torch.float16 and x_vec):
+        return HalfDot.OFF
+    if cfg.get("prefetch", 0) and not prefetch:
         return HalfDot.OFF
     return HalfDot.TRITON if interpreting() else HalfDot.ASM
 
@@ -1388,8 +1407,8 @@ def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pd
                   **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}))
     if plan["path"] == "decode":
         x_vec = gemv_x_vec(cfg, bits, act_perm is not None)
-        knobs = {"PREFETCH": gemv_prefetch_applies(cfg, bits), "XVEC": x_vec,
-                 "HALF_DOT": gemv_half_dot(cfg, bits, dtype, x_vec)}
+        prefetch = gemv_prefetch_applies(cfg, bits, gemv_steps(plan))
+        knobs = {"PREFETCH": prefetch, "XVEC": x_vec, "HALF_DOT": gemv_half_dot(cfg, bits, dtype, x_vec, prefetch)}
         return _gemv_kernel, dict(BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"],
                                   EVEN_N=plan["even_n"], **flags, **{k: on for k, on in knobs.items() if on}), launch
     dequant = dequant_form(dtype, bits, plan["tile_group"])
