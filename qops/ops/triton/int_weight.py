@@ -14,11 +14,16 @@ number of rows M and the shipped config table (never from tensor values, never w
   exactly, so a 4-bit value costs one LOP3, one FFMA to dequantize and one FFMA to accumulate (values
   reaching bit 23 are read from the word shifted right by 12: one shift per word). Scales multiply the
   per-step partial sums once per column, never per element. A config may ask (``prefetch``; 2, 4 and 8
-  bits) for each step's words, zero points and scales to be loaded during the step before; on an H100
-  at M = 1 it moved the four large shapes from 5% faster to 28% slower
-  (``benchmarks/probe_triton_gemv.py``): a tuner variant, in no shipped table. x's values come as one
-  vector load a run and word, split out in registers (``x_vec``, on unless a config says 0; 2, 4 and 8
-  bits without act_perm): 4-5% at M = 1 on an H100 over one load a value.
+  bits) for each step's words, zero points and scales to be loaded during the step before, taken where a
+  program runs at least ``PREFETCH_MIN_STEPS`` steps (its extra first load is not hidden). x's values come
+  as one vector load a run and word, split out in registers (``x_vec``, on unless a config says 0; 2, 4
+  and 8 bits without act_perm): 4-5% at M = 1 on an H100 over one load a value. For 4-bit words and fp16
+  x a config may ask (``half_dot``) for the packed fp16 dot (``common.half_dot_asm``: ``(q - z) / 16``
+  in f16x2 pairs, four products a half summed in fp16, the halves in fp32; ~2 instructions a value
+  against ~3.8); it pays only with the prefetch (alone ptxas issues each word's load just before its use),
+  and a config pairing the two gets neither where the prefetch does not apply. The H100 table pairs them
+  at M = 1 and 2: at M = 1 27.2 / 16.5 / 87.2 / 48.0 us against 29.0 / 16.5 / 100.6 / 49.5 on 28672x4096 /
+  4096x14336 / 57344x8192 / 8192x28672 (``benchmarks/probe_triton_gemv.py``, stop 61).
 - **gemm** (larger M): a tiled split-K GEMM on tensor cores. The packed ``(BLOCK_K/vpw, BLOCK_N)``
   word tile is dequantized in registers to ``q - z`` (exact in fp16 and bf16) and fed to ``tl.dot``
   with fp32 accumulation. For fp16/bf16 activations, whole words and a K tile inside one group (2
