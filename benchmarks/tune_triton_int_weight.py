@@ -9,7 +9,7 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
 - decode (GEMV) configs for M in {1, 2, 4}: BLOCK_N x num_warps (4 or 8 columns per thread),
   CHUNKS (32-value runs per step), programs per SM (the split-K count follows), then the atomic
   reduction for the best partials config, the words loaded a step ahead (``prefetch``), a register cap
-  (``maxnreg``) and, at 4 bits, the packed fp16 dot (``half_dot``) for the best;
+  (``maxnreg``) and, at 4 bits, the packed fp16 dot (``half_dot``, alone and with ``prefetch``) for the best;
 - tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM (at 4
   bits up to M = 128 each also as even / odd K halves, ``even_odd``),
   then the atomic reduction, the scales loaded a K tile ahead (``prefetch_scales``) and, to M = 16, a
@@ -398,7 +398,7 @@ def build_table(times, gpu: str, source: str, tuned: bool = True) -> dict:
     for key, bits, plain in [(str(bits), bits, False) for bits in BITS] + [("default", BITS[0], True)]:
         dec, gem, decode_wins = {}, {}, []
         for m in DECODE_MS:
-            top = best(times, bits, m, ("decode",), n_shapes=n_shapes)
+            top = best(times, bits, m, ("decode",), plain, n_shapes)
             dec[str(m)] = top[0] if top else T._bucket(fallback["decode"], bits, m)
             gtop = best(times, bits, m, ("gemm",), plain, n_shapes)
             if top and gtop:

@@ -204,7 +204,8 @@ def half_dot_asm(rows: int) -> tuple[str, str]:
     ``(q - z) / 16`` exactly (5 significant bits), so each product has the magnitude of x. Per row
     one HMUL2 and three HFMA2 sum four products in each half (one fp16 rounding each), and the two
     halves are added in fp32. Dividing by 16 keeps the fp16 sums from overflowing below
-    ``|x| = 4096`` (they reach at most ``4 |x|``); the caller multiplies the scale by 16.
+    ``|x| = 16384`` (``|q - z| <= 16``, so a half's sum is at most ``4 |x|``); the caller multiplies the
+    scale by 16.
     Per word: 5 + 4 instructions shared by the rows, then 7 a row (the fp32 loop took 24).
     """
     if rows < 1:

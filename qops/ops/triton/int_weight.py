@@ -19,8 +19,8 @@ number of rows M and the shipped config table (never from tensor values, never w
   as one vector load a run and word, split out in registers (``x_vec``, on unless a config says 0; 2, 4
   and 8 bits without act_perm): 4-5% at M = 1 on an H100 over one load a value. For 4-bit words and fp16
   x a config may ask (``half_dot``) for the packed fp16 dot (``common.half_dot_asm``: ``(q - z) / 16``
-  in f16x2 pairs, four products a half summed in fp16, the halves in fp32; ~2 instructions a value
-  against ~3.8); it pays only with the prefetch (alone ptxas issues each word's load just before its use),
+  in f16x2 pairs, four products a half summed in fp16, the halves in fp32; 2.6 instructions a value
+  against 3.8); it pays only with the prefetch (alone ptxas issues each word's load just before its use),
   and a config pairing the two gets neither where the prefetch does not apply. The H100 table pairs them
   at M = 1 and 2: at M = 1 27.2 / 16.5 / 87.2 / 48.0 us against 29.0 / 16.5 / 100.6 / 49.5 on 28672x4096 /
   4096x14336 / 57344x8192 / 8192x28672 (``benchmarks/probe_triton_gemv.py``, stop 61).
@@ -128,7 +128,8 @@ class HalfDot:
 
     OFF: each value in fp32 (:func:`_value`, one LOP3 and two FFMAs a value). TRITON / ASM: the
     packed fp16 dot of ``common.half_dot_asm`` (values ``(q - z) / 16`` in f16x2, four products a half
-    summed in fp16, the halves in fp32; about 2 instructions a value), as plain Triton under the
+    summed in fp16, the halves in fp32; 2.6 SASS instructions a value in the 4-bit M = 1 loop against
+    3.8), as plain Triton under the
     interpreter (no inline PTX there; same values and pairs, its own rounding order) and as inline
     PTX on a GPU.
     """
@@ -1149,7 +1150,7 @@ def gemv_half_dot(cfg: dict, bits: int, dtype: torch.dtype, x_vec: bool, prefetc
     significand would round each product to 2**-9, and fp32 x gains nothing). A config pairing it with
     the prefetch gets neither where the prefetch does not apply (``prefetch``: whether it does): alone,
     ptxas issues each word's load ~60 instructions before its use (the fp32 form's: ~280), and on an
-    H100 it ran 4-24% slower than the fp32 form at M = 1 (with the prefetch: 4% slower to 14% faster)."""
+    H100 it ran 21-24% slower than the fp32 form at M = 1 (with the prefetch: 4% slower to 14% faster)."""
     if not (cfg.get("half_dot", 0) and bits == 4 and dtype == torch.float16 and x_vec):
         return HalfDot.OFF
     if cfg.get("prefetch", 0) and not prefetch:
