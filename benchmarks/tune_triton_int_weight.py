@@ -32,6 +32,7 @@ candidate with its per-shape times, ``candidates``), and prints a short table la
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import math
@@ -414,6 +415,22 @@ def build_table(times, gpu: str, source: str, tuned: bool = True) -> dict:
                 break
             table["decode_max_m"][key] = m
     return table
+
+
+def amend(table: dict, amendments: list[dict]) -> dict:
+    """``table`` with a shipped table's hand amendments (its ``amended`` list) applied, and that list kept in it:
+    each sets the keys ``set`` in the entry at ``path`` (say ``["decode", "4", "1"]`` or ``["decode_max_m"]``).
+    A table amended by hand records why and from which measurement; the selection from its rows plus the
+    amendments must still give it (``test_tables_selected_from_saved_rows_are_what_the_rows_give``)."""
+    out = copy.deepcopy(table)
+    for change in amendments:
+        entry = out
+        for key in change["path"]:
+            entry = entry[key]
+        entry.update(change["set"])
+    if amendments:
+        out["amended"] = amendments
+    return out
 
 
 def times_from_rows(path: str) -> tuple[dict, dict]:

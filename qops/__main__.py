@@ -124,7 +124,9 @@ def measured_tables(gpu: str, sms: int) -> list[str]:
     stem = triton_int_weight.gpu_key(gpu)
     table = triton_int_weight.load_config(stem)
     if table.get("tuned"):
-        lines = [f"Triton int-weight launch configs: configs/{stem}.json (measured: {table['source']})"]
+        amended = len(table.get("amended", []))
+        lines = [f"Triton int-weight launch configs: configs/{stem}.json (measured: {table['source']}"
+                 + (f"; {amended} entries amended by hand, each naming its measurement" if amended else "") + ")"]
     else:
         measured = [s for s in triton_int_weight.config_stems() if s != triton_int_weight.DEFAULT_CONFIG]
         lines = [f"Triton int-weight launch configs: configs/{triton_int_weight.DEFAULT_CONFIG}.json, UNTUNED: no measured "
