@@ -20,7 +20,8 @@ instead of 8) and values past bit 23 read from ``w >> 12`` (4.2 -> 4.0 instructi
 fourth field asks for the prefetch. Stop 60 made the shipped kernel load x as vectors, once a word (``x_vec``,
 on by default; a fifth field 0 turns it off: the key then ends ``_scalarx``); a sixth caps the build's
 registers (``maxnreg``: 104 holds 9 programs of 2 warps an SM where 124 holds 8; measured 4% slower on an
-H100). Stop 61's seventh field 1 asks for the packed fp16 dot (``half_dot``: the key ends ``_halfdot``);
+H100). Stop 61's seventh field asks for the packed fp16 dot (``half_dot`` 1, or 2 for two words a half-sum: the
+key ends ``_halfdot`` / ``_halfdot2``);
 ``--ms`` times other rows of x than 1 (the one config at every M). ``--xtile`` times the x-tile
 variant too; ``--baseline MODULE`` also times the ``_gemv_kernel`` of another copy of ``int_weight.py`` (say
 the previous commit's, put beside it in the snapshot) at the configs without it, interleaved with the rest.
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
                 # the other kernels know no XVEC: they run with x loaded a value at a time
                 table = decode_table(bn, ch, nw, pf, xv if name == "shipped" else 0, cap, hd)
                 key = (f"{name}_{bn}_{ch}_{nw}" + ("_prefetch" if pf else "") + ("_scalarx" if name == "shipped" and not xv else "")
-                       + (f"_maxnreg{cap}" if cap else "") + ("_halfdot" if hd else ""))
+                       + (f"_maxnreg{cap}" if cap else "") + ("_halfdot" if hd else "") + ("2" if hd == 2 else ""))
                 try:
                     row[key + "_rel_err"] = common.rel_err(run_with(table, kern, lambda: w.mm(x))(), want)
                 except Exception as e:  # noqa: BLE001  (a config the compiler or the device refuses)

@@ -9,7 +9,8 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
 - decode (GEMV) configs for M in {1, 2, 4}: BLOCK_N x num_warps (4 or 8 columns per thread),
   CHUNKS (32-value runs per step), programs per SM (the split-K count follows), then the atomic
   reduction for the best partials config, the words loaded a step ahead (``prefetch``), a register cap
-  (``maxnreg``) and, at 4 bits, the packed fp16 dot (``half_dot``, alone and with ``prefetch``) for the best;
+  (``maxnreg``) and, at 4 bits, the packed fp16 dot (``half_dot``, alone and with ``prefetch``; ``half_dot`` 2 with
+  it) for the best;
 - tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM (at 4
   bits up to M = 128 each also as even / odd K halves, ``even_odd``),
   then the atomic reduction, the scales loaded a K tile ahead (``prefetch_scales``) and, to M = 16, a
@@ -344,6 +345,7 @@ def main():
             if bits == 4:  # the packed fp16 dot (stop 61; 4-bit words only), fast only with the prefetch on an H100
                 time_variant(bits, m, ("decode",), {"half_dot": 1})
                 time_variant(bits, m, ("decode",), {"half_dot": 1, "prefetch": 1})
+                time_variant(bits, m, ("decode",), {"half_dot": 2, "prefetch": 1})  # two words a half-sum
             if m <= 16:
                 time_variant(bits, m, ("gemm",), {"maxnreg": GEMM_MAXNREG})
 

@@ -315,29 +315,32 @@ def test_gemv_x_vec_is_the_default_where_it_applies():
     assert not T.gemv_x_vec({}, 4, True) and not T.gemv_x_vec({"x_vec": 0}, 4, False)
 
 
-@pytest.mark.parametrize("m,group_size,k,sym,zero_offset,k_stride,prefetch", [
-    (1, 128, 1024, False, 1, 1, 0),   # several groups a split; GPTQ v1's offset: zero points up to 16
-    (4, 128, 512, False, 0, 1, 1),    # four rows, with the prefetch
-    (3, -1, 200, True, 0, 1, 0),      # per-channel, symmetric, K past the last whole step (masked x)
-    (2, 32, 512, False, 1, 3, 0),     # x's K stride 3
+@pytest.mark.parametrize("m,group_size,k,sym,zero_offset,k_stride,prefetch,words", [
+    (1, 128, 1024, False, 1, 1, 0, 1),   # several groups a split; GPTQ v1's offset: zero points up to 16
+    (4, 128, 512, False, 0, 1, 1, 1),    # four rows, with the prefetch
+    (3, -1, 200, True, 0, 1, 0, 1),      # per-channel, symmetric, K past the last whole step (masked x)
+    (2, 32, 512, False, 1, 3, 0, 1),     # x's K stride 3
+    (1, 128, 1024, False, 1, 1, 1, 2),   # two words a half-sum, with the prefetch
+    (3, -1, 200, True, 0, 3, 0, 2),      # two words: per-channel, K tail, x's K stride 3, three rows
 ])
-def test_gemv_half_dot_matches_the_oracle(m, group_size, k, sym, zero_offset, k_stride, prefetch):
-    """The decode GEMV's packed fp16 dot (``half_dot``; here its plain-Triton form, the PTX's own test is
-    ``test_half_dot_ptx_sums_x_times_q_minus_z_over_16``) at N off the tile, against the oracle, with x's
-    sizes spread from 1e-3 to 3000 (the sums of four products stay far from fp16's overflow)."""
+def test_gemv_half_dot_matches_the_oracle(m, group_size, k, sym, zero_offset, k_stride, prefetch, words):
+    """The decode GEMV's packed fp16 dot (``half_dot`` 1, or 2: two words a half-sum; here its plain-Triton
+    form, the PTX's own test is ``test_half_dot_ptx_sums_x_times_q_minus_z_over_16``) at N off the tile,
+    against the oracle, with x's sizes spread from 1e-3 to 2000 (the half-sums stay far from fp16's
+    overflow)."""
     dev = torch.device(DEVICE)
     n = 96
     qweight, scales, qzeros, act_perm, zo = runtime_weight(n, k, 4, group_size, sym, False, zero_offset, seed=21)
     g = torch.Generator().manual_seed(22)
-    size = 10 ** (torch.rand(m, k * k_stride, generator=g) * 6.5 - 3)
+    size = 10 ** (torch.rand(m, k * k_stride, generator=g) * 6.3 - 3)
     x = (torch.randn(m, k * k_stride, generator=g) * size).half().to(DEVICE)[:, ::k_stride]
     t = table(max_split=2)
-    t["decode"]["default"]["16"].update(half_dot=1, prefetch=prefetch)
+    t["decode"]["default"]["16"].update(half_dot=words, prefetch=prefetch)
     with T.config_override(t):
         plan = T._plan(m, n, k, 4, group_size, dev, "decode")
         assert plan["split"] > 1
         build = T._split_k_build(plan, 1, torch.float16, 4, qzeros, act_perm, None)[1]
-        assert build["HALF_DOT"] == T.HalfDot.TRITON and build["XVEC"], build
+        assert build["HALF_DOT"] == T.HalfDot.TRITON and build["XVEC"] and build.get("DOT_WORDS", 1) == words, build
         y = T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, group_size, zo, force_path="decode")
     assert_matches(y, x, qweight, scales, qzeros, act_perm, None, 4, group_size, zo, f"gemv half_dot M={m} K={k}")
 
@@ -357,6 +360,9 @@ def test_gemv_half_dot_only_where_asked_and_possible(monkeypatch):
     paired = {"half_dot": 1, "prefetch": 1}
     assert T.gemv_half_dot(paired, 4, fp16, True, True) == T.HalfDot.ASM
     assert T.gemv_half_dot(paired, 4, fp16, True, False) == T.HalfDot.OFF
+    assert T.gemv_half_dot({"half_dot": 2}, 4, fp16, True, False) == T.HalfDot.ASM  # two words a half-sum
+    with pytest.raises(ValueError, match="half_dot must be 0, 1 or 2"):
+        T.gemv_half_dot({"half_dot": 3}, 4, fp16, True, False)
 
 
 def test_gemv_prefetch_only_for_whole_words_and_long_programs():
@@ -793,39 +799,51 @@ def _f16_bits(values) -> list[int]:
     return (torch.as_tensor(values, dtype=torch.float64).half().view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_half_dot_ptx_sums_x_times_q_minus_z_over_16(rows):
-    # The GEMV's packed dot cannot run here: its PTX (the x pairs, then the dot) is executed instruction
-    # by instruction instead, on words holding every value, zero points over the whole range (to 16:
-    # GPTQ v1's offset), and x from 1e-3 to ~4000 in size, against the float64 sum. Each half sums four
-    # products with four fp16 roundings (and fp16's subnormal spacing below 2**-14).
-    code, constraints = C.half_dot_asm(rows)
-    assert constraints.split(",") == ["=f"] * rows + ["r"] * 3 + ["h"] * (8 * rows)
-    gen = torch.Generator().manual_seed(1)
+def _half_bits_to_float(bits: int) -> float:
+    return float(torch.tensor([bits & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.float16))
+
+
+@pytest.mark.parametrize("words", [1, 2])
+def test_half_dot_ptx_sums_x_times_q_minus_z_over_16(words):
+    # The GEMV's packed dot cannot run here: its PTX (the x pairs, then the dot of one word, or of two
+    # words chained through the f16x2 carry) is executed instruction by instruction instead, on words
+    # holding every value, zero points over the whole range (to 16: GPTQ v1's offset), and x from 1e-3
+    # to ~2000 in size, against the float64 sum. Each half sums 4 products a word with one fp16 rounding
+    # each (and fp16's subnormal spacing below 2**-14).
+    codes = [C.half_dot_asm()] if words == 1 else [C.half_dot_asm(finish=False), C.half_dot_asm(carry_in=True)]
+    for (code, constraints), finish in zip(codes, [True] if words == 1 else [False, True]):
+        assert constraints.split(",") == ["=f" if finish else "=r"] + ["r"] * 4 + ["h"] * 8
+    gen = torch.Generator().manual_seed(1 + words)
     for trial in range(32):
-        q = torch.randint(0, 16, (8,), generator=gen).double()
-        if trial == 0:
-            q = torch.tensor([15.0, 0.0] * 4, dtype=torch.float64)
         z = 16 if trial == 1 else int(torch.randint(0, 17, (), generator=gen))
         lo, hi = _f16_bits([-(64 + z / 16), -(4 + z / 16)])
-        ops = {rows: sum(int(v) << (4 * i) for i, v in enumerate(q.tolist())), rows + 1: lo | lo << 16,
-               rows + 2: hi | hi << 16}
-        xs = []
-        for r in range(rows):
-            size = 10 ** float(torch.empty(()).uniform_(-3, 3.6, generator=gen))
+        carry, terms, halves = 0, [], [0.0, 0.0]
+        for word in range(words):
+            q = torch.randint(0, 16, (8,), generator=gen).double()
+            if trial == 0:
+                q = torch.tensor([15.0, 0.0] * 4, dtype=torch.float64)
+            size = 10 ** float(torch.empty(()).uniform_(-3, 3.3, generator=gen))
             x = (torch.randn(8, generator=gen, dtype=torch.float64) * size).half().double()
-            xs.append(x)
             h = _f16_bits(x)
             pairs = _run_ptx(C.X_PAIRS_ASM, {4 + i: h[2 * i] | h[2 * i + 1] << 16 for i in range(4)}, "f16")
             assert [pairs[i] for i in range(4)] == [h[i] | h[i + 4] << 16 for i in range(4)]  # (x_i, x_i+4)
+            ops = {1: sum(int(v) << (4 * i) for i, v in enumerate(q.tolist())), 2: lo | lo << 16, 3: hi | hi << 16,
+                   4: carry}
             for i in range(4):
-                ops[rows + 3 + 8 * r + 2 * i], ops[rows + 4 + 8 * r + 2 * i] = pairs[i] & 0xFFFF, pairs[i] >> 16
-        out = _run_ptx(code, ops, "f16")
-        for r in range(rows):
-            got = float(torch.tensor([out[r]], dtype=torch.int64).to(torch.int32).view(torch.float32))
-            terms = xs[r] * (q - z) / 16
-            bound = 4 * 2**-11 * float(terms.abs().sum()) + 8 * 2**-25
-            assert abs(got - float(terms.sum())) <= bound, (trial, r, got, float(terms.sum()), bound)
+                ops[5 + 2 * i], ops[6 + 2 * i] = pairs[i] & 0xFFFF, pairs[i] >> 16
+            out = _run_ptx(codes[word][0], ops, "f16")[0]
+            t = x * (q - z) / 16
+            terms.append(t)
+            halves = [halves[0] + float(t[:4].abs().sum()), halves[1] + float(t[4:].abs().sum())]
+            if word < words - 1:
+                carry = out  # the f16x2 sums: each half within its rounding of the float64 half-sum
+                for k, part in enumerate((t[:4], t[4:])):
+                    got_half = _half_bits_to_float(out >> (16 * k))
+                    assert abs(got_half - float(part.sum())) <= 4 * 2**-11 * float(part.abs().sum()) + 4 * 2**-25
+        got = float(torch.tensor([out], dtype=torch.int64).to(torch.int32).view(torch.float32))
+        want = float(torch.cat(terms).sum())
+        bound = 4 * words * 2**-11 * (halves[0] + halves[1]) + 8 * words * 2**-25
+        assert abs(got - want) <= bound, (trial, got, want, bound)
 
 
 def test_half_pair_lanes_refuses_what_does_not_fit():

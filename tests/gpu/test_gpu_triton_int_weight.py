@@ -437,34 +437,35 @@ HALF_DOT_CASES = [Case("gptq", 4, 128, False, False, "v2", 4104, 4096),  # sever
 @pytest.mark.parametrize("case", HALF_DOT_CASES, ids=lambda c: _id((c, torch.float16)))
 def test_gemv_half_dot_matches_the_oracle(case):
     """The decode GEMV's packed fp16 dot (``half_dot``: ``common.half_dot_asm`` as inline PTX), alone and with
-    each step's words loaded a step ahead (``prefetch``, as the H100 table ships it), at M = 1..4, eagerly
-    and replayed from a CUDA graph with fresh inputs, with x of K stride 2, and with x's sizes spread from
-    1e-3 to 3000 (each half's four-product sum stays far from fp16's overflow)."""
+    each step's words loaded a step ahead (``prefetch``, as the H100 table ships it), and over two words a
+    half-sum (``half_dot`` 2) with it, at M = 1..4, eagerly and replayed from a CUDA graph with fresh
+    inputs, with x of K stride 2, and with x's sizes spread from 1e-3 to 2000 (the half-sums stay far
+    from fp16's overflow)."""
     b = built(case, torch.float16)
     bias = rand(case.n, dtype=torch.float16, seed=11)
     dev = torch.device("cuda")
-    for prefetch in (0, 1):
-        _check_half_dot(case, b, bias, dev, prefetch)
+    for words, prefetch in ((1, 0), (1, 1), (2, 1)):
+        _check_half_dot(case, b, bias, dev, words, prefetch)
 
 
-def _check_half_dot(case, b, bias, dev, prefetch):
-    with T.config_override(gemv_table(half_dot=1, prefetch=prefetch, max_split=2)):  # programs long enough for the prefetch
+def _check_half_dot(case, b, bias, dev, words, prefetch):
+    with T.config_override(gemv_table(half_dot=words, prefetch=prefetch, max_split=2)):  # programs long enough for the prefetch
         for m in (1, 2, 3, 4):
             plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
             build = T._split_k_build(plan, 2, torch.float16, case.bits, b.weight.qzeros, None, bias)[1]
             assert plan["path"] == "decode" and build.get("HALF_DOT") == T.HalfDot.ASM, (plan, build)
-            assert build.get("PREFETCH", False) == bool(prefetch), build
+            assert build.get("PREFETCH", False) == bool(prefetch) and build.get("DOT_WORDS", 1) == words, build
             x = rand(m, case.k, dtype=torch.float16, seed=90 + m)
-            what = f"{case} M={m} half_dot prefetch={prefetch}"
+            what = f"{case} M={m} half_dot={words} prefetch={prefetch}"
             check(b.weight.mm(x, bias), x, b.w64, bias, what)
             y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=torch.float16, seed=95 + m))
             check(y, x, b.w64, bias, f"graph {what}")
         xs = rand(3, 2 * case.k, dtype=torch.float16, seed=99)[:, ::2]
-        check(b.weight.mm(xs, bias), xs, b.w64, bias, f"{case} strided x half_dot prefetch={prefetch}")
+        check(b.weight.mm(xs, bias), xs, b.w64, bias, f"{case} strided x half_dot={words} prefetch={prefetch}")
         g = torch.Generator(device="cuda").manual_seed(98)
-        size = 10 ** (torch.rand(2, case.k, generator=g, device="cuda") * 6.5 - 3)
+        size = 10 ** (torch.rand(2, case.k, generator=g, device="cuda") * 6.3 - 3)
         xw = (torch.randn(2, case.k, generator=g, device="cuda") * size).half()
-        check(b.weight.mm(xw, bias), xw, b.w64, bias, f"{case} x from 1e-3 to 3000 half_dot prefetch={prefetch}")
+        check(b.weight.mm(xw, bias), xw, b.w64, bias, f"{case} x from 1e-3 to 2000 half_dot={words} prefetch={prefetch}")
 
 
 KNOB_TILES = [  # the M = 16 tile the knobs are for, and a 128-row tile (the scale enters the half weight tile)

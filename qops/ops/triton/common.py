@@ -190,51 +190,50 @@ _F16_POW2_M4 = 0x2C002C00
 _F16_POW2_M8 = 0x1C001C00
 
 
-def half_dot_asm(rows: int) -> tuple[str, str]:
-    """(PTX, constraints) of the GEMV's packed dot for one word of eight 4-bit values and ``rows``
-    activation rows, in fp16: ``sum_i x[r, i] * (q_i - z) / 16`` as fp32 per row.
+def half_dot_asm(carry_in: bool = False, finish: bool = True) -> tuple[str, str]:
+    """(PTX, constraints) of the GEMV's packed dot of one word of eight 4-bit values with one row of
+    x, in fp16: ``sum_i x_i * (q_i - z) / 16``.
 
-    Operands: outputs ``$0 .. $(rows - 1)`` (f32); the word; the bias pairs ``-(64 + z / 16)`` and
-    ``-(4 + z / 16)`` (both halves alike); then for each row its x values as the halves of the four
-    f16x2 pairs ``(x0, x4), (x1, x5), (x2, x6), (x3, x7)`` (:data:`X_PAIRS_ASM`; eight 16-bit operands,
-    each pair two halves of one register, which ptxas joins without an instruction). Why those pairs: one LOP3 of
-    the word with ``0x000f000f`` puts values 0 and 4 into the two halves at bit 0 (no byte permute),
-    ``0x00f000f0`` values 1 and 5 at bit 4; the word shifted down a byte gives 2 / 6 and 3 / 7.
-    The packed FMA scales ``1024 + q`` by ``2**-4`` (``1024 + 16 q`` by ``2**-8``) and adds the bias:
-    ``(q - z) / 16`` exactly (5 significant bits), so each product has the magnitude of x. Per row
-    one HMUL2 and three HFMA2 sum four products in each half (one fp16 rounding each), and the two
-    halves are added in fp32. Dividing by 16 keeps the fp16 sums from overflowing below
-    ``|x| = 16384`` (``|q - z| <= 16``, so a half's sum is at most ``4 |x|``); the caller multiplies the
-    scale by 16.
-    Per word: 5 + 4 instructions shared by the rows, then 7 a row (the fp32 loop took 24).
+    Operands: ``$0`` the output; ``$1`` the word; ``$2`` / ``$3`` the bias pairs ``-(64 + z / 16)`` and
+    ``-(4 + z / 16)`` (both halves alike); ``$4`` an f16x2 carry (read only with ``carry_in``); ``$5 ..
+    $12`` x's values as the halves of the four f16x2 pairs ``(x0, x4), (x1, x5), (x2, x6), (x3, x7)``
+    (:data:`X_PAIRS_ASM`; each pair two halves of one register, which ptxas joins without an
+    instruction). Why those pairs: one LOP3 of the word with ``0x000f000f`` puts values 0 and 4 into
+    the two halves at bit 0 (no byte permute), ``0x00f000f0`` values 1 and 5 at bit 4; the word
+    shifted down a byte gives 2 / 6 and 3 / 7. The packed FMA scales ``1024 + q`` by ``2**-4``
+    (``1024 + 16 q`` by ``2**-8``) and adds the bias: ``(q - z) / 16`` exactly (5 significant bits), so
+    each product has the magnitude of x. One HMUL2 (an HFMA2 onto the carry with ``carry_in``) and
+    three HFMA2 sum four products in each half, one fp16 rounding each. With ``finish`` the two halves
+    are added in fp32 (an f32 output); without, the f16x2 sums are the output, the carry of the next
+    word's call (``half_dot`` 2: eight products a half). The caller multiplies the scale by 16. A
+    half's sum over ``w`` words is at most ``4 w |x|`` (``|q - z| <= 16``): no fp16 overflow below
+    ``|x| = 16384 / w``. Rows of x are separate calls: ptxas computes the word's pairs once for all of
+    them (4-bit M = 4 on sm_90: 260 LOP3 a pass either way). Per word and row: 5 + 4 instructions for
+    the pairs, 4 for the sums, 3 to finish (the fp32 loop took 24).
     """
-    if rows < 1:
-        raise ValueError(f"rows must be >= 1, got {rows}")
-    word, blo, bhi = f"${rows}", f"${rows + 1}", f"${rows + 2}"
     body = ["{", ".reg .b32 w1, a<4>, d, c4, c8, m, x<4>;", ".reg .f16 l, h;", ".reg .f32 fl, fh;",
             f"mov.b32 c4, 0x{_F16_POW2_M4:08x};", f"mov.b32 c8, 0x{_F16_POW2_M8:08x};",
             f"mov.b32 m, 0x{0x6400 | (0x6400 << 16):08x};",
-            f"lop3.b32 a0, {word}, 0x000f000f, m, 0xea;",
-            f"lop3.b32 a1, {word}, 0x00f000f0, m, 0xea;",
-            f"shr.b32 w1, {word}, 8;",
+            "lop3.b32 a0, $1, 0x000f000f, m, 0xea;",
+            "lop3.b32 a1, $1, 0x00f000f0, m, 0xea;",
+            "shr.b32 w1, $1, 8;",
             "lop3.b32 a2, w1, 0x000f000f, m, 0xea;",
             "lop3.b32 a3, w1, 0x00f000f0, m, 0xea;",
-            f"fma.rn.f16x2 a0, a0, c4, {blo};",
-            f"fma.rn.f16x2 a1, a1, c8, {bhi};",
-            f"fma.rn.f16x2 a2, a2, c4, {blo};",
-            f"fma.rn.f16x2 a3, a3, c8, {bhi};"]
-    for r in range(rows):
-        body += [f"mov.b32 x{i}, {{${rows + 3 + 8 * r + 2 * i}, ${rows + 4 + 8 * r + 2 * i}}};" for i in range(4)]
-        body += ["mul.rn.f16x2 d, a0, x0;",
-                 "fma.rn.f16x2 d, a1, x1, d;",
-                 "fma.rn.f16x2 d, a2, x2, d;",
-                 "fma.rn.f16x2 d, a3, x3, d;",
-                 "mov.b32 {l, h}, d;",
-                 "cvt.f32.f16 fl, l;",
-                 "cvt.f32.f16 fh, h;",
-                 f"add.f32 ${r}, fl, fh;"]
+            "fma.rn.f16x2 a0, a0, c4, $2;",
+            "fma.rn.f16x2 a1, a1, c8, $3;",
+            "fma.rn.f16x2 a2, a2, c4, $2;",
+            "fma.rn.f16x2 a3, a3, c8, $3;"]
+    body += [f"mov.b32 x{i}, {{${5 + 2 * i}, ${6 + 2 * i}}};" for i in range(4)]
+    body += ["fma.rn.f16x2 d, a0, x0, $4;" if carry_in else "mul.rn.f16x2 d, a0, x0;",
+             "fma.rn.f16x2 d, a1, x1, d;",
+             "fma.rn.f16x2 d, a2, x2, d;",
+             "fma.rn.f16x2 d, a3, x3, d;"]
+    if finish:
+        body += ["mov.b32 {l, h}, d;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;", "add.f32 $0, fl, fh;"]
+    else:
+        body.append("mov.b32 $0, d;")
     body.append("}")
-    return "\n".join(body), ",".join(["=f"] * rows + ["r"] * 3 + ["h"] * (8 * rows))
+    return "\n".join(body), ",".join(["=f" if finish else "=r"] + ["r"] * 4 + ["h"] * 8)
 
 
 # The f16x2 x pairs of :func:`half_dot_asm` from a word's eight x values, run with ``pack=8``: the inputs

@@ -115,11 +115,9 @@ _BF16_2, _BF16_2C = _asm(2, "bf16")
 _BF16_4, _BF16_4C = _asm(4, "bf16")
 _F16_4EO, _F16_4EOC = _asm(4, "f16", EVEN_ODD_4)
 _BF16_4EO, _BF16_4EOC = _asm(4, "bf16", EVEN_ODD_4)
-_DOT = [tuple(tl.constexpr(t) for t in half_dot_asm(rows)) for rows in (1, 2, 3, 4)]
-_DOT1, _DOT1C = _DOT[0]
-_DOT2, _DOT2C = _DOT[1]
-_DOT3, _DOT3C = _DOT[2]
-_DOT4, _DOT4C = _DOT[3]
+_DOT, _DOTC = (tl.constexpr(t) for t in half_dot_asm())  # one word, finished in fp32
+_DOT_FIRST, _DOT_FIRSTC = (tl.constexpr(t) for t in half_dot_asm(finish=False))  # the first of two: f16x2 sums
+_DOT_LAST, _DOT_LASTC = (tl.constexpr(t) for t in half_dot_asm(carry_in=True))  # the second, onto them
 _XPAIRS, _XPAIRSC = tl.constexpr(X_PAIRS_ASM), tl.constexpr(X_PAIRS_CONSTRAINTS)
 
 
@@ -128,10 +126,10 @@ class HalfDot:
 
     OFF: each value in fp32 (:func:`_value`, one LOP3 and two FFMAs a value). TRITON / ASM: the
     packed fp16 dot of ``common.half_dot_asm`` (values ``(q - z) / 16`` in f16x2, four products a half
-    summed in fp16, the halves in fp32; 2.6 SASS instructions a value in the 4-bit M = 1 loop against
-    3.8), as plain Triton under the
-    interpreter (no inline PTX there; same values and pairs, its own rounding order) and as inline
-    PTX on a GPU.
+    summed in fp16, eight with ``DOT_WORDS`` 2, the halves in fp32; 2.6 SASS instructions a value in the
+    4-bit M = 1 loop against 3.8, 2.4 with ``DOT_WORDS`` 2 and the prefetch), as plain Triton under the
+    interpreter (no inline PTX there; same values and pairs, its own rounding order) and as inline PTX
+    on a GPU.
     """
     OFF = 0
     TRITON = 1
@@ -343,11 +341,26 @@ def _half_dot_value(w, zf, I: tl.constexpr):
 
 
 @triton.jit
-def _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa):
-    """One row's packed dot in plain Triton: the low half's four products (values 0..3) and the high
-    half's (4..7) each summed in fp16, the two sums added in fp32, as ``common.half_dot_asm`` pairs them."""
+def _half_of(c, H: tl.constexpr):
+    """Half H (0 low, 1 high) of the f16x2 values ``c`` held as int32, as fp16."""
+    return ((c >> (16 * H)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa, carry, STAGE: tl.constexpr):
+    """One row's packed dot in plain Triton, paired as ``common.half_dot_asm`` pairs it: the low half's
+    four products (values 0..3) and the high half's (4..7) each summed in fp16 (onto the halves of
+    ``carry`` at STAGE 2); then the two sums added in fp32 (STAGE 0, 2) or kept as f16x2 in an int32
+    (STAGE 1, the carry of the next word)."""
     lo = _last_of(xa, 0) * v0 + _last_of(xa, 1) * v1 + _last_of(xa, 2) * v2 + _last_of(xa, 3) * v3
     hi = _last_of(xa, 4) * v4 + _last_of(xa, 5) * v5 + _last_of(xa, 6) * v6 + _last_of(xa, 7) * v7
+    if STAGE == 2:
+        lo = _half_of(carry, 0) + lo
+        hi = _half_of(carry, 1) + hi
+    if STAGE == 1:
+        lo_bits = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi_bits = hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return lo_bits | (hi_bits << 16)
     return lo.to(tl.float32) + hi.to(tl.float32)
 
 
@@ -362,11 +375,28 @@ def _x_pairs(xa):
 
 
 @triton.jit
-def _half_dot(w, zf, blo, bhi, xa0, xa1, xa2, xa3, BLOCK_M: tl.constexpr, FORM: tl.constexpr):
-    """Rows m0 .. m0 + BLOCK_M - 1's sums ``sum_i x_i (q_i - z) / 16`` over each 4-bit word of ``w``
-    ``(C, N)`` as fp32 (four results; those past BLOCK_M repeat the first). FORM (:class:`HalfDot`)
-    2: ``common.half_dot_asm`` (the dequantized pairs shared by the rows; ``blo`` / ``bhi`` its bias
-    pairs), 1: the same in plain Triton from ``zf``. ``xaR``: row R's eight x values (``_x_word``)."""
+def _dot_row(w, blo, bhi, xa, carry, STAGE: tl.constexpr):
+    """One row's ``common.half_dot_asm`` as inline PTX: STAGE 0 one word (fp32 out), 1 the first of two
+    (f16x2 sums out, as int32), 2 the second, onto ``carry`` (fp32 out)."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = _x_pairs(xa)
+    args = [w, blo, bhi, carry, a0, a1, a2, a3, a4, a5, a6, a7]
+    if STAGE == 0:
+        return tl.inline_asm_elementwise(_DOT, _DOTC, args, dtype=tl.float32, is_pure=True, pack=1)
+    elif STAGE == 1:
+        return tl.inline_asm_elementwise(_DOT_FIRST, _DOT_FIRSTC, args, dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_DOT_LAST, _DOT_LASTC, args, dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _half_dot(w, zf, blo, bhi, xa0, xa1, xa2, xa3, c0, c1, c2, c3, BLOCK_M: tl.constexpr, FORM: tl.constexpr,
+              STAGE: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M - 1's packed dots of each 4-bit word of ``w`` ``(C, N)`` (four results;
+    those past BLOCK_M repeat the first), at STAGE 0 (one word: ``sum_i x_i (q_i - z) / 16`` in fp32),
+    1 (the first of two words: f16x2 sums as int32) or 2 (the second, onto the carries ``cR``: fp32).
+    FORM (:class:`HalfDot`) 2: ``common.half_dot_asm`` a row (ptxas computes the word's pairs once for
+    all rows; ``blo`` / ``bhi`` its bias pairs), 1: the same in plain Triton from ``zf``. ``xaR``: row
+    R's eight x values (``_x_word``)."""
     if FORM == 1:
         v0 = _half_dot_value(w, zf, 0)
         v1 = _half_dot_value(w, zf, 1)
@@ -376,40 +406,28 @@ def _half_dot(w, zf, blo, bhi, xa0, xa1, xa2, xa3, BLOCK_M: tl.constexpr, FORM: 
         v5 = _half_dot_value(w, zf, 5)
         v6 = _half_dot_value(w, zf, 6)
         v7 = _half_dot_value(w, zf, 7)
-        d0 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa0)
+        d0 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa0, c0, STAGE)
         d1 = d0
         d2 = d0
         d3 = d0
         if BLOCK_M > 1:
-            d1 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa1)
+            d1 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa1, c1, STAGE)
         if BLOCK_M > 2:
-            d2 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa2)
+            d2 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa2, c2, STAGE)
         if BLOCK_M > 3:
-            d3 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa3)
+            d3 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa3, c3, STAGE)
         return d0, d1, d2, d3
     else:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _x_pairs(xa0)
-        if BLOCK_M == 1:
-            d0 = tl.inline_asm_elementwise(_DOT1, _DOT1C, [w, blo, bhi, a0, a1, a2, a3, a4, a5, a6, a7],
-                                           dtype=tl.float32, is_pure=True, pack=1)
-            return d0, d0, d0, d0
-        b0, b1, b2, b3, b4, b5, b6, b7 = _x_pairs(xa1)
-        if BLOCK_M == 2:
-            d0, d1 = tl.inline_asm_elementwise(
-                _DOT2, _DOT2C, [w, blo, bhi, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7],
-                dtype=(tl.float32,) * 2, is_pure=True, pack=1)
-            return d0, d1, d0, d0
-        c0, c1, c2, c3, c4, c5, c6, c7 = _x_pairs(xa2)
-        if BLOCK_M == 3:
-            d0, d1, d2 = tl.inline_asm_elementwise(
-                _DOT3, _DOT3C, [w, blo, bhi, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
-                                c0, c1, c2, c3, c4, c5, c6, c7], dtype=(tl.float32,) * 3, is_pure=True, pack=1)
-            return d0, d1, d2, d0
-        e0, e1, e2, e3, e4, e5, e6, e7 = _x_pairs(xa3)
-        d0, d1, d2, d3 = tl.inline_asm_elementwise(
-            _DOT4, _DOT4C, [w, blo, bhi, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
-                            c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7],
-            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        d0 = _dot_row(w, blo, bhi, xa0, c0, STAGE)
+        d1 = d0
+        d2 = d0
+        d3 = d0
+        if BLOCK_M > 1:
+            d1 = _dot_row(w, blo, bhi, xa1, c1, STAGE)
+        if BLOCK_M > 2:
+            d2 = _dot_row(w, blo, bhi, xa2, c2, STAGE)
+        if BLOCK_M > 3:
+            d3 = _dot_row(w, blo, bhi, xa3, c3, STAGE)
         return d0, d1, d2, d3
 
 
@@ -417,7 +435,7 @@ def _half_dot(w, zf, blo, bhi, xa0, xa1, xa2, xa3, BLOCK_M: tl.constexpr, FORM: 
 def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, wrow, kbase, k_hi, zf, nmask, n_wrows,
                stride_qw, stride_xk, magic, BITS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr,
                BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               WORDS: tl.constexpr, XVEC: tl.constexpr, HALF_DOT: tl.constexpr):
+               WORDS: tl.constexpr, XVEC: tl.constexpr, HALF_DOT: tl.constexpr, DOT_WORDS: tl.constexpr):
     """One step's per-run partial sums ``(CHUNKS, BLOCK_N)`` of rows m0 .. m0 + 3 (unscaled). WORDS: the
     words come loaded in ``ws`` (``_step_words``); otherwise each word row is loaded here from ``w_ptrs``
     (3-bit steps do not split evenly; and loading all of a step through ``_step_words`` without the
@@ -425,7 +443,8 @@ def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, w
     XVEC (:func:`gemv_x_vec`): x's values a word multiplies are loaded as vectors, once a word, not one
     scalar load a value (4-bit M = 1: 149 loads a pass -> 37, 2036 instructions -> 1924).
     HALF_DOT (:class:`HalfDot`; 4 bits, fp16 x, XVEC): each word's products through the packed fp16 dot,
-    sums of ``(q - z) / 16`` (the caller scales by 16)."""
+    sums of ``(q - z) / 16`` (the caller scales by 16); DOT_WORDS 2: two words' products a half summed
+    in fp16 before the fp32 add (a run's 4 words pair up)."""
     blo = zf
     bhi = zf
     if HALF_DOT == 2:
@@ -436,6 +455,10 @@ def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, w
     p2 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
     p3 = tl.zeros([CHUNKS, BLOCK_N], tl.float32)
     w_prev = tl.zeros([CHUNKS, BLOCK_N], tl.int32)
+    c0 = w_prev  # the packed dot's f16x2 carries from a word to the next (DOT_WORDS 2)
+    c1 = w_prev
+    c2 = w_prev
+    c3 = w_prev
     for j in tl.static_range(BITS):
         if WORDS:
             w = _last_of(ws, j)  # word j of each run
@@ -457,14 +480,22 @@ def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, w
         if BLOCK_M > 3:
             xa3, xb3 = _x_word(pk3, kbase, k_hi, stride_xk, j, BITS, EVEN_K, XVEC)
         if HALF_DOT != 0:
-            d0, d1, d2, d3 = _half_dot(w, zf, blo, bhi, xa0, xa1, xa2, xa3, BLOCK_M, HALF_DOT)
-            p0 += d0
-            if BLOCK_M > 1:
-                p1 += d1
-            if BLOCK_M > 2:
-                p2 += d2
-            if BLOCK_M > 3:
-                p3 += d3
+            # stage 0: one word; with DOT_WORDS 2, 1 on even words (f16x2 carries out), 2 on odd ones (onto them)
+            d0, d1, d2, d3 = _half_dot(w, zf, blo, bhi, xa0, xa1, xa2, xa3, c0, c1, c2, c3, BLOCK_M, HALF_DOT,
+                                       0 if DOT_WORDS == 1 else 1 + j % 2)
+            if DOT_WORDS == 2 and j % 2 == 0:
+                c0 = d0
+                c1 = d1
+                c2 = d2
+                c3 = d3
+            else:
+                p0 += d0
+                if BLOCK_M > 1:
+                    p1 += d1
+                if BLOCK_M > 2:
+                    p2 += d2
+                if BLOCK_M > 3:
+                    p3 += d3
         for i in tl.static_range(32 if HALF_DOT == 0 else 0):
             # Value i starts in word (i*BITS)//32; one that straddles is finished with word j.
             first_word = (i * BITS) // 32
@@ -492,7 +523,7 @@ def _gemv_kernel(
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, XVEC: tl.constexpr = False, HALF_DOT: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False, XVEC: tl.constexpr = False, HALF_DOT: tl.constexpr = 0, DOT_WORDS: tl.constexpr = 1,
 ):
     """Split-K GEMV for up to 4 rows. Program (n tile, K split, m tile); a step covers CHUNKS runs
     of 32 K values (BITS words each), all inside one quantization group. PDL: the reduction launched
@@ -500,8 +531,8 @@ def _gemv_kernel(
     PREFETCH (BITS a power of two): a step's words, zero points and scales are loaded during the step
     before, so a program's loads overlap its own arithmetic rather than only other programs'.
     XVEC (BITS a power of two, no act_perm): x loaded as vectors, once a word (``_gemv_step``).
-    HALF_DOT (:class:`HalfDot`): 4-bit words times fp16 x as packed fp16 dots (``_gemv_step``), whose sums
-    are of ``(q - z) / 16``: the scales are taken times 16 (exact)."""
+    HALF_DOT (:class:`HalfDot`): 4-bit words times fp16 x as packed fp16 dots (``_gemv_step``; DOT_WORDS
+    words a half-sum), whose sums are of ``(q - z) / 16``: the scales are taken times 16 (exact)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -561,7 +592,7 @@ def _gemv_kernel(
         w_ptrs = qw_ptr + wrow[:, None] * stride_qw + qcol[None, :]
         p0, p1, p2, p3 = _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, wrow, kbase, k_hi, zf,
                                     nmask, n_wrows, stride_qw, stride_xk, magic, BITS, BLOCK_M, CHUNKS, BLOCK_N,
-                                    HAS_PERM, EVEN_K, EVEN_N, PREFETCH, XVEC, HALF_DOT)
+                                    HAS_PERM, EVEN_K, EVEN_N, PREFETCH, XVEC, HALF_DOT, DOT_WORDS)
         if not PREFETCH:
             s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(tl.float32)
         if HALF_DOT != 0:
@@ -1145,12 +1176,14 @@ def gemv_x_vec(cfg: dict, bits: int, has_perm: bool) -> bool:
 
 def gemv_half_dot(cfg: dict, bits: int, dtype: torch.dtype, x_vec: bool, prefetch: bool) -> int:
     """The decode GEMV's :class:`HalfDot` form: the packed fp16 dot where a config asks for it
-    (``half_dot`` 1) and it applies -- 4-bit words, fp16 x, x loaded as vectors (``x_vec``) -- as
+    (``half_dot`` 1, or 2 for two words a half-sum: ``DOT_WORDS``) and it applies -- 4-bit words, fp16 x, x loaded as vectors (``x_vec``) -- as
     inline PTX on a GPU and as plain Triton under the interpreter; OFF otherwise (bf16's 8-bit
     significand would round each product to 2**-9, and fp32 x gains nothing). A config pairing it with
     the prefetch gets neither where the prefetch does not apply (``prefetch``: whether it does): alone,
     ptxas issues each word's load ~60 instructions before its use (the fp32 form's: ~280), and on an
     H100 it ran 21-24% slower than the fp32 form at M = 1 (with the prefetch: 4% slower to 14% faster)."""
+    if int(cfg.get("half_dot", 0)) not in (0, 1, 2):
+        raise ValueError(f"qops triton config: half_dot must be 0, 1 or 2 (words a half-sum), got {cfg['half_dot']!r}")
     if not (cfg.get("half_dot", 0) and bits == 4 and dtype == torch.float16 and x_vec):
         return HalfDot.OFF
     if cfg.get("prefetch", 0) and not prefetch:
@@ -1414,7 +1447,9 @@ def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pd
     if plan["path"] == "decode":
         x_vec = gemv_x_vec(cfg, bits, act_perm is not None)
         prefetch = gemv_prefetch_applies(cfg, bits, gemv_steps(plan))
-        knobs = {"PREFETCH": prefetch, "XVEC": x_vec, "HALF_DOT": gemv_half_dot(cfg, bits, dtype, x_vec, prefetch)}
+        half_dot = gemv_half_dot(cfg, bits, dtype, x_vec, prefetch)
+        knobs = {"PREFETCH": prefetch, "XVEC": x_vec, "HALF_DOT": half_dot,
+                 "DOT_WORDS": 2 if half_dot and int(cfg["half_dot"]) == 2 else 0}
         return _gemv_kernel, dict(BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], CHUNKS=plan["chunks"],
                                   EVEN_N=plan["even_n"], **flags, **{k: on for k, on in knobs.items() if on}), launch
     dequant = dequant_form(dtype, bits, plan["tile_group"])
