@@ -15,7 +15,8 @@ block (a build past it is retried with fewer stages at run time), and whether it
 Stop 57 compiled the small-group tiles of branch ``small-group-tiles`` with it (14 builds, all to cubin).
 
 ``--gemv JSON`` compiles decode GEMV builds (``_gemv_kernel``) instead, each (bits, group size, activation
-dtype, BLOCK_N, CHUNKS, num_warps, M[, prefetch, x_vec, maxnreg]), as the lowering plans them for 28672x4096.
+dtype, BLOCK_N, CHUNKS, num_warps, M[, prefetch, x_vec, maxnreg, half_dot]), as the lowering plans them for 28672x4096
+(each row says which knobs the build took).
 ``--sass`` adds, for every build, the SASS of its main loop (the longest block ending in a backward branch,
 read with the wheel's nvdisasm): instructions a pass, the most frequent opcodes and, for a GEMV, the weight
 values a thread handles a pass and the instructions per value, and the registers a thread uses. Integer
@@ -89,10 +90,9 @@ def compile_gemv_case(bits: int, group: int, dtype: str, block_n: int, chunks: i
         plan = T._shape_plan(m, 28672, 4096, bits, group, torch.device("cpu"), "decode", False)
     fn, consts, launch = T._split_k_build(plan, 2, act_dtype(dtype), bits, object(), None, None)
     row = dict(kernel="gemv", bits=bits, group=group, dtype=dtype, M=m, BLOCK_M=plan["block_m"], BLOCK_N=block_n,
-               CHUNKS=plan["chunks"], num_warps=warps, prefetch=T.gemv_prefetch_applies(cfg, bits, T.gemv_steps(plan)),
-               x_vec=T.gemv_x_vec(cfg, bits, False), maxnreg=maxnreg,
-               half_dot=T.gemv_half_dot(cfg, bits, act_dtype(dtype), T.gemv_x_vec(cfg, bits, False),
-                                        T.gemv_prefetch_applies(cfg, bits, T.gemv_steps(plan))), triton=triton.__version__)
+               CHUNKS=plan["chunks"], num_warps=warps, prefetch=consts.get("PREFETCH", False), x_vec=consts.get("XVEC", False),
+               maxnreg=maxnreg, half_dot=consts.get("HALF_DOT", 0), dot_words=consts.get("DOT_WORDS", 1),
+               triton=triton.__version__)
     row = compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, 2, m, 28672, 4096, bits, group, dtype))
     if sass and row.get("loop_sass"):
         # one pass of the loop: CHUNKS runs of 32 K values for the thread's BLOCK_N / (32 warps) columns

@@ -95,7 +95,7 @@ def build_facts() -> list[dict]:
     """Every kernel build the launches compiled: its constexprs, launch options, the stages that fit and
     the programs an SM holds (``int_weight._BUILD_FACTS``)."""
     names = {id(T._gemv_kernel): "gemv", id(T._tc_kernel): "gemm"}
-    return [dict(kernel=names.get(key[0], "?"), **dict(zip(T._BUILD_NAMES[key], key[1])), **dict(key[2]),
+    return [dict(kernel=names.get(key[0], "?"), **dict(key[1]), **dict(key[2]),
                  dtype=str(key[3]), fitting_stages=facts[0], programs_per_sm=facts[1]) for key, facts in T._BUILD_FACTS.items()]
 
 

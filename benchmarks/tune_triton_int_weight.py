@@ -65,7 +65,8 @@ DECODE_MS = (1, 2, 4)
 # Register caps tried on the best configs (``maxnreg``; 64K registers an SM). A 2-warp GEMV program at 124-128
 # registers: 8 an SM; capped at 104, 9 (the 4-bit build compiled for sm_90 by Triton 3.6: no spill, 1944
 # instructions a pass against 1924). The 4-warp 16-row GEMM tile at 154 registers: 3 an SM; at 128, 4 (a few
-# spills: 472 instructions a pass against 437). Measured on no GPU yet.
+# spills: 472 instructions a pass against 437). The GEMV capped at 104 ran 4% slower on an H100 (stop 61,
+# h100-2026-12-06-2f64354-probe-gemv-maxnreg.json); the GEMM cap is untimed.
 DECODE_MAXNREG = 104
 GEMM_MAXNREG = 128
 GEMM_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # 1, 2: to decide decode_max_m

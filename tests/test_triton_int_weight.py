@@ -1065,8 +1065,29 @@ def record_build_compiles(monkeypatch, facts: tuple) -> list:
     monkeypatch.setattr(T, "_compiles_for", lambda device: True)
     monkeypatch.setattr(T, "_compiled_facts", compiled)
     monkeypatch.setattr(T, "_BUILD_FACTS", {})
-    monkeypatch.setattr(T, "_BUILD_NAMES", {})
     return seen
+
+
+def test_builds_differing_in_which_knob_is_on_are_two_builds(monkeypatch):
+    """The decode GEMV with the prefetch and x loaded a value at a time, and with neither but x as vectors:
+    each takes one optional knob (True at the same place among the constexprs), so the build facts are
+    keyed by the constexprs' names too, not their values alone (which made these one build)."""
+    seen = record_build_compiles(monkeypatch, (1, 8))
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(96, 1024, 4, 128, False, False)
+    x = torch.randn(1, 1024).to(torch.float16).to(DEVICE)
+    o2 = torch.empty(1, 96, dtype=torch.float16, device=DEVICE)
+    tensors = (x, qweight, scales, qzeros, act_perm, None, 4, 128, zo, o2)
+    builds = []
+    for knobs in ({"prefetch": 1, "x_vec": 0}, {"prefetch": 0, "x_vec": 1}):
+        t = table(max_split=2)
+        t["decode"]["default"]["16"].update(knobs)
+        with T.config_override(t):
+            plan = T._plan(1, 96, 1024, 4, 128, torch.device(DEVICE), "decode")
+        kernel, constexprs, launch = T._split_k_build(plan, 1, x.dtype, 4, qzeros, act_perm, None)
+        builds.append(constexprs)
+        T._build_facts(kernel, constexprs, launch, plan, tensors, 1)
+    assert builds[0].get("PREFETCH") and builds[1].get("XVEC") and list(builds[0].values()) == list(builds[1].values())
+    assert len(seen) == 2 and len(T._BUILD_FACTS) == 2
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])
@@ -1199,4 +1220,4 @@ def test_build_facts_compile_the_launched_build(monkeypatch, path, mode):
     y = args[runtime.index("y_ptr")]
     assert (y is o2) if mode == 0 else (y.dtype == torch.float32)
     assert args[runtime.index("split_len")] == plan["split_len"]
-    assert list(T._BUILD_NAMES.values()) == [tuple(constexprs)]
+    assert [dict(key[1]) for key in T._BUILD_FACTS] == [constexprs]

@@ -347,13 +347,15 @@ def _half_of(c, H: tl.constexpr):
 
 
 @triton.jit
-def _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa, carry, STAGE: tl.constexpr):
+def _half_dot_row(w, zf, xa, carry, STAGE: tl.constexpr):
     """One row's packed dot in plain Triton, paired as ``common.half_dot_asm`` pairs it: the low half's
     four products (values 0..3) and the high half's (4..7) each summed in fp16 (onto the halves of
     ``carry`` at STAGE 2); then the two sums added in fp32 (STAGE 0, 2) or kept as f16x2 in an int32
-    (STAGE 1, the carry of the next word)."""
-    lo = _last_of(xa, 0) * v0 + _last_of(xa, 1) * v1 + _last_of(xa, 2) * v2 + _last_of(xa, 3) * v3
-    hi = _last_of(xa, 4) * v4 + _last_of(xa, 5) * v5 + _last_of(xa, 6) * v6 + _last_of(xa, 7) * v7
+    (STAGE 1, the carry of the next word). Each row computes the values again: the interpreter's form."""
+    lo = (_last_of(xa, 0) * _half_dot_value(w, zf, 0) + _last_of(xa, 1) * _half_dot_value(w, zf, 1)
+          + _last_of(xa, 2) * _half_dot_value(w, zf, 2) + _last_of(xa, 3) * _half_dot_value(w, zf, 3))
+    hi = (_last_of(xa, 4) * _half_dot_value(w, zf, 4) + _last_of(xa, 5) * _half_dot_value(w, zf, 5)
+          + _last_of(xa, 6) * _half_dot_value(w, zf, 6) + _last_of(xa, 7) * _half_dot_value(w, zf, 7))
     if STAGE == 2:
         lo = _half_of(carry, 0) + lo
         hi = _half_of(carry, 1) + hi
@@ -375,9 +377,14 @@ def _x_pairs(xa):
 
 
 @triton.jit
-def _dot_row(w, blo, bhi, xa, carry, STAGE: tl.constexpr):
-    """One row's ``common.half_dot_asm`` as inline PTX: STAGE 0 one word (fp32 out), 1 the first of two
-    (f16x2 sums out, as int32), 2 the second, onto ``carry`` (fp32 out)."""
+def _dot_row(w, zf, blo, bhi, xa, carry, FORM: tl.constexpr, STAGE: tl.constexpr):
+    """One row's packed dot of each 4-bit word of ``w`` ``(C, N)`` with its eight x values ``xa``
+    (``_x_word``): STAGE 0 one word (``sum_i x_i (q_i - z) / 16`` in fp32), 1 the first of two (f16x2
+    sums out, as int32), 2 the second, onto ``carry`` (fp32 out). FORM (:class:`HalfDot`) 2:
+    ``common.half_dot_asm`` as inline PTX (``blo`` / ``bhi`` its bias pairs; ptxas computes a word's pairs
+    once for all rows), 1: the same in plain Triton from ``zf``."""
+    if FORM == 1:
+        return _half_dot_row(w, zf, xa, carry, STAGE)
     a0, a1, a2, a3, a4, a5, a6, a7 = _x_pairs(xa)
     args = [w, blo, bhi, carry, a0, a1, a2, a3, a4, a5, a6, a7]
     if STAGE == 0:
@@ -391,44 +398,19 @@ def _dot_row(w, blo, bhi, xa, carry, STAGE: tl.constexpr):
 @triton.jit
 def _half_dot(w, zf, blo, bhi, xa0, xa1, xa2, xa3, c0, c1, c2, c3, BLOCK_M: tl.constexpr, FORM: tl.constexpr,
               STAGE: tl.constexpr):
-    """Rows m0 .. m0 + BLOCK_M - 1's packed dots of each 4-bit word of ``w`` ``(C, N)`` (four results;
-    those past BLOCK_M repeat the first), at STAGE 0 (one word: ``sum_i x_i (q_i - z) / 16`` in fp32),
-    1 (the first of two words: f16x2 sums as int32) or 2 (the second, onto the carries ``cR``: fp32).
-    FORM (:class:`HalfDot`) 2: ``common.half_dot_asm`` a row (ptxas computes the word's pairs once for
-    all rows; ``blo`` / ``bhi`` its bias pairs), 1: the same in plain Triton from ``zf``. ``xaR``: row
-    R's eight x values (``_x_word``)."""
-    if FORM == 1:
-        v0 = _half_dot_value(w, zf, 0)
-        v1 = _half_dot_value(w, zf, 1)
-        v2 = _half_dot_value(w, zf, 2)
-        v3 = _half_dot_value(w, zf, 3)
-        v4 = _half_dot_value(w, zf, 4)
-        v5 = _half_dot_value(w, zf, 5)
-        v6 = _half_dot_value(w, zf, 6)
-        v7 = _half_dot_value(w, zf, 7)
-        d0 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa0, c0, STAGE)
-        d1 = d0
-        d2 = d0
-        d3 = d0
-        if BLOCK_M > 1:
-            d1 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa1, c1, STAGE)
-        if BLOCK_M > 2:
-            d2 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa2, c2, STAGE)
-        if BLOCK_M > 3:
-            d3 = _half_dot_row(v0, v1, v2, v3, v4, v5, v6, v7, xa3, c3, STAGE)
-        return d0, d1, d2, d3
-    else:
-        d0 = _dot_row(w, blo, bhi, xa0, c0, STAGE)
-        d1 = d0
-        d2 = d0
-        d3 = d0
-        if BLOCK_M > 1:
-            d1 = _dot_row(w, blo, bhi, xa1, c1, STAGE)
-        if BLOCK_M > 2:
-            d2 = _dot_row(w, blo, bhi, xa2, c2, STAGE)
-        if BLOCK_M > 3:
-            d3 = _dot_row(w, blo, bhi, xa3, c3, STAGE)
-        return d0, d1, d2, d3
+    """Rows m0 .. m0 + BLOCK_M - 1's :func:`_dot_row` (four results; those past BLOCK_M repeat the first):
+    ``xaR`` row R's x values, ``cR`` its carry."""
+    d0 = _dot_row(w, zf, blo, bhi, xa0, c0, FORM, STAGE)
+    d1 = d0
+    d2 = d0
+    d3 = d0
+    if BLOCK_M > 1:
+        d1 = _dot_row(w, zf, blo, bhi, xa1, c1, FORM, STAGE)
+    if BLOCK_M > 2:
+        d2 = _dot_row(w, zf, blo, bhi, xa2, c2, FORM, STAGE)
+    if BLOCK_M > 3:
+        d3 = _dot_row(w, zf, blo, bhi, xa3, c3, FORM, STAGE)
+    return d0, d1, d2, d3
 
 
 @triton.jit
@@ -496,20 +478,25 @@ def _gemv_step(x0_ptr, x1_ptr, x2_ptr, x3_ptr, pk0, pk1, pk2, pk3, ws, w_ptrs, w
                     p2 += d2
                 if BLOCK_M > 3:
                     p3 += d3
-        for i in tl.static_range(32 if HALF_DOT == 0 else 0):
-            # Value i starts in word (i*BITS)//32; one that straddles is finished with word j.
-            first_word = (i * BITS) // 32
-            straddles = (i * BITS) % 32 + BITS > 32
-            if (first_word == j and not straddles) or (first_word + 1 == j and straddles):
-                v = _value(w, w_hi, w_prev, zf, magic, i, BITS)
-                kmask = (kbase + i) < k_hi
-                p0 += _x_at(x0_ptr, pk0, xa0, xb0, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)[:, None] * v
-                if BLOCK_M > 1:
-                    p1 += _x_at(x1_ptr, pk1, xa1, xb1, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)[:, None] * v
-                if BLOCK_M > 2:
-                    p2 += _x_at(x2_ptr, pk2, xa2, xb2, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)[:, None] * v
-                if BLOCK_M > 3:
-                    p3 += _x_at(x3_ptr, pk3, xa3, xb3, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)[:, None] * v
+        else:
+            for i in tl.static_range(32):
+                # Value i starts in word (i*BITS)//32; one that straddles is finished with word j.
+                first_word = (i * BITS) // 32
+                straddles = (i * BITS) % 32 + BITS > 32
+                if (first_word == j and not straddles) or (first_word + 1 == j and straddles):
+                    v = _value(w, w_hi, w_prev, zf, magic, i, BITS)
+                    kmask = (kbase + i) < k_hi
+                    x0v = _x_at(x0_ptr, pk0, xa0, xb0, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)
+                    p0 += x0v[:, None] * v
+                    if BLOCK_M > 1:
+                        x1v = _x_at(x1_ptr, pk1, xa1, xb1, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)
+                        p1 += x1v[:, None] * v
+                    if BLOCK_M > 2:
+                        x2v = _x_at(x2_ptr, pk2, xa2, xb2, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)
+                        p2 += x2v[:, None] * v
+                    if BLOCK_M > 3:
+                        x3v = _x_at(x3_ptr, pk3, xa3, xb3, i, BITS, stride_xk, kmask, HAS_PERM, not EVEN_K, XVEC)
+                        p3 += x3v[:, None] * v
         w_prev = w
     return p0, p1, p2, p3
 
@@ -1476,11 +1463,9 @@ def _split_k_args(x2, qweight, scales, qzeros, act_perm, bias, bits, group_size,
     )
 
 
-# (kernel, constexpr values, launch options as sorted items, dtype, device) -> (num_stages that fit the device's
-# shared memory, programs of that build an SM holds at once or None); the same key -> the constexprs'
-# names (for probes that list the builds)
+# (kernel, constexprs as items, launch options as sorted items, dtype, device) -> (num_stages that fit the
+# device's shared memory, programs of that build an SM holds at once or None)
 _BUILD_FACTS: dict[tuple, tuple[int, int | None]] = {}
-_BUILD_NAMES: dict[tuple, tuple[str, ...]] = {}
 
 
 def _build_facts(kernel, constexprs: dict, launch: dict, plan, tensors: tuple, mode: int) -> tuple[int, int | None]:
@@ -1490,8 +1475,9 @@ def _build_facts(kernel, constexprs: dict, launch: dict, plan, tensors: tuple, m
     Triton may specialize their build on the integer arguments' divisibility by 16). Under Triton's
     interpreter: the configured stages and no figure for the programs."""
     x2 = tensors[0]
-    # constexprs are built in one order per kernel (``_split_k_build``), so their values name the build.
-    key = (id(kernel), tuple(constexprs.values()), tuple(sorted(launch.items())), x2.dtype, x2.device)
+    # Names with the values: the optional knobs are present only when on, so values alone could not tell
+    # PREFETCH from XVEC (both True at the same place).
+    key = (id(kernel), tuple(constexprs.items()), tuple(sorted(launch.items())), x2.dtype, x2.device)
     facts = _BUILD_FACTS.get(key)
     if facts is None:
         if not _compiles_for(x2.device):
@@ -1502,7 +1488,6 @@ def _build_facts(kernel, constexprs: dict, launch: dict, plan, tensors: tuple, m
             args = _split_k_args(*tensors, y, mode, plan["split_len"])
             facts = _compiled_facts(kernel, plan["grid"], args, constexprs, launch, x2.device)
         _BUILD_FACTS[key] = facts
-        _BUILD_NAMES[key] = tuple(constexprs)
     return facts
 
 
