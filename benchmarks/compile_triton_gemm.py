@@ -82,13 +82,14 @@ def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, 
 
 def compile_gemv_case(bits: int, group: int, dtype: str, block_n: int, chunks: int, warps: int, m: int, prefetch: int = 0,
                       x_vec: int = 1, maxnreg: int = 0, half_dot: int = 0, sass: bool = False) -> dict:
-    """A decode GEMV build as planned for a 28672x4096 weight at M = ``m`` (atomic reduction, as the tables ship)."""
+    """A decode GEMV build as planned for a 28672x4096 weight at M = ``m`` (atomic reduction, as the tables ship),
+    as sm_90 launches it: with the PDL reduction's trigger and the wait for the PDL zeroing of its sum."""
     cfg = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": warps, "num_stages": 1, "ctas_per_sm": 8, "max_split": 64,
            "reduce": "atomic", "prefetch": prefetch, "x_vec": x_vec, "maxnreg": maxnreg,
            "half_dot": half_dot}
     with T.config_override(one_config_table(4, cfg, {})):
         plan = T._shape_plan(m, 28672, 4096, bits, group, torch.device("cpu"), "decode", False)
-    fn, consts, launch = T._split_k_build(plan, 2, act_dtype(dtype), bits, object(), None, None)
+    fn, consts, launch = T._split_k_build(plan, 2, act_dtype(dtype), bits, object(), None, None, pdl=True, zero_wait=True)
     row = dict(kernel="gemv", bits=bits, group=group, dtype=dtype, M=m, BLOCK_M=plan["block_m"], BLOCK_N=block_n,
                CHUNKS=plan["chunks"], num_warps=warps, prefetch=consts.get("PREFETCH", False), x_vec=consts.get("XVEC", False),
                maxnreg=maxnreg, half_dot=consts.get("HALF_DOT", 0), dot_words=consts.get("DOT_WORDS", 1),

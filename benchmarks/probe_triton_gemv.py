@@ -21,7 +21,8 @@ fourth field asks for the prefetch. Stop 60 made the shipped kernel load x as ve
 on by default; a fifth field 0 turns it off: the key then ends ``_scalarx``); a sixth caps the build's
 registers (``maxnreg``: 104 holds 9 programs of 2 warps an SM where 124 holds 8; measured 4% slower on an
 H100). Stop 61's seventh field asks for the packed fp16 dot (``half_dot`` 1, or 2 for two words a half-sum: the
-key ends ``_halfdot`` / ``_halfdot2``);
+key ends ``_halfdot`` / ``_halfdot2``); stop 62's eighth, 0, zeroes the atomic sum with ``zero_()`` before the
+launch instead of by a kernel it is the programmatic dependent of (``pdl_zero``; the key then ends ``_zerofirst``);
 ``--ms`` times other rows of x than 1 (the one config at every M). ``--xtile`` times the x-tile
 variant too; ``--baseline MODULE`` also times the ``_gemv_kernel`` of another copy of ``int_weight.py`` (say
 the previous commit's, put beside it in the snapshot) at the configs without it, interleaved with the rest.
@@ -117,13 +118,13 @@ def _gemv_xtile_kernel(
 
 
 def decode_table(block_n: int, chunks: int, warps: int, prefetch: int = 0, x_vec: int = 1, maxnreg: int = 0,
-                 half_dot: int = 0, device: str = "cuda") -> dict:
+                 half_dot: int = 0, pdl_zero: int = 1, device: str = "cuda") -> dict:
     """The shipped table (``device``'s) with one decode config for 4 bits, serving M <= 4."""
     table = copy.deepcopy(T.config_for(torch.device(device)))
     table["decode_max_m"] = {**table["decode_max_m"], "4": 4} if isinstance(table["decode_max_m"], dict) else 4
     by_m = table["decode"].get("4", table["decode"]["default"])
     cfg = dict(by_m["1"], BLOCK_N=block_n, CHUNKS=chunks, num_warps=warps, prefetch=prefetch, x_vec=x_vec, maxnreg=maxnreg,
-               half_dot=half_dot)
+               half_dot=half_dot, pdl_zero=pdl_zero)
     table["decode"]["4"] = {"1": cfg}
     return table
 
@@ -145,7 +146,8 @@ def run_with(table: dict, kernel, f):
 def main(argv=None) -> int:
     p = common.probe_parser("probe_triton_gemv.py", __doc__, LARGE_SHAPES, [1], 7)
     p.add_argument("--configs", nargs="+", default=["256,4,2", "256,4,2,1", "256,2,2,1", "512,2,4", "512,2,4,1"],
-                   help="BLOCK_N,CHUNKS,num_warps[,prefetch[,x_vec[,maxnreg[,half_dot]]]] of each candidate (x_vec 1 unless given)")
+                   help="BLOCK_N,CHUNKS,num_warps[,prefetch[,x_vec[,maxnreg[,half_dot[,pdl_zero]]]]] of each candidate "
+                        "(x_vec and pdl_zero 1 unless given)")
     p.add_argument("--xtile", action="store_true", help="time the x-tile variant too (stop 42's, configs without prefetch)")
     p.add_argument("--baseline", help="a module whose _gemv_kernel is timed too (configs without prefetch, x loaded a value at a time)")
     a = p.parse_args(argv)
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
     if res is None:
         return 2
     bw = res["copy_TBps"]
-    configs = [(tuple(int(v) for v in c.split(",")) + (0, 1, 0, 0)[c.count(",") - 2:])[:7] for c in a.configs]
+    configs = [(tuple(int(v) for v in c.split(",")) + (0, 1, 0, 0, 1)[c.count(",") - 2:])[:8] for c in a.configs]
     for (n, k), m in [(shape, m) for shape in a.shapes for m in a.ms]:
         w = gptq_native(n, k, "triton_int_weight")
         ws = [w] + [clone_tensors(w) for _ in range(n_copies(w.nbytes()) - 1)]
@@ -165,12 +167,13 @@ def main(argv=None) -> int:
         want = x.double() @ w.dequantize(torch.float64).T  # the float64 oracle of every candidate
         row = {"N": n, "K": k, "M": m, "roofline_us": round(roof, 2), "op_rel_err": common.rel_err(w.mm(x), want)}
         cands = {"op": [lambda v=v: v.mm(x) for v in ws]}
-        for bn, ch, nw, pf, xv, cap, hd in configs:
-            for name, kern in kernels if not (pf or cap or hd) else kernels[:1]:
-                # the other kernels know no XVEC: they run with x loaded a value at a time
-                table = decode_table(bn, ch, nw, pf, xv if name == "shipped" else 0, cap, hd)
+        for bn, ch, nw, pf, xv, cap, hd, zp in configs:
+            for name, kern in kernels if not (pf or cap or hd or not zp) else kernels[:1]:
+                # the other kernels know no XVEC (they run with x loaded a value at a time) nor ZERO_WAIT: they zero the sum first
+                table = decode_table(bn, ch, nw, pf, xv if name == "shipped" else 0, cap, hd, zp if name == "shipped" else 0)
                 key = (f"{name}_{bn}_{ch}_{nw}" + ("_prefetch" if pf else "") + ("_scalarx" if name == "shipped" and not xv else "")
-                       + (f"_maxnreg{cap}" if cap else "") + ("_halfdot" if hd else "") + ("2" if hd == 2 else ""))
+                       + (f"_maxnreg{cap}" if cap else "") + ("_halfdot" if hd else "") + ("2" if hd == 2 else "")
+                       + ("_zerofirst" if not zp else ""))
                 try:
                     row[key + "_rel_err"] = common.rel_err(run_with(table, kern, lambda: w.mm(x))(), want)
                 except Exception as e:  # noqa: BLE001  (a config the compiler or the device refuses)

@@ -1162,6 +1162,7 @@ def test_pdl_reduction_only_where_asked(monkeypatch, path, reduce):
 
     for name in ("_gemv_kernel", "_tc_kernel", "_reduce_kernel"):
         monkeypatch.setattr(T, name, Recorder(name))
+    monkeypatch.setattr(T, "zero_ahead", lambda buf: None)  # the atomic sum's PDL zeroing: its own test
     qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, False)
     x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
     split_kernel = "_gemv_kernel" if path == "decode" else "_tc_kernel"
@@ -1192,6 +1193,61 @@ def test_pdl_reduction_only_where_asked(monkeypatch, path, reduce):
         assert "PDL" not in got[split_kernel] and not {"PDL", "launch_pdl"} & set(got["_reduce_kernel"]), (knob, gpu_pdl)
     got = launched(1, True, one_split=True)
     assert list(got) == [split_kernel] and "PDL" not in got[split_kernel] and got[split_kernel]["OUT_MODE"] == 0
+
+
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+def test_atomic_sum_zeroed_ahead_only_where_asked(monkeypatch, path):
+    """``pdl_zero`` on a GPU with PDL: the atomic sum's fp32 buffer is zeroed by ``common.zero_ahead`` (not
+    taken zeroed from the scratch), and the split-K kernel is launched as its programmatic dependent with
+    the wait compiled in (``ZERO_WAIT``, ``launch_pdl``); a config without the key gets it. With the knob at
+    0, without PDL, with the partials reduction or one split, the zeroing is ``zero_()`` or absent and the
+    builds are the plain ones. The interpreter has no grid dependencies: the launches are recorded."""
+    import triton
+
+    launches, zeroed, scratch = [], [], []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, kw))
+
+    for name in ("_gemv_kernel", "_tc_kernel", "_reduce_kernel"):
+        monkeypatch.setattr(T, name, Recorder(name))
+    monkeypatch.setattr(T, "zero_ahead", lambda buf: zeroed.append((tuple(buf.shape), buf.dtype)))
+    real_scratch = T.fp32_scratch
+    monkeypatch.setattr(T, "fp32_scratch", lambda ws, shape, zero, device: scratch.append(zero) or real_scratch(ws, shape, zero, device))
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, False)
+    x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
+    split_kernel = "_gemv_kernel" if path == "decode" else "_tc_kernel"
+
+    def launched(reduce, knob, gpu_pdl, one_split=False):
+        launches.clear(), zeroed.clear(), scratch.clear()
+        monkeypatch.setattr(T, "pdl_launch", lambda device: gpu_pdl)
+        monkeypatch.setattr(T, "_build_facts", lambda *a: (1, 7 if one_split else None))
+        monkeypatch.setattr(T, "split_in_waves", lambda k, unit, tiles, split, slots: (1, triton.cdiv(k, unit) * unit))
+        t = table(reduce=reduce)
+        for section in ("decode", "gemm"):
+            for cfg in t[section]["default"].values():
+                if knob is not None:
+                    cfg["pdl_zero"] = knob
+        with T.config_override(t):
+            assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
+            T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
+        return dict(launches)
+
+    for knob in (1, None):
+        got = launched("atomic", knob, True)
+        assert zeroed == [((3, 72), torch.float32)] and scratch == [False], (knob, zeroed, scratch)
+        assert got[split_kernel]["ZERO_WAIT"] is True and got[split_kernel]["launch_pdl"] is True, knob
+        assert got[split_kernel]["OUT_MODE"] == 2 and "_reduce_kernel" in got
+    for reduce, knob, gpu_pdl in (("atomic", 0, True), ("atomic", 1, False), ("partials", 1, True)):
+        got = launched(reduce, knob, gpu_pdl)
+        assert zeroed == [] and scratch == [reduce == "atomic"], (reduce, knob, gpu_pdl, scratch)
+        assert not {"ZERO_WAIT", "launch_pdl"} & set(got[split_kernel]), (reduce, knob, gpu_pdl)
+    got = launched("atomic", 1, True, one_split=True)
+    assert list(got) == [split_kernel] and zeroed == [] and not {"ZERO_WAIT", "launch_pdl"} & set(got[split_kernel])
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])

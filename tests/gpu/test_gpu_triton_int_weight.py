@@ -338,6 +338,48 @@ def test_pdl_reduction_matches_the_oracle(item, reduce, monkeypatch):
             check(y, x, b.w64, bias, f"pdl graph {reduce} {_id(item)} M={m}")
 
 
+@pytest.mark.parametrize("pdl_zero", [1, 0])
+@pytest.mark.parametrize("item", [SWEEP[0], SWEEP[1]], ids=_id)
+def test_atomic_sum_zeroed_ahead_matches_the_oracle(item, pdl_zero, monkeypatch):
+    """The atomic split-K sum zeroed by a kernel whose programmatic dependent the split-K kernel is
+    (``pdl_zero`` 1, ``common.zero_ahead``; 0: a ``zero_()`` before it), at M = 1, 3 (decode) and 17 (GEMM),
+    each launch split: the fp32 sum lives in a caller's workspace whose bytes are 0xff (NaN) before every
+    call, eagerly and in a captured graph that dirties the workspace itself before the call it replays.
+    A sum not zeroed before the adds comes out NaN."""
+    case, dtype = item
+    b = built(case, dtype)
+    w = b.weight
+    bias = rand(case.n, dtype=dtype, seed=13)
+    dev = torch.device("cuda")
+    launched = []
+    shipped = T.split_in_waves
+    monkeypatch.setattr(T, "split_in_waves", lambda *a: launched.append(shipped(*a)[0]) or shipped(*a))
+    table = table_with_pdl_reduce("atomic")
+    for section in ("decode", "gemm"):
+        for by_m in table[section].values():
+            for cfg in by_m.values():
+                cfg["pdl_zero"] = pdl_zero
+    with T.config_override(table):
+        for m in (1, 3, 17):
+            plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
+            assert plan["split"] > 1 and T.zero_pdl(plan["cfg"], dev) == bool(pdl_zero), plan
+            need = T.workspace_bytes(m, case.n, case.k, case.bits, case.group_size, dev)
+            ws = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
+            x = rand(m, case.k, dtype=dtype, seed=130 + m)
+            out = torch.empty(m, case.n, dtype=dtype, device="cuda")
+
+            def call():
+                ws.fill_(255)
+                return torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.in_features,
+                                                        w.bits, w.group_size, w.zero_offset, int(w.kernel), out, ws)
+
+            launched.clear()
+            check(call(), x, b.w64, bias, f"pdl_zero={pdl_zero} {_id(item)} M={m}")
+            assert launched and launched[-1] > 1, f"M={m}: the launch took one split ({launched}): no atomic sum to test"
+            y = replay_captured(call, x, rand(m, case.k, dtype=dtype, seed=140 + m))
+            check(y, x, b.w64, bias, f"graph pdl_zero={pdl_zero} {_id(item)} M={m}")
+
+
 PREFETCH_CASES = [(Case("gptq", 4, 128, False, True, "v2", 4104, 4096), torch.float16),
                   (Case("awq", 4, 128, False, False, None, 1024, 4096), torch.bfloat16),
                   (Case("gptq", 8, 64, False, False, "v2", 520, 2048), torch.float16),

@@ -25,7 +25,8 @@ needs a GPU; under Triton's CPU interpreter the same lanes are computed with pla
 (:func:`interpreting` tells which).
 
 Host helpers: SM count, M buckets of a config table, split-K sizing, fp32 scratch carved from the
-caller's workspace, and the int8/blockwise4 config table and 2-D views.
+caller's workspace (and :func:`zero_ahead`, its zeroing as a PDL primary), and the int8/blockwise4 config
+table and 2-D views.
 """
 from __future__ import annotations
 
@@ -318,6 +319,28 @@ def resident_programs(n_regs: int, shared: int, num_warps: int, props) -> int | 
     by_threads = threads // (32 * num_warps)
     by_smem = smem // (shared + 1024)
     return max(0, min(32, by_regs, by_threads, by_smem))
+
+
+@triton.jit
+def _zero_kernel(y_ptr, numel, BLOCK: tl.constexpr):
+    """Zeros ``numel`` fp32 values, starting its dependent launch at once (:func:`zero_ahead`)."""
+    tl.extra.cuda.gdc_launch_dependents()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < numel)
+
+
+# fp32 values one zeroing program writes (16 a thread at 4 warps, as 4 16-byte stores).
+ZERO_BLOCK = 2048
+
+
+def zero_ahead(buf: torch.Tensor) -> None:
+    """Zero the contiguous fp32 ``buf`` with a kernel that starts the next launch at once. That launch must be
+    a programmatic dependent (``launch_pdl=True``) that runs ``gdc_wait`` before its first write to ``buf``:
+    its loads and arithmetic then overlap the zeroing and its launch, which a ``zero_()`` before it would
+    serialize. What it reads before the wait must be complete before this launch (an ordinary launch:
+    everything launched earlier is). sm_90+ only (:func:`qops.ops._common.pdl_launch`)."""
+    numel = buf.numel()
+    _zero_kernel[(triton.cdiv(numel, ZERO_BLOCK),)](buf, numel, BLOCK=ZERO_BLOCK, num_warps=4)
 
 
 def fp32_scratch(workspace: torch.Tensor | None, shape: tuple[int, ...], zero: bool, device) -> torch.Tensor:

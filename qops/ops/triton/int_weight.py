@@ -52,7 +52,9 @@ Split-K partial sums either go to an fp32 ``(S, M, N)`` buffer summed by a small
 (no zeroing pass), or are added atomically into a zeroed fp32 ``(M, N)`` buffer; which one is a
 config choice decided by the tuner. On sm_90+ the atomic one's reduction is launched as a programmatic
 dependent of the split-K kernel (placed under that kernel's last programs, waiting for its completion
-there; ``pdl_reduce`` in a config overrides: :func:`reduce_pdl`). Configs come from
+there; ``pdl_reduce`` in a config overrides: :func:`reduce_pdl`), and the split-K kernel is itself the
+programmatic dependent of the kernel that zeroes its fp32 buffer, its adds waiting for the zeroing
+(``pdl_zero`` 0 in a config: a ``zero_()`` before it; :func:`zero_pdl`). Configs come from
 ``configs/<gpu>.json`` (``default.json`` for an unknown GPU), loaded once and keyed by bits and
 bucketed M; the split count follows from the device's SM count and the shape (the config's programs
 per SM), lowered where the grid would end in a partial wave of the programs the build's registers
@@ -75,7 +77,8 @@ import triton
 import triton.language as tl
 
 from .common import (EVEN_ODD_4, HALF_FORMATS, X_PAIRS_ASM, X_PAIRS_CONSTRAINTS, fp32_scratch, grouped_tile, half_dot_asm,
-                     half_unpack_asm, interpreting, pick_bucket, resident_programs, sm_count, split_in_waves, split_k)
+                     half_unpack_asm, interpreting, pick_bucket, resident_programs, sm_count, split_in_waves, split_k,
+                     zero_ahead)
 from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 
@@ -511,6 +514,7 @@ def _gemv_kernel(
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, XVEC: tl.constexpr = False, HALF_DOT: tl.constexpr = 0, DOT_WORDS: tl.constexpr = 1,
+    ZERO_WAIT: tl.constexpr = False,
 ):
     """Split-K GEMV for up to 4 rows. Program (n tile, K split, m tile); a step covers CHUNKS runs
     of 32 K values (BITS words each), all inside one quantization group. PDL: the reduction launched
@@ -519,7 +523,9 @@ def _gemv_kernel(
     before, so a program's loads overlap its own arithmetic rather than only other programs'.
     XVEC (BITS a power of two, no act_perm): x loaded as vectors, once a word (``_gemv_step``).
     HALF_DOT (:class:`HalfDot`): 4-bit words times fp16 x as packed fp16 dots (``_gemv_step``; DOT_WORDS
-    words a half-sum), whose sums are of ``(q - z) / 16``: the scales are taken times 16 (exact)."""
+    words a half-sum), whose sums are of ``(q - z) / 16``: the scales are taken times 16 (exact).
+    ZERO_WAIT (OUT_MODE 2, launched as a programmatic dependent of ``common.zero_ahead``): the atomic
+    adds wait for the fp32 sum's zeroing, which the program's loads and arithmetic overlap."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -591,6 +597,8 @@ def _gemv_kernel(
             acc2 += s * tl.sum(p2, axis=0)
         if BLOCK_M > 3:
             acc3 += s * tl.sum(p3, axis=0)
+    if ZERO_WAIT:
+        tl.extra.cuda.gdc_wait()
     _store_rows(y_ptr, bias_ptr, acc0, m0, pid_k, M, N, offs_n, nmask, stride_ys, stride_ym, stride_yn, HAS_BIAS, OUT_MODE)
     if BLOCK_M > 1:
         _store_rows(y_ptr, bias_ptr, acc1, m0 + 1, pid_k, M, N, offs_n, nmask, stride_ys, stride_ym, stride_yn, HAS_BIAS, OUT_MODE)
@@ -845,7 +853,7 @@ def _tc_kernel(
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr = 0,
     PREFETCH_S: tl.constexpr = False, EVEN_ODD: tl.constexpr = False, SYM_ZERO_LOAD: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ZERO_WAIT: tl.constexpr = False,
 ):
     """Split-K tiled GEMM on tensor cores: program (m/n tile, K split). PREFETCH_S loads the next K tile's
     scales one iteration ahead: Triton's pipeliner does not take that load (a few bytes a thread, under
@@ -857,7 +865,8 @@ def _tc_kernel(
     the MMA operand's registers, which it does not do from a constant (sm_90 SASS: the tile goes through
     shared memory; the 8-bit 16 x 128 x 128 GEMM ran 183 us symmetric, 59 us asymmetric on an H100; with
     it, 60 us). A non-finite scale gives a non-finite zero point, where its column's output is non-finite anyway.
-    PDL: as the GEMV's (the reduction after it may be scheduled once every program has started)."""
+    PDL, ZERO_WAIT: as the GEMV's (the reduction after it may be scheduled once every program has started;
+    the atomic adds wait for the zeroing launched before it)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -947,6 +956,8 @@ def _tc_kernel(
         y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
         tl.store(y_ptrs, acc, mask=rmask)
     else:
+        if ZERO_WAIT:
+            tl.extra.cuda.gdc_wait()
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
         tl.atomic_add(y_ptrs, acc, mask=rmask, sem="relaxed")
 
@@ -1357,24 +1368,28 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     split, split_len = plan["split"], plan["split_len"]
     mode = 0 if split == 1 else 2 if plan["reduce"] == "atomic" else 1
     pdl = mode != 0 and reduce_pdl(plan["cfg"], x2.device)
-    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias, pdl)
+    zero_wait = mode == 2 and zero_pdl(plan["cfg"], x2.device)
+    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias, pdl, zero_wait)
     stages, per_sm = _build_facts(kernel, constexprs, launch, plan, tensors, mode)
     if split > 1 and per_sm:
         # The plan's split count asks for a number of programs; the build's registers and shared
         # memory say how many the GPU holds at once, and a grid a little past that runs a second wave.
         split, split_len = split_in_waves(k, plan["split_unit"], plan["tiles"], split, per_sm * plan["sms"])
         if split == 1:
-            mode = 0
+            mode, zero_wait = 0, False
             kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
             stages = _build_facts(kernel, constexprs, launch, plan, tensors, mode)[0]
     if mode == 0:
         y = o2
     elif mode == 2:
-        y = fp32_scratch(workspace, (m, n), True, x2.device)
+        y = fp32_scratch(workspace, (m, n), not zero_wait, x2.device)
     else:
         y = fp32_scratch(workspace, (split, m, n), False, x2.device)
+    if zero_wait:
+        zero_ahead(y)
     grid = plan["grid"][:1] + (split,) + plan["grid"][2:]
-    kernel[grid](*_split_k_args(*tensors, y, mode, split_len), **constexprs, **dict(launch, num_stages=stages))
+    kernel[grid](*_split_k_args(*tensors, y, mode, split_len), **constexprs, **dict(launch, num_stages=stages),
+                 **({"launch_pdl": True} if zero_wait else {}))
     if mode != 0:
         parts = split if mode == 1 else 1
         block, block_s = _reduce_tile(parts)
@@ -1400,6 +1415,14 @@ def reduce_pdl(cfg: dict, device: torch.device) -> bool:
     return bool(knob) and pdl_launch(device)
 
 
+def zero_pdl(cfg: dict, device: torch.device) -> bool:
+    """Whether an atomic split-K launch of config ``cfg`` zeroes its fp32 sum with ``common.zero_ahead`` and
+    starts as that kernel's programmatic dependent, its atomic adds waiting for the zeroing (``ZERO_WAIT``),
+    rather than after a ``zero_()``: the zeroing's launch then overlaps the split-K kernel's loads instead
+    of preceding them. On a GPU with PDL unless the config's ``pdl_zero`` is 0."""
+    return bool(cfg.get("pdl_zero", 1)) and pdl_launch(device)
+
+
 # Partials a reduction program loads at once, at most; beyond it the program loops (split counts
 # stay <= max_split, 64 in every shipped table).
 REDUCE_MAX_S = 64
@@ -1421,13 +1444,16 @@ def _out_strides(mode: int, o2: torch.Tensor) -> tuple[int, int, int]:
     return (m * n if mode == 1 else 0), n, 1
 
 
-def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pdl: bool = False) -> tuple:
+def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pdl: bool = False,
+                   zero_wait: bool = False) -> tuple:
     """(kernel, constexprs, launch options) of a decode or GEMM plan writing OUT_MODE ``mode``; ``pdl``
-    compiles in the trigger of a PDL reduction (absent otherwise: the builds stay those of before)."""
+    compiles in the trigger of a PDL reduction, ``zero_wait`` the wait for a PDL zeroing (:func:`zero_pdl`)
+    (each absent otherwise: the builds stay those of before)."""
     cfg = plan["cfg"]
     flags = dict(
         BITS=bits, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None, HAS_BIAS=bias is not None,
         OUT_MODE=mode, EVEN_K=plan["even_k"], **({"PDL": True} if pdl else {}),
+        **({"ZERO_WAIT": True} if zero_wait else {}),
     )
     launch = dict(num_warps=int(cfg.get("num_warps", 4)), num_stages=int(cfg.get("num_stages", 2)),
                   **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}))
