@@ -370,8 +370,9 @@ def test_atomic_sum_zeroed_ahead_matches_the_oracle(item, pdl_zero, monkeypatch)
 
             def call():
                 ws.fill_(255)
-                return torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.in_features,
-                                                        w.bits, w.group_size, w.zero_offset, int(w.kernel), out, ws)
+                torch.ops.qops.mm_int_weight_out(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.in_features,
+                                                 w.bits, w.group_size, w.zero_offset, int(w.kernel), out, ws)
+                return out
 
             launched.clear()
             check(call(), x, b.w64, bias, f"pdl_zero={pdl_zero} {_id(item)} M={m}")
