@@ -329,7 +329,8 @@ def _zero_kernel(y_ptr, numel, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < numel)
 
 
-# fp32 values one zeroing program writes (16 a thread at 4 warps, as 4 16-byte stores).
+# fp32 values one zeroing program writes: 16 a thread at 4 warps (the tail mask keeps them 4-byte stores,
+# each coalesced across its warp).
 ZERO_BLOCK = 2048
 
 
