@@ -118,13 +118,14 @@ def _gemv_xtile_kernel(
 
 
 def decode_table(block_n: int, chunks: int, warps: int, prefetch: int = 0, x_vec: int = 1, maxnreg: int = 0,
-                 half_dot: int = 0, pdl_zero: int = 1, device: str = "cuda") -> dict:
-    """The shipped table (``device``'s) with one decode config for 4 bits, serving M <= 4."""
+                 half_dot: int = 0, pdl_zero: int = 1, pdl_reduce: int | None = None, device: str = "cuda") -> dict:
+    """The shipped table (``device``'s) with one decode config for 4 bits, serving M <= 4 (``pdl_reduce`` set
+    where given: 0 for a kernel without the ``PDL`` constexpr)."""
     table = copy.deepcopy(T.config_for(torch.device(device)))
     table["decode_max_m"] = {**table["decode_max_m"], "4": 4} if isinstance(table["decode_max_m"], dict) else 4
     by_m = table["decode"].get("4", table["decode"]["default"])
     cfg = dict(by_m["1"], BLOCK_N=block_n, CHUNKS=chunks, num_warps=warps, prefetch=prefetch, x_vec=x_vec, maxnreg=maxnreg,
-               half_dot=half_dot, pdl_zero=pdl_zero)
+               half_dot=half_dot, pdl_zero=pdl_zero, **({} if pdl_reduce is None else {"pdl_reduce": pdl_reduce}))
     table["decode"]["4"] = {"1": cfg}
     return table
 
@@ -169,8 +170,10 @@ def main(argv=None) -> int:
         cands = {"op": [lambda v=v: v.mm(x) for v in ws]}
         for bn, ch, nw, pf, xv, cap, hd, zp in configs:
             for name, kern in kernels if not (pf or cap or hd or not zp) else kernels[:1]:
-                # the other kernels know no XVEC (they run with x loaded a value at a time) nor ZERO_WAIT: they zero the sum first
-                table = decode_table(bn, ch, nw, pf, xv if name == "shipped" else 0, cap, hd, zp if name == "shipped" else 0)
+                # the other kernels know no XVEC (they run with x loaded a value at a time), no PDL (their reduction is an
+                # ordinary launch) and no ZERO_WAIT (they zero the sum first)
+                own = name == "shipped"
+                table = decode_table(bn, ch, nw, pf, xv if own else 0, cap, hd, zp if own else 0, None if own else 0)
                 key = (f"{name}_{bn}_{ch}_{nw}" + ("_prefetch" if pf else "") + ("_scalarx" if name == "shipped" and not xv else "")
                        + (f"_maxnreg{cap}" if cap else "") + ("_halfdot" if hd else "") + ("2" if hd == 2 else "")
                        + ("_zerofirst" if not zp else ""))
