@@ -1140,6 +1140,46 @@ def test_split_fitted_down_to_one_writes_the_output_itself(monkeypatch, path, re
     assert reduced == []
 
 
+class _Recorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` appends (its name, kw) to ``launches``."""
+
+    def __init__(self, name, launches):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((self.name, kw))
+
+
+def record_split_launch(monkeypatch, path, reduce, knob, value, gpu_pdl, one_split=False):
+    """One ``triton_mm`` call at M = 3 on ``path`` that the plan splits, with its kernels replaced by recorders
+    (the interpreter has no grid dependencies), under a table of reduction ``reduce`` with config key ``knob``
+    set to ``value`` (left out for None), on a GPU with PDL or without (``gpu_pdl``); ``one_split``: the build
+    fits so few programs that the launch takes one split. Returns (kernel name -> launch keywords, the
+    (shape, dtype) of each buffer ``zero_ahead`` zeroed, the ``zero`` argument of each fp32 scratch taken)."""
+    import triton
+
+    launches, zeroed, scratch = [], [], []
+    for name in ("_gemv_kernel", "_tc_kernel", "_reduce_kernel"):
+        monkeypatch.setattr(T, name, _Recorder(name, launches))
+    monkeypatch.setattr(T, "zero_ahead", lambda buf: zeroed.append((tuple(buf.shape), buf.dtype)))
+    real_scratch = T.fp32_scratch
+    monkeypatch.setattr(T, "fp32_scratch", lambda ws, shape, zero, device: scratch.append(zero) or real_scratch(ws, shape, zero, device))
+    monkeypatch.setattr(T, "pdl_launch", lambda device: gpu_pdl)
+    monkeypatch.setattr(T, "_build_facts", lambda *a: (1, 7 if one_split else None))
+    monkeypatch.setattr(T, "split_in_waves", lambda k, unit, tiles, split, slots: (1, triton.cdiv(k, unit) * unit))
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, False)
+    x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
+    t = table(reduce=reduce)
+    for section in ("decode", "gemm"):
+        for cfg in t[section]["default"].values():
+            if value is not None:
+                cfg[knob] = value
+    with T.config_override(t):
+        assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
+        T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
+    return dict(launches), zeroed, scratch
+
+
 @pytest.mark.parametrize("path", ["decode", "gemm"])
 @pytest.mark.parametrize("reduce", ["partials", "atomic"])
 def test_pdl_reduction_only_where_asked(monkeypatch, path, reduce):
@@ -1147,40 +1187,11 @@ def test_pdl_reduction_only_where_asked(monkeypatch, path, reduce):
     launched as a programmatic dependent that waits for it (``PDL``, ``launch_pdl``); a config without the
     key gets it with the atomic reduction only. With the knob off, on a GPU without PDL, or where the launch
     takes one split (no reduction), the builds are the plain ones (no ``PDL`` constexpr: the same compiled
-    kernels as before the knob). The interpreter has no grid dependencies, so the launches are recorded,
-    not run."""
-    import triton
-
-    launches = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.name, kw))
-
-    for name in ("_gemv_kernel", "_tc_kernel", "_reduce_kernel"):
-        monkeypatch.setattr(T, name, Recorder(name))
-    monkeypatch.setattr(T, "zero_ahead", lambda buf: None)  # the atomic sum's PDL zeroing: its own test
-    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, False)
-    x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
+    kernels as before the knob)."""
     split_kernel = "_gemv_kernel" if path == "decode" else "_tc_kernel"
 
     def launched(knob, gpu_pdl, one_split=False):
-        launches.clear()
-        monkeypatch.setattr(T, "pdl_launch", lambda device: gpu_pdl)
-        monkeypatch.setattr(T, "_build_facts", lambda *a: (1, 7 if one_split else None))
-        monkeypatch.setattr(T, "split_in_waves", lambda k, unit, tiles, split, slots: (1, triton.cdiv(k, unit) * unit))
-        t = table(reduce=reduce)
-        for section in ("decode", "gemm"):
-            for cfg in t[section]["default"].values():
-                if knob is not None:
-                    cfg["pdl_reduce"] = knob
-        with T.config_override(t):
-            assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
-            T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
-        return {name: kw for name, kw in launches}
+        return record_split_launch(monkeypatch, path, reduce, "pdl_reduce", knob, gpu_pdl, one_split)[0]
 
     got = launched(1, True)
     assert got[split_kernel]["PDL"] is True
@@ -1201,53 +1212,20 @@ def test_atomic_sum_zeroed_ahead_only_where_asked(monkeypatch, path):
     taken zeroed from the scratch), and the split-K kernel is launched as its programmatic dependent with
     the wait compiled in (``ZERO_WAIT``, ``launch_pdl``); a config without the key gets it. With the knob at
     0, without PDL, with the partials reduction or one split, the zeroing is ``zero_()`` or absent and the
-    builds are the plain ones. The interpreter has no grid dependencies: the launches are recorded."""
-    import triton
-
-    launches, zeroed, scratch = [], [], []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.name, kw))
-
-    for name in ("_gemv_kernel", "_tc_kernel", "_reduce_kernel"):
-        monkeypatch.setattr(T, name, Recorder(name))
-    monkeypatch.setattr(T, "zero_ahead", lambda buf: zeroed.append((tuple(buf.shape), buf.dtype)))
-    real_scratch = T.fp32_scratch
-    monkeypatch.setattr(T, "fp32_scratch", lambda ws, shape, zero, device: scratch.append(zero) or real_scratch(ws, shape, zero, device))
-    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, False)
-    x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
+    builds are the plain ones."""
     split_kernel = "_gemv_kernel" if path == "decode" else "_tc_kernel"
-
-    def launched(reduce, knob, gpu_pdl, one_split=False):
-        launches.clear(), zeroed.clear(), scratch.clear()
-        monkeypatch.setattr(T, "pdl_launch", lambda device: gpu_pdl)
-        monkeypatch.setattr(T, "_build_facts", lambda *a: (1, 7 if one_split else None))
-        monkeypatch.setattr(T, "split_in_waves", lambda k, unit, tiles, split, slots: (1, triton.cdiv(k, unit) * unit))
-        t = table(reduce=reduce)
-        for section in ("decode", "gemm"):
-            for cfg in t[section]["default"].values():
-                if knob is not None:
-                    cfg["pdl_zero"] = knob
-        with T.config_override(t):
-            assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
-            T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
-        return dict(launches)
-
+    plain = {"ZERO_WAIT", "launch_pdl"}
     for knob in (1, None):
-        got = launched("atomic", knob, True)
+        got, zeroed, scratch = record_split_launch(monkeypatch, path, "atomic", "pdl_zero", knob, True)
         assert zeroed == [((3, 72), torch.float32)] and scratch == [False], (knob, zeroed, scratch)
         assert got[split_kernel]["ZERO_WAIT"] is True and got[split_kernel]["launch_pdl"] is True, knob
         assert got[split_kernel]["OUT_MODE"] == 2 and "_reduce_kernel" in got
     for reduce, knob, gpu_pdl in (("atomic", 0, True), ("atomic", 1, False), ("partials", 1, True)):
-        got = launched(reduce, knob, gpu_pdl)
+        got, zeroed, scratch = record_split_launch(monkeypatch, path, reduce, "pdl_zero", knob, gpu_pdl)
         assert zeroed == [] and scratch == [reduce == "atomic"], (reduce, knob, gpu_pdl, scratch)
-        assert not {"ZERO_WAIT", "launch_pdl"} & set(got[split_kernel]), (reduce, knob, gpu_pdl)
-    got = launched("atomic", 1, True, one_split=True)
-    assert list(got) == [split_kernel] and zeroed == [] and not {"ZERO_WAIT", "launch_pdl"} & set(got[split_kernel])
+        assert not plain & set(got[split_kernel]), (reduce, knob, gpu_pdl)
+    got, zeroed, _ = record_split_launch(monkeypatch, path, "atomic", "pdl_zero", 1, True, one_split=True)
+    assert list(got) == [split_kernel] and zeroed == [] and not plain & set(got[split_kernel])
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])

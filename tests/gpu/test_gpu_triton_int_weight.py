@@ -233,12 +233,7 @@ def test_out_variant_workspace_and_reductions():
     b = built(case, dtype)
     w = b.weight
     for reduce in ("partials", "atomic"):
-        table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
-        for section in ("decode", "gemm"):
-            for by_m in table[section].values():
-                for cfg in by_m.values():
-                    cfg["reduce"] = reduce
-        with T.config_override(table):
+        with T.config_override(table_with(reduce=reduce)):
             for m in (1, 7, 64):
                 x = rand(m, case.k, dtype=dtype, seed=m)
                 need = T.workspace_bytes(m, case.n, case.k, case.bits, case.group_size, x.device)
@@ -303,14 +298,19 @@ def test_gemm_over_several_m_tiles(item, reduce, splits):
             check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item)} M={m} split={plan['split']} {reduce}")
 
 
-def table_with_pdl_reduce(reduce: str) -> dict:
-    """This GPU's table with every decode and GEMM config set to ``reduce`` and ``pdl_reduce``."""
+def table_with(**keys) -> dict:
+    """This GPU's table with ``keys`` set in every decode and GEMM config."""
     table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
     for section in ("decode", "gemm"):
         for by_m in table[section].values():
             for cfg in by_m.values():
-                cfg.update(reduce=reduce, pdl_reduce=1)
+                cfg.update(keys)
     return table
+
+
+def table_with_pdl_reduce(reduce: str) -> dict:
+    """This GPU's table with every decode and GEMM config set to ``reduce`` and ``pdl_reduce``."""
+    return table_with(reduce=reduce, pdl_reduce=1)
 
 
 @pytest.mark.parametrize("reduce", ["partials", "atomic"])
@@ -354,12 +354,7 @@ def test_atomic_sum_zeroed_ahead_matches_the_oracle(item, pdl_zero, monkeypatch)
     launched = []
     shipped = T.split_in_waves
     monkeypatch.setattr(T, "split_in_waves", lambda *a: launched.append(shipped(*a)[0]) or shipped(*a))
-    table = table_with_pdl_reduce("atomic")
-    for section in ("decode", "gemm"):
-        for by_m in table[section].values():
-            for cfg in by_m.values():
-                cfg["pdl_zero"] = pdl_zero
-    with T.config_override(table):
+    with T.config_override(table_with(reduce="atomic", pdl_reduce=1, pdl_zero=pdl_zero)):
         for m in (1, 3, 17):
             plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
             assert plan["split"] > 1 and T.zero_pdl(plan["cfg"], dev) == bool(pdl_zero), plan
