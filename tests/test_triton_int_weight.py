@@ -1170,9 +1170,9 @@ def record_split_launch(monkeypatch, path, reduce, knob, value, gpu_pdl, one_spl
     qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, False)
     x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
     t = table(reduce=reduce)
-    for section in ("decode", "gemm"):
-        for cfg in t[section]["default"].values():
-            if value is not None:
+    if value is not None:
+        for section in ("decode", "gemm"):
+            for cfg in t[section]["default"].values():
                 cfg[knob] = value
     with T.config_override(t):
         assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
