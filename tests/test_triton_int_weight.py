@@ -1141,13 +1141,14 @@ def test_split_fitted_down_to_one_writes_the_output_itself(monkeypatch, path, re
 
 
 class _Recorder:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` appends (its name, kw) to ``launches``."""
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` appends (its name, kw and the grid as
+    ``kw["grid"]``) to ``launches``."""
 
     def __init__(self, name, launches):
         self.name, self.launches = name, launches
 
     def __getitem__(self, grid):
-        return lambda *args, **kw: self.launches.append((self.name, kw))
+        return lambda *args, **kw: self.launches.append((self.name, {**kw, "grid": tuple(grid)}))
 
 
 def record_split_launch(monkeypatch, path, reduce, knob, value, gpu_pdl, one_split=False):
@@ -1226,6 +1227,84 @@ def test_atomic_sum_zeroed_ahead_only_where_asked(monkeypatch, path):
         assert not plain & set(got[split_kernel]), (reduce, knob, gpu_pdl)
     got, zeroed, _ = record_split_launch(monkeypatch, path, "atomic", "pdl_zero", 1, True, one_split=True)
     assert list(got) == [split_kernel] and zeroed == [] and not plain & set(got[split_kernel])
+
+
+@pytest.mark.parametrize("k,unit,tiles,slots,want", [
+    (4096, 128, 224, 396, (378, 19 * 128)),   # 28672x4096 at M = 16 (H100): 7168 steps, 19 a program
+    (8192, 128, 448, 396, (393, 73 * 128)),   # 57344x8192: 28672 steps, 73 a program (3 waves of 32 as 2 splits)
+    (1000, 32, 3, 4, (4, 24 * 32)),           # K off the unit: 96 steps
+    (256, 32, 2, 100, (16, 32)),              # fewer steps than slots: one step a program
+    (64, 128, 5, 3, (3, 2 * 128)),            # K under one unit: a step a tile
+])
+def test_stream_k_runs(k, unit, tiles, slots, want):
+    programs, run = C.stream_k_runs(k, unit, tiles, slots)
+    assert (programs, run) == want
+    total, per = tiles * -(-k // unit), run // unit
+    assert programs <= slots and (programs - 1) * per < total <= programs * per, "every step in exactly one run"
+
+
+def stream_k_table(**cfg) -> dict:
+    """The test table with ``stream_k`` on its GEMM config (and ``cfg``), the GEMM's from one row."""
+    t = table(decode_max_m=0)
+    t["gemm"]["default"]["64"].update(stream_k=1, **cfg)
+    return t
+
+
+@pytest.mark.parametrize("m,n,k,bits,group_size,sym,act_order,has_bias,even_odd", [
+    (17, 72, 1024, 4, 128, False, False, True, 0),   # two M tiles; 8 steps a tile, runs of 3
+    (17, 72, 1024, 4, 128, True, True, False, 1),    # even / odd, act-order, symmetric
+    (3, 40, 700, 8, 128, True, True, False, 0),      # 64-row K tiles: runs start inside a group; K off the tile
+    (33, 56, 520, 3, 128, False, True, True, 0),     # 3 bits: the per-element gather, 4 steps a group
+    (5, 96, 1100, 4, -1, False, False, True, 0),     # per-channel, K off the tile
+])
+def test_stream_k_matches_the_oracle(monkeypatch, m, n, k, bits, group_size, sym, act_order, has_bias, even_odd):
+    """``stream_k``: one program a run of equal length over the tiles' K steps laid end to end, each adding
+    one partial sum per tile it touches; against the float64 oracle where runs cross tiles (and groups,
+    where a K tile is shorter than the group)."""
+    runs = []
+    shipped = T.stream_k_runs
+    monkeypatch.setattr(T, "stream_k_runs", lambda *a: runs.append((a, shipped(*a))) or runs[-1][1])
+    with T.config_override(stream_k_table(even_odd=even_odd)):
+        plan = T._plan(m, n, k, bits, group_size, torch.device(DEVICE), "gemm")
+        assert plan["stream_k"] and plan["reduce"] == "atomic", plan
+        assert T.workspace_bytes(m, n, k, bits, group_size, torch.device(DEVICE)) == 4 * m * n
+        check(m, n, k, bits, group_size, sym, act_order, has_bias, torch.float16, "gemm")
+    (k_, unit, tiles, slots), (programs, run) = runs[-1]
+    steps, per = -(-k // unit), run // unit
+    assert slots == 4 * 4 and tiles == plan["tiles"] and unit == plan["block_k"]
+    ends = [(p * per, min((p + 1) * per, tiles * steps) - 1) for p in range(programs)]
+    assert any(a // steps != b // steps for a, b in ends), "no run crosses a tile: the case tests nothing new"
+
+
+def test_stream_k_where_a_tile_has_several_k_steps(monkeypatch):
+    """The knob is the GEMM's: the decode plan ignores it; a GEMM whose tiles have several K steps takes it,
+    also where its tiles fill the GPU without a split (one wave of equal runs instead of a partial last
+    wave of tiles), and then uses the atomic sum's workspace; one K step or a deterministic request keeps
+    the plain launch."""
+    dev = torch.device(DEVICE)
+    with T.config_override(stream_k_table()):
+        assert not T._plan(3, 72, 256, 4, 32, dev, "decode")["stream_k"]
+        assert not T._plan(64, 4096, 32, 4, 32, dev, "gemm")["stream_k"]  # 512 tiles, one K step
+        plan = T._plan(64, 4096, 256, 4, 32, dev, "gemm")  # 512 tiles fill 16 slots: no split
+        assert plan["split"] == 1 and plan["stream_k"] and T.workspace_bytes(64, 4096, 256, 4, 32, dev) == 4 * 64 * 4096
+        check(64, 4096, 256, 4, 32, False, False, True, torch.float16, "gemm")
+        monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
+        plan = T._plan(3, 72, 256, 4, 32, dev, "gemm")
+        assert plan["split"] == 1 and not plan["stream_k"]
+
+
+def test_stream_k_launch(monkeypatch):
+    """The stream-K launch: a 1-D grid of ``stream_k_runs``' programs, the STREAM_K build adding into the fp32
+    sum (OUT_MODE 2; zeroed ahead and reduced as programmatic dependents on a GPU with PDL, whatever the
+    config's ``reduce``) and a one-partial reduction; the decode path's launch is unchanged."""
+    got, zeroed, _ = record_split_launch(monkeypatch, "gemm", "partials", "stream_k", 1, True)
+    with T.config_override(stream_k_table()):
+        plan = T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), "gemm")
+    assert got["_tc_kernel"]["STREAM_K"] is True and got["_tc_kernel"]["OUT_MODE"] == 2 and got["_tc_kernel"]["launch_pdl"] is True
+    assert got["_tc_kernel"]["grid"] == (C.stream_k_runs(256, plan["block_k"], plan["tiles"], 16)[0],)
+    assert zeroed == [((3, 72), torch.float32)] and got["_reduce_kernel"]["PDL"] is True
+    got, _, _ = record_split_launch(monkeypatch, "decode", "partials", "stream_k", 1, True)
+    assert "STREAM_K" not in got["_gemv_kernel"] and got["_gemv_kernel"]["OUT_MODE"] == 1
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])

@@ -547,6 +547,37 @@ def test_gemm_knobs_match_the_oracle(item):
                 check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item[:2])} M={m} {knobs} tile {tile['BLOCK_M']}x{tile['BLOCK_N']}")
 
 
+STREAM_K_CASES = [  # (case, dtype, other GEMM knobs)
+    (Case("gptq", 4, 128, False, True, "v2", 4104, 4096), torch.float16, {"even_odd": 1}),
+    (Case("awq", 4, 128, False, False, None, 1024, 4096), torch.bfloat16, {"even_odd": 1}),
+    (Case("gptq", 3, 128, False, True, "v1", 1000, 1000), torch.bfloat16, {}),  # the per-element gather, K off the tile
+    (Case("compressed-tensors", 8, 128, True, False, None, 1032, 2048), torch.float16, {"sym_zero_load": 1}),
+    (Case("gptq", 4, -1, True, False, "v2", 520, 1000), torch.bfloat16, {}),  # per-channel
+]
+
+
+@pytest.mark.parametrize("item", STREAM_K_CASES, ids=lambda c: f"{_id(c[:2])}-{'-'.join(sorted(c[2])) or 'plain'}")
+def test_stream_k_matches_the_oracle(item):
+    """``stream_k``: one wave of programs, each a run of equal length over the tiles' K steps laid end to end,
+    adding one partial sum per tile it touches, at M = 1, 17, 64 and 257 (the runs cross tiles and, at 8 bits,
+    groups; at 257 the tiles alone would fill the GPU), eagerly and replayed from a CUDA graph (output
+    poisoned, fresh inputs)."""
+    case, dtype, knobs = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=15)
+    table = narrow_gemm_table(stream_k=1, **knobs)
+    table["decode_max_m"] = 0
+    with T.config_override(table):
+        for m in (1, 17, 64, 257):
+            plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
+            assert plan["path"] == "gemm" and plan["stream_k"], plan
+            x = rand(m, case.k, dtype=dtype, seed=150 + m)
+            check(b.weight.mm(x, bias), x, b.w64, bias, f"stream_k {_id(item[:2])} M={m} {knobs}")
+            if m == 17:
+                y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=160 + m))
+                check(y, x, b.w64, bias, f"stream_k graph {_id(item[:2])} M={m} {knobs}")
+
+
 @pytest.mark.parametrize("item", GEMV_PREFETCH_CASES[:3], ids=_id)
 def test_register_cap_matches_the_oracle(item):
     """``maxnreg`` (the tuner's register cap) on the decode GEMV (104) and the 16-row even / odd GEMM tile (128,

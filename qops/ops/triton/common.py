@@ -304,6 +304,18 @@ def split_in_waves(k: int, unit: int, tiles: int, split: int, slots: int) -> tup
     return best[1], best[2]
 
 
+def stream_k_runs(k: int, unit: int, tiles: int, slots: int) -> tuple[int, int]:
+    """(programs, K length a program covers) of a stream-K launch: the ``tiles`` output tiles' K steps of
+    ``unit`` rows laid end to end (tile by tile), cut into equal runs, at most ``slots`` of them (one wave of
+    the programs the GPU holds at once). Each run is ``ceil(total / slots)`` steps, the last one shorter.
+    Against a split count, whose grid fills whole waves only for some tile counts, every program does the
+    same work: 224 tiles of 32 steps on 396 slots take 19 steps a program, where 3 splits of 11 steps
+    take two waves (22)."""
+    total = tiles * max(1, triton.cdiv(k, unit))
+    per = triton.cdiv(total, max(1, slots))
+    return triton.cdiv(total, per), per * unit
+
+
 def resident_programs(n_regs: int, shared: int, num_warps: int, props) -> int | None:
     """Programs of one kernel build an SM holds at once, from its registers a thread, its shared memory
     and warps, and the device's properties (``torch.cuda.get_device_properties``); None where those

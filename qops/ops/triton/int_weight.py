@@ -61,7 +61,10 @@ per SM), lowered where the grid would end in a partial wave of the programs the 
 and shared memory let the GPU hold at once (``common.split_in_waves``; a config's ``maxnreg`` caps a
 build's registers, so the GPU holds more of its programs, a tuner variant), and is one when
 deterministic results are requested
-(``qops.ops._common.deterministic_requested``, read at each call).
+(``qops.ops._common.deterministic_requested``, read at each call). A GEMM config may ask for stream-K
+instead (``stream_k``): one wave of programs, each a run of equal length over the tiles' K steps laid end
+to end, adding into the atomic sum once per tile it touches (``common.stream_k_runs``), so no wave is
+partial whatever the tile count; not under a deterministic request.
 """
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ import triton.language as tl
 
 from .common import (EVEN_ODD_4, HALF_FORMATS, X_PAIRS_ASM, X_PAIRS_CONSTRAINTS, fp32_scratch, grouped_tile, half_dot_asm,
                      half_unpack_asm, interpreting, pick_bucket, resident_programs, sm_count, split_in_waves, split_k,
-                     zero_ahead)
+                     stream_k_runs, zero_ahead)
 from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 
@@ -844,34 +847,18 @@ def _tc_weight_tile(
 
 
 @triton.jit
-def _tc_kernel(
+def _tc_tile(
     x_ptr, qw_ptr, s_ptr, qz_ptr, perm_ptr, bias_ptr, y_ptr,
-    M, N, K, n_wrows,
-    stride_xm, stride_xk, stride_qw, stride_qslab, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
-    split_len, group_size, zero_offset, magic,
+    M, N, n_wrows, stride_xm, stride_xk, stride_qw, stride_qslab, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
+    group_size, zero_offset, magic, tile, pid_k, k_lo, k_hi,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr = 0,
-    PREFETCH_S: tl.constexpr = False, EVEN_ODD: tl.constexpr = False, SYM_ZERO_LOAD: tl.constexpr = False,
-    PDL: tl.constexpr = False, ZERO_WAIT: tl.constexpr = False,
+    TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr,
+    PREFETCH_S: tl.constexpr, EVEN_ODD: tl.constexpr, SYM_ZERO_LOAD: tl.constexpr, ZERO_WAIT: tl.constexpr,
 ):
-    """Split-K tiled GEMM on tensor cores: program (m/n tile, K split). PREFETCH_S loads the next K tile's
-    scales one iteration ahead: Triton's pipeliner does not take that load (a few bytes a thread, under
-    cp.async's 4), so each step otherwise waits for it where the scales are used. EVEN_ODD (4 bits, a
-    half form, the K tile in one group) multiplies the even and the odd K rows as two dots
-    (:func:`_half_tiles_even_odd`; x's tile split the same way), the sum unchanged. SYM_ZERO_LOAD (no
-    zero points) derives the constant zero point from the group's scales (loaded first) as ``s * 0 + 2**(b-1)``: built
-    from a load, it is placed like loaded zero points, and Triton 3.6 then carries the half unpack into
-    the MMA operand's registers, which it does not do from a constant (sm_90 SASS: the tile goes through
-    shared memory; the 8-bit 16 x 128 x 128 GEMM ran 183 us symmetric, 59 us asymmetric on an H100; with
-    it, 60 us). A non-finite scale gives a non-finite zero point, where its column's output is non-finite anyway.
-    PDL, ZERO_WAIT: as the GEMV's (the reduction after it may be scheduled once every program has started;
-    the atomic adds wait for the zeroing launched before it)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    """Output tile ``tile`` (in :func:`grouped_tile`'s order) over K rows ``k_lo .. k_hi`` (``k_lo`` a multiple
+    of BLOCK_K): written (OUT_MODE 0), stored as partial ``pid_k`` (1) or added into the fp32 sum (2)."""
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
@@ -879,8 +866,6 @@ def _tc_kernel(
     qcol = _word_columns(offs_n, stride_qslab, BLOCK_N)
     mmask = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
-    k_lo = pid_k * split_len
-    k_hi = tl.minimum(K, k_lo + split_len)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # The group of the K tile, carried through the loop (a K tile never spans two groups): a
@@ -960,6 +945,60 @@ def _tc_kernel(
             tl.extra.cuda.gdc_wait()
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
         tl.atomic_add(y_ptrs, acc, mask=rmask, sem="relaxed")
+
+
+@triton.jit
+def _tc_kernel(
+    x_ptr, qw_ptr, s_ptr, qz_ptr, perm_ptr, bias_ptr, y_ptr,
+    M, N, K, n_wrows,
+    stride_xm, stride_xk, stride_qw, stride_qslab, stride_s, stride_qz, stride_ys, stride_ym, stride_yn,
+    split_len, group_size, zero_offset, magic,
+    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr = 0,
+    PREFETCH_S: tl.constexpr = False, EVEN_ODD: tl.constexpr = False, SYM_ZERO_LOAD: tl.constexpr = False,
+    PDL: tl.constexpr = False, ZERO_WAIT: tl.constexpr = False, STREAM_K: tl.constexpr = False,
+):
+    """Split-K tiled GEMM on tensor cores: program (m/n tile, K split). PREFETCH_S loads the next K tile's
+    scales one iteration ahead: Triton's pipeliner does not take that load (a few bytes a thread, under
+    cp.async's 4), so each step otherwise waits for it where the scales are used. EVEN_ODD (4 bits, a
+    half form, the K tile in one group) multiplies the even and the odd K rows as two dots
+    (:func:`_half_tiles_even_odd`; x's tile split the same way), the sum unchanged. SYM_ZERO_LOAD (no
+    zero points) derives the constant zero point from the group's scales (loaded first) as ``s * 0 + 2**(b-1)``: built
+    from a load, it is placed like loaded zero points, and Triton 3.6 then carries the half unpack into
+    the MMA operand's registers, which it does not do from a constant (sm_90 SASS: the tile goes through
+    shared memory; the 8-bit 16 x 128 x 128 GEMM ran 183 us symmetric, 59 us asymmetric on an H100; with
+    it, 60 us). A non-finite scale gives a non-finite zero point, where its column's output is non-finite anyway.
+    PDL, ZERO_WAIT: as the GEMV's (the reduction after it may be scheduled once every program has started;
+    the atomic adds wait for the zeroing launched before it). STREAM_K (OUT_MODE 2): the grid is one program
+    per run of ``split_len / BLOCK_K`` K steps of the tiles' steps laid end to end (tile by tile, K inner):
+    a program adds one partial sum per tile its run touches, so every program does the same work whatever
+    the tile count, where a split count leaves a partial last wave."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if STREAM_K:
+        k_steps = tl.cdiv(K, BLOCK_K)
+        run = split_len // BLOCK_K
+        it = tl.program_id(0) * run
+        end = tl.minimum(tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N) * k_steps, it + run)
+        while it < end:
+            tile = it // k_steps
+            first = it - tile * k_steps
+            last = tl.minimum(k_steps, first + (end - it))
+            _tc_tile(x_ptr, qw_ptr, s_ptr, qz_ptr, perm_ptr, bias_ptr, y_ptr, M, N, n_wrows, stride_xm, stride_xk,
+                     stride_qw, stride_qslab, stride_s, stride_qz, stride_ys, stride_ym, stride_yn, group_size,
+                     zero_offset, magic, tile, 0, first * BLOCK_K, tl.minimum(K, last * BLOCK_K),
+                     BITS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_ZEROS, HAS_PERM, HAS_BIAS, TILE_GROUP, OUT_MODE,
+                     EVEN_K, DEQUANT, PREFETCH_S, EVEN_ODD, SYM_ZERO_LOAD, ZERO_WAIT)
+            it += last - first
+    else:
+        pid_k = tl.program_id(1)
+        k_lo = pid_k * split_len
+        _tc_tile(x_ptr, qw_ptr, s_ptr, qz_ptr, perm_ptr, bias_ptr, y_ptr, M, N, n_wrows, stride_xm, stride_xk, stride_qw,
+                 stride_qslab, stride_s, stride_qz, stride_ys, stride_ym, stride_yn, group_size, zero_offset, magic,
+                 tl.program_id(0), pid_k, k_lo, tl.minimum(K, k_lo + split_len),
+                 BITS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_ZEROS, HAS_PERM, HAS_BIAS, TILE_GROUP, OUT_MODE, EVEN_K,
+                 DEQUANT, PREFETCH_S, EVEN_ODD, SYM_ZERO_LOAD, ZERO_WAIT)
 
 
 @triton.jit
@@ -1242,7 +1281,7 @@ def _plan(m: int, n: int, k: int, bits: int, group_size: int, device: torch.devi
 @functools.lru_cache(maxsize=4096)
 def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device, force: str | None,
                 deterministic: bool) -> dict:
-    # ``deterministic`` is only part of the cache key: split_k reads the same request itself.
+    # ``deterministic`` is part of the cache key (split_k reads the same request itself) and keeps stream-K off.
     table = config_for(device)
     sms = table.get("num_sms") or _device_facts(device)[1]
     grouped = group_size != -1
@@ -1267,7 +1306,7 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
             path="decode", cfg=cfg, split=split, split_len=split_len, split_unit=unit, tiles=tiles, sms=sms,
             block_m=block_m, block_n=block_n,
             chunks=chunks, even_k=(k % step == 0), even_n=(n % block_n == 0),
-            grid=(-(-n // block_n), split, -(-m // block_m)), reduce=cfg.get("reduce", "partials"),
+            grid=(-(-n // block_n), split, -(-m // block_m)), reduce=cfg.get("reduce", "partials"), stream_k=False,
         )
     cfg = _bucket(table["gemm"], bits, m)
     if path == "dense" or (path == "gemm" and cfg.get("impl", "triton") == "dense"):
@@ -1307,18 +1346,21 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
             bk = max(16, fit)
     tiles = -(-m // bm) * -(-n // bn)
     split, split_len = _split(k, bk, tiles, cfg, sms)
+    # Stream-K wherever a tile has several K steps, also with one split (the M = 64 tiles: 448 on 264 slots),
+    # not under a deterministic request (its runs meet through atomic adds).
+    stream = bool(cfg.get("stream_k", 0)) and not deterministic and k > bk
     return dict(
         path="gemm", cfg=cfg, split=split, split_len=split_len, split_unit=bk, tiles=tiles, sms=sms,
         block_m=bm, block_n=bn, block_k=bk,
         tile_group=tile_group, even_k=(k % bk == 0), grid=(tiles, split),
-        reduce=cfg.get("reduce", "partials"),
+        reduce="atomic" if stream else cfg.get("reduce", "partials"), stream_k=stream,
     )
 
 
 def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device) -> int:
     """Scratch bytes ``triton_mm`` uses for these sizes (fp32 split-K partials); 0 when none."""
     plan = _plan(m, n, k, bits, group_size, device)
-    if plan["path"] == "dense" or plan["split"] == 1:
+    if plan["path"] == "dense" or (plan["split"] == 1 and not plan["stream_k"]):
         return 0
     rows = plan["split"] if plan["reduce"] == "partials" else 1
     return 4 * rows * m * n
@@ -1366,12 +1408,17 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     n = o2.shape[1]
     tensors = (x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
     split, split_len = plan["split"], plan["split_len"]
-    mode = 0 if split == 1 else 2 if plan["reduce"] == "atomic" else 1
+    mode = 2 if plan["stream_k"] else 0 if split == 1 else 2 if plan["reduce"] == "atomic" else 1
     pdl = mode != 0 and reduce_pdl(plan["cfg"], x2.device)
     zero_wait = mode == 2 and zero_pdl(plan["cfg"], x2.device)
     kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias, pdl, zero_wait)
     stages, per_sm = _build_facts(kernel, constexprs, launch, plan, tensors, mode)
-    if split > 1 and per_sm:
+    if plan["stream_k"]:
+        # One wave: the programs the build lets the GPU hold (the config's programs an SM where no build
+        # figure exists: the interpreter).
+        slots = (per_sm or int(plan["cfg"].get("ctas_per_sm", 2))) * plan["sms"]
+        programs, split_len = stream_k_runs(k, plan["split_unit"], plan["tiles"], slots)
+    elif split > 1 and per_sm:
         # The plan's split count asks for a number of programs; the build's registers and shared
         # memory say how many the GPU holds at once, and a grid a little past that runs a second wave.
         split, split_len = split_in_waves(k, plan["split_unit"], plan["tiles"], split, per_sm * plan["sms"])
@@ -1379,6 +1426,7 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
             mode, zero_wait = 0, False
             kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
             stages = _build_facts(kernel, constexprs, launch, plan, tensors, mode)[0]
+    grid = (programs,) if plan["stream_k"] else plan["grid"][:1] + (split,) + plan["grid"][2:]
     if mode == 0:
         y = o2
     elif mode == 2:
@@ -1387,7 +1435,6 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
         y = fp32_scratch(workspace, (split, m, n), False, x2.device)
     if zero_wait:
         zero_ahead(y)
-    grid = plan["grid"][:1] + (split,) + plan["grid"][2:]
     kernel[grid](*_split_k_args(*tensors, y, mode, split_len), **constexprs, **dict(launch, num_stages=stages),
                  **({"launch_pdl": True} if zero_wait else {}))
     if mode != 0:
@@ -1411,7 +1458,7 @@ def reduce_pdl(cfg: dict, device: torch.device) -> bool:
     kernel still runs)."""
     knob = cfg.get("pdl_reduce")
     if knob is None:
-        knob = cfg.get("reduce", "partials") == "atomic"
+        knob = cfg.get("reduce", "partials") == "atomic" or bool(cfg.get("stream_k", 0))
     return bool(knob) and pdl_launch(device)
 
 
@@ -1467,6 +1514,7 @@ def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pd
                                   EVEN_N=plan["even_n"], **flags, **{k: on for k, on in knobs.items() if on}), launch
     dequant = dequant_form(dtype, bits, plan["tile_group"])
     return _tc_kernel, dict(
+        **({"STREAM_K": True} if plan["stream_k"] else {}),
         BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
         GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"],
         DEQUANT=dequant, PREFETCH_S=bool(cfg.get("prefetch_scales", 0)),
