@@ -78,7 +78,7 @@ def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, 
     T._DEQUANT_FORCE = "asm"  # the GPU's form (the interpreter's would be the plain-Triton one)
     try:
         fn, consts, launch = T._split_k_build(plan, mode, act_dtype(dtype), bits, object(), None, None, pdl=mode == 2,
-                                              zero_wait=mode == 2)
+                                              zero_wait=mode == 2, stream_k=plan["stream_k"])
     finally:
         T._DEQUANT_FORCE = None
     row = dict(bits=bits, group=group, dtype=dtype, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=plan["block_k"],

@@ -7,7 +7,9 @@ rounds), the splits take 22 rounds on 28672x4096 (ideal 18.1 = 7168 steps / 396 
 10 on 4096x14336 (9.1), 38 on 8192x28672 (36.2); stream-K takes the ideal plus each program's one or two tile
 starts. Per M (``--ms``, GEMM buckets), this times the op with this card's shipped table and with ``stream_k`` set
 on that M's 4-bit GEMM bucket, interleaved over rotated weight copies (GPTQ W4 g128 asymmetric, fp16 x), each
-checked against the float64 product with the dequantized weight.
+checked against the float64 product with the dequantized weight; each row says whether the launch took stream-K
+(``stream_k_taken``: the lowering takes it only where it saves ``STREAM_K_GAIN`` of the rounds; the first run,
+h100-2026-12-06-1eed08c-probe-streamk, took it everywhere).
 
     PYTHONPATH=. python benchmarks/probe_stream_k.py [--shapes 28672x4096,...] [--ms 4,8,16,32,64] [--out F]
 """
@@ -35,6 +37,23 @@ def stream_k_table(m: int, device: str = "cuda") -> dict:
     bucket = min((int(b) for b in section if int(b) >= m), default=max(int(b) for b in section))
     section[str(bucket)]["stream_k"] = 1
     return table
+
+
+def took_stream_k(f) -> bool:
+    """Whether calling ``f`` launched the STREAM_K build (the launch takes it only where it saves rounds)."""
+    seen = []
+    real = T._tc_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(bool(kw.get("STREAM_K"))) or real[grid](*a, **kw)
+
+    T._tc_kernel = Spy()
+    try:
+        f()
+    finally:
+        T._tc_kernel = real
+    return any(seen)
 
 
 def under(table: dict, f):
@@ -67,6 +86,7 @@ def main(argv=None) -> int:
         row["shipped_rel_err"] = common.rel_err(w.mm(x), want)
         try:
             row["stream_k_rel_err"] = common.rel_err(under(table, lambda: w.mm(x))(), want)
+            row["stream_k_taken"] = took_stream_k(under(table, lambda: w.mm(x)))
             cands["stream_k"] = [under(table, lambda v=v: v.mm(x)) for v in ws]
         except Exception as e:  # noqa: BLE001  (a build the compiler or the device refuses)
             row["stream_k_error"] = common.short_err(e)
@@ -74,9 +94,10 @@ def main(argv=None) -> int:
         del w, ws
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_stream_k.json", a.out))
-    print("\nN x K, M | shipped us | stream_k us | speedup")
+    print("\nN x K, M | shipped us | stream_k us (launch taken) | speedup")
     for r in res["rows"]:
-        print(f"{r['N']}x{r['K']}, {r['M']} | {r.get('shipped_us')} | {r.get('stream_k_us', r.get('stream_k_error'))} | {r.get('speedup')}")
+        print(f"{r['N']}x{r['K']}, {r['M']} | {r.get('shipped_us')} | {r.get('stream_k_us', r.get('stream_k_error'))} "
+              f"({'stream-K' if r.get('stream_k_taken') else 'split'}) | {r.get('speedup')}")
     return 0
 
 

@@ -69,6 +69,7 @@ partial whatever the tile count; not under a deterministic request.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -1353,17 +1354,18 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
         path="gemm", cfg=cfg, split=split, split_len=split_len, split_unit=bk, tiles=tiles, sms=sms,
         block_m=bm, block_n=bn, block_k=bk,
         tile_group=tile_group, even_k=(k % bk == 0), grid=(tiles, split),
-        reduce="atomic" if stream else cfg.get("reduce", "partials"), stream_k=stream,
+        reduce=cfg.get("reduce", "partials"), stream_k=stream,
     )
 
 
 def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device) -> int:
     """Scratch bytes ``triton_mm`` uses for these sizes (fp32 split-K partials); 0 when none."""
     plan = _plan(m, n, k, bits, group_size, device)
-    if plan["path"] == "dense" or (plan["split"] == 1 and not plan["stream_k"]):
+    if plan["path"] == "dense":
         return 0
-    rows = plan["split"] if plan["reduce"] == "partials" else 1
-    return 4 * rows * m * n
+    # the split launch's partials ((S, M, N) or one (M, N) sum); stream-K, where asked, may take one sum instead
+    rows = 0 if plan["split"] == 1 else plan["split"] if plan["reduce"] == "partials" else 1
+    return 4 * max(rows, int(plan["stream_k"])) * m * n
 
 
 # --------------------------------------------------------------------------------------------
@@ -1403,47 +1405,93 @@ def triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     return out
 
 
-def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace):
-    m, k = x2.shape
-    n = o2.shape[1]
-    tensors = (x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
-    split, split_len = plan["split"], plan["split_len"]
-    mode = 2 if plan["stream_k"] else 0 if split == 1 else 2 if plan["reduce"] == "atomic" else 1
+@dataclasses.dataclass
+class _SplitLaunch:
+    """One launch of the split-K kernel: its build, grid and output mode, the K length its ``split_len``
+    argument carries, the partial sums its reduction adds (0: none, the output written directly) and the
+    rounds of K steps the busiest program slot runs (None without a build figure: the interpreter)."""
+    kernel: object
+    constexprs: dict
+    launch: dict
+    grid: tuple
+    mode: int
+    split_len: int
+    parts: int
+    pdl: bool
+    zero_wait: bool
+    per_sm: int | None
+    rounds: int | None
+
+
+# Stream-K replaces the split count's launch only where it takes this many times fewer rounds (H100, stop 63,
+# W4 g128: at 1.16-1.32x fewer 1.03-1.12x faster; at 1.0-1.03x 4-9% slower, its programs' extra tile starts).
+STREAM_K_GAIN = 1.1
+
+
+def _split_launch(plan, tensors: tuple, split: int, split_len: int, mode: int, stream_k: bool = False) -> _SplitLaunch:
+    """The launch of ``split`` K splits of ``split_len`` rows writing OUT_MODE ``mode``, with its PDL options
+    (``stream_k``: the STREAM_K build, its grid and run length still to be set)."""
+    x2, _, _, qzeros, act_perm, bias, bits = tensors[:7]
     pdl = mode != 0 and reduce_pdl(plan["cfg"], x2.device)
     zero_wait = mode == 2 and zero_pdl(plan["cfg"], x2.device)
-    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias, pdl, zero_wait)
+    kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias, pdl, zero_wait, stream_k)
     stages, per_sm = _build_facts(kernel, constexprs, launch, plan, tensors, mode)
-    if plan["stream_k"]:
-        # One wave: the programs the build lets the GPU hold (the config's programs an SM where no build
-        # figure exists: the interpreter).
-        slots = (per_sm or int(plan["cfg"].get("ctas_per_sm", 2))) * plan["sms"]
-        programs, split_len = stream_k_runs(k, plan["split_unit"], plan["tiles"], slots)
-    elif split > 1 and per_sm:
+    grid = plan["grid"][:1] + (split,) + plan["grid"][2:]
+    rounds = None
+    if per_sm:
+        rounds = -(-plan["tiles"] * split // (per_sm * plan["sms"])) * -(-split_len // plan["split_unit"])
+    return _SplitLaunch(kernel, constexprs, dict(launch, num_stages=stages), grid, mode, split_len,
+                        split if mode == 1 else int(mode == 2), pdl, zero_wait, per_sm, rounds)
+
+
+def _fitted_split_launch(plan, tensors: tuple) -> _SplitLaunch:
+    """The plan's split count as launched: lowered where its grid would end in a partial wave of the programs
+    the build lets the GPU hold (one split: the build writing the output itself)."""
+    split, split_len = plan["split"], plan["split_len"]
+    go = _split_launch(plan, tensors, split, split_len, 0 if split == 1 else 2 if plan["reduce"] == "atomic" else 1)
+    if split > 1 and go.per_sm:
         # The plan's split count asks for a number of programs; the build's registers and shared
         # memory say how many the GPU holds at once, and a grid a little past that runs a second wave.
-        split, split_len = split_in_waves(k, plan["split_unit"], plan["tiles"], split, per_sm * plan["sms"])
-        if split == 1:
-            mode, zero_wait = 0, False
-            kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias)
-            stages = _build_facts(kernel, constexprs, launch, plan, tensors, mode)[0]
-    grid = (programs,) if plan["stream_k"] else plan["grid"][:1] + (split,) + plan["grid"][2:]
-    if mode == 0:
+        k = tensors[0].shape[1]
+        fitted, fitted_len = split_in_waves(k, plan["split_unit"], plan["tiles"], split, go.per_sm * plan["sms"])
+        if (fitted, fitted_len) != (split, split_len):
+            go = _split_launch(plan, tensors, fitted, fitted_len, go.mode if fitted > 1 else 0)
+    return go
+
+
+def _stream_k_launch(plan, tensors: tuple) -> _SplitLaunch:
+    """The stream-K launch: one wave of the programs the STREAM_K build lets the GPU hold (the config's
+    programs an SM where no build figure exists: the interpreter), each one run of K steps."""
+    go = _split_launch(plan, tensors, 1, plan["split_len"], 2, stream_k=True)
+    slots = (go.per_sm or int(plan["cfg"].get("ctas_per_sm", 2))) * plan["sms"]
+    programs, run = stream_k_runs(tensors[0].shape[1], plan["split_unit"], plan["tiles"], slots)
+    return dataclasses.replace(go, grid=(programs,), split_len=run, rounds=run // plan["split_unit"] if go.per_sm else None)
+
+
+def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace):
+    m, n = x2.shape[0], o2.shape[1]
+    tensors = (x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
+    go = _fitted_split_launch(plan, tensors)
+    if plan["stream_k"]:
+        streamed = _stream_k_launch(plan, tensors)
+        if go.rounds is None or streamed.rounds is None or go.rounds >= STREAM_K_GAIN * streamed.rounds:
+            go = streamed
+    if go.mode == 0:
         y = o2
-    elif mode == 2:
-        y = fp32_scratch(workspace, (m, n), not zero_wait, x2.device)
+    elif go.mode == 2:
+        y = fp32_scratch(workspace, (m, n), not go.zero_wait, x2.device)
     else:
-        y = fp32_scratch(workspace, (split, m, n), False, x2.device)
-    if zero_wait:
+        y = fp32_scratch(workspace, (go.parts, m, n), False, x2.device)
+    if go.zero_wait:
         zero_ahead(y)
-    kernel[grid](*_split_k_args(*tensors, y, mode, split_len), **constexprs, **dict(launch, num_stages=stages),
-                 **({"launch_pdl": True} if zero_wait else {}))
-    if mode != 0:
-        parts = split if mode == 1 else 1
-        block, block_s = _reduce_tile(parts)
+    go.kernel[go.grid](*_split_k_args(*tensors, y, go.mode, go.split_len), **go.constexprs, **go.launch,
+                       **({"launch_pdl": True} if go.zero_wait else {}))
+    if go.mode != 0:
+        block, block_s = _reduce_tile(go.parts)
         _reduce_kernel[(-(-n // block), m)](
-            y, bias if bias is not None else y, o2, m, n, parts, *_out_strides(mode, o2)[:2],
+            y, bias if bias is not None else y, o2, m, n, go.parts, *_out_strides(go.mode, o2)[:2],
             o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
-            **({"PDL": True, "launch_pdl": True} if pdl else {}),
+            **({"PDL": True, "launch_pdl": True} if go.pdl else {}),
         )
 
 
@@ -1492,10 +1540,10 @@ def _out_strides(mode: int, o2: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pdl: bool = False,
-                   zero_wait: bool = False) -> tuple:
+                   zero_wait: bool = False, stream_k: bool = False) -> tuple:
     """(kernel, constexprs, launch options) of a decode or GEMM plan writing OUT_MODE ``mode``; ``pdl``
-    compiles in the trigger of a PDL reduction, ``zero_wait`` the wait for a PDL zeroing (:func:`zero_pdl`)
-    (each absent otherwise: the builds stay those of before)."""
+    compiles in the trigger of a PDL reduction, ``zero_wait`` the wait for a PDL zeroing (:func:`zero_pdl`),
+    ``stream_k`` the GEMM's stream-K loop (each absent otherwise: the builds stay those of before)."""
     cfg = plan["cfg"]
     flags = dict(
         BITS=bits, HAS_ZEROS=qzeros is not None, HAS_PERM=act_perm is not None, HAS_BIAS=bias is not None,
@@ -1514,7 +1562,7 @@ def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pd
                                   EVEN_N=plan["even_n"], **flags, **{k: on for k, on in knobs.items() if on}), launch
     dequant = dequant_form(dtype, bits, plan["tile_group"])
     return _tc_kernel, dict(
-        **({"STREAM_K": True} if plan["stream_k"] else {}),
+        **({"STREAM_K": True} if stream_k else {}),
         BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
         GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"],
         DEQUANT=dequant, PREFETCH_S=bool(cfg.get("prefetch_scales", 0)),
