@@ -1432,7 +1432,7 @@ def _split_launch(plan, tensors: tuple, split: int, split_len: int, mode: int, s
     """The launch of ``split`` K splits of ``split_len`` rows writing OUT_MODE ``mode``, with its PDL options
     (``stream_k``: the STREAM_K build, its grid and run length still to be set)."""
     x2, _, _, qzeros, act_perm, bias, bits = tensors[:7]
-    pdl = mode != 0 and reduce_pdl(plan["cfg"], x2.device)
+    pdl = mode != 0 and reduce_pdl(plan["cfg"], x2.device, atomic=mode == 2)
     zero_wait = mode == 2 and zero_pdl(plan["cfg"], x2.device)
     kernel, constexprs, launch = _split_k_build(plan, mode, x2.dtype, bits, qzeros, act_perm, bias, pdl, zero_wait, stream_k)
     stages, per_sm = _build_facts(kernel, constexprs, launch, plan, tensors, mode)
@@ -1495,7 +1495,7 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
         )
 
 
-def reduce_pdl(cfg: dict, device: torch.device) -> bool:
+def reduce_pdl(cfg: dict, device: torch.device, atomic: bool | None = None) -> bool:
     """Whether a split-K launch of config ``cfg`` starts its reduction as a programmatic dependent (on a
     GPU that has PDL): the reduction's launch latency then overlaps the split-K kernel's last programs.
 
@@ -1506,7 +1506,8 @@ def reduce_pdl(cfg: dict, device: torch.device) -> bool:
     kernel still runs)."""
     knob = cfg.get("pdl_reduce")
     if knob is None:
-        knob = cfg.get("reduce", "partials") == "atomic" or bool(cfg.get("stream_k", 0))
+        # ``atomic``: the launch's own reduction (a stream-K config's split launch keeps the config's)
+        knob = cfg.get("reduce", "partials") == "atomic" if atomic is None else atomic
     return bool(knob) and pdl_launch(device)
 
 
