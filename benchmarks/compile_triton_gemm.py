@@ -176,15 +176,15 @@ def registers(cubin: bytes) -> int | None:
 
 def loop_mix(cubin: bytes) -> dict | None:
     """The opcode mix of the cubin's main loop: the longest run of instructions from a label to a branch
-    back to it (nvdisasm beside Triton's ptxas), and whether any of the cubin spills to local memory;
-    None when no loop is found."""
+    back to it with no such loop inside (nvdisasm beside Triton's ptxas), and whether any of the cubin
+    spills to local memory; None when no loop is found."""
     lines = read_cubin("nvdisasm", "-c", cubin=cubin).splitlines()
     starts = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line.strip()))}
-    best = None
-    for i, line in enumerate(lines):
-        m = BACK_BRANCH.search(line)
-        if m and m.group(1) in starts and starts[m.group(1)] < i and (best is None or i - starts[m.group(1)] > best[1] - best[0]):
-            best = (starts[m.group(1)], i)
+    loops = [(starts[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := BACK_BRANCH.search(line)) and m.group(1) in starts and starts[m.group(1)] < i]
+    # innermost loops only: the stream-K build's K loop, not the loop over a program's tiles around it
+    inner = [(a, b) for a, b in loops if not any(a <= c and d < b for c, d in loops if (c, d) != (a, b))]
+    best = max(inner, key=lambda ab: ab[1] - ab[0], default=None)
     if best is None:
         return None
     opcodes = [(i, m.group(1), m.group(2) or "") for i, line in enumerate(lines) if (m := SASS_LINE.search(line))]

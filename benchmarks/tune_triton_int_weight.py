@@ -13,8 +13,8 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
   it) for the best;
 - tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM (at 4
   bits up to M = 128 each also as even / odd K halves, ``even_odd``),
-  then the atomic reduction, the scales loaded a K tile ahead (``prefetch_scales``) and, to M = 16, a
-  register cap on the best one;
+  then the atomic reduction, the scales loaded a K tile ahead (``prefetch_scales``), stream-K (``stream_k``) and,
+  to M = 16, a register cap on the best one;
   and dequantize + cuBLAS from M = 256 on.
 
 ``decode_max_m`` is, per bit width, the largest M (from 1) where the best decode config beats the best GEMM one.
@@ -349,6 +349,9 @@ def main():
                 time_variant(bits, m, ("decode",), {"half_dot": 2, "prefetch": 1})  # two words a half-sum
             if m <= 16:
                 time_variant(bits, m, ("gemm",), {"maxnreg": GEMM_MAXNREG})
+            # Stream-K (stop 63): the launch takes it only where it saves rounds, so per shape it is the split
+            # launch or faster (H100: 1.02-1.35x where taken, one 0.96x at 28672x4096 M = 32).
+            time_variant(bits, m, ("gemm",), {"stream_k": 1})
 
     source = (f"benchmarks/tune_triton_int_weight.py on {gpu}, torch {torch.__version__}, "
               f"triton {common.triton_version()}, commit {(common.git_commit() or 'unknown')[:12]}, "
