@@ -5,13 +5,14 @@ runs 28672x4096 as 224 column tiles x 3 splits = 672 programs, 1.70 waves, and i
 occupancy, so the second wave's 30% idle slots cost time. Counting a program's K steps (``common.split_in_waves``'
 rounds), the splits take 22 rounds on 28672x4096 (ideal 18.1 = 7168 steps / 396 slots), 96 on 57344x8192 (72.4),
 10 on 4096x14336 (9.1), 38 on 8192x28672 (36.2); stream-K takes the ideal plus each program's one or two tile
-starts. Per M (``--ms``, GEMM buckets), this times the op with this card's shipped table and with ``stream_k`` set
-on that M's 4-bit GEMM bucket, interleaved over rotated weight copies (GPTQ W4 g128 asymmetric, fp16 x), each
+starts. Per M (``--ms``, GEMM buckets), this times the op with this card's shipped table, ``stream_k`` off (the
+``shipped`` candidate: the split launch, as shipped before stop 63) and on (with ``--set``'s keys) on that M's 4-bit
+GEMM bucket, interleaved over rotated weight copies (GPTQ W4 g128 asymmetric, fp16 x), each
 checked against the float64 product with the dequantized weight; each row says whether the launch took stream-K
 (``stream_k_taken``: the lowering takes it only where it saves ``STREAM_K_GAIN`` of the rounds; the first run,
 h100-2026-12-06-1eed08c-probe-streamk, took it everywhere).
 
-    PYTHONPATH=. python benchmarks/probe_stream_k.py [--shapes 28672x4096,...] [--ms 4,8,16,32,64] [--out F]
+    PYTHONPATH=. python benchmarks/probe_stream_k.py [--shapes 28672x4096,...] [--ms 4,8,16,32,64] [--set JSON] [--out F]
 """
 from __future__ import annotations
 
@@ -30,12 +31,12 @@ from probe_early_pdl import gptq_native  # noqa: E402
 from qops.ops.triton import int_weight as T  # noqa: E402
 
 
-def stream_k_table(m: int, device: str = "cuda") -> dict:
-    """The shipped table of ``device`` with ``stream_k`` on the 4-bit GEMM bucket that serves M = ``m``."""
+def bucket_table(m: int, keys: dict, device: str = "cuda") -> dict:
+    """The shipped table of ``device`` with ``keys`` set on the 4-bit GEMM bucket that serves M = ``m``."""
     table = copy.deepcopy(T.config_for(torch.device(device)))
     section = table["gemm"]["4"] if "4" in table["gemm"] else table["gemm"]["default"]
     bucket = min((int(b) for b in section if int(b) >= m), default=max(int(b) for b in section))
-    section[str(bucket)]["stream_k"] = 1
+    section[str(bucket)].update(keys)
     return table
 
 
@@ -69,6 +70,9 @@ def under(table: dict, f):
 
 def main(argv=None) -> int:
     p = common.probe_parser("probe_stream_k.py", __doc__, LARGE_SHAPES, [4, 16, 64], 7)
+    p.add_argument("--set", type=json.loads, default={},
+                   help='more keys for the stream-K candidate\'s bucket, JSON (say {"maxnreg": 168}: the 64 x 64 stream-K '
+                        'build at 167 registers, three programs an SM like the split build, where uncapped it takes 189)')
     a = p.parse_args(argv)
     res = common.probe_result("stream_k")
     if res is None:
@@ -80,13 +84,13 @@ def main(argv=None) -> int:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         roof = common.roofline_us(w.nbytes() + 2 * m * (k + n), bw)
         want = x.double() @ w.dequantize(torch.float64).T
-        table = stream_k_table(m)
+        table, split_table = bucket_table(m, {"stream_k": 1, **a.set}), bucket_table(m, {"stream_k": 0})
         with T.config_override(table):
             plan = T._plan(m, n, k, 4, 128, x.device)
         row = {"N": n, "K": k, "M": m, "roofline_us": round(roof, 2), "path": plan["path"], "tiles": plan["tiles"],
-               "split": plan["split"], "stream_k": plan["stream_k"]}
-        cands = {"shipped": [lambda v=v: v.mm(x) for v in ws]}
-        row["shipped_rel_err"] = common.rel_err(w.mm(x), want)
+               "split": plan["split"], "stream_k": plan["stream_k"], "set": a.set}
+        cands = {"shipped": [under(split_table, lambda v=v: v.mm(x)) for v in ws]}
+        row["shipped_rel_err"] = common.rel_err(under(split_table, lambda: w.mm(x))(), want)
         try:
             row["stream_k_rel_err"] = common.rel_err(under(table, lambda: w.mm(x))(), want)
             row["stream_k_taken"] = took_stream_k(under(table, lambda: w.mm(x)))
