@@ -1285,9 +1285,9 @@ def test_stream_k_where_a_tile_has_several_k_steps(monkeypatch):
     with T.config_override(stream_k_table()):
         assert not T._plan(3, 72, 256, 4, 32, dev, "decode")["stream_k"]
         assert not T._plan(64, 4096, 32, 4, 32, dev, "gemm")["stream_k"]  # 512 tiles, one K step
-        plan = T._plan(64, 4096, 256, 4, 32, dev, "gemm")  # 512 tiles fill 16 slots: no split
-        assert plan["split"] == 1 and plan["stream_k"] and T.workspace_bytes(64, 4096, 256, 4, 32, dev) == 4 * 64 * 4096
-        check(64, 4096, 256, 4, 32, False, False, True, torch.float16, "gemm")
+        plan = T._plan(17, 288, 256, 4, 32, dev, "gemm")  # 18 tiles fill the 16 slots: no split
+        assert plan["split"] == 1 and plan["stream_k"] and T.workspace_bytes(17, 288, 256, 4, 32, dev) == 4 * 17 * 288
+        check(17, 288, 256, 4, 32, False, False, True, torch.float16, "gemm")
         monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
         plan = T._plan(3, 72, 256, 4, 32, dev, "gemm")
         assert plan["split"] == 1 and not plan["stream_k"]
