@@ -1312,6 +1312,33 @@ def test_stream_k_taken_where_it_saves_rounds(monkeypatch, per_sm, streamed):
     assert taken == [streamed]
 
 
+def test_launch_chosen_once_per_plan_and_kind_of_call(monkeypatch):
+    """The launch (builds, split, stream-K or not) is chosen at a plan's first call of each kind and kept in the
+    plan: later calls build nothing; another dtype, optional tensor, forced tile form or stream-K gain chooses
+    again, and so does the plan after a config override. Every result is the oracle's."""
+    builds = []
+    real = T._split_k_build
+    monkeypatch.setattr(T, "_split_k_build", lambda *a, **kw: builds.append(a[:2]) or real(*a, **kw))
+
+    def built(**kw):
+        builds.clear()
+        check(17, 72, 1024, 4, 128, False, False, True, torch.float16, "gemm", **kw)
+        return len(builds)
+
+    with T.config_override(stream_k_table()):
+        assert built() >= 2  # the split launch and stream-K's
+        assert built() == 0 and built(seed=3) == 0
+        with T.dequant_override("fp32"):
+            assert built() >= 2
+        monkeypatch.setattr(T, "STREAM_K_GAIN", 5.0)
+        assert built() >= 2
+        builds.clear()
+        check(17, 72, 1024, 4, 128, False, False, False, torch.float16, "gemm")  # no bias: another build
+        assert builds
+    with T.config_override(stream_k_table()):
+        assert built() >= 2
+
+
 def test_stream_k_launch(monkeypatch):
     """The stream-K launch: a 1-D grid of ``stream_k_runs``' programs, the STREAM_K build adding into the fp32
     sum (OUT_MODE 2; zeroed ahead and reduced as programmatic dependents on a GPU with PDL, whatever the
