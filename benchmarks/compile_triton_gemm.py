@@ -8,7 +8,7 @@ on the path (``pip install --no-deps --target DIR triton==3.6.0``; its wheel car
     PYTHONPATH=DIR:. python benchmarks/compile_triton_gemm.py [--cases JSON | --gemv JSON] [--sass] [--out F]
 
 Each case is (bits, group size, activation dtype, BLOCK_M, BLOCK_N, even_odd[, maxnreg: a register cap, 0 for
-none[, stream_k]]); the plan is the one the lowering makes for a 4096x4096 weight at M = BLOCK_M with a 128-deep K tile
+none[, stream_k[, scale_weight]]]); the plan is the one the lowering makes for a 4096x4096 weight at M = BLOCK_M with a 128-deep K tile
 configured, built with the inline-PTX unpack as on a GPU. Prints one JSON line a build: the K tile and whether
 it lies in one group (``tile_group``), whether it compiled, its shared memory and whether that fits one sm_90
 block (a build past it is retried with fewer stages at run time), and whether its PTX touches local memory.
@@ -50,7 +50,7 @@ from qops.ops.triton import int_weight as T  # noqa: E402
 CASES = [(2, 128, "fp16", 16, 128, 0), (2, 128, "bf16", 16, 128, 0), (2, 32, "fp16", 16, 128, 0), (4, 32, "fp16", 16, 128, 1),
          (4, 64, "bf16", 16, 128, 1), (4, 64, "fp16", 64, 64, 0), (8, 32, "fp16", 16, 128, 0), (4, 128, "fp16", 16, 128, 1)]
 POINTERS = {"x_ptr": "act", "qw_ptr": "*i32", "s_ptr": "act", "qz_ptr": "*i32", "perm_ptr": "*i32", "bias_ptr": "act", "y_ptr": "*fp32"}
-DEFAULTED = ("DEQUANT", "PREFETCH_S", "EVEN_ODD", "SYM_ZERO_LOAD", "PDL", "PREFETCH", "XVEC", "HALF_DOT", "DOT_WORDS", "STREAM_K",
+DEFAULTED = ("DEQUANT", "PREFETCH_S", "EVEN_ODD", "SYM_ZERO_LOAD", "PDL", "PREFETCH", "XVEC", "HALF_DOT", "DOT_WORDS", "STREAM_K", "SCALE_W",
              "ZERO_WAIT")
 SM90_SHARED = 232448  # bytes of shared memory one block may have on sm_90 (227 KiB opt-in)
 
@@ -66,12 +66,13 @@ def one_config_table(decode_max_m: int, decode: dict, gemm: dict) -> dict:
 
 
 def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, even_odd: int, maxnreg: int = 0,
-                 stream_k: int = 0, sass: bool = False) -> dict:
+                 stream_k: int = 0, scale_weight: int = 0, sass: bool = False) -> dict:
     """A GEMM build as planned for a 4096x4096 weight at M = ``block_m``: writing fp32 partials, or with
-    ``stream_k`` the stream-K build as sm_90 launches it (atomic sum, PDL reduction and zeroing)."""
+    ``stream_k`` the stream-K build as sm_90 launches it (atomic sum, PDL reduction and zeroing);
+    ``scale_weight`` scales the weight tile, not the product."""
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
            "even_odd": even_odd, "impl": "triton", "ctas_per_sm": 4, "max_split": 32, "maxnreg": maxnreg,
-           "stream_k": stream_k}
+           "stream_k": stream_k, "scale_weight": scale_weight}
     with T.config_override(one_config_table(0, {}, cfg)):
         plan = T._shape_plan(block_m, 4096, 4096, bits, group, torch.device("cpu"), "gemm", False)
     mode = 2 if plan["stream_k"] else 1
@@ -82,7 +83,8 @@ def compile_case(bits: int, group: int, dtype: str, block_m: int, block_n: int, 
     finally:
         T._DEQUANT_FORCE = None
     row = dict(bits=bits, group=group, dtype=dtype, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=plan["block_k"],
-               tile_group=plan["tile_group"], maxnreg=maxnreg, stream_k=plan["stream_k"], triton=triton.__version__)
+               tile_group=plan["tile_group"], maxnreg=maxnreg, stream_k=plan["stream_k"],
+               scale_weight=bool(consts.get("SCALE_W")), triton=triton.__version__)
     return compiled_row(row, fn, consts, launch, dtype, sass, launch_ints(fn, plan, mode, block_m, 4096, 4096, bits, group, dtype))
 
 
@@ -197,7 +199,7 @@ def loop_mix(cubin: bytes) -> dict | None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", type=json.loads, default=CASES, help="JSON list of [bits, group, dtype, BLOCK_M, BLOCK_N, even_odd(, maxnreg, stream_k)]")
+    p.add_argument("--cases", type=json.loads, default=CASES, help="JSON list of [bits, group, dtype, BLOCK_M, BLOCK_N, even_odd(, maxnreg, stream_k, scale_weight)]")
     p.add_argument("--gemv", type=json.loads, help="JSON list of [bits, group, dtype, BLOCK_N, CHUNKS, num_warps, M(, prefetch, x_vec, maxnreg, half_dot)]: GEMV builds instead")
     p.add_argument("--sass", action="store_true", help="the main loop's SASS instruction mix of each build")
     p.add_argument("--out")

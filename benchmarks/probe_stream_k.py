@@ -12,7 +12,11 @@ checked against the float64 product with the dequantized weight; each row says w
 (``stream_k_taken``: the lowering takes it only where it saves ``STREAM_K_GAIN`` of the rounds; the first run,
 h100-2026-12-06-1eed08c-probe-streamk, took it everywhere).
 
-    PYTHONPATH=. python benchmarks/probe_stream_k.py [--shapes 28672x4096,...] [--ms 4,8,16,32,64] [--set JSON] [--out F]
+    PYTHONPATH=. python benchmarks/probe_stream_k.py [--shapes 28672x4096,...] [--ms 4,8,16,32,64] [--set JSON]
+        [--variants JSON] [--out F]
+
+``--variants`` adds candidates: each a set of keys on the shipped bucket (stop 64: the 64-row tile with its
+weight tile scaled before the MMA, ``scale_weight``).
 """
 from __future__ import annotations
 
@@ -73,6 +77,9 @@ def main(argv=None) -> int:
     p.add_argument("--set", type=json.loads, default={},
                    help='more keys for the stream-K candidate\'s bucket, JSON (say {"maxnreg": 168}: the 64 x 64 stream-K '
                         'build at 167 registers, three programs an SM like the split build, where uncapped it takes 189)')
+    p.add_argument("--variants", type=json.loads, default={},
+                   help='more candidates, JSON {name: keys set on the shipped bucket} (say {"sw": {"scale_weight": 1}}), '
+                        'each timed beside the two with its own check and whether its launch took stream-K')
     a = p.parse_args(argv)
     res = common.probe_result("stream_k")
     if res is None:
@@ -97,14 +104,24 @@ def main(argv=None) -> int:
             cands["stream_k"] = [under(table, lambda v=v: v.mm(x)) for v in ws]
         except Exception as e:  # noqa: BLE001  (a build the compiler or the device refuses)
             row["stream_k_error"] = common.short_err(e)
+        for name, keys in a.variants.items():
+            vt = bucket_table(m, keys)
+            try:
+                row[f"{name}_rel_err"] = common.rel_err(under(vt, lambda: w.mm(x))(), want)
+                row[f"{name}_stream_k_taken"] = took_stream_k(under(vt, lambda: w.mm(x)))
+                cands[name] = [under(vt, lambda v=v, vt=vt: v.mm(x)) for v in ws]
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_error"] = common.short_err(e)
         common.time_row(res, row, cands, a.trials, roof, ratio=("speedup", "shipped", "stream_k") if "stream_k" in cands else None)
         del w, ws
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_stream_k.json", a.out))
-    print("\nN x K, M | shipped us | stream_k us (launch taken) | speedup")
+    print("\nN x K, M | shipped us | stream_k us (launch taken) | speedup" + "".join(f" | {v} us" for v in a.variants))
     for r in res["rows"]:
         print(f"{r['N']}x{r['K']}, {r['M']} | {r.get('shipped_us')} | {r.get('stream_k_us', r.get('stream_k_error'))} "
-              f"({'stream-K' if r.get('stream_k_taken') else 'split'}) | {r.get('speedup')}")
+              f"({'stream-K' if r.get('stream_k_taken') else 'split'}) | {r.get('speedup')}"
+              + "".join(f" | {r.get(v + '_us', r.get(v + '_error'))}{' SK' if r.get(v + '_stream_k_taken') else ''}"
+                        for v in a.variants))
     return 0
 
 

@@ -13,8 +13,9 @@ Sweeps, for W4 g128 and W8 g128 (asymmetric, fp16 activations) over the PERF.md 
   it) for the best;
 - tensor-core GEMM configs per M bucket {4 ... 2048}: tile shapes, warps, stages, programs per SM (at 4
   bits up to M = 128 each also as even / odd K halves, ``even_odd``),
-  then the atomic reduction, the scales loaded a K tile ahead (``prefetch_scales``), stream-K (``stream_k``) and,
-  to M = 16, a register cap on the best one;
+  then the atomic reduction, the scales loaded a K tile ahead (``prefetch_scales``), stream-K (``stream_k``), the
+  weight tile scaled before the MMA (``scale_weight``, where the tile's height would not) and, to M = 16, a
+  register cap on the best one;
   and dequantize + cuBLAS from M = 256 on.
 
 ``decode_max_m`` is, per bit width, the largest M (from 1) where the best decode config beats the best GEMM one.
@@ -316,12 +317,15 @@ def main():
                 torch.cuda.empty_cache()
             print(f"timed {bits}-bit {n}x{k} ({time.time() - start:.0f}s)", flush=True)
 
-    def time_variant(bits, m, paths, change):
-        """Time the bucket's best config of ``paths`` with ``change`` applied, on every shape (if it passes the check)."""
+    def time_variant(bits, m, paths, change, when=lambda cfg: True):
+        """Time the bucket's best config of ``paths`` with ``change`` applied, on every shape (if it passes the check
+        and ``when`` says the change means something for that config)."""
         top = best(times, bits, m, paths)
         if top is None or time.time() - start > DEADLINE_S + 20:
             return
         cfg, path, _ = top
+        if not when(cfg):
+            return
         alt = {**cfg, **change}
         if alt == cfg or check_candidate((bits, path, m, alt), device, cache):
             return
@@ -352,6 +356,10 @@ def main():
             # Stream-K (stop 63): the launch takes it only where it saves rounds, so per shape it is the split
             # launch or faster (H100: 1.02-1.35x where taken, one 0.96x at 28672x4096 M = 32).
             time_variant(bits, m, ("gemm",), {"stream_k": 1})
+            # The half weight tile scaled before the MMA where the tile's height would scale the product after it
+            # (stop 64): the 64 x 64 x 128 tile at 128 registers, not 167 (compiled for sm_90).
+            time_variant(bits, m, ("gemm",), {"scale_weight": 1},
+                         when=lambda cfg: 2 * cfg.get("BLOCK_M", 0) <= cfg.get("BLOCK_K", 0))
 
     source = (f"benchmarks/tune_triton_int_weight.py on {gpu}, torch {torch.__version__}, "
               f"triton {common.triton_version()}, commit {(common.git_commit() or 'unknown')[:12]}, "

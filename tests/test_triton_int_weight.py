@@ -1243,6 +1243,29 @@ def test_stream_k_runs(k, unit, tiles, slots, want):
     assert programs <= slots and (programs - 1) * per < total <= programs * per, "every step in exactly one run"
 
 
+@pytest.mark.parametrize("m,bits,group_size,sym,act_order,dtype,even_odd", [
+    (17, 4, 128, False, False, torch.float16, 0),   # two M tiles, several groups a split
+    (17, 4, 64, True, True, torch.float16, 1),      # even / odd halves, act-order, symmetric
+    (3, 8, 128, False, True, torch.float16, 0),
+    (33, 2, -1, False, False, torch.float16, 0),    # per-channel: one group
+    (5, 4, 128, False, False, torch.float32, 0),    # fp32 x: no half form, so not taken
+])  # bf16 x: the GPU suite's (the interpreter's bf16 dot is wrong, see the top)
+def test_scaled_weight_tile_matches_the_oracle(m, bits, group_size, sym, act_order, dtype, even_odd):
+    """``scale_weight``: the half weight tile scaled by its group's scales before the dot at a tile height
+    (16 rows, 32 deep) where the fp32 product would be scaled after it, the dots chained into one
+    accumulator; built only where a half form applies, and against the float64 oracle."""
+    t = table(decode_max_m=0)
+    t["gemm"]["default"]["64"].update(scale_weight=1, even_odd=even_odd)
+    with T.config_override(t):
+        plan = T._plan(m, 72, 512, bits, group_size, torch.device(DEVICE), "gemm")
+        assert plan["tile_group"] and 2 * plan["block_m"] <= plan["block_k"] and plan["split"] > 1, plan
+        _, consts, _ = T._split_k_build(plan, 1, dtype, bits, None if sym else object(), None, None)
+        assert consts.get("SCALE_W", False) == (dtype != torch.float32)
+        check(m, 72, 512, bits, group_size, sym, act_order, True, dtype, "gemm")
+    plain = T._plan(m, 72, 512, bits, group_size, torch.device(DEVICE), "gemm")  # the table without the knob
+    assert "SCALE_W" not in T._split_k_build(plain, 1, dtype, bits, None, None, None)[1]
+
+
 def stream_k_table(**cfg) -> dict:
     """The test table with ``stream_k`` on its GEMM config (and ``cfg``), the GEMM's from one row."""
     t = table(decode_max_m=0)

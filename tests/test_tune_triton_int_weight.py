@@ -34,6 +34,7 @@ def test_dry_run_writes_a_loadable_table_and_every_candidate(tmp_path):
     assert any(c["config"].get("reduce") == "atomic" for c in rows["candidates"])
     assert any(c["config"].get("prefetch_scales") == 1 and c["path"] == "gemm" for c in rows["candidates"])
     assert any(c["config"].get("stream_k") == 1 and c["path"] == "gemm" for c in rows["candidates"])
+    assert any(c["config"].get("scale_weight") == 1 and c["path"] == "gemm" for c in rows["candidates"])
     for path in ("decode", "gemm"):  # and a register cap
         assert any(c["config"].get("maxnreg") and c["path"] == path for c in rows["candidates"]), path
     for r in rows["rows"]:

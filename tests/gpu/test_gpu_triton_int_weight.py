@@ -547,6 +547,43 @@ def test_gemm_knobs_match_the_oracle(item):
                 check(b.weight.mm(x, bias), x, b.w64, bias, f"{_id(item[:2])} M={m} {knobs} tile {tile['BLOCK_M']}x{tile['BLOCK_N']}")
 
 
+SCALE_WEIGHT_TILES = [  # the 64-row warpgroup-MMA tile the knob is for, and the 16-row even / odd tile
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 3},
+    {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 3, "even_odd": 1},
+]
+SCALE_WEIGHT_CASES = [
+    (Case("gptq", 4, 128, False, True, "v2", 4104, 4096), torch.float16),
+    (Case("awq", 4, 128, False, False, None, 1024, 4096), torch.bfloat16),
+    (Case("compressed-tensors", 8, 128, True, False, None, 1032, 2048), torch.float16),
+    (Case("gptq", 4, -1, True, False, "v2", 520, 1000), torch.bfloat16),  # per-channel, K off the tile
+]
+
+
+@pytest.mark.parametrize("item", SCALE_WEIGHT_CASES, ids=_id)
+def test_scaled_weight_tile_matches_the_oracle(item):
+    """``scale_weight`` (the half weight tile scaled before the MMA where the tile's height would scale the
+    product after it) against the float64 oracle through the inline PTX of both half dtypes, at M = 1, 17,
+    64 and 257, on the 64-row tile (warpgroup MMAs chained into one accumulator) and the 16-row even / odd
+    one; M = 17 also replayed from a CUDA graph."""
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=11)
+    for tile in SCALE_WEIGHT_TILES:
+        table = narrow_gemm_table(reduce="partials", scale_weight=1, **tile)
+        table["decode_max_m"] = 0
+        with T.config_override(table):
+            for m in (1, 17, 64, 257):
+                plan = T._plan(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"))
+                assert plan["path"] == "gemm" and plan["tile_group"] and 2 * plan["block_m"] <= plan["block_k"], plan
+                assert T.scale_weight_applies(plan["cfg"], T.dequant_form(dtype, case.bits, True))
+                x = rand(m, case.k, dtype=dtype, seed=110 + m)
+                what = f"scale_weight {_id(item)} M={m} tile {tile['BLOCK_M']}x{tile['BLOCK_N']}"
+                check(b.weight.mm(x, bias), x, b.w64, bias, what)
+                if m == 17:
+                    y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=120 + m))
+                    check(y, x, b.w64, bias, what + " graph")
+
+
 STREAM_K_CASES = [  # (case, dtype, other GEMM knobs)
     (Case("gptq", 4, 128, False, True, "v2", 4104, 4096), torch.float16, {"even_odd": 1}),
     (Case("awq", 4, 128, False, False, None, 1024, 4096), torch.bfloat16, {"even_odd": 1}),

@@ -39,8 +39,8 @@ number of rows M and the shipped config table (never from tensor values, never w
   Otherwise each value goes through
   the fp32 mantissa trick and is interleaved back into K order with ``tl.join``. When a K tile
   lies inside one quantization group the scale multiplies the tile's fp32 product (once per output
-  element per tile) or, for tiles taller than half their depth, the half weight tile (once per
-  weight pair); otherwise scales are applied per element before the dot.
+  element per tile) or, for tiles taller than half their depth or where a config asks (``scale_weight``),
+  the half weight tile (once per weight pair); otherwise scales are applied per element before the dot.
 - **dense** (the largest M, when the config says so): the weight is dequantized by a Triton kernel
   into a transient dense ``(K, N)`` buffer in N-slabs of bounded size and multiplied by cuBLAS; the
   dense weight never outlives the call. act_perm is applied by scattering rows, so x is not gathered.
@@ -856,6 +856,7 @@ def _tc_tile(
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr,
     PREFETCH_S: tl.constexpr, EVEN_ODD: tl.constexpr, SYM_ZERO_LOAD: tl.constexpr, ZERO_WAIT: tl.constexpr,
+    SCALE_W: tl.constexpr,
 ):
     """Output tile ``tile`` (in :func:`grouped_tile`'s order) over K rows ``k_lo .. k_hi`` (``k_lo`` a multiple
     of BLOCK_K): written (OUT_MODE 0), stored as partial ``pid_k`` (1) or added into the fp32 sum (2)."""
@@ -911,9 +912,11 @@ def _tc_tile(
                                     DEQUANT)
             if not (PREFETCH_S or SYM_ZERO_LOAD):  # those loaded it above
                 s = tl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
-            if DEQUANT != 0 and 2 * BLOCK_M > BLOCK_K:
+            if DEQUANT != 0 and (SCALE_W or 2 * BLOCK_M > BLOCK_K):
                 # Scaling the product costs BLOCK_M / BLOCK_K instructions per weight, the half tile
-                # 1/2 (a packed multiply per pair): cheaper for tall tiles. s * (q - z) is then
+                # 1/2 (a packed multiply per pair): cheaper for tall tiles. SCALE_W asks for it at any
+                # height: the dots then chain into one accumulator (no second fp32 tile of registers,
+                # no multiply-add after each K tile's MMAs have finished). s * (q - z) is then
                 # rounded to the activation dtype, as a dequantized weight would be: once where the
                 # scales are stored in it, twice where they are not (the scale itself first).
                 if EVEN_ODD:
@@ -959,6 +962,7 @@ def _tc_kernel(
     TILE_GROUP: tl.constexpr, OUT_MODE: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT: tl.constexpr = 0,
     PREFETCH_S: tl.constexpr = False, EVEN_ODD: tl.constexpr = False, SYM_ZERO_LOAD: tl.constexpr = False,
     PDL: tl.constexpr = False, ZERO_WAIT: tl.constexpr = False, STREAM_K: tl.constexpr = False,
+    SCALE_W: tl.constexpr = False,
 ):
     """Split-K tiled GEMM on tensor cores: program (m/n tile, K split). PREFETCH_S loads the next K tile's
     scales one iteration ahead: Triton's pipeliner does not take that load (a few bytes a thread, under
@@ -974,7 +978,8 @@ def _tc_kernel(
     the atomic adds wait for the zeroing launched before it). STREAM_K (OUT_MODE 2): the grid is one program
     per run of ``split_len / BLOCK_K`` K steps of the tiles' steps laid end to end (tile by tile, K inner):
     a program adds one partial sum per tile its run touches, so every program does the same work whatever
-    the tile count, where a split count leaves a partial last wave."""
+    the tile count, where a split count leaves a partial last wave. SCALE_W (a half form, the K tile in one
+    group) scales the weight tile, not the product, at any tile height (:func:`scale_weight_applies`)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if STREAM_K:
@@ -990,7 +995,7 @@ def _tc_kernel(
                      stride_qw, stride_qslab, stride_s, stride_qz, stride_ys, stride_ym, stride_yn, group_size,
                      zero_offset, magic, tile, 0, first * BLOCK_K, tl.minimum(K, last * BLOCK_K),
                      BITS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_ZEROS, HAS_PERM, HAS_BIAS, TILE_GROUP, OUT_MODE,
-                     EVEN_K, DEQUANT, PREFETCH_S, EVEN_ODD, SYM_ZERO_LOAD, ZERO_WAIT)
+                     EVEN_K, DEQUANT, PREFETCH_S, EVEN_ODD, SYM_ZERO_LOAD, ZERO_WAIT, SCALE_W)
             it += last - first
     else:
         pid_k = tl.program_id(1)
@@ -999,7 +1004,7 @@ def _tc_kernel(
                  stride_qslab, stride_s, stride_qz, stride_ys, stride_ym, stride_yn, group_size, zero_offset, magic,
                  tl.program_id(0), pid_k, k_lo, tl.minimum(K, k_lo + split_len),
                  BITS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_ZEROS, HAS_PERM, HAS_BIAS, TILE_GROUP, OUT_MODE, EVEN_K,
-                 DEQUANT, PREFETCH_S, EVEN_ODD, SYM_ZERO_LOAD, ZERO_WAIT)
+                 DEQUANT, PREFETCH_S, EVEN_ODD, SYM_ZERO_LOAD, ZERO_WAIT, SCALE_W)
 
 
 @triton.jit
@@ -1227,6 +1232,16 @@ def gemv_half_dot(cfg: dict, bits: int, dtype: torch.dtype, x_vec: bool, prefetc
     if cfg.get("prefetch", 0) and not prefetch:
         return HalfDot.OFF
     return HalfDot.TRITON if interpreting() else HalfDot.ASM
+
+
+def scale_weight_applies(cfg: dict, dequant: int) -> bool:
+    """Whether a GEMM call scales the half weight tile by its group's scales before the MMA (``_tc_kernel``'s
+    SCALE_W) where the tile's height alone would scale the fp32 product after it (``2 * BLOCK_M <= BLOCK_K``):
+    asked by its config (``scale_weight``) and possible (a half form, so the K tile lies in one group).
+    Compiled for sm_90 by Triton 3.6, the 4-bit 64 x 64 x 128 tile (warpgroup MMAs) then needs 128
+    registers, not 167, and its K loop 344 instructions, not 370: the MMAs accumulate into the one fp32 tile
+    instead of a fresh one that 32 FFMAs a thread add to it once they have finished."""
+    return bool(cfg.get("scale_weight", 0)) and dequant != Dequant.FP32
 
 
 def sym_zero_load_applies(cfg: dict, bits: int, dequant: int, symmetric: bool) -> bool:
@@ -1580,6 +1595,7 @@ def _split_k_build(plan, mode: int, dtype, bits: int, qzeros, act_perm, bias, pd
     dequant = dequant_form(dtype, bits, plan["tile_group"])
     return _tc_kernel, dict(
         **({"STREAM_K": True} if stream_k else {}),
+        **({"SCALE_W": True} if scale_weight_applies(cfg, dequant) else {}),
         BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"],
         GROUP_M=int(cfg.get("GROUP_M", 8)), TILE_GROUP=plan["tile_group"],
         DEQUANT=dequant, PREFETCH_S=bool(cfg.get("prefetch_scales", 0)),
