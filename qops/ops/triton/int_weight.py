@@ -1239,8 +1239,12 @@ def scale_weight_applies(cfg: dict, dequant: int) -> bool:
     SCALE_W) where the tile's height alone would scale the fp32 product after it (``2 * BLOCK_M <= BLOCK_K``):
     asked by its config (``scale_weight``) and possible (a half form, so the K tile lies in one group).
     Compiled for sm_90 by Triton 3.6, the 4-bit 64 x 64 x 128 tile (warpgroup MMAs) then needs 128
-    registers, not 167, and its K loop 344 instructions, not 370: the MMAs accumulate into the one fp32 tile
-    instead of a fresh one that 32 FFMAs a thread add to it once they have finished."""
+    registers, not 167, and its K loop 344 instructions, not 370 (64 x 128 x 128: 167, not 255): the MMAs
+    accumulate into the one fp32 tile instead of a fresh one that FFMAs add to it once they have finished.
+    On an H100 the 64 x 128 x 128 tile with it (and stream-K) ran M = 64 1.19-1.31x faster than the table's
+    64 x 64 x 128 entry on the four large shapes, 1.03-1.20x faster than the same tile scaling the product
+    (stop 64, ``benchmarks/results/h100-2026-12-06-8d9a75a-probe-m64.json``); at M = 16 and 32 it was
+    slower (more instructions a value where the product costs 1/8 or 1/4 of an FFMA a weight)."""
     return bool(cfg.get("scale_weight", 0)) and dequant != Dequant.FP32
 
 
