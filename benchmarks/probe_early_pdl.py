@@ -29,15 +29,15 @@ SHAPES = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672), (6144, 409
 
 
 def gptq_native(n: int, k: int, lowering: str = "native_w4a16", dtype: torch.dtype = torch.float16,
-                generator: torch.Generator | None = None):
-    """A GPTQ W4 g128 asymmetric (N, K) weight on the GPU, prepared for ``dtype`` x, run by ``lowering``
-    (``generator``: the random weights' source, for inputs two runs must share)."""
+                generator: torch.Generator | None = None, sym: bool = False):
+    """A GPTQ W4 g128 (N, K) weight on the GPU, asymmetric unless ``sym``, prepared for ``dtype`` x, run by
+    ``lowering`` (``generator``: the random weights' source, for inputs two runs must share)."""
     from qops.formats import FORMATS
     from qops.lowerings import LOWERINGS_BY_NAME
 
     fmt = FORMATS["gptq"]
     w = (torch.randn(n, k, device="cuda", generator=generator) * 0.02).to(dtype)
-    iw = fmt.prepare(fmt.quantize(w, bits=4, group_size=128, sym=False), dtype=dtype)
+    iw = fmt.prepare(fmt.quantize(w, bits=4, group_size=128, sym=sym), dtype=dtype)
     return dataclasses.replace(iw, kernel=LOWERINGS_BY_NAME[lowering].kernel)
 
 

@@ -13,7 +13,7 @@ checked against the float64 product with the dequantized weight; each row says w
 h100-2026-12-06-1eed08c-probe-streamk, took it everywhere).
 
     PYTHONPATH=. python benchmarks/probe_stream_k.py [--shapes 28672x4096,...] [--ms 4,8,16,32,64] [--set JSON]
-        [--variants JSON] [--out F]
+        [--variants JSON] [--symmetric] [--out F]
 
 ``--variants`` adds candidates: each a set of keys on the shipped bucket (stop 64: the 64-row tile with its
 weight tile scaled before the MMA, ``scale_weight``).
@@ -80,13 +80,15 @@ def main(argv=None) -> int:
     p.add_argument("--variants", type=json.loads, default={},
                    help='more candidates, JSON {name: keys set on the shipped bucket} (say {"sw": {"scale_weight": 1}}), '
                         'each timed beside the two with its own check and whether its launch took stream-K')
+    p.add_argument("--symmetric", action="store_true",
+                   help="symmetric weights (no zero points at run time: other builds), as bench_int_weight's")
     a = p.parse_args(argv)
     res = common.probe_result("stream_k")
     if res is None:
         return 2
     bw = res["copy_TBps"]
     for (n, k), m in [(shape, m) for shape in a.shapes for m in a.ms]:
-        w = gptq_native(n, k, "triton_int_weight")
+        w = gptq_native(n, k, "triton_int_weight", sym=a.symmetric)
         ws = [w] + [clone_tensors(w) for _ in range(n_copies(w.nbytes()) - 1)]
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         roof = common.roofline_us(w.nbytes() + 2 * m * (k + n), bw)
@@ -94,8 +96,8 @@ def main(argv=None) -> int:
         table, split_table = bucket_table(m, {"stream_k": 1, **a.set}), bucket_table(m, {"stream_k": 0})
         with T.config_override(table):
             plan = T._plan(m, n, k, 4, 128, x.device)
-        row = {"N": n, "K": k, "M": m, "roofline_us": round(roof, 2), "path": plan["path"], "tiles": plan["tiles"],
-               "split": plan["split"], "stream_k": plan["stream_k"], "set": a.set}
+        row = {"N": n, "K": k, "M": m, "symmetric": w.qzeros is None, "roofline_us": round(roof, 2), "path": plan["path"],
+               "tiles": plan["tiles"], "split": plan["split"], "stream_k": plan["stream_k"], "set": a.set}
         cands = {"shipped": [under(split_table, lambda v=v: v.mm(x)) for v in ws]}
         row["shipped_rel_err"] = common.rel_err(under(split_table, lambda: w.mm(x))(), want)
         try:
