@@ -329,7 +329,7 @@ def test_pdl_reduction_matches_the_oracle(item, reduce, monkeypatch):
     with T.config_override(table_with_pdl_reduce(reduce)):
         for m in (1, 3, 17, 33):
             plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
-            assert plan["path"] in ("decode", "gemm") and plan["split"] > 1 and T.reduce_pdl(plan["cfg"], dev), plan
+            assert plan["path"] in ("decode", "gemm") and plan["split"] > 1 and T.reduce_pdl(plan["cfg"], dev, plan["reduce"] == "atomic"), plan
             x = rand(m, case.k, dtype=dtype, seed=110 + m)
             launched.clear()
             check(b.weight.mm(x, bias), x, b.w64, bias, f"pdl {reduce} {_id(item)} M={m}")

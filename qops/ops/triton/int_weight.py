@@ -1530,20 +1530,17 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
         )
 
 
-def reduce_pdl(cfg: dict, device: torch.device, atomic: bool | None = None) -> bool:
+def reduce_pdl(cfg: dict, device: torch.device, atomic: bool) -> bool:
     """Whether a split-K launch of config ``cfg`` starts its reduction as a programmatic dependent (on a
     GPU that has PDL): the reduction's launch latency then overlaps the split-K kernel's last programs.
 
-    ``pdl_reduce`` in the config decides; without it, the atomic reduction takes PDL and the partials
-    one does not. Measured on an H100 (h100-2026-12-06-16c396d-probe-pdl, W4 g128, five shapes x
-    M = 1 / 4 / 16): atomic 0.26-0.97 us faster in all 15 rows; partials 0.2-0.8 us faster in 8 and
+    ``pdl_reduce`` in the config decides; without it, the launch's own reduction does: ``atomic`` (the fp32
+    sum; a stream-K config's split launch may take partials) takes PDL and partials do not. Measured on an
+    H100 (h100-2026-12-06-16c396d-probe-pdl, W4 g128, five shapes x M = 1 / 4 / 16): atomic 0.26-0.97 us faster in all 15 rows; partials 0.2-0.8 us faster in 8 and
     0.1-3.5 us slower in 7 (its reduction has many more programs, placed early while the split-K
     kernel still runs)."""
     knob = cfg.get("pdl_reduce")
-    if knob is None:
-        # ``atomic``: the launch's own reduction (a stream-K config's split launch keeps the config's)
-        knob = cfg.get("reduce", "partials") == "atomic" if atomic is None else atomic
-    return bool(knob) and pdl_launch(device)
+    return bool(atomic if knob is None else knob) and pdl_launch(device)
 
 
 def zero_pdl(cfg: dict, device: torch.device) -> bool:
