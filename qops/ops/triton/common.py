@@ -125,8 +125,9 @@ def half_offsets(bits: int, half: str, order=None) -> list[tuple[int, int]]:
     return sorted({(lo[2], hi[2]) for lo, hi in half_pair_lanes(bits, half, order)})
 
 
-def half_unpack_asm(bits: int, half: str, order=None) -> tuple[str, str]:
-    """(PTX, constraints) turning one word into its ``32 // bits`` values ``q - z`` as ``half``.
+def half_unpack_asm(bits: int, half: str, order=None, scaled: bool = False) -> tuple[str, str]:
+    """(PTX, constraints) turning one word into its ``32 // bits`` values ``q - z`` as ``half``
+    (``s * (q - z)`` when ``scaled``: one packed multiply a pair by the last operand, ``(s, s)``).
 
     Operands: outputs ``$0 .. $(vpw - 1)`` (16-bit, in ``order``, default the word's: outputs ``2i,
     2i + 1`` are the halves of one register, K-adjacent as the tensor-core operand wants them), the word, then one
@@ -141,6 +142,7 @@ def half_unpack_asm(bits: int, half: str, order=None) -> tuple[str, str]:
     vpw = 32 // bits
     word = f"${vpw}"
     fma = "fma.rn.f16x2" if half == "f16" else "fma.rn.bf16x2"
+    mul = "mul.rn.f16x2" if half == "f16" else "mul.rn.bf16x2"
     one = 0x3C00 if half == "f16" else 0x3F80
 
     def pow2(s):  # 2**-s in the half format (exponent field moved down by s)
@@ -180,9 +182,11 @@ def half_unpack_asm(bits: int, half: str, order=None) -> tuple[str, str]:
             # lop3 0xea: (a & b) | c.
             body.append(f"lop3.b32 q{i}, {src}, 0x{mask:08x}, 0x{magic | (magic << 16):08x}, 0xea;")
             body.append(f"{fma} q{i}, q{i}, c{j}, ${vpw + 1 + j};")
+        if scaled:
+            body.append(f"{mul} q{i}, q{i}, ${vpw + 1 + len(offsets)};")
         body.append(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, q{i};")
     body.append("}")
-    constraints = ",".join(["=h"] * vpw + ["r"] * (1 + len(offsets)))
+    constraints = ",".join(["=h"] * vpw + ["r"] * (1 + len(offsets) + scaled))
     return "\n".join(body), constraints
 
 

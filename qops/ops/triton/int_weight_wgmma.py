@@ -1,0 +1,314 @@
+"""The 4-bit GPTQ weight-only GEMM on Hopper warpgroup MMAs, the weight as the MMA's register operand (Gluon).
+
+Why a second kernel beside ``int_weight._tc_kernel``: Triton 3.6 stores that kernel's unpacked weight tile to
+shared memory each K step and waits for the step's MMAs before the next (its pipeliner lets a dot run ahead
+only on buffers it owns; sm_90 SASS and TTGIR at stop 64). Here the operands are swapped, ``y^T = W x^T``: the
+weight tile ``(BLOCK_N, BLOCK_K)`` is the MMA's A operand, unpacked straight into the registers that operand
+lives in, and x's tile ``(BLOCK_M, BLOCK_K)`` is the B operand in a ring of shared-memory stages filled by
+``cp.async``, as are the packed words. The MMAs are asynchronous: each K step is two half-step MMAs, and the
+unpack of one half overlaps the MMA of the other.
+
+How the words reach the A operand's registers without a shuffle: a thread of the MMA's A fragment holds, per
+row and per 32 K rows, the K pairs ``2t, 2t + 1, 2t + 8, 2t + 9`` of both 16-row chunks (``t`` = lane % 4),
+eight values; a GPTQ word holds eight K-consecutive values. So thread ``t`` loads word ``4b + t`` of each
+32-row block ``b`` and its values go to those eight positions: the MMA's K position
+``q = 32b + 16cc + 8h + 2t + e`` holds weight row ``32b + 8t + 4cc + 2h + e``. x's columns are gathered in
+the same order once a call (:func:`x_gather_index`), with the act-order permutation folded in; the product
+is the same sum over K. The unpack is ``common.half_unpack_asm`` with the group's scale multiplied in
+(PRMT, LOP3, packed FMA and packed multiply a pair of values), so the weight is ``s * (q - z)`` rounded to
+the activation dtype, as a dequantized weight is.
+
+Gluon (``triton.experimental.gluon``) is experimental and its API moves between Triton releases; this file
+is written against Triton 3.6 (the GPU machine's). Triton's interpreter does not run Gluon, so CI only
+compiles it for sm_90 (``tests/test_int_weight_wgmma.py``); the GPU suite runs it against the float64 oracle.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from .common import half_unpack_asm
+
+try:  # Gluon's API is per Triton release; a Triton without these names cannot build the kernel at all
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    # Triton 3.6 (the GPU machine's) names the cp.async load ``async_copy_global_to_shared``; later releases
+    # ``async_load`` (CI's Triton compiles this file for sm_90 too)
+    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    GLUON_ERROR = None
+except Exception as e:  # noqa: BLE001 - any import failure means the same: no Gluon here
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+WARPS = triton.language.constexpr(4)  # one warpgroup: the MMA's 64 rows of N a step are its four warps' 16
+
+
+def available() -> str | None:
+    """None where this Triton can build the kernel, else why not."""
+    return GLUON_ERROR
+
+
+_F16_ASM, _F16_CONSTRAINTS = (triton.language.constexpr(t) for t in half_unpack_asm(4, "f16", scaled=True))
+_BF16_ASM, _BF16_CONSTRAINTS = (triton.language.constexpr(t) for t in half_unpack_asm(4, "bf16", scaled=True))
+
+
+@functools.cache
+def _gather_order(k: int) -> torch.Tensor:
+    """``order[q]``: the weight row whose value the MMA's K position ``q`` multiplies (see the module
+    docstring), as int64 on the CPU; ``k`` a multiple of 32."""
+    q = torch.arange(k)
+    b, r = q // 32, q % 32
+    cc, h, t, e = r // 16, (r // 8) % 2, (r // 2) % 4, r % 2
+    return 32 * b + 8 * t + 4 * cc + 2 * h + e
+
+
+def x_gather_index(k: int, act_perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The column of x each K position of the kernel reads: the MMA order of :func:`_gather_order`, through
+    the act-order permutation where there is one (the kernel's K row ``j`` multiplies ``x[:, act_perm[j]]``)."""
+    order = _gather_order(k).to(device)
+    return order if act_perm is None else act_perm.to(torch.int64).index_select(0, order)
+
+
+if GLUON_ERROR is None:
+
+    @gluon.constexpr_function
+    def _word_layout(block_n, block_k):
+        """Registers of the ``(BLOCK_N, BLOCK_K / 8)`` word tile: lane ``l`` holds rows ``l / 4 (+ 8)`` of
+        its warp's 16 and word columns ``l % 4 + 4b``, the A fragment's owner of those values."""
+        regs = [[8, 0]] + [[0, 4 << i] for i in range((block_k // 32).bit_length() - 1)]
+        regs += [[64 << i, 0] for i in range((block_n // 64).bit_length() - 1)]
+        lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+        warps = [[16, 0], [32, 0]]
+        return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, block_k // 8])
+
+    @gluon.constexpr_function
+    def _copy_layout(rows, cols, vec):
+        """A ``(rows, cols)`` layout of ``vec``-element vectors for ``cp.async``, every element once."""
+        warps = WARPS.value
+        tcols = min(32, cols // vec)
+        trows = 32 // tcols
+        wrows = max(1, min(warps, rows // trows))
+        return gl.BlockedLayout([1, vec], [trows, tcols], [wrows, warps // wrows], [1, 0])
+
+    @gluon.jit
+    def _pack_pair(v, DTYPE: gl.constexpr):
+        """fp32 ``v`` as the packed pair ``(v, v)`` of DTYPE (int32), the unpack's operand."""
+        if DTYPE == gl.float16:
+            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,r", [v], dtype=gl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [v], dtype=gl.int32,
+                                             is_pure=True, pack=1)
+
+    @gluon.jit
+    def _bias_pair(zf, DTYPE: gl.constexpr):
+        """The unpack's packed bias ``(-(magic_lo + z), -(magic_hi + z))`` (``common.half_offsets``: f16 reads
+        the high nibble in place, x16; bf16 from the word shifted down)."""
+        if DTYPE == gl.float16:
+            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,r,r", [-(zf + 64.0), -(zf + 1024.0)],
+                                             dtype=gl.int32, is_pure=True, pack=1)
+        else:
+            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,r,r", [-(zf + 128.0), -(zf + 128.0)],
+                                             dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _weight_operand(words, bias, scale, a_layout: gl.constexpr, DTYPE: gl.constexpr):
+        """The MMA's A operand ``(BLOCK_N, 8 * C)`` (``s * (q - z)`` in DTYPE, K in the MMA order) of the word
+        tile ``(BLOCK_N, C)``; ``bias`` / ``scale`` ``(BLOCK_N, 1)`` packed pairs."""
+        if DTYPE == gl.float16:
+            v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
+                _F16_ASM, _F16_CONSTRAINTS, [words, bias, scale], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
+                _BF16_ASM, _BF16_CONSTRAINTS, [words, bias, scale], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        # value j = 4cc + 2h + e of word column 4b + t goes to K position 32b + 16cc + 8h + 2t + e
+        t = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
+        BN: gl.constexpr = words.shape[0]
+        C: gl.constexpr = words.shape[1]
+        t = gl.reshape(t, [BN, C // 4, 4, 2, 2, 2])  # (n, b, t, e, h, cc)
+        t = gl.permute(t, [0, 1, 5, 4, 2, 3])  # (n, b, cc, h, t, e)
+        t = gl.reshape(t, [BN, 8 * C])
+        return gl.convert_layout(t, a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _group_pairs(s_ptr, qz_ptr, g, offs_n, nmask, stride_s, stride_qz, zero_offset,
+                     HAS_ZEROS: gl.constexpr, DTYPE: gl.constexpr):
+        """Group ``g``'s packed scale and bias pairs of rows ``offs_n``, ``(BLOCK_N, 1)`` each."""
+        s = gl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(gl.float32)
+        if HAS_ZEROS:
+            zw = gl.load(qz_ptr + g * stride_qz + offs_n // 8, mask=nmask, other=0)
+            zf = ((zw >> ((offs_n % 8) * 4)) & 15).to(gl.float32) + zero_offset
+        else:
+            zf = s * 0.0 + 8.0
+        return _pack_pair(s, DTYPE)[:, None], _bias_pair(zf, DTYPE)[:, None]
+
+    @gluon.jit
+    def _issue_step(x_ptr, qw_ptr, x_stage, w_stage, offs_xm, offs_xk, offs_wr, wcol, xmask, wmask, k0,
+                    stride_xm, stride_qw):
+        """``cp.async`` of step ``k0``'s x tile and word tile into one stage (the caller commits)."""
+        _async_load(x_stage, x_ptr + offs_xm[:, None] * stride_xm + (k0 + offs_xk)[None, :], mask=xmask)
+        _async_load(w_stage, qw_ptr + (k0 // 8 + offs_wr)[:, None] * stride_qw + wcol[None, :], mask=wmask)
+
+    @gluon.jit
+    def _wgmma_w4_kernel(
+        x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, y_ptr,
+        M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, stride_ym, split_len, zero_offset,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
+        STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr,
+    ):
+        """Program (N tile, M tile, K split): ``y[m, n] = sum_k x_g[m, k] w[n, k]`` over its split, x_g the
+        gathered x (:func:`x_gather_index`), written (+ bias) or added into the fp32 sum (ATOMIC). GROUP: the
+        group size (a multiple of BLOCK_K), 0 for one group over K. K is a multiple of BLOCK_K, BLOCK_K of 64.
+        The qweight is flat or in column slabs (word ``(j, n)`` at ``j * stride_qw + (n // 32) * stride_qslab +
+        n % 32``; the flat form's ``stride_qslab`` is 32)."""
+        DTYPE: gl.constexpr = x_ptr.dtype.element_ty
+        HALF_K: gl.constexpr = BLOCK_K // 2
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        word_l: gl.constexpr = _word_layout(BLOCK_N, HALF_K)
+        xcopy_l: gl.constexpr = _copy_layout(BLOCK_M, BLOCK_K, 8)
+        wcopy_l: gl.constexpr = _copy_layout(BLOCK_K // 8, BLOCK_N, 4)
+        x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], DTYPE)
+        # Row r of a word stage XORs its 32-byte chunks with r % 4: a warp's read (4 word rows x 8 columns)
+        # then falls in 32 distinct banks.
+        w_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
+
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        k_lo = gl.program_id(2) * split_len
+        steps = (gl.minimum(K, k_lo + split_len) - k_lo) // BLOCK_K
+        # The host launches no empty split. Without the zero-trip path, whose zeroed accumulator would
+        # meet the loop's at the final wait, ptxas keeps the MMAs asynchronous (else it serializes them:
+        # its C7515 "non wgmma instructions defining accumulator registers").
+        gl.assume(steps > 0)
+
+        x_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_M, BLOCK_K], x_sl)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_K // 8, BLOCK_N], w_sl)
+
+        offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(1, xcopy_l))
+        offs_xk = gl.arange(0, BLOCK_K, gl.SliceLayout(0, xcopy_l))
+        xmask = (offs_xm < M)[:, None] & (offs_xk < BLOCK_K)[None, :]
+        offs_wr = gl.arange(0, BLOCK_K // 8, gl.SliceLayout(1, wcopy_l))
+        offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, wcopy_l))
+        wcol = (offs_wn // 32) * stride_qslab + offs_wn % 32
+        wmask = (offs_wr < BLOCK_K // 8)[:, None] & (offs_wn < N)[None, :]
+
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, word_l))
+        nmask = offs_n < N
+
+        for i in gl.static_range(STAGES - 1):
+            if i < steps:
+                _issue_step(x_ptr, qw_ptr, x_smem.index(i), w_smem.index(i), offs_xm, offs_xk, offs_wr, wcol,
+                            xmask, wmask, k_lo + i * BLOCK_K, stride_xm, stride_qw)
+            cp.commit_group()
+
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+        for i in range(steps):
+            k0 = k_lo + i * BLOCK_K
+            stage = i % STAGES
+            if GROUP == 0:
+                g = 0
+            else:
+                g = k0 // GROUP
+            scale, bias = _group_pairs(s_ptr, qz_ptr, g, offs_n, nmask, stride_s, stride_qz, zero_offset,
+                                       HAS_ZEROS, DTYPE)
+            cp.wait_group(STAGES - 2)
+            fence_async_shared()
+            w_stage = w_smem.index(stage)
+            x_stage = x_smem.index(stage)
+            lo = w_stage.slice(0, HALF_K // 8, dim=0).permute((1, 0)).load(word_l)
+            a_lo = _weight_operand(lo, bias, scale, a_l, DTYPE)
+            acc = warpgroup_mma(a_lo, x_stage.slice(0, HALF_K, dim=1).permute((1, 0)), acc, is_async=True)
+            # <= 1 in flight: the previous step's second MMA is done, so its stage may be refilled
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            nxt = i + STAGES - 1
+            if nxt < steps:
+                _issue_step(x_ptr, qw_ptr, x_smem.index(nxt % STAGES), w_smem.index(nxt % STAGES), offs_xm, offs_xk,
+                            offs_wr, wcol, xmask, wmask, k_lo + nxt * BLOCK_K, stride_xm, stride_qw)
+            cp.commit_group()
+            hi = w_stage.slice(HALF_K // 8, HALF_K // 8, dim=0).permute((1, 0)).load(word_l)
+            a_hi = _weight_operand(hi, bias, scale, a_l, DTYPE)
+            acc = warpgroup_mma(a_hi, x_stage.slice(HALF_K, HALF_K, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])
+        acc = warpgroup_mma_wait(0, deps=[acc])
+
+        offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_l))
+        offs_om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(0, acc_l))
+        omask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
+        y_ptrs = y_ptr + offs_om[None, :] * stride_ym + offs_on[:, None]
+        if ATOMIC:
+            gl.atomic_add(y_ptrs, acc, mask=omask, sem="relaxed")
+        else:
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_TILE = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4}
+
+
+def refusal(x: torch.Tensor, bits: int, group_size: int, k: int, n: int, block_k: int = 64) -> str | None:
+    """Why the kernel cannot take this call (None where it can)."""
+    if GLUON_ERROR is not None:
+        return f"no Gluon in this Triton ({GLUON_ERROR})"
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "needs a Hopper GPU (sm_90 warpgroup MMAs)"
+    if bits != 4:
+        return f"4-bit weights only, got bits={bits}"
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"fp16 / bf16 activations only, got {x.dtype}"
+    if k % block_k:
+        return f"K must be a multiple of BLOCK_K={block_k}, got K={k}"
+    if group_size != -1 and group_size % block_k:
+        return f"group_size must be -1 or a multiple of BLOCK_K={block_k}, got {group_size}"
+    if n % 8:
+        return f"N must be a multiple of 8 (the zero points' words), got N={n}"
+    return None
+
+
+def wgmma_mm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+             act_perm: torch.Tensor | None, bias: torch.Tensor | None, group_size: int, zero_offset: int,
+             tile: dict | None = None, split: int = 1) -> torch.Tensor:
+    """``x2 @ W^T`` (+ bias) for a 4-bit GPTQ weight as qops prepares it (flat or slab qweight), x2 ``(M, K)``.
+    ``split`` K splits add fp32 partial sums atomically (then one cast)."""
+    from ..int_weight import qweight_strides
+
+    cfg = {**DEFAULT_TILE, **(tile or {})}
+    m, k = x2.shape
+    n = scales.shape[1]
+    why = refusal(x2, 4, group_size, k, n, cfg["BLOCK_K"])
+    if why is not None:
+        raise ValueError(f"wgmma_mm: {why}")
+    xg = x2.index_select(1, x_gather_index(k, act_perm, x2.device))
+    steps = k // cfg["BLOCK_K"]
+    split = max(1, min(split, steps))
+    split_len = triton.cdiv(steps, split) * cfg["BLOCK_K"]
+    split = triton.cdiv(k, split_len)  # no empty split (the kernel assumes one step at least)
+    atomic = split > 1
+    if atomic:
+        y = torch.zeros(m, n, device=x2.device, dtype=torch.float32)
+    else:
+        y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
+    stride_qw, stride_qslab = qweight_strides(qweight)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    if m > 0:
+        _wgmma_w4_kernel[grid](
+            xg, qweight, scales, qzeros if qzeros is not None else qweight, bias if bias is not None else scales, y,
+            m, n, k, xg.stride(0), stride_qw, stride_qslab, scales.stride(0),
+            qzeros.stride(0) if qzeros is not None else 0, y.stride(0), split_len, zero_offset,
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+            GROUP=0 if group_size == -1 else group_size, STAGES=cfg["STAGES"], HAS_ZEROS=qzeros is not None,
+            HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic, num_warps=4)
+    if atomic:
+        if bias is not None:
+            y += bias.to(torch.float32)
+        return y.to(x2.dtype)
+    return y
