@@ -256,22 +256,42 @@ DEFAULT_TILE = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4}
 
 
 def refusal(x: torch.Tensor, bits: int, group_size: int, k: int, n: int, block_k: int = 64) -> str | None:
-    """Why the kernel cannot take this call (None where it can)."""
+    """Why the kernel cannot take this call (None where it can), naming the argument."""
+    if bits != 4:
+        return f"bits: 4-bit weights only, got {bits}"
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"x: fp16 / bf16 activations only, got {x.dtype}"
+    if k % block_k:
+        return f"in_features: K must be a multiple of BLOCK_K={block_k}, got {k}"
+    if group_size != -1 and group_size % block_k:
+        return f"group_size: -1 or a multiple of BLOCK_K={block_k}, got {group_size}"
+    if n % 8:
+        return f"out_features: N must be a multiple of 8 (the zero points' words), got {n}"
     if GLUON_ERROR is not None:
         return f"no Gluon in this Triton ({GLUON_ERROR})"
     if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
-        return "needs a Hopper GPU (sm_90 warpgroup MMAs)"
-    if bits != 4:
-        return f"4-bit weights only, got bits={bits}"
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        return f"fp16 / bf16 activations only, got {x.dtype}"
-    if k % block_k:
-        return f"K must be a multiple of BLOCK_K={block_k}, got K={k}"
-    if group_size != -1 and group_size % block_k:
-        return f"group_size must be -1 or a multiple of BLOCK_K={block_k}, got {group_size}"
-    if n % 8:
-        return f"N must be a multiple of 8 (the zero points' words), got N={n}"
+        return f"x: needs a Hopper GPU (sm_90 warpgroup MMAs), got a tensor on {x.device}"
     return None
+
+
+def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, target=None):
+    """The kernel compiled for sm_90 without a GPU (``triton.compile``; what CI can prove): the build a launch
+    with ``tile`` would make, integer sizes and strides declared multiples of 16 as a launch specializes them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _wgmma_w4_kernel
+    act = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    sig = {"x_ptr": act, "qw_ptr": "*i32", "s_ptr": act, "qz_ptr": "*i32", "bias_ptr": act,
+           "y_ptr": "*fp32" if atomic else act}
+    consts = {**{key: tile[key] for key in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "STAGES")}, "GROUP": 128,
+              "HAS_ZEROS": has_zeros, "HAS_BIAS": not atomic, "ATOMIC": atomic}
+    sig.update({name: "constexpr" if name in consts else "i32" for name in fn.arg_names if name not in sig})
+    aligned = {"N", "K", "stride_xm", "stride_qw", "stride_qslab", "stride_s", "stride_ym", "split_len"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name].startswith("*") or name in aligned}
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target or GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
 
 
 def wgmma_mm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,

@@ -1,0 +1,108 @@
+"""The Gluon W4A16 GEMM (``qops/ops/triton/int_weight_wgmma.py``) on a Hopper GPU against the float64 oracle of
+``tests/oracle.py``: GPTQ (v1 / v2, act-order, symmetric), AWQ and compressed-tensors 4-bit weights as qops
+prepares them (flat and column-slab qweight), fp16 and bf16, M = 1 / 17 / 64 / 257, N off the tile grid, a strided
+x, K splits, a bias, and a CUDA-graph replay with fresh inputs."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from qops.formats import FORMATS
+from qops.ops import int_weight as IW
+from qops.ops.triton import int_weight_wgmma as G
+from tests import oracle
+from tests.int_weight_cases import Case, pack, random_int_quantized, rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+TILES = ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
+         {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 3})
+CASES = [  # (case, dtype, qweight form)
+    (Case("gptq", 4, 128, False, False, "v2", 4104, 1024), torch.float16, "flat"),
+    (Case("gptq", 4, 128, True, True, "v1", 4096, 2048), torch.bfloat16, "slabs"),
+    (Case("awq", 4, 64, False, False, None, 1032, 1024), torch.float16, "slabs"),
+    (Case("compressed-tensors", 4, -1, True, False, None, 520, 1024), torch.bfloat16, "flat"),
+    (Case("gptq", 4, 128, False, True, "v2", 264, 512), torch.float16, "flat"),
+]
+
+
+@pytest.fixture(autouse=True)
+def hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the kernel is for Hopper (sm_90)")
+
+
+def rand(*shape, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+
+
+def prepared(case: Case, dtype: torch.dtype, form: str):
+    """(the prepared weight with its qweight in ``form``, the float64 oracle weight ``(N, K)``)."""
+    iq = random_int_quantized(case, torch.Generator().manual_seed(3), torch.float16)
+    ckpt = pack(case, iq)
+    fields = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)}
+    ckpt = dataclasses.replace(ckpt, **{k: v.cuda() for k, v in fields.items() if isinstance(v, torch.Tensor)})
+    w = FORMATS[case.fmt].prepare(ckpt, dtype=dtype)
+    flat = IW.flat_qweight(w.qweight)
+    w = dataclasses.replace(w, qweight=flat if form == "flat" else IW.to_column_slabs(flat))
+    return w, oracle.dequantize(case.fmt, ckpt).cuda()
+
+
+def run(w, x, bias, tile, split):
+    return G.wgmma_mm(x, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.group_size, w.zero_offset, tile, split)
+
+
+def check(y, x, w64, bias, what):
+    want = x.double() @ w64.t() + bias.double()
+    assert y.dtype == x.dtype and y.shape == want.shape, what
+    assert bool(torch.isfinite(y).all()), f"{what}: non-finite output"
+    err = rel_err(y, want)
+    assert err < TOL[x.dtype], f"{what}: relative error {err:.2e} >= {TOL[x.dtype]:.0e}"
+    oracle.check_elementwise(y, x, w64, bias, x.dtype, what)
+
+
+@pytest.mark.parametrize("item", CASES, ids=lambda c: f"{c[0].id}-{str(c[1])[6:]}-{c[2]}")
+def test_wgmma_gemm_matches_the_oracle(item):
+    case, dtype, form = item
+    w, w64 = prepared(case, dtype, form)
+    bias = rand(case.n, dtype=dtype, seed=5)
+    for tile in TILES:
+        for m in (1, 17, 64, 257):
+            for split in (1, 3):
+                base = rand(m, case.k + 16, dtype=dtype, seed=m)
+                x = base[:, 8:8 + case.k] if split == 3 else base[:, :case.k].contiguous()  # strided x with splits
+                what = f"{case.id} {dtype} {form} tile {tile} M={m} split={split}"
+                check(run(w, x, bias, tile, split), x, w64, bias, what)
+
+
+def test_wgmma_gemm_replays_from_a_cuda_graph():
+    case, dtype, form = CASES[1]
+    w, w64 = prepared(case, dtype, form)
+    bias = rand(case.n, dtype=dtype, seed=6)
+    x = rand(17, case.k, dtype=dtype, seed=7)
+    call = lambda: run(w, x, bias, TILES[0], 2)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = call()
+    y.fill_(float("nan"))
+    x.copy_(rand(17, case.k, dtype=dtype, seed=8))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(y, x, w64, bias, "graph replay")
+
+
+def test_refusal_names_the_argument_on_the_gpu():
+    x = torch.zeros(2, 4096, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="group_size"):
+        G.wgmma_mm(x, torch.zeros(512, 4096, device="cuda", dtype=torch.int32), torch.zeros(128, 4096, device="cuda",
+                   dtype=torch.float16), None, None, None, 32, 0)

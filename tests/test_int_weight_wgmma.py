@@ -1,0 +1,93 @@
+"""The Gluon W4A16 GEMM (``qops/ops/triton/int_weight_wgmma.py``) on the CPU: its K order against the MMA
+fragment's, its refusals, and its builds compiled for sm_90 (Triton's interpreter does not run Gluon; the GPU
+suite's ``tests/gpu/test_gpu_int_weight_wgmma.py`` runs them against the float64 oracle)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+import torch
+import triton
+
+from qops.ops.triton import int_weight_wgmma as G
+
+
+def fragment_positions(t: int) -> list[int]:
+    """The K positions (within one 32-row block) that lane ``l`` with ``l % 4 == t`` holds in a warpgroup
+    MMA's A fragment of fp16 / bf16 (PTX ISA, wgmma register fragments: per 16-row chunk, pairs at
+    ``2t`` and ``2t + 8``), in the order chunk, then pair, then element."""
+    return [16 * chunk + 8 * pair + 2 * t + e for chunk in (0, 1) for pair in (0, 1) for e in (0, 1)]
+
+
+def test_gather_order_is_the_fragments_order():
+    # Lane t holds word 4b + t of block b, whose value j is weight row 32b + 8t + j; the j-th position
+    # the fragment gives that lane must multiply it.
+    k = 256
+    order = G._gather_order(k)
+    assert sorted(order.tolist()) == list(range(k))
+    for b in range(k // 32):
+        for t in range(4):
+            for j, q in enumerate(fragment_positions(t)):
+                assert order[32 * b + q] == 32 * b + 8 * t + j
+
+
+def test_x_gather_index_folds_act_order():
+    k = 128
+    perm = torch.randperm(k)
+    idx = G.x_gather_index(k, perm, torch.device("cpu"))
+    assert torch.equal(idx, perm[G._gather_order(k)])
+    assert torch.equal(G.x_gather_index(k, None, torch.device("cpu")), G._gather_order(k))
+
+
+@pytest.mark.parametrize("kwargs,names", [
+    (dict(bits=8), "bits"),
+    (dict(dtype=torch.float32), "x"),
+    (dict(k=4160 + 32), "in_features"),
+    (dict(group_size=32), "group_size"),
+    (dict(n=4100), "out_features"),
+    (dict(), "x: needs a Hopper GPU"),
+])
+def test_refusals_name_the_argument(kwargs, names):
+    x = torch.zeros(2, 8, dtype=kwargs.get("dtype", torch.float16))
+    why = G.refusal(x, kwargs.get("bits", 4), kwargs.get("group_size", 128), kwargs.get("k", 4096), kwargs.get("n", 4096))
+    if G.available() is not None and names == "x: needs a Hopper GPU":
+        assert why.startswith("no Gluon"), why
+    else:
+        assert why is not None and why.startswith(names), why
+
+
+def ptxas_for_sm90() -> str:
+    """The ptxas Triton itself runs for sm_90 (Triton 3.9 ships two; the older one cannot read its PTX)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return get_ptxas(90).path
+    except (ImportError, TypeError):
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def ptxas_report(ptx: str) -> str:
+    exe = ptxas_for_sm90()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        return subprocess.run([exe, "-arch=sm_90a", "-v", path, "-o", path + ".o"], capture_output=True, text=True,
+                              check=True).stderr
+
+
+@pytest.mark.skipif(G.available() is not None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("tile,dtype,zeros,atomic", [
+    ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4}, torch.float16, True, False),
+    ({"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 4}, torch.bfloat16, False, True),
+])
+def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, atomic):
+    """Each build compiles for sm_90 with no spill, and ptxas keeps its warpgroup MMAs asynchronous: its C7515
+    ("wgmma.mma_async instructions are serialized") came from the loop's zero-trip path, which ``gl.assume``
+    removed; a change that brings it back waits for every MMA and loses the kernel's point."""
+    k = G.sm90_build(tile, dtype, zeros, atomic)
+    report = ptxas_report(k.asm["ptx"])
+    assert "C7515" not in report and "serialized" not in report, report
+    assert "0 bytes spill stores" in report, report
+    assert "wgmma.mma_async" in k.asm["ptx"] and "wgmma.wait_group.sync.aligned 1" in k.asm["ptx"]
