@@ -65,11 +65,17 @@ def _gather_order(k: int) -> torch.Tensor:
     return 32 * b + 8 * t + 4 * cc + 2 * h + e
 
 
+@functools.cache
+def _gather_order_on(k: int, device: torch.device) -> torch.Tensor:
+    # one copy per device, made at a weight's first call (a warm-up): a copy from the host cannot be captured
+    return _gather_order(k).to(device)
+
+
 def x_gather_index(k: int, act_perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The column of x each K position of the kernel reads: the MMA order of :func:`_gather_order`, through
     the act-order permutation where there is one (the kernel's K row ``j`` multiplies ``x[:, act_perm[j]]``)."""
-    order = _gather_order(k).to(device)
-    return order if act_perm is None else act_perm.to(torch.int64).index_select(0, order)
+    order = _gather_order_on(k, torch.device(device))
+    return order if act_perm is None else act_perm.index_select(0, order)
 
 
 if GLUON_ERROR is None:
