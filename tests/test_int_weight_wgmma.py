@@ -91,3 +91,24 @@ def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, atomic):
     assert "C7515" not in report and "serialized" not in report, report
     assert "0 bytes spill stores" in report, report
     assert "wgmma.mma_async" in k.asm["ptx"] and "wgmma.wait_group.sync.aligned 1" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("k,split", [(4096, 3), (384, 5), (256, 1), (8192, 64), (192, 7)])
+def test_plan_has_no_empty_split(k, split):
+    # the kernel assumes each program has a K step at least (gl.assume: its MMAs stay asynchronous)
+    go = G.plan(64, 4104, k, {"split": split})
+    steps = k // go["tile"]["BLOCK_K"]
+    assert go["split"] <= min(split, steps) and go["split_len"] % go["tile"]["BLOCK_K"] == 0
+    assert (go["split"] - 1) * go["split_len"] < k <= go["split"] * go["split_len"]
+    assert go["grid"] == (-(-4104 // go["tile"]["BLOCK_N"]), 1, go["split"])
+
+
+def test_workspace_holds_x_and_the_sum():
+    go = G.plan(17, 4104, 4096, {"split": 3})
+    assert G.workspace_bytes(17, 4104, 4096, go) >= 2 * 17 * 4096 + 4 * 17 * 4104
+    assert G.workspace_bytes(17, 4104, 4096, G.plan(17, 4104, 4096, {})) == -(-2 * 17 * 4096 // 256) * 256
+    ws = torch.zeros(G.workspace_bytes(17, 4104, 4096, go), dtype=torch.uint8)
+    x = G._carve(ws, 0, (17, 4096), torch.float16, ws.device)
+    s = G._carve(ws, G._x_bytes(17, 4096), (17, 4104), torch.float32, ws.device)
+    assert x.data_ptr() == ws.data_ptr() and s.data_ptr() + s.numel() * 4 <= ws.data_ptr() + ws.numel()
+    assert G._carve(ws[:10], 0, (17, 4096), torch.float16, ws.device).data_ptr() != ws.data_ptr()  # too small: fresh

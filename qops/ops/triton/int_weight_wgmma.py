@@ -25,6 +25,7 @@ compiles it for sm_90 (``tests/test_int_weight_wgmma.py``); the GPU suite runs i
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -300,41 +301,83 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, ta
                           options={"num_warps": 4})
 
 
+def plan(m: int, n: int, k: int, tile: dict) -> dict:
+    """The launch of an (M, N, K) call with ``tile`` (BLOCK_N / BLOCK_M / BLOCK_K / STAGES, and ``split``: K
+    splits, adding fp32 partial sums atomically where more than one): no empty split, as the kernel assumes."""
+    cfg = {**DEFAULT_TILE, **tile}
+    steps = max(1, k // cfg["BLOCK_K"])
+    split = max(1, min(int(cfg.get("split", 1)), steps))
+    split_len = triton.cdiv(steps, split) * cfg["BLOCK_K"]
+    split = triton.cdiv(k, split_len)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    return dict(tile=cfg, split=split, split_len=split_len, grid=grid)
+
+
+SCRATCH_ALIGN = 256
+
+
+def _x_bytes(m: int, k: int) -> int:
+    return -(-2 * m * k // SCRATCH_ALIGN) * SCRATCH_ALIGN
+
+
+def workspace_bytes(m: int, n: int, k: int, launch: dict) -> int:
+    """Scratch bytes of :func:`launch`: x gathered (fp16 / bf16), then the fp32 sum where K is split."""
+    return _x_bytes(m, k) + (4 * m * n if launch["split"] > 1 else 0)
+
+
+def _carve(workspace: torch.Tensor | None, offset: int, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A ``shape`` view of the caller's workspace at byte ``offset`` where it is large enough, else a fresh tensor."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if (workspace is not None and workspace.device == device and workspace.is_contiguous()
+            and workspace.numel() * workspace.element_size() >= offset + nbytes):
+        return workspace.view(-1).view(torch.uint8)[offset:offset + nbytes].view(dtype).view(shape)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+           act_perm: torch.Tensor | None, bias: torch.Tensor | None, group_size: int, zero_offset: int,
+           o2: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Run the plan ``go`` (:func:`plan`) of ``x2 @ W^T``: writes ``o2`` (+ bias) and returns None with one split;
+    with several, returns the fp32 sum ``(M, N)`` for the caller to finish (+ bias, cast). Scratch comes from
+    ``workspace`` (:func:`workspace_bytes`) where it is large enough. ``refusal`` must have said None."""
+    from ..int_weight import qweight_strides
+
+    m, k = x2.shape
+    n = o2.shape[1]
+    cfg = go["tile"]
+    xg = _carve(workspace, 0, (m, k), x2.dtype, x2.device)
+    torch.index_select(x2, 1, x_gather_index(k, act_perm, x2.device), out=xg)
+    atomic = go["split"] > 1
+    if atomic:
+        y = _carve(workspace, _x_bytes(m, k), (m, n), torch.float32, x2.device).zero_()
+    else:
+        y = o2
+    stride_qw, stride_qslab = qweight_strides(qweight)
+    _wgmma_w4_kernel[go["grid"]](
+        xg, qweight, scales, qzeros if qzeros is not None else qweight, bias if bias is not None else scales, y,
+        m, n, k, xg.stride(0), stride_qw, stride_qslab, scales.stride(0),
+        qzeros.stride(0) if qzeros is not None else 0, y.stride(0), go["split_len"], zero_offset,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+        GROUP=0 if group_size == -1 else group_size, STAGES=cfg["STAGES"], HAS_ZEROS=qzeros is not None,
+        HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic, num_warps=4)
+    return y if atomic else None
+
+
 def wgmma_mm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
              act_perm: torch.Tensor | None, bias: torch.Tensor | None, group_size: int, zero_offset: int,
              tile: dict | None = None, split: int = 1) -> torch.Tensor:
-    """``x2 @ W^T`` (+ bias) for a 4-bit GPTQ weight as qops prepares it (flat or slab qweight), x2 ``(M, K)``.
-    ``split`` K splits add fp32 partial sums atomically (then one cast)."""
-    from ..int_weight import qweight_strides
-
-    cfg = {**DEFAULT_TILE, **(tile or {})}
+    """``x2 @ W^T`` (+ bias) for a 4-bit weight as qops prepares it (flat or slab qweight), x2 ``(M, K)``, on its
+    own (tests, probes; the op reaches :func:`launch` through ``int_weight.triton_mm``)."""
     m, k = x2.shape
     n = scales.shape[1]
-    why = refusal(x2, 4, group_size, k, n, cfg["BLOCK_K"])
+    go = plan(m, n, k, {**(tile or {}), "split": split})
+    why = refusal(x2, 4, group_size, k, n, go["tile"]["BLOCK_K"])
     if why is not None:
         raise ValueError(f"wgmma_mm: {why}")
-    xg = x2.index_select(1, x_gather_index(k, act_perm, x2.device))
-    steps = k // cfg["BLOCK_K"]
-    split = max(1, min(split, steps))
-    split_len = triton.cdiv(steps, split) * cfg["BLOCK_K"]
-    split = triton.cdiv(k, split_len)  # no empty split (the kernel assumes one step at least)
-    atomic = split > 1
-    if atomic:
-        y = torch.zeros(m, n, device=x2.device, dtype=torch.float32)
-    else:
-        y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
-    stride_qw, stride_qslab = qweight_strides(qweight)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
-    if m > 0:
-        _wgmma_w4_kernel[grid](
-            xg, qweight, scales, qzeros if qzeros is not None else qweight, bias if bias is not None else scales, y,
-            m, n, k, xg.stride(0), stride_qw, stride_qslab, scales.stride(0),
-            qzeros.stride(0) if qzeros is not None else 0, y.stride(0), split_len, zero_offset,
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-            GROUP=0 if group_size == -1 else group_size, STAGES=cfg["STAGES"], HAS_ZEROS=qzeros is not None,
-            HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic, num_warps=4)
-    if atomic:
-        if bias is not None:
-            y += bias.to(torch.float32)
-        return y.to(x2.dtype)
+    y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
+    if m == 0:
+        return y
+    total = launch(go, x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, y)
+    if total is not None:
+        y.copy_(total + bias.to(torch.float32) if bias is not None else total)
     return y
