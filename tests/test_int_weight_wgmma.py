@@ -3,6 +3,7 @@ fragment's, its refusals, and its builds compiled for sm_90 (Triton's interprete
 suite's ``tests/gpu/test_gpu_int_weight_wgmma.py`` runs them against the float64 oracle)."""
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import tempfile
@@ -112,3 +113,29 @@ def test_workspace_holds_x_and_the_sum():
     s = G._carve(ws, G._x_bytes(17, 4096), (17, 4104), torch.float32, ws.device)
     assert x.data_ptr() == ws.data_ptr() and s.data_ptr() + s.numel() * 4 <= ws.data_ptr() + ws.numel()
     assert G._carve(ws[:10], 0, (17, 4096), torch.float16, ws.device).data_ptr() != ws.data_ptr()  # too small: fresh
+
+
+def wgmma_table(tile: dict) -> dict:
+    from qops.ops.triton import int_weight as T
+
+    table = copy.deepcopy(T.load_config("h100"))
+    table["decode_max_m"] = 0
+    section = table["gemm"]["4"]
+    table["gemm"]["4"] = {key: {**cfg, "wgmma": dict(tile)} for key, cfg in section.items()}
+    return table
+
+
+def test_a_wgmma_bucket_plans_the_kernel_with_its_gemm_as_fallback(monkeypatch):
+    from qops.ops.triton import int_weight as T
+
+    cpu = torch.device("cpu")
+    with T.config_override(wgmma_table({"BLOCK_N": 128, "BLOCK_M": 64, "split": 2})):
+        p = T._plan(64, 4096, 4096, 4, 128, cpu)
+        assert p["path"] == "wgmma" and p["launch"]["split"] == 2 and p["fallback"]["path"] == "gemm"
+        assert p["fallback"]["cfg"] is p["cfg"]  # the bucket's own GEMM, as shipped
+        assert T._plan(64, 4096, 4096, 8, 128, cpu)["path"] == "gemm"  # 8-bit buckets hold no wgmma tile
+        need = T.workspace_bytes(64, 4096, 4096, 4, 128, cpu)
+        assert need >= G.workspace_bytes(64, 4096, 4096, p["launch"])
+        assert need >= T._gemm_workspace_bytes(p["fallback"], 64, 4096)
+        monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
+        assert T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]["split"] == 1  # no atomic adds

@@ -4,13 +4,16 @@ prepares them (flat and column-slab qweight), fp16 and bf16, M = 1 / 17 / 64 / 2
 x, K splits, a bias, and a CUDA-graph replay with fresh inputs."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 
 from qops.formats import FORMATS
+from qops.lowerings import LOWERINGS, Kernel
 from qops.ops import int_weight as IW
+from qops.ops.triton import int_weight as T
 from qops.ops.triton import int_weight_wgmma as G
 from tests import oracle
 from tests.int_weight_cases import Case, pack, random_int_quantized, rel_err
@@ -106,3 +109,62 @@ def test_refusal_names_the_argument_on_the_gpu():
     with pytest.raises(ValueError, match="group_size"):
         G.wgmma_mm(x, torch.zeros(512, 4096, device="cuda", dtype=torch.int32), torch.zeros(128, 4096, device="cuda",
                    dtype=torch.float16), None, None, None, 32, 0)
+
+
+def wgmma_table(tile: dict) -> dict:
+    """This GPU's table with ``tile`` as the ``wgmma`` entry of every 4-bit GEMM bucket (decode off)."""
+    table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
+    table["decode_max_m"] = 0
+    section = table["gemm"]["4"] if "4" in table["gemm"] else table["gemm"]["default"]
+    table["gemm"]["4"] = {key: {**cfg, "wgmma": dict(tile)} for key, cfg in section.items()}
+    return table
+
+
+@pytest.mark.parametrize("item", [CASES[0], CASES[1], CASES[3]], ids=lambda c: f"{c[0].id}-{str(c[1])[6:]}")
+def test_the_op_takes_the_wgmma_bucket(item, monkeypatch):
+    """Through ``torch.ops.qops.mm_int_weight`` (the Triton lowering) with a table whose 4-bit GEMM buckets name
+    a ``wgmma`` tile: eagerly, under ``torch.compile(fullgraph=True)`` and replayed from a CUDA graph, at M = 1,
+    17, 64 and 257, K split 2 (the sum's reduction adds the bias), and the plan says ``wgmma``."""
+    triton_low = next(l for l in LOWERINGS if l.name == "triton_int_weight")
+    above = [l.name for l in LOWERINGS if l.family == "int_weight" and l.priority > triton_low.priority]
+    monkeypatch.setenv("QOPS_DISABLE_LOWERINGS", ",".join(above))
+    case, dtype, form = item
+    w, w64 = prepared(case, dtype, form)
+    w = dataclasses.replace(w, kernel=Kernel.TRITON)
+    bias = rand(case.n, dtype=dtype, seed=9)
+    compiled = torch.compile(lambda x: w.mm(x, bias), fullgraph=True)
+    with T.config_override(wgmma_table({**TILES[0], "split": 2})):
+        for m in (1, 17, 64, 257):
+            assert T._plan(m, case.n, case.k, 4, case.group_size, torch.device("cuda"))["path"] == "wgmma"
+            x = rand(m, case.k, dtype=dtype, seed=20 + m)
+            check(w.mm(x, bias), x, w64, bias, f"op M={m}")
+            check(compiled(x), x, w64, bias, f"compiled M={m}")
+        x = rand(17, case.k, dtype=dtype, seed=40)
+        call = lambda: w.mm(x, bias)  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = call()
+        y.fill_(float("nan"))
+        x.copy_(rand(17, case.k, dtype=dtype, seed=41))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(y, x, w64, bias, "op graph replay")
+
+
+def test_a_refused_call_takes_the_bucket_gemm(monkeypatch):
+    """A 4-bit g32 weight (its group splits the kernel's 64-row K step) through a ``wgmma`` bucket: the refusal
+    sends it to the bucket's Triton GEMM, which must still match the oracle."""
+    case = Case("gptq", 4, 32, False, False, "v2", 1032, 512)
+    w, w64 = prepared(case, torch.float16, "flat")
+    w = dataclasses.replace(w, kernel=Kernel.TRITON)
+    x = rand(17, case.k, dtype=torch.float16, seed=50)
+    bias = rand(case.n, dtype=torch.float16, seed=51)
+    assert "group_size" in G.refusal(x, 4, 32, case.k, case.n)
+    with T.config_override(wgmma_table(TILES[0])):
+        check(w.mm(x, bias), x, w64, bias, "fallback")

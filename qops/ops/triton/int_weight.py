@@ -41,6 +41,11 @@ number of rows M and the shipped config table (never from tensor values, never w
   lies inside one quantization group the scale multiplies the tile's fp32 product (once per output
   element per tile) or, for tiles taller than half their depth or where a config asks (``scale_weight``),
   the half weight tile (once per weight pair); otherwise scales are applied per element before the dot.
+- **wgmma** (a 4-bit GEMM bucket whose config holds a ``wgmma`` tile, on Hopper): the Gluon kernel of
+  :mod:`.int_weight_wgmma` (the weight as the warpgroup MMA's register operand, asynchronous MMAs over a
+  ``cp.async`` ring; x gathered once a call into the MMA's K order, in the caller's workspace), with the
+  bucket's GEMM as the fallback wherever that kernel refuses the call (``int_weight_wgmma.refusal``: bits,
+  dtype, K or group off its K tile, another GPU, a Triton without Gluon).
 - **dense** (the largest M, when the config says so): the weight is dequantized by a Triton kernel
   into a transient dense ``(K, N)`` buffer in N-slabs of bounded size and multiplied by cuBLAS; the
   dense weight never outlives the call. act_perm is applied by scattering rows, so x is not gathered.
@@ -85,6 +90,7 @@ from .common import (EVEN_ODD_4, HALF_FORMATS, X_PAIRS_ASM, X_PAIRS_CONSTRAINTS,
                      stream_k_runs, zero_ahead)
 from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
+from . import int_weight_wgmma as wgmma
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
@@ -1369,17 +1375,28 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
     # Stream-K wherever a tile has several K steps, also with one split (the M = 64 tiles: 448 on 264 slots),
     # not under a deterministic request (its runs meet through atomic adds).
     stream = bool(cfg.get("stream_k", 0)) and not deterministic and k > bk
-    return dict(
+    gemm = dict(
         path="gemm", cfg=cfg, split=split, split_len=split_len, split_unit=bk, tiles=tiles, sms=sms,
         block_m=bm, block_n=bn, block_k=bk,
         tile_group=tile_group, even_k=(k % bk == 0), grid=(tiles, split),
         reduce=cfg.get("reduce", "partials"), stream_k=stream,
     )
+    if path == "gemm" and "wgmma" in cfg and bits == 4:
+        # K splits meet through atomic adds: one split under a deterministic request
+        tile = {**cfg["wgmma"], **({"split": 1} if deterministic else {})}
+        return dict(path="wgmma", cfg=cfg, launch=wgmma.plan(m, n, k, tile), fallback=gemm)
+    return gemm
 
 
 def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device) -> int:
     """Scratch bytes ``triton_mm`` uses for these sizes (fp32 split-K partials); 0 when none."""
     plan = _plan(m, n, k, bits, group_size, device)
+    if plan["path"] == "wgmma":
+        return max(wgmma.workspace_bytes(m, n, k, plan["launch"]), _gemm_workspace_bytes(plan["fallback"], m, n))
+    return _gemm_workspace_bytes(plan, m, n)
+
+
+def _gemm_workspace_bytes(plan: dict, m: int, n: int) -> int:
     if plan["path"] == "dense":
         return 0
     # the split launch's partials ((S, M, N) or one (M, N) sum); stream-K, where asked, may take one sum instead
@@ -1415,7 +1432,11 @@ def triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     direct = out.is_contiguous()
     o2 = out.view(m, n) if direct else torch.empty((m, n), dtype=x.dtype, device=x.device)
     plan = _plan(m, n, k, bits, group_size, x.device, force_path)
-    if plan["path"] == "dense":
+    if plan["path"] == "wgmma" and wgmma.refusal(x2, bits, group_size, k, n, plan["launch"]["tile"]["BLOCK_K"]) is not None:
+        plan = plan["fallback"]
+    if plan["path"] == "wgmma":
+        _run_wgmma(plan, x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, o2, workspace)
+    elif plan["path"] == "dense":
         _run_dense(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
     else:
         _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace)
@@ -1505,6 +1526,17 @@ def _chosen_launch(plan, tensors: tuple) -> _SplitLaunch:
                 go = streamed
         chosen[key] = go
     return go
+
+
+def _run_wgmma(plan, x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, o2, workspace):
+    total = wgmma.launch(plan["launch"], x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, o2,
+                         workspace)
+    if total is not None:  # K splits: their fp32 sum, + bias, cast
+        m, n = o2.shape
+        block, block_s = _reduce_tile(1)
+        _reduce_kernel[(-(-n // block), m)](
+            total, bias if bias is not None else total, o2, m, n, 1, *_out_strides(2, o2)[:2], o2.stride(0),
+            o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4)
 
 
 def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace):
