@@ -16,6 +16,7 @@ from qops.ops import int_weight as IW
 from qops.ops.triton import int_weight as T
 from qops.ops.triton import int_weight_wgmma as G
 from tests import oracle
+from tests.gpu.test_gpu_triton_int_weight import replay_captured  # its poisoned output, fresh inputs
 from tests.int_weight_cases import Case, pack, random_int_quantized, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -87,20 +88,7 @@ def test_wgmma_gemm_replays_from_a_cuda_graph():
     w, w64 = prepared(case, dtype, form)
     bias = rand(case.n, dtype=dtype, seed=6)
     x = rand(17, case.k, dtype=dtype, seed=7)
-    call = lambda: run(w, x, bias, TILES[0], 2)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = call()
-    y.fill_(float("nan"))
-    x.copy_(rand(17, case.k, dtype=dtype, seed=8))
-    graph.replay()
-    torch.cuda.synchronize()
+    y = replay_captured(lambda: run(w, x, bias, TILES[0], 2), x, rand(17, case.k, dtype=dtype, seed=8))
     check(y, x, w64, bias, "graph replay")
 
 
@@ -140,20 +128,7 @@ def test_the_op_takes_the_wgmma_bucket(item, monkeypatch):
             check(w.mm(x, bias), x, w64, bias, f"op M={m}")
             check(compiled(x), x, w64, bias, f"compiled M={m}")
         x = rand(17, case.k, dtype=dtype, seed=40)
-        call = lambda: w.mm(x, bias)  # noqa: E731
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = call()
-        y.fill_(float("nan"))
-        x.copy_(rand(17, case.k, dtype=dtype, seed=41))
-        graph.replay()
-        torch.cuda.synchronize()
+        y = replay_captured(lambda: w.mm(x, bias), x, rand(17, case.k, dtype=dtype, seed=41))
         check(y, x, w64, bias, "op graph replay")
 
 
