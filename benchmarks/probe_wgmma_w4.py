@@ -32,7 +32,8 @@ from qops.ops.triton import int_weight_wgmma as G  # noqa: E402
 
 TILES = {"n128m64": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
          "n64m64": {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
-         "n128m64k128": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3}}
+         "n128m64k128": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3},
+         "n128m16": {"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 4}}
 
 
 def act_order_weight(n: int, k: int, dtype: torch.dtype, sym: bool):
