@@ -224,7 +224,9 @@ if GLUON_ERROR is None:
             scale, bias = _group_pairs(s_ptr, qz_ptr, g, offs_n, nmask, stride_s, stride_qz, zero_offset,
                                        HAS_ZEROS, DTYPE)
             cp.wait_group(STAGES - 2)
+            # this thread's copies, seen by the MMAs' async proxy, then everyone's: fence, then barrier
             fence_async_shared()
+            gl.thread_barrier()
             w_stage = w_smem.index(stage)
             x_stage = x_smem.index(stage)
             lo = w_stage.slice(0, HALF_K // 8, dim=0).permute((1, 0)).load(word_l)
