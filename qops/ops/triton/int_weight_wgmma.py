@@ -40,6 +40,8 @@ try:  # Gluon's API is per Triton release; a Triton without these names cannot b
     # Triton 3.6 (the GPU machine's) names the cp.async load ``async_copy_global_to_shared``; later releases
     # ``async_load`` (CI's Triton compiles this file for sm_90 too)
     _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    # and its CTA barrier ``thread_barrier``, later ``barrier``
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     GLUON_ERROR = None
 except Exception as e:  # noqa: BLE001 - any import failure means the same: no Gluon here
     GLUON_ERROR = f"{type(e).__name__}: {e}"
@@ -226,7 +228,7 @@ if GLUON_ERROR is None:
             cp.wait_group(STAGES - 2)
             # this thread's copies, seen by the MMAs' async proxy, then everyone's: fence, then barrier
             fence_async_shared()
-            gl.thread_barrier()
+            _cta_barrier()
             w_stage = w_smem.index(stage)
             x_stage = x_smem.index(stage)
             lo = w_stage.slice(0, HALF_K // 8, dim=0).permute((1, 0)).load(word_l)
