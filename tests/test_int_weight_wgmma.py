@@ -139,3 +139,14 @@ def test_a_wgmma_bucket_plans_the_kernel_with_its_gemm_as_fallback(monkeypatch):
         assert need >= T._gemm_workspace_bytes(p["fallback"], 64, 4096)
         monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
         assert T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]["split"] == 1  # no atomic adds
+
+
+def test_plan_splits_to_its_programs_per_sm_and_leaves_few_tiles_to_the_gemm():
+    tile = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "ctas_per_sm": 2, "min_tiles": 64}
+    # the H100's best splits at M = 64 (probe-wgmma-splits): 224 and 448 tiles one, 64 tiles four
+    assert G.plan(64, 28672, 4096, tile, 132)["split"] == 1
+    assert G.plan(64, 57344, 8192, tile, 132)["split"] == 1
+    assert G.plan(64, 8192, 28672, tile, 132)["split"] == 4
+    assert G.plan(128, 8192, 28672, tile, 132)["split"] == 2
+    assert G.plan(64, 4096, 14336, tile, 132) is None  # 32 tiles
+    assert G.plan(128, 4096, 14336, tile, 132)["split"] == 4

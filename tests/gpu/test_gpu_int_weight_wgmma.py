@@ -27,7 +27,7 @@ TILES = ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
 CASES = [  # (case, dtype, qweight form)
     (Case("gptq", 4, 128, False, False, "v2", 4104, 1024), torch.float16, "flat"),
     (Case("gptq", 4, 128, True, True, "v1", 4096, 2048), torch.bfloat16, "slabs"),
-    (Case("awq", 4, 64, False, False, None, 1032, 1024), torch.float16, "slabs"),
+    (Case("awq", 4, 64, False, False, None, 1056, 1024), torch.float16, "slabs"),
     (Case("compressed-tensors", 4, -1, True, False, None, 520, 1024), torch.bfloat16, "flat"),
     (Case("gptq", 4, 128, False, True, "v2", 264, 512), torch.float16, "flat"),
 ]
@@ -100,11 +100,13 @@ def test_refusal_names_the_argument_on_the_gpu():
 
 
 def wgmma_table(tile: dict) -> dict:
-    """This GPU's table with ``tile`` as the ``wgmma`` entry of every 4-bit GEMM bucket (decode off)."""
+    """This GPU's table with its 4-bit M = 64 GEMM bucket, ``tile`` as its ``wgmma`` entry, serving every M
+    (decode off; the larger buckets may be the dense path, which takes no wgmma tile)."""
     table = copy.deepcopy(T.load_config(T._device_facts(torch.device("cuda"))[0]))
     table["decode_max_m"] = 0
     section = table["gemm"]["4"] if "4" in table["gemm"] else table["gemm"]["default"]
-    table["gemm"]["4"] = {key: {**cfg, "wgmma": dict(tile)} for key, cfg in section.items()}
+    m64 = section[str(min(int(b) for b in section if int(b) >= 64))]
+    table["gemm"]["4"] = {"1000000": {**m64, "wgmma": dict(tile)}}
     return table
 
 

@@ -1383,8 +1383,9 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
     )
     if path == "gemm" and "wgmma" in cfg and bits == 4:
         # K splits meet through atomic adds: one split under a deterministic request
-        tile = {**cfg["wgmma"], **({"split": 1} if deterministic else {})}
-        return dict(path="wgmma", cfg=cfg, launch=wgmma.plan(m, n, k, tile), fallback=gemm)
+        launch = wgmma.plan(m, n, k, {**cfg["wgmma"], **({"split": 1} if deterministic else {})}, sms)
+        if launch is not None:
+            return dict(path="wgmma", cfg=cfg, launch=launch, fallback=gemm)
     return gemm
 
 

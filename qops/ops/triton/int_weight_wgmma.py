@@ -305,12 +305,21 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, ta
                           options={"num_warps": 4})
 
 
-def plan(m: int, n: int, k: int, tile: dict) -> dict:
-    """The launch of an (M, N, K) call with ``tile`` (BLOCK_N / BLOCK_M / BLOCK_K / STAGES, and ``split``: K
-    splits, adding fp32 partial sums atomically where more than one): no empty split, as the kernel assumes."""
+def plan(m: int, n: int, k: int, tile: dict, sms: int = 1) -> dict | None:
+    """The launch of an (M, N, K) call with ``tile``: BLOCK_N / BLOCK_M / BLOCK_K / STAGES, and the K splits
+    (adding fp32 partial sums atomically where more than one): ``split`` where given, else about ``ctas_per_sm``
+    programs per SM of the ``sms`` (the tiles, times the split; measured best at two on an H100 at M = 64 / 128,
+    ``benchmarks/results/h100-2026-12-06-fbac7df-probe-wgmma-splits.json``). No empty split, as the kernel
+    assumes. None where the call has fewer than ``min_tiles`` output tiles: such a grid lives on its K
+    splits' atomic adds, which the Triton GEMM's stream-K does better (4096x14336 at M = 64: 40.3 us at best
+    here, 38.7 there)."""
     cfg = {**DEFAULT_TILE, **tile}
+    tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
+    if tiles < cfg.get("min_tiles", 0):
+        return None
     steps = max(1, k // cfg["BLOCK_K"])
-    split = max(1, min(int(cfg.get("split", 1)), steps))
+    split = int(cfg["split"]) if "split" in cfg else round(cfg.get("ctas_per_sm", 2) * sms / tiles)
+    split = max(1, min(split, steps))
     split_len = triton.cdiv(steps, split) * cfg["BLOCK_K"]
     split = triton.cdiv(k, split_len)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
