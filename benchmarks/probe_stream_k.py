@@ -36,10 +36,12 @@ from qops.ops.triton import int_weight as T  # noqa: E402
 
 
 def bucket_table(m: int, keys: dict, device: str = "cuda") -> dict:
-    """The shipped table of ``device`` with ``keys`` set on the 4-bit GEMM bucket that serves M = ``m``."""
+    """The shipped table of ``device`` with ``keys`` set on the 4-bit GEMM bucket that serves M = ``m``, less its
+    ``wgmma`` kernel (this probe times the Triton GEMM's launches)."""
     table = copy.deepcopy(T.config_for(torch.device(device)))
     section = table["gemm"]["4"] if "4" in table["gemm"] else table["gemm"]["default"]
     bucket = min((int(b) for b in section if int(b) >= m), default=max(int(b) for b in section))
+    section[str(bucket)].pop("wgmma", None)
     section[str(bucket)].update(keys)
     return table
 

@@ -150,3 +150,13 @@ def test_plan_splits_to_its_programs_per_sm_and_leaves_few_tiles_to_the_gemm():
     assert G.plan(128, 8192, 28672, tile, 132)["split"] == 2
     assert G.plan(64, 4096, 14336, tile, 132) is None  # 32 tiles
     assert G.plan(128, 4096, 14336, tile, 132)["split"] == 4
+
+
+def test_forcing_the_gemm_path_plans_the_triton_gemm():
+    # the tuner and the tests force "gemm" to time the Triton GEMM of a bucket that names the wgmma kernel
+    from qops.ops.triton import int_weight as T
+
+    cpu = torch.device("cpu")
+    with T.config_override(wgmma_table({"BLOCK_N": 128, "BLOCK_M": 64})):
+        assert T._plan(64, 4096, 4096, 4, 128, cpu, "gemm")["path"] == "gemm"
+        assert T._plan(64, 4096, 4096, 4, 128, cpu, "wgmma")["path"] == "wgmma"

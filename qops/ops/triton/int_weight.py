@@ -1335,7 +1335,7 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
             grid=(-(-n // block_n), split, -(-m // block_m)), reduce=cfg.get("reduce", "partials"), stream_k=False,
         )
     cfg = _bucket(table["gemm"], bits, m)
-    if path == "dense" or (path == "gemm" and cfg.get("impl", "triton") == "dense"):
+    if path == "dense" or (path in ("gemm", "wgmma") and cfg.get("impl", "triton") == "dense"):
         cfg = cfg if "DQ_BLOCK_K" in cfg else {**table.get("dense", {}), **cfg}
         bk = int(cfg.get("DQ_BLOCK_K", 64))
         tile_group = not grouped or group_size % bk == 0
@@ -1381,7 +1381,7 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
         tile_group=tile_group, even_k=(k % bk == 0), grid=(tiles, split),
         reduce=cfg.get("reduce", "partials"), stream_k=stream,
     )
-    if path == "gemm" and "wgmma" in cfg and bits == 4:
+    if force in (None, "wgmma") and "wgmma" in cfg and bits == 4:  # force "gemm": the Triton GEMM itself
         # K splits meet through atomic adds: one split under a deterministic request
         launch = wgmma.plan(m, n, k, {**cfg["wgmma"], **({"split": 1} if deterministic else {})}, sms)
         if launch is not None:
@@ -1416,7 +1416,8 @@ def triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     Arguments are already validated (``qops.ops.int_weight.check_mm_int_weight``). Returns a fresh
     ``(..., N)`` tensor of x's dtype, or writes ``out`` and returns it. No host synchronisation;
     no autotuning: the launch plan comes from the shipped config table. ``force_path`` ("decode",
-    "gemm", "dense") overrides the table's choice (tests, tuner).
+    "gemm", "dense", "wgmma" where the bucket names that kernel) overrides the table's choice (tests, tuner);
+    "gemm" is the Triton GEMM even where the bucket names the wgmma kernel.
     """
     k = x.shape[-1]
     n = qweight_columns(qweight)
