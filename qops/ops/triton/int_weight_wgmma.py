@@ -1,4 +1,10 @@
-"""The 4-bit GPTQ weight-only GEMM on Hopper warpgroup MMAs, the weight as the MMA's register operand (Gluon).
+"""The 4-bit integer weight-only GEMM (qops' runtime layout of GPTQ, AWQ and compressed-tensors weights) on Hopper
+warpgroup MMAs, the weight as the MMA's register operand (Gluon).
+
+Reached through ``int_weight.triton_mm`` where a 4-bit GEMM bucket of the Triton table names a ``wgmma`` tile (the
+H100's M = 64 and 128 buckets), with the bucket's Triton GEMM wherever :func:`refusal` says no. On an H100 at M = 64
+it runs 1.38 / 1.60 / 1.59x cuBLAS fp16 on 28672x4096 / 8192x28672 / 57344x8192, 1.24-1.30x the Triton GEMM it
+replaced (``benchmarks/NOTES.md``, stop 65).
 
 Why a second kernel beside ``int_weight._tc_kernel``: Triton 3.6 stores that kernel's unpacked weight tile to
 shared memory each K step and waits for the step's MMAs before the next (its pipeliner lets a dot run ahead
@@ -24,7 +30,6 @@ compiles it for sm_90 (``tests/test_int_weight_wgmma.py``); the GPU suite runs i
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -58,20 +63,30 @@ _F16_ASM, _F16_CONSTRAINTS = (triton.language.constexpr(t) for t in half_unpack_
 _BF16_ASM, _BF16_CONSTRAINTS = (triton.language.constexpr(t) for t in half_unpack_asm(4, "bf16", scaled=True))
 
 
-@functools.cache
-def _gather_order(k: int) -> torch.Tensor:
-    """``order[q]``: the weight row whose value the MMA's K position ``q`` multiplies (see the module
-    docstring), as int64 on the CPU; ``k`` a multiple of 32."""
-    q = torch.arange(k)
+def _order_of(q: torch.Tensor) -> torch.Tensor:
+    """The weight row whose value the MMA's K position ``q`` multiplies (see the module docstring)."""
     b, r = q // 32, q % 32
     cc, h, t, e = r // 16, (r // 8) % 2, (r // 2) % 4, r % 2
     return 32 * b + 8 * t + 4 * cc + 2 * h + e
 
 
-@functools.cache
+def _gather_order(k: int) -> torch.Tensor:
+    """``order[q]`` for the K positions of a ``k``-row weight (``k`` a multiple of 32), int64 on the CPU."""
+    return _order_of(torch.arange(k))
+
+
+_ORDERS: dict = {}
+
+
 def _gather_order_on(k: int, device: torch.device) -> torch.Tensor:
-    # one copy per device, made at a weight's first call (a warm-up): a copy from the host cannot be captured
-    return _gather_order(k).to(device)
+    """:func:`_gather_order` computed on ``device`` (no host copy, which a CUDA graph could not capture) and
+    kept for the next call, unless it was made while a graph is being captured (its memory is the graph's)."""
+    got = _ORDERS.get((k, device))
+    if got is None:
+        got = _order_of(torch.arange(k, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ORDERS[(k, device)] = got
+    return got
 
 
 def x_gather_index(k: int, act_perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -95,7 +110,8 @@ if GLUON_ERROR is None:
 
     @gluon.constexpr_function
     def _copy_layout(rows, cols, vec):
-        """A ``(rows, cols)`` layout of ``vec``-element vectors for ``cp.async``, every element once."""
+        """A ``(rows, cols)`` layout of ``vec``-element vectors for ``cp.async`` (every element once where the tile
+        has a warp-row of rows: 16 x 64, 4 x 128 and up)."""
         warps = WARPS.value
         tcols = min(32, cols // vec)
         trows = 32 // tcols
