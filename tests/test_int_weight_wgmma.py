@@ -97,7 +97,7 @@ def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, atomic):
 @pytest.mark.parametrize("k,split", [(4096, 3), (384, 5), (256, 1), (8192, 64), (192, 7)])
 def test_plan_has_no_empty_split(k, split):
     # the kernel assumes each program has a K step at least (gl.assume: its MMAs stay asynchronous)
-    go = G.plan(64, 4104, k, {"split": split})
+    go = G.plan(64, 4104, k, 4, -1, {"split": split})
     steps = k // go["tile"]["BLOCK_K"]
     assert go["split"] <= min(split, steps) and go["split_len"] % go["tile"]["BLOCK_K"] == 0
     assert (go["split"] - 1) * go["split_len"] < k <= go["split"] * go["split_len"]
@@ -105,9 +105,9 @@ def test_plan_has_no_empty_split(k, split):
 
 
 def test_workspace_holds_x_and_the_sum():
-    go = G.plan(17, 4104, 4096, {"split": 3})
+    go = G.plan(17, 4104, 4096, 4, 128, {"split": 3})
     assert G.workspace_bytes(17, 4104, 4096, go) >= 2 * 17 * 4096 + 4 * 17 * 4104
-    assert G.workspace_bytes(17, 4104, 4096, G.plan(17, 4104, 4096, {})) == -(-2 * 17 * 4096 // 256) * 256
+    assert G.workspace_bytes(17, 4104, 4096, G.plan(17, 4104, 4096, 4, 128, {})) == -(-2 * 17 * 4096 // 256) * 256
     ws = torch.zeros(G.workspace_bytes(17, 4104, 4096, go), dtype=torch.uint8)
     x = G._carve(ws, 0, (17, 4096), torch.float16, ws.device)
     s = G._carve(ws, G._x_bytes(17, 4096), (17, 4104), torch.float32, ws.device)
@@ -134,6 +134,7 @@ def test_a_wgmma_bucket_plans_the_kernel_with_its_gemm_as_fallback(monkeypatch):
         assert p["path"] == "wgmma" and p["launch"]["split"] == 2 and p["fallback"]["path"] == "gemm"
         assert p["fallback"]["cfg"] is p["cfg"]  # the bucket's own GEMM, as shipped
         assert T._plan(64, 4096, 4096, 8, 128, cpu)["path"] == "gemm"  # 8-bit buckets hold no wgmma tile
+        assert T._plan(64, 4096, 4096, 4, 32, cpu)["path"] == "gemm"  # g32 splits the kernel's K tile
         need = T.workspace_bytes(64, 4096, 4096, 4, 128, cpu)
         assert need >= G.workspace_bytes(64, 4096, 4096, p["launch"])
         assert need >= T._gemm_workspace_bytes(p["fallback"], 64, 4096)
@@ -144,12 +145,15 @@ def test_a_wgmma_bucket_plans_the_kernel_with_its_gemm_as_fallback(monkeypatch):
 def test_plan_splits_to_its_programs_per_sm_and_leaves_few_tiles_to_the_gemm():
     tile = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "ctas_per_sm": 2, "min_tiles": 64}
     # the H100's best splits at M = 64 (probe-wgmma-splits): 224 and 448 tiles one, 64 tiles four
-    assert G.plan(64, 28672, 4096, tile, 132)["split"] == 1
-    assert G.plan(64, 57344, 8192, tile, 132)["split"] == 1
-    assert G.plan(64, 8192, 28672, tile, 132)["split"] == 4
-    assert G.plan(128, 8192, 28672, tile, 132)["split"] == 2
-    assert G.plan(64, 4096, 14336, tile, 132) is None  # 32 tiles
-    assert G.plan(128, 4096, 14336, tile, 132)["split"] == 4
+    assert G.plan(64, 28672, 4096, 4, 128, tile, 132)["split"] == 1
+    assert G.plan(64, 57344, 8192, 4, 128, tile, 132)["split"] == 1
+    assert G.plan(64, 8192, 28672, 4, 128, tile, 132)["split"] == 4
+    assert G.plan(128, 8192, 28672, 4, 128, tile, 132)["split"] == 2
+    assert G.plan(64, 4096, 14336, 4, 128, tile, 132) is None  # 32 tiles
+    assert G.plan(128, 4096, 14336, 4, 128, tile, 132)["split"] == 4
+    # a weight the kernel refuses plans no launch (the bucket's GEMM takes it, the shape checked once)
+    assert G.plan(64, 28672, 4096, 8, 128, tile, 132) is None
+    assert G.plan(64, 28672, 4096, 4, 32, tile, 132) is None
 
 
 def test_forcing_the_gemm_path_plans_the_triton_gemm():

@@ -44,8 +44,8 @@ number of rows M and the shipped config table (never from tensor values, never w
 - **wgmma** (a 4-bit GEMM bucket whose config holds a ``wgmma`` tile, on Hopper): the Gluon kernel of
   :mod:`.int_weight_wgmma` (the weight as the warpgroup MMA's register operand, asynchronous MMAs over a
   ``cp.async`` ring; x gathered once a call into the MMA's K order, in the caller's workspace), with the
-  bucket's GEMM as the fallback wherever that kernel refuses the call (``int_weight_wgmma.refusal``: bits,
-  dtype, K or group off its K tile, another GPU, a Triton without Gluon).
+  bucket's GEMM wherever that kernel refuses the weight (``int_weight_wgmma.shape_refusal``, when planned: bits,
+  K or group off its K tile) or the call (``call_refusal``: dtype, another GPU, a Triton without Gluon).
 - **dense** (the largest M, when the config says so): the weight is dequantized by a Triton kernel
   into a transient dense ``(K, N)`` buffer in N-slabs of bounded size and multiplied by cuBLAS; the
   dense weight never outlives the call. act_perm is applied by scattering rows, so x is not gathered.
@@ -1381,9 +1381,10 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
         tile_group=tile_group, even_k=(k % bk == 0), grid=(tiles, split),
         reduce=cfg.get("reduce", "partials"), stream_k=stream,
     )
-    if force in (None, "wgmma") and "wgmma" in cfg and bits == 4:  # force "gemm": the Triton GEMM itself
+    if force in (None, "wgmma") and "wgmma" in cfg:  # force "gemm": the Triton GEMM itself
         # K splits meet through atomic adds: one split under a deterministic request
-        launch = wgmma.plan(m, n, k, {**cfg["wgmma"], **({"split": 1} if deterministic else {})}, sms)
+        tile = {**cfg["wgmma"], **({"split": 1} if deterministic else {})}
+        launch = wgmma.plan(m, n, k, bits, group_size, tile, sms)
         if launch is not None:
             return dict(path="wgmma", cfg=cfg, launch=launch, fallback=gemm)
     return gemm
@@ -1434,7 +1435,7 @@ def triton_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     direct = out.is_contiguous()
     o2 = out.view(m, n) if direct else torch.empty((m, n), dtype=x.dtype, device=x.device)
     plan = _plan(m, n, k, bits, group_size, x.device, force_path)
-    if plan["path"] == "wgmma" and wgmma.refusal(x2, bits, group_size, k, n, plan["launch"]["tile"]["BLOCK_K"]) is not None:
+    if plan["path"] == "wgmma" and wgmma.call_refusal(x2) is not None:  # the shape was checked by the plan
         plan = plan["fallback"]
     if plan["path"] == "wgmma":
         _run_wgmma(plan, x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, o2, workspace)

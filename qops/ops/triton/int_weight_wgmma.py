@@ -282,23 +282,35 @@ if GLUON_ERROR is None:
 DEFAULT_TILE = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4}
 
 
-def refusal(x: torch.Tensor, bits: int, group_size: int, k: int, n: int, block_k: int = 64) -> str | None:
-    """Why the kernel cannot take this call (None where it can), naming the argument."""
+def shape_refusal(bits: int, group_size: int, k: int, n: int, block_k: int) -> str | None:
+    """Why the kernel cannot take a weight of this shape with a K tile of ``block_k`` (None where it can), naming
+    the argument: known when the launch is planned (:func:`plan`), once a shape."""
     if bits != 4:
         return f"bits: 4-bit weights only, got {bits}"
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        return f"x: fp16 / bf16 activations only, got {x.dtype}"
     if k % block_k:
         return f"in_features: K must be a multiple of BLOCK_K={block_k}, got {k}"
     if group_size != -1 and group_size % block_k:
         return f"group_size: -1 or a multiple of BLOCK_K={block_k}, got {group_size}"
     if n % 8:
         return f"out_features: N must be a multiple of 8 (the zero points' words), got {n}"
+    return None
+
+
+def call_refusal(x: torch.Tensor) -> str | None:
+    """Why the kernel cannot take activations ``x`` (None where it can): their dtype and device, which a plan
+    cached per shape does not know."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"x: fp16 / bf16 activations only, got {x.dtype}"
     if GLUON_ERROR is not None:
         return f"no Gluon in this Triton ({GLUON_ERROR})"
     if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
         return f"x: needs a Hopper GPU (sm_90 warpgroup MMAs), got a tensor on {x.device}"
     return None
+
+
+def refusal(x: torch.Tensor, bits: int, group_size: int, k: int, n: int, block_k: int = 64) -> str | None:
+    """Why the kernel cannot take this call (None where it can), naming the argument."""
+    return shape_refusal(bits, group_size, k, n, block_k) or call_refusal(x)
 
 
 def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, target=None):
@@ -321,8 +333,8 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, ta
                           options={"num_warps": 4})
 
 
-def plan(m: int, n: int, k: int, tile: dict, sms: int = 1) -> dict | None:
-    """The launch of an (M, N, K) call with ``tile``: BLOCK_N / BLOCK_M / BLOCK_K / STAGES, and the K splits
+def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: int = 1) -> dict | None:
+    """The launch of an (M, N, K) call with ``tile`` (None where :func:`shape_refusal` refuses the weight): BLOCK_N / BLOCK_M / BLOCK_K / STAGES, and the K splits
     (adding fp32 partial sums atomically where more than one): ``split`` where given, else about ``ctas_per_sm``
     programs per SM of the ``sms`` (the tiles, times the split; measured best at two on an H100 at M = 64 / 128,
     ``benchmarks/results/h100-2026-12-06-fbac7df-probe-wgmma-splits.json``). No empty split, as the kernel
@@ -331,7 +343,7 @@ def plan(m: int, n: int, k: int, tile: dict, sms: int = 1) -> dict | None:
     here, 38.7 there)."""
     cfg = {**DEFAULT_TILE, **tile}
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
-    if tiles < cfg.get("min_tiles", 0):
+    if shape_refusal(bits, group_size, k, n, cfg["BLOCK_K"]) is not None or tiles < cfg.get("min_tiles", 0):
         return None
     steps = max(1, k // cfg["BLOCK_K"])
     split = int(cfg["split"]) if "split" in cfg else round(cfg.get("ctas_per_sm", 2) * sms / tiles)
@@ -368,7 +380,7 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
            o2: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor | None:
     """Run the plan ``go`` (:func:`plan`) of ``x2 @ W^T``: writes ``o2`` (+ bias) and returns None with one split;
     with several, returns the fp32 sum ``(M, N)`` for the caller to finish (+ bias, cast). Scratch comes from
-    ``workspace`` (:func:`workspace_bytes`) where it is large enough. ``refusal`` must have said None."""
+    ``workspace`` (:func:`workspace_bytes`) where it is large enough. :func:`call_refusal` must have said None."""
     from ..int_weight import qweight_strides
 
     m, k = x2.shape
@@ -395,18 +407,20 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 def wgmma_mm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
              act_perm: torch.Tensor | None, bias: torch.Tensor | None, group_size: int, zero_offset: int,
              tile: dict | None = None, split: int = 1) -> torch.Tensor:
-    """``x2 @ W^T`` (+ bias) for a 4-bit weight as qops prepares it (flat or slab qweight), x2 ``(M, K)``, on its
-    own (tests, probes; the op reaches :func:`launch` through ``int_weight.triton_mm``)."""
+    """``x2 @ W^T`` (+ bias) for a 4-bit weight as qops prepares it (flat or slab qweight), x2 ``(M, K)``, with
+    this tile and split whatever the table says (tests, probes); the launch and the split sum's reduction are
+    the op's own (``int_weight._run_wgmma``)."""
+    from .int_weight import _run_wgmma  # that module imports this one
+
     m, k = x2.shape
     n = scales.shape[1]
-    go = plan(m, n, k, {**(tile or {}), "split": split})
-    why = refusal(x2, 4, group_size, k, n, go["tile"]["BLOCK_K"])
+    cfg = {**DEFAULT_TILE, **(tile or {}), "split": split}
+    why = refusal(x2, 4, group_size, k, n, cfg["BLOCK_K"])
     if why is not None:
         raise ValueError(f"wgmma_mm: {why}")
+    go = plan(m, n, k, 4, group_size, cfg)
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if m == 0:
         return y
-    total = launch(go, x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, y)
-    if total is not None:
-        y.copy_(total + bias.to(torch.float32) if bias is not None else total)
+    _run_wgmma({"launch": go}, x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, y, None)
     return y
