@@ -159,16 +159,25 @@ if GLUON_ERROR is None:
         return gl.convert_layout(t, a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _group_pairs(s_ptr, qz_ptr, g, offs_n, nmask, stride_s, stride_qz, zero_offset,
-                     HAS_ZEROS: gl.constexpr, DTYPE: gl.constexpr):
-        """Group ``g``'s packed scale and bias pairs of rows ``offs_n``, ``(BLOCK_N, 1)`` each."""
-        s = gl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0).to(gl.float32)
+    def _group_raw(s_ptr, qz_ptr, g, offs_n, nmask, stride_s, stride_qz, HAS_ZEROS: gl.constexpr):
+        """Group ``g``'s scales and zero-point words of rows ``offs_n`` as stored (the words' placeholder where
+        there are no zero points), loaded a step before :func:`_group_pairs` uses them."""
+        s = gl.load(s_ptr + g * stride_s + offs_n, mask=nmask, other=0.0)
         if HAS_ZEROS:
             zw = gl.load(qz_ptr + g * stride_qz + offs_n // 8, mask=nmask, other=0)
+        else:
+            zw = offs_n
+        return s, zw
+
+    @gluon.jit
+    def _group_pairs(s, zw, offs_n, zero_offset, HAS_ZEROS: gl.constexpr, DTYPE: gl.constexpr):
+        """The packed scale and bias pairs ``(BLOCK_N, 1)`` of a group's :func:`_group_raw` values."""
+        sf = s.to(gl.float32)
+        if HAS_ZEROS:
             zf = ((zw >> ((offs_n % 8) * 4)) & 15).to(gl.float32) + zero_offset
         else:
-            zf = s * 0.0 + 8.0
-        return _pack_pair(s, DTYPE)[:, None], _bias_pair(zf, DTYPE)[:, None]
+            zf = sf * 0.0 + 8.0
+        return _pack_pair(sf, DTYPE)[:, None], _bias_pair(zf, DTYPE)[:, None]
 
     @gluon.jit
     def _issue_step(x_ptr, qw_ptr, x_stage, w_stage, offs_xm, offs_xk, offs_wr, wcol, xmask, wmask, k0,
@@ -231,16 +240,22 @@ if GLUON_ERROR is None:
                             xmask, wmask, k_lo + i * BLOCK_K, stride_xm, stride_qw)
             cp.commit_group()
 
+        # A group's scales and zero points are loaded a step ahead of their use: loaded in the step, their
+        # latency (an L2 round trip) stalled the step's unpack (sm_90 SASS: the loads came after the
+        # cp.async wait, the unpack right after the barrier).
+        if GROUP == 0:
+            s_raw, z_raw = _group_raw(s_ptr, qz_ptr, 0, offs_n, nmask, stride_s, stride_qz, HAS_ZEROS)
+        else:
+            s_raw, z_raw = _group_raw(s_ptr, qz_ptr, k_lo // GROUP, offs_n, nmask, stride_s, stride_qz, HAS_ZEROS)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
         for i in range(steps):
             k0 = k_lo + i * BLOCK_K
             stage = i % STAGES
-            if GROUP == 0:
-                g = 0
-            else:
-                g = k0 // GROUP
-            scale, bias = _group_pairs(s_ptr, qz_ptr, g, offs_n, nmask, stride_s, stride_qz, zero_offset,
-                                       HAS_ZEROS, DTYPE)
+            scale, bias = _group_pairs(s_raw, z_raw, offs_n, zero_offset, HAS_ZEROS, DTYPE)
+            if GROUP != 0:
+                # the next step's group (the last step re-reads its own: K - BLOCK_K is in range)
+                g_next = gl.minimum(k0 + BLOCK_K, K - BLOCK_K) // GROUP
+                s_raw, z_raw = _group_raw(s_ptr, qz_ptr, g_next, offs_n, nmask, stride_s, stride_qz, HAS_ZEROS)
             cp.wait_group(STAGES - 2)
             # this thread's copies, seen by the MMAs' async proxy, then everyone's: fence, then barrier
             fence_async_shared()
