@@ -9,6 +9,8 @@ Cases (``--cases``, comma separated, ``KIND:NxK:M``):
 - ``w4native``: GPTQ v2, 4 bits, group 128, asymmetric, fp16 x, the native W4A16 kernel;
 - ``w4nativebf16``: the same weight (fp16 scales) with bf16 x, as the decode benchmark's model runs it;
 - ``w4triton``: the same weight through the Triton lowering;
+- ``w4wgmma``: the same weight through the Triton lowering's Gluon kernel (``int_weight_wgmma``) with the H100
+  table's M = 64 tile and one K split, whatever the card's table says (Hopper only);
 - ``nf4native``: bitsandbytes NF4, blocksize 64, nested absmax, fp16 x, the native kernel;
 - ``nf4lut``: NF4 codes through the W4A16 kernel's codebook table (``qops.native.codebook_w4``, f16 absmax);
 - ``w4gemmprobe4`` .. ``w4gemmprobe6``: ``w4native`` at M = 17..64 through a measurement build of the GEMM's
@@ -45,9 +47,10 @@ from probe_w4_lut import lut_weight  # noqa: E402
 from qops.native import codebook_w4 as cw  # noqa: E402
 from qops.lowerings import LOWERINGS_BY_NAME  # noqa: E402
 
-KINDS = ("w4native", "w4nativebf16", "w4triton", "nf4native", "nf4lut", "cublasfp16", "scaledmmfp8", "w4gemmprobe4", "w4gemmprobe5",
+KINDS = ("w4native", "w4nativebf16", "w4triton", "w4wgmma", "nf4native", "nf4lut", "cublasfp16", "scaledmmfp8", "w4gemmprobe4", "w4gemmprobe5",
          "w4gemmprobe6")
 CHECK_ROWS = 64
+WGMMA_TILE = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3}
 
 
 def parse_cases(text: str) -> list[tuple[str, int, int, int]]:
@@ -86,8 +89,14 @@ def make_case(kind: str, n: int, k: int, m: int, gen):
         one = torch.ones((), device="cuda")
         want = x8.double() @ w8[:CHECK_ROWS].double().T
         return (lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.float16)), want
-    w = gptq_native(n, k, "triton_int_weight" if kind == "w4triton" else "native_w4a16")
+    w = gptq_native(n, k, "triton_int_weight" if kind in ("w4triton", "w4wgmma") else "native_w4a16")
     want = x.double() @ w.dequantize(torch.float64)[:CHECK_ROWS].T
+    if kind == "w4wgmma":
+        from qops.ops import int_weight as IW
+        from qops.ops.triton import int_weight_wgmma as G
+        qw = IW.flat_qweight(w.qweight)
+        return (lambda: G.wgmma_mm(x, qw, w.scales, w.qzeros, w.act_perm, None, w.group_size, w.zero_offset,
+                                   WGMMA_TILE)), want
     if kind.startswith("w4gemmprobe"):
         from qops.native import int_weight_gemm as gemm
         probe = gemm.with_fields(gemm.plan(m, n, k, torch.cuda.current_device()), n, k, probe=int(kind[-1]))
