@@ -12,6 +12,7 @@ import pytest
 import torch
 import triton
 
+from qops.ops.triton import common as C
 from qops.ops.triton import int_weight_wgmma as G
 
 
@@ -23,15 +24,25 @@ def fragment_positions(t: int) -> list[int]:
 
 
 def test_gather_order_is_the_fragments_order():
-    # Lane t holds word 4b + t of block b, whose value j is weight row 32b + 8t + j; the j-th position
-    # the fragment gives that lane must multiply it.
+    # Lane t holds word 4b + t of block b, whose value j is weight row 32b + 8t + j. The unpack's output o
+    # is value WORD_ORDER[o] (its PTX run in tests/test_triton_int_weight.py), and output o fills the o-th
+    # position the fragment gives that lane: that position must multiply x's column of weight row
+    # 32b + 8t + WORD_ORDER[o].
     k = 256
     order = G._gather_order(k)
     assert sorted(order.tolist()) == list(range(k))
+    assert sorted(G.WORD_ORDER) == list(range(8))
     for b in range(k // 32):
         for t in range(4):
-            for j, q in enumerate(fragment_positions(t)):
-                assert order[32 * b + q] == 32 * b + 8 * t + j
+            for o, q in enumerate(fragment_positions(t)):
+                assert order[32 * b + q] == 32 * b + 8 * t + G.WORD_ORDER[o]
+
+
+def test_unpack_pairs_need_no_byte_permute():
+    # the point of WORD_ORDER: each register's two values 16 bits apart, one LOP3 of the word in place
+    for half in ("f16", "bf16"):
+        code, _ = C.half_unpack_asm(4, half, G.WORD_ORDER, scaled=True)
+        assert "prmt" not in code and code.count("lop3") == 4
 
 
 def test_x_gather_index_folds_act_order():

@@ -754,7 +754,7 @@ def _run_ptx(code: str, operands: dict[int, int], half: str) -> dict[int, int]:
             r = (val(a[0]) & val(a[1])) | val(a[2])
         elif op.startswith("fma.rn.") and op.endswith("x2"):
             r = packed(halves(val(a[0])) * halves(val(a[1])) + halves(val(a[2])))
-        elif op == "mul.rn.f16x2":
+        elif op in ("mul.rn.f16x2", "mul.rn.bf16x2"):
             r = packed(halves(val(a[0])) * halves(val(a[1])))
         elif op == "cvt.f32.f16":
             h = torch.tensor([val(a[0]) & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.float16)
@@ -767,16 +767,27 @@ def _run_ptx(code: str, operands: dict[int, int], half: str) -> dict[int, int]:
     return out
 
 
-@pytest.mark.parametrize("bits,half,order", [(2, "f16", None), (4, "f16", None), (8, "f16", None), (2, "bf16", None),
-                                             (4, "bf16", None), (4, "f16", C.EVEN_ODD_4), (4, "bf16", C.EVEN_ODD_4)])
-def test_half_unpack_ptx_gives_q_minus_z(bits, half, order):
+# Orders pairing values 16 bits apart (the wgmma kernel's): their pairs need no byte permute.
+APART_4 = (0, 4, 1, 5, 2, 6, 3, 7)
+APART_2 = (0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15)
+
+
+@pytest.mark.parametrize("bits,half,order,scaled", [
+    (2, "f16", None, False), (4, "f16", None, False), (8, "f16", None, False), (2, "bf16", None, False),
+    (4, "bf16", None, False), (4, "f16", C.EVEN_ODD_4, False), (4, "bf16", C.EVEN_ODD_4, False),
+    (4, "f16", APART_4, False), (4, "bf16", APART_4, False), (2, "f16", APART_2, False), (2, "bf16", APART_2, False),
+    (4, "f16", None, True), (4, "f16", APART_4, True), (4, "bf16", APART_4, True)])
+def test_half_unpack_ptx_gives_q_minus_z(bits, half, order, scaled):
     # The inline PTX cannot run here; its text is executed instruction by instruction instead, on
-    # words holding every value and zero points over the whole range (z + zero_offset <= 2**bits).
-    code, constraints = C.half_unpack_asm(bits, half, order)
+    # words holding every value and zero points over the whole range (z + zero_offset <= 2**bits);
+    # scaled, each value is s * (q - z) rounded once to the half type.
+    code, constraints = C.half_unpack_asm(bits, half, order, scaled=scaled)
     vpw = 32 // bits
     order = list(range(vpw)) if order is None else list(order)
     offsets = C.half_offsets(bits, half, order)
-    assert constraints.split(",") == ["=h"] * vpw + ["r"] * (1 + len(offsets))
+    assert constraints.split(",") == ["=h"] * vpw + ["r"] * (1 + len(offsets) + scaled)
+    if order in (list(APART_4), list(APART_2)):
+        assert "prmt" not in code
     hdt = torch.float16 if half == "f16" else torch.bfloat16
     magic = C.HALF_FORMATS[half][2]
     gen = torch.Generator().manual_seed(0)
@@ -790,9 +801,14 @@ def test_half_unpack_ptx_gives_q_minus_z(bits, half, order):
         for j, (slo, shi) in enumerate(offsets):
             pair = torch.tensor([-(magic / 2**slo + z), -(magic / 2**shi + z)]).to(hdt).view(torch.int16).to(torch.int32) & 0xFFFF
             ops[vpw + 1 + j] = int(pair[0]) | (int(pair[1]) << 16)
+        scale = float(torch.empty(()).uniform_(0.001, 0.1, generator=gen).to(hdt)) if scaled else 1.0
+        if scaled:
+            bits16 = int(torch.tensor(scale).to(hdt).view(torch.int16)) & 0xFFFF
+            ops[vpw + 1 + len(offsets)] = bits16 | (bits16 << 16)
         out = _run_ptx(code, ops, half)
         got = torch.tensor([out[i] for i in range(vpw)], dtype=torch.int32).to(torch.int16).view(hdt).float()
-        assert got.tolist() == [float(q[i] - z) for i in order], (trial, q, z)
+        want = torch.tensor([scale * (q[i] - z) for i in order], dtype=torch.float64).to(hdt).float()
+        assert got.tolist() == want.tolist(), (trial, q, z)
 
 
 def _f16_bits(values) -> list[int]:

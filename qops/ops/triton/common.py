@@ -22,7 +22,9 @@ value left at offset ``s`` inside its byte reads as ``magic + q * 2**s`` and the
 intermediate is an integer (or that times a power of two) well inside the format's range, so the
 result ``q - z`` is exact (``|q - z| <= 256``: 8 significant bits, which bf16 has). The PTX form
 needs a GPU; under Triton's CPU interpreter the same lanes are computed with plain Triton operations
-(:func:`interpreting` tells which).
+(:func:`interpreting` tells which). A pair whose two values sit 16 bits apart in the word (values ``i`` and
+``i + 16 / bits``: what the wgmma kernel's K order pairs) needs no byte permute: one LOP3 masks both halves of
+the word (or of the word shifted down) in place.
 
 Host helpers: SM count, M buckets of a config table, split-K sizing, fp32 scratch carved from the
 caller's workspace (and :func:`zero_ahead`, its zeroing as a PDL primary), and the int8/blockwise4 config
@@ -102,7 +104,9 @@ def half_pair_lanes(bits: int, half: str, order=None) -> list[tuple[tuple[int, i
     values, default the word's order, in the
     low and high half of one f16x2 / bf16x2 register) is found: for each half ``(shift, byte, s)``,
     the value sits at bit ``s`` of byte ``byte`` of ``word >> shift``. A value whose in-place offset
-    leaves no room under the mantissa is read from the word shifted down by ``bits``. Raises when the
+    leaves no room under the mantissa is read from the word shifted down by ``bits``. A pair 16 bits
+    apart has ``byte`` None: its values sit at bit ``s`` of the two halves of ``word >> shift`` (no byte
+    permute; ``shift`` a multiple of ``bits``, as small as the mantissa allows). Raises when the
     half type cannot hold a value at all (8-bit in bf16: ``128 + q`` needs 9 significant bits)."""
     mant = HALF_FORMATS[half][0]
     if 32 % bits or 8 % bits or bits > mant:
@@ -114,10 +118,23 @@ def half_pair_lanes(bits: int, half: str, order=None) -> list[tuple[tuple[int, i
             shift, s = bits, s - bits
         return shift, (pos - shift) // 8, s
 
+    def in_place(pos):  # a pair 16 bits apart: both values at bit s of their half of word >> shift
+        s = pos % 8
+        while s + bits > mant:
+            s -= bits
+        return pos - s, None, s
+
     order = tuple(range(32 // bits)) if order is None else tuple(order)
     if sorted(order) != list(range(32 // bits)):
         raise ValueError(f"order {order} is not a permutation of the {32 // bits} values of a word")
-    return [(where(order[2 * i] * bits), where(order[2 * i + 1] * bits)) for i in range(16 // bits)]
+    lanes = []
+    for i in range(16 // bits):
+        lo, hi = order[2 * i] * bits, order[2 * i + 1] * bits
+        if bits < 8 and hi == lo + 16:
+            lanes.append((in_place(lo), in_place(lo)))
+        else:
+            lanes.append((where(lo), where(hi)))
+    return lanes
 
 
 def half_offsets(bits: int, half: str, order=None) -> list[tuple[int, int]]:
@@ -134,7 +151,8 @@ def half_unpack_asm(bits: int, half: str, order=None, scaled: bool = False) -> t
     packed bias ``(-(magic * 2**-s_lo + z), -(magic * 2**-s_hi + z))`` per entry of
     :func:`half_offsets`. Per pair: a PRMT moves the two values' bytes into the two halves, a LOP3
     keeps their bits and ORs the magic, a packed FMA scales by ``2**-s`` and adds the bias; 8-bit
-    values need no LOP3 (the PRMT fills the magic's byte).
+    values need no LOP3 (the PRMT fills the magic's byte), a pair 16 bits apart no PRMT (its LOP3 reads
+    the word, or the word shifted down once for all such pairs of that shift).
     """
     mant, magic, _ = HALF_FORMATS[half]
     lanes = half_pair_lanes(bits, half, order)
@@ -148,20 +166,27 @@ def half_unpack_asm(bits: int, half: str, order=None, scaled: bool = False) -> t
     def pow2(s):  # 2**-s in the half format (exponent field moved down by s)
         return one - (s << mant)
 
-    body = ["{", f".reg .b32 q<{len(lanes)}>, b<{len(lanes)}>, w1, m, c<{len(offsets)}>;"]
+    permuted = [(lo, hi) for lo, hi in lanes if lo[1] is not None]
+    shifts = sorted({lo[0] for lo, hi in lanes if lo[1] is None} - {0})  # the in-place pairs' shifted words
+    regs = f".reg .b32 q<{len(lanes)}>, b<{len(lanes)}>, w1, m, c<{len(offsets)}>"
+    body = ["{", regs + (f", s<{len(shifts)}>;" if shifts else ";")]
     for j, (slo, shi) in enumerate(offsets):
         body.append(f"mov.b32 c{j}, 0x{(pow2(shi) << 16) | pow2(slo):08x};")
-    if any(lo[0] or hi[0] for lo, hi in lanes):
+    if any(lo[0] or hi[0] for lo, hi in permuted):
         body.append(f"shr.b32 w1, {word}, {bits};")
-    else:
+    elif permuted:
         body.append(f"mov.b32 w1, {word};")
+    for j, shift in enumerate(shifts):
+        body.append(f"shr.b32 s{j}, {word}, {shift};")
     if bits == 8:
         body.append(f"mov.b32 m, 0x{magic >> 8:02x}{magic >> 8:02x}{magic >> 8:02x}{magic >> 8:02x};")
     done = {}
     for i, (lo, hi) in enumerate(lanes):
         # PRMT selector: result bytes 0, 1 from the low value's byte, 2, 3 from the high one's
         # (index 4..7: the second source, w1 or the magic bytes).
-        if bits == 8:
+        if lo[1] is None:  # in place: the LOP3 reads the (shifted) word itself
+            src = word if lo[0] == 0 else f"s{shifts.index(lo[0])}"
+        elif bits == 8:
             sel = lo[1] | (4 << 4) | (hi[1] << 8) | (4 << 12)
             src2 = "m"
         else:
@@ -169,10 +194,11 @@ def half_unpack_asm(bits: int, half: str, order=None, scaled: bool = False) -> t
             bhi = hi[1] + (4 if hi[0] else 0)
             sel = blo | (blo << 4) | (bhi << 8) | (bhi << 12)
             src2 = "w1"
-        if sel not in done:
-            done[sel] = f"b{len(done)}"
-            body.append(f"prmt.b32 {done[sel]}, {word}, {src2}, 0x{sel:04x};")
-        src = done[sel]
+        if lo[1] is not None:
+            if sel not in done:
+                done[sel] = f"b{len(done)}"
+                body.append(f"prmt.b32 {done[sel]}, {word}, {src2}, 0x{sel:04x};")
+            src = done[sel]
         j = offsets.index((lo[2], hi[2]))
         if bits == 8:
             body.append(f"{fma} q{i}, {src}, c{j}, ${vpw + 1 + j};")

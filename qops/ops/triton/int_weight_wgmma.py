@@ -17,12 +17,15 @@ unpack of one half overlaps the MMA of the other.
 How the words reach the A operand's registers without a shuffle: a thread of the MMA's A fragment holds, per
 row and per 32 K rows, the K pairs ``2t, 2t + 1, 2t + 8, 2t + 9`` of both 16-row chunks (``t`` = lane % 4),
 eight values; a GPTQ word holds eight K-consecutive values. So thread ``t`` loads word ``4b + t`` of each
-32-row block ``b`` and its values go to those eight positions: the MMA's K position
-``q = 32b + 16cc + 8h + 2t + e`` holds weight row ``32b + 8t + 4cc + 2h + e``. x's columns are gathered in
-the same order once a call (:func:`x_gather_index`), with the act-order permutation folded in; the product
-is the same sum over K. The unpack is ``common.half_unpack_asm`` with the group's scale multiplied in
-(PRMT, LOP3, packed FMA and packed multiply a pair of values), so the weight is ``s * (q - z)`` rounded to
-the activation dtype, as a dequantized weight is.
+32-row block ``b`` and its values go to those eight positions. Which value goes where is free (x is
+gathered to match), and it is chosen so that a register's two values sit 16 bits apart in the word, values
+``i`` and ``i + 4`` (:data:`WORD_ORDER`): one LOP3 of the word in place then makes the pair, with no byte
+permute (4 fewer instructions a word in fp16). The MMA's K position ``q = 32b + 16cc + 8h + 2t + e`` holds
+weight row ``32b + 8t + 2cc + h + 4e``. x's columns are gathered in the same order once a call
+(:func:`x_gather_index`), with the act-order permutation folded in; the product is the same sum over K.
+The unpack is ``common.half_unpack_asm`` with the group's scale multiplied in (LOP3, packed FMA and
+packed multiply a pair of values), so the weight is ``s * (q - z)`` rounded to the activation dtype, as a
+dequantized weight is.
 
 Gluon (``triton.experimental.gluon``) is experimental and its API moves between Triton releases; this file
 is written against Triton 3.6 (the GPU machine's). Triton's interpreter does not run Gluon, so CI only
@@ -59,15 +62,19 @@ def available() -> str | None:
     return GLUON_ERROR
 
 
-_F16_ASM, _F16_CONSTRAINTS = (triton.language.constexpr(t) for t in half_unpack_asm(4, "f16", scaled=True))
-_BF16_ASM, _BF16_CONSTRAINTS = (triton.language.constexpr(t) for t in half_unpack_asm(4, "bf16", scaled=True))
+# The unpack's outputs, in a word's values: outputs 2i, 2i + 1 (one register, K-adjacent in the MMA) are
+# values i and i + 4, 16 bits apart in the word (no byte permute: ``common.half_pair_lanes``).
+WORD_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+_F16_ASM, _F16_CONSTRAINTS = (triton.language.constexpr(t) for t in half_unpack_asm(4, "f16", WORD_ORDER, scaled=True))
+_BF16_ASM, _BF16_CONSTRAINTS = (triton.language.constexpr(t) for t in half_unpack_asm(4, "bf16", WORD_ORDER, scaled=True))
 
 
 def _order_of(q: torch.Tensor) -> torch.Tensor:
-    """The weight row whose value the MMA's K position ``q`` multiplies (see the module docstring)."""
+    """The weight row whose value the MMA's K position ``q`` multiplies (see the module docstring): the
+    fragment's output ``4cc + 2h + e`` of the lane's word is its value ``WORD_ORDER[4cc + 2h + e]``."""
     b, r = q // 32, q % 32
     cc, h, t, e = r // 16, (r // 8) % 2, (r // 2) % 4, r % 2
-    return 32 * b + 8 * t + 4 * cc + 2 * h + e
+    return 32 * b + 8 * t + 2 * cc + h + 4 * e
 
 
 def _gather_order(k: int) -> torch.Tensor:
@@ -119,37 +126,23 @@ if GLUON_ERROR is None:
         return gl.BlockedLayout([1, vec], [trows, tcols], [wrows, warps // wrows], [1, 0])
 
     @gluon.jit
-    def _pack_pair(v, DTYPE: gl.constexpr):
-        """fp32 ``v`` as the packed pair ``(v, v)`` of DTYPE (int32), the unpack's operand."""
-        if DTYPE == gl.float16:
-            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $1;", "=r,r", [v], dtype=gl.int32,
-                                             is_pure=True, pack=1)
-        else:
-            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [v], dtype=gl.int32,
-                                             is_pure=True, pack=1)
+    def _pair_bits(h):
+        """The 16-bit pattern ``h`` (int32, < 2**16) in both halves of a word: the unpack's packed operands."""
+        return h | (h << 16)
 
     @gluon.jit
-    def _bias_pair(zf, DTYPE: gl.constexpr):
-        """The unpack's packed bias ``(-(magic_lo + z), -(magic_hi + z))`` (``common.half_offsets``: f16 reads
-        the high nibble in place, x16; bf16 from the word shifted down)."""
-        if DTYPE == gl.float16:
-            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,r,r", [-(zf + 64.0), -(zf + 1024.0)],
-                                             dtype=gl.int32, is_pure=True, pack=1)
-        else:
-            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,r,r", [-(zf + 128.0), -(zf + 128.0)],
-                                             dtype=gl.int32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _weight_operand(words, bias, scale, a_layout: gl.constexpr, DTYPE: gl.constexpr):
+    def _weight_operand(words, bias0, bias1, scale, a_layout: gl.constexpr, DTYPE: gl.constexpr):
         """The MMA's A operand ``(BLOCK_N, 8 * C)`` (``s * (q - z)`` in DTYPE, K in the MMA order) of the word
-        tile ``(BLOCK_N, C)``; ``bias`` / ``scale`` ``(BLOCK_N, 1)`` packed pairs."""
+        tile ``(BLOCK_N, C)``; ``bias0`` / ``bias1`` / ``scale`` ``(BLOCK_N, 1)`` packed pairs (:func:`_group_pairs`;
+        bf16 has one bias)."""
         if DTYPE == gl.float16:
             v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-                _F16_ASM, _F16_CONSTRAINTS, [words, bias, scale], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+                _F16_ASM, _F16_CONSTRAINTS, [words, bias0, bias1, scale], dtype=(gl.float16,) * 8, is_pure=True,
+                pack=1)
         else:
             v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-                _BF16_ASM, _BF16_CONSTRAINTS, [words, bias, scale], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-        # value j = 4cc + 2h + e of word column 4b + t goes to K position 32b + 16cc + 8h + 2t + e
+                _BF16_ASM, _BF16_CONSTRAINTS, [words, bias0, scale], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        # output 4cc + 2h + e of word column 4b + t goes to K position 32b + 16cc + 8h + 2t + e
         t = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
         BN: gl.constexpr = words.shape[0]
         C: gl.constexpr = words.shape[1]
@@ -171,13 +164,23 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _group_pairs(s, zw, offs_n, zero_offset, HAS_ZEROS: gl.constexpr, DTYPE: gl.constexpr):
-        """The packed scale and bias pairs ``(BLOCK_N, 1)`` of a group's :func:`_group_raw` values."""
-        sf = s.to(gl.float32)
+        """The packed scale and bias pairs ``(BLOCK_N, 1)`` of a group's :func:`_group_raw` values, built from bit
+        patterns. The biases are ``-(magic * 2**-s + z)`` for each in-place offset ``s`` of the unpack
+        (``common.half_offsets`` of WORD_ORDER: fp16 0 and 4, the magic 1024; bf16 0, the magic 128). With
+        ``0 <= z <= 16`` each is exact, and its pattern is the magic's moved by ``z`` units in the last place:
+        ``-(1024 + z)`` is ``0xE400 + z``, ``-(64 + z)`` ``0xD400 + 16 z``, ``-(128 + z)`` bf16's ``0xC300 + z``."""
         if HAS_ZEROS:
-            zf = ((zw >> ((offs_n % 8) * 4)) & 15).to(gl.float32) + zero_offset
+            z = ((zw >> ((offs_n % 8) * 4)) & 15) + zero_offset
         else:
-            zf = sf * 0.0 + 8.0
-        return _pack_pair(sf, DTYPE)[:, None], _bias_pair(zf, DTYPE)[:, None]
+            z = offs_n * 0 + 8
+        scale = _pair_bits(s.to(DTYPE).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF)  # scales may be fp16 for bf16 x
+        if DTYPE == gl.float16:
+            bias0 = _pair_bits(0xE400 + z)
+            bias1 = _pair_bits(0xD400 + 16 * z)
+        else:
+            bias0 = _pair_bits(0xC300 + z)
+            bias1 = bias0
+        return scale[:, None], bias0[:, None], bias1[:, None]
 
     @gluon.jit
     def _issue_step(x_ptr, qw_ptr, x_stage, w_stage, offs_xm, offs_xk, offs_wr, wcol, xmask, wmask, k0,
@@ -251,7 +254,7 @@ if GLUON_ERROR is None:
         for i in range(steps):
             k0 = k_lo + i * BLOCK_K
             stage = i % STAGES
-            scale, bias = _group_pairs(s_raw, z_raw, offs_n, zero_offset, HAS_ZEROS, DTYPE)
+            scale, bias0, bias1 = _group_pairs(s_raw, z_raw, offs_n, zero_offset, HAS_ZEROS, DTYPE)
             if GROUP != 0:
                 # the next step's group (the last step re-reads its own: K - BLOCK_K is in range)
                 g_next = gl.minimum(k0 + BLOCK_K, K - BLOCK_K) // GROUP
@@ -263,7 +266,7 @@ if GLUON_ERROR is None:
             w_stage = w_smem.index(stage)
             x_stage = x_smem.index(stage)
             lo = w_stage.slice(0, HALF_K // 8, dim=0).permute((1, 0)).load(word_l)
-            a_lo = _weight_operand(lo, bias, scale, a_l, DTYPE)
+            a_lo = _weight_operand(lo, bias0, bias1, scale, a_l, DTYPE)
             acc = warpgroup_mma(a_lo, x_stage.slice(0, HALF_K, dim=1).permute((1, 0)), acc, is_async=True)
             # <= 1 in flight: the previous step's second MMA is done, so its stage may be refilled
             acc = warpgroup_mma_wait(1, deps=[acc])
@@ -273,7 +276,7 @@ if GLUON_ERROR is None:
                             offs_wr, wcol, xmask, wmask, k_lo + nxt * BLOCK_K, stride_xm, stride_qw)
             cp.commit_group()
             hi = w_stage.slice(HALF_K // 8, HALF_K // 8, dim=0).permute((1, 0)).load(word_l)
-            a_hi = _weight_operand(hi, bias, scale, a_l, DTYPE)
+            a_hi = _weight_operand(hi, bias0, bias1, scale, a_l, DTYPE)
             acc = warpgroup_mma(a_hi, x_stage.slice(HALF_K, HALF_K, dim=1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=[acc])
         acc = warpgroup_mma_wait(0, deps=[acc])
