@@ -94,6 +94,7 @@ def ptxas_report(ptx: str) -> str:
     ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4}, torch.float16, True, False),
     ({"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 4}, torch.bfloat16, False, True),
     ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3}, torch.float16, True, True),  # the H100 table's
+    ({"BLOCK_N": 256, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "WARPS": 8}, torch.bfloat16, True, False),
 ])
 def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, atomic):
     """Each build compiles for sm_90 with no spill, and ptxas keeps its warpgroup MMAs asynchronous: its C7515

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.gpu
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 TILES = ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
-         {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 3})
+         {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 3},
+         {"BLOCK_N": 256, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "WARPS": 8})
 CASES = [  # (case, dtype, qweight form)
     (Case("gptq", 4, 128, False, False, "v2", 4104, 1024), torch.float16, "flat"),
     (Case("gptq", 4, 128, True, True, "v1", 4096, 2048), torch.bfloat16, "slabs"),

@@ -54,7 +54,6 @@ try:  # Gluon's API is per Triton release; a Triton without these names cannot b
 except Exception as e:  # noqa: BLE001 - any import failure means the same: no Gluon here
     GLUON_ERROR = f"{type(e).__name__}: {e}"
 
-WARPS = triton.language.constexpr(4)  # one warpgroup: the MMA's 64 rows of N a step are its four warps' 16
 
 
 def available() -> str | None:
@@ -106,20 +105,20 @@ def x_gather_index(k: int, act_perm: torch.Tensor | None, device: torch.device) 
 if GLUON_ERROR is None:
 
     @gluon.constexpr_function
-    def _word_layout(block_n, block_k):
-        """Registers of the ``(BLOCK_N, BLOCK_K / 8)`` word tile: lane ``l`` holds rows ``l / 4 (+ 8)`` of
-        its warp's 16 and word columns ``l % 4 + 4b``, the A fragment's owner of those values."""
+    def _word_layout(block_n, block_k, warps):
+        """Registers of the ``(BLOCK_N, BLOCK_K / 8)`` word tile: lane ``l`` of warp ``w`` holds rows ``16 w + l / 4
+        (+ 8)`` of each ``16 * warps`` rows and word columns ``l % 4 + 4b``, the A fragment's owner of those values
+        (one warpgroup's MMA covers 64 rows, its four warps' 16 each; a second warpgroup the next 64)."""
         regs = [[8, 0]] + [[0, 4 << i] for i in range((block_k // 32).bit_length() - 1)]
-        regs += [[64 << i, 0] for i in range((block_n // 64).bit_length() - 1)]
+        regs += [[16 * warps << i, 0] for i in range((block_n // (16 * warps)).bit_length() - 1)]
         lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
-        warps = [[16, 0], [32, 0]]
-        return gl.DistributedLinearLayout(regs, lanes, warps, [], [block_n, block_k // 8])
+        return gl.DistributedLinearLayout(regs, lanes, [[16 << i, 0] for i in range(warps.bit_length() - 1)], [],
+                                          [block_n, block_k // 8])
 
     @gluon.constexpr_function
-    def _copy_layout(rows, cols, vec):
+    def _copy_layout(rows, cols, vec, warps):
         """A ``(rows, cols)`` layout of ``vec``-element vectors for ``cp.async`` (every element once where the tile
         has a warp-row of rows: 16 x 64, 4 x 128 and up)."""
-        warps = WARPS.value
         tcols = min(32, cols // vec)
         trows = 32 // tcols
         wrows = max(1, min(warps, rows // trows))
@@ -195,10 +194,13 @@ if GLUON_ERROR is None:
         M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, stride_ym, split_len, zero_offset,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
         STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr,
+        WARPS: gl.constexpr,
     ):
         """Program (N tile, M tile, K split): ``y[m, n] = sum_k x_g[m, k] w[n, k]`` over its split, x_g the
         gathered x (:func:`x_gather_index`), written (+ bias) or added into the fp32 sum (ATOMIC). GROUP: the
         group size (a multiple of BLOCK_K), 0 for one group over K. K is a multiple of BLOCK_K, BLOCK_K of 64.
+        WARPS: 4 (one warpgroup) or 8 (two, each its own 64-row slabs of the N tile, sharing the x stages:
+        half the x traffic a weight); BLOCK_N a multiple of 16 * WARPS.
         The qweight is flat or in column slabs (word ``(j, n)`` at ``j * stride_qw + (n // 32) * stride_qslab +
         n % 32``; the flat form's ``stride_qslab`` is 32)."""
         DTYPE: gl.constexpr = x_ptr.dtype.element_ty
@@ -206,9 +208,9 @@ if GLUON_ERROR is None:
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-        word_l: gl.constexpr = _word_layout(BLOCK_N, HALF_K)
-        xcopy_l: gl.constexpr = _copy_layout(BLOCK_M, BLOCK_K, 8)
-        wcopy_l: gl.constexpr = _copy_layout(BLOCK_K // 8, BLOCK_N, 4)
+        word_l: gl.constexpr = _word_layout(BLOCK_N, HALF_K, WARPS)
+        xcopy_l: gl.constexpr = _copy_layout(BLOCK_M, BLOCK_K, 8, WARPS)
+        wcopy_l: gl.constexpr = _copy_layout(BLOCK_K // 8, BLOCK_N, 4, WARPS)
         x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], DTYPE)
         # Row r of a word stage XORs its 32-byte chunks with r % 4: a warp's read (4 word rows x 8 columns)
         # then falls in 32 distinct banks.
@@ -342,13 +344,13 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, ta
     sig = {"x_ptr": act, "qw_ptr": "*i32", "s_ptr": act, "qz_ptr": "*i32", "bias_ptr": act,
            "y_ptr": "*fp32" if atomic else act}
     consts = {**{key: tile[key] for key in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "STAGES")}, "GROUP": 128,
-              "HAS_ZEROS": has_zeros, "HAS_BIAS": not atomic, "ATOMIC": atomic}
+              "HAS_ZEROS": has_zeros, "HAS_BIAS": not atomic, "ATOMIC": atomic, "WARPS": tile.get("WARPS", 4)}
     sig.update({name: "constexpr" if name in consts else "i32" for name in fn.arg_names if name not in sig})
     aligned = {"N", "K", "stride_xm", "stride_qw", "stride_qslab", "stride_s", "stride_ym", "split_len"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if sig[name].startswith("*") or name in aligned}
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target or GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4})
+                          options={"num_warps": consts["WARPS"]})
 
 
 def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: int = 1) -> dict | None:
@@ -360,6 +362,8 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     splits' atomic adds, which the Triton GEMM's stream-K does better (4096x14336 at M = 64: 40.3 us at best
     here, 38.7 there)."""
     cfg = {**DEFAULT_TILE, **tile}
+    if cfg["BLOCK_N"] % (16 * cfg.get("WARPS", 4)):
+        raise ValueError(f"tile: BLOCK_N must be a multiple of 16 * WARPS (each warp's 16 MMA rows), got {cfg}")
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
     if shape_refusal(bits, group_size, k, n, cfg["BLOCK_K"]) is not None or tiles < cfg.get("min_tiles", 0):
         return None
@@ -418,7 +422,8 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         qzeros.stride(0) if qzeros is not None else 0, y.stride(0), go["split_len"], zero_offset,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
         GROUP=0 if group_size == -1 else group_size, STAGES=cfg["STAGES"], HAS_ZEROS=qzeros is not None,
-        HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic, num_warps=4)
+        HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic, WARPS=cfg.get("WARPS", 4),
+        num_warps=cfg.get("WARPS", 4))
     return y if atomic else None
 
 
