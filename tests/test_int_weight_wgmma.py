@@ -38,6 +38,21 @@ def test_gather_order_is_the_fragments_order():
                 assert order[32 * b + q] == 32 * b + 8 * t + G.WORD_ORDER[o]
 
 
+@pytest.mark.parametrize("half", ["f16", "bf16"])
+def test_bias_bits_are_the_unpacks_biases(half):
+    # The kernel builds its bias operands from BIAS_BITS with integer operations; each must be the pattern of
+    # -(magic * 2**-s + z), for the unpack's in-place offsets in order and every zero point the formats store
+    # (4-bit, plus GPTQ v1's offset of 1).
+    dtype = torch.float16 if half == "f16" else torch.bfloat16
+    magic = C.HALF_FORMATS[half][2]
+    offsets = C.half_offsets(4, half, G.WORD_ORDER)
+    assert len(offsets) == len(G.BIAS_BITS[half]) and all(lo == hi for lo, hi in offsets)
+    for (s, _), (base, step) in zip(offsets, G.BIAS_BITS[half]):
+        for z in range(17):
+            want = int(torch.tensor(-(magic / 2**s + z)).to(dtype).view(torch.int16)) & 0xFFFF
+            assert base + step * z == want, (half, s, z)
+
+
 def test_unpack_pairs_need_no_byte_permute():
     # the point of WORD_ORDER: each register's two values 16 bits apart, one LOP3 of the word in place
     for half in ("f16", "bf16"):

@@ -64,6 +64,12 @@ def available() -> str | None:
 # The unpack's outputs, in a word's values: outputs 2i, 2i + 1 (one register, K-adjacent in the MMA) are
 # values i and i + 4, 16 bits apart in the word (no byte permute: ``common.half_pair_lanes``).
 WORD_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+# The unpack's bias operands ``-(magic * 2**-s + z)``, one per in-place offset ``s`` of ``common.half_offsets(4, half,
+# WORD_ORDER)`` (fp16: 0 and 4, the magic 1024; bf16: 0, the magic 128), as (pattern at z = 0, step a unit of z): with
+# 0 <= z <= 16 each is exact, and its bits are the magic's moved by z units in the last place.
+BIAS_BITS = {"f16": ((0xE400, 1), (0xD400, 16)), "bf16": ((0xC300, 1),)}
+_F16_B0, _F16_B0_STEP, _F16_B1, _F16_B1_STEP, _BF16_B0, _BF16_B0_STEP = (
+    triton.language.constexpr(v) for v in (*BIAS_BITS["f16"][0], *BIAS_BITS["f16"][1], *BIAS_BITS["bf16"][0]))
 _F16_ASM, _F16_CONSTRAINTS = (triton.language.constexpr(t) for t in half_unpack_asm(4, "f16", WORD_ORDER, scaled=True))
 _BF16_ASM, _BF16_CONSTRAINTS = (triton.language.constexpr(t) for t in half_unpack_asm(4, "bf16", WORD_ORDER, scaled=True))
 
@@ -164,20 +170,17 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _group_pairs(s, zw, offs_n, zero_offset, HAS_ZEROS: gl.constexpr, DTYPE: gl.constexpr):
         """The packed scale and bias pairs ``(BLOCK_N, 1)`` of a group's :func:`_group_raw` values, built from bit
-        patterns. The biases are ``-(magic * 2**-s + z)`` for each in-place offset ``s`` of the unpack
-        (``common.half_offsets`` of WORD_ORDER: fp16 0 and 4, the magic 1024; bf16 0, the magic 128). With
-        ``0 <= z <= 16`` each is exact, and its pattern is the magic's moved by ``z`` units in the last place:
-        ``-(1024 + z)`` is ``0xE400 + z``, ``-(64 + z)`` ``0xD400 + 16 z``, ``-(128 + z)`` bf16's ``0xC300 + z``."""
+        patterns (:data:`BIAS_BITS`) with integer operations, not conversions."""
         if HAS_ZEROS:
             z = ((zw >> ((offs_n % 8) * 4)) & 15) + zero_offset
         else:
             z = offs_n * 0 + 8
         scale = _pair_bits(s.to(DTYPE).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF)  # scales may be fp16 for bf16 x
         if DTYPE == gl.float16:
-            bias0 = _pair_bits(0xE400 + z)
-            bias1 = _pair_bits(0xD400 + 16 * z)
+            bias0 = _pair_bits(_F16_B0 + _F16_B0_STEP * z)
+            bias1 = _pair_bits(_F16_B1 + _F16_B1_STEP * z)
         else:
-            bias0 = _pair_bits(0xC300 + z)
+            bias0 = _pair_bits(_BF16_B0 + _BF16_B0_STEP * z)
             bias1 = bias0
         return scale[:, None], bias0[:, None], bias1[:, None]
 
