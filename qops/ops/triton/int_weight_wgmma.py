@@ -55,7 +55,6 @@ except Exception as e:  # noqa: BLE001 - any import failure means the same: no G
     GLUON_ERROR = f"{type(e).__name__}: {e}"
 
 
-
 def available() -> str | None:
     """None where this Triton can build the kernel, else why not."""
     return GLUON_ERROR
@@ -203,7 +202,8 @@ if GLUON_ERROR is None:
         gathered x (:func:`x_gather_index`), written (+ bias) or added into the fp32 sum (ATOMIC). GROUP: the
         group size (a multiple of BLOCK_K), 0 for one group over K. K is a multiple of BLOCK_K, BLOCK_K of 64.
         WARPS: 4 (one warpgroup) or 8 (two, each its own 64-row slabs of the N tile, sharing the x stages:
-        half the x traffic a weight); BLOCK_N a multiple of 16 * WARPS.
+        half the x traffic a weight, but 10-25% slower on an H100 at M = 64, stop 66: the tables use 4);
+        BLOCK_N a multiple of 16 * WARPS.
         The qweight is flat or in column slabs (word ``(j, n)`` at ``j * stride_qw + (n // 32) * stride_qslab +
         n % 32``; the flat form's ``stride_qslab`` is 32)."""
         DTYPE: gl.constexpr = x_ptr.dtype.element_ty
