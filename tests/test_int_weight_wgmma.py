@@ -137,10 +137,10 @@ def test_workspace_holds_x_and_the_sum():
     assert G.workspace_bytes(17, 4104, 4096, go) >= 2 * 17 * 4096 + 4 * 17 * 4104
     assert G.workspace_bytes(17, 4104, 4096, G.plan(17, 4104, 4096, 4, 128, {})) == -(-2 * 17 * 4096 // 256) * 256
     ws = torch.zeros(G.workspace_bytes(17, 4104, 4096, go), dtype=torch.uint8)
-    x = G._carve(ws, 0, (17, 4096), torch.float16, ws.device)
-    s = G._carve(ws, G._x_bytes(17, 4096), (17, 4104), torch.float32, ws.device)
+    x = C.workspace_view(ws, (17, 4096), torch.float16, ws.device)
+    s = C.workspace_view(ws, (17, 4104), torch.float32, ws.device, offset=G._x_bytes(17, 4096))
     assert x.data_ptr() == ws.data_ptr() and s.data_ptr() + s.numel() * 4 <= ws.data_ptr() + ws.numel()
-    assert G._carve(ws[:10], 0, (17, 4096), torch.float16, ws.device).data_ptr() != ws.data_ptr()  # too small: fresh
+    assert C.workspace_view(ws[:10], (17, 4096), torch.float16, ws.device).data_ptr() != ws.data_ptr()  # too small: fresh
 
 
 def wgmma_table(tile: dict) -> dict:

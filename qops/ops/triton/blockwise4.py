@@ -91,7 +91,7 @@ import triton.language as tl
 from .._common import unit_stride
 from ..blockwise4 import LAYOUT_FLAT
 from .common import (ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k,
-                     store_row, store_tile)
+                     store_row, store_tile, workspace_view)
 
 CONFIGS: dict = {
     # GEMV: BLOCK_N 64 rows x 32 bytes per step on 4 warps, K split until ~4 programs per SM: the best
@@ -718,11 +718,7 @@ def slab_buffer(workspace: torch.Tensor | None, shape: tuple[int, int], dtype: t
     bytes of any dtype) when it holds it, else a fresh tensor. The declared workspace need
     (``qops.workspace.SCRATCH_BYTES``) leaves the slab out: dense calls are prefill-sized, and a model
     workspace big enough for them would be held for every decode step."""
-    nbytes = dtype.itemsize * shape[0] * shape[1]
-    if (workspace is not None and workspace.device == device and workspace.is_contiguous()
-            and workspace.numel() * workspace.element_size() >= nbytes):
-        return workspace.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
-    return torch.empty(shape, dtype=dtype, device=device)
+    return workspace_view(workspace, shape, dtype, device)
 
 
 def _run_dense(p, x2, qweight, code, absmax, nested_code, nested_absmax, nested_offset, bias, blocksize,

@@ -386,17 +386,21 @@ def zero_ahead(buf: torch.Tensor) -> None:
     _zero_kernel[(triton.cdiv(numel, ZERO_BLOCK),)](buf, numel, BLOCK=ZERO_BLOCK, num_warps=4)
 
 
-def fp32_scratch(workspace: torch.Tensor | None, shape: tuple[int, ...], zero: bool, device) -> torch.Tensor:
-    """fp32 scratch of ``shape`` (zeroed when ``zero``): a view of the caller's workspace (a contiguous
-    buffer on ``device``, bytes of any dtype) when it is large enough, else a fresh tensor."""
-    nbytes = 4 * math.prod(shape)
+def workspace_view(workspace: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device,
+                   offset: int = 0) -> torch.Tensor:
+    """A ``shape`` tensor of ``dtype`` at byte ``offset`` of the caller's workspace (a contiguous buffer on
+    ``device``, bytes of any dtype) when it is large enough, else a fresh (uninitialised) tensor."""
+    nbytes = dtype.itemsize * math.prod(shape)
     if (workspace is not None and workspace.device == device and workspace.is_contiguous()
-            and workspace.numel() * workspace.element_size() >= nbytes):
-        buf = workspace.view(-1).view(torch.uint8)[:nbytes].view(torch.float32).view(shape)
-        return buf.zero_() if zero else buf
-    if zero:
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    return torch.empty(shape, dtype=torch.float32, device=device)
+            and workspace.numel() * workspace.element_size() >= offset + nbytes):
+        return workspace.view(-1).view(torch.uint8)[offset:offset + nbytes].view(dtype).view(shape)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def fp32_scratch(workspace: torch.Tensor | None, shape: tuple[int, ...], zero: bool, device) -> torch.Tensor:
+    """fp32 scratch of ``shape`` (zeroed when ``zero``) from the caller's workspace (:func:`workspace_view`)."""
+    buf = workspace_view(workspace, shape, torch.float32, device)
+    return buf.zero_() if zero else buf
 
 
 class ConfigTable:

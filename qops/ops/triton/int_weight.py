@@ -1535,11 +1535,7 @@ def _run_wgmma(plan, x2, qweight, scales, qzeros, act_perm, bias, group_size, ze
     total = wgmma.launch(plan["launch"], x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, o2,
                          workspace)
     if total is not None:  # K splits: their fp32 sum, + bias, cast
-        m, n = o2.shape
-        block, block_s = _reduce_tile(1)
-        _reduce_kernel[(-(-n // block), m)](
-            total, bias if bias is not None else total, o2, m, n, 1, *_out_strides(2, o2)[:2], o2.stride(0),
-            o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4)
+        _reduce_sums(total, bias, o2, parts=1, mode=2, pdl=False)
 
 
 def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace):
@@ -1557,12 +1553,19 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     go.kernel[go.grid](*_split_k_args(*tensors, y, go.mode, go.split_len), **go.constexprs, **go.launch,
                        **({"launch_pdl": True} if go.zero_wait else {}))
     if go.mode != 0:
-        block, block_s = _reduce_tile(go.parts)
-        _reduce_kernel[(-(-n // block), m)](
-            y, bias if bias is not None else y, o2, m, n, go.parts, *_out_strides(go.mode, o2)[:2],
-            o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
-            **({"PDL": True, "launch_pdl": True} if go.pdl else {}),
-        )
+        _reduce_sums(y, bias, o2, go.parts, go.mode, go.pdl)
+
+
+def _reduce_sums(y, bias, o2, parts: int, mode: int, pdl: bool) -> None:
+    """``o2 = sum of the fp32 partials y (+ bias)``, cast: ``parts`` partial sums (mode 1) or the one atomic sum
+    (mode 2), the reduction launched as a programmatic dependent where ``pdl``."""
+    m, n = o2.shape
+    block, block_s = _reduce_tile(parts)
+    _reduce_kernel[(-(-n // block), m)](
+        y, bias if bias is not None else y, o2, m, n, parts, *_out_strides(mode, o2)[:2],
+        o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
+        **({"PDL": True, "launch_pdl": True} if pdl else {}),
+    )
 
 
 def reduce_pdl(cfg: dict, device: torch.device, atomic: bool) -> bool:

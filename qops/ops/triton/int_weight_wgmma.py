@@ -33,12 +33,10 @@ compiles it for sm_90 (``tests/test_int_weight_wgmma.py``); the GPU suite runs i
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
-from .common import half_unpack_asm
+from .common import half_unpack_asm, workspace_view
 
 try:  # Gluon's API is per Triton release; a Triton without these names cannot build the kernel at all
     from triton.experimental import gluon
@@ -357,8 +355,8 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, ta
 
 
 def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: int = 1) -> dict | None:
-    """The launch of an (M, N, K) call with ``tile`` (None where :func:`shape_refusal` refuses the weight): BLOCK_N / BLOCK_M / BLOCK_K / STAGES, and the K splits
-    (adding fp32 partial sums atomically where more than one): ``split`` where given, else about ``ctas_per_sm``
+    """The launch of an (M, N, K) call with ``tile`` (None where :func:`shape_refusal` refuses the weight):
+    BLOCK_N / BLOCK_M / BLOCK_K / STAGES, and the K splits (adding fp32 partial sums atomically where more than one): ``split`` where given, else about ``ctas_per_sm``
     programs per SM of the ``sms`` (the tiles, times the split; measured best at two on an H100 at M = 64 / 128,
     ``benchmarks/results/h100-2026-12-06-fbac7df-probe-wgmma-splits.json``). No empty split, as the kernel
     assumes. None where the call has fewer than ``min_tiles`` output tiles: such a grid lives on its K
@@ -391,15 +389,6 @@ def workspace_bytes(m: int, n: int, k: int, launch: dict) -> int:
     return _x_bytes(m, k) + (4 * m * n if launch["split"] > 1 else 0)
 
 
-def _carve(workspace: torch.Tensor | None, offset: int, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """A ``shape`` view of the caller's workspace at byte ``offset`` where it is large enough, else a fresh tensor."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if (workspace is not None and workspace.device == device and workspace.is_contiguous()
-            and workspace.numel() * workspace.element_size() >= offset + nbytes):
-        return workspace.view(-1).view(torch.uint8)[offset:offset + nbytes].view(dtype).view(shape)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
            act_perm: torch.Tensor | None, bias: torch.Tensor | None, group_size: int, zero_offset: int,
            o2: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -411,11 +400,11 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     m, k = x2.shape
     n = o2.shape[1]
     cfg = go["tile"]
-    xg = _carve(workspace, 0, (m, k), x2.dtype, x2.device)
+    xg = workspace_view(workspace, (m, k), x2.dtype, x2.device)
     torch.index_select(x2, 1, x_gather_index(k, act_perm, x2.device), out=xg)
     atomic = go["split"] > 1
     if atomic:
-        y = _carve(workspace, _x_bytes(m, k), (m, n), torch.float32, x2.device).zero_()
+        y = workspace_view(workspace, (m, n), torch.float32, x2.device, offset=_x_bytes(m, k)).zero_()
     else:
         y = o2
     stride_qw, stride_qslab = qweight_strides(qweight)
