@@ -76,7 +76,8 @@ def checked(tile: dict) -> list[dict]:
         want = x.double() @ w.dequantize(torch.float64).T + bias.double()
         row = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in c.items()}
         try:
-            got = G.wgmma_mm(x, qw, w.scales, w.qzeros, w.act_perm, bias, w.group_size, w.zero_offset, tile, c["split"])
+            split = None if tile.get("stream_k") else c["split"]  # a stream-K tile is checked as it runs
+            got = G.wgmma_mm(x, qw, w.scales, w.qzeros, w.act_perm, bias, w.group_size, w.zero_offset, tile, split)
             row["rel_err"] = common.rel_err(got, want)
             limit = 2e-3 if c["dtype"] == torch.float16 else 1.5e-2
             row["ok"] = row["rel_err"] is not None and row["rel_err"] < limit
@@ -89,12 +90,13 @@ def checked(tile: dict) -> list[dict]:
 def main(argv=None) -> int:
     p = common.probe_parser("probe_wgmma_w4.py", __doc__, LARGE_SHAPES, [16, 32, 64, 128], 7)
     p.add_argument("--tiles", type=json.loads, default=TILES, help="candidate tiles, JSON {name: {BLOCK_N, BLOCK_M, ...}}")
-    p.add_argument("--splits", default="1,2,3", help="K splits timed for each tile")
+    p.add_argument("--splits", default="1,2,3", help="K splits timed for each tile; 0: the tile's own launch "
+                   "(stream-K where it says stream_k, else its ctas_per_sm rule)")
     a = p.parse_args(argv)
     res = common.probe_result("wgmma_w4")
     if res is None:
         return 2
-    splits = [int(s) for s in a.splits.split(",")]
+    splits = [int(s) or None for s in a.splits.split(",")]
     res["checks"] = {}
     good = {}
     for name, tile in a.tiles.items():
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
         cands = {"shipped": [lambda v=v: v.mm(x) for v in ws], "cublas_fp16": [lambda d=d: F.linear(x, d) for d in dense]}
         for name, tile in good.items():
             for s in splits:
-                cname = f"{name}_s{s}"
+                cname = f"{name}_s{s}" if s else f"{name}_own"
 
                 def call(v, tile=tile, s=s):
                     return G.wgmma_mm(x, v.qweight, v.scales, v.qzeros, v.act_perm, None, v.group_size, v.zero_offset, tile, s)

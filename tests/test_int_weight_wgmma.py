@@ -110,6 +110,8 @@ def ptxas_report(ptx: str) -> str:
     ({"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 4}, torch.bfloat16, False, True),
     ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3}, torch.float16, True, True),  # the H100 table's
     ({"BLOCK_N": 256, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "WARPS": 8}, torch.bfloat16, True, False),
+    ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "stream_k": 1}, torch.float16, True, False),
+    ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "stream_k": 1}, torch.bfloat16, False, False),
 ])
 def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, atomic):
     """Each build compiles for sm_90 with no spill, and ptxas keeps its warpgroup MMAs asynchronous: its C7515
@@ -138,9 +140,52 @@ def test_workspace_holds_x_and_the_sum():
     assert G.workspace_bytes(17, 4104, 4096, G.plan(17, 4104, 4096, 4, 128, {})) == -(-2 * 17 * 4096 // 256) * 256
     ws = torch.zeros(G.workspace_bytes(17, 4104, 4096, go), dtype=torch.uint8)
     x = C.workspace_view(ws, (17, 4096), torch.float16, ws.device)
-    s = C.workspace_view(ws, (17, 4104), torch.float32, ws.device, offset=G._x_bytes(17, 4096))
+    s = C.workspace_view(ws, (17, 4104), torch.float32, ws.device, offset=G._scratch_parts(17, 4104, 4096, go)[0])
     assert x.data_ptr() == ws.data_ptr() and s.data_ptr() + s.numel() * 4 <= ws.data_ptr() + ws.numel()
     assert C.workspace_view(ws[:10], (17, 4096), torch.float16, ws.device).data_ptr() != ws.data_ptr()  # too small: fresh
+
+
+SK_TILE = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "ctas_per_sm": 2, "stream_k": 1}
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 28672, 4096), (64, 57344, 8192), (128, 8192, 28672), (17, 4104, 1024),
+                                   (257, 4104, 128), (1, 128, 8192)])
+def test_stream_k_runs_cover_every_step_once_in_one_wave(m, n, k):
+    go = G.plan(m, n, k, 4, -1, SK_TILE, 132)
+    assert go["stream_k"] and go["grid"] == (go["programs"], 1, 1) and go["programs"] <= 2 * 132
+    steps = k // 128
+    assert go["tiles"] == -(-n // 128) * -(-m // 64) and go["tiles_m"] == -(-m // 64)
+    # the programs' runs (as the kernel walks them) cover each (tile, step) once
+    seen = torch.zeros(go["tiles"] * steps, dtype=torch.int32)
+    shared = {}
+    for c in range(go["programs"]):
+        it, end = c * go["run"], min((c + 1) * go["run"], go["tiles"] * steps)
+        assert it < end  # no empty program
+        while it < end:
+            tile = it // steps
+            last = min(end - tile * steps, steps)
+            seen[it:tile * steps + last] += 1
+            if last - (it - tile * steps) < steps:
+                shared.setdefault(tile, []).append(c)
+            it = tile * steps + last
+    assert bool((seen == 1).all())
+    # a shared tile's programs are the ones the kernel's last arrival reads: c0 .. c1, c0's run starting it
+    for tile, progs in shared.items():
+        c0, c1 = tile * steps // go["run"], ((tile + 1) * steps - 1) // go["run"]
+        assert progs == list(range(c0, c1 + 1)) and c0 * go["run"] <= tile * steps
+    parts = G._scratch_parts(m, n, k, go)
+    assert parts[1] == -(-4 * 2 * go["programs"] * 128 * 64 // 256) * 256 and parts[2] >= 4 * go["tiles"]
+
+
+@pytest.mark.interpreter
+def test_gather_kernel_orders_x_and_zeros_the_counts():
+    # the Triton gather under the interpreter (the GPU suite runs it compiled, through the kernel's oracle tests)
+    x = torch.randn(5, 96, dtype=torch.float16)[:, 32:].t().contiguous().t()  # K-strided (column-major) x
+    index = G.x_gather_index(64, torch.randperm(64), x.device)
+    xg = torch.empty(5, 64, dtype=torch.float16)
+    counts = torch.full((2500,), 7, dtype=torch.int32)
+    G.gather_x(x, index, xg, counts)
+    assert torch.equal(xg, x[:, index]) and bool((counts == 0).all())
 
 
 def wgmma_table(tile: dict) -> dict:

@@ -1,7 +1,8 @@
 """The Gluon W4A16 GEMM (``qops/ops/triton/int_weight_wgmma.py``) on a Hopper GPU against the float64 oracle of
 ``tests/oracle.py``: GPTQ (v1 / v2, act-order, symmetric), AWQ and compressed-tensors 4-bit weights as qops
 prepares them (flat and column-slab qweight), fp16 and bf16, M = 1 / 17 / 64 / 257, N off the tile grid, a strided
-x, K splits, a bias, and a CUDA-graph replay with fresh inputs."""
+x, K splits and stream-K (tiles shared by up to a program a K step), a bias, and CUDA-graph replays with fresh
+inputs."""
 from __future__ import annotations
 
 import copy
@@ -25,6 +26,8 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 TILES = ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
          {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 3},
          {"BLOCK_N": 256, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "WARPS": 8})
+SK_TILES = ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "stream_k": 1},
+            {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "stream_k": 1, "ctas_per_sm": 2})
 CASES = [  # (case, dtype, qweight form)
     (Case("gptq", 4, 128, False, False, "v2", 4104, 1024), torch.float16, "flat"),
     (Case("gptq", 4, 128, True, True, "v1", 4096, 2048), torch.bfloat16, "slabs"),
@@ -84,6 +87,45 @@ def test_wgmma_gemm_matches_the_oracle(item):
                 check(run(w, x, bias, tile, split), x, w64, bias, what)
 
 
+@pytest.mark.parametrize("item", CASES, ids=lambda c: f"{c[0].id}-{str(c[1])[6:]}-{c[2]}")
+def test_stream_k_matches_the_oracle_and_repeats_itself(item):
+    """Stream-K over this GPU's SMs: these small shapes share every tile among several programs (N = 264, K = 512
+    at M = 1: 3 tiles of 8 steps, a program a step), whose last to finish adds the parts; the same bits twice."""
+    case, dtype, form = item
+    w, w64 = prepared(case, dtype, form)
+    bias = rand(case.n, dtype=dtype, seed=5)
+    for tile in SK_TILES:
+        if case.group_size != -1 and case.group_size % tile["BLOCK_K"]:
+            continue
+        for m in (1, 17, 64, 257):
+            base = rand(m, case.k + 16, dtype=dtype, seed=m)
+            x = base[:, 8:8 + case.k] if m % 2 else base[:, :case.k].contiguous()
+            what = f"{case.id} {dtype} {form} tile {tile} M={m} stream-K"
+            y = run(w, x, bias, tile, None)
+            check(y, x, w64, bias, what)
+            assert torch.equal(y, run(w, x, bias, tile, None)), f"{what}: not the same bits twice"
+
+
+def test_stream_k_replays_from_a_cuda_graph():
+    """The shared tiles' counts are zeroed by the gather inside the graph: each of three replays with fresh
+    inputs counts from zero (a count left from the last would finish no tile, or the wrong one)."""
+    case, dtype, form = CASES[0]
+    w, w64 = prepared(case, dtype, form)
+    bias = rand(case.n, dtype=dtype, seed=6)
+    x = rand(17, case.k, dtype=dtype, seed=7)
+    y = replay_captured(lambda: run(w, x, bias, SK_TILES[1], None), x, rand(17, case.k, dtype=dtype, seed=8))
+    check(y, x, w64, bias, "stream-K graph replay")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = run(w, x, bias, SK_TILES[1], None)
+    for seed in (9, 10, 11):
+        y.fill_(float("nan"))
+        x.copy_(rand(17, case.k, dtype=dtype, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(y, x, w64, bias, f"stream-K graph replay, inputs {seed}")
+
+
 def test_wgmma_gemm_replays_from_a_cuda_graph():
     case, dtype, form = CASES[1]
     w, w64 = prepared(case, dtype, form)
@@ -111,11 +153,12 @@ def wgmma_table(tile: dict) -> dict:
     return table
 
 
+@pytest.mark.parametrize("tile", [{**TILES[0], "split": 2}, SK_TILES[0]], ids=["split2", "stream_k"])
 @pytest.mark.parametrize("item", [CASES[0], CASES[1], CASES[3]], ids=lambda c: f"{c[0].id}-{str(c[1])[6:]}")
-def test_the_op_takes_the_wgmma_bucket(item, monkeypatch):
+def test_the_op_takes_the_wgmma_bucket(item, tile, monkeypatch):
     """Through ``torch.ops.qops.mm_int_weight`` (the Triton lowering) with a table whose 4-bit GEMM buckets name
     a ``wgmma`` tile: eagerly, under ``torch.compile(fullgraph=True)`` and replayed from a CUDA graph, at M = 1,
-    17, 64 and 257, K split 2 (the sum's reduction adds the bias), and the plan says ``wgmma``."""
+    17, 64 and 257, K split 2 (the sum's reduction adds the bias) or stream-K, and the plan says ``wgmma``."""
     triton_low = next(l for l in LOWERINGS if l.name == "triton_int_weight")
     above = [l.name for l in LOWERINGS if l.family == "int_weight" and l.priority > triton_low.priority]
     monkeypatch.setenv("QOPS_DISABLE_LOWERINGS", ",".join(above))
@@ -124,7 +167,7 @@ def test_the_op_takes_the_wgmma_bucket(item, monkeypatch):
     w = dataclasses.replace(w, kernel=Kernel.TRITON)
     bias = rand(case.n, dtype=dtype, seed=9)
     compiled = torch.compile(lambda x: w.mm(x, bias), fullgraph=True)
-    with T.config_override(wgmma_table({**TILES[0], "split": 2})):
+    with T.config_override(wgmma_table(tile)):
         for m in (1, 17, 64, 257):
             assert T._plan(m, case.n, case.k, 4, case.group_size, torch.device("cuda"))["path"] == "wgmma"
             x = rand(m, case.k, dtype=dtype, seed=20 + m)

@@ -1382,8 +1382,9 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
         reduce=cfg.get("reduce", "partials"), stream_k=stream,
     )
     if force in (None, "wgmma") and "wgmma" in cfg:  # force "gemm": the Triton GEMM itself
-        # K splits meet through atomic adds: one split under a deterministic request
-        tile = {**cfg["wgmma"], **({"split": 1} if deterministic else {})}
+        # K splits meet through atomic adds: one split under a deterministic request (stream-K's shared tiles
+        # are summed in a fixed order: it stays)
+        tile = {**cfg["wgmma"], **({"split": 1} if deterministic and not cfg["wgmma"].get("stream_k") else {})}
         launch = wgmma.plan(m, n, k, bits, group_size, tile, sms)
         if launch is not None:
             return dict(path="wgmma", cfg=cfg, launch=launch, fallback=gemm)

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
-from .common import half_unpack_asm, workspace_view
+from .common import half_unpack_asm, stream_k_runs, workspace_view
 
 try:  # Gluon's API is per Triton release; a Triton without these names cannot build the kernel at all
     from triton.experimental import gluon
@@ -188,46 +189,30 @@ if GLUON_ERROR is None:
         _async_load(x_stage, x_ptr + offs_xm[:, None] * stride_xm + (k0 + offs_xk)[None, :], mask=xmask)
         _async_load(w_stage, qw_ptr + (k0 // 8 + offs_wr)[:, None] * stride_qw + wcol[None, :], mask=wmask)
 
+    @gluon.constexpr_function
+    def _acc_layout(block_m, warps):
+        """The accumulator ``(BLOCK_N, BLOCK_M)``: ``warps`` warps of 16 MMA rows each, the MMA's N the tile's M."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_m, 16])
+
     @gluon.jit
-    def _wgmma_w4_kernel(
-        x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, y_ptr,
-        M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, stride_ym, split_len, zero_offset,
-        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-        STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr,
-        WARPS: gl.constexpr,
-    ):
-        """Program (N tile, M tile, K split): ``y[m, n] = sum_k x_g[m, k] w[n, k]`` over its split, x_g the
-        gathered x (:func:`x_gather_index`), written (+ bias) or added into the fp32 sum (ATOMIC). GROUP: the
-        group size (a multiple of BLOCK_K), 0 for one group over K. K is a multiple of BLOCK_K, BLOCK_K of 64.
-        WARPS: 4 (one warpgroup) or 8 (two, each its own 64-row slabs of the N tile, sharing the x stages:
-        half the x traffic a weight, but 10-25% slower on an H100 at M = 64, stop 66: the tables use 4);
-        BLOCK_N a multiple of 16 * WARPS.
-        The qweight is flat or in column slabs (word ``(j, n)`` at ``j * stride_qw + (n // 32) * stride_qslab +
-        n % 32``; the flat form's ``stride_qslab`` is 32)."""
+    def _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, pid_n, pid_m, k_lo, steps,
+                  M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, zero_offset,
+                  BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
+                  STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, WARPS: gl.constexpr):
+        """The fp32 sum ``(BLOCK_N, BLOCK_M)`` of output tile (``pid_n``, ``pid_m``) over ``steps`` > 0 K steps from
+        row ``k_lo``: a ``cp.async`` ring of ``STAGES`` x / word stages (``x_smem``, ``w_smem``) feeding asynchronous
+        MMAs, two a step, the unpack of one half overlapping the MMA of the other."""
         DTYPE: gl.constexpr = x_ptr.dtype.element_ty
         HALF_K: gl.constexpr = BLOCK_K // 2
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
+        acc_l: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         word_l: gl.constexpr = _word_layout(BLOCK_N, HALF_K, WARPS)
         xcopy_l: gl.constexpr = _copy_layout(BLOCK_M, BLOCK_K, 8, WARPS)
         wcopy_l: gl.constexpr = _copy_layout(BLOCK_K // 8, BLOCK_N, 4, WARPS)
-        x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], DTYPE)
-        # Row r of a word stage XORs its 32-byte chunks with r % 4: a warp's read (4 word rows x 8 columns)
-        # then falls in 32 distinct banks.
-        w_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
-
-        pid_n = gl.program_id(0)
-        pid_m = gl.program_id(1)
-        k_lo = gl.program_id(2) * split_len
-        steps = (gl.minimum(K, k_lo + split_len) - k_lo) // BLOCK_K
-        # The host launches no empty split. Without the zero-trip path, whose zeroed accumulator would
-        # meet the loop's at the final wait, ptxas keeps the MMAs asynchronous (else it serializes them:
-        # its C7515 "non wgmma instructions defining accumulator registers").
+        # Without the zero-trip path, whose zeroed accumulator would meet the loop's at the final wait, ptxas
+        # keeps the MMAs asynchronous (else it serializes them: its C7515 "non wgmma instructions defining
+        # accumulator registers").
         gl.assume(steps > 0)
-
-        x_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_M, BLOCK_K], x_sl)
-        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_K // 8, BLOCK_N], w_sl)
 
         offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(1, xcopy_l))
         offs_xk = gl.arange(0, BLOCK_K, gl.SliceLayout(0, xcopy_l))
@@ -240,6 +225,8 @@ if GLUON_ERROR is None:
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, word_l))
         nmask = offs_n < N
 
+        # every warp is done reading the stages (a previous tile's last step) before they are refilled
+        _cta_barrier()
         for i in gl.static_range(STAGES - 1):
             if i < steps:
                 _issue_step(x_ptr, qw_ptr, x_smem.index(i), w_smem.index(i), offs_xm, offs_xk, offs_wr, wcol,
@@ -282,10 +269,15 @@ if GLUON_ERROR is None:
             a_hi = _weight_operand(hi, bias0, bias1, scale, a_l, DTYPE)
             acc = warpgroup_mma(a_hi, x_stage.slice(HALF_K, HALF_K, dim=1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=[acc])
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        return warpgroup_mma_wait(0, deps=[acc])
 
-        offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_l))
-        offs_om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(0, acc_l))
+    @gluon.jit
+    def _store_tile(acc, y_ptr, bias_ptr, pid_n, pid_m, M, N, stride_ym, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr):
+        """Tile (``pid_n``, ``pid_m``) of y from its sum ``acc``: written (+ bias), or added into the fp32 sum (ATOMIC)."""
+        BLOCK_N: gl.constexpr = acc.shape[0]
+        BLOCK_M: gl.constexpr = acc.shape[1]
+        offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc.type.layout))
+        offs_om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, gl.SliceLayout(0, acc.type.layout))
         omask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
         y_ptrs = y_ptr + offs_om[None, :] * stride_ym + offs_on[:, None]
         if ATOMIC:
@@ -294,6 +286,101 @@ if GLUON_ERROR is None:
             if HAS_BIAS:
                 acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
             gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+    @gluon.jit
+    def _part_ptrs(part_ptr, slot, acc_l: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+        """The fp32 ``(BLOCK_N, BLOCK_M)`` partial-sum slot ``slot``, addressed in the accumulator's layout (each
+        thread reads back what it wrote)."""
+        offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_l))
+        offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(0, acc_l))
+        return part_ptr + slot * (BLOCK_N * BLOCK_M) + offs_n[:, None] * BLOCK_M + offs_m[None, :]
+
+    @gluon.jit
+    def _finish_shared_tile(acc, part_ptr, count_ptr, y_ptr, bias_ptr, tile, run, steps_tile, tiles_m,
+                            M, N, stride_ym, HAS_BIAS: gl.constexpr):
+        """Stream-K: this program's sum ``acc`` of a tile whose K steps several programs share. Each parks its sum in
+        its slot and counts itself in (the count is zeroed before the launch); the last to arrive adds the
+        slots in program order (the same sum whoever arrives last: run-to-run deterministic) and writes the
+        tile. Nobody waits for anybody, so the launch is safe whether or not its programs are co-resident.
+        Slots: program c's run starting inside the tile (c's first) is slot c, the run starting the tile (its
+        first program's last) slot ``num_programs + c``."""
+        BLOCK_N: gl.constexpr = acc.shape[0]
+        BLOCK_M: gl.constexpr = acc.shape[1]
+        acc_l: gl.constexpr = acc.type.layout
+        pid = gl.program_id(0)
+        progs = gl.num_programs(0)
+        c0 = (tile * steps_tile) // run  # the program whose run starts the tile
+        c1 = ((tile + 1) * steps_tile - 1) // run  # the one whose run ends it
+        mine = pid + (pid == c0).to(gl.int32) * progs
+        gl.store(_part_ptrs(part_ptr, mine, acc_l, BLOCK_N, BLOCK_M), acc)
+        # every thread's partial is written before one thread counts the program in (release), and the count's
+        # reader (acquire) tells every thread of the last program to go on
+        _cta_barrier()
+        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == c1 - c0:
+            # its own part too is read back (from L2): the accumulator's 64 registers a thread are free by then
+            total = gl.load(_part_ptrs(part_ptr, progs + c0, acc_l, BLOCK_N, BLOCK_M), cache_modifier=".cg")
+            for c in range(c0 + 1, c1 + 1):
+                total += gl.load(_part_ptrs(part_ptr, c, acc_l, BLOCK_N, BLOCK_M), cache_modifier=".cg")
+            _store_tile(total, y_ptr, bias_ptr, tile // tiles_m, tile % tiles_m, M, N, stride_ym, HAS_BIAS, False)
+
+    @gluon.jit
+    def _wgmma_w4_kernel(
+        x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
+        M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, stride_ym, split_len, zero_offset,
+        tiles_m, run,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
+        STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr,
+        WARPS: gl.constexpr, STREAM_K: gl.constexpr,
+    ):
+        """``y[m, n] = sum_k x_g[m, k] w[n, k]``, x_g the gathered x (:func:`x_gather_index`).
+
+        Split launch (grid N tiles x M tiles x K splits of ``split_len`` rows): a program sums its tile over its
+        split and writes it (+ bias), or adds it into the fp32 sum (ATOMIC). Stream-K launch (STREAM_K, grid
+        one wave of programs): the tiles' K steps laid end to end, M tiles adjacent (``tile = pid_n * tiles_m
+        + pid_m``), program c takes steps ``[c * run, (c + 1) * run)``; a tile it covers whole is written,
+        one it shares meets the others' parts in :func:`_finish_shared_tile` (``part_ptr`` 2 x programs slots,
+        ``count_ptr`` one zeroed count a tile).
+
+        GROUP: the group size (a multiple of BLOCK_K), 0 for one group over K. K is a multiple of BLOCK_K,
+        BLOCK_K of 64. WARPS: 4 (one warpgroup) or 8 (two, each its own 64-row slabs of the N tile, sharing
+        the x stages: half the x traffic a weight, but 10-25% slower on an H100 at M = 64, stop 66: the tables
+        use 4); BLOCK_N a multiple of 16 * WARPS. The qweight is flat or in column slabs (word ``(j, n)`` at
+        ``j * stride_qw + (n // 32) * stride_qslab + n % 32``; the flat form's ``stride_qslab`` is 32)."""
+        DTYPE: gl.constexpr = x_ptr.dtype.element_ty
+        x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], DTYPE)
+        # Row r of a word stage XORs its 32-byte chunks with r % 4: a warp's read (4 word rows x 8 columns)
+        # then falls in 32 distinct banks.
+        w_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
+        x_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_M, BLOCK_K], x_sl)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_K // 8, BLOCK_N], w_sl)
+
+        if STREAM_K:
+            steps_tile = K // BLOCK_K
+            it = gl.program_id(0) * run
+            end = gl.minimum(it + run, (N + BLOCK_N - 1) // BLOCK_N * tiles_m * steps_tile)
+            while it < end:
+                tile = it // steps_tile
+                first = it - tile * steps_tile
+                last = gl.minimum(end - tile * steps_tile, steps_tile)
+                acc = _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, tile // tiles_m, tile % tiles_m,
+                                first * BLOCK_K, last - first, M, N, K, stride_xm, stride_qw, stride_qslab, stride_s,
+                                stride_qz, zero_offset, BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS)
+                if last - first == steps_tile:
+                    _store_tile(acc, y_ptr, bias_ptr, tile // tiles_m, tile % tiles_m, M, N, stride_ym, HAS_BIAS,
+                                False)
+                else:
+                    _finish_shared_tile(acc, part_ptr, count_ptr, y_ptr, bias_ptr, tile, run, steps_tile,
+                                        tiles_m, M, N, stride_ym, HAS_BIAS)
+                it = tile * steps_tile + last
+        else:
+            k_lo = gl.program_id(2) * split_len
+            # the host launches no empty split
+            steps = (gl.minimum(K, k_lo + split_len) - k_lo) // BLOCK_K
+            acc = _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, gl.program_id(0), gl.program_id(1), k_lo,
+                            steps, M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, zero_offset,
+                            BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS)
+            _store_tile(acc, y_ptr, bias_ptr, gl.program_id(0), gl.program_id(1), M, N, stride_ym, HAS_BIAS, ATOMIC)
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,9 +430,10 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, ta
     fn = _wgmma_w4_kernel
     act = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     sig = {"x_ptr": act, "qw_ptr": "*i32", "s_ptr": act, "qz_ptr": "*i32", "bias_ptr": act,
-           "y_ptr": "*fp32" if atomic else act}
+           "y_ptr": "*fp32" if atomic else act, "part_ptr": "*fp32", "count_ptr": "*i32"}
     consts = {**{key: tile[key] for key in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "STAGES")}, "GROUP": 128,
-              "HAS_ZEROS": has_zeros, "HAS_BIAS": not atomic, "ATOMIC": atomic, "WARPS": tile.get("WARPS", 4)}
+              "HAS_ZEROS": has_zeros, "HAS_BIAS": not atomic, "ATOMIC": atomic, "WARPS": tile.get("WARPS", 4),
+              "STREAM_K": bool(tile.get("stream_k", 0)) and not atomic}
     sig.update({name: "constexpr" if name in consts else "i32" for name in fn.arg_names if name not in sig})
     aligned = {"N", "K", "stride_xm", "stride_qw", "stride_qslab", "stride_s", "stride_ym", "split_len"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -355,85 +443,144 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, ta
 
 
 def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: int = 1) -> dict | None:
-    """The launch of an (M, N, K) call with ``tile`` (None where :func:`shape_refusal` refuses the weight):
-    BLOCK_N / BLOCK_M / BLOCK_K / STAGES, and the K splits (adding fp32 partial sums atomically where more than one): ``split`` where given, else about ``ctas_per_sm``
-    programs per SM of the ``sms`` (the tiles, times the split; measured best at two on an H100 at M = 64 / 128,
-    ``benchmarks/results/h100-2026-12-06-fbac7df-probe-wgmma-splits.json``). No empty split, as the kernel
-    assumes. None where the call has fewer than ``min_tiles`` output tiles: such a grid lives on its K
-    splits' atomic adds, which the Triton GEMM's stream-K does better (4096x14336 at M = 64: 40.3 us at best
-    here, 38.7 there)."""
+    """The launch of an (M, N, K) call with ``tile`` (None where :func:`shape_refusal` refuses the weight, or the
+    call has fewer than ``min_tiles`` output tiles): BLOCK_N / BLOCK_M / BLOCK_K / STAGES and how K is shared.
+
+    - ``split`` given: that many K splits (their fp32 sums added atomically where more than one).
+    - else ``stream_k``: one wave of ``ctas_per_sm`` programs an SM of the ``sms``, the tiles' K steps cut into
+      equal runs (``common.stream_k_runs``); a tile shared by several runs is summed by the last of them to
+      finish (no fp32 sum to zero and reduce; 1.70 waves of tiles at 57344x8192, M = 64 leave 15% of an H100's
+      slots idle in a split launch).
+    - else about ``ctas_per_sm`` programs an SM (the tiles, times the split; measured best at two on an H100 at
+      M = 64 / 128, ``benchmarks/results/h100-2026-12-06-fbac7df-probe-wgmma-splits.json``). No empty split, as
+      the kernel assumes.
+
+    ``min_tiles``: fewer tiles live on their K splits' atomic adds, which the Triton GEMM's stream-K did better
+    (4096x14336 at M = 64: 40.3 us at best here, 38.7 there)."""
     cfg = {**DEFAULT_TILE, **tile}
     if cfg["BLOCK_N"] % (16 * cfg.get("WARPS", 4)):
         raise ValueError(f"tile: BLOCK_N must be a multiple of 16 * WARPS (each warp's 16 MMA rows), got {cfg}")
-    tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
+    tiles_m = triton.cdiv(m, cfg["BLOCK_M"])
+    tiles = triton.cdiv(n, cfg["BLOCK_N"]) * tiles_m
     if shape_refusal(bits, group_size, k, n, cfg["BLOCK_K"]) is not None or tiles < cfg.get("min_tiles", 0):
         return None
     steps = max(1, k // cfg["BLOCK_K"])
+    if "split" not in cfg and cfg.get("stream_k", 0):
+        programs, run = stream_k_runs(k, cfg["BLOCK_K"], tiles, max(1, round(cfg.get("ctas_per_sm", 2) * sms)))
+        return dict(tile=cfg, split=1, stream_k=True, run=run // cfg["BLOCK_K"], programs=programs, tiles=tiles,
+                    tiles_m=tiles_m, grid=(programs, 1, 1))
     split = int(cfg["split"]) if "split" in cfg else round(cfg.get("ctas_per_sm", 2) * sms / tiles)
     split = max(1, min(split, steps))
     split_len = triton.cdiv(steps, split) * cfg["BLOCK_K"]
     split = triton.cdiv(k, split_len)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
-    return dict(tile=cfg, split=split, split_len=split_len, grid=grid)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), tiles_m, split)
+    return dict(tile=cfg, split=split, split_len=split_len, stream_k=False, tiles_m=tiles_m, grid=grid)
 
 
 SCRATCH_ALIGN = 256
 
 
-def _x_bytes(m: int, k: int) -> int:
-    return -(-2 * m * k // SCRATCH_ALIGN) * SCRATCH_ALIGN
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+
+
+def _scratch_parts(m: int, n: int, k: int, go: dict) -> tuple[int, int, int]:
+    """Bytes of the scratch's three parts: x gathered (fp16 / bf16); the fp32 sum of a split launch or the
+    stream-K slots (two a program, a tile each); the stream-K counts (int32, one a tile)."""
+    cfg = go["tile"]
+    if go["stream_k"]:
+        return (_aligned(2 * m * k), _aligned(4 * 2 * go["programs"] * cfg["BLOCK_N"] * cfg["BLOCK_M"]),
+                _aligned(4 * go["tiles"]))
+    return _aligned(2 * m * k), (4 * m * n if go["split"] > 1 else 0), 0
 
 
 def workspace_bytes(m: int, n: int, k: int, launch: dict) -> int:
-    """Scratch bytes of :func:`launch`: x gathered (fp16 / bf16), then the fp32 sum where K is split."""
-    return _x_bytes(m, k) + (4 * m * n if launch["split"] > 1 else 0)
+    """Scratch bytes of :func:`launch` (:func:`_scratch_parts`)."""
+    return sum(_scratch_parts(m, n, k, launch))
+
+
+# x columns one gathering program moves
+GATHER_BLOCK = 1024
+
+
+@triton.jit
+def _gather_kernel(x_ptr, idx_ptr, xg_ptr, count_ptr, K, counts, stride_xm, stride_xk, stride_gm,
+                   BLOCK: tl.constexpr):
+    """``xg[m, q] = x[m, idx[q]]`` for row ``m`` = program 1 and ``BLOCK`` columns; program (0, 0) also zeros the
+    ``counts`` stream-K counts, so that the GEMM after it on the stream needs no launch of its own for them."""
+    m = tl.program_id(1).to(tl.int64)
+    q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = q < K
+    src = tl.load(idx_ptr + q, mask=inside, other=0)
+    tl.store(xg_ptr + m * stride_gm + q, tl.load(x_ptr + m * stride_xm + src * stride_xk, mask=inside), mask=inside)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        for c0 in range(0, counts, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            tl.store(count_ptr + c, tl.zeros([BLOCK], tl.int32), mask=c < counts)
+
+
+def gather_x(x2: torch.Tensor, index: torch.Tensor, xg: torch.Tensor, counts: torch.Tensor | None) -> None:
+    """``xg = x2[:, index]`` (the kernel's K order, :func:`x_gather_index`), zeroing ``counts`` in the same launch."""
+    m, k = x2.shape
+    _gather_kernel[(triton.cdiv(k, GATHER_BLOCK), m)](
+        x2, index, xg, counts if counts is not None else index, k, 0 if counts is None else counts.numel(),
+        x2.stride(0), x2.stride(1), xg.stride(0), BLOCK=GATHER_BLOCK, num_warps=4)
 
 
 def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
            act_perm: torch.Tensor | None, bias: torch.Tensor | None, group_size: int, zero_offset: int,
            o2: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Run the plan ``go`` (:func:`plan`) of ``x2 @ W^T``: writes ``o2`` (+ bias) and returns None with one split;
-    with several, returns the fp32 sum ``(M, N)`` for the caller to finish (+ bias, cast). Scratch comes from
-    ``workspace`` (:func:`workspace_bytes`) where it is large enough. :func:`call_refusal` must have said None."""
+    """Run the plan ``go`` (:func:`plan`) of ``x2 @ W^T``: writes ``o2`` (+ bias) and returns None with one split or
+    stream-K; with several splits, returns the fp32 sum ``(M, N)`` for the caller to finish (+ bias, cast).
+    Scratch comes from ``workspace`` (:func:`workspace_bytes`) where it is large enough. :func:`call_refusal`
+    must have said None."""
     from ..int_weight import qweight_strides
 
     m, k = x2.shape
     n = o2.shape[1]
     cfg = go["tile"]
+    x_bytes, sum_bytes, _ = _scratch_parts(m, n, k, go)
     xg = workspace_view(workspace, (m, k), x2.dtype, x2.device)
-    torch.index_select(x2, 1, x_gather_index(k, act_perm, x2.device), out=xg)
     atomic = go["split"] > 1
+    parts = counts = None
+    if go["stream_k"]:
+        parts = workspace_view(workspace, (sum_bytes // 4,), torch.float32, x2.device, offset=x_bytes)
+        counts = workspace_view(workspace, (go["tiles"],), torch.int32, x2.device, offset=x_bytes + sum_bytes)
+    gather_x(x2, x_gather_index(k, act_perm, x2.device), xg, counts)
     if atomic:
-        y = workspace_view(workspace, (m, n), torch.float32, x2.device, offset=_x_bytes(m, k)).zero_()
+        y = workspace_view(workspace, (m, n), torch.float32, x2.device, offset=x_bytes).zero_()
     else:
         y = o2
     stride_qw, stride_qslab = qweight_strides(qweight)
     _wgmma_w4_kernel[go["grid"]](
         xg, qweight, scales, qzeros if qzeros is not None else qweight, bias if bias is not None else scales, y,
+        parts if parts is not None else y, counts if counts is not None else qweight,
         m, n, k, xg.stride(0), stride_qw, stride_qslab, scales.stride(0),
-        qzeros.stride(0) if qzeros is not None else 0, y.stride(0), go["split_len"], zero_offset,
+        qzeros.stride(0) if qzeros is not None else 0, y.stride(0), go.get("split_len", k), zero_offset,
+        go["tiles_m"], go.get("run", 0),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
         GROUP=0 if group_size == -1 else group_size, STAGES=cfg["STAGES"], HAS_ZEROS=qzeros is not None,
         HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic, WARPS=cfg.get("WARPS", 4),
-        num_warps=cfg.get("WARPS", 4))
+        STREAM_K=go["stream_k"], num_warps=cfg.get("WARPS", 4))
     return y if atomic else None
 
 
 def wgmma_mm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
              act_perm: torch.Tensor | None, bias: torch.Tensor | None, group_size: int, zero_offset: int,
-             tile: dict | None = None, split: int = 1) -> torch.Tensor:
+             tile: dict | None = None, split: int | None = 1) -> torch.Tensor:
     """``x2 @ W^T`` (+ bias) for a 4-bit weight as qops prepares it (flat or slab qweight), x2 ``(M, K)``, with
-    this tile and split whatever the table says (tests, probes); the launch and the split sum's reduction are
-    the op's own (``int_weight._run_wgmma``)."""
+    this tile whatever the table says (tests, probes): ``split`` K splits, or with None the tile's own choice
+    (stream-K where it says ``stream_k``) over this GPU's SMs, whatever its ``min_tiles``. The launch and the split
+    sum's reduction are the op's own (``int_weight._run_wgmma``)."""
     from .int_weight import _run_wgmma  # that module imports this one
 
     m, k = x2.shape
     n = scales.shape[1]
-    cfg = {**DEFAULT_TILE, **(tile or {}), "split": split}
+    cfg = {**DEFAULT_TILE, **(tile or {}), **({} if split is None else {"split": split}), "min_tiles": 0}
     why = refusal(x2, 4, group_size, k, n, cfg["BLOCK_K"])
     if why is not None:
         raise ValueError(f"wgmma_mm: {why}")
-    go = plan(m, n, k, 4, group_size, cfg)
+    go = plan(m, n, k, 4, group_size, cfg, torch.cuda.get_device_properties(x2.device).multi_processor_count)
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if m == 0:
         return y
