@@ -38,6 +38,20 @@ def test_gather_order_is_the_fragments_order():
                 assert order[32 * b + q] == 32 * b + 8 * t + G.WORD_ORDER[o]
 
 
+@pytest.mark.parametrize("block_n,warps", [(128, 4), (64, 4), (256, 4), (256, 8), (128, 8)])
+def test_memory_rows_give_a_thread_consecutive_weight_rows(block_n, warps):
+    # A thread of the A fragment holds MMA rows 16 w + l / 4 + 8 p + 16 warps b (p 0 / 1, b over the row blocks);
+    # memory_row must be a permutation of the tile's rows taking each thread's 2R rows to 2R consecutive ones
+    # (aligned: one vector load of words, scales and zero points).
+    rows = [G.memory_row(i, block_n, warps) for i in range(block_n)]
+    assert sorted(rows) == list(range(block_n))
+    blocks = block_n // (16 * warps)
+    for w in range(warps):
+        for lane in range(0, 32, 4):
+            mine = sorted(rows[16 * w + lane // 4 + 8 * p + 16 * warps * b] for p in (0, 1) for b in range(blocks))
+            assert mine == list(range(mine[0], mine[0] + 2 * blocks)) and mine[0] % (2 * blocks) == 0
+
+
 @pytest.mark.parametrize("half", ["f16", "bf16"])
 def test_bias_bits_are_the_unpacks_biases(half):
     # The kernel builds its bias operands from BIAS_BITS with integer operations; each must be the pattern of

@@ -106,18 +106,46 @@ def x_gather_index(k: int, act_perm: torch.Tensor | None, device: torch.device) 
     return order if act_perm is None else act_perm.index_select(0, order)
 
 
+@triton.constexpr_function  # plain Python, also called by the kernel's layout function at compile time
+def memory_row(row: int, block_n: int, warps: int) -> int:
+    """The weight row (within a tile of ``block_n`` rows over ``warps`` warps) that MMA row ``row`` multiplies.
+
+    The MMA fixes which rows a thread's A fragment holds: ``lane / 4 + 8 p`` (``p`` 0 or 1) within its warp's 16,
+    in each of ``R = block_n / (16 warps)`` blocks of ``16 warps`` rows. Which weight row feeds an MMA row is free
+    (the output columns follow it), so a thread's ``2R`` rows are made consecutive weight rows: MMA row
+    ``((b warps + w) 2 + p) 8 + l`` (block, warp, +8, lane / 4) is weight row ``((w 8 + l) R + b) 2 + p``. A
+    thread's words of one K row, its scales and its zero points' nibbles are then adjacent in memory: one
+    vector load each instead of one a row."""
+    blocks = block_n // (16 * warps)
+    lane, plus8, w, b = row % 8, (row // 8) % 2, (row // 16) % warps, row // (16 * warps)
+    return ((w * 8 + lane) * blocks + b) * 2 + plus8
+
+
 if GLUON_ERROR is None:
 
     @gluon.constexpr_function
     def _word_layout(block_n, block_k, warps):
-        """Registers of the ``(BLOCK_N, BLOCK_K / 8)`` word tile: lane ``l`` of warp ``w`` holds rows ``16 w + l / 4
-        (+ 8)`` of each ``16 * warps`` rows and word columns ``l % 4 + 4b``, the A fragment's owner of those values
-        (one warpgroup's MMA covers 64 rows, its four warps' 16 each; a second warpgroup the next 64)."""
-        regs = [[8, 0]] + [[0, 4 << i] for i in range((block_k // 32).bit_length() - 1)]
-        regs += [[16 * warps << i, 0] for i in range((block_n // (16 * warps)).bit_length() - 1)]
+        """Registers of the ``(BLOCK_N, BLOCK_K / 8)`` word tile, rows the tile's weight rows: lane ``l`` of warp ``w``
+        holds the words the A fragment's owner of MMA rows ``16 w + l / 4 (+ 8)`` of each ``16 * warps`` rows needs
+        (one warpgroup's MMA covers 64 rows, its four warps' 16 each; a second warpgroup the next 64), of word
+        columns ``l % 4 + 4b``; MMA row ``i`` is weight row ``memory_row(i)``."""
+        rows = [[8, 0]] + [[0, 4 << i] for i in range((block_k // 32).bit_length() - 1)]
+        rows += [[16 * warps << i, 0] for i in range((block_n // (16 * warps)).bit_length() - 1)]
         lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
-        return gl.DistributedLinearLayout(regs, lanes, [[16 << i, 0] for i in range(warps.bit_length() - 1)], [],
-                                          [block_n, block_k // 8])
+        warp_rows = [[16 << i, 0] for i in range(warps.bit_length() - 1)]
+        def mem(bases):
+            return [[memory_row(r, block_n, warps), c] for r, c in bases]
+        return gl.DistributedLinearLayout(mem(rows), mem(lanes), mem(warp_rows), [], [block_n, block_k // 8])
+
+    @gluon.jit
+    def _in_memory_rows(acc, WARPS: gl.constexpr):
+        """The accumulator ``(BLOCK_N, BLOCK_M)`` (MMA rows) relabelled by weight rows: a free reshape of registers."""
+        BN: gl.constexpr = acc.shape[0]
+        BM: gl.constexpr = acc.shape[1]
+        R: gl.constexpr = BN // (16 * WARPS)
+        t = gl.reshape(acc, [R, WARPS, 2, 8, BM])  # (b, w, p, l, m): MMA row ((b warps + w) 2 + p) 8 + l
+        t = gl.permute(t, [1, 3, 0, 2, 4])  # (w, l, b, p, m): weight row ((w 8 + l) R + b) 2 + p
+        return gl.reshape(t, [BN, BM])
 
     @gluon.constexpr_function
     def _copy_layout(rows, cols, vec, warps):
@@ -134,7 +162,7 @@ if GLUON_ERROR is None:
         return h | (h << 16)
 
     @gluon.jit
-    def _weight_operand(words, bias0, bias1, scale, a_layout: gl.constexpr, DTYPE: gl.constexpr):
+    def _weight_operand(words, bias0, bias1, scale, a_layout: gl.constexpr, DTYPE: gl.constexpr, WARPS: gl.constexpr):
         """The MMA's A operand ``(BLOCK_N, 8 * C)`` (``s * (q - z)`` in DTYPE, K in the MMA order) of the word
         tile ``(BLOCK_N, C)``; ``bias0`` / ``bias1`` / ``scale`` ``(BLOCK_N, 1)`` packed pairs (:func:`_group_pairs`;
         bf16 has one bias)."""
@@ -145,12 +173,14 @@ if GLUON_ERROR is None:
         else:
             v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
                 _BF16_ASM, _BF16_CONSTRAINTS, [words, bias0, scale], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-        # output 4cc + 2h + e of word column 4b + t goes to K position 32b + 16cc + 8h + 2t + e
+        # output 4cc + 2h + e of word column 4b + t goes to K position 32b + 16cc + 8h + 2t + e, and weight row
+        # memory_row(i) to MMA row i
         t = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
         BN: gl.constexpr = words.shape[0]
         C: gl.constexpr = words.shape[1]
-        t = gl.reshape(t, [BN, C // 4, 4, 2, 2, 2])  # (n, b, t, e, h, cc)
-        t = gl.permute(t, [0, 1, 5, 4, 2, 3])  # (n, b, cc, h, t, e)
+        R: gl.constexpr = BN // (16 * WARPS)
+        t = gl.reshape(t, [WARPS, 8, R, 2, C // 4, 4, 2, 2, 2])  # (w, l, rb, p; b, t, e, h, cc)
+        t = gl.permute(t, [2, 0, 3, 1, 4, 8, 7, 5, 6])  # (rb, w, p, l; b, cc, h, t, e)
         t = gl.reshape(t, [BN, 8 * C])
         return gl.convert_layout(t, a_layout, assert_trivial=True)
 
@@ -256,7 +286,7 @@ if GLUON_ERROR is None:
             w_stage = w_smem.index(stage)
             x_stage = x_smem.index(stage)
             lo = w_stage.slice(0, HALF_K // 8, dim=0).permute((1, 0)).load(word_l)
-            a_lo = _weight_operand(lo, bias0, bias1, scale, a_l, DTYPE)
+            a_lo = _weight_operand(lo, bias0, bias1, scale, a_l, DTYPE, WARPS)
             acc = warpgroup_mma(a_lo, x_stage.slice(0, HALF_K, dim=1).permute((1, 0)), acc, is_async=True)
             # <= 1 in flight: the previous step's second MMA is done, so its stage may be refilled
             acc = warpgroup_mma_wait(1, deps=[acc])
@@ -266,14 +296,17 @@ if GLUON_ERROR is None:
                             offs_wr, wcol, xmask, wmask, k_lo + nxt * BLOCK_K, stride_xm, stride_qw)
             cp.commit_group()
             hi = w_stage.slice(HALF_K // 8, HALF_K // 8, dim=0).permute((1, 0)).load(word_l)
-            a_hi = _weight_operand(hi, bias0, bias1, scale, a_l, DTYPE)
+            a_hi = _weight_operand(hi, bias0, bias1, scale, a_l, DTYPE, WARPS)
             acc = warpgroup_mma(a_hi, x_stage.slice(HALF_K, HALF_K, dim=1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=[acc])
         return warpgroup_mma_wait(0, deps=[acc])
 
     @gluon.jit
-    def _store_tile(acc, y_ptr, bias_ptr, pid_n, pid_m, M, N, stride_ym, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr):
-        """Tile (``pid_n``, ``pid_m``) of y from its sum ``acc``: written (+ bias), or added into the fp32 sum (ATOMIC)."""
+    def _store_tile(acc, y_ptr, bias_ptr, pid_n, pid_m, M, N, stride_ym, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr,
+                    WARPS: gl.constexpr):
+        """Tile (``pid_n``, ``pid_m``) of y from its sum ``acc`` (MMA rows): written (+ bias), or added into the fp32
+        sum (ATOMIC)."""
+        acc = _in_memory_rows(acc, WARPS)
         BLOCK_N: gl.constexpr = acc.shape[0]
         BLOCK_M: gl.constexpr = acc.shape[1]
         offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc.type.layout))
@@ -297,7 +330,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _finish_shared_tile(acc, part_ptr, count_ptr, y_ptr, bias_ptr, tile, run, steps_tile, tiles_m,
-                            M, N, stride_ym, HAS_BIAS: gl.constexpr):
+                            M, N, stride_ym, HAS_BIAS: gl.constexpr, WARPS: gl.constexpr):
         """Stream-K: this program's sum ``acc`` of a tile whose K steps several programs share. Each parks its sum in
         its slot and counts itself in (the count is zeroed before the launch); the last to arrive adds the
         slots in program order (the same sum whoever arrives last: run-to-run deterministic) and writes the
@@ -322,7 +355,7 @@ if GLUON_ERROR is None:
             total = gl.load(_part_ptrs(part_ptr, progs + c0, acc_l, BLOCK_N, BLOCK_M), cache_modifier=".cg")
             for c in range(c0 + 1, c1 + 1):
                 total += gl.load(_part_ptrs(part_ptr, c, acc_l, BLOCK_N, BLOCK_M), cache_modifier=".cg")
-            _store_tile(total, y_ptr, bias_ptr, tile // tiles_m, tile % tiles_m, M, N, stride_ym, HAS_BIAS, False)
+            _store_tile(total, y_ptr, bias_ptr, tile // tiles_m, tile % tiles_m, M, N, stride_ym, HAS_BIAS, False, WARPS)
 
     @gluon.jit
     def _wgmma_w4_kernel(
@@ -368,10 +401,10 @@ if GLUON_ERROR is None:
                                 stride_qz, zero_offset, BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS)
                 if last - first == steps_tile:
                     _store_tile(acc, y_ptr, bias_ptr, tile // tiles_m, tile % tiles_m, M, N, stride_ym, HAS_BIAS,
-                                False)
+                                False, WARPS)
                 else:
                     _finish_shared_tile(acc, part_ptr, count_ptr, y_ptr, bias_ptr, tile, run, steps_tile,
-                                        tiles_m, M, N, stride_ym, HAS_BIAS)
+                                        tiles_m, M, N, stride_ym, HAS_BIAS, WARPS)
                 it = tile * steps_tile + last
         else:
             k_lo = gl.program_id(2) * split_len
@@ -380,7 +413,8 @@ if GLUON_ERROR is None:
             acc = _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, gl.program_id(0), gl.program_id(1), k_lo,
                             steps, M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, zero_offset,
                             BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS)
-            _store_tile(acc, y_ptr, bias_ptr, gl.program_id(0), gl.program_id(1), M, N, stride_ym, HAS_BIAS, ATOMIC)
+            _store_tile(acc, y_ptr, bias_ptr, gl.program_id(0), gl.program_id(1), M, N, stride_ym, HAS_BIAS, ATOMIC,
+                        WARPS)
 
 
 # --------------------------------------------------------------------------------------------
