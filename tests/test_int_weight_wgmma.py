@@ -227,6 +227,11 @@ def test_a_wgmma_bucket_plans_the_kernel_with_its_gemm_as_fallback(monkeypatch):
         assert need >= T._gemm_workspace_bytes(p["fallback"], 64, 4096)
         monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
         assert T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]["split"] == 1  # no atomic adds
+    with T.config_override(wgmma_table({"BLOCK_N": 128, "BLOCK_M": 64, "stream_k": 1})):
+        # stream-K sums a shared tile in program order: it stays under the deterministic request
+        go = T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]
+        assert go["stream_k"] and go["split"] == 1
+        assert T.workspace_bytes(64, 4096, 4096, 4, 128, cpu) >= G.workspace_bytes(64, 4096, 4096, go)
 
 
 def test_plan_splits_to_its_programs_per_sm_and_leaves_few_tiles_to_the_gemm():

@@ -540,10 +540,11 @@ GATHER_BLOCK = 1024
 @triton.jit
 def _gather_kernel(x_ptr, idx_ptr, xg_ptr, count_ptr, K, counts, stride_xm, stride_xk, stride_gm,
                    BLOCK: tl.constexpr):
-    """``xg[m, q] = x[m, idx[q]]`` for row ``m`` = program 1 and ``BLOCK`` columns; program (0, 0) also zeros the
-    ``counts`` stream-K counts, so that the GEMM after it on the stream needs no launch of its own for them."""
-    m = tl.program_id(1).to(tl.int64)
-    q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    """``xg[m, q] = x[m, idx[q]]`` for row ``m`` = program 0 (M on the grid's unbounded axis) and ``BLOCK`` columns;
+    program (0, 0) also zeros the ``counts`` stream-K counts, so that the GEMM after it on the stream needs no
+    launch of its own for them."""
+    m = tl.program_id(0).to(tl.int64)
+    q = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = q < K
     src = tl.load(idx_ptr + q, mask=inside, other=0)
     tl.store(xg_ptr + m * stride_gm + q, tl.load(x_ptr + m * stride_xm + src * stride_xk, mask=inside), mask=inside)
@@ -556,7 +557,7 @@ def _gather_kernel(x_ptr, idx_ptr, xg_ptr, count_ptr, K, counts, stride_xm, stri
 def gather_x(x2: torch.Tensor, index: torch.Tensor, xg: torch.Tensor, counts: torch.Tensor | None) -> None:
     """``xg = x2[:, index]`` (the kernel's K order, :func:`x_gather_index`), zeroing ``counts`` in the same launch."""
     m, k = x2.shape
-    _gather_kernel[(triton.cdiv(k, GATHER_BLOCK), m)](
+    _gather_kernel[(m, triton.cdiv(k, GATHER_BLOCK))](
         x2, index, xg, counts if counts is not None else index, k, 0 if counts is None else counts.numel(),
         x2.stride(0), x2.stride(1), xg.stride(0), BLOCK=GATHER_BLOCK, num_warps=4)
 
