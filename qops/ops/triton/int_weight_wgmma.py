@@ -27,6 +27,15 @@ The unpack is ``common.half_unpack_asm`` with the group's scale multiplied in (L
 packed multiply a pair of values), so the weight is ``s * (q - z)`` rounded to the activation dtype, as a
 dequantized weight is.
 
+Which weight row feeds which MMA row is free too (the output columns follow): :func:`memory_row` gives each
+thread consecutive weight rows, so its words of a K row, its scales and its zero points arrive in one vector
+load each.
+
+How K is shared among programs (:func:`plan`): K splits whose fp32 sums are added atomically and reduced by a
+second launch, or stream-K: one wave of programs, each an equal run of the tiles' K steps laid end to end, a
+tile that several runs share summed by the last of them to finish (from the others' fp32 parts, in program
+order), with no fp32 sum to zero or reduce. The x gather (:func:`gather_x`) zeroes the stream-K counts.
+
 Gluon (``triton.experimental.gluon``) is experimental and its API moves between Triton releases; this file
 is written against Triton 3.6 (the GPU machine's). Triton's interpreter does not run Gluon, so CI only
 compiles it for sm_90 (``tests/test_int_weight_wgmma.py``); the GPU suite runs it against the float64 oracle.
