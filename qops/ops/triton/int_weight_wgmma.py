@@ -207,17 +207,21 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _group_pairs(s, zw, offs_n, zero_offset, HAS_ZEROS: gl.constexpr, DTYPE: gl.constexpr):
         """The packed scale and bias pairs ``(BLOCK_N, 1)`` of a group's :func:`_group_raw` values, built from bit
-        patterns (:data:`BIAS_BITS`) with integer operations, not conversions."""
-        if HAS_ZEROS:
-            z = ((zw >> ((offs_n % 8) * 4)) & 15) + zero_offset
-        else:
-            z = offs_n * 0 + 8
+        patterns (:data:`BIAS_BITS`) with integer operations, not conversions: a bias pair is ``pair(base + step
+        z)`` = ``pair(base + step zero_offset) + z * pair(step)`` (no carry between the halves: each stays below
+        2**16), one multiply-add a row after the nibble's extraction."""
         scale = _pair_bits(s.to(DTYPE).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF)  # scales may be fp16 for bf16 x
-        if DTYPE == gl.float16:
-            bias0 = _pair_bits(_F16_B0 + _F16_B0_STEP * z)
-            bias1 = _pair_bits(_F16_B1 + _F16_B1_STEP * z)
+        if HAS_ZEROS:
+            z = (zw >> ((offs_n % 8) * 4)) & 15
+            offset = zero_offset
         else:
-            bias0 = _pair_bits(_BF16_B0 + _BF16_B0_STEP * z)
+            z = offs_n * 0
+            offset = 8
+        if DTYPE == gl.float16:
+            bias0 = z * _pair_bits(_F16_B0_STEP) + _pair_bits(_F16_B0 + _F16_B0_STEP * offset)
+            bias1 = z * _pair_bits(_F16_B1_STEP) + _pair_bits(_F16_B1 + _F16_B1_STEP * offset)
+        else:
+            bias0 = z * _pair_bits(_BF16_B0_STEP) + _pair_bits(_BF16_B0 + _BF16_B0_STEP * offset)
             bias1 = bias0
         return scale[:, None], bias0[:, None], bias1[:, None]
 
