@@ -3,8 +3,9 @@ warpgroup MMAs, the weight as the MMA's register operand (Gluon).
 
 Reached through ``int_weight.triton_mm`` where a 4-bit GEMM bucket of the Triton table names a ``wgmma`` tile (the
 H100's M = 64 and 128 buckets), with the bucket's Triton GEMM wherever :func:`refusal` says no. On an H100 at M = 64
-it runs 1.66 / 1.88 / 1.90x cuBLAS fp16 on 28672x4096 / 8192x28672 / 57344x8192 (W4 g128 asymmetric; the Triton
-GEMM it replaced ran 1.09-1.29x), at M = 128 0.94-1.12x (``benchmarks/NOTES.md``, stops 65-66).
+it ran 1.66 / 1.88 / 1.90x cuBLAS fp16 on 28672x4096 / 8192x28672 / 57344x8192 (W4 g128 asymmetric; the Triton
+GEMM it replaced ran 1.09-1.29x), at M = 128 0.94-1.12x (``benchmarks/NOTES.md``, stops 65-66; stop 67's row map,
+bias multiply-add, gather and stream-K are not yet measured).
 
 Why a second kernel beside ``int_weight._tc_kernel``: Triton 3.6 stores that kernel's unpacked weight tile to
 shared memory each K step and waits for the step's MMAs before the next (its pipeliner lets a dot run ahead
