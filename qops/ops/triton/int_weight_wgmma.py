@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import half_unpack_asm, stream_k_runs, workspace_view
+from .common import half_unpack_asm, sm_count, stream_k_runs, workspace_view
 
 try:  # Gluon's API is per Triton release; a Triton without these names cannot build the kernel at all
     from triton.experimental import gluon
@@ -343,7 +343,7 @@ if GLUON_ERROR is None:
         return part_ptr + slot * (BLOCK_N * BLOCK_M) + offs_n[:, None] * BLOCK_M + offs_m[None, :]
 
     @gluon.jit
-    def _finish_shared_tile(acc, part_ptr, count_ptr, y_ptr, bias_ptr, tile, run, steps_tile, tiles_m,
+    def _finish_shared_tile(acc, part_ptr, count_ptr, y_ptr, bias_ptr, tile, pid_n, pid_m, run, steps_tile,
                             M, N, stride_ym, HAS_BIAS: gl.constexpr, WARPS: gl.constexpr):
         """Stream-K: this program's sum ``acc`` of a tile whose K steps several programs share. Each parks its sum in
         its slot and counts itself in (the count is zeroed before the launch); the last to arrive adds the
@@ -369,7 +369,7 @@ if GLUON_ERROR is None:
             total = gl.load(_part_ptrs(part_ptr, progs + c0, acc_l, BLOCK_N, BLOCK_M), cache_modifier=".cg")
             for c in range(c0 + 1, c1 + 1):
                 total += gl.load(_part_ptrs(part_ptr, c, acc_l, BLOCK_N, BLOCK_M), cache_modifier=".cg")
-            _store_tile(total, y_ptr, bias_ptr, tile // tiles_m, tile % tiles_m, M, N, stride_ym, HAS_BIAS, False, WARPS)
+            _store_tile(total, y_ptr, bias_ptr, pid_n, pid_m, M, N, stride_ym, HAS_BIAS, False, WARPS)
 
     @gluon.jit
     def _wgmma_w4_kernel(
@@ -408,17 +408,18 @@ if GLUON_ERROR is None:
             end = gl.minimum(it + run, (N + BLOCK_N - 1) // BLOCK_N * tiles_m * steps_tile)
             while it < end:
                 tile = it // steps_tile
+                pid_n = tile // tiles_m
+                pid_m = tile - pid_n * tiles_m
                 first = it - tile * steps_tile
                 last = gl.minimum(end - tile * steps_tile, steps_tile)
-                acc = _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, tile // tiles_m, tile % tiles_m,
+                acc = _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, pid_n, pid_m,
                                 first * BLOCK_K, last - first, M, N, K, stride_xm, stride_qw, stride_qslab, stride_s,
                                 stride_qz, zero_offset, BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS)
                 if last - first == steps_tile:
-                    _store_tile(acc, y_ptr, bias_ptr, tile // tiles_m, tile % tiles_m, M, N, stride_ym, HAS_BIAS,
-                                False, WARPS)
+                    _store_tile(acc, y_ptr, bias_ptr, pid_n, pid_m, M, N, stride_ym, HAS_BIAS, False, WARPS)
                 else:
-                    _finish_shared_tile(acc, part_ptr, count_ptr, y_ptr, bias_ptr, tile, run, steps_tile,
-                                        tiles_m, M, N, stride_ym, HAS_BIAS, WARPS)
+                    _finish_shared_tile(acc, part_ptr, count_ptr, y_ptr, bias_ptr, tile, pid_n, pid_m, run, steps_tile,
+                                        M, N, stride_ym, HAS_BIAS, WARPS)
                 it = tile * steps_tile + last
         else:
             k_lo = gl.program_id(2) * split_len
@@ -629,7 +630,7 @@ def wgmma_mm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzer
     why = refusal(x2, 4, group_size, k, n, cfg["BLOCK_K"])
     if why is not None:
         raise ValueError(f"wgmma_mm: {why}")
-    go = plan(m, n, k, 4, group_size, cfg, torch.cuda.get_device_properties(x2.device).multi_processor_count)
+    go = plan(m, n, k, 4, group_size, cfg, sm_count(x2.device, 1))
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if m == 0:
         return y
