@@ -183,22 +183,16 @@ def lowering_status(name, spec, device):
     return (low, None) if why is None else (None, why)
 
 
-def workspace_for(iw, x):
-    """A caller-owned workspace when qops declares a size for it, else None (the op allocates its own)."""
-    for mod_name in ("qops.ops.int_weight", "qops.workspace", "qops.scratch"):
-        try:
-            mod = __import__(mod_name, fromlist=["_"])
-        except Exception:  # noqa: BLE001
-            continue
-        for fn_name in ("workspace_nbytes", "workspace_bytes", "int_weight_workspace_nbytes"):
-            fn = getattr(mod, fn_name, None)
-            if callable(fn):
-                try:
-                    nbytes = int(fn(iw, x.shape[0]) if fn_name != "int_weight_workspace_nbytes" else fn(iw, x))
-                except Exception:  # noqa: BLE001 - unknown signature: let the op allocate
-                    return None, "declared-size helper not understood; None passed"
-                return torch.full((max(nbytes, 1),), 0xAB, dtype=torch.uint8, device=x.device), f"{mod_name}.{fn_name}"
-    return None, "None (no declared workspace size found; the lowering allocates)"
+def workspace_for(name, iw, x):
+    """The caller-owned workspace lowering ``name`` declares for ``x`` (``qops.workspace.SCRATCH_BYTES``), filled
+    with garbage so that a lowering reading scratch it did not write shows up in the check; None where it needs none."""
+    from qops.workspace import SCRATCH_BYTES
+
+    size = SCRATCH_BYTES.get(name)
+    nbytes = 0 if size is None else int(size(iw, x.shape[0], x.device))
+    if nbytes == 0:
+        return None, "None (the lowering declares no scratch for this call)"
+    return torch.full((nbytes,), 0xAB, dtype=torch.uint8, device=x.device), f"{nbytes} bytes (qops.workspace.SCRATCH_BYTES)"
 
 
 def check_out_variant(iw, x, ref, workspace):
@@ -486,7 +480,7 @@ def run(args) -> int:
                 else:
                     try:
                         row["rel_err"] = rel_err(variants[name][0].mm(x), ref)
-                        ws, ws_note = workspace_for(variants[name][0], x)
+                        ws, ws_note = workspace_for(name, variants[name][0], x)
                         row["rel_err_out"] = check_out_variant(variants[name][0], x, ref, ws)
                         row["workspace"] = ws_note
                         del ws
