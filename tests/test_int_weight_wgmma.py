@@ -243,6 +243,13 @@ def test_plan_splits_to_its_programs_per_sm_and_leaves_few_tiles_to_the_gemm():
     assert G.plan(128, 8192, 28672, 4, 128, tile, 132)["split"] == 2
     assert G.plan(64, 4096, 14336, 4, 128, tile, 132) is None  # 32 tiles
     assert G.plan(128, 4096, 14336, 4, 128, tile, 132)["split"] == 4
+    # few tiles with a long K take the kernel where the tile says so (the K rule of stop 68's H100 probe)
+    long_k = {**tile, "long_k_steps": 112}
+    assert G.plan(64, 4096, 14336, 4, 128, long_k, 132)["split"] == 8  # 32 tiles, 112 K tiles
+    assert G.plan(64, 4096, 28672, 4, 128, long_k, 132)["split"] == 8
+    assert G.plan(64, 4096, 14208, 4, 128, long_k, 132) is None  # 111 K tiles
+    assert G.plan(64, 4096, 4096, 4, 128, long_k, 132) is None
+    assert G.plan(64, 28672, 4096, 4, 128, long_k, 132)["split"] == 1  # 224 tiles: min_tiles alone decides
     # a weight the kernel refuses plans no launch (the bucket's GEMM takes it, the shape checked once)
     assert G.plan(64, 28672, 4096, 8, 128, tile, 132) is None
     assert G.plan(64, 28672, 4096, 4, 32, tile, 132) is None

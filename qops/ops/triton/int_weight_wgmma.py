@@ -493,7 +493,7 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, ta
 
 def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: int = 1) -> dict | None:
     """The launch of an (M, N, K) call with ``tile`` (None where :func:`shape_refusal` refuses the weight, or the
-    call has fewer than ``min_tiles`` output tiles): BLOCK_N / BLOCK_M / BLOCK_K / STAGES and how K is shared.
+    call has too few output tiles for its K, below): BLOCK_N / BLOCK_M / BLOCK_K / STAGES and how K is shared.
 
     - ``split`` given: that many K splits (their fp32 sums added atomically where more than one).
     - else ``stream_k``: one wave of ``ctas_per_sm`` programs an SM of the ``sms``, the tiles' K steps cut into
@@ -504,16 +504,19 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
       M = 64 / 128, ``benchmarks/results/h100-2026-12-06-fbac7df-probe-wgmma-splits.json``). No empty split, as
       the kernel assumes.
 
-    ``min_tiles``: fewer tiles live on their K splits' atomic adds, which the Triton GEMM's stream-K did better
-    (4096x14336 at M = 64: 40.3 us at best here, 38.7 there)."""
+    ``min_tiles`` / ``long_k_steps``: a call with fewer output tiles than ``min_tiles`` is left to the bucket's
+    GEMM unless its K has at least ``long_k_steps`` K tiles. Few tiles run on K splits whose fp32 sums cost about
+    as much as a short K saves: at M = 64 on an H100 (``h100-2026-12-07-ec7230b-probe-wgmma-m64-*.json``, 32 tiles
+    a call, 8 splits) 0.73 / 0.95x the GEMM's speed at K = 4096 / 8192 (32 / 64 K tiles), 1.12 / 1.30x at K =
+    14336 / 28672 (112 / 224)."""
     cfg = {**DEFAULT_TILE, **tile}
     if cfg["BLOCK_N"] % (16 * cfg.get("WARPS", 4)):
         raise ValueError(f"tile: BLOCK_N must be a multiple of 16 * WARPS (each warp's 16 MMA rows), got {cfg}")
     tiles_m = triton.cdiv(m, cfg["BLOCK_M"])
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * tiles_m
-    if shape_refusal(bits, group_size, k, n, cfg["BLOCK_K"]) is not None or tiles < cfg.get("min_tiles", 0):
-        return None
     steps = max(1, k // cfg["BLOCK_K"])
+    if shape_refusal(bits, group_size, k, n, cfg["BLOCK_K"]) is not None or _too_few_tiles(tiles, steps, cfg):
+        return None
     if "split" not in cfg and cfg.get("stream_k", 0):
         programs, run = stream_k_runs(k, cfg["BLOCK_K"], tiles, max(1, round(cfg.get("ctas_per_sm", 2) * sms)))
         return dict(tile=cfg, split=1, stream_k=True, run=run // cfg["BLOCK_K"], programs=programs, tiles=tiles,
@@ -524,6 +527,13 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     split = triton.cdiv(k, split_len)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), tiles_m, split)
     return dict(tile=cfg, split=split, split_len=split_len, stream_k=False, tiles_m=tiles_m, grid=grid)
+
+
+def _too_few_tiles(tiles: int, steps: int, cfg: dict) -> bool:
+    """Whether a call of ``tiles`` output tiles and ``steps`` K tiles is below the tile's ``min_tiles`` (and its K
+    shorter than ``long_k_steps``, where given): see :func:`plan`."""
+    long_k = cfg.get("long_k_steps", 0)
+    return tiles < cfg.get("min_tiles", 0) and not (long_k and steps >= long_k)
 
 
 SCRATCH_ALIGN = 256
