@@ -2,10 +2,12 @@
 warpgroup MMAs, the weight as the MMA's register operand (Gluon).
 
 Reached through ``int_weight.triton_mm`` where a 4-bit GEMM bucket of the Triton table names a ``wgmma`` tile (the
-H100's M = 64 and 128 buckets), with the bucket's Triton GEMM wherever :func:`refusal` says no. On an H100 at M = 64
-it ran 1.66 / 1.88 / 1.90x cuBLAS fp16 on 28672x4096 / 8192x28672 / 57344x8192 (W4 g128 asymmetric; the Triton
-GEMM it replaced ran 1.09-1.29x), at M = 128 0.94-1.12x (``benchmarks/NOTES.md``, stops 65-66; stop 67's row map,
-bias multiply-add, gather and stream-K are not yet measured).
+H100's and the H200's M = 64 and 128 buckets), with the bucket's Triton GEMM wherever :func:`refusal` says no or
+the call has too few tiles for its K (:func:`plan`). At M = 64 (W4 g128 asymmetric) it runs 1.94 / 2.10 / 2.00x
+cuBLAS fp16 on an H100 and 1.37 / 1.39 / 1.47x on an H200 on 28672x4096 / 57344x8192 / 8192x28672 (the Triton
+GEMM it replaced: 1.09-1.29x and 0.72-0.81x); at M = 128 1.00-1.14x and 0.73-0.76x (``benchmarks/NOTES.md``,
+stops 65-68). Stream-K (opt-in, no table names it) measured 7% faster on the H200 only on 57344x8192 at M = 64
+and 6-20% slower on the other three shapes.
 
 Why a second kernel beside ``int_weight._tc_kernel``: Triton 3.6 stores that kernel's unpacked weight tile to
 shared memory each K step and waits for the step's MMAs before the next (its pipeliner lets a dot run ahead
