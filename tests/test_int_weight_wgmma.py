@@ -250,6 +250,12 @@ def test_plan_splits_to_its_programs_per_sm_and_leaves_few_tiles_to_the_gemm():
     assert G.plan(64, 4096, 14208, 4, 128, long_k, 132) is None  # 111 K tiles
     assert G.plan(64, 4096, 4096, 4, 128, long_k, 132) is None
     assert G.plan(64, 28672, 4096, 4, 128, long_k, 132)["split"] == 1  # 224 tiles: min_tiles alone decides
+    # a short K is the GEMM's whatever the tiles where the tile says so (the H100's 32-row tile at M = 32)
+    short_k = {**tile, "BLOCK_M": 32, "min_k_steps": 64}
+    assert G.plan(32, 28672, 4096, 4, 128, short_k, 132) is None  # 224 tiles, 32 K tiles
+    assert G.plan(32, 57344, 8192, 4, 128, short_k, 132)["split"] == 1  # 64 K tiles
+    assert G.plan(32, 8192, 28672, 4, 128, short_k, 132)["split"] == 4
+    assert G.plan(32, 4096, 14336, 4, 128, {**short_k, "long_k_steps": 112}, 132)["split"] == 8
     # a weight the kernel refuses plans no launch (the bucket's GEMM takes it, the shape checked once)
     assert G.plan(64, 28672, 4096, 8, 128, tile, 132) is None
     assert G.plan(64, 28672, 4096, 4, 32, tile, 132) is None

@@ -506,18 +506,21 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
       M = 64 / 128, ``benchmarks/results/h100-2026-12-06-fbac7df-probe-wgmma-splits.json``). No empty split, as
       the kernel assumes.
 
-    ``min_tiles`` / ``long_k_steps``: a call with fewer output tiles than ``min_tiles`` is left to the bucket's
-    GEMM unless its K has at least ``long_k_steps`` K tiles. Few tiles run on K splits whose fp32 sums cost about
-    as much as a short K saves: at M = 64 on an H100 (``h100-2026-12-07-ec7230b-probe-wgmma-m64-*.json``, 32 tiles
-    a call, 8 splits) 0.73 / 0.95x the GEMM's speed at K = 4096 / 8192 (32 / 64 K tiles), 1.12 / 1.30x at K =
-    14336 / 28672 (112 / 224)."""
+    ``min_tiles`` / ``long_k_steps`` / ``min_k_steps``: a call is left to the bucket's GEMM where it has fewer
+    output tiles than ``min_tiles`` and its K fewer than ``long_k_steps`` K tiles, or where its K has fewer than
+    ``min_k_steps`` K tiles. Few tiles run on K splits whose fp32 sums cost about as much as a short K saves: at
+    M = 64 on an H100 (``h100-2026-12-07-ec7230b-probe-wgmma-m64-*.json``, 32 tiles a call, 8 splits) 0.73 / 0.95x
+    the GEMM's speed at K = 4096 / 8192 (32 / 64 K tiles), 1.12 / 1.30x at K = 14336 / 28672 (112 / 224). A short
+    K leaves each program few steps to fill and drain its ring over: at M = 32 on an H100 the 32-row tile ran
+    1.30x the GEMM's speed at K = 8192 / 28672 and 0.96x at K = 4096
+    (``h100-2026-12-07-9a13144-bench-m4-32-h100wa.json``)."""
     cfg = {**DEFAULT_TILE, **tile}
     if cfg["BLOCK_N"] % (16 * cfg.get("WARPS", 4)):
         raise ValueError(f"tile: BLOCK_N must be a multiple of 16 * WARPS (each warp's 16 MMA rows), got {cfg}")
     tiles_m = triton.cdiv(m, cfg["BLOCK_M"])
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * tiles_m
     steps = max(1, k // cfg["BLOCK_K"])
-    if shape_refusal(bits, group_size, k, n, cfg["BLOCK_K"]) is not None or _too_few_tiles(tiles, steps, cfg):
+    if shape_refusal(bits, group_size, k, n, cfg["BLOCK_K"]) is not None or _left_to_gemm(tiles, steps, cfg):
         return None
     if "split" not in cfg and cfg.get("stream_k", 0):
         programs, run = stream_k_runs(k, cfg["BLOCK_K"], tiles, max(1, round(cfg.get("ctas_per_sm", 2) * sms)))
@@ -531,11 +534,12 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     return dict(tile=cfg, split=split, split_len=split_len, stream_k=False, tiles_m=tiles_m, grid=grid)
 
 
-def _too_few_tiles(tiles: int, steps: int, cfg: dict) -> bool:
-    """Whether a call of ``tiles`` output tiles and ``steps`` K tiles is below the tile's ``min_tiles`` (and its K
-    shorter than ``long_k_steps``, where given): see :func:`plan`."""
+def _left_to_gemm(tiles: int, steps: int, cfg: dict) -> bool:
+    """Whether a call of ``tiles`` output tiles and ``steps`` K tiles is the bucket's GEMM's by the tile's
+    ``min_tiles`` / ``long_k_steps`` / ``min_k_steps`` (see :func:`plan`)."""
     long_k = cfg.get("long_k_steps", 0)
-    return tiles < cfg.get("min_tiles", 0) and not (long_k and steps >= long_k)
+    too_few_tiles = tiles < cfg.get("min_tiles", 0) and not (long_k and steps >= long_k)
+    return too_few_tiles or steps < cfg.get("min_k_steps", 0)
 
 
 SCRATCH_ALIGN = 256
