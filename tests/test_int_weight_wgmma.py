@@ -126,6 +126,10 @@ def ptxas_report(ptx: str) -> str:
     ({"BLOCK_N": 256, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "WARPS": 8}, torch.bfloat16, True, False),
     ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "stream_k": 1}, torch.float16, True, False),
     ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "stream_k": 1}, torch.bfloat16, False, False),
+    # the H100 table's M = 4 / 8, 16 and 32 buckets'
+    ({"BLOCK_N": 128, "BLOCK_M": 8, "BLOCK_K": 128, "STAGES": 4}, torch.float16, True, True),
+    ({"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 128, "STAGES": 4, "stream_k": 1}, torch.bfloat16, True, False),
+    ({"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "STAGES": 4}, torch.float16, False, False),
 ])
 def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, atomic):
     """Each build compiles for sm_90 with no spill, and ptxas keeps its warpgroup MMAs asynchronous: its C7515

@@ -25,9 +25,11 @@ pytestmark = pytest.mark.gpu
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 TILES = ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
          {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 3},
-         {"BLOCK_N": 256, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "WARPS": 8})
+         {"BLOCK_N": 256, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "WARPS": 8},
+         {"BLOCK_N": 128, "BLOCK_M": 8, "BLOCK_K": 128, "STAGES": 4})  # the H100 table's M = 4 / 8 buckets'
 SK_TILES = ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "stream_k": 1},
-            {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "stream_k": 1, "ctas_per_sm": 2})
+            {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "stream_k": 1, "ctas_per_sm": 2},
+            {"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 128, "STAGES": 4, "stream_k": 1, "ctas_per_sm": 3})
 CASES = [  # (case, dtype, qweight form)
     (Case("gptq", 4, 128, False, False, "v2", 4104, 1024), torch.float16, "flat"),
     (Case("gptq", 4, 128, True, True, "v1", 4096, 2048), torch.bfloat16, "slabs"),
@@ -79,6 +81,8 @@ def test_wgmma_gemm_matches_the_oracle(item):
     w, w64 = prepared(case, dtype, form)
     bias = rand(case.n, dtype=dtype, seed=5)
     for tile in TILES:
+        if case.group_size != -1 and case.group_size % tile["BLOCK_K"]:
+            continue
         for m in (1, 17, 64, 257):
             for split in (1, 3):
                 base = rand(m, case.k + 16, dtype=dtype, seed=m)
@@ -153,7 +157,8 @@ def wgmma_table(tile: dict) -> dict:
     return table
 
 
-@pytest.mark.parametrize("tile", [{**TILES[0], "split": 2}, SK_TILES[0]], ids=["split2", "stream_k"])
+@pytest.mark.parametrize("tile", [{**TILES[0], "split": 2}, SK_TILES[0], {**TILES[3], "split": 2}],
+                         ids=["split2", "stream_k", "rows8-split2"])
 @pytest.mark.parametrize("item", [CASES[0], CASES[1], CASES[3]], ids=lambda c: f"{c[0].id}-{str(c[1])[6:]}")
 def test_the_op_takes_the_wgmma_bucket(item, tile, monkeypatch):
     """Through ``torch.ops.qops.mm_int_weight`` (the Triton lowering) with a table whose 4-bit GEMM buckets name
