@@ -2,8 +2,9 @@
 warpgroup MMAs, the weight as the MMA's register operand (Gluon).
 
 Reached through ``int_weight.triton_mm`` where a 4-bit GEMM bucket of the Triton table names a ``wgmma`` tile (the
-H100's and the H200's M = 64 and 128 buckets), with the bucket's Triton GEMM wherever :func:`refusal` says no or
-the call has too few tiles for its K (:func:`plan`). At M = 64 (W4 g128 asymmetric) it runs 1.94 / 2.10 / 2.00x
+H100's and the H200's M = 64 and 128 buckets; the H100's M = 4 / 8 / 16 / 32 buckets with 8 / 8 / 16 / 32-row
+tiles, 1.02-1.30x their Triton GEMMs there, stop 69), with the bucket's Triton GEMM wherever :func:`refusal` says
+no or the call is too small for the tile (:func:`plan`). At M = 64 (W4 g128 asymmetric) it runs 1.94 / 2.10 / 2.00x
 cuBLAS fp16 on an H100 and 1.37 / 1.39 / 1.47x on an H200 on 28672x4096 / 57344x8192 / 8192x28672 (the Triton
 GEMM it replaced: 1.09-1.29x and 0.72-0.81x); at M = 128 1.00-1.14x and 0.73-0.76x (``benchmarks/NOTES.md``,
 stops 65-68). Stream-K (opt-in, no table names it) measured 7% faster on the H200 only on 57344x8192 at M = 64
