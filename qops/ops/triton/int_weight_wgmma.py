@@ -7,8 +7,9 @@ tiles, 1.02-1.30x their Triton GEMMs there, stop 69), with the bucket's Triton G
 no or the call is too small for the tile (:func:`plan`). At M = 64 (W4 g128 asymmetric) it runs 1.94 / 2.10 / 2.00x
 cuBLAS fp16 on an H100 and 1.37 / 1.39 / 1.47x on an H200 on 28672x4096 / 57344x8192 / 8192x28672 (the Triton
 GEMM it replaced: 1.09-1.29x and 0.72-0.81x); at M = 128 1.00-1.14x and 0.73-0.76x (``benchmarks/NOTES.md``,
-stops 65-68). Stream-K (opt-in, no table names it) measured 7% faster on the H200 only on 57344x8192 at M = 64
-and 6-20% slower on the other three shapes.
+stops 65-68). Stream-K (a tile's ``stream_k``) is what the H100's M = 16 bucket takes (1.05-1.18x its split launch
+or the GEMM, stop 69); at M = 64 it measured 7% faster on the H200 only on 57344x8192 and 6-20% slower on the other
+three shapes, and no M = 64 entry names it.
 
 Why a second kernel beside ``int_weight._tc_kernel``: Triton 3.6 stores that kernel's unpacked weight tile to
 shared memory each K step and waits for the step's MMAs before the next (its pipeliner lets a dot run ahead
@@ -496,7 +497,7 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, ta
 
 def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: int = 1) -> dict | None:
     """The launch of an (M, N, K) call with ``tile`` (None where :func:`shape_refusal` refuses the weight, or the
-    call has too few output tiles for its K, below): BLOCK_N / BLOCK_M / BLOCK_K / STAGES and how K is shared.
+    call is too small for the tile, below): BLOCK_N / BLOCK_M / BLOCK_K / STAGES and how K is shared.
 
     - ``split`` given: that many K splits (their fp32 sums added atomically where more than one).
     - else ``stream_k``: one wave of ``ctas_per_sm`` programs an SM of the ``sms``, the tiles' K steps cut into
