@@ -260,6 +260,14 @@ def test_plan_splits_to_its_programs_per_sm_and_leaves_few_tiles_to_the_gemm():
     assert G.plan(32, 57344, 8192, 4, 128, short_k, 132)["split"] == 1  # 64 K tiles
     assert G.plan(32, 8192, 28672, 4, 128, short_k, 132)["split"] == 4
     assert G.plan(32, 4096, 14336, 4, 128, {**short_k, "long_k_steps": 112}, 132)["split"] == 8
+    # stream-K only over a wave of tiles where the tile says so (the H200's M = 64 probe): 264 slots on 132 SMs
+    sk = {**tile, "stream_k": 1, "stream_k_min_waves": 1}
+    assert G.plan(64, 57344, 8192, 4, 128, sk, 132)["stream_k"]  # 448 tiles
+    assert G.plan(64, 33792, 8192, 4, 128, sk, 132)["stream_k"]  # 264 tiles, one wave
+    assert G.plan(64, 33664, 8192, 4, 128, sk, 132)["split"] == 1  # 263 tiles: the split launch
+    assert not G.plan(64, 28672, 4096, 4, 128, sk, 132)["stream_k"]  # 224 tiles
+    assert G.plan(64, 8192, 28672, 4, 128, sk, 132)["split"] == 4  # 64 tiles
+    assert G.plan(64, 28672, 4096, 4, 128, {**sk, "stream_k_min_waves": 0}, 132)["stream_k"]
     # a weight the kernel refuses plans no launch (the bucket's GEMM takes it, the shape checked once)
     assert G.plan(64, 28672, 4096, 8, 128, tile, 132) is None
     assert G.plan(64, 28672, 4096, 4, 32, tile, 132) is None

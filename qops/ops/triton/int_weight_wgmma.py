@@ -503,7 +503,12 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     - else ``stream_k``: one wave of ``ctas_per_sm`` programs an SM of the ``sms``, the tiles' K steps cut into
       equal runs (``common.stream_k_runs``); a tile shared by several runs is summed by the last of them to
       finish (no fp32 sum to zero and reduce; 1.70 waves of tiles at 57344x8192, M = 64 leave 15% of an H100's
-      slots idle in a split launch).
+      slots idle in a split launch). ``stream_k_min_waves``: only where the call has at least that many waves
+      of tiles (tiles over the wave's programs), the split launch below otherwise. At M = 64 on an H200 stream-K
+      ran 7% faster than the split launch with 1.70 waves of tiles (57344x8192) and 6-20% slower with 0.85 or
+      fewer (28672x4096, 8192x28672, 4096x14336; ``h200-2026-12-06-a54efbf-probe-wgmma.json``): under one wave a
+      split launch has no idle slots to recover, and the shared tiles' fp32 parts are pure cost (at M = 128 it
+      was within 1% of the split launch on all four).
     - else about ``ctas_per_sm`` programs an SM (the tiles, times the split; measured best at two on an H100 at
       M = 64 / 128, ``benchmarks/results/h100-2026-12-06-fbac7df-probe-wgmma-splits.json``). No empty split, as
       the kernel assumes.
@@ -524,11 +529,12 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     steps = max(1, k // cfg["BLOCK_K"])
     if shape_refusal(bits, group_size, k, n, cfg["BLOCK_K"]) is not None or _left_to_gemm(tiles, steps, cfg):
         return None
-    if "split" not in cfg and cfg.get("stream_k", 0):
-        programs, run = stream_k_runs(k, cfg["BLOCK_K"], tiles, max(1, round(cfg.get("ctas_per_sm", 2) * sms)))
+    slots = max(1, round(cfg.get("ctas_per_sm", 2) * sms))
+    if "split" not in cfg and cfg.get("stream_k", 0) and tiles >= cfg.get("stream_k_min_waves", 0) * slots:
+        programs, run = stream_k_runs(k, cfg["BLOCK_K"], tiles, slots)
         return dict(tile=cfg, split=1, stream_k=True, run=run // cfg["BLOCK_K"], programs=programs, tiles=tiles,
                     tiles_m=tiles_m, grid=(programs, 1, 1))
-    split = int(cfg["split"]) if "split" in cfg else round(cfg.get("ctas_per_sm", 2) * sms / tiles)
+    split = int(cfg["split"]) if "split" in cfg else round(slots / tiles)
     split = max(1, min(split, steps))
     split_len = triton.cdiv(steps, split) * cfg["BLOCK_K"]
     split = triton.cdiv(k, split_len)
