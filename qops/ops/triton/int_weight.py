@@ -47,7 +47,9 @@ number of rows M and the shipped config table (never from tensor values, never w
   bucket's GEMM wherever that kernel refuses the weight (``int_weight_wgmma.shape_refusal``, when planned: bits,
   K or group off its K tile), the call is too small for it (too few output tiles for its K, or too short a K:
   the tile's ``min_tiles``, ``long_k_steps`` and ``min_k_steps``, measured per card) or the kernel refuses the
-  call (``call_refusal``: dtype, another GPU, a Triton without Gluon).
+  call (``call_refusal``: dtype, another GPU, a Triton without Gluon). A tile's ``stream_k`` launches one wave of
+  programs over the tiles' K steps laid end to end; with ``stream_k_min_waves`` it does so only where the call
+  has that many waves of tiles.
 - **dense** (the largest M, when the config says so): the weight is dequantized by a Triton kernel
   into a transient dense ``(K, N)`` buffer in N-slabs of bounded size and multiplied by cuBLAS; the
   dense weight never outlives the call. act_perm is applied by scattering rows, so x is not gathered.
