@@ -8,8 +8,9 @@ no or the call is too small for the tile (:func:`plan`). At M = 64 (W4 g128 asym
 cuBLAS fp16 on an H100 and 1.37 / 1.39 / 1.47x on an H200 on 28672x4096 / 57344x8192 / 8192x28672 (the Triton
 GEMM it replaced: 1.09-1.29x and 0.72-0.81x); at M = 128 1.00-1.14x and 0.73-0.76x (``benchmarks/NOTES.md``,
 stops 65-68). Stream-K (a tile's ``stream_k``) is what the H100's M = 16 bucket takes (1.05-1.18x its split launch
-or the GEMM, stop 69); at M = 64 it measured 7% faster on the H200 only on 57344x8192 and 6-20% slower on the other
-three shapes, and no M = 64 entry names it.
+or the GEMM, stop 69); at M = 64 it measured 7% faster on the H200 only on 57344x8192 (1.70 waves of tiles) and 6-20%
+slower on the other three shapes (under one wave), so the H200's M = 64 entry takes it only from one wave of tiles up
+(``stream_k_min_waves``, stop 70).
 
 Why a second kernel beside ``int_weight._tc_kernel``: Triton 3.6 stores that kernel's unpacked weight tile to
 shared memory each K step and waits for the step's MMAs before the next (its pipeliner lets a dot run ahead
