@@ -8,9 +8,9 @@ no or the call is too small for the tile (:func:`plan`). At M = 64 (W4 g128 asym
 cuBLAS fp16 on an H100 and 1.37 / 1.39 / 1.47x on an H200 on 28672x4096 / 57344x8192 / 8192x28672 (the Triton
 GEMM it replaced: 1.09-1.29x and 0.72-0.81x); at M = 128 1.00-1.14x and 0.73-0.76x (``benchmarks/NOTES.md``,
 stops 65-68). Stream-K (a tile's ``stream_k``) is what the H100's M = 16 bucket takes (1.05-1.18x its split launch
-or the GEMM, stop 69); at M = 64 it measured 7% faster on the H200 only on 57344x8192 (1.70 waves of tiles) and 6-20%
-slower on the other three shapes (under one wave), so the H200's M = 64 entry takes it only from one wave of tiles up
-(``stream_k_min_waves``, stop 70).
+or the GEMM, stop 69); at M = 64 it measured 6-7% faster on both cards only on 57344x8192 (1.70 waves of tiles) and
+3-20% slower on the other three shapes (under one wave), so both cards' M = 64 entries take it only from one wave of
+tiles up (``stream_k_min_waves``, stop 70).
 
 Why a second kernel beside ``int_weight._tc_kernel``: Triton 3.6 stores that kernel's unpacked weight tile to
 shared memory each K step and waits for the step's MMAs before the next (its pipeliner lets a dot run ahead
@@ -507,7 +507,8 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
       slots idle in a split launch). ``stream_k_min_waves``: only where the call has at least that many waves
       of tiles (tiles over the wave's programs), the split launch below otherwise. At M = 64 on an H200 stream-K
       ran 7% faster than the split launch with 1.70 waves of tiles (57344x8192) and 6-20% slower with 0.85 or
-      fewer (28672x4096, 8192x28672, 4096x14336; ``h200-2026-12-06-a54efbf-probe-wgmma.json``): under one wave a
+      fewer (28672x4096, 8192x28672, 4096x14336; ``h200-2026-12-06-a54efbf-probe-wgmma.json``; on an H100 6% faster
+      and 3-15% slower, ``h100-2026-12-07-fd4cc0e-probe-sk64.json``): under one wave a
       split launch has no idle slots to recover, and the shared tiles' fp32 parts are pure cost (at M = 128 it
       was within 1% of the split launch on all four).
     - else about ``ctas_per_sm`` programs an SM (the tiles, times the split; measured best at two on an H100 at
