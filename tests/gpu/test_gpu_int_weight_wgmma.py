@@ -157,13 +157,16 @@ def wgmma_table(tile: dict) -> dict:
     return table
 
 
-@pytest.mark.parametrize("tile", [{**TILES[0], "split": 2}, SK_TILES[0], {**TILES[3], "split": 2}],
-                         ids=["split2", "stream_k", "rows8-split2"])
+@pytest.mark.parametrize("tile", [{**TILES[0], "split": 2}, SK_TILES[0], {**TILES[3], "split": 2},
+                                  {**SK_TILES[0], "stream_k_min_waves": 0.5}],
+                         ids=["split2", "stream_k", "rows8-split2", "stream_k-from-half-a-wave"])
 @pytest.mark.parametrize("item", [CASES[0], CASES[1], CASES[3]], ids=lambda c: f"{c[0].id}-{str(c[1])[6:]}")
 def test_the_op_takes_the_wgmma_bucket(item, tile, monkeypatch):
     """Through ``torch.ops.qops.mm_int_weight`` (the Triton lowering) with a table whose 4-bit GEMM buckets name
     a ``wgmma`` tile: eagerly, under ``torch.compile(fullgraph=True)`` and replayed from a CUDA graph, at M = 1,
-    17, 64 and 257, K split 2 (the sum's reduction adds the bias) or stream-K, and the plan says ``wgmma``."""
+    17, 64 and 257, K split 2 (the sum's reduction adds the bias) or stream-K, and the plan says ``wgmma``. With
+    ``stream_k_min_waves`` 0.5 the same bucket launches both ways: stream-K at M = 257 on N = 4104 (165 tiles, over
+    half the 264 slots of 132 SMs), the split launch at M <= 64 (33 tiles)."""
     triton_low = next(l for l in LOWERINGS if l.name == "triton_int_weight")
     above = [l.name for l in LOWERINGS if l.family == "int_weight" and l.priority > triton_low.priority]
     monkeypatch.setenv("QOPS_DISABLE_LOWERINGS", ",".join(above))
