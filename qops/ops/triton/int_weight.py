@@ -1387,9 +1387,12 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
     )
     if force in (None, "wgmma") and "wgmma" in cfg:  # force "gemm": the Triton GEMM itself
         # K splits meet through atomic adds: one split under a deterministic request (stream-K's shared tiles
-        # are summed in a fixed order: it stays)
-        tile = {**cfg["wgmma"], **({"split": 1} if deterministic and not cfg["wgmma"].get("stream_k") else {})}
+        # are summed in a fixed order: it stays, but a stream-K tile's split launch, under its
+        # stream_k_min_waves, is held to one split too)
+        tile = cfg["wgmma"]
         launch = wgmma.plan(m, n, k, bits, group_size, tile, sms)
+        if deterministic and launch is not None and not launch["stream_k"] and launch["split"] > 1:
+            launch = wgmma.plan(m, n, k, bits, group_size, {**tile, "split": 1}, sms)
         if launch is not None:
             return dict(path="wgmma", cfg=cfg, launch=launch, fallback=gemm)
     return gemm
