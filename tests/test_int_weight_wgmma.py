@@ -280,6 +280,20 @@ def test_plan_splits_to_its_programs_per_sm_and_leaves_few_tiles_to_the_gemm():
     assert G.plan(64, 28672, 4096, 4, 32, tile, 132) is None
 
 
+def test_a_tile_with_an_unknown_key_is_refused_and_shipped_tiles_have_none():
+    tile = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "stream_k_min_wave": 1}  # misspelt
+    with pytest.raises(ValueError, match=r"unknown keys \['stream_k_min_wave'\]"):
+        G.plan(64, 57344, 8192, 4, 128, tile, 132)
+    from qops.ops.triton import int_weight as T
+
+    for gpu in ("default", "h100", "h200"):
+        for bits, section in T.load_config(gpu)["gemm"].items():
+            for bucket, cfg in section.items():
+                if "wgmma" in cfg:
+                    assert set(cfg["wgmma"]) <= G.TILE_KEYS, (gpu, bits, bucket)
+                    G.plan(int(bucket), 57344, 8192, 4, 128, cfg["wgmma"], 132)
+
+
 def test_forcing_the_gemm_path_plans_the_triton_gemm():
     # the tuner and the tests force "gemm" to time the Triton GEMM of a bucket that names the wgmma kernel
     from qops.ops.triton import int_weight as T

@@ -442,6 +442,9 @@ if GLUON_ERROR is None:
 # --------------------------------------------------------------------------------------------
 
 DEFAULT_TILE = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4}
+# Every key a tile may hold (:func:`plan` reads them): a table's misspelt knob is refused, not silently ignored.
+TILE_KEYS = frozenset({"BLOCK_N", "BLOCK_M", "BLOCK_K", "STAGES", "WARPS", "ctas_per_sm", "split", "stream_k",
+                       "stream_k_min_waves", "min_tiles", "long_k_steps", "min_k_steps"})
 
 
 def shape_refusal(bits: int, group_size: int, k: int, n: int, block_k: int) -> str | None:
@@ -524,6 +527,8 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     1.30x the GEMM's speed at K = 8192 / 28672 and 0.96x at K = 4096
     (``h100-2026-12-07-9a13144-bench-m4-32-h100wa.json``)."""
     cfg = {**DEFAULT_TILE, **tile}
+    if unknown := sorted(set(cfg) - TILE_KEYS):
+        raise ValueError(f"tile: unknown keys {unknown} (known: {sorted(TILE_KEYS)})")
     if cfg["BLOCK_N"] % (16 * cfg.get("WARPS", 4)):
         raise ValueError(f"tile: BLOCK_N must be a multiple of 16 * WARPS (each warp's 16 MMA rows), got {cfg}")
     tiles_m = triton.cdiv(m, cfg["BLOCK_M"])
