@@ -13,6 +13,7 @@ GPU suite applies to the compiled kernels: here it is shown to hold on their ari
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -596,6 +597,7 @@ def test_shipped_configs(stem):
     for m in (1, 2, 3, 16, 64, 257, 2048, 100000):
         T._bucket(data["gemm"], 4, m)
         T._bucket(data["decode"], 4, m)
+    assert T.entry_key_refusal(data) is None
 
 
 def test_decode_max_m_by_bits_needs_a_default(tmp_path, monkeypatch):
@@ -608,6 +610,25 @@ def test_decode_max_m_by_bits_needs_a_default(tmp_path, monkeypatch):
             T.load_config("x100")
         (tmp_path / "y100.json").write_text(json.dumps({**base, "decode_max_m": {"8": 2, "default": 4}}))
         assert [T.decode_max_m(T.load_config("y100"), bits) for bits in (4, 8)] == [4, 2]
+    finally:
+        T.load_config.cache_clear()
+
+
+def test_a_misspelt_entry_key_is_refused_naming_it(tmp_path, monkeypatch):
+    """A knob the lowering does not read (a misspelling) is refused where the table is loaded or put in force,
+    naming the entry and the key; the shipped tables have none (test_shipped_configs loads each)."""
+    base = json.loads((T.CONFIG_DIR / "default.json").read_text())
+    bad = copy.deepcopy(base)
+    bad["gemm"]["default"]["16"] = {**bad["gemm"]["default"]["16"], "stream_K": 1}
+    with pytest.raises(ValueError, match=r"gemm\['default'\]\['16'\]: unknown keys \['stream_K'\]"):
+        with T.config_override(bad):
+            pass
+    monkeypatch.setattr(T, "CONFIG_DIR", tmp_path)
+    T.load_config.cache_clear()
+    try:
+        (tmp_path / "x100.json").write_text(json.dumps({**base, "dense": {"slab_byte": 1 << 20}}))
+        with pytest.raises(ValueError, match=r"x100.json: dense: unknown keys \['slab_byte'\]"):
+            T.load_config("x100")
     finally:
         T.load_config.cache_clear()
 

@@ -64,7 +64,8 @@ dependent of the split-K kernel (placed under that kernel's last programs, waiti
 there; ``pdl_reduce`` in a config overrides: :func:`reduce_pdl`), and the split-K kernel is itself the
 programmatic dependent of the kernel that zeroes its fp32 buffer, its adds waiting for the zeroing
 (``pdl_zero`` 0 in a config: a ``zero_()`` before it; :func:`zero_pdl`). Configs come from
-``configs/<gpu>.json`` (``default.json`` for an unknown GPU), loaded once and keyed by bits and
+``configs/<gpu>.json`` (``default.json`` for an unknown GPU), loaded once (an entry's key outside
+:data:`ENTRY_KEYS` is refused there, and by :func:`config_override`) and keyed by bits and
 bucketed M; the split count follows from the device's SM count and the shape (the config's programs
 per SM), lowered where the grid would end in a partial wave of the programs the build's registers
 and shared memory let the GPU hold at once (``common.split_in_waves``; a config's ``maxnreg`` caps a
@@ -1104,6 +1105,26 @@ def config_stems() -> list[str]:
     return sorted(path.stem for path in CONFIG_DIR.glob("*.json"))
 
 
+# Every key a decode or GEMM entry (or the ``dense`` defaults merged into one) may hold: what the planner and the
+# launchers read. A table's misspelt knob is refused when the table is loaded, not silently ignored.
+ENTRY_KEYS = frozenset({
+    "BLOCK_N", "BLOCK_M", "BLOCK_K", "GROUP_M", "CHUNKS", "num_warps", "num_stages", "maxnreg", "ctas_per_sm",
+    "max_split", "reduce", "pdl_reduce", "pdl_zero", "stream_k", "prefetch", "half_dot", "x_vec", "prefetch_scales",
+    "even_odd", "scale_weight", "sym_zero_load", "impl", "wgmma", "DQ_BLOCK_K", "DQ_BLOCK_N", "DQ_WARPS", "slab_bytes",
+    "equal", "overlap"})
+
+
+def entry_key_refusal(table: dict) -> str | None:
+    """Where ``table`` has a decode / GEMM entry (or ``dense`` defaults) with a key outside :data:`ENTRY_KEYS`,
+    which key and where; None where it has none."""
+    entries = [(f"{sect}[{bits!r}][{bucket!r}]", entry) for sect in ("decode", "gemm")
+               for bits, section in table.get(sect, {}).items() for bucket, entry in section.items()]
+    for where, entry in entries + [("dense", table.get("dense", {}))]:
+        if unknown := sorted(set(entry) - ENTRY_KEYS):
+            return f"{where}: unknown keys {unknown} (known: {sorted(ENTRY_KEYS)})"
+    return None
+
+
 @functools.cache
 def load_config(stem: str) -> dict:
     """The table in ``configs/<stem>.json``, or ``default.json`` when there is none for this GPU."""
@@ -1117,6 +1138,8 @@ def load_config(stem: str) -> dict:
             raise ValueError(f"qops triton config {path}: missing key {key!r}")
     if isinstance(table["decode_max_m"], dict) and "default" not in table["decode_max_m"]:
         raise ValueError(f"qops triton config {path}: decode_max_m by bits needs a 'default' entry")
+    if refusal := entry_key_refusal(table):
+        raise ValueError(f"qops triton config {path}: {refusal}")
     return table
 
 
@@ -1148,6 +1171,8 @@ def config_for(device: torch.device) -> dict:
 def config_override(table: dict):
     """Use ``table`` (same schema as the JSON files) instead of the shipped configs, e.g. to force a
     path in tests or to time candidate configs in the tuner."""
+    if refusal := entry_key_refusal(table):
+        raise ValueError(f"config_override: {refusal}")
     global _OVERRIDE
     previous = _OVERRIDE
     _OVERRIDE = table
