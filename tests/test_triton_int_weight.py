@@ -623,6 +623,11 @@ def test_a_misspelt_entry_key_is_refused_naming_it(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"gemm\['default'\]\['16'\]: unknown keys \['stream_K'\]"):
         with T.config_override(bad):
             pass
+    bad = copy.deepcopy(base)
+    bad["gemm"]["default"]["64"] = {**bad["gemm"]["default"]["64"], "wgmma": {"BLOCK_M": 64, "stream_k_min_wave": 1}}
+    with pytest.raises(ValueError, match=r"\['64'\]\['wgmma'\]: unknown keys \['stream_k_min_wave'\]"):
+        with T.config_override(bad):
+            pass
     monkeypatch.setattr(T, "CONFIG_DIR", tmp_path)
     T.load_config.cache_clear()
     try:

@@ -1106,7 +1106,8 @@ def config_stems() -> list[str]:
 
 
 # Every key a decode or GEMM entry (or the ``dense`` defaults merged into one) may hold: what the planner and the
-# launchers read. A table's misspelt knob is refused when the table is loaded, not silently ignored.
+# launchers read. A table's misspelt knob (its wgmma tile's too) is refused when the table is loaded, not silently
+# ignored at each call.
 ENTRY_KEYS = frozenset({
     "BLOCK_N", "BLOCK_M", "BLOCK_K", "GROUP_M", "CHUNKS", "num_warps", "num_stages", "maxnreg", "ctas_per_sm",
     "max_split", "reduce", "pdl_reduce", "pdl_zero", "stream_k", "prefetch", "half_dot", "x_vec", "prefetch_scales",
@@ -1116,12 +1117,15 @@ ENTRY_KEYS = frozenset({
 
 def entry_key_refusal(table: dict) -> str | None:
     """Where ``table`` has a decode / GEMM entry (or ``dense`` defaults) with a key outside :data:`ENTRY_KEYS`,
-    which key and where; None where it has none."""
+    or a GEMM entry's ``wgmma`` tile one outside ``int_weight_wgmma.TILE_KEYS``, which key and where; None where
+    it has none."""
     entries = [(f"{sect}[{bits!r}][{bucket!r}]", entry) for sect in ("decode", "gemm")
                for bits, section in table.get(sect, {}).items() for bucket, entry in section.items()]
-    for where, entry in entries + [("dense", table.get("dense", {}))]:
-        if unknown := sorted(set(entry) - ENTRY_KEYS):
-            return f"{where}: unknown keys {unknown} (known: {sorted(ENTRY_KEYS)})"
+    tiles = [(f"{where}['wgmma']", entry["wgmma"]) for where, entry in entries if "wgmma" in entry]
+    checks = [(where, entry, ENTRY_KEYS) for where, entry in entries + [("dense", table.get("dense", {}))]]
+    for where, entry, known in checks + [(where, tile, wgmma.TILE_KEYS) for where, tile in tiles]:
+        if unknown := sorted(set(entry) - known):
+            return f"{where}: unknown keys {unknown} (known: {sorted(known)})"
     return None
 
 
