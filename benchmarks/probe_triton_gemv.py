@@ -124,7 +124,8 @@ def decode_table(block_n: int, chunks: int, warps: int, prefetch: int = 0, x_vec
     table = copy.deepcopy(T.config_for(torch.device(device)))
     table["decode_max_m"] = {**table["decode_max_m"], "4": 4} if isinstance(table["decode_max_m"], dict) else 4
     by_m = table["decode"].get("4", table["decode"]["default"])
-    cfg = dict(by_m["1"], BLOCK_N=block_n, CHUNKS=chunks, num_warps=warps, prefetch=prefetch, x_vec=x_vec, maxnreg=maxnreg,
+    own = {key: v for key, v in by_m["1"].items() if key != "short_split"}  # each candidate runs as written, at every K
+    cfg = dict(own, BLOCK_N=block_n, CHUNKS=chunks, num_warps=warps, prefetch=prefetch, x_vec=x_vec, maxnreg=maxnreg,
                half_dot=half_dot, pdl_zero=pdl_zero, **({} if pdl_reduce is None else {"pdl_reduce": pdl_reduce}))
     table["decode"]["4"] = {"1": cfg}
     return table

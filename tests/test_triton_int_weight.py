@@ -576,6 +576,42 @@ def test_plan_follows_the_table():
         assert not plan["tile_group"] and plan["block_k"] == 16
 
 
+def short_split_table(short: dict) -> dict:
+    t = table()
+    t["decode"]["default"]["16"]["short_split"] = short
+    return t
+
+
+def test_decode_short_split_where_each_program_runs_one_unit():
+    """A decode entry's ``short_split`` replaces its keys where the entry's own split leaves each program one
+    split unit (a group here): K too short for the programs the entry asks for. Elsewhere the entry stands."""
+    dev = torch.device(DEVICE)
+    with T.config_override(short_split_table({"BLOCK_N": 32, "CHUNKS": 1})):
+        # 64 columns, 4 SMs x 4 programs wanted: K = 128 in groups of 64 splits at most in two, one group each.
+        short = T._plan(1, 64, 128, 4, 64, dev)
+        assert (short["cfg"]["BLOCK_N"], short["chunks"], short["grid"]) == (32, 1, (2, 2, 1))
+        assert "short_split" not in short["cfg"] and short["cfg"]["max_split"] == 8  # the entry's other keys stand
+        # K = 1024: eight splits of two groups each; the entry's own form.
+        own = T._plan(1, 64, 1024, 4, 64, dev)
+        assert (own["cfg"]["BLOCK_N"], own["split"], own["split_len"]) == (64, 8, 128)
+        # Without groups the unit is the entry's step (2 runs of 32 rows): K = 64 is one step.
+        assert T._plan(1, 64, 64, 4, -1, dev)["cfg"]["BLOCK_N"] == 32
+        assert T._plan(1, 64, 1024, 4, -1, dev)["cfg"]["BLOCK_N"] == 64
+    with T.config_override(table()):
+        assert T._plan(1, 64, 128, 4, 64, dev)["cfg"]["BLOCK_N"] == 64  # no short_split: the entry everywhere
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k,group_size", [(72, 128, 64), (72, 200, -1), (40, 96, 32)])
+def test_decode_short_split_matches_the_oracle(m, dtype, n, k, group_size):
+    # N off the narrower tile, K with a partial last group or step, both the entry's and the short form's plans
+    with T.config_override(short_split_table({"BLOCK_N": 32, "CHUNKS": 1, "prefetch": 1, "half_dot": 1})):
+        plan = T._plan(m, n, k, 4, group_size, torch.device(DEVICE))
+        assert plan["cfg"]["BLOCK_N"] == 32, plan
+        check(m, n, k, 4, group_size, False, group_size != -1, True, dtype, "decode", x_shape=(m,), strided=True)
+
+
 def test_every_shipped_config_is_checked():
     assert {"default", "h100", "h200"} <= set(T.config_stems())
 
@@ -628,6 +664,17 @@ def test_a_misspelt_entry_key_is_refused_naming_it(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"\['64'\]\['wgmma'\]: unknown keys \['stream_k_min_wave'\]"):
         with T.config_override(bad):
             pass
+    for where, short, refusal in [
+            ("decode", {"BLOCK_N": 256, "CHUNK": 4}, r"decode\['default'\]\['1'\]\['short_split'\]: unknown keys \['CHUNK'\]"),
+            ("decode", {"short_split": {}}, r"\['short_split'\]: unknown keys \['short_split'\]"),
+            ("decode", 256, r"\['short_split'\]: expected a mapping of keys, got int"),
+            ("gemm", {"BLOCK_N": 64}, r"gemm\['default'\]\['16'\]\['short_split'\]: short_split is a decode entry's key")]:
+        bad = copy.deepcopy(base)
+        bucket = "1" if where == "decode" else "16"
+        bad[where]["default"][bucket] = {**bad[where]["default"][bucket], "short_split": short}
+        with pytest.raises(ValueError, match=refusal):
+            with T.config_override(bad):
+                pass
     monkeypatch.setattr(T, "CONFIG_DIR", tmp_path)
     T.load_config.cache_clear()
     try:

@@ -466,6 +466,28 @@ def test_gemv_x_vec_matches_the_oracle(item):
             check(b.weight.mm(xs, bias), xs, b.w64, bias, f"{_id(item)} strided x x_vec={x_vec} prefetch={prefetch}")
 
 
+@pytest.mark.parametrize("item", GEMV_PREFETCH_CASES, ids=_id)
+def test_gemv_short_split_matches_the_oracle(item):
+    """The decode GEMV's narrower form where the entry's split leaves each program one group of K
+    (``short_split``; the H200 table's M = 1 entry has one): taken where the plan says, at M = 1..4 against the
+    oracle, eagerly and replayed from a CUDA graph with fresh inputs."""
+    case, dtype = item
+    b = built(case, dtype)
+    bias = rand(case.n, dtype=dtype, seed=11)
+    dev = torch.device("cuda")
+    table = gemv_table(max_split=64, short_split={"BLOCK_N": 128, "CHUNKS": 4, "num_warps": 2, "half_dot": 1})
+    with T.config_override(table):
+        for m in (1, 2, 4):
+            plan = T._plan(m, case.n, case.k, case.bits, case.group_size, dev)
+            # these shapes' K is too short for the waves this GPU's entries ask for: every call takes the short form
+            assert plan["path"] == "decode" and plan["cfg"]["BLOCK_N"] == 128 and "short_split" not in plan["cfg"], plan
+            x = rand(m, case.k, dtype=dtype, seed=90 + m)
+            what = f"{_id(item)} M={m} BLOCK_N={plan['cfg']['BLOCK_N']}"
+            check(b.weight.mm(x, bias), x, b.w64, bias, what)
+            y = replay_captured(lambda: b.weight.mm(x, bias), x, rand(m, case.k, dtype=dtype, seed=95 + m))
+            check(y, x, b.w64, bias, "graph " + what)
+
+
 HALF_DOT_CASES = [Case("gptq", 4, 128, False, False, "v2", 4104, 4096),  # several groups a split
                   Case("awq", 4, 128, False, False, None, 1024, 4096),
                   Case("gptq", 4, 32, False, False, "v1", 264, 1000),      # K off the step; zero points to 16

@@ -23,7 +23,13 @@ number of rows M and the shipped config table (never from tensor values, never w
   against 3.8); it pays only with the prefetch (alone ptxas issues each word's load just before its use),
   and a config pairing the two gets neither where the prefetch does not apply. The H100 table pairs them
   at M = 1 and 2: at M = 1 27.2 / 16.5 / 87.2 / 48.0 us against 29.0 / 16.5 / 100.6 / 49.5 on 28672x4096 /
-  4096x14336 / 57344x8192 / 8192x28672 (``benchmarks/probe_triton_gemv.py``, stop 61).
+  4096x14336 / 57344x8192 / 8192x28672 (``benchmarks/probe_triton_gemv.py``, stop 61). A decode entry may
+  name a narrower form for short K (``short_split``: keys that replace its own where its split gives each
+  program one split unit, a quantization group, because K is too short for the programs it asks for): on the
+  H200 the M = 1 entry's 512 columns x 2 runs x 4 warps leave 4096x4096 256 programs of two steps; its
+  ``short_split`` (256 x 4 x 2: 512 programs of one step) runs it in 7.32 us against 9.14 (6144x4096 8.36 / 9.82, 4096x8192 9.76 / 10.72,
+  14336x4096 15.43 / 17.64), where on the longer-K shapes the wide form is as fast or faster (4096x14336
+  13.90 against 15.52).
 - **gemm** (larger M): a tiled split-K GEMM on tensor cores. The packed ``(BLOCK_K/vpw, BLOCK_N)``
   word tile is dequantized in registers to ``q - z`` (exact in fp16 and bf16) and fed to ``tl.dot``
   with fp32 accumulation. For fp16/bf16 activations, whole words and a K tile inside one group (2
@@ -1112,18 +1118,26 @@ ENTRY_KEYS = frozenset({
     "BLOCK_N", "BLOCK_M", "BLOCK_K", "GROUP_M", "CHUNKS", "num_warps", "num_stages", "maxnreg", "ctas_per_sm",
     "max_split", "reduce", "pdl_reduce", "pdl_zero", "stream_k", "prefetch", "half_dot", "x_vec", "prefetch_scales",
     "even_odd", "scale_weight", "sym_zero_load", "impl", "wgmma", "DQ_BLOCK_K", "DQ_BLOCK_N", "DQ_WARPS", "slab_bytes",
-    "equal", "overlap"})
+    "equal", "overlap", "short_split"})
 
 
 def entry_key_refusal(table: dict) -> str | None:
     """Where ``table`` has a decode / GEMM entry (or ``dense`` defaults) with a key outside :data:`ENTRY_KEYS`,
-    or a GEMM entry's ``wgmma`` tile one outside ``int_weight_wgmma.TILE_KEYS``, which key and where; None where
-    it has none."""
+    a GEMM entry's ``wgmma`` tile one outside ``int_weight_wgmma.TILE_KEYS``, or a decode entry's
+    ``short_split`` one outside :data:`ENTRY_KEYS` (or a ``short_split`` anywhere else), which key and where;
+    None where it has none."""
     entries = [(f"{sect}[{bits!r}][{bucket!r}]", entry) for sect in ("decode", "gemm")
                for bits, section in table.get(sect, {}).items() for bucket, entry in section.items()]
     tiles = [(f"{where}['wgmma']", entry["wgmma"]) for where, entry in entries if "wgmma" in entry]
+    shorts = [(f"{where}['short_split']", entry["short_split"]) for where, entry in entries if "short_split" in entry]
+    for where, _ in shorts:
+        if not where.startswith("decode"):
+            return f"{where}: short_split is a decode entry's key (the GEMV's narrower form where K is short)"
     checks = [(where, entry, ENTRY_KEYS) for where, entry in entries + [("dense", table.get("dense", {}))]]
+    checks += [(where, short, ENTRY_KEYS - {"short_split"}) for where, short in shorts]
     for where, entry, known in checks + [(where, tile, wgmma.TILE_KEYS) for where, tile in tiles]:
+        if not isinstance(entry, dict):
+            return f"{where}: expected a mapping of keys, got {type(entry).__name__}"
         if unknown := sorted(set(entry) - known):
             return f"{where}: unknown keys {unknown} (known: {sorted(known)})"
     return None
@@ -1349,24 +1363,14 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
         decode_ok = not grouped or group_size % 32 == 0
         path = "decode" if (m <= decode_max_m(table, bits) and decode_ok) else "gemm"
     if path == "decode":
+        if grouped and group_size % 32:
+            raise ValueError(f"decode path needs group_size % 32 == 0, got {group_size}")
         cfg = _bucket(table["decode"], bits, m)
-        block_n = int(cfg["BLOCK_N"])
-        chunks = int(cfg["CHUNKS"])
-        if grouped:
-            if group_size % 32:
-                raise ValueError(f"decode path needs group_size % 32 == 0, got {group_size}")
-            chunks = _pow2_divisor(group_size // 32, chunks)
-        step = 32 * chunks
-        block_m = min(m, 4)
-        tiles = -(-n // block_n) * -(-m // block_m)
-        unit = group_size if grouped else step
-        split, split_len = _split(k, unit, tiles, cfg, sms)
-        return dict(
-            path="decode", cfg=cfg, split=split, split_len=split_len, split_unit=unit, tiles=tiles, sms=sms,
-            block_m=block_m, block_n=block_n,
-            chunks=chunks, even_k=(k % step == 0), even_n=(n % block_n == 0),
-            grid=(-(-n // block_n), split, -(-m // block_m)), reduce=cfg.get("reduce", "partials"), stream_k=False,
-        )
+        plan = _decode_plan(cfg, m, n, k, group_size, sms)
+        if "short_split" in cfg and plan["split_len"] <= plan["split_unit"]:
+            short = {key: v for key, v in cfg.items() if key != "short_split"}
+            plan = _decode_plan({**short, **cfg["short_split"]}, m, n, k, group_size, sms)
+        return plan
     cfg = _bucket(table["gemm"], bits, m)
     if path == "dense" or (path in ("gemm", "wgmma") and cfg.get("impl", "triton") == "dense"):
         cfg = cfg if "DQ_BLOCK_K" in cfg else {**table.get("dense", {}), **cfg}
@@ -1425,6 +1429,27 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
         if launch is not None:
             return dict(path="wgmma", cfg=cfg, launch=launch, fallback=gemm)
     return gemm
+
+
+def _decode_plan(cfg: dict, m: int, n: int, k: int, group_size: int, sms: int) -> dict:
+    """The decode GEMV's launch plan under one config: its column tiles, its K steps (``CHUNKS`` runs of 32
+    rows, fewer where a group is shorter) and the K split that fills the config's waves."""
+    block_n = int(cfg["BLOCK_N"])
+    chunks = int(cfg["CHUNKS"])
+    grouped = group_size != -1
+    if grouped:
+        chunks = _pow2_divisor(group_size // 32, chunks)
+    step = 32 * chunks
+    block_m = min(m, 4)
+    tiles = -(-n // block_n) * -(-m // block_m)
+    unit = group_size if grouped else step
+    split, split_len = _split(k, unit, tiles, cfg, sms)
+    return dict(
+        path="decode", cfg=cfg, split=split, split_len=split_len, split_unit=unit, tiles=tiles, sms=sms,
+        block_m=block_m, block_n=block_n,
+        chunks=chunks, even_k=(k % step == 0), even_n=(n % block_n == 0),
+        grid=(-(-n // block_n), split, -(-m // block_m)), reduce=cfg.get("reduce", "partials"), stream_k=False,
+    )
 
 
 def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device) -> int:
