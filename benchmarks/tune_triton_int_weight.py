@@ -117,9 +117,11 @@ def ctas_choices(path: str, m: int) -> tuple[int, ...]:
 
 
 def single_table(path: str, cfg: dict) -> dict:
-    """A table serving every M with ``cfg`` (the path itself is forced per call)."""
+    """A table serving every M of ``path`` with ``cfg`` (the path itself is forced per call; the other section,
+    never read, is empty: a decode config's keys are not a GEMM entry's)."""
+    section = "decode" if path == "decode" else "gemm"
     return {"gpu": "tuning", "tuned": False, "source": "tuner candidate", "decode_max_m": 4,
-            "decode": {"default": {"1": cfg}}, "gemm": {"default": {"1": cfg}}}
+            "decode": {}, "gemm": {}, section: {"default": {"1": cfg}}}
 
 
 def random_weight(n, k, bits, device, seed, group=GROUP):

@@ -668,11 +668,18 @@ def test_a_misspelt_entry_key_is_refused_naming_it(tmp_path, monkeypatch):
             ("decode", {"BLOCK_N": 256, "CHUNK": 4}, r"decode\['default'\]\['1'\]\['short_split'\]: unknown keys \['CHUNK'\]"),
             ("decode", {"short_split": {}}, r"\['short_split'\]: unknown keys \['short_split'\]"),
             ("decode", 256, r"\['short_split'\]: expected a mapping of keys, got int"),
-            ("gemm", {"BLOCK_N": 64}, r"gemm\['default'\]\['16'\]\['short_split'\]: short_split is a decode entry's key")]:
+            ("gemm", {"BLOCK_N": 64}, r"gemm\['default'\]\['16'\]: unknown keys \['short_split'\]")]:
         bad = copy.deepcopy(base)
         bucket = "1" if where == "decode" else "16"
         bad[where]["default"][bucket] = {**bad[where]["default"][bucket], "short_split": short}
         with pytest.raises(ValueError, match=refusal):
+            with T.config_override(bad):
+                pass
+    # a knob of the other kind of entry is not read there: refused too
+    for where, bucket, key in [("decode", "1", "stream_k"), ("gemm", "16", "CHUNKS"), ("gemm", "16", "half_dot")]:
+        bad = copy.deepcopy(base)
+        bad[where]["default"][bucket] = {**bad[where]["default"][bucket], key: 1}
+        with pytest.raises(ValueError, match=rf"{where}\['default'\]\['{bucket}'\]: unknown keys \['{key}'\]"):
             with T.config_override(bad):
                 pass
     monkeypatch.setattr(T, "CONFIG_DIR", tmp_path)
@@ -1243,7 +1250,7 @@ class _Recorder:
 def record_split_launch(monkeypatch, path, reduce, knob, value, gpu_pdl, one_split=False):
     """One ``triton_mm`` call at M = 3 on ``path`` that the plan splits, with its kernels replaced by recorders
     (the interpreter has no grid dependencies), under a table of reduction ``reduce`` with config key ``knob``
-    set to ``value`` (left out for None), on a GPU with PDL or without (``gpu_pdl``); ``one_split``: the build
+    set to ``value`` in that path's entries (left out for None), on a GPU with PDL or without (``gpu_pdl``); ``one_split``: the build
     fits so few programs that the launch takes one split. Returns (kernel name -> launch keywords, the
     (shape, dtype) of each buffer ``zero_ahead`` zeroed, the ``zero`` argument of each fp32 scratch taken)."""
     import triton
@@ -1260,10 +1267,9 @@ def record_split_launch(monkeypatch, path, reduce, knob, value, gpu_pdl, one_spl
     qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, False)
     x = torch.randn(3, 256).to(torch.float16).to(DEVICE)
     t = table(reduce=reduce)
-    if value is not None:
-        for section in ("decode", "gemm"):
-            for cfg in t[section]["default"].values():
-                cfg[knob] = value
+    if value is not None:  # in the entries of the path called (a knob of one kind of entry is refused in the other)
+        for cfg in t["decode" if path == "decode" else "gemm"]["default"].values():
+            cfg[knob] = value
     with T.config_override(t):
         assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
         T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, force_path=path)
@@ -1454,15 +1460,14 @@ def test_launch_chosen_once_per_plan_and_kind_of_call(monkeypatch):
 def test_stream_k_launch(monkeypatch):
     """The stream-K launch: a 1-D grid of ``stream_k_runs``' programs, the STREAM_K build adding into the fp32
     sum (OUT_MODE 2; zeroed ahead and reduced as programmatic dependents on a GPU with PDL, whatever the
-    config's ``reduce``) and a one-partial reduction; the decode path's launch is unchanged."""
+    config's ``reduce``) and a one-partial reduction. (A decode entry is not read for ``stream_k``: the key is
+    refused there, test_a_misspelt_entry_key_is_refused_naming_it.)"""
     got, zeroed, _ = record_split_launch(monkeypatch, "gemm", "partials", "stream_k", 1, True)
     with T.config_override(stream_k_table()):
         plan = T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), "gemm")
     assert got["_tc_kernel"]["STREAM_K"] is True and got["_tc_kernel"]["OUT_MODE"] == 2 and got["_tc_kernel"]["launch_pdl"] is True
     assert got["_tc_kernel"]["grid"] == (C.stream_k_runs(256, plan["block_k"], plan["tiles"], 16)[0],)
     assert zeroed == [((3, 72), torch.float32)] and got["_reduce_kernel"]["PDL"] is True
-    got, _, _ = record_split_launch(monkeypatch, "decode", "partials", "stream_k", 1, True)
-    assert "STREAM_K" not in got["_gemv_kernel"] and got["_gemv_kernel"]["OUT_MODE"] == 1
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])

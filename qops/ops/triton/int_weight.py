@@ -71,7 +71,7 @@ there; ``pdl_reduce`` in a config overrides: :func:`reduce_pdl`), and the split-
 programmatic dependent of the kernel that zeroes its fp32 buffer, its adds waiting for the zeroing
 (``pdl_zero`` 0 in a config: a ``zero_()`` before it; :func:`zero_pdl`). Configs come from
 ``configs/<gpu>.json`` (``default.json`` for an unknown GPU), loaded once (an entry's key outside
-:data:`ENTRY_KEYS` is refused there, and by :func:`config_override`) and keyed by bits and
+:data:`DECODE_KEYS` / :data:`GEMM_KEYS` is refused there, and by :func:`config_override`) and keyed by bits and
 bucketed M; the split count follows from the device's SM count and the shape (the config's programs
 per SM), lowered where the grid would end in a partial wave of the programs the build's registers
 and shared memory let the GPU hold at once (``common.split_in_waves``; a config's ``maxnreg`` caps a
@@ -1114,32 +1114,31 @@ def config_stems() -> list[str]:
 # Every key a decode or GEMM entry (or the ``dense`` defaults merged into one) may hold: what the planner and the
 # launchers read. A table's misspelt knob (its wgmma tile's too) is refused when the table is loaded, not silently
 # ignored at each call.
-ENTRY_KEYS = frozenset({
-    "BLOCK_N", "BLOCK_M", "BLOCK_K", "GROUP_M", "CHUNKS", "num_warps", "num_stages", "maxnreg", "ctas_per_sm",
-    "max_split", "reduce", "pdl_reduce", "pdl_zero", "stream_k", "prefetch", "half_dot", "x_vec", "prefetch_scales",
-    "even_odd", "scale_weight", "sym_zero_load", "impl", "wgmma", "DQ_BLOCK_K", "DQ_BLOCK_N", "DQ_WARPS", "slab_bytes",
-    "equal", "overlap", "short_split"})
+# The keys each kind of table entry is read for; any other key in a table is refused where it is loaded.
+_LAUNCH_KEYS = frozenset({"BLOCK_N", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "max_split", "reduce",
+                          "pdl_reduce", "pdl_zero"})
+DECODE_KEYS = _LAUNCH_KEYS | {"CHUNKS", "prefetch", "half_dot", "x_vec", "short_split"}
+DENSE_KEYS = frozenset({"impl", "ctas_per_sm", "DQ_BLOCK_K", "DQ_BLOCK_N", "DQ_WARPS", "slab_bytes", "equal", "overlap"})
+GEMM_KEYS = _LAUNCH_KEYS | DENSE_KEYS | {"BLOCK_M", "BLOCK_K", "GROUP_M", "stream_k", "prefetch_scales", "even_odd",
+                                        "scale_weight", "sym_zero_load", "wgmma"}
 
 
 def entry_key_refusal(table: dict) -> str | None:
-    """Where ``table`` has a decode / GEMM entry (or ``dense`` defaults) with a key outside :data:`ENTRY_KEYS`,
-    a GEMM entry's ``wgmma`` tile one outside ``int_weight_wgmma.TILE_KEYS``, or a decode entry's
-    ``short_split`` one outside :data:`ENTRY_KEYS` (or a ``short_split`` anywhere else), which key and where;
-    None where it has none."""
-    entries = [(f"{sect}[{bits!r}][{bucket!r}]", entry) for sect in ("decode", "gemm")
-               for bits, section in table.get(sect, {}).items() for bucket, entry in section.items()]
-    tiles = [(f"{where}['wgmma']", entry["wgmma"]) for where, entry in entries if "wgmma" in entry]
-    shorts = [(f"{where}['short_split']", entry["short_split"]) for where, entry in entries if "short_split" in entry]
-    for where, _ in shorts:
-        if not where.startswith("decode"):
-            return f"{where}: short_split is a decode entry's key (the GEMV's narrower form where K is short)"
-    checks = [(where, entry, ENTRY_KEYS) for where, entry in entries + [("dense", table.get("dense", {}))]]
-    checks += [(where, short, ENTRY_KEYS - {"short_split"}) for where, short in shorts]
-    for where, entry, known in checks + [(where, tile, wgmma.TILE_KEYS) for where, tile in tiles]:
+    """Where ``table`` has an entry with a key it is not read for -- a decode entry (or its ``short_split``)
+    outside :data:`DECODE_KEYS`, a GEMM entry outside :data:`GEMM_KEYS` (its ``wgmma`` tile outside
+    ``int_weight_wgmma.TILE_KEYS``), the ``dense`` defaults outside :data:`DENSE_KEYS` -- or an entry that is not
+    a mapping, which key and where; None where it has none."""
+    known = {"decode": DECODE_KEYS, "gemm": GEMM_KEYS}
+    checks = [(f"{sect}[{bits!r}][{bucket!r}]", entry, known[sect]) for sect in ("decode", "gemm")
+              for bits, section in table.get(sect, {}).items() for bucket, entry in section.items()]
+    checks.append(("dense", table.get("dense", {}), DENSE_KEYS))
+    nested = [(f"{where}[{key!r}]", entry[key], keys) for where, entry, _ in checks if isinstance(entry, dict)
+              for key, keys in (("short_split", DECODE_KEYS - {"short_split"}), ("wgmma", wgmma.TILE_KEYS)) if key in entry]
+    for where, entry, keys in checks + nested:
         if not isinstance(entry, dict):
             return f"{where}: expected a mapping of keys, got {type(entry).__name__}"
-        if unknown := sorted(set(entry) - known):
-            return f"{where}: unknown keys {unknown} (known: {sorted(known)})"
+        if unknown := sorted(set(entry) - keys):
+            return f"{where}: unknown keys {unknown} (known: {sorted(keys)})"
     return None
 
 
