@@ -27,9 +27,9 @@ number of rows M and the shipped config table (never from tensor values, never w
   name a narrower form for short K (``short_split``: keys that replace its own where its split gives each
   program one split unit, a quantization group, because K is too short for the programs it asks for): on the
   H200 the M = 1 entry's 512 columns x 2 runs x 4 warps leave 4096x4096 256 programs of two steps; its
-  ``short_split`` (256 x 4 x 2: 512 programs of one step) runs it in 7.32 us against 9.14 (6144x4096 8.36 / 9.82, 4096x8192 9.76 / 10.72,
-  14336x4096 15.43 / 17.64), where on the longer-K shapes the wide form is as fast or faster (4096x14336
-  13.90 against 15.52).
+  ``short_split`` (256 x 4 x 2: 512 programs of one step) runs it in 7.32 us against 9.14 (6144x4096 8.36 /
+  9.82, 4096x8192 9.76 / 10.72, 14336x4096 15.43 / 17.64), where on the longer-K shapes the wide form is as
+  fast or faster (4096x14336 13.90 against 15.52).
 - **gemm** (larger M): a tiled split-K GEMM on tensor cores. The packed ``(BLOCK_K/vpw, BLOCK_N)``
   word tile is dequantized in registers to ``q - z`` (exact in fp16 and bf16) and fed to ``tl.dot``
   with fp32 accumulation. For fp16/bf16 activations, whole words and a K tile inside one group (2
@@ -1111,10 +1111,9 @@ def config_stems() -> list[str]:
     return sorted(path.stem for path in CONFIG_DIR.glob("*.json"))
 
 
-# Every key a decode or GEMM entry (or the ``dense`` defaults merged into one) may hold: what the planner and the
-# launchers read. A table's misspelt knob (its wgmma tile's too) is refused when the table is loaded, not silently
-# ignored at each call.
-# The keys each kind of table entry is read for; any other key in a table is refused where it is loaded.
+# The keys each kind of table entry is read for (by the planner and the launchers): decode entries, GEMM entries and
+# the ``dense`` defaults merged into a dense GEMM entry. A table's misspelt knob, or one of the other kind of entry
+# (its wgmma tile's too), is refused when the table is loaded, not silently ignored at each call.
 _LAUNCH_KEYS = frozenset({"BLOCK_N", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "max_split", "reduce",
                           "pdl_reduce", "pdl_zero"})
 DECODE_KEYS = _LAUNCH_KEYS | {"CHUNKS", "prefetch", "half_dot", "x_vec", "short_split"}
