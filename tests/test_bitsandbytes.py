@@ -9,6 +9,7 @@ dependency), bitsandbytes itself as a second oracle.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -650,6 +651,21 @@ def test_triton_gemv_multi_block_steps(run, dtype):
         assert p["split_bytes"] % step == 0 and 2 * step > case.blocksize
         assert y.dtype == dtype and y.shape == (m, case.n)
         assert C.rel_err(y, want) <= (2e-6 if dtype == torch.float32 else 2e-3), (m, C.rel_err(y, want))
+
+
+@pytest.mark.parametrize("module", ["blockwise4", "int8_weight"])
+def test_triton_config_override_refuses_a_key_the_table_lacks(module):
+    """A misspelt top-level knob is refused, naming it, not added to the table and never read; the table is
+    unchanged after the refusal."""
+    mod = importlib.import_module(f"qops.ops.triton.{module}")
+    before = copy.deepcopy(mod.TABLE.active)
+    with pytest.raises(ValueError, match=r"config_override: unknown keys \['gemv_max_M'\]"):
+        with mod.config_override(gemv_max_M=4):
+            pass
+    assert mod.TABLE.active == before
+    with mod.config_override(gemv_max_m=3) as table:  # a key it has: taken
+        assert table["gemv_max_m"] == 3 and mod.TABLE["gemv_max_m"] == 3
+    assert mod.TABLE.active == before
 
 
 def test_triton_gemv_step_plan():

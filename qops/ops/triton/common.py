@@ -414,7 +414,10 @@ class ConfigTable:
 
     @contextlib.contextmanager
     def override(self, **changes):
-        """Use the table updated with ``changes`` (top-level keys; dict values are merged) in this block."""
+        """Use the table updated with ``changes`` (top-level keys; dict values are merged) in this block. A key
+        the table does not have (a misspelling) is refused, naming it, rather than added and never read."""
+        if unknown := sorted(set(changes) - set(self.active)):
+            raise ValueError(f"config_override: unknown keys {unknown} (known: {sorted(self.active)})")
         table = copy.deepcopy(self.active)
         for key, value in changes.items():
             if isinstance(value, dict) and isinstance(table.get(key), dict):
