@@ -1250,8 +1250,8 @@ class _Recorder:
 def record_split_launch(monkeypatch, path, reduce, knob, value, gpu_pdl, one_split=False):
     """One ``triton_mm`` call at M = 3 on ``path`` that the plan splits, with its kernels replaced by recorders
     (the interpreter has no grid dependencies), under a table of reduction ``reduce`` with config key ``knob``
-    set to ``value`` in that path's entries (left out for None), on a GPU with PDL or without (``gpu_pdl``); ``one_split``: the build
-    fits so few programs that the launch takes one split. Returns (kernel name -> launch keywords, the
+    set to ``value`` in that path's entries (left out for None), on a GPU with PDL or without (``gpu_pdl``);
+    ``one_split``: the build fits so few programs that the launch takes one split. Returns (kernel name -> launch keywords, the
     (shape, dtype) of each buffer ``zero_ahead`` zeroed, the ``zero`` argument of each fp32 scratch taken)."""
     import triton
 
@@ -1460,14 +1460,16 @@ def test_launch_chosen_once_per_plan_and_kind_of_call(monkeypatch):
 def test_stream_k_launch(monkeypatch):
     """The stream-K launch: a 1-D grid of ``stream_k_runs``' programs, the STREAM_K build adding into the fp32
     sum (OUT_MODE 2; zeroed ahead and reduced as programmatic dependents on a GPU with PDL, whatever the
-    config's ``reduce``) and a one-partial reduction. (A decode entry is not read for ``stream_k``: the key is
-    refused there, test_a_misspelt_entry_key_is_refused_naming_it.)"""
+    config's ``reduce``) and a one-partial reduction; the decode path's launch is no stream-K one (a decode entry
+    is not read for ``stream_k``: the key is refused there, test_a_misspelt_entry_key_is_refused_naming_it)."""
     got, zeroed, _ = record_split_launch(monkeypatch, "gemm", "partials", "stream_k", 1, True)
     with T.config_override(stream_k_table()):
         plan = T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), "gemm")
     assert got["_tc_kernel"]["STREAM_K"] is True and got["_tc_kernel"]["OUT_MODE"] == 2 and got["_tc_kernel"]["launch_pdl"] is True
     assert got["_tc_kernel"]["grid"] == (C.stream_k_runs(256, plan["block_k"], plan["tiles"], 16)[0],)
     assert zeroed == [((3, 72), torch.float32)] and got["_reduce_kernel"]["PDL"] is True
+    got, _, _ = record_split_launch(monkeypatch, "decode", "partials", "stream_k", None, True)
+    assert "STREAM_K" not in got["_gemv_kernel"] and got["_gemv_kernel"]["OUT_MODE"] == 1
 
 
 @pytest.mark.parametrize("path", ["decode", "gemm"])
