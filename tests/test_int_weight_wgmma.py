@@ -142,6 +142,22 @@ def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, atomic):
     assert "wgmma.mma_async" in k.asm["ptx"] and "wgmma.wait_group.sync.aligned 1" in k.asm["ptx"]
 
 
+@pytest.mark.skipif(G.available() is not None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("tile,atomic", [
+    ({"BLOCK_N": 128, "BLOCK_M": 8, "BLOCK_K": 128, "STAGES": 4}, True),
+    ({"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 128, "STAGES": 4, "stream_k": 1}, False),
+])
+def test_the_dependent_build_copies_words_before_it_waits_for_the_gather(tile, atomic):
+    """As the gather's programmatic dependent, a program's first word copies are issued before its grid
+    dependency wait and no copy group is committed before it (x's copies come after); a split build lets the
+    reduction after it launch early. Without PDL neither instruction is built."""
+    ptx = G.sm90_build(tile, torch.float16, True, atomic).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert "cp.async" in ptx[:wait] and "cp.async.commit_group" not in ptx[:wait]
+    assert ("griddepcontrol.launch_dependents" in ptx) == atomic
+    assert "griddepcontrol" not in G.sm90_build(tile, torch.float16, True, atomic, pdl=False).asm["ptx"]
+
+
 @pytest.mark.parametrize("k,split", [(4096, 3), (384, 5), (256, 1), (8192, 64), (192, 7)])
 def test_plan_has_no_empty_split(k, split):
     # the kernel assumes each program has a K step at least (gl.assume: its MMAs stay asynchronous)
@@ -196,14 +212,24 @@ def test_stream_k_runs_cover_every_step_once_in_one_wave(m, n, k):
 
 
 @pytest.mark.interpreter
-def test_gather_kernel_orders_x_and_zeros_the_counts():
-    # the Triton gather under the interpreter (the GPU suite runs it compiled, through the kernel's oracle tests)
-    x = torch.randn(5, 96, dtype=torch.float16)[:, 32:].t().contiguous().t()  # K-strided (column-major) x
-    index = G.x_gather_index(64, torch.randperm(64), x.device)
-    xg = torch.empty(5, 64, dtype=torch.float16)
-    counts = torch.full((2500,), 7, dtype=torch.int32)
-    G.gather_x(x, index, xg, counts)
-    assert torch.equal(xg, x[:, index]) and bool((counts == 0).all())
+@pytest.mark.parametrize("k,zeroed", [(64, "counts"), (1088, "sum"), (64, None)])
+def test_gather_kernel_orders_x_and_zeros_the_scratch(k, zeroed):
+    # the Triton gather under the interpreter (the GPU suite runs it compiled, through the kernel's oracle tests):
+    # x in the kernel's order, and the stream-K counts or a split launch's fp32 sum zeroed across its programs
+    # (K = 1088: two column blocks a row, ten programs)
+    x = torch.randn(5, k + 32, dtype=torch.float16)[:, 32:].t().contiguous().t()  # K-strided (column-major) x
+    index = G.x_gather_index(k, torch.randperm(k), x.device)
+    xg = torch.empty(5, k, dtype=torch.float16)
+    scratch = {"counts": torch.full((2500,), 7, dtype=torch.int32),
+               "sum": torch.full((5, 1001), float("nan"), dtype=torch.float32), None: None}[zeroed]
+    after = torch.full((7,), 3, dtype=torch.int32)  # what follows the zeroed words is not written
+    if scratch is not None:
+        backing = torch.cat([scratch.view(torch.int32).reshape(-1), after])
+        scratch = backing[:scratch.numel()].view(scratch.dtype).view(scratch.shape)
+    G.gather_x(x, index, xg, scratch)
+    assert torch.equal(xg, x[:, index])
+    if scratch is not None:
+        assert bool((scratch == 0).all()) and torch.equal(backing[scratch.numel():], after)
 
 
 def wgmma_table(tile: dict) -> dict:

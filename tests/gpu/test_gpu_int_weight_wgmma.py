@@ -139,6 +139,46 @@ def test_wgmma_gemm_replays_from_a_cuda_graph():
     check(y, x, w64, bias, "graph replay")
 
 
+def test_chained_calls_on_one_workspace_replay_from_a_cuda_graph():
+    """Three calls in one graph, each one's x the last one's output and all on one workspace: a call's gather
+    (x, and the zeroed sum or counts) may not start before the call before it has finished reading its
+    gathered x and writing its output, though each call's kernel and reduction are programmatic dependents.
+    Split (atomic sum, reduced), stream-K, split; each output checked against the oracle of the input it was
+    given, over three replays with fresh inputs."""
+    from qops.ops.triton.int_weight import _run_wgmma
+
+    case = Case("gptq", 4, 128, False, True, "v2", 1024, 1024)  # N = K: an output is the next call's x
+    dtype = torch.float16
+    w, w64 = prepared(case, dtype, "flat")
+    bias = rand(case.n, dtype=dtype, seed=60)
+    m, sms = 17, G.sm_count(torch.device("cuda"), 1)
+    tiles = ({**TILES[3], "split": 3}, SK_TILES[2], {**TILES[0], "split": 2})
+    plans = [G.plan(m, case.n, case.k, 4, case.group_size, {**tile, "min_tiles": 0}, sms) for tile in tiles]
+    assert [p["split"] > 1 or p["stream_k"] for p in plans] == [True, True, True] and plans[1]["stream_k"]
+    workspace = torch.empty(max(G.workspace_bytes(m, case.n, case.k, p) for p in plans), dtype=torch.uint8,
+                            device="cuda")
+    x = rand(m, case.k, dtype=dtype, seed=61)
+    ys = [torch.empty(m, case.n, dtype=dtype, device="cuda") for _ in plans]
+
+    def chain():
+        for go, src, y in zip(plans, [x] + ys[:-1], ys):
+            _run_wgmma({"launch": go}, src, w.qweight, w.scales, w.qzeros, w.act_perm, bias, w.group_size,
+                       w.zero_offset, y, workspace)
+
+    chain()  # compiles every build outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for seed in (62, 63, 64):
+        for y in ys:
+            y.fill_(float("nan"))
+        x.copy_(rand(m, case.k, dtype=dtype, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (src, y) in enumerate(zip([x] + ys[:-1], ys)):
+            check(y, src, w64, bias, f"chained call {i}, inputs {seed}")
+
+
 def test_refusal_names_the_argument_on_the_gpu():
     x = torch.zeros(2, 4096, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="group_size"):

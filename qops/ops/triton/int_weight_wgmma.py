@@ -40,7 +40,11 @@ load each.
 How K is shared among programs (:func:`plan`): K splits whose fp32 sums are added atomically and reduced by a
 second launch, or stream-K: one wave of programs, each an equal run of the tiles' K steps laid end to end, a
 tile that several runs share summed by the last of them to finish (from the others' fp32 parts, in program
-order), with no fp32 sum to zero or reduce. The x gather (:func:`gather_x`) zeroes the stream-K counts.
+order), with no fp32 sum to zero or reduce. The x gather (:func:`gather_x`) zeroes the stream-K counts or
+the split launch's fp32 sum, and the call's launches after it are programmatic dependents (PDL): the kernel
+copies its first word stages before it waits for the gather, and the split sum's reduction is placed while
+the kernel's last programs run. Before that chain a call was two to four launches, each waiting for the last
+(the gather, a zeroing of the sum, the kernel, the reduction).
 
 Gluon (``triton.experimental.gluon``) is experimental and its API moves between Triton releases; this file
 is written against Triton 3.6 (the GPU machine's). Triton's interpreter does not run Gluon, so CI only
@@ -52,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import pdl_launch
 from .common import half_unpack_asm, sm_count, stream_k_runs, workspace_view
 
 try:  # Gluon's API is per Triton release; a Triton without these names cannot build the kernel at all
@@ -232,11 +237,35 @@ if GLUON_ERROR is None:
         return scale[:, None], bias0[:, None], bias1[:, None]
 
     @gluon.jit
+    def _issue_x(x_ptr, x_stage, offs_xm, offs_xk, xmask, k0, stride_xm):
+        """``cp.async`` of step ``k0``'s x tile into its stage (the caller commits)."""
+        _async_load(x_stage, x_ptr + offs_xm[:, None] * stride_xm + (k0 + offs_xk)[None, :], mask=xmask)
+
+    @gluon.jit
+    def _issue_words(qw_ptr, w_stage, offs_wr, wcol, wmask, k0, stride_qw):
+        """``cp.async`` of step ``k0``'s word tile into its stage (the caller commits)."""
+        _async_load(w_stage, qw_ptr + (k0 // 8 + offs_wr)[:, None] * stride_qw + wcol[None, :], mask=wmask)
+
+    @gluon.jit
     def _issue_step(x_ptr, qw_ptr, x_stage, w_stage, offs_xm, offs_xk, offs_wr, wcol, xmask, wmask, k0,
                     stride_xm, stride_qw):
         """``cp.async`` of step ``k0``'s x tile and word tile into one stage (the caller commits)."""
-        _async_load(x_stage, x_ptr + offs_xm[:, None] * stride_xm + (k0 + offs_xk)[None, :], mask=xmask)
-        _async_load(w_stage, qw_ptr + (k0 // 8 + offs_wr)[:, None] * stride_qw + wcol[None, :], mask=wmask)
+        _issue_x(x_ptr, x_stage, offs_xm, offs_xk, xmask, k0, stride_xm)
+        _issue_words(qw_ptr, w_stage, offs_wr, wcol, wmask, k0, stride_qw)
+
+    @gluon.jit
+    def _grid_dependency_wait():
+        """PTX ``griddepcontrol.wait``: until the grid this one is a programmatic dependent of has completed
+        and its writes are visible (at once where it was launched as none)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+    @gluon.jit
+    def _launch_dependents():
+        """PTX ``griddepcontrol.launch_dependents``: a programmatic dependent launch after this grid may be
+        placed once every program has run it (or exited)."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
     @gluon.constexpr_function
     def _acc_layout(block_m, warps):
@@ -247,10 +276,11 @@ if GLUON_ERROR is None:
     def _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, pid_n, pid_m, k_lo, steps,
                   M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, zero_offset,
                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, WARPS: gl.constexpr):
+                  STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, WARPS: gl.constexpr, X_WAIT: gl.constexpr):
         """The fp32 sum ``(BLOCK_N, BLOCK_M)`` of output tile (``pid_n``, ``pid_m``) over ``steps`` > 0 K steps from
         row ``k_lo``: a ``cp.async`` ring of ``STAGES`` x / word stages (``x_smem``, ``w_smem``) feeding asynchronous
-        MMAs, two a step, the unpack of one half overlapping the MMA of the other."""
+        MMAs, two a step, the unpack of one half overlapping the MMA of the other. X_WAIT: x is written by the
+        grid this one is a programmatic dependent of; the first x copies wait for it (the words' do not)."""
         DTYPE: gl.constexpr = x_ptr.dtype.element_ty
         HALF_K: gl.constexpr = BLOCK_K // 2
         acc_l: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
@@ -276,11 +306,23 @@ if GLUON_ERROR is None:
 
         # every warp is done reading the stages (a previous tile's last step) before they are refilled
         _cta_barrier()
-        for i in gl.static_range(STAGES - 1):
-            if i < steps:
-                _issue_step(x_ptr, qw_ptr, x_smem.index(i), w_smem.index(i), offs_xm, offs_xk, offs_wr, wcol,
-                            xmask, wmask, k_lo + i * BLOCK_K, stride_xm, stride_qw)
-            cp.commit_group()
+        if X_WAIT:
+            # x comes from the launch before (the gather), the words do not: the first stages' words are on
+            # their way while this program waits for that grid; the first group then holds them all
+            for i in gl.static_range(STAGES - 1):
+                if i < steps:
+                    _issue_words(qw_ptr, w_smem.index(i), offs_wr, wcol, wmask, k_lo + i * BLOCK_K, stride_qw)
+            _grid_dependency_wait()
+            for i in gl.static_range(STAGES - 1):
+                if i < steps:
+                    _issue_x(x_ptr, x_smem.index(i), offs_xm, offs_xk, xmask, k_lo + i * BLOCK_K, stride_xm)
+                cp.commit_group()
+        else:
+            for i in gl.static_range(STAGES - 1):
+                if i < steps:
+                    _issue_step(x_ptr, qw_ptr, x_smem.index(i), w_smem.index(i), offs_xm, offs_xk, offs_wr, wcol,
+                                xmask, wmask, k_lo + i * BLOCK_K, stride_xm, stride_qw)
+                cp.commit_group()
 
         # A group's scales and zero points are loaded a step ahead of their use: loaded in the step, their
         # latency (an L2 round trip) stalled the step's unpack (sm_90 SASS: the loads came after the
@@ -383,7 +425,7 @@ if GLUON_ERROR is None:
         tiles_m, run,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
         STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr,
-        WARPS: gl.constexpr, STREAM_K: gl.constexpr,
+        WARPS: gl.constexpr, STREAM_K: gl.constexpr, PDL: gl.constexpr,
     ):
         """``y[m, n] = sum_k x_g[m, k] w[n, k]``, x_g the gathered x (:func:`x_gather_index`).
 
@@ -398,7 +440,15 @@ if GLUON_ERROR is None:
         BLOCK_K of 64. WARPS: 4 (one warpgroup) or 8 (two, each its own 64-row slabs of the N tile, sharing
         the x stages: half the x traffic a weight, but 10-25% slower on an H100 at M = 64, stop 66: the tables
         use 4); BLOCK_N a multiple of 16 * WARPS. The qweight is flat or in column slabs (word ``(j, n)`` at
-        ``j * stride_qw + (n // 32) * stride_qslab + n % 32``; the flat form's ``stride_qslab`` is 32)."""
+        ``j * stride_qw + (n // 32) * stride_qslab + n % 32``; the flat form's ``stride_qslab`` is 32).
+
+        PDL: launched as the programmatic dependent of the x gather, which also zeroes the fp32 sum and the
+        stream-K counts; a program waits for it after its first word copies, before any x copy, atomic add or
+        count (each program waits: none finishes before the gather, so a launch after this one waits for both).
+        With ATOMIC the reduction after it, itself a programmatic dependent, may be placed once every program
+        has started."""
+        if PDL and ATOMIC:
+            _launch_dependents()
         DTYPE: gl.constexpr = x_ptr.dtype.element_ty
         x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], DTYPE)
         # Row r of a word stage XORs its 32-byte chunks with r % 4: a warp's read (4 word rows x 8 columns)
@@ -419,7 +469,8 @@ if GLUON_ERROR is None:
                 last = gl.minimum(end - tile * steps_tile, steps_tile)
                 acc = _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, pid_n, pid_m,
                                 first * BLOCK_K, last - first, M, N, K, stride_xm, stride_qw, stride_qslab, stride_s,
-                                stride_qz, zero_offset, BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS)
+                                stride_qz, zero_offset, BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS,
+                                PDL)
                 if last - first == steps_tile:
                     _store_tile(acc, y_ptr, bias_ptr, pid_n, pid_m, M, N, stride_ym, HAS_BIAS, False, WARPS)
                 else:
@@ -432,7 +483,7 @@ if GLUON_ERROR is None:
             steps = (gl.minimum(K, k_lo + split_len) - k_lo) // BLOCK_K
             acc = _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, gl.program_id(0), gl.program_id(1), k_lo,
                             steps, M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, zero_offset,
-                            BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS)
+                            BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS, PDL)
             _store_tile(acc, y_ptr, bias_ptr, gl.program_id(0), gl.program_id(1), M, N, stride_ym, HAS_BIAS, ATOMIC,
                         WARPS)
 
@@ -478,9 +529,10 @@ def refusal(x: torch.Tensor, bits: int, group_size: int, k: int, n: int, block_k
     return shape_refusal(bits, group_size, k, n, block_k) or call_refusal(x)
 
 
-def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, target=None):
+def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, target=None, pdl: bool = True):
     """The kernel compiled for sm_90 without a GPU (``triton.compile``; what CI can prove): the build a launch
-    with ``tile`` would make, integer sizes and strides declared multiples of 16 as a launch specializes them."""
+    with ``tile`` would make (``pdl``: as the gather's programmatic dependent, as on every Hopper GPU), integer
+    sizes and strides declared multiples of 16 as a launch specializes them."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -490,13 +542,13 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, ta
            "y_ptr": "*fp32" if atomic else act, "part_ptr": "*fp32", "count_ptr": "*i32"}
     consts = {**{key: tile[key] for key in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "STAGES")}, "GROUP": 128,
               "HAS_ZEROS": has_zeros, "HAS_BIAS": not atomic, "ATOMIC": atomic, "WARPS": tile.get("WARPS", 4),
-              "STREAM_K": bool(tile.get("stream_k", 0)) and not atomic}
+              "STREAM_K": bool(tile.get("stream_k", 0)) and not atomic, "PDL": pdl}
     sig.update({name: "constexpr" if name in consts else "i32" for name in fn.arg_names if name not in sig})
     aligned = {"N", "K", "stride_xm", "stride_qw", "stride_qslab", "stride_s", "stride_ym", "split_len"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if sig[name].startswith("*") or name in aligned}
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target or GPUTarget("cuda", 90, 32),
-                          options={"num_warps": consts["WARPS"]})
+                          options={"num_warps": consts["WARPS"], "launch_pdl": pdl})
 
 
 def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: int = 1) -> dict | None:
@@ -584,28 +636,39 @@ GATHER_BLOCK = 1024
 
 
 @triton.jit
-def _gather_kernel(x_ptr, idx_ptr, xg_ptr, count_ptr, K, counts, stride_xm, stride_xk, stride_gm,
-                   BLOCK: tl.constexpr):
-    """``xg[m, q] = x[m, idx[q]]`` for row ``m`` = program 0 (M on the grid's unbounded axis) and ``BLOCK`` columns;
-    program (0, 0) also zeros the ``counts`` stream-K counts, so that the GEMM after it on the stream needs no
-    launch of its own for them."""
+def _gather_kernel(x_ptr, idx_ptr, xg_ptr, zero_ptr, K, zero_words, zero_chunk, stride_xm, stride_xk, stride_gm,
+                   BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """``xg[m, q] = x[m, idx[q]]`` for row ``m`` = program 0 (M on the grid's unbounded axis) and ``BLOCK`` columns.
+    The programs also zero the ``zero_words`` 32-bit words at ``zero_ptr`` (the stream-K counts or a split
+    launch's fp32 sum), ``zero_chunk`` words a program in launch order, so that the GEMM after it on the stream
+    needs no launch of its own for them. PDL: the GEMM, launched as this grid's programmatic dependent, may be
+    placed as soon as every program here has started (it waits for this grid before reading what it writes)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0).to(tl.int64)
     q = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = q < K
     src = tl.load(idx_ptr + q, mask=inside, other=0)
     tl.store(xg_ptr + m * stride_gm + q, tl.load(x_ptr + m * stride_xm + src * stride_xk, mask=inside), mask=inside)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        for c0 in range(0, counts, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            tl.store(count_ptr + c, tl.zeros([BLOCK], tl.int32), mask=c < counts)
+    lo = (m * tl.num_programs(1) + tl.program_id(1)) * zero_chunk
+    hi = tl.minimum(lo + zero_chunk, zero_words)
+    for c0 in range(0, zero_chunk, BLOCK):
+        c = lo + c0 + tl.arange(0, BLOCK)
+        tl.store(zero_ptr + c, tl.zeros([BLOCK], tl.int32), mask=c < hi)
 
 
-def gather_x(x2: torch.Tensor, index: torch.Tensor, xg: torch.Tensor, counts: torch.Tensor | None) -> None:
-    """``xg = x2[:, index]`` (the kernel's K order, :func:`x_gather_index`), zeroing ``counts`` in the same launch."""
+def gather_x(x2: torch.Tensor, index: torch.Tensor, xg: torch.Tensor, zeroed: torch.Tensor | None,
+             pdl: bool = False) -> None:
+    """``xg = x2[:, index]`` (the kernel's K order, :func:`x_gather_index`), zeroing the contiguous 32-bit
+    ``zeroed`` (int32 counts or an fp32 sum) in the same launch; ``pdl``: the next launch may be its
+    programmatic dependent (:func:`_gather_kernel`)."""
     m, k = x2.shape
-    _gather_kernel[(m, triton.cdiv(k, GATHER_BLOCK))](
-        x2, index, xg, counts if counts is not None else index, k, 0 if counts is None else counts.numel(),
-        x2.stride(0), x2.stride(1), xg.stride(0), BLOCK=GATHER_BLOCK, num_warps=4)
+    grid = (m, triton.cdiv(k, GATHER_BLOCK))
+    words = 0 if zeroed is None else zeroed.numel()
+    _gather_kernel[grid](
+        x2, index, xg, index if zeroed is None else zeroed.view(torch.int32), k, words,
+        -(-words // (grid[0] * grid[1])), x2.stride(0), x2.stride(1), xg.stride(0), BLOCK=GATHER_BLOCK, PDL=pdl,
+        num_warps=4)
 
 
 def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
@@ -627,11 +690,11 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     if go["stream_k"]:
         parts = workspace_view(workspace, (sum_bytes // 4,), torch.float32, x2.device, offset=x_bytes)
         counts = workspace_view(workspace, (go["tiles"],), torch.int32, x2.device, offset=x_bytes + sum_bytes)
-    gather_x(x2, x_gather_index(k, act_perm, x2.device), xg, counts)
-    if atomic:
-        y = workspace_view(workspace, (m, n), torch.float32, x2.device, offset=x_bytes).zero_()
-    else:
-        y = o2
+    y = workspace_view(workspace, (m, n), torch.float32, x2.device, offset=x_bytes) if atomic else o2
+    # one launch gathers x and zeroes what the kernel counts or adds into; the kernel is its programmatic
+    # dependent (where the GPU has PDL: every GPU this kernel runs on)
+    pdl = pdl_launch(x2.device)
+    gather_x(x2, x_gather_index(k, act_perm, x2.device), xg, y if atomic else counts, pdl)
     stride_qw, stride_qslab = qweight_strides(qweight)
     _wgmma_w4_kernel[go["grid"]](
         xg, qweight, scales, qzeros if qzeros is not None else qweight, bias if bias is not None else scales, y,
@@ -642,7 +705,7 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
         GROUP=0 if group_size == -1 else group_size, STAGES=cfg["STAGES"], HAS_ZEROS=qzeros is not None,
         HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic, WARPS=cfg.get("WARPS", 4),
-        STREAM_K=go["stream_k"], num_warps=cfg.get("WARPS", 4))
+        STREAM_K=go["stream_k"], PDL=pdl, num_warps=cfg.get("WARPS", 4), **({"launch_pdl": True} if pdl else {}))
     return y if atomic else None
 
 
