@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import tempfile
 
@@ -130,6 +131,8 @@ def ptxas_report(ptx: str) -> str:
     ({"BLOCK_N": 128, "BLOCK_M": 8, "BLOCK_K": 128, "STAGES": 4}, torch.float16, True, True),
     ({"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 128, "STAGES": 4, "stream_k": 1}, torch.bfloat16, True, False),
     ({"BLOCK_N": 128, "BLOCK_M": 32, "BLOCK_K": 128, "STAGES": 4}, torch.float16, False, False),
+    # a split launch storing partials
+    ({"BLOCK_N": 128, "BLOCK_M": 8, "BLOCK_K": 128, "STAGES": 4, "reduce": "partials"}, torch.bfloat16, True, True),
 ])
 def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, atomic):
     """Each build compiles for sm_90 with no spill, and ptxas keeps its warpgroup MMAs asynchronous: its C7515
@@ -140,6 +143,9 @@ def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, atomic):
     assert "C7515" not in report and "serialized" not in report, report
     assert "0 bytes spill stores" in report, report
     assert "wgmma.mma_async" in k.asm["ptx"] and "wgmma.wait_group.sync.aligned 1" in k.asm["ptx"]
+    # atomics: a split launch's adds into the one fp32 sum (not its partials'), stream-K's arrival counts
+    adds = re.search(r"^\s*(@!?%p\d+\s+)?(red|atom)\.", k.asm["ptx"], re.MULTILINE) is not None
+    assert adds == (tile.get("reduce", "atomic") == "atomic" if atomic else bool(tile.get("stream_k"))), tile
 
 
 @pytest.mark.skipif(G.available() is not None, reason="this Triton has no Gluon")
@@ -171,6 +177,10 @@ def test_plan_has_no_empty_split(k, split):
 def test_workspace_holds_x_and_the_sum():
     go = G.plan(17, 4104, 4096, 4, 128, {"split": 3})
     assert G.workspace_bytes(17, 4104, 4096, go) >= 2 * 17 * 4096 + 4 * 17 * 4104
+    partials = G.plan(17, 4104, 4096, 4, 128, {"split": 3, "reduce": "partials"})
+    assert G.workspace_bytes(17, 4104, 4096, partials) == G._aligned(2 * 17 * 4096) + 3 * 4 * 17 * 4104
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        G.plan(17, 4104, 4096, 4, 128, {"split": 3, "reduce": "partial"})
     assert G.workspace_bytes(17, 4104, 4096, G.plan(17, 4104, 4096, 4, 128, {})) == -(-2 * 17 * 4096 // 256) * 256
     ws = torch.zeros(G.workspace_bytes(17, 4104, 4096, go), dtype=torch.uint8)
     x = C.workspace_view(ws, (17, 4096), torch.float16, ws.device)

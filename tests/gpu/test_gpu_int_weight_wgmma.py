@@ -1,7 +1,7 @@
 """The Gluon W4A16 GEMM (``qops/ops/triton/int_weight_wgmma.py``) on a Hopper GPU against the float64 oracle of
 ``tests/oracle.py``: GPTQ (v1 / v2, act-order, symmetric), AWQ and compressed-tensors 4-bit weights as qops
 prepares them (flat and column-slab qweight), fp16 and bf16, M = 1 / 17 / 64 / 257, N off the tile grid, a strided
-x, K splits and stream-K (tiles shared by up to a program a K step), a bias, and CUDA-graph replays with fresh
+x, K splits (an atomic sum or partials) and stream-K (tiles shared by up to a program a K step), a bias, and CUDA-graph replays with fresh
 inputs."""
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 TILES = ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
          {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 3},
          {"BLOCK_N": 256, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "WARPS": 8},
-         {"BLOCK_N": 128, "BLOCK_M": 8, "BLOCK_K": 128, "STAGES": 4})  # the H100 table's M = 4 / 8 buckets'
+         {"BLOCK_N": 128, "BLOCK_M": 8, "BLOCK_K": 128, "STAGES": 4},  # the H100 table's M = 4 / 8 buckets'
+         {"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 128, "STAGES": 4, "reduce": "partials"})  # splits as partials
 SK_TILES = ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4, "stream_k": 1},
             {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "stream_k": 1, "ctas_per_sm": 2},
             {"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 128, "STAGES": 4, "stream_k": 1, "ctas_per_sm": 3})
@@ -88,7 +89,10 @@ def test_wgmma_gemm_matches_the_oracle(item):
                 base = rand(m, case.k + 16, dtype=dtype, seed=m)
                 x = base[:, 8:8 + case.k] if split == 3 else base[:, :case.k].contiguous()  # strided x with splits
                 what = f"{case.id} {dtype} {form} tile {tile} M={m} split={split}"
-                check(run(w, x, bias, tile, split), x, w64, bias, what)
+                y = run(w, x, bias, tile, split)
+                check(y, x, w64, bias, what)
+                if tile.get("reduce") == "partials":  # summed in split order: the same bits twice
+                    assert torch.equal(y, run(w, x, bias, tile, split)), f"{what}: not the same bits twice"
 
 
 @pytest.mark.parametrize("item", CASES, ids=lambda c: f"{c[0].id}-{str(c[1])[6:]}-{c[2]}")
@@ -143,7 +147,7 @@ def test_chained_calls_on_one_workspace_replay_from_a_cuda_graph():
     """Three calls in one graph, each one's x the last one's output and all on one workspace: a call's gather
     (x, and the zeroed sum or counts) may not start before the call before it has finished reading its
     gathered x and writing its output, though each call's kernel and reduction are programmatic dependents.
-    Split (atomic sum, reduced), stream-K, split; each output checked against the oracle of the input it was
+    Split (atomic sum, reduced), stream-K, split (partials, reduced); each output checked against the oracle of the input it was
     given, over three replays with fresh inputs."""
     from qops.ops.triton.int_weight import _run_wgmma
 
@@ -152,7 +156,7 @@ def test_chained_calls_on_one_workspace_replay_from_a_cuda_graph():
     w, w64 = prepared(case, dtype, "flat")
     bias = rand(case.n, dtype=dtype, seed=60)
     m, sms = 17, G.sm_count(torch.device("cuda"), 1)
-    tiles = ({**TILES[3], "split": 3}, SK_TILES[2], {**TILES[0], "split": 2})
+    tiles = ({**TILES[3], "split": 3}, SK_TILES[2], {**TILES[0], "split": 2, "reduce": "partials"})
     plans = [G.plan(m, case.n, case.k, 4, case.group_size, {**tile, "min_tiles": 0}, sms) for tile in tiles]
     assert [p["split"] > 1 or p["stream_k"] for p in plans] == [True, True, True] and plans[1]["stream_k"]
     workspace = torch.empty(max(G.workspace_bytes(m, case.n, case.k, p) for p in plans), dtype=torch.uint8,
@@ -198,14 +202,14 @@ def wgmma_table(tile: dict) -> dict:
 
 
 @pytest.mark.parametrize("tile", [{**TILES[0], "split": 2}, SK_TILES[0], {**TILES[3], "split": 2},
-                                  {**SK_TILES[0], "stream_k_min_waves": 0.5}],
-                         ids=["split2", "stream_k", "rows8-split2", "stream_k-from-half-a-wave"])
+                                  {**SK_TILES[0], "stream_k_min_waves": 0.5}, {**TILES[3], "split": 3, "reduce": "partials"}],
+                         ids=["split2", "stream_k", "rows8-split2", "stream_k-from-half-a-wave", "rows8-split3-partials"])
 @pytest.mark.parametrize("item", [CASES[0], CASES[1], CASES[3]], ids=lambda c: f"{c[0].id}-{str(c[1])[6:]}")
 def test_the_op_takes_the_wgmma_bucket(item, tile, monkeypatch):
     """Through ``torch.ops.qops.mm_int_weight`` (the Triton lowering) with a table whose 4-bit GEMM buckets name
     a ``wgmma`` tile: eagerly, under ``torch.compile(fullgraph=True)`` and replayed from a CUDA graph, at M = 1,
-    17, 64 and 257, K split 2 (the sum's reduction adds the bias) or stream-K, and the plan says ``wgmma``. With
-    ``stream_k_min_waves`` 0.5 the same bucket launches both ways: stream-K at M = 257 on N = 4104 (165 tiles, over
+    17, 64 and 257, K split 2 or 3 (an atomic sum or partials, whose reduction adds the bias) or stream-K, and the
+    plan says ``wgmma``. With ``stream_k_min_waves`` 0.5 the same bucket launches both ways: stream-K at M = 257 on N = 4104 (165 tiles, over
     half the 264 slots of 132 SMs), the split launch at M <= 64 (33 tiles)."""
     triton_low = next(l for l in LOWERINGS if l.name == "triton_int_weight")
     above = [l.name for l in LOWERINGS if l.family == "int_weight" and l.priority > triton_low.priority]

@@ -1594,8 +1594,10 @@ def _chosen_launch(plan, tensors: tuple) -> _SplitLaunch:
 def _run_wgmma(plan, x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, o2, workspace):
     total = wgmma.launch(plan["launch"], x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, o2,
                          workspace)
-    if total is not None:  # K splits: their fp32 sum, + bias, cast, launched as the kernel's programmatic dependent
-        _reduce_sums(total, bias, o2, parts=1, mode=2, pdl=pdl_launch(o2.device))
+    if total is not None:  # K splits: their fp32 sum or partials, + bias, cast; the kernel's programmatic dependent
+        partials = total.dim() == 3
+        _reduce_sums(total, bias, o2, parts=total.shape[0] if partials else 1, mode=1 if partials else 2,
+                     pdl=pdl_launch(o2.device))
 
 
 def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace):

@@ -37,8 +37,8 @@ Which weight row feeds which MMA row is free too (the output columns follow): :f
 thread consecutive weight rows, so its words of a K row, its scales and its zero points arrive in one vector
 load each.
 
-How K is shared among programs (:func:`plan`): K splits whose fp32 sums are added atomically and reduced by a
-second launch, or stream-K: one wave of programs, each an equal run of the tiles' K steps laid end to end, a
+How K is shared among programs (:func:`plan`): K splits whose fp32 sums are added atomically into one sum or
+stored as one partial a split (a tile's ``reduce``) and reduced by a second launch, or stream-K: one wave of programs, each an equal run of the tiles' K steps laid end to end, a
 tile that several runs share summed by the last of them to finish (from the others' fp32 parts, in program
 order), with no fp32 sum to zero or reduce. The x gather (:func:`gather_x`) zeroes the stream-K counts or
 the split launch's fp32 sum, and the call's launches after it are programmatic dependents (PDL): the kernel
@@ -424,13 +424,14 @@ if GLUON_ERROR is None:
         M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, stride_ym, split_len, zero_offset,
         tiles_m, run,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-        STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, ATOMIC: gl.constexpr,
+        STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_MODE: gl.constexpr,
         WARPS: gl.constexpr, STREAM_K: gl.constexpr, PDL: gl.constexpr,
     ):
         """``y[m, n] = sum_k x_g[m, k] w[n, k]``, x_g the gathered x (:func:`x_gather_index`).
 
         Split launch (grid N tiles x M tiles x K splits of ``split_len`` rows): a program sums its tile over its
-        split and writes it (+ bias), or adds it into the fp32 sum (ATOMIC). Stream-K launch (STREAM_K, grid
+        split and, by OUT_MODE (int_weight's), writes it (+ bias; 0), stores it as its split's fp32 partial in
+        ``(S, M, N)`` partials (1), or adds it into the one fp32 sum ``(M, N)`` (2). Stream-K launch (STREAM_K, grid
         one wave of programs): the tiles' K steps laid end to end, M tiles adjacent (``tile = pid_n * tiles_m
         + pid_m``), program c takes steps ``[c * run, (c + 1) * run)``; a tile it covers whole is written,
         one it shares meets the others' parts in :func:`_finish_shared_tile` (``part_ptr`` 2 x programs slots,
@@ -445,9 +446,9 @@ if GLUON_ERROR is None:
         PDL: launched as the programmatic dependent of the x gather, which also zeroes the fp32 sum and the
         stream-K counts; a program waits for it after its first word copies, before any x copy, atomic add or
         count (each program waits: none finishes before the gather, so a launch after this one waits for both).
-        With ATOMIC the reduction after it, itself a programmatic dependent, may be placed once every program
-        has started."""
-        if PDL and ATOMIC:
+        With K splits (OUT_MODE 1 / 2) the reduction after it, itself a programmatic dependent, may be placed
+        once every program has started."""
+        if PDL and OUT_MODE != 0:
             _launch_dependents()
         DTYPE: gl.constexpr = x_ptr.dtype.element_ty
         x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], DTYPE)
@@ -484,8 +485,10 @@ if GLUON_ERROR is None:
             acc = _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, gl.program_id(0), gl.program_id(1), k_lo,
                             steps, M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, zero_offset,
                             BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS, PDL)
-            _store_tile(acc, y_ptr, bias_ptr, gl.program_id(0), gl.program_id(1), M, N, stride_ym, HAS_BIAS, ATOMIC,
-                        WARPS)
+            if OUT_MODE == 1:
+                y_ptr += gl.program_id(2).to(gl.int64) * M * N  # this split's partial
+            _store_tile(acc, y_ptr, bias_ptr, gl.program_id(0), gl.program_id(1), M, N, stride_ym, HAS_BIAS,
+                        OUT_MODE == 2, WARPS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,7 +498,19 @@ if GLUON_ERROR is None:
 DEFAULT_TILE = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4}
 # Every key a tile may hold (:func:`plan` reads them): a table's misspelt knob is refused, not silently ignored.
 TILE_KEYS = frozenset({"BLOCK_N", "BLOCK_M", "BLOCK_K", "STAGES", "WARPS", "ctas_per_sm", "split", "stream_k",
-                       "stream_k_min_waves", "min_tiles", "long_k_steps", "min_k_steps"})
+                       "stream_k_min_waves", "min_tiles", "long_k_steps", "min_k_steps", "reduce"})
+# How a split launch leaves its fp32 sums (a tile's ``reduce``): added into one sum (atomic adds; the gather
+# zeroes it) or stored as one partial a split (plain stores, no zeroing; the reduction reads them all, in
+# split order: the same bits run to run). OUT_MODE as int_weight's.
+SPLIT_OUT_MODES = {"atomic": 2, "partials": 1}
+
+
+def split_out_mode(tile: dict) -> int:
+    """The kernel's OUT_MODE for a split launch of ``tile`` (:data:`SPLIT_OUT_MODES`)."""
+    reduce = tile.get("reduce", "atomic")
+    if reduce not in SPLIT_OUT_MODES:
+        raise ValueError(f"tile: reduce must be one of {sorted(SPLIT_OUT_MODES)}, got {reduce!r}")
+    return SPLIT_OUT_MODES[reduce]
 
 
 def shape_refusal(bits: int, group_size: int, k: int, n: int, block_k: int) -> str | None:
@@ -529,20 +544,21 @@ def refusal(x: torch.Tensor, bits: int, group_size: int, k: int, n: int, block_k
     return shape_refusal(bits, group_size, k, n, block_k) or call_refusal(x)
 
 
-def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, atomic: bool, target=None, pdl: bool = True):
+def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, split: bool, target=None, pdl: bool = True):
     """The kernel compiled for sm_90 without a GPU (``triton.compile``; what CI can prove): the build a launch
-    with ``tile`` would make (``pdl``: as the gather's programmatic dependent, as on every Hopper GPU), integer
-    sizes and strides declared multiples of 16 as a launch specializes them."""
+    with ``tile`` would make (``split``: a split launch's, its fp32 sums as the tile's ``reduce`` says; ``pdl``: as
+    the gather's programmatic dependent, as on every Hopper GPU), integer sizes and strides declared multiples of
+    16 as a launch specializes them."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = _wgmma_w4_kernel
     act = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     sig = {"x_ptr": act, "qw_ptr": "*i32", "s_ptr": act, "qz_ptr": "*i32", "bias_ptr": act,
-           "y_ptr": "*fp32" if atomic else act, "part_ptr": "*fp32", "count_ptr": "*i32"}
+           "y_ptr": "*fp32" if split else act, "part_ptr": "*fp32", "count_ptr": "*i32"}
     consts = {**{key: tile[key] for key in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "STAGES")}, "GROUP": 128,
-              "HAS_ZEROS": has_zeros, "HAS_BIAS": not atomic, "ATOMIC": atomic, "WARPS": tile.get("WARPS", 4),
-              "STREAM_K": bool(tile.get("stream_k", 0)) and not atomic, "PDL": pdl}
+              "HAS_ZEROS": has_zeros, "HAS_BIAS": not split, "OUT_MODE": split_out_mode(tile) if split else 0,
+              "WARPS": tile.get("WARPS", 4), "STREAM_K": bool(tile.get("stream_k", 0)) and not split, "PDL": pdl}
     sig.update({name: "constexpr" if name in consts else "i32" for name in fn.arg_names if name not in sig})
     aligned = {"N", "K", "stride_xm", "stride_qw", "stride_qslab", "stride_s", "stride_ym", "split_len"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -555,7 +571,8 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     """The launch of an (M, N, K) call with ``tile`` (None where :func:`shape_refusal` refuses the weight, or the
     call is too small for the tile, below): BLOCK_N / BLOCK_M / BLOCK_K / STAGES and how K is shared.
 
-    - ``split`` given: that many K splits (their fp32 sums added atomically where more than one).
+    - ``split`` given: that many K splits (their fp32 sums added atomically where more than one, or stored as
+      partials where the tile's ``reduce`` is ``"partials"``; summed by a second launch either way).
     - else ``stream_k``: one wave of ``ctas_per_sm`` programs an SM of the ``sms``, the tiles' K steps cut into
       equal runs (``common.stream_k_runs``); a tile shared by several runs is summed by the last of them to
       finish (no fp32 sum to zero and reduce; 1.70 waves of tiles at 57344x8192, M = 64 leave 15% of an H100's
@@ -583,6 +600,7 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
         raise ValueError(f"tile: unknown keys {unknown} (known: {sorted(TILE_KEYS)})")
     if cfg["BLOCK_N"] % (16 * cfg.get("WARPS", 4)):
         raise ValueError(f"tile: BLOCK_N must be a multiple of 16 * WARPS (each warp's 16 MMA rows), got {cfg}")
+    split_out_mode(cfg)  # a misspelt reduce is refused with the plan, not at the first split call
     tiles_m = triton.cdiv(m, cfg["BLOCK_M"])
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * tiles_m
     steps = max(1, k // cfg["BLOCK_K"])
@@ -617,13 +635,16 @@ def _aligned(nbytes: int) -> int:
 
 
 def _scratch_parts(m: int, n: int, k: int, go: dict) -> tuple[int, int, int]:
-    """Bytes of the scratch's three parts: x gathered (fp16 / bf16); the fp32 sum of a split launch or the
-    stream-K slots (two a program, a tile each); the stream-K counts (int32, one a tile)."""
+    """Bytes of the scratch's three parts: x gathered (fp16 / bf16); a split launch's fp32 sum or partials (one a
+    split), or the stream-K slots (two a program, a tile each); the stream-K counts (int32, one a tile)."""
     cfg = go["tile"]
     if go["stream_k"]:
         return (_aligned(2 * m * k), _aligned(4 * 2 * go["programs"] * cfg["BLOCK_N"] * cfg["BLOCK_M"]),
                 _aligned(4 * go["tiles"]))
-    return _aligned(2 * m * k), (4 * m * n if go["split"] > 1 else 0), 0
+    if go["split"] == 1:
+        return _aligned(2 * m * k), 0, 0
+    sums = go["split"] if split_out_mode(cfg) == 1 else 1
+    return _aligned(2 * m * k), 4 * sums * m * n, 0
 
 
 def workspace_bytes(m: int, n: int, k: int, launch: dict) -> int:
@@ -675,7 +696,8 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
            act_perm: torch.Tensor | None, bias: torch.Tensor | None, group_size: int, zero_offset: int,
            o2: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor | None:
     """Run the plan ``go`` (:func:`plan`) of ``x2 @ W^T``: writes ``o2`` (+ bias) and returns None with one split or
-    stream-K; with several splits, returns the fp32 sum ``(M, N)`` for the caller to finish (+ bias, cast).
+    stream-K; with several splits, returns the fp32 sum ``(M, N)`` or the partials ``(S, M, N)`` (the tile's
+    ``reduce``) for the caller to finish (+ bias, cast).
     Scratch comes from ``workspace`` (:func:`workspace_bytes`) where it is large enough. :func:`call_refusal`
     must have said None."""
     from ..int_weight import qweight_strides
@@ -685,28 +707,32 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     cfg = go["tile"]
     x_bytes, sum_bytes, _ = _scratch_parts(m, n, k, go)
     xg = workspace_view(workspace, (m, k), x2.dtype, x2.device)
-    atomic = go["split"] > 1
+    out_mode = split_out_mode(cfg) if go["split"] > 1 else 0
     parts = counts = None
     if go["stream_k"]:
         parts = workspace_view(workspace, (sum_bytes // 4,), torch.float32, x2.device, offset=x_bytes)
         counts = workspace_view(workspace, (go["tiles"],), torch.int32, x2.device, offset=x_bytes + sum_bytes)
-    y = workspace_view(workspace, (m, n), torch.float32, x2.device, offset=x_bytes) if atomic else o2
+    if out_mode == 0:
+        y = o2
+    else:
+        sums = (go["split"], m, n) if out_mode == 1 else (m, n)
+        y = workspace_view(workspace, sums, torch.float32, x2.device, offset=x_bytes)
     # one launch gathers x and zeroes what the kernel counts or adds into; the kernel is its programmatic
     # dependent (where the GPU has PDL: every GPU this kernel runs on)
     pdl = pdl_launch(x2.device)
-    gather_x(x2, x_gather_index(k, act_perm, x2.device), xg, y if atomic else counts, pdl)
+    gather_x(x2, x_gather_index(k, act_perm, x2.device), xg, y if out_mode == 2 else counts, pdl)
     stride_qw, stride_qslab = qweight_strides(qweight)
     _wgmma_w4_kernel[go["grid"]](
         xg, qweight, scales, qzeros if qzeros is not None else qweight, bias if bias is not None else scales, y,
         parts if parts is not None else y, counts if counts is not None else qweight,
         m, n, k, xg.stride(0), stride_qw, stride_qslab, scales.stride(0),
-        qzeros.stride(0) if qzeros is not None else 0, y.stride(0), go.get("split_len", k), zero_offset,
+        qzeros.stride(0) if qzeros is not None else 0, y.stride(-2), go.get("split_len", k), zero_offset,
         go["tiles_m"], go.get("run", 0),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
         GROUP=0 if group_size == -1 else group_size, STAGES=cfg["STAGES"], HAS_ZEROS=qzeros is not None,
-        HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic, WARPS=cfg.get("WARPS", 4),
+        HAS_BIAS=bias is not None and out_mode == 0, OUT_MODE=out_mode, WARPS=cfg.get("WARPS", 4),
         STREAM_K=go["stream_k"], PDL=pdl, num_warps=cfg.get("WARPS", 4), **({"launch_pdl": True} if pdl else {}))
-    return y if atomic else None
+    return None if out_mode == 0 else y
 
 
 def wgmma_mm(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
