@@ -37,14 +37,14 @@ Which weight row feeds which MMA row is free too (the output columns follow): :f
 thread consecutive weight rows, so its words of a K row, its scales and its zero points arrive in one vector
 load each.
 
-How K is shared among programs (:func:`plan`): K splits whose fp32 sums are added atomically into one sum or
-stored as one partial a split (a tile's ``reduce``) and reduced by a second launch, or stream-K: one wave of programs, each an equal run of the tiles' K steps laid end to end, a
-tile that several runs share summed by the last of them to finish (from the others' fp32 parts, in program
-order), with no fp32 sum to zero or reduce. The x gather (:func:`gather_x`) zeroes the stream-K counts or
-the split launch's fp32 sum, and the call's launches after it are programmatic dependents (PDL): the kernel
-copies its first word stages before it waits for the gather, and the split sum's reduction is placed while
-the kernel's last programs run. Before that chain a call was two to four launches, each waiting for the last
-(the gather, a zeroing of the sum, the kernel, the reduction).
+How K is shared among programs (:func:`plan`): K splits whose fp32 sums are added atomically into one sum or stored
+as one partial a split (a tile's ``reduce``) and reduced by a second launch, or stream-K: one wave of programs, each
+an equal run of the tiles' K steps laid end to end, a tile that several runs share summed by the last of them to
+finish (from the others' fp32 parts, in program order), with no fp32 sum to zero or reduce. The x gather
+(:func:`gather_x`) zeroes the stream-K counts or the split launch's fp32 sum, and the call's launches after it are
+programmatic dependents (PDL): the kernel copies its first word stages before it waits for the gather, and the split
+sum's reduction is placed while the kernel's last programs run. Before that chain a call was two to four launches,
+each waiting for the last (the gather, a zeroing of the sum, the kernel, the reduction).
 
 Gluon (``triton.experimental.gluon``) is experimental and its API moves between Triton releases; this file
 is written against Triton 3.6 (the GPU machine's). Triton's interpreter does not run Gluon, so CI only
