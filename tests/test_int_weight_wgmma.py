@@ -266,7 +266,9 @@ def test_a_wgmma_bucket_plans_the_kernel_with_its_gemm_as_fallback(monkeypatch):
         assert need >= G.workspace_bytes(64, 4096, 4096, p["launch"])
         assert need >= T._gemm_workspace_bytes(p["fallback"], 64, 4096)
         monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
-        assert T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]["split"] == 1  # no atomic adds
+        go = T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]  # no atomic adds: the same splits, as partials
+        assert go["split"] == 2 and G.split_out_mode(go["tile"]) == 1
+        assert T.workspace_bytes(64, 4096, 4096, 4, 128, cpu) >= G.workspace_bytes(64, 4096, 4096, go)
     with T.config_override(wgmma_table({"BLOCK_N": 128, "BLOCK_M": 64, "stream_k": 1})):
         # stream-K sums a shared tile in program order: it stays under the deterministic request
         go = T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]
@@ -274,11 +276,12 @@ def test_a_wgmma_bucket_plans_the_kernel_with_its_gemm_as_fallback(monkeypatch):
         assert T.workspace_bytes(64, 4096, 4096, 4, 128, cpu) >= G.workspace_bytes(64, 4096, 4096, go)
     table = {**wgmma_table({"BLOCK_N": 128, "BLOCK_M": 64, "stream_k": 1, "stream_k_min_waves": 1}), "num_sms": 132}
     with T.config_override(table):
-        # a stream-K tile's split launch (32 tiles: under a wave of 264) adds its splits atomically: one split instead
+        # a stream-K tile's split launch (32 tiles: under a wave of 264) adds its splits atomically: partials instead
         go = T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]
-        assert not go["stream_k"] and go["split"] == 1
+        assert not go["stream_k"] and go["split"] == 8 and G.split_out_mode(go["tile"]) == 1
         monkeypatch.delenv("QOPS_DETERMINISTIC")
-        assert T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]["split"] > 1
+        go = T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]
+        assert go["split"] == 8 and G.split_out_mode(go["tile"]) == 2
 
 
 def test_plan_splits_to_its_programs_per_sm_and_leaves_few_tiles_to_the_gemm():

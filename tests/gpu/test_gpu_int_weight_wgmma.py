@@ -230,6 +230,33 @@ def test_the_op_takes_the_wgmma_bucket(item, tile, monkeypatch):
         check(y, x, w64, bias, "op graph replay")
 
 
+def test_a_deterministic_request_keeps_the_splits_as_partials(monkeypatch):
+    """Under ``QOPS_DETERMINISTIC=1`` the op's split launch through a ``wgmma`` bucket stores its splits as partials
+    (no atomic adds) and keeps their count: the oracle's answer, the same bits on every call and every replay."""
+    case, dtype, form = CASES[1]
+    w, w64 = prepared(case, dtype, form)
+    w = dataclasses.replace(w, kernel=Kernel.TRITON)
+    bias = rand(case.n, dtype=dtype, seed=70)
+    x = rand(17, case.k, dtype=dtype, seed=71)
+    monkeypatch.setenv("QOPS_DISABLE_LOWERINGS", ",".join(
+        l.name for l in LOWERINGS if l.family == "int_weight" and l.name != "triton_int_weight"))
+    monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
+    with T.config_override(wgmma_table({**TILES[3], "split": 3})):
+        go = T._plan(17, case.n, case.k, 4, case.group_size, torch.device("cuda"))["launch"]
+        assert go["split"] == 3 and G.split_out_mode(go["tile"]) == 1
+        y = w.mm(x, bias)
+        check(y, x, w64, bias, "deterministic split")
+        assert all(torch.equal(y, w.mm(x, bias)) for _ in range(3)), "not the same bits on every call"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            z = w.mm(x, bias)
+        for _ in range(3):
+            z.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(z, y), "a replay gave other bits"
+
+
 def test_a_refused_call_takes_the_bucket_gemm(monkeypatch):
     """A 4-bit g32 weight (its group splits the kernel's 64-row K step) through a ``wgmma`` bucket: the refusal
     sends it to the bucket's Triton GEMM, which must still match the oracle."""

@@ -77,7 +77,8 @@ per SM), lowered where the grid would end in a partial wave of the programs the 
 and shared memory let the GPU hold at once (``common.split_in_waves``; a config's ``maxnreg`` caps a
 build's registers, so the GPU holds more of its programs, a tuner variant), and is one when
 deterministic results are requested
-(``qops.ops._common.deterministic_requested``, read at each call). A GEMM config may ask for stream-K
+(``qops.ops._common.deterministic_requested``, read at each call; the wgmma kernel's split launch keeps its
+splits then, stored as partials that its reduction sums in split order). A GEMM config may ask for stream-K
 instead (``stream_k``): one wave of programs, each a run of equal length over the tiles' K steps laid end
 to end, adding into the atomic sum once per tile it touches (``common.stream_k_runs``), so no wave is
 partial whatever the tile count; not under a deterministic request.
@@ -1417,13 +1418,14 @@ def _shape_plan(m: int, n: int, k: int, bits: int, group_size: int, device: torc
         reduce=cfg.get("reduce", "partials"), stream_k=stream,
     )
     if force in (None, "wgmma") and "wgmma" in cfg:  # force "gemm": the Triton GEMM itself
-        # K splits meet through atomic adds: one split under a deterministic request (stream-K's shared tiles
-        # are summed in a fixed order: it stays, but a stream-K tile's split launch, under its
-        # stream_k_min_waves, is held to one split too)
+        # K splits meet through atomic adds (their order varies): under a deterministic request a split launch
+        # (a stream-K tile's too, under its stream_k_min_waves) stores its splits as partials instead, which
+        # its reduction sums in split order, keeping its splits (one split: 32 programs at 4096x14336 M = 4);
+        # stream-K's shared tiles are summed in a fixed order: it stays
         tile = cfg["wgmma"]
         launch = wgmma.plan(m, n, k, bits, group_size, tile, sms)
         if deterministic and launch is not None and not launch["stream_k"] and launch["split"] > 1:
-            launch = wgmma.plan(m, n, k, bits, group_size, {**tile, "split": 1}, sms)
+            launch = wgmma.plan(m, n, k, bits, group_size, {**tile, "reduce": "partials"}, sms)
         if launch is not None:
             return dict(path="wgmma", cfg=cfg, launch=launch, fallback=gemm)
     return gemm
