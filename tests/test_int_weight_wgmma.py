@@ -228,7 +228,8 @@ def test_gather_kernel_orders_x_and_zeros_the_scratch(k, zeroed):
     # x in the kernel's order, and the stream-K counts or a split launch's fp32 sum zeroed across its programs
     # (K = 1088: two column blocks a row, ten programs)
     x = torch.randn(5, k + 32, dtype=torch.float16)[:, 32:].t().contiguous().t()  # K-strided (column-major) x
-    index = G.x_gather_index(k, torch.randperm(k), x.device)
+    perm = torch.randperm(k).to(torch.int32) if zeroed != "sum" else None  # act-order, and not
+    index = G.x_gather_index(k, perm, x.device)
     xg = torch.empty(5, k, dtype=torch.float16)
     scratch = {"counts": torch.full((2500,), 7, dtype=torch.int32),
                "sum": torch.full((5, 1001), float("nan"), dtype=torch.float32), None: None}[zeroed]
@@ -236,7 +237,7 @@ def test_gather_kernel_orders_x_and_zeros_the_scratch(k, zeroed):
     if scratch is not None:
         backing = torch.cat([scratch.view(torch.int32).reshape(-1), after])
         scratch = backing[:scratch.numel()].view(scratch.dtype).view(scratch.shape)
-    G.gather_x(x, index, xg, scratch)
+    G.gather_x(x, perm, xg, scratch)
     assert torch.equal(xg, x[:, index])
     if scratch is not None:
         assert bool((scratch == 0).all()) and torch.equal(backing[scratch.numel():], after)

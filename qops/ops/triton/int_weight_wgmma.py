@@ -105,24 +105,11 @@ def _gather_order(k: int) -> torch.Tensor:
     return _order_of(torch.arange(k))
 
 
-_ORDERS: dict = {}
-
-
-def _gather_order_on(k: int, device: torch.device) -> torch.Tensor:
-    """:func:`_gather_order` computed on ``device`` (no host copy, which a CUDA graph could not capture) and
-    kept for the next call, unless it was made while a graph is being captured (its memory is the graph's)."""
-    got = _ORDERS.get((k, device))
-    if got is None:
-        got = _order_of(torch.arange(k, device=device))
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _ORDERS[(k, device)] = got
-    return got
-
-
 def x_gather_index(k: int, act_perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The column of x each K position of the kernel reads: the MMA order of :func:`_gather_order`, through
-    the act-order permutation where there is one (the kernel's K row ``j`` multiplies ``x[:, act_perm[j]]``)."""
-    order = _gather_order_on(k, torch.device(device))
+    the act-order permutation where there is one (the kernel's K row ``j`` multiplies ``x[:, act_perm[j]]``).
+    The gather computes it itself (:func:`_gather_kernel`); this is its reference."""
+    order = _order_of(torch.arange(k, device=device))
     return order if act_perm is None else act_perm.index_select(0, order)
 
 
@@ -657,9 +644,11 @@ GATHER_BLOCK = 1024
 
 
 @triton.jit
-def _gather_kernel(x_ptr, idx_ptr, xg_ptr, zero_ptr, K, zero_words, zero_chunk, stride_xm, stride_xk, stride_gm,
-                   BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """``xg[m, q] = x[m, idx[q]]`` for row ``m`` = program 0 (M on the grid's unbounded axis) and ``BLOCK`` columns.
+def _gather_kernel(x_ptr, perm_ptr, xg_ptr, zero_ptr, K, zero_words, zero_chunk, stride_xm, stride_xk, stride_gm,
+                   BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, PDL: tl.constexpr):
+    """``xg[m, q] = x[m, idx[q]]`` for row ``m`` = program 0 (M on the grid's unbounded axis) and ``BLOCK`` columns,
+    ``idx`` :func:`x_gather_index`: the MMA order (:func:`_order_of`, computed here) through the act-order
+    permutation where there is one (HAS_PERM), so that no launch before this one composes an index.
     The programs also zero the ``zero_words`` 32-bit words at ``zero_ptr`` (the stream-K counts or a split
     launch's fp32 sum), ``zero_chunk`` words a program in launch order, so that the GEMM after it on the stream
     needs no launch of its own for them. PDL: the GEMM, launched as this grid's programmatic dependent, may be
@@ -669,7 +658,10 @@ def _gather_kernel(x_ptr, idx_ptr, xg_ptr, zero_ptr, K, zero_words, zero_chunk, 
     m = tl.program_id(0).to(tl.int64)
     q = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = q < K
-    src = tl.load(idx_ptr + q, mask=inside, other=0)
+    r = q % 32
+    src = (q // 32) * 32 + ((r // 2) % 4) * 8 + (r // 16) * 2 + (r // 8) % 2 + (r % 2) * 4
+    if HAS_PERM:
+        src = tl.load(perm_ptr + src, mask=inside, other=0)
     tl.store(xg_ptr + m * stride_gm + q, tl.load(x_ptr + m * stride_xm + src * stride_xk, mask=inside), mask=inside)
     lo = (m * tl.num_programs(1) + tl.program_id(1)) * zero_chunk
     hi = tl.minimum(lo + zero_chunk, zero_words)
@@ -678,18 +670,18 @@ def _gather_kernel(x_ptr, idx_ptr, xg_ptr, zero_ptr, K, zero_words, zero_chunk, 
         tl.store(zero_ptr + c, tl.zeros([BLOCK], tl.int32), mask=c < hi)
 
 
-def gather_x(x2: torch.Tensor, index: torch.Tensor, xg: torch.Tensor, zeroed: torch.Tensor | None,
+def gather_x(x2: torch.Tensor, act_perm: torch.Tensor | None, xg: torch.Tensor, zeroed: torch.Tensor | None,
              pdl: bool = False) -> None:
-    """``xg = x2[:, index]`` (the kernel's K order, :func:`x_gather_index`), zeroing the contiguous 32-bit
-    ``zeroed`` (int32 counts or an fp32 sum) in the same launch; ``pdl``: the next launch may be its
-    programmatic dependent (:func:`_gather_kernel`)."""
+    """``xg = x2[:, x_gather_index(K, act_perm)]`` (the kernel's K order), zeroing the contiguous 32-bit ``zeroed``
+    (int32 counts or an fp32 sum) in the same launch; ``pdl``: the next launch may be its programmatic dependent
+    (:func:`_gather_kernel`)."""
     m, k = x2.shape
     grid = (m, triton.cdiv(k, GATHER_BLOCK))
     words = 0 if zeroed is None else zeroed.numel()
     _gather_kernel[grid](
-        x2, index, xg, index if zeroed is None else zeroed.view(torch.int32), k, words,
-        -(-words // (grid[0] * grid[1])), x2.stride(0), x2.stride(1), xg.stride(0), BLOCK=GATHER_BLOCK, PDL=pdl,
-        num_warps=4)
+        x2, x2 if act_perm is None else act_perm, xg, xg if zeroed is None else zeroed.view(torch.int32), k, words,
+        -(-words // (grid[0] * grid[1])), x2.stride(0), x2.stride(1), xg.stride(0), BLOCK=GATHER_BLOCK,
+        HAS_PERM=act_perm is not None, PDL=pdl, num_warps=4)
 
 
 def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
@@ -720,7 +712,7 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     # one launch gathers x and zeroes what the kernel counts or adds into; the kernel is its programmatic
     # dependent (where the GPU has PDL: every GPU this kernel runs on)
     pdl = pdl_launch(x2.device)
-    gather_x(x2, x_gather_index(k, act_perm, x2.device), xg, y if out_mode == 2 else counts, pdl)
+    gather_x(x2, act_perm, xg, y if out_mode == 2 else counts, pdl)
     stride_qw, stride_qslab = qweight_strides(qweight)
     _wgmma_w4_kernel[go["grid"]](
         xg, qweight, scales, qzeros if qzeros is not None else qweight, bias if bias is not None else scales, y,
