@@ -1,8 +1,8 @@
 """The Gluon W4A16 GEMM (``qops/ops/triton/int_weight_wgmma.py``) on a Hopper GPU against the float64 oracle of
-``tests/oracle.py``: GPTQ (v1 / v2, act-order, symmetric), AWQ and compressed-tensors 4-bit weights as qops
-prepares them (flat and column-slab qweight), fp16 and bf16, M = 1 / 17 / 64 / 257, N off the tile grid, a strided
-x, K splits (an atomic sum or partials) and stream-K (tiles shared by up to a program a K step), a bias, and CUDA-graph replays with fresh
-inputs."""
+``tests/oracle.py``: GPTQ (v1 / v2, act-order, symmetric), AWQ and compressed-tensors 4-bit weights as qops prepares
+them (flat and column-slab qweight), fp16 and bf16, M = 1 / 17 / 64 / 257, N off the tile grid, a strided x, K
+splits (an atomic sum or partials) and stream-K (tiles shared by up to a program a K step), a bias, and CUDA-graph
+replays with fresh inputs."""
 from __future__ import annotations
 
 import copy
@@ -147,8 +147,8 @@ def test_chained_calls_on_one_workspace_replay_from_a_cuda_graph():
     """Three calls in one graph, each one's x the last one's output and all on one workspace: a call's gather
     (x, and the zeroed sum or counts) may not start before the call before it has finished reading its
     gathered x and writing its output, though each call's kernel and reduction are programmatic dependents.
-    Split (atomic sum, reduced), stream-K, split (partials, reduced); each output checked against the oracle of the input it was
-    given, over three replays with fresh inputs."""
+    Split (atomic sum, reduced), stream-K, split (partials, reduced); each output checked against the oracle of
+    the input it was given, over three replays with fresh inputs."""
     from qops.ops.triton.int_weight import _run_wgmma
 
     case = Case("gptq", 4, 128, False, True, "v2", 1024, 1024)  # N = K: an output is the next call's x
@@ -202,8 +202,10 @@ def wgmma_table(tile: dict) -> dict:
 
 
 @pytest.mark.parametrize("tile", [{**TILES[0], "split": 2}, SK_TILES[0], {**TILES[3], "split": 2},
-                                  {**SK_TILES[0], "stream_k_min_waves": 0.5}, {**TILES[3], "split": 3, "reduce": "partials"}],
-                         ids=["split2", "stream_k", "rows8-split2", "stream_k-from-half-a-wave", "rows8-split3-partials"])
+                                  {**SK_TILES[0], "stream_k_min_waves": 0.5},
+                                  {**TILES[3], "split": 3, "reduce": "partials"}],
+                         ids=["split2", "stream_k", "rows8-split2", "stream_k-from-half-a-wave",
+                              "rows8-split3-partials"])
 @pytest.mark.parametrize("item", [CASES[0], CASES[1], CASES[3]], ids=lambda c: f"{c[0].id}-{str(c[1])[6:]}")
 def test_the_op_takes_the_wgmma_bucket(item, tile, monkeypatch):
     """Through ``torch.ops.qops.mm_int_weight`` (the Triton lowering) with a table whose 4-bit GEMM buckets name
