@@ -10,7 +10,10 @@ per shape and M, the shipped op (``w.mm``, the Triton lowering), each candidate 
 weight are timed interleaved over rotated weight copies (CUDA-graph replays, ``common.graph_times``).
 
     PYTHONPATH=. python benchmarks/probe_wgmma_w4.py [--shapes 28672x4096,...] [--ms 16,32,64,128]
-        [--tiles JSON] [--splits 1,2,3] [--out F]
+        [--tiles JSON] [--splits 1,2,3] [--act-order] [--out F]
+
+``--act-order`` also times the shipped op on an act-order weight of each shape (``shipped_actorder``), checked
+against its own float64 product (stop 72: the x gather reads ``act_perm`` itself; one launch fewer a call).
 """
 from __future__ import annotations
 
@@ -92,6 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", type=json.loads, default=TILES, help="candidate tiles, JSON {name: {BLOCK_N, BLOCK_M, ...}}")
     p.add_argument("--splits", default="1,2,3", help="K splits timed for each tile; 0: the tile's own launch "
                    "(stream-K where it says stream_k, else its ctas_per_sm rule)")
+    p.add_argument("--act-order", action="store_true",
+                   help="also time the shipped op on an act-order weight of each shape (its groups scattered over K), "
+                        "checked against its own float64 product: what act-order costs the shipped launch")
     a = p.parse_args(argv)
     res = common.probe_result("wgmma_w4")
     if res is None:
@@ -117,6 +123,12 @@ def main(argv=None) -> int:
         roof = common.roofline_us(w.nbytes() + 2 * m * (k + n), bw)
         row = {"N": n, "K": k, "M": m, "roofline_us": round(roof, 2)}
         cands = {"shipped": [lambda v=v: v.mm(x) for v in ws], "cublas_fp16": [lambda d=d: F.linear(x, d) for d in dense]}
+        wa = was = None
+        if a.act_order:
+            wa = dataclasses.replace(act_order_weight(n, k, torch.float16, False), kernel=ws[0].kernel)
+            was = [wa] + [clone_tensors(wa) for _ in range(len(ws) - 1)]
+            row["shipped_actorder_rel_err"] = common.rel_err(wa.mm(x), x.double() @ wa.dequantize(torch.float64).T)
+            cands["shipped_actorder"] = [lambda v=v: v.mm(x) for v in was]
         for name, tile in good.items():
             for s in splits:
                 cname = f"{name}_s{s}" if s else f"{name}_own"
@@ -129,13 +141,13 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001
                     row[cname + "_error"] = common.short_err(e)
         common.time_row(res, row, cands, a.trials, roof)
-        tiles = [c for c in cands if c not in ("shipped", "cublas_fp16") and c + "_us" in row]
+        tiles = [c for c in cands if c not in ("shipped", "shipped_actorder", "cublas_fp16") and c + "_us" in row]
         best = min(tiles, key=lambda c: row[c + "_us"], default=None)
         if best:
             row["best"] = best
             row["best_vs_shipped"] = round(row["shipped_us"] / row[best + "_us"], 3)
             row["best_vs_cublas"] = round(row["cublas_fp16_us"] / row[best + "_us"], 3)
-        del w, ws, flat, dense
+        del w, ws, flat, dense, cands, wa, was
         torch.cuda.empty_cache()
     common.write_json(res, common.output_paths("probe_wgmma_w4.json", a.out))
     print("\nN x K, M | shipped us | cuBLAS fp16 us | best wgmma (us) | x shipped | x cuBLAS")
