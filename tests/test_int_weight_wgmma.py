@@ -120,7 +120,7 @@ def ptxas_report(ptx: str) -> str:
 
 
 @pytest.mark.skipif(G.available() is not None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("tile,dtype,zeros,atomic", [
+@pytest.mark.parametrize("tile,dtype,zeros,split", [
     ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4}, torch.float16, True, False),
     ({"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 4}, torch.bfloat16, False, True),
     ({"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3}, torch.float16, True, True),  # the H100 table's
@@ -134,34 +134,34 @@ def ptxas_report(ptx: str) -> str:
     # a split launch storing partials
     ({"BLOCK_N": 128, "BLOCK_M": 8, "BLOCK_K": 128, "STAGES": 4, "reduce": "partials"}, torch.bfloat16, True, True),
 ])
-def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, atomic):
+def test_builds_keep_the_mmas_asynchronous(tile, dtype, zeros, split):
     """Each build compiles for sm_90 with no spill, and ptxas keeps its warpgroup MMAs asynchronous: its C7515
     ("wgmma.mma_async instructions are serialized") came from the loop's zero-trip path, which ``gl.assume``
     removed; a change that brings it back waits for every MMA and loses the kernel's point."""
-    k = G.sm90_build(tile, dtype, zeros, atomic)
+    k = G.sm90_build(tile, dtype, zeros, split)
     report = ptxas_report(k.asm["ptx"])
     assert "C7515" not in report and "serialized" not in report, report
     assert "0 bytes spill stores" in report, report
     assert "wgmma.mma_async" in k.asm["ptx"] and "wgmma.wait_group.sync.aligned 1" in k.asm["ptx"]
     # atomics: a split launch's adds into the one fp32 sum (not its partials'), stream-K's arrival counts
     adds = re.search(r"^\s*(@!?%p\d+\s+)?(red|atom)\.", k.asm["ptx"], re.MULTILINE) is not None
-    assert adds == (tile.get("reduce", "atomic") == "atomic" if atomic else bool(tile.get("stream_k"))), tile
+    assert adds == (tile.get("reduce", "atomic") == "atomic" if split else bool(tile.get("stream_k"))), tile
 
 
 @pytest.mark.skipif(G.available() is not None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("tile,atomic", [
+@pytest.mark.parametrize("tile,split", [
     ({"BLOCK_N": 128, "BLOCK_M": 8, "BLOCK_K": 128, "STAGES": 4}, True),
     ({"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 128, "STAGES": 4, "stream_k": 1}, False),
 ])
-def test_the_dependent_build_copies_words_before_it_waits_for_the_gather(tile, atomic):
+def test_the_dependent_build_copies_words_before_it_waits_for_the_gather(tile, split):
     """As the gather's programmatic dependent, a program's first word copies are issued before its grid
     dependency wait and no copy group is committed before it (x's copies come after); a split build lets the
     reduction after it launch early. Without PDL neither instruction is built."""
-    ptx = G.sm90_build(tile, torch.float16, True, atomic).asm["ptx"]
+    ptx = G.sm90_build(tile, torch.float16, True, split).asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     assert "cp.async" in ptx[:wait] and "cp.async.commit_group" not in ptx[:wait]
-    assert ("griddepcontrol.launch_dependents" in ptx) == atomic
-    assert "griddepcontrol" not in G.sm90_build(tile, torch.float16, True, atomic, pdl=False).asm["ptx"]
+    assert ("griddepcontrol.launch_dependents" in ptx) == split
+    assert "griddepcontrol" not in G.sm90_build(tile, torch.float16, True, split, pdl=False).asm["ptx"]
 
 
 @pytest.mark.parametrize("k,split", [(4096, 3), (384, 5), (256, 1), (8192, 64), (192, 7)])
