@@ -263,11 +263,11 @@ if GLUON_ERROR is None:
     def _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, pid_n, pid_m, k_lo, steps,
                   M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, zero_offset,
                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, WARPS: gl.constexpr, X_WAIT: gl.constexpr):
+                  STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, WARPS: gl.constexpr):
         """The fp32 sum ``(BLOCK_N, BLOCK_M)`` of output tile (``pid_n``, ``pid_m``) over ``steps`` > 0 K steps from
         row ``k_lo``: a ``cp.async`` ring of ``STAGES`` x / word stages (``x_smem``, ``w_smem``) feeding asynchronous
-        MMAs, two a step, the unpack of one half overlapping the MMA of the other. X_WAIT: x is written by the
-        grid this one is a programmatic dependent of; the first x copies wait for it (the words' do not)."""
+        MMAs, two a step, the unpack of one half overlapping the MMA of the other. x is written by the grid this one
+        is a programmatic dependent of (the gather): the first x copies wait for it, the words' do not."""
         DTYPE: gl.constexpr = x_ptr.dtype.element_ty
         HALF_K: gl.constexpr = BLOCK_K // 2
         acc_l: gl.constexpr = _acc_layout(BLOCK_M, WARPS)
@@ -293,23 +293,17 @@ if GLUON_ERROR is None:
 
         # every warp is done reading the stages (a previous tile's last step) before they are refilled
         _cta_barrier()
-        if X_WAIT:
-            # x comes from the launch before (the gather), the words do not: the first stages' words are on
-            # their way while this program waits for that grid; the first group then holds them all
-            for i in gl.static_range(STAGES - 1):
-                if i < steps:
-                    _issue_words(qw_ptr, w_smem.index(i), offs_wr, wcol, wmask, k_lo + i * BLOCK_K, stride_qw)
-            _grid_dependency_wait()
-            for i in gl.static_range(STAGES - 1):
-                if i < steps:
-                    _issue_x(x_ptr, x_smem.index(i), offs_xm, offs_xk, xmask, k_lo + i * BLOCK_K, stride_xm)
-                cp.commit_group()
-        else:
-            for i in gl.static_range(STAGES - 1):
-                if i < steps:
-                    _issue_step(x_ptr, qw_ptr, x_smem.index(i), w_smem.index(i), offs_xm, offs_xk, offs_wr, wcol,
-                                xmask, wmask, k_lo + i * BLOCK_K, stride_xm, stride_qw)
-                cp.commit_group()
+        # x comes from the launch before (the gather), the words do not: the first stages' words are on their way
+        # while this program waits for that grid (at once after a program's first tile, or without PDL); the first
+        # group then holds them all
+        for i in gl.static_range(STAGES - 1):
+            if i < steps:
+                _issue_words(qw_ptr, w_smem.index(i), offs_wr, wcol, wmask, k_lo + i * BLOCK_K, stride_qw)
+        _grid_dependency_wait()
+        for i in gl.static_range(STAGES - 1):
+            if i < steps:
+                _issue_x(x_ptr, x_smem.index(i), offs_xm, offs_xk, xmask, k_lo + i * BLOCK_K, stride_xm)
+            cp.commit_group()
 
         # A group's scales and zero points are loaded a step ahead of their use: loaded in the step, their
         # latency (an L2 round trip) stalled the step's unpack (sm_90 SASS: the loads came after the
@@ -412,7 +406,7 @@ if GLUON_ERROR is None:
         tiles_m, run,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
         STAGES: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_MODE: gl.constexpr,
-        WARPS: gl.constexpr, STREAM_K: gl.constexpr, PDL: gl.constexpr,
+        WARPS: gl.constexpr, STREAM_K: gl.constexpr,
     ):
         """``y[m, n] = sum_k x_g[m, k] w[n, k]``, x_g the gathered x (:func:`x_gather_index`).
 
@@ -430,12 +424,12 @@ if GLUON_ERROR is None:
         use 4); BLOCK_N a multiple of 16 * WARPS. The qweight is flat or in column slabs (word ``(j, n)`` at
         ``j * stride_qw + (n // 32) * stride_qslab + n % 32``; the flat form's ``stride_qslab`` is 32).
 
-        PDL: launched as the programmatic dependent of the x gather, which also zeroes the fp32 sum and the
-        stream-K counts; a program waits for it after its first word copies, before any x copy, atomic add or
-        count (each program waits: none finishes before the gather, so a launch after this one waits for both).
-        With K splits (OUT_MODE 1 / 2) the reduction after it, itself a programmatic dependent, may be placed
-        once every program has started."""
-        if PDL and OUT_MODE != 0:
+        Launched as the programmatic dependent of the x gather (on every GPU it runs on: Hopper has PDL), which
+        also zeroes the fp32 sum and the stream-K counts; a program waits for it after its first word copies,
+        before any x copy, atomic add or count (each program waits: none finishes before the gather, so a launch
+        after this one waits for both). With K splits (OUT_MODE 1 / 2) the reduction after it, itself a
+        programmatic dependent, may be placed once every program has started."""
+        if OUT_MODE != 0:
             _launch_dependents()
         DTYPE: gl.constexpr = x_ptr.dtype.element_ty
         x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], DTYPE)
@@ -457,8 +451,7 @@ if GLUON_ERROR is None:
                 last = gl.minimum(end - tile * steps_tile, steps_tile)
                 acc = _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, pid_n, pid_m,
                                 first * BLOCK_K, last - first, M, N, K, stride_xm, stride_qw, stride_qslab, stride_s,
-                                stride_qz, zero_offset, BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS,
-                                PDL)
+                                stride_qz, zero_offset, BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS)
                 if last - first == steps_tile:
                     _store_tile(acc, y_ptr, bias_ptr, pid_n, pid_m, M, N, stride_ym, HAS_BIAS, False, WARPS)
                 else:
@@ -471,7 +464,7 @@ if GLUON_ERROR is None:
             steps = (gl.minimum(K, k_lo + split_len) - k_lo) // BLOCK_K
             acc = _tile_sum(x_ptr, qw_ptr, s_ptr, qz_ptr, x_smem, w_smem, gl.program_id(0), gl.program_id(1), k_lo,
                             steps, M, N, K, stride_xm, stride_qw, stride_qslab, stride_s, stride_qz, zero_offset,
-                            BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS, PDL)
+                            BLOCK_N, BLOCK_M, BLOCK_K, GROUP, STAGES, HAS_ZEROS, WARPS)
             if OUT_MODE == 1:
                 y_ptr += gl.program_id(2).to(gl.int64) * M * N  # this split's partial
             _store_tile(acc, y_ptr, bias_ptr, gl.program_id(0), gl.program_id(1), M, N, stride_ym, HAS_BIAS,
@@ -531,11 +524,10 @@ def refusal(x: torch.Tensor, bits: int, group_size: int, k: int, n: int, block_k
     return shape_refusal(bits, group_size, k, n, block_k) or call_refusal(x)
 
 
-def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, split: bool, target=None, pdl: bool = True):
+def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, split: bool, target=None):
     """The kernel compiled for sm_90 without a GPU (``triton.compile``; what CI can prove): the build a launch
-    with ``tile`` would make (``split``: a split launch's, its fp32 sums as the tile's ``reduce`` says; ``pdl``: as
-    the gather's programmatic dependent, as on every Hopper GPU), integer sizes and strides declared multiples of
-    16 as a launch specializes them."""
+    with ``tile`` would make (``split``: a split launch's, its fp32 sums as the tile's ``reduce`` says), integer
+    sizes and strides declared multiples of 16 as a launch specializes them."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -545,13 +537,13 @@ def sm90_build(tile: dict, dtype: torch.dtype, has_zeros: bool, split: bool, tar
            "y_ptr": "*fp32" if split else act, "part_ptr": "*fp32", "count_ptr": "*i32"}
     consts = {**{key: tile[key] for key in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "STAGES")}, "GROUP": 128,
               "HAS_ZEROS": has_zeros, "HAS_BIAS": not split, "OUT_MODE": split_out_mode(tile) if split else 0,
-              "WARPS": tile.get("WARPS", 4), "STREAM_K": bool(tile.get("stream_k", 0)) and not split, "PDL": pdl}
+              "WARPS": tile.get("WARPS", 4), "STREAM_K": bool(tile.get("stream_k", 0)) and not split}
     sig.update({name: "constexpr" if name in consts else "i32" for name in fn.arg_names if name not in sig})
     aligned = {"N", "K", "stride_xm", "stride_qw", "stride_qslab", "stride_s", "stride_ym", "split_len"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if sig[name].startswith("*") or name in aligned}
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=target or GPUTarget("cuda", 90, 32),
-                          options={"num_warps": consts["WARPS"], "launch_pdl": pdl})
+                          options={"num_warps": consts["WARPS"], "launch_pdl": True})
 
 
 def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: int = 1) -> dict | None:
@@ -723,7 +715,7 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
         GROUP=0 if group_size == -1 else group_size, STAGES=cfg["STAGES"], HAS_ZEROS=qzeros is not None,
         HAS_BIAS=bias is not None and out_mode == 0, OUT_MODE=out_mode, WARPS=cfg.get("WARPS", 4),
-        STREAM_K=go["stream_k"], PDL=pdl, num_warps=cfg.get("WARPS", 4), **({"launch_pdl": True} if pdl else {}))
+        STREAM_K=go["stream_k"], num_warps=cfg.get("WARPS", 4), **({"launch_pdl": True} if pdl else {}))
     return None if out_mode == 0 else y
 
 
