@@ -15,8 +15,9 @@ config table below (never from tensor values, never with a host sync):
 
 When the (M, N) tiles alone cannot fill the GPU, K is split: partial sums are added atomically into
 a zeroed fp32 ``(M, N)`` buffer (the caller's ``workspace`` when it is large enough), then cast and
-biased by one reduction launch; on a GPU with PDL the three launches are chained (``common.split_sum``). Configs are data (``CONFIGS``), keyed by path and bucketed M; :func:`config_override`
-swaps them for tests and tuning sweeps.
+biased by one reduction launch; on a GPU with PDL the three launches are chained (``common.split_sum``).
+Configs are data (``CONFIGS``), keyed by path and bucketed M; :func:`config_override` swaps them for tests
+and tuning sweeps.
 """
 from __future__ import annotations
 
