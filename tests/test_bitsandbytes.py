@@ -482,10 +482,12 @@ class _Recorder:
         return lambda *args, **kw: self.launches.append((self.name, kw))
 
 
+SPLIT_RUNS = [TRITON_RUNS[1], TRITON_RUNS[3], next(r for r in TRITON_RUNS if r[4] and r[0] in C.BLOCKWISE4_CASES)]
+
+
 @needs_triton
 @pytest.mark.parametrize("gpu_pdl", [True, False])
-@pytest.mark.parametrize("run", [TRITON_RUNS[1], TRITON_RUNS[3], next(r for r in TRITON_RUNS if r[4] and r[0] in C.BLOCKWISE4_CASES)],
-                         ids=lambda r: f"{r[0].id}-m{r[1]}-{r[3]}" if isinstance(r, tuple) else str(r))
+@pytest.mark.parametrize("run", SPLIT_RUNS, ids=lambda r: f"{r[0].id}-m{r[1]}-{r[3]}")
 def test_a_split_launch_is_chained_where_the_gpu_has_pdl(run, gpu_pdl, monkeypatch):
     """A split launch of the int8 / blockwise4 Triton kernels with its kernels replaced by recorders (the
     interpreter has no grid dependencies): on a GPU with PDL the fp32 sum is zeroed by ``zero_ahead``, the kernel

@@ -4,12 +4,13 @@ In-kernel helpers (``@triton.jit``, inlined into the calling kernel, so they cos
 
 - :func:`grouped_tile`: the grouped ("GROUP_M swizzle") order of 2-D output tiles behind a 1-D program
   id, so that ``GROUP_M`` row tiles share each weight column tile while it sits in L2.
-- :func:`store_row` / :func:`store_tile`: the split-K epilogue of one output row / one output tile:
-  with ``ATOMIC`` the fp32 partial sum is added into a zeroed fp32 ``(M, N)`` buffer with relaxed
-  atomics (the bias is left to whoever casts the buffer; ``ZERO_WAIT``: after waiting for the buffer's
-  zeroing, :func:`split_sum`), else the bias is added and the output dtype written. The W4A16 kernels of ``int_weight`` keep their own epilogue: it has a third mode (fp32
-  partials per split) and loads the bias before forming the output pointers, an order that ptxas
-  schedules differently, so sharing one helper would change the SASS of one family or the other.
+- :func:`store_row` / :func:`store_tile`: the split-K epilogue of one output row / one output tile: with
+  ``ATOMIC`` the fp32 partial sum is added into a zeroed fp32 ``(M, N)`` buffer with relaxed atomics (the bias
+  is left to whoever casts the buffer; ``ZERO_WAIT``: after waiting for the buffer's zeroing,
+  :func:`split_sum`), else the bias is added and the output dtype written. The W4A16 kernels of ``int_weight``
+  keep their own epilogue: it has a third mode (fp32 partials per split) and loads the bias before forming the
+  output pointers, an order that ptxas schedules differently, so sharing one helper would change the SASS of
+  one family or the other.
 
 Integer -> half conversion without a conversion instruction (:func:`half_pair_lanes`,
 :func:`half_unpack_asm`): a 2-, 4- or 8-bit value OR-ed into the mantissa of the fp16 1024.0 (bf16
@@ -61,8 +62,8 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
-def store_row(y_ptr, bias_ptr, acc, row, offs_n, nmask, stride_ym, stride_yn, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-              ZERO_WAIT: tl.constexpr = False):
+def store_row(y_ptr, bias_ptr, acc, row, offs_n, nmask, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
+              ATOMIC: tl.constexpr, ZERO_WAIT: tl.constexpr = False):
     """Write ``acc`` (``(BLOCK_N,)`` fp32) as output row ``row``. ZERO_WAIT (ATOMIC, the kernel launched as the
     programmatic dependent of the sum's zeroing, :func:`split_sum`): the adds wait for that grid."""
     y_ptrs = y_ptr + row * stride_ym + offs_n * stride_yn

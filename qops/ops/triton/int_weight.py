@@ -98,8 +98,8 @@ import triton
 import triton.language as tl
 
 from .common import (EVEN_ODD_4, HALF_FORMATS, X_PAIRS_ASM, X_PAIRS_CONSTRAINTS, fp32_scratch, grouped_tile, half_dot_asm,
-                     half_unpack_asm, interpreting, pick_bucket, reduce_sums, resident_programs, sm_count, split_in_waves,
-                     split_k, stream_k_runs, zero_ahead)
+                     half_unpack_asm, interpreting, pick_bucket, reduce_sums, resident_programs, sm_count,
+                     split_in_waves, split_k, stream_k_runs, zero_ahead)
 from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 from . import int_weight_wgmma as wgmma
