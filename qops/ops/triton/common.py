@@ -442,7 +442,6 @@ def _reduce_kernel(p_ptr, bias_ptr, y_ptr, M, N, S, stride_ps, stride_pm, stride
     tl.store(y_ptr + m * stride_ym + offs_n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
-
 # Partials a reduction program loads at once, at most; beyond it the program loops (split counts
 # stay <= max_split, 64 in every shipped table).
 REDUCE_MAX_S = 64
