@@ -90,8 +90,8 @@ import triton.language as tl
 
 from .._common import unit_stride
 from ..blockwise4 import LAYOUT_FLAT
-from .common import (ConfigTable, finish, grouped_tile, output_2d, pow2_at_most, reduce_sums, rows_2d, sm_count, split_k,
-                     split_sum, store_row, store_tile, workspace_view)
+from .common import (ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k,
+                     store_row, store_tile, workspace_view)
 
 CONFIGS: dict = {
     # GEMV: BLOCK_N 64 rows x 32 bytes per step on 4 warps, K split until ~4 programs per SM: the best
@@ -291,12 +291,8 @@ def _gemv_kernel(
     M, N, row_bytes, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
     BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STEP: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-    PRMT: tl.constexpr, SCALE_W: tl.constexpr = False, PDL: tl.constexpr = False,
+    PRMT: tl.constexpr, SCALE_W: tl.constexpr = False,
 ):
-    # PDL (ATOMIC, common.split_sum): a programmatic dependent of the sum's zeroing, whose adds wait for it; the
-    # reduction after it may be placed once every program has started
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # A step is STEP bytes per row: SUB bytes inside one block (STEP <= half a block), or G = STEP /
@@ -355,7 +351,7 @@ def _gemv_kernel(
                     s = _block_absmax(am_ptr, ncode_ptr, nam_ptr, noff, row_blk + (2 * kb) // BLOCKSIZE, nmask,
                                       NESTED, NESTED_BS)
                 acc += t * s[:, None]
-    store_tile(y_ptr, bias_ptr, tl.trans(acc), offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC, PDL)
+    store_tile(y_ptr, bias_ptr, tl.trans(acc), offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 @triton.jit
@@ -407,7 +403,6 @@ def _gemv_fma_kernel(
     M, N, row_bytes, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
     BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, ROWS: tl.constexpr, XROWS: tl.constexpr, STEP: tl.constexpr,
     NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, PRMT: tl.constexpr, PAIRS: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """``XROWS`` rows of x against ``ROWS`` weight rows on CUDA cores (ROWS x XROWS <= 4 products a
     program), ``STEP`` bytes a weight row per step.
@@ -421,8 +416,6 @@ def _gemv_fma_kernel(
     ROWS weight rows. x is read as int32 pairs (``PAIRS``: element 2j in the low half, 2j + 1 in the
     high half, byte j's high and low nibble), as wide as the weight's loads.
     """
-    if PDL:  # as _gemv_kernel's
-        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -484,7 +477,7 @@ def _gemv_fma_kernel(
             r = tl.where(i == 3, tl.sum(accs[3 * XROWS + j], axis=0), r)
         # Columns past N or this program's rows, and a row of x past M, are not written.
         cols = tl.where(m0 + j < M, tl.minimum(N, n0 + ROWS), 0)
-        store_row(y_ptr, bias_ptr, r, m0 + j, n0 + i, n0 + i < cols, stride_ym, stride_yn, HAS_BIAS, ATOMIC, PDL)
+        store_row(y_ptr, bias_ptr, r, m0 + j, n0 + i, n0 + i < cols, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -493,10 +486,8 @@ def _gemm_kernel(
     M, N, K, stride_xm, stride_xk, stride_ym, stride_yn, split_bytes,
     BLOCKSIZE: tl.constexpr, NESTED_BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ATOMIC: tl.constexpr, IEEE: tl.constexpr, SCALE_AFTER: tl.constexpr, PDL: tl.constexpr = False,
+    ATOMIC: tl.constexpr, IEEE: tl.constexpr, SCALE_AFTER: tl.constexpr,
 ):
-    if PDL:  # as _gemv_kernel's
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -552,7 +543,7 @@ def _gemm_kernel(
             else:
                 acc = tl.dot(x_even, w_hi, acc)
                 acc = tl.dot(x_odd, w_lo, acc)
-    store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC, PDL)
+    store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
 
 
 @triton.jit
@@ -689,7 +680,7 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
         return finish(y2, None, None, x, n, out)
     nested = absmax.dtype == torch.uint8
     atomic = p["split"] > 1
-    acc, pdl = split_sum(workspace, m, n, x.device) if atomic else (None, False)
+    acc = fp32_scratch(workspace, (m, n), True, x.device) if atomic else None
     dst = acc if atomic else y2
     qweight = qweight.contiguous()
     absmax = absmax.contiguous()
@@ -700,8 +691,7 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     common = (x2, qweight, code.contiguous(), absmax, *tables, bias if bias is not None else code, dst,
               m, n, k, x2.stride(0), x2.stride(1), dst.stride(0), dst.stride(1), p["split_bytes"])
     flags = dict(BLOCKSIZE=blocksize, NESTED_BS=nested_blocksize if nested else 1, NESTED=nested,
-                 HAS_BIAS=bias is not None, ATOMIC=atomic, num_warps=p["num_warps"],
-                 **({"PDL": True, "launch_pdl": True} if pdl else {}))
+                 HAS_BIAS=bias is not None, ATOMIC=atomic, num_warps=p["num_warps"])
     if p["path"] == "gemv_fma":
         # x read as int32 pairs where every row it reads starts on 4 bytes and has unit K stride.
         pairs = x2.stride(1) == 1 and x2.data_ptr() % 4 == 0 and (m == 1 or x2.stride(0) % 2 == 0)
@@ -720,9 +710,7 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
                                 GROUP_M=TABLE["GROUP_M"], IEEE=x.dtype == torch.float32,
                                 SCALE_AFTER=p["BLOCK_M"] <= TABLE["scale_after_max_block_m"],
                                 num_stages=p["num_stages"], **flags)
-    if atomic:  # the fp32 sum, + bias, cast: one launch (the kernel's programmatic dependent where chained)
-        reduce_sums(acc, bias, y2, 1, pdl)
-    return finish(y2, None, None, x, n, out)
+    return finish(y2, acc, bias, x, n, out)
 
 
 def slab_buffer(workspace: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:

@@ -28,10 +28,11 @@ needs a GPU; under Triton's CPU interpreter the same lanes are computed with pla
 the word (or of the word shifted down) in place.
 
 Host helpers: SM count, M buckets of a config table, split-K sizing, fp32 scratch carved from the
-caller's workspace (and :func:`zero_ahead`, its zeroing as a PDL primary), the split-K chain of the int8 /
-blockwise4 / fp8 kernels (:func:`split_sum`: the sum zeroed ahead of a kernel that is its programmatic
-dependent; :func:`reduce_sums`: the one reduction, + bias, cast, every family's, as a dependent of the
-kernel), and the int8/blockwise4 config table and 2-D views.
+caller's workspace (and :func:`zero_ahead`, its zeroing as a PDL primary), the split-K chain of the int8 and
+fp8 kernels (:func:`split_sum`: the sum zeroed ahead of a kernel that is its programmatic dependent;
+:func:`reduce_sums`: the one reduction, + bias, cast, as a dependent of the kernel; int_weight's partials use
+it too), and the int8/blockwise4 config table and 2-D views. The blockwise4 kernels keep ``zero_()`` and
+:func:`finish`: chained the same way, NF4 at M = 1 ran 3.5-5% slower on the three largest shapes of an H100.
 """
 from __future__ import annotations
 
