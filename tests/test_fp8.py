@@ -978,6 +978,40 @@ def test_triton_one_hot_is_exact(gran, dtype, native):
         assert torch.equal(y, want.t()[: rows.shape[0]])
 
 
+@pytest.mark.parametrize("gpu_pdl", [True, False])
+def test_triton_split_k_is_chained_where_the_gpu_has_pdl(gpu_pdl, monkeypatch):
+    """The split GEMV with its kernels replaced by recorders (the interpreter has no grid dependencies): on a GPU
+    with PDL the fp32 sum is zeroed by ``zero_ahead``, the GEMV is its programmatic dependent and the one cast
+    launch is the GEMV's; elsewhere ``zero_()`` and plain launches."""
+    from qops.ops.triton import common as tc
+    from qops.ops.triton import fp8 as tf8
+
+    launches, zeroed = [], []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, kw))
+
+    monkeypatch.setattr(tf8, "_fp8_gemv_kernel", Recorder("gemv"))
+    monkeypatch.setattr(tc, "_reduce_kernel", Recorder("reduce"))
+    monkeypatch.setattr(tc, "zero_ahead", lambda buf: zeroed.append((tuple(buf.shape), buf.dtype)))
+    monkeypatch.setattr(tc, "pdl_launch", lambda device: gpu_pdl)
+    w, _ = weight_of("ct-block")  # N=72, K=200
+    x = _x(3, 200, torch.float16, 13)
+    config = dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, num_warps=4)
+    tf8.triton_mm(x, None, w.weight, w.weight_scale, torch.randn(72).half(), w.block_n, w.block_k, torch.float16,
+                  config=config)
+    assert [name for name, _ in launches] == ["gemv", "reduce"]
+    gemv, reduce = launches[0][1], launches[1][1]
+    assert gemv["ATOMIC"] and not reduce["HAS_BIAS"]  # split 0 adds the bias into the sum
+    for kw in (gemv, reduce):
+        assert (kw.get("PDL") is True and kw.get("launch_pdl") is True) == gpu_pdl, kw
+    assert zeroed == ([((3, 72), torch.float32)] if gpu_pdl else [])
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("view", ["2d", "3d", "strided"])
 def test_triton_takes_the_split_k_accumulator_from_the_workspace(view):

@@ -199,7 +199,7 @@ def test_gemm_keeps_the_word_unpack_for_groups_under_the_k_tile(bits, group_size
     assert plan["tile_group"] and plan["block_k"] == block_k, plan
 
 
-@pytest.mark.parametrize("parts", [1, 5, T.REDUCE_MAX_S + 6])
+@pytest.mark.parametrize("parts", [1, 5, C.REDUCE_MAX_S + 6])
 def test_reduce_kernel_sums_every_partial(parts):
     """The split-K reduction alone against a float64 sum: a split count off the power of two (masked
     partial rows), more partials than one program loads at once (its loop), N off the column tile, a
@@ -209,9 +209,9 @@ def test_reduce_kernel_sums_every_partial(parts):
     p = torch.randn(parts, m, n, generator=g).to(DEVICE)
     bias = torch.randn(n, generator=g).to(torch.float16).to(DEVICE)
     y = torch.zeros(m, n + 7, dtype=torch.float16, device=DEVICE)[:, 3:n + 3]
-    block, block_s = T._reduce_tile(parts)
-    assert block_s <= T.REDUCE_MAX_S and (parts <= T.REDUCE_MAX_S) == (block_s >= parts) and n % block
-    T._reduce_kernel[(-(-n // block), m)](p, bias, y, m, n, parts, m * n, n, y.stride(0), y.stride(1),
+    block, block_s = C.reduce_tile(parts)
+    assert block_s <= C.REDUCE_MAX_S and (parts <= C.REDUCE_MAX_S) == (block_s >= parts) and n % block
+    C._reduce_kernel[(-(-n // block), m)](p, bias, y, m, n, parts, m * n, n, y.stride(0), y.stride(1),
                                           HAS_BIAS=True, BLOCK=block, BLOCK_S=block_s, num_warps=4)
     want = p.cpu().double().sum(0) + bias.cpu().double()
     torch.testing.assert_close(y.cpu().double(), want.to(torch.float16).double(), rtol=1e-3, atol=1e-3)
@@ -1229,7 +1229,7 @@ def test_split_fitted_down_to_one_writes_the_output_itself(monkeypatch, path, re
     monkeypatch.setattr(T, "_build_facts", lambda *a: (1, 7))
     monkeypatch.setattr(T, "split_in_waves", lambda k, unit, tiles, split, slots: (1, triton.cdiv(k, unit) * unit))
     reduced = []
-    monkeypatch.setattr(T, "_reduce_tile", lambda parts: reduced.append(parts) or (64, 1))
+    monkeypatch.setattr(C, "reduce_tile", lambda parts: reduced.append(parts) or (64, 1))
     with T.config_override(table(reduce=reduce)):
         assert T._plan(3, 72, 256, 4, 32, torch.device(DEVICE), path)["split"] > 1
         check(3, 72, 256, 4, 32, False, False, True, torch.float16, path)
@@ -1256,8 +1256,9 @@ def record_split_launch(monkeypatch, path, reduce, knob, value, gpu_pdl, one_spl
     import triton
 
     launches, zeroed, scratch = [], [], []
-    for name in ("_gemv_kernel", "_tc_kernel", "_reduce_kernel"):
+    for name in ("_gemv_kernel", "_tc_kernel"):
         monkeypatch.setattr(T, name, _Recorder(name, launches))
+    monkeypatch.setattr(C, "_reduce_kernel", _Recorder("_reduce_kernel", launches))
     monkeypatch.setattr(T, "zero_ahead", lambda buf: zeroed.append((tuple(buf.shape), buf.dtype)))
     real_scratch = T.fp32_scratch
     monkeypatch.setattr(T, "fp32_scratch", lambda ws, shape, zero, device: scratch.append(zero) or real_scratch(ws, shape, zero, device))

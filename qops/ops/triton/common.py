@@ -4,12 +4,13 @@ In-kernel helpers (``@triton.jit``, inlined into the calling kernel, so they cos
 
 - :func:`grouped_tile`: the grouped ("GROUP_M swizzle") order of 2-D output tiles behind a 1-D program
   id, so that ``GROUP_M`` row tiles share each weight column tile while it sits in L2.
-- :func:`store_row` / :func:`store_tile`: the split-K epilogue of one output row / one output tile:
-  with ``ATOMIC`` the fp32 partial sum is added into a zeroed fp32 ``(M, N)`` buffer with relaxed
-  atomics (the bias is left to whoever casts the buffer), else the bias is added and the output dtype
-  written. The W4A16 kernels of ``int_weight`` keep their own epilogue: it has a third mode (fp32
-  partials per split) and loads the bias before forming the output pointers, an order that ptxas
-  schedules differently, so sharing one helper would change the SASS of one family or the other.
+- :func:`store_row` / :func:`store_tile`: the split-K epilogue of one output row / one output tile: with
+  ``ATOMIC`` the fp32 partial sum is added into a zeroed fp32 ``(M, N)`` buffer with relaxed atomics (the bias
+  is left to whoever casts the buffer; ``ZERO_WAIT``: after waiting for the buffer's zeroing,
+  :func:`split_sum`), else the bias is added and the output dtype written. The W4A16 kernels of ``int_weight``
+  keep their own epilogue: it has a third mode (fp32 partials per split) and loads the bias before forming the
+  output pointers, an order that ptxas schedules differently, so sharing one helper would change the SASS of
+  one family or the other.
 
 Integer -> half conversion without a conversion instruction (:func:`half_pair_lanes`,
 :func:`half_unpack_asm`): a 2-, 4- or 8-bit value OR-ed into the mantissa of the fp16 1024.0 (bf16
@@ -27,8 +28,11 @@ needs a GPU; under Triton's CPU interpreter the same lanes are computed with pla
 the word (or of the word shifted down) in place.
 
 Host helpers: SM count, M buckets of a config table, split-K sizing, fp32 scratch carved from the
-caller's workspace (and :func:`zero_ahead`, its zeroing as a PDL primary), and the int8/blockwise4 config
-table and 2-D views.
+caller's workspace (and :func:`zero_ahead`, its zeroing as a PDL primary), the split-K chain of the int8 and
+fp8 kernels (:func:`split_sum`: the sum zeroed ahead of a kernel that is its programmatic dependent;
+:func:`reduce_sums`: the one reduction, + bias, cast, as a dependent of the kernel; int_weight's partials use
+it too), and the int8/blockwise4 config table and 2-D views. The blockwise4 kernels keep ``zero_()`` and
+:func:`finish`: chained the same way, NF4 at M = 1 ran 3.5-5% slower on the three largest shapes of an H100.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import deterministic_requested
+from .._common import deterministic_requested, pdl_launch
 
 @triton.jit
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -59,10 +63,14 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
-def store_row(y_ptr, bias_ptr, acc, row, offs_n, nmask, stride_ym, stride_yn, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
-    """Write ``acc`` (``(BLOCK_N,)`` fp32) as output row ``row``."""
+def store_row(y_ptr, bias_ptr, acc, row, offs_n, nmask, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
+              ATOMIC: tl.constexpr, ZERO_WAIT: tl.constexpr = False):
+    """Write ``acc`` (``(BLOCK_N,)`` fp32) as output row ``row``. ZERO_WAIT (ATOMIC, the kernel launched as the
+    programmatic dependent of the sum's zeroing, :func:`split_sum`): the adds wait for that grid."""
     y_ptrs = y_ptr + row * stride_ym + offs_n * stride_yn
     if ATOMIC:
+        if ZERO_WAIT:
+            tl.extra.cuda.gdc_wait()
         tl.atomic_add(y_ptrs, acc, mask=nmask, sem="relaxed")
     else:
         if HAS_BIAS:
@@ -72,11 +80,14 @@ def store_row(y_ptr, bias_ptr, acc, row, offs_n, nmask, stride_ym, stride_yn, HA
 
 @triton.jit
 def store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, stride_yn,
-               HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
-    """Write ``acc`` (``(BLOCK_M, BLOCK_N)`` fp32) as the output tile at rows ``offs_m``, columns ``offs_n``."""
+               HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, ZERO_WAIT: tl.constexpr = False):
+    """Write ``acc`` (``(BLOCK_M, BLOCK_N)`` fp32) as the output tile at rows ``offs_m``, columns ``offs_n``
+    (ZERO_WAIT as :func:`store_row`'s)."""
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     ymask = mmask[:, None] & nmask[None, :]
     if ATOMIC:
+        if ZERO_WAIT:
+            tl.extra.cuda.gdc_wait()
         tl.atomic_add(y_ptrs, acc, mask=ymask, sem="relaxed")
     else:
         if HAS_BIAS:
@@ -395,6 +406,82 @@ def workspace_view(workspace: torch.Tensor | None, shape: tuple[int, ...], dtype
             and workspace.numel() * workspace.element_size() >= offset + nbytes):
         return workspace.view(-1).view(torch.uint8)[offset:offset + nbytes].view(dtype).view(shape)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------------------------
+# The split-K reduction: fp32 partials or one fp32 sum (+ bias), cast to the output
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _reduce_kernel(p_ptr, bias_ptr, y_ptr, M, N, S, stride_ps, stride_pm, stride_ym, stride_yn,
+                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    """y[m, :] = sum over S fp32 partials (+ bias), cast to y's dtype.
+
+    BLOCK_S partials are loaded as one (BLOCK_S, BLOCK) tile and summed in registers: the loads of a
+    loop over single partials wait on each other's adds, and with few programs (N = 4096 gives 16 at
+    M = 1) that chain of S L2 round trips, not bandwidth, is what the reduction costs. The summation
+    order depends only on S and BLOCK_S, so results are the same run to run.
+
+    PDL (launched as a programmatic dependent of the split-K kernel): its programs are placed while
+    that kernel's last programs run, and wait here until that grid has completed and its writes are
+    visible; the launch's latency is what this hides, nothing is read early."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    m = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    nmask = offs_n < N
+    offs_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        ss = s0 + offs_s
+        tile = tl.load(p_ptr + ss[:, None] * stride_ps + m * stride_pm + offs_n[None, :],
+                       mask=(ss < S)[:, None] & nmask[None, :], other=0.0)
+        acc += tl.sum(tile, axis=0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+# Partials a reduction program loads at once, at most; beyond it the program loops (split counts
+# stay <= max_split, 64 in every shipped table).
+REDUCE_MAX_S = 64
+
+
+def reduce_tile(parts: int) -> tuple[int, int]:
+    """(columns, partials) of one reduction program's tile: every partial of a column in one load
+    (up to REDUCE_MAX_S), about 4096 values a program (32 a thread at 4 warps)."""
+    block_s = min(REDUCE_MAX_S, triton.next_power_of_2(max(1, parts)))
+    return max(64, min(512, 4096 // block_s)), block_s
+
+
+def reduce_sums(y: torch.Tensor, bias: torch.Tensor | None, o2: torch.Tensor, parts: int, pdl: bool) -> None:
+    """``o2 = the sum of the fp32 partials y (+ bias)``, cast: ``y`` contiguous, ``parts`` partials ``(S, M, N)``
+    or (``parts`` 1) the one ``(M, N)`` sum of a split launch's atomic adds; the reduction launched as a
+    programmatic dependent where ``pdl`` (the split-K kernel before it then starts its dependents)."""
+    m, n = o2.shape
+    block, block_s = reduce_tile(parts)
+    _reduce_kernel[(-(-n // block), m)](
+        y, bias if bias is not None else y, o2, m, n, parts, m * n if parts > 1 else 0, n,
+        o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
+        **({"PDL": True, "launch_pdl": True} if pdl else {}),
+    )
+
+
+def split_sum(workspace: torch.Tensor | None, m: int, n: int, device) -> tuple[torch.Tensor, bool]:
+    """A split launch's zeroed fp32 ``(M, N)`` sum (the caller's workspace where large enough) and whether the
+    launch is chained: on a GPU with PDL the sum is zeroed by :func:`zero_ahead`, and the split kernel, launched
+    as its programmatic dependent, must wait before its atomic adds (``ZERO_WAIT`` of :func:`store_row` /
+    :func:`store_tile`) and start its own dependents at once, so that :func:`reduce_sums` with ``pdl`` is placed
+    while it runs; elsewhere (the interpreter, pre-Hopper GPUs) the sum is zeroed by ``zero_()`` before it. The
+    GEMM / GEMV of ``int_weight`` do the same with knobs of their own (``pdl_zero``, ``pdl_reduce``)."""
+    buf = workspace_view(workspace, (m, n), torch.float32, device)
+    pdl = pdl_launch(torch.device(device))
+    if pdl:
+        zero_ahead(buf)
+    else:
+        buf.zero_()
+    return buf, pdl
 
 
 def fp32_scratch(workspace: torch.Tensor | None, shape: tuple[int, ...], zero: bool, device) -> torch.Tensor:

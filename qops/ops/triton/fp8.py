@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .._common import deterministic_requested, unit_stride
-from .common import fp32_scratch, grouped_tile, pick_bucket, sm_count
+from .common import grouped_tile, pick_bucket, reduce_sums, sm_count, split_sum
 
 FP8 = torch.float8_e4m3fn
 GEMV_MAX_M = 4
@@ -79,7 +79,7 @@ def _e4m3_to(bits, DTYPE: tl.constexpr, NATIVE: tl.constexpr):
 def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_k, xs_ptr, ws_ptr, b_ptr, out_ptr,
               stride_xsm, stride_sn, stride_om, scale_bn,
               POST: tl.constexpr, K_BLOCKED: tl.constexpr, HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-              ATOMIC: tl.constexpr):
+              ATOMIC: tl.constexpr, ZERO_WAIT: tl.constexpr = False):
     acc = acc * POST
     if not K_BLOCKED:
         s = tl.load(ws_ptr + (offs_n // scale_bn) * stride_sn, mask=n_mask, other=0.0)
@@ -93,6 +93,8 @@ def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_k, xs_ptr, ws_ptr, b_ptr,
     ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if ATOMIC:
+        if ZERO_WAIT:  # launched as the programmatic dependent of the sum's zeroing (common.split_sum)
+            tl.extra.cuda.gdc_wait()
         tl.atomic_add(ptrs, acc, mask=mask)
     else:
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -106,8 +108,12 @@ def _fp8_gemv_kernel(
     scale_bn, scale_bk,
     X_FP8: tl.constexpr, HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, K_BLOCKED: tl.constexpr,
     NATIVE: tl.constexpr, POST: tl.constexpr, ATOMIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    # PDL (ATOMIC, common.split_sum): its adds wait for the sum's zeroing; the reduction after it may be placed
+    # once every program has started
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -144,7 +150,7 @@ def _fp8_gemv_kernel(
         else:
             acc += part
     _epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_k, xs_ptr, ws_ptr, b_ptr, out_ptr,
-              stride_xsm, stride_sn, stride_om, scale_bn, POST, K_BLOCKED, HAS_X_SCALE, HAS_BIAS, ATOMIC)
+              stride_xsm, stride_sn, stride_om, scale_bn, POST, K_BLOCKED, HAS_X_SCALE, HAS_BIAS, ATOMIC, PDL)
 
 
 @triton.jit
@@ -291,12 +297,13 @@ def triton_mm(x, x_scale, weight, weight_scale, bias, block_n, block_k, out_dtyp
     use_gemv = m <= GEMV_MAX_M if config is None else "SPLIT_K" in config
     if use_gemv:
         cfg, split_k, k_per_split = _gemv_launch(m, n, k, block_k, sms, config)
-        target = y if split_k == 1 else fp32_scratch(workspace, (m, n), True, x.device)
+        target, pdl = (y, False) if split_k == 1 else split_sum(workspace, m, n, x.device)
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split_k, triton.cdiv(m, cfg["BLOCK_M"]))
         _fp8_gemv_kernel[grid](a, xs, w, weight_scale, b, target, m, n, k, k_per_split,
-                               stride_om=target.stride(0), ATOMIC=split_k > 1, **args, **cfg)
-        if split_k > 1:
-            y.copy_(target)
+                               stride_om=target.stride(0), ATOMIC=split_k > 1, **args, **cfg,
+                               **({"PDL": True, "launch_pdl": True} if pdl else {}))
+        if split_k > 1:  # the fp32 sum (its bias added by split 0), cast: the kernel's programmatic dependent
+            reduce_sums(target, None, y, 1, pdl)
     else:
         cfg = dict(config or gemm_config(m, n, k, block_k, sms))
         compute = tl.float16 if x_fp8 else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]

@@ -15,8 +15,9 @@ config table below (never from tensor values, never with a host sync):
 
 When the (M, N) tiles alone cannot fill the GPU, K is split: partial sums are added atomically into
 a zeroed fp32 ``(M, N)`` buffer (the caller's ``workspace`` when it is large enough), then cast and
-biased. Configs are data (``CONFIGS``), keyed by path and bucketed M; :func:`config_override`
-swaps them for tests and tuning sweeps.
+biased by one reduction launch; on a GPU with PDL the three launches are chained (``common.split_sum``).
+Configs are data (``CONFIGS``), keyed by path and bucketed M; :func:`config_override` swaps them for tests
+and tuning sweeps.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import triton
 import triton.language as tl
 
 from .._common import unit_stride
-from .common import ConfigTable, finish, fp32_scratch, grouped_tile, output_2d, pow2_at_most, rows_2d, sm_count, split_k, store_row, store_tile
+from .common import (ConfigTable, finish, grouped_tile, output_2d, pow2_at_most, reduce_sums, rows_2d, sm_count, split_k,
+                     split_sum, store_row, store_tile)
 
 CONFIGS: dict = {
     # One program per row of x reads the weights once per row: at M = 2 the GEMV took 1.7x its M = 1
@@ -84,8 +86,12 @@ def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, split_len,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    """PDL (ATOMIC, ``common.split_sum``): launched as the programmatic dependent of the sum's zeroing, the adds
+    wait for it; the reduction after it may be placed once every program has started."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -109,7 +115,7 @@ def _gemv_kernel(
             xv = tl.load(x_row + kk * stride_xk, mask=kmask, other=0.0)
         acc += _i8_to_f32(w) * xv.to(tl.float32)[None, :]
     r = tl.sum(acc, axis=1) * tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    store_row(y_ptr, bias_ptr, r, m, offs_n, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
+    store_row(y_ptr, bias_ptr, r, m, offs_n, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC, PDL)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -117,8 +123,11 @@ def _gemm_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, split_len,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    """PDL: as :func:`_gemv_kernel`'s."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -148,7 +157,7 @@ def _gemm_kernel(
         else:
             acc = tl.dot(a, bt, acc)
     acc = acc * tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC)
+    store_tile(y_ptr, bias_ptr, acc, offs_m, offs_n, mmask, nmask, stride_ym, stride_yn, HAS_BIAS, ATOMIC, PDL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,18 +200,22 @@ def triton_mm(x, qweight, scales, bias, out=None, workspace=None):
         return finish(y2, None, None, x, n, out)
     p = plan(m, n, k, x.device)
     atomic = p["split"] > 1
-    acc = fp32_scratch(workspace, (m, n), True, x.device) if atomic else None
+    acc, pdl = split_sum(workspace, m, n, x.device) if atomic else (None, False)
     dst = acc if atomic else y2
+    chain = {"PDL": True, "launch_pdl": True} if pdl else {}
     scales, bias = unit_stride(scales), unit_stride(bias)
     b = bias if bias is not None else scales
     common = (x2, qweight, scales, b, dst, m, n, k, x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1),
               dst.stride(0), dst.stride(1), p["split_len"])
     if p["path"] == "gemv":
         _gemv_kernel[p["grid"]](*common, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], HAS_BIAS=bias is not None,
-                                ATOMIC=atomic, EVEN_K=p["EVEN_K"], num_warps=p["num_warps"], num_stages=p["num_stages"])
+                                ATOMIC=atomic, EVEN_K=p["EVEN_K"], num_warps=p["num_warps"], num_stages=p["num_stages"],
+                                **chain)
     else:
         _gemm_kernel[p["grid"]](*common, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
                                 GROUP_M=TABLE["GROUP_M"], HAS_BIAS=bias is not None, ATOMIC=atomic,
                                 EVEN_K=p["EVEN_K"], IEEE=x.dtype == torch.float32,
-                                num_warps=p["num_warps"], num_stages=p["num_stages"])
-    return finish(y2, acc, bias, x, n, out)
+                                num_warps=p["num_warps"], num_stages=p["num_stages"], **chain)
+    if atomic:  # the fp32 sum, + bias, cast: one launch (the kernel's programmatic dependent where chained)
+        reduce_sums(acc, bias, y2, 1, pdl)
+    return finish(y2, None, None, x, n, out)

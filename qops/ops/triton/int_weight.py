@@ -98,8 +98,8 @@ import triton
 import triton.language as tl
 
 from .common import (EVEN_ODD_4, HALF_FORMATS, X_PAIRS_ASM, X_PAIRS_CONSTRAINTS, fp32_scratch, grouped_tile, half_dot_asm,
-                     half_unpack_asm, interpreting, pick_bucket, resident_programs, sm_count, split_in_waves, split_k,
-                     stream_k_runs, zero_ahead)
+                     half_unpack_asm, interpreting, pick_bucket, reduce_sums, resident_programs, sm_count,
+                     split_in_waves, split_k, stream_k_runs, zero_ahead)
 from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 from . import int_weight_wgmma as wgmma
@@ -1026,36 +1026,6 @@ def _tc_kernel(
 
 
 @triton.jit
-def _reduce_kernel(p_ptr, bias_ptr, y_ptr, M, N, S, stride_ps, stride_pm, stride_ym, stride_yn,
-                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """y[m, :] = sum over S fp32 partials (+ bias), cast to y's dtype.
-
-    BLOCK_S partials are loaded as one (BLOCK_S, BLOCK) tile and summed in registers: the loads of a
-    loop over single partials wait on each other's adds, and with few programs (N = 4096 gives 16 at
-    M = 1) that chain of S L2 round trips, not bandwidth, is what the reduction costs. The summation
-    order depends only on S and BLOCK_S, so results are the same run to run.
-
-    PDL (launched as a programmatic dependent of the split-K kernel): its programs are placed while
-    that kernel's last programs run, and wait here until that grid has completed and its writes are
-    visible; the launch's latency is what this hides, nothing is read early."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    m = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    nmask = offs_n < N
-    offs_s = tl.arange(0, BLOCK_S)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        ss = s0 + offs_s
-        tile = tl.load(p_ptr + ss[:, None] * stride_ps + m * stride_pm + offs_n[None, :],
-                       mask=(ss < S)[:, None] & nmask[None, :], other=0.0)
-        acc += tl.sum(tile, axis=0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs_n * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
 def _dequant_kernel(
     qw_ptr, s_ptr, qz_ptr, perm_ptr, w_ptr,
     K, N, n0, slab, n_wrows, stride_qw, stride_qslab, stride_s, stride_qz,
@@ -1597,9 +1567,7 @@ def _run_wgmma(plan, x2, qweight, scales, qzeros, act_perm, bias, group_size, ze
     total = wgmma.launch(plan["launch"], x2, qweight, scales, qzeros, act_perm, bias, group_size, zero_offset, o2,
                          workspace)
     if total is not None:  # K splits: their fp32 sum or partials, + bias, cast; the kernel's programmatic dependent
-        partials = total.dim() == 3
-        _reduce_sums(total, bias, o2, parts=total.shape[0] if partials else 1, mode=1 if partials else 2,
-                     pdl=pdl_launch(o2.device))
+        reduce_sums(total, bias, o2, total.shape[0] if total.dim() == 3 else 1, pdl_launch(o2.device))
 
 
 def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace):
@@ -1617,19 +1585,7 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     go.kernel[go.grid](*_split_k_args(*tensors, y, go.mode, go.split_len), **go.constexprs, **go.launch,
                        **({"launch_pdl": True} if go.zero_wait else {}))
     if go.mode != 0:
-        _reduce_sums(y, bias, o2, go.parts, go.mode, go.pdl)
-
-
-def _reduce_sums(y, bias, o2, parts: int, mode: int, pdl: bool) -> None:
-    """``o2 = sum of the fp32 partials y (+ bias)``, cast: ``parts`` partial sums (mode 1) or the one atomic sum
-    (mode 2), the reduction launched as a programmatic dependent where ``pdl``."""
-    m, n = o2.shape
-    block, block_s = _reduce_tile(parts)
-    _reduce_kernel[(-(-n // block), m)](
-        y, bias if bias is not None else y, o2, m, n, parts, *_out_strides(mode, o2)[:2],
-        o2.stride(0), o2.stride(1), HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
-        **({"PDL": True, "launch_pdl": True} if pdl else {}),
-    )
+        reduce_sums(y, bias, o2, go.parts if go.mode == 1 else 1, go.pdl)
 
 
 def reduce_pdl(cfg: dict, device: torch.device, atomic: bool) -> bool:
@@ -1651,18 +1607,6 @@ def zero_pdl(cfg: dict, device: torch.device) -> bool:
     rather than after a ``zero_()``: the zeroing's launch then overlaps the split-K kernel's loads instead
     of preceding them. On a GPU with PDL unless the config's ``pdl_zero`` is 0."""
     return bool(cfg.get("pdl_zero", 1)) and pdl_launch(device)
-
-
-# Partials a reduction program loads at once, at most; beyond it the program loops (split counts
-# stay <= max_split, 64 in every shipped table).
-REDUCE_MAX_S = 64
-
-
-def _reduce_tile(parts: int) -> tuple[int, int]:
-    """(columns, partials) of one reduction program's tile: every partial of a column in one load
-    (up to REDUCE_MAX_S), about 4096 values a program (32 a thread at 4 warps)."""
-    block_s = min(REDUCE_MAX_S, triton.next_power_of_2(max(1, parts)))
-    return max(64, min(512, 4096 // block_s)), block_s
 
 
 def _out_strides(mode: int, o2: torch.Tensor) -> tuple[int, int, int]:
