@@ -26,6 +26,7 @@ from qops.lowerings import LOWERINGS_BY_NAME, Kernel, WeightSpec
 
 from tests import bnb_cases as C
 from tests.int_weight_cases import one_thread  # noqa: F401  (autouse: small CPU matmuls on one thread)
+from tests.launch_recorder import KernelRecorder
 from tests.oracle import check_elementwise, elementwise_bound, stride_two
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
@@ -472,16 +473,6 @@ def test_triton_kernels_in_the_interpreter(run, dtype):
     assert C.rel_err(y, want) <= TRITON_TOL[dtype], C.rel_err(y, want)
 
 
-class _Recorder:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` appends (its name, kw) to ``launches``."""
-
-    def __init__(self, name, launches):
-        self.name, self.launches = name, launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.launches.append((self.name, kw))
-
-
 # The int8 GEMV and GEMM with K splits. The blockwise4 (NF4 / FP4) launches keep zero_() and the host epilogue: chained
 # the same way, NF4 at M = 1 ran 3.5-5% slower on the three largest shapes of an H100 (faster at M = 16; stop 73).
 SPLIT_RUNS = [TRITON_RUNS[1], TRITON_RUNS[3]]
@@ -502,8 +493,8 @@ def test_a_split_launch_is_chained_where_the_gpu_has_pdl(run, gpu_pdl, monkeypat
     case, m, override, path, _ = run
     launches, zeroed = [], []
     for name in ("_gemv_kernel", "_gemm_kernel"):
-        monkeypatch.setattr(mod, name, _Recorder(name, launches))
-    monkeypatch.setattr(tc, "_reduce_kernel", _Recorder("_reduce_kernel", launches))
+        monkeypatch.setattr(mod, name, KernelRecorder(name, launches))
+    monkeypatch.setattr(tc, "_reduce_kernel", KernelRecorder("_reduce_kernel", launches))
     monkeypatch.setattr(tc, "zero_ahead", lambda buf: zeroed.append((tuple(buf.shape), buf.dtype)))
     monkeypatch.setattr(tc, "pdl_launch", lambda device: gpu_pdl)
     b = C.build(case)

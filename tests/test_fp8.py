@@ -20,6 +20,7 @@ from qops.formats import FORMATS, get_format
 from qops.formats.fp8 import Fp8BlockCheckpoint, Fp8Checkpoint, quantize_rtn
 from qops.lowerings import DISABLE_ENV, LOWERINGS_BY_NAME, Kernel, WeightSpec, choose
 from qops.ops.fp8 import check_kernel, prepare_fp8_weight, quantize_fp8_activations
+from tests.launch_recorder import KernelRecorder
 from tests.oracle import check_elementwise, elementwise_bound, stride_two
 
 FP8 = torch.float8_e4m3fn
@@ -988,15 +989,8 @@ def test_triton_split_k_is_chained_where_the_gpu_has_pdl(gpu_pdl, monkeypatch):
 
     launches, zeroed = [], []
 
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.name, kw))
-
-    monkeypatch.setattr(tf8, "_fp8_gemv_kernel", Recorder("gemv"))
-    monkeypatch.setattr(tc, "_reduce_kernel", Recorder("reduce"))
+    monkeypatch.setattr(tf8, "_fp8_gemv_kernel", KernelRecorder("gemv", launches))
+    monkeypatch.setattr(tc, "_reduce_kernel", KernelRecorder("reduce", launches))
     monkeypatch.setattr(tc, "zero_ahead", lambda buf: zeroed.append((tuple(buf.shape), buf.dtype)))
     monkeypatch.setattr(tc, "pdl_launch", lambda device: gpu_pdl)
     w, _ = weight_of("ct-block")  # N=72, K=200

@@ -28,6 +28,7 @@ from qops.ops.triton import common as C
 from qops.ops.triton import int_weight as T
 
 from tests import oracle as O
+from tests.launch_recorder import KernelRecorder
 from tests.oracle import check_elementwise, stride_two
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -1236,17 +1237,6 @@ def test_split_fitted_down_to_one_writes_the_output_itself(monkeypatch, path, re
     assert reduced == []
 
 
-class _Recorder:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` appends (its name, kw and the grid as
-    ``kw["grid"]``) to ``launches``."""
-
-    def __init__(self, name, launches):
-        self.name, self.launches = name, launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.launches.append((self.name, {**kw, "grid": tuple(grid)}))
-
-
 def record_split_launch(monkeypatch, path, reduce, knob, value, gpu_pdl, one_split=False):
     """One ``triton_mm`` call at M = 3 on ``path`` that the plan splits, with its kernels replaced by recorders
     (the interpreter has no grid dependencies), under a table of reduction ``reduce`` with config key ``knob``
@@ -1257,8 +1247,8 @@ def record_split_launch(monkeypatch, path, reduce, knob, value, gpu_pdl, one_spl
 
     launches, zeroed, scratch = [], [], []
     for name in ("_gemv_kernel", "_tc_kernel"):
-        monkeypatch.setattr(T, name, _Recorder(name, launches))
-    monkeypatch.setattr(C, "_reduce_kernel", _Recorder("_reduce_kernel", launches))
+        monkeypatch.setattr(T, name, KernelRecorder(name, launches))
+    monkeypatch.setattr(C, "_reduce_kernel", KernelRecorder("_reduce_kernel", launches))
     monkeypatch.setattr(T, "zero_ahead", lambda buf: zeroed.append((tuple(buf.shape), buf.dtype)))
     real_scratch = T.fp32_scratch
     monkeypatch.setattr(T, "fp32_scratch", lambda ws, shape, zero, device: scratch.append(zero) or real_scratch(ws, shape, zero, device))

@@ -475,12 +475,10 @@ def split_sum(workspace: torch.Tensor | None, m: int, n: int, device) -> tuple[t
     :func:`store_tile`) and start its own dependents at once, so that :func:`reduce_sums` with ``pdl`` is placed
     while it runs; elsewhere (the interpreter, pre-Hopper GPUs) the sum is zeroed by ``zero_()`` before it. The
     GEMM / GEMV of ``int_weight`` do the same with knobs of their own (``pdl_zero``, ``pdl_reduce``)."""
-    buf = workspace_view(workspace, (m, n), torch.float32, device)
     pdl = pdl_launch(torch.device(device))
+    buf = fp32_scratch(workspace, (m, n), not pdl, device)
     if pdl:
         zero_ahead(buf)
-    else:
-        buf.zero_()
     return buf, pdl
 
 
