@@ -478,7 +478,7 @@ if GLUON_ERROR is None:
 DEFAULT_TILE = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4}
 # Every key a tile may hold (:func:`plan` reads them): a table's misspelt knob is refused, not silently ignored.
 TILE_KEYS = frozenset({"BLOCK_N", "BLOCK_M", "BLOCK_K", "STAGES", "WARPS", "ctas_per_sm", "split", "stream_k",
-                       "stream_k_min_waves", "min_tiles", "long_k_steps", "min_k_steps", "reduce"})
+                       "stream_k_min_waves", "min_tiles", "long_k_steps", "min_k_steps", "reduce", "few_tiles"})
 # How a split launch leaves its fp32 sums (a tile's ``reduce``): added into one sum (atomic adds; the gather
 # zeroes it) or stored as one partial a split (plain stores, no zeroing; the reduction reads them all, in
 # split order: the same bits run to run). OUT_MODE as int_weight's.
@@ -573,15 +573,28 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     the GEMM's speed at K = 4096 / 8192 (32 / 64 K tiles), 1.12 / 1.30x at K = 14336 / 28672 (112 / 224). A short
     K leaves each program few steps to fill and drain its ring over: at M = 32 on an H100 the 32-row tile ran
     1.30x the GEMM's speed at K = 8192 / 28672 and 0.96x at K = 4096
-    (``h100-2026-12-07-9a13144-bench-m4-32-h100wa.json``)."""
+    (``h100-2026-12-07-9a13144-bench-m4-32-h100wa.json``).
+
+    ``few_tiles`` (keys of a tile, say a narrower BLOCK_N): a call with fewer output tiles than ``min_tiles`` is
+    planned again with these keys over the tile's before it is left to the GEMM (their own ``min_tiles`` /
+    ``long_k_steps`` then decide). At M = 64 on an H100 the 64-wide tile at four K splits ran 1.15-1.68x the
+    shipped launch's speed where the 128-wide one gave 32-48 tiles (4096x4096 13.32 us against 17.10, 6144x4096
+    16.69 against 28.08 at two splits, 4096x8192 18.22 against 25.65, 4096x14336 26.92 against 31.05;
+    ``h100-2026-12-07-721d288-probe-m64.json``)."""
     cfg = {**DEFAULT_TILE, **tile}
     if unknown := sorted(set(cfg) - TILE_KEYS):
         raise ValueError(f"tile: unknown keys {unknown} (known: {sorted(TILE_KEYS)})")
+    few = cfg.get("few_tiles")
+    if few is not None and (not isinstance(few, dict) or "few_tiles" in few):
+        raise ValueError(f"tile: few_tiles must be a mapping of tile keys other than few_tiles, got {few!r}")
     if cfg["BLOCK_N"] % (16 * cfg.get("WARPS", 4)):
         raise ValueError(f"tile: BLOCK_N must be a multiple of 16 * WARPS (each warp's 16 MMA rows), got {cfg}")
     split_out_mode(cfg)  # a misspelt reduce is refused with the plan, not at the first split call
     tiles_m = triton.cdiv(m, cfg["BLOCK_M"])
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * tiles_m
+    if few is not None and tiles < cfg.get("min_tiles", 0):
+        narrow = {key: value for key, value in cfg.items() if key != "few_tiles"}
+        return plan(m, n, k, bits, group_size, {**narrow, **few}, sms)
     steps = max(1, k // cfg["BLOCK_K"])
     if shape_refusal(bits, group_size, k, n, cfg["BLOCK_K"]) is not None or _left_to_gemm(tiles, steps, cfg):
         return None
