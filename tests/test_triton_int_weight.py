@@ -26,6 +26,7 @@ from qops.formats.integer import act_order_g_idx
 from qops.ops.int_weight import to_column_slabs
 from qops.ops.triton import common as C
 from qops.ops.triton import int_weight as T
+from qops.ops.triton import x_gather as X
 
 from tests import oracle as O
 from tests.launch_recorder import KernelRecorder
@@ -487,22 +488,25 @@ def test_out_and_workspace(path):
 
 # bf16 through the GEMM is not exact under the interpreter (test_bf16_activations): on a GPU only
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
-def test_gemm_gathers_act_order_x_into_the_workspace(dtype):
+@pytest.mark.parametrize("m", [5, 17])
+def test_gemm_gathers_act_order_x_into_the_workspace(dtype, m):
     """With an act_perm the GEMM reads x gathered once (``x[:, act_perm]`` at the workspace's start, the split's
-    fp32 sums after it) instead of one element at a time through act_perm; the decode GEMV keeps its in-kernel
-    gather. ``workspace_bytes(act_order=True)`` covers both parts: with a garbage-filled workspace of exactly that
-    size the gathered x lands in it and the result matches the oracle, for a strided x too."""
+    fp32 sums after it) instead of one element at a time through act_perm; from ``x_gather.TRANSPOSED_FROM_M`` rows
+    (M = 17) through x transposed, which takes as much again. The decode GEMV keeps its in-kernel gather.
+    ``workspace_bytes(act_order=True)`` covers every part: with a garbage-filled workspace of exactly that size the
+    gathered x lands in it and the result matches the oracle, for a strided x too."""
     qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, True, seed=9)
     dev = torch.device(DEVICE)
-    plain, gathered = (T.workspace_bytes(5, 72, 256, 4, 32, dev, act_order=a) for a in (False, True))
-    assert plain > 0 and gathered == plain + 5 * 256 * 4, (plain, gathered)  # sized for fp32 x
+    plain, gathered = (T.workspace_bytes(m, 72, 256, 4, 32, dev, act_order=a) for a in (False, True))
+    copies = 2 if m >= X.TRANSPOSED_FROM_M else 1  # x gathered (+ x transposed), each sized for fp32 x
+    assert plain > 0 and gathered == plain + copies * m * 256 * 4, (plain, gathered)
     assert T.workspace_bytes(1, 72, 256, 4, 32, dev, act_order=True) == T.workspace_bytes(1, 72, 256, 4, 32, dev)
-    base = torch.randn(5, 300, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
+    base = torch.randn(m, 300, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
     for x in (base[:, :256].contiguous(), base[:, 40:296]):
         workspace = torch.full((gathered,), 255, dtype=torch.uint8, device=DEVICE)
         y = T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, workspace=workspace, force_path="gemm")
-        assert_matches(y, x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, f"gemm act-order {dtype}")
-        xg = workspace[:5 * 256 * dtype.itemsize].view(dtype).view(5, 256)
+        assert_matches(y, x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, f"gemm act-order {dtype} M={m}")
+        xg = workspace[:m * 256 * dtype.itemsize].view(dtype).view(m, 256)
         assert torch.equal(xg, x[:, act_perm.long()])
 
 

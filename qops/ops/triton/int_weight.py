@@ -106,6 +106,7 @@ from .common import (EVEN_ODD_4, HALF_FORMATS, X_PAIRS_ASM, X_PAIRS_CONSTRAINTS,
 from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 from . import int_weight_wgmma as wgmma
+from .x_gather import gather_x, transposed_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
@@ -1434,7 +1435,7 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
     plan = _plan(m, n, k, bits, group_size, device)
     if plan["path"] == "wgmma":
         fallback = _gemm_workspace_bytes(plan["fallback"], m, n, k, act_order)
-        return max(wgmma.workspace_bytes(m, n, k, plan["launch"]), fallback)
+        return max(wgmma.workspace_bytes(m, n, k, plan["launch"], act_order), fallback)
     return _gemm_workspace_bytes(plan, m, n, k, act_order)
 
 
@@ -1443,7 +1444,7 @@ def _gemm_workspace_bytes(plan: dict, m: int, n: int, k: int, act_order: bool) -
         return 0
     # the split launch's partials ((S, M, N) or one (M, N) sum); stream-K, where asked, may take one sum instead
     rows = 0 if plan["split"] == 1 else plan["split"] if plan["reduce"] == "partials" else 1
-    gathered = _gather_bytes(m, k, 4) if act_order and gathers_x(plan) else 0
+    gathered = sum(_gather_parts(m, k, 4)) if act_order and gathers_x(plan) else 0
     return gathered + 4 * max(rows, int(plan["stream_k"])) * m * n
 
 
@@ -1456,9 +1457,10 @@ def gathers_x(plan: dict) -> bool:
     return plan["path"] == "gemm"
 
 
-def _gather_bytes(m: int, k: int, itemsize: int) -> int:
-    """Workspace bytes of x gathered (``(m, k)``), rounded up so that the fp32 sums after it stay aligned."""
-    return -(-m * k * itemsize // 256) * 256
+def _gather_parts(m: int, k: int, itemsize: int) -> tuple[int, int]:
+    """Workspace bytes of an act-order call's x gathered (``(m, k)``) and of x transposed on the way there
+    (``x_gather.transposed_bytes``), each rounded up so that the fp32 sums after them stay aligned."""
+    return -(-m * k * itemsize // 256) * 256, transposed_bytes(m, k, itemsize, True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1597,9 +1599,11 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     m, n = x2.shape[0], o2.shape[1]
     sums_at = 0
     if act_perm is not None and gathers_x(plan):
+        gathered, transposed = _gather_parts(m, x2.shape[1], x2.dtype.itemsize)
         xg = workspace_view(workspace, x2.shape, x2.dtype, x2.device)
-        torch.index_select(x2, 1, act_perm, out=xg)
-        x2, act_perm, sums_at = xg, None, _gather_bytes(m, x2.shape[1], x2.dtype.itemsize)
+        xt = workspace_view(workspace, (x2.numel(),), x2.dtype, x2.device, offset=gathered) if transposed else None
+        gather_x(x2, act_perm, xg, mma_order=False, xt=xt)
+        x2, act_perm, sums_at = xg, None, gathered + transposed
     tensors = (x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
     go = _chosen_launch(plan, tensors)
     if go.mode == 0:
