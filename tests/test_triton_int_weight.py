@@ -488,11 +488,11 @@ def test_out_and_workspace(path):
 
 # bf16 through the GEMM is not exact under the interpreter (test_bf16_activations): on a GPU only
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
-@pytest.mark.parametrize("m", [5, 17])
+@pytest.mark.parametrize("m", [5, 33])
 def test_gemm_gathers_act_order_x_into_the_workspace(dtype, m):
     """With an act_perm the GEMM reads x gathered once (``x[:, act_perm]`` at the workspace's start, the split's
     fp32 sums after it) instead of one element at a time through act_perm; from ``x_gather.TRANSPOSED_FROM_M`` rows
-    (M = 17) through x transposed, which takes as much again. The decode GEMV keeps its in-kernel gather.
+    (M = 33) through x transposed, which takes as much again. The decode GEMV keeps its in-kernel gather.
     ``workspace_bytes(act_order=True)`` covers every part: with a garbage-filled workspace of exactly that size the
     gathered x lands in it and the result matches the oracle, for a strided x too."""
     qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, True, seed=9)

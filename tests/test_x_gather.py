@@ -106,10 +106,10 @@ def test_the_transposed_route_is_act_orders_from_its_row_count():
 
 def test_the_wgmma_workspace_holds_x_transposed_after_its_other_parts():
     for tile in ({"split": 3}, {"split": 3, "reduce": "partials"}, {}):
-        go = G.plan(17, 4104, 4096, 4, 128, tile)
-        parts = G._scratch_parts(17, 4104, 4096, go, act_order=True)
-        assert parts[3] == X.transposed_bytes(17, 4096, 2, True) >= 2 * 17 * 4096
-        assert G.workspace_bytes(17, 4104, 4096, go, act_order=True) == G.workspace_bytes(17, 4104, 4096, go) + parts[3]
+        go = G.plan(40, 4104, 4096, 4, 128, tile)
+        parts = G._scratch_parts(40, 4104, 4096, go, act_order=True)
+        assert parts[3] == X.transposed_bytes(40, 4096, 2, True) >= 2 * 40 * 4096
+        assert G.workspace_bytes(40, 4104, 4096, go, act_order=True) == G.workspace_bytes(40, 4104, 4096, go) + parts[3]
         assert all(p % G.SCRATCH_ALIGN == 0 for p in parts)  # each part starts aligned
     go = G.plan(8, 4104, 4096, 4, 128, {"split": 2})
     assert G._scratch_parts(8, 4104, 4096, go, act_order=True)[3] == 0  # under TRANSPOSED_FROM_M: direct

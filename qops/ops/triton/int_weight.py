@@ -1453,7 +1453,8 @@ def gathers_x(plan: dict) -> bool:
     of the fp32 sums) rather than reading it through act_perm in the kernel. The GEMM does: its K tile's x
     columns are scattered, so it loads them one element at a time, BLOCK_M x BLOCK_K loads a step; at M = 16 on an
     H100 (4096x14336, W4 g128) that took 59.1 us against 20.5 without act-order (stop 73, ``probe_wgmma_w4
-    --act-order``). The decode GEMV reads at most a few rows of x and keeps the in-kernel gather."""
+    --act-order``), gathered first 23.4 us against 20.3 (``h100-2026-12-07-565aae4-actorder.json``; the gather's
+    routes: ``x_gather``). The decode GEMV reads at most a few rows of x and keeps the in-kernel gather."""
     return plan["path"] == "gemm"
 
 

@@ -41,7 +41,7 @@ How K is shared among programs (:func:`plan`): K splits whose fp32 sums are adde
 as one partial a split (a tile's ``reduce``) and reduced by a second launch, or stream-K: one wave of programs, each
 an equal run of the tiles' K steps laid end to end, a tile that several runs share summed by the last of them to
 finish (from the others' fp32 parts, in program order), with no fp32 sum to zero or reduce. The x gather
-(``x_gather.gather_x``; for act-order from 16 rows through x transposed) zeroes the stream-K counts or the split
+(``x_gather.gather_x``; for act-order from 32 rows through x transposed) zeroes the stream-K counts or the split
 launch's fp32 sum, and the call's launches after it are programmatic dependents (PDL): the kernel copies its first
 word stages before it waits for the gather, and the split sum's reduction is placed while the kernel's last programs
 run. Before that chain a call was two to four launches, each waiting for the last (the gather, a zeroing of the sum,
@@ -582,7 +582,8 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     ``long_k_steps`` then decide). At M = 64 on an H100 the 64-wide tile at four K splits ran 1.15-1.68x the
     shipped launch's speed where the 128-wide one gave 32-48 tiles (4096x4096 13.32 us against 17.10, 6144x4096
     16.69 against 28.08 at two splits, 4096x8192 18.22 against 25.65, 4096x14336 26.92 against 31.05;
-    ``h100-2026-12-07-721d288-probe-m64.json``)."""
+    ``h100-2026-12-07-721d288-probe-m64.json``); through the op with the H100 table's rule, 4096x14336 27.05 us
+    (``h100-2026-12-07-565aae4-actorder.json``, its plain rows; the other three shapes not yet timed through it)."""
     cfg = {**DEFAULT_TILE, **tile}
     if unknown := sorted(set(cfg) - TILE_KEYS):
         raise ValueError(f"tile: unknown keys {unknown} (known: {sorted(TILE_KEYS)})")

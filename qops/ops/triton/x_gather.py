@@ -15,6 +15,13 @@ Two routes (:func:`transposes`):
   ``xg[m, q] = xt[src(q), m]``, M values side by side (a full sector from 16 fp16 rows). One launch more, and
   ``M * K`` elements of scratch more (:func:`transposed_bytes`).
 
+What the routes cost on an H100 (W4 g128, the shipped op on an act-order weight against the same shape without;
+``probe_wgmma_w4 --act-order`` with the route forced, each checked against float64,
+``h100-2026-12-07-565aae4-actorder*.json``), us, plain / direct / transposed: 4096x14336 M = 4 17.33 / 18.67 / 19.81
+and M = 16 20.32 / 23.36 / 24.60 (both the Triton GEMM's gather; it read x through act_perm before, 59.1 us at M = 16);
+M = 64 27.05 / 31.50 / 29.24, and 8192x28672 M = 64 81.68 / 92.05 / 84.53 (the wgmma kernel's). The direct route's
+cost grows with M x K, the transposed route's extra launch does not: the switch sits between the measured 16 and 64.
+
 Either gather also zeroes the 32-bit words a later launch adds or counts into (a split's fp32 sum, the stream-K
 counts), spread over its programs, and may start the next launch early as its programmatic (PDL) primary.
 """
@@ -26,8 +33,9 @@ import triton.language as tl
 
 # x columns one program of the direct route moves
 GATHER_BLOCK = 1024
-# act-order calls of at least this many rows take the transposed route
-TRANSPOSED_FROM_M = 16
+# act-order calls of at least this many rows take the transposed route (measured: direct faster at M = 16,
+# transposed at M = 64; 32 between them is not measured)
+TRANSPOSED_FROM_M = 32
 # the transposed route's tiles: (rows, columns) of x a transposing program copies; K positions a gathering
 # program writes (for every row of its row block, at most TRANSPOSED_ROWS)
 TRANSPOSE_TILE = (64, 64)
