@@ -13,7 +13,9 @@ weight are timed interleaved over rotated weight copies (CUDA-graph replays, ``c
         [--tiles JSON] [--splits 1,2,3] [--act-order] [--out F]
 
 ``--act-order`` also times the shipped op on an act-order weight of each shape (``shipped_actorder``), checked
-against its own float64 product (stop 72: the x gather reads ``act_perm`` itself; one launch fewer a call).
+against its own float64 product (stop 72: the x gather reads ``act_perm`` itself; one launch fewer a call), and the
+same op with x's gather forced onto each of its routes (``actorder_direct`` / ``actorder_transposed``:
+``x_gather.TRANSPOSED_FROM_M`` set for the call; the shipped op takes the transposed route from that many rows).
 """
 from __future__ import annotations
 
@@ -32,11 +34,25 @@ common.add_repo_to_path()
 from probe_early_pdl import gptq_native  # noqa: E402
 from qops.ops import int_weight as IW  # noqa: E402
 from qops.ops.triton import int_weight_wgmma as G  # noqa: E402
+from qops.ops.triton import x_gather as X  # noqa: E402
 
 TILES = {"n128m64": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
          "n64m64": {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
          "n128m64k128": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3},
          "n128m16": {"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 4}}
+
+
+def routed(fn, from_m: int):
+    """``fn`` run with the act-order gather's transposed route taken from ``from_m`` rows (1: always; a huge
+    number: never); the graph capture records whichever launches that gives."""
+    def call():
+        keep = X.TRANSPOSED_FROM_M
+        X.TRANSPOSED_FROM_M = from_m
+        try:
+            return fn()
+        finally:
+            X.TRANSPOSED_FROM_M = keep
+    return call
 
 
 def act_order_weight(n: int, k: int, dtype: torch.dtype, sym: bool):
@@ -127,8 +143,12 @@ def main(argv=None) -> int:
         if a.act_order:
             wa = dataclasses.replace(act_order_weight(n, k, torch.float16, False), kernel=ws[0].kernel)
             was = [wa] + [clone_tensors(wa) for _ in range(len(ws) - 1)]
-            row["shipped_actorder_rel_err"] = common.rel_err(wa.mm(x), x.double() @ wa.dequantize(torch.float64).T)
+            want_a = x.double() @ wa.dequantize(torch.float64).T
+            row["shipped_actorder_rel_err"] = common.rel_err(wa.mm(x), want_a)
             cands["shipped_actorder"] = [lambda v=v: v.mm(x) for v in was]
+            for route, from_m in (("direct", 1 << 30), ("transposed", 1)):
+                row[f"actorder_{route}_rel_err"] = common.rel_err(routed(lambda: wa.mm(x), from_m)(), want_a)
+                cands[f"actorder_{route}"] = [routed(lambda v=v: v.mm(x), from_m) for v in was]
         for name, tile in good.items():
             for s in splits:
                 cname = f"{name}_s{s}" if s else f"{name}_own"
@@ -141,7 +161,8 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001
                     row[cname + "_error"] = common.short_err(e)
         common.time_row(res, row, cands, a.trials, roof)
-        tiles = [c for c in cands if c not in ("shipped", "shipped_actorder", "cublas_fp16") and c + "_us" in row]
+        tiles = [c for c in cands if c not in ("shipped", "shipped_actorder", "cublas_fp16") and not c.startswith("actorder_")
+                 and c + "_us" in row]
         best = min(tiles, key=lambda c: row[c + "_us"], default=None)
         if best:
             row["best"] = best

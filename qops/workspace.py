@@ -9,8 +9,8 @@ names to those functions:
 =====================  ==========================================================================
 lowering               size function
 =====================  ==========================================================================
-triton_int_weight      ``qops.ops.triton.int_weight.workspace_bytes(m, n, k, bits, group_size, device)``
-native_w4a16           ``qops.native.int_weight.workspace_bytes(m, n, k, bits, group_size, device)`` (its own
+triton_int_weight      ``qops.ops.triton.int_weight.workspace_bytes(m, n, k, bits, group_size, device, act_order)``
+native_w4a16           ``qops.native.int_weight.workspace_bytes(m, n, k, bits, group_size, device, act_order)`` (its own
                        plan for M <= 16 and in deterministic mode; Triton's need above, which it delegates)
 triton_int8_weight     ``4*M*N`` when ``qops.ops.triton.int8_weight.plan`` splits K, else 0
 triton_blockwise4      ``4*M*N`` when ``qops.ops.triton.blockwise4.plan`` splits K for some x dtype, else 0
@@ -53,13 +53,15 @@ def _k(layer) -> int:
 def _triton_int_weight(layer, m: int, device: torch.device) -> int:
     from .ops.triton.int_weight import workspace_bytes
 
-    return workspace_bytes(m, layer.out_features, _k(layer), layer.bits, layer.group_size, device)
+    return workspace_bytes(m, layer.out_features, _k(layer), layer.bits, layer.group_size, device,
+                           act_order=layer.act_perm is not None)
 
 
 def _native_w4a16(layer, m: int, device: torch.device) -> int:
     from .native import int_weight as native
 
-    return native.workspace_bytes(m, layer.out_features, _k(layer), layer.bits, layer.group_size, device)
+    return native.workspace_bytes(m, layer.out_features, _k(layer), layer.bits, layer.group_size, device,
+                                  act_order=layer.act_perm is not None)
 
 
 def _split_k_accumulator(plan: Callable[..., dict]):

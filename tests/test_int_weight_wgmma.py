@@ -177,7 +177,7 @@ def test_workspace_holds_x_and_the_sum():
     go = G.plan(17, 4104, 4096, 4, 128, {"split": 3})
     assert G.workspace_bytes(17, 4104, 4096, go) >= 2 * 17 * 4096 + 4 * 17 * 4104
     partials = G.plan(17, 4104, 4096, 4, 128, {"split": 3, "reduce": "partials"})
-    assert G.workspace_bytes(17, 4104, 4096, partials) == G._aligned(2 * 17 * 4096) + 3 * 4 * 17 * 4104
+    assert G.workspace_bytes(17, 4104, 4096, partials) == G._aligned(2 * 17 * 4096) + G._aligned(3 * 4 * 17 * 4104)
     with pytest.raises(ValueError, match="reduce must be one of"):
         G.plan(17, 4104, 4096, 4, 128, {"split": 3, "reduce": "partial"})
     assert G.workspace_bytes(17, 4104, 4096, G.plan(17, 4104, 4096, 4, 128, {})) == -(-2 * 17 * 4096 // 256) * 256
@@ -220,28 +220,6 @@ def test_stream_k_runs_cover_every_step_once_in_one_wave(m, n, k):
     assert parts[1] == -(-4 * 2 * go["programs"] * 128 * 64 // 256) * 256 and parts[2] >= 4 * go["tiles"]
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("k,zeroed", [(64, "counts"), (1088, "sum"), (64, None)])
-def test_gather_kernel_orders_x_and_zeros_the_scratch(k, zeroed):
-    # the Triton gather under the interpreter (the GPU suite runs it compiled, through the kernel's oracle tests):
-    # x in the kernel's order, and the stream-K counts or a split launch's fp32 sum zeroed across its programs
-    # (K = 1088: two column blocks a row, ten programs)
-    x = torch.randn(5, k + 32, dtype=torch.float16)[:, 32:].t().contiguous().t()  # K-strided (column-major) x
-    perm = torch.randperm(k).to(torch.int32) if zeroed != "sum" else None  # act-order, and not
-    index = G.x_gather_index(k, perm, x.device)
-    xg = torch.empty(5, k, dtype=torch.float16)
-    scratch = {"counts": torch.full((2500,), 7, dtype=torch.int32),
-               "sum": torch.full((5, 1001), float("nan"), dtype=torch.float32), None: None}[zeroed]
-    after = torch.full((7,), 3, dtype=torch.int32)  # what follows the zeroed words is not written
-    if scratch is not None:
-        backing = torch.cat([scratch.view(torch.int32).reshape(-1), after])
-        scratch = backing[:scratch.numel()].view(scratch.dtype).view(scratch.shape)
-    G.gather_x(x, perm, xg, scratch)
-    assert torch.equal(xg, x[:, index])
-    if scratch is not None:
-        assert bool((scratch == 0).all()) and torch.equal(backing[scratch.numel():], after)
-
-
 def wgmma_table(tile: dict) -> dict:
     from qops.ops.triton import int_weight as T
 
@@ -264,7 +242,10 @@ def test_a_wgmma_bucket_plans_the_kernel_with_its_gemm_as_fallback(monkeypatch):
         assert T._plan(64, 4096, 4096, 4, 32, cpu)["path"] == "gemm"  # g32 splits the kernel's K tile
         need = T.workspace_bytes(64, 4096, 4096, 4, 128, cpu)
         assert need >= G.workspace_bytes(64, 4096, 4096, p["launch"])
-        assert need >= T._gemm_workspace_bytes(p["fallback"], 64, 4096)
+        assert need >= T._gemm_workspace_bytes(p["fallback"], 64, 4096, 4096, False)
+        # an act-order weight: the fallback GEMM's gathered x too
+        gathered = T.workspace_bytes(64, 4096, 4096, 4, 128, cpu, act_order=True)
+        assert gathered >= T._gemm_workspace_bytes(p["fallback"], 64, 4096, 4096, True) >= 4 * 64 * 4096
         monkeypatch.setenv("QOPS_DETERMINISTIC", "1")
         go = T._plan(64, 4096, 4096, 4, 128, cpu)["launch"]  # no atomic adds: the same splits, as partials
         assert go["split"] == 2 and G.split_out_mode(go["tile"]) == 1
@@ -317,6 +298,36 @@ def test_plan_splits_to_its_programs_per_sm_and_leaves_few_tiles_to_the_gemm():
     # a weight the kernel refuses plans no launch (the bucket's GEMM takes it, the shape checked once)
     assert G.plan(64, 28672, 4096, 8, 128, tile, 132) is None
     assert G.plan(64, 28672, 4096, 4, 32, tile, 132) is None
+
+
+def test_few_tiles_replans_a_call_of_too_few_tiles_before_the_gemm():
+    """``few_tiles``: a call with fewer output tiles than ``min_tiles`` is planned again with those keys (the
+    H100's M = 64 tile: 64-wide, 4 stages) before it is left to the GEMM; their own min_tiles / long_k_steps then
+    decide, and a call with enough tiles keeps the tile."""
+    tile = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 128, "STAGES": 3, "ctas_per_sm": 2, "min_tiles": 64,
+            "long_k_steps": 112, "stream_k": 1, "stream_k_min_waves": 1, "few_tiles": {"BLOCK_N": 64, "STAGES": 4}}
+    go = G.plan(64, 4096, 4096, 4, 128, tile, 132)  # 32 wide tiles, 64 narrow: four splits of 264 slots
+    assert go["tile"]["BLOCK_N"] == 64 and go["tile"]["STAGES"] == 4 and go["split"] == 4 and "few_tiles" not in go["tile"]
+    assert go["grid"] == (64, 1, 4)
+    assert G.plan(64, 6144, 4096, 4, 128, tile, 132)["split"] == 3  # 96 narrow tiles
+    assert G.plan(64, 4096, 14336, 4, 128, tile, 132)["tile"]["BLOCK_N"] == 64  # before the long-K rule
+    assert G.plan(64, 2048, 4096, 4, 128, tile, 132) is None  # 32 narrow tiles, 32 K tiles: the GEMM's
+    assert G.plan(64, 2048, 14336, 4, 128, tile, 132)["tile"]["BLOCK_N"] == 64  # 112 K tiles
+    wide = G.plan(64, 8192, 28672, 4, 128, tile, 132)  # 64 tiles: the tile itself
+    assert wide["tile"]["BLOCK_N"] == 128 and wide["split"] == 4
+    assert G.plan(64, 57344, 8192, 4, 128, tile, 132)["stream_k"]
+    # the narrow tile's own keys decide where it has them
+    assert G.plan(64, 4096, 4096, 4, 128, {**tile, "few_tiles": {"BLOCK_N": 64, "min_tiles": 128}}, 132) is None
+    for bad in ({"BLOCK_N": 64, "few_tiles": {}}, [64]):
+        with pytest.raises(ValueError, match="few_tiles must be a mapping"):
+            G.plan(64, 4096, 4096, 4, 128, {**tile, "few_tiles": bad}, 132)
+    with pytest.raises(ValueError, match=r"unknown keys \['BLOCK_NN'\]"):
+        G.plan(64, 4096, 4096, 4, 128, {**tile, "few_tiles": {"BLOCK_NN": 64}}, 132)
+    from qops.ops.triton import int_weight as T
+
+    table = T.load_config("h100")
+    table["gemm"]["4"]["64"]["wgmma"]["few_tiles"]["BLOCK_NN"] = 64
+    assert "['few_tiles']: unknown keys ['BLOCK_NN']" in T.entry_key_refusal(table)
 
 
 def test_a_tile_with_an_unknown_key_is_refused_and_shipped_tiles_have_none():

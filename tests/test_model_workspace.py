@@ -244,15 +244,22 @@ def h200_facts(monkeypatch):
 
 
 LLAMA3_8B_LOWERINGS = [
-    ("native_w4a16", dict(bits=4, group_size=128)),
-    ("triton_int_weight", dict(bits=4, group_size=128)),
-    ("triton_int_weight", dict(bits=3, group_size=128)),
-    ("triton_int_weight", dict(bits=8, group_size=-1)),
+    ("native_w4a16", dict(bits=4, group_size=128, act_perm=None)),
+    ("native_w4a16", dict(bits=4, group_size=128, act_perm=torch.arange(1))),  # act-order: the gathered x too
+    ("triton_int_weight", dict(bits=4, group_size=128, act_perm=None)),
+    ("triton_int_weight", dict(bits=4, group_size=128, act_perm=torch.arange(1))),
+    ("triton_int_weight", dict(bits=3, group_size=128, act_perm=None)),
+    ("triton_int_weight", dict(bits=8, group_size=-1, act_perm=None)),
     ("triton_int8_weight", {}),
     ("triton_blockwise4", dict(blocksize=64, layout=0)),
     ("triton_fp8", dict(block_k=-1, activations="none")),
     ("triton_fp8", dict(block_k=128, activations="none")),
 ]
+
+
+def _facts_key(facts: dict) -> tuple:
+    """A layer's facts as a key (act_perm as whether it has one)."""
+    return tuple(sorted((k, v is not None) if k == "act_perm" else (k, v) for k, v in facts.items()))
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
@@ -270,9 +277,10 @@ def test_scratch_for_llama3_8b_at_batch_64_fits_64_mib(h200_facts, deterministic
         choice = SimpleNamespace(lowering=LOWERINGS_BY_NAME[lowering])
         for name, (n, k) in shapes.items():
             layer = SimpleNamespace(choice=choice, out_features=n, in_features=k, input_pad=0, **facts)
-            needs[lowering, tuple(facts.items()), name] = layer_scratch_bytes(layer, 64, h200_facts)
+            needs[lowering, _facts_key(facts), name] = layer_scratch_bytes(layer, 64, h200_facts)
     worst = max(needs, key=needs.get)
     assert needs[worst] <= 64 << 20, f"{worst}: {needs[worst]} bytes at M <= 64"
     # The size functions are live: the integer lowerings split K for decode-sized M on these shapes.
-    assert needs["native_w4a16", (("bits", 4), ("group_size", 128)), "o"] > 0
-    assert needs["triton_int_weight", (("bits", 4), ("group_size", 128)), "gate_up"] > 0
+    plain = (("act_perm", False), ("bits", 4), ("group_size", 128))
+    assert needs["native_w4a16", plain, "o"] > 0
+    assert needs["triton_int_weight", plain, "gate_up"] > 0

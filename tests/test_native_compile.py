@@ -838,14 +838,14 @@ def test_workspace_past_the_native_rows_is_the_triton_need(monkeypatch):
     monkeypatch.setattr(native, "_deterministic", False)
     monkeypatch.delenv(native.SLICED_ROWS_ENV, raising=False)
     asked = []
-    fake = type("tri", (), {"workspace_bytes": staticmethod(lambda m, n, k, bits, g, dev: asked.append((m, n, k, dev.type)) or 4096)})
+    fake = type("tri", (), {"workspace_bytes": staticmethod(lambda m, n, k, bits, g, dev, act_order: asked.append((m, n, k, dev.type, act_order)) or 4096)})
     monkeypatch.setattr(native, "_triton_module", lambda: fake)
     served = native.rows_served(4096, 4096, 0)
     assert served == 96
     for m in (served + 1, 300):
         assert native.workspace_bytes(m, 4096, 4096, 4, 128, device=0) == 4096
-    assert native.workspace_bytes(40, 4096, 777, 4, -1, device=0) == 4096
-    assert asked == [(m, 4096, 4096, "cuda") for m in (served + 1, 300)] + [(40, 4096, 777, "cuda")]
+    assert native.workspace_bytes(40, 4096, 777, 4, -1, device=0, act_order=True) == 4096
+    assert asked == [(m, 4096, 4096, "cuda", False) for m in (served + 1, 300)] + [(40, 4096, 777, "cuda", True)]
     for m in (native.MAX_M + 1, gemm.MAX_M):
         assert native.workspace_bytes(m, 4096, 4096, 4, 128, device=0) == gemm._rule(m, 4096, 4096, 132, wgmma=True).workspace
     rule = lambda m: gemm._rule(m, 4096, 4096, 132, wgmma=True).workspace  # noqa: E731

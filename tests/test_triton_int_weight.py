@@ -26,6 +26,7 @@ from qops.formats.integer import act_order_g_idx
 from qops.ops.int_weight import to_column_slabs
 from qops.ops.triton import common as C
 from qops.ops.triton import int_weight as T
+from qops.ops.triton import x_gather as X
 
 from tests import oracle as O
 from tests.launch_recorder import KernelRecorder
@@ -483,6 +484,30 @@ def test_out_and_workspace(path):
     big = torch.full((72, 3), float("nan"), dtype=torch.float16, device=DEVICE)
     ret = T.triton_mm(x, qweight, scales, qzeros, None, None, 4, 32, zo, out=big.t(), force_path=path)
     assert_matches(big.t(), x, qweight, scales, qzeros, None, None, 4, 32, zo, f"{path} transposed out")
+
+
+# bf16 through the GEMM is not exact under the interpreter (test_bf16_activations): on a GPU only
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("m", [5, 33])
+def test_gemm_gathers_act_order_x_into_the_workspace(dtype, m):
+    """With an act_perm the GEMM reads x gathered once (``x[:, act_perm]`` at the workspace's start, the split's
+    fp32 sums after it) instead of one element at a time through act_perm; from ``x_gather.TRANSPOSED_FROM_M`` rows
+    (M = 33) through x transposed, which takes as much again. The decode GEMV keeps its in-kernel gather.
+    ``workspace_bytes(act_order=True)`` covers every part: with a garbage-filled workspace of exactly that size the
+    gathered x lands in it and the result matches the oracle, for a strided x too."""
+    qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, True, seed=9)
+    dev = torch.device(DEVICE)
+    plain, gathered = (T.workspace_bytes(m, 72, 256, 4, 32, dev, act_order=a) for a in (False, True))
+    copies = 2 if m >= X.TRANSPOSED_FROM_M else 1  # x gathered (+ x transposed), each sized for fp32 x
+    assert plain > 0 and gathered == plain + copies * m * 256 * 4, (plain, gathered)
+    assert T.workspace_bytes(1, 72, 256, 4, 32, dev, act_order=True) == T.workspace_bytes(1, 72, 256, 4, 32, dev)
+    base = torch.randn(m, 300, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
+    for x in (base[:, :256].contiguous(), base[:, 40:296]):
+        workspace = torch.full((gathered,), 255, dtype=torch.uint8, device=DEVICE)
+        y = T.triton_mm(x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, workspace=workspace, force_path="gemm")
+        assert_matches(y, x, qweight, scales, qzeros, act_perm, None, 4, 32, zo, f"gemm act-order {dtype} M={m}")
+        xg = workspace[:m * 256 * dtype.itemsize].view(dtype).view(m, 256)
+        assert torch.equal(xg, x[:, act_perm.long()])
 
 
 def test_empty_and_zero_k():
@@ -1251,7 +1276,7 @@ def record_split_launch(monkeypatch, path, reduce, knob, value, gpu_pdl, one_spl
     monkeypatch.setattr(C, "_reduce_kernel", KernelRecorder("_reduce_kernel", launches))
     monkeypatch.setattr(T, "zero_ahead", lambda buf: zeroed.append((tuple(buf.shape), buf.dtype)))
     real_scratch = T.fp32_scratch
-    monkeypatch.setattr(T, "fp32_scratch", lambda ws, shape, zero, device: scratch.append(zero) or real_scratch(ws, shape, zero, device))
+    monkeypatch.setattr(T, "fp32_scratch", lambda ws, shape, zero, device, offset=0: scratch.append(zero) or real_scratch(ws, shape, zero, device, offset))
     monkeypatch.setattr(T, "pdl_launch", lambda device: gpu_pdl)
     monkeypatch.setattr(T, "_build_facts", lambda *a: (1, 7 if one_split else None))
     monkeypatch.setattr(T, "split_in_waves", lambda k, unit, tiles, split, slots: (1, triton.cdiv(k, unit) * unit))

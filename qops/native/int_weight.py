@@ -695,10 +695,12 @@ def _with_smem_ring(p: Plan, n: int, k: int, stages: int, limit: int) -> Plan | 
         return None
 
 
-def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device | int | None = None) -> int:
+def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device | int | None = None,
+                    act_order: bool = False) -> int:
     """Scratch bytes ``native_mm`` needs for an (m, K) x (K, N) product on ``device``.
 
-    The signature is the Triton lowering's, so callers size either the same way. 0 unless the plan
+    The signature is the Triton lowering's, so callers size either the same way (``act_order``: the weight has
+    an act_perm, which only the Triton lowering's GEMM takes scratch for). 0 unless the plan
     splits K through the workspace. For m > ``gemm.MAX_M`` outside deterministic mode (or K % 8 != 0
     above ``MAX_M``), the Triton lowering's need, since those calls are handed to it.
     """
@@ -714,7 +716,7 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
         device = torch.cuda.current_device()
     dev = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
     if _delegated(m, n, k, dev):
-        return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, torch.device("cuda", dev)))
+        return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, torch.device("cuda", dev), act_order))
     # Slices of _slice_rows(m, k) rows and a shorter last one, one after another on the same scratch.
     step = _slice_rows(m, k)
     return max((plan(r, n, k, dev) if r <= decode_rows(n, k, dev) else gemm.plan(r, n, k, dev)).workspace

@@ -236,7 +236,8 @@ def test_out_variant_workspace_and_reductions():
         with T.config_override(table_with(reduce=reduce)):
             for m in (1, 7, 64):
                 x = rand(m, case.k, dtype=dtype, seed=m)
-                need = T.workspace_bytes(m, case.n, case.k, case.bits, case.group_size, x.device)
+                need = T.workspace_bytes(m, case.n, case.k, case.bits, case.group_size, x.device,
+                                         act_order=w.act_perm is not None)
                 ws = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
                 big = torch.full((m, case.n + 9), float("nan"), dtype=dtype, device="cuda")
                 out = big[:, 4:4 + case.n]
@@ -244,6 +245,27 @@ def test_out_variant_workspace_and_reductions():
                                                  w.zero_offset, int(w.kernel), out, ws)
                 check(out, x, b.w64, None, f"out {reduce} M={m}")
                 assert bool(big[:, :4].isnan().all()) and bool(big[:, 4 + case.n:].isnan().all()), "wrote outside out"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_act_order_gemm_reads_x_gathered_into_the_workspace(dtype):
+    """An act-order weight through the Triton GEMM: x gathered once (``x[:, act_perm]``) at the start of a
+    garbage-filled workspace of exactly ``workspace_bytes(act_order=True)``, the split's fp32 sums after it; the
+    result against the float64 oracle, for a strided x too, and the gathered x checked in the workspace."""
+    case = SWEEP[0][0]
+    assert case.act_order
+    b = built(case, dtype)
+    w = b.weight
+    for m in (16, 33, 64):
+        need = T.workspace_bytes(m, case.n, case.k, case.bits, case.group_size, torch.device("cuda"), act_order=True)
+        base = rand(m, case.k + 24, dtype=dtype, seed=70 + m)
+        for x in (base[:, :case.k].contiguous(), base[:, 8:8 + case.k]):
+            ws = torch.full((need,), 255, dtype=torch.uint8, device="cuda")
+            y = T.triton_mm(x, w.qweight, w.scales, w.qzeros, w.act_perm, None, w.bits, w.group_size, w.zero_offset,
+                            workspace=ws, force_path="gemm")
+            check(y, x, b.w64, None, f"act-order gemm M={m} {dtype} strided={not x.is_contiguous()}")
+            xg = ws[:m * case.k * dtype.itemsize].view(dtype).view(m, case.k)
+            assert torch.equal(xg, x[:, w.act_perm.long()]), f"M={m}: x not gathered into the workspace"
 
 
 @pytest.mark.parametrize("overlap", [0, 1])

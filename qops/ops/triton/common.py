@@ -482,9 +482,10 @@ def split_sum(workspace: torch.Tensor | None, m: int, n: int, device) -> tuple[t
     return buf, pdl
 
 
-def fp32_scratch(workspace: torch.Tensor | None, shape: tuple[int, ...], zero: bool, device) -> torch.Tensor:
-    """fp32 scratch of ``shape`` (zeroed when ``zero``) from the caller's workspace (:func:`workspace_view`)."""
-    buf = workspace_view(workspace, shape, torch.float32, device)
+def fp32_scratch(workspace: torch.Tensor | None, shape: tuple[int, ...], zero: bool, device, offset: int = 0) -> torch.Tensor:
+    """fp32 scratch of ``shape`` (zeroed when ``zero``) at byte ``offset`` of the caller's workspace
+    (:func:`workspace_view`)."""
+    buf = workspace_view(workspace, shape, torch.float32, device, offset)
     return buf.zero_() if zero else buf
 
 

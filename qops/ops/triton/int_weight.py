@@ -47,13 +47,16 @@ number of rows M and the shipped config table (never from tensor values, never w
   lies inside one quantization group the scale multiplies the tile's fp32 product (once per output
   element per tile) or, for tiles taller than half their depth or where a config asks (``scale_weight``),
   the half weight tile (once per weight pair); otherwise scales are applied per element before the dot.
+  With an act_perm, x is gathered once a call (``x[:, act_perm]``, into the workspace ahead of the fp32 sums;
+  :func:`gathers_x`): read through act_perm, a K tile's columns are scattered and load a value at a time.
 - **wgmma** (a 4-bit GEMM bucket whose config holds a ``wgmma`` tile, on Hopper): the Gluon kernel of
   :mod:`.int_weight_wgmma` (the weight as the warpgroup MMA's register operand, asynchronous MMAs over a
   ``cp.async`` ring; x gathered once a call into the MMA's K order, in the caller's workspace), with the
   bucket's GEMM wherever that kernel refuses the weight (``int_weight_wgmma.shape_refusal``, when planned: bits,
   K or group off its K tile), the call is too small for it (too few output tiles for its K, or too short a K:
   the tile's ``min_tiles``, ``long_k_steps`` and ``min_k_steps``, measured per card) or the kernel refuses the
-  call (``call_refusal``: dtype, another GPU, a Triton without Gluon). A tile's ``stream_k`` launches one wave of
+  call (``call_refusal``: dtype, another GPU, a Triton without Gluon); a tile's ``few_tiles`` (say a narrower
+  BLOCK_N) is tried before a call of too few tiles goes to the GEMM. A tile's ``stream_k`` launches one wave of
   programs over the tiles' K steps laid end to end; with ``stream_k_min_waves`` it does so only where the call
   has that many waves of tiles.
 - **dense** (the largest M, when the config says so): the weight is dequantized by a Triton kernel
@@ -99,10 +102,11 @@ import triton.language as tl
 
 from .common import (EVEN_ODD_4, HALF_FORMATS, X_PAIRS_ASM, X_PAIRS_CONSTRAINTS, fp32_scratch, grouped_tile, half_dot_asm,
                      half_unpack_asm, interpreting, pick_bucket, reduce_sums, resident_programs, sm_count,
-                     split_in_waves, split_k, stream_k_runs, zero_ahead)
+                     split_in_waves, split_k, stream_k_runs, workspace_view, zero_ahead)
 from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 from . import int_weight_wgmma as wgmma
+from .x_gather import gather_x, transposed_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
@@ -1095,15 +1099,17 @@ GEMM_KEYS = _LAUNCH_KEYS | DENSE_KEYS | {"BLOCK_M", "BLOCK_K", "GROUP_M", "strea
 
 def entry_key_refusal(table: dict) -> str | None:
     """Where ``table`` has an entry with a key it is not read for -- a decode entry (or its ``short_split``)
-    outside :data:`DECODE_KEYS`, a GEMM entry outside :data:`GEMM_KEYS` (its ``wgmma`` tile outside
-    ``int_weight_wgmma.TILE_KEYS``), the ``dense`` defaults outside :data:`DENSE_KEYS` -- or an entry that is not
-    a mapping, which key and where; None where it has none."""
+    outside :data:`DECODE_KEYS`, a GEMM entry outside :data:`GEMM_KEYS` (its ``wgmma`` tile, and that tile's
+    ``few_tiles``, outside ``int_weight_wgmma.TILE_KEYS``), the ``dense`` defaults outside :data:`DENSE_KEYS` -- or
+    an entry that is not a mapping, which key and where; None where it has none."""
     known = {"decode": DECODE_KEYS, "gemm": GEMM_KEYS}
     checks = [(f"{sect}[{bits!r}][{bucket!r}]", entry, known[sect]) for sect in ("decode", "gemm")
               for bits, section in table.get(sect, {}).items() for bucket, entry in section.items()]
     checks.append(("dense", table.get("dense", {}), DENSE_KEYS))
     nested = [(f"{where}[{key!r}]", entry[key], keys) for where, entry, _ in checks if isinstance(entry, dict)
               for key, keys in (("short_split", DECODE_KEYS - {"short_split"}), ("wgmma", wgmma.TILE_KEYS)) if key in entry]
+    nested += [(f"{where}['few_tiles']", entry["few_tiles"], wgmma.TILE_KEYS - {"few_tiles"}) for where, entry, _ in nested
+               if isinstance(entry, dict) and "few_tiles" in entry]
     for where, entry, keys in checks + nested:
         if not isinstance(entry, dict):
             return f"{where}: expected a mapping of keys, got {type(entry).__name__}"
@@ -1422,20 +1428,40 @@ def _decode_plan(cfg: dict, m: int, n: int, k: int, group_size: int, sms: int) -
     )
 
 
-def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device) -> int:
-    """Scratch bytes ``triton_mm`` uses for these sizes (fp32 split-K partials); 0 when none."""
+def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: torch.device,
+                    act_order: bool = False) -> int:
+    """Scratch bytes ``triton_mm`` uses for these sizes (fp32 split-K partials; with ``act_order``, x gathered
+    for the GEMM, :func:`gathers_x`, sized for fp32 x); 0 when none."""
     plan = _plan(m, n, k, bits, group_size, device)
     if plan["path"] == "wgmma":
-        return max(wgmma.workspace_bytes(m, n, k, plan["launch"]), _gemm_workspace_bytes(plan["fallback"], m, n))
-    return _gemm_workspace_bytes(plan, m, n)
+        fallback = _gemm_workspace_bytes(plan["fallback"], m, n, k, act_order)
+        return max(wgmma.workspace_bytes(m, n, k, plan["launch"], act_order), fallback)
+    return _gemm_workspace_bytes(plan, m, n, k, act_order)
 
 
-def _gemm_workspace_bytes(plan: dict, m: int, n: int) -> int:
+def _gemm_workspace_bytes(plan: dict, m: int, n: int, k: int, act_order: bool) -> int:
     if plan["path"] == "dense":
         return 0
     # the split launch's partials ((S, M, N) or one (M, N) sum); stream-K, where asked, may take one sum instead
     rows = 0 if plan["split"] == 1 else plan["split"] if plan["reduce"] == "partials" else 1
-    return 4 * max(rows, int(plan["stream_k"])) * m * n
+    gathered = sum(_gather_parts(m, k, 4)) if act_order and gathers_x(plan) else 0
+    return gathered + 4 * max(rows, int(plan["stream_k"])) * m * n
+
+
+def gathers_x(plan: dict) -> bool:
+    """Whether a call of this plan with an act_perm gathers x once (``x[:, act_perm]`` into the workspace, ahead
+    of the fp32 sums) rather than reading it through act_perm in the kernel. The GEMM does: its K tile's x
+    columns are scattered, so it loads them one element at a time, BLOCK_M x BLOCK_K loads a step; at M = 16 on an
+    H100 (4096x14336, W4 g128) that took 59.1 us against 20.5 without act-order (stop 73, ``probe_wgmma_w4
+    --act-order``), gathered first 23.4 us against 20.3 (``h100-2026-12-07-565aae4-actorder.json``; the gather's
+    routes: ``x_gather``). The decode GEMV reads at most a few rows of x and keeps the in-kernel gather."""
+    return plan["path"] == "gemm"
+
+
+def _gather_parts(m: int, k: int, itemsize: int) -> tuple[int, int]:
+    """Workspace bytes of an act-order call's x gathered (``(m, k)``) and of x transposed on the way there
+    (``x_gather.transposed_bytes``), each rounded up so that the fp32 sums after them stay aligned."""
+    return -(-m * k * itemsize // 256) * 256, transposed_bytes(m, k, itemsize, True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1572,14 +1598,21 @@ def _run_wgmma(plan, x2, qweight, scales, qzeros, act_perm, bias, group_size, ze
 
 def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2, workspace):
     m, n = x2.shape[0], o2.shape[1]
+    sums_at = 0
+    if act_perm is not None and gathers_x(plan):
+        gathered, transposed = _gather_parts(m, x2.shape[1], x2.dtype.itemsize)
+        xg = workspace_view(workspace, x2.shape, x2.dtype, x2.device)
+        xt = workspace_view(workspace, (x2.numel(),), x2.dtype, x2.device, offset=gathered) if transposed else None
+        gather_x(x2, act_perm, xg, mma_order=False, xt=xt)
+        x2, act_perm, sums_at = xg, None, gathered + transposed
     tensors = (x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
     go = _chosen_launch(plan, tensors)
     if go.mode == 0:
         y = o2
     elif go.mode == 2:
-        y = fp32_scratch(workspace, (m, n), not go.zero_wait, x2.device)
+        y = fp32_scratch(workspace, (m, n), not go.zero_wait, x2.device, offset=sums_at)
     else:
-        y = fp32_scratch(workspace, (go.parts, m, n), False, x2.device)
+        y = fp32_scratch(workspace, (go.parts, m, n), False, x2.device, offset=sums_at)
     if go.zero_wait:
         zero_ahead(y)
     go.kernel[go.grid](*_split_k_args(*tensors, y, go.mode, go.split_len), **go.constexprs, **go.launch,

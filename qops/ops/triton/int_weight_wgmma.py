@@ -41,10 +41,11 @@ How K is shared among programs (:func:`plan`): K splits whose fp32 sums are adde
 as one partial a split (a tile's ``reduce``) and reduced by a second launch, or stream-K: one wave of programs, each
 an equal run of the tiles' K steps laid end to end, a tile that several runs share summed by the last of them to
 finish (from the others' fp32 parts, in program order), with no fp32 sum to zero or reduce. The x gather
-(:func:`gather_x`) zeroes the stream-K counts or the split launch's fp32 sum, and the call's launches after it are
-programmatic dependents (PDL): the kernel copies its first word stages before it waits for the gather, and the split
-sum's reduction is placed while the kernel's last programs run. Before that chain a call was two to four launches,
-each waiting for the last (the gather, a zeroing of the sum, the kernel, the reduction).
+(``x_gather.gather_x``; for act-order from 32 rows through x transposed) zeroes the stream-K counts or the split
+launch's fp32 sum, and the call's launches after it are programmatic dependents (PDL): the kernel copies its first
+word stages before it waits for the gather, and the split sum's reduction is placed while the kernel's last programs
+run. Before that chain a call was two to four launches, each waiting for the last (the gather, a zeroing of the sum,
+the kernel, the reduction).
 
 Gluon (``triton.experimental.gluon``) is experimental and its API moves between Triton releases; this file
 is written against Triton 3.6 (the GPU machine's). Triton's interpreter does not run Gluon, so CI only
@@ -58,6 +59,7 @@ import triton.language as tl
 
 from .._common import pdl_launch
 from .common import half_unpack_asm, sm_count, stream_k_runs, workspace_view
+from .x_gather import gather_x, transposed_bytes
 
 try:  # Gluon's API is per Triton release; a Triton without these names cannot build the kernel at all
     from triton.experimental import gluon
@@ -108,7 +110,7 @@ def _gather_order(k: int) -> torch.Tensor:
 def x_gather_index(k: int, act_perm: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The column of x each K position of the kernel reads: the MMA order of :func:`_gather_order`, through
     the act-order permutation where there is one (the kernel's K row ``j`` multiplies ``x[:, act_perm[j]]``).
-    The gather computes it itself (:func:`_gather_kernel`); this is its reference."""
+    The gather computes it itself (``x_gather.gather_x``); this is its reference."""
     order = _order_of(torch.arange(k, device=device))
     return order if act_perm is None else act_perm.index_select(0, order)
 
@@ -478,7 +480,7 @@ if GLUON_ERROR is None:
 DEFAULT_TILE = {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4}
 # Every key a tile may hold (:func:`plan` reads them): a table's misspelt knob is refused, not silently ignored.
 TILE_KEYS = frozenset({"BLOCK_N", "BLOCK_M", "BLOCK_K", "STAGES", "WARPS", "ctas_per_sm", "split", "stream_k",
-                       "stream_k_min_waves", "min_tiles", "long_k_steps", "min_k_steps", "reduce"})
+                       "stream_k_min_waves", "min_tiles", "long_k_steps", "min_k_steps", "reduce", "few_tiles"})
 # How a split launch leaves its fp32 sums (a tile's ``reduce``): added into one sum (atomic adds; the gather
 # zeroes it) or stored as one partial a split (plain stores, no zeroing; the reduction reads them all, in
 # split order: the same bits run to run). OUT_MODE as int_weight's.
@@ -573,15 +575,29 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     the GEMM's speed at K = 4096 / 8192 (32 / 64 K tiles), 1.12 / 1.30x at K = 14336 / 28672 (112 / 224). A short
     K leaves each program few steps to fill and drain its ring over: at M = 32 on an H100 the 32-row tile ran
     1.30x the GEMM's speed at K = 8192 / 28672 and 0.96x at K = 4096
-    (``h100-2026-12-07-9a13144-bench-m4-32-h100wa.json``)."""
+    (``h100-2026-12-07-9a13144-bench-m4-32-h100wa.json``).
+
+    ``few_tiles`` (keys of a tile, say a narrower BLOCK_N): a call with fewer output tiles than ``min_tiles`` is
+    planned again with these keys over the tile's before it is left to the GEMM (their own ``min_tiles`` /
+    ``long_k_steps`` then decide). At M = 64 on an H100 the 64-wide tile at four K splits ran 1.15-1.68x the
+    shipped launch's speed where the 128-wide one gave 32-48 tiles (4096x4096 13.32 us against 17.10, 6144x4096
+    16.69 against 28.08 at two splits, 4096x8192 18.22 against 25.65, 4096x14336 26.92 against 31.05;
+    ``h100-2026-12-07-721d288-probe-m64.json``); through the op with the H100 table's rule, 4096x14336 27.05 us
+    (``h100-2026-12-07-565aae4-actorder.json``, its plain rows; the other three shapes not yet timed through it)."""
     cfg = {**DEFAULT_TILE, **tile}
     if unknown := sorted(set(cfg) - TILE_KEYS):
         raise ValueError(f"tile: unknown keys {unknown} (known: {sorted(TILE_KEYS)})")
+    few = cfg.get("few_tiles")
+    if few is not None and (not isinstance(few, dict) or "few_tiles" in few):
+        raise ValueError(f"tile: few_tiles must be a mapping of tile keys other than few_tiles, got {few!r}")
     if cfg["BLOCK_N"] % (16 * cfg.get("WARPS", 4)):
         raise ValueError(f"tile: BLOCK_N must be a multiple of 16 * WARPS (each warp's 16 MMA rows), got {cfg}")
     split_out_mode(cfg)  # a misspelt reduce is refused with the plan, not at the first split call
     tiles_m = triton.cdiv(m, cfg["BLOCK_M"])
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * tiles_m
+    if few is not None and tiles < cfg.get("min_tiles", 0):
+        narrow = {key: value for key, value in cfg.items() if key != "few_tiles"}
+        return plan(m, n, k, bits, group_size, {**narrow, **few}, sms)
     steps = max(1, k // cfg["BLOCK_K"])
     if shape_refusal(bits, group_size, k, n, cfg["BLOCK_K"]) is not None or _left_to_gemm(tiles, steps, cfg):
         return None
@@ -613,67 +629,24 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
 
 
-def _scratch_parts(m: int, n: int, k: int, go: dict) -> tuple[int, int, int]:
-    """Bytes of the scratch's three parts: x gathered (fp16 / bf16); a split launch's fp32 sum or partials (one a
-    split), or the stream-K slots (two a program, a tile each); the stream-K counts (int32, one a tile)."""
+def _scratch_parts(m: int, n: int, k: int, go: dict, act_order: bool = False) -> tuple[int, int, int, int]:
+    """Bytes of the scratch's four parts: x gathered (fp16 / bf16); a split launch's fp32 sum or partials (one a
+    split), or the stream-K slots (two a program, a tile each); the stream-K counts (int32, one a tile); x
+    transposed for an act-order gather's transposed route (``x_gather.transposed_bytes``)."""
     cfg = go["tile"]
+    xt = transposed_bytes(m, k, 2, act_order)
     if go["stream_k"]:
         return (_aligned(2 * m * k), _aligned(4 * 2 * go["programs"] * cfg["BLOCK_N"] * cfg["BLOCK_M"]),
-                _aligned(4 * go["tiles"]))
+                _aligned(4 * go["tiles"]), xt)
     if go["split"] == 1:
-        return _aligned(2 * m * k), 0, 0
+        return _aligned(2 * m * k), 0, 0, xt
     sums = go["split"] if split_out_mode(cfg) == 1 else 1
-    return _aligned(2 * m * k), 4 * sums * m * n, 0
+    return _aligned(2 * m * k), _aligned(4 * sums * m * n), 0, xt
 
 
-def workspace_bytes(m: int, n: int, k: int, launch: dict) -> int:
+def workspace_bytes(m: int, n: int, k: int, launch: dict, act_order: bool = False) -> int:
     """Scratch bytes of :func:`launch` (:func:`_scratch_parts`)."""
-    return sum(_scratch_parts(m, n, k, launch))
-
-
-# x columns one gathering program moves
-GATHER_BLOCK = 1024
-
-
-@triton.jit
-def _gather_kernel(x_ptr, perm_ptr, xg_ptr, zero_ptr, K, zero_words, zero_chunk, stride_xm, stride_xk, stride_gm,
-                   BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, PDL: tl.constexpr):
-    """``xg[m, q] = x[m, idx[q]]`` for row ``m`` = program 0 (M on the grid's unbounded axis) and ``BLOCK`` columns,
-    ``idx`` :func:`x_gather_index`: the MMA order (:func:`_order_of`, computed here) through the act-order
-    permutation where there is one (HAS_PERM), so that no launch before this one composes an index.
-    The programs also zero the ``zero_words`` 32-bit words at ``zero_ptr`` (the stream-K counts or a split
-    launch's fp32 sum), ``zero_chunk`` words a program in launch order, so that the GEMM after it on the stream
-    needs no launch of its own for them. PDL: the GEMM, launched as this grid's programmatic dependent, may be
-    placed as soon as every program here has started (it waits for this grid before reading what it writes)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    m = tl.program_id(0).to(tl.int64)
-    q = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = q < K
-    r = q % 32
-    src = (q // 32) * 32 + ((r // 2) % 4) * 8 + (r // 16) * 2 + (r // 8) % 2 + (r % 2) * 4
-    if HAS_PERM:
-        src = tl.load(perm_ptr + src, mask=inside, other=0)
-    tl.store(xg_ptr + m * stride_gm + q, tl.load(x_ptr + m * stride_xm + src * stride_xk, mask=inside), mask=inside)
-    lo = (m * tl.num_programs(1) + tl.program_id(1)) * zero_chunk
-    hi = tl.minimum(lo + zero_chunk, zero_words)
-    for c0 in range(0, zero_chunk, BLOCK):
-        c = lo + c0 + tl.arange(0, BLOCK)
-        tl.store(zero_ptr + c, tl.zeros([BLOCK], tl.int32), mask=c < hi)
-
-
-def gather_x(x2: torch.Tensor, act_perm: torch.Tensor | None, xg: torch.Tensor, zeroed: torch.Tensor | None,
-             pdl: bool = False) -> None:
-    """``xg = x2[:, x_gather_index(K, act_perm)]`` (the kernel's K order), zeroing the contiguous 32-bit ``zeroed``
-    (int32 counts or an fp32 sum) in the same launch; ``pdl``: the next launch may be its programmatic dependent
-    (:func:`_gather_kernel`)."""
-    m, k = x2.shape
-    grid = (m, triton.cdiv(k, GATHER_BLOCK))
-    words = 0 if zeroed is None else zeroed.numel()
-    _gather_kernel[grid](
-        x2, x2 if act_perm is None else act_perm, xg, xg if zeroed is None else zeroed.view(torch.int32), k, words,
-        -(-words // (grid[0] * grid[1])), x2.stride(0), x2.stride(1), xg.stride(0), BLOCK=GATHER_BLOCK,
-        HAS_PERM=act_perm is not None, PDL=pdl, num_warps=4)
+    return sum(_scratch_parts(m, n, k, launch, act_order))
 
 
 def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
@@ -689,8 +662,11 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     m, k = x2.shape
     n = o2.shape[1]
     cfg = go["tile"]
-    x_bytes, sum_bytes, _ = _scratch_parts(m, n, k, go)
+    x_bytes, sum_bytes, count_bytes, xt_bytes = _scratch_parts(m, n, k, go, act_perm is not None)
     xg = workspace_view(workspace, (m, k), x2.dtype, x2.device)
+    xt = None
+    if xt_bytes:
+        xt = workspace_view(workspace, (m * k,), x2.dtype, x2.device, offset=x_bytes + sum_bytes + count_bytes)
     out_mode = split_out_mode(cfg) if go["split"] > 1 else 0
     parts = counts = None
     if go["stream_k"]:
@@ -701,10 +677,10 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     else:
         sums = (go["split"], m, n) if out_mode == 1 else (m, n)
         y = workspace_view(workspace, sums, torch.float32, x2.device, offset=x_bytes)
-    # one launch gathers x and zeroes what the kernel counts or adds into; the kernel is its programmatic
-    # dependent (where the GPU has PDL: every GPU this kernel runs on)
+    # the gather (one launch, or two through xt) also zeroes what the kernel counts or adds into; the kernel is
+    # its programmatic dependent (where the GPU has PDL: every GPU this kernel runs on)
     pdl = pdl_launch(x2.device)
-    gather_x(x2, act_perm, xg, y if out_mode == 2 else counts, pdl)
+    gather_x(x2, act_perm, xg, y if out_mode == 2 else counts, pdl, xt=xt)
     stride_qw, stride_qslab = qweight_strides(qweight)
     _wgmma_w4_kernel[go["grid"]](
         xg, qweight, scales, qzeros if qzeros is not None else qweight, bias if bias is not None else scales, y,

@@ -1,0 +1,170 @@
+"""x's columns gathered once a call, for the int-weight kernels that read x in an order other than its own:
+the wgmma kernel's K order (the MMA's, with the act-order permutation folded in) and the Triton GEMM's act-order
+``x[:, act_perm]``. Each call's gather writes into the caller's workspace, so a graph replays it without an
+allocation.
+
+Two routes (:func:`transposes`):
+
+- **direct** (:func:`_gather_kernel`): a program copies ``GATHER_BLOCK`` columns of one row,
+  ``xg[m, q] = x[m, src(q)]``. Without act-order ``src`` stays inside each 32-column block, so a warp's loads
+  share their 32-byte sectors. Through an act-order permutation the columns are scattered over the row and each
+  2-byte value costs a whole sector: at M = 64 on an H100 the wgmma call of 8192x28672 took 93.4 us against 81.5
+  without act-order, and 4096x14336 4.3 us more (``h100-2026-12-07-721d288-probe-actorder.log``).
+- **transposed** (act-order from :data:`TRANSPOSED_FROM_M` rows): x is first copied transposed,
+  ``xt[k, m] = x[m, k]`` (a tile a program, both sides coalesced), then the gather reads whole rows of ``xt``:
+  ``xg[m, q] = xt[src(q), m]``, M values side by side (a full sector from 16 fp16 rows). One launch more, and
+  ``M * K`` elements of scratch more (:func:`transposed_bytes`).
+
+What the routes cost on an H100 (W4 g128, the shipped op on an act-order weight against the same shape without;
+``probe_wgmma_w4 --act-order`` with the route forced, each checked against float64,
+``h100-2026-12-07-565aae4-actorder*.json``), us, plain / direct / transposed: 4096x14336 M = 4 17.33 / 18.67 / 19.81
+and M = 16 20.32 / 23.36 / 24.60 (both the Triton GEMM's gather; it read x through act_perm before, 59.1 us at M = 16);
+M = 64 27.05 / 31.50 / 29.24, and 8192x28672 M = 64 81.68 / 92.05 / 84.53 (the wgmma kernel's). The direct route's
+cost grows with M x K, the transposed route's extra launch does not: the switch sits between the measured 16 and 64.
+
+Either gather also zeroes the 32-bit words a later launch adds or counts into (a split's fp32 sum, the stream-K
+counts), spread over its programs, and may start the next launch early as its programmatic (PDL) primary.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# x columns one program of the direct route moves
+GATHER_BLOCK = 1024
+# act-order calls of at least this many rows take the transposed route (measured: direct faster at M = 16,
+# transposed at M = 64; 32 between them is not measured)
+TRANSPOSED_FROM_M = 32
+# the transposed route's tiles: (rows, columns) of x a transposing program copies; K positions a gathering
+# program writes (for every row of its row block, at most TRANSPOSED_ROWS)
+TRANSPOSE_TILE = (64, 64)
+TRANSPOSED_Q = 64
+TRANSPOSED_ROWS = 64
+
+
+def transposes(m: int, act_order: bool) -> bool:
+    """Whether a gather of ``m`` rows takes the transposed route (see the module docstring)."""
+    return act_order and m >= TRANSPOSED_FROM_M
+
+
+def transposed_bytes(m: int, k: int, itemsize: int, act_order: bool) -> int:
+    """Scratch bytes of x transposed (``(k, m)``, 256-byte aligned) a gather needs; 0 on the direct route."""
+    return -(-m * k * itemsize // 256) * 256 if transposes(m, act_order) else 0
+
+
+@triton.jit
+def _mma_k_order(q):
+    """The weight row the wgmma kernel's K position ``q`` multiplies (``int_weight_wgmma._order_of``)."""
+    r = q % 32
+    return (q // 32) * 32 + ((r // 2) % 4) * 8 + (r // 16) * 2 + (r // 8) % 2 + (r % 2) * 4
+
+
+@triton.jit
+def _source(q, inside, perm_ptr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr):
+    """The column of x that K position ``q`` of the gathered x holds."""
+    src = q
+    if MMA_ORDER:
+        src = _mma_k_order(q)
+    if HAS_PERM:
+        src = tl.load(perm_ptr + src, mask=inside, other=0)
+    return src
+
+
+@triton.jit
+def _zero_share(zero_ptr, zero_words, zero_chunk, program, BLOCK: tl.constexpr):
+    """Zero this ``program``'s ``zero_chunk`` words of the ``zero_words`` at ``zero_ptr`` (in program order)."""
+    lo = program * zero_chunk
+    hi = tl.minimum(lo + zero_chunk, zero_words)
+    for c0 in range(0, zero_chunk, BLOCK):
+        c = lo + c0 + tl.arange(0, BLOCK)
+        tl.store(zero_ptr + c, tl.zeros([BLOCK], tl.int32), mask=c < hi)
+
+
+@triton.jit
+def _gather_kernel(x_ptr, perm_ptr, xg_ptr, zero_ptr, K, zero_words, zero_chunk, stride_xm, stride_xk, stride_gm,
+                   BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr):
+    """The direct route: ``xg[m, q] = x[m, src(q)]`` for row ``m`` = program 0 (M on the grid's unbounded axis) and
+    ``BLOCK`` columns (:func:`_source`); the programs also zero ``zero_words`` words, ``zero_chunk`` a program.
+    PDL: the next launch may be placed as soon as every program here has started (it waits for this grid before
+    reading what it writes)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    m = tl.program_id(0).to(tl.int64)
+    q = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = q < K
+    src = _source(q, inside, perm_ptr, HAS_PERM, MMA_ORDER)
+    tl.store(xg_ptr + m * stride_gm + q, tl.load(x_ptr + m * stride_xm + src * stride_xk, mask=inside), mask=inside)
+    _zero_share(zero_ptr, zero_words, zero_chunk, m * tl.num_programs(1) + tl.program_id(1), BLOCK)
+
+
+@triton.jit
+def _transpose_kernel(x_ptr, xt_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
+    """``xt[k, m] = x[m, k]`` (``xt`` contiguous ``(K, M)``) for a ``BLOCK_M x BLOCK_K`` tile (K tiles on the
+    grid's first axis). Triton gives the load and the store each a coalesced layout and converts between them
+    through shared memory. PDL: the gather after it is its programmatic dependent."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    inside = (rm[:, None] < M) & (rk[None, :] < K)
+    v = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :].to(tl.int64) * stride_xk, mask=inside)
+    tl.store(xt_ptr + rk[None, :].to(tl.int64) * M + rm[:, None], v, mask=inside)
+
+
+@triton.jit
+def _gather_rows_kernel(xt_ptr, perm_ptr, xg_ptr, zero_ptr, M, K, zero_words, zero_chunk, stride_gm,
+                        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+                        MMA_ORDER: tl.constexpr, PDL: tl.constexpr):
+    """The transposed route's gather: ``xg[m, q] = xt[src(q), m]`` for ``BLOCK_Q`` K positions (the grid's first
+    axis) and ``BLOCK_M`` rows; each source row of ``xt`` is read whole. The zeroing first: it does not depend on
+    the transpose, so with PDL (this grid the transpose's programmatic dependent, and primary of the next launch)
+    it overlaps the transpose, and only the reads of ``xt`` wait for it."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    _zero_share(zero_ptr, zero_words, zero_chunk, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
+                ZERO_BLOCK)
+    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    inside = q < K
+    src = _source(q, inside, perm_ptr, True, MMA_ORDER).to(tl.int64)
+    both = inside[:, None] & (rm[None, :] < M)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    v = tl.load(xt_ptr + src[:, None] * M + rm[None, :], mask=both)
+    tl.store(xg_ptr + rm[None, :].to(tl.int64) * stride_gm + q[:, None], v, mask=both)
+
+
+def gather_x(x2: torch.Tensor, act_perm: torch.Tensor | None, xg: torch.Tensor, zeroed: torch.Tensor | None = None,
+             pdl: bool = False, mma_order: bool = True, xt: torch.Tensor | None = None) -> None:
+    """``xg = x2[:, idx]``, ``idx`` the wgmma kernel's K order through ``act_perm`` (``mma_order``; else
+    ``act_perm`` itself), zeroing the contiguous 32-bit ``zeroed`` (int32 counts or an fp32 sum) in the same
+    launch. ``xt`` (``M * K`` elements of x's dtype, contiguous; where :func:`transposes`): scratch for the
+    transposed route. ``pdl``: the next launch may be the gather's programmatic dependent."""
+    m, k = x2.shape
+    if not mma_order and act_perm is None:
+        raise ValueError("gather_x: nothing to gather (no act_perm and no MMA order)")
+    words = 0 if zeroed is None else zeroed.numel()
+    zero_ptr = xg if zeroed is None else zeroed.view(torch.int32)
+    if xt is None:
+        grid = (m, triton.cdiv(k, GATHER_BLOCK))
+        _gather_kernel[grid](
+            x2, x2 if act_perm is None else act_perm, xg, zero_ptr, k, words, -(-words // (grid[0] * grid[1])),
+            x2.stride(0), x2.stride(1), xg.stride(0), BLOCK=GATHER_BLOCK, HAS_PERM=act_perm is not None,
+            MMA_ORDER=mma_order, PDL=pdl, num_warps=4)
+        return
+    if act_perm is None:
+        raise ValueError("gather_x: the transposed route (xt) is for an act-order gather; act_perm is None")
+    if xt.numel() < m * k or xt.dtype != x2.dtype or not xt.is_contiguous():
+        raise ValueError(f"gather_x: xt must be contiguous {x2.dtype} of >= {m * k} elements, got "
+                         f"{xt.dtype} {tuple(xt.shape)}")
+    tm, tk = TRANSPOSE_TILE
+    _transpose_kernel[(triton.cdiv(k, tk), triton.cdiv(m, tm))](
+        x2, xt, m, k, x2.stride(0), x2.stride(1), BLOCK_M=tm, BLOCK_K=tk, PDL=pdl, num_warps=4)
+    rows = min(TRANSPOSED_ROWS, triton.next_power_of_2(m))
+    grid = (triton.cdiv(k, TRANSPOSED_Q), triton.cdiv(m, rows))
+    _gather_rows_kernel[grid](
+        xt, act_perm, xg, zero_ptr, m, k, words, -(-words // (grid[0] * grid[1])), xg.stride(0),
+        BLOCK_Q=TRANSPOSED_Q, BLOCK_M=rows, ZERO_BLOCK=1024, MMA_ORDER=mma_order, PDL=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}))
