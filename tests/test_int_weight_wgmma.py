@@ -177,7 +177,7 @@ def test_workspace_holds_x_and_the_sum():
     go = G.plan(17, 4104, 4096, 4, 128, {"split": 3})
     assert G.workspace_bytes(17, 4104, 4096, go) >= 2 * 17 * 4096 + 4 * 17 * 4104
     partials = G.plan(17, 4104, 4096, 4, 128, {"split": 3, "reduce": "partials"})
-    assert G.workspace_bytes(17, 4104, 4096, partials) == G._aligned(2 * 17 * 4096) + G._aligned(3 * 4 * 17 * 4104)
+    assert G.workspace_bytes(17, 4104, 4096, partials) == C.scratch_aligned(2 * 17 * 4096) + C.scratch_aligned(3 * 4 * 17 * 4104)
     with pytest.raises(ValueError, match="reduce must be one of"):
         G.plan(17, 4104, 4096, 4, 128, {"split": 3, "reduce": "partial"})
     assert G.workspace_bytes(17, 4104, 4096, G.plan(17, 4104, 4096, 4, 128, {})) == -(-2 * 17 * 4096 // 256) * 256

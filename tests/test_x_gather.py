@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from qops.ops.triton import common as C
 from qops.ops.triton import int_weight_wgmma as G
 from qops.ops.triton import x_gather as X
 
@@ -100,17 +101,18 @@ def test_gather_refuses_what_it_cannot_do():
 def test_the_transposed_route_is_act_orders_from_its_row_count():
     m0 = X.TRANSPOSED_FROM_M
     assert not X.transposes(m0 - 1, True) and X.transposes(m0, True) and not X.transposes(4 * m0, False)
-    assert X.transposed_bytes(m0, 100, 2, True) == 256 * -(-2 * m0 * 100 // 256)
-    assert X.transposed_bytes(m0, 100, 2, False) == X.transposed_bytes(m0 - 1, 100, 2, True) == 0
+    assert X.gather_scratch(m0, 100, 2, True) == (256 * -(-2 * m0 * 100 // 256),) * 2
+    assert X.gather_scratch(m0, 100, 2, False)[1] == X.gather_scratch(m0 - 1, 100, 2, True)[1] == 0
+    assert X.gather_scratch(m0 - 1, 100, 2, True)[0] == 256 * -(-2 * (m0 - 1) * 100 // 256)
 
 
 def test_the_wgmma_workspace_holds_x_transposed_after_its_other_parts():
     for tile in ({"split": 3}, {"split": 3, "reduce": "partials"}, {}):
         go = G.plan(40, 4104, 4096, 4, 128, tile)
         parts = G._scratch_parts(40, 4104, 4096, go, act_order=True)
-        assert parts[3] == X.transposed_bytes(40, 4096, 2, True) >= 2 * 40 * 4096
+        assert parts[3] == X.gather_scratch(40, 4096, 2, True)[1] >= 2 * 40 * 4096
         assert G.workspace_bytes(40, 4104, 4096, go, act_order=True) == G.workspace_bytes(40, 4104, 4096, go) + parts[3]
-        assert all(p % G.SCRATCH_ALIGN == 0 for p in parts)  # each part starts aligned
+        assert all(p % C.SCRATCH_ALIGN == 0 for p in parts)  # each part starts aligned
     go = G.plan(8, 4104, 4096, 4, 128, {"split": 2})
     assert G._scratch_parts(8, 4104, 4096, go, act_order=True)[3] == 0  # under TRANSPOSED_FROM_M: direct
 

@@ -397,6 +397,16 @@ def zero_ahead(buf: torch.Tensor) -> None:
     _zero_kernel[(triton.cdiv(numel, ZERO_BLOCK),)](buf, numel, BLOCK=ZERO_BLOCK, num_warps=4)
 
 
+# Each part of a scratch carved from one workspace starts on this many bytes, so that every part's pointer keeps the
+# alignment Triton specializes on (16 bytes) whatever the parts before it hold
+SCRATCH_ALIGN = 256
+
+
+def scratch_aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to :data:`SCRATCH_ALIGN`: a scratch part's size when another part follows it."""
+    return -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+
+
 def workspace_view(workspace: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device,
                    offset: int = 0) -> torch.Tensor:
     """A ``shape`` tensor of ``dtype`` at byte ``offset`` of the caller's workspace (a contiguous buffer on

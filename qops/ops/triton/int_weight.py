@@ -106,7 +106,7 @@ from .common import (EVEN_ODD_4, HALF_FORMATS, X_PAIRS_ASM, X_PAIRS_CONSTRAINTS,
 from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 from . import int_weight_wgmma as wgmma
-from .x_gather import gather_x, transposed_bytes
+from .x_gather import gather_scratch, gather_x
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
@@ -1444,7 +1444,7 @@ def _gemm_workspace_bytes(plan: dict, m: int, n: int, k: int, act_order: bool) -
         return 0
     # the split launch's partials ((S, M, N) or one (M, N) sum); stream-K, where asked, may take one sum instead
     rows = 0 if plan["split"] == 1 else plan["split"] if plan["reduce"] == "partials" else 1
-    gathered = sum(_gather_parts(m, k, 4)) if act_order and gathers_x(plan) else 0
+    gathered = sum(gather_scratch(m, k, 4, True)) if act_order and gathers_x(plan) else 0  # sized for fp32 x
     return gathered + 4 * max(rows, int(plan["stream_k"])) * m * n
 
 
@@ -1457,11 +1457,6 @@ def gathers_x(plan: dict) -> bool:
     routes: ``x_gather``). The decode GEMV reads at most a few rows of x and keeps the in-kernel gather."""
     return plan["path"] == "gemm"
 
-
-def _gather_parts(m: int, k: int, itemsize: int) -> tuple[int, int]:
-    """Workspace bytes of an act-order call's x gathered (``(m, k)``) and of x transposed on the way there
-    (``x_gather.transposed_bytes``), each rounded up so that the fp32 sums after them stay aligned."""
-    return -(-m * k * itemsize // 256) * 256, transposed_bytes(m, k, itemsize, True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1600,7 +1595,7 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     m, n = x2.shape[0], o2.shape[1]
     sums_at = 0
     if act_perm is not None and gathers_x(plan):
-        gathered, transposed = _gather_parts(m, x2.shape[1], x2.dtype.itemsize)
+        gathered, transposed = gather_scratch(m, x2.shape[1], x2.dtype.itemsize, True)
         xg = workspace_view(workspace, x2.shape, x2.dtype, x2.device)
         xt = workspace_view(workspace, (x2.numel(),), x2.dtype, x2.device, offset=gathered) if transposed else None
         gather_x(x2, act_perm, xg, mma_order=False, xt=xt)

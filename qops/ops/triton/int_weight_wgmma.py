@@ -58,8 +58,8 @@ import triton
 import triton.language as tl
 
 from .._common import pdl_launch
-from .common import half_unpack_asm, sm_count, stream_k_runs, workspace_view
-from .x_gather import gather_x, transposed_bytes
+from .common import half_unpack_asm, scratch_aligned, sm_count, stream_k_runs, workspace_view
+from .x_gather import gather_scratch, gather_x
 
 try:  # Gluon's API is per Triton release; a Triton without these names cannot build the kernel at all
     from triton.experimental import gluon
@@ -622,26 +622,19 @@ def _left_to_gemm(tiles: int, steps: int, cfg: dict) -> bool:
     return too_few_tiles or steps < cfg.get("min_k_steps", 0)
 
 
-SCRATCH_ALIGN = 256
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
-
-
 def _scratch_parts(m: int, n: int, k: int, go: dict, act_order: bool = False) -> tuple[int, int, int, int]:
     """Bytes of the scratch's four parts: x gathered (fp16 / bf16); a split launch's fp32 sum or partials (one a
     split), or the stream-K slots (two a program, a tile each); the stream-K counts (int32, one a tile); x
-    transposed for an act-order gather's transposed route (``x_gather.transposed_bytes``)."""
+    transposed for an act-order gather's transposed route (``x_gather.gather_scratch``)."""
     cfg = go["tile"]
-    xt = transposed_bytes(m, k, 2, act_order)
+    xg, xt = gather_scratch(m, k, 2, act_order)
     if go["stream_k"]:
-        return (_aligned(2 * m * k), _aligned(4 * 2 * go["programs"] * cfg["BLOCK_N"] * cfg["BLOCK_M"]),
-                _aligned(4 * go["tiles"]), xt)
+        return (xg, scratch_aligned(4 * 2 * go["programs"] * cfg["BLOCK_N"] * cfg["BLOCK_M"]),
+                scratch_aligned(4 * go["tiles"]), xt)
     if go["split"] == 1:
-        return _aligned(2 * m * k), 0, 0, xt
+        return xg, 0, 0, xt
     sums = go["split"] if split_out_mode(cfg) == 1 else 1
-    return _aligned(2 * m * k), _aligned(4 * sums * m * n), 0, xt
+    return xg, scratch_aligned(4 * sums * m * n), 0, xt
 
 
 def workspace_bytes(m: int, n: int, k: int, launch: dict, act_order: bool = False) -> int:

@@ -13,7 +13,7 @@ Two routes (:func:`transposes`):
 - **transposed** (act-order from :data:`TRANSPOSED_FROM_M` rows): x is first copied transposed,
   ``xt[k, m] = x[m, k]`` (a tile a program, both sides coalesced), then the gather reads whole rows of ``xt``:
   ``xg[m, q] = xt[src(q), m]``, M values side by side (a full sector from 16 fp16 rows). One launch more, and
-  ``M * K`` elements of scratch more (:func:`transposed_bytes`).
+  ``M * K`` elements of scratch more (:func:`gather_scratch`).
 
 What the routes cost on an H100 (W4 g128, the shipped op on an act-order weight against the same shape without;
 ``probe_wgmma_w4 --act-order`` with the route forced, each checked against float64,
@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .common import scratch_aligned
 
 # x columns one program of the direct route moves
 GATHER_BLOCK = 1024
@@ -48,9 +50,11 @@ def transposes(m: int, act_order: bool) -> bool:
     return act_order and m >= TRANSPOSED_FROM_M
 
 
-def transposed_bytes(m: int, k: int, itemsize: int, act_order: bool) -> int:
-    """Scratch bytes of x transposed (``(k, m)``, 256-byte aligned) a gather needs; 0 on the direct route."""
-    return -(-m * k * itemsize // 256) * 256 if transposes(m, act_order) else 0
+def gather_scratch(m: int, k: int, itemsize: int, act_order: bool) -> tuple[int, int]:
+    """Scratch bytes of a gather of ``(m, k)`` x (``itemsize`` bytes a value), each ``common.scratch_aligned``: x
+    gathered, and x transposed on the way (0 on the direct route, :func:`transposes`)."""
+    xg = scratch_aligned(m * k * itemsize)
+    return xg, xg if transposes(m, act_order) else 0
 
 
 @triton.jit
