@@ -16,6 +16,7 @@ weight are timed interleaved over rotated weight copies (CUDA-graph replays, ``c
 against its own float64 product (stop 72: the x gather reads ``act_perm`` itself; one launch fewer a call), and the
 same op with x's gather forced onto each of its routes (``actorder_direct`` / ``actorder_transposed``:
 ``x_gather.TRANSPOSED_FROM_M`` set for the call; the shipped op takes the transposed route from that many rows).
+``--lowering native_w4a16`` times the native lowering as the shipped op (with ``--tiles '{}'``: no candidates).
 """
 from __future__ import annotations
 
@@ -114,10 +115,14 @@ def main(argv=None) -> int:
     p.add_argument("--act-order", action="store_true",
                    help="also time the shipped op on an act-order weight of each shape (its groups scattered over K), "
                         "checked against its own float64 product: what act-order costs the shipped launch")
+    p.add_argument("--lowering", default="triton_int_weight",
+                   help="the lowering the shipped op (and --act-order's) runs on (native_w4a16: the native decode "
+                        "kernel and GEMM, whose act-order gather is x_gather's too); candidate tiles are the wgmma kernel's")
     a = p.parse_args(argv)
     res = common.probe_result("wgmma_w4")
     if res is None:
         return 2
+    res["lowering"] = a.lowering
     splits = [int(s) or None for s in a.splits.split(",")]
     res["checks"] = {}
     good = {}
@@ -130,7 +135,7 @@ def main(argv=None) -> int:
             good[name] = tile
     bw = res["copy_TBps"]
     for (n, k), m in [(shape, m) for shape in a.shapes for m in a.ms]:
-        w = gptq_native(n, k, "triton_int_weight")
+        w = gptq_native(n, k, a.lowering)
         ws = [w] + [clone_tensors(w) for _ in range(n_copies(w.nbytes()) - 1)]
         flat = [dataclasses.replace(v, qweight=IW.flat_qweight(v.qweight)) for v in ws]
         dense = [v.dequantize(torch.float16) for v in ws[:max(2, n_copies(2 * n * k))]]

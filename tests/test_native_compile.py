@@ -813,6 +813,10 @@ def test_workspace_covers_every_slice(monkeypatch):
                 need = max(native._plan(r, n, k, 132, False).workspace if r <= last else gemm._rule(r, n, k, 132, wgmma=True).workspace
                            for r in _slices(m, k))
                 assert native.workspace_bytes(m, n, k, 4, 128, device=0) == need, (deterministic, n, k, m)
+                # act-order: x gathered ahead of the partials, all m rows at once, 2-byte values rounded to 256
+                # bytes, twice from 32 rows (the gather's transposed route)
+                gathered = -(-m * k * 2 // 256) * 256 * (2 if m >= 32 else 1)
+                assert native.workspace_bytes(m, n, k, 4, 128, device=0, act_order=True) == gathered + need, (n, k, m)
 
 
 def test_decode_rows_on_hopper_and_elsewhere(monkeypatch):
@@ -891,6 +895,7 @@ def test_workspace_bytes_without_a_gpu_is_an_upper_bound():
     if torch.cuda.is_available():
         pytest.skip("meaningful only without a GPU")
     assert native.workspace_bytes(1, 4096, 4096, 4, 128) == 16 * 4096 * 4
+    assert native.workspace_bytes(1, 4096, 4096, 4, 128, act_order=True) == 16 * 4096 * 4 + 4096 * 2
     assert native.workspace_bytes(0, 4096, 4096, 4, 128) == 0
 
 

@@ -12,7 +12,8 @@ Triton lowering (``qops.ops.triton.int_weight.triton_mm``), except in determinis
 runs over such slices (32-row decode-kernel slices where K % 8 != 0): bit-identical run to run.
 
 Kernels: ``w4a16_gemv.cu`` and ``w4a16_gemm.cu`` (design notes at their tops). act_perm is
-applied by gathering x once (``index_select``) before the launch.
+applied by gathering x once before the launch (``qops.ops.triton.x_gather``, the Triton lowering's gather) into
+the start of the caller's workspace, so a graph replays it without an allocation; the split partials follow it.
 
 Plans. For (M, N, K) on a device, :func:`plan` fixes the tile shape (by M), the number S of blocks
 splitting K for one column tile (only when the column tiles leave SMs idle), and how the S partial
@@ -712,15 +713,46 @@ def workspace_bytes(m: int, n: int, k: int, bits: int, group_size: int, device: 
             # up to 64 rows with its x image
             rows = min(m, gemm.MAX_M)
             gemm_need = -(-16 * rows * n * 4 // 256) * 256 + gemm.x_image_bytes(rows, k)
-            return max(16 * min(m, MAX_M) * n * 4, gemm_need if m > min(r for _, r in WGMMA_DECODE_ROWS) else 0)
+            return _gather_bytes(m, k, act_order) + max(
+                16 * min(m, MAX_M) * n * 4, gemm_need if m > min(r for _, r in WGMMA_DECODE_ROWS) else 0)
         device = torch.cuda.current_device()
     dev = device if isinstance(device, int) else (device.index if device.index is not None else torch.cuda.current_device())
     if _delegated(m, n, k, dev):
         return int(_triton_module().workspace_bytes(m, n, k, bits, group_size, torch.device("cuda", dev), act_order))
     # Slices of _slice_rows(m, k) rows and a shorter last one, one after another on the same scratch.
     step = _slice_rows(m, k)
-    return max((plan(r, n, k, dev) if r <= decode_rows(n, k, dev) else gemm.plan(r, n, k, dev)).workspace
-               for r in {min(step, m), m % step} if r)
+    return _gather_bytes(m, k, act_order) + max(
+        (plan(r, n, k, dev) if r <= decode_rows(n, k, dev) else gemm.plan(r, n, k, dev)).workspace
+        for r in {min(step, m), m % step} if r)
+
+
+def _gather_bytes(m: int, k: int, act_order: bool) -> int:
+    """Workspace bytes ahead of the split partials: x gathered through act_perm (fp16/bf16, both gather routes'
+    parts, ``x_gather.gather_scratch``); 0 without act-order."""
+    return sum(_x_gather().gather_scratch(m, k, 2, True)) if act_order else 0
+
+
+def _gathered_x(x2: torch.Tensor, act_perm: torch.Tensor, workspace: Optional[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """``x2[:, act_perm]`` (contiguous) written into the start of ``workspace`` (:func:`_workspace`: fresh memory
+    without one), and the byte offset after the gather's parts, where the split partials go."""
+    xgm = _x_gather()
+    m, k = x2.shape
+    gathered, transposed = xgm.gather_scratch(m, k, x2.dtype.itemsize, True)
+    used = gathered + transposed
+    scratch = _workspace(workspace, used, x2.device).view(-1).view(torch.uint8)
+    nbytes = m * k * x2.dtype.itemsize
+    xg = scratch[:nbytes].view(x2.dtype).view(m, k)
+    xt = scratch[gathered : gathered + nbytes].view(x2.dtype) if transposed else None
+    xgm.gather_x(x2, act_perm, xg, mma_order=False, xt=xt)
+    return xg, used
+
+
+def _x_gather():
+    try:
+        from ..ops.triton import x_gather
+    except ImportError as e:
+        raise ImportError(f"native_w4a16 gathers act-order x with qops.ops.triton.x_gather, which is not importable: {e}") from e
+    return x_gather
 
 
 def decode_rows(n: int, k: int, device: int) -> int:
@@ -845,8 +877,9 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         return result
 
     x2 = x.reshape(m, k)
+    sums_at = 0  # byte offset of the split partials in the workspace
     if act_perm is not None:
-        x2 = x2.index_select(1, act_perm)
+        x2, sums_at = _gathered_x(x2, act_perm, workspace)
     elif k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     step = _slice_rows(m, k)
@@ -874,10 +907,10 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
             rows = min(step, m - r0)
             if rows <= last:
                 _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,
-                        rows, n, k, chunks_per_group, zero_offset, flags, dev, stream, glu)
+                        rows, n, k, chunks_per_group, zero_offset, flags, dev, stream, glu, workspace_offset=sums_at)
             else:
                 p = gemm.plan(rows, n, k, dev)
-                ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
+                ws = _workspace(workspace, p.workspace, x2.device, sums_at) if p.workspace else None
                 gemm.launch(p, x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], ws, n, k,
                             chunks_per_group, zero_offset, flags, dev, stream, use_pdl(dev))
     finally:
@@ -910,9 +943,10 @@ def launch_shmem(p: Plan, glu: bool) -> int:
 
 
 def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_per_group, zero_offset, flags, dev, stream,
-            glu: bool = False, codebook: torch.Tensor | None = None) -> None:
+            glu: bool = False, codebook: torch.Tensor | None = None, workspace_offset: int = 0) -> None:
     """``codebook`` (fp32, 16 values; :mod:`qops.native.codebook_w4`): qweight holds codes of it, scales a
-    column and 64 rows, no qzeros; the plan is the int weights' with ``lut`` (and no fold)."""
+    column and 64 rows, no qzeros; the plan is the int weights' with ``lut`` (and no fold). The split partials
+    go at byte ``workspace_offset`` of ``workspace``."""
     p = plan(m, n, k, dev)
     if codebook is not None and not p.lut:
         p = lut_plan(p, n, k, smem_optin_bytes(dev))
@@ -935,7 +969,7 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
     gemv_flags = flags
     if m <= 8:  # at M = 16 the W4A16 rows measured 0.99-1.03x: not taken
         gemv_flags |= early_dependents_flag(gemv, dev, p.tiles * p.splits, THREADS, shmem)
-    ws = _workspace(workspace, p.workspace, x2.device) if p.workspace else None
+    ws = _workspace(workspace, p.workspace, x2.device, workspace_offset) if p.workspace else None
     ws_ptr = ws.data_ptr() if ws is not None else 0
     i32 = compiler.i32
     pdl = use_pdl(dev)
@@ -956,13 +990,16 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
         )
 
 
-def _workspace(workspace: Optional[torch.Tensor], need: int, device: torch.device) -> torch.Tensor:
+def _workspace(workspace: Optional[torch.Tensor], need: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+    """``need`` bytes (a multiple of 4) of the caller's workspace from byte ``offset`` (a multiple of 16), as a
+    flat tensor; fresh memory where there is no workspace or it is not contiguous and 16-byte aligned."""
     if workspace is not None:
         have = workspace.numel() * workspace.element_size()
-        if have < need:
-            raise ValueError(f"native_w4a16: workspace holds {have} bytes, this call needs {need} (qops.native.int_weight.workspace_bytes)")
+        if have < offset + need:
+            raise ValueError(f"native_w4a16: workspace holds {have} bytes, this call needs {offset + need} "
+                             "(qops.native.int_weight.workspace_bytes)")
         if workspace.is_contiguous() and workspace.data_ptr() % 16 == 0:
-            return workspace
+            return workspace.view(-1).view(torch.uint8)[offset:].view(torch.float32) if offset else workspace
     # From torch's caching allocator; freed after the launches, reused only in stream order.
     return torch.empty(need // 4, dtype=torch.float32, device=device)
 

@@ -559,6 +559,44 @@ def test_out_variant_with_workspace_and_strided_out():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_act_order_x_is_gathered_into_the_workspace(dtype):
+    """With an act_perm, x gathered through it lands at the start of the caller's workspace (both gather routes:
+    direct below 32 rows, transposed from 32), the split partials after it; the call allocates nothing, a CUDA
+    graph of it replays on new x, and a workspace sized without act_order is refused by name."""
+    n, k = 1024, 2048
+    nw = native_weight("gptq", n, k, 128, False, act_order=True, version="v2")
+    w = nw.weight
+    assert w.act_perm is not None
+    for m in (1, 5, 16, 23, 32, 40, 64):  # decode kernel, then (from decode_rows) the GEMM
+        x = rand(m, 2 * k, dtype=dtype, seed=m)[:, ::2]  # K-strided: the gather reads it in place
+        need = native.workspace_bytes(m, n, k, 4, 128, 0, act_order=True)
+        assert need >= m * k * x.element_size(), m
+        ws = torch.full((need,), 255, dtype=torch.uint8, device="cuda")
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        args = (w.qweight, w.scales, w.qzeros, w.act_perm, None, w.in_features, w.bits, w.group_size, w.zero_offset, int(w.kernel))
+        torch.ops.qops.mm_int_weight_out(x, *args, out, ws)
+        check(out, x, nw.w64, None, f"{dtype} M={m}")
+        allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
+        torch.ops.qops.mm_int_weight_out(x, *args, out, ws)  # (an index_select of x would allocate here)
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated, f"M={m}: the call allocated"
+        gathered = ws[: m * k * x.element_size()].view(dtype).view(m, k)
+        assert torch.equal(gathered, x[:, w.act_perm.long()]), f"M={m}: the workspace does not start with x[:, act_perm]"
+        small = native.workspace_bytes(m, n, k, 4, 128, 0)
+        with pytest.raises(ValueError, match="workspace holds"):
+            torch.ops.qops.mm_int_weight_out(x, *args, out, torch.empty(small, dtype=torch.uint8, device="cuda"))
+        xs = torch.empty_like(x)
+        xs.copy_(x)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            torch.ops.qops.mm_int_weight_out(xs, *args, out, ws)
+        for seed in (100 + m, 200 + m):
+            xs.copy_(rand(m, k, dtype=dtype, seed=seed))
+            out.fill_(float("nan"))
+            g.replay()
+            check(out, xs, nw.w64, None, f"replay {dtype} M={m} seed {seed}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act_order", [False, True], ids=["plain", "act-order"])
 def test_activation_layouts_and_bias_dtypes(act_order, dtype):
     """x in every layout the op takes, with a bias of x's dtype (stored as is), of fp32 and of the
@@ -1204,7 +1242,7 @@ def test_swiglu_op_eager_compiled_replayed_and_out(act_order):
         x = rand(8, k, dtype=dtype, seed=4)
         big = torch.full((8, n // 2 + 9), float("nan"), dtype=dtype, device="cuda")
         out = big[:, 5:5 + n // 2]
-        ws = torch.full((max(native.workspace_bytes(8, n, k, 4, 128), 16),), 255, dtype=torch.uint8, device="cuda")
+        ws = torch.full((max(native.workspace_bytes(8, n, k, 4, 128, act_order=act_order), 16),), 255, dtype=torch.uint8, device="cuda")
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             torch.ops.qops.mm_int_weight_swiglu_out(x, *args, out, ws)
