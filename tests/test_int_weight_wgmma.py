@@ -309,7 +309,9 @@ def test_few_tiles_replans_a_call_of_too_few_tiles_before_the_gemm():
     go = G.plan(64, 4096, 4096, 4, 128, tile, 132)  # 32 wide tiles, 64 narrow: four splits of 264 slots
     assert go["tile"]["BLOCK_N"] == 64 and go["tile"]["STAGES"] == 4 and go["split"] == 4 and "few_tiles" not in go["tile"]
     assert go["grid"] == (64, 1, 4)
-    assert G.plan(64, 6144, 4096, 4, 128, tile, 132)["split"] == 3  # 96 narrow tiles
+    # 96 narrow tiles: 264 / 96 rounds to 3 splits, 288 programs, a partial second wave; 2 fill one wave
+    assert G.plan(64, 6144, 4096, 4, 128, tile, 132)["split"] == 2
+    assert G.plan(64, 6144, 4096, 4, 128, tile, 144)["split"] == 3  # 288 slots: 3 splits fill one wave
     assert G.plan(64, 4096, 14336, 4, 128, tile, 132)["tile"]["BLOCK_N"] == 64  # before the long-K rule
     assert G.plan(64, 2048, 4096, 4, 128, tile, 132) is None  # 32 narrow tiles, 32 K tiles: the GEMM's
     assert G.plan(64, 2048, 14336, 4, 128, tile, 132)["tile"]["BLOCK_N"] == 64  # 112 K tiles

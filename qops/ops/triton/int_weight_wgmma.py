@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from .._common import pdl_launch
-from .common import half_unpack_asm, scratch_aligned, sm_count, stream_k_runs, workspace_view
+from .common import half_unpack_asm, scratch_aligned, sm_count, split_in_waves, stream_k_runs, workspace_view
 from .x_gather import gather_scratch, gather_x
 
 try:  # Gluon's API is per Triton release; a Triton without these names cannot build the kernel at all
@@ -565,8 +565,11 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
       split launch has no idle slots to recover, and the shared tiles' fp32 parts are pure cost (at M = 128 it
       was within 1% of the split launch on all four).
     - else about ``ctas_per_sm`` programs an SM (the tiles, times the split; measured best at two on an H100 at
-      M = 64 / 128, ``benchmarks/results/h100-2026-12-06-fbac7df-probe-wgmma-splits.json``). No empty split, as
-      the kernel assumes.
+      M = 64 / 128, ``benchmarks/results/h100-2026-12-06-fbac7df-probe-wgmma-splits.json``), lowered where its
+      programs would end in a partial wave (``common.split_in_waves``: 6144x4096 at M = 64 on an H100, 96 64-wide
+      tiles, ran 3 splits, 288 programs over 264 slots, in 21.49 us through the op,
+      ``h100-2026-12-07-faa855a-call80a-m64.json``; the probe timed 2 splits at 16.69 and 4 at 19.92,
+      ``h100-2026-12-07-721d288-probe-m64.json``). No empty split, as the kernel assumes.
 
     ``min_tiles`` / ``long_k_steps`` / ``min_k_steps``: a call is left to the bucket's GEMM where it has fewer
     output tiles than ``min_tiles`` and its K fewer than ``long_k_steps`` K tiles, or where its K has fewer than
@@ -606,7 +609,10 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
         programs, run = stream_k_runs(k, cfg["BLOCK_K"], tiles, slots)
         return dict(tile=cfg, split=1, stream_k=True, run=run // cfg["BLOCK_K"], programs=programs, tiles=tiles,
                     tiles_m=tiles_m, grid=(programs, 1, 1))
-    split = int(cfg["split"]) if "split" in cfg else round(slots / tiles)
+    if "split" in cfg:
+        split = int(cfg["split"])
+    else:  # about ctas_per_sm programs an SM, fewer where the last wave would be a partial one
+        split = split_in_waves(k, cfg["BLOCK_K"], tiles, max(1, round(slots / tiles)), slots)[0]
     split = max(1, min(split, steps))
     split_len = triton.cdiv(steps, split) * cfg["BLOCK_K"]
     split = triton.cdiv(k, split_len)

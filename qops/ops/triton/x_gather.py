@@ -21,6 +21,9 @@ What the routes cost on an H100 (W4 g128, the shipped op on an act-order weight 
 and M = 16 20.32 / 23.36 / 24.60 (both the Triton GEMM's gather; it read x through act_perm before, 59.1 us at M = 16);
 M = 64 27.05 / 31.50 / 29.24, and 8192x28672 M = 64 81.68 / 92.05 / 84.53 (the wgmma kernel's). The direct route's
 cost grows with M x K, the transposed route's extra launch does not: the switch sits between the measured 16 and 64.
+At M = 32 the routes tie (4096x14336: direct 29.38, transposed 29.83 us; at 8192x28672 M = 16 the transposed route
+is the faster, 53.93 against 54.57: ``h100-2026-12-07-faa855a-call80a-actorder*.json``), so the switch may belong
+to M x K rather than M; a rule by M x K would move these two calls and gain at most 0.6 us, not yet worth a rule.
 
 Either gather also zeroes the 32-bit words a later launch adds or counts into (a split's fp32 sum, the stream-K
 counts), spread over its programs, and may start the next launch early as its programmatic (PDL) primary.
@@ -35,8 +38,8 @@ from .common import scratch_aligned
 
 # x columns one program of the direct route moves
 GATHER_BLOCK = 1024
-# act-order calls of at least this many rows take the transposed route (measured: direct faster at M = 16,
-# transposed at M = 64; 32 between them is not measured)
+# act-order calls of at least this many rows take the transposed route (measured on an H100: direct faster at
+# M = 16, transposed at M = 64, a tie at 32)
 TRANSPOSED_FROM_M = 32
 # the transposed route's tiles: (rows, columns) of x a transposing program copies; K positions a gathering
 # program writes (for every row of its row block, at most TRANSPOSED_ROWS)
