@@ -11,7 +11,8 @@ lowering               size function
 =====================  ==========================================================================
 triton_int_weight      ``qops.ops.triton.int_weight.workspace_bytes(m, n, k, bits, group_size, device, act_order)``
 native_w4a16           ``qops.native.int_weight.workspace_bytes(m, n, k, bits, group_size, device, act_order)`` (its own
-                       plan for M <= 16 and in deterministic mode; Triton's need above, which it delegates)
+                       plans' partials, after x gathered through act_perm where the layer has one; Triton's need
+                       for the calls it delegates)
 triton_int8_weight     ``4*M*N`` when ``qops.ops.triton.int8_weight.plan`` splits K, else 0
 triton_blockwise4      ``4*M*N`` when ``qops.ops.triton.blockwise4.plan`` splits K for some x dtype, else 0
 triton_fp8             ``qops.ops.triton.fp8.workspace_bytes(m, n, k, block_k, device)`` for W8A16 layers
