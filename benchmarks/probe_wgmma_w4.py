@@ -15,7 +15,7 @@ weight are timed interleaved over rotated weight copies (CUDA-graph replays, ``c
 ``--act-order`` also times the shipped op on an act-order weight of each shape (``shipped_actorder``), checked
 against its own float64 product (stop 72: the x gather reads ``act_perm`` itself; one launch fewer a call), and the
 same op with x's gather forced onto each of its routes (``actorder_direct`` / ``actorder_transposed``:
-``x_gather.TRANSPOSED_FROM_M`` set for the call; the shipped op takes the transposed route from that many rows).
+``x_gather.TRANSPOSED_FROM_MK`` set for the call; the shipped op takes the transposed route from that many values, M x K).
 ``--lowering native_w4a16`` times the native lowering as the shipped op (with ``--tiles '{}'``: no candidates).
 """
 from __future__ import annotations
@@ -43,16 +43,16 @@ TILES = {"n128m64": {"BLOCK_N": 128, "BLOCK_M": 64, "BLOCK_K": 64, "STAGES": 4},
          "n128m16": {"BLOCK_N": 128, "BLOCK_M": 16, "BLOCK_K": 64, "STAGES": 4}}
 
 
-def routed(fn, from_m: int):
-    """``fn`` run with the act-order gather's transposed route taken from ``from_m`` rows (1: always; a huge
+def routed(fn, from_mk: int):
+    """``fn`` run with the act-order gather's transposed route taken from ``from_mk`` values of x (1: always; a huge
     number: never); the graph capture records whichever launches that gives."""
     def call():
-        keep = X.TRANSPOSED_FROM_M
-        X.TRANSPOSED_FROM_M = from_m
+        keep = X.TRANSPOSED_FROM_MK
+        X.TRANSPOSED_FROM_MK = from_mk
         try:
             return fn()
         finally:
-            X.TRANSPOSED_FROM_M = keep
+            X.TRANSPOSED_FROM_MK = keep
     return call
 
 
@@ -151,9 +151,9 @@ def main(argv=None) -> int:
             want_a = x.double() @ wa.dequantize(torch.float64).T
             row["shipped_actorder_rel_err"] = common.rel_err(wa.mm(x), want_a)
             cands["shipped_actorder"] = [lambda v=v: v.mm(x) for v in was]
-            for route, from_m in (("direct", 1 << 30), ("transposed", 1)):
-                row[f"actorder_{route}_rel_err"] = common.rel_err(routed(lambda: wa.mm(x), from_m)(), want_a)
-                cands[f"actorder_{route}"] = [routed(lambda v=v: v.mm(x), from_m) for v in was]
+            for route, from_mk in (("direct", 1 << 62), ("transposed", 1)):
+                row[f"actorder_{route}_rel_err"] = common.rel_err(routed(lambda: wa.mm(x), from_mk)(), want_a)
+                cands[f"actorder_{route}"] = [routed(lambda v=v: v.mm(x), from_mk) for v in was]
         for name, tile in good.items():
             for s in splits:
                 cname = f"{name}_s{s}" if s else f"{name}_own"

@@ -814,8 +814,8 @@ def test_workspace_covers_every_slice(monkeypatch):
                            for r in _slices(m, k))
                 assert native.workspace_bytes(m, n, k, 4, 128, device=0) == need, (deterministic, n, k, m)
                 # act-order: x gathered ahead of the partials, all m rows at once, 2-byte values rounded to 256
-                # bytes, twice from 32 rows (the gather's transposed route)
-                gathered = -(-m * k * 2 // 256) * 256 * (2 if m >= 32 else 1)
+                # bytes, twice from 2^19 values (the gather's transposed route: 1024x8192 from 64 rows)
+                gathered = -(-m * k * 2 // 256) * 256 * (2 if m * k >= 1 << 19 else 1)
                 assert native.workspace_bytes(m, n, k, 4, 128, device=0, act_order=True) == gathered + need, (n, k, m)
 
 

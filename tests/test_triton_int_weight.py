@@ -489,16 +489,17 @@ def test_out_and_workspace(path):
 # bf16 through the GEMM is not exact under the interpreter (test_bf16_activations): on a GPU only
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("m", [5, 33])
-def test_gemm_gathers_act_order_x_into_the_workspace(dtype, m):
+def test_gemm_gathers_act_order_x_into_the_workspace(dtype, m, monkeypatch):
     """With an act_perm the GEMM reads x gathered once (``x[:, act_perm]`` at the workspace's start, the split's
-    fp32 sums after it) instead of one element at a time through act_perm; from ``x_gather.TRANSPOSED_FROM_M`` rows
-    (M = 33) through x transposed, which takes as much again. The decode GEMV keeps its in-kernel gather.
+    fp32 sums after it) instead of one element at a time through act_perm; from ``x_gather.TRANSPOSED_FROM_MK``
+    values of x (here set to 32 rows' worth: M = 33) through x transposed, which takes as much again. The decode GEMV keeps its in-kernel gather.
     ``workspace_bytes(act_order=True)`` covers every part: with a garbage-filled workspace of exactly that size the
     gathered x lands in it and the result matches the oracle, for a strided x too."""
+    monkeypatch.setattr(X, "TRANSPOSED_FROM_MK", 32 * 256)  # (the shipped switch is far above these small calls)
     qweight, scales, qzeros, act_perm, zo = runtime_weight(72, 256, 4, 32, False, True, seed=9)
     dev = torch.device(DEVICE)
     plain, gathered = (T.workspace_bytes(m, 72, 256, 4, 32, dev, act_order=a) for a in (False, True))
-    copies = 2 if m >= X.TRANSPOSED_FROM_M else 1  # x gathered (+ x transposed), each sized for fp32 x
+    copies = 2 if m >= 32 else 1  # x gathered (+ x transposed), each sized for fp32 x
     assert plain > 0 and gathered == plain + copies * m * 256 * 4, (plain, gathered)
     assert T.workspace_bytes(1, 72, 256, 4, 32, dev, act_order=True) == T.workspace_bytes(1, 72, 256, 4, 32, dev)
     base = torch.randn(m, 300, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)

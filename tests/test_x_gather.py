@@ -98,23 +98,25 @@ def test_gather_refuses_what_it_cannot_do():
         X.gather_x(x, perm, xg, xt=torch.empty(16 * 64, dtype=torch.bfloat16))
 
 
-def test_the_transposed_route_is_act_orders_from_its_row_count():
-    m0 = X.TRANSPOSED_FROM_M
-    assert not X.transposes(m0 - 1, True) and X.transposes(m0, True) and not X.transposes(4 * m0, False)
-    assert X.gather_scratch(m0, 100, 2, True) == (256 * -(-2 * m0 * 100 // 256),) * 2
-    assert X.gather_scratch(m0, 100, 2, False)[1] == X.gather_scratch(m0 - 1, 100, 2, True)[1] == 0
-    assert X.gather_scratch(m0 - 1, 100, 2, True)[0] == 256 * -(-2 * (m0 - 1) * 100 // 256)
+def test_the_transposed_route_is_act_orders_from_its_size():
+    mk = X.TRANSPOSED_FROM_MK
+    assert mk == 1 << 19
+    assert not X.transposes(31, 16384, True) and X.transposes(32, 16384, True) and X.transposes(128, 4096, True)
+    assert not X.transposes(127, 4096, True) and not X.transposes(4096, 4096, False)
+    assert X.gather_scratch(32, 16384, 2, True) == (2 * 32 * 16384,) * 2
+    assert X.gather_scratch(32, 16384, 2, False)[1] == X.gather_scratch(31, 16384, 2, True)[1] == 0
+    assert X.gather_scratch(3, 100, 2, True) == (256 * -(-2 * 3 * 100 // 256), 0)
 
 
 def test_the_wgmma_workspace_holds_x_transposed_after_its_other_parts():
     for tile in ({"split": 3}, {"split": 3, "reduce": "partials"}, {}):
-        go = G.plan(40, 4104, 4096, 4, 128, tile)
-        parts = G._scratch_parts(40, 4104, 4096, go, act_order=True)
-        assert parts[3] == X.gather_scratch(40, 4096, 2, True)[1] >= 2 * 40 * 4096
-        assert G.workspace_bytes(40, 4104, 4096, go, act_order=True) == G.workspace_bytes(40, 4104, 4096, go) + parts[3]
+        go = G.plan(130, 4104, 4096, 4, 128, tile)
+        parts = G._scratch_parts(130, 4104, 4096, go, act_order=True)
+        assert parts[3] == X.gather_scratch(130, 4096, 2, True)[1] >= 2 * 130 * 4096
+        assert G.workspace_bytes(130, 4104, 4096, go, act_order=True) == G.workspace_bytes(130, 4104, 4096, go) + parts[3]
         assert all(p % C.SCRATCH_ALIGN == 0 for p in parts)  # each part starts aligned
-    go = G.plan(8, 4104, 4096, 4, 128, {"split": 2})
-    assert G._scratch_parts(8, 4104, 4096, go, act_order=True)[3] == 0  # under TRANSPOSED_FROM_M: direct
+    go = G.plan(64, 4104, 4096, 4, 128, {"split": 2})
+    assert G._scratch_parts(64, 4104, 4096, go, act_order=True)[3] == 0  # under TRANSPOSED_FROM_MK: direct
 
 
 SM90_BUILDS = """

@@ -21,6 +21,7 @@ from qops.native import compiler
 from qops.native import int_weight as native
 from qops.native import int_weight_gemm as gemm
 from qops.ops.int_weight import flat_qweight, to_column_slabs
+from qops.ops.triton import x_gather
 from tests import oracle
 from tests.int_weight_cases import CLUSTER_COMPARE_M, RULE_CLUSTER_M, Case, native_cluster_pairs, pack, random_int_quantized, rel_err
 
@@ -559,14 +560,15 @@ def test_out_variant_with_workspace_and_strided_out():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_act_order_x_is_gathered_into_the_workspace(dtype):
+def test_act_order_x_is_gathered_into_the_workspace(dtype, monkeypatch):
     """With an act_perm, x gathered through it lands at the start of the caller's workspace (both gather routes:
-    direct below 32 rows, transposed from 32), the split partials after it; the call allocates nothing, a CUDA
+    the switch set to 32 rows' worth here, so direct below 32 rows, transposed from 32), the split partials after it; the call allocates nothing, a CUDA
     graph of it replays on new x, and a workspace sized without act_order is refused by name."""
     n, k = 1024, 2048
     nw = native_weight("gptq", n, k, 128, False, act_order=True, version="v2")
     w = nw.weight
     assert w.act_perm is not None
+    monkeypatch.setattr(x_gather, "TRANSPOSED_FROM_MK", 32 * k)
     for m in (1, 5, 16, 23, 32, 40, 64):  # decode kernel, then (from decode_rows) the GEMM
         x = rand(m, 2 * k, dtype=dtype, seed=m)[:, ::2]  # K-strided: the gather reads it in place
         need = native.workspace_bytes(m, n, k, 4, 128, 0, act_order=True)

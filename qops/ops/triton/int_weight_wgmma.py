@@ -41,7 +41,7 @@ How K is shared among programs (:func:`plan`): K splits whose fp32 sums are adde
 as one partial a split (a tile's ``reduce``) and reduced by a second launch, or stream-K: one wave of programs, each
 an equal run of the tiles' K steps laid end to end, a tile that several runs share summed by the last of them to
 finish (from the others' fp32 parts, in program order), with no fp32 sum to zero or reduce. The x gather
-(``x_gather.gather_x``; for act-order from 32 rows through x transposed) zeroes the stream-K counts or the split
+(``x_gather.gather_x``; for act-order from 2^19 values of x through x transposed) zeroes the stream-K counts or the split
 launch's fp32 sum, and the call's launches after it are programmatic dependents (PDL): the kernel copies its first
 word stages before it waits for the gather, and the split sum's reduction is placed while the kernel's last programs
 run. Before that chain a call was two to four launches, each waiting for the last (the gather, a zeroing of the sum,

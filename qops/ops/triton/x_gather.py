@@ -10,20 +10,21 @@ Two routes (:func:`transposes`):
   share their 32-byte sectors. Through an act-order permutation the columns are scattered over the row and each
   2-byte value costs a whole sector: at M = 64 on an H100 the wgmma call of 8192x28672 took 93.4 us against 81.5
   without act-order, and 4096x14336 4.3 us more (``h100-2026-12-07-721d288-probe-actorder.log``).
-- **transposed** (act-order from :data:`TRANSPOSED_FROM_M` rows): x is first copied transposed,
+- **transposed** (act-order calls of at least :data:`TRANSPOSED_FROM_MK` values, M x K): x is first copied transposed,
   ``xt[k, m] = x[m, k]`` (a tile a program, both sides coalesced), then the gather reads whole rows of ``xt``:
   ``xg[m, q] = xt[src(q), m]``, M values side by side (a full sector from 16 fp16 rows). One launch more, and
   ``M * K`` elements of scratch more (:func:`gather_scratch`).
 
-What the routes cost on an H100 (W4 g128, the shipped op on an act-order weight against the same shape without;
-``probe_wgmma_w4 --act-order`` with the route forced, each checked against float64,
-``h100-2026-12-07-565aae4-actorder*.json``), us, plain / direct / transposed: 4096x14336 M = 4 17.33 / 18.67 / 19.81
-and M = 16 20.32 / 23.36 / 24.60 (both the Triton GEMM's gather; it read x through act_perm before, 59.1 us at M = 16);
-M = 64 27.05 / 31.50 / 29.24, and 8192x28672 M = 64 81.68 / 92.05 / 84.53 (the wgmma kernel's). The direct route's
-cost grows with M x K, the transposed route's extra launch does not: the switch sits between the measured 16 and 64.
-At M = 32 the routes tie (4096x14336: direct 29.38, transposed 29.83 us; at 8192x28672 M = 16 the transposed route
-is the faster, 53.93 against 54.57: ``h100-2026-12-07-faa855a-call80a-actorder*.json``), so the switch may belong
-to M x K rather than M; a rule by M x K would move these two calls and gain at most 0.6 us, not yet worth a rule.
+What the routes cost on an H100 (W4 g128, an act-order weight with each route forced, against the same shape
+without act-order; ``probe_wgmma_w4 --act-order``, each row checked against float64), us, plain / direct / transposed.
+The Triton lowering (its GEMM's gather at M <= 32, the wgmma kernel's at M = 64; ``h100-2026-12-07-565aae4-actorder*``
+and ``-faa855a-call80a-actorder*.json``): 4096x14336 M = 16 20.41 / 23.44 / 24.79, M = 32 25.07 / 29.38 / 29.83, M = 64
+27.32 / 31.36 / 29.36; 8192x28672 M = 16 52.45 / 54.57 / 53.93, M = 64 85.65 / 99.11 / 90.97. The native lowering
+(``h100-2026-12-07-a7e513d-call81a-native-actorder.json``): 4096x14336 M = 32 20.87 / 25.91 / 26.26, M = 64 25.33 /
+31.94 / 31.30; 28672x4096 M = 32 33.65 / 37.17 / 38.89, M = 64 38.63 / 43.29 / 45.20. The direct route's cost grows
+with M x K (each value its own sector), the transposed route's is a second launch and coalesced traffic: direct wins
+up to 262144 values (28672x4096 M = 64, by 1.9 us), they tie at 458752 (4096x14336 M = 32: direct by 0.35-0.45 us;
+8192x28672 M = 16: transposed by 0.64), transposed wins from 917504 (by 0.6-8 us). The switch is 2^19.
 
 Either gather also zeroes the 32-bit words a later launch adds or counts into (a split's fp32 sum, the stream-K
 counts), spread over its programs, and may start the next launch early as its programmatic (PDL) primary.
@@ -38,9 +39,9 @@ from .common import scratch_aligned
 
 # x columns one program of the direct route moves
 GATHER_BLOCK = 1024
-# act-order calls of at least this many rows take the transposed route (measured on an H100: direct faster at
-# M = 16, transposed at M = 64, a tie at 32)
-TRANSPOSED_FROM_M = 32
+# act-order calls of at least this many values of x (M x K) take the transposed route (measured on an H100: see the
+# module docstring)
+TRANSPOSED_FROM_MK = 1 << 19
 # the transposed route's tiles: (rows, columns) of x a transposing program copies; K positions a gathering
 # program writes (for every row of its row block, at most TRANSPOSED_ROWS)
 TRANSPOSE_TILE = (64, 64)
@@ -48,16 +49,16 @@ TRANSPOSED_Q = 64
 TRANSPOSED_ROWS = 64
 
 
-def transposes(m: int, act_order: bool) -> bool:
-    """Whether a gather of ``m`` rows takes the transposed route (see the module docstring)."""
-    return act_order and m >= TRANSPOSED_FROM_M
+def transposes(m: int, k: int, act_order: bool) -> bool:
+    """Whether a gather of an ``(m, k)`` x takes the transposed route (see the module docstring)."""
+    return act_order and m * k >= TRANSPOSED_FROM_MK
 
 
 def gather_scratch(m: int, k: int, itemsize: int, act_order: bool) -> tuple[int, int]:
     """Scratch bytes of a gather of ``(m, k)`` x (``itemsize`` bytes a value), each ``common.scratch_aligned``: x
     gathered, and x transposed on the way (0 on the direct route, :func:`transposes`)."""
     xg = scratch_aligned(m * k * itemsize)
-    return xg, xg if transposes(m, act_order) else 0
+    return xg, xg if transposes(m, k, act_order) else 0
 
 
 @triton.jit
