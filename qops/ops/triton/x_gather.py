@@ -24,7 +24,11 @@ and ``-faa855a-call80a-actorder*.json``): 4096x14336 M = 16 20.41 / 23.44 / 24.7
 31.94 / 31.30; 28672x4096 M = 32 33.65 / 37.17 / 38.89, M = 64 38.63 / 43.29 / 45.20. The direct route's cost grows
 with M x K (each value its own sector), the transposed route's is a second launch and coalesced traffic: direct wins
 up to 262144 values (28672x4096 M = 64, by 1.9 us), they tie at 458752 (4096x14336 M = 32: direct by 0.35-0.45 us;
-8192x28672 M = 16: transposed by 0.64), transposed wins from 917504 (by 0.6-8 us). The switch is 2^19.
+8192x28672 M = 16: transposed by 0.64), transposed wins from 917504 (by 0.6-8 us). The switch is 2^19. Under it, on
+another H100 (``h100-2026-12-07-b47f900-call81c-*-actorder.json``), 28672x4096 again took the direct route faster
+through the native lowering (M = 32 37.80 / 39.52, M = 64 43.80 / 45.64) and through the Triton lowering at M = 64
+(43.32 / 44.19), but not at M = 32 (38.43 / 36.82, where the shipped call, the direct route, took 37.24): about 1 us of
+noise between replays of the same launches.
 
 Either gather also zeroes the 32-bit words a later launch adds or counts into (a split's fp32 sum, the stream-K
 counts), spread over its programs, and may start the next launch early as its programmatic (PDL) primary.
