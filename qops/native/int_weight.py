@@ -743,7 +743,8 @@ def _gathered_x(x2: torch.Tensor, act_perm: torch.Tensor, workspace: Optional[to
     nbytes = m * k * x2.dtype.itemsize
     xg = scratch[:nbytes].view(x2.dtype).view(m, k)
     xt = scratch[gathered : gathered + nbytes].view(x2.dtype) if transposed else None
-    xgm.gather_x(x2, act_perm, xg, mma_order=False, xt=xt)
+    with torch.cuda.device(x2.device):  # (Triton launches on the current device, x's need not be it)
+        xgm.gather_x(x2, act_perm, xg, mma_order=False, xt=xt)
     return xg, used
 
 
