@@ -585,8 +585,10 @@ def plan(m: int, n: int, k: int, bits: int, group_size: int, tile: dict, sms: in
     ``long_k_steps`` then decide). At M = 64 on an H100 the 64-wide tile at four K splits ran 1.15-1.68x the
     shipped launch's speed where the 128-wide one gave 32-48 tiles (4096x4096 13.32 us against 17.10, 6144x4096
     16.69 against 28.08 at two splits, 4096x8192 18.22 against 25.65, 4096x14336 26.92 against 31.05;
-    ``h100-2026-12-07-721d288-probe-m64.json``); through the op with the H100 table's rule, 4096x14336 27.05 us
-    (``h100-2026-12-07-565aae4-actorder.json``, its plain rows; the other three shapes not yet timed through it)."""
+    ``h100-2026-12-07-721d288-probe-m64.json``); through the op with the H100 table's rule, 4096x4096 / 6144x4096 /
+    4096x8192 / 4096x14336 13.35 / 21.49 / 18.26 / 26.86 us against 16.87 / 28.43 / 25.60 / 31.21 without it
+    (``h100-2026-12-07-faa855a-call80a-m64*.json``; 6144x4096 at 3 splits, a partial wave: 16.55 us at 2 since
+    a7e513d, ``h100-2026-12-07-a7e513d-call81a-waves.json``)."""
     cfg = {**DEFAULT_TILE, **tile}
     if unknown := sorted(set(cfg) - TILE_KEYS):
         raise ValueError(f"tile: unknown keys {unknown} (known: {sorted(TILE_KEYS)})")
