@@ -512,8 +512,8 @@ def lowering_for(family: str, kernel: int, device: torch.device, who: str, facts
 
 def implementation(family: str, kernel: int, device: torch.device, who: str, facts: CallFacts | None = None):
     """The function implementing ``family`` for lowering id ``kernel`` on ``device`` (checked as in
-    :func:`lowering_for`)."""
-    return _entry(lowering_for(family, kernel, device, who, facts).entry)
+    :func:`lowering_for`), run with ``device`` current (:func:`_on_device`)."""
+    return _on_device(_entry(lowering_for(family, kernel, device, who, facts).entry), device)
 
 
 def swiglu_implementation(family: str, kernel: int, device: torch.device, who: str, facts: CallFacts | None = None):
@@ -523,8 +523,21 @@ def swiglu_implementation(family: str, kernel: int, device: torch.device, who: s
     result N/2 wide."""
     low = lowering_for(family, kernel, device, who, facts)
     if low.swiglu_entry is not None:
-        return _entry(low.swiglu_entry)
-    return functools.partial(_matmul_then_silu_mul, _entry(low.entry))
+        return _on_device(_entry(low.swiglu_entry), device)
+    return _on_device(functools.partial(_matmul_then_silu_mul, _entry(low.entry)), device)
+
+
+def _on_device(fn: Callable, device: torch.device) -> Callable:
+    """``fn``, or where ``device`` is a CUDA device other than the current one, ``fn`` called with it current:
+    Triton and the native launches run on the current device and its stream (``ops._common.on_device_of``)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return fn
+    return functools.partial(_call_on_device, fn, device)
+
+
+def _call_on_device(fn: Callable, device: torch.device, *args, **kwargs):
+    with torch.cuda.device(device):
+        return fn(*args, **kwargs)
 
 
 def silu_mul(y: torch.Tensor) -> torch.Tensor:

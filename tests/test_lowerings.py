@@ -100,3 +100,37 @@ def test_native_lowerings_need_triton_for_the_calls_they_hand_on(monkeypatch):
         choice = lowerings.choose(spec)
         assert choice.lowering.kernel == qops.Kernel.REFERENCE, choice.explain()
         assert dict(choice.refusals)[native].startswith("it delegates the calls it does not serve to triton: triton is not importable")
+
+
+def test_an_implementation_runs_with_its_inputs_cuda_device_current(monkeypatch):
+    """Triton and the native launches take the current CUDA device and its stream: ``implementation`` /
+    ``swiglu_implementation`` hand back the entry itself where the inputs' device is current (or not CUDA), and
+    otherwise the entry called inside ``torch.cuda.device`` of the inputs' device (recorded here, without a GPU)."""
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(("enter", self.device))
+
+        def __exit__(self, *exc):
+            entered.append(("exit", self.device))
+            return False
+
+    seen = []
+    monkeypatch.setattr(lowerings, "_entry", lambda path: lambda *a, **k: seen.append((path, a, k)) or torch.ones(2, 4))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    fam, kernel = "int_weight", int(lowerings.Kernel.TRITON)
+    monkeypatch.setattr(lowerings, "lowering_for", lambda *a, **k: lowerings.LOWERINGS_BY_KERNEL[(fam, lowerings.Kernel(kernel))])
+    for device in (torch.device("cpu"), torch.device("meta"), torch.device("cuda", 0)):
+        fn = lowerings.implementation(fam, kernel, device, "t")
+        assert fn(1, w=2).shape == (2, 4) and not entered, device
+    far = torch.device("cuda", 1)
+    for get in (lowerings.implementation, lowerings.swiglu_implementation):
+        entered.clear()
+        assert get(fam, kernel, far, "t")(3, workspace=None).shape[0] == 2
+        assert entered == [("enter", far), ("exit", far)], get
+    assert seen[-1][1][0] == 3  # the arguments reach the entry

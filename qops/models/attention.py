@@ -54,7 +54,7 @@ import os
 
 import torch
 
-from ..ops._common import ACT_DTYPES, fail, jit_if_triton, pdl_launch
+from ..ops._common import ACT_DTYPES, fail, jit_if_triton, on_device_of, pdl_launch
 
 OP = "decode_attention"
 # The kernel lets the kernel after it be scheduled as it starts (sm_90, see the module docstring);
@@ -130,7 +130,8 @@ def _decode_attention_cuda(qkv, cos, sin, positions, k_cache, v_cache, num_heads
     check_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads)
     if _triton_kernel() is None:
         return reference_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale)
-    return triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale)
+    with on_device_of(qkv):
+        return triton_decode_attention(qkv, cos, sin, positions, k_cache, v_cache, num_heads, num_kv_heads, scale)
 
 
 @decode_attention.register_fake

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..ops._common import ACT_DTYPES, fail
+from ..ops._common import ACT_DTYPES, fail, on_device_of
 from . import attention as _attention
 
 OP = "decode_layers"
@@ -283,8 +283,9 @@ def _decode_layers_cuda(hidden, positions, cos, sin, norm1, norm2, qweight, scal
     if why is not None:
         return reference_decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache,
                                        workspace, num_kv_heads, group_size, zero_offset, eps, scale)
-    return native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache, v_cache,
-                                workspace, group_size, zero_offset, eps, scale)
+    with on_device_of(hidden):
+        return native_decode_layers(dims, hidden, positions, cos, sin, norm1, norm2, qweight, scales, qzeros, k_cache,
+                                    v_cache, workspace, group_size, zero_offset, eps, scale)
 
 
 # --- the native kernel -----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from ..ops._common import ACT_DTYPES, fail, jit_if_triton, pdl_launch
+from ..ops._common import ACT_DTYPES, fail, jit_if_triton, on_device_of, pdl_launch
 
 OP = "add_rmsnorm"
 SCHEMA = "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)"
@@ -57,7 +57,8 @@ def _add_rmsnorm_cuda(x, residual, weight, eps):
     # The kernel's offsets are 32-bit: larger tensors take the reference kernel.
     if _triton_kernel() is None or x.numel() >= 2**31 or residual.numel() >= 2**31:
         return reference_add_rmsnorm(x, residual, weight, eps)
-    return triton_add_rmsnorm(x, residual, weight, eps)
+    with on_device_of(x):
+        return triton_add_rmsnorm(x, residual, weight, eps)
 
 
 @add_rmsnorm.register_fake

@@ -5,6 +5,7 @@ may be involved, a plain raise for static facts), and every message begins ``qop
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -15,6 +16,16 @@ from torch._subclasses.fake_tensor import is_fake
 
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEQUANTIZE_DTYPES = (*ACT_DTYPES, torch.float64)  # float64: oracles dequantize exactly
+
+
+def on_device_of(t: torch.Tensor):
+    """A context with ``t``'s CUDA device current, where it is not already (a null context otherwise). Triton
+    launches, the native launches' ``torch.cuda.current_stream()`` and NVRTC module loads take the current
+    device, which need not be the inputs' one: a model split over GPUs by layer in one process (accelerate's
+    ``device_map``) calls each layer with the first GPU current."""
+    if t.device.type == "cuda" and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def fail(who: str, msg: str) -> str:

@@ -71,14 +71,14 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _model(dense, scheme, lowering, dtype=torch.bfloat16, max_batch=MAX_BATCH, head=False):
-    """The tiny model in ``scheme`` with ``lowering`` forced (``head``: lm_head quantized too)."""
+def _model(dense, scheme, lowering, dtype=torch.bfloat16, max_batch=MAX_BATCH, head=False, device="cuda"):
+    """The tiny model in ``scheme`` with ``lowering`` forced (``head``: lm_head quantized too) on ``device``."""
     sch = get_scheme(scheme)
     tensors = quantize_tensors(dense, CONFIG.linear_prefixes(head=head), sch)
     ctx = forced_lowering(scheme, lowering) if sch is not None else _nothing()
     with ctx:
         qc = None if sch is None else sch.quantization_config(head=head)
-        model = LlamaForCausalLM.from_tensors(CONFIG, tensors, qc, device="cuda", dtype=dtype,
+        model = LlamaForCausalLM.from_tensors(CONFIG, tensors, qc, device=device, dtype=dtype,
                                               max_batch=max_batch, max_seq=16, process_group=None)
     if sch is not None:
         chosen = {m.choice.lowering.name for m in model.quantized_linears()}
@@ -255,6 +255,33 @@ def test_half_precision_decode(dense, scheme, lowering, dtype):
         tol = W8A8_TOLERANCE  # the activations' e4m3 rounding dominates, whatever the half dtype
     assert relative_error(got, want) < tol
     errors = [relative_error(g.logits[:, i].float(), want_steps[:, i]) for i in range(want_steps.shape[1])]
+    assert max(errors) < tol, f"relative logit error per step (prefill first) {[f'{e:.2e}' for e in errors]}"
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("scheme,lowering", PAIRS, ids=IDS)
+def test_a_model_on_the_second_gpu_runs_with_the_first_current(dense, scheme, lowering):
+    """A model built on cuda:1 and called while cuda:0 is current, as a model split over GPUs by layer in one process
+    runs (accelerate's ``device_map``): every kernel launches on its inputs' device and stream, so the forward over a
+    prompt and a greedy generation's every step match the same model's on cuda:0 (teacher-forced on the tokens the
+    cuda:1 model chose), and cuda:0 is still current after."""
+    torch.cuda.set_device(0)
+    here = _model(dense, scheme, lowering, max_batch=2, device="cuda:0")
+    there = _model(dense, scheme, lowering, max_batch=2, device="cuda:1")
+    assert torch.cuda.current_device() == 0
+    prompts = torch.randint(0, CONFIG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        got = there(prompts.to("cuda:1"), positions.to("cuda:1"))
+        want = here(prompts.to("cuda:0"), positions.to("cuda:0"))
+        g = generate(there, prompts.to("cuda:1"), 3, keep_logits=True)
+        seq = torch.cat([prompts, g.tokens[:, :-1].cpu()], dim=1).to("cuda:0")
+        want_steps = here(seq, torch.arange(seq.shape[1], device="cuda:0").expand_as(seq))[:, prompts.shape[1] - 1:]
+    assert torch.cuda.current_device() == 0
+    assert got.device == torch.device("cuda", 1) and g.logits.device == torch.device("cuda", 1)
+    tol = tolerance(lowering, torch.bfloat16)
+    assert relative_error(got.float().cpu(), want.float().cpu()) < tol
+    errors = [relative_error(g.logits[:, i].float().cpu(), want_steps[:, i].float().cpu()) for i in range(want_steps.shape[1])]
     assert max(errors) < tol, f"relative logit error per step (prefill first) {[f'{e:.2e}' for e in errors]}"
 
 
