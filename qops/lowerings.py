@@ -527,12 +527,16 @@ def swiglu_implementation(family: str, kernel: int, device: torch.device, who: s
     return _on_device(functools.partial(_matmul_then_silu_mul, _entry(low.entry)), device)
 
 
+def cuda_elsewhere(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device other than the current one. Triton and the native launches run on the
+    current device and its stream, which need not be the inputs' one: a model split over GPUs by layer in one
+    process (accelerate's ``device_map``) calls each layer with the first GPU current."""
+    return device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
+
+
 def _on_device(fn: Callable, device: torch.device) -> Callable:
-    """``fn``, or where ``device`` is a CUDA device other than the current one, ``fn`` called with it current:
-    Triton and the native launches run on the current device and its stream (``ops._common.on_device_of``)."""
-    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
-        return fn
-    return functools.partial(_call_on_device, fn, device)
+    """``fn``, or where ``device`` is :func:`cuda_elsewhere`, ``fn`` called with it current."""
+    return functools.partial(_call_on_device, fn, device) if cuda_elsewhere(device) else fn
 
 
 def _call_on_device(fn: Callable, device: torch.device, *args, **kwargs):

@@ -14,18 +14,16 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from ..lowerings import cuda_elsewhere
+
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEQUANTIZE_DTYPES = (*ACT_DTYPES, torch.float64)  # float64: oracles dequantize exactly
 
 
 def on_device_of(t: torch.Tensor):
-    """A context with ``t``'s CUDA device current, where it is not already (a null context otherwise). Triton
-    launches, the native launches' ``torch.cuda.current_stream()`` and NVRTC module loads take the current
-    device, which need not be the inputs' one: a model split over GPUs by layer in one process (accelerate's
-    ``device_map``) calls each layer with the first GPU current."""
-    if t.device.type == "cuda" and t.device.index is not None and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
+    """A context with ``t``'s CUDA device current where it is not already (``lowerings.cuda_elsewhere``), else a
+    null context: for the kernels launched outside the lowerings' entries."""
+    return torch.cuda.device(t.device) if cuda_elsewhere(t.device) else contextlib.nullcontext()
 
 
 def fail(who: str, msg: str) -> str:

@@ -17,8 +17,8 @@ Two routes (:func:`transposes`):
 
 What the routes cost on an H100 (W4 g128, an act-order weight with each route forced, against the same shape
 without act-order; ``probe_wgmma_w4 --act-order``, each row checked against float64), us, plain / direct / transposed.
-The Triton lowering (its GEMM's gather at M <= 32, the wgmma kernel's at M = 64; ``h100-2026-12-07-565aae4-actorder*``
-and ``-faa855a-call80a-actorder*.json``): 4096x14336 M = 16 20.41 / 23.44 / 24.79, M = 32 25.07 / 29.38 / 29.83, M = 64
+The Triton lowering (the Triton GEMM's gather or the wgmma kernel's, as the H100 table routes each call;
+``h100-2026-12-07-565aae4-actorder*`` and ``-faa855a-call80a-actorder*.json``): 4096x14336 M = 16 20.41 / 23.44 / 24.79, M = 32 25.07 / 29.38 / 29.83, M = 64
 27.32 / 31.36 / 29.36; 8192x28672 M = 16 52.45 / 54.57 / 53.93, M = 64 85.65 / 99.11 / 90.97. The native lowering
 (``h100-2026-12-07-a7e513d-call81a-native-actorder.json``): 4096x14336 M = 32 20.87 / 25.91 / 26.26, M = 64 25.33 /
 31.94 / 31.30; 28672x4096 M = 32 33.65 / 37.17 / 38.89, M = 64 38.63 / 43.29 / 45.20. The direct route's cost grows
