@@ -269,11 +269,11 @@ def native_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     tables = (code, absmax, nested_code if nested else None, nested_absmax if nested else None,
               nested_offset if nested else None)
-    with torch.cuda.device(dev):
-        for r0 in range(0, m, MAX_M):  # one launch up to MAX_M rows, then slices of it
-            rows = min(MAX_M, m - r0)
-            _launch(dev, x2[r0:r0 + rows], qweight, tables, bias, target[r0:r0 + rows], n, k, blocksize, nested_blocksize,
-                    layout, flags)
+    # x's device is the current one here: the op's entry (lowerings.implementation) makes it so
+    for r0 in range(0, m, MAX_M):  # one launch up to MAX_M rows, then slices of it
+        rows = min(MAX_M, m - r0)
+        _launch(dev, x2[r0:r0 + rows], qweight, tables, bias, target[r0:r0 + rows], n, k, blocksize, nested_blocksize,
+                layout, flags)
     if o2 is None:
         result.copy_(target.view(result.shape))
     return result

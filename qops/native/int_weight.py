@@ -733,19 +733,12 @@ def _gather_bytes(m: int, k: int, act_order: bool) -> int:
 
 
 def _gathered_x(x2: torch.Tensor, act_perm: torch.Tensor, workspace: Optional[torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """``x2[:, act_perm]`` (contiguous) written into the start of ``workspace`` (:func:`_workspace`: fresh memory
-    without one), and the byte offset after the gather's parts, where the split partials go."""
+    """``x2[:, act_perm]`` gathered into the start of ``workspace`` (``x_gather.gather_act_order``; fresh memory
+    without one, a refusal where it is too small: :func:`_workspace`), and the byte offset after the gather's
+    parts, where the split partials go."""
     xgm = _x_gather()
-    m, k = x2.shape
-    gathered, transposed = xgm.gather_scratch(m, k, x2.dtype.itemsize, True)
-    used = gathered + transposed
-    scratch = _workspace(workspace, used, x2.device).view(-1).view(torch.uint8)
-    nbytes = m * k * x2.dtype.itemsize
-    xg = scratch[:nbytes].view(x2.dtype).view(m, k)
-    xt = scratch[gathered : gathered + nbytes].view(x2.dtype) if transposed else None
-    with torch.cuda.device(x2.device):  # (Triton launches on the current device, x's need not be it)
-        xgm.gather_x(x2, act_perm, xg, mma_order=False, xt=xt)
-    return xg, used
+    used = sum(xgm.gather_scratch(*x2.shape, x2.dtype.itemsize, True))
+    return xgm.gather_act_order(x2, act_perm, _workspace(workspace, used, x2.device))
 
 
 def _x_gather():
@@ -842,7 +835,8 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
               glu: bool = False) -> torch.Tensor:
     """Lowering entry (contract of ``qops.ops.int_weight.reference_mm``): ``x (..., K) -> (..., N)``.
 
-    Arguments are already validated. Returns a fresh tensor of x's dtype, or writes ``out`` and
+    Arguments are already validated, and x's device is the current one (the op's entry,
+    ``lowerings.implementation``, makes it so). Returns a fresh tensor of x's dtype, or writes ``out`` and
     returns it. ``workspace`` (uint8, >= :func:`workspace_bytes`) is used for split partials when
     given, else they are allocated from torch's caching allocator. No host synchronisation.
 
@@ -898,25 +892,17 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
         if not bias.is_contiguous():
             bias = bias.contiguous()
     chunks_per_group = 0 if group_size == -1 else group_size // CHUNK_K
-    guard = dev != torch.cuda.current_device()
-    if guard:
-        prev = torch.cuda.current_device()
-        torch.cuda.set_device(dev)
-    try:
-        stream = torch.cuda.current_stream()
-        for r0 in range(0, m, step):  # one launch, or slices (rows_served; any M in deterministic mode)
-            rows = min(step, m - r0)
-            if rows <= last:
-                _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,
-                        rows, n, k, chunks_per_group, zero_offset, flags, dev, stream, glu, workspace_offset=sums_at)
-            else:
-                p = gemm.plan(rows, n, k, dev)
-                ws = _workspace(workspace, p.workspace, x2.device, sums_at) if p.workspace else None
-                gemm.launch(p, x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], ws, n, k,
-                            chunks_per_group, zero_offset, flags, dev, stream, use_pdl(dev))
-    finally:
-        if guard:
-            torch.cuda.set_device(prev)
+    stream = torch.cuda.current_stream()
+    for r0 in range(0, m, step):  # one launch, or slices (rows_served; any M in deterministic mode)
+        rows = min(step, m - r0)
+        if rows <= last:
+            _launch(x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], workspace,
+                    rows, n, k, chunks_per_group, zero_offset, flags, dev, stream, glu, workspace_offset=sums_at)
+        else:
+            p = gemm.plan(rows, n, k, dev)
+            ws = _workspace(workspace, p.workspace, x2.device, sums_at) if p.workspace else None
+            gemm.launch(p, x2[r0 : r0 + rows], qweight, scales, qzeros, bias, target[r0 : r0 + rows], ws, n, k,
+                        chunks_per_group, zero_offset, flags, dev, stream, use_pdl(dev))
     if o2 is None:
         out.copy_(target.view(out.shape))
     return result

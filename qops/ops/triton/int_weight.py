@@ -102,11 +102,11 @@ import triton.language as tl
 
 from .common import (EVEN_ODD_4, HALF_FORMATS, X_PAIRS_ASM, X_PAIRS_CONSTRAINTS, fp32_scratch, grouped_tile, half_dot_asm,
                      half_unpack_asm, interpreting, pick_bucket, reduce_sums, resident_programs, sm_count,
-                     split_in_waves, split_k, stream_k_runs, workspace_view, zero_ahead)
+                     split_in_waves, split_k, stream_k_runs, zero_ahead)
 from .._common import deterministic_requested, pdl_launch, unit_stride
 from ..int_weight import qweight_columns, qweight_strides, qweight_word_rows
 from . import int_weight_wgmma as wgmma
-from .x_gather import gather_scratch, gather_x
+from .x_gather import gather_act_order, gather_scratch
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "default"
@@ -1595,11 +1595,8 @@ def _run_split_k(plan, x2, qweight, scales, qzeros, act_perm, bias, bits, group_
     m, n = x2.shape[0], o2.shape[1]
     sums_at = 0
     if act_perm is not None and gathers_x(plan):
-        gathered, transposed = gather_scratch(m, x2.shape[1], x2.dtype.itemsize, True)
-        xg = workspace_view(workspace, x2.shape, x2.dtype, x2.device)
-        xt = workspace_view(workspace, (x2.numel(),), x2.dtype, x2.device, offset=gathered) if transposed else None
-        gather_x(x2, act_perm, xg, mma_order=False, xt=xt)
-        x2, act_perm, sums_at = xg, None, gathered + transposed
+        x2, sums_at = gather_act_order(x2, act_perm, workspace)
+        act_perm = None
     tensors = (x2, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, o2)
     go = _chosen_launch(plan, tensors)
     if go.mode == 0:

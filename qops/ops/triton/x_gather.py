@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import scratch_aligned
+from .common import scratch_aligned, workspace_view
 
 # x columns one program of the direct route moves
 GATHER_BLOCK = 1024
@@ -180,3 +180,15 @@ def gather_x(x2: torch.Tensor, act_perm: torch.Tensor | None, xg: torch.Tensor, 
         xt, act_perm, xg, zero_ptr, m, k, words, -(-words // (grid[0] * grid[1])), xg.stride(0),
         BLOCK_Q=TRANSPOSED_Q, BLOCK_M=rows, ZERO_BLOCK=1024, MMA_ORDER=mma_order, PDL=pdl, num_warps=4,
         **({"launch_pdl": True} if pdl else {}))
+
+
+def gather_act_order(x2: torch.Tensor, act_perm: torch.Tensor, workspace: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """``x2[:, act_perm]`` (contiguous) gathered into the start of ``workspace`` (fresh memory where it has no room:
+    ``common.workspace_view``), by whichever route :func:`transposes` takes, and the bytes its parts hold there
+    (:func:`gather_scratch`): where the caller's own scratch begins."""
+    m, k = x2.shape
+    gathered, transposed = gather_scratch(m, k, x2.dtype.itemsize, True)
+    xg = workspace_view(workspace, (m, k), x2.dtype, x2.device)
+    xt = workspace_view(workspace, (m * k,), x2.dtype, x2.device, offset=gathered) if transposed else None
+    gather_x(x2, act_perm, xg, mma_order=False, xt=xt)
+    return xg, gathered + transposed
