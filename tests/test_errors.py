@@ -407,6 +407,19 @@ def _bad_out(n: int) -> dict:
     }
 
 
+def _bad_workspace() -> dict:
+    """Bad ``workspace`` buffers for an ``_out`` op called with x (3, K) float32 on the CPU. Misalignment
+    is eager only: a FakeTensor has no address, and under torch.compile the op may be handed a copy."""
+    return {
+        "workspace-device": (dict(workspace=torch.empty(256, dtype=torch.uint8, device=META)),
+                             r"workspace must be on cpu \(the device of x\), got meta"),
+        "workspace-float32": (dict(workspace=torch.empty(64)), r"workspace must be torch.uint8 \(bytes\), got torch.float32"),
+        "workspace-2d": (dict(workspace=torch.empty(16, 16, dtype=torch.uint8)), r"workspace must be 1-D and contiguous, got shape \(16, 16\)"),
+        "workspace-strided": (dict(workspace=torch.empty(512, dtype=torch.uint8)[::2]),
+                              r"workspace must be 1-D and contiguous, got shape \(256,\) strides \(2,\)"),
+    }
+
+
 def _bad_int8_out_inputs(w) -> dict:
     k, n = w.in_features, w.qweight.shape[0]
     return {
@@ -423,6 +436,7 @@ def _bad_int8_out_inputs(w) -> dict:
         "kernel-unknown": (dict(kernel=97), r"kernel must be one of \[[0-9, ]+\] for int8_weight, got 97"),
         "kernel-cuda-only": (dict(kernel=int(qops.Kernel.TRITON)), r"kernel=1 \(triton_int8_weight\) runs on \['cuda'\], but the inputs are on cpu"),
         **_bad_out(n),
+        **_bad_workspace(),
     }
 
 
@@ -444,6 +458,7 @@ def _bad_blockwise4_out_inputs(w) -> dict:
         "kernel-unknown": (dict(kernel=97), r"kernel must be one of \[[0-9, ]+\] for blockwise4, got 97"),
         "kernel-cuda-only": (dict(kernel=int(qops.Kernel.TRITON)), r"kernel=1 \(triton_blockwise4\) runs on \['cuda'\], but the inputs are on cpu"),
         **_bad_out(n),
+        **_bad_workspace(),
     }
 
 
@@ -460,6 +475,49 @@ def test_mm_int8_weight_out_bad_input(int8_weight, bad, mode):
 def test_mm_blockwise4_out_bad_input(blockwise4_weight, bad, mode):
     changes, pattern = _bad_blockwise4_out_inputs(blockwise4_weight)[bad]
     expect_error(torch.ops.qops.mm_blockwise4_out, _blockwise4_out_args(blockwise4_weight, **changes), mode, "mm_blockwise4_out: " + pattern)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", sorted(_bad_workspace()))
+@pytest.mark.parametrize("op", ["mm_int_weight_out", "mm_int_weight_swiglu_out", "mm_fp8_weight_out"])
+def test_the_other_out_ops_refuse_a_bad_workspace(weight, op, bad, mode):
+    changes, pattern = _bad_workspace()[bad]
+    if op == "mm_fp8_weight_out":
+        args = _fp8_out_args(**changes)
+    else:
+        args = mm_args(weight) if op == "mm_int_weight_out" else swiglu_args(weight)
+        args.update(out=torch.empty(3, weight.out_features // (2 if "swiglu" in op else 1)), **changes)
+    expect_error(getattr(torch.ops.qops, op), args, mode, f"{op}: " + pattern)
+
+
+def _out_args_of(op: str, weights: dict, **changes) -> dict:
+    if op == "mm_int_weight_out":
+        return {**mm_args(weights["int"]), "out": torch.empty(3, weights["int"].out_features), "workspace": None, **changes}
+    if op == "mm_int_weight_swiglu_out":
+        return {**swiglu_args(weights["int"]), "out": torch.empty(3, weights["int"].out_features // 2), "workspace": None, **changes}
+    if op == "mm_fp8_weight_out":
+        return _fp8_out_args(**changes)
+    if op == "mm_int8_weight_out":
+        return _int8_out_args(weights["int8"], **changes)
+    return _blockwise4_out_args(weights["blockwise4"], **changes)
+
+
+OUT_OPS = ("mm_int_weight_out", "mm_int_weight_swiglu_out", "mm_fp8_weight_out", "mm_int8_weight_out", "mm_blockwise4_out")
+
+
+@pytest.mark.parametrize("op", OUT_OPS)
+def test_out_ops_refuse_a_misaligned_workspace_and_take_an_aligned_slice(weight, int8_weight, blockwise4_weight, op):
+    """Eager: a slice 4 bytes into a buffer is refused, naming the offset; one 16 bytes in is taken and the
+    result is the same as with no workspace."""
+    weights = dict(int=weight, int8=int8_weight, blockwise4=blockwise4_weight)
+    buffer = torch.empty(4096 + 16, dtype=torch.uint8)
+    expect_error(getattr(torch.ops.qops, op), _out_args_of(op, weights, workspace=buffer[4:4 + 4096]), "eager",
+                 rf"{op}: workspace must start at a 16-byte aligned address, got one 4 bytes past it")
+    given = _out_args_of(op, weights, workspace=buffer[16:])
+    own = {**given, "out": torch.empty_like(given["out"]), "workspace": None}
+    getattr(torch.ops.qops, op)(*given.values())
+    getattr(torch.ops.qops, op)(*own.values())
+    torch.testing.assert_close(given["out"], own["out"], rtol=0, atol=0)
 
 
 def _fake_cuda(*shape, dtype=torch.float16):

@@ -5,7 +5,7 @@ import torch
 
 from ..lowerings import lowering_for
 from ..ops.blockwise4 import FAMILY, call_facts, check_blockwise4, check_mm_blockwise4
-from ..ops._common import check_dequantize_dtype, check_out
+from ..ops._common import check_dequantize_dtype, check_out, check_workspace
 
 
 @torch.library.register_fake("qops::mm_blockwise4")
@@ -23,6 +23,7 @@ def _mm_blockwise4_out_fake(x, qweight, code, absmax, nested_code, nested_absmax
     shape = check_mm_blockwise4("mm_blockwise4_out", x, qweight, code, absmax, nested_code, nested_absmax,
                                 nested_offset, bias, out_features, in_features, blocksize, nested_blocksize, layout)
     check_out("mm_blockwise4_out", out, shape, x)
+    check_workspace("mm_blockwise4_out", workspace, x)
     lowering_for(FAMILY, kernel, x.device, "mm_blockwise4_out", call_facts(x, shape, blocksize))
 
 

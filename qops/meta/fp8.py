@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops._common import check_dequantize_dtype, check_out
+from ..ops._common import check_dequantize_dtype, check_out, check_workspace
 from ..ops.fp8 import check_fp8_weight, check_mm_fp8_weight, check_scaled_mm_fp8
 
 
@@ -17,6 +17,7 @@ def _mm_fp8_weight_fake(x, weight, weight_scale, bias, block_n, block_k, kernel)
 def _mm_fp8_weight_out_fake(x, weight, weight_scale, bias, block_n, block_k, kernel, out, workspace):
     shape = check_mm_fp8_weight("mm_fp8_weight_out", x, weight, weight_scale, bias, block_n, block_k, kernel)
     check_out("mm_fp8_weight_out", out, shape, x)
+    check_workspace("mm_fp8_weight_out", workspace, x)
 
 
 @torch.library.register_fake("qops::scaled_mm_fp8")

@@ -5,7 +5,7 @@ import torch
 
 from ..lowerings import lowering_for
 from ..ops.int8_weight import FAMILY, call_facts, check_int8_weight, check_mm_int8_weight
-from ..ops._common import check_dequantize_dtype, check_out
+from ..ops._common import check_dequantize_dtype, check_out, check_workspace
 
 
 @torch.library.register_fake("qops::mm_int8_weight")
@@ -19,6 +19,7 @@ def _mm_int8_weight_fake(x, qweight, scales, bias, kernel):
 def _mm_int8_weight_out_fake(x, qweight, scales, bias, kernel, out, workspace):
     shape = check_mm_int8_weight("mm_int8_weight_out", x, qweight, scales, bias)
     check_out("mm_int8_weight_out", out, shape, x)
+    check_workspace("mm_int8_weight_out", workspace, x)
     lowering_for(FAMILY, kernel, x.device, "mm_int8_weight_out", call_facts(x, shape))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..lowerings import lowering_for
-from ..ops._common import check_dequantize_dtype, check_out
+from ..ops._common import check_dequantize_dtype, check_out, check_workspace
 from ..ops.int_weight import FAMILY, call_facts, check_int_weight, check_mm_int_weight, check_mm_int_weight_swiglu, swiglu_shape
 
 
@@ -26,6 +26,7 @@ def _dequantize_int_weight_fake(qweight, scales, qzeros, act_perm, in_features, 
 def _mm_int_weight_out_fake(x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset, kernel, out, workspace):
     shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
     check_out("mm_int_weight_out", out, shape, x)
+    check_workspace("mm_int_weight_out", workspace, x)
     lowering_for(FAMILY, kernel, x.device, "mm_int_weight_out", call_facts(x, shape, act_perm, in_features, bits, group_size))
 
 
@@ -40,4 +41,5 @@ def _mm_int_weight_swiglu_fake(x, qweight, scales, qzeros, act_perm, in_features
 def _mm_int_weight_swiglu_out_fake(x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset, kernel, out, workspace):
     shape = check_mm_int_weight_swiglu("mm_int_weight_swiglu_out", x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset)
     check_out("mm_int_weight_swiglu_out", out, swiglu_shape(shape), x)
+    check_workspace("mm_int_weight_swiglu_out", workspace, x)
     lowering_for(FAMILY, kernel, x.device, "mm_int_weight_swiglu_out", call_facts(x, shape, act_perm, in_features, bits, group_size))

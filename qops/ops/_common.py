@@ -85,6 +85,29 @@ def check_out(who: str, out: torch.Tensor, shape, x: torch.Tensor) -> None:
     )
 
 
+WORKSPACE_ALIGN = 16  # bytes: the kernels view the workspace's start as fp32 / int32 and load it in 16-byte vectors
+
+
+def check_workspace(who: str, workspace: Optional[torch.Tensor], x: torch.Tensor) -> None:
+    """A caller-owned scratch buffer (None: the lowering allocates its own): uint8, 1-D, contiguous, on x's
+    device, its start 16-byte aligned (checked where it has memory: a FakeTensor has no address). The
+    lowerings view it as fp32 partials, counters and a gathered x at byte offsets and hand its address to
+    their kernels, so a buffer on another device would be written through a foreign pointer, and a strided
+    or misaligned one would fail inside a view or a kernel; how many bytes it must hold is the chosen
+    lowering's to check (its ``workspace_bytes``)."""
+    if workspace is None:
+        return
+    if workspace.device != x.device:
+        raise ValueError(fail(who, f"workspace must be on {x.device} (the device of x), got {workspace.device}"))
+    torch._check_type(workspace.dtype == torch.uint8, lambda: fail(who, f"workspace must be torch.uint8 (bytes), got {workspace.dtype}"))
+    torch._check_value(workspace.dim() == 1 and workspace.is_contiguous(),
+                       lambda: fail(who, f"workspace must be 1-D and contiguous, got shape {tuple(workspace.shape)} "
+                                         f"strides {tuple(workspace.stride())}"))
+    if _has_memory(workspace) and workspace.data_ptr() % WORKSPACE_ALIGN:
+        raise ValueError(fail(who, f"workspace must start at a {WORKSPACE_ALIGN}-byte aligned address, got one "
+                                   f"{workspace.data_ptr() % WORKSPACE_ALIGN} bytes past it (pass a slice at a multiple of {WORKSPACE_ALIGN})"))
+
+
 def unit_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``t`` whose last dimension has unit stride (copied only when it has another); None stays None.
 

@@ -42,8 +42,9 @@ import torch
 
 from ..formats.blockwise4 import denest, dequantize_flat, unpack_nibbles
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
-from ._common import (check_bias, check_dequantize_dtype, check_devices, check_disjoint, check_in_features, check_out, check_x, fail, reference_matmul,
-                      refuse_gradients, register_frozen_weight_autograd)
+from ._common import (check_bias, check_dequantize_dtype, check_devices, check_disjoint, check_in_features, check_out,
+                      check_workspace, check_x, fail, reference_matmul, refuse_gradients,
+                      register_frozen_weight_autograd)
 
 FAMILY = "blockwise4"
 LAYOUT_FLAT, LAYOUT_TILE16 = 0, 1
@@ -208,6 +209,7 @@ def mm_blockwise4_out(
     shape = check_mm_blockwise4("mm_blockwise4_out", x, qweight, code, absmax, nested_code, nested_absmax,
                                 nested_offset, bias, out_features, in_features, blocksize, nested_blocksize, layout)
     check_out("mm_blockwise4_out", out, shape, x)
+    check_workspace("mm_blockwise4_out", workspace, x)
     check_disjoint("mm_blockwise4_out", (("out", out), ("workspace", workspace)),
                    (("x", x), ("qweight", qweight), ("code", code), ("absmax", absmax), ("nested_code", nested_code),
                     ("nested_absmax", nested_absmax), ("nested_offset", nested_offset), ("bias", bias)))

@@ -39,8 +39,9 @@ import torch
 from ..formats.fp8 import FP8_DTYPE, FP8_MAX, FP8_MAX_INV, Fp8Quantized, dequantize_reference, expand_scale, scale_shape
 from ..lowerings import (LOWERINGS_BY_KERNEL, LOWERINGS_BY_NAME, X_SCALE_GROUP, CallFacts, Choice, Kernel, WeightSpec, choose,
                          implementation)
-from ._common import (ACT_DTYPES, bias_grad, check_bias, check_dequantize_dtype, check_devices, check_disjoint, check_out, check_x, fail, frozen_weight_grads,
-                      refuse_gradients, register_frozen_weight_autograd, save_frozen_weight)
+from ._common import (ACT_DTYPES, bias_grad, check_bias, check_dequantize_dtype, check_devices, check_disjoint,
+                      check_out, check_workspace, check_x, fail, frozen_weight_grads, refuse_gradients,
+                      register_frozen_weight_autograd, save_frozen_weight)
 
 FAMILY = "fp8"
 ACTIVATIONS = ("auto", "none", "dynamic", "static")
@@ -186,6 +187,7 @@ def mm_fp8_weight_out(
 ) -> None:
     shape = check_mm_fp8_weight("mm_fp8_weight_out", x, weight, weight_scale, bias, block_n, block_k, kernel)
     check_out("mm_fp8_weight_out", out, shape, x)
+    check_workspace("mm_fp8_weight_out", workspace, x)
     check_disjoint("mm_fp8_weight_out", (("out", out), ("workspace", workspace)),
                    (("x", x), ("weight", weight), ("weight_scale", weight_scale), ("bias", bias)))
     impl = implementation(FAMILY, kernel, x.device, "mm_fp8_weight_out")

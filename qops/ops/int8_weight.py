@@ -21,8 +21,9 @@ from typing import Optional
 import torch
 
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, warm_up
-from ._common import (ACT_DTYPES, check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_disjoint, check_out, check_x, fail, reference_matmul,
-                      refuse_gradients, register_frozen_weight_autograd)
+from ._common import (ACT_DTYPES, check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_disjoint,
+                      check_out, check_workspace, check_x, fail, reference_matmul, refuse_gradients,
+                      register_frozen_weight_autograd)
 
 FAMILY = "int8_weight"
 
@@ -88,6 +89,7 @@ def mm_int8_weight_out(
 ) -> None:
     shape = check_mm_int8_weight("mm_int8_weight_out", x, qweight, scales, bias)
     check_out("mm_int8_weight_out", out, shape, x)
+    check_workspace("mm_int8_weight_out", workspace, x)
     check_disjoint("mm_int8_weight_out", (("out", out), ("workspace", workspace)), (("x", x), ("qweight", qweight), ("scales", scales), ("bias", bias)))
     impl = implementation(FAMILY, kernel, x.device, "mm_int8_weight_out", call_facts(x, shape))
     impl(x, qweight, scales, bias, out=out, workspace=workspace)

@@ -35,8 +35,9 @@ import torch
 from ..formats._packing import pack_bits, packed_length, unpack_bits
 from ..formats.integer import IntQuantized, default_g_idx, n_groups_for
 from ..lowerings import CallFacts, Choice, Kernel, WeightSpec, choose, implementation, swiglu_implementation, warm_up
-from ._common import (check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_disjoint, check_in_features, check_out, check_x, fail,
-                      reference_matmul, refuse_gradients, register_frozen_weight_autograd)
+from ._common import (check_act_dtype, check_bias, check_dequantize_dtype, check_devices, check_disjoint,
+                      check_in_features, check_out, check_workspace, check_x, fail, reference_matmul, refuse_gradients,
+                      register_frozen_weight_autograd)
 
 FAMILY = "int_weight"
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -216,6 +217,7 @@ def mm_int_weight_out(
 ) -> None:
     shape = check_mm_int_weight("mm_int_weight_out", x, qweight, scales, qzeros, act_perm, bias, in_features, bits, group_size, zero_offset)
     check_out("mm_int_weight_out", out, shape, x)
+    check_workspace("mm_int_weight_out", workspace, x)
     check_disjoint("mm_int_weight_out", (("out", out), ("workspace", workspace)),
                    (("x", x), ("qweight", qweight), ("scales", scales), ("qzeros", qzeros), ("act_perm", act_perm), ("bias", bias)))
     impl = implementation(FAMILY, kernel, x.device, "mm_int_weight_out", call_facts(x, shape, act_perm, in_features, bits, group_size))
@@ -264,6 +266,7 @@ def mm_int_weight_swiglu_out(
 ) -> None:
     shape = check_mm_int_weight_swiglu("mm_int_weight_swiglu_out", x, qweight, scales, qzeros, act_perm, in_features, bits, group_size, zero_offset)
     check_out("mm_int_weight_swiglu_out", out, swiglu_shape(shape), x)
+    check_workspace("mm_int_weight_swiglu_out", workspace, x)
     check_disjoint("mm_int_weight_swiglu_out", (("out", out), ("workspace", workspace)),
                    (("x", x), ("qweight", qweight), ("scales", scales), ("qzeros", qzeros), ("act_perm", act_perm)))
     impl = swiglu_implementation(FAMILY, kernel, x.device, "mm_int_weight_swiglu_out", call_facts(x, shape, act_perm, in_features, bits, group_size))
