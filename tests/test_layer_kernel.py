@@ -298,6 +298,7 @@ def test_errors_name_the_argument(fake):
         "k_cache": (dict(k_cache=case.k_cache[:1] + [case.k_cache[1][:, :, :8]]), "k_cache[1]"),
         "group_size": (dict(group_size=64), "group_size must be a multiple of 128"),
         "workspace": (dict(workspace=torch.zeros(64, dtype=torch.uint8)), "workspace must be uint8"),
+        "workspace-strided": (dict(workspace=workspace(case.dims).repeat_interleave(2)[::2]), "workspace must be 1-D and contiguous"),
         "num_kv_heads": (dict(num_kv_heads=4), "num_kv_heads"),
     }
     mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else None
@@ -311,6 +312,14 @@ def test_errors_name_the_argument(fake):
         else:
             with pytest.raises((ValueError, TypeError, RuntimeError), match=re.escape(msg)):
                 OP(*args)
+
+
+def test_a_misaligned_workspace_is_refused():
+    case = make_case(SMALL, dtype=torch.bfloat16)
+    ws = workspace(case.dims)
+    shifted = torch.empty(ws.numel() + 8, dtype=torch.uint8)[8:]
+    with pytest.raises(ValueError, match=re.escape("workspace must start at a 16-byte aligned address, got one 8 bytes past it")):
+        OP(*_bad(case, workspace=shifted))
 
 
 def decode_layers_samples() -> dict:

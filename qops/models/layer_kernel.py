@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..ops._common import ACT_DTYPES, fail, on_device_of
+from ..ops._common import ACT_DTYPES, check_workspace, fail, on_device_of
 from . import attention as _attention
 
 OP = "decode_layers"
@@ -171,6 +171,7 @@ def check_decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scal
     if zero_offset not in (0, 1):
         raise ValueError(fail(who, f"zero_offset must be 0 or 1, got {zero_offset}"))
     need = workspace_bytes(dims)
+    check_workspace(who, workspace, hidden)  # contiguous and 16-byte aligned, as the _out ops' (its device checked above)
     if workspace.dtype != torch.uint8 or workspace.dim() != 1 or workspace.numel() < need:
         raise ValueError(fail(who, f"workspace must be uint8 1-D with at least {need} bytes (workspace_bytes), got {workspace.dtype} {tuple(workspace.shape)}"))
     return dims
