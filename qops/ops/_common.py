@@ -99,10 +99,11 @@ def check_workspace(who: str, workspace: Optional[torch.Tensor], x: torch.Tensor
         return
     if workspace.device != x.device:
         raise ValueError(fail(who, f"workspace must be on {x.device} (the device of x), got {workspace.device}"))
-    torch._check_type(workspace.dtype == torch.uint8, lambda: fail(who, f"workspace must be torch.uint8 (bytes), got {workspace.dtype}"))
-    torch._check_value(workspace.dim() == 1 and workspace.is_contiguous(),
-                       lambda: fail(who, f"workspace must be 1-D and contiguous, got shape {tuple(workspace.shape)} "
-                                         f"strides {tuple(workspace.stride())}"))
+    if workspace.dtype != torch.uint8:
+        raise TypeError(fail(who, f"workspace must be torch.uint8 (bytes), got {workspace.dtype}"))
+    if workspace.dim() != 1 or not workspace.is_contiguous():
+        raise ValueError(fail(who, f"workspace must be 1-D and contiguous, got shape {tuple(workspace.shape)} "
+                                   f"strides {tuple(workspace.stride())}"))
     if _has_memory(workspace) and workspace.data_ptr() % WORKSPACE_ALIGN:
         raise ValueError(fail(who, f"workspace must start at a {WORKSPACE_ALIGN}-byte aligned address, got one "
                                    f"{workspace.data_ptr() % WORKSPACE_ALIGN} bytes past it (pass a slice at a multiple of {WORKSPACE_ALIGN})"))
