@@ -300,8 +300,9 @@ def test_workspace_is_sized_from_the_lowerings(dense):
     assert model.workspace.buffer.device.type == "cuda"
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["plain", "act_order"])
 @pytest.mark.parametrize("lowering", ["native_w4a16", "triton_int_weight"])
-def test_workspace_for_llama3_8b_shapes_fits_64_mib(lowering):
+def test_workspace_for_llama3_8b_shapes_fits_64_mib(lowering, act_order):
     from qops.lowerings import LOWERINGS_BY_NAME
     from qops.workspace import layer_scratch_bytes
 
@@ -311,9 +312,12 @@ def test_workspace_for_llama3_8b_shapes_fits_64_mib(lowering):
               "down": (c.hidden_size, c.intermediate_size)}
     choice = SimpleNamespace(lowering=LOWERINGS_BY_NAME[lowering])
     for name, (n, k) in shapes.items():
-        layer = SimpleNamespace(choice=choice, out_features=n, in_features=k, input_pad=0, bits=4, group_size=128)
+        act_perm = torch.randperm(k, dtype=torch.int32) if act_order else None  # only whether there is one counts
+        layer = SimpleNamespace(choice=choice, out_features=n, in_features=k, input_pad=0, bits=4, group_size=128, act_perm=act_perm)
         need = layer_scratch_bytes(layer, 32, torch.device("cuda"))
         assert need <= 64 << 20, f"{name} ({n}x{k}): {need} bytes at M <= 32"
+        if act_order:  # x gathered into the workspace: at least M x K values of it
+            assert need >= 2 * 32 * k, f"{name} ({n}x{k}): {need} bytes hold no gathered x at M = 32"
 
 
 
