@@ -126,8 +126,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qops.ops.triton import x_gather as X
 
-consts = {"BLOCK": 1024, "HAS_PERM": True, "MMA_ORDER": True, "PDL": True, "BLOCK_M": 64, "BLOCK_K": 64,
-          "BLOCK_Q": 64, "ZERO_BLOCK": 1024}
+consts = {"BLOCK": 1024, "HAS_PERM": True, "MMA_ORDER": True, "PDL": True, "DEPENDENT": True, "BLOCK_M": 64,
+          "BLOCK_K": 64, "BLOCK_Q": 64, "ZERO_BLOCK": 1024}
 ptrs = {"x_ptr": "*fp16", "xt_ptr": "*fp16", "xg_ptr": "*fp16", "perm_ptr": "*i32", "zero_ptr": "*i32"}
 found = {}
 for kernel in ("_gather_kernel", "_transpose_kernel", "_gather_rows_kernel"):
@@ -135,20 +135,23 @@ for kernel in ("_gather_kernel", "_transpose_kernel", "_gather_rows_kernel"):
     sig = {name: "constexpr" if name in consts else ptrs.get(name, "i32") for name in fn.arg_names}
     ptx = triton.compile(ASTSource(fn, sig, {n: v for n, v in consts.items() if n in fn.arg_names}),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
-    found[kernel] = [op for op in ("griddepcontrol.launch_dependents", "griddepcontrol.wait") if op in ptx]
+    found[kernel] = sorted((op for op in ("griddepcontrol.launch_dependents", "griddepcontrol.wait") if op in ptx),
+                           key=ptx.index)  # in the order they come
 print(json.dumps(found))
 """
 
 
 def test_gathers_compile_for_sm90_as_pdl_links():
     # What CI can prove of the compiled kernels without a GPU (a process of its own: this one runs Triton's
-    # interpreter): each builds for sm_90 and lets its dependent start early; only the transposed route's gather
-    # waits (griddepcontrol.wait), for the transpose, before it reads xt.
+    # interpreter, which has no griddepcontrol steps): each builds for sm_90 and lets its dependent start early. As
+    # dependents of the launch ahead the direct gather and the transpose wait for it (griddepcontrol.wait) before
+    # they let theirs be placed; the transposed route's gather lets its dependent start, then waits for the
+    # transpose before it reads xt.
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", SM90_BUILDS], capture_output=True, text=True, env=env, timeout=600,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found == {"_gather_kernel": ["griddepcontrol.launch_dependents"],
-                     "_transpose_kernel": ["griddepcontrol.launch_dependents"],
+    assert found == {"_gather_kernel": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
+                     "_transpose_kernel": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
                      "_gather_rows_kernel": ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]}, found

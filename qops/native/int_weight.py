@@ -732,13 +732,15 @@ def _gather_bytes(m: int, k: int, act_order: bool) -> int:
     return sum(_x_gather().gather_scratch(m, k, 2, True)) if act_order else 0
 
 
-def _gathered_x(x2: torch.Tensor, act_perm: torch.Tensor, workspace: Optional[torch.Tensor]) -> tuple[torch.Tensor, int]:
+def _gathered_x(x2: torch.Tensor, act_perm: torch.Tensor, workspace: Optional[torch.Tensor], pdl: bool) -> tuple[torch.Tensor, int]:
     """``x2[:, act_perm]`` gathered into the start of ``workspace`` (``x_gather.gather_act_order``; fresh memory
     without one, a refusal where it is too small: :func:`_workspace`), and the byte offset after the gather's
-    parts, where the split partials go."""
+    parts, where the split partials go. ``pdl``: the gather is the programmatic dependent of the launch ahead and
+    the primary of the kernel after it (which waits for it before it reads x), as the native launches are of each
+    other."""
     xgm = _x_gather()
     used = sum(xgm.gather_scratch(*x2.shape, x2.dtype.itemsize, True))
-    return xgm.gather_act_order(x2, act_perm, _workspace(workspace, used, x2.device))
+    return xgm.gather_act_order(x2, act_perm, _workspace(workspace, used, x2.device), pdl=pdl)
 
 
 def _x_gather():
@@ -874,7 +876,7 @@ def native_mm(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero
     x2 = x.reshape(m, k)
     sums_at = 0  # byte offset of the split partials in the workspace
     if act_perm is not None:
-        x2, sums_at = _gathered_x(x2, act_perm, workspace)
+        x2, sums_at = _gathered_x(x2, act_perm, workspace, use_pdl(dev))
     elif k > 1 and x2.stride(1) != 1:
         x2 = x2.contiguous()
     step = _slice_rows(m, k)

@@ -679,9 +679,10 @@ def launch(go: dict, x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         sums = (go["split"], m, n) if out_mode == 1 else (m, n)
         y = workspace_view(workspace, sums, torch.float32, x2.device, offset=x_bytes)
     # the gather (one launch, or two through xt) also zeroes what the kernel counts or adds into; the kernel is
-    # its programmatic dependent (where the GPU has PDL: every GPU this kernel runs on)
+    # its programmatic dependent, and it the dependent of the launch ahead (where the GPU has PDL: every GPU this
+    # kernel runs on)
     pdl = pdl_launch(x2.device)
-    gather_x(x2, act_perm, xg, y if out_mode == 2 else counts, pdl, xt=xt)
+    gather_x(x2, act_perm, xg, y if out_mode == 2 else counts, pdl, xt=xt, dependent=True)
     stride_qw, stride_qslab = qweight_strides(qweight)
     _wgmma_w4_kernel[go["grid"]](
         xg, qweight, scales, qzeros if qzeros is not None else qweight, bias if bias is not None else scales, y,

@@ -95,11 +95,16 @@ def _zero_share(zero_ptr, zero_words, zero_chunk, program, BLOCK: tl.constexpr):
 
 @triton.jit
 def _gather_kernel(x_ptr, perm_ptr, xg_ptr, zero_ptr, K, zero_words, zero_chunk, stride_xm, stride_xk, stride_gm,
-                   BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr,
+                   DEPENDENT: tl.constexpr = False):
     """The direct route: ``xg[m, q] = x[m, src(q)]`` for row ``m`` = program 0 (M on the grid's unbounded axis) and
     ``BLOCK`` columns (:func:`_source`); the programs also zero ``zero_words`` words, ``zero_chunk`` a program.
     PDL: the next launch may be placed as soon as every program here has started (it waits for this grid before
-    reading what it writes)."""
+    reading what it writes). DEPENDENT (launched as the programmatic dependent of the launch ahead, whatever it is):
+    first wait for that grid (x may be its output, the zeroed words its input), and only then let the next launch
+    be placed, so that nothing after this grid starts before the grid ahead has finished."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0).to(tl.int64)
@@ -112,10 +117,14 @@ def _gather_kernel(x_ptr, perm_ptr, xg_ptr, zero_ptr, K, zero_words, zero_chunk,
 
 @triton.jit
 def _transpose_kernel(x_ptr, xt_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr):
+                      PDL: tl.constexpr, DEPENDENT: tl.constexpr = False):
     """``xt[k, m] = x[m, k]`` (``xt`` contiguous ``(K, M)``) for a ``BLOCK_M x BLOCK_K`` tile (K tiles on the
     grid's first axis). Triton gives the load and the store each a coalesced layout and converts between them
-    through shared memory. PDL: the gather after it is its programmatic dependent."""
+    through shared memory. PDL: the gather after it is its programmatic dependent. DEPENDENT: as
+    :func:`_gather_kernel`'s (the gather after it zeroes words before its own wait, so it must not be placed
+    before the grid ahead of this one has finished)."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -149,11 +158,14 @@ def _gather_rows_kernel(xt_ptr, perm_ptr, xg_ptr, zero_ptr, M, K, zero_words, ze
 
 
 def gather_x(x2: torch.Tensor, act_perm: torch.Tensor | None, xg: torch.Tensor, zeroed: torch.Tensor | None = None,
-             pdl: bool = False, mma_order: bool = True, xt: torch.Tensor | None = None) -> None:
+             pdl: bool = False, mma_order: bool = True, xt: torch.Tensor | None = None, dependent: bool = False) -> None:
     """``xg = x2[:, idx]``, ``idx`` the wgmma kernel's K order through ``act_perm`` (``mma_order``; else
     ``act_perm`` itself), zeroing the contiguous 32-bit ``zeroed`` (int32 counts or an fp32 sum) in the same
     launch. ``xt`` (``M * K`` elements of x's dtype, contiguous; where :func:`transposes`): scratch for the
-    transposed route. ``pdl``: the next launch may be the gather's programmatic dependent."""
+    transposed route. ``pdl``: the next launch may be the gather's programmatic dependent. ``dependent`` (with
+    ``pdl``): the gather's first launch is itself the programmatic dependent of the launch ahead on the stream, its
+    programs placed while that one runs (its launch latency hidden); they wait for it before touching memory."""
+    dependent = dependent and pdl
     m, k = x2.shape
     if not mma_order and act_perm is None:
         raise ValueError("gather_x: nothing to gather (no act_perm and no MMA order)")
@@ -164,7 +176,7 @@ def gather_x(x2: torch.Tensor, act_perm: torch.Tensor | None, xg: torch.Tensor, 
         _gather_kernel[grid](
             x2, x2 if act_perm is None else act_perm, xg, zero_ptr, k, words, -(-words // (grid[0] * grid[1])),
             x2.stride(0), x2.stride(1), xg.stride(0), BLOCK=GATHER_BLOCK, HAS_PERM=act_perm is not None,
-            MMA_ORDER=mma_order, PDL=pdl, num_warps=4)
+            MMA_ORDER=mma_order, PDL=pdl, DEPENDENT=dependent, num_warps=4, **({"launch_pdl": True} if dependent else {}))
         return
     if act_perm is None:
         raise ValueError("gather_x: the transposed route (xt) is for an act-order gather; act_perm is None")
@@ -173,7 +185,8 @@ def gather_x(x2: torch.Tensor, act_perm: torch.Tensor | None, xg: torch.Tensor, 
                          f"{xt.dtype} {tuple(xt.shape)}")
     tm, tk = TRANSPOSE_TILE
     _transpose_kernel[(triton.cdiv(k, tk), triton.cdiv(m, tm))](
-        x2, xt, m, k, x2.stride(0), x2.stride(1), BLOCK_M=tm, BLOCK_K=tk, PDL=pdl, num_warps=4)
+        x2, xt, m, k, x2.stride(0), x2.stride(1), BLOCK_M=tm, BLOCK_K=tk, PDL=pdl, DEPENDENT=dependent, num_warps=4,
+        **({"launch_pdl": True} if dependent else {}))
     rows = min(TRANSPOSED_ROWS, triton.next_power_of_2(m))
     grid = (triton.cdiv(k, TRANSPOSED_Q), triton.cdiv(m, rows))
     _gather_rows_kernel[grid](
@@ -182,13 +195,15 @@ def gather_x(x2: torch.Tensor, act_perm: torch.Tensor | None, xg: torch.Tensor, 
         **({"launch_pdl": True} if pdl else {}))
 
 
-def gather_act_order(x2: torch.Tensor, act_perm: torch.Tensor, workspace: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+def gather_act_order(x2: torch.Tensor, act_perm: torch.Tensor, workspace: torch.Tensor | None,
+                     pdl: bool = False) -> tuple[torch.Tensor, int]:
     """``x2[:, act_perm]`` (contiguous) gathered into the start of ``workspace`` (fresh memory where it has no room:
     ``common.workspace_view``), by whichever route :func:`transposes` takes, and the bytes its parts hold there
-    (:func:`gather_scratch`): where the caller's own scratch begins."""
+    (:func:`gather_scratch`): where the caller's own scratch begins. ``pdl``: the gather is a link of a PDL chain,
+    the dependent of the launch ahead and the primary of the next (:func:`gather_x`'s ``pdl`` and ``dependent``)."""
     m, k = x2.shape
     gathered, transposed = gather_scratch(m, k, x2.dtype.itemsize, True)
     xg = workspace_view(workspace, (m, k), x2.dtype, x2.device)
     xt = workspace_view(workspace, (m * k,), x2.dtype, x2.device, offset=gathered) if transposed else None
-    gather_x(x2, act_perm, xg, mma_order=False, xt=xt)
+    gather_x(x2, act_perm, xg, pdl=pdl, mma_order=False, xt=xt, dependent=pdl)
     return xg, gathered + transposed
