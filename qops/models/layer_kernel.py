@@ -171,8 +171,8 @@ def check_decode_layers(hidden, positions, cos, sin, norm1, norm2, qweight, scal
     if zero_offset not in (0, 1):
         raise ValueError(fail(who, f"zero_offset must be 0 or 1, got {zero_offset}"))
     need = workspace_bytes(dims)
-    check_workspace(who, workspace, hidden)  # contiguous and 16-byte aligned, as the _out ops' (its device checked above)
-    if workspace.dtype != torch.uint8 or workspace.dim() != 1 or workspace.numel() < need:
+    check_workspace(who, workspace, hidden)  # uint8, 1-D, contiguous, 16-byte aligned, as the _out ops'
+    if workspace.numel() < need:
         raise ValueError(fail(who, f"workspace must be uint8 1-D with at least {need} bytes (workspace_bytes), got {workspace.dtype} {tuple(workspace.shape)}"))
     return dims
 

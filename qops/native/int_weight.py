@@ -980,17 +980,17 @@ def _launch(x2, qweight, scales, qzeros, bias, o2, workspace, m, n, k, chunks_pe
 
 
 def _workspace(workspace: Optional[torch.Tensor], need: int, device: torch.device, offset: int = 0) -> torch.Tensor:
-    """``need`` bytes (a multiple of 4) of the caller's workspace from byte ``offset`` (a multiple of 16), as a
-    flat tensor; fresh memory where there is no workspace or it is not contiguous and 16-byte aligned."""
+    """``need`` bytes of the caller's workspace from byte ``offset`` (a multiple of 16), uint8 (the ops have checked
+    it: contiguous, on x's device, 16-byte aligned, ``ops._common.check_workspace``); fresh memory where there is
+    none."""
     if workspace is not None:
-        have = workspace.numel() * workspace.element_size()
+        have = workspace.numel()
         if have < offset + need:
             raise ValueError(f"native_w4a16: workspace holds {have} bytes, this call needs {offset + need} "
                              "(qops.native.int_weight.workspace_bytes)")
-        if workspace.is_contiguous() and workspace.data_ptr() % 16 == 0:
-            return workspace.view(-1).view(torch.uint8)[offset:].view(torch.float32) if offset else workspace
+        return workspace[offset:offset + need]
     # From torch's caching allocator; freed after the launches, reused only in stream order.
-    return torch.empty(need // 4, dtype=torch.float32, device=device)
+    return torch.empty(need, dtype=torch.uint8, device=device)
 
 
 def _delegate(x, qweight, scales, qzeros, act_perm, bias, bits, group_size, zero_offset, out, workspace):

@@ -714,8 +714,8 @@ def triton_mm(x, qweight, code, absmax, nested_code, nested_absmax, nested_offse
 
 
 def slab_buffer(workspace: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
-    """The transient dense slab: a view of the caller's workspace (a contiguous buffer on ``device``,
-    bytes of any dtype) when it holds it, else a fresh tensor. The declared workspace need
+    """The transient dense slab: a view of the caller's workspace (``common.workspace_view``) when it holds it,
+    else a fresh tensor. The declared workspace need
     (``qops.workspace.SCRATCH_BYTES``) leaves the slab out: dense calls are prefill-sized, and a model
     workspace big enough for them would be held for every decode step."""
     return workspace_view(workspace, shape, dtype, device)

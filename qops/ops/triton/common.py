@@ -409,12 +409,12 @@ def scratch_aligned(nbytes: int) -> int:
 
 def workspace_view(workspace: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device,
                    offset: int = 0) -> torch.Tensor:
-    """A ``shape`` tensor of ``dtype`` at byte ``offset`` of the caller's workspace (a contiguous buffer on
-    ``device``, bytes of any dtype) when it is large enough, else a fresh (uninitialised) tensor."""
+    """A ``shape`` tensor of ``dtype`` at byte ``offset`` of the caller's workspace (uint8, contiguous, on ``device``,
+    16-byte aligned: the ops check it, ``ops._common.check_workspace``) when it is large enough, else a fresh
+    (uninitialised) tensor on ``device``."""
     nbytes = dtype.itemsize * math.prod(shape)
-    if (workspace is not None and workspace.device == device and workspace.is_contiguous()
-            and workspace.numel() * workspace.element_size() >= offset + nbytes):
-        return workspace.view(-1).view(torch.uint8)[offset:offset + nbytes].view(dtype).view(shape)
+    if workspace is not None and workspace.numel() >= offset + nbytes:
+        return workspace[offset:offset + nbytes].view(dtype).view(shape)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
